@@ -1,0 +1,63 @@
+"""Settings from environment variables, as checked frozen dataclasses.
+
+Each service declares a dataclass whose fields carry defaults; `from_env` reads
+`<PREFIX><FIELD_NAME_UPPER>` for every field, converts it to the field's type
+and runs the class's `validate()` (if any) so a bad value fails at startup with
+a clear message rather than deep inside a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """An environment variable could not be parsed or failed validation."""
+
+
+def _convert(raw: str, annotation: Any, name: str) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if raw == "" or raw.lower() == "none":
+            return None
+        return _convert(raw, args[0], name)
+    try:
+        if annotation is bool:
+            lowered = raw.strip().lower()
+            if lowered in {"1", "true", "yes", "on"}:
+                return True
+            if lowered in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError(f"not a boolean: {raw!r}")
+        if annotation in (int, float, str):
+            return annotation(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{name}: {exc}") from exc
+    raise SettingsError(f"{name}: unsupported settings type {annotation!r}")
+
+
+def from_env(cls: type[T], prefix: str, environ: typing.Mapping[str, str] | None = None, **overrides: Any) -> T:
+    """Build `cls` from `prefix + FIELD` environment variables; `overrides` win."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        key = f"{prefix}{field.name.upper()}"
+        if field.name in overrides:
+            values[field.name] = overrides[field.name]
+        elif key in environ:
+            values[field.name] = _convert(environ[key], hints[field.name], key)
+    instance = cls(**values)
+    validate = getattr(instance, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except (ValueError, TypeError) as exc:
+            raise SettingsError(f"{cls.__name__}: {exc}") from exc
+    return instance
