@@ -1,0 +1,1 @@
+"""The model core: checkpoint loading, the U-shaped split, KV caches, the draft adapter."""

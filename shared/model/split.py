@@ -1,0 +1,132 @@
+"""The U-shaped split of a Llama-family model (HAT §2.4).
+
+    device: InputSubmodel  = embeddings + layers[0:m]       -> shallow hidden states
+    cloud:  MiddleSubmodel = layers[m:n] (or a sub-range)   -> deep hidden states
+    device: OutputSubmodel = final norm + LM head           -> logits
+
+Each submodel keeps one `SessionKV` per session for its own layers. The
+submodels hold references to the checkpoint's own modules (no copies), so the
+split halves compute exactly what the whole model computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.model.checkpoint import Checkpoint
+from shared.model.kv_cache import SessionKV
+from shared.model.layers import run_layers
+
+
+class SplitError(ValueError):
+    """A split point or layer range that does not fit the model."""
+
+
+def _kv_shape(config) -> tuple[int, int]:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_key_value_heads, head_dim
+
+
+def validate_split(num_layers: int, split_layers: int) -> None:
+    if not 1 <= split_layers <= num_layers - 1:
+        raise SplitError(
+            f"--split-layers must be between 1 and {num_layers - 1} for a model with {num_layers} layers "
+            f"(got {split_layers}); the cloud must keep at least one layer"
+        )
+
+
+class LayerRange(torch.nn.Module):
+    """A contiguous range of decoder layers that owns per-session KV caches."""
+
+    def __init__(self, checkpoint: Checkpoint, start: int, stop: int):
+        super().__init__()
+        if not 0 <= start < stop <= checkpoint.num_layers:
+            raise SplitError(f"layer range [{start}, {stop}) outside 0..{checkpoint.num_layers}")
+        self.start, self.stop = start, stop
+        self.layers = torch.nn.ModuleList(checkpoint.model.model.layers[start:stop])
+        self.rotary_emb = checkpoint.model.model.rotary_emb
+        self.num_kv_heads, self.head_dim = _kv_shape(checkpoint.config)
+        self.dtype = checkpoint.model.dtype
+
+    def new_cache(self) -> SessionKV:
+        return SessionKV(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype)
+
+    @torch.inference_mode()
+    def forward_packed(self, hidden: torch.Tensor, caches: Sequence[SessionKV], lengths: Sequence[int]) -> torch.Tensor:
+        # hidden: [T, H] -> [T, H]
+        return run_layers(self.layers, self.rotary_emb, hidden, caches, lengths)
+
+    def forward_batch(self, items: Sequence[tuple[SessionKV, torch.Tensor]]) -> list[torch.Tensor]:
+        """One batched pass for many sessions of different lengths: [(cache, hidden [S_i, H])] -> [[S_i, H]]."""
+        lengths = [h.shape[0] for _, h in items]
+        packed = torch.cat([h for _, h in items]) if len(items) > 1 else items[0][1]
+        out = self.forward_packed(packed, [c for c, _ in items], lengths)
+        return list(out.split(lengths))
+
+
+class InputSubmodel(LayerRange):
+    """Embeddings + the first m decoder layers; lives on the device."""
+
+    def __init__(self, checkpoint: Checkpoint, split_layers: int):
+        validate_split(checkpoint.num_layers, split_layers)
+        super().__init__(checkpoint, 0, split_layers)
+        self.embed_tokens = checkpoint.model.model.embed_tokens
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, cache: SessionKV) -> torch.Tensor:
+        # token_ids: [S] -> shallow hidden: [S, H]
+        hidden = self.embed_tokens(token_ids)
+        return self.forward_packed(hidden, [cache], [token_ids.shape[0]])
+
+
+class MiddleSubmodel(LayerRange):
+    """Layers m..n-1 (or one pipeline stage's sub-range of them); lives in the cloud."""
+
+    def __init__(self, checkpoint: Checkpoint, split_layers: int, stage: tuple[int, int] | None = None):
+        validate_split(checkpoint.num_layers, split_layers)
+        start, stop = stage if stage is not None else (split_layers, checkpoint.num_layers)
+        if start < split_layers:
+            raise SplitError(f"middle stage starts at layer {start}, inside the device's first {split_layers}")
+        super().__init__(checkpoint, start, stop)
+
+
+class OutputSubmodel(torch.nn.Module):
+    """Final norm + LM head; lives on the device."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        super().__init__()
+        self.norm = checkpoint.model.model.norm
+        self.lm_head = checkpoint.model.lm_head
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, H] -> logits: [S, V] (fp32 for stable softmax)
+        return self.lm_head(self.norm(hidden)).float()
+
+
+@dataclass
+class SplitModel:
+    input: InputSubmodel
+    middle: MiddleSubmodel
+    output: OutputSubmodel
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, split_layers: int) -> "SplitModel":
+        return cls(InputSubmodel(checkpoint, split_layers), MiddleSubmodel(checkpoint, split_layers), OutputSubmodel(checkpoint))
+
+
+def stage_ranges(split_layers: int, num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal layer ranges of the middle submodel for P pipeline stages."""
+    middle = num_layers - split_layers
+    if not 1 <= num_stages <= middle:
+        raise SplitError(f"cannot split {middle} middle layers into {num_stages} stages")
+    base, extra = divmod(middle, num_stages)
+    ranges, start = [], split_layers
+    for stage in range(num_stages):
+        stop = start + base + (1 if stage < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges

@@ -1,0 +1,1 @@
+"""Speculative decoding: sampling math, the device-side session, the decode loop."""

@@ -1,0 +1,204 @@
+"""The device side of one generation: prefill, draft, accept (HAT §3.4).
+
+A `DeviceSession` is a state machine with no I/O. The device agent (or the
+in-process engine) feeds it what the cloud returns:
+
+    for chunk in session.prefill_chunks(sizes):  -> shallow [S, H] to upload
+    session.on_prefill_result(deep_last)          -> first token
+    draft = session.draft()                        -> shallow [k+1, H] to verify
+    session.on_verify_result(draft, deep)          -> accepted tokens + bonus
+
+Invariant: the input-submodel cache and the adapter cache always hold the same
+positions, and after every round both are rolled back to `commit_len`, the
+number of positions whose tokens are final. The cloud is told the same
+`commit_len` with the next verify request, so both sides roll back together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.model.adapter import DraftAdapter
+from shared.model.checkpoint import Checkpoint
+from shared.model.split import InputSubmodel, OutputSubmodel
+from shared.specdec.sampling import SamplingParams, Verdict, accept, logits_to_probs, sample
+
+
+class SessionError(ValueError):
+    """A request that cannot be served as given (empty prompt, too long, bad ids)."""
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    eta: float = 0.6  # stop drafting when the draft token's probability < eta (HAT eq. 5)
+    max_draft: int = 8  # hard cap on draft tokens per round; 0 turns speculation off (U-shape)
+
+    def __post_init__(self):
+        if not 0 <= self.eta <= 1:
+            raise ValueError(f"eta must be in [0, 1], got {self.eta}")
+        if self.max_draft < 0:
+            raise ValueError(f"max_draft must be >= 0, got {self.max_draft}")
+
+
+@dataclass
+class DeviceModel:
+    """What a device holds: input submodel, draft adapter, output submodel."""
+
+    input: InputSubmodel
+    adapter: DraftAdapter
+    output: OutputSubmodel
+    eos_token_id: int | None
+    vocab_size: int
+    context_length: int
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, split_layers: int, adapter: DraftAdapter) -> "DeviceModel":
+        return cls(
+            input=InputSubmodel(checkpoint, split_layers),
+            adapter=adapter,
+            output=OutputSubmodel(checkpoint),
+            eos_token_id=checkpoint.eos_token_id,
+            vocab_size=checkpoint.vocab_size,
+            context_length=checkpoint.config.max_position_embeddings,
+        )
+
+    @property
+    def hidden_size(self) -> int:
+        return self.output.lm_head.in_features
+
+
+@dataclass
+class Draft:
+    commit_len: int  # positions the cloud keeps before appending this draft
+    tokens: list[int]  # d_1..d_k
+    probs: torch.Tensor | None  # q: [k, V], only when sampling
+    shallow: torch.Tensor  # [k+1, H]: shallow states of (pending token, d_1..d_k)
+
+
+@dataclass
+class DeviceSession:
+    model: DeviceModel
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    draft_config: DraftConfig = field(default_factory=DraftConfig)
+    max_new_tokens: int = 64
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise SessionError("the prompt is empty")
+        bad = [t for t in self.prompt_ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise SessionError(f"prompt ids out of vocabulary (size {self.model.vocab_size}): {bad[:5]}")
+        if len(self.prompt_ids) + self.max_new_tokens > self.model.context_length:
+            raise SessionError(
+                f"prompt ({len(self.prompt_ids)}) + max_new_tokens ({self.max_new_tokens}) "
+                f"exceeds the context length {self.model.context_length}"
+            )
+        if self.max_new_tokens < 1:
+            raise SessionError("max_new_tokens must be >= 1")
+        self.input_cache = self.model.input.new_cache()
+        self.adapter_cache = self.model.adapter.new_cache()
+        self.generator = torch.Generator()
+        if self.params.seed is not None:
+            self.generator.manual_seed(self.params.seed)
+        self.generated: list[int] = []
+        self.pending_token: int | None = None  # last emitted token, not yet run through any layer
+        self.accept_lengths: list[int] = []  # tokens emitted per verification round
+
+    # -- state -----------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        if len(self.generated) >= self.max_new_tokens:
+            return True
+        return bool(self.generated) and self.generated[-1] == self.model.eos_token_id
+
+    @property
+    def commit_len(self) -> int:
+        return self.input_cache.length
+
+    def _emit(self, tokens: Sequence[int]) -> list[int]:
+        emitted = []
+        for token in tokens:
+            if self.is_finished:
+                break
+            self.generated.append(token)
+            emitted.append(token)
+        return emitted
+
+    # -- prefill ---------------------------------------------------------------
+    def prefill_chunks(self, chunk_sizes: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (start_pos, shallow [S, H]) per chunk; sizes must cover the prompt exactly."""
+        if sum(chunk_sizes) != len(self.prompt_ids) or min(chunk_sizes) < 1:
+            raise SessionError(f"chunk sizes {list(chunk_sizes)} do not cover a {len(self.prompt_ids)}-token prompt")
+        start = 0
+        for size in chunk_sizes:
+            ids = torch.tensor(self.prompt_ids[start : start + size])
+            shallow = self.model.input(ids, self.input_cache)  # [S, H]
+            self.model.adapter(shallow, self.adapter_cache)  # keep the draft's cache in step
+            yield start, shallow
+            start += size
+
+    def on_prefill_result(self, deep_last: torch.Tensor) -> list[int]:
+        """Sample the first token from the deep state of the prompt's last position."""
+        # deep_last: [1, H]
+        logits = self.model.output(deep_last[-1:])[0]  # [V]
+        token = sample(logits_to_probs(logits, self.params), self.generator)
+        self.pending_token = token
+        return self._emit([token])
+
+    # -- decode ----------------------------------------------------------------
+    def _draft_budget(self) -> int:
+        remaining = self.max_new_tokens - len(self.generated)
+        return max(0, min(self.draft_config.max_draft, remaining - 1))
+
+    def draft(self) -> Draft:
+        """Draft until confidence < eta (eq. 5) or the budget runs out."""
+        if self.pending_token is None or self.is_finished:
+            raise SessionError("draft() before prefill or after the session finished")
+        commit_len = self.commit_len
+        budget = self._draft_budget()
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        shallows: list[torch.Tensor] = []
+        token, stop = self.pending_token, False
+        while True:
+            shallow = self.model.input(torch.tensor([token]), self.input_cache)  # [1, H]
+            shallows.append(shallow)
+            draft_hidden = self.model.adapter(shallow, self.adapter_cache)  # [1, H]
+            if stop or len(tokens) >= budget:
+                break
+            logits = self.model.output(draft_hidden)[0]  # [V]
+            q = logits_to_probs(logits, self.params)
+            token = sample(q, self.generator)
+            confidence = torch.softmax(logits, -1)[token] if self.params.is_greedy else q[token]
+            tokens.append(token)
+            probs.append(q)
+            stop = float(confidence) < self.draft_config.eta or token == self.model.eos_token_id
+        return Draft(
+            commit_len=commit_len,
+            tokens=tokens,
+            probs=None if self.params.is_greedy or not probs else torch.stack(probs),
+            shallow=torch.cat(shallows),
+        )
+
+    def on_verify_result(self, draft: Draft, deep: torch.Tensor) -> list[int]:
+        """Accept the agreeing prefix plus the target's token; roll both caches back."""
+        # deep: [k+1, H]
+        if deep.shape[0] != len(draft.tokens) + 1:
+            raise SessionError(f"verify result has {deep.shape[0]} rows, expected {len(draft.tokens) + 1}")
+        target_logits = self.model.output(deep)  # [k+1, V]
+        verdict: Verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
+        keep = draft.commit_len + 1 + verdict.num_accepted
+        self.input_cache.truncate(keep)
+        self.adapter_cache.truncate(keep)
+        self.pending_token = verdict.next_token
+        emitted = self._emit(draft.tokens[: verdict.num_accepted] + [verdict.next_token])
+        self.accept_lengths.append(len(emitted))
+        return emitted
+
+    def free(self) -> None:
+        self.input_cache.free()
+        self.adapter_cache.free()

@@ -1,0 +1,65 @@
+"""Shared fixtures: small random Llama-family checkpoints written to disk and
+loaded by path (the same code path as any real checkpoint), and the committed
+demo model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.model.checkpoint import load_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_MODEL_DIR = REPO_ROOT / "models" / "demo"
+
+torch.set_num_threads(2)
+
+
+def _write_random_checkpoint(path: Path, model_type: str) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=0,
+        bos_token_id=0,
+    )
+    if model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    # Larger-than-default init so random logits are far from ties (greedy stays well defined).
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return _write_random_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return _write_random_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2"])
+def tiny_checkpoint(request, tiny_llama_dir, tiny_qwen2_dir):
+    return load_checkpoint(tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir, with_tokenizer=False)
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint():
+    return load_checkpoint(DEMO_MODEL_DIR)
