@@ -1,0 +1,435 @@
+"""The one schema for every device <-> cloud WebSocket message (wire version 1).
+
+Why a hand-written schema: frames are untrusted input on the cloud side and the
+hot path on the device side, so every frame is a small msgpack map (no JSON, no
+pickle) with one-/two-letter keys, validated field by field into a frozen
+dataclass. A failed check raises `WireError` carrying an `ErrorCode` (and the
+session/seq it concerned, when known) so the server can answer with an
+`ErrorFrame` instead of dropping the connection.
+
+Frame layout: ``{"v": WIRE_VERSION, "t": <type code>, <short key>: <value>, ...}``.
+Keys are fixed per field (see `_f(...)` below); every message that names a
+session uses "s" for session_id and "q" for seq_no, so errors can be addressed
+even for frames whose type is unknown. Unknown keys are rejected (MALFORMED):
+a strict schema means nothing extra (e.g. prompt text) can ride along.
+
+Tensors are ``{"d": dtype code, "s": [rows, H], "b": raw little-endian bytes}``;
+dtype codes: 'f2' float16 (default), 'f4' float32, 'bf' bfloat16 (raw 16 bits).
+Decoding wraps the bin payload without copying (`torch.frombuffer`); the tensor
+is backed by a private bytes object msgpack allocated, so treat it as read-only
+or ``.clone()`` it before writing in place.
+
+Type-code table (one byte each: every code < 128 is a msgpack positive fixint):
+
+    0x01 OpenSession   d->c    0x02 SessionOpened c->d
+    0x03 CloseSession  d->c    0x04 SessionClosed c->d
+    0x10 PrefillChunk  d->c    0x11 ChunkAck      c->d   0x12 DeepHidden c->d
+    0x20 VerifyRequest d->c    0x21 VerifyResult  c->d
+    0x40-0x5f  reserved for "token mode": messages carrying token ids and draft
+               probabilities instead of hidden states (e.g. a token-level verify
+               request/result). Such classes set ``carries_token_ids = True`` and a
+               cloud must refuse them with PRIVACY_VIOLATION on sessions opened
+               with ``privacy=True``.
+    0x7f ErrorFrame    either direction
+
+Adding a message = one decorated dataclass with a free code and `_f` fields;
+encode/decode/validation are generic over the registry. A new type needs no
+version bump (an old peer answers UNKNOWN_TYPE); changing an existing one does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import sys
+import warnings
+from dataclasses import field
+from typing import Any, ClassVar
+
+import msgpack
+import torch
+
+logger = logging.getLogger(__name__)
+
+if sys.byteorder != "little":  # the wire is little-endian; we never byte-swap
+    raise ImportError("shared.wire assumes a little-endian host")
+
+WIRE_VERSION = 1
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+MAX_OVERHEAD_BYTES = 128  # generous bound on non-tensor bytes of a hidden-state frame
+_U64_MAX = 2**64 - 1
+_MAX_ERROR_TEXT = 512
+# Our frames are structurally tiny (a map of <= ~8 keys, 2-element shapes); capping
+# container sizes stops a 16 MiB frame of 1-byte nils from inflating into ~128 MB of
+# Python objects before validation even starts.
+_UNPACK_LIMITS = dict(max_map_len=32, max_array_len=8, max_str_len=4096, max_ext_len=0)
+
+# Decoded tensors wrap msgpack's (immutable) bytes zero-copy, which torch warns
+# about once per process (TORCH_WARN_ONCE). Spend that one warning here, silently,
+# so it does not surface on the first real frame; a module-level warnings filter
+# would not survive pytest's per-test filter reset.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0\0", dtype=torch.float16)
+
+
+class WireDtype(enum.Enum):
+    """Dtype of a tensor on the wire (string code as sent)."""
+    F16 = "f2"
+    F32 = "f4"
+    BF16 = "bf"
+
+
+_TORCH_DTYPE = {WireDtype.F16: torch.float16, WireDtype.F32: torch.float32,
+                WireDtype.BF16: torch.bfloat16}
+_FROM_TORCH = {v: k for k, v in _TORCH_DTYPE.items()}
+_BY_CODE = {wd.value: wd for wd in WireDtype}
+_BITS_DTYPE = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
+               torch.float32: torch.int32}
+
+
+class ErrorCode(enum.IntEnum):
+    MALFORMED = 1
+    UNKNOWN_TYPE = 2
+    BAD_VERSION = 3
+    BAD_DTYPE = 4
+    BAD_SHAPE = 5
+    LENGTH_MISMATCH = 6
+    UNKNOWN_SESSION = 7
+    OVERSIZED = 8
+    PRIVACY_VIOLATION = 9
+    INTERNAL = 10
+    OVERLOADED = 11
+
+
+class WireError(ValueError):
+    """A frame (or a message being built) violates the schema."""
+
+    def __init__(self, code: ErrorCode, message: str, session_id: int | None = None,
+                 seq_no: int | None = None) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+        self.session_id, self.seq_no = session_id, seq_no
+
+    def to_frame(self) -> ErrorFrame:
+        return ErrorFrame(self.code, self.message[:_MAX_ERROR_TEXT], self.session_id, self.seq_no)
+
+
+# ---------------------------------------------------------------- tensors
+
+def encode_tensor(t: torch.Tensor, wire_dtype: WireDtype | str = WireDtype.F16) -> dict:
+    """Tensor -> msgpack-ready map; casts to `wire_dtype` (the only copy besides packing)."""
+    wd = _as_dtype(wire_dtype)
+    target = _TORCH_DTYPE[wd]
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype != target or not t.is_cpu:  # each skipped no-op saves ~1 us per frame
+        t = t.to("cpu", target)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    # numpy has no bfloat16: ship its 16 bits through an int16 view (no copy either way)
+    raw = memoryview((t.view(torch.int16) if wd is WireDtype.BF16 else t).numpy())
+    return {"d": wd.value, "s": list(t.shape), "b": raw}
+
+
+def decode_tensor(obj: Any, expected_hidden_size: int | None = None) -> torch.Tensor:
+    """Validated map -> tensor [rows, H] in its wire dtype, sharing the payload's memory."""
+    if not isinstance(obj, dict) or obj.keys() != {"d", "s", "b"}:
+        raise WireError(ErrorCode.MALFORMED, "tensor must be a map with keys d, s, b")
+    dtype, shape, raw = obj["d"], obj["s"], obj["b"]
+    wd = _BY_CODE.get(dtype) if isinstance(dtype, str) else None
+    if wd is None:
+        raise WireError(ErrorCode.BAD_DTYPE, f"unknown dtype {dtype!r}")
+    if type(shape) is not list or not all(type(d) is int for d in shape):
+        raise WireError(ErrorCode.MALFORMED, "shape must be a list of ints")
+    if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0:
+        raise WireError(ErrorCode.BAD_SHAPE, f"shape must be 2-D positive, got {shape}")
+    if expected_hidden_size is not None and shape[1] != expected_hidden_size:
+        raise WireError(ErrorCode.BAD_SHAPE,
+                        f"hidden size {shape[1]} != expected {expected_hidden_size}")
+    if not isinstance(raw, bytes):
+        raise WireError(ErrorCode.MALFORMED, "tensor payload must be bin")
+    torch_dtype = _TORCH_DTYPE[wd]
+    want = shape[0] * shape[1] * torch_dtype.itemsize
+    if len(raw) != want:
+        raise WireError(ErrorCode.LENGTH_MISMATCH, f"{len(raw)} bytes, shape {shape} needs {want}")
+    return torch.frombuffer(raw, dtype=torch_dtype).view(shape[0], shape[1])
+
+
+def max_rows_per_frame(hidden_size: int, wire_dtype: WireDtype | str = WireDtype.F16,
+                       max_frame_bytes: int = MAX_FRAME_BYTES) -> int:
+    """Largest [rows, H] that fits one frame, so the device can size prefill chunks."""
+    itemsize = _TORCH_DTYPE[_as_dtype(wire_dtype)].itemsize
+    return max(0, (max_frame_bytes - MAX_OVERHEAD_BYTES) // (hidden_size * itemsize))
+
+
+def _as_dtype(wd: WireDtype | str) -> WireDtype:
+    try:
+        return wd if isinstance(wd, WireDtype) else WireDtype(wd)
+    except ValueError:
+        raise WireError(ErrorCode.BAD_DTYPE, f"unknown dtype {wd!r}") from None
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int  # excludes bool (and IntEnum); msgpack yields exact ints
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN-safe, distinguishes -0.0), the right notion for frames."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = _BITS_DTYPE.get(a.dtype)
+    if bits is None:
+        return torch.equal(a, b)
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
+# ---------------------------------------------------------------- messages
+
+# field kinds: how `_check` validates a value and `encode` writes it
+U64, OPT_U64, BOOL, TEXT = "u64", "opt_u64", "bool", "text"
+TENSOR, DTYPE, CODE = "tensor", "dtype", "code"
+_TYPES: dict[int, type[Message]] = {}
+
+
+def _f(key: str, kind: str, **kw: Any) -> Any:
+    """Declare a field with its short wire key and its validation kind."""
+    return field(metadata={"key": key, "kind": kind}, **kw)
+
+
+class Message:
+    """Base of all frames. Subclasses are frozen dataclasses registered by `_message`."""
+    __slots__ = ()
+    type: ClassVar[int]
+    carries_token_ids: ClassVar[bool] = False
+    _spec: ClassVar[tuple[tuple[str, str, str, bool], ...]]  # (name, key, kind, has_default)
+    _keys: ClassVar[frozenset[str]]  # every key a frame of this type may hold
+
+    def __post_init__(self) -> None:
+        for name, _key, kind, _has_default in self._spec:
+            value = getattr(self, name)
+            if value is None and kind == OPT_U64:
+                continue
+            checked = _check(kind, name, value)
+            if checked is not value:
+                object.__setattr__(self, name, checked)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        for name, _key, kind, _opt in self._spec:
+            a, b = getattr(self, name), getattr(other, name)
+            if not (_same_tensor(a, b) if kind == TENSOR else a == b):
+                return False
+        return True
+
+    __hash__ = None  # type: ignore[assignment]  # tensors make messages unhashable
+
+
+def _check(kind: str, name: str, value: Any) -> Any:
+    """Validate (and coerce enums of) one field; raises WireError."""
+    if kind in (U64, OPT_U64):
+        if not _is_int(value) or not 0 <= value <= _U64_MAX:
+            raise WireError(ErrorCode.MALFORMED, f"{name} must be a u64, got {value!r}")
+    elif kind == BOOL:
+        if not isinstance(value, bool):
+            raise WireError(ErrorCode.MALFORMED, f"{name} must be a bool")
+    elif kind == TEXT:
+        if not isinstance(value, str):
+            raise WireError(ErrorCode.MALFORMED, f"{name} must be a string")
+    elif kind == DTYPE:
+        return _as_dtype(value)
+    elif kind == CODE:
+        try:
+            return ErrorCode(value if type(value) is not bool else None)
+        except ValueError:
+            raise WireError(ErrorCode.MALFORMED, f"unknown error code {value!r}") from None
+    elif kind == TENSOR:
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or min(value.shape) <= 0:
+            raise WireError(ErrorCode.BAD_SHAPE, f"{name} must be a 2-D tensor with positive dims")
+    return value
+
+
+def _message(code: int):
+    """Class decorator: frozen dataclass + registration under a unique type code."""
+    def wrap(cls: type) -> type:
+        if code in _TYPES or not 0 <= code < 128:
+            raise TypeError(f"bad or duplicate type code {code:#x}")
+        cls = dataclasses.dataclass(frozen=True, eq=False, slots=True)(cls)
+        cls.type = code
+        cls._spec = tuple((f.name, f.metadata["key"], f.metadata["kind"],
+                           f.default is not dataclasses.MISSING)
+                          for f in dataclasses.fields(cls))
+        keys = [s[1] for s in cls._spec]
+        if len(set(keys)) != len(keys) or {"v", "t"} & set(keys):
+            raise TypeError(f"{cls.__name__}: wire keys must be unique and not v/t")
+        cls._keys = frozenset(keys) | {"v", "t"}
+        _TYPES[code] = cls
+        return cls
+    return wrap
+
+
+@_message(0x01)
+class OpenSession(Message):
+    """Device asks the cloud for a KV-cache session; session_id is device-chosen (u64)."""
+    session_id: int = _f("s", U64)
+    hidden_size: int = _f("H", U64)
+    wire_dtype: WireDtype = _f("d", DTYPE, default=WireDtype.F16)
+    privacy: bool = _f("pv", BOOL, default=True)  # True: cloud refuses token-id messages
+
+
+@_message(0x02)
+class SessionOpened(Message):
+    session_id: int = _f("s", U64)
+
+
+@_message(0x03)
+class CloseSession(Message):
+    session_id: int = _f("s", U64)
+
+
+@_message(0x04)
+class SessionClosed(Message):
+    session_id: int = _f("s", U64)
+
+
+@_message(0x10)
+class PrefillChunk(Message):
+    """Shallow hidden states of prompt positions start_pos..start_pos+S-1."""
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    start_pos: int = _f("p", U64)
+    is_last: bool = _f("l", BOOL)
+    hidden: torch.Tensor = _f("h", TENSOR)  # hidden: [S, H]
+
+
+@_message(0x11)
+class ChunkAck(Message):
+    """Reply to a non-last PrefillChunk (flow control: the device may send the next)."""
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+
+
+@_message(0x12)
+class DeepHidden(Message):
+    """Reply to the last PrefillChunk: deep hidden state(s) of the last position(s)."""
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    hidden: torch.Tensor = _f("h", TENSOR)  # hidden: [1, H]
+
+
+@_message(0x20)
+class VerifyRequest(Message):
+    """Cloud truncates the session KV to commit_len (rollback), then runs `hidden`."""
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    commit_len: int = _f("c", U64)
+    hidden: torch.Tensor = _f("h", TENSOR)  # hidden: [K, H] shallow states of K drafts
+
+
+@_message(0x21)
+class VerifyResult(Message):
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    hidden: torch.Tensor = _f("h", TENSOR)  # hidden: [K, H] deep states
+
+
+@_message(0x7F)
+class ErrorFrame(Message):
+    code: ErrorCode = _f("e", CODE)
+    message: str = _f("m", TEXT)
+    session_id: int | None = _f("s", OPT_U64, default=None)
+    seq_no: int | None = _f("q", OPT_U64, default=None)
+
+
+# ---------------------------------------------------------------- frames
+
+def encode(msg: Message, *, wire_dtype: WireDtype | str | None = None) -> bytes:
+    """Message -> frame. Tensors go in `wire_dtype`; None keeps a wire dtype as-is, else f16."""
+    out: dict[str, Any] = {"v": WIRE_VERSION, "t": msg.type}
+    for name, key, kind, _has_default in msg._spec:
+        value = getattr(msg, name)
+        if value is None:
+            continue  # absent optional fields cost zero bytes
+        if kind == TENSOR:
+            wd = wire_dtype or _FROM_TORCH.get(value.dtype, WireDtype.F16)
+            value = encode_tensor(value, wd)
+        elif kind in (DTYPE, CODE):
+            value = value.value
+        out[key] = value
+    return msgpack.packb(out, use_bin_type=True)
+
+
+def decode(frame: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES,
+           expected_hidden_size: int | None = None) -> Message:
+    """Frame -> validated Message; raises WireError (with session/seq when known)."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise WireError(ErrorCode.MALFORMED, f"frame must be bytes, got {type(frame).__name__}")
+    size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+    if size > max_frame_bytes:  # before unpacking: never parse an oversized frame
+        raise WireError(ErrorCode.OVERSIZED, f"frame of {size} bytes > {max_frame_bytes}")
+    try:
+        m = msgpack.unpackb(frame, raw=False, **_UNPACK_LIMITS)
+    except (ValueError, TypeError, OverflowError) as exc:  # truncated, trailing data, bad utf-8...
+        raise WireError(ErrorCode.MALFORMED, f"not msgpack: {exc}") from None
+    if not isinstance(m, dict):
+        raise WireError(ErrorCode.MALFORMED, "frame must be a map")
+    if "v" not in m:
+        raise WireError(ErrorCode.MALFORMED, "missing version")
+    if m["v"] != WIRE_VERSION or not _is_int(m["v"]):
+        raise WireError(ErrorCode.BAD_VERSION, f"version {m['v']!r} != {WIRE_VERSION}")
+    sid, seq = m.get("s"), m.get("q")
+    try:
+        return _decode_map(m, expected_hidden_size)
+    except WireError as err:
+        if err.session_id is None and _is_int(sid):
+            err.session_id = sid
+        if err.seq_no is None and _is_int(seq):
+            err.seq_no = seq
+        logger.debug("rejecting frame: %s", err)
+        raise
+
+
+def _decode_map(m: dict, expected_hidden_size: int | None) -> Message:
+    code = m.get("t")
+    if not _is_int(code):
+        raise WireError(ErrorCode.MALFORMED, "missing or non-int type")
+    cls = _TYPES.get(code)
+    if cls is None:
+        raise WireError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {code!r}")
+    extra = m.keys() - cls._keys
+    if extra:
+        raise WireError(ErrorCode.MALFORMED, f"{cls.__name__}: unexpected keys {sorted(extra)}")
+    kwargs = {}
+    for name, key, kind, has_default in cls._spec:
+        if key not in m:
+            if has_default:
+                continue
+            raise WireError(ErrorCode.MALFORMED, f"{cls.__name__}: missing field {name}")
+        value = m[key]
+        kwargs[name] = decode_tensor(value, expected_hidden_size) if kind == TENSOR else value
+    msg = cls(**kwargs)
+    if (expected_hidden_size is not None and isinstance(msg, OpenSession)
+            and msg.hidden_size != expected_hidden_size):
+        raise WireError(ErrorCode.BAD_SHAPE,
+                        f"hidden_size {msg.hidden_size} != expected {expected_hidden_size}")
+    return msg
+
+
+def assert_privacy_safe(frame: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Raise PRIVACY_VIOLATION if a frame could leak the prompt: token ids or free text.
+
+    Only ErrorFrame.message may hold text (it is written by our own code, never
+    from prompt data); enum codes like the dtype are not free text.
+    """
+    msg = decode(frame, max_frame_bytes=max_frame_bytes)
+    sid, seq = getattr(msg, "session_id", None), getattr(msg, "seq_no", None)
+    if msg.carries_token_ids:
+        raise WireError(ErrorCode.PRIVACY_VIOLATION,
+                        f"{type(msg).__name__} carries token ids", sid, seq)
+    for name, _key, _kind, _opt in msg._spec:
+        value = getattr(msg, name)
+        if isinstance(value, str) and not (isinstance(msg, ErrorFrame) and name == "message"):
+            raise WireError(ErrorCode.PRIVACY_VIOLATION, f"text in field {name}", sid, seq)
+    return msg
