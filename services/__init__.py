@@ -1,0 +1,1 @@
+"""Tophat services: each subpackage is one asyncio process (`python -m services.<name>`)."""

@@ -1,0 +1,240 @@
+"""State-monitor HTTP API: ingest telemetry, serve mu, g(mu) and device state.
+
+The in-memory model (shared.state_model) is the source of truth for answers;
+Redis gets the raw events and the derived state so other processes and
+dashboards can read them, and so a restarted monitor can resume its averages.
+Redis is best effort: when it is down, records still update the in-memory
+model, /readyz stays ready (reporting redis connected=false) and nothing fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, HTTPException, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.state_monitor.settings import Settings, load_settings
+from shared import telemetry as tk
+from shared.redis_server import resolve_redis_url
+from shared.state_model import CloudState, ComputeDelayPredictor, DeviceState
+
+log = logging.getLogger(__name__)
+
+Ident = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+PREDICT_SAMPLES = [2**k for k in range(13)]  # 1 .. 4096 batched tokens
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ts: float | None = Field(default=None, description="sender's wall-clock time (unix s)")
+
+
+class VerifierStep(_Record):
+    kind: Literal["verifier_step"]
+    batched_tokens: int = Field(ge=0, description="mu_hat: tokens in the batch")
+    compute_s: Seconds = Field(description="eta_hat: batch compute time")
+    num_sessions: int = Field(default=0, ge=0)
+    step_kinds: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+
+
+class DeviceDraft(_Record):
+    kind: Literal["device_draft"]
+    device_id: Ident
+    step_s: PositiveSeconds = Field(description="gamma: seconds per draft step")
+    steps: int = Field(default=1, ge=1, description="draft steps this measurement averaged over")
+
+
+class DeviceTransfer(_Record):
+    kind: Literal["device_transfer"]
+    device_id: Ident
+    direction: Literal["up", "down"]
+    bytes: int = Field(ge=0)
+    seconds: PositiveSeconds
+
+
+class RequestDone(_Record):
+    kind: Literal["request"]
+    request_id: Ident
+    device_id: Ident | None = None
+    ttft_s: Seconds | None = None
+    token_times_s: list[Seconds] = Field(default_factory=list, max_length=100_000,
+                                         description="gaps between consecutive delivered tokens (TBT)")
+    accept_lengths: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=100_000,
+                                                              description="accepted draft tokens per verification")
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    generated_tokens: int | None = Field(default=None, ge=0)
+
+
+Record = Annotated[VerifierStep | DeviceDraft | DeviceTransfer | RequestDone, Field(discriminator="kind")]
+
+
+class Monitor:
+    """Applies records to the state model and mirrors them to Redis via the sink."""
+
+    def __init__(self, settings: Settings, sink: tk.TelemetrySink | None) -> None:
+        self.settings = settings
+        self.sink = sink
+        self.cloud = self._new_cloud()
+        self.devices: dict[str, DeviceState] = {}
+        self.started_at = time.time()
+
+    def _new_cloud(self) -> CloudState:
+        s = self.settings
+        return CloudState(alpha=s.alpha, g=ComputeDelayPredictor(s.alpha, s.buckets_per_octave))
+
+    def device(self, device_id: str) -> DeviceState:
+        state = self.devices.get(device_id)
+        if state is None:
+            state = self.devices[device_id] = DeviceState(device_id, alpha=self.settings.alpha)
+        return state
+
+    async def restore(self) -> None:
+        """Resume averages from Redis (best effort: bad or missing data is skipped)."""
+        if self.sink is None:
+            return
+        try:
+            cloud = await self.sink.read_hash(tk.VERIFIER_STATE)
+            if cloud and cloud.get("model"):
+                self.cloud = CloudState.from_dict(json.loads(cloud["model"]))
+            for device_id in sorted(await self.sink.read_members(tk.DEVICES) or ())[:10_000]:
+                data = await self.sink.read_hash(tk.device_state_key(device_id))
+                if data and data.get("model"):
+                    self.devices[device_id] = DeviceState.from_dict(json.loads(data["model"]))
+        except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+            log.warning("ignoring unreadable state in redis: %s", exc)
+        log.info("restored state: %d cloud buckets, %d devices", self.cloud.g.observed_buckets, len(self.devices))
+
+    async def ingest(self, rec: VerifierStep | DeviceDraft | DeviceTransfer | RequestDone) -> bool:
+        now = time.time()
+        raw = {**rec.model_dump(), "ts": rec.ts if rec.ts is not None else now}
+        if isinstance(rec, VerifierStep):
+            self.cloud.observe_step(rec.batched_tokens, rec.compute_s, now,
+                                    num_sessions=rec.num_sessions, step_kinds=rec.step_kinds)
+            return await self._write(events=[(tk.VERIFIER_STEPS, raw)], states=[(tk.VERIFIER_STATE, self._cloud_hash(), None)])
+        if isinstance(rec, RequestDone):
+            summary = {**raw, "mean_tbt_s": _mean(rec.token_times_s), "mean_accept_len": _mean(rec.accept_lengths)}
+            return await self._write(events=[(tk.REQUESTS, summary)],
+                                     states=[(tk.request_key(rec.request_id), summary, self.settings.request_ttl_s)])
+        dev = self.device(rec.device_id)
+        if isinstance(rec, DeviceDraft):
+            dev.observe_draft(rec.step_s, now)
+        else:
+            raw["bytes_per_s"] = dev.observe_transfer(rec.direction, rec.bytes, rec.seconds, now)
+        return await self._write(events=[(tk.device_events_key(rec.device_id), raw)],
+                                 states=[(tk.device_state_key(rec.device_id), self._device_hash(dev), None)],
+                                 members=[(tk.DEVICES, rec.device_id)])
+
+    async def _write(self, **ops: Any) -> bool:
+        return await self.sink.write(**ops) if self.sink is not None else False
+
+    def _cloud_hash(self) -> dict[str, Any]:
+        c = self.cloud
+        line = c.g.fit_line()
+        return {"mu": c.mu.value, "eta": c.eta.value, "steps": c.mu.count,
+                "last_mu_hat": c.last.get("mu_hat"), "last_eta_hat": c.last.get("eta_hat"),
+                "num_sessions": c.last.get("num_sessions"), "step_kinds": c.last.get("step_kinds", {}),
+                "g_c1": line[0] if line else None, "g_c2": line[1] if line else None,
+                "g": c.g.table(), "updated_at": c.updated_at, "model": c.to_dict()}
+
+    def _device_hash(self, d: DeviceState) -> dict[str, Any]:
+        return {"gamma": d.gamma.value, "beta_up": d.beta_up.value, "beta_down": d.beta_down.value,
+                "draft_samples": d.gamma.count, "up_samples": d.beta_up.count, "down_samples": d.beta_down.count,
+                "last_update": d.last_update, "model": d.to_dict()}
+
+    def cloud_view(self) -> dict[str, Any]:
+        c = self.cloud
+        line = c.g.fit_line()
+        return {"mu": c.mu.value, "eta": c.eta.value, "steps": c.mu.count, "alpha": c.alpha, "last": c.last,
+                "g": {"buckets": c.g.table(), "line": {"c1": line[0], "c2": line[1]} if line else None},
+                "predict": {str(m): c.g.predict(m) for m in PREDICT_SAMPLES}, "updated_at": c.updated_at}
+
+    def device_view(self, d: DeviceState) -> dict[str, Any]:
+        now = time.time()
+        return {"device_id": d.device_id, "gamma": d.gamma.value, "beta_up": d.beta_up.value,
+                "beta_down": d.beta_down.value, "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
+                                                            "down": d.beta_down.count},
+                "last_update": d.last_update, "age_s": d.age(now),
+                "stale": d.is_stale(now, self.settings.device_stale_s)}
+
+
+def _mean(xs: list[float] | list[int]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the app; Redis URL = settings.redis_url, else env REDIS_URL, else in-memory only."""
+    settings = settings or load_settings()
+    url = resolve_redis_url(settings.redis_url or None)
+    sink = (tk.TelemetrySink(url, stream_maxlen=settings.stream_maxlen, timeout_s=settings.redis_timeout_s,
+                             request_ttl_s=settings.request_ttl_s, initial_backoff_s=settings.redis_backoff_initial_s,
+                             max_backoff_s=settings.redis_backoff_max_s) if url else None)
+    monitor = Monitor(settings, sink)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if sink is None:
+            log.warning("no redis configured: state monitor keeps telemetry in memory only")
+        elif await sink.start():
+            await monitor.restore()
+        app.state.ready = True
+        try:
+            yield
+        finally:
+            app.state.ready = False
+            if sink is not None:
+                await sink.close()
+
+    app = FastAPI(title="tophat state monitor", lifespan=lifespan)
+    app.state.ready = False
+    app.state.monitor = monitor
+
+    @app.post("/telemetry")
+    async def post_telemetry(body: Record | list[Record]) -> dict[str, Any]:
+        records = body if isinstance(body, list) else [body]
+        if len(records) > settings.max_batch:
+            raise HTTPException(413, f"at most {settings.max_batch} records per request")
+        persisted = 0
+        for rec in records:
+            persisted += await monitor.ingest(rec)
+        return {"accepted": len(records), "persisted": persisted}
+
+    @app.get("/state/cloud")
+    async def state_cloud() -> dict[str, Any]:
+        return monitor.cloud_view()
+
+    @app.get("/state/devices")
+    async def state_devices() -> dict[str, Any]:
+        return {"devices": [monitor.device_view(d) for _, d in sorted(monitor.devices.items())]}
+
+    @app.get("/state/device/{device_id}")
+    async def state_device(device_id: str) -> dict[str, Any]:
+        dev = monitor.devices.get(device_id)
+        if dev is None:
+            raise HTTPException(404, f"unknown device {device_id!r}")
+        return monitor.device_view(dev)
+
+    @app.get("/predict")
+    async def predict(mu: Annotated[float, Query(ge=0, allow_inf_nan=False)]) -> dict[str, Any]:
+        return {"mu": mu, "g": monitor.cloud.g.predict(mu), "observed_buckets": monitor.cloud.g.observed_buckets}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> Any:
+        redis = {"configured": sink is not None, "connected": bool(sink and sink.connected),
+                 "url": tk.redact_url(url) if url else None, "dropped": sink.dropped if sink else 0}
+        if not request.app.state.ready:
+            raise HTTPException(503, {"ready": False, "redis": redis})
+        return {"ready": True, "redis": redis}
+
+    return app

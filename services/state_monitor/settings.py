@@ -1,0 +1,51 @@
+"""State-monitor settings, read from `TOPHAT_STATE_MONITOR_*` environment variables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared.settings import from_env
+
+ENV_PREFIX = "TOPHAT_STATE_MONITOR_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Defaults suit a laptop run; every field is `TOPHAT_STATE_MONITOR_<FIELD>`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    # Empty: use env REDIS_URL; if that is empty too, __main__ starts an embedded
+    # redis-server (embedded_redis=true) or the monitor runs in memory only.
+    redis_url: str = ""
+    embedded_redis: bool = True
+    stream_maxlen: int = 10_000          # XADD MAXLEN ~ for every stream
+    request_ttl_s: int = 86_400          # tophat:request:{id} hashes expire after this
+    redis_timeout_s: float = 0.5         # bound on every Redis call
+    redis_backoff_initial_s: float = 0.25
+    redis_backoff_max_s: float = 5.0
+    alpha: float = 0.8                   # HAT eq. 1-2 moving-average weight
+    buckets_per_octave: int = 2          # resolution of g(mu) on the log2 scale
+    device_stale_s: float = 30.0         # device state older than this is flagged stale
+    max_batch: int = 1000                # records per POST /telemetry
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.stream_maxlen < 1 or self.request_ttl_s < 1 or self.max_batch < 1:
+            raise ValueError("stream_maxlen, request_ttl_s and max_batch must be >= 1")
+        if not 0 <= self.alpha < 1:
+            raise ValueError(f"alpha must be in [0, 1): {self.alpha}")
+        if self.buckets_per_octave < 1:
+            raise ValueError("buckets_per_octave must be >= 1")
+        if min(self.redis_timeout_s, self.redis_backoff_initial_s, self.device_stale_s) <= 0:
+            raise ValueError("timeouts, backoff and device_stale_s must be > 0")
+        if self.redis_backoff_max_s < self.redis_backoff_initial_s:
+            raise ValueError("redis_backoff_max_s must be >= redis_backoff_initial_s")
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    return from_env(Settings, ENV_PREFIX, environ, **overrides)

@@ -1,0 +1,311 @@
+"""Telemetry plumbing: Redis key names, a best-effort Redis sink, an HTTP client.
+
+Telemetry exists to steer the scheduler (HAT §3.2), never to gate serving. So
+both halves are *lossy by design*: when Redis (or the state monitor) is
+unreachable a record is dropped, one warning is logged for the whole outage
+(not one per record), and a single owned background task retries with
+exponential backoff; when the peer returns, one recovery line is logged and
+records flow again. Every Redis call runs under a timeout.
+
+Key layout (see docs/redis-keys.md for fields and retention):
+    tophat:verifier:steps        stream  one entry per verifier step (raw)
+    tophat:verifier:state        hash    derived cloud state: mu, eta, g (JSON)
+    tophat:device:{id}:events    stream  raw draft/transfer records of a device
+    tophat:device:{id}:state     hash    derived gamma, beta_up, beta_down
+    tophat:devices               set     ids of devices that ever reported
+    tophat:requests              stream  one entry per finished request
+    tophat:request:{id}          hash    per-request summary, expires (TTL)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "tophat"
+VERIFIER_STEPS = f"{PREFIX}:verifier:steps"
+VERIFIER_STATE = f"{PREFIX}:verifier:state"
+DEVICES = f"{PREFIX}:devices"
+REQUESTS = f"{PREFIX}:requests"
+
+RECORD_KINDS = ("verifier_step", "device_draft", "device_transfer", "request")
+
+
+def device_events_key(device_id: str) -> str:
+    return f"{PREFIX}:device:{device_id}:events"
+
+
+def device_state_key(device_id: str) -> str:
+    return f"{PREFIX}:device:{device_id}:state"
+
+
+def request_key(request_id: str) -> str:
+    return f"{PREFIX}:request:{request_id}"
+
+
+def redact_url(url: str) -> str:
+    """Drop credentials from a URL before it reaches a log line or an API response."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"***@{host}:{parts.port}" if parts.port else f"***@{host}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def encode_value(value: Any) -> str:
+    """Redis stores strings: numbers as repr, bools as 1/0, None as '', containers as JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value, separators=(",", ":"), default=str)
+
+
+def encode_fields(fields: Mapping[str, Any]) -> dict[str, str]:
+    return {str(k): encode_value(v) for k, v in fields.items()}
+
+
+class _Outage:
+    """Log-once bookkeeping shared by the sink and the HTTP client."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.down = False
+        self.dropped = 0
+
+    def failed(self, exc: BaseException, dropped: bool = True) -> None:
+        self.dropped += int(dropped)
+        if not self.down:
+            self.down = True
+            log.warning("%s unavailable (%s: %s); dropping telemetry until it returns",
+                        self.what, type(exc).__name__, exc)
+
+    def recovered(self) -> None:
+        if self.down:
+            self.down = False
+            log.info("%s reachable again; telemetry resumed (%d records dropped)", self.what, self.dropped)
+
+
+class TelemetrySink:
+    """Best-effort async writer: events go to capped streams, state to hashes.
+
+    Write methods return True when Redis acknowledged, False when the record
+    was dropped. They never raise for Redis trouble. While Redis is down,
+    writes are dropped without touching the network and `_reconnect` pings
+    with backoff (initial_backoff_s doubling up to max_backoff_s).
+    """
+
+    def __init__(self, url: str, *, stream_maxlen: int = 10_000, timeout_s: float = 0.5,
+                 request_ttl_s: int = 86_400, initial_backoff_s: float = 0.25, max_backoff_s: float = 5.0) -> None:
+        if stream_maxlen < 1:
+            raise ValueError("stream_maxlen must be >= 1")
+        self.url = url
+        self.stream_maxlen = stream_maxlen
+        self.timeout_s = timeout_s
+        self.request_ttl_s = request_ttl_s
+        self.initial_backoff_s = initial_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), decode_responses=True, health_check_interval=0)
+        self._outage = _Outage(f"redis at {redact_url(url)}")
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def connected(self) -> bool:
+        return not self._outage.down
+
+    @property
+    def dropped(self) -> int:
+        return self._outage.dropped
+
+    async def start(self) -> bool:
+        """Probe Redis once; on failure start the reconnect loop. Never raises."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._redis.ping()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._mark_down(exc, dropped=False)
+            return False
+        return True
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()
+            await asyncio.gather(self._reconnect_task, return_exceptions=True)
+            self._reconnect_task = None
+        await self._redis.aclose()
+
+    def _mark_down(self, exc: BaseException, dropped: bool = True) -> None:
+        self._outage.failed(exc, dropped)
+        if not self._closed and (self._reconnect_task is None or self._reconnect_task.done()):
+            self._reconnect_task = asyncio.get_running_loop().create_task(
+                self._reconnect(), name="telemetry-sink-reconnect")
+
+    async def _reconnect(self) -> None:
+        delay = self.initial_backoff_s
+        while not self._closed:
+            await asyncio.sleep(delay)
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    await self._redis.ping()
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.debug("redis still unavailable: %s", exc)
+                delay = min(delay * 2, self.max_backoff_s)
+                continue
+            self._outage.recovered()
+            return
+
+    async def write(self, *, events: Iterable[tuple[str, Mapping[str, Any]]] = (),
+                    states: Iterable[tuple[str, Mapping[str, Any], int | None]] = (),
+                    members: Iterable[tuple[str, str]] = ()) -> bool:
+        """One round trip: XADD each event (MAXLEN ~), HSET each state (+EXPIRE), SADD members."""
+        if self._outage.down or self._closed:
+            self._outage.dropped += 1
+            return False
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, fields in events:
+            pipe.xadd(stream, encode_fields(fields), maxlen=self.stream_maxlen, approximate=True)
+        for key, mapping, ttl in states:
+            pipe.hset(key, mapping=encode_fields(mapping))
+            if ttl:
+                pipe.expire(key, ttl)
+        for key, member in members:
+            pipe.sadd(key, member)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._mark_down(exc)
+            return False
+        return True
+
+    async def add_event(self, stream: str, fields: Mapping[str, Any]) -> bool:
+        return await self.write(events=[(stream, fields)])
+
+    async def set_state(self, key: str, mapping: Mapping[str, Any], ttl_s: int | None = None) -> bool:
+        return await self.write(states=[(key, mapping, ttl_s)])
+
+    async def read_hash(self, key: str) -> dict[str, str] | None:
+        """HGETALL for state restore at startup; None if Redis is unavailable."""
+        if self._outage.down:
+            return None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._redis.hgetall(key)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._mark_down(exc, dropped=False)
+            return None
+
+    async def read_members(self, key: str) -> set[str] | None:
+        if self._outage.down:
+            return None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return set(await self._redis.smembers(key))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._mark_down(exc, dropped=False)
+            return None
+
+
+class TelemetryClient:
+    """Fire-and-forget POSTs of telemetry records to the state monitor.
+
+    `emit()` (call it from inside the event loop) never blocks and never raises
+    for network trouble: it schedules a send on an owned task set
+    (bounded by `max_in_flight`; beyond that records are dropped). Failures are
+    dropped with one warning per outage. With `base_url=None` it is a no-op,
+    so services can run without a monitor.
+    """
+
+    def __init__(self, base_url: str | None, *, timeout_s: float = 0.5, max_in_flight: int = 64,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/") if base_url else None
+        self.max_in_flight = max_in_flight
+        self._client = (httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport)
+                        if self.base_url else None)
+        self._tasks: set[asyncio.Task[bool]] = set()
+        self._outage = _Outage(f"state monitor at {base_url}")
+        self._rejected = _Outage(f"state monitor at {base_url} (rejecting records)")
+
+    @property
+    def dropped(self) -> int:
+        return self._outage.dropped + self._rejected.dropped
+
+    def emit(self, record: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        if self._client is None:
+            return
+        if len(self._tasks) >= self.max_in_flight:
+            self._outage.dropped += 1
+            return
+        task = asyncio.get_running_loop().create_task(self.send(record), name="telemetry-post")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def send(self, record: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> bool:
+        """POST now and report success; drops (False) instead of raising."""
+        if self._client is None:
+            return False
+        body = dict(record) if isinstance(record, Mapping) else [dict(r) for r in record]
+        try:
+            resp = await self._client.post("/telemetry", json=body)
+            resp.raise_for_status()
+        except httpx.HTTPStatusError as exc:  # e.g. 422: a bug in the sender, logged once too
+            self._rejected.failed(RuntimeError(f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"))
+            return False
+        except httpx.HTTPError as exc:
+            self._outage.failed(exc)
+            return False
+        self._outage.recovered()
+        self._rejected.recovered()
+        return True
+
+    def emit_verifier_step(self, batched_tokens: int, compute_s: float, num_sessions: int,
+                           step_kinds: Mapping[str, int] | None = None) -> None:
+        self.emit({"kind": "verifier_step", "batched_tokens": batched_tokens, "compute_s": compute_s,
+                   "num_sessions": num_sessions, "step_kinds": dict(step_kinds or {}), "ts": time.time()})
+
+    def emit_device_draft(self, device_id: str, step_s: float, steps: int = 1) -> None:
+        self.emit({"kind": "device_draft", "device_id": device_id, "step_s": step_s, "steps": steps,
+                   "ts": time.time()})
+
+    def emit_device_transfer(self, device_id: str, direction: str, nbytes: int, seconds: float) -> None:
+        self.emit({"kind": "device_transfer", "device_id": device_id, "direction": direction,
+                   "bytes": nbytes, "seconds": seconds, "ts": time.time()})
+
+    def emit_request(self, request_id: str, *, device_id: str | None = None, ttft_s: float | None = None,
+                     token_times_s: Sequence[float] = (), accept_lengths: Sequence[int] = (),
+                     prompt_tokens: int | None = None) -> None:
+        self.emit({"kind": "request", "request_id": request_id, "device_id": device_id, "ttft_s": ttft_s,
+                   "token_times_s": list(token_times_s), "accept_lengths": list(accept_lengths),
+                   "prompt_tokens": prompt_tokens, "ts": time.time()})
+
+    async def aclose(self, drain_timeout_s: float = 1.0) -> None:
+        """Give in-flight sends `drain_timeout_s`, cancel the rest, close the client."""
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
