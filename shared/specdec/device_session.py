@@ -3,7 +3,7 @@
 A `DeviceSession` is a state machine with no I/O. The device agent (or the
 in-process engine) feeds it what the cloud returns:
 
-    for chunk in session.prefill_chunks(sizes):  -> shallow [S, H] to upload
+    session.prefill_chunk(size)                   -> shallow [S, H] to upload
     session.on_prefill_result(deep_last)          -> first token
     draft = session.draft()                        -> shallow [k+1, H] to verify
     session.on_verify_result(draft, deep)          -> accepted tokens + bonus
@@ -16,7 +16,7 @@ number of positions whose tokens are final. The cloud is told the same
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,14 +48,14 @@ class DeviceModel:
     """What a device holds: input submodel, draft adapter, output submodel."""
 
     input: InputSubmodel
-    adapter: DraftAdapter
+    adapter: DraftAdapter | None  # None: no speculation (plain U-shape)
     output: OutputSubmodel
     eos_token_id: int | None
     vocab_size: int
     context_length: int
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, split_layers: int, adapter: DraftAdapter) -> "DeviceModel":
+    def from_checkpoint(cls, checkpoint: Checkpoint, split_layers: int, adapter: DraftAdapter | None) -> "DeviceModel":
         return cls(
             input=InputSubmodel(checkpoint, split_layers),
             adapter=adapter,
@@ -100,7 +100,7 @@ class DeviceSession:
         if self.max_new_tokens < 1:
             raise SessionError("max_new_tokens must be >= 1")
         self.input_cache = self.model.input.new_cache()
-        self.adapter_cache = self.model.adapter.new_cache()
+        self.adapter_cache = self.model.adapter.new_cache() if self.model.adapter is not None else None
         self.generator = torch.Generator()
         if self.params.seed is not None:
             self.generator.manual_seed(self.params.seed)
@@ -129,17 +129,20 @@ class DeviceSession:
         return emitted
 
     # -- prefill ---------------------------------------------------------------
-    def prefill_chunks(self, chunk_sizes: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield (start_pos, shallow [S, H]) per chunk; sizes must cover the prompt exactly."""
-        if sum(chunk_sizes) != len(self.prompt_ids) or min(chunk_sizes) < 1:
-            raise SessionError(f"chunk sizes {list(chunk_sizes)} do not cover a {len(self.prompt_ids)}-token prompt")
-        start = 0
-        for size in chunk_sizes:
-            ids = torch.tensor(self.prompt_ids[start : start + size])
-            shallow = self.model.input(ids, self.input_cache)  # [S, H]
-            self.model.adapter(shallow, self.adapter_cache)  # keep the draft's cache in step
-            yield start, shallow
-            start += size
+    def prefill_chunk(self, size: int) -> tuple[int, torch.Tensor]:
+        """Run the next `size` prompt tokens through the input submodel: (start_pos, shallow [S, H])."""
+        start = self.commit_len
+        if size < 1 or start + size > len(self.prompt_ids):
+            raise SessionError(f"chunk of {size} at {start} does not fit a {len(self.prompt_ids)}-token prompt")
+        ids = torch.tensor(self.prompt_ids[start : start + size])
+        shallow = self.model.input(ids, self.input_cache)  # [S, H]
+        self._run_adapter(shallow)  # keep the draft's cache in step
+        return start, shallow
+
+    def _run_adapter(self, shallow: torch.Tensor) -> torch.Tensor | None:
+        if self.adapter_cache is None:
+            return None
+        return self.model.adapter(shallow, self.adapter_cache)  # [S, H]
 
     def on_prefill_result(self, deep_last: torch.Tensor) -> list[int]:
         """Sample the first token from the deep state of the prompt's last position."""
@@ -151,6 +154,8 @@ class DeviceSession:
 
     # -- decode ----------------------------------------------------------------
     def _draft_budget(self) -> int:
+        if self.model.adapter is None:
+            return 0
         remaining = self.max_new_tokens - len(self.generated)
         return max(0, min(self.draft_config.max_draft, remaining - 1))
 
@@ -167,7 +172,7 @@ class DeviceSession:
         while True:
             shallow = self.model.input(torch.tensor([token]), self.input_cache)  # [1, H]
             shallows.append(shallow)
-            draft_hidden = self.model.adapter(shallow, self.adapter_cache)  # [1, H]
+            draft_hidden = self._run_adapter(shallow)  # [1, H]
             if stop or len(tokens) >= budget:
                 break
             logits = self.model.output(draft_hidden)[0]  # [V]
@@ -193,7 +198,8 @@ class DeviceSession:
         verdict: Verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
         keep = draft.commit_len + 1 + verdict.num_accepted
         self.input_cache.truncate(keep)
-        self.adapter_cache.truncate(keep)
+        if self.adapter_cache is not None:
+            self.adapter_cache.truncate(keep)
         self.pending_token = verdict.next_token
         emitted = self._emit(draft.tokens[: verdict.num_accepted] + [verdict.next_token])
         self.accept_lengths.append(len(emitted))
@@ -201,4 +207,5 @@ class DeviceSession:
 
     def free(self) -> None:
         self.input_cache.free()
-        self.adapter_cache.free()
+        if self.adapter_cache is not None:
+            self.adapter_cache.free()

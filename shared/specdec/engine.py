@@ -6,8 +6,9 @@ module's `LocalCloud`) or over the network (the device agent's client).
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,7 +22,15 @@ from shared.specdec.device_session import DeviceSession
 class Cloud(Protocol):
     """What the device needs from the verifier (hidden states only, never tokens)."""
 
-    async def prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool) -> torch.Tensor | None: ...
+    async def open(self, session_id: int) -> None: ...
+
+    async def send_prefill(
+        self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool
+    ) -> Awaitable[torch.Tensor | None]:
+        """Upload one chunk; returns once it is sent, with an awaitable of the cloud's answer
+        (the deep state of the last position for the last chunk, else None). Not waiting for
+        the answer lets the device compute chunk j+1 while the cloud computes chunk j."""
+        ...
 
     async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor: ...
 
@@ -30,6 +39,12 @@ class Cloud(Protocol):
 
 class UnknownSessionError(KeyError):
     pass
+
+
+def _done(value) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
 
 
 class LocalCloud:
@@ -45,12 +60,15 @@ class LocalCloud:
         except KeyError:
             raise UnknownSessionError(session_id) from None
 
-    async def prefill(self, session_id, start_pos, shallow, is_last):
-        cache = self.caches.setdefault(session_id, self.middle.new_cache())
+    async def open(self, session_id):
+        self.caches[session_id] = self.middle.new_cache()
+
+    async def send_prefill(self, session_id, start_pos, shallow, is_last):
+        cache = self._cache(session_id)
         if start_pos != cache.length:
             raise ValueError(f"chunk starts at {start_pos} but the session holds {cache.length} positions")
         deep = self.middle.forward_batch([(cache, shallow)])[0]  # [S, H]
-        return deep[-1:] if is_last else None
+        return _done(deep[-1:] if is_last else None)
 
     async def verify(self, session_id, commit_len, shallow):
         cache = self._cache(session_id)
@@ -71,21 +89,43 @@ def fixed_chunks(num_tokens: int, chunk_size: int | None) -> list[int]:
     return [chunk_size] * full + ([rest] if rest else [])
 
 
+async def _inline(fn, *args):
+    return fn(*args)
+
+
 async def run_session(
-    session: DeviceSession, cloud: Cloud, session_id: int, chunk_sizes: Sequence[int]
+    session: DeviceSession,
+    cloud: Cloud,
+    session_id: int,
+    chunk_sizes: Sequence[int],
+    offload: Callable[..., Awaitable] = _inline,
+    overlap_prefill: bool = True,
 ) -> AsyncIterator[list[int]]:
-    """Yield the tokens each round makes final, until the session finishes."""
+    """Yield the tokens each round makes final, until the session finishes.
+
+    `offload(fn, *args)` runs device compute (e.g. `asyncio.to_thread` in the agent,
+    so the event loop keeps moving frames). With `overlap_prefill`, chunk j+1 is
+    computed and uploaded while the cloud works on chunk j (HAT §3.3); without it,
+    each chunk waits for the cloud's answer to the previous one.
+    """
+    await cloud.open(session_id)
     try:
-        chunks = list(zip(range(len(chunk_sizes)), session.prefill_chunks(chunk_sizes)))
+        answers = []
+        for index, size in enumerate(chunk_sizes):
+            start, shallow = await offload(session.prefill_chunk, size)
+            answer = await cloud.send_prefill(session_id, start, shallow, index == len(chunk_sizes) - 1)
+            if overlap_prefill:
+                answers.append(answer)
+            else:
+                answers.append(_done(await answer))
         deep_last = None
-        for index, (start, shallow) in chunks:
-            deep_last = await cloud.prefill(session_id, start, shallow, is_last=index == len(chunk_sizes) - 1)
-        assert deep_last is not None
-        yield session.on_prefill_result(deep_last)
+        for answer in answers:
+            deep_last = await answer
+        yield await offload(session.on_prefill_result, deep_last)
         while not session.is_finished:
-            draft = session.draft()
+            draft = await offload(session.draft)
             deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
-            yield session.on_verify_result(draft, deep)
+            yield await offload(session.on_verify_result, draft, deep)
     finally:
         await cloud.close(session_id)
         session.free()

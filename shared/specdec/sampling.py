@@ -102,5 +102,7 @@ def accept(
     if params.is_greedy:
         return accept_greedy(draft_tokens, target_logits)
     if draft_probs is None:
-        raise ValueError("sampled verification needs the draft distributions q")
+        if draft_tokens:
+            raise ValueError("sampled verification needs the draft distributions q")
+        draft_probs = target_logits.new_zeros(0, target_logits.shape[-1])
     return accept_sampled(draft_tokens, draft_probs, logits_to_probs(target_logits, params), generator)

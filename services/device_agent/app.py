@@ -1,0 +1,188 @@
+"""The device agent's local HTTP API: submit a prompt, stream tokens as they are accepted.
+
+    POST /generate  -> application/x-ndjson, one event per line:
+        {"type":"start", "request_id", "prompt_tokens"}
+        {"type":"tokens", "token_ids", "text", "t"}           (one per verification round)
+        {"type":"done", "finish_reason", "stats"} | {"type":"error", "code", "message"}
+    GET /info, /healthz, /readyz
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import httpx
+import torch
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud
+from services.device_agent.settings import Settings
+from shared import wire
+from shared.model.checkpoint import load_checkpoint
+from shared.runtime import build_device_model, encode_prompt
+from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError
+from shared.specdec.engine import fixed_chunks, run_session
+from shared.specdec.sampling import SamplingParams
+from shared.telemetry import TelemetryClient
+
+log = logging.getLogger("services.device_agent")
+
+
+class GenerateRequest(BaseModel):
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    max_new_tokens: int = Field(64, ge=1, le=4096)
+    temperature: float = Field(0.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    request_id: str | None = None
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}})
+
+
+class IncrementalDetokenizer:
+    """Text deltas from a growing token list, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        self.token_ids += token_ids
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+
+class DeviceAgent:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.checkpoint = load_checkpoint(settings.model_dir)
+        self.model = build_device_model(self.checkpoint, settings.split_layers, settings.adapter or None,
+                                        speculative=settings.speculative)
+        self.telemetry = TelemetryClient(settings.state_monitor_url or None)
+        self.cloud = WebSocketCloud(settings.verifier_url, self.checkpoint.hidden_size,
+                                    wire.WireDtype(settings.wire_dtype), settings.request_timeout_s,
+                                    on_transfer=self._on_transfer)
+        self.active = 0
+        self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s)
+
+    def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        self.telemetry.emit_device_transfer(self.settings.device_id, direction, nbytes, seconds)
+
+    async def chunk_size(self, prompt_tokens: int) -> int:
+        if not self.settings.chunk_planner_url:
+            return self.settings.default_chunk_size
+        try:
+            response = await self.http.get(f"{self.settings.chunk_planner_url}/chunk-size",
+                                           params={"device_id": self.settings.device_id, "prompt_tokens": prompt_tokens})
+            response.raise_for_status()
+            return max(1, int(response.json()["chunk_size"]))
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            log.warning("chunk planner unavailable (%s); using %d", exc, self.settings.default_chunk_size)
+            return self.settings.default_chunk_size
+
+    async def stream(self, request: GenerateRequest, ids: list[int], session: DeviceSession, request_id: str):
+        started = time.perf_counter()
+        token_times: list[float] = []
+        detok = IncrementalDetokenizer(self.checkpoint.tokenizer)
+        session_id = random.getrandbits(63)
+        yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
+        try:
+            chunks = fixed_chunks(len(ids), await self.chunk_size(len(ids)))
+            async for tokens in run_session(session, self.cloud, session_id, chunks, offload=asyncio.to_thread):
+                now = time.perf_counter() - started
+                token_times += [now] * len(tokens)
+                yield json.dumps({"type": "tokens", "token_ids": tokens, "text": detok.push(tokens), "t": now}) + "\n"
+        except (CloudUnavailable, CloudError, SessionError) as exc:
+            log.warning("request %s failed: %s", request_id, exc)
+            yield json.dumps({"type": "error", "code": type(exc).__name__, "message": str(exc)}) + "\n"
+            return
+        finally:
+            self.active -= 1
+        ttft = token_times[0] if token_times else 0.0
+        tbt = (token_times[-1] - ttft) / (len(token_times) - 1) if len(token_times) > 1 else 0.0
+        stats = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(session.generated),
+            "ttft_s": ttft,
+            "tbt_s": tbt,
+            "mean_accept_length": sum(session.accept_lengths) / max(1, len(session.accept_lengths)),
+            "num_rounds": len(session.accept_lengths),
+        }
+        eos = self.model.eos_token_id
+        finish = "stop" if session.generated and session.generated[-1] == eos else "length"
+        yield json.dumps({"type": "done", "finish_reason": finish, "stats": stats}) + "\n"
+        self.telemetry.emit_request(request_id, device_id=self.settings.device_id, ttft_s=ttft,
+                                    token_times_s=token_times, accept_lengths=list(session.accept_lengths),
+                                    prompt_tokens=len(ids))
+
+    async def aclose(self) -> None:
+        await self.cloud.close_connection()
+        await self.http.aclose()
+        await self.telemetry.aclose()
+
+
+def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
+    state: dict[str, DeviceAgent] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        torch.set_num_threads(settings.torch_threads)
+        state["agent"] = agent or await asyncio.to_thread(DeviceAgent, settings)
+        log.info("device agent %s ready (model %s, m=%d, speculative=%s)", settings.device_id,
+                 settings.model_dir, settings.split_layers, settings.speculative)
+        yield
+        await state["agent"].aclose()
+
+    app = FastAPI(title=f"tophat device agent {settings.device_id}", lifespan=lifespan)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        if "agent" not in state:
+            return _error(503, "starting", "model still loading")
+        return {"status": "ready", "device_id": settings.device_id}
+
+    @app.get("/info")
+    async def info():
+        agent = state["agent"]
+        return {"device_id": settings.device_id, "model": agent.checkpoint.path.name,
+                "active_sessions": agent.active, "max_sessions": settings.max_sessions,
+                "speculative": settings.speculative, "split_layers": settings.split_layers}
+
+    @app.post("/generate")
+    async def generate(request: GenerateRequest):
+        agent = state["agent"]
+        if agent.active >= settings.max_sessions:
+            return _error(503, "busy", f"device {settings.device_id} is serving {agent.active} sessions")
+        try:
+            ids = encode_prompt(agent.checkpoint, request.prompt, request.prompt_ids)
+            params = SamplingParams(request.temperature, request.top_p, request.seed)
+            session = DeviceSession(agent.model, ids, params, DraftConfig(settings.eta, settings.max_draft),
+                                    request.max_new_tokens)
+        except (SessionError, ValueError) as exc:
+            return _error(400, "bad_request", str(exc))
+        agent.active += 1
+        request_id = request.request_id or uuid.uuid4().hex
+        return StreamingResponse(agent.stream(request, ids, session, request_id), media_type="application/x-ndjson")
+
+    return app

@@ -1,0 +1,190 @@
+"""The device's side of the WebSocket to verifier-cloud: a `Cloud` over the wire.
+
+One connection per device agent, shared by all its sessions. Replies are
+matched to requests by (session_id, seq_no); a reader task owns the receive
+side. If the connection drops, every waiting request fails with
+`CloudUnavailable` and the next request reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from shared import wire
+
+log = logging.getLogger("services.device_agent.cloud")
+
+# Replies that answer a session-level request (open/close) carry no seq_no.
+_SESSION_SEQ = -1
+
+
+class CloudError(RuntimeError):
+    """The verifier answered with an ErrorFrame."""
+
+    def __init__(self, code: wire.ErrorCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+class CloudUnavailable(ConnectionError):
+    """The verifier could not be reached or the connection dropped."""
+
+
+TransferHook = Callable[[str, int, float], None]  # (direction "up"/"down", bytes, seconds)
+
+
+class WebSocketCloud:
+    def __init__(
+        self,
+        url: str,
+        hidden_size: int,
+        wire_dtype: wire.WireDtype = wire.WireDtype.F16,
+        request_timeout_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+        max_frame_bytes: int = wire.MAX_FRAME_BYTES,
+        on_transfer: TransferHook | None = None,
+    ):
+        self.url = url
+        self.hidden_size = hidden_size
+        self.wire_dtype = wire_dtype
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.on_transfer = on_transfer
+        self._connection: ClientConnection | None = None
+        self._reader: asyncio.Task | None = None
+        self._connect_lock = asyncio.Lock()
+        self._waiting: dict[tuple[int, int], asyncio.Future] = {}
+        self._seq = itertools.count(1)
+        self._sent_at: dict[tuple[int, int], float] = {}
+
+    # -- connection -------------------------------------------------------------------
+    async def _ensure_connected(self) -> ClientConnection:
+        async with self._connect_lock:
+            if self._connection is not None and self._reader is not None and not self._reader.done():
+                return self._connection
+            try:
+                self._connection = await connect(
+                    self.url, open_timeout=self.connect_timeout_s, max_size=4 * self.max_frame_bytes,
+                    compression=None, ping_interval=20, ping_timeout=20,
+                )
+            except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
+                raise CloudUnavailable(f"cannot reach the verifier at {self.url}: {exc}") from exc
+            self._reader = asyncio.create_task(self._read_loop(self._connection))
+            log.info("connected to verifier %s", self.url)
+            return self._connection
+
+    async def _read_loop(self, connection: ClientConnection) -> None:
+        try:
+            async for frame in connection:
+                received = time.perf_counter()
+                try:
+                    message = wire.decode(frame, max_frame_bytes=4 * self.max_frame_bytes)
+                except wire.WireError as exc:
+                    log.warning("undecodable frame from the verifier: %s", exc)
+                    continue
+                self._deliver(message, len(frame), received)
+        except ConnectionClosed:
+            pass
+        finally:
+            failure = CloudUnavailable("connection to the verifier closed")
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(failure)
+            self._waiting.clear()
+            log.info("connection to verifier %s closed", self.url)
+
+    def _deliver(self, message: wire.Message, nbytes: int, received: float) -> None:
+        seq_no = getattr(message, "seq_no", None)
+        key = (getattr(message, "session_id", None), _SESSION_SEQ if seq_no is None else seq_no)
+        future = self._waiting.pop(key, None)
+        if future is None and isinstance(message, wire.ErrorFrame):
+            # An error about a session-level request, or one we cannot place.
+            future = self._waiting.pop((message.session_id, _SESSION_SEQ), None)
+        if future is None:
+            log.warning("unexpected %s from the verifier (session %s, seq %s)", type(message).__name__, *key)
+            return
+        sent = self._sent_at.pop(key, None)
+        if self.on_transfer is not None and sent is not None and not isinstance(message, wire.ChunkAck):
+            self.on_transfer("down", nbytes, received - sent)
+        if future.done():
+            return
+        if isinstance(message, wire.ErrorFrame):
+            future.set_exception(CloudError(wire.ErrorCode(message.code), message.message))
+        else:
+            future.set_result(message)
+
+    async def _send(self, message: wire.Message, key: tuple[int, int]) -> asyncio.Future:
+        connection = await self._ensure_connected()
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[key] = future
+        frame = wire.encode(message, wire_dtype=self.wire_dtype)
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                await connection.send(frame)
+        except (ConnectionClosed, TimeoutError) as exc:
+            self._waiting.pop(key, None)
+            raise CloudUnavailable(f"sending to the verifier failed: {type(exc).__name__}") from exc
+        self._sent_at[key] = time.perf_counter()
+        if self.on_transfer is not None:
+            self.on_transfer("up", len(frame), self._sent_at[key] - started)
+        return future
+
+    async def _wait(self, future: asyncio.Future, key: tuple[int, int]) -> wire.Message:
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                return await future
+        except TimeoutError as exc:
+            self._waiting.pop(key, None)
+            raise CloudUnavailable(f"the verifier did not answer within {self.request_timeout_s}s") from exc
+
+    async def _request(self, message: wire.Message, key: tuple[int, int]) -> wire.Message:
+        return await self._wait(await self._send(message, key), key)
+
+    async def close_connection(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+        if self._reader is not None:
+            try:
+                async with asyncio.timeout(5):
+                    await self._reader
+            except TimeoutError:
+                self._reader.cancel()
+
+    # -- the Cloud protocol ------------------------------------------------------------
+    async def open(self, session_id: int) -> None:
+        await self._request(wire.OpenSession(session_id, self.hidden_size, self.wire_dtype.value, True),
+                            (session_id, _SESSION_SEQ))
+
+    async def send_prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool):
+        seq_no = next(self._seq)
+        key = (session_id, seq_no)
+        future = await self._send(wire.PrefillChunk(session_id, seq_no, start_pos, is_last, shallow), key)
+
+        async def answer() -> torch.Tensor | None:
+            reply = await self._wait(future, key)
+            return reply.hidden.float() if isinstance(reply, wire.DeepHidden) else None
+
+        return asyncio.ensure_future(answer())
+
+    async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor:
+        seq_no = next(self._seq)
+        reply = await self._request(wire.VerifyRequest(session_id, seq_no, commit_len, shallow), (session_id, seq_no))
+        return reply.hidden.float()  # [k+1, H]
+
+    async def close(self, session_id: int) -> None:
+        if self._connection is None or self._reader is None or self._reader.done():
+            return  # the cloud already dropped every session of the lost connection
+        try:
+            await self._request(wire.CloseSession(session_id), (session_id, _SESSION_SEQ))
+        except (CloudUnavailable, CloudError) as exc:
+            log.info("closing session %d: %s", session_id, exc)

@@ -1,0 +1,48 @@
+"""Device-agent settings, from `TOPHAT_DEVICE_*` environment variables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared.settings import from_env
+from shared.wire import WireDtype
+
+ENV_PREFIX = "TOPHAT_DEVICE_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    device_id: str = "device-0"
+    host: str = "127.0.0.1"
+    port: int = 8200
+    model_dir: str = "models/demo"
+    split_layers: int = 2  # m: must match the verifier's
+    adapter: str = ""  # draft adapter file; "random" = untrained; empty = MODEL_DIR/draft_adapter.safetensors
+    speculative: bool = True  # False: plain U-shape, one token per cloud round trip
+    eta: float = 0.6  # HAT eq. 5 drafting threshold
+    max_draft: int = 8
+    verifier_url: str = "ws://127.0.0.1:8100/ws"
+    chunk_planner_url: str = ""  # empty: fixed default_chunk_size
+    state_monitor_url: str = ""  # empty: no telemetry
+    default_chunk_size: int = 128
+    wire_dtype: str = "f2"  # hidden states on the wire: f2 (fp16), f4 (fp32), bf (bf16)
+    max_sessions: int = 4  # concurrent generations on this device; more get 503
+    request_timeout_s: float = 60.0  # one cloud round trip
+    planner_timeout_s: float = 1.0
+    torch_threads: int = 1
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        WireDtype(self.wire_dtype)
+        if not 0 <= self.eta <= 1 or self.max_draft < 0:
+            raise ValueError("eta must be in [0, 1] and max_draft >= 0")
+        if self.max_sessions < 1 or self.default_chunk_size < 1:
+            raise ValueError("max_sessions and default_chunk_size must be >= 1")
+        if min(self.request_timeout_s, self.planner_timeout_s) <= 0:
+            raise ValueError("timeouts must be > 0")
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    return from_env(Settings, ENV_PREFIX, environ, **overrides)

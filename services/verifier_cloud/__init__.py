@@ -1,0 +1,1 @@
+"""verifier-cloud: the middle submodel behind a WebSocket, continuous batching across sessions."""

@@ -1,0 +1,40 @@
+"""Verifier settings, from `TOPHAT_VERIFIER_*` environment variables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared.settings import from_env
+from shared.wire import MAX_FRAME_BYTES
+
+ENV_PREFIX = "TOPHAT_VERIFIER_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8100
+    model_dir: str = "models/demo"
+    split_layers: int = 2  # m: the device keeps layers [0, m); the cloud runs [m, n)
+    max_frame_bytes: int = MAX_FRAME_BYTES  # larger frames get an OVERSIZED error frame
+    max_batch_tokens: int = 4096  # packed tokens per batched forward pass
+    max_sessions: int = 256
+    idle_timeout_s: float = 600.0  # a device silent this long is disconnected and its KV freed
+    send_timeout_s: float = 10.0
+    state_monitor_url: str = ""  # empty: no telemetry
+    torch_threads: int = 1
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if self.split_layers < 1:
+            raise ValueError("split_layers must be >= 1")
+        if self.max_frame_bytes < 1024 or self.max_batch_tokens < 1 or self.max_sessions < 1:
+            raise ValueError("max_frame_bytes, max_batch_tokens and max_sessions are too small")
+        if min(self.idle_timeout_s, self.send_timeout_s) <= 0:
+            raise ValueError("timeouts must be > 0")
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    return from_env(Settings, ENV_PREFIX, environ, **overrides)

@@ -1,0 +1,138 @@
+"""`make bench-core`: the in-process model core on held-out prompts, printed, never asserted.
+
+Prints ms per draft step, ms per verify pass by number of draft tokens, the
+accept-length distribution, and the decode speedup of `hat` over `ushape`
+measured side by side in this run (same prompts, same process, same threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+from shared.demo_model.corpus import held_out_prompts
+from shared.model.checkpoint import load_checkpoint
+from shared.model.split import MiddleSubmodel
+from shared.runtime import build_device_model
+from shared.specdec.device_session import DeviceSession, DraftConfig
+from shared.specdec.engine import LocalCloud, generate
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3 if samples else float("nan")
+
+
+def time_verify_passes(middle: MiddleSubmodel, hidden_size: int, context: int, max_k: int, repeats: int) -> dict[int, float]:
+    """Median ms of one middle pass over k+1 positions after a `context`-long prefix."""
+    cache = middle.new_cache()
+    middle.forward_batch([(cache, torch.randn(context, hidden_size))])
+    result = {}
+    for k in range(max_k + 1):
+        samples = []
+        for _ in range(repeats):
+            cache.truncate(context)
+            started = time.perf_counter()
+            middle.forward_batch([(cache, torch.randn(k + 1, hidden_size))])
+            samples.append(time.perf_counter() - started)
+        result[k] = _median_ms(samples)
+    return result
+
+
+def time_draft_steps(device, prompt_ids: list[int], steps: int) -> float:
+    session = DeviceSession(device, prompt_ids, draft_config=DraftConfig(eta=0.0, max_draft=steps), max_new_tokens=steps + 2)
+    session.prefill_chunk(len(prompt_ids))
+    session.pending_token = prompt_ids[-1]
+    started = time.perf_counter()
+    draft = session.draft()
+    return (time.perf_counter() - started) / (len(draft.tokens) + 1)
+
+
+class DelayedCloud(LocalCloud):
+    """LocalCloud plus a fixed emulated round-trip time per cloud call (the network HAT saves)."""
+
+    def __init__(self, middle, rtt_s: float):
+        super().__init__(middle)
+        self.rtt_s = rtt_s
+
+    async def send_prefill(self, *args):
+        await asyncio.sleep(self.rtt_s)
+        return await super().send_prefill(*args)
+
+    async def verify(self, *args):
+        await asyncio.sleep(self.rtt_s)
+        return await super().verify(*args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="models/demo")
+    parser.add_argument("--split-layers", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--eta", type=float, default=0.6)
+    parser.add_argument("--max-draft", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rtt-ms", type=float, default=20.0, help="emulated device-cloud round trip for the second comparison")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    checkpoint = load_checkpoint(args.model)
+    m = args.split_layers
+    hat_device = build_device_model(checkpoint, m, None, speculative=True)
+    ushape_device = build_device_model(checkpoint, m, None, speculative=False)
+    middle = MiddleSubmodel(checkpoint, m)
+    prompts = [checkpoint.tokenizer.encode(p, add_special_tokens=False) for p in held_out_prompts(args.prompts, seed=11)]
+
+    print(f"model {args.model}: {checkpoint.num_layers} layers, hidden {checkpoint.hidden_size}, m={m}, "
+          f"eta={args.eta}, max draft {args.max_draft}, {args.prompts} held-out prompts, torch threads {args.threads}")
+    draft_ms = _median_ms([time_draft_steps(hat_device, p, 8) for p in prompts[:4]])
+    print(f"\ndraft step (input layers + adapter + head): {draft_ms:.2f} ms")
+    print("\nverify pass (middle submodel, 128-token context) by number of draft tokens k:")
+    for k, ms in time_verify_passes(middle, checkpoint.hidden_size, 128, args.max_draft, 7).items():
+        print(f"  k={k:2d} ({k + 1:2d} positions): {ms:6.2f} ms")
+
+    runs = {}
+    for rtt_ms in (0.0, args.rtt_ms):
+        for mode, device in (("ushape", ushape_device), ("hat", hat_device)):
+            runs[(mode, rtt_ms)] = []
+        for index, ids in enumerate(prompts):
+            for mode, device in (("ushape", ushape_device), ("hat", hat_device)):
+                session = DeviceSession(device, ids, draft_config=DraftConfig(args.eta, args.max_draft),
+                                        max_new_tokens=args.max_new_tokens)
+                cloud = DelayedCloud(middle, rtt_ms / 1e3)
+                runs[(mode, rtt_ms)].append(asyncio.run(generate(session, cloud, session_id=index + 1)))
+    results = {"ushape": runs[("ushape", 0.0)], "hat": runs[("hat", 0.0)]}
+    for a, b in zip(results["ushape"], results["hat"]):
+        assert a.token_ids == b.token_ids, "hat diverged from ushape: speculation is not lossless"
+
+    lengths = Counter(n for r in results["hat"] for n in r.accept_lengths)
+    total = sum(lengths.values())
+    print("\naccept length distribution (tokens per verification round, hat):")
+    for n in sorted(lengths):
+        print(f"  {n:2d}: {lengths[n] / total:6.1%} {'#' * round(40 * lengths[n] / total)}")
+    mean_accept = sum(n * c for n, c in lengths.items()) / total
+    print(f"  mean accept length: {mean_accept:.2f}")
+
+    def decode_s(mode: str, rtt_ms: float) -> float:
+        return sum(r.wall_s - r.ttft_s for r in runs[(mode, rtt_ms)])
+
+    def tokens(mode: str, rtt_ms: float) -> int:
+        return sum(len(r.token_ids) - 1 for r in runs[(mode, rtt_ms)])
+
+    for rtt_ms in (0.0, args.rtt_ms):
+        label = "in-process, no network" if rtt_ms == 0 else f"emulated round trip {rtt_ms:.0f} ms per cloud call"
+        print(f"\ndecode (after the first token), same prompts, same run, {label}:")
+        for mode in ("ushape", "hat"):
+            ttft = statistics.mean(r.ttft_s for r in runs[(mode, rtt_ms)]) * 1e3
+            print(f"  {mode:7s}: {decode_s(mode, rtt_ms) / tokens(mode, rtt_ms) * 1e3:6.2f} ms/token, TTFT {ttft:6.1f} ms")
+        print(f"  decode speedup hat / ushape: {decode_s('ushape', rtt_ms) / decode_s('hat', rtt_ms):.2f}x "
+              "(outputs token-identical)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""`tophat` — the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from shared.model.adapter import AdapterError
+from shared.model.checkpoint import ModelLoadError
+from shared.model.split import SplitError
+from shared.specdec.device_session import SessionError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Tophat: device-cloud collaborative LLM inference.")
+
+USER_ERRORS = (ModelLoadError, AdapterError, SplitError, SessionError, ValueError)
+
+
+class Mode(str, Enum):
+    full = "full"  # the unsplit model, one token per pass
+    ushape = "ushape"  # split, one token per cloud pass
+    hat = "hat"  # split + speculative decoding with the draft adapter
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+def _parse_ids(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        _fail(f"--prompt-ids must be comma-separated integers, got {text!r}")
+
+
+def _setup(threads: int | None) -> None:
+    import torch
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(threads or min(2, torch.get_num_threads()))
+
+
+@app.command("build-demo-model")
+def build_demo_model_cmd(
+    out: Path = typer.Option(Path("models/demo"), help="output directory"),
+    max_steps: Optional[int] = typer.Option(None, help="override the training step count"),
+    minutes: Optional[float] = typer.Option(None, help="stop training after this many minutes"),
+):
+    """Train the demo tokenizer + Llama on the stdlib source, offline, on the CPU."""
+    import dataclasses
+
+    from shared.demo_model.build import DemoModelConfig, build_demo_model
+
+    _setup(None)
+    logging.getLogger("shared").setLevel(logging.INFO)
+    cfg = DemoModelConfig()
+    if max_steps is not None:
+        cfg = dataclasses.replace(cfg, max_steps=max_steps)
+    if minutes is not None:
+        cfg = dataclasses.replace(cfg, time_budget_s=minutes * 60)
+    report = build_demo_model(out, cfg)
+    typer.echo(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
+
+
+@app.command("train-adapter")
+def train_adapter_cmd(
+    model: Path = typer.Option(..., help="checkpoint directory"),
+    split_layers: int = typer.Option(2, "--split-layers", help="m: decoder layers on the device"),
+    steps: int = typer.Option(300, help="training steps"),
+    out: Optional[Path] = typer.Option(None, help="default: MODEL/draft_adapter.safetensors"),
+):
+    """Distil HAT's draft adapter from the middle submodel (eq. 4)."""
+    from shared.demo_model.train_adapter import AdapterTrainConfig, train_adapter
+
+    _setup(None)
+    try:
+        report = train_adapter(model, AdapterTrainConfig(split_layers=split_layers, steps=steps), out)
+    except USER_ERRORS as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(report, indent=2))
+
+
+@app.command()
+def generate(
+    model: Path = typer.Option(..., help="a local Llama-family checkpoint directory"),
+    prompt: Optional[str] = typer.Option(None, help="prompt text"),
+    prompt_ids: Optional[str] = typer.Option(None, help="comma-separated token ids"),
+    max_new_tokens: int = typer.Option(64),
+    mode: Mode = typer.Option(Mode.hat),
+    split_layers: int = typer.Option(2, "--split-layers", help="m: decoder layers on the device"),
+    eta: float = typer.Option(0.6, help="drafting threshold (HAT eq. 5)"),
+    max_draft: int = typer.Option(8, help="max draft tokens per round"),
+    adapter: Optional[str] = typer.Option(None, help="adapter file, or 'random'; default MODEL/draft_adapter.safetensors"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0),
+    seed: Optional[int] = typer.Option(None),
+    chunk_size: Optional[int] = typer.Option(None, help="prefill chunk size (default: whole prompt)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    threads: Optional[int] = typer.Option(None, help="torch threads"),
+):
+    """Generate text with the full model, the U-shaped split, or HAT."""
+    from shared.model.checkpoint import load_checkpoint
+    from shared.runtime import build_device_model, decode_tokens, encode_prompt
+    from shared.specdec.device_session import DeviceSession, DraftConfig
+    from shared.specdec.engine import LocalCloud, generate as run_generate
+    from shared.specdec.reference import generate_full
+    from shared.specdec.sampling import SamplingParams
+    from shared.model.split import MiddleSubmodel
+
+    _setup(threads)
+    try:
+        checkpoint = load_checkpoint(model)
+        ids = encode_prompt(checkpoint, prompt, _parse_ids(prompt_ids))
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+        if mode is Mode.full:
+            result = generate_full(checkpoint, ids, max_new_tokens, params)
+        else:
+            device = build_device_model(checkpoint, split_layers, adapter, speculative=mode is Mode.hat)
+            session = DeviceSession(device, ids, params, DraftConfig(eta=eta, max_draft=max_draft), max_new_tokens)
+            cloud = LocalCloud(MiddleSubmodel(checkpoint, split_layers))
+            result = asyncio.run(run_generate(session, cloud, chunk_size=chunk_size))
+    except USER_ERRORS as exc:
+        _fail(str(exc))
+    text = decode_tokens(checkpoint, result.token_ids)
+    summary = {
+        "text": text,
+        "token_ids": result.token_ids,
+        "num_rounds": result.num_rounds,
+        "mean_accept_length": round(result.mean_accept_length, 4),
+        "ttft_s": round(result.ttft_s, 6),
+        "tbt_s": round(result.tbt_s, 6),
+        "wall_s": round(result.wall_s, 6),
+    }
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    typer.echo((prompt or "") + text)
+    typer.secho(
+        f"\n[{mode.value}] {len(result.token_ids)} tokens, {result.num_rounds} rounds, "
+        f"accept length {result.mean_accept_length:.2f}, TTFT {result.ttft_s * 1e3:.1f} ms, "
+        f"TBT {result.tbt_s * 1e3:.1f} ms, wall {result.wall_s:.2f} s",
+        fg=typer.colors.CYAN,
+        err=True,
+    )
+
+
+@app.command()
+def up(
+    devices: int = typer.Option(1, "--devices", help="number of device agents"),
+    model: Path = typer.Option(Path("models/demo"), help="checkpoint directory"),
+    redis_url: Optional[str] = typer.Option(None, help="external Redis (default: embedded redis-server)"),
+    port_base: int = typer.Option(8000, help="token-streamer port; the others are laid out from it"),
+    split_layers: int = typer.Option(2, "--split-layers"),
+    no_speculation: bool = typer.Option(False, "--no-speculation", help="plain U-shape (no draft adapter)"),
+    adapter: str = typer.Option("", help="adapter file or 'random' (default: MODEL/draft_adapter.safetensors)"),
+):
+    """Start the whole mesh on localhost; Ctrl-C (or SIGTERM) stops every process."""
+    import signal
+    import threading
+
+    from shared.launcher import Mesh, MeshConfig, MeshStartError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = MeshConfig(model_dir=str(model), num_devices=devices, port_base=port_base, redis_url=redis_url,
+                        split_layers=split_layers, speculative=not no_speculation, adapter=adapter)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    mesh = Mesh(config)
+    try:
+        mesh.start()
+    except MeshStartError as exc:
+        _fail(str(exc))
+    try:
+        for name, url in mesh.urls().items():
+            typer.echo(f"{name:16s} {url}")
+        typer.echo(f"logs in {config.log_dir}; chat with: tophat chat --url {config.streamer_url}")
+        typer.echo("Ctrl-C to stop")
+        while not stop.wait(0.5):
+            dead = [s.name for s in mesh.services if s.process.poll() is not None]
+            if dead:
+                typer.secho(f"service exited: {', '.join(dead)}; stopping the mesh", fg=typer.colors.RED, err=True)
+                break
+    finally:
+        mesh.stop()
+        typer.echo("mesh stopped")
+
+
+@app.command()
+def chat(
+    url: str = typer.Option("http://127.0.0.1:8000", help="token-streamer base URL"),
+    prompt: Optional[str] = typer.Option(None, help="one-shot prompt (default: interactive)"),
+    max_tokens: int = typer.Option(64),
+    temperature: float = typer.Option(0.0),
+):
+    """Chat with the mesh, streaming tokens; prints TTFT, TBT and accept length after each answer."""
+    from shared.chat_client import run_chat
+
+    asyncio.run(run_chat(url, prompt, max_tokens, temperature))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,210 @@
+"""Start the whole mesh as separate processes on localhost, and stop it cleanly.
+
+Used by `tophat up`, `make demo` and the end-to-end tests. Ports are laid out
+from one base (default 8000):
+
+    token-streamer  base        chunk-planner  base+10     state-monitor  base+20
+    verifier-cloud  base+100    device agents  base+200+i  redis          a free port (embedded)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from shared.redis_server import EmbeddedRedis
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class MeshStartError(RuntimeError):
+    """A service did not become ready in time (its log tail is in the message)."""
+
+
+@dataclass
+class MeshConfig:
+    model_dir: str = "models/demo"
+    num_devices: int = 1
+    port_base: int = 8000
+    redis_url: str | None = None  # None: start an embedded redis-server
+    split_layers: int = 2
+    speculative: bool = True
+    adapter: str = ""
+    max_draft: int = 8
+    eta: float = 0.6
+    log_dir: Path | None = None  # None: a temp dir per run
+    ready_timeout_s: float = 120.0
+    host: str = "127.0.0.1"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def streamer_url(self) -> str:
+        return f"http://{self.host}:{self.port_base}"
+
+    @property
+    def planner_url(self) -> str:
+        return f"http://{self.host}:{self.port_base + 10}"
+
+    @property
+    def monitor_url(self) -> str:
+        return f"http://{self.host}:{self.port_base + 20}"
+
+    @property
+    def verifier_port(self) -> int:
+        return self.port_base + 100
+
+    def device_url(self, index: int) -> str:
+        return f"http://{self.host}:{self.port_base + 200 + index}"
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    process: subprocess.Popen
+    ready_url: str
+    log_path: Path
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class Mesh:
+    def __init__(self, config: MeshConfig):
+        self.config = config
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url: str | None = None
+        self.services: list[ServiceProcess] = []
+        if config.log_dir is None:
+            import tempfile
+
+            config.log_dir = Path(tempfile.mkdtemp(prefix="tophat-mesh-"))
+        config.log_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def _spawn(self, name: str, module: str, env: dict[str, str], ready_url: str) -> ServiceProcess:
+        log_path = self.config.log_dir / f"{name}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.config.extra_env, **env}
+        handle = open(log_path, "ab")
+        process = subprocess.Popen([sys.executable, "-m", module], cwd=REPO_ROOT, env=full_env,
+                                   stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        handle.close()
+        service = ServiceProcess(name, process, ready_url, log_path)
+        self.services.append(service)
+        return service
+
+    def _wait_ready(self, services: list[ServiceProcess]) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        pending = list(services)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for service in list(pending):
+                    if service.process.poll() is not None:
+                        raise MeshStartError(f"{service.name} exited with {service.process.returncode}:\n{service.log_tail()}")
+                    try:
+                        if client.get(service.ready_url).status_code == 200:
+                            pending.remove(service)
+                    except httpx.HTTPError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(s.name for s in pending)
+                    raise MeshStartError(f"not ready after {self.config.ready_timeout_s}s: {names}\n{pending[0].log_tail()}")
+                if pending:
+                    time.sleep(0.2)
+
+    def start(self) -> "Mesh":
+        cfg = self.config
+        try:
+            self.redis_url = cfg.redis_url
+            if self.redis_url is None:
+                self.redis = EmbeddedRedis().start()
+                self.redis_url = self.redis.url
+            model_dir = str(Path(cfg.model_dir).resolve())
+            monitor = self._spawn("state-monitor", "services.state_monitor", {
+                "TOPHAT_STATE_MONITOR_PORT": str(cfg.port_base + 20),
+                "TOPHAT_STATE_MONITOR_REDIS_URL": self.redis_url,
+            }, f"{cfg.monitor_url}/readyz")
+            planner = self._spawn("chunk-planner", "services.chunk_planner", {
+                "TOPHAT_CHUNK_PLANNER_PORT": str(cfg.port_base + 10),
+                "TOPHAT_CHUNK_PLANNER_STATE_MONITOR_URL": cfg.monitor_url,
+            }, f"{cfg.planner_url}/readyz")
+            verifier = self._spawn("verifier-cloud", "services.verifier_cloud", {
+                "TOPHAT_VERIFIER_PORT": str(cfg.verifier_port),
+                "TOPHAT_VERIFIER_MODEL_DIR": model_dir,
+                "TOPHAT_VERIFIER_SPLIT_LAYERS": str(cfg.split_layers),
+                "TOPHAT_VERIFIER_STATE_MONITOR_URL": cfg.monitor_url,
+            }, f"http://{cfg.host}:{cfg.verifier_port}/readyz")
+            self._wait_ready([monitor, planner, verifier])
+            devices = [
+                self._spawn(f"device-agent-{i}", "services.device_agent", {
+                    "TOPHAT_DEVICE_DEVICE_ID": f"device-{i}",
+                    "TOPHAT_DEVICE_PORT": str(cfg.port_base + 200 + i),
+                    "TOPHAT_DEVICE_MODEL_DIR": model_dir,
+                    "TOPHAT_DEVICE_SPLIT_LAYERS": str(cfg.split_layers),
+                    "TOPHAT_DEVICE_ADAPTER": cfg.adapter,
+                    "TOPHAT_DEVICE_SPECULATIVE": str(cfg.speculative).lower(),
+                    "TOPHAT_DEVICE_MAX_DRAFT": str(cfg.max_draft),
+                    "TOPHAT_DEVICE_ETA": str(cfg.eta),
+                    "TOPHAT_DEVICE_VERIFIER_URL": f"ws://{cfg.host}:{cfg.verifier_port}/ws",
+                    "TOPHAT_DEVICE_CHUNK_PLANNER_URL": cfg.planner_url,
+                    "TOPHAT_DEVICE_STATE_MONITOR_URL": cfg.monitor_url,
+                }, f"{cfg.device_url(i)}/readyz")
+                for i in range(cfg.num_devices)
+            ]
+            self._wait_ready(devices)
+            streamer = self._spawn("token-streamer", "services.token_streamer", {
+                "TOPHAT_STREAMER_PORT": str(cfg.port_base),
+                "TOPHAT_STREAMER_DEVICE_URLS": ",".join(cfg.device_url(i) for i in range(cfg.num_devices)),
+                "TOPHAT_STREAMER_STATE_MONITOR_URL": cfg.monitor_url,
+            }, f"{cfg.streamer_url}/readyz")
+            self._wait_ready([streamer])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for service in reversed(self.services):
+            if service.process.poll() is None:
+                service.process.terminate()
+        deadline = time.monotonic() + timeout_s
+        for service in reversed(self.services):
+            try:
+                service.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", service.name)
+                service.process.kill()
+                service.process.wait(timeout=5)
+        self.services.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def urls(self) -> dict[str, str]:
+        cfg = self.config
+        urls = {
+            "token-streamer": cfg.streamer_url,
+            "chunk-planner": cfg.planner_url,
+            "state-monitor": cfg.monitor_url,
+            "verifier-cloud": f"ws://{cfg.host}:{cfg.verifier_port}/ws",
+            "redis": self.redis_url or "",
+        }
+        urls.update({f"device-agent-{i}": cfg.device_url(i) for i in range(cfg.num_devices)})
+        return urls
+
+    def __enter__(self) -> "Mesh":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

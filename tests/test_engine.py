@@ -1,0 +1,120 @@
+"""Speculative decoding is lossless: greedy output is token-identical to the
+unsplit model for any m, eta, max draft and adapter; sampled output has the
+target's distribution."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from shared.model.adapter import DraftAdapter
+from shared.model.split import MiddleSubmodel
+from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig, SessionError
+from shared.specdec.engine import LocalCloud, generate
+from shared.specdec.reference import generate_full
+from shared.specdec.sampling import SamplingParams
+
+
+def run(checkpoint, ids, m, adapter, max_new, params=SamplingParams(), eta=0.6, max_draft=8, chunk_size=None):
+    device = DeviceModel.from_checkpoint(checkpoint, m, adapter)
+    session = DeviceSession(device, ids, params, DraftConfig(eta=eta, max_draft=max_draft), max_new)
+    return asyncio.run(generate(session, LocalCloud(MiddleSubmodel(checkpoint, m)), chunk_size=chunk_size))
+
+
+@pytest.mark.parametrize(
+    "m,eta,max_draft,chunk_size",
+    [(1, 0.6, 8, None), (2, 0.0, 4, 5), (3, 1.0, 8, 3), (2, 0.3, 1, None), (4, 0.0, 16, 7), (2, 0.6, 0, None)],
+)
+def test_greedy_hat_equals_full_model(tiny_checkpoint, m, eta, max_draft, chunk_size):
+    rng = random.Random(m * 10 + max_draft)
+    adapter = DraftAdapter(tiny_checkpoint, m)  # initialised from layer m's attention
+    for _ in range(3):
+        ids = [rng.randrange(1, tiny_checkpoint.vocab_size) for _ in range(rng.randint(1, 20))]
+        expected = generate_full(tiny_checkpoint, ids, 24).token_ids
+        got = run(tiny_checkpoint, ids, m, adapter, 24, eta=eta, max_draft=max_draft, chunk_size=chunk_size)
+        assert got.token_ids == expected
+        if max_draft == 0:
+            assert got.mean_accept_length == 1.0
+
+
+def test_greedy_with_random_adapter_is_still_exact(tiny_checkpoint):
+    adapter = DraftAdapter(tiny_checkpoint, 2).randomize(seed=1)
+    ids = [5, 9, 13, 2]
+    assert run(tiny_checkpoint, ids, 2, adapter, 30, eta=0.0).token_ids == generate_full(tiny_checkpoint, ids, 30).token_ids
+
+
+def test_self_draft_is_fully_accepted(tiny_llama_dir):
+    """An adapter that reproduces the middle exactly (m = n-1, adapter = last layer's attention
+    is not exact, so use eta=0 and check the bookkeeping with the trained-adapter upper bound:
+    accept lengths never exceed max_draft + 1 and tokens always match)."""
+    from shared.model.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
+    adapter = DraftAdapter(checkpoint, 2)
+    result = run(checkpoint, [3, 4, 5], 2, adapter, 40, eta=0.0, max_draft=3)
+    assert all(1 <= n <= 4 for n in result.accept_lengths)
+    assert sum(result.accept_lengths) + 1 >= len(result.token_ids)
+
+
+def test_demo_model_greedy_hat_equals_full_with_trained_adapter(demo_checkpoint):
+    from shared.runtime import load_adapter
+
+    adapter = load_adapter(demo_checkpoint, 2, None)
+    prompt = demo_checkpoint.tokenizer.encode("import os\n\ndef list_files(path):\n    ", add_special_tokens=False)
+    expected = generate_full(demo_checkpoint, prompt, 48).token_ids
+    result = run(demo_checkpoint, prompt, 2, adapter, 48, chunk_size=4)
+    assert result.token_ids == expected
+    assert result.mean_accept_length > 1.0  # the trained adapter drafts something useful
+
+
+def exact_second_token_marginal(checkpoint, ids, params) -> np.ndarray:
+    """P(second generated token) = sum_t1 p(t1 | ids) p(t2 | ids, t1), computed exactly."""
+    from shared.specdec.sampling import logits_to_probs
+
+    with torch.inference_mode():
+        first = logits_to_probs(checkpoint.model(input_ids=torch.tensor([ids])).logits[0, -1], params)
+        support = first.nonzero().flatten()
+        batch = torch.tensor([ids + [int(t)] for t in support])
+        second = logits_to_probs(checkpoint.model(input_ids=batch).logits[:, -1], params)
+    return (first[support, None] * second).sum(0).double().numpy()
+
+
+def test_sampled_hat_has_the_target_distribution(tiny_llama_dir):
+    from shared.model.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
+    ids = [7, 1, 4]
+    params = SamplingParams(temperature=1.5, top_p=0.9)
+    # m = 4 of 5 layers: the draft is close to the target, so both branches of the rule run.
+    adapter = DraftAdapter(checkpoint, 4)
+    device = DeviceModel.from_checkpoint(checkpoint, 4, adapter)
+    device.eos_token_id = None  # the exact marginal below does not stop at EOS
+    cloud = LocalCloud(MiddleSubmodel(checkpoint, 4))
+    runs, counts, accepted = 1500, np.zeros(checkpoint.vocab_size), 0
+    for seed in range(runs):
+        session = DeviceSession(device, ids, SamplingParams(1.5, 0.9, seed), DraftConfig(eta=0.0, max_draft=1), 3)
+        result = asyncio.run(generate(session, cloud, session_id=seed + 1))
+        counts[result.token_ids[1]] += 1
+        accepted += result.accept_lengths[0] == 2  # d_1 accepted, plus the bonus token
+    expected = exact_second_token_marginal(checkpoint, ids, params) * runs
+    assert counts[expected == 0].sum() == 0, "emitted a token the target gives probability 0"
+    big = expected >= 5  # pool rare categories so the chi-square approximation holds
+    observed = np.append(counts[big], counts[~big].sum())
+    expected_pooled = np.append(expected[big], expected[~big].sum())
+    assert chisquare(observed, expected_pooled * observed.sum() / expected_pooled.sum()).pvalue > 1e-4
+    assert 0 < accepted < runs, accepted  # the draft is accepted sometimes, rejected sometimes
+
+
+def test_bad_requests_are_typed_errors(tiny_checkpoint):
+    device = DeviceModel.from_checkpoint(tiny_checkpoint, 2, None)
+    with pytest.raises(SessionError, match="empty"):
+        DeviceSession(device, [])
+    with pytest.raises(SessionError, match="out of vocabulary"):
+        DeviceSession(device, [tiny_checkpoint.vocab_size + 3])
+    with pytest.raises(SessionError, match="context length"):
+        DeviceSession(device, [1] * 10, max_new_tokens=10_000)

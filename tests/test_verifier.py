@@ -1,0 +1,163 @@
+"""verifier-cloud in-process on a real loopback WebSocket: batching, bad frames, disconnects.
+
+The server is the real VerifierServer; devices are real WebSocketCloud clients
+(the device agent's transport), so everything crosses a real socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import msgpack
+import pytest
+import torch
+from websockets.asyncio.client import connect
+
+from services.device_agent.cloud_client import CloudError, WebSocketCloud
+from services.verifier_cloud.server import VerifierServer
+from services.verifier_cloud.settings import Settings
+from shared import wire
+from shared.model.adapter import DraftAdapter
+from shared.model.checkpoint import load_checkpoint
+from shared.model.split import MiddleSubmodel
+from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
+from shared.specdec.engine import fixed_chunks, run_session
+from shared.specdec.reference import generate_full
+
+M = 2
+
+
+@contextlib.asynccontextmanager
+async def running_verifier(checkpoint, **overrides):
+    settings = Settings(port=0, split_layers=M, **overrides)
+    server = VerifierServer(settings, MiddleSubmodel(checkpoint, M), checkpoint.config.max_position_embeddings,
+                            checkpoint.hidden_size)
+    stop = asyncio.Event()
+    started = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(server.serve_forever(stop, started))
+    port = await asyncio.wait_for(started, 10)
+    try:
+        yield server, f"ws://127.0.0.1:{port}/ws"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_llama_dir):
+    return load_checkpoint(tiny_llama_dir, with_tokenizer=False)
+
+
+async def generate_over_ws(checkpoint, cloud, prompt, session_id, max_new=16, chunk=4, wire_dtype=None):
+    device = DeviceModel.from_checkpoint(checkpoint, M, DraftAdapter(checkpoint, M))
+    session = DeviceSession(device, prompt, draft_config=DraftConfig(eta=0.3, max_draft=4), max_new_tokens=max_new)
+    tokens = []
+    async for emitted in run_session(session, cloud, session_id, fixed_chunks(len(prompt), chunk), offload=asyncio.to_thread):
+        tokens += emitted
+    return tokens
+
+
+async def test_concurrent_sessions_are_batched_and_exact(checkpoint):
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)] for i in range(8)]
+    expected = [generate_full(checkpoint, p, 16).token_ids for p in prompts]
+    steps = []
+    async with running_verifier(checkpoint) as (server, url):
+        original = server.scheduler.execute
+
+        def recording_execute(batch):
+            results, stats = original(batch)
+            steps.append(stats)
+            return results, stats
+
+        server.scheduler.execute = recording_execute
+        cloud = WebSocketCloud(url, checkpoint.hidden_size, wire.WireDtype.F32)
+        got = await asyncio.gather(*(generate_over_ws(checkpoint, cloud, p, 100 + i) for i, p in enumerate(prompts)))
+        await cloud.close_connection()
+        assert not server.scheduler.sessions  # every session closed and freed
+    assert got == expected
+    assert max(s.num_sessions for s in steps) >= 4  # sessions shared forward passes
+    assert any(s.num_prefill and s.num_verify for s in steps) or max(s.num_sessions for s in steps) >= 4
+
+
+async def test_fp16_wire_keeps_greedy_output_on_this_model(checkpoint):
+    prompt = [5, 17, 33, 2, 9]
+    async with running_verifier(checkpoint) as (_, url):
+        cloud = WebSocketCloud(url, checkpoint.hidden_size, wire.WireDtype.F16)
+        tokens = await generate_over_ws(checkpoint, cloud, prompt, 7)
+        await cloud.close_connection()
+    assert len(tokens) == 16
+
+
+def raw_prefill(hidden: int, dtype: str = "f2", data: bytes = b"") -> bytes:
+    """A prefill frame built by hand, to say things the typed encoder refuses to say."""
+    tensor = {"d": dtype, "s": [3, hidden], "b": data}
+    return msgpack.packb({"v": wire.WIRE_VERSION, "t": 0x10, "s": 1, "q": 9, "p": 0, "l": True, "h": tensor})
+
+
+async def _roundtrip(ws, frame: bytes) -> wire.Message:
+    await ws.send(frame)
+    return wire.decode(await asyncio.wait_for(ws.recv(), 10))
+
+
+async def test_bad_frames_get_typed_errors_and_the_connection_survives(checkpoint):
+    hidden = checkpoint.hidden_size
+    async with running_verifier(checkpoint, max_frame_bytes=64 * 1024) as (server, url):
+        async with connect(url) as ws:
+            opened = await _roundtrip(ws, wire.encode(wire.OpenSession(1, hidden)))
+            assert isinstance(opened, wire.SessionOpened)
+            good = wire.encode(wire.PrefillChunk(1, 1, 0, True, torch.randn(3, hidden)))
+            cases = {
+                wire.ErrorCode.MALFORMED: b"\xc1not msgpack",
+                wire.ErrorCode.UNKNOWN_TYPE: wire.encode(wire.OpenSession(2, hidden)).replace(b"\xa1t\x01", b"\xa1t\x66"),
+                wire.ErrorCode.BAD_DTYPE: raw_prefill(hidden, dtype="i8", data=b"\0" * (3 * hidden * 8)),
+                wire.ErrorCode.BAD_SHAPE: wire.encode(wire.PrefillChunk(1, 2, 0, True, torch.randn(3, hidden + 1))),
+                wire.ErrorCode.LENGTH_MISMATCH: raw_prefill(hidden, data=b"\0" * 10),
+                wire.ErrorCode.UNKNOWN_SESSION: wire.encode(wire.VerifyRequest(999, 3, 0, torch.randn(1, hidden))),
+                wire.ErrorCode.OVERSIZED: wire.encode(wire.PrefillChunk(1, 4, 0, True, torch.randn(400, hidden))),
+            }
+            for code, frame in cases.items():
+                reply = await _roundtrip(ws, frame)
+                assert isinstance(reply, wire.ErrorFrame), code
+                assert reply.code == code, (code, reply)
+            # The unknown session error is addressed to the session and seq it concerned.
+            reply = await _roundtrip(ws, cases[wire.ErrorCode.UNKNOWN_SESSION])
+            assert (reply.session_id, reply.seq_no) == (999, 3)
+            # The same connection and session still work.
+            deep = await _roundtrip(ws, good)
+            assert isinstance(deep, wire.DeepHidden) and deep.hidden.shape == (1, hidden)
+            # Rolling back beyond the cache is refused, without harming the session.
+            reply = await _roundtrip(ws, wire.encode(wire.VerifyRequest(1, 5, 10, torch.randn(1, hidden))))
+            assert isinstance(reply, wire.ErrorFrame) and reply.seq_no == 5
+            ok = await _roundtrip(ws, wire.encode(wire.VerifyRequest(1, 6, 3, torch.randn(2, hidden))))
+            assert isinstance(ok, wire.VerifyResult) and ok.hidden.shape == (2, hidden)
+
+
+async def test_vanished_device_frees_its_sessions(checkpoint):
+    hidden = checkpoint.hidden_size
+    async with running_verifier(checkpoint) as (server, url):
+        ws = await connect(url)
+        for sid in (11, 12):
+            await _roundtrip(ws, wire.encode(wire.OpenSession(sid, hidden)))
+        await ws.send(wire.encode(wire.PrefillChunk(11, 1, 0, False, torch.randn(5, hidden))))
+        assert isinstance(wire.decode(await asyncio.wait_for(ws.recv(), 10)), wire.ChunkAck)
+        caches = [server.scheduler.sessions[sid].cache for sid in (11, 12)]
+        ws.transport.abort()  # the peer vanishes mid-request, without a close handshake
+        for _ in range(100):
+            if not server.scheduler.sessions:
+                break
+            await asyncio.sleep(0.05)
+        assert not server.scheduler.sessions
+        assert all(cache.is_freed for cache in caches)
+        # Others are unaffected: a new device can still generate.
+        cloud = WebSocketCloud(url, hidden, wire.WireDtype.F32)
+        assert len(await generate_over_ws(checkpoint, cloud, [3, 4, 5], 13, max_new=4)) == 4
+        await cloud.close_connection()
+
+
+async def test_errors_reach_the_device_as_cloud_errors(checkpoint):
+    async with running_verifier(checkpoint) as (_, url):
+        cloud = WebSocketCloud(url, checkpoint.hidden_size)
+        with pytest.raises(CloudError, match="UNKNOWN_SESSION"):
+            await cloud.verify(424242, 0, torch.randn(1, checkpoint.hidden_size))
+        await cloud.close_connection()
