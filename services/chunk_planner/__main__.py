@@ -1,0 +1,20 @@
+"""`python -m services.chunk_planner`: serve the chunk planner with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from services.chunk_planner.app import create_app
+from services.chunk_planner.settings import load_settings
+
+
+def main() -> None:
+    settings = load_settings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""Token streamer: OpenAI-compatible HTTP/SSE and a WebSocket chat in front of device agents.
+
+The user only ever talks to this service; it picks a device agent (router.py),
+relays the device's NDJSON token stream as OpenAI chunks, applies stop strings,
+measures TTFT/TBT as the user sees them (from request arrival here) and reports
+each finished request to the state monitor (HAT §3.2) when one is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Receive, Scope, Send
+
+from services.token_streamer import openai_format as of
+from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
+from services.token_streamer.settings import Settings, load_settings
+from shared.telemetry import TelemetryClient
+
+log = logging.getLogger(__name__)
+
+
+class BadRequest(Exception):
+    """Input the streamer itself rejects (400), before any device is involved."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class Run:
+    """One request's generation on one device: stop strings, user-side timing, stats, telemetry."""
+
+    def __init__(self, stream: DeviceStream, stops: list[str], started: float, request_id: str,
+                 telemetry: TelemetryClient) -> None:
+        self.stream = stream
+        self.scanner = of.StopScanner(stops)
+        self.started = started
+        self.request_id = request_id
+        self.telemetry = telemetry
+        self.finish_reason = "length"
+        self.completion_tokens = 0
+        self.ttft_s: float | None = None
+        self.token_times_s: list[float] = []  # per-token gaps after the first token
+        self.rounds: list[int] = []           # tokens per NDJSON 'tokens' line
+        self.device_stats: dict[str, Any] | None = None
+        self._last_t: float | None = None
+        self._closed = False
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Non-empty text deltas for the user; DeviceError if the device fails mid-way."""
+        async for event in self.stream.events():
+            kind = event.get("type")
+            if kind == "tokens":
+                ids = event.get("token_ids")
+                self._observe(len(ids) if isinstance(ids, list) else 0)
+                text = self.scanner.feed(str(event.get("text") or ""))
+                if text:
+                    yield text
+                if self.scanner.stopped:
+                    self.finish_reason = "stop"
+                    return
+            elif kind == "done":
+                self.finish_reason = "stop" if event.get("finish_reason") == "stop" else "length"
+                stats = event.get("stats")
+                self.device_stats = stats if isinstance(stats, dict) else None
+                tail = self.scanner.flush()
+                if tail:
+                    yield tail
+                return
+            elif kind == "error":
+                raise DeviceError(502, str(event.get("code") or "device_error"),
+                                  str(event.get("message") or "the device failed mid-generation"))
+        tail = self.scanner.flush()  # events() ends only after done/error or by raising
+        if tail:
+            yield tail
+
+    def _observe(self, n: int) -> None:
+        """Timing on arrival. A round of k tokens after a gap G counts as k gaps of G/k, so
+        percentiles of TBT stay meaningful with speculative decoding (mean unchanged)."""
+        if n <= 0:
+            return
+        now = time.perf_counter() - self.started
+        if self._last_t is None:
+            self.ttft_s = now
+            self.token_times_s.extend([0.0] * (n - 1))
+        else:
+            self.token_times_s.extend([(now - self._last_t) / n] * n)
+        self._last_t = now
+        self.completion_tokens += n
+        self.rounds.append(n)
+
+    @property
+    def accept_lengths(self) -> list[int]:
+        """Tokens per verification round; the first line is the prefill's token when it has one."""
+        rounds = self.rounds
+        num_rounds = (self.device_stats or {}).get("num_rounds")
+        if rounds and (num_rounds == len(rounds) - 1 or (num_rounds is None and rounds[0] == 1)):
+            return rounds[1:]
+        return list(rounds)
+
+    def tophat(self) -> dict[str, Any]:
+        stats = self.device_stats or {}
+        accepts = self.accept_lengths
+        mean_accept = stats.get("mean_accept_length", sum(accepts) / len(accepts) if accepts else None)
+        return {"device_id": self.stream.device.device_id,
+                "ttft_s": self.ttft_s, "tbt_s": _mean(self.token_times_s),
+                "mean_accept_length": mean_accept, "num_rounds": stats.get("num_rounds", len(accepts)),
+                "prompt_tokens": self.stream.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "device_stats": self.device_stats}
+
+    def usage(self) -> dict[str, int]:
+        return of.usage(self.stream.prompt_tokens, self.completion_tokens)
+
+    async def close(self) -> None:
+        """Release the device (stops its generation if still running) and report telemetry once."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.stream.aclose()
+        self.telemetry.emit_request(self.request_id, device_id=self.stream.device.device_id, ttft_s=self.ttft_s,
+                                    token_times_s=self.token_times_s, accept_lengths=self.accept_lengths,
+                                    prompt_tokens=self.stream.prompt_tokens)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+class OwnedStreamingResponse(StreamingResponse):
+    """Runs `on_close` however the response ends (done, client gone, server shutdown), and
+    bounds every write so a client that stops reading cannot pin a device slot forever."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], *,
+                 send_timeout_s: float, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+        self._send_timeout_s = send_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message: Message) -> None:
+            async with asyncio.timeout(self._send_timeout_s):
+                await send(message)
+
+        try:
+            await super().__call__(scope, receive, timed_send)
+        except TimeoutError:  # (an OSError: ASGI >= 2.4 servers see it as ClientDisconnect below)
+            log.info("client stopped reading the stream for %.1f s; dropping it", self._send_timeout_s)
+        except ClientDisconnect:
+            log.debug("client went away mid-stream")
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            await self._on_close()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or load_settings()
+    s = settings
+    router = Router(s.device_url_list, down_s=s.device_down_s)
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=s.connect_timeout_s, pool=s.connect_timeout_s, write=s.connect_timeout_s,
+                              read=max(s.first_byte_timeout_s, s.line_timeout_s) + 1.0),
+        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64), trust_env=False)
+    dispatcher = Dispatcher(router, client, first_byte_timeout_s=s.first_byte_timeout_s,
+                            line_timeout_s=s.line_timeout_s, probe_timeout_s=s.probe_timeout_s)
+    telemetry = TelemetryClient(s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s)
+    started_at = int(time.time())
+
+    async def health_loop() -> None:
+        while True:
+            try:
+                await dispatcher.probe_all()
+            except Exception:  # a supervision loop must survive bugs in one probe round
+                log.exception("device health probe failed")
+            await asyncio.sleep(s.health_interval_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not router.devices:
+            log.warning("no device agents configured (TOPHAT_STREAMER_DEVICE_URLS); every request will get 503")
+        task = asyncio.create_task(health_loop(), name="device-health") if s.health_interval_s > 0 else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await telemetry.aclose()
+            await client.aclose()
+
+    app = FastAPI(title="tophat token streamer", lifespan=lifespan)
+    app.state.router = router
+    app.state.dispatcher = dispatcher
+
+    def error_response(status: int, message: str, code: str | None, param: str | None = None) -> JSONResponse:
+        return JSONResponse(of.error_body(message, of.error_type(status), code, param), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = of.validation_error(exc.errors())
+        return error_response(400, message, "invalid_request", param)
+
+    @app.exception_handler(BadRequest)
+    async def on_bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return error_response(400, exc.message, "invalid_request", exc.param)
+
+    @app.exception_handler(DeviceError)
+    async def on_device_error(_: Request, exc: DeviceError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), None)
+
+    async def start(req: of.SamplingRequest, prompt: str, max_tokens: int | None,
+                    chat: bool) -> tuple[Run, of.ChunkFactory]:
+        """Validate, dispatch to a device and wait for its start line (errors raise before any byte is sent)."""
+        started = time.perf_counter()
+        if len(prompt) > s.max_prompt_chars:
+            raise BadRequest(f"prompt is longer than {s.max_prompt_chars} characters", "prompt")
+        max_new = max_tokens if max_tokens is not None else s.max_new_tokens_default
+        if max_new > s.max_new_tokens_limit:
+            raise BadRequest(f"max_tokens must be <= {s.max_new_tokens_limit}", "max_tokens")
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        body = {"prompt": prompt, "prompt_ids": None, "max_new_tokens": max_new, "temperature": req.temperature,
+                "top_p": req.top_p, "seed": req.seed, "request_id": request_id}
+        stream = await dispatcher.open(body)
+        log.debug("request %s -> %s", request_id, stream.device.url)
+        run = Run(stream, req.stop_list, started, request_id, telemetry)
+        return run, of.ChunkFactory(chat, request_id, s.model_name)
+
+    async def sse_body(run: Run, fmt: of.ChunkFactory, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            if fmt.chat:
+                yield of.sse(fmt.role())
+            async for text in run.deltas():
+                yield of.sse(fmt.delta(text))
+            yield of.sse(fmt.final(run.finish_reason, run.tophat()))
+            if include_usage:
+                yield of.sse(fmt.usage_chunk(run.usage()))
+        except DeviceError as exc:
+            log.warning("request %s failed mid-stream on %s: %s %s", run.request_id, run.stream.device.url,
+                        exc.code, exc.message)
+            yield of.sse(fmt.error_chunk(exc.status, exc.code, exc.message))
+        yield of.DONE
+
+    async def respond(req: of.SamplingRequest, prompt: str, max_tokens: int | None, chat: bool) -> Any:
+        run, fmt = await start(req, prompt, max_tokens, chat)
+        if req.stream:
+            return OwnedStreamingResponse(sse_body(run, fmt, req.include_usage), run.close,
+                                          send_timeout_s=s.send_timeout_s, media_type="text/event-stream",
+                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            text = "".join([t async for t in run.deltas()])
+        except DeviceError as exc:
+            log.warning("request %s failed on %s: %s", run.request_id, run.stream.device.url, exc.message)
+            return error_response(exc.status, exc.message, exc.code)
+        finally:
+            await run.close()
+        return fmt.response(text, run.finish_reason, run.usage(), run.tophat())
+
+    @app.post("/v1/completions")
+    async def completions(req: of.CompletionRequest) -> Any:
+        return await respond(req, req.prompt_text, req.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: of.ChatRequest) -> Any:
+        return await respond(req, of.render_chat_prompt(req.messages), req.requested_tokens, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return of.models_list(s.model_name, started_at)
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str) -> Any:
+        if model_id != s.model_name:
+            return error_response(404, f"model {model_id!r} does not exist", "model_not_found", "model")
+        return of.model_card(s.model_name, started_at)
+
+    @app.websocket("/v1/chat/ws")
+    async def chat_ws(ws: WebSocket) -> None:
+        """One chat request per JSON message (full history each time); the socket stays open between them."""
+        async with asyncio.timeout(s.send_timeout_s):
+            await ws.accept()
+
+        async def send(message: dict[str, Any]) -> None:
+            async with asyncio.timeout(s.send_timeout_s):
+                await ws.send_json(message)
+
+        async def send_error(status: int, detail: str, code: str, param: str | None = None) -> None:
+            await send({"type": "error", **of.error_body(detail, of.error_type(status), code, param)})
+
+        async def close(code: int, reason: str) -> None:
+            try:
+                async with asyncio.timeout(s.send_timeout_s):
+                    await ws.close(code=code, reason=reason)
+            except (TimeoutError, RuntimeError, OSError) as exc:  # already closed or peer gone
+                log.debug("closing chat websocket: %s", exc)
+
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(s.ws_idle_timeout_s):
+                        message = await ws.receive()
+                except TimeoutError:
+                    await close(1000, "idle")
+                    return
+                if message["type"] == "websocket.disconnect":
+                    return
+                raw = message.get("text") or (message.get("bytes") or b"").decode("utf-8", "replace")
+                try:
+                    req = of.ChatRequest.model_validate_json(raw)
+                    run, _ = await start(req, of.render_chat_prompt(req.messages), req.requested_tokens, chat=True)
+                except ValidationError as exc:
+                    detail, param = of.validation_error(exc.errors())
+                    await send_error(400, detail, "invalid_request", param)
+                    continue
+                except BadRequest as exc:
+                    await send_error(400, exc.message, "invalid_request", exc.param)
+                    continue
+                except DeviceError as exc:
+                    await send_error(exc.status, exc.message, exc.code)
+                    continue
+                try:
+                    async for text in run.deltas():
+                        await send({"type": "token", "text": text})
+                    await send({"type": "done", "finish_reason": run.finish_reason, "usage": run.usage(),
+                                "stats": run.tophat()})
+                except DeviceError as exc:
+                    await send_error(exc.status, exc.message, exc.code)
+                finally:
+                    await run.close()
+        except WebSocketDisconnect:
+            log.debug("chat websocket closed by the client")
+        except TimeoutError:
+            log.info("chat websocket client too slow to receive; closing")
+            await close(1011, "send timeout")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready = await dispatcher.probe_all() > 0
+        return JSONResponse({"ready": ready, "devices": router.snapshot()}, status_code=200 if ready else 503)
+
+    return app
+

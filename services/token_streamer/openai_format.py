@@ -1,0 +1,244 @@
+"""The OpenAI wire format: request models, chunk/response builders, stop strings.
+
+Kept apart from the app so the HTTP layer only moves events around, and so the
+exact JSON shapes (which real OpenAI client libraries parse) live in one place.
+Unknown request fields are accepted and ignored, as clients send many optional
+knobs (user, presence_penalty, ...) that a demo model has no use for.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DONE = "data: [DONE]\n\n"
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Parameters shared by both endpoints (OpenAI names and defaults)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        items = [stop] if isinstance(stop, str) else (stop or [])
+        if len(items) > 4 or any(not s for s in items):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return stop
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError("exactly one prompt per request is supported")
+        return prompt
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # newer name for max_tokens
+
+    @property
+    def requested_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+
+def render_chat_prompt(messages: list[ChatMessage]) -> str:
+    """The demo model has no chat template: 'role: content' lines, then 'assistant:'."""
+    return "".join(f"{m.role}: {m.text}\n" for m in messages) + "assistant:"
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def validation_error(errors: Any) -> tuple[str, str | None]:
+    """(message, param) for a 400 from pydantic's error list: the first few problems, the first field."""
+    parts: list[str] = []
+    param: str | None = None
+    for err in list(errors)[:3]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{'.'.join(loc)}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def error_type(status: int) -> str:
+    if status == 400:
+        return "invalid_request_error"
+    if status == 503:
+        return "service_unavailable_error"
+    return "server_error"
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int | None, completion_tokens: int) -> dict[str, int]:
+    prompt = prompt_tokens or 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+
+class ChunkFactory:
+    """Builds every JSON object of one response, for `/v1/completions` or `/v1/chat/completions`."""
+
+    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+        self.chat = chat
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": choices}
+
+    def _choice(self, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {} if text is None else {"content": text}
+            if role:
+                delta = {"role": "assistant", "content": text or ""}
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+
+    def role(self) -> dict[str, Any]:
+        """The first chat chunk: OpenAI announces the assistant role before any content."""
+        return self._chunk([self._choice("", None, role=True)])
+
+    def delta(self, text: str) -> dict[str, Any]:
+        return self._chunk([self._choice(text, None)])
+
+    def final(self, finish_reason: str, tophat: dict[str, Any]) -> dict[str, Any]:
+        return {**self._chunk([self._choice(None, finish_reason)]), "tophat": tophat}
+
+    def usage_chunk(self, usage_: dict[str, int]) -> dict[str, Any]:
+        return {**self._chunk([]), "usage": usage_}
+
+    def error_chunk(self, status: int, code: str, message: str) -> dict[str, Any]:
+        """A mid-stream failure: OpenAI clients raise on a chunk carrying `error`."""
+        return {**self._chunk([]), **error_body(message, error_type(status), code)}
+
+    def response(self, text: str, finish_reason: str, usage_: dict[str, int], tophat: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        return {**self._base(obj), "choices": [choice], "usage": usage_, "tophat": tophat}
+
+
+def models_list(model: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(model, created)]}
+
+
+def model_card(model: str, created: int) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": created, "owned_by": "tophat"}
+
+
+class StopScanner:
+    """Cuts streamed text at the first stop string, even when it spans several deltas.
+
+    Text that could still be the start of a stop string is held back until the
+    next delta decides; `flush()` releases it when the generation ends.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, delta: str) -> str:
+        """Text safe to deliver now; sets `stopped` once a stop string appeared."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return delta
+        buf = self._held + delta
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            self._held = ""
+            return buf[:min(hits)]
+        hold = self._partial_suffix(buf)
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(buf)), best, -1):
+                if buf.endswith(stop[:k]):
+                    best = k
+                    break
+        return best

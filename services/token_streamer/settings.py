@@ -1,0 +1,66 @@
+"""Token-streamer settings, read from `TOPHAT_STREAMER_*` environment variables."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared.settings import from_env
+
+ENV_PREFIX = "TOPHAT_STREAMER_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Defaults suit a laptop run; every field is `TOPHAT_STREAMER_<FIELD>`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device_urls: str = ""                 # comma-separated device-agent base URLs
+    state_monitor_url: str = ""           # empty: no request telemetry
+    model_name: str = "tophat-demo"       # the id served by /v1/models and echoed in responses
+    connect_timeout_s: float = 2.0        # TCP connect to a device agent (also pool wait)
+    first_byte_timeout_s: float = 30.0    # request sent -> device's first NDJSON line
+    line_timeout_s: float = 30.0          # between two NDJSON lines of a running generation
+    probe_timeout_s: float = 1.0          # one /readyz or /info probe
+    health_interval_s: float = 5.0        # background device probe period; 0 disables it
+    device_down_s: float = 5.0            # a device that failed to connect is skipped this long
+    ws_idle_timeout_s: float = 600.0      # a chat WebSocket with no message this long is closed
+    send_timeout_s: float = 10.0          # one WebSocket send to the client
+    max_new_tokens_default: int = 64
+    max_new_tokens_limit: int = 1024
+    max_prompt_chars: int = 200_000       # longer prompts are rejected with 400
+    telemetry_timeout_s: float = 0.5
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port out of range: {self.port}")
+        for url in self.device_url_list:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"device url must start with http:// or https://: {url!r}")
+        if self.state_monitor_url and not self.state_monitor_url.startswith(("http://", "https://")):
+            raise ValueError(f"state_monitor_url must be an http(s) URL: {self.state_monitor_url!r}")
+        timeouts = (self.connect_timeout_s, self.first_byte_timeout_s, self.line_timeout_s, self.probe_timeout_s,
+                    self.device_down_s, self.ws_idle_timeout_s, self.send_timeout_s, self.telemetry_timeout_s)
+        if min(timeouts) <= 0:
+            raise ValueError("timeouts and device_down_s must be > 0")
+        if self.health_interval_s < 0:
+            raise ValueError("health_interval_s must be >= 0 (0 disables the probe)")
+        if not 1 <= self.max_new_tokens_default <= self.max_new_tokens_limit:
+            raise ValueError("need 1 <= max_new_tokens_default <= max_new_tokens_limit")
+        if self.max_prompt_chars < 1:
+            raise ValueError("max_prompt_chars must be >= 1")
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+
+    @property
+    def device_url_list(self) -> list[str]:
+        """Parsed `device_urls`: stripped, trailing '/' removed, duplicates dropped (order kept)."""
+        urls = [u.strip().rstrip("/") for u in self.device_urls.split(",") if u.strip()]
+        return list(dict.fromkeys(urls))
+
+
+def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+    return from_env(Settings, ENV_PREFIX, environ, **overrides)
