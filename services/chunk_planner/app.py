@@ -1,52 +1,185 @@
-"""Chunk planner: how many prompt tokens a device uploads per prefill chunk (HAT §3.3).
+"""Chunk planner: prefill chunk sizes (HAT §3.3, eq. 3) and parallel-draft steps (§3.5, eq. 6).
 
-For now the answer is a fixed default. `plan_chunk_size` is the single place
-that decides, so HAT's eq. 3 (X·A/β_up = (g(μ) + g(μ+X)) / P, from the state
-monitor's telemetry) can replace it without touching the HTTP layer.
+Each request fetches the state monitor's `GET /state/cloud` (μ and the g(μ)
+bucket table) and `GET /state/device/{id}` (β_up, β_down, γ, age) over HTTP,
+every fetch bounded by `monitor_timeout_s`, and hands the JSON to the pure
+planners in `shared.planners`. When the equations cannot be applied the
+answer is the configured default and `source` says why:
+
+    eq3 / eq6                     the equation, from live telemetry
+    default:no-monitor            no `state_monitor_url` configured
+    default:monitor-unreachable   connection refused, DNS, or the fetch timed out
+    default:monitor-error         the monitor answered, but with an error status or not JSON
+    default:no-telemetry          unknown device (404) or no g(μ) data yet
+    default:stale                 the device's telemetry is older than `stale_after_s`
+    default:missing-beta / default:missing-gamma / default:bad-telemetry   (see shared.planners)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from services.chunk_planner.settings import Settings, load_settings
+from shared.planners import PlannerInputs, hidden_bytes_per_token, plan_draft_steps_from_state, plan_from_state
 
 log = logging.getLogger(__name__)
+
+DeviceId = Annotated[str, Query(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
 
 
 @dataclass(frozen=True)
 class ChunkPlan:
     chunk_size: int
-    source: str  # "default" now; e.g. "eq3" once telemetry drives it
+    source: str  # "eq3" or "default:<reason>" (module docstring)
 
 
-def plan_chunk_size(settings: Settings, device_id: str, prompt_tokens: int) -> ChunkPlan:
-    """The chunk size for one prompt: the default clamped to [min, max], and never above the prompt.
+@dataclass(frozen=True)
+class DraftPlan:
+    steps: int
+    source: str  # "eq6" or "default:<reason>"
 
-    `device_id` is unused until eq. 3 needs that device's uplink bandwidth β_up.
+
+@dataclass(frozen=True)
+class Telemetry:
+    """What one fetch from the monitor produced.
+
+    `failure` is set when no JSON could be had at all (no-monitor,
+    monitor-unreachable, monitor-error); otherwise `device` is None for a device
+    the monitor does not know (404).
     """
-    size = min(max(settings.default_chunk_size, settings.min_chunk_size), settings.max_chunk_size)
-    return ChunkPlan(chunk_size=min(size, prompt_tokens), source="default")
+
+    cloud: dict[str, Any] | None = None
+    device: dict[str, Any] | None = None
+    failure: str | None = None
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+NO_MONITOR = Telemetry(failure="no-monitor")
+
+
+class _FetchFailed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class MonitorClient:
+    """Reads the state monitor; every request is bounded by `timeout_s` as a whole.
+
+    httpx's timeout bounds each phase (connect, each read) separately, so a slow
+    trickle could outlast it; `asyncio.wait_for` bounds the total.
+    """
+
+    def __init__(self, base_url: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def fetch(self, device_id: str) -> Telemetry:
+        cloud, device = await asyncio.gather(self._get("/state/cloud"), self._get(f"/state/device/{device_id}"),
+                                             return_exceptions=True)
+        for result in (cloud, device):
+            if isinstance(result, _FetchFailed):
+                log.warning("state monitor %s: %s", self.http.base_url, result)
+                return Telemetry(failure=result.reason)
+            if isinstance(result, BaseException):
+                raise result
+        if cloud is None:  # every state monitor serves /state/cloud: this is some other server
+            log.warning("state monitor %s: GET /state/cloud -> 404", self.http.base_url)
+            return Telemetry(failure="monitor-error")
+        return Telemetry(cloud=cloud, device=device)  # type: ignore[arg-type]
+
+    async def _get(self, path: str) -> dict[str, Any] | None:
+        """JSON object at `path`; None for 404; _FetchFailed for anything else that is not a JSON object."""
+        try:
+            response = await asyncio.wait_for(self.http.get(path), self.timeout_s)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise _FetchFailed("monitor-unreachable", f"GET {path} timed out") from exc
+        except httpx.TransportError as exc:
+            raise _FetchFailed("monitor-unreachable", f"GET {path}: {type(exc).__name__}: {exc}") from exc
+        except httpx.HTTPError as exc:  # protocol trouble after connecting (bad encoding, redirects)
+            raise _FetchFailed("monitor-error", f"GET {path}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise _FetchFailed("monitor-error", f"GET {path} -> HTTP {response.status_code}")
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise _FetchFailed("monitor-error", f"GET {path}: not JSON") from exc
+        if not isinstance(body, dict):
+            raise _FetchFailed("monitor-error", f"GET {path}: not a JSON object")
+        return body
+
+
+def planner_inputs(settings: Settings) -> PlannerInputs:
+    """The static half of eq. 3 / eq. 6 (A, P, bounds, defaults) from settings."""
+    return PlannerInputs(
+        bytes_per_token=hidden_bytes_per_token(settings.hidden_size, settings.wire_dtype_bytes),
+        stages=settings.pipeline_stages, min_chunk_size=settings.min_chunk_size,
+        max_chunk_size=settings.max_chunk_size, default_chunk_size=settings.default_chunk_size,
+        stale_after_s=settings.stale_after_s, default_draft_steps=settings.default_parallel_draft_steps,
+        max_draft_steps=settings.max_parallel_draft_steps)
+
+
+def plan_chunk_size(settings: Settings, device_id: str, prompt_tokens: int,
+                    telemetry: Telemetry = NO_MONITOR) -> ChunkPlan:
+    """Chunk size for one prompt: eq. 3 from `telemetry`, else the default clamped to [min, max] and the prompt."""
+    inputs = planner_inputs(settings)
+    if telemetry.failure is not None:
+        plan = ChunkPlan(inputs.default_chunk(prompt_tokens), f"default:{telemetry.failure}")
+    else:
+        plan = ChunkPlan(*plan_from_state(telemetry.cloud, telemetry.device, inputs, prompt_tokens))
+    log.debug("chunk plan for %s (%d prompt tokens): %s", device_id, prompt_tokens, plan)
+    return plan
+
+
+def plan_parallel_draft_steps(settings: Settings, device_id: str, draft_len: int,
+                              telemetry: Telemetry = NO_MONITOR) -> DraftPlan:
+    """Steps to pre-draft during one verification of `draft_len` tokens: eq. 6, else the default."""
+    inputs = planner_inputs(settings)
+    if telemetry.failure is not None:
+        plan = DraftPlan(inputs.default_steps(), f"default:{telemetry.failure}")
+    else:
+        plan = DraftPlan(*plan_draft_steps_from_state(telemetry.cloud, telemetry.device, inputs, draft_len))
+    log.debug("parallel-draft plan for %s (draft_len %d): %s", device_id, draft_len, plan)
+    return plan
+
+
+def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """Build the app; `monitor_transport` (tests) replaces the network under the monitor client."""
     settings = settings or load_settings()
+    monitor: MonitorClient | None = None
+
+    async def telemetry(device_id: str) -> Telemetry:
+        return NO_MONITOR if monitor is None else await monitor.fetch(device_id)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal monitor
+        if settings.state_monitor_url:
+            monitor = MonitorClient(settings.state_monitor_url, settings.monitor_timeout_s, monitor_transport)
+        else:
+            log.warning("no state_monitor_url: chunk sizes and draft steps are fixed defaults")
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
+            if monitor is not None:
+                await monitor.aclose()
+                monitor = None
 
     app = FastAPI(title="tophat chunk planner", lifespan=lifespan)
     app.state.ready = False
@@ -58,12 +191,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                        "code": "invalid_request"}}, status_code=400)
 
     @app.get("/chunk-size")
-    async def chunk_size(
-        device_id: Annotated[str, Query(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")],
-        prompt_tokens: Annotated[int, Query(ge=1, le=10_000_000)],
-    ) -> dict[str, Any]:
-        plan = plan_chunk_size(settings, device_id, prompt_tokens)
+    async def chunk_size(device_id: DeviceId, prompt_tokens: Annotated[int, Query(ge=1, le=10_000_000)]
+                         ) -> dict[str, Any]:
+        plan = plan_chunk_size(settings, device_id, prompt_tokens, await telemetry(device_id))
         return {"chunk_size": plan.chunk_size, "source": plan.source}
+
+    @app.get("/parallel-draft-steps")
+    async def parallel_draft_steps(device_id: DeviceId, draft_len: Annotated[int, Query(ge=0, le=4096)]
+                                   ) -> dict[str, Any]:
+        plan = plan_parallel_draft_steps(settings, device_id, draft_len, await telemetry(device_id))
+        return {"steps": plan.steps, "source": plan.source}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -20,8 +20,16 @@ class Settings:
     default_chunk_size: int = 128   # HAT compares against server-side chunks of 128/256 (U-Sarathi)
     min_chunk_size: int = 16
     max_chunk_size: int = 1024
-    # Not read yet: eq. 3 will need the state monitor's g(mu) and per-device beta_up.
+    # Where eq. 3 / eq. 6 telemetry comes from (GET /state/cloud, /state/device/{id});
+    # empty: always the defaults, source "default:no-monitor".
     state_monitor_url: str = ""
+    monitor_timeout_s: float = 0.5      # bound on each fetch from the monitor, connect to body
+    stale_after_s: float = 30.0         # device telemetry older than this: defaults, "default:stale"
+    pipeline_stages: int = 1            # P in eq. 3 (HAT's testbed: 4)
+    hidden_size: int = 256              # the demo model's; with wire_dtype_bytes gives A (bytes/token)
+    wire_dtype_bytes: int = 2           # fp16 / bf16 hidden states on the wire
+    default_parallel_draft_steps: int = 2   # eq. 6 fallback
+    max_parallel_draft_steps: int = 16
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -33,6 +41,12 @@ class Settings:
             raise ValueError("max_chunk_size must be >= min_chunk_size")
         if self.default_chunk_size < 1:
             raise ValueError("default_chunk_size must be >= 1")
+        if min(self.pipeline_stages, self.hidden_size, self.wire_dtype_bytes) < 1:
+            raise ValueError("pipeline_stages, hidden_size and wire_dtype_bytes must be >= 1")
+        if not (self.monitor_timeout_s > 0 and self.stale_after_s > 0):
+            raise ValueError("monitor_timeout_s and stale_after_s must be > 0")
+        if not 0 <= self.default_parallel_draft_steps <= self.max_parallel_draft_steps:
+            raise ValueError("need 0 <= default_parallel_draft_steps <= max_parallel_draft_steps")
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

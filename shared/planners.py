@@ -1,0 +1,324 @@
+"""HAT planners as pure functions: prompt chunk size (eq. 3) and parallel-draft steps (eq. 6).
+
+No I/O here. The chunk-planner service fetches the state monitor's JSON and
+hands it to `plan_from_state` / `plan_draft_steps_from_state`, which either
+apply the equations or name the reason they could not ("default:<reason>"),
+so the HTTP layer can report a truthful `source`.
+
+Symbols (HAT §3.2-§3.5):
+    A        hidden-state bytes per token on the wire (`hidden_bytes_per_token`)
+    beta_up  device uplink bandwidth, bytes/s;  beta_down: downlink
+    g(mu)    predicted cloud compute seconds for a batch of mu tokens (eq. 2)
+    mu       the cloud's averaged batched token count (eq. 1)
+    P        cloud pipeline length (stages)
+    gamma    device seconds per draft step
+
+Default reasons (the `source` suffix after "default:"):
+    no-telemetry   the monitor knows nothing yet (unknown device, no g(mu) data)
+    stale          the device's telemetry is older than `stale_after_s`
+    missing-beta   the device reported no uplink (eq. 3) / up+down (eq. 6) transfers
+    missing-gamma  the device reported no draft-step time (eq. 6)
+    bad-telemetry  values present but unusable (non-finite, non-positive bandwidth)
+The service adds reasons of its own for failures before any JSON exists
+(no-monitor, monitor-unreachable, monitor-error).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared.state_model import ComputeDelayPredictor
+
+# Chunk sizes are multiples of this. GPU matmul/attention kernels work on token
+# tiles of 16 (tensor-core fragments, FlashAttention blocks), so other sizes pay
+# for padding; the grid also keeps small telemetry jitter from changing the chunk
+# size on every request.
+CHUNK_ALIGN = 16
+
+# eq. 6 floors a ratio of measured seconds; a ratio that is an integer in exact
+# arithmetic can land just below it in floating point (0.3 / 0.1 = 2.999...).
+_FLOOR_REL_EPS = 1e-9
+
+
+def hidden_bytes_per_token(hidden_size: int, wire_dtype_bytes: int = 2) -> int:
+    """A in eq. 3 and eq. 6: one token's hidden state on the wire (fp16/bf16 = 2 bytes/element).
+
+    Framing overhead is a few bytes per message, not per token, so it is left out.
+    """
+    if hidden_size < 1 or wire_dtype_bytes < 1:
+        raise ValueError(f"need hidden_size >= 1 and wire_dtype_bytes >= 1, got {hidden_size}, {wire_dtype_bytes}")
+    return int(hidden_size) * int(wire_dtype_bytes)
+
+
+def _positive(x: float, name: str) -> float:
+    x = float(x)
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {x!r}")
+    return x
+
+
+def _chunk_grid(min_size: int, max_size: int) -> tuple[int, Callable[[int], int]]:
+    """Candidate sizes in increasing order: min_size, the multiples of CHUNK_ALIGN strictly between, max_size.
+
+    Returned as (count, index -> size) so a huge max_size costs no memory.
+    """
+    if min_size == max_size:
+        return 1, lambda _: min_size
+    first = (min_size // CHUNK_ALIGN + 1) * CHUNK_ALIGN            # first multiple > min_size
+    last = ((max_size - 1) // CHUNK_ALIGN) * CHUNK_ALIGN           # last multiple < max_size
+    inner = max(0, (last - first) // CHUNK_ALIGN + 1)
+    count = inner + 2
+
+    def size(i: int) -> int:
+        if i <= 0:
+            return min_size
+        if i >= count - 1:
+            return max_size
+        return first + CHUNK_ALIGN * (i - 1)
+
+    return count, size
+
+
+def eq3_gap(x: float, bytes_per_token: float, beta_up: float, g: Callable[[float], float],
+            mu: float, stages: int) -> float:
+    """f(X) = X·A/β_up − (g(μ) + g(μ+X)) / P: upload time of a chunk minus the cloud time it overlaps (eq. 3).
+
+    Negative: the upload finishes before the cloud would be ready for it (the chunk
+    could be larger). Non-negative: the upload covers the cloud's wait + compute.
+    """
+    return x * bytes_per_token / beta_up - (g(mu) + g(mu + x)) / stages
+
+
+def chunk_size_eq3(bytes_per_token: float, beta_up: float, g: Callable[[float], float], mu: float,
+                   stages: int, min_size: int, max_size: int, prompt_tokens: int) -> int:
+    """Prompt chunk size X from HAT eq. 3: X·A/β_up = (g(μ) + g(μ+X)) / P.
+
+    Intuition: while the cloud works on chunk j, the device uploads chunk j+1. A
+    chunk arriving at the cloud waits up to one batch (≈ g(μ)) and is then computed
+    in a batch of μ+X tokens (g(μ+X)); with P pipeline stages each GPU holds a
+    batch for 1/P of that. The best X makes the upload time of one chunk equal to
+    the cloud time it overlaps with: smaller, and chunks queue up in the cloud (more
+    fragments, each paying the fixed per-batch cost); larger, and the cloud idles
+    waiting for a long upload while the prefill pipeline loses its overlap.
+
+    Solved on the grid min_size, multiples of CHUNK_ALIGN, max_size (see
+    `CHUNK_ALIGN`) by bisection on f = `eq3_gap`, taking the smallest grid size
+    with f >= 0, i.e. the equation's root rounded *up* to the grid, so the upload
+    still covers the cloud time. If f(min_size) >= 0 the uplink is the bottleneck
+    even for the smallest chunk: min_size. If f(max_size) < 0 even the largest
+    chunk uploads faster than the cloud needs: max_size. Bisection finds the
+    smallest root whenever f changes sign once, which holds for any concave
+    non-decreasing g (affine g = c1·μ + c2 included, the usual compute model);
+    for other g it returns a sign change of f, i.e. still a solution of eq. 3.
+    The answer is then capped at prompt_tokens: a chunk is never longer than the
+    prompt (a prompt shorter than min_size is sent whole).
+    """
+    a = _positive(bytes_per_token, "bytes_per_token")
+    beta = _positive(beta_up, "beta_up")
+    mu = float(mu)
+    if not (math.isfinite(mu) and mu >= 0):
+        raise ValueError(f"mu must be finite and >= 0, got {mu!r}")
+    if stages < 1 or min_size < 1 or max_size < min_size or prompt_tokens < 1:
+        raise ValueError(f"need stages >= 1, 1 <= min_size <= max_size, prompt_tokens >= 1; got "
+                         f"{stages}, {min_size}, {max_size}, {prompt_tokens}")
+
+    def f(x: int) -> float:
+        return eq3_gap(x, a, beta, g, mu, stages)
+
+    count, size = _chunk_grid(min_size, max_size)
+    if f(size(0)) >= 0:
+        chosen = size(0)
+    elif f(size(count - 1)) < 0:
+        chosen = size(count - 1)
+    else:
+        lo, hi = 0, count - 1  # invariant: f(size(lo)) < 0 <= f(size(hi))
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if f(size(mid)) >= 0:
+                hi = mid
+            else:
+                lo = mid
+        chosen = size(hi)
+    return min(chosen, prompt_tokens)
+
+
+def parallel_draft_steps_eq6(draft_len: int, bytes_per_token: float, beta_up: float, beta_down: float,
+                             g_mu: float, gamma: float, max_steps: int) -> int:
+    """Parallel-draft steps λ_i from HAT eq. 6: ⌊(μ_i·A/β_up + g(μ) + μ_i·A/β_down) / γ_i⌋.
+
+    Why: while a verification of μ_i draft tokens is in flight, the device is idle
+    for its upload, the cloud's compute (assuming no wait, g(μ)) and the download
+    of μ_i deep hidden states. Pre-drafting must finish inside that window so it
+    never delays acting on the verification result, so the step count is the
+    window divided by the time per draft step γ_i. Clamped to [0, max_steps].
+    """
+    if draft_len < 0 or max_steps < 0:
+        raise ValueError(f"need draft_len >= 0 and max_steps >= 0, got {draft_len}, {max_steps}")
+    a = _positive(bytes_per_token, "bytes_per_token")
+    up, down, step = _positive(beta_up, "beta_up"), _positive(beta_down, "beta_down"), _positive(gamma, "gamma")
+    g_mu = float(g_mu)
+    if not (math.isfinite(g_mu) and g_mu >= 0):
+        raise ValueError(f"g_mu must be finite and >= 0, got {g_mu!r}")
+    window = draft_len * a / up + g_mu + draft_len * a / down
+    ratio = min(window / step * (1.0 + _FLOOR_REL_EPS), float(max_steps))  # min first: no huge int()
+    return max(0, math.floor(ratio))
+
+
+# -- from the state monitor's JSON -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """Static planner configuration that, with the monitor's telemetry, fixes eq. 3 / eq. 6.
+
+    `stale_after_s` is the planner's own freshness policy: a device whose last
+    telemetry is older is planned with defaults, since its bandwidth may have changed.
+    """
+
+    bytes_per_token: int                 # A
+    stages: int = 1                      # P
+    min_chunk_size: int = 16
+    max_chunk_size: int = 1024
+    default_chunk_size: int = 128
+    stale_after_s: float = 30.0
+    default_draft_steps: int = 2
+    max_draft_steps: int = 16
+
+    def default_chunk(self, prompt_tokens: int) -> int:
+        """The fallback chunk: default clamped to [min, max], never above the prompt."""
+        size = min(max(self.default_chunk_size, self.min_chunk_size), self.max_chunk_size)
+        return min(size, prompt_tokens)
+
+    def default_steps(self) -> int:
+        return min(max(self.default_draft_steps, 0), self.max_draft_steps)
+
+
+def _finite(value: Any) -> float | None:
+    """A finite float from JSON, or None (missing, null, NaN, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def predictor_from_cloud_state(cloud: Mapping[str, Any]) -> ComputeDelayPredictor | None:
+    """Rebuild g(μ) from `GET /state/cloud` (its `g.buckets` table); None if it has no usable bucket.
+
+    The table carries each bucket's averaged μ and η; prediction only needs those
+    points (interpolated, running max as the monitor's monotone predictor does).
+    Buckets per octave are recovered from a bucket's mu_hi/mu_lo = 2**(1/bpo).
+    """
+    g = cloud.get("g")
+    buckets = g.get("buckets") if isinstance(g, Mapping) else None
+    if not isinstance(buckets, list):
+        return None
+    bpo = 2
+    items: list[dict[str, Any]] = []
+    for b in buckets:
+        if not isinstance(b, Mapping) or not isinstance(b.get("bucket"), int):
+            continue
+        mu, eta = _finite(b.get("mu")), _finite(b.get("eta"))
+        if mu is None or eta is None:
+            continue
+        lo, hi = _finite(b.get("mu_lo")), _finite(b.get("mu_hi"))
+        if lo and hi and hi > lo > 0:
+            bpo = max(1, round(1.0 / math.log2(hi / lo)))
+        count = max(1, int(_finite(b.get("count")) or 1))
+        items.append({"bucket": b["bucket"], "mu": {"value": mu, "count": count},
+                      "eta": {"value": eta, "count": count}, "updated_at": _finite(b.get("updated_at"))})
+    if not items:
+        return None
+    alpha = _finite(cloud.get("alpha"))
+    return ComputeDelayPredictor.from_dict({"alpha": alpha if alpha is not None and 0 <= alpha < 1 else 0.8,
+                                            "buckets_per_octave": bpo, "monotone": True, "buckets": items})
+
+
+def _cloud_terms(cloud: Mapping[str, Any] | None) -> tuple[Callable[[float], float], float] | str:
+    """(g, μ) from the cloud JSON, or a default reason."""
+    if cloud is None:
+        return "no-telemetry"
+    predictor = predictor_from_cloud_state(cloud)
+    mu = _finite(cloud.get("mu"))
+    if predictor is None or mu is None:
+        return "no-telemetry"
+    if mu < 0:
+        return "bad-telemetry"
+
+    def g(m: float) -> float:
+        value = predictor.predict(m)
+        return 0.0 if value is None else value  # cannot happen: the predictor has data
+
+    return g, mu
+
+
+def _device_problem(device: Mapping[str, Any] | None, stale_after_s: float) -> str | None:
+    """Why a device's telemetry is unusable, or None.
+
+    Freshness uses the monitor's `age_s` against the planner's `stale_after_s`;
+    only when `age_s` is absent does the monitor's own `stale` flag decide.
+    """
+    if device is None or device.get("last_update") is None:
+        return "no-telemetry"
+    age = _finite(device.get("age_s"))
+    stale = device.get("stale") is not False if age is None else age > stale_after_s
+    return "stale" if stale else None
+
+
+def _usable_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
+                  inputs: PlannerInputs) -> tuple[Callable[[float], float], float, Mapping[str, Any]] | str:
+    """(g, μ, device) when both sides have usable telemetry, else the default reason."""
+    reason = _device_problem(device, inputs.stale_after_s)
+    if reason is not None or device is None:
+        return reason or "no-telemetry"
+    terms = _cloud_terms(cloud)
+    if isinstance(terms, str):
+        return terms
+    return terms[0], terms[1], device
+
+
+def _positive_field(device: Mapping[str, Any], key: str, missing: str) -> float | str:
+    """A positive finite device value (bandwidth, step time), or the default reason."""
+    value = device.get(key)
+    if value is None:
+        return missing
+    x = _finite(value)
+    return x if x is not None and x > 0 else "bad-telemetry"
+
+
+def plan_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
+                    inputs: PlannerInputs, prompt_tokens: int) -> tuple[int, str]:
+    """Chunk size for one prompt from the monitor's JSON: (size, "eq3") or (default, "default:<reason>").
+
+    `cloud` is `GET /state/cloud`, `device` is `GET /state/device/{id}` (None for a 404).
+    """
+    state = _usable_state(cloud, device, inputs)
+    if isinstance(state, str):
+        return inputs.default_chunk(prompt_tokens), f"default:{state}"
+    g, mu, dev = state
+    beta_up = _positive_field(dev, "beta_up", "missing-beta")
+    if isinstance(beta_up, str):
+        return inputs.default_chunk(prompt_tokens), f"default:{beta_up}"
+    size = chunk_size_eq3(inputs.bytes_per_token, beta_up, g, mu, inputs.stages,
+                          inputs.min_chunk_size, inputs.max_chunk_size, prompt_tokens)
+    return size, "eq3"
+
+
+def plan_draft_steps_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
+                                inputs: PlannerInputs, draft_len: int) -> tuple[int, str]:
+    """Parallel-draft steps from the monitor's JSON: (λ, "eq6") or (default, "default:<reason>")."""
+    state = _usable_state(cloud, device, inputs)
+    if isinstance(state, str):
+        return inputs.default_steps(), f"default:{state}"
+    g, mu, dev = state
+    beta_up = _positive_field(dev, "beta_up", "missing-beta")
+    beta_down = _positive_field(dev, "beta_down", "missing-beta")
+    gamma = _positive_field(dev, "gamma", "missing-gamma")
+    for value in (beta_up, beta_down, gamma):
+        if isinstance(value, str):
+            return inputs.default_steps(), f"default:{value}"
+    steps = parallel_draft_steps_eq6(draft_len, inputs.bytes_per_token, float(beta_up), float(beta_down),
+                                     g(mu), float(gamma), inputs.max_draft_steps)
+    return steps, "eq6"
