@@ -161,6 +161,13 @@ def up(
     split_layers: int = typer.Option(2, "--split-layers"),
     no_speculation: bool = typer.Option(False, "--no-speculation", help="plain U-shape (no draft adapter)"),
     adapter: str = typer.Option("", help="adapter file or 'random' (default: MODEL/draft_adapter.safetensors)"),
+    link: str = typer.Option("none", help="link profile per device: near|mid|far|none or 'up=5MB,down=10MB,lat=5ms'; "
+                             "';'-separated to vary by device"),
+    link_mode: str = typer.Option("auto", help="auto | netns (tc-shaped veth, root) | inprocess"),
+    speed: str = typer.Option("orin", help="device speed per device: orin|xavier|cycle|'1,2,5,10@5'; ';'-separated"),
+    pipeline_stages: int = typer.Option(1, help="P: verifier pipeline stages (worker processes)"),
+    prompt_chunking: bool = typer.Option(True, "--prompt-chunking/--no-prompt-chunking", help="PC switch"),
+    parallel_drafting: bool = typer.Option(True, "--parallel-drafting/--no-parallel-drafting", help="PD switch"),
 ):
     """Start the whole mesh on localhost; Ctrl-C (or SIGTERM) stops every process."""
     import signal
@@ -170,7 +177,10 @@ def up(
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = MeshConfig(model_dir=str(model), num_devices=devices, port_base=port_base, redis_url=redis_url,
-                        split_layers=split_layers, speculative=not no_speculation, adapter=adapter)
+                        split_layers=split_layers, speculative=not no_speculation, adapter=adapter,
+                        link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
+                        device_env={"prompt_chunking": str(prompt_chunking).lower(),
+                                    **({} if parallel_drafting else {"parallel_candidates": "0"})})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -204,7 +214,7 @@ def chat(
     """Chat with the mesh, streaming tokens; prints TTFT, TBT and accept length after each answer."""
     from shared.chat_client import run_chat
 
-    asyncio.run(run_chat(url, prompt, max_tokens, temperature))
+    raise typer.Exit(asyncio.run(run_chat(url, prompt, max_tokens, temperature)))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,29 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def find_port_base(num_devices: int, host: str = "127.0.0.1") -> int:
+    """A base whose whole port layout is free right now (for tests and parallel meshes)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20_000, 60_000, 10)
+        ports = [base, base + 10, base + 20, base + 100] + [base + 200 + i for i in range(num_devices)]
+        try:
+            sockets = []
+            for port in ports:
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return base
+    raise RuntimeError("no free port layout found")
+
+
 class MeshStartError(RuntimeError):
     """A service did not become ready in time (its log tail is in the message)."""
 
@@ -45,6 +68,16 @@ class MeshConfig:
     ready_timeout_s: float = 120.0
     host: str = "127.0.0.1"
     extra_env: dict[str, str] = field(default_factory=dict)
+    device_verifier_url: str | None = None  # where devices connect (default: the verifier); tests put a proxy here
+    # Emulated testbed: a link spec and a speed spec per device (";"-separated lists are cycled
+    # over the devices), and how links are emulated: "inprocess" (shaper on the device's
+    # WebSocket), "netns" (device in a network namespace behind a tc-shaped veth; root), or
+    # "auto" (netns when available).
+    link: str = "none"
+    speed: str = "orin"
+    link_mode: str = "auto"
+    pipeline_stages: int = 1
+    device_env: dict[str, str] = field(default_factory=dict)  # extra TOPHAT_DEVICE_* settings
 
     @property
     def streamer_url(self) -> str:
@@ -63,7 +96,13 @@ class MeshConfig:
         return self.port_base + 100
 
     def device_url(self, index: int) -> str:
-        return f"http://{self.host}:{self.port_base + 200 + index}"
+        return f"http://{self.device_hosts.get(index, self.host)}:{self.port_base + 200 + index}"
+
+    def per_device(self, spec: str, index: int) -> str:
+        parts = [p.strip() for p in spec.split(";") if p.strip()] or ["none"]
+        return parts[index % len(parts)]
+
+    device_hosts: dict[int, str] = field(default_factory=dict)  # filled when devices live in namespaces
 
 
 @dataclass
@@ -86,6 +125,7 @@ class Mesh:
         self.redis: EmbeddedRedis | None = None
         self.redis_url: str | None = None
         self.services: list[ServiceProcess] = []
+        self.netns_links: list = []
         if config.log_dir is None:
             import tempfile
 
@@ -93,11 +133,12 @@ class Mesh:
         config.log_dir.mkdir(parents=True, exist_ok=True)
 
     # -- lifecycle ---------------------------------------------------------------------
-    def _spawn(self, name: str, module: str, env: dict[str, str], ready_url: str) -> ServiceProcess:
+    def _spawn(self, name: str, module: str, env: dict[str, str], ready_url: str,
+               prefix: list[str] | None = None) -> ServiceProcess:
         log_path = self.config.log_dir / f"{name}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.config.extra_env, **env}
         handle = open(log_path, "ab")
-        process = subprocess.Popen([sys.executable, "-m", module], cwd=REPO_ROOT, env=full_env,
+        process = subprocess.Popen([*(prefix or []), sys.executable, "-m", module], cwd=REPO_ROOT, env=full_env,
                                    stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
         handle.close()
         service = ServiceProcess(name, process, ready_url, log_path)
@@ -123,6 +164,59 @@ class Mesh:
                 if pending:
                     time.sleep(0.2)
 
+    def _use_netns(self) -> bool:
+        from shared.netns import netns_support
+
+        if self.config.link_mode == "inprocess":
+            return False
+        wants_shaping = any(self.config.per_device(self.config.link, i) != "none" for i in range(self.config.num_devices))
+        support = netns_support()
+        if self.config.link_mode == "netns" and not support.available:
+            raise MeshStartError(f"--link-mode netns, but namespaces are unavailable: {support.reason}")
+        return wants_shaping and support.available
+
+    def _spawn_device(self, i: int, model_dir: str) -> ServiceProcess:
+        from shared.links import parse_link_spec, scaled_for_hidden
+        from shared.model.checkpoint import read_config
+        from shared.netns import NetnsLink
+
+        cfg = self.config
+        link_spec = cfg.per_device(cfg.link, i)
+        host = cfg.host
+        env = {
+            "TOPHAT_DEVICE_DEVICE_ID": f"device-{i}",
+            "TOPHAT_DEVICE_PORT": str(cfg.port_base + 200 + i),
+            "TOPHAT_DEVICE_MODEL_DIR": model_dir,
+            "TOPHAT_DEVICE_SPLIT_LAYERS": str(cfg.split_layers),
+            "TOPHAT_DEVICE_ADAPTER": cfg.adapter,
+            "TOPHAT_DEVICE_SPECULATIVE": str(cfg.speculative).lower(),
+            "TOPHAT_DEVICE_MAX_DRAFT": str(cfg.max_draft),
+            "TOPHAT_DEVICE_ETA": str(cfg.eta),
+            "TOPHAT_DEVICE_LINK": link_spec,
+            "TOPHAT_DEVICE_SPEED": cfg.per_device(cfg.speed, i),
+            **{f"TOPHAT_DEVICE_{k.upper()}": v for k, v in cfg.device_env.items()},
+        }
+        prefix = None
+        if self._netns and link_spec != "none":
+            hidden = read_config(Path(model_dir))["hidden_size"]
+            profile = scaled_for_hidden(parse_link_spec(link_spec), hidden)
+            link = NetnsLink.for_index(i, profile).setup()
+            self.netns_links.append(link)
+            remainder = link.in_process_remainder()
+            env["TOPHAT_DEVICE_LINK"] = (f"lat={remainder.latency_s * 1e3}ms,jitter={remainder.jitter_s * 1e3}ms"
+                                         if remainder.shaped else "none")
+            env["TOPHAT_DEVICE_LINK_SCALED"] = "false"
+            env["TOPHAT_DEVICE_HOST"] = "0.0.0.0"
+            host = link.host_ip  # the root namespace's end of the veth
+            cfg.device_hosts[i] = link.ns_ip
+            prefix = link.exec_prefix()
+        env.update({
+            "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or f"ws://{host}:{cfg.verifier_port}/ws",
+            "TOPHAT_DEVICE_CHUNK_PLANNER_URL": f"http://{host}:{cfg.port_base + 10}",
+            "TOPHAT_DEVICE_STATE_MONITOR_URL": f"http://{host}:{cfg.port_base + 20}",
+        })
+        return self._spawn(f"device-agent-{i}", "services.device_agent", env, f"{cfg.device_url(i)}/readyz", prefix)
+
     def start(self) -> "Mesh":
         cfg = self.config
         try:
@@ -131,37 +225,30 @@ class Mesh:
                 self.redis = EmbeddedRedis().start()
                 self.redis_url = self.redis.url
             model_dir = str(Path(cfg.model_dir).resolve())
+            self._netns = self._use_netns()
+            # Devices in namespaces reach the cloud-side services through the veth, so those bind everywhere.
+            bind = "0.0.0.0" if self._netns else cfg.host
             monitor = self._spawn("state-monitor", "services.state_monitor", {
                 "TOPHAT_STATE_MONITOR_PORT": str(cfg.port_base + 20),
+                "TOPHAT_STATE_MONITOR_HOST": bind,
                 "TOPHAT_STATE_MONITOR_REDIS_URL": self.redis_url,
             }, f"{cfg.monitor_url}/readyz")
             planner = self._spawn("chunk-planner", "services.chunk_planner", {
                 "TOPHAT_CHUNK_PLANNER_PORT": str(cfg.port_base + 10),
+                "TOPHAT_CHUNK_PLANNER_HOST": bind,
+                "TOPHAT_CHUNK_PLANNER_PIPELINE_STAGES": str(cfg.pipeline_stages),
                 "TOPHAT_CHUNK_PLANNER_STATE_MONITOR_URL": cfg.monitor_url,
             }, f"{cfg.planner_url}/readyz")
             verifier = self._spawn("verifier-cloud", "services.verifier_cloud", {
                 "TOPHAT_VERIFIER_PORT": str(cfg.verifier_port),
+                "TOPHAT_VERIFIER_HOST": bind,
+                "TOPHAT_VERIFIER_PIPELINE_STAGES": str(cfg.pipeline_stages),
                 "TOPHAT_VERIFIER_MODEL_DIR": model_dir,
                 "TOPHAT_VERIFIER_SPLIT_LAYERS": str(cfg.split_layers),
                 "TOPHAT_VERIFIER_STATE_MONITOR_URL": cfg.monitor_url,
             }, f"http://{cfg.host}:{cfg.verifier_port}/readyz")
             self._wait_ready([monitor, planner, verifier])
-            devices = [
-                self._spawn(f"device-agent-{i}", "services.device_agent", {
-                    "TOPHAT_DEVICE_DEVICE_ID": f"device-{i}",
-                    "TOPHAT_DEVICE_PORT": str(cfg.port_base + 200 + i),
-                    "TOPHAT_DEVICE_MODEL_DIR": model_dir,
-                    "TOPHAT_DEVICE_SPLIT_LAYERS": str(cfg.split_layers),
-                    "TOPHAT_DEVICE_ADAPTER": cfg.adapter,
-                    "TOPHAT_DEVICE_SPECULATIVE": str(cfg.speculative).lower(),
-                    "TOPHAT_DEVICE_MAX_DRAFT": str(cfg.max_draft),
-                    "TOPHAT_DEVICE_ETA": str(cfg.eta),
-                    "TOPHAT_DEVICE_VERIFIER_URL": f"ws://{cfg.host}:{cfg.verifier_port}/ws",
-                    "TOPHAT_DEVICE_CHUNK_PLANNER_URL": cfg.planner_url,
-                    "TOPHAT_DEVICE_STATE_MONITOR_URL": cfg.monitor_url,
-                }, f"{cfg.device_url(i)}/readyz")
-                for i in range(cfg.num_devices)
-            ]
+            devices = [self._spawn_device(i, model_dir) for i in range(cfg.num_devices)]
             self._wait_ready(devices)
             streamer = self._spawn("token-streamer", "services.token_streamer", {
                 "TOPHAT_STREAMER_PORT": str(cfg.port_base),
@@ -187,6 +274,9 @@ class Mesh:
                 service.process.kill()
                 service.process.wait(timeout=5)
         self.services.clear()
+        for link in self.netns_links:
+            link.teardown()
+        self.netns_links.clear()
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

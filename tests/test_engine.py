@@ -20,10 +20,12 @@ from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 
 
-def run(checkpoint, ids, m, adapter, max_new, params=SamplingParams(), eta=0.6, max_draft=8, chunk_size=None):
+def run(checkpoint, ids, m, adapter, max_new, params=SamplingParams(), eta=0.6, max_draft=8, chunk_size=None, **options):
     device = DeviceModel.from_checkpoint(checkpoint, m, adapter)
     session = DeviceSession(device, ids, params, DraftConfig(eta=eta, max_draft=max_draft), max_new)
-    return asyncio.run(generate(session, LocalCloud(MiddleSubmodel(checkpoint, m)), chunk_size=chunk_size))
+    result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(checkpoint, m)), chunk_size=chunk_size, **options))
+    result.reused_branches = session.reused_branches
+    return result
 
 
 @pytest.mark.parametrize(
@@ -40,6 +42,22 @@ def test_greedy_hat_equals_full_model(tiny_checkpoint, m, eta, max_draft, chunk_
         assert got.token_ids == expected
         if max_draft == 0:
             assert got.mean_accept_length == 1.0
+
+
+@pytest.mark.parametrize("candidates,steps", [(1, 2), (3, 4), (2, 0)])
+def test_greedy_with_parallel_drafting_equals_full_model(tiny_checkpoint, candidates, steps):
+    adapter = DraftAdapter(tiny_checkpoint, 3)
+    rng = random.Random(candidates)
+    reused = 0
+    for _ in range(4):
+        ids = [rng.randrange(1, tiny_checkpoint.vocab_size) for _ in range(rng.randint(2, 12))]
+        expected = generate_full(tiny_checkpoint, ids, 30).token_ids
+        got = run(tiny_checkpoint, ids, 3, adapter, 30, eta=0.5, max_draft=4, chunk_size=3,
+                  parallel_candidates=candidates, parallel_steps=steps)
+        assert got.token_ids == expected
+        reused += got.reused_branches
+    if candidates >= 3:
+        assert reused > 0  # some corrections hit a pre-drafted candidate
 
 
 def test_greedy_with_random_adapter_is_still_exact(tiny_checkpoint):
@@ -98,7 +116,8 @@ def test_sampled_hat_has_the_target_distribution(tiny_llama_dir):
     runs, counts, accepted = 1500, np.zeros(checkpoint.vocab_size), 0
     for seed in range(runs):
         session = DeviceSession(device, ids, SamplingParams(1.5, 0.9, seed), DraftConfig(eta=0.0, max_draft=1), 3)
-        result = asyncio.run(generate(session, cloud, session_id=seed + 1))
+        # Parallel drafting on: a reused branch must not bias the distribution either.
+        result = asyncio.run(generate(session, cloud, session_id=seed + 1, parallel_candidates=2, parallel_steps=1))
         counts[result.token_ids[1]] += 1
         accepted += result.accept_lengths[0] == 2  # d_1 accepted, plus the bonus token
     expected = exact_second_token_marginal(checkpoint, ids, params) * runs

@@ -26,6 +26,8 @@ from pydantic import BaseModel, Field
 from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud
 from services.device_agent.settings import Settings
 from shared import wire
+from shared.device_speed import slowed, speed_schedule
+from shared.links import parse_link_spec, scaled_for_hidden
 from shared.model.checkpoint import load_checkpoint
 from shared.runtime import build_device_model, encode_prompt
 from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError
@@ -34,6 +36,9 @@ from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
 
 log = logging.getLogger("services.device_agent")
+
+MIN_BANDWIDTH_SAMPLE_BYTES = 16 * 1024
+DEFAULT_PARALLEL_STEPS = 2  # used when the planner (eq. 6) is unreachable or has no telemetry
 
 
 class GenerateRequest(BaseModel):
@@ -44,6 +49,17 @@ class GenerateRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     request_id: str | None = None
+    # Per-request overrides of the agent's feature switches (for baselines and ablations).
+    speculative: bool | None = None  # SD
+    prompt_chunking: bool | None = None  # PC
+    chunk_size: int | None = Field(None, ge=1)  # fixed chunk size instead of the planner's
+    overlap_prefill: bool | None = None
+    parallel_candidates: int | None = Field(None, ge=0, le=16)  # PD
+    parallel_steps: int | None = Field(None, ge=0, le=32)
+
+    def option(self, name: str, settings: Settings):
+        value = getattr(self, name)
+        return getattr(settings, name) if value is None else value
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -76,14 +92,21 @@ class DeviceAgent:
         self.model = build_device_model(self.checkpoint, settings.split_layers, settings.adapter or None,
                                         speculative=settings.speculative)
         self.telemetry = TelemetryClient(settings.state_monitor_url or None)
+        link = parse_link_spec(settings.link)
+        if settings.link_scaled:
+            link = scaled_for_hidden(link, self.checkpoint.hidden_size)
         self.cloud = WebSocketCloud(settings.verifier_url, self.checkpoint.hidden_size,
                                     wire.WireDtype(settings.wire_dtype), settings.request_timeout_s,
-                                    on_transfer=self._on_transfer)
+                                    on_transfer=self._on_transfer, link=link if link.shaped else None)
+        self.speed = speed_schedule(settings.speed)
+        self.requests_served = 0
         self.active = 0
         self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s)
 
     def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
-        self.telemetry.emit_device_transfer(self.settings.device_id, direction, nbytes, seconds)
+        # Small frames measure latency, not bandwidth; only bulk transfers feed beta_up/beta_down.
+        if nbytes >= MIN_BANDWIDTH_SAMPLE_BYTES:
+            self.telemetry.emit_device_transfer(self.settings.device_id, direction, nbytes, seconds)
 
     async def chunk_size(self, prompt_tokens: int) -> int:
         if not self.settings.chunk_planner_url:
@@ -97,6 +120,19 @@ class DeviceAgent:
             log.warning("chunk planner unavailable (%s); using %d", exc, self.settings.default_chunk_size)
             return self.settings.default_chunk_size
 
+    async def parallel_steps(self, draft_len: int) -> int:
+        """PD steps per candidate: fixed, or HAT eq. 6 from the planner."""
+        if self.settings.parallel_steps or not self.settings.chunk_planner_url:
+            return self.settings.parallel_steps or DEFAULT_PARALLEL_STEPS
+        try:
+            response = await self.http.get(f"{self.settings.chunk_planner_url}/parallel-draft-steps",
+                                           params={"device_id": self.settings.device_id, "draft_len": draft_len})
+            response.raise_for_status()
+            return max(0, int(response.json()["steps"]))
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            log.warning("planner unavailable for parallel-draft steps (%s); using %d", exc, DEFAULT_PARALLEL_STEPS)
+            return DEFAULT_PARALLEL_STEPS
+
     async def stream(self, request: GenerateRequest, ids: list[int], session: DeviceSession, request_id: str):
         started = time.perf_counter()
         token_times: list[float] = []
@@ -104,8 +140,25 @@ class DeviceAgent:
         session_id = random.getrandbits(63)
         yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
         try:
-            chunks = fixed_chunks(len(ids), await self.chunk_size(len(ids)))
-            async for tokens in run_session(session, self.cloud, session_id, chunks, offload=asyncio.to_thread):
+            settings = self.settings
+            chunk_size = None
+            if request.option("prompt_chunking", settings):
+                chunk_size = request.chunk_size or await self.chunk_size(len(ids))
+            chunks = fixed_chunks(len(ids), chunk_size)
+            speculative = session.draft_config.max_draft > 0 and self.model.adapter is not None
+            pd_candidates = request.option("parallel_candidates", settings) if speculative else 0
+            pd_steps = 0
+            if pd_candidates:
+                pd_steps = request.parallel_steps or await self.parallel_steps(settings.max_draft)
+            slowdown = self.speed.slowdown_for(self.requests_served)
+            self.requests_served += 1
+
+            async def offload(fn, *args):
+                return await slowed(fn, *args, slowdown=slowdown)
+
+            async for tokens in run_session(session, self.cloud, session_id, chunks, offload=offload,
+                                            overlap_prefill=request.option("overlap_prefill", settings),
+                                            parallel_candidates=pd_candidates, parallel_steps=pd_steps):
                 now = time.perf_counter() - started
                 token_times += [now] * len(tokens)
                 yield json.dumps({"type": "tokens", "token_ids": tokens, "text": detok.push(tokens), "t": now}) + "\n"
@@ -128,9 +181,11 @@ class DeviceAgent:
         eos = self.model.eos_token_id
         finish = "stop" if session.generated and session.generated[-1] == eos else "length"
         yield json.dumps({"type": "done", "finish_reason": finish, "stats": stats}) + "\n"
-        self.telemetry.emit_request(request_id, device_id=self.settings.device_id, ttft_s=ttft,
-                                    token_times_s=token_times, accept_lengths=list(session.accept_lengths),
-                                    prompt_tokens=len(ids))
+        total_s, steps = sum(s for s, _ in session.draft_seconds), sum(n for _, n in session.draft_seconds)
+        if steps:
+            self.telemetry.emit_device_draft(self.settings.device_id, total_s / steps, steps)
+        # Per-request telemetry (TTFT, token times, accept lengths) is the token-streamer's: it sees
+        # what the user sees. The device reports what only it knows: its drafting speed.
 
     async def aclose(self) -> None:
         await self.cloud.close_connection()
@@ -177,7 +232,11 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         try:
             ids = encode_prompt(agent.checkpoint, request.prompt, request.prompt_ids)
             params = SamplingParams(request.temperature, request.top_p, request.seed)
-            session = DeviceSession(agent.model, ids, params, DraftConfig(settings.eta, settings.max_draft),
+            speculative = request.option("speculative", settings)
+            if speculative and agent.model.adapter is None:
+                return _error(400, "bad_request", "this device runs without a draft adapter (speculative=false)")
+            max_draft = settings.max_draft if speculative else 0
+            session = DeviceSession(agent.model, ids, params, DraftConfig(settings.eta, max_draft),
                                     request.max_new_tokens)
         except (SessionError, ValueError) as exc:
             return _error(400, "bad_request", str(exc))

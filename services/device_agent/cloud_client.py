@@ -19,6 +19,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from shared import wire
+from shared.links import LinkProfile
+from shared.shaper import DelayLine, shapers_for
 
 log = logging.getLogger("services.device_agent.cloud")
 
@@ -51,6 +53,7 @@ class WebSocketCloud:
         connect_timeout_s: float = 10.0,
         max_frame_bytes: int = wire.MAX_FRAME_BYTES,
         on_transfer: TransferHook | None = None,
+        link: LinkProfile | None = None,
     ):
         self.url = url
         self.hidden_size = hidden_size
@@ -65,6 +68,11 @@ class WebSocketCloud:
         self._waiting: dict[tuple[int, int], asyncio.Future] = {}
         self._seq = itertools.count(1)
         self._sent_at: dict[tuple[int, int], float] = {}
+        # In-process link emulation (when the kernel path is unavailable): frames pass through
+        # a delay line per direction, so bandwidth and latency apply to real WebSocket traffic.
+        self._shapers = shapers_for(link) if link is not None else None
+        self._uplink: DelayLine | None = None
+        self._downlink: DelayLine | None = None
 
     # -- connection -------------------------------------------------------------------
     async def _ensure_connected(self) -> ClientConnection:
@@ -78,6 +86,10 @@ class WebSocketCloud:
                 )
             except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
                 raise CloudUnavailable(f"cannot reach the verifier at {self.url}: {exc}") from exc
+            if self._shapers is not None:
+                connection = self._connection
+                self._uplink = DelayLine(self._shapers[0], connection.send)
+                self._downlink = DelayLine(self._shapers[1], self._deliver_frame)
             self._reader = asyncio.create_task(self._read_loop(self._connection))
             log.info("connected to verifier %s", self.url)
             return self._connection
@@ -85,22 +97,32 @@ class WebSocketCloud:
     async def _read_loop(self, connection: ClientConnection) -> None:
         try:
             async for frame in connection:
-                received = time.perf_counter()
-                try:
-                    message = wire.decode(frame, max_frame_bytes=4 * self.max_frame_bytes)
-                except wire.WireError as exc:
-                    log.warning("undecodable frame from the verifier: %s", exc)
-                    continue
-                self._deliver(message, len(frame), received)
+                if self._downlink is not None:
+                    await self._downlink.put(frame)
+                else:
+                    await self._deliver_frame(frame)
         except ConnectionClosed:
             pass
         finally:
+            if self._downlink is not None:
+                await self._downlink.aclose()
+            if self._uplink is not None:
+                await self._uplink.aclose()
             failure = CloudUnavailable("connection to the verifier closed")
             for future in self._waiting.values():
                 if not future.done():
                     future.set_exception(failure)
             self._waiting.clear()
             log.info("connection to verifier %s closed", self.url)
+
+    async def _deliver_frame(self, frame: bytes) -> None:
+        received = time.perf_counter()
+        try:
+            message = wire.decode(frame, max_frame_bytes=4 * self.max_frame_bytes)
+        except wire.WireError as exc:
+            log.warning("undecodable frame from the verifier: %s", exc)
+            return
+        self._deliver(message, len(frame), received)
 
     def _deliver(self, message: wire.Message, nbytes: int, received: float) -> None:
         seq_no = getattr(message, "seq_no", None)
@@ -130,8 +152,11 @@ class WebSocketCloud:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                await connection.send(frame)
-        except (ConnectionClosed, TimeoutError) as exc:
+                if self._uplink is not None:
+                    await self._uplink.put(frame)
+                else:
+                    await connection.send(frame)
+        except (ConnectionClosed, TimeoutError, RuntimeError) as exc:
             self._waiting.pop(key, None)
             raise CloudUnavailable(f"sending to the verifier failed: {type(exc).__name__}") from exc
         self._sent_at[key] = time.perf_counter()

@@ -23,10 +23,21 @@ class Settings:
     speculative: bool = True  # False: plain U-shape, one token per cloud round trip
     eta: float = 0.6  # HAT eq. 5 drafting threshold
     max_draft: int = 8
+    # HAT Table 5 switches: SD = speculative (above), PC = prompt chunking, PD = parallel drafting.
+    prompt_chunking: bool = True  # False: the whole prompt in one upload
+    overlap_prefill: bool = True  # False: wait for each chunk's answer before the next (U-Sarathi-like)
+    parallel_candidates: int = 2  # PD: top-k candidates pre-drafted during verification; 0 = off
+    parallel_steps: int = 0  # PD: steps per candidate; 0 = ask the chunk planner (HAT eq. 6), fallback 2
     verifier_url: str = "ws://127.0.0.1:8100/ws"
     chunk_planner_url: str = ""  # empty: fixed default_chunk_size
     state_monitor_url: str = ""  # empty: no telemetry
     default_chunk_size: int = 128
+    # Emulated testbed (HAT §4.1): link profile name or spec (see shared/links.py), applied
+    # in-process on the WebSocket; named profiles are for a 4096-wide model and get scaled
+    # to this model's hidden size when link_scaled. Speed: orin | xavier | cycle | 1,2,5@5.
+    link: str = "none"
+    link_scaled: bool = True
+    speed: str = "orin"
     wire_dtype: str = "f2"  # hidden states on the wire: f2 (fp16), f4 (fp32), bf (bf16)
     max_sessions: int = 4  # concurrent generations on this device; more get 503
     request_timeout_s: float = 60.0  # one cloud round trip
@@ -35,9 +46,16 @@ class Settings:
     log_level: str = "info"
 
     def validate(self) -> None:
+        from shared.device_speed import speed_schedule
+        from shared.links import parse_link_spec
+
         WireDtype(self.wire_dtype)
+        parse_link_spec(self.link)
+        speed_schedule(self.speed)
         if not 0 <= self.eta <= 1 or self.max_draft < 0:
             raise ValueError("eta must be in [0, 1] and max_draft >= 0")
+        if self.parallel_candidates < 0 or self.parallel_steps < 0:
+            raise ValueError("parallel_candidates and parallel_steps must be >= 0")
         if self.max_sessions < 1 or self.default_chunk_size < 1:
             raise ValueError("max_sessions and default_chunk_size must be >= 1")
         if min(self.request_timeout_s, self.planner_timeout_s) <= 0:

@@ -72,6 +72,23 @@ class SessionKV:
         for layer in self._alive():
             layer.length = length
 
+    def fork(self, length: int) -> "SessionKV":
+        """An independent copy of the first `length` positions (a speculative branch)."""
+        if not 0 <= length <= self.length:
+            raise KVCacheError(f"cannot fork {length} positions of a cache of length {self.length}")
+        branch = SessionKV.__new__(SessionKV)
+        branch.layers = []
+        for layer in self._alive():
+            copy = LayerKV.__new__(LayerKV)
+            capacity = max(length + 16, 64)
+            copy.keys = layer.keys.new_empty(layer.keys.shape[0], capacity, layer.keys.shape[2])
+            copy.values = layer.values.new_empty(layer.values.shape[0], capacity, layer.values.shape[2])
+            copy.keys[:, :length] = layer.keys[:, :length]
+            copy.values[:, :length] = layer.values[:, :length]
+            copy.length = length
+            branch.layers.append(copy)
+        return branch
+
     def free(self) -> None:
         self.layers = None
 

@@ -16,6 +16,8 @@ number of positions whose tokens are final. The cloud is told the same
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,6 +81,22 @@ class Draft:
 
 
 @dataclass
+class Branch:
+    """A continuation pre-drafted from one candidate for the last draft position (HAT §3.5)."""
+
+    candidate: int
+    input_cache: object
+    adapter_cache: object
+    last_logits: torch.Tensor | None
+    draft: Draft  # commit_len = positions before the candidate; shallow rows = (candidate, e_1..e_j)
+
+    def free(self) -> None:
+        self.input_cache.free()
+        if self.adapter_cache is not None:
+            self.adapter_cache.free()
+
+
+@dataclass
 class DeviceSession:
     model: DeviceModel
     prompt_ids: list[int]
@@ -107,6 +125,10 @@ class DeviceSession:
         self.generated: list[int] = []
         self.pending_token: int | None = None  # last emitted token, not yet run through any layer
         self.accept_lengths: list[int] = []  # tokens emitted per verification round
+        self.draft_seconds: list[tuple[float, int]] = []  # (seconds, device steps) of each draft() call
+        self._ready_draft: Draft | None = None  # an adopted pre-drafted branch, used by the next draft()
+        self._last_draft_logits: torch.Tensor | None = None  # draft logits at the last drafted position
+        self.reused_branches = 0
 
     # -- state -----------------------------------------------------------------
     @property
@@ -159,29 +181,31 @@ class DeviceSession:
         remaining = self.max_new_tokens - len(self.generated)
         return max(0, min(self.draft_config.max_draft, remaining - 1))
 
-    def draft(self) -> Draft:
-        """Draft until confidence < eta (eq. 5) or the budget runs out."""
-        if self.pending_token is None or self.is_finished:
-            raise SessionError("draft() before prefill or after the session finished")
-        commit_len = self.commit_len
-        budget = self._draft_budget()
+    def _run_draft(self, token: int, input_cache, adapter_cache, budget: int):
+        """Autoregressive drafting from `token` (not yet in the caches) on the given caches.
+
+        Returns (tokens, q rows, shallow rows, logits of the last drafting step)."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         shallows: list[torch.Tensor] = []
-        token, stop = self.pending_token, False
+        last_logits = None
+        stop = False
         while True:
-            shallow = self.model.input(torch.tensor([token]), self.input_cache)  # [1, H]
+            shallow = self.model.input(torch.tensor([token]), input_cache)  # [1, H]
             shallows.append(shallow)
-            draft_hidden = self._run_adapter(shallow)  # [1, H]
+            draft_hidden = self.model.adapter(shallow, adapter_cache) if adapter_cache is not None else None
             if stop or len(tokens) >= budget:
                 break
-            logits = self.model.output(draft_hidden)[0]  # [V]
-            q = logits_to_probs(logits, self.params)
+            last_logits = self.model.output(draft_hidden)[0]  # [V]
+            q = logits_to_probs(last_logits, self.params)
             token = sample(q, self.generator)
-            confidence = torch.softmax(logits, -1)[token] if self.params.is_greedy else q[token]
+            confidence = torch.softmax(last_logits, -1)[token] if self.params.is_greedy else q[token]
             tokens.append(token)
             probs.append(q)
             stop = float(confidence) < self.draft_config.eta or token == self.model.eos_token_id
+        return tokens, probs, shallows, last_logits
+
+    def _make_draft(self, commit_len: int, tokens, probs, shallows) -> Draft:
         return Draft(
             commit_len=commit_len,
             tokens=tokens,
@@ -189,21 +213,94 @@ class DeviceSession:
             shallow=torch.cat(shallows),
         )
 
-    def on_verify_result(self, draft: Draft, deep: torch.Tensor) -> list[int]:
-        """Accept the agreeing prefix plus the target's token; roll both caches back."""
+    def draft(self) -> Draft:
+        """Draft until confidence < eta (eq. 5) or the budget runs out."""
+        if self.pending_token is None or self.is_finished:
+            raise SessionError("draft() before prefill or after the session finished")
+        started = time.perf_counter()
+        if self._ready_draft is not None:  # pre-drafted during the last verification (parallel drafting)
+            draft, self._ready_draft = self._ready_draft, None
+            return draft
+        tokens, probs, shallows, last_logits = self._run_draft(
+            self.pending_token, self.input_cache, self.adapter_cache, self._draft_budget())
+        self._last_draft_logits = last_logits
+        self.draft_seconds.append((time.perf_counter() - started, len(shallows)))
+        return self._make_draft(self.commit_len - len(shallows), tokens, probs, shallows)
+
+    # -- parallel drafting (HAT §3.5) -------------------------------------------------
+    def predraft(self, draft: Draft, num_candidates: int, steps: int) -> list[Branch]:
+        """While `draft` is being verified, draft `steps` ahead from each of the top candidates
+        for its last position (other than the drafted token itself). Runs on forked caches, so
+        the session's own caches are untouched until a branch is adopted."""
+        if not draft.tokens or num_candidates < 1 or steps < 0 or self._last_draft_logits is None:
+            return []
+        started = time.perf_counter()
+        k = len(draft.tokens)
+        branch_commit = draft.commit_len + k  # positions of (pending, d_1..d_{k-1})
+        ranked = torch.topk(self._last_draft_logits, num_candidates + 1).indices.tolist()
+        candidates = [c for c in ranked if c != draft.tokens[-1]][:num_candidates]
+        remaining_after = self.max_new_tokens - len(self.generated) - k  # tokens left once d_1..d_{k-1}, c are out
+        budget = max(0, min(steps, self.draft_config.max_draft, remaining_after - 1))
+        branches = []
+        for candidate in candidates:
+            input_cache = self.input_cache.fork(branch_commit)
+            adapter_cache = self.adapter_cache.fork(branch_commit) if self.adapter_cache is not None else None
+            tokens, probs, shallows, last_logits = self._run_draft(candidate, input_cache, adapter_cache, budget)
+            branches.append(Branch(candidate, input_cache, adapter_cache, last_logits,
+                                   self._make_draft(branch_commit, tokens, probs, shallows)))
+        steps_run = sum(len(b.draft.tokens) + 1 for b in branches)
+        self.draft_seconds.append((time.perf_counter() - started, steps_run))
+        return branches
+
+    def _adopt(self, branch: Branch) -> None:
+        self.input_cache.free()
+        self.input_cache = branch.input_cache
+        if self.adapter_cache is not None:
+            self.adapter_cache.free()
+            self.adapter_cache = branch.adapter_cache
+        self._last_draft_logits = branch.last_logits
+        self._ready_draft = branch.draft
+        self.reused_branches += 1
+
+    def on_verify_result(self, draft: Draft, deep: torch.Tensor, branches: Sequence[Branch] = ()) -> list[int]:
+        """Accept the agreeing prefix plus the target's token; roll both caches back.
+
+        If only the last draft token was wrong and the target's correction is a candidate
+        that was pre-drafted (`branches`), adopt that branch: its caches and its draft."""
         # deep: [k+1, H]
         if deep.shape[0] != len(draft.tokens) + 1:
             raise SessionError(f"verify result has {deep.shape[0]} rows, expected {len(draft.tokens) + 1}")
         target_logits = self.model.output(deep)  # [k+1, V]
         verdict: Verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
         keep = draft.commit_len + 1 + verdict.num_accepted
-        self.input_cache.truncate(keep)
-        if self.adapter_cache is not None:
-            self.adapter_cache.truncate(keep)
         self.pending_token = verdict.next_token
         emitted = self._emit(draft.tokens[: verdict.num_accepted] + [verdict.next_token])
         self.accept_lengths.append(len(emitted))
+        match = None
+        if verdict.num_accepted == len(draft.tokens) - 1 and not self.is_finished:
+            match = next((b for b in branches if b.candidate == verdict.next_token), None)
+        for branch in branches:
+            if branch is not match:
+                branch.free()
+        if match is not None:
+            self._adopt(match)
+            self._fit_ready_draft_to_budget()
+        else:
+            self.input_cache.truncate(keep)
+            if self.adapter_cache is not None:
+                self.adapter_cache.truncate(keep)
         return emitted
+
+    def _fit_ready_draft_to_budget(self) -> None:
+        draft = self._ready_draft
+        budget = self._draft_budget()
+        if len(draft.tokens) > budget:
+            draft = Draft(draft.commit_len, draft.tokens[:budget],
+                          None if draft.probs is None else draft.probs[:budget], draft.shallow[: budget + 1])
+            self.input_cache.truncate(draft.commit_len + budget + 1)
+            if self.adapter_cache is not None:
+                self.adapter_cache.truncate(draft.commit_len + budget + 1)
+            self._ready_draft = draft
 
     def free(self) -> None:
         self.input_cache.free()

@@ -100,13 +100,17 @@ async def run_session(
     chunk_sizes: Sequence[int],
     offload: Callable[..., Awaitable] = _inline,
     overlap_prefill: bool = True,
+    parallel_candidates: int = 0,
+    parallel_steps: int = 0,
 ) -> AsyncIterator[list[int]]:
     """Yield the tokens each round makes final, until the session finishes.
 
     `offload(fn, *args)` runs device compute (e.g. `asyncio.to_thread` in the agent,
     so the event loop keeps moving frames). With `overlap_prefill`, chunk j+1 is
     computed and uploaded while the cloud works on chunk j (HAT §3.3); without it,
-    each chunk waits for the cloud's answer to the previous one.
+    each chunk waits for the cloud's answer to the previous one. With
+    `parallel_candidates` > 0 the device pre-drafts `parallel_steps` tokens from each
+    top candidate while a verification is in flight (HAT §3.5, parallel drafting).
     """
     await cloud.open(session_id)
     try:
@@ -124,8 +128,15 @@ async def run_session(
         yield await offload(session.on_prefill_result, deep_last)
         while not session.is_finished:
             draft = await offload(session.draft)
-            deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
-            yield await offload(session.on_verify_result, draft, deep)
+            branches = []
+            if parallel_candidates > 0 and draft.tokens:
+                deep, branches = await asyncio.gather(
+                    cloud.verify(session_id, draft.commit_len, draft.shallow),
+                    offload(session.predraft, draft, parallel_candidates, parallel_steps),
+                )
+            else:
+                deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
+            yield await offload(session.on_verify_result, draft, deep, branches)
     finally:
         await cloud.close(session_id)
         session.free()
@@ -158,12 +169,12 @@ class GenerationResult:
 
 
 async def generate(
-    session: DeviceSession, cloud: Cloud, session_id: int = 1, chunk_size: int | None = None
+    session: DeviceSession, cloud: Cloud, session_id: int = 1, chunk_size: int | None = None, **options
 ) -> GenerationResult:
     started = time.perf_counter()
     times: list[float] = []
     tokens: list[int] = []
-    async for emitted in run_session(session, cloud, session_id, fixed_chunks(len(session.prompt_ids), chunk_size)):
+    async for emitted in run_session(session, cloud, session_id, fixed_chunks(len(session.prompt_ids), chunk_size), **options):
         now = time.perf_counter() - started
         tokens.extend(emitted)
         times.extend([now] * len(emitted))
