@@ -1,19 +1,42 @@
-"""`python -m services.verifier_cloud`: serve the middle submodel over WebSocket."""
+"""`python -m services.verifier_cloud [--pipeline-stages P]`: serve the middle submodel over WebSocket.
+
+Settings come from `TOPHAT_VERIFIER_*` environment variables; the few flags
+here override them (a flag is easier to type when trying pipeline depths).
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
+import sys
+from collections.abc import Sequence
 
 import torch
 
+from services.verifier_cloud.pipeline import PipelineFailed
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import load_settings
+from shared.model.checkpoint import ModelLoadError
+from shared.model.split import SplitError
+from shared.settings import SettingsError
+
+log = logging.getLogger("services.verifier_cloud")
 
 
-async def _main() -> None:
-    settings = load_settings()
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.verifier_cloud", description=__doc__.splitlines()[0])
+    parser.add_argument("--pipeline-stages", type=int, default=None, metavar="P",
+                        help="run the middle layers as P worker-process stages (env TOPHAT_VERIFIER_PIPELINE_STAGES; "
+                             "default 1 = in-process)")
+    return parser.parse_args(argv)
+
+
+async def _main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    overrides = {"pipeline_stages": args.pipeline_stages} if args.pipeline_stages is not None else {}
+    settings = load_settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(settings.torch_threads)
     server = VerifierServer.from_settings(settings)
@@ -25,7 +48,12 @@ async def _main() -> None:
 
 
 def main() -> None:
-    asyncio.run(_main())
+    try:
+        asyncio.run(_main())
+    except (SettingsError, SplitError, ModelLoadError, PipelineFailed) as exc:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # no-op when already configured
+        log.error("cannot start: %s", exc)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

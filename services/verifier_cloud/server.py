@@ -4,6 +4,11 @@ One connection per device agent; a device multiplexes its sessions over it.
 Frames are validated on receipt; a bad frame gets a typed ErrorFrame back and
 the connection (and every other session) keeps working. When a connection
 ends, every session it opened is closed and its KV freed.
+
+With `pipeline_stages` P = 1 (the default) the middle submodel runs in this
+process, one batch at a time, in a worker thread. With P > 1 it runs in P
+stage worker processes (pipeline.py, stages.py) with up to P micro-batches in
+flight; this process keeps only the scheduler, the sockets and the replies.
 """
 
 from __future__ import annotations
@@ -11,16 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from http import HTTPStatus
+from pathlib import Path
 
 import torch
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from services.verifier_cloud.pipeline import PipelineStep, StagePipeline
 from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput, WorkItem
 from services.verifier_cloud.settings import Settings
+from services.verifier_cloud.stages import StageItem, StageSpec
 from shared import wire
-from shared.model.checkpoint import load_checkpoint
-from shared.model.split import MiddleSubmodel
+from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config
+from shared.model.split import MiddleSubmodel, SplitError, stage_ranges, validate_split
 from shared.telemetry import TelemetryClient
 
 log = logging.getLogger("services.verifier_cloud")
@@ -28,8 +36,24 @@ log = logging.getLogger("services.verifier_cloud")
 WS_PATH = "/ws"
 
 
+def plan_stages(settings: Settings, num_layers: int) -> list[StageSpec]:
+    """The P stage specs for `settings`, or a SplitError naming the flag that does not fit the model."""
+    validate_split(num_layers, settings.split_layers)
+    try:
+        ranges = stage_ranges(settings.split_layers, num_layers, settings.pipeline_stages)
+    except SplitError as exc:
+        raise SplitError(f"--pipeline-stages {settings.pipeline_stages} does not fit: {exc} "
+                         f"(layers {settings.split_layers}..{num_layers - 1} run in the cloud)") from exc
+    return [StageSpec(i, settings.model_dir, settings.split_layers, r, settings.torch_threads, settings.log_level)
+            for i, r in enumerate(ranges)]
+
+
 class VerifierServer:
-    def __init__(self, settings: Settings, middle: MiddleSubmodel, context_length: int, hidden_size: int):
+    def __init__(self, settings: Settings, middle: MiddleSubmodel | None, context_length: int, hidden_size: int,
+                 stages: list[StageSpec] | None = None):
+        """`middle` for the in-process path (P = 1); `stages` (and middle=None) for P > 1 worker processes."""
+        if (middle is None) == (stages is None):
+            raise ValueError("give exactly one of middle (in-process) or stages (worker processes)")
         self.settings = settings
         self.hidden_size = hidden_size
         self.scheduler = Scheduler(middle, settings.max_batch_tokens, settings.max_sessions, context_length)
@@ -38,20 +62,40 @@ class VerifierServer:
         self.steps = 0
         self.ready = False
         self._pending_sends: set[asyncio.Task] = set()
+        self.pipeline: StagePipeline | None = None
+        if stages is not None:
+            self.pipeline = StagePipeline(stages, settings.stage_start_timeout_s, settings.stage_timeout_s,
+                                          on_done=self._pipeline_done, on_fail=self._pipeline_failed)
+            self.scheduler.on_open = self.pipeline.open_session
+            self.scheduler.on_close = self.pipeline.close_session
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "VerifierServer":
+        if settings.pipeline_stages > 1:  # the workers load the weights; here only the config is needed
+            config = read_config(Path(settings.model_dir))
+            keys = ("num_hidden_layers", "max_position_embeddings", "hidden_size")
+            if not all(isinstance(config.get(k), int) for k in keys):
+                raise ModelLoadError(f"{settings.model_dir}/config.json lacks one of {', '.join(keys)}")
+            stages = plan_stages(settings, config["num_hidden_layers"])
+            return cls(settings, None, config["max_position_embeddings"], config["hidden_size"], stages=stages)
         checkpoint = load_checkpoint(settings.model_dir, with_tokenizer=False)
         middle = MiddleSubmodel(checkpoint, settings.split_layers)
         return cls(settings, middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready and (self.pipeline is None or self.pipeline.healthy)
 
     # -- HTTP health on the same port ----------------------------------------------
     def process_request(self, connection: ServerConnection, request):
         if request.path == "/healthz":
             return connection.respond(HTTPStatus.OK, "ok\n")
         if request.path == "/readyz":
-            status = HTTPStatus.OK if self.ready else HTTPStatus.SERVICE_UNAVAILABLE
-            return connection.respond(status, f"sessions={len(self.scheduler.sessions)} steps={self.steps}\n")
+            status = HTTPStatus.OK if self.is_ready else HTTPStatus.SERVICE_UNAVAILABLE
+            body = f"sessions={len(self.scheduler.sessions)} steps={self.steps}\n"
+            if self.pipeline is not None and self.pipeline.failure is not None:
+                body += f"pipeline failed: {self.pipeline.failure}\n"
+            return connection.respond(status, body)
         if request.path != WS_PATH:
             return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
         return None
@@ -96,6 +140,8 @@ class VerifierServer:
 
     def on_message(self, connection: ServerConnection, message: wire.Message) -> wire.Message | None:
         if isinstance(message, wire.OpenSession):
+            if not self.is_ready:
+                raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
             self.scheduler.open(message.session_id, connection)
             self.wire_dtypes[message.session_id] = wire.WireDtype(message.wire_dtype)
             return wire.SessionOpened(message.session_id)
@@ -135,7 +181,17 @@ class VerifierServer:
         task.add_done_callback(self._pending_sends.discard)
 
     # -- the engine loop ------------------------------------------------------------------
+    def _record_step(self, batched_tokens: int, compute_s: float, num_sessions: int, num_prefill: int,
+                     num_verify: int) -> None:
+        """One verifier_step record per batch (per micro-batch with P > 1): HAT's mu-hat and eta-hat."""
+        self.steps += 1
+        self.telemetry.emit_verifier_step(batched_tokens, compute_s, num_sessions,
+                                          {"prefill": num_prefill, "verify": num_verify})
+        log.debug("step %d: %d tokens, %d sessions, %.1f ms", self.steps, batched_tokens, num_sessions,
+                  compute_s * 1e3)
+
     async def run_scheduler(self) -> None:
+        """P = 1: one packed forward pass at a time, in a worker thread of this process."""
         while True:
             await self.scheduler.work_ready.wait()
             batch: SchedulerOutput = self.scheduler.schedule()
@@ -144,16 +200,69 @@ class VerifierServer:
             try:
                 results, stats = await asyncio.to_thread(self.scheduler.execute, batch)
             finally:
-                self.scheduler.finish_step()
-            self.steps += 1
+                self.scheduler.finish_batch(batch)
             for item, out, error in results:
                 item.reply(item, out, error)
-            self.telemetry.emit_verifier_step(stats.batched_tokens, stats.compute_s, stats.num_sessions,
-                                              {"prefill": stats.num_prefill, "verify": stats.num_verify})
-            log.debug("step %d: %d tokens, %d sessions, %.1f ms", self.steps, stats.batched_tokens,
-                      stats.num_sessions, stats.compute_s * 1e3)
+            self._record_step(stats.batched_tokens, stats.compute_s, stats.num_sessions, stats.num_prefill,
+                              stats.num_verify)
+
+    async def run_pipeline(self) -> None:
+        """P > 1: keep up to P micro-batches in flight; results come back through `_pipeline_done`."""
+        pipeline = self.pipeline
+        if pipeline is None:
+            raise RuntimeError("run_pipeline() needs pipeline_stages > 1")
+        while True:
+            await self.scheduler.work_ready.wait()
+            await pipeline.acquire_slot()
+            # Scheduled only now, so it holds everything that arrived meanwhile; spread over the free slots.
+            batch = self.scheduler.schedule(parts=pipeline.free_slots)
+            if not batch.items:
+                pipeline.release_slot()
+                continue
+            if pipeline.failure is not None:
+                pipeline.release_slot()
+                self._pipeline_failed(batch, pipeline.failure)
+                continue
+            pipeline.submit(batch)
+
+    def _pipeline_done(self, batch: SchedulerOutput, results: list[StageItem], step: PipelineStep) -> None:
+        """The last stage's items, in batch order: reply to each device, emit one verifier_step.
+
+        Telemetry compute_s is the *sum* of the stages' compute for this micro-batch: the delay
+        the batch itself spends in the middle layers, which is what HAT's g(mu) predicts (eq. 6 adds
+        it to a verify's round trip; eq. 3 divides it by P for the pipelined chunk rate).
+        """
+        self.scheduler.finish_batch(batch)
+        for item, result in zip(batch.items, results):
+            if result.error is not None:
+                code, text = result.error
+                item.reply(item, None, wire.WireError(wire.ErrorCode(code), text, item.session_id, item.seq_no))
+            else:
+                item.reply(item, torch.from_numpy(result.hidden), None)
+        ran = [item for item, result in zip(batch.items, results) if result.error is None]
+        self._record_step(step.batched_tokens, step.compute_s, len(ran), sum(i.kind == "prefill" for i in ran),
+                          sum(i.kind == "verify" for i in ran))
+
+    def _pipeline_failed(self, batch: SchedulerOutput, reason: str) -> None:
+        self.scheduler.finish_batch(batch)
+        for item in batch.items:
+            item.reply(item, None, wire.WireError(wire.ErrorCode.INTERNAL, f"verifier pipeline failed: {reason}",
+                                                  item.session_id, item.seq_no))
 
     async def serve_forever(self, stop: asyncio.Event, started: asyncio.Future | None = None) -> None:
+        try:
+            if self.pipeline is not None:
+                await self.pipeline.start()  # bounded by stage_start_timeout_s; raises PipelineFailed
+            await self._serve(stop, started)
+        except BaseException as exc:
+            if started is not None and not started.done():
+                started.set_exception(exc if isinstance(exc, Exception) else RuntimeError("verifier cancelled"))
+            raise
+        finally:
+            if self.pipeline is not None:
+                await self.pipeline.aclose()
+
+    async def _serve(self, stop: asyncio.Event, started: asyncio.Future | None) -> None:
         # websockets' own limit sits above ours so oversized frames reach our check
         # and get a typed error; only absurd frames (4x the limit) close the connection.
         async with serve(self.handle, self.settings.host, self.settings.port, process_request=self.process_request,
@@ -161,12 +270,19 @@ class VerifierServer:
                          ping_timeout=20) as server:
             server: Server
             async with asyncio.TaskGroup() as tasks:
-                scheduler_task = tasks.create_task(self.run_scheduler())
+                engine = tasks.create_task(self.run_scheduler() if self.pipeline is None else self.run_pipeline())
+                collector = tasks.create_task(self.pipeline.run()) if self.pipeline is not None else None
                 self.ready = True
                 port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
-                log.info("verifier-cloud ready on ws://%s:%d%s", self.settings.host, port, WS_PATH)
+                log.info("verifier-cloud ready on ws://%s:%d%s (%d pipeline stage(s))", self.settings.host, port,
+                         WS_PATH, self.settings.pipeline_stages if self.pipeline is not None else 1)
                 if started is not None:
                     started.set_result(port)
                 await stop.wait()
-                scheduler_task.cancel()
+                self.ready = False
+                engine.cancel()
+                if self.pipeline is not None:
+                    await self.pipeline.aclose()  # Stop flows down the chain; the collector returns on it
+                if collector is not None:
+                    collector.cancel()
             await self.telemetry.aclose()

@@ -24,16 +24,25 @@ class Settings:
     idle_timeout_s: float = 600.0  # a device silent this long is disconnected and its KV freed
     send_timeout_s: float = 10.0
     state_monitor_url: str = ""  # empty: no telemetry
-    torch_threads: int = 1
+    torch_threads: int = 1  # per process: the server with P = 1, each stage worker with P > 1
     log_level: str = "info"
+    # P: the middle layers run as P contiguous layer ranges, each in its own worker process, with up to
+    # P micro-batches in flight (HAT §4.5). 1 = in-process, no workers.
+    pipeline_stages: int = 1
+    stage_start_timeout_s: float = 120.0  # spawn + import torch + load weights, per pipeline start
+    stage_timeout_s: float = 60.0  # a micro-batch in flight longer than this marks the pipeline failed
 
     def validate(self) -> None:
         if self.split_layers < 1:
             raise ValueError("split_layers must be >= 1")
         if self.max_frame_bytes < 1024 or self.max_batch_tokens < 1 or self.max_sessions < 1:
             raise ValueError("max_frame_bytes, max_batch_tokens and max_sessions are too small")
-        if min(self.idle_timeout_s, self.send_timeout_s) <= 0:
+        if min(self.idle_timeout_s, self.send_timeout_s, self.stage_start_timeout_s, self.stage_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.pipeline_stages < 1:
+            raise ValueError("pipeline_stages must be >= 1")
+        if self.torch_threads < 1:
+            raise ValueError("torch_threads must be >= 1")
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -1,0 +1,272 @@
+"""The main process's end of the stage pipeline: spawn, feed, collect, watch.
+
+`StagePipeline` owns P worker processes (services/verifier_cloud/stages.py),
+the P+1 queues chaining them, and the bookkeeping of micro-batches in flight.
+At most P micro-batches are in flight (one per stage when the pipeline is
+full); more would only queue inside the workers and lengthen every reply.
+
+Every wait on a worker is bounded. Startup waits `start_timeout_s` for the
+handshake; the collector polls the last queue in short slices and, between
+slices, checks that every worker process is alive and that no micro-batch has
+been in flight longer than `stage_timeout_s`. Either failure marks the
+pipeline failed: workers are terminated, in-flight items are answered with
+INTERNAL errors, and `healthy` turns False (the server's /readyz turns 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from services.verifier_cloud.scheduler import SchedulerOutput
+from services.verifier_cloud.stages import (Hello, MicroBatch, Probe, SessionsClosed, SessionsOpened, StageFailed,
+                                            StageItem, StageSpec, Stop, run_stage, to_numpy)
+
+log = logging.getLogger("services.verifier_cloud.pipeline")
+
+POLL_S = 0.2  # collector slice: how quickly a dead worker or a shutdown is noticed
+
+
+class PipelineFailed(RuntimeError):
+    """A stage worker died, stalled or could not start."""
+
+
+@dataclass
+class PipelineStep:
+    """One finished micro-batch, with each stage's compute span (time.monotonic(), comparable across processes)."""
+    batch_id: int
+    batched_tokens: int
+    spans: list[tuple[int, float, float]]
+    sent_at: float
+    done_at: float
+
+    @property
+    def compute_s(self) -> float:
+        """Sum of the stages' compute: the micro-batch's whole trip through the middle layers (see server.py)."""
+        return sum(end - start for _, start, end in self.spans)
+
+
+# (batch, the last stage's items in batch order, the step) -> None; (batch, reason) -> None
+DoneCallback = Callable[[SchedulerOutput, list[StageItem], PipelineStep], None]
+FailCallback = Callable[[SchedulerOutput, str], None]
+
+
+class StagePipeline:
+    def __init__(self, specs: list[StageSpec], start_timeout_s: float, stage_timeout_s: float,
+                 on_done: DoneCallback, on_fail: FailCallback, history: int = 512):
+        self.specs = specs
+        self.num_stages = len(specs)
+        self.start_timeout_s, self.stage_timeout_s = start_timeout_s, stage_timeout_s
+        self.on_done, self.on_fail = on_done, on_fail
+        ctx = multiprocessing.get_context("spawn")
+        self.queues = [ctx.Queue() for _ in range(self.num_stages + 1)]
+        self.processes = [
+            ctx.Process(target=run_stage, args=(spec, self.queues[i], self.queues[i + 1]),
+                        name=f"verifier-stage-{i}", daemon=True)
+            for i, spec in enumerate(specs)
+        ]
+        self.slots = asyncio.Semaphore(self.num_stages)
+        self.in_flight: dict[int, tuple[SchedulerOutput, float]] = {}  # batch_id -> (batch, sent_at)
+        self.max_in_flight_seen = 0
+        self.recent: deque[PipelineStep] = deque(maxlen=history)
+        self.failure: str | None = None
+        self.started = False
+        self._closed = False  # queues closed and workers reaped
+        self._ids = itertools.count(1)
+        self._probes: dict[int, asyncio.Future] = {}
+        self._stopped = asyncio.Event()
+
+    @property
+    def healthy(self) -> bool:
+        return self.started and self.failure is None and not self._closed
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self.processes]
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn the workers and wait (bounded) until every stage has loaded its layers."""
+        for process in self.processes:
+            process.start()
+        self.queues[0].put(Hello())
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            message = await asyncio.to_thread(self._poll)
+            if isinstance(message, Hello):
+                break
+            if isinstance(message, StageFailed):
+                raise await self._abort(f"stage {message.stage} failed to start: {message.message}")
+            dead = self._dead_worker()
+            if dead is not None:
+                raise await self._abort(f"{dead} during startup")
+            if time.monotonic() > deadline:
+                raise await self._abort(f"stages not ready after {self.start_timeout_s:.0f}s")
+        self.started = True
+        log.info("pipeline ready: %s", ", ".join(f"stage {i} layers [{a}, {b}) pid {pid}"
+                                                   for i, a, b, pid in message.stages))
+
+    async def _abort(self, reason: str) -> PipelineFailed:
+        self.failure = reason
+        log.error("verifier pipeline: %s", reason)
+        await self._reap(grace_s=0.0)
+        return PipelineFailed(reason)
+
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """Stop the workers in order (Stop flows down the chain), then reap anything left."""
+        if self.healthy:
+            self.queues[0].put(Stop())
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._stopped.wait()
+            except TimeoutError:
+                log.warning("pipeline did not stop within %.0fs; terminating workers", timeout_s)
+        if not self._closed:
+            await self._reap(grace_s=timeout_s)
+            log.info("pipeline stopped; worker exit codes %s", [p.exitcode for p in self.processes])
+
+    async def _reap(self, grace_s: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        def reap() -> None:
+            for process in self.processes:
+                if process.pid is None:
+                    continue
+                process.join(grace_s)
+                if process.is_alive():
+                    process.terminate()
+                    process.join(2.0)
+                if process.is_alive():
+                    process.kill()
+                    process.join(2.0)
+            for q in self.queues:
+                q.cancel_join_thread()  # never block our exit on bytes a dead reader will not take
+                q.close()
+
+        await asyncio.to_thread(reap)
+
+    # -- feeding --------------------------------------------------------------------------
+    async def acquire_slot(self) -> None:
+        """Wait for one of the P in-flight slots; bounded because the collector fails stuck batches."""
+        await self.slots.acquire()
+
+    def release_slot(self) -> None:
+        self.slots.release()
+
+    @property
+    def free_slots(self) -> int:
+        """Micro-batches that could still be sent now (counting a slot the caller already holds)."""
+        return self.num_stages - len(self.in_flight)
+
+    def submit(self, batch: SchedulerOutput) -> None:
+        """Send a scheduled batch into stage 0 (caller holds a slot). Never blocks: the queue's feeder thread pickles."""
+        batch_id = next(self._ids)
+        items = [StageItem(i.session_id, i.seq_no, i.kind, i.position, i.num_tokens, to_numpy(i.hidden))
+                 for i in batch.items]
+        self.in_flight[batch_id] = (batch, time.monotonic())
+        self.max_in_flight_seen = max(self.max_in_flight_seen, len(self.in_flight))
+        self.queues[0].put(MicroBatch(batch_id, items))
+
+    def open_session(self, session_id: int) -> None:
+        if self.healthy:
+            self.queues[0].put(SessionsOpened([session_id]))
+
+    def close_session(self, session_id: int) -> None:
+        if self.healthy:
+            self.queues[0].put(SessionsClosed([session_id]))
+
+    async def probe(self, timeout_s: float = 10.0) -> list[dict[int, int]]:
+        """Per stage, {session_id: cached positions}: answered by the workers, in order with all prior traffic."""
+        if not self.healthy:
+            raise PipelineFailed(self.failure or "pipeline not started")
+        probe_id = next(self._ids)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._probes[probe_id] = future
+        self.queues[0].put(Probe(probe_id))
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await future
+        finally:
+            self._probes.pop(probe_id, None)
+
+    # -- collecting -----------------------------------------------------------------------
+    def _poll(self) -> Any:
+        if self._closed:
+            return None
+        try:
+            return self.queues[-1].get(timeout=POLL_S)
+        except queue.Empty:
+            return None
+        except (OSError, ValueError, EOFError):  # the queue was closed under us during shutdown
+            return None
+
+    def _dead_worker(self) -> str | None:
+        for i, process in enumerate(self.processes):
+            if not process.is_alive():
+                return f"stage {i} worker (pid {process.pid}) exited with code {process.exitcode}"
+        return None
+
+    async def run(self) -> None:
+        """The collector (an owned task): deliver results and watch the workers until Stop or failure."""
+        while self.failure is None and not self._closed:
+            message = await asyncio.to_thread(self._poll)
+            if isinstance(message, MicroBatch):
+                self._deliver(message)
+            elif isinstance(message, Probe):
+                future = self._probes.get(message.probe_id)
+                if future is not None and not future.done():
+                    future.set_result(message.lengths)
+            elif isinstance(message, Stop):
+                self._stopped.set()
+                return
+            elif isinstance(message, StageFailed):
+                await self.fail(f"stage {message.stage} failed: {message.message}")
+            if self.failure is None and (reason := self._watchdog()) is not None:
+                await self.fail(reason)
+
+    def _watchdog(self) -> str | None:
+        dead = self._dead_worker()
+        if dead is not None:
+            return dead
+        if self.in_flight:
+            batch_id, (_, sent_at) = min(self.in_flight.items(), key=lambda kv: kv[1][1])
+            if time.monotonic() - sent_at > self.stage_timeout_s:
+                return f"micro-batch {batch_id} in flight for more than {self.stage_timeout_s:.0f}s"
+        return None
+
+    def _deliver(self, message: MicroBatch) -> None:
+        entry = self.in_flight.pop(message.batch_id, None)
+        if entry is None:
+            log.warning("result for unknown micro-batch %d dropped", message.batch_id)
+            return
+        batch, sent_at = entry
+        self.release_slot()
+        step = PipelineStep(message.batch_id, sum(i.num_tokens for i in message.items if i.error is None),
+                            message.spans, sent_at, time.monotonic())
+        self.recent.append(step)
+        self.on_done(batch, message.items, step)
+
+    async def fail(self, reason: str) -> None:
+        """Give up on the pipeline: answer everything in flight, stop the workers, stay unready."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        log.error("verifier pipeline failed: %s; the verifier is no longer ready", reason)
+        in_flight, self.in_flight = list(self.in_flight.values()), {}
+        for batch, _ in in_flight:
+            self.release_slot()
+            self.on_fail(batch, reason)
+        for future in self._probes.values():
+            if not future.done():
+                future.set_exception(PipelineFailed(reason))
+        await self._reap(grace_s=0.0)

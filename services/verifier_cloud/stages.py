@@ -1,0 +1,230 @@
+"""One pipeline stage of the verifier: a worker process owning a layer range and its KV.
+
+HAT (§4.5) runs the middle submodel as P pipeline stages so that stage 1 can
+work on the next micro-batch while stage 2 finishes the previous one. Each
+stage is a separate process (spawned, so it never inherits the parent's
+threads or event loop) that loads the checkpoint itself and keeps only its own
+layers. Stages form a chain of multiprocessing queues:
+
+    main --q0--> stage 0 --q1--> stage 1 ... stage P-1 --qP--> main
+
+Everything travels down the same chain, in order: micro-batches, session
+open/close, probes, stop. That single FIFO is what keeps every stage's KV in
+step with the others without any locking: a close that main sent after a
+micro-batch reaches each stage after that micro-batch, everywhere.
+
+Tensors cross process boundaries as numpy arrays (pickled as raw bytes), not
+torch tensors: torch's multiprocessing reductions would move them through
+shared-memory file descriptors, which is more machinery than a few KB of
+hidden states per token needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.verifier_cloud.scheduler import check_item
+from shared.model.kv_cache import KVCacheError, SessionKV
+from shared.model.split import LayerRange
+from shared.wire import ErrorCode
+
+log = logging.getLogger("services.verifier_cloud.stages")
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as a numpy array for the queue; numpy has no bfloat16, so it travels as (exact) float32."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+
+# -- messages (plain dataclasses; all pickle cheaply) -------------------------------------
+
+@dataclass
+class StageItem:
+    """One session's piece of a micro-batch; `hidden` is replaced by each stage's output."""
+    session_id: int
+    seq_no: int
+    kind: str  # "prefill" | "verify"
+    position: int  # prefill: start_pos; verify: commit_len
+    num_tokens: int
+    hidden: np.ndarray | None  # [S, H]; None once the item failed
+    error: tuple[int, str] | None = None  # (ErrorCode, message): the first stage that refused it
+
+
+@dataclass
+class MicroBatch:
+    batch_id: int
+    items: list[StageItem]
+    spans: list[tuple[int, float, float]] = field(default_factory=list)  # (stage, start, end), time.monotonic()
+
+
+@dataclass
+class SessionsOpened:
+    session_ids: list[int]
+
+
+@dataclass
+class SessionsClosed:
+    session_ids: list[int]
+
+
+@dataclass
+class Probe:
+    """Debug/introspection: every stage appends {session_id: cached length}."""
+    probe_id: int
+    lengths: list[dict[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Hello:
+    """Startup handshake: every stage appends (index, start layer, stop layer, pid) once it has loaded."""
+    stages: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class StageFailed:
+    stage: int
+    message: str
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a worker process needs to build its stage (picklable, no tensors)."""
+    index: int
+    model_dir: str
+    split_layers: int
+    layers: tuple[int, int]
+    torch_threads: int = 1
+    log_level: str = "info"
+    poll_s: float = 1.0  # how often an idle worker checks that its parent still lives
+
+
+# -- the stage itself (pure, testable in-process) ------------------------------------------
+
+class StageWorker:
+    """A layer range with per-session KV; turns each incoming message into the one to forward."""
+
+    def __init__(self, index: int, middle: LayerRange, context_length: int):
+        self.index = index
+        self.middle = middle
+        self.context_length = context_length
+        self.sessions: dict[int, SessionKV] = {}
+
+    def handle(self, message: Any) -> Any:
+        if isinstance(message, MicroBatch):
+            self.run_batch(message)
+        elif isinstance(message, SessionsOpened):
+            for sid in message.session_ids:
+                old = self.sessions.pop(sid, None)
+                if old is not None:
+                    old.free()
+                self.sessions[sid] = self.middle.new_cache()
+        elif isinstance(message, SessionsClosed):
+            for sid in message.session_ids:
+                cache = self.sessions.pop(sid, None)
+                if cache is not None:
+                    cache.free()
+        elif isinstance(message, Probe):
+            message.lengths.append({sid: cache.length for sid, cache in self.sessions.items()})
+        elif isinstance(message, Hello):
+            message.stages.append((self.index, self.middle.start, self.middle.stop, os.getpid()))
+        return message  # Stop / StageFailed / anything else: forwarded unchanged
+
+    def _refuse(self, item: StageItem, code: ErrorCode, message: str) -> None:
+        item.error, item.hidden = (int(code), f"stage {self.index}: {message}"), None
+
+    def run_batch(self, batch: MicroBatch) -> None:
+        """Check, roll back and run every live item; a refused item carries its error downstream."""
+        started = time.monotonic()
+        runnable: list[tuple[StageItem, SessionKV]] = []
+        for item in batch.items:
+            if item.error is not None:
+                continue
+            cache = self.sessions.get(item.session_id)
+            if cache is None:
+                self._refuse(item, ErrorCode.UNKNOWN_SESSION, f"unknown session {item.session_id}")
+                continue
+            error = check_item(item.kind, item.position, item.num_tokens, cache.length, self.context_length,
+                               item.session_id, item.seq_no)
+            if error is not None:
+                item.error, item.hidden = (int(error.code), error.message), None
+                continue
+            if item.kind == "verify":
+                cache.truncate(item.position)  # roll back rejected draft positions before appending
+            runnable.append((item, cache))
+        if runnable:
+            dtype = self.middle.dtype
+            try:
+                outputs = self.middle.forward_batch([(cache, from_numpy(item.hidden, dtype)) for item, cache in runnable])
+            except (RuntimeError, ValueError, KVCacheError) as exc:
+                log.exception("stage %d: micro-batch %d failed", self.index, batch.batch_id)
+                for item, _ in runnable:
+                    self._refuse(item, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            else:
+                for (item, _), out in zip(runnable, outputs):
+                    item.hidden = to_numpy(out)
+        batch.spans.append((self.index, started, time.monotonic()))
+
+
+# -- the process entry point -------------------------------------------------------------
+
+def _build(spec: StageSpec) -> StageWorker:
+    from shared.model.checkpoint import load_checkpoint
+    from shared.model.split import MiddleSubmodel
+
+    checkpoint = load_checkpoint(spec.model_dir, with_tokenizer=False)
+    middle = MiddleSubmodel(checkpoint, spec.split_layers, stage=spec.layers)
+    # Dropping the checkpoint frees the embeddings, head and other stages' layers in this process.
+    return StageWorker(spec.index, middle, checkpoint.config.max_position_embeddings)
+
+
+def run_stage(spec: StageSpec, inbox: Any, outbox: Any) -> None:
+    """Worker main: load, then turn inbox messages into outbox messages until Stop or orphaned."""
+    import multiprocessing
+
+    from shared.model.checkpoint import ModelLoadError
+    from shared.model.split import SplitError
+
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s stage-{spec.index}[%(process)d] %(name)s: %(message)s")
+    torch.set_num_threads(spec.torch_threads)
+    try:
+        worker = _build(spec)
+    except (ModelLoadError, SplitError, OSError, RuntimeError, ValueError) as exc:
+        log.error("stage %d could not load layers %s: %s", spec.index, spec.layers, exc)
+        outbox.put(StageFailed(spec.index, f"{type(exc).__name__}: {exc}"))
+        return
+    log.info("stage %d ready: layers [%d, %d)", spec.index, *spec.layers)
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            message = inbox.get(timeout=spec.poll_s)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                log.warning("stage %d: parent process gone; exiting", spec.index)
+                outbox.cancel_join_thread()  # nobody will read what is left: don't block exit on it
+                return
+            continue
+        outbox.put(worker.handle(message))
+        if isinstance(message, Stop):
+            log.info("stage %d stopping", spec.index)
+            return
