@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench-core clean
+.PHONY: install test demo bench-core bench-hat clean
 
 install: $(STAMP)
 
@@ -18,11 +18,13 @@ test: install
 	$(BIN)/python -m pytest -q
 
 demo: install
-	$(BIN)/tophat generate --model models/demo --mode hat --max-new-tokens 64 \
-		--prompt "def read_config(path):"
+	$(BIN)/python -m shared.demo
 
 bench-core: install
 	$(BIN)/python -m shared.bench_core
 
 clean:
 	rm -rf $(VENV)
+
+bench-hat: install
+	$(BIN)/python -m shared.bench_hat

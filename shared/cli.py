@@ -53,6 +53,7 @@ def build_demo_model_cmd(
     out: Path = typer.Option(Path("models/demo"), help="output directory"),
     max_steps: Optional[int] = typer.Option(None, help="override the training step count"),
     minutes: Optional[float] = typer.Option(None, help="stop training after this many minutes"),
+    stop_after_steps: Optional[int] = typer.Option(None, help="stop at this step (the schedule still spans max-steps)"),
 ):
     """Train the demo tokenizer + Llama on the stdlib source, offline, on the CPU."""
     import dataclasses
@@ -66,6 +67,8 @@ def build_demo_model_cmd(
         cfg = dataclasses.replace(cfg, max_steps=max_steps)
     if minutes is not None:
         cfg = dataclasses.replace(cfg, time_budget_s=minutes * 60)
+    if stop_after_steps is not None:
+        cfg = dataclasses.replace(cfg, stop_after_steps=stop_after_steps)
     report = build_demo_model(out, cfg)
     typer.echo(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
 

@@ -40,6 +40,7 @@ class DemoModelConfig:
     warmup_steps: int = 50
     max_steps: int = 550
     time_budget_s: float = 40 * 60  # stop early (cosine schedule is set by max_steps)
+    stop_after_steps: int | None = None  # stop early at a fixed step (reproduces a budget-stopped run)
     seed: int = 0
 
 
@@ -135,6 +136,8 @@ def build_demo_model(out_dir: Path, cfg: DemoModelConfig = DemoModelConfig()) ->
         optimizer.step()
         steps_done = step + 1
         progress.set_postfix(loss=f"{loss.item():.3f}")
+        if cfg.stop_after_steps is not None and steps_done >= cfg.stop_after_steps:
+            break
         if time.monotonic() - started > cfg.time_budget_s:
             log.info("time budget reached after %d steps", steps_done)
             break
