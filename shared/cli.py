@@ -220,5 +220,16 @@ def chat(
     raise typer.Exit(asyncio.run(run_chat(url, prompt, max_tokens, temperature)))
 
 
+def _mount_loadgen() -> None:
+    from loadgen.cli import loadgen_command
+
+    app.command("loadgen", help="Poisson load generator against the token-streamer (results.json, requests.csv, plots).")(
+        loadgen_command
+    )
+
+
+_mount_loadgen()
+
+
 if __name__ == "__main__":
     app()
