@@ -135,3 +135,14 @@ def test_serving_survives_redis_going_away(relay_and_mesh, prompts):
     complete(mesh, prompts[2])
     client = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
     assert _wait_for(lambda: client.xlen("tophat:verifier:steps") > 0, 15)  # telemetry resumed
+
+
+def test_per_request_switches_reach_the_device(relay_and_mesh, prompts):
+    _, mesh = relay_and_mesh
+    hat = complete(mesh, prompts[0])
+    ushape = complete(mesh, prompts[0], tophat={"speculative": False, "prompt_chunking": False})
+    assert ushape["choices"][0]["text"] == hat["choices"][0]["text"]  # lossless either way
+    assert ushape["tophat"]["mean_accept_length"] == 1.0
+    bad = httpx.post(f"{mesh.config.streamer_url}/v1/completions",
+                     json={"prompt": "x", "max_tokens": 2, "tophat": {"speculativ": False}}, timeout=30)
+    assert bad.status_code == 400

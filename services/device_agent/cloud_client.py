@@ -67,7 +67,10 @@ class WebSocketCloud:
         self._connect_lock = asyncio.Lock()
         self._waiting: dict[tuple[int, int], asyncio.Future] = {}
         self._seq = itertools.count(1)
-        self._sent_at: dict[tuple[int, int], float] = {}
+        # (send start, frame bytes) of prefill chunks awaiting their answer: the upload bandwidth
+        # sample is bytes / (answer time - send start). That includes one round-trip latency and
+        # the cloud's compute, so it errs low; chunks are large, so the error is small.
+        self._uploads: dict[tuple[int, int], tuple[float, int]] = {}
         # In-process link emulation (when the kernel path is unavailable): frames pass through
         # a delay line per direction, so bandwidth and latency apply to real WebSocket traffic.
         self._shapers = shapers_for(link) if link is not None else None
@@ -134,9 +137,9 @@ class WebSocketCloud:
         if future is None:
             log.warning("unexpected %s from the verifier (session %s, seq %s)", type(message).__name__, *key)
             return
-        sent = self._sent_at.pop(key, None)
-        if self.on_transfer is not None and sent is not None and not isinstance(message, wire.ChunkAck):
-            self.on_transfer("down", nbytes, received - sent)
+        upload = self._uploads.pop(key, None)
+        if self.on_transfer is not None and upload is not None and not isinstance(message, wire.ErrorFrame):
+            self.on_transfer("up", upload[1], received - upload[0])
         if future.done():
             return
         if isinstance(message, wire.ErrorFrame):
@@ -149,7 +152,8 @@ class WebSocketCloud:
         future = asyncio.get_running_loop().create_future()
         self._waiting[key] = future
         frame = wire.encode(message, wire_dtype=self.wire_dtype)
-        started = time.perf_counter()
+        if isinstance(message, wire.PrefillChunk):
+            self._uploads[key] = (time.perf_counter(), len(frame))
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 if self._uplink is not None:
@@ -159,9 +163,7 @@ class WebSocketCloud:
         except (ConnectionClosed, TimeoutError, RuntimeError) as exc:
             self._waiting.pop(key, None)
             raise CloudUnavailable(f"sending to the verifier failed: {type(exc).__name__}") from exc
-        self._sent_at[key] = time.perf_counter()
-        if self.on_transfer is not None:
-            self.on_transfer("up", len(frame), self._sent_at[key] - started)
+
         return future
 
     async def _wait(self, future: asyncio.Future, key: tuple[int, int]) -> wire.Message:

@@ -240,6 +240,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         body = {"prompt": prompt, "prompt_ids": None, "max_new_tokens": max_new, "temperature": req.temperature,
                 "top_p": req.top_p, "seed": req.seed, "request_id": request_id}
+        if req.tophat is not None:
+            body.update(req.tophat.model_dump(exclude_none=True))
         stream = await dispatcher.open(body)
         log.debug("request %s -> %s", request_id, stream.device.url)
         run = Run(stream, req.stop_list, started, request_id, telemetry)

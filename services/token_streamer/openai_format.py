@@ -25,6 +25,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TophatOptions(BaseModel):
+    """Per-request feature switches forwarded to the device agent (baselines, ablations).
+
+    Unknown switches are refused rather than ignored: a benchmark that misspells a
+    switch must fail, not silently measure the default."""
+
+    model_config = ConfigDict(extra="forbid")
+    speculative: bool | None = None  # SD
+    prompt_chunking: bool | None = None  # PC
+    chunk_size: int | None = Field(default=None, ge=1)
+    overlap_prefill: bool | None = None
+    parallel_candidates: int | None = Field(default=None, ge=0, le=16)  # PD
+    parallel_steps: int | None = Field(default=None, ge=0, le=32)
+
+
 class SamplingRequest(BaseModel):
     """Parameters shared by both endpoints (OpenAI names and defaults)."""
 
@@ -38,6 +53,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1
     stop: str | list[str] | None = None
+    tophat: TophatOptions | None = None  # non-OpenAI extension; OpenAI clients pass it via extra_body
 
     @field_validator("n")
     @classmethod
