@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench-core bench-hat clean
+.PHONY: install test demo bench bench-ablation bench-core bench-hat clean
 
 install: $(STAMP)
 
@@ -28,3 +28,12 @@ clean:
 
 bench-hat: install
 	$(BIN)/python -m shared.bench_hat
+
+# HAT against its baselines on one mesh, same arrival trace; leaves tables, CSVs and plots in bench-results/
+bench: install
+	$(BIN)/tophat bench --workload specbench --rates 0.5,1,2 --modes ushape,usarathi,cloud,hat \
+		--link-profile mid --devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
+
+bench-ablation: install
+	$(BIN)/tophat bench --ablation --rates 1 --link-profile mid --devices 2 --num-requests 12 \
+		--max-new-tokens 32 --out bench-results

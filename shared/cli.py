@@ -220,6 +220,49 @@ def chat(
     raise typer.Exit(asyncio.run(run_chat(url, prompt, max_tokens, temperature)))
 
 
+@app.command()
+def bench(
+    workload: str = typer.Option("specbench", help="specbench | cnndm (comma-separated for several)"),
+    rates: str = typer.Option("0.5,1,2", help="request rates (req/s), comma-separated"),
+    modes: str = typer.Option("ushape,usarathi,cloud,hat", help="modes to compare"),
+    link_profile: str = typer.Option("none", "--link-profile", help="link of every device (near|mid|far|none|spec)"),
+    devices: int = typer.Option(2, help="device agents"),
+    num_requests: int = typer.Option(16, help="requests per mode and rate"),
+    max_new_tokens: int = typer.Option(32),
+    seed: int = typer.Option(0),
+    model: Path = typer.Option(Path("models/demo")),
+    out: Path = typer.Option(Path("bench-results"), help="results, tables and plots go here"),
+    ablation: bool = typer.Option(False, "--ablation", help="HAT Table 5 (SD/PC/PD on and off), both workloads"),
+):
+    """Every mode against the same arrival trace, back to back; one table with ratios vs ushape."""
+    from loadgen.bench import ablation_modes, format_table, modes_for, parse_rates, run_modes, save_table
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("loadgen").setLevel(logging.INFO)
+    try:
+        rate_list = parse_rates(rates)
+    except ValueError as exc:
+        _fail(str(exc))
+    workloads = ["specbench", "cnndm"] if ablation else [w.strip() for w in workload.split(",")]
+    for name in workloads:
+        if ablation:
+            chosen, baseline, title = ablation_modes(), "U-shape", f"HAT Table 5 layout, {name}"
+        else:
+            available = modes_for(name)
+            unknown = [m for m in modes.split(",") if m not in available]
+            if unknown:
+                _fail(f"unknown modes {unknown}; choose from {', '.join(available)}")
+            chosen = {m: available[m] for m in modes.split(",")}
+            baseline, title = "ushape", f"{name}, link {link_profile}, {devices} devices"
+        results = run_modes(chosen, workload=name, rates=rate_list, num_requests=num_requests,
+                            max_new_tokens=max_new_tokens, seed=seed, out=out, devices=devices,
+                            link=link_profile, model_dir=str(model))
+        table = format_table(results, baseline, title)
+        save_table(out, f"{'ablation' if ablation else 'bench'}-{name}", table, results)
+        typer.echo("\n" + table)
+    typer.echo(f"\nresults, per-request CSVs and plots under {out}/")
+
+
 def _mount_loadgen() -> None:
     from loadgen.cli import loadgen_command
 

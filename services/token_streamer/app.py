@@ -241,7 +241,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body = {"prompt": prompt, "prompt_ids": None, "max_new_tokens": max_new, "temperature": req.temperature,
                 "top_p": req.top_p, "seed": req.seed, "request_id": request_id}
         if req.tophat is not None:
-            body.update(req.tophat.model_dump(exclude_none=True))
+            options = req.tophat.model_dump(exclude_none=True)
+            delay_ms = options.pop("added_delay_ms", 0.0)
+            if delay_ms:
+                await asyncio.sleep(delay_ms / 1e3)
+            body.update(options)
         stream = await dispatcher.open(body)
         log.debug("request %s -> %s", request_id, stream.device.url)
         run = Run(stream, req.stop_list, started, request_id, telemetry)

@@ -38,6 +38,10 @@ class TophatOptions(BaseModel):
     overlap_prefill: bool | None = None
     parallel_candidates: int | None = Field(default=None, ge=0, le=16)  # PD
     parallel_steps: int | None = Field(default=None, ge=0, le=32)
+    mode: Literal["hat", "cloud"] | None = None  # cloud: the whole model in the cloud (token ids, no privacy)
+    # A known delay the streamer adds before the request starts: lets a benchmark harness prove
+    # it measures what happens (see tests/test_bench_honesty.py). Not forwarded to the device.
+    added_delay_ms: float | None = Field(default=None, ge=0, le=60_000)
 
 
 class SamplingRequest(BaseModel):

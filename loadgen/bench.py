@@ -1,0 +1,127 @@
+"""`tophat bench`: HAT against its baselines on the same mesh, load and arrival trace.
+
+Each mode is a configuration of the same product (HAT §4 baselines):
+
+    ushape    split, no speculation, no chunking                   (request switches)
+    usarathi  split, no speculation, whole upload, server chunks   (verifier server chunking)
+    cloud     whole model in the cloud, token ids, autoregressive  (verifier full model; no privacy)
+    hat       SD + PC + PD                                         (request switches)
+
+Modes that need a differently configured verifier get their own mesh; the
+others share one. Every mode replays the same arrival times and prompts (same
+seed), back to back, and one table prints TTFT / TBT mean and P99, accept
+length and ratios against `ushape` measured in this run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SERVER_CHUNK = {"specbench": 128, "cnndm": 256}  # HAT's U-Sarathi chunk sizes
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    request_options: dict[str, Any] = field(default_factory=dict)  # the request body's "tophat" object
+    verifier_env: tuple[tuple[str, str], ...] = ()  # mesh-level settings this mode needs
+
+    def mesh_key(self) -> tuple:
+        return self.verifier_env
+
+
+def modes_for(workload: str) -> dict[str, Mode]:
+    chunk = str(SERVER_CHUNK.get(workload, 128))
+    plain = {"speculative": False, "prompt_chunking": False}
+    return {
+        "ushape": Mode("ushape", plain),
+        "usarathi": Mode("usarathi", plain, (("TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS", chunk),)),
+        "cloud": Mode("cloud", {"mode": "cloud"}, (("TOPHAT_VERIFIER_FULL_MODEL", "true"),)),
+        "hat": Mode("hat", {}),
+    }
+
+
+def ablation_modes() -> dict[str, Mode]:
+    """HAT Table 5's rows: every combination of SD, PC and PD that the paper reports."""
+    rows = {
+        "U-shape": dict(speculative=False, prompt_chunking=False, parallel_candidates=0),
+        "+PC": dict(speculative=False, prompt_chunking=True, parallel_candidates=0),
+        "+SD": dict(speculative=True, prompt_chunking=False, parallel_candidates=0),
+        "+SD+PD": dict(speculative=True, prompt_chunking=False),
+        "+SD+PC": dict(speculative=True, prompt_chunking=True, parallel_candidates=0),
+        "+SD+PC+PD": dict(speculative=True, prompt_chunking=True),
+    }
+    return {name: Mode(name, options) for name, options in rows.items()}
+
+
+def loadgen_options(url: str, workload: str, rate: float, num_requests: int, max_new_tokens: int, seed: int,
+                    out: Path, request_options: dict, redis_url: str | None, model_dir: str) -> dict[str, Any]:
+    """The option set of one `tophat loadgen` run."""
+    return {
+        "url": url, "workload": workload, "rate": rate, "burstiness": 1.0, "num_requests": num_requests,
+        "duration": None, "max_new_tokens": max_new_tokens, "seed": seed, "out": out,
+        "tokenizer": Path(model_dir), "context_limit": None, "length_dist": "gamma", "max_concurrency": None,
+        "request_timeout": 600.0, "temperature": 0.0, "model": None, "num_devices": None,
+        "send_device_hint": False, "body_extra": {"tophat": request_options} if request_options else {},
+        "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2el_ms": None, "prefill_sla_ms": None,
+        "decode_sla_ms": None, "redis_url": redis_url, "state_monitor_url": None, "progress": False,
+    }
+
+
+def run_modes(modes: dict[str, Mode], *, workload: str, rates: list[float], num_requests: int, max_new_tokens: int,
+              seed: int, out: Path, devices: int, link: str, model_dir: str) -> dict[tuple[str, float], dict]:
+    """Run every mode at every rate; returns results.json contents keyed by (mode, rate)."""
+    from loadgen.cli import _run
+    from shared.launcher import Mesh, MeshConfig, find_port_base
+
+    results: dict[tuple[str, float], dict] = {}
+    groups: dict[tuple, list[Mode]] = {}
+    for mode in modes.values():
+        groups.setdefault(mode.mesh_key(), []).append(mode)
+    for env, group in groups.items():
+        config = MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link,
+                            extra_env=dict(env))
+        with Mesh(config) as mesh:
+            for mode in group:
+                for rate in rates:
+                    run_dir = out / workload / mode.name / f"rate-{rate:g}"
+                    log.info("mode %s, %s @ %g req/s", mode.name, workload, rate)
+                    options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens,
+                                              seed, run_dir, mode.request_options, mesh.redis_url, model_dir)
+                    results[(mode.name, rate)] = asyncio.run(_run(options))
+    return results
+
+
+def format_table(results: dict[tuple[str, float], dict], baseline: str, title: str) -> str:
+    lines = [title, f"{'mode':12s} {'rate':>5s} {'done':>5s} {'TTFT mean':>10s} {'TTFT p99':>9s} {'TBT mean':>9s} "
+             f"{'TBT p99':>8s} {'accept':>7s} {'TTFT/base':>10s} {'TBT/base':>9s}"]
+    for (mode, rate), r in results.items():
+        base = results.get((baseline, rate))
+        ratio = lambda key: (f"{r[key] / base[key]:.2f}x" if base and base.get(key) else "-")  # noqa: E731
+        lines.append(f"{mode:12s} {rate:5g} {r['completed']:5d} {r['mean_ttft_ms']:9.1f}ms {r['p99_ttft_ms']:7.1f}ms "
+                     f"{r['mean_tbt_ms']:7.2f}ms {r['p99_tbt_ms']:6.1f}ms {r.get('mean_accept_length') or 0:7.2f} "
+                     f"{ratio('mean_ttft_ms'):>10s} {ratio('mean_tbt_ms'):>9s}")
+    return "\n".join(lines)
+
+
+def save_table(out: Path, name: str, table: str, results: dict[tuple[str, float], dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.txt").write_text(table + "\n")
+    summary = {f"{mode}@{rate:g}": {k: v for k, v in r.items() if not isinstance(v, (list, dict))}
+               for (mode, rate), r in results.items()}
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(x) for x in text.split(",") if x.strip()]
+    if not rates or any(not (r > 0) or math.isnan(r) for r in rates):
+        raise ValueError(f"--rates must be positive numbers, got {text!r}")
+    return rates
