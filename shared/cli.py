@@ -274,5 +274,16 @@ def _mount_loadgen() -> None:
 _mount_loadgen()
 
 
+def _mount_simulate() -> None:
+    from shared.simulate.cli import simulate_command
+
+    app.command("simulate", help="Discrete-event simulation of the serving modes at HAT scale (30 devices).")(
+        simulate_command
+    )
+
+
+_mount_simulate()
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,101 @@
+"""`tophat simulate`: the mesh's serving modes at scale, as a discrete-event simulation.
+
+Mount with `app.command("simulate")(simulate_command)` (from shared.simulate.cli). Pure
+Python: runs in seconds, needs no model, no torch, no running mesh (unless asked to
+calibrate from a state monitor).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+log = logging.getLogger(__name__)
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [math.inf if p.strip().lower() == "inf" else float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        _fail(f"{name} must be comma-separated numbers, got {text!r}")
+    if not values:
+        _fail(f"{name} is empty")
+    return values
+
+
+def simulate_command(
+    calibration: Optional[Path] = typer.Option(None, help="calibration JSON (see shared/simulate/calibration.py)"),
+    state_monitor_url: Optional[str] = typer.Option(None, help="or: calibrate from a running state monitor"),
+    devices: int = typer.Option(30, min=1, help="simulated devices (HAT: 30; 20 slow / 10 fast when expanded)"),
+    stages: int = typer.Option(4, min=1, help="cloud pipeline stages P"),
+    rates: str = typer.Option("4,6,9", help="request rates (req/s), comma-separated; inf = all at t=0"),
+    modes: str = typer.Option("ushape,usarathi,cloud,hat",
+                              help="ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd]"),
+    workload: str = typer.Option("specbench", help="prompt lengths: specbench or cnndm (HAT Table 3)"),
+    num_requests: int = typer.Option(200, "--num-requests", "-n", min=1, help="requests per run"),
+    seed: int = typer.Option(0, help="seed for arrivals, prompts and speculation draws"),
+    burstiness: float = typer.Option(1.0, help="gamma shape of inter-arrival gaps (1 = Poisson)"),
+    max_new_tokens: Optional[int] = typer.Option(None, min=1, help="tokens per request (default: calibration, 128)"),
+    routing: str = typer.Option("least-loaded", help="least-loaded (token streamer) or round-robin"),
+    heterogeneous: bool = typer.Option(True, help="slow down 2/3 of the devices when expanding profiles"),
+    mode_cycle: Optional[str] = typer.Option(None, help="device speed modes cycled every 5 requests, e.g. 1,2,5,10"),
+    baseline: str = typer.Option("ushape", help="mode the ratios are taken against"),
+    out: Optional[Path] = typer.Option(None, help="write simulation.json (and calibration.json) here"),
+    compare_real: Optional[list[Path]] = typer.Option(None, help="loadgen results.json to compare with (repeatable)"),
+    real_mode: Optional[str] = typer.Option(None, help="mode of the --compare-real runs (default: hat)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="log every run"),
+) -> None:
+    """Simulate the serving modes (HAT testbed scale) from latency models fitted to the real mesh."""
+    import dataclasses
+
+    from shared.simulate.calibration import Calibration
+    from shared.simulate.modes import parse_modes
+    from shared.simulate.report import compare_with_real, grid_tables
+    from shared.simulate.run import SimConfig, simulate_grid
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("shared.simulate").setLevel(logging.INFO if verbose else logging.WARNING)
+    if calibration is not None and state_monitor_url:
+        _fail("give at most one of --calibration and --state-monitor-url")
+    try:
+        if calibration is not None:
+            cal = Calibration.load(calibration)
+        elif state_monitor_url:
+            cal = Calibration.from_telemetry(state_monitor_url)
+        else:
+            cal = Calibration()
+        if mode_cycle:
+            cal = dataclasses.replace(cal, mode_cycle=_floats(mode_cycle, "--mode-cycle"))
+        config = SimConfig(devices=devices, stages=stages, workload=workload, num_requests=num_requests, seed=seed,
+                           burstiness=burstiness, routing=routing, heterogeneous=heterogeneous,
+                           max_new_tokens=max_new_tokens)
+        mode_list = parse_modes(modes, workload)
+        grid = simulate_grid(cal, mode_list, _floats(rates, "--rates"), config)
+    except (OSError, ValueError) as exc:
+        _fail(str(exc))
+    source = calibration or state_monitor_url or "built-in paper-scale defaults"
+    typer.echo(f"calibration: {source}")
+    for note in cal.notes:
+        typer.echo(f"  {note}")
+    typer.echo(grid_tables(grid, baseline))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "simulation.json").write_text(json.dumps(grid, indent=1, default=str) + "\n")
+        cal.save(out / "calibration.json")
+        typer.echo(f"results in {out}")
+    for path in compare_real or []:
+        typer.echo("")
+        try:
+            compare_with_real(grid, path, mode=real_mode)
+        except (OSError, ValueError) as exc:
+            _fail(f"cannot compare with {path}: {exc}")

@@ -1,0 +1,168 @@
+"""The verifier cloud: continuous batching over P pipeline stages, as the real scheduler does.
+
+Mirrors services/verifier_cloud/scheduler.py + server.py so simulated and real batches
+form the same way:
+
+* each session has a FIFO of work items (prefill chunks, verify steps); a batch takes the
+  head item of every session that has no item in flight, oldest sessions first, within
+  `max_batch_tokens` (the first item always fits), and rotates them to the back;
+* a batch is formed whenever work is ready and one of the P micro-batch slots is free,
+  taking about 1/(free slots) of the ready tokens so the rest fills the next slot;
+* a micro-batch of mu tokens holds each stage for g(mu)/P in turn (stage s+1 starts when
+  stage s is done with it and stage s+1 is done with the previous micro-batch), so up to
+  P micro-batches are in flight and the throughput rises with P.
+
+One session's items never overlap in the real verifier, so one session's prefill chunks
+each pay the whole g(mu), not g(mu)/P. HAT's eq. 3 assumes the opposite (chunk j+1 enters
+the pipeline behind chunk j); `chunk_pipelining=True` models that: a session whose items
+in flight are all prefill chunks may send its next prefill chunk into a later micro-batch
+(stages are FIFO, so chunks still run in order).
+
+Work submitted at the same instant joins the same batch: scheduling is deferred to a
+zero-delay event, like the real server's wake-up after `work_ready` is set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shared.simulate.calibration import GTable
+from shared.simulate.events import EventLoop
+
+
+@dataclass
+class Item:
+    session_id: int
+    tokens: int
+    done: Callable[[], None]
+    prefill: bool = False
+
+
+@dataclass
+class Step:
+    """One micro-batch: when it entered stage 0, its tokens, its whole-pass compute g(mu)."""
+
+    start: float
+    end: float
+    tokens: int
+    sessions: int
+    compute_s: float
+
+
+class Cloud:
+    def __init__(self, loop: EventLoop, g: GTable, stages: int = 1, max_batch_tokens: int = 4096,
+                 compute_scale: float = 1.0, alpha: float = 0.8, chunk_pipelining: bool = False) -> None:
+        if stages < 1 or max_batch_tokens < 1 or not compute_scale > 0:
+            raise ValueError("need stages >= 1, max_batch_tokens >= 1, compute_scale > 0")
+        self.loop, self.g, self.stages = loop, g, stages
+        self.max_batch_tokens, self.compute_scale, self.alpha = max_batch_tokens, compute_scale, alpha
+        self.chunk_pipelining = chunk_pipelining
+        self.queues: OrderedDict[int, deque[Item]] = OrderedDict()
+        self.busy: dict[int, list[bool]] = {}  # session -> prefill? of each of its items in flight
+        self.stage_free = [0.0] * stages   # when each stage finishes its last micro-batch
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.steps: list[Step] = []
+        self.mu_ema: float | None = None   # eq. 1, what the state monitor would report
+        self._kick_pending = False
+
+    # -- sessions ------------------------------------------------------------------------
+    def submit(self, session_id: int, tokens: int, done: Callable[[], None], prefill: bool = False) -> None:
+        """Queue `tokens` of work for a session; `done()` runs when its micro-batch leaves the last stage."""
+        if tokens < 1:
+            raise ValueError("a work item needs at least one token")
+        self.queues.setdefault(session_id, deque()).append(Item(session_id, tokens, done, prefill))
+        self._kick()
+
+    def close(self, session_id: int) -> None:
+        queue = self.queues.get(session_id)
+        if queue is not None and not queue and session_id not in self.busy:
+            del self.queues[session_id]
+
+    def g_of(self, mu: float) -> float:
+        """Whole-pass compute of a micro-batch of `mu` tokens in this deployment (scaled in cloud mode)."""
+        return self.g(mu) * self.compute_scale
+
+    # -- scheduling ----------------------------------------------------------------------
+    def _kick(self) -> None:
+        if not self._kick_pending:
+            self._kick_pending = True
+            self.loop.after(0.0, self._schedule)
+
+    def _schedulable(self, sid: int, queue: deque[Item]) -> bool:
+        if not queue:
+            return False
+        flying = self.busy.get(sid)
+        if not flying:
+            return True
+        return self.chunk_pipelining and queue[0].prefill and all(flying)
+
+    def _ready(self) -> list[int]:
+        return [sid for sid, q in self.queues.items() if self._schedulable(sid, q)]
+
+    def _schedule(self) -> None:
+        self._kick_pending = False
+        while self.in_flight < self.stages:
+            ready = self._ready()
+            if not ready:
+                return
+            parts = self.stages - self.in_flight
+            budget = self.max_batch_tokens
+            if parts > 1:
+                budget = min(budget, -(-sum(self.queues[s][0].tokens for s in ready) // parts))
+            batch: list[Item] = []
+            for sid in ready:
+                head = self.queues[sid][0]
+                if batch and head.tokens > budget:
+                    continue
+                batch.append(self.queues[sid].popleft())
+                budget -= head.tokens
+            for item in batch:
+                self.queues.move_to_end(item.session_id)
+                self.busy.setdefault(item.session_id, []).append(item.prefill)
+            self._launch(batch)
+
+    def _launch(self, batch: list[Item]) -> None:
+        mu = sum(item.tokens for item in batch)
+        compute = self.g_of(mu)
+        per_stage = compute / self.stages
+        t = self.loop.now
+        start = max(t, self.stage_free[0])
+        for s in range(self.stages):
+            begin = max(t, self.stage_free[s])
+            t = begin + per_stage
+            self.stage_free[s] = t
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.steps.append(Step(start, t, mu, len(batch), compute))
+        self.loop.at(t, self._finish, batch, mu)
+
+    def _finish(self, batch: list[Item], mu: int) -> None:
+        self.in_flight -= 1
+        self.mu_ema = mu if self.mu_ema is None else self.alpha * self.mu_ema + (1 - self.alpha) * mu
+        for item in batch:
+            flying = self.busy[item.session_id]
+            flying.pop(0)  # stages are FIFO: a session's oldest item finishes first
+            if not flying:
+                del self.busy[item.session_id]
+        for item in batch:
+            item.done()
+        self._kick()
+
+    # -- stats ---------------------------------------------------------------------------
+    def summary(self) -> dict[str, float | int | None]:
+        """Per-step load and compute (HAT Fig. 8 reports the per-GPU delay: g(mu)/P)."""
+        n = len(self.steps)
+        if n == 0:
+            return {"steps": 0, "mean_batched_tokens": None, "mean_stage_ms": None, "std_stage_ms": None,
+                    "max_in_flight": 0, "busy_fraction": None}
+        stage_ms = [s.compute_s / self.stages * 1e3 for s in self.steps]
+        mean = sum(stage_ms) / n
+        span = max(s.end for s in self.steps) - min(s.start for s in self.steps)
+        return {"steps": n, "mean_batched_tokens": sum(s.tokens for s in self.steps) / n,
+                "mean_stage_ms": mean, "std_stage_ms": math.sqrt(sum((x - mean) ** 2 for x in stage_ms) / n),
+                "max_in_flight": self.max_in_flight,
+                "busy_fraction": (sum(stage_ms) / 1e3 / span) if span > 0 else None}

@@ -1,0 +1,104 @@
+"""Calibrate the simulator from a running mesh's state monitor.
+
+What the monitor knows (services/state_monitor/app.py):
+
+* ``GET /state/cloud`` -> ``{"mu", "g": {"buckets": [{"mu", "eta", "mu_lo", "mu_hi", ...}]}, ...}``:
+  g(mu) per log2 bucket, each an EMA (eq. 2) of whole-middle compute seconds (with P > 1
+  stages the verifier reports the *sum* of the stages' compute, i.e. exactly what the
+  simulator's g means). Rebuilt with `shared.planners.predictor_from_cloud_state`, so the
+  table is the monotone curve the chunk planner itself uses.
+* ``GET /state/devices`` -> ``{"devices": [{"device_id", "gamma", "beta_up", "beta_down", ...}]}``.
+
+What it does not know, and where the value comes from instead (the `base` calibration,
+`demo` by default, see calibration.py): prefill cost per prompt token (scaled from the
+base by measured gamma / base gamma: both are the same input layers), one-way latency,
+the accept-length distribution (per-request accept lengths go to Redis, not to /state),
+the parallel-drafting hit rate, the model shape. Every choice is written to `notes`.
+
+Caveats worth knowing when comparing with the real mesh: gamma is measured before the
+device agent's emulated slowdown (pass `device_slowdowns`), and beta_up is measured from a
+chunk's send to its answer, so it includes one round trip and the cloud's compute and
+errs low (cloud_client.py says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import urllib.request
+from typing import Any
+
+from shared.planners import predictor_from_cloud_state
+from shared.simulate.calibration import BASES, Calibration, DeviceProfile
+
+log = logging.getLogger(__name__)
+
+
+def _get_json(url: str, timeout_s: float) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (operator-given URL)
+        return json.loads(response.read().decode())
+
+
+def _positive(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
+def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any] | None,
+                           base: Calibration | None = None,
+                           device_slowdowns: dict[str, float] | None = None) -> Calibration:
+    """Pure part of `from_telemetry`: the monitor's two JSON documents -> a Calibration."""
+    base = base or BASES["demo"]()
+    notes: list[str] = []
+    g_table = base.g_table
+    predictor = predictor_from_cloud_state(cloud) if cloud else None
+    if predictor is not None:
+        g_table = [(mu, eta) for mu, eta in predictor.points() if mu > 0]
+        notes.append(f"g(mu): {len(g_table)} telemetry buckets, mu {g_table[0][0]:.0f}..{g_table[-1][0]:.0f}")
+    else:
+        notes.append("g(mu): no telemetry buckets, base table")
+    ref = base.devices[0]
+    profiles: list[DeviceProfile] = []
+    for entry in (devices or {}).get("devices", []):
+        if not isinstance(entry, dict) or not entry.get("device_id"):
+            continue
+        dev_id = str(entry["device_id"])
+        gamma = _positive(entry.get("gamma"))
+        up, down = _positive(entry.get("beta_up")), _positive(entry.get("beta_down"))
+        missing = [name for name, v in (("gamma", gamma), ("beta_up", up), ("beta_down", down)) if v is None]
+        if missing:
+            notes.append(f"device {dev_id}: no {', '.join(missing)} in telemetry, base values")
+        if entry.get("stale"):
+            notes.append(f"device {dev_id}: telemetry is stale")
+        gamma = gamma or ref.gamma_s
+        profiles.append(DeviceProfile(
+            dev_id, gamma, ref.prefill_token_s * gamma / ref.gamma_s if ref.gamma_s > 0 else ref.prefill_token_s,
+            up or ref.beta_up, down or ref.beta_down, ref.latency_s,
+            float((device_slowdowns or {}).get(dev_id, 1.0))))
+    if profiles:
+        notes.append(f"{len(profiles)} device profiles from telemetry; prefill_token_s scaled from the base by "
+                     f"gamma, latency {ref.latency_s * 1e3:.1f} ms from the base")
+    else:
+        profiles = list(base.devices)
+        notes.append("no devices in telemetry: base device profiles")
+    notes.append(f"accept_dist (mean {base.mean_accept_length:.2f}), pd_hit_rate {base.pd_hit_rate}, "
+                 f"hidden {base.hidden_size}, n={base.num_layers}, m={base.split_layers}: base values")
+    return dataclasses.replace(base, g_table=g_table, devices=profiles, notes=base.notes + notes)
+
+
+def from_telemetry(state_monitor_url: str, *, base: Calibration | None = None, timeout_s: float = 2.0,
+                   device_slowdowns: dict[str, float] | None = None) -> Calibration:
+    """GET /state/cloud and /state/devices from a running state monitor and fill what it knows.
+
+    An unreachable monitor raises (OSError/ValueError); a monitor without data yields the base.
+    """
+    root = state_monitor_url.rstrip("/")
+    cloud = _get_json(f"{root}/state/cloud", timeout_s)
+    devices = _get_json(f"{root}/state/devices", timeout_s)
+    cal = calibration_from_state(cloud, devices, base, device_slowdowns)
+    for note in cal.notes:
+        log.info("calibration: %s", note)
+    return cal

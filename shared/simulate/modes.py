@@ -1,0 +1,72 @@
+"""Serving modes as feature switches, parsed from short names.
+
+HAT's baselines and ablations are combinations of a few independent mechanisms, so a
+mode is a set of flags rather than a class per mode; the session process branches on
+the flags. Names (comma-free, so `--modes a,b,c` can list them):
+
+    ushape          split, no SD, whole prompt uploaded at once, one token per round trip
+    usarathi[-C]    ushape + the cloud cuts the uploaded prompt into C-token chunks run in
+                    successive steps (no upload/compute overlap); C defaults to HAT's 128
+                    for SpecBench and 256 for CNN/DM
+    cloud           no split: token ids up, the whole model in the cloud (compute scaled by
+                    Calibration.compute_scale), the cloud samples; one token per round trip,
+                    like the real device agent's `mode=cloud` (token_decode)
+    cloud-stream    the same, but the cloud decodes on its own and streams token ids down
+                    (no round trips: a plain cloud LLM service)
+    hat             SD + PC + PD; ``hat-sd``, ``hat-pc``, ``hat-sd-pc``, ``hat-sd-pd`` ... pick
+                    switches (PD needs SD: it pre-drafts the next draft)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SARATHI_CHUNK = {"specbench": 128, "cnndm": 256}
+HAT_SWITCHES = ("sd", "pc", "pd")
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    speculative: bool = False        # SD: draft k tokens, verify k+1 rows in one pass
+    client_chunking: bool = False    # PC: eq. 3 chunks, uploads overlap cloud compute
+    parallel_drafting: bool = False  # PD: pre-draft from top candidates during verification
+    server_chunk: int | None = None  # U-Sarathi: server-side chunks of this many tokens
+    token_upload: bool = False       # cloud: token ids on the wire, whole model in the cloud
+    cloud_stream: bool = False       # cloud: decode in the cloud without a round trip per token
+
+    def __post_init__(self) -> None:
+        if self.parallel_drafting and not self.speculative:
+            raise ValueError(f"mode {self.name!r}: parallel drafting needs speculative decoding (sd)")
+        if self.server_chunk is not None and self.server_chunk < 1:
+            raise ValueError(f"mode {self.name!r}: server chunk must be >= 1")
+
+
+def parse_mode(spec: str, workload: str = "specbench") -> Mode:
+    """A mode from its name (see the module docstring)."""
+    name = spec.strip().lower()
+    if name == "ushape":
+        return Mode(name)
+    if name in ("cloud", "cloud-stream"):
+        return Mode(name, token_upload=True, cloud_stream=name == "cloud-stream")
+    if name == "usarathi" or name.startswith("usarathi-"):
+        _, _, size = name.partition("-")
+        try:
+            chunk = int(size) if size else SARATHI_CHUNK.get(workload, 128)
+        except ValueError:
+            raise ValueError(f"bad U-Sarathi chunk in {spec!r} (use usarathi-128)") from None
+        return Mode(name, server_chunk=chunk)
+    if name == "hat" or name.startswith("hat-"):
+        parts = name.split("-")[1:] or list(HAT_SWITCHES)
+        bad = [p for p in parts if p not in HAT_SWITCHES]
+        if bad:
+            raise ValueError(f"unknown HAT switch(es) {bad} in {spec!r}; use {', '.join(HAT_SWITCHES)}")
+        return Mode(name, speculative="sd" in parts, client_chunking="pc" in parts, parallel_drafting="pd" in parts)
+    raise ValueError(f"unknown mode {spec!r}; use ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd]")
+
+
+def parse_modes(text: str, workload: str = "specbench") -> list[Mode]:
+    modes = [parse_mode(part, workload) for part in text.split(",") if part.strip()]
+    if not modes:
+        raise ValueError("no modes given")
+    return modes

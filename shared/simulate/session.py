@@ -1,0 +1,286 @@
+"""One request's life on a device, as a chain of events (shared/specdec/engine.py's run_session).
+
+Split modes (ushape, usarathi, hat*):
+
+    open     one round trip (OpenSession / SessionOpened), as engine.run_session does first
+    prefill  device input layers over each chunk (FIFO device compute), upload S·A bytes,
+             cloud work item(s), the last one answers with the prompt's deep state (A bytes)
+             -> first token. With PC the device computes and uploads chunk j+1 while the
+             cloud works on chunk j; the cloud runs a session's chunks in order.
+    decode   draft (k+1 steps of gamma; one step without SD), upload (k+1)·A, one cloud
+             item of k+1 tokens, download (k+1)·A -> L tokens. With PD the device spends
+             c·(lambda+1)·gamma pre-drafting while the verification is in flight; the round
+             ends when both are done (asyncio.gather in the engine); with `pd_batched` the c
+             branches cost one branch's time (HAT drafts them as a batch). When the last draft
+             token was corrected (L == k) the correction is a pre-drafted candidate with
+             probability `pd_hit_rate`: the next round then needs no drafting, and its draft
+             is at most lambda tokens long.
+
+Cloud mode: token ids up, the whole model runs in the cloud, which samples; the sampled id
+comes down and the device sends it back up for the next step (one token per round trip,
+as the real agent's token_decode does). `cloud-stream`: the cloud decodes on its own and
+streams each id down as it is made. No device compute in either.
+
+Speculation draws: L ~ accept_dist, the draft length is k = min(L, K) (drafting stops at
+the first low-confidence token, which is usually the one rejected; all accepted -> L = k+1),
+capped so a round never makes more than the tokens left. Each request has its own random
+streams, so every mode sees the same draws for the same request (paired comparison).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from loadgen.metrics import RequestRecord
+from shared.planners import chunk_size_eq3, parallel_draft_steps_eq6
+from shared.simulate.calibration import Calibration, DeviceProfile
+from shared.simulate.cloud import Cloud
+from shared.simulate.events import EventLoop, FifoServer, Link
+from shared.simulate.modes import Mode
+
+_ACCEPT_STREAM, _PD_STREAM = 3, 4  # loadgen uses 1 (arrivals) and 2 (prompts)
+_BIG = 1e30  # stands in for an unlimited bandwidth in the planners' equations
+
+
+def fixed_chunks(num_tokens: int, chunk_size: int | None) -> list[int]:
+    """Chunk sizes covering a prompt (shared.specdec.engine.fixed_chunks, without importing torch)."""
+    if not chunk_size or chunk_size >= num_tokens:
+        return [num_tokens]
+    full, rest = divmod(num_tokens, chunk_size)
+    return [chunk_size] * full + ([rest] if rest else [])
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    max_tokens: int
+    device_hint: int = 0
+
+
+@dataclass
+class Device:
+    """A simulated device: its profile, its compute (one FIFO) and its two link directions."""
+
+    index: int
+    profile: DeviceProfile
+    compute: FifoServer
+    uplink: Link
+    downlink: Link
+    outstanding: int = 0
+    served: int = 0
+
+    @classmethod
+    def build(cls, loop: EventLoop, index: int, profile: DeviceProfile) -> Device:
+        return cls(index, profile, FifoServer(loop), Link(loop, profile.beta_up, profile.latency_s),
+                   Link(loop, profile.beta_down, profile.latency_s))
+
+
+@dataclass
+class Context:
+    """What every request of one run shares."""
+
+    loop: EventLoop
+    cloud: Cloud
+    cal: Calibration
+    mode: Mode
+    stages: int
+    seed: int
+    on_done: Callable[[RequestProcess], None] = lambda _: None
+    _session_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def __post_init__(self) -> None:
+        self.cum_accept = list(itertools.accumulate(self.cal.accept_dist))
+
+
+class RequestProcess:
+    def __init__(self, ctx: Context, req: SimRequest, device: Device, slowdown: float = 1.0) -> None:
+        self.ctx, self.req, self.dev = ctx, req, device
+        self.sid = next(ctx._session_ids)
+        speed = device.profile.slowdown * slowdown
+        self.gamma = device.profile.gamma_s * speed
+        self.token_s = device.profile.prefill_token_s * speed
+        self.post_s = ctx.cal.round_overhead_s * speed
+        self.A = ctx.cal.bytes_per_token
+        self.o = ctx.cal.frame_overhead_bytes
+        self.record = RequestRecord(index=req.index, arrival_s=req.arrival_s, max_tokens=req.max_tokens,
+                                    prompt_tokens=req.prompt_tokens, device_hint=req.device_hint,
+                                    send_s=req.arrival_s, device_id=device.profile.device_id)
+        self.generated = 0
+        self.rounds: list[int] = []
+        self.chunks: list[int] = []
+        self.ready_draft: int | None = None  # PD: length of an adopted pre-drafted draft
+        self.cloud_made = 0  # cloud mode: tokens produced in the cloud so far
+        self.rng_accept = np.random.default_rng([ctx.seed, _ACCEPT_STREAM, req.index])
+        self.rng_pd = np.random.default_rng([ctx.seed, _PD_STREAM, req.index])
+
+    # -- helpers -------------------------------------------------------------------------
+    def _work(self, seconds: float, then: Callable[..., None], *args: object) -> None:
+        """Device compute; zero-cost work skips the FIFO so it cannot wait behind other jobs."""
+        if seconds > 0:
+            self.dev.compute.submit(seconds, then, *args)
+        else:
+            then(*args)
+
+    def _deliver(self, n: int) -> None:
+        n = min(n, self.req.max_tokens - self.generated)
+        self.record.chunk_times_s.append(self.ctx.loop.now)
+        self.record.chunk_tokens.append(n)
+        self.generated += n
+
+    def _finish(self) -> None:
+        rec = self.record
+        rec.end_s = self.ctx.loop.now
+        rec.completion_tokens = self.generated
+        rec.num_rounds = len(self.rounds)
+        rec.accept_length = sum(self.rounds) / len(self.rounds) if self.rounds else None
+        rec.finish_reason = "length"
+        self.dev.outstanding -= 1
+        self.ctx.cloud.close(self.sid)
+        self.ctx.on_done(self)
+
+    def chunk_plan(self) -> list[int]:
+        """Upload chunks: eq. 3 (or the calibration's fixed chunk) with PC, else the whole prompt."""
+        cal, S = self.ctx.cal, self.req.prompt_tokens
+        if not self.ctx.mode.client_chunking:
+            return [S]
+        if cal.pc_chunk is not None:
+            size = cal.pc_chunk
+        elif self.ctx.cloud.mu_ema is None:  # the planner's default:no-telemetry
+            size = cal.default_chunk
+        else:
+            beta = self.dev.profile.beta_up if math.isfinite(self.dev.profile.beta_up) else _BIG
+            size = chunk_size_eq3(self.A, beta, self.ctx.cal.g, self.ctx.cloud.mu_ema, self.ctx.stages,
+                                  cal.min_chunk, cal.max_chunk, S)
+        return fixed_chunks(S, size)
+
+    # -- prefill -------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.ctx.cal.session_open_rtt:  # OpenSession -> SessionOpened before the prompt
+            self.dev.uplink.send(self.o, self.dev.downlink.send, self.o, self._begin_prefill)
+        else:
+            self._begin_prefill()
+
+    def _begin_prefill(self) -> None:
+        if self.ctx.mode.token_upload:
+            S = self.req.prompt_tokens
+            self.dev.uplink.send(S * self.ctx.cal.token_bytes + self.o, self.ctx.cloud.submit, self.sid, S,
+                                 self._cloud_token)
+            return
+        self.chunks = self.chunk_plan()
+        self._prefill_chunk(0)
+
+    def _prefill_chunk(self, j: int) -> None:
+        self._work(self.chunks[j] * self.token_s, self._upload_chunk, j)
+
+    def _upload_chunk(self, j: int) -> None:
+        self.dev.uplink.send(self.chunks[j] * self.A + self.o, self._chunk_at_cloud, j)
+        if j + 1 < len(self.chunks):  # PC: compute the next chunk while this one uploads
+            self._prefill_chunk(j + 1)
+
+    def _chunk_at_cloud(self, j: int) -> None:
+        last = j == len(self.chunks) - 1
+        pieces = fixed_chunks(self.chunks[j], self.ctx.mode.server_chunk)  # U-Sarathi: server-side chunks
+        for i, size in enumerate(pieces):
+            if i < len(pieces) - 1:
+                self.ctx.cloud.submit(self.sid, size, lambda: None, prefill=True)
+            else:
+                self.ctx.cloud.submit(self.sid, size, self._prefill_answer if last else self._chunk_ack, prefill=True)
+
+    def _chunk_ack(self) -> None:
+        self.dev.downlink.send(self.o, lambda: None)
+
+    def _prefill_answer(self) -> None:
+        self.dev.downlink.send(self.A + self.o, self._work, self.post_s, self._first_token)
+
+    def _first_token(self) -> None:
+        self._deliver(1)
+        self._next_round()
+
+    # -- decode (split modes) ------------------------------------------------------------
+    def _draw_accept(self) -> int:
+        return bisect.bisect_left(self.ctx.cum_accept, self.rng_accept.random() * self.ctx.cum_accept[-1]) + 1
+
+    def _next_round(self) -> None:
+        remaining = self.req.max_tokens - self.generated
+        if remaining <= 0:
+            self._finish()
+            return
+        mode, cal = self.ctx.mode, self.ctx.cal
+        if mode.speculative:
+            natural = self._draw_accept()
+            k = min(natural, cal.max_draft, remaining - 1)
+            predrafted = self.ready_draft is not None
+            if predrafted:
+                k = min(k, self.ready_draft)
+                self.ready_draft = None
+            L = min(natural, k + 1)
+            draft_s = 0.0 if predrafted else (k + 1) * self.gamma
+        else:
+            k, L, draft_s = 0, 1, self.gamma * cal.nosd_step_factor
+        self._work(draft_s, self._send_draft, k, L, remaining)
+
+    def _pd_steps(self, k: int, remaining: int) -> int:
+        cal, prof = self.ctx.cal, self.dev.profile
+        if cal.pd_steps is not None:
+            lam = cal.pd_steps
+        else:
+            up = prof.beta_up if math.isfinite(prof.beta_up) else _BIG
+            down = prof.beta_down if math.isfinite(prof.beta_down) else _BIG
+            mu = self.ctx.cloud.mu_ema or float(k + 1)
+            lam = parallel_draft_steps_eq6(k + 1, self.A, up, down, self.ctx.cloud.g_of(mu),
+                                           max(self.gamma, 1e-12), cal.max_draft)
+        return max(0, min(lam, cal.max_draft, remaining - k - 1))
+
+    def _send_draft(self, k: int, L: int, remaining: int) -> None:
+        mode, cal = self.ctx.mode, self.ctx.cal
+        pd = mode.parallel_drafting and k >= 1
+        lam = self._pd_steps(k, remaining) if pd else 0
+        state = {"pending": 2 if pd else 1}
+
+        def join() -> None:
+            state["pending"] -= 1
+            if state["pending"] == 0:
+                self._work(self.post_s, self._end_round, k, L, lam if pd else None)
+
+        def verified() -> None:
+            self.dev.downlink.send((k + 1) * self.A + self.o, join)
+
+        self.dev.uplink.send((k + 1) * self.A + self.o, self.ctx.cloud.submit, self.sid, k + 1, verified)
+        if pd:
+            branches = 1 if cal.pd_batched else cal.pd_candidates
+            self._work(branches * (lam + 1) * self.gamma, join)
+
+    def _end_round(self, k: int, L: int, lam: int | None) -> None:
+        self._deliver(L)
+        self.rounds.append(L)
+        left = self.req.max_tokens - self.generated
+        if lam is not None and L == k and left > 0 and self.rng_pd.random() < self.ctx.cal.pd_hit_rate:
+            self.ready_draft = lam
+        self._next_round()
+
+    # -- cloud mode ----------------------------------------------------------------------
+    def _cloud_token(self) -> None:
+        """A cloud step sampled one token: send it down; streaming, queue the next step at once."""
+        self.cloud_made += 1  # the prefill step makes the first token, each decode step one more
+        last = self.cloud_made >= self.req.max_tokens
+        self.dev.downlink.send(self.ctx.cal.token_bytes + self.o, self._cloud_arrived, last)
+        if not last and self.ctx.mode.cloud_stream:
+            self.ctx.cloud.submit(self.sid, 1, self._cloud_token)
+
+    def _cloud_arrived(self, last: bool) -> None:
+        self._deliver(1)
+        if self.cloud_made > 1:
+            self.rounds.append(1)
+        if last:
+            self._finish()
+        elif not self.ctx.mode.cloud_stream:  # send the token back up for the next step
+            tb = self.ctx.cal.token_bytes + self.o
+            self.dev.uplink.send(tb, self.ctx.cloud.submit, self.sid, 1, self._cloud_token)
