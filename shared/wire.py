@@ -25,12 +25,18 @@ Type-code table (one byte each: every code < 128 is a msgpack positive fixint):
     0x03 CloseSession  d->c    0x04 SessionClosed c->d
     0x10 PrefillChunk  d->c    0x11 ChunkAck      c->d   0x12 DeepHidden c->d
     0x20 VerifyRequest d->c    0x21 VerifyResult  c->d
-    0x40-0x5f  reserved for "token mode": messages carrying token ids and draft
-               probabilities instead of hidden states (e.g. a token-level verify
-               request/result). Such classes set ``carries_token_ids = True`` and a
-               cloud must refuse them with PRIVACY_VIOLATION on sessions opened
-               with ``privacy=True``.
+    0x40-0x5f  "token mode": messages carrying token ids (and, later, draft
+               probabilities) instead of hidden states. Every class registered in
+               this range gets ``carries_token_ids = True`` from the registry, so
+               `assert_privacy_safe` flags it, and a cloud refuses it with
+               PRIVACY_VIOLATION on sessions opened with ``privacy=True``.
+        0x40 OpenTokenSession d->c (reply SessionOpened; the session has privacy off)
+        0x41 TokenPrefill     d->c    0x42 TokenStep d->c    0x43 TokenResult c->d
     0x7f ErrorFrame    either direction
+
+Token ids travel as one bin of little-endian uint32 (``TOKENS`` fields), not a
+msgpack array: a prompt of thousands of ids stays one allocation, and the
+unpacker's small container limits stay in force.
 
 Adding a message = one decorated dataclass with a free code and `_f` fields;
 encode/decode/validation are generic over the registry. A new type needs no
@@ -42,12 +48,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import sys
 import warnings
 from dataclasses import field
 from typing import Any, ClassVar
 
 import msgpack
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -59,6 +67,8 @@ WIRE_VERSION = 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_OVERHEAD_BYTES = 128  # generous bound on non-tensor bytes of a hidden-state frame
 _U64_MAX = 2**64 - 1
+_TOKEN_ID_MAX = 2**32 - 1  # ids travel as uint32
+TOKEN_MODE_CODES = range(0x40, 0x60)  # message types that carry token ids (privacy mode refuses them)
 _MAX_ERROR_TEXT = 512
 # Our frames are structurally tiny (a map of <= ~8 keys, 2-element shapes); capping
 # container sizes stops a 16 MiB frame of 1-byte nils from inflating into ~128 MB of
@@ -190,6 +200,7 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 # field kinds: how `_check` validates a value and `encode` writes it
 U64, OPT_U64, BOOL, TEXT = "u64", "opt_u64", "bool", "text"
 TENSOR, DTYPE, CODE = "tensor", "dtype", "code"
+FLOAT, TOKENS = "float", "tokens"  # finite float; non-empty tuple of uint32 token ids
 _TYPES: dict[int, type[Message]] = {}
 
 
@@ -248,7 +259,35 @@ def _check(kind: str, name: str, value: Any) -> Any:
     elif kind == TENSOR:
         if not isinstance(value, torch.Tensor) or value.dim() != 2 or min(value.shape) <= 0:
             raise WireError(ErrorCode.BAD_SHAPE, f"{name} must be a 2-D tensor with positive dims")
+    elif kind == FLOAT:
+        if type(value) is int:  # an int from a hand-built frame or a caller is an exact float
+            value = float(value)
+        if type(value) is not float or not math.isfinite(value):
+            raise WireError(ErrorCode.MALFORMED, f"{name} must be a finite float, got {value!r}")
+    elif kind == TOKENS:
+        if not isinstance(value, (list, tuple)) or not all(_is_int(t) and 0 <= t <= _TOKEN_ID_MAX for t in value):
+            raise WireError(ErrorCode.MALFORMED, f"{name} must be a sequence of uint32 token ids")
+        if not value:
+            raise WireError(ErrorCode.BAD_SHAPE, f"{name} must hold at least one token id")
+        if type(value) is not tuple:
+            value = tuple(value)
     return value
+
+
+def encode_tokens(ids: tuple[int, ...]) -> bytes:
+    """Token ids -> little-endian uint32 bytes."""
+    return np.asarray(ids, dtype="<u4").tobytes()
+
+
+def decode_tokens(raw: Any) -> tuple[int, ...]:
+    """Little-endian uint32 bytes -> token ids (validated: a non-empty whole number of ids)."""
+    if not isinstance(raw, bytes):
+        raise WireError(ErrorCode.MALFORMED, "token ids must be bin")
+    if len(raw) % 4:
+        raise WireError(ErrorCode.LENGTH_MISMATCH, f"{len(raw)} bytes is not a whole number of uint32 ids")
+    if not raw:
+        raise WireError(ErrorCode.BAD_SHAPE, "no token ids")
+    return tuple(np.frombuffer(raw, dtype="<u4").tolist())
 
 
 def _message(code: int):
@@ -265,6 +304,8 @@ def _message(code: int):
         if len(set(keys)) != len(keys) or {"v", "t"} & set(keys):
             raise TypeError(f"{cls.__name__}: wire keys must be unique and not v/t")
         cls._keys = frozenset(keys) | {"v", "t"}
+        if code in TOKEN_MODE_CODES:  # the range *is* the declaration: no token message can forget the flag
+            cls.carries_token_ids = True
         _TYPES[code] = cls
         return cls
     return wrap
@@ -335,6 +376,54 @@ class VerifyResult(Message):
     hidden: torch.Tensor = _f("h", TENSOR)  # hidden: [K, H] deep states
 
 
+@_message(0x40)
+class OpenTokenSession(Message):
+    """Token mode (HAT's "cloud" baseline): the cloud runs the whole model on token ids and samples.
+
+    A separate message rather than new OpenSession fields: the strict schema makes an
+    added key MALFORMED for an older peer, so extending OpenSession would be a version
+    bump, while a new type costs an old verifier only an UNKNOWN_TYPE answer. The
+    session has privacy off by construction; sampling parameters live here because the
+    cloud, not the device, draws every token.
+    """
+    session_id: int = _f("s", U64)
+    temperature: float = _f("T", FLOAT, default=0.0)  # 0 = greedy
+    top_p: float = _f("P", FLOAT, default=1.0)
+    seed: int | None = _f("r", OPT_U64, default=None)  # None: the generator's fixed default seed
+
+    def __post_init__(self) -> None:
+        Message.__post_init__(self)
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise WireError(ErrorCode.MALFORMED, f"temperature {self.temperature} must be >= 0 and top_p "
+                            f"{self.top_p} in (0, 1]", self.session_id)
+
+
+@_message(0x41)
+class TokenPrefill(Message):
+    """Prompt ids at positions start_pos..; the cloud answers TokenResult with the next token."""
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    token_ids: tuple[int, ...] = _f("i", TOKENS)
+    start_pos: int = _f("p", U64, default=0)
+
+
+@_message(0x42)
+class TokenStep(Message):
+    """Roll back to commit_len, append token_ids (usually the last sampled one), answer the next token."""
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    commit_len: int = _f("c", U64)
+    token_ids: tuple[int, ...] = _f("i", TOKENS)
+
+
+@_message(0x43)
+class TokenResult(Message):
+    """The token(s) the cloud sampled (one per step in autoregressive cloud mode)."""
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    token_ids: tuple[int, ...] = _f("i", TOKENS)
+
+
 @_message(0x7F)
 class ErrorFrame(Message):
     code: ErrorCode = _f("e", CODE)
@@ -355,6 +444,8 @@ def encode(msg: Message, *, wire_dtype: WireDtype | str | None = None) -> bytes:
         if kind == TENSOR:
             wd = wire_dtype or _FROM_TORCH.get(value.dtype, WireDtype.F16)
             value = encode_tensor(value, wd)
+        elif kind == TOKENS:
+            value = encode_tokens(value)
         elif kind in (DTYPE, CODE):
             value = value.value
         out[key] = value
@@ -408,7 +499,11 @@ def _decode_map(m: dict, expected_hidden_size: int | None) -> Message:
                 continue
             raise WireError(ErrorCode.MALFORMED, f"{cls.__name__}: missing field {name}")
         value = m[key]
-        kwargs[name] = decode_tensor(value, expected_hidden_size) if kind == TENSOR else value
+        if kind == TENSOR:
+            value = decode_tensor(value, expected_hidden_size)
+        elif kind == TOKENS:
+            value = decode_tokens(value)
+        kwargs[name] = value
     msg = cls(**kwargs)
     if (expected_hidden_size is not None and isinstance(msg, OpenSession)
             and msg.hidden_size != expected_hidden_size):

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from shared import wire
 from shared.wire import (
     MAX_FRAME_BYTES, WIRE_VERSION, ChunkAck, CloseSession, DeepHidden, ErrorCode, ErrorFrame,
-    Message, OpenSession, PrefillChunk, SessionClosed, SessionOpened, VerifyRequest,
-    VerifyResult, WireDtype, WireError, assert_privacy_safe, decode, decode_tensor, encode,
-    encode_tensor, max_rows_per_frame,
+    Message, OpenSession, OpenTokenSession, PrefillChunk, SessionClosed, SessionOpened, TokenPrefill,
+    TokenResult, TokenStep, VerifyRequest, VerifyResult, WireDtype, WireError, assert_privacy_safe,
+    decode, decode_tensor, encode, encode_tensor, max_rows_per_frame,
 )
 
 H = 16
@@ -58,6 +58,15 @@ ALL_MESSAGES = [
     ErrorFrame(ErrorCode.OVERLOADED, "busy"),
 ]
 
+TOKEN_MESSAGES = [
+    OpenTokenSession(7),
+    OpenTokenSession(2**64 - 1, temperature=0.8, top_p=0.95, seed=2**63),
+    TokenPrefill(7, 0, [1, 2, 2**32 - 1]),
+    TokenPrefill(7, 0, tuple(range(5000)), start_pos=3),  # far more ids than the unpacker's array limit
+    TokenStep(7, 1, 3, [42]),
+    TokenResult(7, 1, [0]),
+]
+
 
 # ---------------------------------------------------------------- round trips
 
@@ -68,10 +77,53 @@ def test_round_trip_every_message(msg):
     assert_privacy_safe(encode(msg))  # nothing we define carries tokens or text
 
 
+@pytest.mark.parametrize("msg", TOKEN_MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip_every_token_message_and_privacy_flags_it(msg):
+    out = decode(encode(msg))
+    assert type(out) is type(msg) and out == msg
+    with pytest.raises(WireError) as info:
+        assert_privacy_safe(encode(msg))
+    assert info.value.code == ErrorCode.PRIVACY_VIOLATION
+    assert info.value.session_id == msg.session_id
+
+
 def test_every_registered_type_is_covered_and_codes_are_one_byte():
-    assert {type(m) for m in ALL_MESSAGES} == set(wire._TYPES.values())
+    assert {type(m) for m in ALL_MESSAGES + TOKEN_MESSAGES} == set(wire._TYPES.values())
     assert all(0 < code < 128 for code in wire._TYPES)
-    assert not any(0x40 <= code <= 0x5F for code in wire._TYPES)  # reserved: token mode
+    # the token range and the carries_token_ids flag coincide exactly
+    assert all((code in wire.TOKEN_MODE_CODES) == cls.carries_token_ids for code, cls in wire._TYPES.items())
+
+
+def test_token_ids_are_four_bytes_each():
+    frame = encode(TokenPrefill(7, 0, tuple(range(1000))))
+    assert 4000 <= len(frame) <= 4000 + 32
+    assert _raw(TokenStep(1, 2, 3, [258]))["i"] == (258).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("value,code", [
+    (b"", ErrorCode.BAD_SHAPE), (b"\x01\x00\x00", ErrorCode.LENGTH_MISMATCH), ([1, 2], ErrorCode.MALFORMED),
+    ("12", ErrorCode.MALFORMED), (None, ErrorCode.MALFORMED),
+])
+def test_bad_token_ids_are_rejected_and_addressed(value, code):
+    m = _raw(TokenStep(7, 2, 3, [5]))
+    err = _err(_pack({**m, "i": value}), code)
+    assert (err.session_id, err.seq_no) == (7, 2)
+
+
+def test_token_message_construction_is_validated():
+    for bad in ([], [-1], [2**32], [True], [1.0], "ab"):
+        with pytest.raises(WireError):
+            TokenResult(1, 1, bad)
+    for kw in ({"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"temperature": float("nan")},
+               {"temperature": "0.5"}):
+        with pytest.raises(WireError) as info:
+            OpenTokenSession(1, **kw)
+        assert info.value.code == ErrorCode.MALFORMED
+    assert OpenTokenSession(1, temperature=1).temperature == 1.0  # ints are exact floats
+    o = _raw(OpenTokenSession(4, 0.5, 0.9))
+    assert "r" not in o  # an absent seed costs nothing
+    _err(_pack({**o, "T": -1.0}), ErrorCode.MALFORMED)
+    _err(_pack({**o, "pv": False}), ErrorCode.MALFORMED)  # no privacy switch: token sessions have none
 
 
 @settings(max_examples=60, deadline=None)
@@ -163,7 +215,7 @@ def test_version(version, code):
 
 def test_type_field():
     m = _raw(ChunkAck(3, 4))
-    _err(_pack({**m, "t": 0x40}), ErrorCode.UNKNOWN_TYPE)
+    _err(_pack({**m, "t": 0x5D}), ErrorCode.UNKNOWN_TYPE)
     _err(_pack({**m, "t": "ChunkAck"}), ErrorCode.MALFORMED)
     _err(_pack({k: v for k, v in m.items() if k != "t"}), ErrorCode.MALFORMED)
 
@@ -232,7 +284,7 @@ def test_wrong_hidden_size_is_bad_shape():
 
 
 def test_unknown_type_still_addressed_when_s_and_q_present():
-    err = _err(_pack({"v": 1, "t": 0x41, "s": 11, "q": 12}), ErrorCode.UNKNOWN_TYPE)
+    err = _err(_pack({"v": 1, "t": 0x5D, "s": 11, "q": 12}), ErrorCode.UNKNOWN_TYPE)
     assert (err.session_id, err.seq_no) == (11, 12)
     assert err.to_frame() == ErrorFrame(ErrorCode.UNKNOWN_TYPE, err.message, 11, 12)
 
@@ -282,7 +334,7 @@ def extra_type():
 def test_token_mode_message_is_a_privacy_violation(extra_type):
     Probe = extra_type(0x5F, session_id=("int", wire._f("s", wire.U64)),
                        tokens=("torch.Tensor", wire._f("h", wire.TENSOR)))
-    Probe.carries_token_ids = True
+    assert Probe.carries_token_ids  # set by the registry for any code in the token range
     frame = encode(Probe(3, torch.zeros(1, 4)))
     with pytest.raises(WireError) as info:
         assert_privacy_safe(frame)
@@ -290,7 +342,8 @@ def test_token_mode_message_is_a_privacy_violation(extra_type):
 
 
 def test_text_field_is_a_privacy_violation(extra_type):
-    Probe = extra_type(0x5E, prompt=("str", wire._f("m", wire.TEXT)))
+    Probe = extra_type(0x6E, prompt=("str", wire._f("m", wire.TEXT)))  # outside the token range
+    assert not Probe.carries_token_ids
     with pytest.raises(WireError) as info:
         assert_privacy_safe(encode(Probe("def read_config(path):")))
     assert info.value.code == ErrorCode.PRIVACY_VIOLATION

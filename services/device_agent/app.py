@@ -5,6 +5,13 @@
         {"type":"tokens", "token_ids", "text", "t"}           (one per verification round)
         {"type":"done", "finish_reason", "stats"} | {"type":"error", "code", "message"}
     GET /info, /healthz, /readyz
+
+Two modes, per agent (`mode` setting) or per request (`"mode"` in the body):
+`hat` (HAT: U-shaped split, hidden states only, with the SD/PC/PD switches) and
+`cloud` (HAT's cloud baseline: the device tokenizes and sends token ids, the
+verifier, started with TOPHAT_VERIFIER_FULL_MODEL, runs the whole model and
+samples one token per round trip; no privacy, and SD/PC/PD do not apply). Both
+stream the same events; in cloud mode every `tokens` event holds one token.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import httpx
 import torch
@@ -23,7 +32,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud
+from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud, token_decode
 from services.device_agent.settings import Settings
 from shared import wire
 from shared.device_speed import slowed, speed_schedule
@@ -49,6 +58,7 @@ class GenerateRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     request_id: str | None = None
+    mode: Literal["hat", "cloud"] | None = None  # None: the agent's `mode` setting
     # Per-request overrides of the agent's feature switches (for baselines and ablations).
     speculative: bool | None = None  # SD
     prompt_chunking: bool | None = None  # PC
@@ -133,32 +143,53 @@ class DeviceAgent:
             log.warning("planner unavailable for parallel-draft steps (%s); using %d", exc, DEFAULT_PARALLEL_STEPS)
             return DEFAULT_PARALLEL_STEPS
 
-    async def stream(self, request: GenerateRequest, ids: list[int], session: DeviceSession, request_id: str):
+    async def _hat_rounds(self, request: GenerateRequest, ids: list[int], session: DeviceSession,
+                          session_id: int) -> AsyncIterator[list[int]]:
+        """HAT mode: the tokens each verification round makes final."""
+        settings = self.settings
+        chunk_size = None
+        if request.option("prompt_chunking", settings):
+            chunk_size = request.chunk_size or await self.chunk_size(len(ids))
+        chunks = fixed_chunks(len(ids), chunk_size)
+        speculative = session.draft_config.max_draft > 0 and self.model.adapter is not None
+        pd_candidates = request.option("parallel_candidates", settings) if speculative else 0
+        pd_steps = 0
+        if pd_candidates:
+            pd_steps = request.parallel_steps or await self.parallel_steps(settings.max_draft)
+        slowdown = self.speed.slowdown_for(self.requests_served)
+        self.requests_served += 1
+
+        async def offload(fn, *args):
+            return await slowed(fn, *args, slowdown=slowdown)
+
+        async for tokens in run_session(session, self.cloud, session_id, chunks, offload=offload,
+                                        overlap_prefill=request.option("overlap_prefill", settings),
+                                        parallel_candidates=pd_candidates, parallel_steps=pd_steps):
+            yield tokens
+
+    async def _cloud_rounds(self, request: GenerateRequest, ids: list[int], session_id: int,
+                            generated: list[int]) -> AsyncIterator[list[int]]:
+        """Cloud mode: one token per round trip; the device does no model compute (so no slowdown)."""
+        self.requests_served += 1  # keeps the speed schedule's request count the same in both modes
+        params = SamplingParams(request.temperature, request.top_p, request.seed)
+        async for tokens in token_decode(self.cloud, session_id, ids, params, request.max_new_tokens,
+                                         self.model.eos_token_id):
+            generated += tokens
+            yield tokens
+
+    async def stream(self, request: GenerateRequest, ids: list[int], session: DeviceSession | None,
+                     request_id: str):
+        """NDJSON events of one request; `session` is None in cloud mode."""
         started = time.perf_counter()
         token_times: list[float] = []
         detok = IncrementalDetokenizer(self.checkpoint.tokenizer)
         session_id = random.getrandbits(63)
+        cloud_generated: list[int] = []
         yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
         try:
-            settings = self.settings
-            chunk_size = None
-            if request.option("prompt_chunking", settings):
-                chunk_size = request.chunk_size or await self.chunk_size(len(ids))
-            chunks = fixed_chunks(len(ids), chunk_size)
-            speculative = session.draft_config.max_draft > 0 and self.model.adapter is not None
-            pd_candidates = request.option("parallel_candidates", settings) if speculative else 0
-            pd_steps = 0
-            if pd_candidates:
-                pd_steps = request.parallel_steps or await self.parallel_steps(settings.max_draft)
-            slowdown = self.speed.slowdown_for(self.requests_served)
-            self.requests_served += 1
-
-            async def offload(fn, *args):
-                return await slowed(fn, *args, slowdown=slowdown)
-
-            async for tokens in run_session(session, self.cloud, session_id, chunks, offload=offload,
-                                            overlap_prefill=request.option("overlap_prefill", settings),
-                                            parallel_candidates=pd_candidates, parallel_steps=pd_steps):
+            rounds = (self._hat_rounds(request, ids, session, session_id) if session is not None
+                      else self._cloud_rounds(request, ids, session_id, cloud_generated))
+            async for tokens in rounds:
                 now = time.perf_counter() - started
                 token_times += [now] * len(tokens)
                 yield json.dumps({"type": "tokens", "token_ids": tokens, "text": detok.push(tokens), "t": now}) + "\n"
@@ -168,19 +199,26 @@ class DeviceAgent:
             return
         finally:
             self.active -= 1
+        if session is not None:
+            generated, accept_lengths = session.generated, session.accept_lengths
+        else:  # like the reference decoder: every round after the first yields exactly one token
+            generated, accept_lengths = cloud_generated, [1] * max(0, len(cloud_generated) - 1)
         ttft = token_times[0] if token_times else 0.0
         tbt = (token_times[-1] - ttft) / (len(token_times) - 1) if len(token_times) > 1 else 0.0
         stats = {
             "prompt_tokens": len(ids),
-            "completion_tokens": len(session.generated),
+            "completion_tokens": len(generated),
             "ttft_s": ttft,
             "tbt_s": tbt,
-            "mean_accept_length": sum(session.accept_lengths) / max(1, len(session.accept_lengths)),
-            "num_rounds": len(session.accept_lengths),
+            "mean_accept_length": sum(accept_lengths) / max(1, len(accept_lengths)),
+            "num_rounds": len(accept_lengths),
+            "mode": "hat" if session is not None else "cloud",
         }
         eos = self.model.eos_token_id
-        finish = "stop" if session.generated and session.generated[-1] == eos else "length"
+        finish = "stop" if generated and generated[-1] == eos else "length"
         yield json.dumps({"type": "done", "finish_reason": finish, "stats": stats}) + "\n"
+        if session is None:
+            return
         total_s, steps = sum(s for s, _ in session.draft_seconds), sum(n for _, n in session.draft_seconds)
         if steps:
             self.telemetry.emit_device_draft(self.settings.device_id, total_s / steps, steps)
@@ -200,8 +238,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI):
         torch.set_num_threads(settings.torch_threads)
         state["agent"] = agent or await asyncio.to_thread(DeviceAgent, settings)
-        log.info("device agent %s ready (model %s, m=%d, speculative=%s)", settings.device_id,
-                 settings.model_dir, settings.split_layers, settings.speculative)
+        log.info("device agent %s ready (model %s, m=%d, speculative=%s, mode %s)", settings.device_id,
+                 settings.model_dir, settings.split_layers, settings.speculative, settings.mode)
         yield
         await state["agent"].aclose()
 
@@ -222,7 +260,7 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         agent = state["agent"]
         return {"device_id": settings.device_id, "model": agent.checkpoint.path.name,
                 "active_sessions": agent.active, "max_sessions": settings.max_sessions,
-                "speculative": settings.speculative, "split_layers": settings.split_layers}
+                "speculative": settings.speculative, "split_layers": settings.split_layers, "mode": settings.mode}
 
     @app.post("/generate")
     async def generate(request: GenerateRequest):
@@ -232,6 +270,12 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         try:
             ids = encode_prompt(agent.checkpoint, request.prompt, request.prompt_ids)
             params = SamplingParams(request.temperature, request.top_p, request.seed)
+            if request.option("mode", settings) == "cloud":  # SD / PC / PD do not apply
+                if not ids:
+                    return _error(400, "bad_request", "the prompt is empty")
+                agent.active += 1
+                return StreamingResponse(agent.stream(request, ids, None, request.request_id or uuid.uuid4().hex),
+                                         media_type="application/x-ndjson")
             speculative = request.option("speculative", settings)
             if speculative and agent.model.adapter is None:
                 return _error(400, "bad_request", "this device runs without a draft adapter (speculative=false)")

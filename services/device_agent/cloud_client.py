@@ -4,6 +4,11 @@ One connection per device agent, shared by all its sessions. Replies are
 matched to requests by (session_id, seq_no); a reader task owns the receive
 side. If the connection drops, every waiting request fails with
 `CloudUnavailable` and the next request reconnects.
+
+Besides the hidden-state protocol of HAT mode it speaks token mode (HAT's
+"cloud" baseline, no privacy): `token_decode` sends the prompt's token ids and
+gets one sampled token per round trip from a verifier started with
+TOPHAT_VERIFIER_FULL_MODEL. Every wait is bounded by `request_timeout_s`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 from websockets.asyncio.client import ClientConnection, connect
@@ -21,11 +26,13 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from shared import wire
 from shared.links import LinkProfile
 from shared.shaper import DelayLine, shapers_for
+from shared.specdec.sampling import SamplingParams
 
 log = logging.getLogger("services.device_agent.cloud")
 
 # Replies that answer a session-level request (open/close) carry no seq_no.
 _SESSION_SEQ = -1
+_U64_MASK = 2**64 - 1
 
 
 class CloudError(RuntimeError):
@@ -215,3 +222,45 @@ class WebSocketCloud:
             await self._request(wire.CloseSession(session_id), (session_id, _SESSION_SEQ))
         except (CloudUnavailable, CloudError) as exc:
             log.info("closing session %d: %s", session_id, exc)
+
+    # -- token mode (HAT's "cloud" baseline: token ids on the wire, no privacy) -----------------
+    async def open_token_session(self, session_id: int, params: SamplingParams) -> None:
+        # torch seeds a generator with a negative seed as its two's complement; the wire carries a u64
+        seed = None if params.seed is None else params.seed & _U64_MASK
+        await self._request(wire.OpenTokenSession(session_id, float(params.temperature), float(params.top_p), seed),
+                            (session_id, _SESSION_SEQ))
+
+    async def _next_token(self, message: wire.TokenPrefill | wire.TokenStep) -> int:
+        reply = await self._request(message, (message.session_id, message.seq_no))
+        if not isinstance(reply, wire.TokenResult) or len(reply.token_ids) != 1:
+            raise CloudError(wire.ErrorCode.MALFORMED, f"expected one sampled token, got {reply!r}"[:200])
+        return reply.token_ids[0]
+
+    async def token_prefill(self, session_id: int, token_ids: Sequence[int]) -> int:
+        """Upload the whole prompt's ids; returns the first generated token."""
+        return await self._next_token(wire.TokenPrefill(session_id, next(self._seq), list(token_ids)))
+
+    async def token_step(self, session_id: int, commit_len: int, token_ids: Sequence[int]) -> int:
+        """Keep `commit_len` cached positions, append `token_ids`; returns the next token."""
+        return await self._next_token(wire.TokenStep(session_id, next(self._seq), commit_len, list(token_ids)))
+
+
+async def token_decode(cloud: WebSocketCloud, session_id: int, prompt_ids: Sequence[int], params: SamplingParams,
+                       max_new_tokens: int, eos_token_id: int | None) -> AsyncIterator[list[int]]:
+    """Autoregressive decoding with the whole model in the cloud: yields [token] per round trip.
+
+    The device only tokenizes and detokenizes; it stops at EOS or `max_new_tokens`,
+    which the cloud does not need to know. The session is closed on the way out.
+    """
+    await cloud.open_token_session(session_id, params)
+    try:
+        token = await cloud.token_prefill(session_id, prompt_ids)
+        generated = 1
+        yield [token]
+        while generated < max_new_tokens and token != eos_token_id:
+            # the cloud holds prompt + every token but the last, which it has not seen yet
+            token = await cloud.token_step(session_id, len(prompt_ids) + generated - 1, [token])
+            generated += 1
+            yield [token]
+    finally:
+        await cloud.close(session_id)

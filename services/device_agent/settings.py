@@ -10,6 +10,7 @@ from shared.settings import from_env
 from shared.wire import WireDtype
 
 ENV_PREFIX = "TOPHAT_DEVICE_"
+MODES = ("hat", "cloud")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,10 @@ class Settings:
     model_dir: str = "models/demo"
     split_layers: int = 2  # m: must match the verifier's
     adapter: str = ""  # draft adapter file; "random" = untrained; empty = MODEL_DIR/draft_adapter.safetensors
+    # hat: U-shaped split, hidden states only (the switches below apply). cloud: HAT's cloud baseline, the whole
+    # model in the verifier (TOPHAT_VERIFIER_FULL_MODEL), token ids on the wire, no privacy, one token per round
+    # trip; SD/PC/PD do not apply. A request's "mode" overrides this.
+    mode: str = "hat"
     speculative: bool = True  # False: plain U-shape, one token per cloud round trip
     eta: float = 0.6  # HAT eq. 5 drafting threshold
     max_draft: int = 8
@@ -50,6 +55,8 @@ class Settings:
         from shared.links import parse_link_spec
 
         WireDtype(self.wire_dtype)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         parse_link_spec(self.link)
         speed_schedule(self.speed)
         if not 0 <= self.eta <= 1 or self.max_draft < 0:

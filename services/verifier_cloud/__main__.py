@@ -1,4 +1,4 @@
-"""`python -m services.verifier_cloud [--pipeline-stages P]`: serve the middle submodel over WebSocket.
+"""`python -m services.verifier_cloud [--pipeline-stages P] [--full-model] [--server-chunk-tokens N]`: serve the verifier.
 
 Settings come from `TOPHAT_VERIFIER_*` environment variables; the few flags
 here override them (a flag is easier to type when trying pipeline depths).
@@ -30,12 +30,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pipeline-stages", type=int, default=None, metavar="P",
                         help="run the middle layers as P worker-process stages (env TOPHAT_VERIFIER_PIPELINE_STAGES; "
                              "default 1 = in-process)")
+    parser.add_argument("--full-model", action="store_true", default=None,
+                        help="also serve token mode, HAT's cloud baseline: hold the whole model and accept token ids "
+                             "on sessions opened without privacy (env TOPHAT_VERIFIER_FULL_MODEL; default off)")
+    parser.add_argument("--server-chunk-tokens", type=int, default=None, metavar="N",
+                        help="U-Sarathi: compute prefills in pieces of N tokens, one per step "
+                             "(env TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS; default 0 = off)")
     return parser.parse_args(argv)
 
 
 async def _main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    overrides = {"pipeline_stages": args.pipeline_stages} if args.pipeline_stages is not None else {}
+    flags = {"pipeline_stages": args.pipeline_stages, "full_model": args.full_model,
+             "server_chunk_tokens": args.server_chunk_tokens}
+    overrides = {name: value for name, value in flags.items() if value is not None}
     settings = load_settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(settings.torch_threads)

@@ -170,6 +170,8 @@ class StagePipeline:
 
     def submit(self, batch: SchedulerOutput) -> None:
         """Send a scheduled batch into stage 0 (caller holds a slot). Never blocks: the queue's feeder thread pickles."""
+        if any(item.is_token for item in batch.items):  # Settings refuse full_model with P > 1; never silently
+            raise RuntimeError("token-mode items cannot run through pipeline stages")
         batch_id = next(self._ids)
         items = [StageItem(i.session_id, i.seq_no, i.kind, i.position, i.num_tokens, to_numpy(i.hidden))
                  for i in batch.items]

@@ -9,12 +9,19 @@ With `pipeline_stages` P = 1 (the default) the middle submodel runs in this
 process, one batch at a time, in a worker thread. With P > 1 it runs in P
 stage worker processes (pipeline.py, stages.py) with up to P micro-batches in
 flight; this process keeps only the scheduler, the sockets and the replies.
+
+With `full_model` the verifier also serves token mode (token_mode.py): sessions
+opened with OpenTokenSession send token ids and get sampled tokens back. Token
+messages on a session opened with privacy on are refused with PRIVACY_VIOLATION,
+and a verifier without the full model refuses OpenTokenSession with
+UNKNOWN_TYPE, the same answer a verifier that predates token mode gives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from http import HTTPStatus
 from pathlib import Path
 
@@ -23,12 +30,15 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from services.verifier_cloud.pipeline import PipelineStep, StagePipeline
-from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput, WorkItem
+from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput, SessionState, StepStats, WorkItem
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageItem, StageSpec
+from services.verifier_cloud.token_mode import TokenModel
 from shared import wire
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config
 from shared.model.split import MiddleSubmodel, SplitError, stage_ranges, validate_split
+from shared.settings import SettingsError
+from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
 
 log = logging.getLogger("services.verifier_cloud")
@@ -50,16 +60,20 @@ def plan_stages(settings: Settings, num_layers: int) -> list[StageSpec]:
 
 class VerifierServer:
     def __init__(self, settings: Settings, middle: MiddleSubmodel | None, context_length: int, hidden_size: int,
-                 stages: list[StageSpec] | None = None):
-        """`middle` for the in-process path (P = 1); `stages` (and middle=None) for P > 1 worker processes."""
+                 stages: list[StageSpec] | None = None, token_model: TokenModel | None = None):
+        """`middle` for the in-process path (P = 1); `stages` (and middle=None) for P > 1 worker processes.
+        `token_model` (P = 1 only) turns token mode on; `from_settings` builds it when `full_model` is set."""
         if (middle is None) == (stages is None):
             raise ValueError("give exactly one of middle (in-process) or stages (worker processes)")
         self.settings = settings
         self.hidden_size = hidden_size
-        self.scheduler = Scheduler(middle, settings.max_batch_tokens, settings.max_sessions, context_length)
+        self.token_model = token_model
+        self.scheduler = Scheduler(middle, settings.max_batch_tokens, settings.max_sessions, context_length,
+                                   server_chunk_tokens=settings.server_chunk_tokens, token_model=token_model)
         self.telemetry = TelemetryClient(settings.state_monitor_url or None)
         self.wire_dtypes: dict[int, wire.WireDtype] = {}
         self.steps = 0
+        self.recent_steps: deque[StepStats] = deque(maxlen=1024)  # P = 1: what each packed pass ran (introspection)
         self.ready = False
         self._pending_sends: set[asyncio.Task] = set()
         self.pipeline: StagePipeline | None = None
@@ -71,6 +85,10 @@ class VerifierServer:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "VerifierServer":
+        try:
+            settings.validate()  # also when built in code rather than by load_settings
+        except ValueError as exc:
+            raise SettingsError(f"Settings: {exc}") from exc
         if settings.pipeline_stages > 1:  # the workers load the weights; here only the config is needed
             config = read_config(Path(settings.model_dir))
             keys = ("num_hidden_layers", "max_position_embeddings", "hidden_size")
@@ -80,7 +98,10 @@ class VerifierServer:
             return cls(settings, None, config["max_position_embeddings"], config["hidden_size"], stages=stages)
         checkpoint = load_checkpoint(settings.model_dir, with_tokenizer=False)
         middle = MiddleSubmodel(checkpoint, settings.split_layers)
-        return cls(settings, middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size)
+        # Without full_model only the middle layers outlive `checkpoint`: no embeddings, no head.
+        token_model = TokenModel(checkpoint, settings.split_layers) if settings.full_model else None
+        return cls(settings, middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size,
+                   token_model=token_model)
 
     @property
     def is_ready(self) -> bool:
@@ -142,9 +163,14 @@ class VerifierServer:
         if isinstance(message, wire.OpenSession):
             if not self.is_ready:
                 raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
-            self.scheduler.open(message.session_id, connection)
+            self.scheduler.open(message.session_id, connection, privacy=message.privacy)
             self.wire_dtypes[message.session_id] = wire.WireDtype(message.wire_dtype)
             return wire.SessionOpened(message.session_id)
+        if isinstance(message, wire.OpenTokenSession):
+            return self._open_token_session(connection, message)
+        if isinstance(message, (wire.TokenPrefill, wire.TokenStep)):
+            self._submit_tokens(connection, message)
+            return None
         if isinstance(message, wire.CloseSession):
             self.scheduler.get(message.session_id, connection)
             self.scheduler.close(message.session_id)
@@ -152,6 +178,9 @@ class VerifierServer:
             return wire.SessionClosed(message.session_id)
         if isinstance(message, (wire.PrefillChunk, wire.VerifyRequest)):
             is_prefill = isinstance(message, wire.PrefillChunk)
+            if self.scheduler.get(message.session_id, connection, message.seq_no).token is not None:
+                raise wire.WireError(wire.ErrorCode.MALFORMED, "a token-mode session takes token messages only",
+                                     message.session_id, message.seq_no)
             item = WorkItem(
                 session_id=message.session_id,
                 seq_no=message.seq_no,
@@ -166,9 +195,50 @@ class VerifierServer:
         raise wire.WireError(wire.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not accepted by the verifier",
                              getattr(message, "session_id", None), getattr(message, "seq_no", None))
 
+    def _open_token_session(self, connection: ServerConnection, message: wire.OpenTokenSession) -> wire.Message:
+        sid = message.session_id
+        if self.token_model is None:
+            raise wire.WireError(wire.ErrorCode.UNKNOWN_TYPE, "token mode is off on this verifier: it holds only the "
+                                 "middle layers (start it with TOPHAT_VERIFIER_FULL_MODEL=true)", sid)
+        if not self.is_ready:
+            raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", sid)
+        try:
+            params = SamplingParams(message.temperature, message.top_p, message.seed)
+        except ValueError as exc:  # the schema checks the same ranges; this keeps the two in step
+            raise wire.WireError(wire.ErrorCode.MALFORMED, str(exc), sid) from None
+        self.scheduler.open(sid, connection, privacy=False, token=self.token_model.open(params))
+        log.debug("token session %d opened (temperature %g, top_p %g)", sid, params.temperature, params.top_p)
+        return wire.SessionOpened(sid)
+
+    def _submit_tokens(self, connection: ServerConnection, message: wire.TokenPrefill | wire.TokenStep) -> None:
+        """Queue a token-mode item; refuse it on privacy sessions and on hidden-state sessions."""
+        sid, seq = message.session_id, message.seq_no
+        state: SessionState = self.scheduler.get(sid, connection, seq)
+        if state.privacy:
+            raise wire.WireError(wire.ErrorCode.PRIVACY_VIOLATION, f"{type(message).__name__} carries token ids; "
+                                 "this session was opened with privacy on", sid, seq)
+        if state.token is None or self.token_model is None:
+            raise wire.WireError(wire.ErrorCode.MALFORMED, "token messages need a session opened with "
+                                 "OpenTokenSession", sid, seq)
+        self.token_model.check_ids(message.token_ids, sid, seq)
+        is_prefill = isinstance(message, wire.TokenPrefill)
+        item = WorkItem(
+            session_id=sid,
+            seq_no=seq,
+            kind="prefill" if is_prefill else "verify",
+            hidden=None,
+            position=message.start_pos if is_prefill else message.commit_len,
+            is_last=True,  # every token message is answered with the next token
+            reply=lambda item, out, err, conn=connection: self._reply(conn, item, out, err),
+            token_ids=torch.tensor(message.token_ids, dtype=torch.long),
+        )
+        self.scheduler.submit(item, connection)
+
     def _reply(self, connection, item: WorkItem, out: torch.Tensor | None, error: wire.WireError | None) -> None:
         if error is not None:
             message: wire.Message = error.to_frame()
+        elif item.is_token:
+            message = wire.TokenResult(item.session_id, item.seq_no, out.tolist())
         elif item.kind == "verify":
             message = wire.VerifyResult(item.session_id, item.seq_no, out)
         elif item.is_last:
@@ -182,11 +252,13 @@ class VerifierServer:
 
     # -- the engine loop ------------------------------------------------------------------
     def _record_step(self, batched_tokens: int, compute_s: float, num_sessions: int, num_prefill: int,
-                     num_verify: int) -> None:
+                     num_verify: int, num_token: int = 0) -> None:
         """One verifier_step record per batch (per micro-batch with P > 1): HAT's mu-hat and eta-hat."""
         self.steps += 1
-        self.telemetry.emit_verifier_step(batched_tokens, compute_s, num_sessions,
-                                          {"prefill": num_prefill, "verify": num_verify})
+        kinds = {"prefill": num_prefill, "verify": num_verify}
+        if num_token:
+            kinds["token"] = num_token  # of the prefill + verify items, those in token mode
+        self.telemetry.emit_verifier_step(batched_tokens, compute_s, num_sessions, kinds)
         log.debug("step %d: %d tokens, %d sessions, %.1f ms", self.steps, batched_tokens, num_sessions,
                   compute_s * 1e3)
 
@@ -201,10 +273,11 @@ class VerifierServer:
                 results, stats = await asyncio.to_thread(self.scheduler.execute, batch)
             finally:
                 self.scheduler.finish_batch(batch)
+            self.recent_steps.append(stats)
             for item, out, error in results:
                 item.reply(item, out, error)
             self._record_step(stats.batched_tokens, stats.compute_s, stats.num_sessions, stats.num_prefill,
-                              stats.num_verify)
+                              stats.num_verify, stats.num_token)
 
     async def run_pipeline(self) -> None:
         """P > 1: keep up to P micro-batches in flight; results come back through `_pipeline_done`."""
@@ -274,8 +347,11 @@ class VerifierServer:
                 collector = tasks.create_task(self.pipeline.run()) if self.pipeline is not None else None
                 self.ready = True
                 port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
-                log.info("verifier-cloud ready on ws://%s:%d%s (%d pipeline stage(s))", self.settings.host, port,
-                         WS_PATH, self.settings.pipeline_stages if self.pipeline is not None else 1)
+                log.info("verifier-cloud ready on ws://%s:%d%s (%d pipeline stage(s), token mode %s, server chunks %s)",
+                         self.settings.host, port, WS_PATH,
+                         self.settings.pipeline_stages if self.pipeline is not None else 1,
+                         "on" if self.token_model is not None else "off",
+                         self.settings.server_chunk_tokens or "off")
                 if started is not None:
                     started.set_result(port)
                 await stop.wait()

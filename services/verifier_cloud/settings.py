@@ -31,6 +31,12 @@ class Settings:
     pipeline_stages: int = 1
     stage_start_timeout_s: float = 120.0  # spawn + import torch + load weights, per pipeline start
     stage_timeout_s: float = 60.0  # a micro-batch in flight longer than this marks the pipeline failed
+    # Token mode (HAT's "cloud" baseline): also hold the embeddings, layers [0, m), norm and head, and serve
+    # sessions that send token ids (no privacy). Off by default: a privacy-mode verifier must not hold them.
+    full_model: bool = False
+    # U-Sarathi (HAT's baseline): compute prefill items longer than this in pieces of this many tokens, one piece
+    # per scheduler step, interleaved with other sessions' work. 0 = off (an item runs whole).
+    server_chunk_tokens: int = 0
 
     def validate(self) -> None:
         if self.split_layers < 1:
@@ -43,6 +49,11 @@ class Settings:
             raise ValueError("pipeline_stages must be >= 1")
         if self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1")
+        if self.server_chunk_tokens < 0:
+            raise ValueError("server_chunk_tokens must be >= 0 (0 = off)")
+        if self.full_model and self.pipeline_stages > 1:
+            raise ValueError("full_model (token mode) runs in-process: it needs pipeline_stages = 1, "
+                             f"got {self.pipeline_stages}")
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
