@@ -125,3 +125,74 @@ def parse_rates(text: str) -> list[float]:
     if not rates or any(not (r > 0) or math.isnan(r) for r in rates):
         raise ValueError(f"--rates must be positive numbers, got {text!r}")
     return rates
+
+
+def plot_modes(out: Path, workload: str, results: dict[tuple[str, float], dict], name: str) -> list[Path]:
+    """Per rate, CDFs of TTFT and of HAT's decode SLA (delay per 10 tokens), one line per mode."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for rate in sorted({r for _, r in results}):
+        fig, (ax_ttft, ax_decode) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for mode, mode_rate in results:
+            if mode_rate != rate:
+                continue
+            with open(out / workload / mode / f"rate-{rate:g}" / "requests.csv") as handle:
+                rows = [r for r in csv.DictReader(handle) if r["ok"] in ("True", "true", "1")]
+            for ax, column in ((ax_ttft, "ttft_ms"), (ax_decode, "decode_sla_ms")):
+                values = sorted(float(r[column]) for r in rows if r[column] not in ("", "nan"))
+                if values:
+                    ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=mode)
+        ax_ttft.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title=f"TTFT, {workload} @ {rate:g} req/s")
+        ax_decode.set(xlabel="delay per 10 generated tokens (ms)", title="decode SLA (HAT)")
+        for ax in (ax_ttft, ax_decode):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"{name}-rate-{rate:g}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new_tokens: int, seed: int, out: Path,
+                devices: int, link: str, model_dir: str, modes: list[str]) -> str:
+    """Run modes on the real mesh, calibrate the simulator from that mesh's own telemetry while
+    it is still up (g(mu), gamma, beta as measured under this load), simulate the same traces,
+    and print sim vs real side by side."""
+    import io
+    from contextlib import redirect_stdout
+
+    from loadgen.cli import _run
+    from shared.launcher import Mesh, MeshConfig, find_port_base
+    from shared.simulate import Calibration, SimConfig, compare_with_real, simulate_grid
+    from shared.simulate.modes import parse_modes
+
+    available = modes_for(workload)
+    report = io.StringIO()
+    config = MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link)
+    with Mesh(config) as mesh:
+        for rate in rates:
+            real = {}
+            for mode in modes:
+                options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens, seed,
+                                          out / "sim-check" / mode / f"rate-{rate:g}",
+                                          available[mode].request_options, mesh.redis_url, model_dir)
+                real[mode] = asyncio.run(_run(options))
+            cal = Calibration.from_telemetry(config.monitor_url)
+            accept = real.get("hat", {}).get("mean_accept_length")
+            sim_config = SimConfig(devices=devices, stages=1, workload=workload, num_requests=num_requests,
+                                   seed=seed, heterogeneous=False, max_new_tokens=max_new_tokens)
+            grid = simulate_grid(cal, parse_modes(",".join(modes), workload), [rate], sim_config)
+            with redirect_stdout(report):
+                print(f"\n=== {workload} @ {rate:g} req/s, {devices} devices, link {link}; calibration from the "
+                      f"mesh's telemetry ({'; '.join(cal.notes) or 'all measured'}); real accept length {accept}")
+                for mode in modes:
+                    compare_with_real(grid, real[mode], mode=mode)
+    return report.getvalue()

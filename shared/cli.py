@@ -233,9 +233,10 @@ def bench(
     model: Path = typer.Option(Path("models/demo")),
     out: Path = typer.Option(Path("bench-results"), help="results, tables and plots go here"),
     ablation: bool = typer.Option(False, "--ablation", help="HAT Table 5 (SD/PC/PD on and off), both workloads"),
+    sim_check: bool = typer.Option(False, "--sim-check", help="real mesh vs `tophat simulate` calibrated from it"),
 ):
     """Every mode against the same arrival trace, back to back; one table with ratios vs ushape."""
-    from loadgen.bench import ablation_modes, format_table, modes_for, parse_rates, run_modes, save_table
+    from loadgen.bench import ablation_modes, format_table, modes_for, parse_rates, plot_modes, run_modes, save_table
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("loadgen").setLevel(logging.INFO)
@@ -244,6 +245,16 @@ def bench(
     except ValueError as exc:
         _fail(str(exc))
     workloads = ["specbench", "cnndm"] if ablation else [w.strip() for w in workload.split(",")]
+    if sim_check:
+        from loadgen.bench import sim_vs_real
+
+        text = sim_vs_real(workload=workloads[0], rates=rate_list, num_requests=num_requests,
+                           max_new_tokens=max_new_tokens, seed=seed, out=out, devices=devices,
+                           link=link_profile, model_dir=str(model), modes=modes.split(","))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sim-check.txt").write_text(text)
+        typer.echo(text)
+        return
     for name in workloads:
         if ablation:
             chosen, baseline, title = ablation_modes(), "U-shape", f"HAT Table 5 layout, {name}"
@@ -259,6 +270,7 @@ def bench(
                             link=link_profile, model_dir=str(model))
         table = format_table(results, baseline, title)
         save_table(out, f"{'ablation' if ablation else 'bench'}-{name}", table, results)
+        plot_modes(out, name, results, f"{'ablation' if ablation else 'bench'}-{name}")
         typer.echo("\n" + table)
     typer.echo(f"\nresults, per-request CSVs and plots under {out}/")
 
