@@ -181,7 +181,7 @@ class DeviceSession:
         remaining = self.max_new_tokens - len(self.generated)
         return max(0, min(self.draft_config.max_draft, remaining - 1))
 
-    def _run_draft(self, token: int, input_cache, adapter_cache, budget: int):
+    def _run_draft(self, token: int, input_cache, adapter_cache, budget: int, should_stop=None):
         """Autoregressive drafting from `token` (not yet in the caches) on the given caches.
 
         Returns (tokens, q rows, shallow rows, logits of the last drafting step)."""
@@ -194,7 +194,7 @@ class DeviceSession:
             shallow = self.model.input(torch.tensor([token]), input_cache)  # [1, H]
             shallows.append(shallow)
             draft_hidden = self.model.adapter(shallow, adapter_cache) if adapter_cache is not None else None
-            if stop or len(tokens) >= budget:
+            if stop or len(tokens) >= budget or (should_stop is not None and should_stop()):
                 break
             last_logits = self.model.output(draft_hidden)[0]  # [V]
             q = logits_to_probs(last_logits, self.params)
@@ -228,10 +228,11 @@ class DeviceSession:
         return self._make_draft(self.commit_len - len(shallows), tokens, probs, shallows)
 
     # -- parallel drafting (HAT §3.5) -------------------------------------------------
-    def predraft(self, draft: Draft, num_candidates: int, steps: int) -> list[Branch]:
+    def predraft(self, draft: Draft, num_candidates: int, steps: int, should_stop=None) -> list[Branch]:
         """While `draft` is being verified, draft `steps` ahead from each of the top candidates
         for its last position (other than the drafted token itself). Runs on forked caches, so
-        the session's own caches are untouched until a branch is adopted."""
+        the session's own caches are untouched until a branch is adopted. `should_stop()` turning
+        true (the verification came back) ends pre-drafting early: it may only use idle time."""
         if not draft.tokens or num_candidates < 1 or steps < 0 or self._last_draft_logits is None:
             return []
         started = time.perf_counter()
@@ -243,9 +244,12 @@ class DeviceSession:
         budget = max(0, min(steps, self.draft_config.max_draft, remaining_after - 1))
         branches = []
         for candidate in candidates:
+            if should_stop is not None and should_stop():
+                break
             input_cache = self.input_cache.fork(branch_commit)
             adapter_cache = self.adapter_cache.fork(branch_commit) if self.adapter_cache is not None else None
-            tokens, probs, shallows, last_logits = self._run_draft(candidate, input_cache, adapter_cache, budget)
+            tokens, probs, shallows, last_logits = self._run_draft(candidate, input_cache, adapter_cache, budget,
+                                                                   should_stop)
             branches.append(Branch(candidate, input_cache, adapter_cache, last_logits,
                                    self._make_draft(branch_commit, tokens, probs, shallows)))
         steps_run = sum(len(b.draft.tokens) + 1 for b in branches)

@@ -7,6 +7,7 @@ module's `LocalCloud`) or over the network (the device agent's client).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -130,10 +131,15 @@ async def run_session(
             draft = await offload(session.draft)
             branches = []
             if parallel_candidates > 0 and draft.tokens:
-                deep, branches = await asyncio.gather(
-                    cloud.verify(session_id, draft.commit_len, draft.shallow),
-                    offload(session.predraft, draft, parallel_candidates, parallel_steps),
-                )
+                # Pre-draft only while the verification is in flight: its answer stops the drafting.
+                answered = threading.Event()
+                verifying = asyncio.ensure_future(cloud.verify(session_id, draft.commit_len, draft.shallow))
+                verifying.add_done_callback(lambda _: answered.set())
+                try:
+                    branches = await offload(session.predraft, draft, parallel_candidates, parallel_steps,
+                                             answered.is_set)
+                finally:
+                    deep = await verifying
             else:
                 deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
             yield await offload(session.on_verify_result, draft, deep, branches)
