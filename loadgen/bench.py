@@ -161,6 +161,24 @@ def plot_modes(out: Path, workload: str, results: dict[tuple[str, float], dict],
     return written
 
 
+def _links_from_setting(cal, link: str, model_dir: str):
+    """Take bandwidth and latency from the emulated link's setting, g(mu) and gamma from telemetry.
+
+    The device's in-band beta_up sample (prefill chunk sent -> answered) includes the cloud's
+    compute, one round trip and queueing behind the previous chunk, so it reads low; beta_down is
+    not measured at all on this model (its frames are too small to time). The link setting is
+    what the emulation enforces (tests/test_netns.py: within 0.1%)."""
+    import dataclasses
+
+    from shared.links import parse_link_spec, scaled_for_hidden
+    from shared.model.checkpoint import read_config
+
+    profile = scaled_for_hidden(parse_link_spec(link), read_config(Path(model_dir))["hidden_size"])
+    devices = [dataclasses.replace(d, beta_up=profile.uplink_bytes_s, beta_down=profile.downlink_bytes_s,
+                                   latency_s=profile.latency_s) for d in cal.devices]
+    return dataclasses.replace(cal, devices=devices, notes=[*cal.notes, f"links from the setting: {profile.describe()}"])
+
+
 def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new_tokens: int, seed: int, out: Path,
                 devices: int, link: str, model_dir: str, modes: list[str]) -> str:
     """Run modes on the real mesh, calibrate the simulator from that mesh's own telemetry while
@@ -186,6 +204,7 @@ def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new
                                           available[mode].request_options, mesh.redis_url, model_dir)
                 real[mode] = asyncio.run(_run(options))
             cal = Calibration.from_telemetry(config.monitor_url)
+            cal = _links_from_setting(cal, link, model_dir)
             accept = real.get("hat", {}).get("mean_accept_length")
             sim_config = SimConfig(devices=devices, stages=1, workload=workload, num_requests=num_requests,
                                    seed=seed, heterogeneous=False, max_new_tokens=max_new_tokens)

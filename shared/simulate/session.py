@@ -9,9 +9,10 @@ Split modes (ushape, usarathi, hat*):
              cloud works on chunk j; the cloud runs a session's chunks in order.
     decode   draft (k+1 steps of gamma; one step without SD), upload (k+1)·A, one cloud
              item of k+1 tokens, download (k+1)·A -> L tokens. With PD the device spends
-             c·(lambda+1)·gamma pre-drafting while the verification is in flight; the round
-             ends when both are done (asyncio.gather in the engine); with `pd_batched` the c
-             branches cost one branch's time (HAT drafts them as a batch). When the last draft
+             the verification window pre-drafting c branches and stops when the answer
+             arrives (as the engine does), so a branch gets min(lambda, window/(c·gamma) − 1)
+             steps; with `pd_batched` the c branches cost one branch's time (HAT drafts them
+             as a batch). When the last draft
              token was corrected (L == k) the correction is a pre-drafted candidate with
              probability `pd_hit_rate`: the next round then needs no drafting, and its draft
              is at most lambda tokens long.
@@ -243,20 +244,22 @@ class RequestProcess:
         mode, cal = self.ctx.mode, self.ctx.cal
         pd = mode.parallel_drafting and k >= 1
         lam = self._pd_steps(k, remaining) if pd else 0
-        state = {"pending": 2 if pd else 1}
+        sent_at = self.ctx.loop.now
 
         def join() -> None:
-            state["pending"] -= 1
-            if state["pending"] == 0:
-                self._work(self.post_s, self._end_round, k, L, lam if pd else None)
+            # The engine stops pre-drafting when the verification answer arrives, so PD only
+            # uses the window: the branches got as many steps as fit in it (at most lambda).
+            steps = None
+            if pd:
+                branches = 1 if cal.pd_batched else cal.pd_candidates
+                window = self.ctx.loop.now - sent_at
+                steps = max(0, min(lam, int(window / (branches * max(self.gamma, 1e-12))) - 1))
+            self._work(self.post_s, self._end_round, k, L, steps)
 
         def verified() -> None:
             self.dev.downlink.send((k + 1) * self.A + self.o, join)
 
         self.dev.uplink.send((k + 1) * self.A + self.o, self.ctx.cloud.submit, self.sid, k + 1, verified)
-        if pd:
-            branches = 1 if cal.pd_batched else cal.pd_candidates
-            self._work(branches * (lam + 1) * self.gamma, join)
 
     def _end_round(self, k: int, L: int, lam: int | None) -> None:
         self._deliver(L)
