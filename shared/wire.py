@@ -25,6 +25,7 @@ Type-code table (one byte each: every code < 128 is a msgpack positive fixint):
     0x03 CloseSession  d->c    0x04 SessionClosed c->d
     0x10 PrefillChunk  d->c    0x11 ChunkAck      c->d   0x12 DeepHidden c->d
     0x20 VerifyRequest d->c    0x21 VerifyResult  c->d
+    0x30 BandwidthProbe d->c   0x31 ProbeReply    c->d   (link measurement, no model data)
     0x40-0x5f  "token mode": messages carrying token ids (and, later, draft
                probabilities) instead of hidden states. Every class registered in
                this range gets ``carries_token_ids = True`` from the registry, so
@@ -374,6 +375,24 @@ class VerifyResult(Message):
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     hidden: torch.Tensor = _f("h", TENSOR)  # hidden: [K, H] deep states
+
+
+@_message(0x30)
+class BandwidthProbe(Message):
+    """Device -> cloud: carries `hidden` up and asks for `reply_rows` rows back. Timing a
+    big-up/small-down probe against a small/small one measures the uplink, and the reverse
+    the downlink, with the same framing as real traffic (hidden rows are only padding)."""
+    session_id: int = _f("s", U64)  # 0: not tied to a session
+    seq_no: int = _f("q", U64)
+    reply_rows: int = _f("r", U64)
+    hidden: torch.Tensor = _f("h", TENSOR)  # padding: [rows, H]
+
+
+@_message(0x31)
+class ProbeReply(Message):
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    hidden: torch.Tensor = _f("h", TENSOR)  # padding: [reply_rows, H]
 
 
 @_message(0x40)

@@ -120,6 +120,10 @@ def test_telemetry_keys_appear_in_redis(relay_and_mesh, prompts):
     assert int(step["batched_tokens"]) >= 1 and float(step["compute_s"]) > 0
     cloud = httpx.get(f"{mesh.config.monitor_url}/state/cloud", timeout=5).json()
     assert cloud["mu"] is not None
+    # The device measured its link with bulk probes and reported gamma, beta_up and beta_down.
+    device = _wait_for(lambda: (lambda d: d if d.get("beta_down") else None)(
+        httpx.get(f"{mesh.config.monitor_url}/state/device/device-0", timeout=5).json()))
+    assert device["beta_up"] > 0 and device["beta_down"] > 0 and device["gamma"] > 0
 
 
 def test_serving_survives_redis_going_away(relay_and_mesh, prompts):

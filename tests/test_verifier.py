@@ -161,3 +161,15 @@ async def test_errors_reach_the_device_as_cloud_errors(checkpoint):
         with pytest.raises(CloudError, match="UNKNOWN_SESSION"):
             await cloud.verify(424242, 0, torch.randn(1, checkpoint.hidden_size))
         await cloud.close_connection()
+
+
+async def test_bandwidth_probe_measures_the_emulated_link(checkpoint):
+    from shared.links import LinkProfile
+
+    link = LinkProfile(uplink_bytes_s=250_000, downlink_bytes_s=500_000, latency_s=0.004, jitter_s=0.0)
+    async with running_verifier(checkpoint) as (_, url):
+        cloud = WebSocketCloud(url, checkpoint.hidden_size, link=link)
+        (up_bytes, up_s), (down_bytes, down_s) = await cloud.measure_bandwidth(rows=512)
+        await cloud.close_connection()
+    assert abs(up_bytes / up_s - 250_000) <= 0.15 * 250_000
+    assert abs(down_bytes / down_s - 500_000) <= 0.15 * 500_000

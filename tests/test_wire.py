@@ -56,6 +56,8 @@ ALL_MESSAGES = [
     VerifyResult(7, 2, _h(5)),
     ErrorFrame(ErrorCode.UNKNOWN_SESSION, "no such session", 7, 2),
     ErrorFrame(ErrorCode.OVERLOADED, "busy"),
+    wire.BandwidthProbe(0, 3, 128, _h(1)),
+    wire.ProbeReply(0, 3, _h(128)),
 ]
 
 TOKEN_MESSAGES = [

@@ -118,6 +118,28 @@ class DeviceAgent:
         if nbytes >= MIN_BANDWIDTH_SAMPLE_BYTES:
             self.telemetry.emit_device_transfer(self.settings.device_id, direction, nbytes, seconds)
 
+    async def probe_loop(self) -> None:
+        """Probe the link at startup and then every interval, only while no request runs
+        (a probe shares the link, so it must not sit in front of a user's prefill)."""
+        interval = self.settings.bandwidth_probe_interval_s
+        if interval <= 0:
+            return
+        while True:
+            if self.active == 0:
+                await self.probe_bandwidth()
+            await asyncio.sleep(interval)
+
+    async def probe_bandwidth(self) -> None:
+        """Measure beta_up / beta_down with bulk probes (HAT §3.2: devices report both)."""
+        try:
+            (up_bytes, up_s), (down_bytes, down_s) = await self.cloud.measure_bandwidth()
+        except (CloudUnavailable, CloudError) as exc:
+            log.info("bandwidth probe failed: %s", exc)
+            return
+        self._on_transfer("up", up_bytes, up_s)
+        self._on_transfer("down", down_bytes, down_s)
+        log.info("bandwidth probe: up %.0f KB/s, down %.0f KB/s", up_bytes / up_s / 1e3, down_bytes / down_s / 1e3)
+
     async def chunk_size(self, prompt_tokens: int) -> int:
         if not self.settings.chunk_planner_url:
             return self.settings.default_chunk_size
@@ -240,8 +262,13 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         state["agent"] = agent or await asyncio.to_thread(DeviceAgent, settings)
         log.info("device agent %s ready (model %s, m=%d, speculative=%s, mode %s)", settings.device_id,
                  settings.model_dir, settings.split_layers, settings.speculative, settings.mode)
-        yield
-        await state["agent"].aclose()
+        probing = asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe")
+        try:
+            yield
+        finally:
+            probing.cancel()
+            await asyncio.gather(probing, return_exceptions=True)
+            await state["agent"].aclose()
 
     app = FastAPI(title=f"tophat device agent {settings.device_id}", lifespan=lifespan)
 

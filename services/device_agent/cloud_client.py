@@ -74,10 +74,6 @@ class WebSocketCloud:
         self._connect_lock = asyncio.Lock()
         self._waiting: dict[tuple[int, int], asyncio.Future] = {}
         self._seq = itertools.count(1)
-        # (send start, frame bytes) of prefill chunks awaiting their answer: the upload bandwidth
-        # sample is bytes / (answer time - send start). That includes one round-trip latency and
-        # the cloud's compute, so it errs low; chunks are large, so the error is small.
-        self._uploads: dict[tuple[int, int], tuple[float, int]] = {}
         # In-process link emulation (when the kernel path is unavailable): frames pass through
         # a delay line per direction, so bandwidth and latency apply to real WebSocket traffic.
         self._shapers = shapers_for(link) if link is not None else None
@@ -144,9 +140,6 @@ class WebSocketCloud:
         if future is None:
             log.warning("unexpected %s from the verifier (session %s, seq %s)", type(message).__name__, *key)
             return
-        upload = self._uploads.pop(key, None)
-        if self.on_transfer is not None and upload is not None and not isinstance(message, wire.ErrorFrame):
-            self.on_transfer("up", upload[1], received - upload[0])
         if future.done():
             return
         if isinstance(message, wire.ErrorFrame):
@@ -159,8 +152,6 @@ class WebSocketCloud:
         future = asyncio.get_running_loop().create_future()
         self._waiting[key] = future
         frame = wire.encode(message, wire_dtype=self.wire_dtype)
-        if isinstance(message, wire.PrefillChunk):
-            self._uploads[key] = (time.perf_counter(), len(frame))
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 if self._uplink is not None:
@@ -183,6 +174,24 @@ class WebSocketCloud:
 
     async def _request(self, message: wire.Message, key: tuple[int, int]) -> wire.Message:
         return await self._wait(await self._send(message, key), key)
+
+    async def _probe_rtt(self, up_rows: int, down_rows: int) -> float:
+        seq_no = next(self._seq)
+        padding = torch.zeros(up_rows, self.hidden_size, dtype=torch.float16)
+        started = time.perf_counter()
+        await self._request(wire.BandwidthProbe(0, seq_no, down_rows, padding), (0, seq_no))
+        return time.perf_counter() - started
+
+    async def measure_bandwidth(self, rows: int = 128) -> tuple[tuple[int, float], tuple[int, float]]:
+        """(bytes, seconds) of one bulk upload and one bulk download over the live connection.
+
+        Each bulk probe's round trip minus a tiny probe's round trip is the time the extra
+        bytes took on that direction of the link (latency and framing cancel out)."""
+        base = min([await self._probe_rtt(1, 1) for _ in range(2)])
+        extra = (rows - 1) * self.hidden_size * 2
+        up = await self._probe_rtt(rows, 1) - base
+        down = await self._probe_rtt(1, rows) - base
+        return (extra, max(up, 1e-6)), (extra, max(down, 1e-6))
 
     async def close_connection(self) -> None:
         if self._connection is not None:

@@ -43,6 +43,9 @@ class Settings:
     link: str = "none"
     link_scaled: bool = True
     speed: str = "orin"
+    # beta_up / beta_down for the planners: bulk probes over the verifier connection at startup
+    # and then at most this often, between requests (0 = never).
+    bandwidth_probe_interval_s: float = 30.0
     wire_dtype: str = "f2"  # hidden states on the wire: f2 (fp16), f4 (fp32), bf (bf16)
     max_sessions: int = 4  # concurrent generations on this device; more get 503
     request_timeout_s: float = 60.0  # one cloud round trip

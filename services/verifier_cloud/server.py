@@ -44,6 +44,7 @@ from shared.telemetry import TelemetryClient
 log = logging.getLogger("services.verifier_cloud")
 
 WS_PATH = "/ws"
+MAX_PROBE_ROWS = 4096  # a probe reply is padding; cap it so a probe cannot ask for a huge frame
 
 
 def plan_stages(settings: Settings, num_layers: int) -> list[StageSpec]:
@@ -160,6 +161,10 @@ class VerifierServer:
             log.info("device %s gone; freed %d session(s)", peer, len(closed))
 
     def on_message(self, connection: ServerConnection, message: wire.Message) -> wire.Message | None:
+        if isinstance(message, wire.BandwidthProbe):
+            rows = max(1, min(message.reply_rows, MAX_PROBE_ROWS))
+            padding = torch.zeros(rows, message.hidden.shape[1], dtype=torch.float16)
+            return wire.ProbeReply(message.session_id, message.seq_no, padding)
         if isinstance(message, wire.OpenSession):
             if not self.is_ready:
                 raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
