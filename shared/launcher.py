@@ -26,13 +26,23 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def _ephemeral_port_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def find_port_base(num_devices: int, host: str = "127.0.0.1") -> int:
     """A base whose whole port layout is free right now (for tests and parallel meshes)."""
     import random
     import socket
 
+    # Stay below the kernel's ephemeral range: services' own outgoing connections take ports
+    # from it, and one of them could land in our layout between this check and the bind.
+    low_ephemeral = _ephemeral_port_floor()
     for _ in range(200):
-        base = random.randrange(20_000, 60_000, 10)
+        base = random.randrange(10_000, max(10_010, low_ephemeral - 300 - num_devices), 10)
         ports = [base, base + 10, base + 20, base + 100] + [base + 200 + i for i in range(num_devices)]
         try:
             sockets = []
