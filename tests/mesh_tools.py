@@ -4,6 +4,7 @@ a device sends to the cloud (to prove what crosses the wire)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 from websockets.asyncio.client import connect
@@ -59,3 +60,24 @@ class CapturingRelay:
     def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
+
+
+@contextlib.asynccontextmanager
+async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=None, **overrides):
+    """The real VerifierServer in this event loop on a free loopback port: yields (server, ws url)."""
+    from services.verifier_cloud.server import VerifierServer
+    from services.verifier_cloud.settings import Settings
+    from shared.model.split import MiddleSubmodel
+
+    settings = Settings(port=0, split_layers=split_layers, **overrides)
+    server = VerifierServer(settings, MiddleSubmodel(checkpoint, split_layers), checkpoint.config.max_position_embeddings,
+                            checkpoint.hidden_size, token_model=token_model)
+    stop = asyncio.Event()
+    started = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(server.serve_forever(stop, started))
+    port = await asyncio.wait_for(started, 10)
+    try:
+        yield server, f"ws://127.0.0.1:{port}/ws"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

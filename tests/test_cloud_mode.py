@@ -8,7 +8,6 @@ WebSocketCloud client, so token ids cross a real socket.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 
 import httpx
@@ -25,33 +24,20 @@ from services.verifier_cloud.token_mode import TokenModel
 from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
-from shared.model.split import MiddleSubmodel
 from shared.settings import SettingsError
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from tests.mesh_tools import CapturingRelay
+from tests.mesh_tools import CapturingRelay, verifier_on_loopback
 
 M = 2
 F32 = wire.WireDtype.F32
 
 
-@contextlib.asynccontextmanager
-async def running_verifier(checkpoint, full_model: bool = True, **overrides):
-    settings = Settings(port=0, split_layers=M, full_model=full_model, **overrides)
+def running_verifier(checkpoint, full_model: bool = True, **overrides):
     token_model = TokenModel(checkpoint, M) if full_model else None
-    server = VerifierServer(settings, MiddleSubmodel(checkpoint, M), checkpoint.config.max_position_embeddings,
-                            checkpoint.hidden_size, token_model=token_model)
-    stop = asyncio.Event()
-    started = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(server.serve_forever(stop, started))
-    port = await asyncio.wait_for(started, 10)
-    try:
-        yield server, f"ws://127.0.0.1:{port}/ws"
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
+    return verifier_on_loopback(checkpoint, M, token_model=token_model, full_model=full_model, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ identical with and without it; P = 1 in-process and P = 2 stage workers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import threading
 
@@ -25,32 +24,20 @@ from services.verifier_cloud.token_mode import TokenModel
 from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
-from shared.model.split import MiddleSubmodel
 from shared.settings import SettingsError
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
+from tests.mesh_tools import verifier_on_loopback
 
 M = 2
 F32 = wire.WireDtype.F32
 CHUNK = 8
 
 
-@contextlib.asynccontextmanager
-async def running_verifier(checkpoint, **overrides):
-    settings = Settings(port=0, split_layers=M, **overrides)
-    server = VerifierServer(settings, MiddleSubmodel(checkpoint, M), checkpoint.config.max_position_embeddings,
-                            checkpoint.hidden_size, token_model=TokenModel(checkpoint, M))
-    stop = asyncio.Event()
-    started = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(server.serve_forever(stop, started))
-    port = await asyncio.wait_for(started, 10)
-    try:
-        yield server, f"ws://127.0.0.1:{port}/ws"
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
+def running_verifier(checkpoint, **overrides):
+    return verifier_on_loopback(checkpoint, M, token_model=TokenModel(checkpoint, M), **overrides)
 
 
 @pytest.fixture(scope="module")

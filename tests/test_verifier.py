@@ -7,7 +7,6 @@ The server is the real VerifierServer; devices are real WebSocketCloud clients
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import msgpack
 import pytest
@@ -15,33 +14,19 @@ import torch
 from websockets.asyncio.client import connect
 
 from services.device_agent.cloud_client import CloudError, WebSocketCloud
-from services.verifier_cloud.server import VerifierServer
-from services.verifier_cloud.settings import Settings
 from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
-from shared.model.split import MiddleSubmodel
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
+from tests.mesh_tools import verifier_on_loopback
 
 M = 2
 
 
-@contextlib.asynccontextmanager
-async def running_verifier(checkpoint, **overrides):
-    settings = Settings(port=0, split_layers=M, **overrides)
-    server = VerifierServer(settings, MiddleSubmodel(checkpoint, M), checkpoint.config.max_position_embeddings,
-                            checkpoint.hidden_size)
-    stop = asyncio.Event()
-    started = asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(server.serve_forever(stop, started))
-    port = await asyncio.wait_for(started, 10)
-    try:
-        yield server, f"ws://127.0.0.1:{port}/ws"
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
+def running_verifier(checkpoint, **overrides):
+    return verifier_on_loopback(checkpoint, M, **overrides)
 
 
 @pytest.fixture(scope="module")
