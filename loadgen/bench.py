@@ -178,6 +178,25 @@ def _links_from_setting(cal, link: str, model_dir: str):
     return dataclasses.replace(cal, devices=devices, notes=[*cal.notes, f"links from the setting: {profile.describe()}"])
 
 
+def _accept_dist_from_run(cal, requests_csv: Path):
+    """The run's own tokens-per-round distribution (the streamer reports each delivery's token
+    count; the first delivery is the prefill's token, not a verification round)."""
+    import csv
+    import dataclasses
+
+    counts: dict[int, int] = {}
+    with open(requests_csv) as handle:
+        for row in csv.DictReader(handle):
+            per_delivery = [int(x) for x in row["chunk_tokens"].split()]
+            for n in per_delivery[1:]:
+                counts[n] = counts.get(n, 0) + 1
+    if not counts:
+        return cal
+    longest = max(counts)
+    dist = [counts.get(n, 0) for n in range(1, longest + 1)]
+    return dataclasses.replace(cal, accept_dist=dist, notes=[*cal.notes, f"accept_dist from the run: {dist}"])
+
+
 def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new_tokens: int, seed: int, out: Path,
                 devices: int, link: str, model_dir: str, modes: list[str]) -> str:
     """Run modes on the real mesh, calibrate the simulator from that mesh's own telemetry while
@@ -204,6 +223,8 @@ def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new
                 real[mode] = asyncio.run(_run(options))
             cal = Calibration.from_telemetry(config.monitor_url)
             cal = _links_from_setting(cal, link, model_dir)
+            if "hat" in modes:
+                cal = _accept_dist_from_run(cal, out / "sim-check" / "hat" / f"rate-{rate:g}" / "requests.csv")
             accept = real.get("hat", {}).get("mean_accept_length")
             sim_config = SimConfig(devices=devices, stages=1, workload=workload, num_requests=num_requests,
                                    seed=seed, heterogeneous=False, max_new_tokens=max_new_tokens)

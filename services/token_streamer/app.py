@@ -121,6 +121,7 @@ class Run:
                 "ttft_s": self.ttft_s, "tbt_s": _mean(self.token_times_s),
                 "mean_accept_length": mean_accept, "num_rounds": stats.get("num_rounds", len(accepts)),
                 "prompt_tokens": self.stream.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "rounds": list(self.rounds),  # tokens per delivery: the prefill's, then each round's
                 "device_stats": self.device_stats}
 
     def usage(self) -> dict[str, int]:
