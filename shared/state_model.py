@@ -218,17 +218,23 @@ class CloudState:
     alpha: float = DEFAULT_ALPHA
     mu: Ema = field(default_factory=Ema)
     eta: Ema = field(default_factory=Ema)  # overall average step time, for dashboards
+    # A step's wall time beyond its compute (scheduling, thread hop, replies): not in g(mu), but
+    # every step pays it, so the simulator adds it to each step.
+    step_overhead: Ema = field(default_factory=Ema)
     g: ComputeDelayPredictor = field(default_factory=ComputeDelayPredictor)
     last: dict[str, Any] = field(default_factory=dict)
     updated_at: float | None = None
 
     def __post_init__(self) -> None:
         _check_alpha(self.alpha)
-        self.mu.alpha = self.eta.alpha = self.g.alpha = self.alpha
+        self.mu.alpha = self.eta.alpha = self.g.alpha = self.step_overhead.alpha = self.alpha
 
-    def observe_step(self, mu_hat: float, eta_hat: float, now: float, **extra: Any) -> None:
+    def observe_step(self, mu_hat: float, eta_hat: float, now: float, overhead_s: float | None = None,
+                     **extra: Any) -> None:
         self.mu.update(mu_hat)
         self.eta.update(eta_hat)
+        if overhead_s is not None:
+            self.step_overhead.update(overhead_s)
         if mu_hat >= 1:  # an empty round says nothing about g
             self.g.observe(mu_hat, eta_hat, now)
         self.last = {"mu_hat": mu_hat, "eta_hat": eta_hat, **extra}
@@ -236,12 +242,13 @@ class CloudState:
 
     def to_dict(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "mu": self.mu.to_dict(), "eta": self.eta.to_dict(),
-                "g": self.g.to_dict(), "last": self.last, "updated_at": self.updated_at}
+                "step_overhead": self.step_overhead.to_dict(), "g": self.g.to_dict(), "last": self.last, "updated_at": self.updated_at}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CloudState:
         return cls(alpha=float(data.get("alpha", DEFAULT_ALPHA)), mu=Ema.from_dict(data.get("mu", {})),
-                   eta=Ema.from_dict(data.get("eta", {})), g=ComputeDelayPredictor.from_dict(data.get("g", {})),
+                   eta=Ema.from_dict(data.get("eta", {})),
+                   step_overhead=Ema.from_dict(data.get("step_overhead", {})), g=ComputeDelayPredictor.from_dict(data.get("g", {})),
                    last=dict(data.get("last", {})), updated_at=data.get("updated_at"))
 
 
@@ -254,16 +261,37 @@ class DeviceState:
     gamma: Ema = field(default_factory=Ema)
     beta_up: Ema = field(default_factory=Ema)
     beta_down: Ema = field(default_factory=Ema)
+    # Seconds per decode round outside drafting and the cloud wait (head, accept, thread hops):
+    # not a HAT quantity, but the simulator needs it to reproduce the mesh's TBT.
+    round_overhead: Ema = field(default_factory=Ema)
+    prefill_token: Ema = field(default_factory=Ema)  # seconds per prompt token on the device
+    rtt: Ema = field(default_factory=Ema)  # a one-row message's round trip to the cloud (latency + framing)
     last_update: float | None = None
 
     def __post_init__(self) -> None:
         _check_alpha(self.alpha)
-        self.gamma.alpha = self.beta_up.alpha = self.beta_down.alpha = self.alpha
+        for ema in (self.gamma, self.beta_up, self.beta_down, self.round_overhead, self.prefill_token, self.rtt):
+            ema.alpha = self.alpha
 
-    def observe_draft(self, step_seconds: float, now: float) -> None:
+    def observe_draft(self, step_seconds: float, now: float, round_overhead_s: float | None = None,
+                      prefill_token_s: float | None = None) -> None:
         if not step_seconds > 0:
             raise ValueError(f"draft step seconds must be > 0, got {step_seconds!r}")
+        if round_overhead_s is not None and not round_overhead_s >= 0:
+            raise ValueError(f"round overhead seconds must be >= 0, got {round_overhead_s!r}")
+        if prefill_token_s is not None and not prefill_token_s > 0:
+            raise ValueError(f"prefill seconds per token must be > 0, got {prefill_token_s!r}")
         self.gamma.update(step_seconds)
+        if round_overhead_s is not None:
+            self.round_overhead.update(round_overhead_s)
+        if prefill_token_s is not None:
+            self.prefill_token.update(prefill_token_s)
+        self.last_update = now
+
+    def observe_rtt(self, rtt_seconds: float, now: float) -> None:
+        if not rtt_seconds > 0:
+            raise ValueError(f"round-trip seconds must be > 0, got {rtt_seconds!r}")
+        self.rtt.update(rtt_seconds)
         self.last_update = now
 
     def observe_transfer(self, direction: str, nbytes: int, seconds: float, now: float) -> float:
@@ -287,7 +315,8 @@ class DeviceState:
     def to_dict(self) -> dict[str, Any]:
         return {"device_id": self.device_id, "alpha": self.alpha, "gamma": self.gamma.to_dict(),
                 "beta_up": self.beta_up.to_dict(), "beta_down": self.beta_down.to_dict(),
-                "last_update": self.last_update}
+                "round_overhead": self.round_overhead.to_dict(), "prefill_token": self.prefill_token.to_dict(),
+                "rtt": self.rtt.to_dict(), "last_update": self.last_update}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceState:
@@ -295,4 +324,7 @@ class DeviceState:
         return cls(device_id=str(data["device_id"]), alpha=float(data.get("alpha", DEFAULT_ALPHA)),
                    gamma=Ema.from_dict(data.get("gamma", {})), beta_up=Ema.from_dict(data.get("beta_up", {})),
                    beta_down=Ema.from_dict(data.get("beta_down", {})),
+                   round_overhead=Ema.from_dict(data.get("round_overhead", {})),
+                   prefill_token=Ema.from_dict(data.get("prefill_token", {})),
+                   rtt=Ema.from_dict(data.get("rtt", {})),
                    last_update=None if last is None else float(last))

@@ -281,13 +281,25 @@ class TelemetryClient:
         return True
 
     def emit_verifier_step(self, batched_tokens: int, compute_s: float, num_sessions: int,
-                           step_kinds: Mapping[str, int] | None = None) -> None:
-        self.emit({"kind": "verifier_step", "batched_tokens": batched_tokens, "compute_s": compute_s,
-                   "num_sessions": num_sessions, "step_kinds": dict(step_kinds or {}), "ts": time.time()})
+                           step_kinds: Mapping[str, int] | None = None, overhead_s: float | None = None) -> None:
+        record = {"kind": "verifier_step", "batched_tokens": batched_tokens, "compute_s": compute_s,
+                  "num_sessions": num_sessions, "step_kinds": dict(step_kinds or {}), "ts": time.time()}
+        if overhead_s is not None:
+            record["overhead_s"] = overhead_s
+        self.emit(record)
 
-    def emit_device_draft(self, device_id: str, step_s: float, steps: int = 1) -> None:
-        self.emit({"kind": "device_draft", "device_id": device_id, "step_s": step_s, "steps": steps,
-                   "ts": time.time()})
+    def emit_device_draft(self, device_id: str, step_s: float, steps: int = 1, *,
+                          round_overhead_s: float | None = None, rounds: int = 0,
+                          prefill_token_s: float | None = None, prefill_tokens: int = 0) -> None:
+        record = {"kind": "device_draft", "device_id": device_id, "step_s": step_s, "steps": steps, "ts": time.time()}
+        if round_overhead_s is not None and rounds > 0:
+            record.update(round_overhead_s=round_overhead_s, rounds=rounds)
+        if prefill_token_s is not None and prefill_tokens > 0:
+            record.update(prefill_token_s=prefill_token_s, prefill_tokens=prefill_tokens)
+        self.emit(record)
+
+    def emit_device_rtt(self, device_id: str, rtt_s: float) -> None:
+        self.emit({"kind": "device_rtt", "device_id": device_id, "rtt_s": rtt_s, "ts": time.time()})
 
     def emit_device_transfer(self, device_id: str, direction: str, nbytes: int, seconds: float) -> None:
         self.emit({"kind": "device_transfer", "device_id": device_id, "direction": direction,

@@ -137,3 +137,29 @@ def test_bad_requests_are_typed_errors(tiny_checkpoint):
         DeviceSession(device, [tiny_checkpoint.vocab_size + 3])
     with pytest.raises(SessionError, match="context length"):
         DeviceSession(device, [1] * 10, max_new_tokens=10_000)
+
+
+def test_round_timings_exclude_the_cloud_wait_and_include_the_consumer(tiny_checkpoint):
+    """The engine's per-round overhead (the simulator's round_overhead_s) is the time after the
+    cloud's answer: it must not contain a slow cloud, and must contain a slow consumer."""
+    from shared.specdec.engine import run_session
+
+    class SlowCloud(LocalCloud):
+        async def verify(self, session_id, commit_len, shallow):
+            await asyncio.sleep(0.2)
+            return await super().verify(session_id, commit_len, shallow)
+
+    device = DeviceModel.from_checkpoint(tiny_checkpoint, 2, DraftAdapter(tiny_checkpoint, 2))
+    session = DeviceSession(device, list(range(1, 12)), SamplingParams(), DraftConfig(max_draft=4), 4)
+
+    async def consume():
+        rounds = 0
+        async for _tokens in run_session(session, SlowCloud(MiddleSubmodel(tiny_checkpoint, 2)), 1, [5, 6]):
+            rounds += 1
+            await asyncio.sleep(0.05)
+        return rounds
+
+    rounds = asyncio.run(consume())
+    assert len(session.round_overhead_s) == rounds  # the prefill's first token, then one per verification
+    assert all(0.05 <= s < 0.2 for s in session.round_overhead_s), session.round_overhead_s
+    assert [n for _, n in session.prefill_seconds] == [5, 6] and all(s > 0 for s, _ in session.prefill_seconds)

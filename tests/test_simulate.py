@@ -67,6 +67,16 @@ def test_ushape_single_request_timeline(stages):
     assert rec.chunk_tokens == [1] * 5 and rec.end_s == rec.chunk_times_s[-1]
 
 
+def test_step_and_round_overheads_add_where_the_real_mesh_pays_them():
+    S, gamma, p, step_o, round_o = 200, 0.002, 1e-4, 0.0015, 0.004
+    rec = run(make_cal(step_overhead_s=step_o, round_overhead_s=round_o), "ushape", [SimRequest(0, 0.0, S, 3)]).records[0]
+    # every cloud step pays step_o; the device pays round_o after each answer (prefill included)
+    ttft = OPEN + S * p + S * A / UP + LAT + g_lin(S) + step_o + A / DOWN + LAT + round_o
+    assert rec.chunk_times_s[0] == pytest.approx(ttft, abs=1e-12)
+    per_token = gamma + A / UP + LAT + g_lin(1) + step_o + A / DOWN + LAT + round_o
+    assert gaps(rec) == pytest.approx([per_token] * 2, abs=1e-12)
+
+
 def test_ttft_is_upload_plus_compute_plus_download_exactly():
     cal = make_cal(devices=[DeviceProfile("d", 0.002, 0.0, UP, DOWN, 0.0)])
     rec = run(cal, "ushape", [SimRequest(0, 0.0, 300, 1)]).records[0]
@@ -263,9 +273,10 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
     cloud = CloudState()
     for mu, eta in ((4, 0.004), (4, 0.006), (256, 0.030)):
         cloud.observe_step(mu, eta, 0.0)
-    cloud_json = {"mu": cloud.mu.value, "alpha": 0.8, "g": {"buckets": cloud.g.table()}}
+    cloud_json = {"mu": cloud.mu.value, "alpha": 0.8, "g": {"buckets": cloud.g.table()}, "step_overhead_s": 0.0015}
     devices_json = {"devices": [{"device_id": "device-0", "gamma": 0.004, "beta_up": 5e5, "beta_down": None,
-                                 "stale": False}]}
+                                 "stale": False, "round_overhead_s": 0.004, "prefill_token_s": 3e-5},
+                                {"device_id": "device-1", "gamma": 0.008, "round_overhead_s": 0.006}]}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
@@ -287,10 +298,16 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
         server.shutdown()
     assert [round(p[1], 6) for p in got.g_table] == [round(p[1], 6) for p in cloud.g.points()]
     dev = got.devices[0]
-    demo = Calibration.from_dict({"base": "demo"}).devices[0]
+    demo_cal = Calibration.from_dict({"base": "demo"})
+    demo = demo_cal.devices[0]
     assert (dev.gamma_s, dev.beta_up, dev.beta_down, dev.slowdown) == (0.004, 5e5, demo.beta_down, 3.0)
+    assert dev.prefill_token_s == 3e-5  # measured; device-1 reported none, so it is scaled from the base by gamma
+    assert got.devices[1].prefill_token_s == pytest.approx(demo.prefill_token_s * 0.008 / demo.gamma_s)
+    assert got.round_overhead_s == pytest.approx(0.005) and got.step_overhead_s == 0.0015
     assert any("beta_down" in n for n in got.notes)
-    assert calibration_from_state(None, None).g_table == Calibration.from_dict({"base": "demo"}).g_table
+    empty = calibration_from_state(None, None)
+    assert empty.g_table == Calibration.from_dict({"base": "demo"}).g_table
+    assert (empty.round_overhead_s, empty.step_overhead_s) == (demo_cal.round_overhead_s, demo_cal.step_overhead_s)
 
 
 def test_compare_with_real_and_cli(tmp_path):

@@ -135,8 +135,9 @@ def test_predictor_roundtrip_and_validation() -> None:
 def test_cloud_state_eq1_and_roundtrip() -> None:
     c = CloudState()
     c.observe_step(100, 0.05, now=1.0, num_sessions=3)
-    c.observe_step(200, 0.08, now=2.0)
+    c.observe_step(200, 0.08, now=2.0, overhead_s=0.002)
     assert c.mu.value == pytest.approx(0.8 * 100 + 0.2 * 200)
+    assert c.step_overhead.value == pytest.approx(0.002) and c.step_overhead.count == 1
     assert c.updated_at == 2.0 and c.g.observed_buckets == 2
     assert CloudState.from_dict(c.to_dict()).to_dict() == c.to_dict()
 
@@ -151,6 +152,15 @@ def test_device_state() -> None:
     assert d.age(15.0) == 3.0 and not d.is_stale(15.0, 5) and d.is_stale(30.0, 5)
     assert DeviceState("x").is_stale(0.0, 1e9)
     assert DeviceState.from_dict(d.to_dict()) == d
+    d.observe_draft(0.02, now=12.5, round_overhead_s=0.004, prefill_token_s=1e-4)
+    d.observe_draft(0.02, now=12.6, round_overhead_s=0.006)
+    assert d.round_overhead.value == pytest.approx(0.8 * 0.004 + 0.2 * 0.006)
+    assert d.prefill_token.value == pytest.approx(1e-4) and d.prefill_token.count == 1
+    assert DeviceState.from_dict(d.to_dict()) == d
+    with pytest.raises(ValueError):
+        d.observe_draft(0.02, now=13.0, round_overhead_s=-1.0)
+    with pytest.raises(ValueError):
+        d.observe_draft(0.02, now=13.0, prefill_token_s=0.0)
     with pytest.raises(ValueError):
         d.observe_transfer("sideways", 1, 1.0, now=0)
     with pytest.raises(ValueError):

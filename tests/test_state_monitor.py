@@ -56,7 +56,8 @@ async def test_keys_appear_and_state_is_served(server: EmbeddedRedis) -> None:
     records = [
         STEP,
         {**STEP, "batched_tokens": 512, "compute_s": 0.2},
-        {"kind": "device_draft", "device_id": "jetson-1", "step_s": 0.004},
+        {"kind": "device_draft", "device_id": "jetson-1", "step_s": 0.004, "round_overhead_s": 0.003, "rounds": 9,
+         "prefill_token_s": 2e-5, "prefill_tokens": 300},
         {"kind": "device_transfer", "device_id": "jetson-1", "direction": "up", "bytes": 8192, "seconds": 0.001},
         {"kind": "device_transfer", "device_id": "jetson-1", "direction": "down", "bytes": 8192, "seconds": 0.0005},
         {"kind": "request", "request_id": "req-1", "device_id": "jetson-1", "ttft_s": 0.3,
@@ -75,6 +76,7 @@ async def test_keys_appear_and_state_is_served(server: EmbeddedRedis) -> None:
 
         dev = (await client.get("/state/device/jetson-1")).json()
         assert dev["gamma"] == pytest.approx(0.004)
+        assert dev["round_overhead_s"] == pytest.approx(0.003) and dev["prefill_token_s"] == pytest.approx(2e-5)
         assert dev["beta_up"] == pytest.approx(8192 / 0.001) and dev["beta_down"] == pytest.approx(8192 / 0.0005)
         assert dev["stale"] is False
         assert [d["device_id"] for d in (await client.get("/state/devices")).json()["devices"]] == ["jetson-1"]

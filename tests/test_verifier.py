@@ -154,7 +154,8 @@ async def test_bandwidth_probe_measures_the_emulated_link(checkpoint):
     link = LinkProfile(uplink_bytes_s=250_000, downlink_bytes_s=500_000, latency_s=0.004, jitter_s=0.0)
     async with running_verifier(checkpoint) as (_, url):
         cloud = WebSocketCloud(url, checkpoint.hidden_size, link=link)
-        (up_bytes, up_s), (down_bytes, down_s) = await cloud.measure_bandwidth(rows=512)
+        (up_bytes, up_s), (down_bytes, down_s), rtt_s = await cloud.measure_link(rows=512)
         await cloud.close_connection()
     assert abs(up_bytes / up_s - 250_000) <= 0.15 * 250_000
     assert abs(down_bytes / down_s - 500_000) <= 0.15 * 500_000
+    assert 2 * 0.004 <= rtt_s < 2 * 0.004 + 0.25  # both latencies, plus framing on a loaded box

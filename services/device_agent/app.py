@@ -132,13 +132,15 @@ class DeviceAgent:
     async def probe_bandwidth(self) -> None:
         """Measure beta_up / beta_down with bulk probes (HAT §3.2: devices report both)."""
         try:
-            (up_bytes, up_s), (down_bytes, down_s) = await self.cloud.measure_bandwidth()
+            (up_bytes, up_s), (down_bytes, down_s), rtt_s = await self.cloud.measure_link()
         except (CloudUnavailable, CloudError) as exc:
             log.info("bandwidth probe failed: %s", exc)
             return
         self._on_transfer("up", up_bytes, up_s)
         self._on_transfer("down", down_bytes, down_s)
-        log.info("bandwidth probe: up %.0f KB/s, down %.0f KB/s", up_bytes / up_s / 1e3, down_bytes / down_s / 1e3)
+        self.telemetry.emit_device_rtt(self.settings.device_id, rtt_s)
+        log.info("link probe: up %.0f KB/s, down %.0f KB/s, small-message round trip %.1f ms",
+                 up_bytes / up_s / 1e3, down_bytes / down_s / 1e3, rtt_s * 1e3)
 
     async def chunk_size(self, prompt_tokens: int) -> int:
         if not self.settings.chunk_planner_url:
@@ -166,7 +168,7 @@ class DeviceAgent:
             return DEFAULT_PARALLEL_STEPS
 
     async def _hat_rounds(self, request: GenerateRequest, ids: list[int], session: DeviceSession,
-                          session_id: int) -> AsyncIterator[list[int]]:
+                          session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
         """HAT mode: the tokens each verification round makes final."""
         settings = self.settings
         chunk_size = None
@@ -178,8 +180,6 @@ class DeviceAgent:
         pd_steps = 0
         if pd_candidates:
             pd_steps = request.parallel_steps or await self.parallel_steps(settings.max_draft)
-        slowdown = self.speed.slowdown_for(self.requests_served)
-        self.requests_served += 1
 
         async def offload(fn, *args):
             return await slowed(fn, *args, slowdown=slowdown)
@@ -192,7 +192,6 @@ class DeviceAgent:
     async def _cloud_rounds(self, request: GenerateRequest, ids: list[int], session_id: int,
                             generated: list[int]) -> AsyncIterator[list[int]]:
         """Cloud mode: one token per round trip; the device does no model compute (so no slowdown)."""
-        self.requests_served += 1  # keeps the speed schedule's request count the same in both modes
         params = SamplingParams(request.temperature, request.top_p, request.seed)
         async for tokens in token_decode(self.cloud, session_id, ids, params, request.max_new_tokens,
                                          self.model.eos_token_id):
@@ -207,9 +206,12 @@ class DeviceAgent:
         detok = IncrementalDetokenizer(self.checkpoint.tokenizer)
         session_id = random.getrandbits(63)
         cloud_generated: list[int] = []
+        # Counted in both modes, so the speed schedule (HAT's mode switches) sees the same requests.
+        request_slowdown = self.speed.slowdown_for(self.requests_served)
+        self.requests_served += 1
         yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
         try:
-            rounds = (self._hat_rounds(request, ids, session, session_id) if session is not None
+            rounds = (self._hat_rounds(request, ids, session, session_id, request_slowdown) if session is not None
                       else self._cloud_rounds(request, ids, session_id, cloud_generated))
             async for tokens in rounds:
                 now = time.perf_counter() - started
@@ -239,13 +241,26 @@ class DeviceAgent:
         eos = self.model.eos_token_id
         finish = "stop" if generated and generated[-1] == eos else "length"
         yield json.dumps({"type": "done", "finish_reason": finish, "stats": stats}) + "\n"
-        if session is None:
-            return
+        if session is not None:
+            self._report_timings(session, request_slowdown)
+
+    def _report_timings(self, session: DeviceSession, slowdown: float) -> None:
+        """What only the device knows: its draft step (gamma) and, for the simulator's latency models,
+        its prompt cost per token and its per-round time outside drafting and the cloud wait. The
+        latter two are wall clock, divided by the emulated slowdown to be in gamma's (unslowed) units.
+        Per-request telemetry (TTFT, token times, accept lengths) is the token-streamer's."""
         total_s, steps = sum(s for s, _ in session.draft_seconds), sum(n for _, n in session.draft_seconds)
-        if steps:
-            self.telemetry.emit_device_draft(self.settings.device_id, total_s / steps, steps)
-        # Per-request telemetry (TTFT, token times, accept lengths) is the token-streamer's: it sees
-        # what the user sees. The device reports what only it knows: its drafting speed.
+        if not steps:
+            return
+        overheads = session.round_overhead_s
+        prefill_s, prefill_tokens = (sum(s for s, _ in session.prefill_seconds),
+                                     sum(n for _, n in session.prefill_seconds))
+        self.telemetry.emit_device_draft(
+            self.settings.device_id, total_s / steps, steps,
+            round_overhead_s=sum(overheads) / len(overheads) / slowdown if overheads else None,
+            rounds=len(overheads),
+            prefill_token_s=prefill_s / prefill_tokens / slowdown if prefill_tokens else None,
+            prefill_tokens=prefill_tokens)
 
     async def aclose(self) -> None:
         await self.cloud.close_connection()

@@ -182,16 +182,18 @@ class WebSocketCloud:
         await self._request(wire.BandwidthProbe(0, seq_no, down_rows, padding), (0, seq_no))
         return time.perf_counter() - started
 
-    async def measure_bandwidth(self, rows: int = 128) -> tuple[tuple[int, float], tuple[int, float]]:
-        """(bytes, seconds) of one bulk upload and one bulk download over the live connection.
+    async def measure_link(self, rows: int = 128) -> tuple[tuple[int, float], tuple[int, float], float]:
+        """(bytes, seconds) of one bulk upload and one bulk download over the live connection,
+        and the round trip of a one-row message.
 
         Each bulk probe's round trip minus a tiny probe's round trip is the time the extra
-        bytes took on that direction of the link (latency and framing cancel out)."""
+        bytes took on that direction of the link (latency and framing cancel out). The tiny
+        round trip is latency both ways plus both ends' framing and event-loop time."""
         base = min([await self._probe_rtt(1, 1) for _ in range(2)])
         extra = (rows - 1) * self.hidden_size * 2
         up = await self._probe_rtt(rows, 1) - base
         down = await self._probe_rtt(1, rows) - base
-        return (extra, max(up, 1e-6)), (extra, max(down, 1e-6))
+        return (extra, max(up, 1e-6)), (extra, max(down, 1e-6)), base
 
     async def close_connection(self) -> None:
         if self._connection is not None:

@@ -43,6 +43,7 @@ class VerifierStep(_Record):
     compute_s: Seconds = Field(description="eta_hat: batch compute time")
     num_sessions: int = Field(default=0, ge=0)
     step_kinds: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    overhead_s: Seconds | None = Field(default=None, description="step wall time beyond compute_s")
 
 
 class DeviceDraft(_Record):
@@ -50,6 +51,12 @@ class DeviceDraft(_Record):
     device_id: Ident
     step_s: PositiveSeconds = Field(description="gamma: seconds per draft step")
     steps: int = Field(default=1, ge=1, description="draft steps this measurement averaged over")
+    round_overhead_s: Seconds | None = Field(default=None, description="mean device time per round outside "
+                                             "drafting and the cloud wait (output head, accept, thread hops)")
+    rounds: int = Field(default=0, ge=0, description="rounds round_overhead_s averaged over")
+    prefill_token_s: PositiveSeconds | None = Field(default=None, description="prompt cost per token "
+                                                    "(input layers + upload call), per chunk averaged")
+    prefill_tokens: int = Field(default=0, ge=0, description="prompt tokens prefill_token_s averaged over")
 
 
 class DeviceTransfer(_Record):
@@ -58,6 +65,12 @@ class DeviceTransfer(_Record):
     direction: Literal["up", "down"]
     bytes: int = Field(ge=0)
     seconds: PositiveSeconds
+
+
+class DeviceRtt(_Record):
+    kind: Literal["device_rtt"]
+    device_id: Ident
+    rtt_s: PositiveSeconds = Field(description="round trip of a one-row probe (latency both ways + framing)")
 
 
 class RequestDone(_Record):
@@ -73,7 +86,7 @@ class RequestDone(_Record):
     generated_tokens: int | None = Field(default=None, ge=0)
 
 
-Record = Annotated[VerifierStep | DeviceDraft | DeviceTransfer | RequestDone, Field(discriminator="kind")]
+Record = Annotated[VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone, Field(discriminator="kind")]
 
 
 class Monitor:
@@ -112,11 +125,11 @@ class Monitor:
             log.warning("ignoring unreadable state in redis: %s", exc)
         log.info("restored state: %d cloud buckets, %d devices", self.cloud.g.observed_buckets, len(self.devices))
 
-    async def ingest(self, rec: VerifierStep | DeviceDraft | DeviceTransfer | RequestDone) -> bool:
+    async def ingest(self, rec: VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone) -> bool:
         now = time.time()
         raw = {**rec.model_dump(), "ts": rec.ts if rec.ts is not None else now}
         if isinstance(rec, VerifierStep):
-            self.cloud.observe_step(rec.batched_tokens, rec.compute_s, now,
+            self.cloud.observe_step(rec.batched_tokens, rec.compute_s, now, overhead_s=rec.overhead_s,
                                     num_sessions=rec.num_sessions, step_kinds=rec.step_kinds)
             return await self._write(events=[(tk.VERIFIER_STEPS, raw)], states=[(tk.VERIFIER_STATE, self._cloud_hash(), None)])
         if isinstance(rec, RequestDone):
@@ -125,7 +138,9 @@ class Monitor:
                                      states=[(tk.request_key(rec.request_id), summary, self.settings.request_ttl_s)])
         dev = self.device(rec.device_id)
         if isinstance(rec, DeviceDraft):
-            dev.observe_draft(rec.step_s, now)
+            dev.observe_draft(rec.step_s, now, rec.round_overhead_s, rec.prefill_token_s)
+        elif isinstance(rec, DeviceRtt):
+            dev.observe_rtt(rec.rtt_s, now)
         else:
             raw["bytes_per_s"] = dev.observe_transfer(rec.direction, rec.bytes, rec.seconds, now)
         return await self._write(events=[(tk.device_events_key(rec.device_id), raw)],
@@ -146,6 +161,8 @@ class Monitor:
 
     def _device_hash(self, d: DeviceState) -> dict[str, Any]:
         return {"gamma": d.gamma.value, "beta_up": d.beta_up.value, "beta_down": d.beta_down.value,
+                "round_overhead_s": d.round_overhead.value, "prefill_token_s": d.prefill_token.value,
+                "rtt_s": d.rtt.value,
                 "draft_samples": d.gamma.count, "up_samples": d.beta_up.count, "down_samples": d.beta_down.count,
                 "last_update": d.last_update, "model": d.to_dict()}
 
@@ -153,13 +170,15 @@ class Monitor:
         c = self.cloud
         line = c.g.fit_line()
         return {"mu": c.mu.value, "eta": c.eta.value, "steps": c.mu.count, "alpha": c.alpha, "last": c.last,
+                "step_overhead_s": c.step_overhead.value,
                 "g": {"buckets": c.g.table(), "line": {"c1": line[0], "c2": line[1]} if line else None},
                 "predict": {str(m): c.g.predict(m) for m in PREDICT_SAMPLES}, "updated_at": c.updated_at}
 
     def device_view(self, d: DeviceState) -> dict[str, Any]:
         now = time.time()
         return {"device_id": d.device_id, "gamma": d.gamma.value, "beta_up": d.beta_up.value,
-                "beta_down": d.beta_down.value, "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
+                "beta_down": d.beta_down.value, "round_overhead_s": d.round_overhead.value,
+                "prefill_token_s": d.prefill_token.value, "rtt_s": d.rtt.value, "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
                                                             "down": d.beta_down.count},
                 "last_update": d.last_update, "age_s": d.age(now),
                 "stale": d.is_stale(now, self.settings.device_stale_s)}

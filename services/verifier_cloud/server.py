@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from http import HTTPStatus
 from pathlib import Path
@@ -257,13 +258,13 @@ class VerifierServer:
 
     # -- the engine loop ------------------------------------------------------------------
     def _record_step(self, batched_tokens: int, compute_s: float, num_sessions: int, num_prefill: int,
-                     num_verify: int, num_token: int = 0) -> None:
+                     num_verify: int, num_token: int = 0, overhead_s: float | None = None) -> None:
         """One verifier_step record per batch (per micro-batch with P > 1): HAT's mu-hat and eta-hat."""
         self.steps += 1
         kinds = {"prefill": num_prefill, "verify": num_verify}
         if num_token:
             kinds["token"] = num_token  # of the prefill + verify items, those in token mode
-        self.telemetry.emit_verifier_step(batched_tokens, compute_s, num_sessions, kinds)
+        self.telemetry.emit_verifier_step(batched_tokens, compute_s, num_sessions, kinds, overhead_s)
         log.debug("step %d: %d tokens, %d sessions, %.1f ms", self.steps, batched_tokens, num_sessions,
                   compute_s * 1e3)
 
@@ -271,6 +272,7 @@ class VerifierServer:
         """P = 1: one packed forward pass at a time, in a worker thread of this process."""
         while True:
             await self.scheduler.work_ready.wait()
+            started = time.perf_counter()
             batch: SchedulerOutput = self.scheduler.schedule()
             if not batch.items:
                 continue
@@ -281,8 +283,9 @@ class VerifierServer:
             self.recent_steps.append(stats)
             for item, out, error in results:
                 item.reply(item, out, error)
+            overhead_s = max(time.perf_counter() - started - stats.compute_s, 0.0)
             self._record_step(stats.batched_tokens, stats.compute_s, stats.num_sessions, stats.num_prefill,
-                              stats.num_verify, stats.num_token)
+                              stats.num_verify, stats.num_token, overhead_s)
 
     async def run_pipeline(self) -> None:
         """P > 1: keep up to P micro-batches in flight; results come back through `_pipeline_done`."""

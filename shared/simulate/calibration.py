@@ -156,6 +156,7 @@ class Calibration:
     token_bytes: int = 4             # a token id on the wire (cloud mode)
     frame_overhead_bytes: int = 64   # per message (wire.py: <= 64 bytes beyond the tensor)
     round_overhead_s: float = 0.0    # device-side per round (head, sampling, framing), not in gamma
+    step_overhead_s: float = 0.0     # per cloud step beyond g(mu) (scheduling, thread hop, replies)
     session_open_rtt: bool = True    # split modes open a cloud session (one round trip) first
     nosd_step_factor: float = 1.0    # a non-speculative decode step in units of gamma
     max_batch_tokens: int = 4096     # TOPHAT_VERIFIER_MAX_BATCH_TOKENS

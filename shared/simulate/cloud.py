@@ -8,7 +8,8 @@ form the same way:
   `max_batch_tokens` (the first item always fits), and rotates them to the back;
 * a batch is formed whenever work is ready and one of the P micro-batch slots is free,
   taking about 1/(free slots) of the ready tokens so the rest fills the next slot;
-* a micro-batch of mu tokens holds each stage for g(mu)/P in turn (stage s+1 starts when
+* a micro-batch of mu tokens holds each stage for (g(mu) + step overhead)/P in turn (the
+  overhead is the real step's wall time beyond compute, from telemetry; stage s+1 starts when
   stage s is done with it and stage s+1 is done with the previous micro-batch), so up to
   P micro-batches are in flight and the throughput rises with P.
 
@@ -54,9 +55,11 @@ class Step:
 
 class Cloud:
     def __init__(self, loop: EventLoop, g: GTable, stages: int = 1, max_batch_tokens: int = 4096,
-                 compute_scale: float = 1.0, alpha: float = 0.8, chunk_pipelining: bool = False) -> None:
-        if stages < 1 or max_batch_tokens < 1 or not compute_scale > 0:
-            raise ValueError("need stages >= 1, max_batch_tokens >= 1, compute_scale > 0")
+                 compute_scale: float = 1.0, alpha: float = 0.8, chunk_pipelining: bool = False,
+                 step_overhead_s: float = 0.0) -> None:
+        if stages < 1 or max_batch_tokens < 1 or not compute_scale > 0 or not step_overhead_s >= 0:
+            raise ValueError("need stages >= 1, max_batch_tokens >= 1, compute_scale > 0, step_overhead_s >= 0")
+        self.step_overhead_s = step_overhead_s
         self.loop, self.g, self.stages = loop, g, stages
         self.max_batch_tokens, self.compute_scale, self.alpha = max_batch_tokens, compute_scale, alpha
         self.chunk_pipelining = chunk_pipelining
@@ -128,7 +131,7 @@ class Cloud:
     def _launch(self, batch: list[Item]) -> None:
         mu = sum(item.tokens for item in batch)
         compute = self.g_of(mu)
-        per_stage = compute / self.stages
+        per_stage = (compute + self.step_overhead_s) / self.stages
         t = self.loop.now
         start = max(t, self.stage_free[0])
         for s in range(self.stages):

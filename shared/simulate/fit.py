@@ -6,13 +6,16 @@ What the monitor knows (services/state_monitor/app.py):
   g(mu) per log2 bucket, each an EMA (eq. 2) of whole-middle compute seconds (with P > 1
   stages the verifier reports the *sum* of the stages' compute, i.e. exactly what the
   simulator's g means). Rebuilt with `shared.planners.predictor_from_cloud_state`, so the
-  table is the monotone curve the chunk planner itself uses.
-* ``GET /state/devices`` -> ``{"devices": [{"device_id", "gamma", "beta_up", "beta_down", ...}]}``.
+  table is the monotone curve the chunk planner itself uses. ``"step_overhead_s"``: a step's
+  wall time beyond its compute (scheduling, thread hop, replies), added to every simulated step.
+* ``GET /state/devices`` -> ``{"devices": [{"device_id", "gamma", "beta_up", "beta_down",
+  "round_overhead_s", "prefill_token_s", "rtt_s", ...}]}``; the simulator's round_overhead_s is
+  the devices' mean, a device's one-way latency half its probed small-message round trip.
 
 What it does not know, and where the value comes from instead (the `base` calibration,
-`demo` by default, see calibration.py): prefill cost per prompt token (scaled from the
-base by measured gamma / base gamma: both are the same input layers), one-way latency,
-the accept-length distribution (per-request accept lengths go to Redis, not to /state),
+`demo` by default, see calibration.py): prefill cost per prompt token when a device
+has not reported it (scaled from the base by gamma), latency when it has not probed, the
+accept-length distribution (per-request accept lengths go to Redis, not to /state),
 the parallel-drafting hit rate, the model shape. Every choice is written to `notes`.
 
 Caveats worth knowing when comparing with the real mesh: gamma is measured before the
@@ -47,6 +50,12 @@ def _positive(value: Any) -> float | None:
     return float(value) if math.isfinite(value) and value > 0 else None
 
 
+def _non_negative(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
 def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any] | None,
                            base: Calibration | None = None,
                            device_slowdowns: dict[str, float] | None = None) -> Calibration:
@@ -62,6 +71,9 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         notes.append("g(mu): no telemetry buckets, base table")
     ref = base.devices[0]
     profiles: list[DeviceProfile] = []
+    overheads: list[float] = []
+    scaled_prefill: list[str] = []
+    probed_latency: list[str] = []
     for entry in (devices or {}).get("devices", []):
         if not isinstance(entry, dict) or not entry.get("device_id"):
             continue
@@ -74,19 +86,43 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         if entry.get("stale"):
             notes.append(f"device {dev_id}: telemetry is stale")
         gamma = gamma or ref.gamma_s
+        overhead = _non_negative(entry.get("round_overhead_s"))
+        if overhead is not None:
+            overheads.append(overhead)
+        rtt = _positive(entry.get("rtt_s"))
+        if rtt is not None:
+            probed_latency.append(dev_id)
+        token_s = _positive(entry.get("prefill_token_s"))
+        if token_s is None:
+            token_s = ref.prefill_token_s * gamma / ref.gamma_s if ref.gamma_s > 0 else ref.prefill_token_s
+            scaled_prefill.append(dev_id)
         profiles.append(DeviceProfile(
-            dev_id, gamma, ref.prefill_token_s * gamma / ref.gamma_s if ref.gamma_s > 0 else ref.prefill_token_s,
-            up or ref.beta_up, down or ref.beta_down, ref.latency_s,
+            dev_id, gamma, token_s, up or ref.beta_up, down or ref.beta_down, rtt / 2 if rtt else ref.latency_s,
             float((device_slowdowns or {}).get(dev_id, 1.0))))
     if profiles:
-        notes.append(f"{len(profiles)} device profiles from telemetry; prefill_token_s scaled from the base by "
-                     f"gamma, latency {ref.latency_s * 1e3:.1f} ms from the base")
+        notes.append(f"{len(profiles)} device profiles from telemetry; one-way latency = half the probed "
+                     f"small-message round trip for {len(probed_latency)}, else {ref.latency_s * 1e3:.1f} ms "
+                     "from the base")
+        if scaled_prefill:
+            notes.append(f"prefill_token_s scaled from the base by gamma for {', '.join(scaled_prefill)}")
     else:
         profiles = list(base.devices)
         notes.append("no devices in telemetry: base device profiles")
+    round_overhead_s = base.round_overhead_s
+    if overheads:
+        round_overhead_s = sum(overheads) / len(overheads)
+        notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms: mean of {len(overheads)} devices' telemetry")
+    else:
+        notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms: base value")
+    step_overhead_s = _non_negative((cloud or {}).get("step_overhead_s"))
+    if step_overhead_s is not None:
+        notes.append(f"step_overhead_s {step_overhead_s * 1e3:.2f} ms: telemetry")
+    else:
+        step_overhead_s = base.step_overhead_s
     notes.append(f"accept_dist (mean {base.mean_accept_length:.2f}), pd_hit_rate {base.pd_hit_rate}, "
                  f"hidden {base.hidden_size}, n={base.num_layers}, m={base.split_layers}: base values")
-    return dataclasses.replace(base, g_table=g_table, devices=profiles, notes=base.notes + notes)
+    return dataclasses.replace(base, g_table=g_table, devices=profiles, round_overhead_s=round_overhead_s,
+                               step_overhead_s=step_overhead_s, notes=base.notes + notes)
 
 
 def from_telemetry(state_monitor_url: str, *, base: Calibration | None = None, timeout_s: float = 2.0,

@@ -15,6 +15,7 @@ from typing import Any
 
 STATS = (("mean", "mean"), ("median", "P50"), ("p90", "P90"), ("p99", "P99"))
 ACCEPTANCE = 0.20  # sim vs real: relative difference allowed at <= 4 devices
+JUDGED_STATS = ("mean", "median")  # tails are shown, not judged (see compare_with_real)
 
 
 def _ms(v: Any) -> str:
@@ -99,7 +100,10 @@ def compare_with_real(sim_results: Any, real_results_json: Any, *, mode: str | N
     `real_results_json`: a loadgen results.json path or dict, a list of them, or {mode: path|dict}.
     A real run is matched to the simulated run with the same rate and mode (`mode` names the
     mode when the real results do not; default: the only simulated mode at that rate, else
-    "hat"). Rows beyond `tolerance` are flagged. The last line of each block estimates the
+    "hat"). Means and medians are held to `tolerance` (flagged OFF beyond it); P90/P99 are
+    shown but not judged: with tens of requests on one small box the tails are set by the
+    co-located processes competing for the same cores, which the simulator (device and cloud
+    on their own hardware, as deployed) deliberately does not model. The last line of each block estimates the
     device-side per-round overhead that would close the mean-TBT gap
     (Calibration.round_overhead_s), since that is the usual missing piece.
     """
@@ -119,12 +123,14 @@ def compare_with_real(sim_results: Any, real_results_json: Any, *, mode: str | N
             for stat, label in STATS:
                 s, r = sim.get(f"{stat}_{metric}_ms"), real.get(f"{stat}_{metric}_ms")
                 rel = (s - r) / r if s is not None and r else None
-                worst = max(worst, abs(rel)) if rel is not None else worst
-                flag = "" if rel is None else ("ok" if abs(rel) <= tolerance else "OFF")
+                judged = stat in JUDGED_STATS
+                if rel is not None and judged:
+                    worst = max(worst, abs(rel))
+                flag = "" if rel is None else ("(tail)" if not judged else "ok" if abs(rel) <= tolerance else "OFF")
                 rows.append([f"{metric.upper()} {label}", _ms(s), _ms(r), "-" if rel is None else f"{rel:+.1%}", flag])
         text = f"{head} (sim {sim.get('num_devices')} devices)\n"
         text += _table(["metric", "sim ms", "real ms", "rel diff", ""], rows)
-        text += f"\nworst |rel diff| {worst:.1%} (acceptance {tolerance:.0%})"
+        text += f"\nworst |rel diff| of mean/P50 {worst:.1%} (acceptance {tolerance:.0%})"
         s_tbt, r_tbt = sim.get("mean_tbt_ms"), real.get("mean_tbt_ms")
         accept = real.get("mean_accept_length") or sim.get("mean_accept_length") or 1.0
         if s_tbt is not None and r_tbt is not None:

@@ -117,7 +117,8 @@ def run_simulation(cal: Calibration, mode: Mode | str, rate: float, config: SimC
                                   num_devices=config.devices)
     loop = EventLoop()
     cloud = Cloud(loop, cal.g, config.stages, cal.max_batch_tokens,
-                  cal.compute_scale if mode.token_upload else 1.0, cal.alpha, cal.chunk_pipelining)
+                  cal.compute_scale if mode.token_upload else 1.0, cal.alpha, cal.chunk_pipelining,
+                  cal.step_overhead_s)
     devices = [Device.build(loop, i, p) for i, p in enumerate(cal.expand_devices(config.devices, config.heterogeneous))]
     ctx = Context(loop, cloud, cal, mode, config.stages, config.seed)
     router = Router(devices, config.routing)

@@ -126,6 +126,9 @@ class DeviceSession:
         self.pending_token: int | None = None  # last emitted token, not yet run through any layer
         self.accept_lengths: list[int] = []  # tokens emitted per verification round
         self.draft_seconds: list[tuple[float, int]] = []  # (seconds, device steps) of each draft() call
+        # Wall-clock timings the engine records for telemetry (the simulator's latency models):
+        self.round_overhead_s: list[float] = []  # per round, outside drafting and the cloud wait
+        self.prefill_seconds: list[tuple[float, int]] = []  # (compute + send, tokens) per prompt chunk
         self._ready_draft: Draft | None = None  # an adopted pre-drafted branch, used by the next draft()
         self._last_draft_logits: torch.Tensor | None = None  # draft logits at the last drafted position
         self.reused_branches = 0

@@ -114,11 +114,14 @@ async def run_session(
     top candidate while a verification is in flight (HAT §3.5, parallel drafting).
     """
     await cloud.open(session_id)
+    clock = time.perf_counter
     try:
         answers = []
         for index, size in enumerate(chunk_sizes):
+            chunk_start = clock()
             start, shallow = await offload(session.prefill_chunk, size)
             answer = await cloud.send_prefill(session_id, start, shallow, index == len(chunk_sizes) - 1)
+            session.prefill_seconds.append((clock() - chunk_start, size))
             if overlap_prefill:
                 answers.append(answer)
             else:
@@ -126,23 +129,31 @@ async def run_session(
         deep_last = None
         for answer in answers:
             deep_last = await answer
+        answered_at = clock()
         yield await offload(session.on_prefill_result, deep_last)
+        # The round's own time beyond drafting and the cloud's answer: output head, accept /
+        # rollback, thread hops, the consumer of this generator (the simulator's round_overhead_s).
+        session.round_overhead_s.append(clock() - answered_at)
         while not session.is_finished:
             draft = await offload(session.draft)
             branches = []
             if parallel_candidates > 0 and draft.tokens:
                 # Pre-draft only while the verification is in flight: its answer stops the drafting.
                 answered = threading.Event()
+                answer_time: list[float] = []
                 verifying = asyncio.ensure_future(cloud.verify(session_id, draft.commit_len, draft.shallow))
-                verifying.add_done_callback(lambda _: answered.set())
+                verifying.add_done_callback(lambda _: (answer_time.append(clock()), answered.set()))
                 try:
                     branches = await offload(session.predraft, draft, parallel_candidates, parallel_steps,
                                              answered.is_set)
                 finally:
                     deep = await verifying
+                answered_at = answer_time[0]
             else:
                 deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
+                answered_at = clock()
             yield await offload(session.on_verify_result, draft, deep, branches)
+            session.round_overhead_s.append(clock() - answered_at)
     finally:
         await cloud.close(session_id)
         session.free()
