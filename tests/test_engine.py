@@ -163,3 +163,27 @@ def test_round_timings_exclude_the_cloud_wait_and_include_the_consumer(tiny_chec
     assert len(session.round_overhead_s) == rounds  # the prefill's first token, then one per verification
     assert all(0.05 <= s < 0.2 for s in session.round_overhead_s), session.round_overhead_s
     assert [n for _, n in session.prefill_seconds] == [5, 6] and all(s > 0 for s, _ in session.prefill_seconds)
+
+
+def test_parallel_drafting_when_the_answer_lands_before_its_callback_runs(tiny_checkpoint):
+    """An offload that yields once lets a fast verification finish while pre-drafting is being
+    scheduled: `await verifying` then returns before the future's done callbacks have run."""
+    from shared.specdec.engine import run_session
+
+    async def yielding_offload(fn, *args):
+        await asyncio.sleep(0)
+        return fn(*args)
+
+    adapter = DraftAdapter(tiny_checkpoint, 2)
+    ids = list(range(3, 15))
+    expected = generate_full(tiny_checkpoint, ids, 16).token_ids
+    device = DeviceModel.from_checkpoint(tiny_checkpoint, 2, adapter)
+    session = DeviceSession(device, ids, SamplingParams(), DraftConfig(eta=0.5, max_draft=4), 16)
+
+    async def consume():
+        return [t async for tokens in run_session(session, LocalCloud(MiddleSubmodel(tiny_checkpoint, 2)), 7, [12],
+                                                  offload=yielding_offload, parallel_candidates=2, parallel_steps=2)
+                for t in tokens]
+
+    assert asyncio.run(consume()) == expected
+    assert all(s >= 0 for s in session.round_overhead_s)

@@ -275,7 +275,7 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
         cloud.observe_step(mu, eta, 0.0)
     cloud_json = {"mu": cloud.mu.value, "alpha": 0.8, "g": {"buckets": cloud.g.table()}, "step_overhead_s": 0.0015}
     devices_json = {"devices": [{"device_id": "device-0", "gamma": 0.004, "beta_up": 5e5, "beta_down": None,
-                                 "stale": False, "round_overhead_s": 0.004, "prefill_token_s": 3e-5},
+                                 "stale": False, "round_overhead_s": 0.004, "prefill_token_s": 3e-5, "rtt_s": 0.012},
                                 {"device_id": "device-1", "gamma": 0.008, "round_overhead_s": 0.006}]}
 
     class Handler(BaseHTTPRequestHandler):
@@ -303,6 +303,7 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
     assert (dev.gamma_s, dev.beta_up, dev.beta_down, dev.slowdown) == (0.004, 5e5, demo.beta_down, 3.0)
     assert dev.prefill_token_s == 3e-5  # measured; device-1 reported none, so it is scaled from the base by gamma
     assert got.devices[1].prefill_token_s == pytest.approx(demo.prefill_token_s * 0.008 / demo.gamma_s)
+    assert dev.latency_s == 0.006 and got.devices[1].latency_s == demo.latency_s  # half the probed round trip
     assert got.round_overhead_s == pytest.approx(0.005) and got.step_overhead_s == 0.0015
     assert any("beta_down" in n for n in got.notes)
     empty = calibration_from_state(None, None)

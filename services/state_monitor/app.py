@@ -156,6 +156,7 @@ class Monitor:
         return {"mu": c.mu.value, "eta": c.eta.value, "steps": c.mu.count,
                 "last_mu_hat": c.last.get("mu_hat"), "last_eta_hat": c.last.get("eta_hat"),
                 "num_sessions": c.last.get("num_sessions"), "step_kinds": c.last.get("step_kinds", {}),
+                "step_overhead_s": c.step_overhead.value,
                 "g_c1": line[0] if line else None, "g_c2": line[1] if line else None,
                 "g": c.g.table(), "updated_at": c.updated_at, "model": c.to_dict()}
 

@@ -148,7 +148,9 @@ async def run_session(
                                              answered.is_set)
                 finally:
                     deep = await verifying
-                answered_at = answer_time[0]
+                # The done callback runs via call_soon: when the answer came while the last
+                # pre-draft step was finishing, `await verifying` can return before it has run.
+                answered_at = answer_time[0] if answer_time else clock()
             else:
                 deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
                 answered_at = clock()
