@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench bench-ablation bench-core bench-hat clean
+.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-sim clean
 
 install: $(STAMP)
 
@@ -37,3 +37,10 @@ bench: install
 bench-ablation: install
 	$(BIN)/tophat bench --ablation --rates 1 --link-profile mid --devices 2 --num-requests 12 \
 		--max-new-tokens 32 --out bench-results
+
+# the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
+bench-sim: install
+	$(BIN)/tophat bench --sim-check --workload specbench --rates 0.5,1 --modes ushape,hat --link-profile mid \
+		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
+	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
+		--out bench-results/simulate-30

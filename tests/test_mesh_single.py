@@ -124,6 +124,9 @@ def test_telemetry_keys_appear_in_redis(relay_and_mesh, prompts):
     device = _wait_for(lambda: (lambda d: d if d.get("beta_down") else None)(
         httpx.get(f"{mesh.config.monitor_url}/state/device/device-0", timeout=5).json()))
     assert device["beta_up"] > 0 and device["beta_down"] > 0 and device["gamma"] > 0
+    # ... and, for the simulator, its small-message round trip, per-round overhead and prompt cost.
+    assert device["rtt_s"] > 0 and device["round_overhead_s"] >= 0 and device["prefill_token_s"] > 0
+    assert cloud["step_overhead_s"] is not None and cloud["step_overhead_s"] >= 0
 
 
 def test_serving_survives_redis_going_away(relay_and_mesh, prompts):

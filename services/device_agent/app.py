@@ -129,6 +129,20 @@ class DeviceAgent:
                 await self.probe_bandwidth()
             await asyncio.sleep(interval)
 
+    async def rtt_probe_loop(self) -> None:
+        """Tiny round trips, busy or not: what a message costs under the load of the moment."""
+        interval = self.settings.rtt_probe_interval_s
+        if interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                rtt_s = await self.cloud.measure_rtt()
+            except (CloudUnavailable, CloudError) as exc:
+                log.info("round-trip probe failed: %s", exc)
+                continue
+            self.telemetry.emit_device_rtt(self.settings.device_id, rtt_s)
+
     async def probe_bandwidth(self) -> None:
         """Measure beta_up / beta_down with bulk probes (HAT §3.2: devices report both)."""
         try:
@@ -277,12 +291,14 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         state["agent"] = agent or await asyncio.to_thread(DeviceAgent, settings)
         log.info("device agent %s ready (model %s, m=%d, speculative=%s, mode %s)", settings.device_id,
                  settings.model_dir, settings.split_layers, settings.speculative, settings.mode)
-        probing = asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe")
+        probes = [asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
+                  asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe")]
         try:
             yield
         finally:
-            probing.cancel()
-            await asyncio.gather(probing, return_exceptions=True)
+            for task in probes:
+                task.cancel()
+            await asyncio.gather(*probes, return_exceptions=True)
             await state["agent"].aclose()
 
     app = FastAPI(title=f"tophat device agent {settings.device_id}", lifespan=lifespan)

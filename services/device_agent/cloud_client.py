@@ -182,6 +182,10 @@ class WebSocketCloud:
         await self._request(wire.BandwidthProbe(0, seq_no, down_rows, padding), (0, seq_no))
         return time.perf_counter() - started
 
+    async def measure_rtt(self) -> float:
+        """Seconds for a one-row message to the verifier and back (the better of two)."""
+        return min([await self._probe_rtt(1, 1) for _ in range(2)])
+
     async def measure_link(self, rows: int = 128) -> tuple[tuple[int, float], tuple[int, float], float]:
         """(bytes, seconds) of one bulk upload and one bulk download over the live connection,
         and the round trip of a one-row message.
@@ -189,7 +193,7 @@ class WebSocketCloud:
         Each bulk probe's round trip minus a tiny probe's round trip is the time the extra
         bytes took on that direction of the link (latency and framing cancel out). The tiny
         round trip is latency both ways plus both ends' framing and event-loop time."""
-        base = min([await self._probe_rtt(1, 1) for _ in range(2)])
+        base = await self.measure_rtt()
         extra = (rows - 1) * self.hidden_size * 2
         up = await self._probe_rtt(rows, 1) - base
         down = await self._probe_rtt(1, rows) - base

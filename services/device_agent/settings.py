@@ -46,6 +46,9 @@ class Settings:
     # beta_up / beta_down for the planners: bulk probes over the verifier connection at startup
     # and then at most this often, between requests (0 = never).
     bandwidth_probe_interval_s: float = 30.0
+    # A one-row round trip to the verifier this often, busy or not (two tiny frames): latency
+    # plus both ends' framing and event-loop time under the current load, for the simulator.
+    rtt_probe_interval_s: float = 5.0
     wire_dtype: str = "f2"  # hidden states on the wire: f2 (fp16), f4 (fp32), bf (bf16)
     max_sessions: int = 4  # concurrent generations on this device; more get 503
     request_timeout_s: float = 60.0  # one cloud round trip
@@ -70,6 +73,8 @@ class Settings:
             raise ValueError("max_sessions and default_chunk_size must be >= 1")
         if min(self.request_timeout_s, self.planner_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if min(self.bandwidth_probe_interval_s, self.rtt_probe_interval_s) < 0:
+            raise ValueError("probe intervals must be >= 0 (0 = never)")
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
