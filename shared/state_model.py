@@ -266,26 +266,32 @@ class DeviceState:
     round_overhead: Ema = field(default_factory=Ema)
     prefill_token: Ema = field(default_factory=Ema)  # seconds per prompt token on the device
     rtt: Ema = field(default_factory=Ema)  # a one-row message's round trip to the cloud (latency + framing)
+    pd_hit: Ema = field(default_factory=Ema)  # parallel drafting: corrections that were a pre-drafted candidate
     last_update: float | None = None
 
     def __post_init__(self) -> None:
         _check_alpha(self.alpha)
-        for ema in (self.gamma, self.beta_up, self.beta_down, self.round_overhead, self.prefill_token, self.rtt):
+        for ema in (self.gamma, self.beta_up, self.beta_down, self.round_overhead, self.prefill_token, self.rtt,
+                    self.pd_hit):
             ema.alpha = self.alpha
 
     def observe_draft(self, step_seconds: float, now: float, round_overhead_s: float | None = None,
-                      prefill_token_s: float | None = None) -> None:
+                      prefill_token_s: float | None = None, pd_hit_rate: float | None = None) -> None:
         if not step_seconds > 0:
             raise ValueError(f"draft step seconds must be > 0, got {step_seconds!r}")
         if round_overhead_s is not None and not round_overhead_s >= 0:
             raise ValueError(f"round overhead seconds must be >= 0, got {round_overhead_s!r}")
         if prefill_token_s is not None and not prefill_token_s > 0:
             raise ValueError(f"prefill seconds per token must be > 0, got {prefill_token_s!r}")
+        if pd_hit_rate is not None and not 0 <= pd_hit_rate <= 1:
+            raise ValueError(f"pd hit rate must be in [0, 1], got {pd_hit_rate!r}")
         self.gamma.update(step_seconds)
         if round_overhead_s is not None:
             self.round_overhead.update(round_overhead_s)
         if prefill_token_s is not None:
             self.prefill_token.update(prefill_token_s)
+        if pd_hit_rate is not None:
+            self.pd_hit.update(pd_hit_rate)
         self.last_update = now
 
     def observe_rtt(self, rtt_seconds: float, now: float) -> None:
@@ -316,7 +322,7 @@ class DeviceState:
         return {"device_id": self.device_id, "alpha": self.alpha, "gamma": self.gamma.to_dict(),
                 "beta_up": self.beta_up.to_dict(), "beta_down": self.beta_down.to_dict(),
                 "round_overhead": self.round_overhead.to_dict(), "prefill_token": self.prefill_token.to_dict(),
-                "rtt": self.rtt.to_dict(), "last_update": self.last_update}
+                "rtt": self.rtt.to_dict(), "pd_hit": self.pd_hit.to_dict(), "last_update": self.last_update}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceState:
@@ -326,5 +332,5 @@ class DeviceState:
                    beta_down=Ema.from_dict(data.get("beta_down", {})),
                    round_overhead=Ema.from_dict(data.get("round_overhead", {})),
                    prefill_token=Ema.from_dict(data.get("prefill_token", {})),
-                   rtt=Ema.from_dict(data.get("rtt", {})),
+                   rtt=Ema.from_dict(data.get("rtt", {})), pd_hit=Ema.from_dict(data.get("pd_hit", {})),
                    last_update=None if last is None else float(last))

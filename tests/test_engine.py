@@ -25,6 +25,7 @@ def run(checkpoint, ids, m, adapter, max_new, params=SamplingParams(), eta=0.6, 
     session = DeviceSession(device, ids, params, DraftConfig(eta=eta, max_draft=max_draft), max_new)
     result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(checkpoint, m)), chunk_size=chunk_size, **options))
     result.reused_branches = session.reused_branches
+    result.predraft_chances = session.predraft_chances
     return result
 
 
@@ -48,7 +49,7 @@ def test_greedy_hat_equals_full_model(tiny_checkpoint, m, eta, max_draft, chunk_
 def test_greedy_with_parallel_drafting_equals_full_model(tiny_checkpoint, candidates, steps):
     adapter = DraftAdapter(tiny_checkpoint, 3)
     rng = random.Random(candidates)
-    reused = 0
+    reused = chances = 0
     for _ in range(4):
         ids = [rng.randrange(1, tiny_checkpoint.vocab_size) for _ in range(rng.randint(2, 12))]
         expected = generate_full(tiny_checkpoint, ids, 30).token_ids
@@ -56,6 +57,8 @@ def test_greedy_with_parallel_drafting_equals_full_model(tiny_checkpoint, candid
                   parallel_candidates=candidates, parallel_steps=steps)
         assert got.token_ids == expected
         reused += got.reused_branches
+        chances += got.predraft_chances
+    assert reused <= chances  # a branch is only adopted when the last draft token was corrected
     if candidates >= 3:
         assert reused > 0  # some corrections hit a pre-drafted candidate
 

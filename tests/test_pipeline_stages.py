@@ -110,6 +110,27 @@ async def test_a_session_in_flight_is_not_scheduled_again():
     assert [i.session_id for i in sched.schedule(parts=1).items] == [2]
 
 
+async def test_prefill_chunks_of_one_session_pipeline_but_a_verify_waits():
+    sched = Scheduler(None, max_batch_tokens=64, max_sessions=4, context_length=512, prefill_pipelining=True)
+    owner = object()
+    sched.open(1, owner)
+    for seq, (kind, pos) in enumerate([("prefill", 0), ("prefill", 2), ("verify", 4)], start=1):
+        sched.submit(WorkItem(1, seq, kind, torch.zeros(2, 8), pos), owner)
+    first, second = sched.schedule(), sched.schedule()
+    assert [i.seq_no for i in first.items] == [1] and [i.seq_no for i in second.items] == [2]  # both in flight
+    assert not sched.schedule().items  # the verify needs both chunks' results
+    sched.finish_batch(first)
+    assert not sched.schedule().items
+    sched.finish_batch(second)
+    assert [i.seq_no for i in sched.schedule().items] == [3]
+    # Without pipelining (P = 1 or switched off) the second chunk waits for the first.
+    plain = Scheduler(None, max_batch_tokens=64, max_sessions=4, context_length=512)
+    plain.open(1, owner)
+    for seq in (1, 2):
+        plain.submit(WorkItem(1, seq, "prefill", torch.zeros(2, 8), 2 * (seq - 1)), owner)
+    assert len(plain.schedule().items) == 1 and not plain.schedule().items
+
+
 # -- correctness through the stages ----------------------------------------------------------
 
 @pytest.mark.parametrize("stages", [2, 3])

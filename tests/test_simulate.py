@@ -275,7 +275,8 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
         cloud.observe_step(mu, eta, 0.0)
     cloud_json = {"mu": cloud.mu.value, "alpha": 0.8, "g": {"buckets": cloud.g.table()}, "step_overhead_s": 0.0015}
     devices_json = {"devices": [{"device_id": "device-0", "gamma": 0.004, "beta_up": 5e5, "beta_down": None,
-                                 "stale": False, "round_overhead_s": 0.004, "prefill_token_s": 3e-5, "rtt_s": 0.012},
+                                 "stale": False, "round_overhead_s": 0.004, "prefill_token_s": 3e-5, "rtt_s": 0.012,
+                                 "pd_hit_rate": 0.7},
                                 {"device_id": "device-1", "gamma": 0.008, "round_overhead_s": 0.006}]}
 
     class Handler(BaseHTTPRequestHandler):
@@ -305,6 +306,7 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
     assert got.devices[1].prefill_token_s == pytest.approx(demo.prefill_token_s * 0.008 / demo.gamma_s)
     assert dev.latency_s == 0.006 and got.devices[1].latency_s == demo.latency_s  # half the probed round trip
     assert got.round_overhead_s == pytest.approx(0.005) and got.step_overhead_s == 0.0015
+    assert got.pd_hit_rate == 0.7  # only device-0 pre-drafted
     assert any("beta_down" in n for n in got.notes)
     empty = calibration_from_state(None, None)
     assert empty.g_table == Calibration.from_dict({"base": "demo"}).g_table

@@ -152,15 +152,18 @@ def test_device_state() -> None:
     assert d.age(15.0) == 3.0 and not d.is_stale(15.0, 5) and d.is_stale(30.0, 5)
     assert DeviceState("x").is_stale(0.0, 1e9)
     assert DeviceState.from_dict(d.to_dict()) == d
-    d.observe_draft(0.02, now=12.5, round_overhead_s=0.004, prefill_token_s=1e-4)
+    d.observe_draft(0.02, now=12.5, round_overhead_s=0.004, prefill_token_s=1e-4, pd_hit_rate=0.25)
     d.observe_draft(0.02, now=12.6, round_overhead_s=0.006)
     assert d.round_overhead.value == pytest.approx(0.8 * 0.004 + 0.2 * 0.006)
     assert d.prefill_token.value == pytest.approx(1e-4) and d.prefill_token.count == 1
+    assert d.pd_hit.value == 0.25
     assert DeviceState.from_dict(d.to_dict()) == d
     with pytest.raises(ValueError):
         d.observe_draft(0.02, now=13.0, round_overhead_s=-1.0)
     with pytest.raises(ValueError):
         d.observe_draft(0.02, now=13.0, prefill_token_s=0.0)
+    with pytest.raises(ValueError):
+        d.observe_draft(0.02, now=13.0, pd_hit_rate=1.5)
     with pytest.raises(ValueError):
         d.observe_transfer("sideways", 1, 1.0, now=0)
     with pytest.raises(ValueError):

@@ -274,7 +274,9 @@ class DeviceAgent:
             round_overhead_s=sum(overheads) / len(overheads) / slowdown if overheads else None,
             rounds=len(overheads),
             prefill_token_s=prefill_s / prefill_tokens / slowdown if prefill_tokens else None,
-            prefill_tokens=prefill_tokens)
+            prefill_tokens=prefill_tokens,
+            pd_hit_rate=session.reused_branches / session.predraft_chances if session.predraft_chances else None,
+            pd_chances=session.predraft_chances)
 
     async def aclose(self) -> None:
         await self.cloud.close_connection()

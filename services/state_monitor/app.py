@@ -57,6 +57,9 @@ class DeviceDraft(_Record):
     prefill_token_s: PositiveSeconds | None = Field(default=None, description="prompt cost per token "
                                                     "(input layers + upload call), per chunk averaged")
     prefill_tokens: int = Field(default=0, ge=0, description="prompt tokens prefill_token_s averaged over")
+    pd_hit_rate: float | None = Field(default=None, ge=0, le=1, description="parallel drafting: share of "
+                                      "corrected last draft tokens that were a pre-drafted candidate")
+    pd_chances: int = Field(default=0, ge=0, description="rounds pd_hit_rate is over")
 
 
 class DeviceTransfer(_Record):
@@ -138,7 +141,7 @@ class Monitor:
                                      states=[(tk.request_key(rec.request_id), summary, self.settings.request_ttl_s)])
         dev = self.device(rec.device_id)
         if isinstance(rec, DeviceDraft):
-            dev.observe_draft(rec.step_s, now, rec.round_overhead_s, rec.prefill_token_s)
+            dev.observe_draft(rec.step_s, now, rec.round_overhead_s, rec.prefill_token_s, rec.pd_hit_rate)
         elif isinstance(rec, DeviceRtt):
             dev.observe_rtt(rec.rtt_s, now)
         else:
@@ -163,7 +166,7 @@ class Monitor:
     def _device_hash(self, d: DeviceState) -> dict[str, Any]:
         return {"gamma": d.gamma.value, "beta_up": d.beta_up.value, "beta_down": d.beta_down.value,
                 "round_overhead_s": d.round_overhead.value, "prefill_token_s": d.prefill_token.value,
-                "rtt_s": d.rtt.value,
+                "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
                 "draft_samples": d.gamma.count, "up_samples": d.beta_up.count, "down_samples": d.beta_down.count,
                 "last_update": d.last_update, "model": d.to_dict()}
 
@@ -179,7 +182,8 @@ class Monitor:
         now = time.time()
         return {"device_id": d.device_id, "gamma": d.gamma.value, "beta_up": d.beta_up.value,
                 "beta_down": d.beta_down.value, "round_overhead_s": d.round_overhead.value,
-                "prefill_token_s": d.prefill_token.value, "rtt_s": d.rtt.value, "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
+                "prefill_token_s": d.prefill_token.value, "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
+                "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
                                                             "down": d.beta_down.count},
                 "last_update": d.last_update, "age_s": d.age(now),
                 "stale": d.is_stale(now, self.settings.device_stale_s)}

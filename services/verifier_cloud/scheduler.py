@@ -9,7 +9,13 @@ With P pipeline stages (services/verifier_cloud/pipeline.py) up to P batches
 (micro-batches) are in flight at once. A session with an item in flight is
 not scheduled again until that item's result is back (`finish_batch`): its
 next item may depend on the reply (a verify's commit_len), and an error in
-one item must not be followed by work that assumed it succeeded.
+one item must not be followed by work that assumed it succeeded. The one
+exception is `prefill_pipelining` (on with P > 1): a session whose items in
+flight are all prefill chunks may send its next prefill chunk into a later
+micro-batch, so chunk j+1 enters stage 0 while chunk j is in stage 1 — what
+HAT's eq. 3 assumes when it divides g by P. Stages are FIFO, so every stage
+still appends a session's chunks in order; if chunk j fails, chunk j+1 fails
+its position check in the same stage, so no stage is left with a gap.
 
 Server-side chunking (HAT's U-Sarathi baseline, `server_chunk_tokens` > 0): a
 prefill item longer than the chunk is taken `server_chunk_tokens` at a time, one
@@ -134,7 +140,8 @@ def check_item(kind: str, position: int, num_tokens: int, cache_length: int, con
 
 class Scheduler:
     def __init__(self, middle: LayerRange | None, max_batch_tokens: int, max_sessions: int, context_length: int,
-                 server_chunk_tokens: int = 0, token_model: TokenModel | None = None):
+                 server_chunk_tokens: int = 0, token_model: TokenModel | None = None,
+                 prefill_pipelining: bool = False):
         self.middle = middle  # None: KV and compute live in pipeline stage workers
         self.max_batch_tokens = max_batch_tokens
         self.max_sessions = max_sessions
@@ -145,7 +152,9 @@ class Scheduler:
         self.token_model = token_model
         self.sessions: OrderedDict[int, SessionState] = OrderedDict()
         self.work_ready = asyncio.Event()  # set while some session may have schedulable work
-        self.in_flight: set[int] = set()  # sessions with an item in a batch being computed right now
+        self.prefill_pipelining = prefill_pipelining
+        # session -> kinds of its items in batches being computed right now, oldest first
+        self.in_flight: dict[int, list[str]] = {}
         self._free_after_step: dict[int, list[SessionKV]] = {}
         # Called after a session opens / closes, e.g. to mirror it into pipeline stages.
         self.on_open: Callable[[int], None] | None = None
@@ -195,7 +204,13 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------
     def _schedulable(self, state: SessionState) -> bool:
-        return bool(state.queue) and state.session_id not in self.in_flight
+        if not state.queue:
+            return False
+        flying = self.in_flight.get(state.session_id)
+        if not flying:
+            return True
+        return (self.prefill_pipelining and state.queue[0].kind == "prefill"
+                and all(kind == "prefill" for kind in flying))
 
     def _head_tokens(self, state: SessionState) -> int:
         """Tokens the session's head item would put in this step (a piece of it, with server chunking)."""
@@ -259,7 +274,8 @@ class Scheduler:
         for item in items:
             if item.session_id in self.sessions:
                 self.sessions.move_to_end(item.session_id)
-        self.in_flight.update(item.session_id for item in items)
+        for item in items:
+            self.in_flight.setdefault(item.session_id, []).append(item.kind)
         if not any(self._schedulable(s) for s in self.sessions.values()):
             self.work_ready.clear()
         return SchedulerOutput(items)
@@ -268,9 +284,13 @@ class Scheduler:
         """Call on the event loop once `batch` is computed: its sessions may run again;
         caches of sessions closed while in flight are released."""
         for item in batch.items:
-            self.in_flight.discard(item.session_id)
-            for cache in self._free_after_step.pop(item.session_id, ()):
-                cache.free()
+            flying = self.in_flight.get(item.session_id)
+            if flying:
+                flying.pop(0)  # batches finish in the order they were scheduled (FIFO stages)
+            if not flying:
+                self.in_flight.pop(item.session_id, None)
+                for cache in self._free_after_step.pop(item.session_id, ()):
+                    cache.free()
             state = self.sessions.get(item.session_id)
             if state is not None and state.queue:
                 self.work_ready.set()

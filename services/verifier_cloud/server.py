@@ -71,7 +71,8 @@ class VerifierServer:
         self.hidden_size = hidden_size
         self.token_model = token_model
         self.scheduler = Scheduler(middle, settings.max_batch_tokens, settings.max_sessions, context_length,
-                                   server_chunk_tokens=settings.server_chunk_tokens, token_model=token_model)
+                                   server_chunk_tokens=settings.server_chunk_tokens, token_model=token_model,
+                                   prefill_pipelining=stages is not None and settings.prefill_pipelining)
         self.telemetry = TelemetryClient(settings.state_monitor_url or None)
         self.wire_dtypes: dict[int, wire.WireDtype] = {}
         self.steps = 0

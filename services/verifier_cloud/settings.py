@@ -29,6 +29,9 @@ class Settings:
     # P: the middle layers run as P contiguous layer ranges, each in its own worker process, with up to
     # P micro-batches in flight (HAT §4.5). 1 = in-process, no workers.
     pipeline_stages: int = 1
+    # With P > 1: a session's next prefill chunk may enter stage 0 while its previous chunk is still in a
+    # later stage (HAT eq. 3's pipelined chunk rate). Off: one item per session in flight, chunks pay a whole pass.
+    prefill_pipelining: bool = True
     stage_start_timeout_s: float = 120.0  # spawn + import torch + load weights, per pipeline start
     stage_timeout_s: float = 60.0  # a micro-batch in flight longer than this marks the pipeline failed
     # Token mode (HAT's "cloud" baseline): also hold the embeddings, layers [0, m), norm and head, and serve

@@ -160,7 +160,8 @@ class Calibration:
     session_open_rtt: bool = True    # split modes open a cloud session (one round trip) first
     nosd_step_factor: float = 1.0    # a non-speculative decode step in units of gamma
     max_batch_tokens: int = 4096     # TOPHAT_VERIFIER_MAX_BATCH_TOKENS
-    chunk_pipelining: bool = False   # a session's prefill chunks overlap in the stages (eq. 3's view)
+    chunk_pipelining: bool = True    # a session's prefill chunks overlap in the stages (eq. 3; the
+                                     # verifier's prefill_pipelining with P > 1)
     min_chunk: int = 16
     max_chunk: int = 1024
     default_chunk: int = 128

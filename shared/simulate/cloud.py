@@ -13,11 +13,11 @@ form the same way:
   stage s is done with it and stage s+1 is done with the previous micro-batch), so up to
   P micro-batches are in flight and the throughput rises with P.
 
-One session's items never overlap in the real verifier, so one session's prefill chunks
-each pay the whole g(mu), not g(mu)/P. HAT's eq. 3 assumes the opposite (chunk j+1 enters
-the pipeline behind chunk j); `chunk_pipelining=True` models that: a session whose items
-in flight are all prefill chunks may send its next prefill chunk into a later micro-batch
-(stages are FIFO, so chunks still run in order).
+HAT's eq. 3 assumes a session's chunk j+1 enters the pipeline right behind chunk j, and the
+real verifier does that with P > 1 (`prefill_pipelining`); `chunk_pipelining=True` (the
+calibration's default) models it: a session whose items in flight are all prefill chunks may
+send its next prefill chunk into a later micro-batch (stages are FIFO, so chunks still run
+in order). False: one item per session in flight, so each chunk pays the whole g(mu).
 
 Work submitted at the same instant joins the same batch: scheduling is deferred to a
 zero-delay event, like the real server's wake-up after `work_ready` is set.

@@ -72,6 +72,7 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
     ref = base.devices[0]
     profiles: list[DeviceProfile] = []
     overheads: list[float] = []
+    pd_hits: list[float] = []
     scaled_prefill: list[str] = []
     probed_latency: list[str] = []
     for entry in (devices or {}).get("devices", []):
@@ -86,6 +87,9 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         if entry.get("stale"):
             notes.append(f"device {dev_id}: telemetry is stale")
         gamma = gamma or ref.gamma_s
+        hit = _non_negative(entry.get("pd_hit_rate"))
+        if hit is not None and hit <= 1:
+            pd_hits.append(hit)
         overhead = _non_negative(entry.get("round_overhead_s"))
         if overhead is not None:
             overheads.append(overhead)
@@ -119,10 +123,13 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         notes.append(f"step_overhead_s {step_overhead_s * 1e3:.2f} ms: telemetry")
     else:
         step_overhead_s = base.step_overhead_s
-    notes.append(f"accept_dist (mean {base.mean_accept_length:.2f}), pd_hit_rate {base.pd_hit_rate}, "
+    pd_hit_rate = sum(pd_hits) / len(pd_hits) if pd_hits else base.pd_hit_rate
+    notes.append(f"pd_hit_rate {pd_hit_rate:.2f}: " + (f"mean of {len(pd_hits)} devices' telemetry" if pd_hits
+                                                       else "base value"))
+    notes.append(f"accept_dist (mean {base.mean_accept_length:.2f}), "
                  f"hidden {base.hidden_size}, n={base.num_layers}, m={base.split_layers}: base values")
     return dataclasses.replace(base, g_table=g_table, devices=profiles, round_overhead_s=round_overhead_s,
-                               step_overhead_s=step_overhead_s, notes=base.notes + notes)
+                               step_overhead_s=step_overhead_s, pd_hit_rate=pd_hit_rate, notes=base.notes + notes)
 
 
 def from_telemetry(state_monitor_url: str, *, base: Calibration | None = None, timeout_s: float = 2.0,

@@ -132,6 +132,7 @@ class DeviceSession:
         self._ready_draft: Draft | None = None  # an adopted pre-drafted branch, used by the next draft()
         self._last_draft_logits: torch.Tensor | None = None  # draft logits at the last drafted position
         self.reused_branches = 0
+        self.predraft_chances = 0  # rounds with pre-drafted branches whose last draft token was corrected
 
     # -- state -----------------------------------------------------------------
     @property
@@ -286,6 +287,7 @@ class DeviceSession:
         match = None
         if verdict.num_accepted == len(draft.tokens) - 1 and not self.is_finished:
             match = next((b for b in branches if b.candidate == verdict.next_token), None)
+            self.predraft_chances += bool(branches)
         for branch in branches:
             if branch is not match:
                 branch.free()
