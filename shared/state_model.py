@@ -264,6 +264,7 @@ class DeviceState:
     # Seconds per decode round outside drafting and the cloud wait (head, accept, thread hops):
     # not a HAT quantity, but the simulator needs it to reproduce the mesh's TBT.
     round_overhead: Ema = field(default_factory=Ema)
+    round_overhead_median: Ema = field(default_factory=Ema)  # the same per-round times are skewed: their median
     prefill_token: Ema = field(default_factory=Ema)  # seconds per prompt token on the device
     rtt: Ema = field(default_factory=Ema)  # a one-row message's round trip to the cloud (latency + framing)
     pd_hit: Ema = field(default_factory=Ema)  # parallel drafting: corrections that were a pre-drafted candidate
@@ -271,16 +272,18 @@ class DeviceState:
 
     def __post_init__(self) -> None:
         _check_alpha(self.alpha)
-        for ema in (self.gamma, self.beta_up, self.beta_down, self.round_overhead, self.prefill_token, self.rtt,
-                    self.pd_hit):
+        for ema in (self.gamma, self.beta_up, self.beta_down, self.round_overhead, self.round_overhead_median,
+                    self.prefill_token, self.rtt, self.pd_hit):
             ema.alpha = self.alpha
 
     def observe_draft(self, step_seconds: float, now: float, round_overhead_s: float | None = None,
-                      prefill_token_s: float | None = None, pd_hit_rate: float | None = None) -> None:
+                      prefill_token_s: float | None = None, pd_hit_rate: float | None = None,
+                      round_overhead_median_s: float | None = None) -> None:
         if not step_seconds > 0:
             raise ValueError(f"draft step seconds must be > 0, got {step_seconds!r}")
-        if round_overhead_s is not None and not round_overhead_s >= 0:
-            raise ValueError(f"round overhead seconds must be >= 0, got {round_overhead_s!r}")
+        for name, value in (("round overhead", round_overhead_s), ("round overhead median", round_overhead_median_s)):
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} seconds must be >= 0, got {value!r}")
         if prefill_token_s is not None and not prefill_token_s > 0:
             raise ValueError(f"prefill seconds per token must be > 0, got {prefill_token_s!r}")
         if pd_hit_rate is not None and not 0 <= pd_hit_rate <= 1:
@@ -288,6 +291,8 @@ class DeviceState:
         self.gamma.update(step_seconds)
         if round_overhead_s is not None:
             self.round_overhead.update(round_overhead_s)
+        if round_overhead_median_s is not None:
+            self.round_overhead_median.update(round_overhead_median_s)
         if prefill_token_s is not None:
             self.prefill_token.update(prefill_token_s)
         if pd_hit_rate is not None:
@@ -321,7 +326,8 @@ class DeviceState:
     def to_dict(self) -> dict[str, Any]:
         return {"device_id": self.device_id, "alpha": self.alpha, "gamma": self.gamma.to_dict(),
                 "beta_up": self.beta_up.to_dict(), "beta_down": self.beta_down.to_dict(),
-                "round_overhead": self.round_overhead.to_dict(), "prefill_token": self.prefill_token.to_dict(),
+                "round_overhead": self.round_overhead.to_dict(),
+                "round_overhead_median": self.round_overhead_median.to_dict(), "prefill_token": self.prefill_token.to_dict(),
                 "rtt": self.rtt.to_dict(), "pd_hit": self.pd_hit.to_dict(), "last_update": self.last_update}
 
     @classmethod
@@ -331,6 +337,7 @@ class DeviceState:
                    gamma=Ema.from_dict(data.get("gamma", {})), beta_up=Ema.from_dict(data.get("beta_up", {})),
                    beta_down=Ema.from_dict(data.get("beta_down", {})),
                    round_overhead=Ema.from_dict(data.get("round_overhead", {})),
+                   round_overhead_median=Ema.from_dict(data.get("round_overhead_median", {})),
                    prefill_token=Ema.from_dict(data.get("prefill_token", {})),
                    rtt=Ema.from_dict(data.get("rtt", {})), pd_hit=Ema.from_dict(data.get("pd_hit", {})),
                    last_update=None if last is None else float(last))

@@ -289,12 +289,15 @@ class TelemetryClient:
         self.emit(record)
 
     def emit_device_draft(self, device_id: str, step_s: float, steps: int = 1, *,
-                          round_overhead_s: float | None = None, rounds: int = 0,
+                          round_overhead_s: float | None = None, round_overhead_median_s: float | None = None,
+                          rounds: int = 0,
                           prefill_token_s: float | None = None, prefill_tokens: int = 0,
                           pd_hit_rate: float | None = None, pd_chances: int = 0) -> None:
         record = {"kind": "device_draft", "device_id": device_id, "step_s": step_s, "steps": steps, "ts": time.time()}
         if round_overhead_s is not None and rounds > 0:
             record.update(round_overhead_s=round_overhead_s, rounds=rounds)
+            if round_overhead_median_s is not None:
+                record["round_overhead_median_s"] = round_overhead_median_s
         if prefill_token_s is not None and prefill_tokens > 0:
             record.update(prefill_token_s=prefill_token_s, prefill_tokens=prefill_tokens)
         if pd_hit_rate is not None and pd_chances > 0:

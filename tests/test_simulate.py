@@ -77,6 +77,16 @@ def test_step_and_round_overheads_add_where_the_real_mesh_pays_them():
     assert gaps(rec) == pytest.approx([per_token] * 2, abs=1e-12)
 
 
+def test_skewed_round_overhead_keeps_the_measured_mean_and_median():
+    cal = make_cal(round_overhead_s=0.004, round_overhead_median_s=0.002)
+    rec = run(cal, "ushape", [SimRequest(0, 0.0, 10, 3001)]).records[0]
+    fixed = 0.002 + A / UP + LAT + g_lin(1) + A / DOWN + LAT
+    overheads = np.array(gaps(rec)) - fixed
+    assert overheads.min() > 0
+    assert overheads.mean() == pytest.approx(0.004, rel=0.1) and np.median(overheads) == pytest.approx(0.002, rel=0.1)
+    assert make_cal(round_overhead_s=0.004, round_overhead_median_s=0.005).round_overhead_sigma == 0.0  # constant
+
+
 def test_ttft_is_upload_plus_compute_plus_download_exactly():
     cal = make_cal(devices=[DeviceProfile("d", 0.002, 0.0, UP, DOWN, 0.0)])
     rec = run(cal, "ushape", [SimRequest(0, 0.0, 300, 1)]).records[0]
@@ -276,8 +286,9 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
     cloud_json = {"mu": cloud.mu.value, "alpha": 0.8, "g": {"buckets": cloud.g.table()}, "step_overhead_s": 0.0015}
     devices_json = {"devices": [{"device_id": "device-0", "gamma": 0.004, "beta_up": 5e5, "beta_down": None,
                                  "stale": False, "round_overhead_s": 0.004, "prefill_token_s": 3e-5, "rtt_s": 0.012,
-                                 "pd_hit_rate": 0.7},
-                                {"device_id": "device-1", "gamma": 0.008, "round_overhead_s": 0.006}]}
+                                 "pd_hit_rate": 0.7, "round_overhead_median_s": 0.002},
+                                {"device_id": "device-1", "gamma": 0.008, "round_overhead_s": 0.006,
+                                 "round_overhead_median_s": 0.003}]}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
@@ -307,6 +318,7 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
     assert dev.latency_s == 0.006 and got.devices[1].latency_s == demo.latency_s  # half the probed round trip
     assert got.round_overhead_s == pytest.approx(0.005) and got.step_overhead_s == 0.0015
     assert got.pd_hit_rate == 0.7  # only device-0 pre-drafted
+    assert got.round_overhead_median_s == pytest.approx(0.0025)
     assert any("beta_down" in n for n in got.notes)
     empty = calibration_from_state(None, None)
     assert empty.g_table == Calibration.from_dict({"base": "demo"}).g_table

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import random
+import statistics
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -272,6 +273,7 @@ class DeviceAgent:
         self.telemetry.emit_device_draft(
             self.settings.device_id, total_s / steps, steps,
             round_overhead_s=sum(overheads) / len(overheads) / slowdown if overheads else None,
+            round_overhead_median_s=statistics.median(overheads) / slowdown if overheads else None,
             rounds=len(overheads),
             prefill_token_s=prefill_s / prefill_tokens / slowdown if prefill_tokens else None,
             prefill_tokens=prefill_tokens,

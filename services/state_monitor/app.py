@@ -53,6 +53,7 @@ class DeviceDraft(_Record):
     steps: int = Field(default=1, ge=1, description="draft steps this measurement averaged over")
     round_overhead_s: Seconds | None = Field(default=None, description="mean device time per round outside "
                                              "drafting and the cloud wait (output head, accept, thread hops)")
+    round_overhead_median_s: Seconds | None = Field(default=None, description="median of the same per-round times")
     rounds: int = Field(default=0, ge=0, description="rounds round_overhead_s averaged over")
     prefill_token_s: PositiveSeconds | None = Field(default=None, description="prompt cost per token "
                                                     "(input layers + upload call), per chunk averaged")
@@ -141,7 +142,8 @@ class Monitor:
                                      states=[(tk.request_key(rec.request_id), summary, self.settings.request_ttl_s)])
         dev = self.device(rec.device_id)
         if isinstance(rec, DeviceDraft):
-            dev.observe_draft(rec.step_s, now, rec.round_overhead_s, rec.prefill_token_s, rec.pd_hit_rate)
+            dev.observe_draft(rec.step_s, now, rec.round_overhead_s, rec.prefill_token_s, rec.pd_hit_rate,
+                              rec.round_overhead_median_s)
         elif isinstance(rec, DeviceRtt):
             dev.observe_rtt(rec.rtt_s, now)
         else:
@@ -167,6 +169,7 @@ class Monitor:
         return {"gamma": d.gamma.value, "beta_up": d.beta_up.value, "beta_down": d.beta_down.value,
                 "round_overhead_s": d.round_overhead.value, "prefill_token_s": d.prefill_token.value,
                 "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
+                "round_overhead_median_s": d.round_overhead_median.value,
                 "draft_samples": d.gamma.count, "up_samples": d.beta_up.count, "down_samples": d.beta_down.count,
                 "last_update": d.last_update, "model": d.to_dict()}
 
@@ -183,7 +186,7 @@ class Monitor:
         return {"device_id": d.device_id, "gamma": d.gamma.value, "beta_up": d.beta_up.value,
                 "beta_down": d.beta_down.value, "round_overhead_s": d.round_overhead.value,
                 "prefill_token_s": d.prefill_token.value, "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
-                "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
+                "round_overhead_median_s": d.round_overhead_median.value, "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
                                                             "down": d.beta_down.count},
                 "last_update": d.last_update, "age_s": d.age(now),
                 "stale": d.is_stale(now, self.settings.device_stale_s)}

@@ -156,6 +156,9 @@ class Calibration:
     token_bytes: int = 4             # a token id on the wire (cloud mode)
     frame_overhead_bytes: int = 64   # per message (wire.py: <= 64 bytes beyond the tensor)
     round_overhead_s: float = 0.0    # device-side per round (head, sampling, framing), not in gamma
+    # Its median: when 0 < median < mean, each round draws a lognormal overhead with this median
+    # and round_overhead_s as its mean (measured per-round times are skewed); None = constant.
+    round_overhead_median_s: float | None = None
     step_overhead_s: float = 0.0     # per cloud step beyond g(mu) (scheduling, thread hop, replies)
     session_open_rtt: bool = True    # split modes open a cloud session (one round trip) first
     nosd_step_factor: float = 1.0    # a non-speculative decode step in units of gamma
@@ -189,6 +192,16 @@ class Calibration:
             raise ValueError(f"need 1 <= split_layers < num_layers, got m={self.split_layers}, n={self.num_layers}")
         if self.mode_cycle is not None:
             SpeedSchedule(self.mode_cycle, self.mode_switch_every)  # validates
+        if self.round_overhead_s < 0 or (self.round_overhead_median_s is not None and self.round_overhead_median_s < 0):
+            raise ValueError("round_overhead_s and round_overhead_median_s must be >= 0")
+
+    @property
+    def round_overhead_sigma(self) -> float:
+        """Lognormal sigma with median m and mean u: u = m * exp(sigma^2 / 2); 0 = constant overhead."""
+        m, u = self.round_overhead_median_s, self.round_overhead_s
+        if m is None or not 0 < m < u:
+            return 0.0
+        return math.sqrt(2 * math.log(u / m))
 
     # -- derived -----------------------------------------------------------------------
     @property

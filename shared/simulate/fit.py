@@ -72,6 +72,7 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
     ref = base.devices[0]
     profiles: list[DeviceProfile] = []
     overheads: list[float] = []
+    overhead_medians: list[float] = []
     pd_hits: list[float] = []
     scaled_prefill: list[str] = []
     probed_latency: list[str] = []
@@ -93,6 +94,9 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         overhead = _non_negative(entry.get("round_overhead_s"))
         if overhead is not None:
             overheads.append(overhead)
+            median = _non_negative(entry.get("round_overhead_median_s"))
+            if median is not None:
+                overhead_medians.append(median)
         rtt = _positive(entry.get("rtt_s"))
         if rtt is not None:
             probed_latency.append(dev_id)
@@ -112,10 +116,14 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
     else:
         profiles = list(base.devices)
         notes.append("no devices in telemetry: base device profiles")
-    round_overhead_s = base.round_overhead_s
+    round_overhead_s, round_overhead_median_s = base.round_overhead_s, base.round_overhead_median_s
     if overheads:
         round_overhead_s = sum(overheads) / len(overheads)
-        notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms: mean of {len(overheads)} devices' telemetry")
+        round_overhead_median_s = (sum(overhead_medians) / len(overhead_medians)
+                                   if len(overhead_medians) == len(overheads) else None)
+        median_note = f", median {round_overhead_median_s * 1e3:.2f} ms" if round_overhead_median_s is not None else ""
+        notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms{median_note}: "
+                     f"mean of {len(overheads)} devices' telemetry")
     else:
         notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms: base value")
     step_overhead_s = _non_negative((cloud or {}).get("step_overhead_s"))
@@ -129,6 +137,7 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
     notes.append(f"accept_dist (mean {base.mean_accept_length:.2f}), "
                  f"hidden {base.hidden_size}, n={base.num_layers}, m={base.split_layers}: base values")
     return dataclasses.replace(base, g_table=g_table, devices=profiles, round_overhead_s=round_overhead_s,
+                               round_overhead_median_s=round_overhead_median_s,
                                step_overhead_s=step_overhead_s, pd_hit_rate=pd_hit_rate, notes=base.notes + notes)
 
 

@@ -45,7 +45,7 @@ from shared.simulate.cloud import Cloud
 from shared.simulate.events import EventLoop, FifoServer, Link
 from shared.simulate.modes import Mode
 
-_ACCEPT_STREAM, _PD_STREAM = 3, 4  # loadgen uses 1 (arrivals) and 2 (prompts)
+_ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM = 3, 4, 5  # loadgen uses 1 (arrivals) and 2 (prompts)
 _BIG = 1e30  # stands in for an unlimited bandwidth in the planners' equations
 
 
@@ -108,7 +108,7 @@ class RequestProcess:
         speed = device.profile.slowdown * slowdown
         self.gamma = device.profile.gamma_s * speed
         self.token_s = device.profile.prefill_token_s * speed
-        self.post_s = ctx.cal.round_overhead_s * speed
+        self.speed = speed
         self.A = ctx.cal.bytes_per_token
         self.o = ctx.cal.frame_overhead_bytes
         self.record = RequestRecord(index=req.index, arrival_s=req.arrival_s, max_tokens=req.max_tokens,
@@ -121,6 +121,16 @@ class RequestProcess:
         self.cloud_made = 0  # cloud mode: tokens produced in the cloud so far
         self.rng_accept = np.random.default_rng([ctx.seed, _ACCEPT_STREAM, req.index])
         self.rng_pd = np.random.default_rng([ctx.seed, _PD_STREAM, req.index])
+        self.rng_overhead = np.random.default_rng([ctx.seed, _OVERHEAD_STREAM, req.index])
+
+    @property
+    def post_s(self) -> float:
+        """Device time after the cloud's answer: constant, or lognormal around the measured median."""
+        cal = self.ctx.cal
+        sigma = cal.round_overhead_sigma
+        if sigma == 0.0:
+            return cal.round_overhead_s * self.speed
+        return cal.round_overhead_median_s * math.exp(sigma * self.rng_overhead.standard_normal()) * self.speed
 
     # -- helpers -------------------------------------------------------------------------
     def _work(self, seconds: float, then: Callable[..., None], *args: object) -> None:
