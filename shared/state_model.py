@@ -268,17 +268,18 @@ class DeviceState:
     prefill_token: Ema = field(default_factory=Ema)  # seconds per prompt token on the device
     rtt: Ema = field(default_factory=Ema)  # a one-row message's round trip to the cloud (latency + framing)
     pd_hit: Ema = field(default_factory=Ema)  # parallel drafting: corrections that were a pre-drafted candidate
+    full_accept: Ema = field(default_factory=Ema)  # rounds that accepted every drafted token
     last_update: float | None = None
 
     def __post_init__(self) -> None:
         _check_alpha(self.alpha)
         for ema in (self.gamma, self.beta_up, self.beta_down, self.round_overhead, self.round_overhead_median,
-                    self.prefill_token, self.rtt, self.pd_hit):
+                    self.prefill_token, self.rtt, self.pd_hit, self.full_accept):
             ema.alpha = self.alpha
 
     def observe_draft(self, step_seconds: float, now: float, round_overhead_s: float | None = None,
                       prefill_token_s: float | None = None, pd_hit_rate: float | None = None,
-                      round_overhead_median_s: float | None = None) -> None:
+                      round_overhead_median_s: float | None = None, full_accept_rate: float | None = None) -> None:
         if not step_seconds > 0:
             raise ValueError(f"draft step seconds must be > 0, got {step_seconds!r}")
         for name, value in (("round overhead", round_overhead_s), ("round overhead median", round_overhead_median_s)):
@@ -286,8 +287,9 @@ class DeviceState:
                 raise ValueError(f"{name} seconds must be >= 0, got {value!r}")
         if prefill_token_s is not None and not prefill_token_s > 0:
             raise ValueError(f"prefill seconds per token must be > 0, got {prefill_token_s!r}")
-        if pd_hit_rate is not None and not 0 <= pd_hit_rate <= 1:
-            raise ValueError(f"pd hit rate must be in [0, 1], got {pd_hit_rate!r}")
+        for name, rate in (("pd hit rate", pd_hit_rate), ("full accept rate", full_accept_rate)):
+            if rate is not None and not 0 <= rate <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {rate!r}")
         self.gamma.update(step_seconds)
         if round_overhead_s is not None:
             self.round_overhead.update(round_overhead_s)
@@ -297,6 +299,8 @@ class DeviceState:
             self.prefill_token.update(prefill_token_s)
         if pd_hit_rate is not None:
             self.pd_hit.update(pd_hit_rate)
+        if full_accept_rate is not None:
+            self.full_accept.update(full_accept_rate)
         self.last_update = now
 
     def observe_rtt(self, rtt_seconds: float, now: float) -> None:
@@ -328,7 +332,8 @@ class DeviceState:
                 "beta_up": self.beta_up.to_dict(), "beta_down": self.beta_down.to_dict(),
                 "round_overhead": self.round_overhead.to_dict(),
                 "round_overhead_median": self.round_overhead_median.to_dict(), "prefill_token": self.prefill_token.to_dict(),
-                "rtt": self.rtt.to_dict(), "pd_hit": self.pd_hit.to_dict(), "last_update": self.last_update}
+                "rtt": self.rtt.to_dict(), "pd_hit": self.pd_hit.to_dict(),
+                "full_accept": self.full_accept.to_dict(), "last_update": self.last_update}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceState:
@@ -340,4 +345,5 @@ class DeviceState:
                    round_overhead_median=Ema.from_dict(data.get("round_overhead_median", {})),
                    prefill_token=Ema.from_dict(data.get("prefill_token", {})),
                    rtt=Ema.from_dict(data.get("rtt", {})), pd_hit=Ema.from_dict(data.get("pd_hit", {})),
+                   full_accept=Ema.from_dict(data.get("full_accept", {})),
                    last_update=None if last is None else float(last))

@@ -292,7 +292,8 @@ class TelemetryClient:
                           round_overhead_s: float | None = None, round_overhead_median_s: float | None = None,
                           rounds: int = 0,
                           prefill_token_s: float | None = None, prefill_tokens: int = 0,
-                          pd_hit_rate: float | None = None, pd_chances: int = 0) -> None:
+                          pd_hit_rate: float | None = None, pd_chances: int = 0,
+                          full_accept_rate: float | None = None) -> None:
         record = {"kind": "device_draft", "device_id": device_id, "step_s": step_s, "steps": steps, "ts": time.time()}
         if round_overhead_s is not None and rounds > 0:
             record.update(round_overhead_s=round_overhead_s, rounds=rounds)
@@ -302,6 +303,8 @@ class TelemetryClient:
             record.update(prefill_token_s=prefill_token_s, prefill_tokens=prefill_tokens)
         if pd_hit_rate is not None and pd_chances > 0:
             record.update(pd_hit_rate=pd_hit_rate, pd_chances=pd_chances)
+        if full_accept_rate is not None:
+            record["full_accept_rate"] = full_accept_rate
         self.emit(record)
 
     def emit_device_rtt(self, device_id: str, rtt_s: float) -> None:

@@ -210,6 +210,21 @@ def test_speculation_with_accept_length_l_cuts_time_per_token():
     assert sd.accept_length == 3
 
 
+def test_a_fully_accepted_round_drafted_one_token_less():
+    gamma = 0.002
+    cal = make_cal(accept_dist=[0.0, 0.0, 1.0, 0.0])  # L = 3 every round, K = 3
+
+    def round_s(k: int) -> float:
+        return (k + 1) * gamma + (k + 1) * A / UP + LAT + g_lin(k + 1) + (k + 1) * A / DOWN + LAT
+
+    ran_to_rejection = run(cal, "hat-sd", [SimRequest(0, 0.0, 100, 7)]).records[0]
+    all_accepted = run(dataclasses.replace(cal, full_accept_rate=1.0), "hat-sd", [SimRequest(0, 0.0, 100, 7)]).records[0]
+    # k = 3 with the third rejected; the last round is capped by the tokens left (k = 2)
+    assert gaps(ran_to_rejection) == pytest.approx([round_s(3), round_s(2)], abs=1e-12)
+    assert gaps(all_accepted) == pytest.approx([round_s(2)] * 2, abs=1e-12)  # k = 2, both accepted, +1
+    assert all_accepted.chunk_tokens == ran_to_rejection.chunk_tokens == [1, 3, 3]
+
+
 def test_parallel_drafting_hits_skip_the_next_draft():
     cal = make_cal(accept_dist=[0.0, 1.0, 0.0], pd_steps=2)  # L = k = 2: the last draft token is corrected
     req = [SimRequest(0, 0.0, 100, 41)]
@@ -286,7 +301,7 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
     cloud_json = {"mu": cloud.mu.value, "alpha": 0.8, "g": {"buckets": cloud.g.table()}, "step_overhead_s": 0.0015}
     devices_json = {"devices": [{"device_id": "device-0", "gamma": 0.004, "beta_up": 5e5, "beta_down": None,
                                  "stale": False, "round_overhead_s": 0.004, "prefill_token_s": 3e-5, "rtt_s": 0.012,
-                                 "pd_hit_rate": 0.7, "round_overhead_median_s": 0.002},
+                                 "pd_hit_rate": 0.7, "round_overhead_median_s": 0.002, "full_accept_rate": 0.4},
                                 {"device_id": "device-1", "gamma": 0.008, "round_overhead_s": 0.006,
                                  "round_overhead_median_s": 0.003}]}
 
@@ -318,7 +333,7 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
     assert dev.latency_s == 0.006 and got.devices[1].latency_s == demo.latency_s  # half the probed round trip
     assert got.round_overhead_s == pytest.approx(0.005) and got.step_overhead_s == 0.0015
     assert got.pd_hit_rate == 0.7  # only device-0 pre-drafted
-    assert got.round_overhead_median_s == pytest.approx(0.0025)
+    assert got.round_overhead_median_s == pytest.approx(0.0025) and got.full_accept_rate == 0.4
     assert any("beta_down" in n for n in got.notes)
     empty = calibration_from_state(None, None)
     assert empty.g_table == Calibration.from_dict({"base": "demo"}).g_table

@@ -278,7 +278,8 @@ class DeviceAgent:
             prefill_token_s=prefill_s / prefill_tokens / slowdown if prefill_tokens else None,
             prefill_tokens=prefill_tokens,
             pd_hit_rate=session.reused_branches / session.predraft_chances if session.predraft_chances else None,
-            pd_chances=session.predraft_chances)
+            pd_chances=session.predraft_chances,
+            full_accept_rate=session.full_accepts / len(session.accept_lengths) if session.accept_lengths else None)
 
     async def aclose(self) -> None:
         await self.cloud.close_connection()

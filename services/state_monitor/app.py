@@ -61,6 +61,8 @@ class DeviceDraft(_Record):
     pd_hit_rate: float | None = Field(default=None, ge=0, le=1, description="parallel drafting: share of "
                                       "corrected last draft tokens that were a pre-drafted candidate")
     pd_chances: int = Field(default=0, ge=0, description="rounds pd_hit_rate is over")
+    full_accept_rate: float | None = Field(default=None, ge=0, le=1, description="share of verification rounds "
+                                           "that accepted every drafted token")
 
 
 class DeviceTransfer(_Record):
@@ -143,7 +145,7 @@ class Monitor:
         dev = self.device(rec.device_id)
         if isinstance(rec, DeviceDraft):
             dev.observe_draft(rec.step_s, now, rec.round_overhead_s, rec.prefill_token_s, rec.pd_hit_rate,
-                              rec.round_overhead_median_s)
+                              rec.round_overhead_median_s, rec.full_accept_rate)
         elif isinstance(rec, DeviceRtt):
             dev.observe_rtt(rec.rtt_s, now)
         else:
@@ -169,7 +171,7 @@ class Monitor:
         return {"gamma": d.gamma.value, "beta_up": d.beta_up.value, "beta_down": d.beta_down.value,
                 "round_overhead_s": d.round_overhead.value, "prefill_token_s": d.prefill_token.value,
                 "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
-                "round_overhead_median_s": d.round_overhead_median.value,
+                "round_overhead_median_s": d.round_overhead_median.value, "full_accept_rate": d.full_accept.value,
                 "draft_samples": d.gamma.count, "up_samples": d.beta_up.count, "down_samples": d.beta_down.count,
                 "last_update": d.last_update, "model": d.to_dict()}
 
@@ -186,7 +188,8 @@ class Monitor:
         return {"device_id": d.device_id, "gamma": d.gamma.value, "beta_up": d.beta_up.value,
                 "beta_down": d.beta_down.value, "round_overhead_s": d.round_overhead.value,
                 "prefill_token_s": d.prefill_token.value, "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
-                "round_overhead_median_s": d.round_overhead_median.value, "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
+                "round_overhead_median_s": d.round_overhead_median.value, "full_accept_rate": d.full_accept.value,
+                "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
                                                             "down": d.beta_down.count},
                 "last_update": d.last_update, "age_s": d.age(now),
                 "stale": d.is_stale(now, self.settings.device_stale_s)}

@@ -143,6 +143,8 @@ class Calibration:
     devices: list[DeviceProfile] = field(default_factory=_paper_devices)
     accept_dist: list[float] = field(default_factory=lambda: list(_PAPER_ACCEPT))  # P(L = 1..K+1)
     pd_hit_rate: float = 0.5         # P(correction is a pre-drafted candidate | last draft token rejected)
+    full_accept_rate: float | None = None  # P(a round accepts every drafted token): its draft was L - 1
+                                     # long; None: drafts always run to the rejected token (k = min(L, K))
     pd_candidates: int = 2           # branches pre-drafted per round (TOPHAT_DEVICE_PARALLEL_CANDIDATES)
     pd_steps: int | None = None      # fixed lambda; None = eq. 6 every round
     pd_batched: bool = True          # candidates drafted as one batch (HAT: "in parallel"); the real
@@ -186,8 +188,9 @@ class Calibration:
         if not self.accept_dist or min(self.accept_dist) < 0 or total <= 0:
             raise ValueError("accept_dist must be non-negative probabilities of 1..K+1 tokens per round")
         self.accept_dist = [p / total for p in self.accept_dist]
-        if not 0 <= self.pd_hit_rate <= 1 or not 0 <= self.slow_fraction <= 1:
-            raise ValueError("pd_hit_rate and slow_fraction must be in [0, 1]")
+        if not 0 <= self.pd_hit_rate <= 1 or not 0 <= self.slow_fraction <= 1 or not (
+                self.full_accept_rate is None or 0 <= self.full_accept_rate <= 1):
+            raise ValueError("pd_hit_rate, full_accept_rate and slow_fraction must be in [0, 1]")
         if self.split_layers < 1 or self.num_layers <= self.split_layers:
             raise ValueError(f"need 1 <= split_layers < num_layers, got m={self.split_layers}, n={self.num_layers}")
         if self.mode_cycle is not None:

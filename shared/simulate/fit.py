@@ -74,6 +74,7 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
     overheads: list[float] = []
     overhead_medians: list[float] = []
     pd_hits: list[float] = []
+    full_accepts: list[float] = []
     scaled_prefill: list[str] = []
     probed_latency: list[str] = []
     for entry in (devices or {}).get("devices", []):
@@ -88,6 +89,9 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         if entry.get("stale"):
             notes.append(f"device {dev_id}: telemetry is stale")
         gamma = gamma or ref.gamma_s
+        full = _non_negative(entry.get("full_accept_rate"))
+        if full is not None and full <= 1:
+            full_accepts.append(full)
         hit = _non_negative(entry.get("pd_hit_rate"))
         if hit is not None and hit <= 1:
             pd_hits.append(hit)
@@ -134,11 +138,15 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
     pd_hit_rate = sum(pd_hits) / len(pd_hits) if pd_hits else base.pd_hit_rate
     notes.append(f"pd_hit_rate {pd_hit_rate:.2f}: " + (f"mean of {len(pd_hits)} devices' telemetry" if pd_hits
                                                        else "base value"))
+    full_accept_rate = sum(full_accepts) / len(full_accepts) if full_accepts else base.full_accept_rate
+    if full_accepts:
+        notes.append(f"full_accept_rate {full_accept_rate:.2f}: mean of {len(full_accepts)} devices' telemetry")
     notes.append(f"accept_dist (mean {base.mean_accept_length:.2f}), "
                  f"hidden {base.hidden_size}, n={base.num_layers}, m={base.split_layers}: base values")
     return dataclasses.replace(base, g_table=g_table, devices=profiles, round_overhead_s=round_overhead_s,
                                round_overhead_median_s=round_overhead_median_s,
-                               step_overhead_s=step_overhead_s, pd_hit_rate=pd_hit_rate, notes=base.notes + notes)
+                               step_overhead_s=step_overhead_s, pd_hit_rate=pd_hit_rate,
+                               full_accept_rate=full_accept_rate, notes=base.notes + notes)
 
 
 def from_telemetry(state_monitor_url: str, *, base: Calibration | None = None, timeout_s: float = 2.0,

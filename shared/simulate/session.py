@@ -22,9 +22,11 @@ comes down and the device sends it back up for the next step (one token per roun
 as the real agent's token_decode does). `cloud-stream`: the cloud decodes on its own and
 streams each id down as it is made. No device compute in either.
 
-Speculation draws: L ~ accept_dist, the draft length is k = min(L, K) (drafting stops at
-the first low-confidence token, which is usually the one rejected; all accepted -> L = k+1),
-capped so a round never makes more than the tokens left. Each request has its own random
+Speculation draws: L ~ accept_dist; with probability `full_accept_rate` the round accepted
+its whole draft, so k = L - 1 (the target adds one token); otherwise drafting ran to the
+rejected token, k = min(L, K). Without a measured rate every draft runs to the rejected
+token (drafting stops at the first low-confidence token, which is usually the one rejected).
+k is capped so a round never makes more than the tokens left. Each request has its own random
 streams, so every mode sees the same draws for the same request (paired comparison).
 """
 
@@ -45,7 +47,7 @@ from shared.simulate.cloud import Cloud
 from shared.simulate.events import EventLoop, FifoServer, Link
 from shared.simulate.modes import Mode
 
-_ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM = 3, 4, 5  # loadgen uses 1 (arrivals) and 2 (prompts)
+_ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM, _FULL_STREAM = 3, 4, 5, 6  # loadgen: 1 arrivals, 2 prompts
 _BIG = 1e30  # stands in for an unlimited bandwidth in the planners' equations
 
 
@@ -122,6 +124,7 @@ class RequestProcess:
         self.rng_accept = np.random.default_rng([ctx.seed, _ACCEPT_STREAM, req.index])
         self.rng_pd = np.random.default_rng([ctx.seed, _PD_STREAM, req.index])
         self.rng_overhead = np.random.default_rng([ctx.seed, _OVERHEAD_STREAM, req.index])
+        self.rng_full = np.random.default_rng([ctx.seed, _FULL_STREAM, req.index])
 
     @property
     def post_s(self) -> float:
@@ -227,7 +230,9 @@ class RequestProcess:
         mode, cal = self.ctx.mode, self.ctx.cal
         if mode.speculative:
             natural = self._draw_accept()
-            k = min(natural, cal.max_draft, remaining - 1)
+            full = cal.full_accept_rate is not None and self.rng_full.random() < cal.full_accept_rate
+            # all accepted: the draft was natural - 1 long (+1 bonus); else it ran to the rejected token
+            k = min(natural - 1 if full else natural, cal.max_draft, remaining - 1)
             predrafted = self.ready_draft is not None
             if predrafted:
                 k = min(k, self.ready_draft)

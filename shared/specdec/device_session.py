@@ -133,6 +133,7 @@ class DeviceSession:
         self._last_draft_logits: torch.Tensor | None = None  # draft logits at the last drafted position
         self.reused_branches = 0
         self.predraft_chances = 0  # rounds with pre-drafted branches whose last draft token was corrected
+        self.full_accepts = 0  # verification rounds that accepted every drafted token (L = k + 1)
 
     # -- state -----------------------------------------------------------------
     @property
@@ -284,6 +285,7 @@ class DeviceSession:
         self.pending_token = verdict.next_token
         emitted = self._emit(draft.tokens[: verdict.num_accepted] + [verdict.next_token])
         self.accept_lengths.append(len(emitted))
+        self.full_accepts += verdict.num_accepted == len(draft.tokens)
         match = None
         if verdict.num_accepted == len(draft.tokens) - 1 and not self.is_finished:
             match = next((b for b in branches if b.candidate == verdict.next_token), None)
