@@ -261,8 +261,9 @@ class DeviceAgent:
 
     def _report_timings(self, session: DeviceSession, slowdown: float) -> None:
         """What only the device knows: its draft step (gamma) and, for the simulator's latency models,
-        its prompt cost per token and its per-round time outside drafting and the cloud wait. The
-        latter two are wall clock, divided by the emulated slowdown to be in gamma's (unslowed) units.
+        its prompt cost per token, its per-round time outside drafting and the cloud wait (mean and
+        median: wall clock, divided by the emulated slowdown to be in gamma's unslowed units), how
+        often a pre-drafted branch was the correction and how often a whole draft was accepted.
         Per-request telemetry (TTFT, token times, accept lengths) is the token-streamer's."""
         total_s, steps = sum(s for s, _ in session.draft_seconds), sum(n for _, n in session.draft_seconds)
         if not steps:
@@ -279,7 +280,9 @@ class DeviceAgent:
             prefill_tokens=prefill_tokens,
             pd_hit_rate=session.reused_branches / session.predraft_chances if session.predraft_chances else None,
             pd_chances=session.predraft_chances,
-            full_accept_rate=session.full_accepts / len(session.accept_lengths) if session.accept_lengths else None)
+            # U-shape rounds (no draft) accept "everything" trivially; only speculative sessions say anything.
+            full_accept_rate=(session.full_accepts / len(session.accept_lengths)
+                              if session.accept_lengths and session.draft_config.max_draft > 0 else None))
 
     async def aclose(self) -> None:
         await self.cloud.close_connection()
