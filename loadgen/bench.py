@@ -238,6 +238,7 @@ def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new
                 # are the ones its own load measured.
                 cal = _calibrate(config.monitor_url, link, model_dir)
                 cal = _accept_dist_from_run(cal, run_dir / "requests.csv")
+                cal.save(run_dir / "calibration.json")  # what the simulator was given, for a second look
                 sim_config = SimConfig(devices=devices, stages=1, workload=workload, num_requests=num_requests,
                                        seed=seed, heterogeneous=False, max_new_tokens=max_new_tokens)
                 grid = simulate_grid(cal, parse_modes(mode, workload), [rate], sim_config)
