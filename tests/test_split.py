@@ -138,3 +138,26 @@ def test_split_and_cache_errors(tiny_checkpoint, tmp_path):
     (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(ModelLoadError, match="not a Llama-family"):
         load_checkpoint(tmp_path / "bert")
+
+
+def test_warm_ups_leave_no_state_behind(tiny_checkpoint):
+    """Warm-up passes run every kernel once on throwaway sessions and free them."""
+    from shared.model.adapter import DraftAdapter
+    from shared.model.split import MiddleSubmodel, warm_up_layers
+    from shared.specdec.device_session import DeviceModel, warm_up_device
+
+    middle = MiddleSubmodel(tiny_checkpoint, 2)
+    warm_up_layers(middle, tiny_checkpoint.hidden_size, sizes=(16, 1))
+    device = DeviceModel.from_checkpoint(tiny_checkpoint, 2, DraftAdapter(tiny_checkpoint, 2))
+    warm_up_device(device, prompt_tokens=16)
+    # Nothing leaks into later sessions: generation after the warm-ups equals the unsplit model.
+    import asyncio
+
+    from shared.specdec.device_session import DeviceSession
+    from shared.specdec.engine import LocalCloud, generate
+    from shared.specdec.reference import generate_full
+
+    ids = [5, 9, 2, 7, 11, 3]
+    session = DeviceSession(device, ids, max_new_tokens=8)
+    got = asyncio.run(generate(session, LocalCloud(middle))).token_ids
+    assert got == generate_full(tiny_checkpoint, ids, 8).token_ids

@@ -40,7 +40,7 @@ from shared.device_speed import slowed, speed_schedule
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.model.checkpoint import load_checkpoint
 from shared.runtime import build_device_model, encode_prompt
-from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError
+from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError, warm_up_device
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
@@ -113,6 +113,7 @@ class DeviceAgent:
         self.requests_served = 0
         self.active = 0
         self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s)
+        warm_up_device(self.model)
 
     def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         # Small frames measure latency, not bandwidth; only bulk transfers feed beta_up/beta_down.

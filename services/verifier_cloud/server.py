@@ -37,7 +37,7 @@ from services.verifier_cloud.stages import StageItem, StageSpec
 from services.verifier_cloud.token_mode import TokenModel
 from shared import wire
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config
-from shared.model.split import MiddleSubmodel, SplitError, stage_ranges, validate_split
+from shared.model.split import MiddleSubmodel, SplitError, stage_ranges, validate_split, warm_up_layers
 from shared.settings import SettingsError
 from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
@@ -101,6 +101,7 @@ class VerifierServer:
             return cls(settings, None, config["max_position_embeddings"], config["hidden_size"], stages=stages)
         checkpoint = load_checkpoint(settings.model_dir, with_tokenizer=False)
         middle = MiddleSubmodel(checkpoint, settings.split_layers)
+        warm_up_layers(middle, checkpoint.hidden_size)
         # Without full_model only the middle layers outlive `checkpoint`: no embeddings, no head.
         token_model = TokenModel(checkpoint, settings.split_layers) if settings.full_model else None
         return cls(settings, middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size,

@@ -189,10 +189,11 @@ class StageWorker:
 
 def _build(spec: StageSpec) -> StageWorker:
     from shared.model.checkpoint import load_checkpoint
-    from shared.model.split import MiddleSubmodel
+    from shared.model.split import MiddleSubmodel, warm_up_layers
 
     checkpoint = load_checkpoint(spec.model_dir, with_tokenizer=False)
     middle = MiddleSubmodel(checkpoint, spec.split_layers, stage=spec.layers)
+    warm_up_layers(middle, checkpoint.hidden_size)
     # Dropping the checkpoint frees the embeddings, head and other stages' layers in this process.
     return StageWorker(spec.index, middle, checkpoint.config.max_position_embeddings)
 

@@ -67,6 +67,17 @@ class LayerRange(torch.nn.Module):
         return list(out.split(lengths))
 
 
+def warm_up_layers(layers: LayerRange, hidden_size: int, sizes: Sequence[int] = (256, 8, 1)) -> None:
+    """One pass per size on a throwaway cache: first-call costs are paid before any request, and
+    the step times reported from then on describe steady state."""
+    cache = layers.new_cache()
+    try:
+        for size in sizes:
+            layers.forward_batch([(cache, torch.zeros(size, hidden_size, dtype=layers.dtype))])
+    finally:
+        cache.free()
+
+
 class InputSubmodel(LayerRange):
     """Embeddings + the first m decoder layers; lives on the device."""
 
