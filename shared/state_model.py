@@ -277,7 +277,7 @@ class DeviceState:
                     self.prefill_token, self.rtt, self.pd_hit, self.full_accept):
             ema.alpha = self.alpha
 
-    def observe_draft(self, step_seconds: float, now: float, round_overhead_s: float | None = None,
+    def observe_draft(self, step_seconds: float, now: float, *, round_overhead_s: float | None = None,
                       prefill_token_s: float | None = None, pd_hit_rate: float | None = None,
                       round_overhead_median_s: float | None = None, full_accept_rate: float | None = None) -> None:
         if not step_seconds > 0:

@@ -141,13 +141,15 @@ class DeviceAgent:
         while True:
             await asyncio.sleep(interval)
             try:
-                self.recent_rtts.append(await self.cloud.measure_rtt())
+                self._report_rtt(await self.cloud.measure_rtt())
             except (CloudUnavailable, CloudError) as exc:
                 log.info("round-trip probe failed: %s", exc)
-                continue
-            # The median of the last few: a probe that queued behind a prompt upload on the shared
-            # link measures that upload (which the simulator models itself), not the message cost.
-            self.telemetry.emit_device_rtt(self.settings.device_id, statistics.median(self.recent_rtts))
+
+    def _report_rtt(self, rtt_s: float) -> None:
+        # The median of the last few: a probe that queued behind a prompt upload on the shared
+        # link measures that upload (which the simulator models itself), not the message cost.
+        self.recent_rtts.append(rtt_s)
+        self.telemetry.emit_device_rtt(self.settings.device_id, statistics.median(self.recent_rtts))
 
     async def probe_bandwidth(self) -> None:
         """Measure beta_up / beta_down with bulk probes (HAT §3.2: devices report both)."""
@@ -158,35 +160,33 @@ class DeviceAgent:
             return
         self._on_transfer("up", up_bytes, up_s)
         self._on_transfer("down", down_bytes, down_s)
-        self.recent_rtts.append(rtt_s)
-        self.telemetry.emit_device_rtt(self.settings.device_id, statistics.median(self.recent_rtts))
+        self._report_rtt(rtt_s)
         log.info("link probe: up %.0f KB/s, down %.0f KB/s, small-message round trip %.1f ms",
                  up_bytes / up_s / 1e3, down_bytes / down_s / 1e3, rtt_s * 1e3)
+
+    async def _ask_planner(self, path: str, params: dict[str, int], key: str, fallback: int) -> int:
+        """An integer answer from the chunk planner, or `fallback` when it cannot give one."""
+        try:
+            response = await self.http.get(f"{self.settings.chunk_planner_url}{path}",
+                                           params={"device_id": self.settings.device_id, **params})
+            response.raise_for_status()
+            return int(response.json()[key])
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            log.warning("chunk planner unavailable for %s (%s); using %d", path, exc, fallback)
+            return fallback
 
     async def chunk_size(self, prompt_tokens: int) -> int:
         if not self.settings.chunk_planner_url:
             return self.settings.default_chunk_size
-        try:
-            response = await self.http.get(f"{self.settings.chunk_planner_url}/chunk-size",
-                                           params={"device_id": self.settings.device_id, "prompt_tokens": prompt_tokens})
-            response.raise_for_status()
-            return max(1, int(response.json()["chunk_size"]))
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            log.warning("chunk planner unavailable (%s); using %d", exc, self.settings.default_chunk_size)
-            return self.settings.default_chunk_size
+        return max(1, await self._ask_planner("/chunk-size", {"prompt_tokens": prompt_tokens}, "chunk_size",
+                                              self.settings.default_chunk_size))
 
     async def parallel_steps(self, draft_len: int) -> int:
         """PD steps per candidate: fixed, or HAT eq. 6 from the planner."""
         if self.settings.parallel_steps or not self.settings.chunk_planner_url:
             return self.settings.parallel_steps or DEFAULT_PARALLEL_STEPS
-        try:
-            response = await self.http.get(f"{self.settings.chunk_planner_url}/parallel-draft-steps",
-                                           params={"device_id": self.settings.device_id, "draft_len": draft_len})
-            response.raise_for_status()
-            return max(0, int(response.json()["steps"]))
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            log.warning("planner unavailable for parallel-draft steps (%s); using %d", exc, DEFAULT_PARALLEL_STEPS)
-            return DEFAULT_PARALLEL_STEPS
+        return max(0, await self._ask_planner("/parallel-draft-steps", {"draft_len": draft_len}, "steps",
+                                              DEFAULT_PARALLEL_STEPS))
 
     async def _hat_rounds(self, request: GenerateRequest, ids: list[int], session: DeviceSession,
                           session_id: int, slowdown: float) -> AsyncIterator[list[int]]:

@@ -144,8 +144,9 @@ class Monitor:
                                      states=[(tk.request_key(rec.request_id), summary, self.settings.request_ttl_s)])
         dev = self.device(rec.device_id)
         if isinstance(rec, DeviceDraft):
-            dev.observe_draft(rec.step_s, now, rec.round_overhead_s, rec.prefill_token_s, rec.pd_hit_rate,
-                              rec.round_overhead_median_s, rec.full_accept_rate)
+            dev.observe_draft(rec.step_s, now, round_overhead_s=rec.round_overhead_s,
+                              round_overhead_median_s=rec.round_overhead_median_s, prefill_token_s=rec.prefill_token_s,
+                              pd_hit_rate=rec.pd_hit_rate, full_accept_rate=rec.full_accept_rate)
         elif isinstance(rec, DeviceRtt):
             dev.observe_rtt(rec.rtt_s, now)
         else:
@@ -167,11 +168,16 @@ class Monitor:
                 "g_c1": line[0] if line else None, "g_c2": line[1] if line else None,
                 "g": c.g.table(), "updated_at": c.updated_at, "model": c.to_dict()}
 
-    def _device_hash(self, d: DeviceState) -> dict[str, Any]:
+    @staticmethod
+    def _device_estimates(d: DeviceState) -> dict[str, float | None]:
+        """The current value of every per-device average (HAT's gamma and beta, the simulator's rest)."""
         return {"gamma": d.gamma.value, "beta_up": d.beta_up.value, "beta_down": d.beta_down.value,
-                "round_overhead_s": d.round_overhead.value, "prefill_token_s": d.prefill_token.value,
-                "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
-                "round_overhead_median_s": d.round_overhead_median.value, "full_accept_rate": d.full_accept.value,
+                "round_overhead_s": d.round_overhead.value, "round_overhead_median_s": d.round_overhead_median.value,
+                "prefill_token_s": d.prefill_token.value, "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
+                "full_accept_rate": d.full_accept.value}
+
+    def _device_hash(self, d: DeviceState) -> dict[str, Any]:
+        return {**self._device_estimates(d),
                 "draft_samples": d.gamma.count, "up_samples": d.beta_up.count, "down_samples": d.beta_down.count,
                 "last_update": d.last_update, "model": d.to_dict()}
 
@@ -185,12 +191,8 @@ class Monitor:
 
     def device_view(self, d: DeviceState) -> dict[str, Any]:
         now = time.time()
-        return {"device_id": d.device_id, "gamma": d.gamma.value, "beta_up": d.beta_up.value,
-                "beta_down": d.beta_down.value, "round_overhead_s": d.round_overhead.value,
-                "prefill_token_s": d.prefill_token.value, "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
-                "round_overhead_median_s": d.round_overhead_median.value, "full_accept_rate": d.full_accept.value,
-                "samples": {"draft": d.gamma.count, "up": d.beta_up.count,
-                                                            "down": d.beta_down.count},
+        return {"device_id": d.device_id, **self._device_estimates(d),
+                "samples": {"draft": d.gamma.count, "up": d.beta_up.count, "down": d.beta_down.count},
                 "last_update": d.last_update, "age_s": d.age(now),
                 "stale": d.is_stale(now, self.settings.device_stale_s)}
 

@@ -274,7 +274,6 @@ class Scheduler:
         for item in items:
             if item.session_id in self.sessions:
                 self.sessions.move_to_end(item.session_id)
-        for item in items:
             self.in_flight.setdefault(item.session_id, []).append(item.kind)
         if not any(self._schedulable(s) for s in self.sessions.values()):
             self.work_ready.clear()

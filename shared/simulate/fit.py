@@ -56,6 +56,16 @@ def _non_negative(value: Any) -> float | None:
     return float(value) if math.isfinite(value) and value >= 0 else None
 
 
+def _fleet_mean(entries: list[dict[str, Any]], key: str, *, at_most: float = math.inf,
+                only_with: str | None = None) -> tuple[float | None, int]:
+    """Mean of `key` over the devices that report a usable value (optionally only those that
+    also report `only_with`), and how many did."""
+    values = [v for e in entries
+              if (only_with is None or _non_negative(e.get(only_with)) is not None)
+              and (v := _non_negative(e.get(key))) is not None and v <= at_most]
+    return (sum(values) / len(values) if values else None), len(values)
+
+
 def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any] | None,
                            base: Calibration | None = None,
                            device_slowdowns: dict[str, float] | None = None) -> Calibration:
@@ -71,15 +81,13 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         notes.append("g(mu): no telemetry buckets, base table")
     ref = base.devices[0]
     profiles: list[DeviceProfile] = []
-    overheads: list[float] = []
-    overhead_medians: list[float] = []
-    pd_hits: list[float] = []
-    full_accepts: list[float] = []
+    entries: list[dict[str, Any]] = []
     scaled_prefill: list[str] = []
     probed_latency: list[str] = []
     for entry in (devices or {}).get("devices", []):
         if not isinstance(entry, dict) or not entry.get("device_id"):
             continue
+        entries.append(entry)
         dev_id = str(entry["device_id"])
         gamma = _positive(entry.get("gamma"))
         up, down = _positive(entry.get("beta_up")), _positive(entry.get("beta_down"))
@@ -89,18 +97,6 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         if entry.get("stale"):
             notes.append(f"device {dev_id}: telemetry is stale")
         gamma = gamma or ref.gamma_s
-        full = _non_negative(entry.get("full_accept_rate"))
-        if full is not None and full <= 1:
-            full_accepts.append(full)
-        hit = _non_negative(entry.get("pd_hit_rate"))
-        if hit is not None and hit <= 1:
-            pd_hits.append(hit)
-        overhead = _non_negative(entry.get("round_overhead_s"))
-        if overhead is not None:
-            overheads.append(overhead)
-            median = _non_negative(entry.get("round_overhead_median_s"))
-            if median is not None:
-                overhead_medians.append(median)
         rtt = _positive(entry.get("rtt_s"))
         if rtt is not None:
             probed_latency.append(dev_id)
@@ -121,13 +117,14 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         profiles = list(base.devices)
         notes.append("no devices in telemetry: base device profiles")
     round_overhead_s, round_overhead_median_s = base.round_overhead_s, base.round_overhead_median_s
-    if overheads:
-        round_overhead_s = sum(overheads) / len(overheads)
-        round_overhead_median_s = (sum(overhead_medians) / len(overhead_medians)
-                                   if len(overhead_medians) == len(overheads) else None)
-        median_note = f", median {round_overhead_median_s * 1e3:.2f} ms" if round_overhead_median_s is not None else ""
+    overhead, with_overhead = _fleet_mean(entries, "round_overhead_s")
+    if overhead is not None:
+        round_overhead_s = overhead
+        median, with_median = _fleet_mean(entries, "round_overhead_median_s", only_with="round_overhead_s")
+        round_overhead_median_s = median if with_median == with_overhead else None  # a mean of all or nothing
+        median_note = f", median {median * 1e3:.2f} ms" if round_overhead_median_s is not None else ""
         notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms{median_note}: "
-                     f"mean of {len(overheads)} devices' telemetry")
+                     f"mean of {with_overhead} devices' telemetry")
     else:
         notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms: base value")
     step_overhead_s = _non_negative((cloud or {}).get("step_overhead_s"))
@@ -135,12 +132,15 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         notes.append(f"step_overhead_s {step_overhead_s * 1e3:.2f} ms: telemetry")
     else:
         step_overhead_s = base.step_overhead_s
-    pd_hit_rate = sum(pd_hits) / len(pd_hits) if pd_hits else base.pd_hit_rate
-    notes.append(f"pd_hit_rate {pd_hit_rate:.2f}: " + (f"mean of {len(pd_hits)} devices' telemetry" if pd_hits
+    pd_hit_rate, with_pd = _fleet_mean(entries, "pd_hit_rate", at_most=1.0)
+    pd_hit_rate = base.pd_hit_rate if pd_hit_rate is None else pd_hit_rate
+    notes.append(f"pd_hit_rate {pd_hit_rate:.2f}: " + (f"mean of {with_pd} devices' telemetry" if with_pd
                                                        else "base value"))
-    full_accept_rate = sum(full_accepts) / len(full_accepts) if full_accepts else base.full_accept_rate
-    if full_accepts:
-        notes.append(f"full_accept_rate {full_accept_rate:.2f}: mean of {len(full_accepts)} devices' telemetry")
+    full_accept_rate, with_full = _fleet_mean(entries, "full_accept_rate", at_most=1.0)
+    if full_accept_rate is None:
+        full_accept_rate = base.full_accept_rate
+    else:
+        notes.append(f"full_accept_rate {full_accept_rate:.2f}: mean of {with_full} devices' telemetry")
     notes.append(f"accept_dist (mean {base.mean_accept_length:.2f}), "
                  f"hidden {base.hidden_size}, n={base.num_layers}, m={base.split_layers}: base values")
     return dataclasses.replace(base, g_table=g_table, devices=profiles, round_overhead_s=round_overhead_s,
