@@ -18,16 +18,16 @@ test: install
 	$(BIN)/python -m pytest -q
 
 demo: install
-	$(BIN)/python -m shared.demo
+	$(BIN)/python -m tophatctl.demo
 
 bench-core: install
-	$(BIN)/python -m shared.bench_core
+	$(BIN)/python -m loadgen.bench_core
 
 clean:
 	rm -rf $(VENV)
 
 bench-hat: install
-	$(BIN)/python -m shared.bench_hat
+	$(BIN)/python -m loadgen.bench_hat
 
 # HAT against its baselines on one mesh, same arrival trace; leaves tables, CSVs and plots in bench-results/
 bench: install

@@ -80,7 +80,7 @@ def run_modes(modes: dict[str, Mode], *, workload: str, rates: list[float], num_
               seed: int, out: Path, devices: int, link: str, model_dir: str) -> dict[tuple[str, float], dict]:
     """Run every mode at every rate; returns results.json contents keyed by (mode, rate)."""
     from loadgen.cli import _run
-    from shared.launcher import Mesh, MeshConfig, find_port_base
+    from tophatctl.launcher import Mesh, MeshConfig, find_port_base
 
     results: dict[tuple[str, float], dict] = {}
     groups: dict[tuple, list[Mode]] = {}
@@ -174,8 +174,8 @@ def _calibrate(monitor_url: str, link: str, model_dir: str):
 
     from shared.links import parse_link_spec, scaled_for_hidden
     from shared.model.checkpoint import read_config
-    from shared.simulate import Calibration
-    from shared.simulate.calibration import demo_calibration
+    from loadgen.simulate import Calibration
+    from loadgen.simulate.calibration import demo_calibration
 
     profile = scaled_for_hidden(parse_link_spec(link), read_config(Path(model_dir))["hidden_size"])
     base = demo_calibration()
@@ -217,9 +217,9 @@ def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new
     from contextlib import redirect_stdout
 
     from loadgen.cli import _run
-    from shared.launcher import Mesh, MeshConfig, find_port_base
-    from shared.simulate import SimConfig, compare_with_real, simulate_grid
-    from shared.simulate.modes import parse_modes
+    from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+    from loadgen.simulate import SimConfig, compare_with_real, simulate_grid
+    from loadgen.simulate.modes import parse_modes
 
     available = modes_for(workload)
     report = io.StringIO()

@@ -117,7 +117,7 @@ class HeldOutText:
 
     def __init__(self, tokenizer: Tokenizer, texts: list[str] | None = None) -> None:
         if texts is None:
-            from shared.demo_model.corpus import iter_corpus_files, split_corpus
+            from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
 
             _, held_out = split_corpus(iter_corpus_files())
             texts = [f.text for f in held_out]

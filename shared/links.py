@@ -11,7 +11,7 @@ jitter are per message, not per byte, so they are never scaled.
 The paper gives no latency; we pick a few milliseconds one-way (typical
 uncongested WiFi) growing with distance. See docs/links.md for the table.
 
-A profile is only data. Two mechanisms enforce it: `shared.netns` (kernel
+A profile is only data. Two mechanisms enforce it: `tophatctl.netns` (kernel
 shaping of a veth into a network namespace) and `shared.shaper` (in-process
 bookkeeping when namespaces are unavailable).
 """

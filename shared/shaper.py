@@ -20,7 +20,7 @@ in the receive loop would serialize the latencies. The pattern::
 
 Arrival times never decrease, so a FIFO consumer is both on time and in order.
 Bandwidth may be ``math.inf`` (latency-only link, e.g. the remainder a kernel
-shaper without netem cannot provide; see `shared.netns`).
+shaper without netem cannot provide; see `tophatctl.netns`).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from services.token_streamer import create_app, load_settings
-from shared import chat_client
-from shared.chat_client import ChatClientError, chat_turn, run_chat, stream_chat
+from tophatctl import chat_client
+from tophatctl.chat_client import ChatClientError, chat_turn, run_chat, stream_chat
 
 TIMING = re.compile(r"^TTFT \d+\.\d ms \| TBT \d+\.\d ms \| accept length \d+\.\d\d \| \d+ tokens$")
 

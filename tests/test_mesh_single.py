@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from shared import wire
-from shared.demo_model.corpus import held_out_prompts
-from shared.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.demo_model.corpus import held_out_prompts
+from tophatctl.launcher import Mesh, MeshConfig, find_port_base
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import CapturingRelay

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from shared import netns
+from tophatctl import netns
 from shared.links import UNSHAPED, LinkProfile
-from shared.netns import NetnsLink, subnet_for_index, tc_commands
+from tophatctl.netns import NetnsLink, subnet_for_index, tc_commands
 
 SUPPORT = netns.netns_support()
 needs_netns = pytest.mark.skipif(not SUPPORT.available, reason=f"network namespaces unavailable: {SUPPORT.reason}")

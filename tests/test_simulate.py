@@ -15,12 +15,12 @@ import pytest
 from loadgen.arrivals import arrival_times
 from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, fit_lengths
 from shared.planners import chunk_size_eq3
-from shared.simulate import (Calibration, DeviceProfile, GTable, SimConfig, build_requests, compare_with_real,
+from loadgen.simulate import (Calibration, DeviceProfile, GTable, SimConfig, build_requests, compare_with_real,
                              parse_mode, run_simulation)
-from shared.simulate.cloud import Cloud
-from shared.simulate.events import EventLoop
-from shared.simulate.fit import calibration_from_state, from_telemetry
-from shared.simulate.session import SimRequest
+from loadgen.simulate.cloud import Cloud
+from loadgen.simulate.events import EventLoop
+from loadgen.simulate.fit import calibration_from_state, from_telemetry
+from loadgen.simulate.session import SimRequest
 from shared.state_model import CloudState
 
 A = 1000  # bytes per token on the wire: hidden 500 x fp16
@@ -344,7 +344,7 @@ def test_compare_with_real_and_cli(tmp_path):
     from typer.testing import CliRunner
     import typer
 
-    from shared.simulate.cli import simulate_command
+    from loadgen.simulate.cli import simulate_command
 
     app = typer.Typer()
     app.command("simulate")(simulate_command)

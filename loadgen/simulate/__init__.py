@@ -10,10 +10,10 @@ cloud (continuous batching over P stages), modes, session (one request's event c
 run (a run / a grid, loadgen metrics), report (tables, sim vs real), cli.
 """
 
-from shared.simulate.calibration import Calibration, DeviceProfile, GTable, demo_calibration, paper_calibration
-from shared.simulate.modes import Mode, parse_mode, parse_modes
-from shared.simulate.report import compare_with_real, grid_tables, rate_table
-from shared.simulate.run import SimConfig, SimRun, build_requests, run_simulation, simulate, simulate_grid
+from loadgen.simulate.calibration import Calibration, DeviceProfile, GTable, demo_calibration, paper_calibration
+from loadgen.simulate.modes import Mode, parse_mode, parse_modes
+from loadgen.simulate.report import compare_with_real, grid_tables, rate_table
+from loadgen.simulate.run import SimConfig, SimRun, build_requests, run_simulation, simulate, simulate_grid
 
 __all__ = [
     "Calibration", "DeviceProfile", "GTable", "demo_calibration", "paper_calibration",

@@ -1,4 +1,4 @@
-"""Encode+decode throughput of hidden-state frames: `python -m shared.bench_wire`.
+"""Encode+decode throughput of hidden-state frames: `python -m loadgen.bench_wire`.
 
 Prints GB/s of tensor payload per full encode -> decode cycle (target >= 1 GB/s
 so serialization never rivals the network). Prints only; timings are not asserted.

@@ -175,7 +175,7 @@ class Mesh:
                     time.sleep(0.2)
 
     def _use_netns(self) -> bool:
-        from shared.netns import netns_support
+        from tophatctl.netns import netns_support
 
         if self.config.link_mode == "inprocess":
             return False
@@ -188,7 +188,7 @@ class Mesh:
     def _spawn_device(self, i: int, model_dir: str) -> ServiceProcess:
         from shared.links import parse_link_spec, scaled_for_hidden
         from shared.model.checkpoint import read_config
-        from shared.netns import NetnsLink
+        from tophatctl.netns import NetnsLink
 
         cfg = self.config
         link_spec = cfg.per_device(cfg.link, i)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.demo_model.corpus import iter_corpus_files, split_corpus
+from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections import Counter
 
 import torch
 
-from shared.demo_model.corpus import held_out_prompts
+from tophatctl.demo_model.corpus import held_out_prompts
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel
 from shared.runtime import build_device_model

@@ -42,10 +42,10 @@ import numpy as np
 
 from loadgen.metrics import RequestRecord
 from shared.planners import chunk_size_eq3, parallel_draft_steps_eq6
-from shared.simulate.calibration import Calibration, DeviceProfile
-from shared.simulate.cloud import Cloud
-from shared.simulate.events import EventLoop, FifoServer, Link
-from shared.simulate.modes import Mode
+from loadgen.simulate.calibration import Calibration, DeviceProfile
+from loadgen.simulate.cloud import Cloud
+from loadgen.simulate.events import EventLoop, FifoServer, Link
+from loadgen.simulate.modes import Mode
 
 _ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM, _FULL_STREAM = 3, 4, 5, 6  # loadgen: 1 arrivals, 2 prompts
 _BIG = 1e30  # stands in for an unlimited bandwidth in the planners' equations

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from shared.demo_model.corpus import held_out_prompts, iter_corpus_files, split_corpus
+from tophatctl.demo_model.corpus import held_out_prompts, iter_corpus_files, split_corpus
 from shared.model.adapter import ADAPTER_FILENAME, DraftAdapter
 from shared.model.checkpoint import Checkpoint, ModelLoadError, load_checkpoint
 from shared.model.split import MiddleSubmodel

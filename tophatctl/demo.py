@@ -10,8 +10,8 @@ import asyncio
 import logging
 import sys
 
-from shared.chat_client import run_chat
-from shared.launcher import Mesh, MeshConfig, MeshStartError, find_port_base
+from tophatctl.chat_client import run_chat
+from tophatctl.launcher import Mesh, MeshConfig, MeshStartError, find_port_base
 
 PROMPTS = [
     "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return the .py files under root.\"\"\"\n",

@@ -1,6 +1,6 @@
 """`tophat simulate`: the mesh's serving modes at scale, as a discrete-event simulation.
 
-Mount with `app.command("simulate")(simulate_command)` (from shared.simulate.cli). Pure
+Mount with `app.command("simulate")(simulate_command)` (from loadgen.simulate.cli). Pure
 Python: runs in seconds, needs no model, no torch, no running mesh (unless asked to
 calibrate from a state monitor).
 """
@@ -34,7 +34,7 @@ def _floats(text: str, name: str) -> list[float]:
 
 
 def simulate_command(
-    calibration: Optional[Path] = typer.Option(None, help="calibration JSON (see shared/simulate/calibration.py)"),
+    calibration: Optional[Path] = typer.Option(None, help="calibration JSON (see loadgen/simulate/calibration.py)"),
     state_monitor_url: Optional[str] = typer.Option(None, help="or: calibrate from a running state monitor"),
     devices: int = typer.Option(30, min=1, help="simulated devices (HAT: 30; 20 slow / 10 fast when expanded)"),
     stages: int = typer.Option(4, min=1, help="cloud pipeline stages P"),
@@ -58,13 +58,13 @@ def simulate_command(
     """Simulate the serving modes (HAT testbed scale) from latency models fitted to the real mesh."""
     import dataclasses
 
-    from shared.simulate.calibration import Calibration
-    from shared.simulate.modes import parse_modes
-    from shared.simulate.report import compare_with_real, grid_tables
-    from shared.simulate.run import SimConfig, simulate_grid
+    from loadgen.simulate.calibration import Calibration
+    from loadgen.simulate.modes import parse_modes
+    from loadgen.simulate.report import compare_with_real, grid_tables
+    from loadgen.simulate.run import SimConfig, simulate_grid
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("shared.simulate").setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("loadgen.simulate").setLevel(logging.INFO if verbose else logging.WARNING)
     if calibration is not None and state_monitor_url:
         _fail("give at most one of --calibration and --state-monitor-url")
     try:

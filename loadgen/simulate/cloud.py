@@ -30,8 +30,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.simulate.calibration import GTable
-from shared.simulate.events import EventLoop
+from loadgen.simulate.calibration import GTable
+from loadgen.simulate.events import EventLoop
 
 
 @dataclass

@@ -23,8 +23,8 @@ import time
 
 import httpx
 
-from shared.demo_model.corpus import iter_corpus_files, split_corpus
-from shared.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
+from tophatctl.launcher import Mesh, MeshConfig, find_port_base
 
 
 def long_prompts(tokenizer, count: int, min_tokens: int, seed: int = 0) -> list[str]:
@@ -130,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from shared.model.checkpoint import load_checkpoint
-    from shared.demo_model.corpus import held_out_prompts
+    from tophatctl.demo_model.corpus import held_out_prompts
 
     tokenizer = load_checkpoint(args.model).tokenizer
     long = long_prompts(tokenizer, 2, args.prompt_tokens)

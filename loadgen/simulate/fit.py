@@ -34,7 +34,7 @@ import urllib.request
 from typing import Any
 
 from shared.planners import predictor_from_cloud_state
-from shared.simulate.calibration import BASES, Calibration, DeviceProfile
+from loadgen.simulate.calibration import BASES, Calibration, DeviceProfile
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ def build_demo_model_cmd(
     """Train the demo tokenizer + Llama on the stdlib source, offline, on the CPU."""
     import dataclasses
 
-    from shared.demo_model.build import DemoModelConfig, build_demo_model
+    from tophatctl.demo_model.build import DemoModelConfig, build_demo_model
 
     _setup(None)
     logging.getLogger("shared").setLevel(logging.INFO)
@@ -81,7 +81,7 @@ def train_adapter_cmd(
     out: Optional[Path] = typer.Option(None, help="default: MODEL/draft_adapter.safetensors"),
 ):
     """Distil HAT's draft adapter from the middle submodel (eq. 4)."""
-    from shared.demo_model.train_adapter import AdapterTrainConfig, train_adapter
+    from tophatctl.demo_model.train_adapter import AdapterTrainConfig, train_adapter
 
     _setup(None)
     try:
@@ -176,7 +176,7 @@ def up(
     import signal
     import threading
 
-    from shared.launcher import Mesh, MeshConfig, MeshStartError
+    from tophatctl.launcher import Mesh, MeshConfig, MeshStartError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = MeshConfig(model_dir=str(model), num_devices=devices, port_base=port_base, redis_url=redis_url,
@@ -215,7 +215,7 @@ def chat(
     temperature: float = typer.Option(0.0),
 ):
     """Chat with the mesh, streaming tokens; prints TTFT, TBT and accept length after each answer."""
-    from shared.chat_client import run_chat
+    from tophatctl.chat_client import run_chat
 
     raise typer.Exit(asyncio.run(run_chat(url, prompt, max_tokens, temperature)))
 
@@ -287,7 +287,7 @@ _mount_loadgen()
 
 
 def _mount_simulate() -> None:
-    from shared.simulate.cli import simulate_command
+    from loadgen.simulate.cli import simulate_command
 
     app.command("simulate", help="Discrete-event simulation of the serving modes at HAT scale (30 devices).")(
         simulate_command

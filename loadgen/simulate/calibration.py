@@ -282,8 +282,8 @@ class Calibration:
 
     @classmethod
     def from_telemetry(cls, state_monitor_url: str, **kwargs: Any) -> Calibration:
-        """Fill what a running state monitor knows; see `shared.simulate.fit.from_telemetry`."""
-        from shared.simulate.fit import from_telemetry
+        """Fill what a running state monitor knows; see `loadgen.simulate.fit.from_telemetry`."""
+        from loadgen.simulate.fit import from_telemetry
 
         return from_telemetry(state_monitor_url, **kwargs)
 

@@ -30,11 +30,11 @@ import numpy as np
 from loadgen.arrivals import arrival_times
 from loadgen.metrics import RequestRecord, build_results
 from loadgen.workloads import _WORKLOAD_STREAM, BUILTIN, MIN_PROMPT_TOKENS, fit_lengths
-from shared.simulate.calibration import Calibration
-from shared.simulate.cloud import Cloud
-from shared.simulate.events import EventLoop
-from shared.simulate.modes import Mode, parse_mode
-from shared.simulate.session import Context, Device, RequestProcess, SimRequest
+from loadgen.simulate.calibration import Calibration
+from loadgen.simulate.cloud import Cloud
+from loadgen.simulate.events import EventLoop
+from loadgen.simulate.modes import Mode, parse_mode
+from loadgen.simulate.session import Context, Device, RequestProcess, SimRequest
 
 log = logging.getLogger(__name__)
 
