@@ -110,7 +110,10 @@ class TelemetrySink:
     Write methods return True when Redis acknowledged, False when the record
     was dropped. They never raise for Redis trouble. While Redis is down,
     writes are dropped without touching the network and `_reconnect` pings
-    with backoff (initial_backoff_s doubling up to max_backoff_s).
+    with backoff (initial_backoff_s doubling up to max_backoff_s). A write that
+    arrives while the loop sleeps a longer step than the first wakes it for an
+    immediate ping, so telemetry resumes with the traffic that follows an outage
+    rather than up to max_backoff_s later.
     """
 
     def __init__(self, url: str, *, stream_maxlen: int = 10_000, timeout_s: float = 0.5,
@@ -128,6 +131,8 @@ class TelemetrySink:
             retry=Retry(NoBackoff(), 0), decode_responses=True, health_check_interval=0)
         self._outage = _Outage(f"redis at {redact_url(url)}")
         self._reconnect_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # set by a write during an outage: ping now
+        self._last_ping = 0.0  # time.monotonic() of the reconnect loop's last ping
         self._closed = False
 
     @property
@@ -165,7 +170,13 @@ class TelemetrySink:
     async def _reconnect(self) -> None:
         delay = self.initial_backoff_s
         while not self._closed:
-            await asyncio.sleep(delay)
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._last_ping = time.monotonic()
             try:
                 async with asyncio.timeout(self.timeout_s):
                     await self._redis.ping()
@@ -182,6 +193,8 @@ class TelemetrySink:
         """One round trip: XADD each event (MAXLEN ~), HSET each state (+EXPIRE), SADD members."""
         if self._outage.down or self._closed:
             self._outage.dropped += 1
+            if time.monotonic() - self._last_ping >= self.initial_backoff_s:
+                self._wake.set()
             return False
         pipe = self._redis.pipeline(transaction=False)
         for stream, fields in events:

@@ -139,6 +139,9 @@ def test_serving_survives_redis_going_away(relay_and_mesh, prompts):
     finally:
         mesh.redis.start()
     assert mesh.redis.port == port
+    # The monitor's sink reconnects on its own backoff (or at once, woken by the next record); only
+    # what is served after that can reach Redis, so wait for the reconnect before serving again.
+    assert _wait_for(lambda: httpx.get(f"{mesh.config.monitor_url}/readyz", timeout=5).json()["redis"]["connected"], 15)
     complete(mesh, prompts[2])
     client = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
     assert _wait_for(lambda: client.xlen("tophat:verifier:steps") > 0, 15)  # telemetry resumed

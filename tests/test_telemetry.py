@@ -164,3 +164,21 @@ async def test_client_without_url_is_noop() -> None:
     client.emit({"kind": "request", "request_id": "r"})
     assert not await client.send({"kind": "request", "request_id": "r"})
     await client.aclose()
+
+
+async def test_a_write_after_a_long_outage_reconnects_without_waiting_out_the_backoff(server: EmbeddedRedis) -> None:
+    """The reconnect loop may be deep in a long backoff sleep when Redis returns; a write arriving then
+    must trigger a ping at once, so telemetry resumes with the next record instead of seconds later."""
+    sink = tk.TelemetrySink(server.url, timeout_s=0.5, initial_backoff_s=0.05, max_backoff_s=30.0)
+    assert await sink.start()
+    try:
+        server.stop()
+        assert not await sink.add_event(tk.VERIFIER_STEPS, {"i": 0})
+        await asyncio.sleep(3.5)  # backoff sleeps 0.05, 0.1, ... 3.2 done: the loop is in a 6.4 s sleep now
+        server.start()
+        assert not sink.connected
+        assert not await sink.add_event(tk.VERIFIER_STEPS, {"i": 1})  # dropped, but it wakes the loop
+        await _wait_connected(sink, timeout=1.0)
+        assert await sink.add_event(tk.VERIFIER_STEPS, {"i": 2})
+    finally:
+        await sink.close()
