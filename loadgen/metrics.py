@@ -7,8 +7,9 @@ Definitions (times are seconds from the start of the run; stats are reported in 
 * TBT: every gap between consecutive delivered tokens. The stream carries text,
   not tokens, and one chunk can carry a whole speculative round, so a chunk of k
   tokens arriving G after the previous one counts as k gaps of G/k, and the first
-  chunk's extra k-1 tokens as gaps of 0 -- the token streamer's own convention, so
-  the mean TBT is unchanged and both sides agree. (vllm's ITL would be one gap per chunk.)
+  chunk's extra k-1 tokens as gaps of 0 -- shared/latency_stats.py, the one
+  definition the streamer, the engine and the chat client use too. (vllm's ITL
+  would be one gap per chunk.)
 * TPOT = (E2E - TTFT) / (output tokens - 1); undefined for one-token outputs.
 * E2E = end of the stream ([DONE] or failure) - arrival.
 * HAT SLAs: prefill SLA = TTFT per 128 prompt tokens = TTFT * 128 / prompt tokens;
@@ -23,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import numpy as np
+
+from shared import latency_stats
+from shared.latency_stats import Timeline
 
 PREFILL_SLA_TOKENS = 128
 DECODE_SLA_TOKENS = 10
@@ -78,31 +82,39 @@ def apportion(weights: list[float], total: int) -> list[int]:
     return counts.tolist()
 
 
-def reconcile_tokens(record: RequestRecord, count: Callable[[str], int] | None = None) -> None:
-    """Set `record.chunk_tokens`: the server's per-round counts when they line up one-to-one with
+def chunk_token_counts(texts: list[str], completion_tokens: int | None, server_rounds: list[int] | None = None,
+                       count: Callable[[str], int] | None = None) -> list[int]:
+    """Tokens per content chunk: the server's per-round counts when they line up one-to-one with
     the chunks, else per-chunk estimates (re-tokenized text, or characters without a tokenizer)
     scaled so they sum to the server's completion token count."""
-    if not record.chunk_texts:
-        record.chunk_tokens = []
-        return
-    rounds = record.server_rounds
-    if (rounds and len(rounds) == len(record.chunk_texts) and min(rounds) >= 1
-            and record.completion_tokens in (None, sum(rounds))):
-        record.chunk_tokens = list(rounds)
-        return
-    weights = [float(count(t)) if count else float(len(t)) for t in record.chunk_texts]
-    total = record.completion_tokens
+    if not texts:
+        return []
+    rounds = server_rounds
+    if rounds and len(rounds) == len(texts) and min(rounds) >= 1 and completion_tokens in (None, sum(rounds)):
+        return list(rounds)
+    weights = [float(count(t)) if count else float(len(t)) for t in texts]
+    total = completion_tokens
     if total is None:
         total = int(sum(weights)) if count else len(weights)
-    record.chunk_tokens = apportion(weights, total)
+    return apportion(weights, total)
+
+
+def reconcile_tokens(record: RequestRecord, count: Callable[[str], int] | None = None) -> None:
+    """Set `record.chunk_tokens` (see chunk_token_counts)."""
+    record.chunk_tokens = chunk_token_counts(record.chunk_texts, record.completion_tokens, record.server_rounds, count)
 
 
 def output_tokens(r: RequestRecord) -> int:
     return sum(r.chunk_tokens) if r.chunk_tokens else len(r.chunk_times_s)
 
 
+def timeline(r: RequestRecord) -> Timeline:
+    """The request's deliveries from its *arrival*; a chunk not yet reconciled counts as one token."""
+    return Timeline(r.arrival_s, list(r.chunk_times_s), list(r.chunk_tokens or [1] * len(r.chunk_times_s)))
+
+
 def ttft_s(r: RequestRecord) -> float | None:
-    return r.chunk_times_s[0] - r.arrival_s if r.ok and r.chunk_times_s else None
+    return latency_stats.ttft_s(timeline(r)) if r.ok else None
 
 
 def e2e_s(r: RequestRecord) -> float | None:
@@ -115,13 +127,7 @@ def tpot_s(r: RequestRecord) -> float | None:
 
 
 def tbt_samples_s(r: RequestRecord) -> list[float]:
-    if not r.ok or not r.chunk_times_s:
-        return []
-    tokens = r.chunk_tokens or [1] * len(r.chunk_times_s)
-    out = [0.0] * (tokens[0] - 1)
-    for prev, now, k in zip(r.chunk_times_s, r.chunk_times_s[1:], tokens[1:]):
-        out.extend([(now - prev) / k] * k)
-    return out
+    return latency_stats.tbt_samples_s(timeline(r)) if r.ok else []
 
 
 def prefill_sla_s(r: RequestRecord) -> float | None:
@@ -136,12 +142,8 @@ def decode_sla_s(r: RequestRecord) -> float | None:
 
 def summarize_ms(values_s: Iterable[float | None], name: str) -> dict[str, float | None]:
     """mean/median/std/p90/p99 of `name` in ms (None when there is no sample)."""
-    xs = np.asarray([v for v in values_s if v is not None], dtype=float) * _MS
-    keys = ("mean", "median", "std", "p90", "p99")
-    if xs.size == 0:
-        return {f"{k}_{name}_ms": None for k in keys}
-    vals = (xs.mean(), np.median(xs), xs.std(), np.percentile(xs, 90), np.percentile(xs, 99))
-    return {f"{k}_{name}_ms": float(v) for k, v in zip(keys, vals)}
+    stats = latency_stats.summary(None if v is None else v * _MS for v in values_s)
+    return {f"{k}_{name}_ms": v for k, v in stats.items()}
 
 
 def compliance_curve(records: list[RequestRecord], sla: Callable[[RequestRecord], float | None],
@@ -183,10 +185,10 @@ def goodput_rps(records: list[RequestRecord], duration_s: float, slos_ms: dict[s
 
 
 def mean_accept_length(records: list[RequestRecord]) -> float | None:
-    """Tokens per verification over the run: per-request means weighted by their round counts."""
-    pairs = [(r.accept_length, r.num_rounds or 1) for r in records if r.ok and r.accept_length is not None]
-    weight = sum(w for _, w in pairs)
-    return sum(a * w for a, w in pairs) / weight if weight else None
+    """Tokens per verification over the run: per-request means weighted by their round counts
+    (a request whose round count the server did not report counts as one round)."""
+    return latency_stats.pooled_accept_length((r.accept_length, r.num_rounds or 1) for r in records
+                                              if r.ok and r.accept_length is not None)
 
 
 def run_duration_s(records: list[RequestRecord]) -> float:

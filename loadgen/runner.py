@@ -5,14 +5,15 @@ a closed loop would slow its own arrivals down exactly when the server is
 overloaded. Every request is an owned task in one TaskGroup that sleeps until its
 arrival, optionally waits for a concurrency slot (that wait counts in TTFT), then
 POSTs a streamed `/v1/completions` with `stream_options.include_usage` and
-timestamps every content chunk as it is parsed. A request that fails in any way
+timestamps every content chunk as it is parsed (loadgen/sse_client.py, the one SSE
+client, shared with the chat client). A request that fails in any way
 (HTTP status, error chunk, no `[DONE]`, network error, per-request timeout) is
 recorded with its error and counted, never dropped.
 
 The token count of each chunk is not on the wire (chunks carry text); after the
 run `reconcile_tokens` splits the server's `usage.completion_tokens` over the
-chunks by their re-tokenized length (exact counts are used instead if the
-`tophat` stats ever carry a per-round `rounds` list matching the chunks) -- see
+chunks by their re-tokenized length (exact counts are used instead when the
+`tophat` stats' per-delivery `rounds` list matches the chunks one to one) -- see
 metrics.py for how TBT uses them.
 """
 
@@ -30,17 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from httpx_sse import SSEError, aconnect_sse
 from tqdm import tqdm
 
 from loadgen.metrics import RequestRecord, reconcile_tokens, request_row
+from loadgen.sse_client import StreamError, StreamStats, stream_chunks
 from loadgen.workloads import WorkloadRequest
 
 log = logging.getLogger(__name__)
-
-
-class StreamFailed(Exception):
-    """The server answered, but not with a complete stream."""
 
 
 @dataclass(frozen=True)
@@ -135,78 +132,36 @@ async def _send(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: 
                 timeout_s: float) -> None:
     try:
         async with asyncio.timeout(timeout_s):
-            await _stream(client, url, body, rec, t0)
-    except TimeoutError:
+            await _stream(client, url, body, rec, t0, timeout_s)
+    except TimeoutError:  # the whole request's deadline, or one wait inside it (StreamTimeout)
         rec.error = f"timeout after {timeout_s:g} s"
-    except (httpx.HTTPError, httpx.StreamError, SSEError) as exc:
-        rec.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    except StreamFailed as exc:
+    except StreamError as exc:
         rec.error = str(exc)
     finally:
         rec.end_s = time.perf_counter() - t0
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord, t0: float) -> None:
-    async with aconnect_sse(client, "POST", url, json=body) as source:
-        response = source.response
-        if response.status_code != 200:
-            await response.aread()
-            raise StreamFailed(f"HTTP {response.status_code}: {_error_message(response)}")
-        async for event in source.aiter_sse():
-            now = time.perf_counter() - t0
-            if event.data.strip() == "[DONE]":
-                return
-            try:
-                chunk = json.loads(event.data)
-            except ValueError as exc:
-                raise StreamFailed(f"malformed chunk: {event.data[:80]!r}") from exc
-            _apply_chunk(rec, chunk, now)
-    raise StreamFailed("stream ended without [DONE]")
-
-
-def _apply_chunk(rec: RequestRecord, chunk: Any, now: float) -> None:
-    if not isinstance(chunk, dict):
-        raise StreamFailed("malformed chunk: not an object")
-    if chunk.get("error"):
-        err = chunk["error"]
-        raise StreamFailed(f"error chunk: {err.get('message', err) if isinstance(err, dict) else err}")
-    for choice in chunk.get("choices") or []:
-        text = choice.get("text") or (choice.get("delta") or {}).get("content")
-        if text:
-            rec.chunk_times_s.append(now)
-            rec.chunk_texts.append(text)
-        if choice.get("finish_reason"):
-            rec.finish_reason = choice["finish_reason"]
-    stats = chunk.get("tophat")
-    if isinstance(stats, dict):
-        rec.accept_length = _num(stats.get("mean_accept_length"))
-        rec.num_rounds = _int(stats.get("num_rounds"))
-        rec.device_id = stats.get("device_id")
-        rec.server_ttft_s, rec.server_tbt_s = _num(stats.get("ttft_s")), _num(stats.get("tbt_s"))
-        rec.completion_tokens = _int(stats.get("completion_tokens"), rec.completion_tokens)
-        rec.prompt_tokens = _int(stats.get("prompt_tokens"), rec.prompt_tokens) or rec.prompt_tokens
-        rounds = stats.get("rounds")  # not sent by today's streamer; exact per-chunk counts if it ever is
-        if isinstance(rounds, list) and all(_int(k) is not None for k in rounds):
-            rec.server_rounds = [int(k) for k in rounds]
-    usage = chunk.get("usage")
-    if isinstance(usage, dict):  # the usage chunk comes last and is authoritative
-        rec.completion_tokens = _int(usage.get("completion_tokens"), rec.completion_tokens)
-        rec.prompt_tokens = _int(usage.get("prompt_tokens"), rec.prompt_tokens) or rec.prompt_tokens
-
-
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def _int(v: Any, default: int | None = None) -> int | None:
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) else default
-
-
-def _error_message(response: httpx.Response) -> str:
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord, t0: float,
+                  timeout_s: float) -> None:
+    stats = StreamStats()
     try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200]
+        async with contextlib.aclosing(stream_chunks(client, url, body, timeout_s=timeout_s)) as chunks:
+            async for chunk in chunks:
+                stats.observe(chunk)
+                if chunk.text:
+                    rec.chunk_times_s.append(chunk.t - t0)
+                    rec.chunk_texts.append(chunk.text)
+    finally:  # what the server said before a failure is kept too
+        _apply_stats(rec, stats)
+
+
+def _apply_stats(rec: RequestRecord, stats: StreamStats) -> None:
+    rec.finish_reason = stats.finish_reason or rec.finish_reason
+    rec.accept_length, rec.num_rounds, rec.device_id = stats.accept_length, stats.num_rounds, stats.device_id
+    rec.server_ttft_s, rec.server_tbt_s = stats.server_ttft_s, stats.server_tbt_s
+    rec.completion_tokens = stats.completion_tokens if stats.completion_tokens is not None else rec.completion_tokens
+    rec.prompt_tokens = stats.prompt_tokens or rec.prompt_tokens  # else the workload's own count
+    rec.server_rounds = stats.rounds
 
 
 async def probe_server(url: str, timeout_s: float = 5.0) -> dict[str, Any]:

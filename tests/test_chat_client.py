@@ -101,6 +101,7 @@ async def test_timing_is_per_token_after_the_first() -> None:
     async with streamer([]) as url:
         result = await chat_turn(url, [{"role": "user", "content": "x"}], 7, 0.0, out=io.StringIO())
     assert result.tokens == 7 and len(result.content_times) == 4   # 1 + 2 + 2 + 2 tokens per chunk
+    assert result.timeline.tokens == [1, 2, 2, 2]  # the streamer's per-delivery counts, one per chunk
     span = result.content_times[-1] - result.content_times[0]
     assert result.tbt_s == pytest.approx(span / 6) and 0 < result.ttft_s < 5
 

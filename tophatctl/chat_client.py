@@ -6,7 +6,9 @@ behind `tophat chat`: one-shot with a prompt, otherwise a small REPL that keeps
 the conversation history. This module prints
 (it is user-facing); the services never do.
 
-Timing is measured here, on the client, from the stream itself:
+The stream is read by loadgen/sse_client.py, the load generator's SSE client.
+Timing is measured here, on the client, from the stream itself, with the
+definitions of shared/latency_stats.py:
   * TTFT = request sent -> first chunk with non-empty content;
   * TBT  = mean time per token after the first:
            (last content chunk time - first content chunk time) / (completion_tokens - 1),
@@ -18,6 +20,7 @@ Timing is measured here, on the client, from the stream itself:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 import time
@@ -26,7 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
 import httpx
-from httpx_sse import SSEError, aconnect_sse
+
+from loadgen.metrics import chunk_token_counts
+from loadgen.sse_client import Chunk, StreamError, stream_chunks
+from shared import latency_stats
+from shared.latency_stats import Timeline
 
 EXIT_WORDS = {"/exit", "/quit"}
 
@@ -53,12 +60,22 @@ class ChatResult:
     finish_reason: str | None
     sent_at: float
     content_times: list[float] = field(default_factory=list)
+    content_texts: list[str] = field(default_factory=list)
     completion_tokens: int | None = None
     tophat: dict[str, Any] | None = None
 
     @property
+    def timeline(self) -> Timeline:
+        """The content chunks, each with its tokens: the server's per-delivery counts when they
+        match the chunks one to one, else the usage count split by text length."""
+        rounds = (self.tophat or {}).get("rounds")
+        rounds = rounds if isinstance(rounds, list) and all(isinstance(k, int) for k in rounds) else None
+        texts = self.content_texts or [""] * len(self.content_times)
+        return Timeline(self.sent_at, list(self.content_times), chunk_token_counts(texts, self.completion_tokens, rounds))
+
+    @property
     def ttft_s(self) -> float | None:
-        return self.content_times[0] - self.sent_at if self.content_times else None
+        return latency_stats.ttft_s(self.timeline)
 
     @property
     def tokens(self) -> int:
@@ -66,9 +83,7 @@ class ChatResult:
 
     @property
     def tbt_s(self) -> float | None:
-        if len(self.content_times) < 2 or self.tokens < 2:
-            return None
-        return (self.content_times[-1] - self.content_times[0]) / (self.tokens - 1)
+        return latency_stats.mean_tbt_s(self.timeline)
 
     @property
     def accept_length(self) -> float | None:
@@ -96,6 +111,7 @@ async def stream_chat(url: str, messages: Sequence[dict[str, str]], max_tokens: 
 
     `timeout` bounds connecting and each wait for the next chunk. Pass a `client`
     to reuse connections across turns (and keep its setup cost out of TTFT).
+    Closing this generator early closes the stream, which stops the generation.
     """
     if client is None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as own:
@@ -105,44 +121,23 @@ async def stream_chat(url: str, messages: Sequence[dict[str, str]], max_tokens: 
     body = {"messages": list(messages), "max_tokens": max_tokens, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     try:
-        async with aconnect_sse(client, "POST", chat_url(url), json=body, timeout=timeout) as source:
-            response = source.response
-            if response.status_code != 200:
-                await response.aread()
-                raise ChatClientError(f"HTTP {response.status_code}: {_error_message(response)}")
-            async for sse in source.aiter_sse():
-                if sse.data.strip() == "[DONE]":
-                    return
-                for event in _events_of(sse.json(), time.perf_counter()):
+        async with contextlib.aclosing(stream_chunks(client, chat_url(url), body, timeout_s=timeout)) as chunks:
+            async for chunk in chunks:
+                for event in _events_of(chunk):
                     yield event
-    except (httpx.HTTPError, SSEError, ValueError) as exc:
-        raise ChatClientError(f"{type(exc).__name__}: {exc}") from exc
-    raise ChatClientError("the stream ended without [DONE]")
+    except StreamError as exc:
+        raise ChatClientError(str(exc)) from exc
 
 
-def _events_of(chunk: Any, now: float) -> list[ChatEvent]:
-    if not isinstance(chunk, dict):
-        raise ChatClientError("malformed chunk")
-    if chunk.get("error"):
-        err = chunk["error"]
-        raise ChatClientError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+def _events_of(chunk: Chunk) -> list[ChatEvent]:
     events: list[ChatEvent] = []
-    for choice in chunk.get("choices") or []:
-        content = (choice.get("delta") or {}).get("content")
-        if content:
-            events.append(ChatEvent("content", now, text=content))
-        if choice.get("finish_reason"):
-            events.append(ChatEvent("finish", now, finish_reason=choice["finish_reason"], tophat=chunk.get("tophat")))
-    if chunk.get("usage"):
-        events.append(ChatEvent("usage", now, usage=chunk["usage"]))
+    if chunk.text:
+        events.append(ChatEvent("content", chunk.t, text=chunk.text))
+    if chunk.finish_reason:
+        events.append(ChatEvent("finish", chunk.t, finish_reason=chunk.finish_reason, tophat=chunk.tophat))
+    if chunk.usage:
+        events.append(ChatEvent("usage", chunk.t, usage=chunk.usage))
     return events
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text[:200]
 
 
 async def chat_turn(url: str, messages: Sequence[dict[str, str]], max_tokens: int, temperature: float,
@@ -154,18 +149,17 @@ async def chat_turn(url: str, messages: Sequence[dict[str, str]], max_tokens: in
             return await chat_turn(url, messages, max_tokens, temperature, timeout, out, own)
     out = out or sys.stdout
     result = ChatResult(text="", finish_reason=None, sent_at=time.perf_counter())
-    parts: list[str] = []
     async for event in stream_chat(url, messages, max_tokens, temperature, timeout, client=client):
         if event.kind == "content":
             result.content_times.append(event.t)
-            parts.append(event.text)
+            result.content_texts.append(event.text)
             out.write(event.text)
             out.flush()
         elif event.kind == "finish":
             result.finish_reason, result.tophat = event.finish_reason, event.tophat
         elif event.usage:
             result.completion_tokens = int(event.usage.get("completion_tokens", 0))
-    result.text = "".join(parts)
+    result.text = "".join(result.content_texts)
     return result
 
 
