@@ -124,7 +124,10 @@ class WireError(ValueError):
         self.session_id, self.seq_no = session_id, seq_no
 
     def to_frame(self) -> ErrorFrame:
-        return ErrorFrame(self.code, self.message[:_MAX_ERROR_TEXT], self.session_id, self.seq_no)
+        """The ErrorFrame answering this error. An id that is not a valid u64 (the very thing that may have
+        been wrong with the frame) is left out, so building the answer can never raise in its turn."""
+        return ErrorFrame(self.code, self.message[:_MAX_ERROR_TEXT], _u64_or_none(self.session_id),
+                          _u64_or_none(self.seq_no))
 
 
 # ---------------------------------------------------------------- tensors
@@ -184,6 +187,10 @@ def _as_dtype(wd: WireDtype | str) -> WireDtype:
 
 def _is_int(v: Any) -> bool:
     return type(v) is int  # excludes bool (and IntEnum); msgpack yields exact ints
+
+
+def _u64_or_none(v: Any) -> int | None:
+    return v if _is_int(v) and 0 <= v <= _U64_MAX else None
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -493,10 +500,10 @@ def decode(frame: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES,
     try:
         return _decode_map(m, expected_hidden_size)
     except WireError as err:
-        if err.session_id is None and _is_int(sid):
-            err.session_id = sid
-        if err.seq_no is None and _is_int(seq):
-            err.seq_no = seq
+        if err.session_id is None:  # address the error only with ids that are themselves valid
+            err.session_id = _u64_or_none(sid)
+        if err.seq_no is None:
+            err.seq_no = _u64_or_none(seq)
         logger.debug("rejecting frame: %s", err)
         raise
 

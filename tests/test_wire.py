@@ -291,6 +291,19 @@ def test_unknown_type_still_addressed_when_s_and_q_present():
     assert err.to_frame() == ErrorFrame(ErrorCode.UNKNOWN_TYPE, err.message, 11, 12)
 
 
+@pytest.mark.parametrize("sid,seq", [(-1, 3), (7, -(2**63)), (2**64, 2**70), ("7", 1.0), (True, None)])
+def test_errors_about_invalid_ids_are_answered_unaddressed(sid, seq):
+    """The id that made a frame bad cannot address its answer: building that answer must not raise."""
+    def valid(v):
+        return type(v) is int and 0 <= v < 2**64
+
+    frame = WireError(ErrorCode.MALFORMED, "bad ids", sid, seq).to_frame()
+    assert (frame.session_id, frame.seq_no) == (sid if valid(sid) else None, seq if valid(seq) else None)
+    if type(sid) is int and -(2**63) <= sid < 0:  # msgpack carries it: the decoder must not copy it
+        err = _err(_pack({"v": 1, "t": 0x03, "s": sid}), ErrorCode.MALFORMED)
+        assert err.session_id is None and decode(encode(err.to_frame())).session_id is None
+
+
 def test_unparseable_errors_are_unaddressed():
     err = _err(encode(ALL_MESSAGES[9])[:-1], ErrorCode.MALFORMED)
     assert (err.session_id, err.seq_no) == (None, None)

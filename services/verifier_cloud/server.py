@@ -144,6 +144,7 @@ class VerifierServer:
                 if isinstance(frame, str):
                     await self.send(connection, wire.ErrorFrame(wire.ErrorCode.MALFORMED, "text frames are not accepted"))
                     continue
+                message: wire.Message | None = None
                 try:
                     message = wire.decode(frame, max_frame_bytes=self.settings.max_frame_bytes,
                                           expected_hidden_size=self.hidden_size)
@@ -151,6 +152,11 @@ class VerifierServer:
                 except wire.WireError as exc:
                     log.info("bad frame from %s: %s", peer, exc)
                     reply = exc.to_frame()
+                except Exception as exc:  # a bug met by one frame answers that frame, never ends the connection
+                    log.exception("frame from %s raised %s; answering INTERNAL", peer, type(exc).__name__)
+                    reply = wire.WireError(wire.ErrorCode.INTERNAL, f"{type(exc).__name__} handling this frame",
+                                           getattr(message, "session_id", None),
+                                           getattr(message, "seq_no", None)).to_frame()
                 if reply is not None:
                     await self.send(connection, reply)
         except TimeoutError:

@@ -1,0 +1,239 @@
+"""Wire fuzzer: seeded mutations of valid frames sent to a live verifier over one WebSocket.
+
+Every mutated frame is first decoded here with the verifier's own rules (`shared.wire.decode`,
+same frame limit and hidden size), so the fuzzer knows which frames are bad and which typed
+code the verifier must answer with. Frames are sent one at a time and each gets exactly one
+reply, so replies line up with frames without any matching. Frames that still decode and
+would address a protected session are not sent: the fuzz must leave those sessions alone,
+so the caller can check afterwards that they verify exactly as before.
+
+`python -m loadgen.fuzz_wire` starts a verifier on a free loopback port (the demo model by
+default), opens a session, runs the fuzz on the same connection and prints the counts:
+frames sent, typed errors, connections dropped (must be 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from shared import wire
+
+log = logging.getLogger("loadgen.fuzz_wire")
+
+REPLY_TIMEOUT_S = 10.0
+# Values a well-typed field must refuse: wrong types, negative and out-of-range ints, floats that are not numbers.
+WRONG_VALUES = (-1, -(2**63), 2**64 - 1, 2**63, 1.5, float("nan"), float("inf"), True, False, None, "7", b"\x07",
+                [1, 2], {"a": 1}, 0, 2**32)
+MUTATIONS = ("bit_flip", "truncate", "wrong_type", "swap", "drop_key", "extra_key", "tensor", "type_code",
+             "version", "append", "junk", "text")
+
+
+@dataclass
+class FuzzCounts:
+    frames_sent: int = 0
+    bad_frames: int = 0  # frames the wire schema refuses (each must get a typed ErrorFrame)
+    typed_errors: int = 0  # bad frames answered with an ErrorFrame carrying the expected code
+    wrong_replies: list[str] = field(default_factory=list)  # bad frames answered otherwise (must stay empty)
+    valid_frames: int = 0  # mutations that still decode; the verifier answers them like any frame
+    connections_dropped: int = 0
+    by_code: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        return (f"frames sent {self.frames_sent}, typed errors {self.typed_errors} "
+                f"(of {self.bad_frames} bad frames), connections dropped {self.connections_dropped}, "
+                f"still-valid frames {self.valid_frames}, wrong replies {len(self.wrong_replies)}")
+
+
+def templates(hidden: int, session_ids: tuple[int, ...], open_fields: dict, rng: random.Random) -> list[wire.Message]:
+    """Valid frames of every type the verifier meets, addressed to the fuzz's own sessions."""
+    sid = rng.choice(session_ids)
+    seq = rng.randrange(1, 2**32)
+
+    def rows(n: int) -> torch.Tensor:  # [n, H]
+        return torch.randn(n, hidden, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+
+    return [
+        wire.OpenSession(rng.randrange(2**40, 2**41), hidden, **open_fields),
+        wire.CloseSession(sid),
+        wire.PrefillChunk(sid, seq, rng.randrange(4), rng.random() < 0.5, rows(rng.randint(1, 3))),
+        wire.VerifyRequest(sid, seq, rng.randrange(4), rows(rng.randint(1, 3))),
+        wire.BandwidthProbe(0, seq, rng.randint(1, 4), rows(1)),
+        wire.OpenTokenSession(sid, 0.5, 0.9, 3),
+        wire.TokenStep(sid, seq, 2, [5, 6]),
+        wire.SessionOpened(sid),
+        wire.ErrorFrame(wire.ErrorCode.INTERNAL, "x", sid, seq),
+    ]
+
+
+def _pack(m: dict) -> bytes:
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
+    """One seeded mutation of a valid frame: bytes, or a text frame."""
+    frame = wire.encode(message)
+    m = msgpack.unpackb(frame, raw=False)
+    kind = rng.choice(MUTATIONS)
+    if kind == "bit_flip":
+        out = bytearray(frame)
+        for _ in range(rng.randint(1, 4)):
+            out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
+        return bytes(out)
+    if kind == "truncate":
+        return frame[:rng.randrange(len(frame))]
+    if kind == "append":
+        return frame + rng.randbytes(rng.randint(1, 8))
+    if kind == "junk":
+        return rng.randbytes(rng.randint(0, 64))
+    if kind == "text":
+        return "{\"v\": 1, \"t\": 3, \"s\": 1}"
+    keys = [k for k in m if k not in ("v", "t")] or ["s"]
+    if kind == "wrong_type":
+        m[rng.choice(keys)] = rng.choice(WRONG_VALUES)
+    elif kind == "swap" and len(keys) >= 2:
+        a, b = rng.sample(keys, 2)
+        m[a], m[b] = m[b], m[a]
+    elif kind == "drop_key":
+        m.pop(rng.choice(list(m)))
+    elif kind == "extra_key":
+        m[rng.choice(("x", "prompt", "zz", "S", "h", "s", "q"))] = rng.choice(WRONG_VALUES)
+    elif kind == "tensor" and isinstance(m.get("h"), dict):
+        tensor = copy.copy(m["h"])
+        part = rng.choice(("d", "s", "b"))
+        if part == "d":
+            tensor["d"] = rng.choice(("f8", "i4", "", 2, None, "f4", "bf"))
+        elif part == "s":
+            tensor["s"] = rng.choice(([0, 1], [-1, 4], [1], [1, 2, 3], [2**40, 2**40], "1x4", [1, 0],
+                                      [tensor["s"][0] + 1, tensor["s"][1]]))
+        else:
+            raw = tensor["b"]
+            tensor["b"] = rng.choice((raw[:-1], raw + b"\0", b"", "text", raw[: len(raw) // 2]))
+        m["h"] = tensor
+    elif kind == "type_code":
+        m["t"] = rng.choice((0, 5, 0x13, 0x5D, 0x7E, 127, 200, -1, "t", None, 2**63))
+    elif kind == "version":
+        m["v"] = rng.choice((0, 2, 255, -1, "1", True, None, 1.0))
+    else:  # a structural mutation that did not apply to this frame: break a session id instead
+        m["s"] = rng.choice(WRONG_VALUES)
+    return _pack(m)
+
+
+def expected_error(frame: bytes | str, hidden: int, max_frame_bytes: int) -> tuple[wire.ErrorCode | None, wire.Message | None]:
+    """(code the verifier must answer, None) for a bad frame; (None, message) for one that decodes."""
+    if isinstance(frame, str):
+        return wire.ErrorCode.MALFORMED, None
+    try:
+        return None, wire.decode(frame, max_frame_bytes=max_frame_bytes, expected_hidden_size=hidden)
+    except wire.WireError as exc:
+        return exc.code, None
+
+
+async def _exchange(ws: ClientConnection, frame: bytes | str) -> wire.Message:
+    await asyncio.wait_for(ws.send(frame), REPLY_TIMEOUT_S)
+    return wire.decode(await asyncio.wait_for(ws.recv(), REPLY_TIMEOUT_S), max_frame_bytes=2**31)
+
+
+async def fuzz_connection(ws: ClientConnection, hidden: int, *, frames: int = 2000, seed: int = 0,
+                          protected: frozenset[int] = frozenset(), open_fields: dict | None = None,
+                          max_frame_bytes: int = wire.MAX_FRAME_BYTES,
+                          reconnect: Callable[[], "asyncio.Future[ClientConnection]"] | None = None) -> FuzzCounts:
+    """Send `frames` mutated frames on `ws`, one reply each; never touch `protected` sessions.
+
+    A connection that closes is counted; with `reconnect` the fuzz goes on over a new one,
+    otherwise it stops there."""
+    rng = random.Random(seed)
+    open_fields = open_fields or {}
+    counts = FuzzCounts()
+    own = tuple(rng.randrange(2**32, 2**33) for _ in range(2))
+    for sid in own:  # the fuzz's own sessions, so that mutations which stay valid have something to act on
+        await _exchange(ws, wire.encode(wire.OpenSession(sid, hidden, **open_fields)))
+    while counts.frames_sent < frames:
+        frame = mutate(rng.choice(templates(hidden, own, open_fields, rng)), rng)
+        code, message = expected_error(frame, hidden, max_frame_bytes)
+        if message is not None and getattr(message, "session_id", None) in protected:
+            continue  # still valid and aimed at a session the caller will check: leave it alone
+        counts.frames_sent += 1
+        try:
+            reply = await _exchange(ws, frame)
+        except ConnectionClosed as exc:
+            counts.connections_dropped += 1
+            log.warning("connection dropped after frame %d (%r): %s", counts.frames_sent, frame[:64], exc)
+            if reconnect is None:
+                return counts
+            ws = await reconnect()
+            continue
+        if code is None:
+            counts.valid_frames += 1
+            continue
+        counts.bad_frames += 1
+        counts.by_code[code.name] += 1
+        if isinstance(reply, wire.ErrorFrame) and reply.code == code:
+            counts.typed_errors += 1
+        else:
+            counts.wrong_replies.append(f"{frame[:48]!r}: expected {code.name}, got {reply!r}"[:300])
+    return counts
+
+
+async def _main(args: argparse.Namespace) -> FuzzCounts:
+    from services.verifier_cloud.server import VerifierServer
+    from services.verifier_cloud.settings import Settings
+
+    settings = Settings(port=0, model_dir=args.model_dir, split_layers=args.split_layers, log_level="warning")
+    server = VerifierServer.from_settings(settings)
+    stop = asyncio.Event()
+    started = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(server.serve_forever(stop, started))
+    try:
+        port = await asyncio.wait_for(started, 120)
+        url = f"ws://127.0.0.1:{port}/ws"
+        open_fields: dict = {}
+        ws = await connect(url, max_size=None, open_timeout=10)
+        protected = 1
+        await _exchange(ws, wire.encode(wire.OpenSession(protected, server.hidden_size, **open_fields)))
+
+        async def reconnect() -> ClientConnection:
+            return await connect(url, max_size=None, open_timeout=10)
+
+        counts = await fuzz_connection(ws, server.hidden_size, frames=args.frames, seed=args.seed,
+                                       protected=frozenset({protected}), open_fields=open_fields,
+                                       max_frame_bytes=settings.max_frame_bytes, reconnect=reconnect)
+        await ws.close()
+        return counts
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", default="models/demo")
+    parser.add_argument("--split-layers", type=int, default=2)
+    parser.add_argument("--frames", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    counts = asyncio.run(_main(args))
+    print(f"frames sent: {counts.frames_sent}")
+    print(f"typed errors: {counts.typed_errors} (of {counts.bad_frames} bad frames; "
+          f"{counts.valid_frames} mutations still valid)")
+    print(f"connections dropped: {counts.connections_dropped}")
+    print("errors by code: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.by_code.items())))
+    for line in counts.wrong_replies[:10]:
+        print(f"wrong reply: {line}")
+    return 0 if counts.connections_dropped == 0 and not counts.wrong_replies else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
