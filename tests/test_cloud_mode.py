@@ -117,7 +117,7 @@ async def test_token_messages_on_a_privacy_session_are_privacy_violations(checkp
                 reply = await roundtrip(ws, message)
                 assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.PRIVACY_VIOLATION
                 assert (reply.session_id, reply.seq_no) == (message.session_id, message.seq_no)
-            assert server.scheduler.sessions[1].cache.length == 0  # nothing ran
+            assert server.runner.sessions[1].middle.length == 0  # nothing ran
             # A hidden-state session opened with privacy off is still not a token session.
             await roundtrip(ws, wire.OpenSession(2, hidden, F32, privacy=False))
             reply = await roundtrip(ws, wire.TokenPrefill(2, 3, [5]))
@@ -166,7 +166,7 @@ def test_full_model_settings():
 
 def test_from_settings_builds_the_token_path_only_when_asked(tiny_llama_dir):
     plain = VerifierServer.from_settings(Settings(model_dir=str(tiny_llama_dir), split_layers=M))
-    assert plain.token_model is None and plain.scheduler.token_model is None
+    assert plain.token_model is None and plain.runner.token_model is None
     full = VerifierServer.from_settings(Settings(model_dir=str(tiny_llama_dir), split_layers=M, full_model=True))
     assert full.token_model is not None and full.token_model.lower.stop == M
 

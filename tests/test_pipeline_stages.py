@@ -22,6 +22,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from services.device_agent.cloud_client import WebSocketCloud
 from services.verifier_cloud.scheduler import Scheduler, WorkItem
 from services.verifier_cloud.server import VerifierServer
+from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings, load_settings
 from shared import wire
 from shared.model.adapter import DraftAdapter
@@ -94,10 +95,10 @@ async def open_sessions(ws: ClientConnection, hidden: int, *session_ids: int) ->
 # -- the scheduler's ordering rule, without a model ------------------------------------------
 
 async def test_a_session_in_flight_is_not_scheduled_again():
-    sched = Scheduler(None, max_batch_tokens=64, max_sessions=4, context_length=512)
+    sched = Scheduler(max_batch_tokens=64, max_sessions=4, context_length=512)
     owner = object()
     for sid in (1, 2):
-        sched.open(sid, owner)
+        sched.open(Session(sid, owner))
         for seq in (1, 2):
             sched.submit(WorkItem(sid, seq, "prefill", torch.zeros(2, 8), 0), owner)
     first = sched.schedule()
@@ -111,9 +112,9 @@ async def test_a_session_in_flight_is_not_scheduled_again():
 
 
 async def test_prefill_chunks_of_one_session_pipeline_but_a_verify_waits():
-    sched = Scheduler(None, max_batch_tokens=64, max_sessions=4, context_length=512, prefill_pipelining=True)
+    sched = Scheduler(max_batch_tokens=64, max_sessions=4, context_length=512, prefill_pipelining=True)
     owner = object()
-    sched.open(1, owner)
+    sched.open(Session(1, owner))
     for seq, (kind, pos) in enumerate([("prefill", 0), ("prefill", 2), ("verify", 4)], start=1):
         sched.submit(WorkItem(1, seq, kind, torch.zeros(2, 8), pos), owner)
     first, second = sched.schedule(), sched.schedule()
@@ -124,8 +125,8 @@ async def test_prefill_chunks_of_one_session_pipeline_but_a_verify_waits():
     sched.finish_batch(second)
     assert [i.seq_no for i in sched.schedule().items] == [3]
     # Without pipelining (P = 1 or switched off) the second chunk waits for the first.
-    plain = Scheduler(None, max_batch_tokens=64, max_sessions=4, context_length=512)
-    plain.open(1, owner)
+    plain = Scheduler(max_batch_tokens=64, max_sessions=4, context_length=512)
+    plain.open(Session(1, owner))
     for seq in (1, 2):
         plain.submit(WorkItem(1, seq, "prefill", torch.zeros(2, 8), 2 * (seq - 1)), owner)
     assert len(plain.schedule().items) == 1 and not plain.schedule().items
@@ -265,7 +266,7 @@ async def test_more_stages_than_middle_layers_is_a_startup_error(tiny_llama_dir)
     # P = 1 stays the default and the in-process path: no pipeline, no worker processes.
     assert Settings().pipeline_stages == 1
     server = VerifierServer.from_settings(Settings(model_dir=str(tiny_llama_dir), split_layers=M))
-    assert server.pipeline is None and server.scheduler.middle is not None
+    assert server.pipeline is None and server.runner is not None
 
 
 # -- failure (keep last: it kills a worker of the shared P=3 server) ----------------------------

@@ -19,8 +19,10 @@ from websockets.asyncio.client import ClientConnection, connect
 from services.device_agent.cloud_client import WebSocketCloud, token_decode
 from services.verifier_cloud.scheduler import Scheduler, WorkItem
 from services.verifier_cloud.server import VerifierServer
+from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings, load_settings
 from services.verifier_cloud.token_mode import TokenModel
+from services.verifier_cloud.work import EngineError, ErrorKind
 from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
@@ -75,11 +77,11 @@ async def _tokens(rounds):
 # -- the scheduling rule, without a model ------------------------------------------------------
 
 def test_a_long_prefill_is_taken_in_pieces_between_other_work():
-    sched = Scheduler(None, max_batch_tokens=64, max_sessions=4, context_length=512, server_chunk_tokens=CHUNK)
+    sched = Scheduler(max_batch_tokens=64, max_sessions=4, context_length=512, server_chunk_tokens=CHUNK)
     owner, replies = object(), []
     record = lambda item, out, err: replies.append((item.session_id, item.seq_no, err))  # noqa: E731
     for sid in (1, 2):
-        sched.open(sid, owner)
+        sched.open(Session(sid, owner))
     sched.submit(WorkItem(1, 5, "prefill", torch.zeros(20, 4), 0, is_last=True, reply=record), owner)
     for seq in range(3):
         sched.submit(WorkItem(2, seq, "verify", torch.zeros(1, 4), 0, reply=record), owner)
@@ -96,15 +98,15 @@ def test_a_long_prefill_is_taken_in_pieces_between_other_work():
 
 
 def test_a_failed_piece_fails_the_item_once_and_drops_the_rest():
-    sched = Scheduler(None, max_batch_tokens=64, max_sessions=4, context_length=512, server_chunk_tokens=CHUNK)
+    sched = Scheduler(max_batch_tokens=64, max_sessions=4, context_length=512, server_chunk_tokens=CHUNK)
     owner, replies = object(), []
-    sched.open(1, owner)
+    sched.open(Session(1, owner))
     sched.submit(WorkItem(1, 7, "prefill", torch.zeros(20, 4), 0, is_last=True,
                           reply=lambda item, out, err: replies.append((item.seq_no, err))), owner)
     batch = sched.schedule()
     piece = batch.items[0]
     assert piece.num_tokens == CHUNK and sched.sessions[1].queue[0].num_tokens == 12
-    error = wire.WireError(wire.ErrorCode.INTERNAL, "boom", 1, 7)
+    error = EngineError(ErrorKind.INTERNAL, "boom", 1, 7)
     sched.finish_batch(batch)
     piece.reply(piece, None, error)
     assert replies == [(7, error)] and not sched.sessions[1].queue
@@ -149,8 +151,8 @@ async def test_another_sessions_verify_steps_run_between_the_pieces(checkpoint):
                               wire.DeepHidden)
             # Hold the engine at its next step until all the work below is queued, so the steps'
             # contents depend on the policy, not on how fast frames happen to arrive.
-            gate, execute = threading.Event(), server.scheduler.execute
-            server.scheduler.execute = lambda batch: (gate.wait(10), execute(batch))[1]
+            gate, execute = threading.Event(), server.engine.execute
+            server.engine.execute = lambda batch: (gate.wait(10), execute(batch))[1]
             first_step = len(server.recent_steps)
             await ws.send(wire.encode(wire.PrefillChunk(1, 10, 0, True, torch.randn(long_prompt, hidden)), wire_dtype=F32))
             for i in range(verifies):

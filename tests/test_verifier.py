@@ -48,14 +48,14 @@ async def test_concurrent_sessions_are_batched_and_exact(checkpoint):
     expected = [generate_full(checkpoint, p, 16).token_ids for p in prompts]
     steps = []
     async with running_verifier(checkpoint) as (server, url):
-        original = server.scheduler.execute
+        original = server.engine.execute
 
         def recording_execute(batch):
             results, stats = original(batch)
             steps.append(stats)
             return results, stats
 
-        server.scheduler.execute = recording_execute
+        server.engine.execute = recording_execute
         cloud = WebSocketCloud(url, checkpoint.hidden_size, wire.WireDtype.F32)
         got = await asyncio.gather(*(generate_over_ws(checkpoint, cloud, p, 100 + i) for i, p in enumerate(prompts)))
         await cloud.close_connection()
@@ -126,7 +126,7 @@ async def test_vanished_device_frees_its_sessions(checkpoint):
             await _roundtrip(ws, wire.encode(wire.OpenSession(sid, hidden)))
         await ws.send(wire.encode(wire.PrefillChunk(11, 1, 0, False, torch.randn(5, hidden))))
         assert isinstance(wire.decode(await asyncio.wait_for(ws.recv(), 10)), wire.ChunkAck)
-        caches = [server.scheduler.sessions[sid].cache for sid in (11, 12)]
+        caches = [server.runner.sessions[sid].middle for sid in (11, 12)]
         ws.transport.abort()  # the peer vanishes mid-request, without a close handshake
         for _ in range(100):
             if not server.scheduler.sessions:

@@ -61,11 +61,11 @@ FailCallback = Callable[[SchedulerOutput, str], None]
 
 class StagePipeline:
     def __init__(self, specs: list[StageSpec], start_timeout_s: float, stage_timeout_s: float,
-                 on_done: DoneCallback, on_fail: FailCallback, history: int = 512):
+                 on_done: DoneCallback | None = None, on_fail: FailCallback | None = None, history: int = 512):
         self.specs = specs
         self.num_stages = len(specs)
         self.start_timeout_s, self.stage_timeout_s = start_timeout_s, stage_timeout_s
-        self.on_done, self.on_fail = on_done, on_fail
+        self.on_done, self.on_fail = on_done, on_fail  # set by whoever feeds the pipeline (engine.py)
         ctx = multiprocessing.get_context("spawn")
         self.queues = [ctx.Queue() for _ in range(self.num_stages + 1)]
         self.processes = [

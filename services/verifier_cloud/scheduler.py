@@ -28,9 +28,13 @@ Token-mode items (token_ids instead of hidden; services/verifier_cloud/token_mod
 run the cloud's embeddings and layers [0, m) first, then join the hidden-state
 items in the same packed pass of the middle layers, then the head samples.
 
-`schedule()` is pure bookkeeping and `execute()` is the model call, so the
-policy can be tested without a model. With P > 1 the scheduler holds no KV
-(`middle=None`): every stage worker keeps its own caches.
+The scheduler is policy only: it holds the session records (session.py) and
+their queues, and `schedule()` says what runs next. It runs no model and holds
+no KV (runner.py does, in this process or in each stage worker), and it knows
+no wire types: refusals are `EngineError`s (work.py) that the server maps to
+error frames. Bounds per device: at most `max_sessions_per_owner` sessions per
+connection and `max_queue` queued items per session (more is OVERLOADED), and
+`idle()` names sessions without traffic for the idle TTL.
 """
 
 from __future__ import annotations
@@ -38,34 +42,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from services.verifier_cloud.token_mode import TokenModel, TokenSession
-from shared.model.kv_cache import KVCacheError, SessionKV
-from shared.model.split import LayerRange
-from shared.wire import ErrorCode, WireError
+from services.verifier_cloud.session import Session
+from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 
 log = logging.getLogger("services.verifier_cloud.scheduler")
 
 # (item, output, error) -> None. Output: deep states [S, H]; for token items, the sampled ids [1] (or None).
-Reply = Callable[["WorkItem", torch.Tensor | None, WireError | None], None]
+Reply = Callable[["WorkItem", torch.Tensor | None, EngineError | None], None]
 
 
 @dataclass(eq=False)
 class WorkItem:
     session_id: int
     seq_no: int
-    kind: str  # "prefill" | "verify" (a token step is a "verify": roll back to position, append, answer)
+    kind: WorkKind  # a token step is a VERIFY: roll back to position, append, answer ("prefill"/"verify" accepted)
     hidden: torch.Tensor | None  # [S, H] shallow (or previous-stage) states; None for token items
     position: int  # prefill: start_pos; verify: commit_len
     is_last: bool = False  # prefill: reply with the last deep state (token items: sample the next token)
     reply: Reply | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
     token_ids: torch.Tensor | None = None  # [S] int64: token mode (the cloud embeds them itself)
+
+    def __post_init__(self) -> None:
+        self.kind = WorkKind(self.kind)
 
     @property
     def num_tokens(self) -> int:
@@ -89,16 +94,6 @@ class WorkItem:
 
 
 @dataclass
-class SessionState:
-    session_id: int
-    cache: SessionKV | None  # None when the KV lives in pipeline stage workers
-    owner: object  # the connection that opened it
-    queue: deque[WorkItem] = field(default_factory=deque)
-    privacy: bool = True  # opened with privacy on: token messages are refused
-    token: TokenSession | None = None  # set for token-mode sessions (OpenTokenSession)
-
-
-@dataclass
 class SchedulerOutput:
     items: list[WorkItem]
 
@@ -107,115 +102,62 @@ class SchedulerOutput:
         return sum(item.num_tokens for item in self.items)
 
 
-@dataclass
-class StepStats:
-    batched_tokens: int
-    compute_s: float
-    num_sessions: int
-    num_prefill: int
-    num_verify: int
-    num_token: int = 0  # of those, token-mode items
-    items: tuple[tuple[int, str, int], ...] = ()  # (session_id, kind, tokens) of every item that ran
-
-
-def check_item(kind: str, position: int, num_tokens: int, cache_length: int, context_length: int,
-               session_id: int, seq_no: int) -> WireError | None:
-    """Why an item cannot run against a cache of `cache_length` positions (None: it can).
-
-    Shared by the in-process path and every pipeline stage, so both refuse
-    exactly the same requests with exactly the same errors.
-    """
-    if kind == "prefill" and position != cache_length:
-        return WireError(ErrorCode.MALFORMED, f"chunk starts at {position}, session holds {cache_length}",
-                         session_id, seq_no)
-    if kind == "verify" and not 0 <= position <= cache_length:
-        return WireError(ErrorCode.MALFORMED, f"commit_len {position} beyond {cache_length} cached positions",
-                         session_id, seq_no)
-    base = cache_length if kind == "prefill" else position
-    if base + num_tokens > context_length:
-        return WireError(ErrorCode.BAD_SHAPE, f"session would exceed the context length {context_length}",
-                         session_id, seq_no)
-    return None
-
-
 class Scheduler:
-    def __init__(self, middle: LayerRange | None, max_batch_tokens: int, max_sessions: int, context_length: int,
-                 server_chunk_tokens: int = 0, token_model: TokenModel | None = None,
-                 prefill_pipelining: bool = False):
-        self.middle = middle  # None: KV and compute live in pipeline stage workers
+    def __init__(self, max_batch_tokens: int, max_sessions: int, context_length: int,
+                 server_chunk_tokens: int = 0, prefill_pipelining: bool = False):
         self.max_batch_tokens = max_batch_tokens
         self.max_sessions = max_sessions
         self.context_length = context_length
         self.server_chunk_tokens = server_chunk_tokens  # > 0: U-Sarathi pieces of long prefills
-        if token_model is not None and middle is None:
-            raise ValueError("token mode needs the in-process middle submodel (pipeline_stages == 1)")
-        self.token_model = token_model
-        self.sessions: OrderedDict[int, SessionState] = OrderedDict()
-        self.work_ready = asyncio.Event()  # set while some session may have schedulable work
         self.prefill_pipelining = prefill_pipelining
-        # session -> kinds of its items in batches being computed right now, oldest first
-        self.in_flight: dict[int, list[str]] = {}
-        self._free_after_step: dict[int, list[SessionKV]] = {}
-        # Called after a session opens / closes, e.g. to mirror it into pipeline stages.
-        self.on_open: Callable[[int], None] | None = None
-        self.on_close: Callable[[int], None] | None = None
+        self.sessions: OrderedDict[int, Session] = OrderedDict()
+        self.work_ready = asyncio.Event()  # set while some session may have schedulable work
 
     # -- sessions ----------------------------------------------------------------
-    def open(self, session_id: int, owner: object, privacy: bool = True, token: TokenSession | None = None) -> None:
-        if session_id in self.sessions:
-            raise WireError(ErrorCode.MALFORMED, f"session {session_id} is already open", session_id)
+    def open(self, session: Session) -> Session:
+        sid = session.session_id
+        if sid in self.sessions:
+            raise EngineError(ErrorKind.MALFORMED, f"session {sid} is already open", sid)
         if len(self.sessions) >= self.max_sessions:
-            raise WireError(ErrorCode.OVERLOADED, f"verifier holds {self.max_sessions} sessions", session_id)
-        cache = self.middle.new_cache() if self.middle is not None else None
-        self.sessions[session_id] = SessionState(session_id, cache, owner, privacy=privacy and token is None,
-                                                 token=token)
-        if self.on_open is not None:
-            self.on_open(session_id)
+            raise EngineError(ErrorKind.OVERLOADED, f"verifier holds {self.max_sessions} sessions", sid)
+        self.sessions[sid] = session
+        return session
 
-    def get(self, session_id: int, owner: object, seq_no: int | None = None) -> SessionState:
-        state = self.sessions.get(session_id)
-        if state is None or state.owner is not owner:
-            raise WireError(ErrorCode.UNKNOWN_SESSION, f"unknown session {session_id}", session_id, seq_no)
-        return state
+    def get(self, session_id: int, owner: object, seq_no: int | None = None) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.owner is not owner:
+            raise EngineError(ErrorKind.UNKNOWN_SESSION, f"unknown session {session_id}", session_id, seq_no)
+        return session
 
-    def close(self, session_id: int) -> None:
-        state = self.sessions.pop(session_id, None)
-        if state is None:
-            return
-        state.queue.clear()
-        caches = [c for c in (state.cache, state.token.lower if state.token else None) if c is not None]
-        if session_id in self.in_flight:  # the worker thread is using these caches: free after the step
-            self._free_after_step.setdefault(session_id, []).extend(caches)
-        else:
-            for cache in caches:
-                cache.free()
-        if self.on_close is not None:
-            self.on_close(session_id)
+    def close(self, session_id: int) -> Session | None:
+        """Forget the session and its queued work (what is in flight finishes; its replies are dropped)."""
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            session.queue.clear()
+        return session
 
-    def close_owned_by(self, owner: object) -> list[int]:
-        closed = [sid for sid, s in self.sessions.items() if s.owner is owner]
-        for sid in closed:
-            self.close(sid)
-        return closed
+    def owned_by(self, owner: object) -> list[int]:
+        return [sid for sid, s in self.sessions.items() if s.owner is owner]
 
     def submit(self, item: WorkItem, owner: object) -> None:
-        self.get(item.session_id, owner, item.seq_no).queue.append(item)
+        session = self.get(item.session_id, owner, item.seq_no)
+        session.queue.append(item)
+        session.touch()
         self.work_ready.set()
 
     # -- one step ----------------------------------------------------------------
-    def _schedulable(self, state: SessionState) -> bool:
-        if not state.queue:
+    def _schedulable(self, session: Session) -> bool:
+        if not session.queue:
             return False
-        flying = self.in_flight.get(state.session_id)
-        if not flying:
+        if not session.in_flight:
             return True
-        return (self.prefill_pipelining and state.queue[0].kind == "prefill"
-                and all(kind == "prefill" for kind in flying))
+        return (self.prefill_pipelining and session.queue[0].kind is WorkKind.PREFILL
+                and all(kind is WorkKind.PREFILL for kind in session.in_flight))
 
-    def _head_tokens(self, state: SessionState) -> int:
+    def _head_tokens(self, session: Session) -> int:
         """Tokens the session's head item would put in this step (a piece of it, with server chunking)."""
-        head = state.queue[0]
-        if self.server_chunk_tokens and head.kind == "prefill":
+        head = session.queue[0]
+        if self.server_chunk_tokens and head.kind is WorkKind.PREFILL:
             return min(head.num_tokens, self.server_chunk_tokens)
         return head.num_tokens
 
@@ -223,22 +165,22 @@ class Scheduler:
         """Tokens in the head items that `schedule()` could take right now."""
         return sum(self._head_tokens(s) for s in self.sessions.values() if self._schedulable(s))
 
-    def _take(self, state: SessionState) -> WorkItem:
+    def _take(self, session: Session) -> WorkItem:
         """Pop the head item, or detach its next server-side piece (the rest stays at the head)."""
-        head = state.queue[0]
-        size = self._head_tokens(state)
+        head = session.queue[0]
+        size = self._head_tokens(session)
         # An item that cannot fit the context runs whole, so it is refused before any piece touches the KV.
         if size == head.num_tokens or head.position + head.num_tokens > self.context_length:
-            return state.queue.popleft()
-        return head.split_front(size, lambda piece, out, error: self._piece_done(state, head, error))
+            return session.queue.popleft()
+        return head.split_front(size, lambda piece, out, error: self._piece_done(session, head, error))
 
-    def _piece_done(self, state: SessionState, rest: WorkItem, error: WireError | None) -> None:
+    def _piece_done(self, session: Session, rest: WorkItem, error: EngineError | None) -> None:
         """A non-final piece finished: nothing to say, unless it failed; then the item fails (once)."""
         if error is None:
             return
-        for index, queued in enumerate(state.queue):
+        for index, queued in enumerate(session.queue):
             if queued is rest:
-                del state.queue[index]
+                del session.queue[index]
                 break
         else:
             return  # the session was closed meanwhile: nobody to tell
@@ -262,101 +204,35 @@ class Scheduler:
         budget = self.max_batch_tokens
         if parts > 1:
             budget = min(budget, -(-self.ready_tokens() // parts))
-        for state in self.sessions.values():
-            if not self._schedulable(state):
+        for session in self.sessions.values():
+            if not self._schedulable(session):
                 continue
-            size = self._head_tokens(state)
+            size = self._head_tokens(session)
             if items and size > budget:
                 continue
-            items.append(self._take(state))
+            items.append(self._take(session))
             budget -= size
         # Rotate so sessions that just ran go to the back (fairness under a tight budget).
         for item in items:
-            if item.session_id in self.sessions:
-                self.sessions.move_to_end(item.session_id)
-            self.in_flight.setdefault(item.session_id, []).append(item.kind)
+            session = self.sessions[item.session_id]
+            self.sessions.move_to_end(item.session_id)
+            session.in_flight.append(item.kind)
         if not any(self._schedulable(s) for s in self.sessions.values()):
             self.work_ready.clear()
         return SchedulerOutput(items)
 
     def finish_batch(self, batch: SchedulerOutput) -> None:
-        """Call on the event loop once `batch` is computed: its sessions may run again;
-        caches of sessions closed while in flight are released."""
+        """Call on the event loop once `batch` is computed (or failed): its sessions may run again."""
         for item in batch.items:
-            flying = self.in_flight.get(item.session_id)
-            if flying:
-                flying.pop(0)  # batches finish in the order they were scheduled (FIFO stages)
-            if not flying:
-                self.in_flight.pop(item.session_id, None)
-                for cache in self._free_after_step.pop(item.session_id, ()):
-                    cache.free()
-            state = self.sessions.get(item.session_id)
-            if state is not None and state.queue:
+            session = self.sessions.get(item.session_id)
+            if session is None:
+                continue  # closed while in flight
+            if session.in_flight:
+                session.in_flight.pop(0)  # batches finish in the order they were scheduled (FIFO stages)
+            session.touch()
+            if session.queue:
                 self.work_ready.set()
 
-    def _check(self, item: WorkItem, cache: SessionKV) -> WireError | None:
-        return check_item(item.kind, item.position, item.num_tokens, cache.length, self.context_length,
-                          item.session_id, item.seq_no)
-
-    def execute(self, batch: SchedulerOutput) -> tuple[list[tuple[WorkItem, torch.Tensor | None, WireError | None]], StepStats]:
-        """Run one packed forward pass in-process (P = 1; call in a worker thread)."""
-        if self.middle is None:
-            raise RuntimeError("execute() needs the in-process middle submodel (pipeline_stages == 1)")
-        results: list[tuple[WorkItem, torch.Tensor | None, WireError | None]] = []
-        runnable: list[tuple[WorkItem, SessionState]] = []
-        for item in batch.items:
-            state = self.sessions.get(item.session_id)
-            if state is None or state.cache is None or state.cache.is_freed:  # closed while queued
-                continue
-            error = self._check(item, state.cache)
-            if error is not None:
-                results.append((item, None, error))
-                continue
-            if item.kind == "verify":
-                state.cache.truncate(item.position)
-                if state.token is not None:
-                    state.token.lower.truncate(item.position)
-            runnable.append((item, state))
-        started = time.perf_counter()
-        if runnable:
-            try:
-                outputs = self._forward(runnable)
-            except (RuntimeError, ValueError, KVCacheError) as exc:
-                log.exception("a batch of %d item(s) failed", len(runnable))
-                error_of = lambda item: WireError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",  # noqa: E731
-                                                  item.session_id, item.seq_no)
-                results += [(item, None, error_of(item)) for item, _ in runnable]
-            else:
-                results += [(item, out, None) for (item, _), out in zip(runnable, outputs)]
-        compute_s = time.perf_counter() - started
-        stats = StepStats(
-            batched_tokens=sum(item.num_tokens for item, _ in runnable),
-            compute_s=compute_s,
-            num_sessions=len(runnable),
-            num_prefill=sum(item.kind == "prefill" for item, _ in runnable),
-            num_verify=sum(item.kind == "verify" for item, _ in runnable),
-            num_token=sum(item.is_token for item, _ in runnable),
-            items=tuple((item.session_id, item.kind, item.num_tokens) for item, _ in runnable),
-        )
-        return results, stats
-
-    def _forward(self, runnable: list[tuple[WorkItem, SessionState]]) -> list[torch.Tensor | None]:
-        """Token items through embeddings + layers [0, m), then everything through one middle pass,
-        then token items through the head: deep states for hidden items, sampled ids [1] for token items."""
-        dtype = self.middle.dtype
-        inputs: list[torch.Tensor | None] = [None if item.is_token else item.hidden.to(dtype) for item, _ in runnable]
-        token_rows = [i for i, (item, _) in enumerate(runnable) if item.is_token]
-        if token_rows:
-            if self.token_model is None:  # the server never queues token items without a token model
-                raise RuntimeError("token item without a token model")
-            shallow = self.token_model.shallow([(runnable[i][1].token.lower, runnable[i][0].token_ids)
-                                                for i in token_rows])
-            for i, states in zip(token_rows, shallow):
-                inputs[i] = states
-        outputs: list[torch.Tensor | None] = list(
-            self.middle.forward_batch([(state.cache, x) for (_, state), x in zip(runnable, inputs)]))
-        for i in token_rows:
-            item, state = runnable[i]
-            outputs[i] = (torch.tensor([self.token_model.next_token(state.token, outputs[i][-1:])])
-                          if item.is_last else None)
-        return outputs
+    def is_current(self, item: WorkItem) -> bool:
+        """Whether `item`'s session is still the one it was queued on (a closed session gets no replies)."""
+        return item.session_id in self.sessions

@@ -30,11 +30,15 @@ import torch
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from services.verifier_cloud.pipeline import PipelineStep, StagePipeline
-from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput, SessionState, StepStats, WorkItem
+from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
+from services.verifier_cloud.pipeline import StagePipeline
+from services.verifier_cloud.runner import ModelRunner
+from services.verifier_cloud.scheduler import Scheduler, WorkItem
+from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings
-from services.verifier_cloud.stages import StageItem, StageSpec
+from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel
+from services.verifier_cloud.work import EngineError, WorkKind
 from shared import wire
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config
 from shared.model.split import MiddleSubmodel, SplitError, stage_ranges, validate_split, warm_up_layers
@@ -60,6 +64,13 @@ def plan_stages(settings: Settings, num_layers: int) -> list[StageSpec]:
             for i, r in enumerate(ranges)]
 
 
+def to_wire(error: EngineError, session_id: int | None = None, seq_no: int | None = None) -> wire.WireError:
+    """The engine's typed error as the wire's (same code names), addressed to the session and seq it concerns."""
+    return wire.WireError(wire.ErrorCode[error.kind.name], error.message,
+                          error.session_id if error.session_id is not None else session_id,
+                          error.seq_no if error.seq_no is not None else seq_no)
+
+
 class VerifierServer:
     def __init__(self, settings: Settings, middle: MiddleSubmodel | None, context_length: int, hidden_size: int,
                  stages: list[StageSpec] | None = None, token_model: TokenModel | None = None):
@@ -67,24 +78,27 @@ class VerifierServer:
         `token_model` (P = 1 only) turns token mode on; `from_settings` builds it when `full_model` is set."""
         if (middle is None) == (stages is None):
             raise ValueError("give exactly one of middle (in-process) or stages (worker processes)")
+        if token_model is not None and middle is None:
+            raise ValueError("token mode needs the in-process middle submodel (pipeline_stages == 1)")
         self.settings = settings
         self.hidden_size = hidden_size
         self.token_model = token_model
-        self.scheduler = Scheduler(middle, settings.max_batch_tokens, settings.max_sessions, context_length,
-                                   server_chunk_tokens=settings.server_chunk_tokens, token_model=token_model,
+        self.scheduler = Scheduler(settings.max_batch_tokens, settings.max_sessions, context_length,
+                                   server_chunk_tokens=settings.server_chunk_tokens,
                                    prefill_pipelining=stages is not None and settings.prefill_pipelining)
         self.telemetry = TelemetryClient(settings.state_monitor_url or None)
-        self.wire_dtypes: dict[int, wire.WireDtype] = {}
         self.steps = 0
-        self.recent_steps: deque[StepStats] = deque(maxlen=1024)  # P = 1: what each packed pass ran (introspection)
         self.ready = False
         self._pending_sends: set[asyncio.Task] = set()
-        self.pipeline: StagePipeline | None = None
-        if stages is not None:
-            self.pipeline = StagePipeline(stages, settings.stage_start_timeout_s, settings.stage_timeout_s,
-                                          on_done=self._pipeline_done, on_fail=self._pipeline_failed)
-            self.scheduler.on_open = self.pipeline.open_session
-            self.scheduler.on_close = self.pipeline.close_session
+        self.runner: ModelRunner | None = None  # P = 1: the in-process runner and its KV
+        self.pipeline: StagePipeline | None = None  # P > 1: the stage workers, each with its own runner
+        self.engine: InProcessEngine | PipelineEngine
+        if stages is None:
+            self.runner = ModelRunner(middle, context_length, token_model)
+            self.engine = InProcessEngine(self.scheduler, self.runner, self._record_step)
+        else:
+            self.pipeline = StagePipeline(stages, settings.stage_start_timeout_s, settings.stage_timeout_s)
+            self.engine = PipelineEngine(self.scheduler, self.pipeline, self._record_step)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "VerifierServer":
@@ -106,6 +120,11 @@ class VerifierServer:
         token_model = TokenModel(checkpoint, settings.split_layers) if settings.full_model else None
         return cls(settings, middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size,
                    token_model=token_model)
+
+    @property
+    def recent_steps(self) -> deque[StepStats]:
+        """P = 1: what each packed pass ran (introspection; empty with P > 1, see pipeline.recent)."""
+        return self.engine.recent_steps
 
     @property
     def is_ready(self) -> bool:
@@ -164,9 +183,7 @@ class VerifierServer:
         except ConnectionClosed:
             pass
         finally:
-            closed = self.scheduler.close_owned_by(connection)
-            for sid in closed:
-                self.wire_dtypes.pop(sid, None)
+            closed = self._close_owned_by(connection)
             log.info("device %s gone; freed %d session(s)", peer, len(closed))
 
     def on_message(self, connection: ServerConnection, message: wire.Message) -> wire.Message | None:
@@ -177,34 +194,32 @@ class VerifierServer:
         if isinstance(message, wire.OpenSession):
             if not self.is_ready:
                 raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
-            self.scheduler.open(message.session_id, connection, privacy=message.privacy)
-            self.wire_dtypes[message.session_id] = wire.WireDtype(message.wire_dtype)
-            return wire.SessionOpened(message.session_id)
+            return self._open(Session(message.session_id, connection, privacy=message.privacy,
+                                      wire_dtype=wire.WireDtype(message.wire_dtype)))
         if isinstance(message, wire.OpenTokenSession):
             return self._open_token_session(connection, message)
         if isinstance(message, (wire.TokenPrefill, wire.TokenStep)):
             self._submit_tokens(connection, message)
             return None
         if isinstance(message, wire.CloseSession):
-            self.scheduler.get(message.session_id, connection)
-            self.scheduler.close(message.session_id)
-            self.wire_dtypes.pop(message.session_id, None)
+            self._session(message.session_id, connection)
+            self._close(message.session_id)
             return wire.SessionClosed(message.session_id)
         if isinstance(message, (wire.PrefillChunk, wire.VerifyRequest)):
             is_prefill = isinstance(message, wire.PrefillChunk)
-            if self.scheduler.get(message.session_id, connection, message.seq_no).token is not None:
+            if self._session(message.session_id, connection, message.seq_no).is_token:
                 raise wire.WireError(wire.ErrorCode.MALFORMED, "a token-mode session takes token messages only",
                                      message.session_id, message.seq_no)
             item = WorkItem(
                 session_id=message.session_id,
                 seq_no=message.seq_no,
-                kind="prefill" if is_prefill else "verify",
+                kind=WorkKind.PREFILL if is_prefill else WorkKind.VERIFY,
                 hidden=message.hidden,
                 position=message.start_pos if is_prefill else message.commit_len,
                 is_last=message.is_last if is_prefill else True,
                 reply=lambda item, out, err, conn=connection: self._reply(conn, item, out, err),
             )
-            self.scheduler.submit(item, connection)
+            self._submit(item, connection)
             return None
         raise wire.WireError(wire.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not accepted by the verifier",
                              getattr(message, "session_id", None), getattr(message, "seq_no", None))
@@ -220,18 +235,18 @@ class VerifierServer:
             params = SamplingParams(message.temperature, message.top_p, message.seed)
         except ValueError as exc:  # the schema checks the same ranges; this keeps the two in step
             raise wire.WireError(wire.ErrorCode.MALFORMED, str(exc), sid) from None
-        self.scheduler.open(sid, connection, privacy=False, token=self.token_model.open(params))
+        opened = self._open(Session(sid, connection, privacy=False, sampling=params))
         log.debug("token session %d opened (temperature %g, top_p %g)", sid, params.temperature, params.top_p)
-        return wire.SessionOpened(sid)
+        return opened
 
     def _submit_tokens(self, connection: ServerConnection, message: wire.TokenPrefill | wire.TokenStep) -> None:
         """Queue a token-mode item; refuse it on privacy sessions and on hidden-state sessions."""
         sid, seq = message.session_id, message.seq_no
-        state: SessionState = self.scheduler.get(sid, connection, seq)
+        state = self._session(sid, connection, seq)
         if state.privacy:
             raise wire.WireError(wire.ErrorCode.PRIVACY_VIOLATION, f"{type(message).__name__} carries token ids; "
                                  "this session was opened with privacy on", sid, seq)
-        if state.token is None or self.token_model is None:
+        if not state.is_token or self.token_model is None:
             raise wire.WireError(wire.ErrorCode.MALFORMED, "token messages need a session opened with "
                                  "OpenTokenSession", sid, seq)
         self.token_model.check_ids(message.token_ids, sid, seq)
@@ -239,104 +254,82 @@ class VerifierServer:
         item = WorkItem(
             session_id=sid,
             seq_no=seq,
-            kind="prefill" if is_prefill else "verify",
+            kind=WorkKind.PREFILL if is_prefill else WorkKind.VERIFY,
             hidden=None,
             position=message.start_pos if is_prefill else message.commit_len,
             is_last=True,  # every token message is answered with the next token
             reply=lambda item, out, err, conn=connection: self._reply(conn, item, out, err),
             token_ids=torch.tensor(message.token_ids, dtype=torch.long),
         )
-        self.scheduler.submit(item, connection)
+        self._submit(item, connection)
 
-    def _reply(self, connection, item: WorkItem, out: torch.Tensor | None, error: wire.WireError | None) -> None:
+    # -- sessions: the scheduler's record and the KV behind it, opened and closed together ----------
+    def _session(self, session_id: int, connection: ServerConnection, seq_no: int | None = None) -> Session:
+        try:
+            return self.scheduler.get(session_id, connection, seq_no)
+        except EngineError as exc:
+            raise to_wire(exc) from None
+
+    def _open(self, session: Session) -> wire.Message:
+        try:
+            self.scheduler.open(session)
+            if self.runner is not None:
+                self.runner.open(session.session_id, session.sampling)
+            else:
+                self.pipeline.open_session(session.session_id)
+        except EngineError as exc:
+            if self.scheduler.sessions.get(session.session_id) is session:  # the runner refused it
+                self.scheduler.close(session.session_id)
+            raise to_wire(exc, session.session_id) from None
+        return wire.SessionOpened(session.session_id)
+
+    def _close(self, session_id: int) -> None:
+        if self.scheduler.close(session_id) is None:
+            return
+        if self.runner is not None:
+            self.runner.close(session_id)  # deferred by the runner while a pass is using the caches
+        else:
+            self.pipeline.close_session(session_id)
+
+    def _close_owned_by(self, connection: ServerConnection) -> list[int]:
+        closed = self.scheduler.owned_by(connection)
+        for sid in closed:
+            self._close(sid)
+        return closed
+
+    def _submit(self, item: WorkItem, connection: ServerConnection) -> None:
+        try:
+            self.scheduler.submit(item, connection)
+        except EngineError as exc:
+            raise to_wire(exc, item.session_id, item.seq_no) from None
+
+    def _reply(self, connection, item: WorkItem, out: torch.Tensor | None, error: EngineError | None) -> None:
+        session = self.scheduler.sessions.get(item.session_id)
         if error is not None:
-            message: wire.Message = error.to_frame()
+            message: wire.Message = to_wire(error, item.session_id, item.seq_no).to_frame()
         elif item.is_token:
             message = wire.TokenResult(item.session_id, item.seq_no, out.tolist())
-        elif item.kind == "verify":
+        elif item.kind is WorkKind.VERIFY:
             message = wire.VerifyResult(item.session_id, item.seq_no, out)
         elif item.is_last:
             message = wire.DeepHidden(item.session_id, item.seq_no, out[-1:])
         else:
             message = wire.ChunkAck(item.session_id, item.seq_no)
-        dtype = self.wire_dtypes.get(item.session_id, wire.WireDtype.F16)
+        dtype = session.wire_dtype if session is not None and session.wire_dtype is not None else wire.WireDtype.F16
         task = asyncio.create_task(self.send(connection, message, dtype))
         self._pending_sends.add(task)
         task.add_done_callback(self._pending_sends.discard)
 
     # -- the engine loop ------------------------------------------------------------------
-    def _record_step(self, batched_tokens: int, compute_s: float, num_sessions: int, num_prefill: int,
-                     num_verify: int, num_token: int = 0, overhead_s: float | None = None) -> None:
+    def _record_step(self, stats: StepStats, overhead_s: float | None) -> None:
         """One verifier_step record per batch (per micro-batch with P > 1): HAT's mu-hat and eta-hat."""
         self.steps += 1
-        kinds = {"prefill": num_prefill, "verify": num_verify}
-        if num_token:
-            kinds["token"] = num_token  # of the prefill + verify items, those in token mode
-        self.telemetry.emit_verifier_step(batched_tokens, compute_s, num_sessions, kinds, overhead_s)
-        log.debug("step %d: %d tokens, %d sessions, %.1f ms", self.steps, batched_tokens, num_sessions,
-                  compute_s * 1e3)
-
-    async def run_scheduler(self) -> None:
-        """P = 1: one packed forward pass at a time, in a worker thread of this process."""
-        while True:
-            await self.scheduler.work_ready.wait()
-            started = time.perf_counter()
-            batch: SchedulerOutput = self.scheduler.schedule()
-            if not batch.items:
-                continue
-            try:
-                results, stats = await asyncio.to_thread(self.scheduler.execute, batch)
-            finally:
-                self.scheduler.finish_batch(batch)
-            self.recent_steps.append(stats)
-            for item, out, error in results:
-                item.reply(item, out, error)
-            overhead_s = max(time.perf_counter() - started - stats.compute_s, 0.0)
-            self._record_step(stats.batched_tokens, stats.compute_s, stats.num_sessions, stats.num_prefill,
-                              stats.num_verify, stats.num_token, overhead_s)
-
-    async def run_pipeline(self) -> None:
-        """P > 1: keep up to P micro-batches in flight; results come back through `_pipeline_done`."""
-        pipeline = self.pipeline
-        if pipeline is None:
-            raise RuntimeError("run_pipeline() needs pipeline_stages > 1")
-        while True:
-            await self.scheduler.work_ready.wait()
-            await pipeline.acquire_slot()
-            # Scheduled only now, so it holds everything that arrived meanwhile; spread over the free slots.
-            batch = self.scheduler.schedule(parts=pipeline.free_slots)
-            if not batch.items:
-                pipeline.release_slot()
-                continue
-            if pipeline.failure is not None:
-                pipeline.release_slot()
-                self._pipeline_failed(batch, pipeline.failure)
-                continue
-            pipeline.submit(batch)
-
-    def _pipeline_done(self, batch: SchedulerOutput, results: list[StageItem], step: PipelineStep) -> None:
-        """The last stage's items, in batch order: reply to each device, emit one verifier_step.
-
-        Telemetry compute_s is the *sum* of the stages' compute for this micro-batch: the delay
-        the batch itself spends in the middle layers, which is what HAT's g(mu) predicts (eq. 6 adds
-        it to a verify's round trip; eq. 3 divides it by P for the pipelined chunk rate).
-        """
-        self.scheduler.finish_batch(batch)
-        for item, result in zip(batch.items, results):
-            if result.error is not None:
-                code, text = result.error
-                item.reply(item, None, wire.WireError(wire.ErrorCode(code), text, item.session_id, item.seq_no))
-            else:
-                item.reply(item, torch.from_numpy(result.hidden), None)
-        ran = [item for item, result in zip(batch.items, results) if result.error is None]
-        self._record_step(step.batched_tokens, step.compute_s, len(ran), sum(i.kind == "prefill" for i in ran),
-                          sum(i.kind == "verify" for i in ran))
-
-    def _pipeline_failed(self, batch: SchedulerOutput, reason: str) -> None:
-        self.scheduler.finish_batch(batch)
-        for item in batch.items:
-            item.reply(item, None, wire.WireError(wire.ErrorCode.INTERNAL, f"verifier pipeline failed: {reason}",
-                                                  item.session_id, item.seq_no))
+        kinds = {"prefill": stats.num_prefill, "verify": stats.num_verify}
+        if stats.num_token:
+            kinds["token"] = stats.num_token  # of the prefill + verify items, those in token mode
+        self.telemetry.emit_verifier_step(stats.batched_tokens, stats.compute_s, stats.num_sessions, kinds, overhead_s)
+        log.debug("step %d: %d tokens, %d sessions, %.1f ms", self.steps, stats.batched_tokens, stats.num_sessions,
+                  stats.compute_s * 1e3)
 
     async def serve_forever(self, stop: asyncio.Event, started: asyncio.Future | None = None) -> None:
         try:
@@ -359,7 +352,7 @@ class VerifierServer:
                          ping_timeout=20) as server:
             server: Server
             async with asyncio.TaskGroup() as tasks:
-                engine = tasks.create_task(self.run_scheduler() if self.pipeline is None else self.run_pipeline())
+                engine = tasks.create_task(self.engine.run())
                 collector = tasks.create_task(self.pipeline.run()) if self.pipeline is not None else None
                 self.ready = True
                 port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port

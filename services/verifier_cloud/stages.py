@@ -31,10 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.verifier_cloud.scheduler import check_item
-from shared.model.kv_cache import KVCacheError, SessionKV
+from services.verifier_cloud.runner import ModelRunner, RunItem
+from services.verifier_cloud.work import WorkKind
 from shared.model.split import LayerRange
-from shared.wire import ErrorCode
 
 log = logging.getLogger("services.verifier_cloud.stages")
 
@@ -58,11 +57,11 @@ class StageItem:
     """One session's piece of a micro-batch; `hidden` is replaced by each stage's output."""
     session_id: int
     seq_no: int
-    kind: str  # "prefill" | "verify"
+    kind: WorkKind
     position: int  # prefill: start_pos; verify: commit_len
     num_tokens: int
     hidden: np.ndarray | None  # [S, H]; None once the item failed
-    error: tuple[int, str] | None = None  # (ErrorCode, message): the first stage that refused it
+    error: tuple[int, str] | None = None  # (ErrorKind, message): the first stage that refused it
 
 
 @dataclass
@@ -121,67 +120,40 @@ class StageSpec:
 # -- the stage itself (pure, testable in-process) ------------------------------------------
 
 class StageWorker:
-    """A layer range with per-session KV; turns each incoming message into the one to forward."""
+    """A stage's ModelRunner (its layer range, its sessions' KV); turns each incoming message into the one to forward."""
 
-    def __init__(self, index: int, middle: LayerRange, context_length: int):
+    def __init__(self, index: int, layers: LayerRange, context_length: int):
         self.index = index
-        self.middle = middle
-        self.context_length = context_length
-        self.sessions: dict[int, SessionKV] = {}
+        self.runner = ModelRunner(layers, context_length)
 
     def handle(self, message: Any) -> Any:
         if isinstance(message, MicroBatch):
             self.run_batch(message)
         elif isinstance(message, SessionsOpened):
             for sid in message.session_ids:
-                old = self.sessions.pop(sid, None)
-                if old is not None:
-                    old.free()
-                self.sessions[sid] = self.middle.new_cache()
+                self.runner.open(sid)
         elif isinstance(message, SessionsClosed):
             for sid in message.session_ids:
-                cache = self.sessions.pop(sid, None)
-                if cache is not None:
-                    cache.free()
+                self.runner.close(sid)
         elif isinstance(message, Probe):
-            message.lengths.append({sid: cache.length for sid, cache in self.sessions.items()})
+            message.lengths.append(self.runner.lengths())
         elif isinstance(message, Hello):
-            message.stages.append((self.index, self.middle.start, self.middle.stop, os.getpid()))
+            layers = self.runner.layers
+            message.stages.append((self.index, layers.start, layers.stop, os.getpid()))
         return message  # Stop / StageFailed / anything else: forwarded unchanged
 
-    def _refuse(self, item: StageItem, code: ErrorCode, message: str) -> None:
-        item.error, item.hidden = (int(code), f"stage {self.index}: {message}"), None
-
     def run_batch(self, batch: MicroBatch) -> None:
-        """Check, roll back and run every live item; a refused item carries its error downstream."""
+        """Run every item no earlier stage refused; a refused or failed item carries its error downstream."""
         started = time.monotonic()
-        runnable: list[tuple[StageItem, SessionKV]] = []
-        for item in batch.items:
-            if item.error is not None:
-                continue
-            cache = self.sessions.get(item.session_id)
-            if cache is None:
-                self._refuse(item, ErrorCode.UNKNOWN_SESSION, f"unknown session {item.session_id}")
-                continue
-            error = check_item(item.kind, item.position, item.num_tokens, cache.length, self.context_length,
-                               item.session_id, item.seq_no)
-            if error is not None:
-                item.error, item.hidden = (int(error.code), error.message), None
-                continue
-            if item.kind == "verify":
-                cache.truncate(item.position)  # roll back rejected draft positions before appending
-            runnable.append((item, cache))
-        if runnable:
-            dtype = self.middle.dtype
-            try:
-                outputs = self.middle.forward_batch([(cache, from_numpy(item.hidden, dtype)) for item, cache in runnable])
-            except (RuntimeError, ValueError, KVCacheError) as exc:
-                log.exception("stage %d: micro-batch %d failed", self.index, batch.batch_id)
-                for item, _ in runnable:
-                    self._refuse(item, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        live = [item for item in batch.items if item.error is None]
+        dtype = self.runner.layers.dtype
+        results = self.runner.run([RunItem(item.session_id, item.kind, item.position, from_numpy(item.hidden, dtype))
+                                   for item in live])
+        for item, result in zip(live, results):
+            if result.error is not None:
+                item.error, item.hidden = (int(result.error.kind), f"stage {self.index}: {result.error.message}"), None
             else:
-                for (item, _), out in zip(runnable, outputs):
-                    item.hidden = to_numpy(out)
+                item.hidden = to_numpy(result.output)
         batch.spans.append((self.index, started, time.monotonic()))
 
 

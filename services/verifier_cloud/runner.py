@@ -1,0 +1,207 @@
+"""The verifier's model runner: a layer range, the per-session KV it owns, and one `run(batch)`.
+
+The same runner serves the single-process verifier (the whole middle submodel,
+optionally with the token model, called from a worker thread) and every
+pipeline stage (its own layer range, called in the stage's process). `run` is
+the one place where an item is checked against its session's cache, rolled
+back (a verify's rejected drafts) and appended by one packed forward pass.
+
+A fault in one item fails that item alone. When a packed pass raises, every
+session in it is restored to the length (and sampler state) it had before the
+pass — a layer may already have appended its positions — and the pass is
+retried in halves until the failing item is alone; it gets an INTERNAL error,
+the others their normal results. An exception never leaves `run`.
+
+Sessions may be closed from another thread while a batch runs (the event loop
+closes, the worker thread computes): a close during `run` is deferred until
+the pass ends, so a cache is never freed under a forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.verifier_cloud.token_mode import TokenModel, TokenSession
+from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind, check_item
+from shared.model.kv_cache import SessionKV
+from shared.model.split import LayerRange
+from shared.specdec.sampling import SamplingParams
+
+log = logging.getLogger("services.verifier_cloud.runner")
+
+
+@dataclass(eq=False)
+class RunItem:
+    """One session's work in a batch, as the runner sees it (no reply, no wire)."""
+    session_id: int
+    kind: WorkKind
+    position: int  # prefill: start_pos; verify: commit_len
+    hidden: torch.Tensor | None  # [S, H] states entering this layer range; None for token items
+    token_ids: torch.Tensor | None = None  # [S] int64: token mode (the runner embeds them itself)
+    is_last: bool = False  # token items: sample the next token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0] if self.token_ids is not None else self.hidden.shape[0]
+
+    @property
+    def is_token(self) -> bool:
+        return self.token_ids is not None
+
+
+@dataclass
+class ItemResult:
+    # Deep states [S, H] for hidden items; for token items the sampled ids [1] when is_last (else None).
+    output: torch.Tensor | None
+    error: EngineError | None = None
+
+
+@dataclass
+class SessionCaches:
+    """What the runner holds for one session: its KV in this layer range, and token-mode state."""
+    middle: SessionKV
+    token: TokenSession | None = None  # the lower layers' KV and the sampler (token mode only)
+
+    @property
+    def length(self) -> int:
+        return self.middle.length
+
+    def truncate(self, length: int) -> None:
+        self.middle.truncate(length)
+        if self.token is not None:
+            self.token.lower.truncate(length)
+
+    def mark(self) -> tuple[int, torch.Tensor | None]:
+        """What `restore` needs to undo one pass: the length and the sampler's state."""
+        return self.length, (self.token.generator.get_state() if self.token is not None else None)
+
+    def restore(self, mark: tuple[int, torch.Tensor | None]) -> None:
+        length, generator_state = mark
+        # truncate() sets every layer to `length`, also layers a failed pass had appended to.
+        self.middle.truncate(length)
+        if self.token is not None:
+            self.token.lower.truncate(min(length, self.token.lower.length))
+            self.token.generator.set_state(generator_state)
+
+    def free(self) -> None:
+        self.middle.free()
+        if self.token is not None:
+            self.token.lower.free()
+
+
+class ModelRunner:
+    def __init__(self, layers: LayerRange, context_length: int, token_model: TokenModel | None = None):
+        self.layers = layers
+        self.context_length = context_length
+        self.token_model = token_model  # only with the whole middle: token items run [0, m) here first
+        self.sessions: dict[int, SessionCaches] = {}
+        self._lock = threading.Lock()  # guards `sessions` and the deferred frees across threads
+        self._running = False
+        self._free_after_run: list[SessionCaches] = []
+
+    # -- sessions (any thread) ----------------------------------------------------------------
+    def open(self, session_id: int, sampling: SamplingParams | None = None) -> None:
+        """Fresh caches for `session_id` (replacing any it had); `sampling` makes it a token session."""
+        if sampling is not None and self.token_model is None:
+            raise EngineError(ErrorKind.MALFORMED, "token mode needs the token model", session_id)
+        token = self.token_model.open(sampling) if sampling is not None else None
+        self._release(session_id, SessionCaches(self.layers.new_cache(), token))
+
+    def close(self, session_id: int) -> None:
+        self._release(session_id, None)
+
+    def _release(self, session_id: int, replacement: SessionCaches | None) -> None:
+        with self._lock:
+            old = self.sessions.pop(session_id, None)
+            if replacement is not None:
+                self.sessions[session_id] = replacement
+            if old is not None and self._running:
+                self._free_after_run.append(old)
+                old = None
+        if old is not None:
+            old.free()
+
+    def lengths(self) -> dict[int, int]:
+        with self._lock:
+            return {sid: caches.length for sid, caches in self.sessions.items()}
+
+    # -- one batch (one thread at a time) -------------------------------------------------------
+    def run(self, items: Sequence[RunItem]) -> list[ItemResult]:
+        """Check, roll back and run every item; one result per item, in order. Never raises."""
+        with self._lock:
+            self._running = True
+            entries = [self.sessions.get(item.session_id) for item in items]
+        try:
+            results: list[ItemResult | None] = [None] * len(items)
+            runnable: list[int] = []
+            for i, (item, caches) in enumerate(zip(items, entries)):
+                error = self._refusal(item, caches)
+                if error is not None:
+                    results[i] = ItemResult(None, error)
+                    continue
+                if item.kind is WorkKind.VERIFY:
+                    caches.truncate(item.position)  # roll back rejected draft positions before appending
+                runnable.append(i)
+            if runnable:
+                self._run_isolated(items, entries, runnable, results)
+            return results
+        finally:
+            with self._lock:
+                self._running = False
+                deferred, self._free_after_run = self._free_after_run, []
+            for caches in deferred:
+                caches.free()
+
+    def _refusal(self, item: RunItem, caches: SessionCaches | None) -> EngineError | None:
+        if caches is None:
+            return EngineError(ErrorKind.UNKNOWN_SESSION, f"unknown session {item.session_id}")
+        if item.is_token != (caches.token is not None):
+            return EngineError(ErrorKind.MALFORMED, "token items need a token session, and only take token items")
+        return check_item(item.kind, item.position, item.num_tokens, caches.length, self.context_length)
+
+    def _run_isolated(self, items: Sequence[RunItem], entries: Sequence[SessionCaches], group: list[int],
+                      results: list[ItemResult | None]) -> None:
+        """One packed pass over `group`; if it raises, restore and retry in halves down to the failing item."""
+        marks = [entries[i].mark() for i in group]
+        try:
+            outputs = self._forward([items[i] for i in group], [entries[i] for i in group])
+        except Exception as exc:  # noqa: BLE001 - any fault (IndexError, a CUDA error) fails items, never the engine
+            for i, mark in zip(group, marks):
+                entries[i].restore(mark)
+            if len(group) == 1:
+                log.error("session %d: item failed alone: %s: %s", items[group[0]].session_id,
+                          type(exc).__name__, exc, exc_info=exc)
+                results[group[0]] = ItemResult(None, EngineError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}"))
+                return
+            log.warning("a packed pass of %d items failed (%s: %s); retrying it in halves without the fault",
+                        len(group), type(exc).__name__, exc)
+            half = len(group) // 2
+            self._run_isolated(items, entries, group[:half], results)
+            self._run_isolated(items, entries, group[half:], results)
+            return
+        for i, output in zip(group, outputs):
+            results[i] = ItemResult(output)
+
+    def _forward(self, items: Sequence[RunItem], entries: Sequence[SessionCaches]) -> list[torch.Tensor | None]:
+        """Token items through embeddings + layers [0, m), then everything through one packed pass of
+        this layer range, then token items through the head: deep states, or sampled ids [1]."""
+        dtype = self.layers.dtype
+        inputs: list[torch.Tensor | None] = [None if item.is_token else item.hidden.to(dtype) for item in items]
+        token_rows = [i for i, item in enumerate(items) if item.is_token]
+        if token_rows:
+            if self.token_model is None:  # _refusal keeps token items off a runner without one
+                raise RuntimeError("token item without a token model")
+            shallow = self.token_model.shallow([(entries[i].token.lower, items[i].token_ids) for i in token_rows])
+            for i, states in zip(token_rows, shallow):
+                inputs[i] = states  # [S_i, H]
+        outputs: list[torch.Tensor | None] = list(
+            self.layers.forward_batch([(caches.middle, x) for caches, x in zip(entries, inputs)]))
+        for i in token_rows:
+            outputs[i] = (torch.tensor([self.token_model.next_token(entries[i].token, outputs[i][-1:])])
+                          if items[i].is_last else None)
+        return outputs
