@@ -130,7 +130,8 @@ def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
     return _pack(m)
 
 
-def expected_error(frame: bytes | str, hidden: int, max_frame_bytes: int) -> tuple[wire.ErrorCode | None, wire.Message | None]:
+def expected_error(frame: bytes | str, hidden: int,
+                   max_frame_bytes: int) -> tuple[wire.ErrorCode | None, wire.Message | None]:
     """(code the verifier must answer, None) for a bad frame; (None, message) for one that decodes."""
     if isinstance(frame, str):
         return wire.ErrorCode.MALFORMED, None
@@ -198,7 +199,7 @@ async def _main(args: argparse.Namespace) -> FuzzCounts:
     try:
         port = await asyncio.wait_for(started, 120)
         url = f"ws://127.0.0.1:{port}/ws"
-        open_fields: dict = {}
+        open_fields = {"split_layers": settings.split_layers, "fingerprint": server.split_fingerprint}
         ws = await connect(url, max_size=None, open_timeout=10)
         protected = 1
         await _exchange(ws, wire.encode(wire.OpenSession(protected, server.hidden_size, **open_fields)))

@@ -112,6 +112,7 @@ class ErrorCode(enum.IntEnum):
     PRIVACY_VIOLATION = 9
     INTERNAL = 10
     OVERLOADED = 11
+    SPLIT_MISMATCH = 12  # the device's split point or checkpoint is not the verifier's: its states would be wrong
 
 
 class WireError(ValueError):
@@ -321,11 +322,18 @@ def _message(code: int):
 
 @_message(0x01)
 class OpenSession(Message):
-    """Device asks the cloud for a KV-cache session; session_id is device-chosen (u64)."""
+    """Device asks the cloud for a KV-cache session; session_id is device-chosen (u64).
+
+    `split_layers` and `fingerprint` (`shared.model.checkpoint.split_fingerprint`: config plus the
+    weights of layers m-1 and m) let the verifier refuse a device whose hidden states it would
+    misread (SPLIT_MISMATCH) instead of answering with silently wrong ones. Both are required: a
+    peer that predates them gets MALFORMED naming the missing or unexpected keys."""
     session_id: int = _f("s", U64)
     hidden_size: int = _f("H", U64)
     wire_dtype: WireDtype = _f("d", DTYPE, default=WireDtype.F16)
     privacy: bool = _f("pv", BOOL, default=True)  # True: cloud refuses token-id messages
+    split_layers: int = _f("m", U64, kw_only=True)  # m: the device ran layers [0, m)
+    fingerprint: int = _f("f", U64, kw_only=True)  # u64, not text: assert_privacy_safe refuses text fields
 
 
 @_message(0x02)

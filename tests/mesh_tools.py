@@ -62,6 +62,13 @@ class CapturingRelay:
         self._thread.join(10)
 
 
+def split_identity(checkpoint, split_layers: int = 2) -> dict:
+    """The split_layers/fingerprint keywords (of OpenSession and WebSocketCloud) of `checkpoint` split at m."""
+    from shared.model.checkpoint import split_fingerprint
+
+    return {"split_layers": split_layers, "fingerprint": split_fingerprint(checkpoint.path, split_layers)}
+
+
 @contextlib.asynccontextmanager
 async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=None, **overrides):
     """The real VerifierServer in this event loop on a free loopback port: yields (server, ws url)."""
@@ -69,7 +76,8 @@ async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=No
     from services.verifier_cloud.settings import Settings
     from shared.model.split import MiddleSubmodel
 
-    settings = Settings(port=0, split_layers=split_layers, **overrides)
+    # model_dir names the checkpoint's files: the verifier fingerprints its split from them
+    settings = Settings(**{"port": 0, "split_layers": split_layers, "model_dir": str(checkpoint.path), **overrides})
     server = VerifierServer(settings, MiddleSubmodel(checkpoint, split_layers), checkpoint.config.max_position_embeddings,
                             checkpoint.hidden_size, token_model=token_model)
     stop = asyncio.Event()

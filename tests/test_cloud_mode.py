@@ -29,7 +29,7 @@ from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfi
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from tests.mesh_tools import CapturingRelay, verifier_on_loopback
+from tests.mesh_tools import CapturingRelay, split_identity, verifier_on_loopback
 
 M = 2
 F32 = wire.WireDtype.F32
@@ -97,7 +97,7 @@ async def test_token_and_hidden_state_sessions_share_the_middle_pass(checkpoint)
                                                    offload=asyncio.to_thread) for t in emitted]
 
     async with running_verifier(checkpoint) as (server, url):
-        cloud = WebSocketCloud(url, checkpoint.hidden_size, F32)
+        cloud = WebSocketCloud(url, checkpoint.hidden_size, F32, **split_identity(checkpoint, M))
         got = await asyncio.gather(hat(cloud, prompts[0], 1), cloud_generate(cloud, prompts[1], 2, 14),
                                    hat(cloud, prompts[2], 3), cloud_generate(cloud, prompts[3], 4, 14))
         await cloud.close_connection()
@@ -112,14 +112,15 @@ async def test_token_messages_on_a_privacy_session_are_privacy_violations(checkp
     hidden = checkpoint.hidden_size
     async with running_verifier(checkpoint) as (server, url):
         async with connect(url) as ws:
-            assert isinstance(await roundtrip(ws, wire.OpenSession(1, hidden, F32)), wire.SessionOpened)
+            opened = await roundtrip(ws, wire.OpenSession(1, hidden, F32, **split_identity(checkpoint, M)))
+            assert isinstance(opened, wire.SessionOpened)
             for message in (wire.TokenPrefill(1, 1, [5, 6, 7]), wire.TokenStep(1, 2, 0, [5])):
                 reply = await roundtrip(ws, message)
                 assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.PRIVACY_VIOLATION
                 assert (reply.session_id, reply.seq_no) == (message.session_id, message.seq_no)
             assert server.runner.sessions[1].middle.length == 0  # nothing ran
             # A hidden-state session opened with privacy off is still not a token session.
-            await roundtrip(ws, wire.OpenSession(2, hidden, F32, privacy=False))
+            await roundtrip(ws, wire.OpenSession(2, hidden, F32, privacy=False, **split_identity(checkpoint, M)))
             reply = await roundtrip(ws, wire.TokenPrefill(2, 3, [5]))
             assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.MALFORMED
             # ...and a token session takes no hidden states (its two caches must stay in step).

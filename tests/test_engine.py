@@ -190,3 +190,43 @@ def test_parallel_drafting_when_the_answer_lands_before_its_callback_runs(tiny_c
 
     assert asyncio.run(consume()) == expected
     assert all(s >= 0 for s in session.round_overhead_s)
+
+
+class LaggyCloud(LocalCloud):
+    """The in-process cloud with an emulated network: each verification's answer lands `lag_s` late."""
+
+    def __init__(self, middle, lag_s: float):
+        super().__init__(middle)
+        self.lag_s = lag_s
+
+    async def verify(self, session_id, commit_len, shallow):
+        deep = await super().verify(session_id, commit_len, shallow)
+        await asyncio.sleep(self.lag_s)
+        return deep
+
+
+def test_seeded_sampling_is_the_same_text_whatever_the_cloud_latency(demo_checkpoint):
+    """Pre-drafting runs only while a verification is in flight, so how much of it happens depends on
+    the cloud's timing; the text must not. Drafts are drawn from a stream keyed by (round start,
+    position), so an adopted pre-drafted branch (completed by the next draft() if cut short) is the
+    very draft the session would have made after the correction: the text also equals parallel
+    drafting off."""
+    from shared.runtime import load_adapter
+
+    adapter = load_adapter(demo_checkpoint, 2, None)
+    device = DeviceModel.from_checkpoint(demo_checkpoint, 2, adapter)
+    prompt = demo_checkpoint.tokenizer.encode("def fibonacci(n):\n    ", add_special_tokens=False)
+
+    def sampled(lag_s: float, candidates: int) -> tuple[list[int], int]:
+        session = DeviceSession(device, prompt, SamplingParams(0.8, 0.95, seed=1234), DraftConfig(eta=0.3, max_draft=6), 48)
+        cloud = LaggyCloud(MiddleSubmodel(demo_checkpoint, 2), lag_s)
+        result = asyncio.run(generate(session, cloud, offload=asyncio.to_thread,
+                                      parallel_candidates=candidates, parallel_steps=2))
+        return result.token_ids, session.reused_branches
+
+    slow, slow_reused = sampled(0.03, 3)
+    fast, _ = sampled(0.0, 3)
+    off, _ = sampled(0.0, 0)
+    assert slow_reused > 0  # pre-drafted branches were adopted: the case that used to diverge
+    assert fast == slow
+    assert off == slow

@@ -32,6 +32,7 @@ from shared.settings import SettingsError
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
+from tests.mesh_tools import split_identity
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -87,9 +88,11 @@ async def roundtrip(ws: ClientConnection, message: wire.Message) -> wire.Message
     return wire.decode(await asyncio.wait_for(ws.recv(), 20))
 
 
-async def open_sessions(ws: ClientConnection, hidden: int, *session_ids: int) -> None:
+async def open_sessions(ws: ClientConnection, checkpoint, *session_ids: int) -> None:
     for sid in session_ids:
-        assert isinstance(await roundtrip(ws, wire.OpenSession(sid, hidden, F32)), wire.SessionOpened)
+        identity = split_identity(checkpoint, M)
+        opened = await roundtrip(ws, wire.OpenSession(sid, checkpoint.hidden_size, F32, **identity))
+        assert isinstance(opened, wire.SessionOpened)
 
 
 # -- the scheduler's ordering rule, without a model ------------------------------------------
@@ -139,7 +142,7 @@ async def test_greedy_generation_equals_the_full_model(verifiers, checkpoint, st
     running = verifiers[stages]
     prompts = [[(11 * i + j) % 200 + 1 for j in range(6 + 3 * i)] for i in range(4)]
     expected = [generate_full(checkpoint, p, 12).token_ids for p in prompts]
-    cloud = WebSocketCloud(running.url, checkpoint.hidden_size, F32)
+    cloud = WebSocketCloud(running.url, checkpoint.hidden_size, F32, **split_identity(checkpoint, M))
     got = await asyncio.gather(*(generate_over_ws(checkpoint, cloud, p, 500 + i) for i, p in enumerate(prompts)))
     await cloud.close_connection()
     assert got == expected
@@ -153,7 +156,7 @@ async def test_rollback_is_exact_on_every_stage(verifiers, checkpoint):
     torch.manual_seed(1)
     prefix, drafts, redo = torch.randn(10, hidden), torch.randn(4, hidden), torch.randn(3, hidden)
     async with connect(running.url) as ws:
-        await open_sessions(ws, hidden, 21, 22)
+        await open_sessions(ws, checkpoint, 21, 22)
         # 21: append 4 drafts, then keep 2 of them (commit_len 12 < 14 cached) and append 3 more.
         assert isinstance(await roundtrip(ws, wire.PrefillChunk(21, 1, 0, True, prefix)), wire.DeepHidden)
         a1 = await roundtrip(ws, wire.VerifyRequest(21, 2, 10, drafts))
@@ -176,7 +179,7 @@ async def test_rollback_is_exact_on_every_stage(verifiers, checkpoint):
 async def test_close_and_disconnect_free_kv_in_every_stage(verifiers, checkpoint):
     running, hidden = verifiers[2], checkpoint.hidden_size
     ws = await connect(running.url)
-    await open_sessions(ws, hidden, 31, 32)
+    await open_sessions(ws, checkpoint, 31, 32)
     for sid in (31, 32):
         assert isinstance(await roundtrip(ws, wire.PrefillChunk(sid, 1, 0, False, torch.randn(5, hidden))),
                           wire.ChunkAck)
@@ -195,7 +198,7 @@ async def test_close_and_disconnect_free_kv_in_every_stage(verifiers, checkpoint
 async def test_a_stage_error_is_typed_and_hits_only_its_item(verifiers, checkpoint):
     running, hidden = verifiers[2], checkpoint.hidden_size
     async with connect(running.url) as ws:
-        await open_sessions(ws, hidden, 41, 42)
+        await open_sessions(ws, checkpoint, 41, 42)
         await roundtrip(ws, wire.PrefillChunk(41, 1, 0, True, torch.randn(4, hidden)))
         # Back to back, so they usually share a micro-batch: a bad rollback and a good prefill.
         await ws.send(wire.encode(wire.VerifyRequest(41, 2, 9, torch.randn(2, hidden)), wire_dtype=F32))
@@ -226,7 +229,7 @@ async def test_two_micro_batches_are_in_flight_at_once(verifiers, checkpoint):
     async def device(sid: int, stop: asyncio.Event) -> None:
         # Independent devices, each re-verifying 96 positions from commit_len 0 (a full rollback) in a loop.
         async with connect(running.url) as ws:
-            await open_sessions(ws, hidden, sid)
+            await open_sessions(ws, checkpoint, sid)
             seq = 0
             while not stop.is_set():
                 seq += 1
@@ -276,12 +279,12 @@ async def test_a_dead_worker_makes_the_verifier_unready_instead_of_hanging(verif
     async with httpx.AsyncClient(timeout=10) as http:
         assert (await http.get(f"{running.http}/readyz")).status_code == 200
         async with connect(running.url) as ws:
-            await open_sessions(ws, hidden, 71)
+            await open_sessions(ws, checkpoint, 71)
             await roundtrip(ws, wire.PrefillChunk(71, 1, 0, True, torch.randn(4, hidden)))
             os.kill(running.server.pipeline.pids[1], signal.SIGKILL)
             reply = await roundtrip(ws, wire.VerifyRequest(71, 2, 4, torch.randn(2, hidden)))
             assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.INTERNAL
-            refused = await roundtrip(ws, wire.OpenSession(72, hidden, F32))
+            refused = await roundtrip(ws, wire.OpenSession(72, hidden, F32, **split_identity(checkpoint, M)))
             assert isinstance(refused, wire.ErrorFrame) and refused.code == wire.ErrorCode.OVERLOADED
         ready = await http.get(f"{running.http}/readyz")
         assert ready.status_code == 503 and "stage 1 worker" in ready.text

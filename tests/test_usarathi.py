@@ -31,7 +31,7 @@ from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfi
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from tests.mesh_tools import verifier_on_loopback
+from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2
 F32 = wire.WireDtype.F32
@@ -60,7 +60,7 @@ async def usarathi_generate(checkpoint, cloud, prompt, session_id, max_new=12):
 
 async def generate_all(checkpoint, url, token_mode=True):
     """U-Sarathi generations of PROMPTS, then (token_mode) cloud-mode ones, all concurrently."""
-    cloud = WebSocketCloud(url, checkpoint.hidden_size, F32)
+    cloud = WebSocketCloud(url, checkpoint.hidden_size, F32, **split_identity(checkpoint, M))
     jobs = [usarathi_generate(checkpoint, cloud, p, 10 + i) for i, p in enumerate(PROMPTS)]
     if token_mode:
         jobs += [_tokens(token_decode(cloud, 20 + i, p, SamplingParams(), 12, 0)) for i, p in enumerate(PROMPTS)]
@@ -146,7 +146,8 @@ async def test_another_sessions_verify_steps_run_between_the_pieces(checkpoint):
     async with running_verifier(checkpoint, server_chunk_tokens=CHUNK) as (server, url):
         async with connect(url) as ws:
             for sid in (1, 2):
-                assert isinstance(await roundtrip(ws, wire.OpenSession(sid, hidden, F32)), wire.SessionOpened)
+                opened = await roundtrip(ws, wire.OpenSession(sid, hidden, F32, **split_identity(checkpoint, M)))
+                assert isinstance(opened, wire.SessionOpened)
             assert isinstance(await roundtrip(ws, wire.PrefillChunk(2, 1, 0, True, torch.randn(3, hidden))),
                               wire.DeepHidden)
             # Hold the engine at its next step until all the work below is queued, so the steps'

@@ -20,7 +20,7 @@ from shared.model.checkpoint import load_checkpoint
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
-from tests.mesh_tools import verifier_on_loopback
+from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2
 
@@ -56,7 +56,7 @@ async def test_concurrent_sessions_are_batched_and_exact(checkpoint):
             return results, stats
 
         server.engine.execute = recording_execute
-        cloud = WebSocketCloud(url, checkpoint.hidden_size, wire.WireDtype.F32)
+        cloud = WebSocketCloud(url, checkpoint.hidden_size, wire.WireDtype.F32, **split_identity(checkpoint, M))
         got = await asyncio.gather(*(generate_over_ws(checkpoint, cloud, p, 100 + i) for i, p in enumerate(prompts)))
         await cloud.close_connection()
         assert not server.scheduler.sessions  # every session closed and freed
@@ -68,7 +68,7 @@ async def test_concurrent_sessions_are_batched_and_exact(checkpoint):
 async def test_fp16_wire_keeps_greedy_output_on_this_model(checkpoint):
     prompt = [5, 17, 33, 2, 9]
     async with running_verifier(checkpoint) as (_, url):
-        cloud = WebSocketCloud(url, checkpoint.hidden_size, wire.WireDtype.F16)
+        cloud = WebSocketCloud(url, checkpoint.hidden_size, wire.WireDtype.F16, **split_identity(checkpoint, M))
         tokens = await generate_over_ws(checkpoint, cloud, prompt, 7)
         await cloud.close_connection()
     assert len(tokens) == 16
@@ -89,12 +89,13 @@ async def test_bad_frames_get_typed_errors_and_the_connection_survives(checkpoin
     hidden = checkpoint.hidden_size
     async with running_verifier(checkpoint, max_frame_bytes=64 * 1024) as (server, url):
         async with connect(url) as ws:
-            opened = await _roundtrip(ws, wire.encode(wire.OpenSession(1, hidden)))
+            opened = await _roundtrip(ws, wire.encode(wire.OpenSession(1, hidden, **split_identity(checkpoint, M))))
             assert isinstance(opened, wire.SessionOpened)
             good = wire.encode(wire.PrefillChunk(1, 1, 0, True, torch.randn(3, hidden)))
             cases = {
                 wire.ErrorCode.MALFORMED: b"\xc1not msgpack",
-                wire.ErrorCode.UNKNOWN_TYPE: wire.encode(wire.OpenSession(2, hidden)).replace(b"\xa1t\x01", b"\xa1t\x66"),
+                wire.ErrorCode.UNKNOWN_TYPE: wire.encode(wire.OpenSession(2, hidden, **split_identity(checkpoint, M)))
+                .replace(b"\xa1t\x01", b"\xa1t\x66"),
                 wire.ErrorCode.BAD_DTYPE: raw_prefill(hidden, dtype="i8", data=b"\0" * (3 * hidden * 8)),
                 wire.ErrorCode.BAD_SHAPE: wire.encode(wire.PrefillChunk(1, 2, 0, True, torch.randn(3, hidden + 1))),
                 wire.ErrorCode.LENGTH_MISMATCH: raw_prefill(hidden, data=b"\0" * 10),
@@ -123,7 +124,7 @@ async def test_vanished_device_frees_its_sessions(checkpoint):
     async with running_verifier(checkpoint) as (server, url):
         ws = await connect(url)
         for sid in (11, 12):
-            await _roundtrip(ws, wire.encode(wire.OpenSession(sid, hidden)))
+            await _roundtrip(ws, wire.encode(wire.OpenSession(sid, hidden, **split_identity(checkpoint, M))))
         await ws.send(wire.encode(wire.PrefillChunk(11, 1, 0, False, torch.randn(5, hidden))))
         assert isinstance(wire.decode(await asyncio.wait_for(ws.recv(), 10)), wire.ChunkAck)
         caches = [server.runner.sessions[sid].middle for sid in (11, 12)]
@@ -135,7 +136,7 @@ async def test_vanished_device_frees_its_sessions(checkpoint):
         assert not server.scheduler.sessions
         assert all(cache.is_freed for cache in caches)
         # Others are unaffected: a new device can still generate.
-        cloud = WebSocketCloud(url, hidden, wire.WireDtype.F32)
+        cloud = WebSocketCloud(url, hidden, wire.WireDtype.F32, **split_identity(checkpoint, M))
         assert len(await generate_over_ws(checkpoint, cloud, [3, 4, 5], 13, max_new=4)) == 4
         await cloud.close_connection()
 

@@ -14,7 +14,7 @@ from websockets.asyncio.client import connect
 from loadgen.fuzz_wire import fuzz_connection
 from shared import wire
 from shared.model.checkpoint import load_checkpoint
-from tests.mesh_tools import verifier_on_loopback
+from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2
 PROTECTED = (1, 2)
@@ -38,15 +38,18 @@ async def test_two_thousand_mutated_frames_get_typed_errors_and_change_nothing(t
     gen = torch.Generator().manual_seed(1)
     prompts = {sid: torch.randn(4, hidden, generator=gen) for sid in PROTECTED}  # prompt: [4, H]
     drafts = {sid: torch.randn(3, hidden, generator=gen) for sid in PROTECTED}  # drafts: [3, H]
+    identity = split_identity(checkpoint, M)
     async with verifier_on_loopback(checkpoint, M) as (server, url):
         async with connect(url, max_size=None) as ws:
             for sid in PROTECTED:
-                assert isinstance(await _roundtrip(ws, wire.OpenSession(sid, hidden, "f4")), wire.SessionOpened)
+                assert isinstance(await _roundtrip(ws, wire.OpenSession(sid, hidden, "f4", **identity)),
+                                  wire.SessionOpened)
                 assert isinstance(await _roundtrip(ws, wire.PrefillChunk(sid, 1, 0, True, prompts[sid])),
                                   wire.DeepHidden)
             before = {sid: await _deep_states(ws, sid, drafts[sid]) for sid in PROTECTED}
 
-            counts = await fuzz_connection(ws, hidden, frames=2000, seed=9, protected=frozenset(PROTECTED))
+            counts = await fuzz_connection(ws, hidden, frames=2000, seed=9, protected=frozenset(PROTECTED),
+                                           open_fields=identity)
 
             print(counts.summary())
             assert counts.frames_sent == 2000 and counts.connections_dropped == 0
@@ -66,7 +69,8 @@ async def test_a_negative_session_id_gets_an_error_not_a_closed_connection(tiny_
     checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
     async with verifier_on_loopback(checkpoint, M) as (server, url):
         async with connect(url) as ws:
-            assert isinstance(await _roundtrip(ws, wire.OpenSession(5, checkpoint.hidden_size)), wire.SessionOpened)
+            opened = await _roundtrip(ws, wire.OpenSession(5, checkpoint.hidden_size, **split_identity(checkpoint, M)))
+            assert isinstance(opened, wire.SessionOpened)
             for bad in ({"v": 1, "t": 3, "s": -1}, {"v": 1, "t": 0x20, "s": 5, "q": -3}):
                 await ws.send(msgpack.packb(bad))
                 reply = wire.decode(await asyncio.wait_for(ws.recv(), 10))
@@ -88,7 +92,8 @@ async def test_an_unexpected_exception_in_one_frame_answers_internal_and_keeps_t
 
         server.on_message = buggy
         async with connect(url) as ws:
-            assert isinstance(await _roundtrip(ws, wire.OpenSession(6, checkpoint.hidden_size)), wire.SessionOpened)
+            opened = await _roundtrip(ws, wire.OpenSession(6, checkpoint.hidden_size, **split_identity(checkpoint, M)))
+            assert isinstance(opened, wire.SessionOpened)
             reply = await _roundtrip(ws, wire.BandwidthProbe(6, 41, 1, torch.zeros(1, checkpoint.hidden_size)))
             assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.INTERNAL
             assert (reply.session_id, reply.seq_no) == (6, 41)

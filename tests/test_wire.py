@@ -19,6 +19,7 @@ from shared.wire import (
 )
 
 H = 16
+SPLIT = {"split_layers": 2, "fingerprint": 0x1234_5678_9ABC_DEF0}  # OpenSession's split identity
 U64 = st.integers(0, 2**64 - 1)
 DTYPES = [torch.float16, torch.float32, torch.bfloat16]
 
@@ -43,8 +44,8 @@ def _err(frame: bytes, code: ErrorCode, **kw) -> WireError:
 
 
 ALL_MESSAGES = [
-    OpenSession(1, 4096),
-    OpenSession(2**64 - 1, 256, "bf", privacy=False),
+    OpenSession(1, 4096, split_layers=2, fingerprint=0),
+    OpenSession(2**64 - 1, 256, "bf", privacy=False, split_layers=2**64 - 1, fingerprint=2**64 - 1),
     SessionOpened(7),
     CloseSession(7),
     SessionClosed(7),
@@ -241,12 +242,16 @@ def test_missing_field_is_malformed(key):
 def test_other_field_kinds():
     p = _raw(PrefillChunk(7, 0, 0, False, _h(2)))
     _err(_pack({**p, "l": 1}), ErrorCode.MALFORMED)  # is_last must be a real bool
-    _err(_pack({**_raw(OpenSession(1, H)), "d": "f8"}), ErrorCode.BAD_DTYPE)
+    _err(_pack({**_raw(OpenSession(1, H, **SPLIT)), "d": "f8"}), ErrorCode.BAD_DTYPE)
     _err(_pack({**_raw(ErrorFrame(ErrorCode.INTERNAL, "x")), "e": 99}), ErrorCode.MALFORMED)
     _err(_pack({**_raw(ErrorFrame(ErrorCode.INTERNAL, "x")), "m": b"x"}), ErrorCode.MALFORMED)
-    o = _raw(OpenSession(1, H))
+    o = _raw(OpenSession(1, H, **SPLIT))
     del o["pv"], o["d"]  # defaulted fields may be omitted; privacy defaults to on
-    assert decode(_pack(o)) == OpenSession(1, H, WireDtype.F16, privacy=True)
+    assert decode(_pack(o)) == OpenSession(1, H, WireDtype.F16, privacy=True, **SPLIT)
+    for key in ("m", "f"):  # the split identity may not: a device must say what it ran
+        _err(_pack({k: v for k, v in _raw(OpenSession(1, H, **SPLIT)).items() if k != key}), ErrorCode.MALFORMED)
+    _err(_pack({**_raw(OpenSession(1, H, **SPLIT)), "f": -1}), ErrorCode.MALFORMED)
+    _err(_pack({**_raw(OpenSession(1, H, **SPLIT)), "m": "2"}), ErrorCode.MALFORMED)
 
 
 def _tensor_frame(**tensor_overrides) -> bytes:
@@ -281,7 +286,7 @@ def test_wrong_hidden_size_is_bad_shape():
     assert decode(frame, expected_hidden_size=H).hidden.shape == (5, H)
     err = _err(frame, ErrorCode.BAD_SHAPE, expected_hidden_size=H * 2)
     assert (err.session_id, err.seq_no) == (9, 4)
-    err = _err(encode(OpenSession(5, H)), ErrorCode.BAD_SHAPE, expected_hidden_size=H * 2)
+    err = _err(encode(OpenSession(5, H, **SPLIT)), ErrorCode.BAD_SHAPE, expected_hidden_size=H * 2)
     assert (err.session_id, err.seq_no) == (5, None)
 
 
@@ -318,7 +323,7 @@ def test_construction_is_validated_too():
         with pytest.raises(WireError):
             SessionOpened(bad)
     with pytest.raises(WireError) as info:
-        OpenSession(1, H, "f8")
+        OpenSession(1, H, "f8", **SPLIT)
     assert info.value.code == ErrorCode.BAD_DTYPE
     with pytest.raises(dataclasses.FrozenInstanceError):
         SessionOpened(1).session_id = 2

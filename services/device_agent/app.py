@@ -39,7 +39,7 @@ from services.device_agent.settings import Settings
 from shared import wire
 from shared.device_speed import slowed, speed_schedule
 from shared.links import parse_link_spec, scaled_for_hidden
-from shared.model.checkpoint import load_checkpoint
+from shared.model.checkpoint import load_checkpoint, split_fingerprint
 from shared.runtime import build_device_model, encode_prompt
 from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError, warm_up_device
 from shared.specdec.engine import fixed_chunks, run_session
@@ -109,7 +109,9 @@ class DeviceAgent:
             link = scaled_for_hidden(link, self.checkpoint.hidden_size)
         self.cloud = WebSocketCloud(settings.verifier_url, self.checkpoint.hidden_size,
                                     wire.WireDtype(settings.wire_dtype), settings.request_timeout_s,
-                                    on_transfer=self._on_transfer, link=link if link.shaped else None)
+                                    on_transfer=self._on_transfer, link=link if link.shaped else None,
+                                    split_layers=settings.split_layers,
+                                    fingerprint=split_fingerprint(settings.model_dir, settings.split_layers))
         self.speed = speed_schedule(settings.speed)
         self.requests_served = 0
         self.active = 0

@@ -40,7 +40,7 @@ class CloudError(RuntimeError):
 
     def __init__(self, code: wire.ErrorCode, message: str):
         super().__init__(f"{code.name}: {message}")
-        self.code = code
+        self.code, self.detail = code, message
 
 
 class CloudUnavailable(ConnectionError):
@@ -61,9 +61,17 @@ class WebSocketCloud:
         max_frame_bytes: int = wire.MAX_FRAME_BYTES,
         on_transfer: TransferHook | None = None,
         link: LinkProfile | None = None,
+        *,
+        split_layers: int | None = None,
+        fingerprint: int | None = None,
     ):
+        """`split_layers` (m) and `fingerprint` (`split_fingerprint(checkpoint_dir, m)`) go with every
+        OpenSession so a verifier with another split or checkpoint refuses it; without them only
+        token-mode sessions can be opened."""
         self.url = url
         self.hidden_size = hidden_size
+        self.split_layers = split_layers
+        self.fingerprint = fingerprint
         self.wire_dtype = wire_dtype
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -211,8 +219,20 @@ class WebSocketCloud:
 
     # -- the Cloud protocol ------------------------------------------------------------
     async def open(self, session_id: int) -> None:
-        await self._request(wire.OpenSession(session_id, self.hidden_size, self.wire_dtype.value, True),
-                            (session_id, _SESSION_SEQ))
+        if self.split_layers is None or self.fingerprint is None:
+            raise ValueError("this WebSocketCloud was built without split_layers and fingerprint: it can open "
+                             "token-mode sessions only")
+        message = wire.OpenSession(session_id, self.hidden_size, self.wire_dtype.value, True,
+                                   split_layers=self.split_layers, fingerprint=self.fingerprint)
+        try:
+            await self._request(message, (session_id, _SESSION_SEQ))
+        except CloudError as exc:
+            if exc.code != wire.ErrorCode.SPLIT_MISMATCH:
+                raise
+            log.error("the verifier at %s serves another split or checkpoint: %s", self.url, exc)
+            raise CloudError(exc.code, f"{exc.detail} (this device: split at layer "
+                             f"{self.split_layers}, checkpoint fingerprint {self.fingerprint:016x}); start both "
+                             "with the same model directory and split") from None
 
     async def send_prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool):
         seq_no = next(self._seq)

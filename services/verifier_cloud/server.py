@@ -40,7 +40,7 @@ from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, WorkKind
 from shared import wire
-from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config
+from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config, split_fingerprint
 from shared.model.split import MiddleSubmodel, SplitError, stage_ranges, validate_split, warm_up_layers
 from shared.settings import SettingsError
 from shared.specdec.sampling import SamplingParams
@@ -82,6 +82,8 @@ class VerifierServer:
             raise ValueError("token mode needs the in-process middle submodel (pipeline_stages == 1)")
         self.settings = settings
         self.hidden_size = hidden_size
+        # What every OpenSession must match (read from the files, so P > 1 needs no weights here)
+        self.split_fingerprint = split_fingerprint(settings.model_dir, settings.split_layers)
         self.token_model = token_model
         self.scheduler = Scheduler(settings.max_batch_tokens, settings.max_sessions, context_length,
                                    server_chunk_tokens=settings.server_chunk_tokens,
@@ -192,6 +194,14 @@ class VerifierServer:
             padding = torch.zeros(rows, message.hidden.shape[1], dtype=torch.float16)
             return wire.ProbeReply(message.session_id, message.seq_no, padding)
         if isinstance(message, wire.OpenSession):
+            if message.split_layers != self.settings.split_layers:
+                raise wire.WireError(wire.ErrorCode.SPLIT_MISMATCH, f"the device splits at layer "
+                                     f"{message.split_layers}, this verifier at layer {self.settings.split_layers}",
+                                     message.session_id)
+            if message.fingerprint != self.split_fingerprint:
+                raise wire.WireError(wire.ErrorCode.SPLIT_MISMATCH, f"checkpoint fingerprint "
+                                     f"{message.fingerprint:016x} is not this verifier's {self.split_fingerprint:016x} "
+                                     "(config or layers m-1, m differ)", message.session_id)
             if not self.is_ready:
                 raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
             return self._open(Session(message.session_id, connection, privacy=message.privacy,

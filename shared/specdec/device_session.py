@@ -16,6 +16,7 @@ number of positions whose tokens are final. The cloud is told the same
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from collections.abc import Sequence
@@ -78,6 +79,9 @@ class Draft:
     tokens: list[int]  # d_1..d_k
     probs: torch.Tensor | None  # q: [k, V], only when sampling
     shallow: torch.Tensor  # [k+1, H]: shallow states of (pending token, d_1..d_k)
+    # What it takes to draft on from d_k (a pre-drafted branch cut short by the cloud's answer):
+    can_continue: bool = False  # stopped by a budget or the caller, not by eta / EOS
+    last_hidden: torch.Tensor | None = None  # [1, H]: the adapter's state at d_k's position
 
 
 @dataclass
@@ -119,9 +123,16 @@ class DeviceSession:
             raise SessionError("max_new_tokens must be >= 1")
         self.input_cache = self.model.input.new_cache()
         self.adapter_cache = self.model.adapter.new_cache() if self.model.adapter is not None else None
+        # Two streams. `generator` drives the first token and every verification; its draws per round
+        # are fixed by the round's draft, so a seed fixes them. Drafting draws from `_draft_rng`,
+        # re-seeded per token from (seed, round start, position): pre-drafting, whose amount depends on
+        # the cloud's timing, then draws exactly what the session would draw after the correction.
         self.generator = torch.Generator()
         if self.params.seed is not None:
             self.generator.manual_seed(self.params.seed)
+        else:
+            self.generator.seed()  # a fresh torch.Generator has a fixed seed: unseeded must not repeat
+        self._draft_rng = torch.Generator()
         self.generated: list[int] = []
         self.pending_token: int | None = None  # last emitted token, not yet run through any layer
         self.accept_lengths: list[int] = []  # tokens emitted per verification round
@@ -186,36 +197,51 @@ class DeviceSession:
         remaining = self.max_new_tokens - len(self.generated)
         return max(0, min(self.draft_config.max_draft, remaining - 1))
 
-    def _run_draft(self, token: int, input_cache, adapter_cache, budget: int, should_stop=None):
-        """Autoregressive drafting from `token` (not yet in the caches) on the given caches.
+    def _draft_stream(self, round_start: int, position: int) -> torch.Generator:
+        """The generator for the draft token at `position` of the round whose pending token sits at
+        `round_start`: fresh for every (round, position), so no draw is ever reused, and the same
+        whether the main draft or a pre-drafted branch draws it."""
+        if self.params.is_greedy:
+            return self.generator  # a one-hot has one outcome; no need to re-seed
+        key = f"{self.generator.initial_seed()}:{round_start}:{position}".encode()
+        return self._draft_rng.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1)
 
-        Returns (tokens, q rows, shallow rows, logits of the last drafting step)."""
+    def _run_draft(self, round_start: int, token: int | None, input_cache, adapter_cache, budget: int,
+                   should_stop=None, hidden: torch.Tensor | None = None):
+        """Autoregressive drafting on the given caches, from `token` (not yet in the caches) or, to
+        continue a draft, from `hidden` (the adapter's state at the caches' last position).
+
+        Returns (tokens, q rows, shallow rows, logits of the last drafting step, the adapter's state
+        at the last row, whether eta / EOS ended it)."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         shallows: list[torch.Tensor] = []
         last_logits = None
-        stop = False
+        ended = False
         while True:
-            shallow = self.model.input(torch.tensor([token]), input_cache)  # [1, H]
-            shallows.append(shallow)
-            draft_hidden = self.model.adapter(shallow, adapter_cache) if adapter_cache is not None else None
-            if stop or len(tokens) >= budget or (should_stop is not None and should_stop()):
+            if token is not None:
+                shallow = self.model.input(torch.tensor([token]), input_cache)  # [1, H]
+                shallows.append(shallow)
+                hidden = self.model.adapter(shallow, adapter_cache) if adapter_cache is not None else None
+            if ended or len(tokens) >= budget or (should_stop is not None and should_stop()):
                 break
-            last_logits = self.model.output(draft_hidden)[0]  # [V]
+            last_logits = self.model.output(hidden)[0]  # [V]
             q = logits_to_probs(last_logits, self.params)
-            token = sample(q, self.generator)
+            token = sample(q, self._draft_stream(round_start, input_cache.length))
             confidence = torch.softmax(last_logits, -1)[token] if self.params.is_greedy else q[token]
             tokens.append(token)
             probs.append(q)
-            stop = float(confidence) < self.draft_config.eta or token == self.model.eos_token_id
-        return tokens, probs, shallows, last_logits
+            ended = float(confidence) < self.draft_config.eta or token == self.model.eos_token_id
+        return tokens, probs, shallows, last_logits, hidden, ended
 
-    def _make_draft(self, commit_len: int, tokens, probs, shallows) -> Draft:
+    def _make_draft(self, commit_len: int, tokens, probs, shallows, last_hidden=None, ended=True) -> Draft:
         return Draft(
             commit_len=commit_len,
             tokens=tokens,
             probs=None if self.params.is_greedy or not probs else torch.stack(probs),
             shallow=torch.cat(shallows),
+            can_continue=not ended and last_hidden is not None,
+            last_hidden=last_hidden,
         )
 
     def draft(self) -> Draft:
@@ -223,14 +249,30 @@ class DeviceSession:
         if self.pending_token is None or self.is_finished:
             raise SessionError("draft() before prefill or after the session finished")
         started = time.perf_counter()
-        if self._ready_draft is not None:  # pre-drafted during the last verification (parallel drafting)
-            draft, self._ready_draft = self._ready_draft, None
-            return draft
-        tokens, probs, shallows, last_logits = self._run_draft(
-            self.pending_token, self.input_cache, self.adapter_cache, self._draft_budget())
+        ready, self._ready_draft = self._ready_draft, None  # pre-drafted during the last verification
+        if ready is not None:
+            return self._finish_ready_draft(ready, started)
+        start = self.commit_len
+        tokens, probs, shallows, last_logits, hidden, ended = self._run_draft(
+            start, self.pending_token, self.input_cache, self.adapter_cache, self._draft_budget())
         self._last_draft_logits = last_logits
         self.draft_seconds.append((time.perf_counter() - started, len(shallows)))
-        return self._make_draft(self.commit_len - len(shallows), tokens, probs, shallows)
+        return self._make_draft(start, tokens, probs, shallows, hidden, ended)
+
+    def _finish_ready_draft(self, ready: Draft, started: float) -> Draft:
+        """An adopted branch, drafted on to where draft() would have stopped (the cloud's answer may
+        have cut it short): the same draft the session makes without parallel drafting."""
+        more = self._draft_budget() - len(ready.tokens)
+        if not ready.can_continue or more <= 0:
+            return ready
+        tokens, probs, shallows, last_logits, hidden, ended = self._run_draft(
+            ready.commit_len, None, self.input_cache, self.adapter_cache, more, hidden=ready.last_hidden)
+        if tokens:
+            self._last_draft_logits = last_logits
+        self.draft_seconds.append((time.perf_counter() - started, len(shallows)))
+        earlier_probs = [] if ready.probs is None else list(ready.probs.unbind(0))
+        return self._make_draft(ready.commit_len, ready.tokens + tokens, earlier_probs + probs,
+                                [ready.shallow] + shallows, hidden, ended)
 
     # -- parallel drafting (HAT §3.5) -------------------------------------------------
     def predraft(self, draft: Draft, num_candidates: int, steps: int, should_stop=None) -> list[Branch]:
@@ -253,10 +295,10 @@ class DeviceSession:
                 break
             input_cache = self.input_cache.fork(branch_commit)
             adapter_cache = self.adapter_cache.fork(branch_commit) if self.adapter_cache is not None else None
-            tokens, probs, shallows, last_logits = self._run_draft(candidate, input_cache, adapter_cache, budget,
-                                                                   should_stop)
+            tokens, probs, shallows, last_logits, hidden, ended = self._run_draft(
+                branch_commit, candidate, input_cache, adapter_cache, budget, should_stop)
             branches.append(Branch(candidate, input_cache, adapter_cache, last_logits,
-                                   self._make_draft(branch_commit, tokens, probs, shallows)))
+                                   self._make_draft(branch_commit, tokens, probs, shallows, hidden, ended)))
         steps_run = sum(len(b.draft.tokens) + 1 for b in branches)
         self.draft_seconds.append((time.perf_counter() - started, steps_run))
         return branches
@@ -308,6 +350,7 @@ class DeviceSession:
         if len(draft.tokens) > budget:
             draft = Draft(draft.commit_len, draft.tokens[:budget],
                           None if draft.probs is None else draft.probs[:budget], draft.shallow[: budget + 1])
+            # can_continue stays False: the draft now fills its budget
             self.input_cache.truncate(draft.commit_len + budget + 1)
             if self.adapter_cache is not None:
                 self.adapter_cache.truncate(draft.commit_len + budget + 1)
