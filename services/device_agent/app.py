@@ -36,8 +36,9 @@ from pydantic import BaseModel, Field
 
 from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud, token_decode
 from services.device_agent.settings import Settings
-from shared import wire
+from shared import latency_stats, wire
 from shared.device_speed import slowed, speed_schedule
+from shared.latency_stats import Timeline
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.model.checkpoint import load_checkpoint, split_fingerprint
 from shared.runtime import build_device_model, encode_prompt
@@ -225,7 +226,7 @@ class DeviceAgent:
                      request_id: str):
         """NDJSON events of one request; `session` is None in cloud mode."""
         started = time.perf_counter()
-        token_times: list[float] = []
+        timeline = Timeline()  # seconds since `started`, one delivery per round
         detok = IncrementalDetokenizer(self.checkpoint.tokenizer)
         session_id = random.getrandbits(63)
         cloud_generated: list[int] = []
@@ -238,7 +239,7 @@ class DeviceAgent:
                       else self._cloud_rounds(request, ids, session_id, cloud_generated))
             async for tokens in rounds:
                 now = time.perf_counter() - started
-                token_times += [now] * len(tokens)
+                timeline.deliver(now, len(tokens))
                 yield json.dumps({"type": "tokens", "token_ids": tokens, "text": detok.push(tokens), "t": now}) + "\n"
         except (CloudUnavailable, CloudError, SessionError) as exc:
             log.warning("request %s failed: %s", request_id, exc)
@@ -250,14 +251,14 @@ class DeviceAgent:
             generated, accept_lengths = session.generated, session.accept_lengths
         else:  # like the reference decoder: every round after the first yields exactly one token
             generated, accept_lengths = cloud_generated, [1] * max(0, len(cloud_generated) - 1)
-        ttft = token_times[0] if token_times else 0.0
-        tbt = (token_times[-1] - ttft) / (len(token_times) - 1) if len(token_times) > 1 else 0.0
+        # shared/latency_stats.py's definitions; 0.0 where undefined (no token, one token, no round)
+        ttft, tbt = latency_stats.ttft_s(timeline) or 0.0, latency_stats.mean_tbt_s(timeline) or 0.0
         stats = {
             "prompt_tokens": len(ids),
             "completion_tokens": len(generated),
             "ttft_s": ttft,
             "tbt_s": tbt,
-            "mean_accept_length": sum(accept_lengths) / max(1, len(accept_lengths)),
+            "mean_accept_length": latency_stats.mean_accept_length(accept_lengths) or 0.0,
             "num_rounds": len(accept_lengths),
             "mode": "hat" if session is not None else "cloud",
         }

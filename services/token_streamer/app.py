@@ -28,6 +28,8 @@ from starlette.types import Message, Receive, Scope, Send
 from services.token_streamer import openai_format as of
 from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
 from services.token_streamer.settings import Settings, load_settings
+from shared import latency_stats
+from shared.latency_stats import Timeline
 from shared.telemetry import TelemetryClient
 
 log = logging.getLogger(__name__)
@@ -53,12 +55,8 @@ class Run:
         self.request_id = request_id
         self.telemetry = telemetry
         self.finish_reason = "length"
-        self.completion_tokens = 0
-        self.ttft_s: float | None = None
-        self.token_times_s: list[float] = []  # per-token gaps after the first token
-        self.rounds: list[int] = []           # tokens per NDJSON 'tokens' line
+        self.timeline = Timeline(started)  # one delivery per NDJSON 'tokens' line, perf_counter times
         self.device_stats: dict[str, Any] | None = None
-        self._last_t: float | None = None
         self._closed = False
 
     async def deltas(self) -> AsyncIterator[str]:
@@ -90,19 +88,26 @@ class Run:
             yield tail
 
     def _observe(self, n: int) -> None:
-        """Timing on arrival. A round of k tokens after a gap G counts as k gaps of G/k, so
-        percentiles of TBT stay meaningful with speculative decoding (mean unchanged)."""
-        if n <= 0:
-            return
-        now = time.perf_counter() - self.started
-        if self._last_t is None:
-            self.ttft_s = now
-            self.token_times_s.extend([0.0] * (n - 1))
-        else:
-            self.token_times_s.extend([(now - self._last_t) / n] * n)
-        self._last_t = now
-        self.completion_tokens += n
-        self.rounds.append(n)
+        """Timing on arrival, from request arrival here (TTFT/TBT as shared/latency_stats.py defines them)."""
+        self.timeline.deliver(time.perf_counter(), n)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return latency_stats.ttft_s(self.timeline)
+
+    @property
+    def token_times_s(self) -> list[float]:
+        """TBT samples, one per token after the first (the telemetry record's `token_times_s`)."""
+        return latency_stats.tbt_samples_s(self.timeline)
+
+    @property
+    def rounds(self) -> list[int]:
+        """Tokens per delivery: the prefill's, then each round's."""
+        return self.timeline.tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.timeline.num_tokens
 
     @property
     def accept_lengths(self) -> list[int]:
@@ -116,9 +121,9 @@ class Run:
     def tophat(self) -> dict[str, Any]:
         stats = self.device_stats or {}
         accepts = self.accept_lengths
-        mean_accept = stats.get("mean_accept_length", sum(accepts) / len(accepts) if accepts else None)
+        mean_accept = stats.get("mean_accept_length", latency_stats.mean_accept_length(accepts))
         return {"device_id": self.stream.device.device_id,
-                "ttft_s": self.ttft_s, "tbt_s": _mean(self.token_times_s),
+                "ttft_s": self.ttft_s, "tbt_s": latency_stats.mean_tbt_s(self.timeline),
                 "mean_accept_length": mean_accept, "num_rounds": stats.get("num_rounds", len(accepts)),
                 "prompt_tokens": self.stream.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "rounds": list(self.rounds),  # tokens per delivery: the prefill's, then each round's
@@ -136,10 +141,6 @@ class Run:
         self.telemetry.emit_request(self.request_id, device_id=self.stream.device.device_id, ttft_s=self.ttft_s,
                                     token_times_s=self.token_times_s, accept_lengths=self.accept_lengths,
                                     prompt_tokens=self.stream.prompt_tokens)
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 class OwnedStreamingResponse(StreamingResponse):

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from shared import latency_stats
+from shared.latency_stats import Timeline
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
 from shared.specdec.device_session import DeviceSession
@@ -172,19 +174,23 @@ class GenerationResult:
     def num_rounds(self) -> int:
         return len(self.accept_lengths)
 
+    # TTFT, TBT and accept length as shared/latency_stats.py defines them; 0.0 where undefined.
+    @property
+    def timeline(self) -> Timeline:
+        return Timeline.from_token_times(self.token_times_s)
+
     @property
     def mean_accept_length(self) -> float:
-        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+        return latency_stats.mean_accept_length(self.accept_lengths) or 0.0
 
     @property
     def ttft_s(self) -> float:
-        return self.token_times_s[0] if self.token_times_s else 0.0
+        return latency_stats.ttft_s(self.timeline) or 0.0
 
     @property
     def tbt_s(self) -> float:
         """Mean time between tokens after the first."""
-        times = self.token_times_s
-        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        return latency_stats.mean_tbt_s(self.timeline) or 0.0
 
 
 async def generate(
