@@ -42,13 +42,16 @@ class FakeDevice:
     """Device-agent double: first round 1 token (prefill), then rounds of `per_round` tokens."""
 
     def __init__(self, device_id: str, *, per_round: int = 2, round_delay_s: float = 0.0,
-                 fail_after_rounds: int | None = None, busy: bool = False) -> None:
+                 fail_after_rounds: int | None = None, busy: bool = False, max_sessions: int = 8) -> None:
         self.device_id = device_id
+        self.max_sessions = max_sessions  # more concurrent generations get 503 busy, as a real agent's
+        self.gate: asyncio.Event | None = None  # when set: generations start only once it is set
         self.per_round = per_round
         self.round_delay_s = round_delay_s
         self.fail_after_rounds = fail_after_rounds
         self.busy = busy
         self.requests: list[dict[str, Any]] = []
+        self.admitted: list[str] = []  # prompts of the generations it started, in order
         self.finished = 0   # streams that reached 'done'
         self.active = 0
 
@@ -59,15 +62,18 @@ class FakeDevice:
         async def generate(request: Request) -> Any:
             body = await request.json()
             self.requests.append(body)
-            if self.busy:
+            if self.busy or self.active >= self.max_sessions:
                 return JSONResponse({"error": {"code": "busy", "message": "no free session"}}, status_code=503)
             if body["prompt"] == "user: bad\nassistant:":
                 return JSONResponse({"error": {"code": "prompt_too_long", "message": "too long"}}, status_code=400)
+            self.active += 1  # taken here, not in the stream, so two requests cannot both pass the check
+            self.admitted.append(body["prompt"])
             return StreamingResponse(self._lines(body), media_type="application/x-ndjson")
 
         @app.get("/info")
         async def info() -> dict[str, Any]:
-            return {"device_id": self.device_id, "model": "fake", "active_sessions": self.active, "max_sessions": 8}
+            return {"device_id": self.device_id, "model": "fake", "active_sessions": self.active,
+                    "max_sessions": self.max_sessions}
 
         @app.get("/readyz")
         async def readyz() -> dict[str, bool]:
@@ -76,9 +82,10 @@ class FakeDevice:
         return app
 
     async def _lines(self, body: dict[str, Any]) -> AsyncIterator[str]:
-        self.active += 1
         try:
             yield json.dumps({"type": "start", "request_id": body["request_id"], "prompt_tokens": 5}) + "\n"
+            if self.gate is not None:
+                await self.gate.wait()
             n, rounds, limit = 0, 0, body["max_new_tokens"]
             while n < limit:
                 if self.fail_after_rounds is not None and rounds >= self.fail_after_rounds:
@@ -334,9 +341,7 @@ async def test_error_shapes_400_and_503() -> None:
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_device_available"
         assert (await http.get(f"{url}/readyz")).status_code == 503
         assert (await http.get(f"{url}/healthz")).status_code == 200
-    async with mesh(FakeDevice("a", busy=True), FakeDevice("b", busy=True)) as url, httpx.AsyncClient() as http:
-        resp = await http.post(f"{url}/v1/completions", json={"prompt": "x"})
-        assert resp.status_code == 503 and resp.json()["error"]["code"] == "devices_busy"
+    # Busy devices are waited for, not refused: tests/test_streamer_queue.py.
 
 
 async def test_websocket_chat_keeps_socket_open() -> None:

@@ -1,9 +1,13 @@
 """Token streamer: OpenAI-compatible HTTP/SSE and a WebSocket chat in front of device agents.
 
-The user only ever talks to this service; it picks a device agent (router.py),
-relays the device's NDJSON token stream as OpenAI chunks, applies stop strings,
+The user only ever talks to this service; it queues the request for a device
+slot (admission.py: bounded, first come first served, with a deadline), picks a
+device agent (router.py), relays the device's NDJSON token stream as OpenAI chunks, applies stop strings,
 measures TTFT/TBT as the user sees them (from request arrival here) and reports
 each finished request to the state monitor (HAT §3.2) when one is configured.
+A client that goes away, streaming or not, cancels its request: it leaves the
+queue, or its device stream is closed, which stops the generation on the device
+and frees its sessions there and in the cloud.
 """
 
 from __future__ import annotations
@@ -12,20 +16,20 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
-from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Message, Receive, Scope, Send
 
 from services.token_streamer import openai_format as of
+from services.token_streamer.admission import Admission
+from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone
 from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
 from services.token_streamer.settings import Settings, load_settings
 from shared import latency_stats
@@ -122,7 +126,7 @@ class Run:
         stats = self.device_stats or {}
         accepts = self.accept_lengths
         mean_accept = stats.get("mean_accept_length", latency_stats.mean_accept_length(accepts))
-        return {"device_id": self.stream.device.device_id,
+        return {"device_id": self.stream.device.device_id, "queue_wait_s": self.stream.queue_wait_s,
                 "ttft_s": self.ttft_s, "tbt_s": latency_stats.mean_tbt_s(self.timeline),
                 "mean_accept_length": mean_accept, "num_rounds": stats.get("num_rounds", len(accepts)),
                 "prompt_tokens": self.stream.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -143,34 +147,6 @@ class Run:
                                     prompt_tokens=self.stream.prompt_tokens)
 
 
-class OwnedStreamingResponse(StreamingResponse):
-    """Runs `on_close` however the response ends (done, client gone, server shutdown), and
-    bounds every write so a client that stops reading cannot pin a device slot forever."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], *,
-                 send_timeout_s: float, **kw: Any) -> None:
-        super().__init__(content, **kw)
-        self._on_close = on_close
-        self._send_timeout_s = send_timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def timed_send(message: Message) -> None:
-            async with asyncio.timeout(self._send_timeout_s):
-                await send(message)
-
-        try:
-            await super().__call__(scope, receive, timed_send)
-        except TimeoutError:  # (an OSError: ASGI >= 2.4 servers see it as ClientDisconnect below)
-            log.info("client stopped reading the stream for %.1f s; dropping it", self._send_timeout_s)
-        except ClientDisconnect:
-            log.debug("client went away mid-stream")
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            await self._on_close()
-
-
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     s = settings
@@ -179,7 +155,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         timeout=httpx.Timeout(connect=s.connect_timeout_s, pool=s.connect_timeout_s, write=s.connect_timeout_s,
                               read=max(s.first_byte_timeout_s, s.line_timeout_s) + 1.0),
         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64), trust_env=False)
-    dispatcher = Dispatcher(router, client, first_byte_timeout_s=s.first_byte_timeout_s,
+    admission = Admission(router, max_waiting=s.queue_max_waiting, timeout_s=s.queue_timeout_s)
+    dispatcher = Dispatcher(admission, client, first_byte_timeout_s=s.first_byte_timeout_s,
                             line_timeout_s=s.line_timeout_s, probe_timeout_s=s.probe_timeout_s)
     telemetry = TelemetryClient(s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s)
     started_at = int(time.time())
@@ -209,9 +186,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="tophat token streamer", lifespan=lifespan)
     app.state.router = router
     app.state.dispatcher = dispatcher
+    app.state.admission = admission
 
-    def error_response(status: int, message: str, code: str | None, param: str | None = None) -> JSONResponse:
-        return JSONResponse(of.error_body(message, of.error_type(status), code, param), status_code=status)
+    def error_response(status: int, message: str, code: str | None, param: str | None = None,
+                       headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(of.error_body(message, of.error_type(status), code, param), status_code=status,
+                            headers=headers)
+
+    def device_error_response(exc: DeviceError) -> JSONResponse:
+        retry_after = getattr(exc, "retry_after_s", None)  # a full queue says when to come back
+        return error_response(exc.status, exc.message, exc.code,
+                              headers={"Retry-After": str(retry_after)} if retry_after else None)
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -224,7 +209,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(DeviceError)
     async def on_device_error(_: Request, exc: DeviceError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.code)
+        return device_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -268,12 +253,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield of.sse(fmt.error_chunk(exc.status, exc.code, exc.message))
         yield of.DONE
 
-    async def respond(req: of.SamplingRequest, prompt: str, max_tokens: int | None, chat: bool) -> Any:
+    async def serve_request(req: of.SamplingRequest, prompt: str, max_tokens: int | None, chat: bool) -> Response:
         run, fmt = await start(req, prompt, max_tokens, chat)
+        headers = {QUEUE_WAIT_HEADER: f"{run.stream.queue_wait_s * 1e3:.3f}"}
         if req.stream:
             return OwnedStreamingResponse(sse_body(run, fmt, req.include_usage), run.close,
                                           send_timeout_s=s.send_timeout_s, media_type="text/event-stream",
-                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         try:
             text = "".join([t async for t in run.deltas()])
         except DeviceError as exc:
@@ -281,15 +267,38 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return error_response(exc.status, exc.message, exc.code)
         finally:
             await run.close()
-        return fmt.response(text, run.finish_reason, run.usage(), run.tophat())
+        return JSONResponse(fmt.response(text, run.finish_reason, run.usage(), run.tophat()), headers=headers)
+
+    async def respond(request: Request, req: of.SamplingRequest, prompt: str, max_tokens: int | None,
+                      chat: bool) -> Response:
+        """Serve the request unless its client goes away first: then cancel it wherever it is
+        (queued, starting, or waiting for a non-streaming answer). A streamed answer's own
+        response watches for the disconnect once it is returned."""
+        work = asyncio.create_task(serve_request(req, prompt, max_tokens, chat), name="serve-request")
+        gone = asyncio.create_task(client_gone(request.receive), name="watch-disconnect")
+        try:
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+        client_left = not gone.cancelled() and gone.exception() is None
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if client_left and work.cancelled():
+                log.info("client went away; request cancelled")
+                return Response(status_code=499)  # nobody reads it: the connection is gone
+            raise
 
     @app.post("/v1/completions")
-    async def completions(req: of.CompletionRequest) -> Any:
-        return await respond(req, req.prompt_text, req.max_tokens, chat=False)
+    async def completions(request: Request, req: of.CompletionRequest) -> Any:
+        return await respond(request, req, req.prompt_text, req.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: of.ChatRequest) -> Any:
-        return await respond(req, of.render_chat_prompt(req.messages), req.requested_tokens, chat=True)
+    async def chat_completions(request: Request, req: of.ChatRequest) -> Any:
+        return await respond(request, req, of.render_chat_prompt(req.messages), req.requested_tokens, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -367,7 +376,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         ready = await dispatcher.probe_all() > 0
-        return JSONResponse({"ready": ready, "devices": router.snapshot()}, status_code=200 if ready else 503)
+        queue = {"waiting": admission.waiting, "max_waiting": admission.max_waiting}
+        return JSONResponse({"ready": ready, "queue": queue, "devices": router.snapshot()},
+                            status_code=200 if ready else 503)
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """The admission queue (length, outcomes, recent waits) and each device's slots; no probing."""
+        return {"queue": admission.stats(), "devices": router.snapshot()}
 
     return app
 

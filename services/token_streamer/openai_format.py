@@ -148,6 +148,8 @@ def validation_error(errors: Any) -> tuple[str, str | None]:
 def error_type(status: int) -> str:
     if status == 400:
         return "invalid_request_error"
+    if status == 429:
+        return "rate_limit_error"
     if status == 503:
         return "service_unavailable_error"
     return "server_error"

@@ -5,10 +5,12 @@ ties, skip devices that recently failed). It is deliberately tiny and has one
 decision method, `pick()`, so a DiSCo-style cost-aware dispatcher (and later
 token-level migration) can replace it without touching the HTTP layer.
 
-`Dispatcher` does the network side: it asks the router for a device, POSTs
-/generate, waits (bounded) for the first NDJSON line and fails over to the next
-device when a device is unreachable or busy. Only failures *before* any token
-reached the user are retried elsewhere; a failure mid-stream is reported.
+`Dispatcher` does the network side: it takes a device slot from the admission
+queue (admission.py: FCFS, bounded, with a deadline), POSTs /generate, waits
+(bounded) for the first NDJSON line and, when a device is unreachable, fails over
+to the next one; a device that says busy sends the request back to the head of
+the queue. Only failures *before* any token reached the user are retried; a
+failure mid-stream is reported.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from services.token_streamer.admission import Admission
 
 log = logging.getLogger(__name__)
 
 _IDENT = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")  # what the state monitor accepts as a device id
+BUSY_HOLD_S = 0.25  # a device that answered 'busy' gets no new request this long, unless it frees a slot
 
 
 class DeviceError(Exception):
@@ -56,7 +62,9 @@ class DeviceState:
     outstanding: int = 0          # requests of this streamer currently on the device
     down_until: float = 0.0       # monotonic time before which pick() skips the device
     device_id: str | None = None  # from GET /info, when a probe has fetched it
-    max_sessions: int | None = None
+    max_sessions: int | None = None  # from /info; None: unknown, the device's 'busy' tells
+    held_until: float = 0.0       # after a 'busy' answer: not offered new requests until then
+    opening: int = 0              # requests sent whose first line has not come back yet
     served: int = 0
     failures: int = 0
     last_error: str | None = None
@@ -75,18 +83,34 @@ class Router:
     def healthy(self, device: DeviceState) -> bool:
         return self._clock() >= device.down_until
 
-    def pick(self, exclude: Iterable[str] = ()) -> DeviceState | None:
+    def has_free_slot(self, device: DeviceState) -> bool:
+        """Healthy, not held off after a 'busy', and below its known session count. A device of
+        unknown capacity takes one new request at a time: its answer (started or busy) decides
+        the next, so requests reach it in queue order."""
+        if not self.healthy(device) or self._clock() < device.held_until:
+            return False
+        if device.max_sessions is None:
+            return device.opening == 0
+        return device.outstanding < device.max_sessions
+
+    def capacity(self) -> int:
+        """Sessions the healthy devices can hold (a device of unknown capacity: what it holds now)."""
+        return sum(d.max_sessions if d.max_sessions is not None else max(1, d.outstanding)
+                   for d in self.devices if self.healthy(d))
+
+    def pick(self, exclude: Iterable[str] = (), *, free_only: bool = False) -> DeviceState | None:
         """The healthy device (not in `exclude`, by URL) with the fewest outstanding requests.
 
         Scanning starts just after the previous pick, so equally loaded devices
-        take turns. None when every device is excluded or marked down.
+        take turns. None when every device is excluded or marked down (or, with
+        `free_only`, has no free slot).
         """
         skip = set(exclude)
         n = len(self.devices)
         best: DeviceState | None = None
         for k in range(n):
             device = self.devices[(self._cursor + k) % n]
-            if device.url in skip or not self.healthy(device):
+            if device.url in skip or not (self.has_free_slot(device) if free_only else self.healthy(device)):
                 continue
             if best is None or device.outstanding < best.outstanding:
                 best = device
@@ -95,10 +119,17 @@ class Router:
         return best
 
     def acquire(self, device: DeviceState) -> None:
+        """Take a slot for a request about to be sent; `opened()` once the device has answered."""
         device.outstanding += 1
+        device.opening += 1
 
-    def release(self, device: DeviceState) -> None:
+    def opened(self, device: DeviceState) -> None:
+        device.opening = max(0, device.opening - 1)
+
+    def release(self, device: DeviceState, *, busy: bool = False) -> None:
+        """Give a slot back; `busy`: the device refused it, so hold it off for a moment."""
         device.outstanding = max(0, device.outstanding - 1)
+        device.held_until = self._clock() + BUSY_HOLD_S if busy else 0.0
 
     def mark_down(self, device: DeviceState, reason: str) -> None:
         if self.healthy(device):
@@ -114,20 +145,24 @@ class Router:
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [{"url": d.url, "device_id": d.device_id, "healthy": self.healthy(d), "outstanding": d.outstanding,
-                 "served": d.served, "failures": d.failures, "last_error": d.last_error} for d in self.devices]
+                 "max_sessions": d.max_sessions, "served": d.served, "failures": d.failures,
+                 "last_error": d.last_error} for d in self.devices]
 
 
 class DeviceStream:
     """An open /generate response from one device; yields its NDJSON events.
 
-    Owns the router slot: `aclose()` (idempotent) closes the HTTP response, which
-    tells the device to stop generating, and releases the slot.
+    Owns the device slot: `aclose()` (idempotent) closes the HTTP response, which
+    tells the device to stop generating, and gives the slot back to the queue.
     """
 
-    def __init__(self, router: Router, device: DeviceState, response: httpx.Response,
+    def __init__(self, admission: Admission, device: DeviceState, response: httpx.Response,
                  lines: AsyncIterator[str], first: dict[str, Any], line_timeout_s: float) -> None:
-        self.router = router
+        self.admission = admission
+        self.router = admission.router
         self.device = device
+        self.opened_at = time.monotonic()
+        self.queue_wait_s = 0.0  # set by the dispatcher: time spent waiting for this slot
         self._response = response
         self._lines = lines
         self._line_timeout_s = line_timeout_s
@@ -171,11 +206,12 @@ class DeviceStream:
         if self._closed:
             return
         self._closed = True
-        self.router.release(self.device)
         try:
             await asyncio.wait_for(self._response.aclose(), timeout=1.0)
         except (httpx.HTTPError, TimeoutError) as exc:
             log.debug("closing device stream: %s", exc)
+        finally:  # after the close: the device has seen the disconnect before the slot is offered again
+            self.admission.release(self.device, held_s=time.monotonic() - self.opened_at)
 
 
 def _parse_line(line: str) -> dict[str, Any]:
@@ -204,38 +240,45 @@ def _error_of(response: httpx.Response) -> tuple[str, str]:
 class Dispatcher:
     """Opens a generation on some device, failing over while nothing was delivered yet."""
 
-    def __init__(self, router: Router, client: httpx.AsyncClient, *, first_byte_timeout_s: float,
+    def __init__(self, admission: Admission, client: httpx.AsyncClient, *, first_byte_timeout_s: float,
                  line_timeout_s: float, probe_timeout_s: float) -> None:
-        self.router = router
+        self.admission = admission
+        self.router = admission.router
         self.client = client
         self.first_byte_timeout_s = first_byte_timeout_s
         self.line_timeout_s = line_timeout_s
         self.probe_timeout_s = probe_timeout_s
 
     async def open(self, body: dict[str, Any]) -> DeviceStream:
-        """POST /generate on the best device; 503 DeviceError when none can take it."""
+        """POST /generate on the best device with a free slot, waiting in the admission queue for one.
+
+        DeviceError: 503 when no device is reachable, 429 `queue_full`, 503 `queue_timeout`."""
         if not self.router.devices:
             raise DeviceError(503, "no_device_configured", "no device agents are configured")
-        tried: set[str] = set()
-        busy = 0
-        while (device := self.router.pick(exclude=tried)) is not None:
-            tried.add(device.url)
-            self.router.acquire(device)
+        started = time.monotonic()
+        deadline = started + self.admission.timeout_s
+        had_turn = False
+        while True:
+            device = await self.admission.acquire(deadline, front=had_turn)
+            waited_s = time.monotonic() - started
+            had_turn = True
             try:
                 stream = await self._open_on(device, body)
             except _TryElsewhere as exc:
-                self.router.release(device)
-                busy += exc.busy
+                # Unreachable devices are marked down (pick skips them); a busy one is held off.
+                self.admission.release(device, busy=exc.busy)
                 log.info("device %s skipped for request %s: %s", device.url, body.get("request_id"), exc)
                 continue
             except BaseException:
-                self.router.release(device)
+                self.admission.release(device)
                 raise
+            finally:
+                self.router.opened(device)
+                self.admission.pump()  # a device of unknown capacity may take the next one now
             device.served += 1
+            stream.queue_wait_s = waited_s
+            self.admission.record_wait(waited_s)
             return stream
-        if busy:
-            raise DeviceError(503, "devices_busy", "every reachable device is busy; retry later")
-        raise DeviceError(503, "no_device_available", "no device agent is reachable")
 
     async def _open_on(self, device: DeviceState, body: dict[str, Any]) -> DeviceStream:
         request = self.client.build_request("POST", f"{device.url}/generate", json=body)
@@ -275,7 +318,7 @@ class Dispatcher:
                 raise _TryElsewhere(f"busy ({code})", busy=True)
             raise DeviceError(502, code, message or "the device failed to start the generation")
         self.router.mark_up(device)
-        return DeviceStream(self.router, device, response, lines, first, self.line_timeout_s)
+        return DeviceStream(self.admission, device, response, lines, first, self.line_timeout_s)
 
     def _refused(self, device: DeviceState, response: httpx.Response) -> None:
         """Map a non-200 /generate reply: 503 -> try another device, 4xx -> the caller's fault."""

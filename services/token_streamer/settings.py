@@ -31,6 +31,10 @@ class Settings:
     max_new_tokens_default: int = 64
     max_new_tokens_limit: int = 1024
     max_prompt_chars: int = 200_000       # longer prompts are rejected with 400
+    # Requests beyond the devices' free sessions wait in a FCFS queue of at most queue_max_waiting
+    # (more get 429 with Retry-After); one still waiting after queue_timeout_s gets 503 queue_timeout.
+    queue_max_waiting: int = 256
+    queue_timeout_s: float = 60.0
     telemetry_timeout_s: float = 0.5
     log_level: str = "info"
 
@@ -43,13 +47,16 @@ class Settings:
         if self.state_monitor_url and not self.state_monitor_url.startswith(("http://", "https://")):
             raise ValueError(f"state_monitor_url must be an http(s) URL: {self.state_monitor_url!r}")
         timeouts = (self.connect_timeout_s, self.first_byte_timeout_s, self.line_timeout_s, self.probe_timeout_s,
-                    self.device_down_s, self.ws_idle_timeout_s, self.send_timeout_s, self.telemetry_timeout_s)
+                    self.device_down_s, self.ws_idle_timeout_s, self.send_timeout_s, self.telemetry_timeout_s,
+                    self.queue_timeout_s)
         if min(timeouts) <= 0:
             raise ValueError("timeouts and device_down_s must be > 0")
         if self.health_interval_s < 0:
             raise ValueError("health_interval_s must be >= 0 (0 disables the probe)")
         if not 1 <= self.max_new_tokens_default <= self.max_new_tokens_limit:
             raise ValueError("need 1 <= max_new_tokens_default <= max_new_tokens_limit")
+        if self.queue_max_waiting < 0:
+            raise ValueError("queue_max_waiting must be >= 0 (0: no queue, a full mesh answers 429)")
         if self.max_prompt_chars < 1:
             raise ValueError("max_prompt_chars must be >= 1")
         if not self.model_name:

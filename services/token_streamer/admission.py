@@ -1,0 +1,154 @@
+"""Admission to device slots: a bounded first-come-first-served queue with a deadline.
+
+A burst larger than the devices' free sessions waits here instead of failing.
+`acquire()` hands out one device slot (the router's `outstanding` is already
+taken) to the oldest waiting request whenever one is free; a slot comes free when
+a generation ends (`release`) or, when the streamer does not know a device's
+capacity, when a device that said "busy" is worth asking again. The queue is
+bounded (`QueueFull`, answered 429 with Retry-After) and every request has a
+deadline (`QueueTimeout`, 503 `queue_timeout`). A waiter that is cancelled (its
+client went away) leaves the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from typing import Any
+
+from services.token_streamer.router import DeviceError, DeviceState, Router
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how often waiters re-check devices held off after a 'busy' (capacity unknown here)
+RECENT_WAITS = 1024
+
+
+class QueueFull(DeviceError):
+    def __init__(self, waiting: int, retry_after_s: int) -> None:
+        super().__init__(429, "queue_full", f"{waiting} requests are already waiting for a device; "
+                                            f"retry in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class QueueTimeout(DeviceError):
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(503, "queue_timeout", f"no device slot came free within {waited_s:.1f} s "
+                                               "in the streamer's queue")
+
+
+class Admission:
+    """FCFS hand-out of device slots; every method runs on the event loop (no locks needed)."""
+
+    def __init__(self, router: Router, *, max_waiting: int, timeout_s: float) -> None:
+        self.router = router
+        self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self._waiters: deque[asyncio.Future[DeviceState]] = deque()
+        self._mean_hold_s = 1.0  # EWMA of how long a slot is held: the Retry-After estimate
+        self.admitted = self.queued = self.rejected_full = self.timed_out = self.abandoned = 0
+        self.recent_waits_s: deque[float] = deque(maxlen=RECENT_WAITS)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, deadline: float, *, front: bool = False) -> DeviceState:
+        """A device with one slot taken for the caller, in arrival order.
+
+        `deadline` is on `time.monotonic()`. `front` puts a request that already had its
+        turn (the device then said busy) back at the head, so it keeps its place.
+        Raises DeviceError 503 `no_device_available` when no device is healthy at all
+        (waiting would not help), QueueFull or QueueTimeout."""
+        if not self._waiters or front:
+            device = self._take()
+            if device is not None:
+                return device
+        if not any(self.router.healthy(d) for d in self.router.devices):
+            raise DeviceError(503, "no_device_available", "no device agent is reachable")
+        if len(self._waiters) >= self.max_waiting and not front:
+            self.rejected_full += 1
+            raise QueueFull(len(self._waiters), self.retry_after_s())
+        waiter: asyncio.Future[DeviceState] = asyncio.get_running_loop().create_future()
+        if front:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
+            self.queued += 1
+        granted = False
+        try:
+            while not waiter.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.timed_out += 1
+                    raise QueueTimeout(self.timeout_s)
+                # A release wakes the head at once; the poll covers devices held off after a 'busy'.
+                await asyncio.wait([waiter], timeout=min(left, POLL_S))
+                self.pump()
+            granted = True
+            return waiter.result()
+        except asyncio.CancelledError:
+            self.abandoned += 1
+            raise
+        finally:
+            if granted:
+                pass
+            elif waiter.done() and not waiter.cancelled():
+                device = waiter.result()  # granted just as its client left: pass the slot on
+                self.router.opened(device)
+                self.release(device)
+            else:
+                waiter.cancel()
+                self._waiters.remove(waiter)
+
+    def _take(self) -> DeviceState | None:
+        device = self.router.pick(free_only=True)
+        if device is not None:
+            self.router.acquire(device)
+        return device
+
+    def pump(self) -> None:
+        """Hand free slots to the oldest waiters."""
+        while self._waiters:
+            head = self._waiters[0]
+            if head.done():
+                self._waiters.popleft()
+                continue
+            device = self._take()
+            if device is None:
+                return
+            self._waiters.popleft()
+            head.set_result(device)
+
+    def release(self, device: DeviceState, *, held_s: float | None = None, busy: bool = False) -> None:
+        """Give a slot back. `busy`: the device refused (its capacity is lower than we thought)."""
+        self.router.release(device, busy=busy)
+        if held_s is not None:
+            self._mean_hold_s += 0.1 * (held_s - self._mean_hold_s)
+        self.pump()
+
+    def record_wait(self, waited_s: float) -> None:
+        """A request got its device after waiting `waited_s` (busy refusals on the way included)."""
+        self.admitted += 1
+        self.recent_waits_s.append(waited_s)
+
+    def retry_after_s(self) -> int:
+        """Seconds until the queue has likely drained by one place per waiting request."""
+        slots = max(1, self.router.capacity())
+        return max(1, math.ceil(self._mean_hold_s * (len(self._waiters) + 1) / slots))
+
+    def stats(self) -> dict[str, Any]:
+        waits = sorted(self.recent_waits_s)
+        return {"waiting": self.waiting, "max_waiting": self.max_waiting, "timeout_s": self.timeout_s,
+                "admitted": self.admitted, "queued": self.queued, "rejected_full": self.rejected_full,
+                "timed_out": self.timed_out, "abandoned": self.abandoned,
+                "wait_p50_s": _quantile(waits, 0.5), "wait_p99_s": _quantile(waits, 0.99)}
+
+
+def _quantile(sorted_xs: list[float], q: float) -> float | None:
+    if not sorted_xs:
+        return None
+    return sorted_xs[min(len(sorted_xs) - 1, math.ceil(q * len(sorted_xs)) - 1)]

@@ -1,0 +1,85 @@
+"""A client that goes away cancels its request everywhere, streaming or not.
+
+Real mesh (real processes, the demo model): a long generation is started over a
+raw TCP socket, which is closed once the verifier is stepping it. Within a short
+bound the verifier must hold no session, the device none either, and the
+verifier's step counter must stop growing -- the generation did not run on to
+`max_tokens` for nobody.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.conftest import DEMO_MODEL_DIR
+from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+
+MAX_TOKENS = 1024  # ~20 s of decoding on the demo model: far longer than any bound below
+FREED_WITHIN_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1))
+    with Mesh(config) as running:
+        yield running
+
+
+def verifier_state(mesh: Mesh) -> dict[str, int]:
+    """The verifier's /readyz body, `sessions=N steps=M`, as a dict."""
+    body = httpx.get(f"http://{mesh.config.host}:{mesh.config.verifier_port}/readyz", timeout=5).text
+    return {k: int(v) for k, v in (part.split("=") for part in body.split()[:2])}
+
+
+def device_sessions(mesh: Mesh) -> int:
+    return httpx.get(f"{mesh.config.device_url(0)}/info", timeout=5).json()["active_sessions"]
+
+
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def post_and_hold(url: str, body: dict) -> socket.socket:
+    """Send a POST over a raw socket and return it unread: closing it is the client going away."""
+    parts = urlsplit(url)
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=5)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: streamer\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_client_disconnect_frees_device_and_verifier(mesh, stream):
+    assert wait_until(lambda: verifier_state(mesh)["sessions"] == 0 and device_sessions(mesh) == 0, 10)
+    body = {"prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream}
+    sock = post_and_hold(mesh.config.streamer_url, body)
+    try:
+        # Running: the verifier holds the session and has stepped it a few times.
+        steps_at_start = verifier_state(mesh)["steps"]
+        assert wait_until(lambda: verifier_state(mesh)["sessions"] == 1
+                          and verifier_state(mesh)["steps"] >= steps_at_start + 5, 30)
+        assert device_sessions(mesh) == 1
+        time.sleep(0.5)
+    finally:
+        sock.close()
+    assert wait_until(lambda: verifier_state(mesh)["sessions"] == 0, FREED_WITHIN_S), verifier_state(mesh)
+    assert wait_until(lambda: device_sessions(mesh) == 0, FREED_WITHIN_S)
+    steps = verifier_state(mesh)["steps"]
+    time.sleep(1.0)
+    assert verifier_state(mesh)["steps"] == steps  # nothing is decoding for the client that left
+    # The mesh still serves: the freed slot takes the next request.
+    done = httpx.post(f"{mesh.config.streamer_url}/v1/completions",
+                      json={"prompt": "Hello", "max_tokens": 8, "temperature": 0}, timeout=60)
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 8
