@@ -6,7 +6,8 @@ apply the equations or name the reason they could not ("default:<reason>"),
 so the HTTP layer can report a truthful `source`.
 
 Symbols (HAT §3.2-§3.5):
-    A        hidden-state bytes per token on the wire (`hidden_bytes_per_token`)
+    A        hidden-state bytes per token on the wire (`hidden_bytes_per_token`): the caller's
+             (the device knows its hidden size and wire dtype), never a guess of the planner's
     beta_up  device uplink bandwidth, bytes/s;  beta_down: downlink
     g(mu)    predicted cloud compute seconds for a batch of mu tokens (eq. 2)
     mu       the cloud's averaged batched token count (eq. 1)
@@ -19,6 +20,7 @@ Default reasons (the `source` suffix after "default:"):
     missing-beta   the device reported no uplink (eq. 3) / up+down (eq. 6) transfers
     missing-gamma  the device reported no draft-step time (eq. 6)
     bad-telemetry  values present but unusable (non-finite, non-positive bandwidth)
+    no-bytes-per-token  neither the caller nor the planner's configuration gave A
 The service adds reasons of its own for failures before any JSON exists
 (no-monitor, monitor-unreachable, monitor-error).
 """
@@ -51,6 +53,16 @@ def hidden_bytes_per_token(hidden_size: int, wire_dtype_bytes: int = 2) -> int:
     if hidden_size < 1 or wire_dtype_bytes < 1:
         raise ValueError(f"need hidden_size >= 1 and wire_dtype_bytes >= 1, got {hidden_size}, {wire_dtype_bytes}")
     return int(hidden_size) * int(wire_dtype_bytes)
+
+
+def fixed_chunks(num_tokens: int, chunk_size: int | None) -> list[int]:
+    """Chunk sizes covering a prompt: all equal to chunk_size but the last (None = one chunk).
+
+    Here (no torch) so the device's decode loop and the simulator share it."""
+    if not chunk_size or chunk_size >= num_tokens:
+        return [num_tokens]
+    full, rest = divmod(num_tokens, chunk_size)
+    return [chunk_size] * full + ([rest] if rest else [])
 
 
 def _positive(x: float, name: str) -> float:
@@ -178,7 +190,7 @@ class PlannerInputs:
     telemetry is older is planned with defaults, since its bandwidth may have changed.
     """
 
-    bytes_per_token: int                 # A
+    bytes_per_token: int | None          # A; None: unknown (eq. 3 / eq. 6 cannot be applied)
     stages: int = 1                      # P
     min_chunk_size: int = 16
     max_chunk_size: int = 1024
@@ -269,7 +281,9 @@ def _device_problem(device: Mapping[str, Any] | None, stale_after_s: float) -> s
 
 def _usable_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
                   inputs: PlannerInputs) -> tuple[Callable[[float], float], float, Mapping[str, Any]] | str:
-    """(g, μ, device) when both sides have usable telemetry, else the default reason."""
+    """(g, μ, device) when A is known and both sides have usable telemetry, else the default reason."""
+    if inputs.bytes_per_token is None:
+        return "no-bytes-per-token"
     reason = _device_problem(device, inputs.stale_after_s)
     if reason is not None or device is None:
         return reason or "no-telemetry"
@@ -306,19 +320,42 @@ def plan_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] |
     return size, "eq3"
 
 
-def plan_draft_steps_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
-                                inputs: PlannerInputs, draft_len: int) -> tuple[int, str]:
-    """Parallel-draft steps from the monitor's JSON: (λ, "eq6") or (default, "default:<reason>")."""
+def _eq6_terms(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
+               inputs: PlannerInputs) -> tuple[float, float, float, float] | str:
+    """(β_up, β_down, g(μ), γ) from the monitor's JSON, or the default reason."""
     state = _usable_state(cloud, device, inputs)
     if isinstance(state, str):
-        return inputs.default_steps(), f"default:{state}"
+        return state
     g, mu, dev = state
     beta_up = _positive_field(dev, "beta_up", "missing-beta")
     beta_down = _positive_field(dev, "beta_down", "missing-beta")
     gamma = _positive_field(dev, "gamma", "missing-gamma")
     for value in (beta_up, beta_down, gamma):
         if isinstance(value, str):
-            return inputs.default_steps(), f"default:{value}"
-    steps = parallel_draft_steps_eq6(draft_len, inputs.bytes_per_token, float(beta_up), float(beta_down),
-                                     g(mu), float(gamma), inputs.max_draft_steps)
-    return steps, "eq6"
+            return value
+    return float(beta_up), float(beta_down), g(mu), float(gamma)
+
+
+def plan_draft_steps_table_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
+                                      inputs: PlannerInputs, max_draft_len: int) -> tuple[list[int], str]:
+    """λ for every draft length 0..max_draft_len from one telemetry snapshot, so a device can look
+    up each round's λ for the rows it actually sends: ([λ_0..λ_max], "eq6") or the default for all."""
+    terms = _eq6_terms(cloud, device, inputs)
+    if isinstance(terms, str):
+        return [inputs.default_steps()] * (max_draft_len + 1), f"default:{terms}"
+    beta_up, beta_down, g_mu, gamma = terms
+    return [parallel_draft_steps_eq6(n, inputs.bytes_per_token, beta_up, beta_down, g_mu, gamma,
+                                     inputs.max_draft_steps) for n in range(max_draft_len + 1)], "eq6"
+
+
+def plan_draft_steps_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
+                                inputs: PlannerInputs, draft_len: int) -> tuple[int, str]:
+    """Parallel-draft steps from the monitor's JSON: (λ, "eq6") or (default, "default:<reason>").
+
+    `draft_len` is μ_i of eq. 6: the rows one verification moves each way (k drafts + 1)."""
+    terms = _eq6_terms(cloud, device, inputs)
+    if isinstance(terms, str):
+        return inputs.default_steps(), f"default:{terms}"
+    beta_up, beta_down, g_mu, gamma = terms
+    return parallel_draft_steps_eq6(draft_len, inputs.bytes_per_token, beta_up, beta_down, g_mu, gamma,
+                                    inputs.max_draft_steps), "eq6"

@@ -70,13 +70,19 @@ def planner_settings(**kw: Any) -> Settings:
     return load_settings({}, state_monitor_url=MONITOR, **kw)
 
 
+def plan(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer without the inputs it echoes (A and P)."""
+    return {k: v for k, v in answer.items() if k not in ("bytes_per_token", "stages")}
+
+
 # -- defaults without a monitor ----------------------------------------------------------------
 
 
 def test_plan_clamps_default_to_bounds_and_prompt() -> None:
     s = load_settings({})
     assert (s.port, s.default_chunk_size, s.min_chunk_size, s.max_chunk_size) == (8010, 128, 16, 1024)
-    assert (s.pipeline_stages, s.hidden_size, s.wire_dtype_bytes, s.stale_after_s) == (1, 256, 2, 30.0)
+    # No hidden size of its own: A (bytes per token) is the caller's to say.
+    assert (s.pipeline_stages, s.hidden_size, s.wire_dtype_bytes, s.stale_after_s) == (1, 0, 2, 30.0)
     assert plan_chunk_size(s, "d", 1000).chunk_size == 128
     assert plan_chunk_size(s, "d", 50).chunk_size == 50          # never more than the prompt
     assert plan_chunk_size(s, "d", 3).chunk_size == 3            # even below min: the whole prompt
@@ -104,11 +110,11 @@ def test_settings_from_env_and_validation() -> None:
 async def test_endpoints_without_monitor() -> None:
     async with running(load_settings({}, default_chunk_size=256)) as client:
         resp = await client.get("/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 900})
-        assert resp.status_code == 200 and resp.json() == {"chunk_size": 256, "source": "default:no-monitor"}
+        assert resp.status_code == 200 and plan(resp.json()) == {"chunk_size": 256, "source": "default:no-monitor"}
         resp = await client.get("/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 40})
-        assert resp.json() == {"chunk_size": 40, "source": "default:no-monitor"}
+        assert plan(resp.json()) == {"chunk_size": 40, "source": "default:no-monitor"}
         resp = await client.get("/parallel-draft-steps", params={"device_id": "jetson-1", "draft_len": 8})
-        assert resp.json() == {"steps": 2, "source": "default:no-monitor"}
+        assert plan(resp.json()) == {"steps": 2, "source": "default:no-monitor"}
         for path, params in [("/chunk-size", {"prompt_tokens": 10}), ("/chunk-size", {"device_id": "d"}),
                              ("/chunk-size", {"device_id": "d", "prompt_tokens": 0}),
                              ("/chunk-size", {"device_id": "d", "prompt_tokens": "many"}),
@@ -145,36 +151,40 @@ async def test_eq3_and_eq6_from_live_monitor() -> None:
         for stages in (1, 4):
             settings = planner_settings(pipeline_stages=stages)
             async with running(settings, transport) as client:
-                got = (await client.get("/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 5000})).json()
+                got = (await client.get("/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 5000,
+                                                               "bytes_per_token": a})).json()
                 want = chunk_size_eq3(a, 819_200.0, g_fn, mu, stages, 16, 1024, 5000)
-                assert got == {"chunk_size": want, "source": "eq3"}
-                assert (want, "eq3") == plan_from_state(cloud, device, planner_inputs(settings), 5000)
+                assert got == {"chunk_size": want, "source": "eq3", "bytes_per_token": a, "stages": stages}
+                assert (want, "eq3") == plan_from_state(cloud, device, planner_inputs(settings, a), 5000)
                 assert 16 < want < 1024  # interior: the equation, not a bound, decided
                 if stages == 1:
                     p1 = want
                 else:
                     assert want < p1  # a longer pipeline hides less upload: smaller chunks
 
-                short = (await client.get("/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 10})).json()
-                assert short == {"chunk_size": 10, "source": "eq3"}
+                short = (await client.get("/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 10,
+                                                                 "bytes_per_token": a})).json()
+                assert (short["chunk_size"], short["source"]) == (10, "eq3")
 
                 got = (await client.get("/parallel-draft-steps", params={"device_id": "jetson-1",
-                                                                         "draft_len": 8})).json()
+                                                                         "draft_len": 8, "bytes_per_token": a})).json()
                 want_steps = parallel_draft_steps_eq6(8, a, 819_200.0, 1_638_400.0, g_fn(mu), 0.004, 16)
-                assert got == {"steps": want_steps, "source": "eq6"}
+                assert got == {"steps": want_steps, "source": "eq6", "bytes_per_token": a, "stages": stages}
                 assert (want_steps, "eq6") == plan_draft_steps_from_state(cloud, device,
-                                                                          planner_inputs(settings), 8)
+                                                                          planner_inputs(settings, a), 8)
                 assert 0 < want_steps < 16
 
 
 async def test_fallbacks_with_live_monitor() -> None:
     async with monitor() as (mon, transport):
-        async with running(planner_settings(), transport) as client:
+        async with running(planner_settings(hidden_size=256), transport) as client:
             async def chunk(device: str) -> dict[str, Any]:
-                return (await client.get("/chunk-size", params={"device_id": device, "prompt_tokens": 900})).json()
+                return plan((await client.get("/chunk-size", params={"device_id": device,
+                                                                     "prompt_tokens": 900})).json())
 
             async def steps(device: str) -> dict[str, Any]:
-                return (await client.get("/parallel-draft-steps", params={"device_id": device, "draft_len": 8})).json()
+                return plan((await client.get("/parallel-draft-steps", params={"device_id": device,
+                                                                               "draft_len": 8})).json())
 
             # nothing reported yet: unknown device (404) and no g(mu)
             assert await chunk("jetson-1") == {"chunk_size": 128, "source": "default:no-telemetry"}
@@ -193,12 +203,12 @@ async def test_fallbacks_with_live_monitor() -> None:
             assert (await chunk("jetson-3"))["source"] == "eq3"
             assert await steps("jetson-3") == {"steps": 2, "source": "default:missing-gamma"}
 
-        async with running(planner_settings(stale_after_s=0.01), transport) as client:
+        async with running(planner_settings(stale_after_s=0.01, hidden_size=256), transport) as client:
             await asyncio.sleep(0.05)
             resp = await client.get("/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 900})
-            assert resp.json() == {"chunk_size": 128, "source": "default:stale"}
+            assert plan(resp.json()) == {"chunk_size": 128, "source": "default:stale"}
             resp = await client.get("/parallel-draft-steps", params={"device_id": "jetson-1", "draft_len": 8})
-            assert resp.json() == {"steps": 2, "source": "default:stale"}
+            assert plan(resp.json()) == {"steps": 2, "source": "default:stale"}
 
 
 class Hang(httpx.AsyncBaseTransport):
@@ -222,7 +232,51 @@ async def test_unreachable_or_broken_monitor() -> None:
         async with running(load_settings({}, state_monitor_url=url, monitor_timeout_s=0.2), transport) as client:
             started = time.monotonic()
             resp = await client.get("/chunk-size", params={"device_id": "d", "prompt_tokens": 900})
-            assert resp.json() == {"chunk_size": 128, "source": f"default:{reason}"}, url
+            assert plan(resp.json()) == {"chunk_size": 128, "source": f"default:{reason}"}, url
             resp = await client.get("/parallel-draft-steps", params={"device_id": "d", "draft_len": 8})
-            assert resp.json() == {"steps": 2, "source": f"default:{reason}"}, url
+            assert plan(resp.json()) == {"steps": 2, "source": f"default:{reason}"}, url
             assert time.monotonic() - started < 2.0  # every fetch is bounded by monitor_timeout_s
+
+
+# -- A and P are the caller's; eq. 6 for every draft length --------------------------------------
+
+
+async def test_bytes_per_token_and_stages_come_from_the_caller() -> None:
+    """The planner has no model of its own: a device with hidden 576 gets the answer for 576, not for
+    a default 256, and an unknown A is a default that says so, never `eq3` from a guess."""
+    async with monitor() as (mon, transport):
+        await post(mon, steps_records(STEPS) + JETSON)
+        async with running(planner_settings(), transport) as client:
+            async def ask(path: str, **params: Any) -> dict[str, Any]:
+                return (await client.get(path, params={"device_id": "jetson-1", **params})).json()
+
+            narrow = await ask("/chunk-size", prompt_tokens=5000, bytes_per_token=hidden_bytes_per_token(256, 2))
+            wide = await ask("/chunk-size", prompt_tokens=5000, bytes_per_token=hidden_bytes_per_token(576, 2))
+            assert narrow["source"] == wide["source"] == "eq3"
+            assert wide["bytes_per_token"] == 1152 and narrow["bytes_per_token"] == 512
+            assert wide["chunk_size"] < narrow["chunk_size"]  # more bytes per token: less fits the window
+            deep = await ask("/chunk-size", prompt_tokens=5000, bytes_per_token=512, stages=4)
+            assert deep["stages"] == 4 and deep["chunk_size"] < narrow["chunk_size"]
+            few = await ask("/parallel-draft-steps", draft_len=9, bytes_per_token=hidden_bytes_per_token(256, 2))
+            many = await ask("/parallel-draft-steps", draft_len=9, bytes_per_token=hidden_bytes_per_token(576, 4))
+            assert few["source"] == many["source"] == "eq6" and many["steps"] > few["steps"]
+            unknown = await ask("/chunk-size", prompt_tokens=5000)
+            assert plan(unknown) == {"chunk_size": 128, "source": "default:no-bytes-per-token"}
+            assert (await ask("/parallel-draft-steps", draft_len=9))["source"] == "default:no-bytes-per-token"
+            for bad in ({"bytes_per_token": 0}, {"bytes_per_token": "x"}, {"stages": 0}):
+                resp = await client.get("/chunk-size", params={"device_id": "d", "prompt_tokens": 9, **bad})
+                assert resp.status_code == 400, bad
+
+
+async def test_draft_steps_for_every_draft_length_from_one_snapshot() -> None:
+    """A device looks up each round's λ for the rows it actually sends (k + 1) in one table."""
+    async with monitor() as (mon, transport):
+        await post(mon, steps_records(STEPS) + JETSON)
+        async with running(planner_settings(), transport) as client:
+            got = (await client.get("/parallel-draft-steps", params={
+                "device_id": "jetson-1", "draft_len": 9, "bytes_per_token": 4096, "all_lengths": "true"})).json()
+            singles = [(await client.get("/parallel-draft-steps", params={
+                "device_id": "jetson-1", "draft_len": n, "bytes_per_token": 4096})).json()["steps"]
+                for n in range(10)]
+    assert got["steps_by_draft_len"] == singles and got["steps"] == singles[9]
+    assert singles[1] < singles[9]  # the window grows with the rows moved: eq. 6 depends on k

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loadgen.metrics import RequestRecord
-from shared.planners import chunk_size_eq3, parallel_draft_steps_eq6
+from shared.planners import chunk_size_eq3, fixed_chunks, parallel_draft_steps_eq6
 from loadgen.simulate.calibration import Calibration, DeviceProfile
 from loadgen.simulate.cloud import Cloud
 from loadgen.simulate.events import EventLoop, FifoServer, Link
@@ -49,14 +49,6 @@ from loadgen.simulate.modes import Mode
 
 _ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM, _FULL_STREAM = 3, 4, 5, 6  # loadgen: 1 arrivals, 2 prompts
 _BIG = 1e30  # stands in for an unlimited bandwidth in the planners' equations
-
-
-def fixed_chunks(num_tokens: int, chunk_size: int | None) -> list[int]:
-    """Chunk sizes covering a prompt (shared.specdec.engine.fixed_chunks, without importing torch)."""
-    if not chunk_size or chunk_size >= num_tokens:
-        return [num_tokens]
-    full, rest = divmod(num_tokens, chunk_size)
-    return [chunk_size] * full + ([rest] if rest else [])
 
 
 @dataclass(frozen=True)

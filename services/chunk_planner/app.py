@@ -1,5 +1,11 @@
 """Chunk planner: prefill chunk sizes (HAT §3.3, eq. 3) and parallel-draft steps (§3.5, eq. 6).
 
+A (hidden-state bytes per token) is the caller's: a device passes `bytes_per_token`
+(its hidden size x its wire dtype's bytes); P is the caller's `stages` or this service's
+`pipeline_stages` (the launcher sets it to the verifier's). Every answer echoes the A and P
+it used. Without A from the caller or `hidden_size` in the settings, the answer is the default
+with `source: default:no-bytes-per-token`: the planner never solves eq. 3 for a guessed model.
+
 Each request fetches the state monitor's `GET /state/cloud` (μ and the g(μ)
 bucket table) and `GET /state/device/{id}` (β_up, β_down, γ, age) over HTTP,
 every fetch bounded by `monitor_timeout_s`, and hands the JSON to the pure
@@ -12,7 +18,8 @@ answer is the configured default and `source` says why:
     default:monitor-error         the monitor answered, but with an error status or not JSON
     default:no-telemetry          unknown device (404) or no g(μ) data yet
     default:stale                 the device's telemetry is older than `stale_after_s`
-    default:missing-beta / default:missing-gamma / default:bad-telemetry   (see shared.planners)
+    default:missing-beta / default:missing-gamma / default:bad-telemetry /
+    default:no-bytes-per-token    (see shared.planners)
 """
 
 from __future__ import annotations
@@ -30,11 +37,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from services.chunk_planner.settings import Settings, load_settings
-from shared.planners import PlannerInputs, hidden_bytes_per_token, plan_draft_steps_from_state, plan_from_state
+from shared.planners import (
+    PlannerInputs,
+    hidden_bytes_per_token,
+    plan_draft_steps_from_state,
+    plan_draft_steps_table_from_state,
+    plan_from_state,
+)
 
 log = logging.getLogger(__name__)
 
 DeviceId = Annotated[str, Query(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
+BytesPerToken = Annotated[int | None, Query(ge=1, le=1 << 24)]  # A: hidden size x wire dtype bytes
+Stages = Annotated[int | None, Query(ge=1, le=1024)]  # P
 
 
 @dataclass(frozen=True)
@@ -123,20 +138,24 @@ class MonitorClient:
         return body
 
 
-def planner_inputs(settings: Settings) -> PlannerInputs:
-    """The static half of eq. 3 / eq. 6 (A, P, bounds, defaults) from settings."""
+def planner_inputs(settings: Settings, bytes_per_token: int | None = None, stages: int | None = None
+                   ) -> PlannerInputs:
+    """The static half of eq. 3 / eq. 6 (A, P, bounds, defaults): A and P from the caller when given,
+    else from settings (A only where `hidden_size` is configured; None = unknown)."""
+    if bytes_per_token is None and settings.hidden_size > 0:
+        bytes_per_token = hidden_bytes_per_token(settings.hidden_size, settings.wire_dtype_bytes)
     return PlannerInputs(
-        bytes_per_token=hidden_bytes_per_token(settings.hidden_size, settings.wire_dtype_bytes),
-        stages=settings.pipeline_stages, min_chunk_size=settings.min_chunk_size,
+        bytes_per_token=bytes_per_token,
+        stages=stages or settings.pipeline_stages, min_chunk_size=settings.min_chunk_size,
         max_chunk_size=settings.max_chunk_size, default_chunk_size=settings.default_chunk_size,
         stale_after_s=settings.stale_after_s, default_draft_steps=settings.default_parallel_draft_steps,
         max_draft_steps=settings.max_parallel_draft_steps)
 
 
 def plan_chunk_size(settings: Settings, device_id: str, prompt_tokens: int,
-                    telemetry: Telemetry = NO_MONITOR) -> ChunkPlan:
+                    telemetry: Telemetry = NO_MONITOR, inputs: PlannerInputs | None = None) -> ChunkPlan:
     """Chunk size for one prompt: eq. 3 from `telemetry`, else the default clamped to [min, max] and the prompt."""
-    inputs = planner_inputs(settings)
+    inputs = inputs or planner_inputs(settings)
     if telemetry.failure is not None:
         plan = ChunkPlan(inputs.default_chunk(prompt_tokens), f"default:{telemetry.failure}")
     else:
@@ -146,9 +165,9 @@ def plan_chunk_size(settings: Settings, device_id: str, prompt_tokens: int,
 
 
 def plan_parallel_draft_steps(settings: Settings, device_id: str, draft_len: int,
-                              telemetry: Telemetry = NO_MONITOR) -> DraftPlan:
-    """Steps to pre-draft during one verification of `draft_len` tokens: eq. 6, else the default."""
-    inputs = planner_inputs(settings)
+                              telemetry: Telemetry = NO_MONITOR, inputs: PlannerInputs | None = None) -> DraftPlan:
+    """Steps to pre-draft during one verification of `draft_len` rows (k + 1): eq. 6, else the default."""
+    inputs = inputs or planner_inputs(settings)
     if telemetry.failure is not None:
         plan = DraftPlan(inputs.default_steps(), f"default:{telemetry.failure}")
     else:
@@ -191,16 +210,29 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
                                        "code": "invalid_request"}}, status_code=400)
 
     @app.get("/chunk-size")
-    async def chunk_size(device_id: DeviceId, prompt_tokens: Annotated[int, Query(ge=1, le=10_000_000)]
-                         ) -> dict[str, Any]:
-        plan = plan_chunk_size(settings, device_id, prompt_tokens, await telemetry(device_id))
-        return {"chunk_size": plan.chunk_size, "source": plan.source}
+    async def chunk_size(device_id: DeviceId, prompt_tokens: Annotated[int, Query(ge=1, le=10_000_000)],
+                         bytes_per_token: BytesPerToken = None, stages: Stages = None) -> dict[str, Any]:
+        inputs = planner_inputs(settings, bytes_per_token, stages)
+        plan = plan_chunk_size(settings, device_id, prompt_tokens, await telemetry(device_id), inputs)
+        return {"chunk_size": plan.chunk_size, "source": plan.source,
+                "bytes_per_token": inputs.bytes_per_token, "stages": inputs.stages}
 
     @app.get("/parallel-draft-steps")
-    async def parallel_draft_steps(device_id: DeviceId, draft_len: Annotated[int, Query(ge=0, le=4096)]
-                                   ) -> dict[str, Any]:
-        plan = plan_parallel_draft_steps(settings, device_id, draft_len, await telemetry(device_id))
-        return {"steps": plan.steps, "source": plan.source}
+    async def parallel_draft_steps(device_id: DeviceId, draft_len: Annotated[int, Query(ge=0, le=4096)],
+                                   bytes_per_token: BytesPerToken = None, stages: Stages = None,
+                                   all_lengths: bool = False) -> dict[str, Any]:
+        """λ for `draft_len` rows; with `all_lengths`, also λ for 0..draft_len rows from the same telemetry
+        (`steps_by_draft_len`), so a device can plan each round from one answer."""
+        inputs = planner_inputs(settings, bytes_per_token, stages)
+        state = await telemetry(device_id)
+        plan = plan_parallel_draft_steps(settings, device_id, draft_len, state, inputs)
+        answer: dict[str, Any] = {"steps": plan.steps, "source": plan.source,
+                                  "bytes_per_token": inputs.bytes_per_token, "stages": inputs.stages}
+        if all_lengths:
+            answer["steps_by_draft_len"] = (
+                [plan.steps] * (draft_len + 1) if state.failure is not None
+                else plan_draft_steps_table_from_state(state.cloud, state.device, inputs, draft_len)[0])
+        return answer
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

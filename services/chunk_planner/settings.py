@@ -26,7 +26,9 @@ class Settings:
     monitor_timeout_s: float = 0.5      # bound on each fetch from the monitor, connect to body
     stale_after_s: float = 30.0         # device telemetry older than this: defaults, "default:stale"
     pipeline_stages: int = 1            # P in eq. 3 (HAT's testbed: 4)
-    hidden_size: int = 256              # the demo model's; with wire_dtype_bytes gives A (bytes/token)
+    # A (bytes/token) for callers that do not pass `bytes_per_token`: hidden_size x wire_dtype_bytes.
+    # 0 = unknown: such callers get the defaults ("default:no-bytes-per-token"), never eq. 3 for a guess.
+    hidden_size: int = 0
     wire_dtype_bytes: int = 2           # fp16 / bf16 hidden states on the wire
     default_parallel_draft_steps: int = 2   # eq. 6 fallback
     max_parallel_draft_steps: int = 16
@@ -41,8 +43,8 @@ class Settings:
             raise ValueError("max_chunk_size must be >= min_chunk_size")
         if self.default_chunk_size < 1:
             raise ValueError("default_chunk_size must be >= 1")
-        if min(self.pipeline_stages, self.hidden_size, self.wire_dtype_bytes) < 1:
-            raise ValueError("pipeline_stages, hidden_size and wire_dtype_bytes must be >= 1")
+        if min(self.pipeline_stages, self.wire_dtype_bytes) < 1 or self.hidden_size < 0:
+            raise ValueError("pipeline_stages and wire_dtype_bytes must be >= 1, hidden_size >= 0")
         if not (self.monitor_timeout_s > 0 and self.stale_after_s > 0):
             raise ValueError("monitor_timeout_s and stale_after_s must be > 0")
         if not 0 <= self.default_parallel_draft_steps <= self.max_parallel_draft_steps:

@@ -19,6 +19,7 @@ from shared import latency_stats
 from shared.latency_stats import Timeline
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
+from shared.planners import fixed_chunks  # noqa: F401  (callers import it from here too)
 from shared.specdec.device_session import DeviceSession
 
 
@@ -82,14 +83,6 @@ class LocalCloud:
         cache = self.caches.pop(session_id, None)
         if cache is not None:
             cache.free()
-
-
-def fixed_chunks(num_tokens: int, chunk_size: int | None) -> list[int]:
-    """Chunk sizes covering a prompt: all equal to chunk_size but the last (None = one chunk)."""
-    if not chunk_size or chunk_size >= num_tokens:
-        return [num_tokens]
-    full, rest = divmod(num_tokens, chunk_size)
-    return [chunk_size] * full + ([rest] if rest else [])
 
 
 async def _inline(fn, *args):
