@@ -23,6 +23,8 @@ import time
 
 import httpx
 
+from shared import latency_stats
+from shared.latency_stats import Timeline
 from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
 from tophatctl.launcher import Mesh, MeshConfig, find_port_base
 
@@ -48,7 +50,7 @@ def generate(device_url: str, prompt: str, max_new_tokens: int, **switches) -> d
     """One request straight to a device agent; returns TTFT, TBT and stats from its own events."""
     body = {"prompt": prompt, "max_new_tokens": max_new_tokens, **switches}
     started = time.perf_counter()
-    times, stats = [], {}
+    timeline, stats = Timeline(), {}  # seconds since `started`
     with httpx.stream("POST", f"{device_url}/generate", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -56,14 +58,16 @@ def generate(device_url: str, prompt: str, max_new_tokens: int, **switches) -> d
                 continue
             event = json.loads(line)
             if event["type"] == "tokens":
-                times += [time.perf_counter() - started] * len(event["token_ids"])
+                timeline.deliver(time.perf_counter() - started, len(event["token_ids"]))
             elif event["type"] == "done":
                 stats = event["stats"]
             elif event["type"] == "error":
                 raise RuntimeError(event["message"])
-    ttft = times[0]
-    gaps = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return {"ttft": ttft, "tbt": gaps, "accept": stats.get("mean_accept_length", 0.0)}
+    ttft = latency_stats.ttft_s(timeline)
+    if ttft is None:
+        raise RuntimeError(f"{device_url} streamed no token")
+    return {"ttft": ttft, "tbt": latency_stats.mean_tbt_s(timeline) or 0.0,
+            "accept": stats.get("mean_accept_length", 0.0)}
 
 
 def _mean(rows: list[dict], key: str) -> float:

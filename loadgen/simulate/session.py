@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loadgen.metrics import RequestRecord
+from shared.latency_stats import mean_accept_length
 from shared.planners import chunk_size_eq3, fixed_chunks, parallel_draft_steps_eq6
 from loadgen.simulate.calibration import Calibration, DeviceProfile
 from loadgen.simulate.cloud import Cloud
@@ -146,7 +147,7 @@ class RequestProcess:
         rec.end_s = self.ctx.loop.now
         rec.completion_tokens = self.generated
         rec.num_rounds = len(self.rounds)
-        rec.accept_length = sum(self.rounds) / len(self.rounds) if self.rounds else None
+        rec.accept_length = mean_accept_length(self.rounds)
         rec.finish_reason = "length"
         self.dev.outstanding -= 1
         self.ctx.cloud.close(self.sid)
