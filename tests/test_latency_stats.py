@@ -92,3 +92,14 @@ def test_summary() -> None:
     assert s["std"] == pytest.approx(0.1118034, rel=1e-6)
     assert s["p90"] == pytest.approx(0.37) and s["p99"] == pytest.approx(0.397)  # linear interpolation
     assert ls.summary([None]) == dict.fromkeys(ls.SUMMARY_KEYS)
+
+
+def test_the_engine_result_reports_these_definitions() -> None:
+    from shared.specdec.engine import GenerationResult
+
+    # 1 token at 0.4 s (prefill), then rounds of 2 and 3 tokens: span 0.5 s over 5 later tokens.
+    result = GenerationResult(list(range(6)), [2, 3], [0.4, 0.6, 0.6, 0.9, 0.9, 0.9])
+    assert result.timeline.tokens == [1, 2, 3]
+    assert (result.ttft_s, result.tbt_s, result.mean_accept_length) == pytest.approx((0.4, 0.1, 2.5))
+    empty = GenerationResult([], [])
+    assert (empty.ttft_s, empty.tbt_s, empty.mean_accept_length) == (0.0, 0.0, 0.0)  # the engine's "undefined"
