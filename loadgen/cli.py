@@ -157,7 +157,7 @@ def _print_summary(res: dict[str, Any]) -> None:
              ("Benchmark duration (s)", res["duration"]), ("Request throughput (req/s)", res["request_throughput"]),
              ("Output token throughput (tok/s)", res["output_throughput"]),
              ("Mean accept length", res["mean_accept_length"]), ("Goodput (req/s)", res["goodput"])]
-    for name in ("ttft", "tbt", "tpot", "e2el", "prefill_sla", "decode_sla"):
+    for name in ("ttft", "tbt", "tpot", "e2el", "prefill_sla", "decode_sla", "server_queue_wait"):
         lines += [(f"{stat.upper() if stat.startswith('p') else stat.capitalize()} {name} (ms)",
                    res[f"{stat}_{name}_ms"]) for stat in ("mean", "median", "p90", "p99")]
     typer.echo("{s:{c}^60}".format(s=" tophat loadgen ", c="="))

@@ -55,6 +55,7 @@ class RequestRecord:
     device_id: str | None = None
     server_ttft_s: float | None = None  # the streamer's own view, from the tophat field
     server_tbt_s: float | None = None
+    server_queue_wait_s: float | None = None  # how long the streamer queued it for a device slot
     error: str | None = None
 
     @property
@@ -216,6 +217,7 @@ def build_results(records: list[RequestRecord], *, slos_ms: dict[str, float] | N
     res |= summarize_ms(map(tpot_s, records), "tpot")
     res |= summarize_ms(map(e2e_s, records), "e2el")
     res |= summarize_ms((r.send_s - r.arrival_s for r in ok if r.send_s is not None), "queue_delay")
+    res |= summarize_ms((r.server_queue_wait_s for r in ok), "server_queue_wait")
     res["mean_accept_length"] = mean_accept_length(records)
     res["goodput"] = goodput_rps(records, duration, slos_ms or {})
     res["goodput_slos_ms"] = slos_ms or None
@@ -249,6 +251,7 @@ def request_row(r: RequestRecord) -> dict[str, Any]:
         "prefill_sla_ms": ms(prefill_sla_s(r)), "decode_sla_ms": ms(decode_sla_s(r)),
         "accept_length": r.accept_length, "num_rounds": r.num_rounds,
         "server_ttft_ms": ms(r.server_ttft_s), "server_tbt_ms": ms(r.server_tbt_s),
+        "server_queue_wait_ms": ms(r.server_queue_wait_s),
         "num_chunks": len(r.chunk_times_s),
         "chunk_times_ms": " ".join(f"{t * _MS:.3f}" for t in r.chunk_times_s),
         "chunk_tokens": " ".join(map(str, r.chunk_tokens)),

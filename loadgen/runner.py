@@ -162,6 +162,8 @@ def _apply_stats(rec: RequestRecord, stats: StreamStats) -> None:
     rec.completion_tokens = stats.completion_tokens if stats.completion_tokens is not None else rec.completion_tokens
     rec.prompt_tokens = stats.prompt_tokens or rec.prompt_tokens  # else the workload's own count
     rec.server_rounds = stats.rounds
+    wait = (stats.raw_tophat or {}).get("queue_wait_s")  # the streamer's wait for a device slot
+    rec.server_queue_wait_s = float(wait) if isinstance(wait, int | float) and not isinstance(wait, bool) else None
 
 
 async def probe_server(url: str, timeout_s: float = 5.0) -> dict[str, Any]:

@@ -83,3 +83,43 @@ def test_client_disconnect_frees_device_and_verifier(mesh, stream):
     done = httpx.post(f"{mesh.config.streamer_url}/v1/completions",
                       json={"prompt": "Hello", "max_tokens": 8, "temperature": 0}, timeout=60)
     assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 8
+
+
+# -- the device agent alone: its NDJSON consumer going away cancels the engine's session ---------------
+
+async def test_device_generation_is_cancelled_and_cleaned_up_when_its_reader_leaves(demo_checkpoint, monkeypatch):
+    """The device agent's /generate consumer (the streamer) closes the stream mid-generation:
+    the engine's session must end as if it had finished -- CloseSession reaches the verifier,
+    the device's KV is freed and the session slot is given back."""
+    import asyncio
+
+    from services.device_agent import settings as device_settings
+    from services.device_agent.app import create_app
+    from shared.specdec.device_session import DeviceSession
+    from tests.mesh_tools import verifier_on_loopback
+    from tests.test_token_streamer import serve
+
+    freed: list[int] = []
+    free = DeviceSession.free
+    monkeypatch.setattr(DeviceSession, "free", lambda self: (freed.append(id(self)), free(self))[1])
+    async with verifier_on_loopback(demo_checkpoint, 2) as (server, ws_url):
+        ready_url = ws_url.replace("ws://", "http://").replace("/ws", "/readyz")
+        settings = device_settings.Settings(model_dir=str(DEMO_MODEL_DIR), split_layers=2, verifier_url=ws_url,
+                                            bandwidth_probe_interval_s=0, rtt_probe_interval_s=0)
+        async with serve(create_app(settings)) as device_url, httpx.AsyncClient(timeout=30) as http:
+
+            async def verifier_sessions() -> int:
+                return int((await http.get(ready_url)).text.split()[0].split("=")[1])
+
+            body = {"prompt": "Once upon a time", "max_new_tokens": 2000, "temperature": 0}
+            async with http.stream("POST", f"{device_url}/generate", json=body) as response:
+                lines = response.aiter_lines()
+                seen = [json.loads(await anext(lines)) for _ in range(4)]  # start, prefill token, 2 rounds
+                assert [e["type"] for e in seen] == ["start", "tokens", "tokens", "tokens"]
+                assert await verifier_sessions() == 1
+            async with asyncio.timeout(FREED_WITHIN_S):  # the stream is closed: the reader left
+                while await verifier_sessions() or (await http.get(f"{device_url}/info")).json()["active_sessions"]:
+                    await asyncio.sleep(0.02)
+            assert len(freed) == 1  # the device's own KV, not only the cloud's
+            done = await http.post(f"{device_url}/generate", json={**body, "max_new_tokens": 4})
+            assert done.status_code == 200 and json.loads(done.text.splitlines()[-1])["type"] == "done"

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.test_token_streamer import FakeDevice, expected_text, mesh
@@ -134,3 +135,20 @@ async def test_readyz_reports_the_queue() -> None:
     async with mesh(FakeDevice("dev-a"), queue_max_waiting=7) as url, httpx.AsyncClient(timeout=10) as http:
         ready = (await http.get(f"{url}/readyz")).json()
     assert ready["queue"]["waiting"] == 0 and ready["queue"]["max_waiting"] == 7
+
+
+async def test_loadgen_records_the_streamers_queue_wait() -> None:
+    """A burst on one slot: the load generator keeps each request's queue wait (the streamer's
+    own figure) and the run summary reports its percentiles."""
+    from loadgen.metrics import build_results
+    from loadgen.runner import RunConfig, run_load
+    from loadgen.workloads import WorkloadRequest
+
+    dev = FakeDevice("dev-a", round_delay_s=0.02, max_sessions=1)
+    async with mesh(dev) as url:
+        work = [WorkloadRequest(i, f"p{i}", 2, 5, 0) for i in range(3)]
+        run = await run_load(work, [0.0, 0.0, 0.0], RunConfig(url=url, progress=False))
+    waits = sorted(r.server_queue_wait_s for r in run.records)
+    assert all(r.ok for r in run.records) and waits[0] >= 0 and waits[-1] > 0
+    results = build_results(run.records)
+    assert results["p99_server_queue_wait_ms"] == pytest.approx(1e3 * float(np.percentile(waits, 99)))
