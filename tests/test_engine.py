@@ -69,17 +69,69 @@ def test_greedy_with_random_adapter_is_still_exact(tiny_checkpoint):
     assert run(tiny_checkpoint, ids, 2, adapter, 30, eta=0.0).token_ids == generate_full(tiny_checkpoint, ids, 30).token_ids
 
 
-def test_self_draft_is_fully_accepted(tiny_llama_dir):
-    """An adapter that reproduces the middle exactly (m = n-1, adapter = last layer's attention
-    is not exact, so use eta=0 and check the bookkeeping with the trained-adapter upper bound:
-    accept lengths never exceed max_draft + 1 and tokens always match)."""
-    from shared.model.checkpoint import load_checkpoint
+class MiddleAsDraft(torch.nn.Module):
+    """A "draft adapter" that is the cloud's middle itself: the draft is the target."""
 
-    checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
-    adapter = DraftAdapter(checkpoint, 2)
-    result = run(checkpoint, [3, 4, 5], 2, adapter, 40, eta=0.0, max_draft=3)
-    assert all(1 <= n <= 4 for n in result.accept_lengths)
-    assert sum(result.accept_lengths) + 1 >= len(result.token_ids)
+    def __init__(self, middle: MiddleSubmodel):
+        super().__init__()
+        self.middle = middle
+
+    def new_cache(self):
+        return self.middle.new_cache()
+
+    def forward(self, shallow, cache):
+        return self.middle.forward_batch([(cache, shallow)])[0]  # [S, H]
+
+
+def recording_drafts(session: DeviceSession) -> list[int]:
+    """The length k of every draft the engine sends for verification."""
+    lengths: list[int] = []
+    draft = session.draft
+
+    def recorded():
+        made = draft()
+        lengths.append(len(made.tokens))
+        return made
+
+    session.draft = recorded
+    return lengths
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
+def test_self_draft_is_fully_accepted(tiny_checkpoint, params):
+    """With a draft equal to the target, every drafted token is accepted: each round makes its
+    k drafts plus the target's token final (a broken accept rule or rollback would cut rounds short)."""
+    m = 2
+    device = DeviceModel.from_checkpoint(tiny_checkpoint, m, MiddleAsDraft(MiddleSubmodel(tiny_checkpoint, m)))
+    device.eos_token_id = None  # run the whole budget
+    session = DeviceSession(device, [3, 4, 5], params, DraftConfig(eta=0.0, max_draft=3), 40)
+    lengths = recording_drafts(session)
+    result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(tiny_checkpoint, m)), chunk_size=2))
+    assert result.accept_lengths == [k + 1 for k in lengths]
+    assert max(lengths) == 3 and len(result.token_ids) == 40
+    if params.is_greedy:
+        assert result.token_ids == generate_full(tiny_checkpoint, [3, 4, 5], 40).token_ids
+
+
+def test_parallel_draft_steps_are_asked_per_round_with_the_rows_sent(demo_checkpoint):
+    """Eq. 6's window is the transfer of the k + 1 rows this round sends and gets back: the engine asks
+    for λ every round with that count, not once per request with the largest draft."""
+    from shared.runtime import load_adapter
+
+    device = DeviceModel.from_checkpoint(demo_checkpoint, 2, load_adapter(demo_checkpoint, 2, None))
+    prompt = demo_checkpoint.tokenizer.encode("class Stack:\n    def push(self", add_special_tokens=False)
+    session = DeviceSession(device, prompt, SamplingParams(), DraftConfig(eta=0.6, max_draft=6), 40)
+    lengths = recording_drafts(session)
+    asked: list[int] = []
+
+    def steps_for(rows: int) -> int:
+        asked.append(rows)
+        return rows % 3
+
+    asyncio.run(generate(session, LocalCloud(MiddleSubmodel(demo_checkpoint, 2)), parallel_candidates=2,
+                         parallel_steps=steps_for))
+    assert asked == [k + 1 for k in lengths if k > 0]
+    assert len(set(asked)) > 1  # drafts of different lengths: one answer per request would be wrong
 
 
 def test_demo_model_greedy_hat_equals_full_with_trained_adapter(demo_checkpoint):

@@ -97,7 +97,7 @@ async def run_session(
     offload: Callable[..., Awaitable] = _inline,
     overlap_prefill: bool = True,
     parallel_candidates: int = 0,
-    parallel_steps: int = 0,
+    parallel_steps: int | Callable[[int], int] = 0,
 ) -> AsyncIterator[list[int]]:
     """Yield the tokens each round makes final, until the session finishes.
 
@@ -106,7 +106,8 @@ async def run_session(
     computed and uploaded while the cloud works on chunk j (HAT §3.3); without it,
     each chunk waits for the cloud's answer to the previous one. With
     `parallel_candidates` > 0 the device pre-drafts `parallel_steps` tokens from each
-    top candidate while a verification is in flight (HAT §3.5, parallel drafting).
+    top candidate while a verification is in flight (HAT §3.5, parallel drafting); a callable
+    `parallel_steps(rows)` is asked every round with the rows that round sends (k + 1: eq. 6's μ_i).
     """
     await cloud.open(session_id)
     clock = time.perf_counter
@@ -138,9 +139,9 @@ async def run_session(
                 answer_time: list[float] = []
                 verifying = asyncio.ensure_future(cloud.verify(session_id, draft.commit_len, draft.shallow))
                 verifying.add_done_callback(lambda _: (answer_time.append(clock()), answered.set()))
+                steps = parallel_steps(len(draft.tokens) + 1) if callable(parallel_steps) else parallel_steps
                 try:
-                    branches = await offload(session.predraft, draft, parallel_candidates, parallel_steps,
-                                             answered.is_set)
+                    branches = await offload(session.predraft, draft, parallel_candidates, steps, answered.is_set)
                 finally:
                     deep = await verifying
                 # The done callback runs via call_soon: when the answer came while the last
