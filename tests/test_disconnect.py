@@ -100,8 +100,28 @@ async def test_device_generation_is_cancelled_and_cleaned_up_when_its_reader_lea
     from tests.test_token_streamer import serve
 
     freed: list[int] = []
+    running: list[int] = [0]
     free = DeviceSession.free
-    monkeypatch.setattr(DeviceSession, "free", lambda self: (freed.append(id(self)), free(self))[1])
+    freed_mid_step: list[str] = []
+
+    def spy_free(self):
+        if running[0]:
+            freed_mid_step.append("KV freed while a device thread was still computing on it")
+        freed.append(id(self))
+        free(self)
+
+    def counted(step):
+        def run(self, *args, **kwargs):
+            running[0] += 1
+            try:
+                return step(self, *args, **kwargs)
+            finally:
+                running[0] -= 1
+        return run
+
+    monkeypatch.setattr(DeviceSession, "free", spy_free)
+    for name in ("draft", "predraft", "on_verify_result", "on_prefill_result", "prefill_chunk"):
+        monkeypatch.setattr(DeviceSession, name, counted(getattr(DeviceSession, name)))
     async with verifier_on_loopback(demo_checkpoint, 2) as (server, ws_url):
         ready_url = ws_url.replace("ws://", "http://").replace("/ws", "/readyz")
         settings = device_settings.Settings(model_dir=str(DEMO_MODEL_DIR), split_layers=2, verifier_url=ws_url,
@@ -121,5 +141,6 @@ async def test_device_generation_is_cancelled_and_cleaned_up_when_its_reader_lea
                 while await verifier_sessions() or (await http.get(f"{device_url}/info")).json()["active_sessions"]:
                     await asyncio.sleep(0.02)
             assert len(freed) == 1  # the device's own KV, not only the cloud's
+            assert freed_mid_step == []  # ... and only after the step in flight had finished with it
             done = await http.post(f"{device_url}/generate", json={**body, "max_new_tokens": 4})
             assert done.status_code == 200 and json.loads(done.text.splitlines()[-1])["type"] == "done"
