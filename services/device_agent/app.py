@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud, token_decode
+from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.settings import Settings
 from shared import latency_stats, wire
 from shared.device_speed import slowed, speed_schedule
@@ -117,6 +118,14 @@ class DeviceAgent:
         self.requests_served = 0
         self.active = 0
         self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s)
+        # The planner's answers, cached per device and refreshed off the request path (plans.py).
+        self.plans = PlanCache(
+            self.http, settings.chunk_planner_url, settings.device_id,
+            bytes_per_token=wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype)),
+            max_prompt_tokens=self.model.context_length, max_rows=settings.max_draft + 1,
+            default_chunk_size=settings.default_chunk_size, default_steps=DEFAULT_PARALLEL_STEPS,
+            refresh_s=settings.plan_refresh_s, timeout_s=settings.planner_timeout_s,
+        ) if settings.chunk_planner_url else None
         self.recent_rtts: deque[float] = deque(maxlen=5)
         warm_up_device(self.model)
 
@@ -167,43 +176,24 @@ class DeviceAgent:
         log.info("link probe: up %.0f KB/s, down %.0f KB/s, small-message round trip %.1f ms",
                  up_bytes / up_s / 1e3, down_bytes / down_s / 1e3, rtt_s * 1e3)
 
-    async def _ask_planner(self, path: str, params: dict[str, int], key: str, fallback: int) -> int:
-        """An integer answer from the chunk planner, or `fallback` when it cannot give one."""
-        try:
-            response = await self.http.get(f"{self.settings.chunk_planner_url}{path}",
-                                           params={"device_id": self.settings.device_id, **params})
-            response.raise_for_status()
-            return int(response.json()[key])
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            log.warning("chunk planner unavailable for %s (%s); using %d", path, exc, fallback)
-            return fallback
-
-    async def chunk_size(self, prompt_tokens: int) -> int:
-        if not self.settings.chunk_planner_url:
-            return self.settings.default_chunk_size
-        return max(1, await self._ask_planner("/chunk-size", {"prompt_tokens": prompt_tokens}, "chunk_size",
-                                              self.settings.default_chunk_size))
-
-    async def parallel_steps(self, draft_len: int) -> int:
-        """PD steps per candidate: fixed, or HAT eq. 6 from the planner."""
-        if self.settings.parallel_steps or not self.settings.chunk_planner_url:
-            return self.settings.parallel_steps or DEFAULT_PARALLEL_STEPS
-        return max(0, await self._ask_planner("/parallel-draft-steps", {"draft_len": draft_len}, "steps",
-                                              DEFAULT_PARALLEL_STEPS))
+    async def plan(self) -> Plan:
+        """Chunk size and PD steps for a request starting now: the planner's cached plan, or the defaults."""
+        if self.plans is None:
+            return Plan(self.settings.default_chunk_size, (DEFAULT_PARALLEL_STEPS,), "default:no-planner", 0.0)
+        return await self.plans.current()
 
     async def _hat_rounds(self, request: GenerateRequest, ids: list[int], session: DeviceSession,
                           session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
         """HAT mode: the tokens each verification round makes final."""
         settings = self.settings
-        chunk_size = None
-        if request.option("prompt_chunking", settings):
-            chunk_size = request.chunk_size or await self.chunk_size(len(ids))
-        chunks = fixed_chunks(len(ids), chunk_size)
         speculative = session.draft_config.max_draft > 0 and self.model.adapter is not None
         pd_candidates = request.option("parallel_candidates", settings) if speculative else 0
-        pd_steps = 0
-        if pd_candidates:
-            pd_steps = request.parallel_steps or await self.parallel_steps(settings.max_draft)
+        chunking = request.option("prompt_chunking", settings)
+        plan = await self.plan() if (chunking and not request.chunk_size) or pd_candidates else None
+        chunk_size = (request.chunk_size or plan.chunk_for(len(ids))) if chunking else None
+        chunks = fixed_chunks(len(ids), chunk_size)
+        # PD steps: the request's or the agent's fixed count, else eq. 6 per round for the rows it sends.
+        pd_steps = (request.parallel_steps or settings.parallel_steps or plan.steps_for) if pd_candidates else 0
 
         async def offload(fn, *args):
             return await slowed(fn, *args, slowdown=slowdown)
@@ -295,6 +285,8 @@ class DeviceAgent:
 
     async def aclose(self) -> None:
         await self.cloud.close_connection()
+        if self.plans is not None:
+            await self.plans.aclose()
         await self.http.aclose()
         await self.telemetry.aclose()
 

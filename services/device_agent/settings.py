@@ -53,6 +53,9 @@ class Settings:
     max_sessions: int = 4  # concurrent generations on this device; more get 503
     request_timeout_s: float = 60.0  # one cloud round trip
     planner_timeout_s: float = 1.0
+    # The planner's answers are cached; a request uses the cached plan and one older than this is
+    # refreshed in the background for the next request (only the very first request waits for one).
+    plan_refresh_s: float = 2.0
     torch_threads: int = 1
     log_level: str = "info"
 
@@ -71,7 +74,7 @@ class Settings:
             raise ValueError("parallel_candidates and parallel_steps must be >= 0")
         if self.max_sessions < 1 or self.default_chunk_size < 1:
             raise ValueError("max_sessions and default_chunk_size must be >= 1")
-        if min(self.request_timeout_s, self.planner_timeout_s) <= 0:
+        if min(self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s) <= 0:
             raise ValueError("timeouts must be > 0")
         if min(self.bandwidth_probe_interval_s, self.rtt_probe_interval_s) < 0:
             raise ValueError("probe intervals must be >= 0 (0 = never)")

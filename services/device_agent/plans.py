@@ -1,0 +1,117 @@
+"""The chunk planner's answers for this device, cached so no request waits for them.
+
+A plan is one snapshot of the planner's view of this device: the eq. 3 chunk size (asked for
+the longest prompt the model takes; a shorter prompt's answer is the same size capped at the
+prompt, exactly as the planner caps it) and eq. 6's λ for every draft length up to
+max_draft + 1 rows (one table, so each round looks up λ for the k + 1 rows it actually sends).
+
+Requests read the cached plan; a plan older than `refresh_s` is still used, and one background
+refresh (an owned task, bounded by `timeout_s`) replaces it for the next request. Only when no
+plan was ever had does a request wait, at most `timeout_s`, for the first one. The device tells
+the planner A (its hidden size x its wire dtype's bytes): the planner does not guess a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from shared.wire import WireDtype
+
+log = logging.getLogger(__name__)
+
+_WIRE_BYTES = {WireDtype.F16: 2, WireDtype.BF16: 2, WireDtype.F32: 4}
+
+
+def wire_bytes_per_token(hidden_size: int, wire_dtype: WireDtype) -> int:
+    """A in eq. 3 / eq. 6: one hidden state on this device's wire."""
+    return hidden_size * _WIRE_BYTES[wire_dtype]
+
+
+@dataclass(frozen=True)
+class Plan:
+    chunk_size: int  # for a prompt of any length, capped at that length when used
+    steps_by_rows: tuple[int, ...]  # λ for 0..max_draft+1 rows per verification
+    source: str  # the planner's sources, "chunk:<eq3|default:...> steps:<eq6|default:...>"
+    fetched_at: float
+
+    def chunk_for(self, prompt_tokens: int) -> int:
+        return max(1, min(self.chunk_size, prompt_tokens))
+
+    def steps_for(self, rows: int) -> int:
+        return self.steps_by_rows[min(max(rows, 0), len(self.steps_by_rows) - 1)]
+
+
+class PlanCache:
+    def __init__(self, http: httpx.AsyncClient, planner_url: str, device_id: str, *, bytes_per_token: int,
+                 max_prompt_tokens: int, max_rows: int, default_chunk_size: int, default_steps: int,
+                 refresh_s: float, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self.http = http
+        self.planner_url = planner_url.rstrip("/")
+        self.device_id = device_id
+        self.bytes_per_token = bytes_per_token
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_rows = max_rows
+        self.refresh_s = refresh_s
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.default = Plan(default_chunk_size, (default_steps,), "default:no-planner", float("-inf"))
+        self.plan: Plan | None = None
+        self.refreshing: asyncio.Task | None = None  # the one background refresh, owned here
+
+    async def current(self) -> Plan:
+        """The plan for a request starting now: the cached one (refreshed in the background when
+        old), or, before any plan was had, the first fetch (bounded by timeout_s) or the defaults."""
+        if self.plan is None:
+            await self._refresh_once()
+            return self.plan or self.default
+        if self.clock() - self.plan.fetched_at >= self.refresh_s and self.refreshing is None:
+            self.refreshing = asyncio.create_task(self._refresh_once(), name="plan-refresh")
+            self.refreshing.add_done_callback(self._refresh_done)
+        return self.plan
+
+    def _refresh_done(self, task: asyncio.Task) -> None:
+        if self.refreshing is task:
+            self.refreshing = None
+        if not task.cancelled() and task.exception() is not None:  # _refresh_once handles what it expects
+            log.error("plan refresh failed", exc_info=task.exception())
+
+    async def _refresh_once(self) -> None:
+        try:
+            self.plan = await asyncio.wait_for(self._fetch(), self.timeout_s)
+        except (TimeoutError, httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+            # Keep the last plan (old telemetry beats none); the next request tries again.
+            log.warning("chunk planner unavailable (%s: %s); %s", type(exc).__name__, exc,
+                        "keeping the last plan" if self.plan else "using defaults")
+
+    async def _fetch(self) -> Plan:
+        base = {"device_id": self.device_id, "bytes_per_token": self.bytes_per_token}
+        chunk, steps = await asyncio.gather(
+            self._get("/chunk-size", {**base, "prompt_tokens": self.max_prompt_tokens}),
+            self._get("/parallel-draft-steps", {**base, "draft_len": self.max_rows, "all_lengths": "true"}))
+        table = tuple(max(0, int(n)) for n in steps["steps_by_draft_len"])
+        if not table:
+            raise ValueError("empty steps_by_draft_len")
+        plan = Plan(int(chunk["chunk_size"]), table, f"chunk:{chunk.get('source')} steps:{steps.get('source')}",
+                    self.clock())
+        log.debug("plan for %s: %s", self.device_id, plan)
+        return plan
+
+    async def _get(self, path: str, params: dict) -> dict:
+        response = await self.http.get(f"{self.planner_url}{path}", params=params, timeout=self.timeout_s)
+        response.raise_for_status()
+        body = response.json()
+        if not isinstance(body, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        return body
+
+    async def aclose(self) -> None:
+        task, self.refreshing = self.refreshing, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,140 @@
+"""The device agent's plan cache: the planner's answers never sit on a request's TTFT path once a
+plan exists, are refreshed in the background, and are asked with this device's own A."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from services.device_agent import settings as device_settings
+from services.device_agent.app import DeviceAgent, create_app
+from services.device_agent.plans import PlanCache, wire_bytes_per_token
+from shared.wire import WireDtype
+from tests.mesh_tools import verifier_on_loopback
+
+PLANNER = "http://planner"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_checkpoint(tiny_llama_dir):
+    from shared.model.checkpoint import load_checkpoint
+
+    return load_checkpoint(tiny_llama_dir, with_tokenizer=False)
+
+
+class FakePlanner(httpx.AsyncBaseTransport):
+    """Answers like the chunk planner, counts calls, and can be held (a planner that hangs)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, str]]] = []
+        self.released = asyncio.Event()
+        self.released.set()
+        self.chunk = 48
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        params = dict(request.url.params)
+        self.calls.append((request.url.path, params))
+        await self.released.wait()
+        if request.url.path == "/chunk-size":
+            return httpx.Response(200, json={"chunk_size": self.chunk, "source": "eq3"})
+        rows = int(params["draft_len"])
+        return httpx.Response(200, json={"steps": rows, "source": "eq6",
+                                         "steps_by_draft_len": [n // 2 for n in range(rows + 1)]})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cache(planner: FakePlanner, clock: Clock, timeout_s: float = 1.0) -> PlanCache:
+    http = httpx.AsyncClient(transport=planner)
+    return PlanCache(http, PLANNER, "dev-7", bytes_per_token=wire_bytes_per_token(576, WireDtype.F32),
+                     max_prompt_tokens=4096, max_rows=9, default_chunk_size=128, default_steps=2,
+                     refresh_s=5.0, timeout_s=timeout_s, clock=clock)
+
+
+async def test_cached_plan_is_used_and_refreshed_in_the_background() -> None:
+    planner, clock = FakePlanner(), Clock()
+    plans = cache(planner, clock)
+    first = await plans.current()  # no plan yet: this one request waits for it
+    assert len(planner.calls) == 2
+    assert {p["bytes_per_token"] for _, p in planner.calls} == {str(576 * 4)}  # the device's own A
+    assert dict(planner.calls)["/parallel-draft-steps"]["draft_len"] == "9"  # max_draft + 1 rows
+    assert (first.chunk_for(1000), first.chunk_for(20), first.steps_for(3), first.steps_for(50)) == (48, 20, 1, 4)
+
+    clock.now += 4.0  # fresh: no planner call at all
+    assert await plans.current() is first and len(planner.calls) == 2
+
+    clock.now += 2.0  # old: the old plan now, a refresh in the background (held: the planner hangs)
+    planner.released.clear()
+    planner.chunk = 96
+    assert await asyncio.wait_for(plans.current(), 0.5) is first
+    assert plans.refreshing is not None
+    assert await plans.current() is first and plans.refreshing is not None  # one refresh at a time
+    planner.released.set()
+    await asyncio.wait_for(asyncio.shield(plans.refreshing), 2.0)
+    assert len(planner.calls) == 4 and (await plans.current()).chunk_for(1000) == 96
+    await plans.aclose()
+
+
+async def test_a_planner_that_hangs_or_breaks_costs_at_most_the_timeout() -> None:
+    planner, clock = FakePlanner(), Clock()
+    planner.released.clear()
+    plans = cache(planner, clock, timeout_s=0.1)
+    plan = await asyncio.wait_for(plans.current(), 1.0)  # bounded: defaults
+    assert (plan.chunk_for(1000), plan.steps_for(5)) == (128, 2)
+    planner.released.set()
+    fresh = await plans.current()
+    assert fresh.chunk_for(1000) == 48
+    clock.now += 10
+    broken = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500)))
+    plans.http = broken
+    assert await plans.current() is fresh
+    await asyncio.wait_for(asyncio.shield(plans.refreshing), 2.0)
+    assert await plans.current() is fresh  # a failed refresh keeps the last plan
+    await plans.aclose()
+
+
+async def test_requests_make_no_planner_call_on_their_ttft_path(tiny_llama_checkpoint) -> None:
+    """Through the agent's HTTP API: with a plan cached, a request never waits for the planner, even
+    when it hangs; an old plan is refreshed off the request's path."""
+    checkpoint = tiny_llama_checkpoint
+    planner, clock = FakePlanner(), Clock()
+    async with verifier_on_loopback(checkpoint, 2) as (server, url):
+        settings = device_settings.Settings(model_dir=str(checkpoint.path), split_layers=2, adapter="random",
+                                            verifier_url=url, wire_dtype="f4", chunk_planner_url=PLANNER,
+                                            bandwidth_probe_interval_s=0, rtt_probe_interval_s=0)
+        agent = await asyncio.to_thread(DeviceAgent, settings)
+        agent.plans.http = httpx.AsyncClient(transport=planner)
+        agent.plans.clock = clock
+        app = create_app(settings, agent)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://device",
+                                         timeout=60) as http:
+                async def generate() -> list[dict]:
+                    body = {"prompt_ids": list(range(3, 103)), "max_new_tokens": 6}
+                    response = await asyncio.wait_for(http.post("/generate", json=body), 30)
+                    assert response.status_code == 200
+                    events = [json.loads(line) for line in response.text.splitlines()]
+                    assert events[-1]["type"] == "done", events[-1]
+                    return events
+
+                await generate()  # the first request fetches the first plan
+                assert len(planner.calls) == 2
+                assert {p["bytes_per_token"] for _, p in planner.calls} == {str(checkpoint.hidden_size * 4)}
+                planner.released.clear()  # from now on the planner hangs
+                await generate()  # fresh plan: no call
+                assert len(planner.calls) == 2
+                clock.now += settings.plan_refresh_s + 1
+                await generate()  # old plan: used as is; the refresh waits in the background
+                assert len(planner.calls) == 4 and agent.plans.refreshing is not None
+                planner.released.set()
+                await asyncio.wait_for(asyncio.shield(agent.plans.refreshing), 5)
+    assert agent.plans.plan is not None and agent.plans.plan.fetched_at == clock.now
