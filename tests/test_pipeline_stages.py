@@ -3,7 +3,8 @@
 Each stage is a spawned process that loads the tiny checkpoint itself, so
 starting a server costs seconds: the P=2 and P=3 servers start once for the
 whole module (concurrently), in the module's event loop. The last test kills a
-worker of the P=3 server on purpose, so it must stay last in this file.
+worker of the P=3 server on purpose (the server restarts its stages), so it
+stays last in this file.
 """
 
 from __future__ import annotations
@@ -274,17 +275,47 @@ async def test_more_stages_than_middle_layers_is_a_startup_error(tiny_llama_dir)
 
 # -- failure (keep last: it kills a worker of the shared P=3 server) ----------------------------
 
-async def test_a_dead_worker_makes_the_verifier_unready_instead_of_hanging(verifiers, checkpoint):
+async def test_a_dead_worker_makes_the_verifier_unready_until_the_stages_are_restarted(verifiers, checkpoint):
     running, hidden = verifiers[3], checkpoint.hidden_size
+    pipeline = running.server.pipeline
+    # Hold the restart until the unready state has been observed (the test, not the clock, decides).
+    observed, restart = asyncio.Event(), pipeline.restart
+
+    async def held_restart():
+        await asyncio.wait_for(observed.wait(), 30)
+        await restart()
+
+    pipeline.restart = held_restart
     async with httpx.AsyncClient(timeout=10) as http:
         assert (await http.get(f"{running.http}/readyz")).status_code == 200
         async with connect(running.url) as ws:
             await open_sessions(ws, checkpoint, 71)
             await roundtrip(ws, wire.PrefillChunk(71, 1, 0, True, torch.randn(4, hidden)))
-            os.kill(running.server.pipeline.pids[1], signal.SIGKILL)
+            os.kill(pipeline.pids[1], signal.SIGKILL)
             reply = await roundtrip(ws, wire.VerifyRequest(71, 2, 4, torch.randn(2, hidden)))
             assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.INTERNAL
+            # The session's KV died with the worker: the device is told, the session is closed.
+            lost = wire.decode(await asyncio.wait_for(ws.recv(), 20))
+            assert isinstance(lost, wire.ErrorFrame) and (lost.code, lost.session_id) == (wire.ErrorCode.INTERNAL, 71)
+            assert "KV is lost" in lost.message and 71 not in running.server.scheduler.sessions
             refused = await roundtrip(ws, wire.OpenSession(72, hidden, F32, **split_identity(checkpoint, M)))
             assert isinstance(refused, wire.ErrorFrame) and refused.code == wire.ErrorCode.OVERLOADED
         ready = await http.get(f"{running.http}/readyz")
         assert ready.status_code == 503 and "stage 1 worker" in ready.text
+        old_pids = pipeline.pids
+        observed.set()
+        for _ in range(1200):  # bounded: the restart spawns P processes that load the checkpoint
+            if (await http.get(f"{running.http}/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        assert (await http.get(f"{running.http}/readyz")).status_code == 200
+    assert pipeline.restarts == 1 and not set(old_pids) & set(pipeline.pids)
+    # Served again, exactly, by the new workers; the lost session is unknown to them.
+    async with connect(running.url) as ws:
+        reply = await roundtrip(ws, wire.VerifyRequest(71, 3, 4, torch.randn(2, hidden)))
+        assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.UNKNOWN_SESSION
+    prompt = [5, 17, 33, 2, 9, 4]
+    cloud = WebSocketCloud(running.url, hidden, F32, **split_identity(checkpoint, M))
+    assert await generate_over_ws(checkpoint, cloud, prompt, 73) == generate_full(checkpoint, prompt, 12).token_ids
+    await cloud.close_connection()
+    assert await pipeline.probe() == [{}, {}, {}]

@@ -7,6 +7,7 @@ The server is the real VerifierServer; devices are real WebSocketCloud clients
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import msgpack
 import pytest
@@ -17,6 +18,7 @@ from services.device_agent.cloud_client import CloudError, WebSocketCloud
 from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
+from shared.model.split import MiddleSubmodel
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
@@ -160,3 +162,79 @@ async def test_bandwidth_probe_measures_the_emulated_link(checkpoint):
     assert abs(up_bytes / up_s - 250_000) <= 0.15 * 250_000
     assert abs(down_bytes / down_s - 500_000) <= 0.15 * 500_000
     assert 2 * 0.004 <= rtt_s < 2 * 0.004 + 0.25  # both latencies, plus framing on a loaded box
+
+
+# -- faults: one item fails, the verifier goes on ----------------------------------------------
+
+async def test_a_fault_in_one_session_fails_its_item_alone_and_the_verifier_goes_on(checkpoint):
+    hidden, sids, f32 = checkpoint.hidden_size, (1, 2, 3), wire.WireDtype.F32
+    torch.manual_seed(3)
+    prefixes = {sid: torch.randn(4 + sid, hidden) for sid in sids}
+    drafts = {sid: torch.randn(3, hidden) for sid in sids}
+    middle = MiddleSubmodel(checkpoint, M)  # the unsplit middle over each whole sequence, in one pass
+    expected = {sid: middle.forward_batch([(middle.new_cache(), torch.cat([prefixes[sid], drafts[sid]]))])[0][-3:]
+                for sid in sids}
+
+    async def send(ws, message):
+        await ws.send(wire.encode(message, wire_dtype=f32))
+
+    async with running_verifier(checkpoint) as (server, url):
+        async with connect(url) as ws:
+            for sid in (*sids, 4):
+                opened = await _roundtrip(ws, wire.encode(wire.OpenSession(sid, hidden, f32,
+                                                                           **split_identity(checkpoint, M))))
+                assert isinstance(opened, wire.SessionOpened)
+            for sid in sids:
+                await send(ws, wire.PrefillChunk(sid, 1, 0, True, prefixes[sid]))
+                assert isinstance(wire.decode(await asyncio.wait_for(ws.recv(), 10)), wire.DeepHidden)
+            # Session 2's rows raise IndexError after the layers appended (a fault mid-pass).
+            runner, forward = server.runner, server.runner.layers.forward_packed
+
+            def faulty(states, caches, lengths):
+                out = forward(states, caches, lengths)
+                if any(cache is runner.sessions[2].middle for cache in caches):
+                    raise IndexError("injected fault in session 2's rows")
+                return out
+
+            runner.layers.forward_packed = faulty
+            # Hold the engine on session 4's step until the three verifies are queued: they share the next pass.
+            gate, execute, batch_sizes = threading.Event(), server.engine.execute, []
+            server.engine.execute = lambda batch: (batch_sizes.append(len(batch.items)), gate.wait(10),
+                                                   execute(batch))[2]
+            await send(ws, wire.PrefillChunk(4, 1, 0, True, torch.randn(2, hidden)))
+            for _ in range(200):
+                if batch_sizes:
+                    break
+                await asyncio.sleep(0.01)
+            for sid in sids:
+                await send(ws, wire.VerifyRequest(sid, 2, prefixes[sid].shape[0], drafts[sid]))
+            for _ in range(200):
+                if sum(len(server.scheduler.sessions[sid].queue) for sid in sids) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            gate.set()
+            replies = [wire.decode(await asyncio.wait_for(ws.recv(), 10)) for _ in range(4)]
+            by_session = {r.session_id: r for r in replies}
+            assert batch_sizes[:2] == [1, 3]
+            assert isinstance(by_session[2], wire.ErrorFrame) and by_session[2].code == wire.ErrorCode.INTERNAL
+            assert by_session[2].seq_no == 2 and "IndexError" in by_session[2].message
+            for sid in (1, 3):
+                assert isinstance(by_session[sid], wire.VerifyResult)
+                assert torch.allclose(by_session[sid].hidden, expected[sid], atol=1e-4)
+            # Session 2 was rolled back to before the failed pass: once the fault is gone, it is exact.
+            runner.layers.forward_packed = forward
+            again = await _roundtrip(ws, wire.encode(wire.VerifyRequest(2, 3, prefixes[2].shape[0], drafts[2]),
+                                                     wire_dtype=f32))
+            assert isinstance(again, wire.VerifyResult) and torch.allclose(again.hidden, expected[2], atol=1e-4)
+            # A fault outside the runner (here: in the scheduler) costs a step, never the engine loop.
+            schedule, calls = server.scheduler.schedule, []
+
+            def fails_once(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 1:
+                    raise KeyError("injected fault in the scheduler")
+                return schedule(*args, **kwargs)
+
+            server.scheduler.schedule = fails_once
+            deep = await _roundtrip(ws, wire.encode(wire.PrefillChunk(4, 2, 2, True, torch.randn(2, hidden))))
+            assert isinstance(deep, wire.DeepHidden) and len(calls) >= 2

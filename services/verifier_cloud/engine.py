@@ -12,6 +12,7 @@ and goes on.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.verifier_cloud.pipeline import PipelineStep, StagePipeline
+from services.verifier_cloud.pipeline import PipelineFailed, PipelineStep, StagePipeline
 from services.verifier_cloud.runner import ItemResult, ModelRunner, RunItem
 from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput, WorkItem
 from services.verifier_cloud.stages import StageItem
@@ -29,6 +30,7 @@ from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 log = logging.getLogger("services.verifier_cloud.engine")
 
 RETRY_PAUSE_S = 0.05  # after an unexpected failure of a step: keeps a persistent fault from spinning
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between failed pipeline restarts
 
 
 @dataclass
@@ -152,6 +154,34 @@ class PipelineEngine:
                 log.exception("pipeline engine step failed; the engine goes on")
                 await asyncio.sleep(RETRY_PAUSE_S)
 
+    async def supervise(self, on_lost: Callable[[str], None]) -> None:
+        """The pipeline's collector, and its restart whenever the workers fail, until the pipeline stops.
+
+        `on_lost(reason)` runs once per failure, before the restart: every session's KV died with
+        the workers, so the server tells each device and closes its sessions.
+        """
+        pipeline = self.pipeline
+        while True:
+            try:
+                await pipeline.run()
+            except Exception as exc:  # noqa: BLE001 - a broken collector is a failed pipeline: restart it
+                log.exception("pipeline collector failed")
+                await pipeline.fail(f"collector: {type(exc).__name__}: {exc}")
+            if pipeline.failure is None or pipeline.stopping:
+                return
+            on_lost(pipeline.failure)
+            for attempt in itertools.count():
+                try:
+                    await pipeline.restart()
+                    break
+                except PipelineFailed as exc:
+                    if pipeline.stopping:
+                        return
+                    delay = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
+                    log.error("pipeline restart failed (%s); next try in %.0fs", exc, delay)
+                    await asyncio.sleep(delay)
+            log.info("pipeline restarted; the verifier is ready again")
+
     def _done(self, batch: SchedulerOutput, items: list[StageItem], step: PipelineStep) -> None:
         """The last stage's items, in batch order: reply to each device, emit one verifier_step.
 
@@ -162,6 +192,11 @@ class PipelineEngine:
         self.scheduler.finish_batch(batch)
         results = [ItemResult(None, EngineError(ErrorKind(item.error[0]), item.error[1])) if item.error is not None
                    else ItemResult(torch.from_numpy(item.hidden)) for item in items]
+        # An item that failed INTERNAL in stage k was appended by stages 0..k-1 (and restored in k):
+        # cut it back everywhere to its position, the length all stages had before it.
+        self.pipeline.roll_back_sessions([(work.session_id, work.position) for work, result in zip(batch.items, results)
+                                          if result.error is not None and result.error.kind is ErrorKind.INTERNAL
+                                          and self.scheduler.is_current(work)])
         deliver(self.scheduler, batch, results)
         ran = [work for work, result in zip(batch.items, results) if result.error is None]
         self.record_step(StepStats.of(ran, step.batched_tokens, step.compute_s), None)

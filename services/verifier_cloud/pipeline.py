@@ -10,7 +10,9 @@ handshake; the collector polls the last queue in short slices and, between
 slices, checks that every worker process is alive and that no micro-batch has
 been in flight longer than `stage_timeout_s`. Either failure marks the
 pipeline failed: workers are terminated, in-flight items are answered with
-INTERNAL errors, and `healthy` turns False (the server's /readyz turns 503).
+INTERNAL errors, and `healthy` turns False (the server's /readyz turns 503)
+until `restart()` has spawned and loaded every stage again (engine.py's
+supervisor does that, after the server closed the sessions whose KV was lost).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.verifier_cloud.scheduler import SchedulerOutput
-from services.verifier_cloud.stages import (Hello, MicroBatch, Probe, SessionsClosed, SessionsOpened, StageFailed,
-                                            StageItem, StageSpec, Stop, run_stage, to_numpy)
+from services.verifier_cloud.stages import (Hello, MicroBatch, Probe, SessionsClosed, SessionsOpened,
+                                            SessionsRolledBack, StageFailed, StageItem, StageSpec, Stop, run_stage,
+                                            to_numpy)
 
 log = logging.getLogger("services.verifier_cloud.pipeline")
 
@@ -66,22 +69,29 @@ class StagePipeline:
         self.num_stages = len(specs)
         self.start_timeout_s, self.stage_timeout_s = start_timeout_s, stage_timeout_s
         self.on_done, self.on_fail = on_done, on_fail  # set by whoever feeds the pipeline (engine.py)
+        self.slots = asyncio.Semaphore(self.num_stages)
+        self.in_flight: dict[int, tuple[SchedulerOutput, float]] = {}  # batch_id -> (batch, sent_at)
+        self.max_in_flight_seen = 0
+        self.recent: deque[PipelineStep] = deque(maxlen=history)
+        self.restarts = 0
+        self.last_failure: str | None = None  # kept across restarts, for /readyz and logs
+        self.stopping = False  # aclose() was called: never restart again
+        self._ids = itertools.count(1)
+        self._probes: dict[int, asyncio.Future] = {}
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Fresh queues and (not yet started) worker processes: at construction and on every restart."""
         ctx = multiprocessing.get_context("spawn")
         self.queues = [ctx.Queue() for _ in range(self.num_stages + 1)]
         self.processes = [
             ctx.Process(target=run_stage, args=(spec, self.queues[i], self.queues[i + 1]),
                         name=f"verifier-stage-{i}", daemon=True)
-            for i, spec in enumerate(specs)
+            for i, spec in enumerate(self.specs)
         ]
-        self.slots = asyncio.Semaphore(self.num_stages)
-        self.in_flight: dict[int, tuple[SchedulerOutput, float]] = {}  # batch_id -> (batch, sent_at)
-        self.max_in_flight_seen = 0
-        self.recent: deque[PipelineStep] = deque(maxlen=history)
         self.failure: str | None = None
         self.started = False
         self._closed = False  # queues closed and workers reaped
-        self._ids = itertools.count(1)
-        self._probes: dict[int, asyncio.Future] = {}
         self._stopped = asyncio.Event()
 
     @property
@@ -114,14 +124,29 @@ class StagePipeline:
         log.info("pipeline ready: %s", ", ".join(f"stage {i} layers [{a}, {b}) pid {pid}"
                                                    for i, a, b, pid in message.stages))
 
+    async def restart(self) -> None:
+        """After a failure: reap what is left, spawn every stage afresh and wait until it is ready.
+
+        Every session's KV died with the old workers; the caller closes those sessions (the new
+        workers start empty). Raises PipelineFailed if the new workers cannot start either.
+        """
+        if self.stopping:
+            raise PipelineFailed("pipeline is stopping")
+        await self._reap(grace_s=0.0)
+        self.restarts += 1
+        log.warning("restarting the verifier pipeline (restart %d) after: %s", self.restarts, self.failure)
+        self._spawn()
+        await self.start()
+
     async def _abort(self, reason: str) -> PipelineFailed:
-        self.failure = reason
+        self.failure = self.last_failure = reason
         log.error("verifier pipeline: %s", reason)
         await self._reap(grace_s=0.0)
         return PipelineFailed(reason)
 
     async def aclose(self, timeout_s: float = 5.0) -> None:
         """Stop the workers in order (Stop flows down the chain), then reap anything left."""
+        self.stopping = True
         if self.healthy:
             self.queues[0].put(Stop())
             try:
@@ -186,6 +211,11 @@ class StagePipeline:
     def close_session(self, session_id: int) -> None:
         if self.healthy:
             self.queues[0].put(SessionsClosed([session_id]))
+
+    def roll_back_sessions(self, sessions: list[tuple[int, int]]) -> None:
+        """Cut sessions back to these lengths in every stage, in order with all prior traffic."""
+        if self.healthy and sessions:
+            self.queues[0].put(SessionsRolledBack(sessions))
 
     async def probe(self, timeout_s: float = 10.0) -> list[dict[int, int]]:
         """Per stage, {session_id: cached positions}: answered by the workers, in order with all prior traffic."""
@@ -262,7 +292,7 @@ class StagePipeline:
         """Give up on the pipeline: answer everything in flight, stop the workers, stay unready."""
         if self.failure is not None:
             return
-        self.failure = reason
+        self.failure = self.last_failure = reason
         log.error("verifier pipeline failed: %s; the verifier is no longer ready", reason)
         in_flight, self.in_flight = list(self.in_flight.values()), {}
         for batch, _ in in_flight:

@@ -126,6 +126,13 @@ class ModelRunner:
         if old is not None:
             old.free()
 
+    def roll_back(self, session_id: int, length: int) -> None:
+        """Cut a session back to at most `length` positions (no-op for an unknown or shorter session)."""
+        with self._lock:
+            caches = self.sessions.get(session_id)
+            if caches is not None and caches.length > length:
+                caches.truncate(length)
+
     def lengths(self) -> dict[int, int]:
         with self._lock:
             return {sid: caches.length for sid, caches in self.sessions.items()}

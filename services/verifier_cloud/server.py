@@ -38,7 +38,7 @@ from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel
-from services.verifier_cloud.work import EngineError, WorkKind
+from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 from shared import wire
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config, split_fingerprint
 from shared.model.split import MiddleSubmodel, SplitError, stage_ranges, validate_split, warm_up_layers
@@ -139,8 +139,8 @@ class VerifierServer:
         if request.path == "/readyz":
             status = HTTPStatus.OK if self.is_ready else HTTPStatus.SERVICE_UNAVAILABLE
             body = f"sessions={len(self.scheduler.sessions)} steps={self.steps}\n"
-            if self.pipeline is not None and self.pipeline.failure is not None:
-                body += f"pipeline failed: {self.pipeline.failure}\n"
+            if self.pipeline is not None and not self.pipeline.healthy and self.pipeline.last_failure is not None:
+                body += f"pipeline failed: {self.pipeline.last_failure} (restart {self.pipeline.restarts + 1})\n"
             return connection.respond(status, body)
         if request.path != WS_PATH:
             return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
@@ -326,9 +326,27 @@ class VerifierServer:
         else:
             message = wire.ChunkAck(item.session_id, item.seq_no)
         dtype = session.wire_dtype if session is not None and session.wire_dtype is not None else wire.WireDtype.F16
-        task = asyncio.create_task(self.send(connection, message, dtype))
+        self._send_soon(connection, message, dtype)
+
+    def _send_soon(self, connection, message: wire.Message, wire_dtype=None) -> None:
+        """Send from synchronous code (engine callbacks): an owned task, bounded by send_timeout_s."""
+        task = asyncio.create_task(self.send(connection, message, wire_dtype))
         self._pending_sends.add(task)
         task.add_done_callback(self._pending_sends.discard)
+
+    def _sessions_lost(self, reason: str) -> None:
+        """The stage workers died and every session's KV with them: answer each session's queued
+        work and the session itself with a typed error, and close it (the device starts over)."""
+        error = EngineError(ErrorKind.INTERNAL, f"verifier pipeline failed ({reason}); this session's KV is lost "
+                            "and the session is closed")
+        lost = list(self.scheduler.sessions.values())
+        for session in lost:
+            for item in list(session.queue):
+                if item.reply is not None:
+                    item.reply(item, None, error)
+            self._send_soon(session.owner, to_wire(error, session.session_id).to_frame())
+            self._close(session.session_id)
+        log.warning("pipeline failure closed %d session(s); restarting the stage workers", len(lost))
 
     # -- the engine loop ------------------------------------------------------------------
     def _record_step(self, stats: StepStats, overhead_s: float | None) -> None:
@@ -363,7 +381,8 @@ class VerifierServer:
             server: Server
             async with asyncio.TaskGroup() as tasks:
                 engine = tasks.create_task(self.engine.run())
-                collector = tasks.create_task(self.pipeline.run()) if self.pipeline is not None else None
+                collector = (tasks.create_task(self.engine.supervise(self._sessions_lost))
+                             if self.pipeline is not None else None)
                 self.ready = True
                 port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
                 log.info("verifier-cloud ready on ws://%s:%d%s (%d pipeline stage(s), token mode %s, server chunks %s)",

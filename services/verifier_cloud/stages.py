@@ -82,6 +82,16 @@ class SessionsClosed:
 
 
 @dataclass
+class SessionsRolledBack:
+    """(session_id, length) pairs: cut each session back to at most `length` positions.
+
+    Sent after an item failed INTERNAL in some stage: the stages before it had appended its
+    positions, the failing one had not; `length` is the item's position, the length every
+    stage had before it (a prefill starts at the cached length, a verify rolls back to it)."""
+    sessions: list[tuple[int, int]]
+
+
+@dataclass
 class Probe:
     """Debug/introspection: every stage appends {session_id: cached length}."""
     probe_id: int
@@ -135,6 +145,9 @@ class StageWorker:
         elif isinstance(message, SessionsClosed):
             for sid in message.session_ids:
                 self.runner.close(sid)
+        elif isinstance(message, SessionsRolledBack):
+            for sid, length in message.sessions:
+                self.runner.roll_back(sid, length)
         elif isinstance(message, Probe):
             message.lengths.append(self.runner.lengths())
         elif isinstance(message, Hello):
