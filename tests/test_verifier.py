@@ -69,11 +69,12 @@ async def test_concurrent_sessions_are_batched_and_exact(checkpoint):
 
 async def test_fp16_wire_keeps_greedy_output_on_this_model(checkpoint):
     prompt = [5, 17, 33, 2, 9]
+    expected = generate_full(checkpoint, prompt, 16).token_ids  # the unsplit model, fp32 all the way
     async with running_verifier(checkpoint) as (_, url):
         cloud = WebSocketCloud(url, checkpoint.hidden_size, wire.WireDtype.F16, **split_identity(checkpoint, M))
         tokens = await generate_over_ws(checkpoint, cloud, prompt, 7)
         await cloud.close_connection()
-    assert len(tokens) == 16
+    assert tokens == expected  # rounding the boundary states to fp16 changes no greedy token on this model
 
 
 def raw_prefill(hidden: int, dtype: str = "f2", data: bytes = b"") -> bytes:
