@@ -119,7 +119,8 @@ def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
                                       [tensor["s"][0] + 1, tensor["s"][1]]))
         else:
             raw = tensor["b"]
-            tensor["b"] = rng.choice((raw[:-1], raw + b"\0", b"", "text", raw[: len(raw) // 2]))
+            tensor["b"] = rng.choice((raw[:-1], raw + b"\0", b"", "text", raw[: len(raw) // 2],
+                                      b"\xff" * len(raw)))  # all bits set: NaN in every float dtype
         m["h"] = tensor
     elif kind == "type_code":
         m["t"] = rng.choice((0, 5, 0x13, 0x5D, 0x7E, 127, 200, -1, "t", None, 2**63))
@@ -136,7 +137,7 @@ def expected_error(frame: bytes | str, hidden: int,
     if isinstance(frame, str):
         return wire.ErrorCode.MALFORMED, None
     try:
-        return None, wire.decode(frame, max_frame_bytes=max_frame_bytes, expected_hidden_size=hidden)
+        return None, wire.decode(frame, max_frame_bytes=max_frame_bytes, expected_hidden_size=hidden, finite_only=True)
     except wire.WireError as exc:
         return exc.code, None
 

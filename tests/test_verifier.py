@@ -103,7 +103,6 @@ async def test_bad_frames_get_typed_errors_and_the_connection_survives(checkpoin
                 wire.ErrorCode.BAD_SHAPE: wire.encode(wire.PrefillChunk(1, 2, 0, True, torch.randn(3, hidden + 1))),
                 wire.ErrorCode.LENGTH_MISMATCH: raw_prefill(hidden, data=b"\0" * 10),
                 wire.ErrorCode.UNKNOWN_SESSION: wire.encode(wire.VerifyRequest(999, 3, 0, torch.randn(1, hidden))),
-                wire.ErrorCode.OVERSIZED: wire.encode(wire.PrefillChunk(1, 4, 0, True, torch.randn(400, hidden))),
             }
             for code, frame in cases.items():
                 reply = await _roundtrip(ws, frame)

@@ -281,6 +281,20 @@ def test_tensor_rejections_carry_session_and_seq(overrides, code):
     assert reply == ErrorFrame(code, err.message, 7, 2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [0, 37, -1])  # first, inside, last element (after any vectorised stretch)
+def test_non_finite_states_are_bad_value_where_asked(dtype, bad, where):
+    h = _h(5, dtype, hidden=64)  # [5, 64]
+    h.view(-1)[where] = bad
+    frame = encode(VerifyRequest(7, 2, 37, h))
+    assert decode(frame).hidden.shape == (5, 64)  # the device's side and tools see the bits as they are
+    err = _err(frame, ErrorCode.BAD_VALUE, finite_only=True)
+    assert (err.session_id, err.seq_no) == (7, 2)
+    finite = encode(VerifyRequest(7, 2, 37, _h(5, dtype, hidden=64).clamp(-65504, 65504)))
+    assert decode(finite, finite_only=True).hidden.shape == (5, 64)
+
+
 def test_wrong_hidden_size_is_bad_shape():
     frame = encode(VerifyRequest(9, 4, 0, _h(5, hidden=H)))
     assert decode(frame, expected_hidden_size=H).hidden.shape == (5, H)

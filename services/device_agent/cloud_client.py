@@ -198,14 +198,17 @@ class WebSocketCloud:
         """(bytes, seconds) of one bulk upload and one bulk download over the live connection,
         and the round trip of a one-row message.
 
-        Each bulk probe's round trip minus a tiny probe's round trip is the time the extra
-        bytes took on that direction of the link (latency and framing cancel out). The tiny
-        round trip is latency both ways plus both ends' framing and event-loop time."""
+        Uplink: a bulk-up probe's round trip minus a tiny probe's is the time the extra rows took
+        going up (latency and framing cancel out). Downlink: the verifier never answers a probe
+        with more rows than it carried (no amplification), so the bulk-down probe carries `rows`
+        up too, and its round trip minus the bulk-up probe's (same upload, one row back) is the
+        time the extra rows took coming down. The tiny round trip is latency both ways plus both
+        ends' framing and event-loop time."""
         base = await self.measure_rtt()
         extra = (rows - 1) * self.hidden_size * 2
-        up = await self._probe_rtt(rows, 1) - base
-        down = await self._probe_rtt(1, rows) - base
-        return (extra, max(up, 1e-6)), (extra, max(down, 1e-6)), base
+        bulk_up = await self._probe_rtt(rows, 1)
+        bulk_both = await self._probe_rtt(rows, rows)
+        return (extra, max(bulk_up - base, 1e-6)), (extra, max(bulk_both - bulk_up, 1e-6)), base
 
     async def close_connection(self) -> None:
         if self._connection is not None:

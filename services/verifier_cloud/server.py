@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from http import HTTPStatus
 from pathlib import Path
 
@@ -50,6 +50,44 @@ log = logging.getLogger("services.verifier_cloud")
 
 WS_PATH = "/ws"
 MAX_PROBE_ROWS = 4096  # a probe reply is padding; cap it so a probe cannot ask for a huge frame
+BAD_FRAME_SUMMARY_S = 10.0  # at most one INFO line about a connection's bad frames per this many seconds
+
+
+class BadFrameLog:
+    """One connection's bad frames: each at DEBUG, and an INFO summary (count by code) at most once per
+    interval and when the connection ends, so a peer sending garbage cannot flood the log."""
+
+    def __init__(self, peer: object, interval_s: float = BAD_FRAME_SUMMARY_S) -> None:
+        self.peer, self.interval_s = peer, interval_s
+        self.counts: Counter[str] = Counter()
+        self.since = time.monotonic()
+        self.traced_internal = False
+
+    def bad_frame(self, error: wire.WireError) -> None:
+        log.debug("bad frame from %s: %s", self.peer, error)
+        self._count(error.code)
+
+    def internal(self, exc: Exception) -> None:
+        """Call inside the except block: the first bug of a connection is logged with its traceback."""
+        if not self.traced_internal:
+            self.traced_internal = True
+            log.exception("bad frame from %s raised %s; answering INTERNAL", self.peer, type(exc).__name__)
+        else:
+            log.debug("bad frame from %s raised %s; answering INTERNAL", self.peer, type(exc).__name__, exc_info=True)
+        self._count(wire.ErrorCode.INTERNAL)
+
+    def _count(self, code: wire.ErrorCode) -> None:
+        self.counts[code.name] += 1
+        if time.monotonic() - self.since >= self.interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.counts:
+            total = sum(self.counts.values())
+            log.info("%d bad frame(s) from %s in %.0f s: %s", total, self.peer, time.monotonic() - self.since,
+                     ", ".join(f"{code} {n}" for code, n in self.counts.most_common()), extra={"bad_frames": total})
+            self.counts.clear()
+        self.since = time.monotonic()
 
 
 def plan_stages(settings: Settings, num_layers: int) -> list[StageSpec]:
@@ -158,23 +196,25 @@ class VerifierServer:
     async def handle(self, connection: ServerConnection) -> None:
         peer = connection.remote_address
         log.info("device connected from %s", peer)
+        bad_frames = BadFrameLog(peer)
         try:
             while True:
                 async with asyncio.timeout(self.settings.idle_timeout_s):
                     frame = await connection.recv()
                 if isinstance(frame, str):
+                    bad_frames.bad_frame(wire.WireError(wire.ErrorCode.MALFORMED, "text frames are not accepted"))
                     await self.send(connection, wire.ErrorFrame(wire.ErrorCode.MALFORMED, "text frames are not accepted"))
                     continue
                 message: wire.Message | None = None
                 try:
                     message = wire.decode(frame, max_frame_bytes=self.settings.max_frame_bytes,
-                                          expected_hidden_size=self.hidden_size)
+                                          expected_hidden_size=self.hidden_size, finite_only=True)
                     reply = self.on_message(connection, message)
                 except wire.WireError as exc:
-                    log.info("bad frame from %s: %s", peer, exc)
+                    bad_frames.bad_frame(exc)
                     reply = exc.to_frame()
                 except Exception as exc:  # a bug met by one frame answers that frame, never ends the connection
-                    log.exception("frame from %s raised %s; answering INTERNAL", peer, type(exc).__name__)
+                    bad_frames.internal(exc)
                     reply = wire.WireError(wire.ErrorCode.INTERNAL, f"{type(exc).__name__} handling this frame",
                                            getattr(message, "session_id", None),
                                            getattr(message, "seq_no", None)).to_frame()
@@ -185,11 +225,16 @@ class VerifierServer:
         except ConnectionClosed:
             pass
         finally:
+            bad_frames.flush()
             closed = self._close_owned_by(connection)
             log.info("device %s gone; freed %d session(s)", peer, len(closed))
 
     def on_message(self, connection: ServerConnection, message: wire.Message) -> wire.Message | None:
         if isinstance(message, wire.BandwidthProbe):
+            # No amplification: the padding sent back is never more rows than came up (downlink probes pad uploads).
+            if message.reply_rows > message.hidden.shape[0]:
+                raise wire.WireError(wire.ErrorCode.BAD_SHAPE, f"reply_rows {message.reply_rows} > the probe's own "
+                                     f"{message.hidden.shape[0]} rows", message.session_id, message.seq_no)
             rows = max(1, min(message.reply_rows, MAX_PROBE_ROWS))
             padding = torch.zeros(rows, message.hidden.shape[1], dtype=torch.float16)
             return wire.ProbeReply(message.session_id, message.seq_no, padding)
@@ -373,10 +418,10 @@ class VerifierServer:
                 await self.pipeline.aclose()
 
     async def _serve(self, stop: asyncio.Event, started: asyncio.Future | None) -> None:
-        # websockets' own limit sits above ours so oversized frames reach our check
-        # and get a typed error; only absurd frames (4x the limit) close the connection.
+        # The transport's limit is the frame limit: a bigger frame is refused (close 1009) from its header,
+        # before its payload is read into memory; a typed OVERSIZED answer would need it buffered first.
         async with serve(self.handle, self.settings.host, self.settings.port, process_request=self.process_request,
-                         max_size=4 * self.settings.max_frame_bytes, compression=None, ping_interval=20,
+                         max_size=self.settings.max_frame_bytes, compression=None, ping_interval=20,
                          ping_timeout=20) as server:
             server: Server
             async with asyncio.TaskGroup() as tasks:
