@@ -104,9 +104,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, max_batch_tokens: int, max_sessions: int, context_length: int,
-                 server_chunk_tokens: int = 0, prefill_pipelining: bool = False):
+                 server_chunk_tokens: int = 0, prefill_pipelining: bool = False,
+                 max_sessions_per_owner: int | None = None, max_queue: int | None = None):
         self.max_batch_tokens = max_batch_tokens
         self.max_sessions = max_sessions
+        self.max_sessions_per_owner = max_sessions_per_owner  # None: no per-connection bound
+        self.max_queue = max_queue  # None: no per-session queue bound
         self.context_length = context_length
         self.server_chunk_tokens = server_chunk_tokens  # > 0: U-Sarathi pieces of long prefills
         self.prefill_pipelining = prefill_pipelining
@@ -120,6 +123,9 @@ class Scheduler:
             raise EngineError(ErrorKind.MALFORMED, f"session {sid} is already open", sid)
         if len(self.sessions) >= self.max_sessions:
             raise EngineError(ErrorKind.OVERLOADED, f"verifier holds {self.max_sessions} sessions", sid)
+        if self.max_sessions_per_owner is not None and len(self.owned_by(session.owner)) >= self.max_sessions_per_owner:
+            raise EngineError(ErrorKind.OVERLOADED, f"this connection holds {self.max_sessions_per_owner} sessions, "
+                              "the most one device may", sid)
         self.sessions[sid] = session
         return session
 
@@ -139,8 +145,15 @@ class Scheduler:
     def owned_by(self, owner: object) -> list[int]:
         return [sid for sid, s in self.sessions.items() if s.owner is owner]
 
+    def idle(self, now: float, ttl_s: float) -> list[int]:
+        """Sessions with nothing queued or in flight and no traffic for `ttl_s` (time.monotonic())."""
+        return [sid for sid, s in self.sessions.items() if s.idle_for(now) >= ttl_s]
+
     def submit(self, item: WorkItem, owner: object) -> None:
         session = self.get(item.session_id, owner, item.seq_no)
+        if self.max_queue is not None and len(session.queue) >= self.max_queue:
+            raise EngineError(ErrorKind.OVERLOADED, f"session {item.session_id} has {self.max_queue} items queued",
+                              item.session_id, item.seq_no)
         session.queue.append(item)
         session.touch()
         self.work_ready.set()

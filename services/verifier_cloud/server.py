@@ -125,7 +125,9 @@ class VerifierServer:
         self.token_model = token_model
         self.scheduler = Scheduler(settings.max_batch_tokens, settings.max_sessions, context_length,
                                    server_chunk_tokens=settings.server_chunk_tokens,
-                                   prefill_pipelining=stages is not None and settings.prefill_pipelining)
+                                   prefill_pipelining=stages is not None and settings.prefill_pipelining,
+                                   max_sessions_per_owner=settings.max_sessions_per_connection,
+                                   max_queue=settings.max_queue_per_session)
         self.telemetry = TelemetryClient(settings.state_monitor_url or None)
         self.steps = 0
         self.ready = False
@@ -404,6 +406,18 @@ class VerifierServer:
         log.debug("step %d: %d tokens, %d sessions, %.1f ms", self.steps, stats.batched_tokens, stats.num_sessions,
                   stats.compute_s * 1e3)
 
+    async def close_idle_sessions(self) -> None:
+        """A task: close sessions without traffic for `session_idle_ttl_s`, a few times per TTL."""
+        ttl_s = self.settings.session_idle_ttl_s
+        while True:
+            await asyncio.sleep(min(ttl_s / 3, 10.0))
+            try:
+                for sid in self.scheduler.idle(time.monotonic(), ttl_s):
+                    log.info("session %d idle for %.0fs; closing it and freeing its KV", sid, ttl_s)
+                    self._close(sid)
+            except Exception:  # noqa: BLE001 - a failed sweep must not end the server; the next one retries
+                log.exception("idle-session sweep failed")
+
     async def serve_forever(self, stop: asyncio.Event, started: asyncio.Future | None = None) -> None:
         try:
             if self.pipeline is not None:
@@ -426,6 +440,7 @@ class VerifierServer:
             server: Server
             async with asyncio.TaskGroup() as tasks:
                 engine = tasks.create_task(self.engine.run())
+                sweeper = tasks.create_task(self.close_idle_sessions())
                 collector = (tasks.create_task(self.engine.supervise(self._sessions_lost))
                              if self.pipeline is not None else None)
                 self.ready = True
@@ -440,6 +455,7 @@ class VerifierServer:
                 await stop.wait()
                 self.ready = False
                 engine.cancel()
+                sweeper.cancel()
                 if self.pipeline is not None:
                     await self.pipeline.aclose()  # Stop flows down the chain; the collector returns on it
                 if collector is not None:

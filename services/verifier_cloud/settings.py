@@ -21,6 +21,12 @@ class Settings:
     max_frame_bytes: int = MAX_FRAME_BYTES  # larger frames get an OVERSIZED error frame
     max_batch_tokens: int = 4096  # packed tokens per batched forward pass
     max_sessions: int = 256
+    # Per-device bounds: one connection (a device agent) holds at most this many sessions, so it cannot lock
+    # other devices out; a session queues at most this many items (more: OVERLOADED for the item); a session
+    # without requests or replies for the TTL is closed and its KV freed (the device then gets UNKNOWN_SESSION).
+    max_sessions_per_connection: int = 64
+    max_queue_per_session: int = 256
+    session_idle_ttl_s: float = 300.0
     idle_timeout_s: float = 600.0  # a device silent this long is disconnected and its KV freed
     send_timeout_s: float = 10.0
     state_monitor_url: str = ""  # empty: no telemetry
@@ -46,7 +52,10 @@ class Settings:
             raise ValueError("split_layers must be >= 1")
         if self.max_frame_bytes < 1024 or self.max_batch_tokens < 1 or self.max_sessions < 1:
             raise ValueError("max_frame_bytes, max_batch_tokens and max_sessions are too small")
-        if min(self.idle_timeout_s, self.send_timeout_s, self.stage_start_timeout_s, self.stage_timeout_s) <= 0:
+        if self.max_sessions_per_connection < 1 or self.max_queue_per_session < 1:
+            raise ValueError("max_sessions_per_connection and max_queue_per_session must be >= 1")
+        if min(self.idle_timeout_s, self.send_timeout_s, self.stage_start_timeout_s, self.stage_timeout_s,
+               self.session_idle_ttl_s) <= 0:
             raise ValueError("timeouts must be > 0")
         if self.pipeline_stages < 1:
             raise ValueError("pipeline_stages must be >= 1")

@@ -1,0 +1,60 @@
+"""The verifier's scheduler as pure policy (no model, no sockets): per-device bounds and idle sessions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.verifier_cloud.scheduler import Scheduler, WorkItem
+from services.verifier_cloud.session import Session
+from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
+
+
+def item(sid: int, seq: int, kind: str = "verify") -> WorkItem:
+    return WorkItem(sid, seq, kind, torch.zeros(1, 4), 0)
+
+
+def test_one_connection_cannot_take_every_session():
+    sched = Scheduler(64, max_sessions=8, context_length=512, max_sessions_per_owner=3)
+    greedy, polite = object(), object()
+    for sid in range(3):
+        sched.open(Session(sid, greedy))
+    with pytest.raises(EngineError) as info:
+        sched.open(Session(3, greedy))
+    assert info.value.kind is ErrorKind.OVERLOADED and info.value.session_id == 3
+    assert "3 sessions" in info.value.message
+    sched.open(Session(10, polite))  # another device still gets in
+    sched.close(0)
+    sched.open(Session(4, greedy))  # and a closed session's place is free again
+    assert sorted(sched.owned_by(greedy)) == [1, 2, 4]
+
+
+def test_a_session_queue_over_its_cap_is_overloaded_for_that_item_only():
+    sched = Scheduler(64, max_sessions=8, context_length=512, max_queue=2)
+    owner = object()
+    for sid in (1, 2):
+        sched.open(Session(sid, owner))
+    sched.submit(item(1, 1), owner)
+    sched.submit(item(1, 2), owner)
+    with pytest.raises(EngineError) as info:
+        sched.submit(item(1, 3), owner)
+    assert info.value.kind is ErrorKind.OVERLOADED and (info.value.session_id, info.value.seq_no) == (1, 3)
+    sched.submit(item(2, 1), owner)  # other sessions are not affected
+    assert [len(sched.sessions[sid].queue) for sid in (1, 2)] == [2, 1]
+    sched.finish_batch(sched.schedule())  # once the queue drains, the session takes work again
+    sched.submit(item(1, 3), owner)
+
+
+def test_idle_sessions_are_those_without_traffic_for_the_ttl():
+    sched = Scheduler(64, max_sessions=8, context_length=512)
+    owner = object()
+    quiet, talking, working = (sched.open(Session(sid, owner)) for sid in (1, 2, 3))
+    for session in (quiet, talking, working):
+        session.touch(100.0)
+    talking.touch(109.0)
+    sched.submit(item(3, 1), owner)
+    working.touch(100.0)
+    sched.schedule()  # session 3's item is in flight: busy, however long it takes
+    assert sched.idle(now=110.0, ttl_s=10.0) == [1]
+    assert sched.idle(now=119.0, ttl_s=10.0) == [1, 2]
+    assert WorkKind.VERIFY in working.in_flight
