@@ -23,7 +23,10 @@ from services.token_streamer.router import DeviceError, DeviceState, Router
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how often waiters re-check devices held off after a 'busy' (capacity unknown here)
+# How often the head of the queue re-checks devices held off after a 'busy' (a release wakes it at
+# once); the others can only move after it, so they only look now and then (device back up, ...).
+HEAD_POLL_S = 0.05
+POLL_S = 1.0
 RECENT_WAITS = 1024
 
 
@@ -85,8 +88,8 @@ class Admission:
                 if left <= 0:
                     self.timed_out += 1
                     raise QueueTimeout(self.timeout_s)
-                # A release wakes the head at once; the poll covers devices held off after a 'busy'.
-                await asyncio.wait([waiter], timeout=min(left, POLL_S))
+                poll_s = HEAD_POLL_S if self._waiters and self._waiters[0] is waiter else POLL_S
+                await asyncio.wait([waiter], timeout=min(left, poll_s))
                 self.pump()
             granted = True
             return waiter.result()

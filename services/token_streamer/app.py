@@ -2,9 +2,10 @@
 
 The user only ever talks to this service; it queues the request for a device
 slot (admission.py: bounded, first come first served, with a deadline), picks a
-device agent (router.py), relays the device's NDJSON token stream as OpenAI chunks, applies stop strings,
-measures TTFT/TBT as the user sees them (from request arrival here) and reports
-each finished request to the state monitor (HAT §3.2) when one is configured.
+device agent (router.py), relays the device's NDJSON token stream as OpenAI
+chunks, applies stop strings, measures TTFT/TBT as the user sees them (from
+request arrival here, so queueing counts) and reports each finished request to
+the state monitor (HAT §3.2) when one is configured.
 A client that goes away, streaming or not, cancels its request: it leaves the
 queue, or its device stream is closed, which stops the generation on the device
 and frees its sessions there and in the cloud.
