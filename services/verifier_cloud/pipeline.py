@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.verifier_cloud.scheduler import SchedulerOutput
+from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import (Hello, MicroBatch, Probe, SessionsClosed, SessionsOpened,
                                             SessionsRolledBack, StageFailed, StageItem, StageSpec, Stop, run_stage,
                                             to_numpy)
+from shared.model.split import SplitError, stage_ranges, validate_split
 
 log = logging.getLogger("services.verifier_cloud.pipeline")
 
@@ -60,6 +62,18 @@ class PipelineStep:
 # (batch, the last stage's items in batch order, the step) -> None; (batch, reason) -> None
 DoneCallback = Callable[[SchedulerOutput, list[StageItem], PipelineStep], None]
 FailCallback = Callable[[SchedulerOutput, str], None]
+
+
+def plan_stages(settings: Settings, num_layers: int) -> list[StageSpec]:
+    """The P stage specs for `settings`, or a SplitError naming the flag that does not fit the model."""
+    validate_split(num_layers, settings.split_layers)
+    try:
+        ranges = stage_ranges(settings.split_layers, num_layers, settings.pipeline_stages)
+    except SplitError as exc:
+        raise SplitError(f"--pipeline-stages {settings.pipeline_stages} does not fit: {exc} "
+                         f"(layers {settings.split_layers}..{num_layers - 1} run in the cloud)") from exc
+    return [StageSpec(i, settings.model_dir, settings.split_layers, r, settings.torch_threads, settings.log_level)
+            for i, r in enumerate(ranges)]
 
 
 class StagePipeline:

@@ -10,6 +10,12 @@ process, one batch at a time, in a worker thread. With P > 1 it runs in P
 stage worker processes (pipeline.py, stages.py) with up to P micro-batches in
 flight; this process keeps only the scheduler, the sockets and the replies.
 
+The parts: frames.py turns request frames into work items and results into
+reply frames; scheduler.py (policy only) picks each step's items from the
+session records (session.py); engine.py runs them, through runner.py's
+ModelRunner in this process or through the stage workers (pipeline.py,
+stages.py), each of which has a ModelRunner of its own.
+
 With `full_model` the verifier also serves token mode (token_mode.py): sessions
 opened with OpenTokenSession send token ids and get sampled tokens back. Token
 messages on a session opened with privacy on are refused with PRIVACY_VIOLATION,
@@ -31,17 +37,18 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
-from services.verifier_cloud.pipeline import StagePipeline
+from services.verifier_cloud.frames import reply_frame, to_wire, work_item
+from services.verifier_cloud.pipeline import StagePipeline, plan_stages
 from services.verifier_cloud.runner import ModelRunner
-from services.verifier_cloud.scheduler import Scheduler, WorkItem
+from services.verifier_cloud.scheduler import Reply, Scheduler, WorkItem
 from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel
-from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
+from services.verifier_cloud.work import EngineError, ErrorKind
 from shared import wire
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config, split_fingerprint
-from shared.model.split import MiddleSubmodel, SplitError, stage_ranges, validate_split, warm_up_layers
+from shared.model.split import MiddleSubmodel, warm_up_layers
 from shared.settings import SettingsError
 from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
@@ -88,25 +95,6 @@ class BadFrameLog:
                      ", ".join(f"{code} {n}" for code, n in self.counts.most_common()), extra={"bad_frames": total})
             self.counts.clear()
         self.since = time.monotonic()
-
-
-def plan_stages(settings: Settings, num_layers: int) -> list[StageSpec]:
-    """The P stage specs for `settings`, or a SplitError naming the flag that does not fit the model."""
-    validate_split(num_layers, settings.split_layers)
-    try:
-        ranges = stage_ranges(settings.split_layers, num_layers, settings.pipeline_stages)
-    except SplitError as exc:
-        raise SplitError(f"--pipeline-stages {settings.pipeline_stages} does not fit: {exc} "
-                         f"(layers {settings.split_layers}..{num_layers - 1} run in the cloud)") from exc
-    return [StageSpec(i, settings.model_dir, settings.split_layers, r, settings.torch_threads, settings.log_level)
-            for i, r in enumerate(ranges)]
-
-
-def to_wire(error: EngineError, session_id: int | None = None, seq_no: int | None = None) -> wire.WireError:
-    """The engine's typed error as the wire's (same code names), addressed to the session and seq it concerns."""
-    return wire.WireError(wire.ErrorCode[error.kind.name], error.message,
-                          error.session_id if error.session_id is not None else session_id,
-                          error.seq_no if error.seq_no is not None else seq_no)
 
 
 class VerifierServer:
@@ -263,20 +251,10 @@ class VerifierServer:
             self._close(message.session_id)
             return wire.SessionClosed(message.session_id)
         if isinstance(message, (wire.PrefillChunk, wire.VerifyRequest)):
-            is_prefill = isinstance(message, wire.PrefillChunk)
             if self._session(message.session_id, connection, message.seq_no).is_token:
                 raise wire.WireError(wire.ErrorCode.MALFORMED, "a token-mode session takes token messages only",
                                      message.session_id, message.seq_no)
-            item = WorkItem(
-                session_id=message.session_id,
-                seq_no=message.seq_no,
-                kind=WorkKind.PREFILL if is_prefill else WorkKind.VERIFY,
-                hidden=message.hidden,
-                position=message.start_pos if is_prefill else message.commit_len,
-                is_last=message.is_last if is_prefill else True,
-                reply=lambda item, out, err, conn=connection: self._reply(conn, item, out, err),
-            )
-            self._submit(item, connection)
+            self._submit(work_item(message, self._replier(connection)), connection)
             return None
         raise wire.WireError(wire.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not accepted by the verifier",
                              getattr(message, "session_id", None), getattr(message, "seq_no", None))
@@ -307,18 +285,7 @@ class VerifierServer:
             raise wire.WireError(wire.ErrorCode.MALFORMED, "token messages need a session opened with "
                                  "OpenTokenSession", sid, seq)
         self.token_model.check_ids(message.token_ids, sid, seq)
-        is_prefill = isinstance(message, wire.TokenPrefill)
-        item = WorkItem(
-            session_id=sid,
-            seq_no=seq,
-            kind=WorkKind.PREFILL if is_prefill else WorkKind.VERIFY,
-            hidden=None,
-            position=message.start_pos if is_prefill else message.commit_len,
-            is_last=True,  # every token message is answered with the next token
-            reply=lambda item, out, err, conn=connection: self._reply(conn, item, out, err),
-            token_ids=torch.tensor(message.token_ids, dtype=torch.long),
-        )
-        self._submit(item, connection)
+        self._submit(work_item(message, self._replier(connection)), connection)
 
     # -- sessions: the scheduler's record and the KV behind it, opened and closed together ----------
     def _session(self, session_id: int, connection: ServerConnection, seq_no: int | None = None) -> Session:
@@ -360,20 +327,13 @@ class VerifierServer:
         except EngineError as exc:
             raise to_wire(exc, item.session_id, item.seq_no) from None
 
-    def _reply(self, connection, item: WorkItem, out: torch.Tensor | None, error: EngineError | None) -> None:
-        session = self.scheduler.sessions.get(item.session_id)
-        if error is not None:
-            message: wire.Message = to_wire(error, item.session_id, item.seq_no).to_frame()
-        elif item.is_token:
-            message = wire.TokenResult(item.session_id, item.seq_no, out.tolist())
-        elif item.kind is WorkKind.VERIFY:
-            message = wire.VerifyResult(item.session_id, item.seq_no, out)
-        elif item.is_last:
-            message = wire.DeepHidden(item.session_id, item.seq_no, out[-1:])
-        else:
-            message = wire.ChunkAck(item.session_id, item.seq_no)
-        dtype = session.wire_dtype if session is not None and session.wire_dtype is not None else wire.WireDtype.F16
-        self._send_soon(connection, message, dtype)
+    def _replier(self, connection: ServerConnection) -> Reply:
+        """The reply callback of a work item from `connection`: its result as a frame, in the session's dtype."""
+        def reply(item: WorkItem, out: torch.Tensor | None, error: EngineError | None) -> None:
+            session = self.scheduler.sessions.get(item.session_id)
+            dtype = session.wire_dtype if session is not None and session.wire_dtype is not None else wire.WireDtype.F16
+            self._send_soon(connection, reply_frame(item, out, error), dtype)
+        return reply
 
     def _send_soon(self, connection, message: wire.Message, wire_dtype=None) -> None:
         """Send from synchronous code (engine callbacks): an owned task, bounded by send_timeout_s."""
