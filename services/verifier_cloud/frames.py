@@ -2,16 +2,23 @@
 
 The scheduler, runner and pipeline speak `WorkItem` / `EngineError` (work.py)
 and never import the wire; the server speaks frames. These functions are the
-whole translation, so each direction is written once.
+whole translation, so each direction is written once. `BadFrameLog` is how a
+connection's bad frames are logged.
 """
 
 from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
 
 import torch
 
 from services.verifier_cloud.scheduler import Reply, WorkItem
 from services.verifier_cloud.work import EngineError, WorkKind
 from shared import wire
+
+log = logging.getLogger("services.verifier_cloud")
 
 WorkMessage = wire.PrefillChunk | wire.VerifyRequest | wire.TokenPrefill | wire.TokenStep
 
@@ -51,3 +58,43 @@ def reply_frame(item: WorkItem, out: torch.Tensor | None, error: EngineError | N
     if item.is_last:
         return wire.DeepHidden(item.session_id, item.seq_no, out[-1:])
     return wire.ChunkAck(item.session_id, item.seq_no)
+
+
+BAD_FRAME_SUMMARY_S = 10.0  # at most one INFO line about a connection's bad frames per this many seconds
+
+
+class BadFrameLog:
+    """One connection's bad frames: each at DEBUG, and an INFO summary (count by code) at most once per
+    interval and when the connection ends, so a peer sending garbage cannot flood the log."""
+
+    def __init__(self, peer: object, interval_s: float = BAD_FRAME_SUMMARY_S) -> None:
+        self.peer, self.interval_s = peer, interval_s
+        self.counts: Counter[str] = Counter()
+        self.since = time.monotonic()
+        self.traced_internal = False
+
+    def bad_frame(self, error: wire.WireError) -> None:
+        log.debug("bad frame from %s: %s", self.peer, error)
+        self._count(error.code)
+
+    def internal(self, exc: Exception) -> None:
+        """Call inside the except block: the first bug of a connection is logged with its traceback."""
+        if not self.traced_internal:
+            self.traced_internal = True
+            log.exception("bad frame from %s raised %s; answering INTERNAL", self.peer, type(exc).__name__)
+        else:
+            log.debug("bad frame from %s raised %s; answering INTERNAL", self.peer, type(exc).__name__, exc_info=True)
+        self._count(wire.ErrorCode.INTERNAL)
+
+    def _count(self, code: wire.ErrorCode) -> None:
+        self.counts[code.name] += 1
+        if time.monotonic() - self.since >= self.interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.counts:
+            total = sum(self.counts.values())
+            log.info("%d bad frame(s) from %s in %.0f s: %s", total, self.peer, time.monotonic() - self.since,
+                     ", ".join(f"{code} {n}" for code, n in self.counts.most_common()), extra={"bad_frames": total})
+            self.counts.clear()
+        self.since = time.monotonic()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from http import HTTPStatus
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
-from services.verifier_cloud.frames import reply_frame, to_wire, work_item
+from services.verifier_cloud.frames import BadFrameLog, reply_frame, to_wire, work_item
 from services.verifier_cloud.pipeline import StagePipeline, plan_stages
 from services.verifier_cloud.runner import ModelRunner
 from services.verifier_cloud.scheduler import Reply, Scheduler, WorkItem
@@ -57,46 +57,6 @@ log = logging.getLogger("services.verifier_cloud")
 
 WS_PATH = "/ws"
 MAX_PROBE_ROWS = 4096  # a probe reply is padding; cap it so a probe cannot ask for a huge frame
-BAD_FRAME_SUMMARY_S = 10.0  # at most one INFO line about a connection's bad frames per this many seconds
-
-
-class BadFrameLog:
-    """One connection's bad frames: each at DEBUG, and an INFO summary (count by code) at most once per
-    interval and when the connection ends, so a peer sending garbage cannot flood the log."""
-
-    def __init__(self, peer: object, interval_s: float = BAD_FRAME_SUMMARY_S) -> None:
-        self.peer, self.interval_s = peer, interval_s
-        self.counts: Counter[str] = Counter()
-        self.since = time.monotonic()
-        self.traced_internal = False
-
-    def bad_frame(self, error: wire.WireError) -> None:
-        log.debug("bad frame from %s: %s", self.peer, error)
-        self._count(error.code)
-
-    def internal(self, exc: Exception) -> None:
-        """Call inside the except block: the first bug of a connection is logged with its traceback."""
-        if not self.traced_internal:
-            self.traced_internal = True
-            log.exception("bad frame from %s raised %s; answering INTERNAL", self.peer, type(exc).__name__)
-        else:
-            log.debug("bad frame from %s raised %s; answering INTERNAL", self.peer, type(exc).__name__, exc_info=True)
-        self._count(wire.ErrorCode.INTERNAL)
-
-    def _count(self, code: wire.ErrorCode) -> None:
-        self.counts[code.name] += 1
-        if time.monotonic() - self.since >= self.interval_s:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.counts:
-            total = sum(self.counts.values())
-            log.info("%d bad frame(s) from %s in %.0f s: %s", total, self.peer, time.monotonic() - self.since,
-                     ", ".join(f"{code} {n}" for code, n in self.counts.most_common()), extra={"bad_frames": total})
-            self.counts.clear()
-        self.since = time.monotonic()
-
-
 class VerifierServer:
     def __init__(self, settings: Settings, middle: MiddleSubmodel | None, context_length: int, hidden_size: int,
                  stages: list[StageSpec] | None = None, token_model: TokenModel | None = None):
