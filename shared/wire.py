@@ -1,4 +1,4 @@
-"""The one schema for every device <-> cloud WebSocket message (wire version 1).
+"""The one schema for every device <-> cloud WebSocket message (wire version 2).
 
 Why a hand-written schema: frames are untrusted input on the cloud side and the
 hot path on the device side, so every frame is a small msgpack map (no JSON, no
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 if sys.byteorder != "little":  # the wire is little-endian; we never byte-swap
     raise ImportError("shared.wire assumes a little-endian host")
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: OpenSession carries split_layers and the checkpoint fingerprint
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_OVERHEAD_BYTES = 128  # generous bound on non-tensor bytes of a hidden-state frame
 _U64_MAX = 2**64 - 1

@@ -71,7 +71,7 @@ async def test_a_negative_session_id_gets_an_error_not_a_closed_connection(tiny_
         async with connect(url) as ws:
             opened = await _roundtrip(ws, wire.OpenSession(5, checkpoint.hidden_size, **split_identity(checkpoint, M)))
             assert isinstance(opened, wire.SessionOpened)
-            for bad in ({"v": 1, "t": 3, "s": -1}, {"v": 1, "t": 0x20, "s": 5, "q": -3}):
+            for bad in ({"v": wire.WIRE_VERSION, "t": 3, "s": -1}, {"v": wire.WIRE_VERSION, "t": 0x20, "s": 5, "q": -3}):
                 await ws.send(msgpack.packb(bad))
                 reply = wire.decode(await asyncio.wait_for(ws.recv(), 10))
                 assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.MALFORMED

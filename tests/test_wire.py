@@ -189,9 +189,9 @@ def test_default_limit_is_16_mib():
 @pytest.mark.parametrize("frame", [
     b"", b"\xc1", b"{\"v\": 1}", encode(ALL_MESSAGES[9])[:-1], encode(ALL_MESSAGES[9])[:7],
     encode(ALL_MESSAGES[2]) + b"\x00", _pack([1, 2]), _pack(5), _pack({1: 2}),
-    _pack({"v": 1, "t": 2, "s": 1, "x": [None] * 100_000}),
-    _pack({"v": 1, "t": 2, "s": "a" * 5000}),
-    _pack({"v": 1, "t": 2, "s": msgpack.ExtType(1, b"x")}),
+    _pack({"v": WIRE_VERSION, "t": 2, "s": 1, "x": [None] * 100_000}),
+    _pack({"v": WIRE_VERSION, "t": 2, "s": "a" * 5000}),
+    _pack({"v": WIRE_VERSION, "t": 2, "s": msgpack.ExtType(1, b"x")}),
 ], ids=["empty", "reserved-byte", "json", "truncated-tail", "truncated-head", "trailing",
         "array", "int", "int-key", "huge-array", "huge-str", "ext"])
 def test_not_a_msgpack_map_is_malformed(frame):
@@ -203,7 +203,7 @@ def test_text_frame_is_malformed():
 
 
 @pytest.mark.parametrize("version,code", [
-    (2, ErrorCode.BAD_VERSION), (0, ErrorCode.BAD_VERSION), ("1", ErrorCode.BAD_VERSION),
+    (1, ErrorCode.BAD_VERSION), (3, ErrorCode.BAD_VERSION), (0, ErrorCode.BAD_VERSION), ("2", ErrorCode.BAD_VERSION),
     (True, ErrorCode.BAD_VERSION), (None, ErrorCode.MALFORMED),
 ])
 def test_version(version, code):
@@ -213,7 +213,7 @@ def test_version(version, code):
     else:
         m["v"] = version
     _err(_pack(m), code)
-    assert WIRE_VERSION == 1
+    assert WIRE_VERSION == 2
 
 
 def test_type_field():
@@ -305,7 +305,7 @@ def test_wrong_hidden_size_is_bad_shape():
 
 
 def test_unknown_type_still_addressed_when_s_and_q_present():
-    err = _err(_pack({"v": 1, "t": 0x5D, "s": 11, "q": 12}), ErrorCode.UNKNOWN_TYPE)
+    err = _err(_pack({"v": WIRE_VERSION, "t": 0x5D, "s": 11, "q": 12}), ErrorCode.UNKNOWN_TYPE)
     assert (err.session_id, err.seq_no) == (11, 12)
     assert err.to_frame() == ErrorFrame(ErrorCode.UNKNOWN_TYPE, err.message, 11, 12)
 
@@ -319,7 +319,7 @@ def test_errors_about_invalid_ids_are_answered_unaddressed(sid, seq):
     frame = WireError(ErrorCode.MALFORMED, "bad ids", sid, seq).to_frame()
     assert (frame.session_id, frame.seq_no) == (sid if valid(sid) else None, seq if valid(seq) else None)
     if type(sid) is int and -(2**63) <= sid < 0:  # msgpack carries it: the decoder must not copy it
-        err = _err(_pack({"v": 1, "t": 0x03, "s": sid}), ErrorCode.MALFORMED)
+        err = _err(_pack({"v": WIRE_VERSION, "t": 0x03, "s": sid}), ErrorCode.MALFORMED)
         assert err.session_id is None and decode(encode(err.to_frame())).session_id is None
 
 
