@@ -145,43 +145,64 @@ def test_demo_model_greedy_hat_equals_full_with_trained_adapter(demo_checkpoint)
     assert result.mean_accept_length > 1.0  # the trained adapter drafts something useful
 
 
-def exact_second_token_marginal(checkpoint, ids, params) -> np.ndarray:
-    """P(second generated token) = sum_t1 p(t1 | ids) p(t2 | ids, t1), computed exactly."""
+def exact_marginals(checkpoint, ids, params, positions: int) -> list[np.ndarray]:
+    """P(i-th generated token) for i < positions, summed exactly over every prefix the target can make."""
     from shared.specdec.sampling import logits_to_probs
 
+    prefixes, weights, marginals = [list(ids)], torch.ones(1, dtype=torch.float64), []
     with torch.inference_mode():
-        first = logits_to_probs(checkpoint.model(input_ids=torch.tensor([ids])).logits[0, -1], params)
-        support = first.nonzero().flatten()
-        batch = torch.tensor([ids + [int(t)] for t in support])
-        second = logits_to_probs(checkpoint.model(input_ids=batch).logits[:, -1], params)
-    return (first[support, None] * second).sum(0).double().numpy()
+        for _ in range(positions):
+            logits = torch.cat([checkpoint.model(input_ids=torch.tensor(prefixes[i:i + 512])).logits[:, -1]
+                                for i in range(0, len(prefixes), 512)])  # [prefixes, V]
+            probs = logits_to_probs(logits, params).double()  # [prefixes, V]
+            joint = weights[:, None] * probs  # P(prefix, next token)
+            marginals.append(joint.sum(0).numpy())
+            rows, tokens = joint.nonzero(as_tuple=True)
+            prefixes = [prefixes[r] + [t] for r, t in zip(rows.tolist(), tokens.tolist())]
+            weights = joint[rows, tokens]
+    return marginals
+
+
+def assert_matches(counts: np.ndarray, probs: np.ndarray) -> None:
+    expected = probs * counts.sum()
+    assert counts[expected == 0].sum() == 0, "emitted a token the target gives probability 0"
+    big, rare = expected >= 5, (expected > 0) & (expected < 5)  # pool rare categories for chi-square
+    observed, expected_pooled = counts[big], expected[big]
+    if rare.any():
+        observed, expected_pooled = np.append(observed, counts[rare].sum()), np.append(expected_pooled, expected[rare].sum())
+    assert chisquare(observed, expected_pooled * observed.sum() / expected_pooled.sum()).pvalue > 1e-4
 
 
 def test_sampled_hat_has_the_target_distribution(tiny_llama_dir):
+    """Sampled output has the target's distribution, including the tokens that rounds drafted by a
+    reused pre-drafted branch decide. With one draft token per round, a branch is adopted when d_1 was
+    rejected and the correction (token 1) was a pre-drafted candidate: the branch's draft is then
+    verified for token 2, so token 2's marginal is checked, in a run where that happened often."""
     from shared.model.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
     ids = [7, 1, 4]
-    params = SamplingParams(temperature=1.5, top_p=0.9)
-    # m = 4 of 5 layers: the draft is close to the target, so both branches of the rule run.
-    adapter = DraftAdapter(checkpoint, 4)
-    device = DeviceModel.from_checkpoint(checkpoint, 4, adapter)
-    device.eos_token_id = None  # the exact marginal below does not stop at EOS
-    cloud = LocalCloud(MiddleSubmodel(checkpoint, 4))
-    runs, counts, accepted = 1500, np.zeros(checkpoint.vocab_size), 0
+    # A small nucleus keeps the exact marginals of three tokens cheap to sum.
+    params = SamplingParams(temperature=0.5, top_p=0.3)
+    # m = 3 of 5 layers: the draft is rejected often enough (both branches of the rule run) and the
+    # correction is often one of the 16 pre-drafted candidates.
+    adapter = DraftAdapter(checkpoint, 3)
+    device = DeviceModel.from_checkpoint(checkpoint, 3, adapter)
+    device.eos_token_id = None  # the exact marginals below do not stop at EOS
+    cloud = LocalCloud(MiddleSubmodel(checkpoint, 3))
+    runs, accepted, reused = 1000, 0, 0
+    counts = np.zeros((3, checkpoint.vocab_size))
     for seed in range(runs):
-        session = DeviceSession(device, ids, SamplingParams(1.5, 0.9, seed), DraftConfig(eta=0.0, max_draft=1), 3)
-        # Parallel drafting on: a reused branch must not bias the distribution either.
-        result = asyncio.run(generate(session, cloud, session_id=seed + 1, parallel_candidates=2, parallel_steps=1))
-        counts[result.token_ids[1]] += 1
+        session = DeviceSession(device, ids, SamplingParams(0.5, 0.3, seed), DraftConfig(eta=0.0, max_draft=1), 4)
+        result = asyncio.run(generate(session, cloud, session_id=seed + 1, parallel_candidates=16, parallel_steps=1))
+        for position in range(3):
+            counts[position, result.token_ids[position]] += 1
         accepted += result.accept_lengths[0] == 2  # d_1 accepted, plus the bonus token
-    expected = exact_second_token_marginal(checkpoint, ids, params) * runs
-    assert counts[expected == 0].sum() == 0, "emitted a token the target gives probability 0"
-    big = expected >= 5  # pool rare categories so the chi-square approximation holds
-    observed = np.append(counts[big], counts[~big].sum())
-    expected_pooled = np.append(expected[big], expected[~big].sum())
-    assert chisquare(observed, expected_pooled * observed.sum() / expected_pooled.sum()).pvalue > 1e-4
+        reused += session.reused_branches  # at most one: only round 1's branches can be adopted here
+    for position, probs in enumerate(exact_marginals(checkpoint, ids, params, 3)):
+        assert_matches(counts[position], probs)
     assert 0 < accepted < runs, accepted  # the draft is accepted sometimes, rejected sometimes
+    assert reused >= runs // 5, reused  # token 2 came from a reused branch's draft in many runs
 
 
 def test_bad_requests_are_typed_errors(tiny_checkpoint):
@@ -282,3 +303,12 @@ def test_seeded_sampling_is_the_same_text_whatever_the_cloud_latency(demo_checkp
     assert slow_reused > 0  # pre-drafted branches were adopted: the case that used to diverge
     assert fast == slow
     assert off == slow
+
+
+def test_unseeded_sessions_do_not_repeat(tiny_checkpoint):
+    """A fresh torch.Generator has a fixed seed: without a seed of its own every session sampled the same text."""
+    device = DeviceModel.from_checkpoint(tiny_checkpoint, 2, None)
+    seeds = {DeviceSession(device, [1, 2], SamplingParams(temperature=1.0)).generator.initial_seed() for _ in range(3)}
+    assert len(seeds) == 3
+    seeded = DeviceSession(device, [1, 2], SamplingParams(temperature=1.0, seed=5)).generator.initial_seed()
+    assert seeded == 5
