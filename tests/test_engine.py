@@ -312,3 +312,37 @@ def test_unseeded_sessions_do_not_repeat(tiny_checkpoint):
     assert len(seeds) == 3
     seeded = DeviceSession(device, [1, 2], SamplingParams(temperature=1.0, seed=5)).generator.initial_seed()
     assert seeded == 5
+
+
+def test_a_request_cancelled_while_its_session_opens_frees_both_sides(tiny_llama_dir):
+    """The client can go away while OpenSession is in flight: the cloud session that the open created and the
+    device's own KV must both be freed, not left for the verifier's idle TTL."""
+    from shared.model.checkpoint import load_checkpoint
+    from shared.specdec.engine import run_session
+
+    checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
+    device = DeviceModel.from_checkpoint(checkpoint, 2, None)
+    session = DeviceSession(device, [1, 2, 3, 4], SamplingParams(), DraftConfig(), 8)
+
+    class SlowToAnswerCloud(LocalCloud):
+        async def open(self, session_id):
+            await super().open(session_id)  # the verifier has the session; its answer is still on the way
+            await asyncio.sleep(30)
+
+    cloud = SlowToAnswerCloud(MiddleSubmodel(checkpoint, 2))
+
+    async def consume():
+        async for _ in run_session(session, cloud, 7, [4]):
+            pass
+
+    async def main():
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.1)
+        assert 7 in cloud.caches
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert cloud.caches == {}
+    assert session.input_cache.is_freed

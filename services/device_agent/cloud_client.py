@@ -290,8 +290,8 @@ async def token_decode(cloud: WebSocketCloud, session_id: int, prompt_ids: Seque
     The device only tokenizes and detokenizes; it stops at EOS or `max_new_tokens`,
     which the cloud does not need to know. The session is closed on the way out.
     """
-    await cloud.open_token_session(session_id, params)
     try:
+        await cloud.open_token_session(session_id, params)  # inside: a cancelled open still closes
         token = await cloud.token_prefill(session_id, prompt_ids)
         generated = 1
         yield [token]

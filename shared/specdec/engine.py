@@ -109,9 +109,11 @@ async def run_session(
     top candidate while a verification is in flight (HAT §3.5, parallel drafting); a callable
     `parallel_steps(rows)` is asked every round with the rows that round sends (k + 1: eq. 6's μ_i).
     """
-    await cloud.open(session_id)
     clock = time.perf_counter
     try:
+        # Inside the try: a request cancelled while OpenSession is in flight still closes the cloud's
+        # session (the frame may already have opened it) and frees the device's KV.
+        await cloud.open(session_id)
         answers = []
         for index, size in enumerate(chunk_sizes):
             chunk_start = clock()
