@@ -106,8 +106,10 @@ def bench_decoding(mesh: Mesh, prompts: list[str], max_new: int) -> None:
 
 def bench_chunk_sizes(mesh: Mesh, long: list[str], short: list[str], max_new: int) -> None:
     print(f"\n3. one device prefills a long prompt while {mesh.config.num_devices - 1} others decode:")
-    planned = httpx.get(f"{mesh.config.planner_url}/chunk-size",
-                        params={"device_id": "device-0", "prompt_tokens": 1024}, timeout=5).json()
+    info = httpx.get(f"{mesh.config.device_url(0)}/info", timeout=5).json()
+    planned = httpx.get(f"{mesh.config.planner_url}/chunk-size", timeout=5,
+                        params={"device_id": "device-0", "prompt_tokens": 1024,
+                                "bytes_per_token": info["bytes_per_token"]}).json()
     print(f"   planner's answer for device-0, 1024-token prompt: {planned}")
     for label, switches in (("eq. 3 (planner)", {}), ("fixed 128", {"chunk_size": 128}), ("fixed 256", {"chunk_size": 256})):
         prefill, decode = [], []

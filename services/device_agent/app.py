@@ -119,9 +119,9 @@ class DeviceAgent:
         self.active = 0
         self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
+        self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
         self.plans = PlanCache(
-            self.http, settings.chunk_planner_url, settings.device_id,
-            bytes_per_token=wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype)),
+            self.http, settings.chunk_planner_url, settings.device_id, bytes_per_token=self.bytes_per_token,
             max_prompt_tokens=self.model.context_length, max_rows=settings.max_draft + 1,
             default_chunk_size=settings.default_chunk_size, default_steps=DEFAULT_PARALLEL_STEPS,
             refresh_s=settings.plan_refresh_s, timeout_s=settings.planner_timeout_s,
@@ -327,7 +327,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         agent = state["agent"]
         return {"device_id": settings.device_id, "model": agent.checkpoint.path.name,
                 "active_sessions": agent.active, "max_sessions": settings.max_sessions,
-                "speculative": settings.speculative, "split_layers": settings.split_layers, "mode": settings.mode}
+                "speculative": settings.speculative, "split_layers": settings.split_layers, "mode": settings.mode,
+                "bytes_per_token": agent.bytes_per_token}
 
     @app.post("/generate")
     async def generate(request: GenerateRequest):
