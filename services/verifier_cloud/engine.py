@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +69,17 @@ def deliver(scheduler: Scheduler, batch: SchedulerOutput, results: Sequence[Item
             log.exception("session %d: reply to seq %d failed", item.session_id, item.seq_no)
 
 
+async def run_steps(scheduler: Scheduler, step: Callable[[], Awaitable[None]], what: str) -> None:
+    """An engine's loop: a step whenever work is ready, until cancelled, whatever a step does."""
+    while True:
+        await scheduler.work_ready.wait()
+        try:
+            await step()
+        except Exception:  # noqa: BLE001 - the loop is the verifier's heartbeat: log and go on
+            log.exception("%s step failed; the engine goes on", what)
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+
 class InProcessEngine:
     """P = 1: one packed forward pass at a time, in a worker thread of this process."""
 
@@ -106,13 +117,7 @@ class InProcessEngine:
 
     async def run(self) -> None:
         """The engine task: runs until cancelled, whatever a step does."""
-        while True:
-            await self.scheduler.work_ready.wait()
-            try:
-                await self.step()
-            except Exception:  # noqa: BLE001 - the loop is the verifier's heartbeat: log and go on
-                log.exception("engine step failed; the engine goes on")
-                await asyncio.sleep(RETRY_PAUSE_S)
+        await run_steps(self.scheduler, self.step, "engine")
 
 
 class PipelineEngine:
@@ -146,13 +151,7 @@ class PipelineEngine:
             self._answer(batch, internal_error(exc, "verifier pipeline"))
 
     async def run(self) -> None:
-        while True:
-            await self.scheduler.work_ready.wait()
-            try:
-                await self.step()
-            except Exception:  # noqa: BLE001 - the loop is the verifier's heartbeat: log and go on
-                log.exception("pipeline engine step failed; the engine goes on")
-                await asyncio.sleep(RETRY_PAUSE_S)
+        await run_steps(self.scheduler, self.step, "pipeline engine")
 
     async def supervise(self, on_lost: Callable[[str], None]) -> None:
         """The pipeline's collector, and its restart whenever the workers fail, until the pipeline stops.
