@@ -294,11 +294,14 @@ class TelemetryClient:
         return True
 
     def emit_verifier_step(self, batched_tokens: int, compute_s: float, num_sessions: int,
-                           step_kinds: Mapping[str, int] | None = None, overhead_s: float | None = None) -> None:
+                           step_kinds: Mapping[str, int] | None = None, overhead_s: float | None = None,
+                           pipeline_stages: int | None = None) -> None:
         record = {"kind": "verifier_step", "batched_tokens": batched_tokens, "compute_s": compute_s,
                   "num_sessions": num_sessions, "step_kinds": dict(step_kinds or {}), "ts": time.time()}
         if overhead_s is not None:
             record["overhead_s"] = overhead_s
+        if pipeline_stages is not None:  # P for the chunk planner's eq. 3 / eq. 6
+            record["pipeline_stages"] = pipeline_stages
         self.emit(record)
 
     def emit_device_draft(self, device_id: str, step_s: float, steps: int = 1, *,

@@ -280,3 +280,23 @@ async def test_draft_steps_for_every_draft_length_from_one_snapshot() -> None:
                 for n in range(10)]
     assert got["steps_by_draft_len"] == singles and got["steps"] == singles[9]
     assert singles[1] < singles[9]  # the window grows with the rows moved: eq. 6 depends on k
+
+
+async def test_stages_come_from_the_verifiers_telemetry_when_the_caller_does_not_say() -> None:
+    """P is the verifier's: its steps report how many pipeline stages it runs, and the planner uses that over
+    its own setting (a caller's explicit `stages` still wins)."""
+    async with monitor() as (mon, transport):
+        await post(mon, [{**r, "pipeline_stages": 4} for r in steps_records(STEPS)] + JETSON)
+        async with running(planner_settings(pipeline_stages=1), transport) as client:
+            async def ask(path: str, **params: Any) -> dict[str, Any]:
+                return (await client.get(path, params={"device_id": "jetson-1", "bytes_per_token": 512,
+                                                       **params})).json()
+
+            reported = await ask("/chunk-size", prompt_tokens=5000)
+            assert reported["stages"] == 4 and reported["source"] == "eq3"
+            assert reported["chunk_size"] == (await ask("/chunk-size", prompt_tokens=5000, stages=4))["chunk_size"]
+            assert (await ask("/chunk-size", prompt_tokens=5000, stages=2))["stages"] == 2
+            assert (await ask("/parallel-draft-steps", draft_len=9))["stages"] == 4
+        for bad in (0, "x", 2000):
+            resp = await mon.post("/telemetry", json=[{**steps_records(STEPS)[0], "pipeline_stages": bad}])
+            assert resp.status_code in (400, 422), bad

@@ -1,8 +1,9 @@
 """Chunk planner: prefill chunk sizes (HAT §3.3, eq. 3) and parallel-draft steps (§3.5, eq. 6).
 
 A (hidden-state bytes per token) is the caller's: a device passes `bytes_per_token`
-(its hidden size x its wire dtype's bytes); P is the caller's `stages` or this service's
-`pipeline_stages` (the launcher sets it to the verifier's). Every answer echoes the A and P
+(its hidden size x its wire dtype's bytes); P is the caller's `stages`, else what the verifier
+reports with its steps (`last.pipeline_stages` of the monitor's /state/cloud), else this
+service's `pipeline_stages` (the launcher sets it to the verifier's). Every answer echoes the A and P
 it used. Without A from the caller or `hidden_size` in the settings, the answer is the default
 with `source: default:no-bytes-per-token`: the planner never solves eq. 3 for a guessed model.
 
@@ -138,10 +139,17 @@ class MonitorClient:
         return body
 
 
+def reported_stages(telemetry: Telemetry) -> int | None:
+    """P as the verifier reports it with its steps (None: no report yet, or no monitor)."""
+    stages = ((telemetry.cloud or {}).get("last") or {}).get("pipeline_stages")
+    return stages if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1 else None
+
+
 def planner_inputs(settings: Settings, bytes_per_token: int | None = None, stages: int | None = None
                    ) -> PlannerInputs:
-    """The static half of eq. 3 / eq. 6 (A, P, bounds, defaults): A and P from the caller when given,
-    else from settings (A only where `hidden_size` is configured; None = unknown)."""
+    """The static half of eq. 3 / eq. 6 (A, P, bounds, defaults): A and P from the caller when given (P also
+    from the verifier's telemetry, `reported_stages`), else from settings (A only where `hidden_size` is
+    configured; None = unknown)."""
     if bytes_per_token is None and settings.hidden_size > 0:
         bytes_per_token = hidden_bytes_per_token(settings.hidden_size, settings.wire_dtype_bytes)
     return PlannerInputs(
@@ -212,8 +220,9 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
     @app.get("/chunk-size")
     async def chunk_size(device_id: DeviceId, prompt_tokens: Annotated[int, Query(ge=1, le=10_000_000)],
                          bytes_per_token: BytesPerToken = None, stages: Stages = None) -> dict[str, Any]:
-        inputs = planner_inputs(settings, bytes_per_token, stages)
-        plan = plan_chunk_size(settings, device_id, prompt_tokens, await telemetry(device_id), inputs)
+        state = await telemetry(device_id)
+        inputs = planner_inputs(settings, bytes_per_token, stages or reported_stages(state))
+        plan = plan_chunk_size(settings, device_id, prompt_tokens, state, inputs)
         return {"chunk_size": plan.chunk_size, "source": plan.source,
                 "bytes_per_token": inputs.bytes_per_token, "stages": inputs.stages}
 
@@ -223,8 +232,8 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
                                    all_lengths: bool = False) -> dict[str, Any]:
         """λ for `draft_len` rows; with `all_lengths`, also λ for 0..draft_len rows from the same telemetry
         (`steps_by_draft_len`), so a device can plan each round from one answer."""
-        inputs = planner_inputs(settings, bytes_per_token, stages)
         state = await telemetry(device_id)
+        inputs = planner_inputs(settings, bytes_per_token, stages or reported_stages(state))
         plan = plan_parallel_draft_steps(settings, device_id, draft_len, state, inputs)
         answer: dict[str, Any] = {"steps": plan.steps, "source": plan.source,
                                   "bytes_per_token": inputs.bytes_per_token, "stages": inputs.stages}

@@ -44,6 +44,7 @@ class VerifierStep(_Record):
     num_sessions: int = Field(default=0, ge=0)
     step_kinds: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     overhead_s: Seconds | None = Field(default=None, description="step wall time beyond compute_s")
+    pipeline_stages: int | None = Field(default=None, ge=1, le=1024, description="P: the verifier's stages")
 
 
 class DeviceDraft(_Record):
@@ -136,7 +137,8 @@ class Monitor:
         raw = {**rec.model_dump(), "ts": rec.ts if rec.ts is not None else now}
         if isinstance(rec, VerifierStep):
             self.cloud.observe_step(rec.batched_tokens, rec.compute_s, now, overhead_s=rec.overhead_s,
-                                    num_sessions=rec.num_sessions, step_kinds=rec.step_kinds)
+                                    num_sessions=rec.num_sessions, step_kinds=rec.step_kinds,
+                                    **({"pipeline_stages": rec.pipeline_stages} if rec.pipeline_stages else {}))
             return await self._write(events=[(tk.VERIFIER_STEPS, raw)], states=[(tk.VERIFIER_STATE, self._cloud_hash(), None)])
         if isinstance(rec, RequestDone):
             summary = {**raw, "mean_tbt_s": _mean(rec.token_times_s), "mean_accept_len": _mean(rec.accept_lengths)}

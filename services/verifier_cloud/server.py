@@ -322,7 +322,8 @@ class VerifierServer:
         kinds = {"prefill": stats.num_prefill, "verify": stats.num_verify}
         if stats.num_token:
             kinds["token"] = stats.num_token  # of the prefill + verify items, those in token mode
-        self.telemetry.emit_verifier_step(stats.batched_tokens, stats.compute_s, stats.num_sessions, kinds, overhead_s)
+        self.telemetry.emit_verifier_step(stats.batched_tokens, stats.compute_s, stats.num_sessions, kinds, overhead_s,
+                                          pipeline_stages=self.settings.pipeline_stages)
         log.debug("step %d: %d tokens, %d sessions, %.1f ms", self.steps, stats.batched_tokens, stats.num_sessions,
                   stats.compute_s * 1e3)
 
