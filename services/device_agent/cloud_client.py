@@ -95,7 +95,7 @@ class WebSocketCloud:
                 return self._connection
             try:
                 self._connection = await connect(
-                    self.url, open_timeout=self.connect_timeout_s, max_size=4 * self.max_frame_bytes,
+                    self.url, open_timeout=self.connect_timeout_s, max_size=self.max_frame_bytes,
                     compression=None, ping_interval=20, ping_timeout=20,
                 )
             except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
@@ -132,7 +132,7 @@ class WebSocketCloud:
     async def _deliver_frame(self, frame: bytes) -> None:
         received = time.perf_counter()
         try:
-            message = wire.decode(frame, max_frame_bytes=4 * self.max_frame_bytes)
+            message = wire.decode(frame, max_frame_bytes=self.max_frame_bytes)
         except wire.WireError as exc:
             log.warning("undecodable frame from the verifier: %s", exc)
             return
