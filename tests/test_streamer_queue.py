@@ -152,3 +152,24 @@ async def test_loadgen_records_the_streamers_queue_wait() -> None:
     assert all(r.ok for r in run.records) and waits[0] >= 0 and waits[-1] > 0
     results = build_results(run.records)
     assert results["p99_server_queue_wait_ms"] == pytest.approx(1e3 * float(np.percentile(waits, 99)))
+
+
+async def test_queued_websocket_chat_whose_client_leaves_is_dropped() -> None:
+    """The WebSocket chat too: a client that closes its socket while its request waits for a slot leaves the
+    queue at once, not when a slot would have come to it."""
+    import websockets
+
+    dev = FakeDevice("dev-a", round_delay_s=0.05, max_sessions=1)
+    async with mesh(dev) as url, httpx.AsyncClient(timeout=30) as http:
+        running = asyncio.create_task(post(http, url, "first", max_tokens=100))
+        async with asyncio.timeout(5):
+            while not dev.active:
+                await asyncio.sleep(0.01)
+        async with websockets.connect(url.replace("http", "ws") + "/v1/chat/ws", open_timeout=5) as ws:
+            await ws.send(json.dumps({"messages": [{"role": "user", "content": "leaves"}], "max_tokens": 4}))
+            await wait_for_queue(http, url, 1)
+        await wait_for_queue(http, url, 0)
+        assert dev.active == 1  # the first request still holds the only slot
+        assert (await http.get(f"{url}/stats")).json()["queue"]["abandoned"] == 1
+        assert (await running).status_code == 200
+    assert dev.admitted == ["first"]  # the chat never got a slot

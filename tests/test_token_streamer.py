@@ -361,6 +361,20 @@ async def test_websocket_chat_keeps_socket_open() -> None:
             assert json.loads(await asyncio.wait_for(ws.recv(), 5)) == {"type": "token", "text": expected_text(1)}
 
 
+async def test_websocket_chat_answers_requests_sent_while_one_is_streaming_in_order() -> None:
+    """The socket is watched for a disconnect while a request streams; what else the client sends meanwhile
+    is kept and answered next, in order."""
+    async with mesh(FakeDevice("dev-a", round_delay_s=0.02)) as url:
+        async with websockets.connect(url.replace("http", "ws") + "/v1/chat/ws", open_timeout=5) as ws:
+            for max_tokens in (6, 3, 4):
+                await ws.send(json.dumps({"messages": CHAT, "max_tokens": max_tokens}))
+            for max_tokens in (6, 3, 4):
+                texts: list[str] = []
+                while (msg := json.loads(await asyncio.wait_for(ws.recv(), 5)))["type"] == "token":
+                    texts.append(msg["text"])
+                assert msg["type"] == "done" and "".join(texts) == expected_text(max_tokens)
+
+
 async def test_request_telemetry_reaches_state_monitor_schema() -> None:
     received: list[dict[str, Any]] = []
     monitor = FastAPI()

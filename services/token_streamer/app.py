@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.token_streamer import openai_format as of
 from services.token_streamer.admission import Admission
-from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone
+from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone, unless_gone
 from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
 from services.token_streamer.settings import Settings, load_settings
 from shared import latency_stats
@@ -331,39 +332,46 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             except (TimeoutError, RuntimeError, OSError) as exc:  # already closed or peer gone
                 log.debug("closing chat websocket: %s", exc)
 
+        async def answer(raw: str) -> None:
+            try:
+                req = of.ChatRequest.model_validate_json(raw)
+                run, _ = await start(req, of.render_chat_prompt(req.messages), req.requested_tokens, chat=True)
+            except ValidationError as exc:
+                detail, param = of.validation_error(exc.errors())
+                await send_error(400, detail, "invalid_request", param)
+                return
+            except BadRequest as exc:
+                await send_error(400, exc.message, "invalid_request", exc.param)
+                return
+            except DeviceError as exc:
+                await send_error(exc.status, exc.message, exc.code)
+                return
+            try:
+                async for text in run.deltas():
+                    await send({"type": "token", "text": text})
+                await send({"type": "done", "finish_reason": run.finish_reason, "usage": run.usage(),
+                            "stats": run.tophat()})
+            except DeviceError as exc:
+                await send_error(exc.status, exc.message, exc.code)
+            finally:
+                await run.close()
+
+        pending: deque[dict[str, Any]] = deque()  # what the client sent while a request was being answered
         try:
             while True:
                 try:
                     async with asyncio.timeout(s.ws_idle_timeout_s):
-                        message = await ws.receive()
+                        message = pending.popleft() if pending else await ws.receive()
                 except TimeoutError:
                     await close(1000, "idle")
                     return
                 if message["type"] == "websocket.disconnect":
                     return
                 raw = message.get("text") or (message.get("bytes") or b"").decode("utf-8", "replace")
-                try:
-                    req = of.ChatRequest.model_validate_json(raw)
-                    run, _ = await start(req, of.render_chat_prompt(req.messages), req.requested_tokens, chat=True)
-                except ValidationError as exc:
-                    detail, param = of.validation_error(exc.errors())
-                    await send_error(400, detail, "invalid_request", param)
-                    continue
-                except BadRequest as exc:
-                    await send_error(400, exc.message, "invalid_request", exc.param)
-                    continue
-                except DeviceError as exc:
-                    await send_error(exc.status, exc.message, exc.code)
-                    continue
-                try:
-                    async for text in run.deltas():
-                        await send({"type": "token", "text": text})
-                    await send({"type": "done", "finish_reason": run.finish_reason, "usage": run.usage(),
-                                "stats": run.tophat()})
-                except DeviceError as exc:
-                    await send_error(exc.status, exc.message, exc.code)
-                finally:
-                    await run.close()
+                # A client that leaves while its request is queued or streaming cancels it (and frees its slot).
+                if not await unless_gone(answer(raw), ws.receive, pending):
+                    log.debug("chat websocket client went away mid-request; request cancelled")
+                    return
         except WebSocketDisconnect:
             log.debug("chat websocket closed by the client")
         except TimeoutError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,32 @@ async def client_gone(receive: Receive) -> None:
     so the receive channel has nothing else to deliver (ASGI servers block until then)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_gone(work: Awaitable[None], receive: Callable[[], Awaitable[dict[str, Any]]],
+                      pending: deque[dict[str, Any]]) -> bool:
+    """Run `work` while watching a WebSocket's receive channel; False (and `work` cancelled) when the client
+    disconnects first. Messages that arrive meanwhile are kept in `pending`, in order, for after `work`."""
+    async def gone() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            pending.append(message)
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(gone())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when the caller is cancelled: neither task outlives this call
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(watcher, task, return_exceptions=True)
+    if task in done:
+        task.result()  # re-raise what `work` raised
+        return True
+    return False  # the client went away (or its channel failed): `work` was cancelled
 
 
 class OwnedStreamingResponse(StreamingResponse):
