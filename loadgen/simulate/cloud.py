@@ -1,6 +1,6 @@
 """The verifier cloud: continuous batching over P pipeline stages, as the real scheduler does.
 
-Mirrors services/verifier_cloud/scheduler.py + server.py so simulated and real batches
+Mirrors services/verifier_cloud/scheduler.py (the policy) + engine.py (the loops) so simulated and real batches
 form the same way:
 
 * each session has a FIFO of work items (prefill chunks, verify steps); a batch takes the
