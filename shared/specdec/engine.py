@@ -110,6 +110,15 @@ async def run_session(
     `parallel_steps(rows)` is asked every round with the rows that round sends (k + 1: eq. 6's μ_i).
     """
     clock = time.perf_counter
+    in_step: list[asyncio.Future] = []  # the offloaded device step running now (or last), if any
+
+    async def offload_step(fn, *args):
+        # Shielded: a cancelled request stops waiting at once, but the step (a worker thread that cannot be
+        # interrupted) keeps its handle, so the release below frees the device KV only after it is done.
+        step = asyncio.ensure_future(offload(fn, *args))
+        in_step[:] = [step]
+        return await asyncio.shield(step)
+
     try:
         # Inside the try: a request cancelled while OpenSession is in flight still closes the cloud's
         # session (the frame may already have opened it) and frees the device's KV.
@@ -117,7 +126,7 @@ async def run_session(
         answers = []
         for index, size in enumerate(chunk_sizes):
             chunk_start = clock()
-            start, shallow = await offload(session.prefill_chunk, size)
+            start, shallow = await offload_step(session.prefill_chunk, size)
             answer = await cloud.send_prefill(session_id, start, shallow, index == len(chunk_sizes) - 1)
             session.prefill_seconds.append((clock() - chunk_start, size))
             if overlap_prefill:
@@ -128,12 +137,12 @@ async def run_session(
         for answer in answers:
             deep_last = await answer
         answered_at = clock()
-        yield await offload(session.on_prefill_result, deep_last)
+        yield await offload_step(session.on_prefill_result, deep_last)
         # The round's own time beyond drafting and the cloud's answer: output head, accept /
         # rollback, thread hops, the consumer of this generator (the simulator's round_overhead_s).
         session.round_overhead_s.append(clock() - answered_at)
         while not session.is_finished:
-            draft = await offload(session.draft)
+            draft = await offload_step(session.draft)
             branches = []
             if parallel_candidates > 0 and draft.tokens:
                 # Pre-draft only while the verification is in flight: its answer stops the drafting.
@@ -143,7 +152,7 @@ async def run_session(
                 verifying.add_done_callback(lambda _: (answer_time.append(clock()), answered.set()))
                 steps = parallel_steps(len(draft.tokens) + 1) if callable(parallel_steps) else parallel_steps
                 try:
-                    branches = await offload(session.predraft, draft, parallel_candidates, steps, answered.is_set)
+                    branches = await offload_step(session.predraft, draft, parallel_candidates, steps, answered.is_set)
                 finally:
                     deep = await verifying
                 # The done callback runs via call_soon: when the answer came while the last
@@ -152,11 +161,32 @@ async def run_session(
             else:
                 deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
                 answered_at = clock()
-            yield await offload(session.on_verify_result, draft, deep, branches)
+            yield await offload_step(session.on_verify_result, draft, deep, branches)
             session.round_overhead_s.append(clock() - answered_at)
     finally:
-        await cloud.close(session_id)
+        release = asyncio.ensure_future(_release(cloud, session_id, session, in_step[0] if in_step else None))
+        try:
+            await asyncio.shield(release)
+        except asyncio.CancelledError:
+            # Cancelled again while releasing (a client that went away under a level-triggered cancel scope):
+            # the release finishes on its own, owned by _RELEASES until it is done.
+            _RELEASES.add(release)
+            release.add_done_callback(_RELEASES.discard)
+            raise
+
+
+# Releases that outlived their cancelled request: kept here so they are owned until they finish.
+_RELEASES: set[asyncio.Future] = set()
+
+
+async def _release(cloud: Cloud, session_id: int, session: DeviceSession, step: asyncio.Future | None) -> None:
+    """Free the device's KV once its last offloaded step is done with it, and close the cloud's session."""
+    try:
+        if step is not None and not step.done():
+            await asyncio.wait([step])  # a worker-thread step ends on its own; its KV is freed after it
+    finally:
         session.free()
+    await cloud.close(session_id)  # bounded: the cloud client times out its requests
 
 
 @dataclass
