@@ -238,3 +238,24 @@ async def test_a_fault_in_one_session_fails_its_item_alone_and_the_verifier_goes
             server.scheduler.schedule = fails_once
             deep = await _roundtrip(ws, wire.encode(wire.PrefillChunk(4, 2, 2, True, torch.randn(2, hidden))))
             assert isinstance(deep, wire.DeepHidden) and len(calls) >= 2
+
+
+async def test_an_open_that_fails_inside_the_runner_leaves_no_half_open_session(checkpoint, monkeypatch):
+    """Any fault while opening (not only a typed refusal) answers INTERNAL and leaves no session record behind
+    to count against the caps; the same id opens fine afterwards."""
+    async with running_verifier(checkpoint) as (server, url):
+        real_open = server.runner.open
+
+        def fails_once(session_id, sampling=None):
+            monkeypatch.setattr(server.runner, "open", real_open)
+            raise RuntimeError("allocation failed")
+
+        monkeypatch.setattr(server.runner, "open", fails_once)
+        async with connect(url) as ws:
+            opening = wire.OpenSession(5, checkpoint.hidden_size, **split_identity(checkpoint))
+            await ws.send(wire.encode(opening))
+            reply = wire.decode(await asyncio.wait_for(ws.recv(), 10))
+            assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.INTERNAL
+            assert 5 not in server.scheduler.sessions
+            await ws.send(wire.encode(opening))
+            assert wire.decode(await asyncio.wait_for(ws.recv(), 10)) == wire.SessionOpened(5)

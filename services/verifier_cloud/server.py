@@ -261,10 +261,12 @@ class VerifierServer:
                 self.runner.open(session.session_id, session.sampling)
             else:
                 self.pipeline.open_session(session.session_id)
-        except EngineError as exc:
-            if self.scheduler.sessions.get(session.session_id) is session:  # the runner refused it
+        except Exception as exc:  # noqa: BLE001 - whatever refused it, no half-open session stays behind
+            if self.scheduler.sessions.get(session.session_id) is session:  # the runner refused or failed it
                 self.scheduler.close(session.session_id)
-            raise to_wire(exc, session.session_id) from None
+            if isinstance(exc, EngineError):
+                raise to_wire(exc, session.session_id) from None
+            raise
         return wire.SessionOpened(session.session_id)
 
     def _close(self, session_id: int) -> None:
