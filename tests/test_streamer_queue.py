@@ -67,6 +67,7 @@ async def test_more_requests_than_slots_all_complete_first_come_first_served(lea
 
 async def test_full_queue_answers_429_with_retry_after() -> None:
     dev = FakeDevice("dev-a", round_delay_s=0.05, max_sessions=1)
+    dev.gate = asyncio.Event()  # "first" holds the only slot until the test lets it go
     async with mesh(dev, queue_max_waiting=2) as url, httpx.AsyncClient(timeout=30) as http:
         running = asyncio.create_task(post(http, url, "first", max_tokens=12))
         async with asyncio.timeout(5):
@@ -78,6 +79,7 @@ async def test_full_queue_answers_429_with_retry_after() -> None:
         assert refused.status_code == 429
         assert refused.json()["error"]["code"] == "queue_full"
         assert int(refused.headers["retry-after"]) >= 1
+        dev.gate.set()
         assert [r.status_code for r in await asyncio.gather(running, *queued)] == [200, 200, 200]
         assert (await http.get(f"{url}/stats")).json()["queue"]["rejected_full"] == 1
     assert "one too many" not in [r["prompt"] for r in dev.requests]
@@ -108,6 +110,7 @@ async def test_busy_devices_that_never_free_time_out_in_the_queue() -> None:
 
 async def test_queued_request_whose_client_leaves_is_dropped() -> None:
     dev = FakeDevice("dev-a", round_delay_s=0.05, max_sessions=1)
+    dev.gate = asyncio.Event()  # "first" holds the only slot until the test lets it go
     async with mesh(dev) as url, httpx.AsyncClient(timeout=30) as http:
         running = asyncio.create_task(post(http, url, "first", max_tokens=12))
         async with asyncio.timeout(5):
@@ -124,6 +127,7 @@ async def test_queued_request_whose_client_leaves_is_dropped() -> None:
         await writer.wait_closed()
         await wait_for_queue(http, url, 0)
         assert dev.active == 1  # it left before the slot freed: the queue let go of it at once
+        dev.gate.set()
         assert (await running).status_code == 200
         after: Any = await post(http, url, "next")
         assert after.status_code == 200
@@ -160,6 +164,7 @@ async def test_queued_websocket_chat_whose_client_leaves_is_dropped() -> None:
     import websockets
 
     dev = FakeDevice("dev-a", round_delay_s=0.05, max_sessions=1)
+    dev.gate = asyncio.Event()  # "first" holds the only slot until the test lets it go
     async with mesh(dev) as url, httpx.AsyncClient(timeout=30) as http:
         running = asyncio.create_task(post(http, url, "first", max_tokens=100))
         async with asyncio.timeout(5):
@@ -171,5 +176,6 @@ async def test_queued_websocket_chat_whose_client_leaves_is_dropped() -> None:
         await wait_for_queue(http, url, 0)
         assert dev.active == 1  # the first request still holds the only slot
         assert (await http.get(f"{url}/stats")).json()["queue"]["abandoned"] == 1
+        dev.gate.set()
         assert (await running).status_code == 200
     assert dev.admitted == ["first"]  # the chat never got a slot

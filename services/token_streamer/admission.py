@@ -20,6 +20,7 @@ from collections import deque
 from typing import Any
 
 from services.token_streamer.router import DeviceError, DeviceState, Router
+from shared import latency_stats
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class Admission:
             else:
                 waiter.cancel()
                 self._waiters.remove(waiter)
+                self.pump()  # the new head may be served now rather than at its next poll
 
     def _take(self) -> DeviceState | None:
         device = self.router.pick(free_only=True)
@@ -144,14 +146,8 @@ class Admission:
         return max(1, math.ceil(self._mean_hold_s * (len(self._waiters) + 1) / slots))
 
     def stats(self) -> dict[str, Any]:
-        waits = sorted(self.recent_waits_s)
+        waits = latency_stats.summary(self.recent_waits_s)  # the same percentiles loadgen reports
         return {"waiting": self.waiting, "max_waiting": self.max_waiting, "timeout_s": self.timeout_s,
                 "admitted": self.admitted, "queued": self.queued, "rejected_full": self.rejected_full,
                 "timed_out": self.timed_out, "abandoned": self.abandoned,
-                "wait_p50_s": _quantile(waits, 0.5), "wait_p99_s": _quantile(waits, 0.99)}
-
-
-def _quantile(sorted_xs: list[float], q: float) -> float | None:
-    if not sorted_xs:
-        return None
-    return sorted_xs[min(len(sorted_xs) - 1, math.ceil(q * len(sorted_xs)) - 1)]
+                "wait_p50_s": waits["median"], "wait_p99_s": waits["p99"]}

@@ -279,20 +279,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         work = asyncio.create_task(serve_request(req, prompt, max_tokens, chat), name="serve-request")
         gone = asyncio.create_task(client_gone(request.receive), name="watch-disconnect")
         try:
-            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
-        finally:
+            done, _ = await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            if work not in done and gone.exception() is not None:  # the watch broke, not the client: serve
+                log.debug("disconnect watch failed: %r", gone.exception())
+                done, _ = await asyncio.wait([work])
+        finally:  # also when this handler is cancelled: neither task outlives it
             gone.cancel()
             if not work.done():
                 work.cancel()
-            await asyncio.gather(gone, return_exceptions=True)
-        client_left = not gone.cancelled() and gone.exception() is None
-        try:
-            return await work
-        except asyncio.CancelledError:
-            if client_left and work.cancelled():
-                log.info("client went away; request cancelled")
-                return Response(status_code=499)  # nobody reads it: the connection is gone
-            raise
+            await asyncio.gather(gone, work, return_exceptions=True)
+        if work in done:
+            return work.result()
+        log.info("client went away; request cancelled")
+        return Response(status_code=499)  # nobody reads it: the connection is gone
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: of.CompletionRequest) -> Any:
