@@ -125,7 +125,7 @@ def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
     elif kind == "type_code":
         m["t"] = rng.choice((0, 5, 0x13, 0x5D, 0x7E, 127, 200, -1, "t", None, 2**63))
     elif kind == "version":
-        m["v"] = rng.choice((0, 2, 255, -1, "1", True, None, 1.0))
+        m["v"] = rng.choice((0, 1, 3, 255, -1, "2", True, None, 2.0))  # 1: an old peer
     else:  # a structural mutation that did not apply to this frame: break a session id instead
         m["s"] = rng.choice(WRONG_VALUES)
     return _pack(m)

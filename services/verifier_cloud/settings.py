@@ -18,7 +18,7 @@ class Settings:
     port: int = 8100
     model_dir: str = "models/demo"
     split_layers: int = 2  # m: the device keeps layers [0, m); the cloud runs [m, n)
-    max_frame_bytes: int = MAX_FRAME_BYTES  # larger frames get an OVERSIZED error frame
+    max_frame_bytes: int = MAX_FRAME_BYTES  # also the transport limit: a larger frame closes the connection (1009)
     max_batch_tokens: int = 4096  # packed tokens per batched forward pass
     max_sessions: int = 256
     # Per-device bounds: one connection (a device agent) holds at most this many sessions, so it cannot lock
