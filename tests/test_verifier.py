@@ -202,16 +202,18 @@ async def test_a_fault_in_one_session_fails_its_item_alone_and_the_verifier_goes
             server.engine.execute = lambda batch: (batch_sizes.append(len(batch.items)), gate.wait(10),
                                                    execute(batch))[2]
             await send(ws, wire.PrefillChunk(4, 1, 0, True, torch.randn(2, hidden)))
-            for _ in range(200):
+            for _ in range(1000):
                 if batch_sizes:
                     break
                 await asyncio.sleep(0.01)
+            assert batch_sizes, "the engine never started session 4's step"
             for sid in sids:
                 await send(ws, wire.VerifyRequest(sid, 2, prefixes[sid].shape[0], drafts[sid]))
-            for _ in range(200):
+            for _ in range(1000):
                 if sum(len(server.scheduler.sessions[sid].queue) for sid in sids) == 3:
                     break
                 await asyncio.sleep(0.01)
+            assert sum(len(server.scheduler.sessions[sid].queue) for sid in sids) == 3, "verifies not queued"
             gate.set()
             replies = [wire.decode(await asyncio.wait_for(ws.recv(), 10)) for _ in range(4)]
             by_session = {r.session_id: r for r in replies}

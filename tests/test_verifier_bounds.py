@@ -57,10 +57,11 @@ async def test_a_session_cannot_queue_without_bound(checkpoint):
             entered, gate, execute = [], threading.Event(), server.engine.execute
             server.engine.execute = lambda batch: (entered.append(1), gate.wait(10), execute(batch))[2]
             await ws.send(wire.encode(wire.PrefillChunk(9, 1, 0, True, torch.randn(2, hidden)), wire_dtype=F32))
-            for _ in range(200):
+            for _ in range(1000):
                 if entered:
                     break
                 await asyncio.sleep(0.01)
+            assert entered, "the engine never started session 9's step"
             for seq in (2, 3, 4, 5):
                 await ws.send(wire.encode(wire.VerifyRequest(1, seq, 3, torch.randn(1, hidden)), wire_dtype=F32))
             refusals = [wire.decode(await asyncio.wait_for(ws.recv(), 10)) for _ in range(2)]
