@@ -84,6 +84,20 @@ async def test_cached_plan_is_used_and_refreshed_in_the_background() -> None:
     await plans.aclose()
 
 
+async def test_concurrent_first_requests_share_one_planner_fetch() -> None:
+    planner, clock = FakePlanner(), Clock()
+    planner.released.clear()
+    plans = cache(planner, clock)
+    waiting = [asyncio.create_task(plans.current()) for _ in range(5)]
+    await asyncio.sleep(0.05)
+    waiting[0].cancel()  # a client that leaves does not cancel the fetch the others wait for
+    planner.released.set()
+    got = await asyncio.gather(*waiting[1:])
+    assert len(planner.calls) == 2  # one /chunk-size and one /parallel-draft-steps, not five of each
+    assert all(plan is got[0] and plan.chunk_for(1000) == 48 for plan in got)
+    await plans.aclose()
+
+
 async def test_a_planner_that_hangs_or_breaks_costs_at_most_the_timeout() -> None:
     planner, clock = FakePlanner(), Clock()
     planner.released.clear()

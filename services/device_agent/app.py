@@ -302,6 +302,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
                  settings.model_dir, settings.split_layers, settings.speculative, settings.mode)
         probes = [asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
                   asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe")]
+        if state["agent"].plans is not None:
+            state["agent"].plans.refresh()  # the first plan, fetched before the first request needs it
         try:
             yield
         finally:

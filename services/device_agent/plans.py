@@ -66,14 +66,21 @@ class PlanCache:
 
     async def current(self) -> Plan:
         """The plan for a request starting now: the cached one (refreshed in the background when
-        old), or, before any plan was had, the first fetch (bounded by timeout_s) or the defaults."""
+        old), or, before any plan was had, the first fetch (bounded by timeout_s) or the defaults.
+        Concurrent first requests share one fetch."""
         if self.plan is None:
-            await self._refresh_once()
+            await asyncio.shield(self.refresh())  # a cancelled request leaves the shared fetch running
             return self.plan or self.default
-        if self.clock() - self.plan.fetched_at >= self.refresh_s and self.refreshing is None:
+        if self.clock() - self.plan.fetched_at >= self.refresh_s:
+            self.refresh()
+        return self.plan
+
+    def refresh(self) -> asyncio.Task:
+        """Start a refresh unless one is running (single flight); the task is owned here."""
+        if self.refreshing is None:
             self.refreshing = asyncio.create_task(self._refresh_once(), name="plan-refresh")
             self.refreshing.add_done_callback(self._refresh_done)
-        return self.plan
+        return self.refreshing
 
     def _refresh_done(self, task: asyncio.Task) -> None:
         if self.refreshing is task:
