@@ -240,7 +240,13 @@ async def test_two_micro_batches_are_in_flight_at_once(verifiers, checkpoint):
     emitted: list[tuple[int, float]] = []  # one verifier_step per micro-batch: (mu_hat, eta_hat)
     telemetry = running.server.telemetry
     original_emit = telemetry.emit_verifier_step
-    telemetry.emit_verifier_step = lambda tokens, compute_s, *rest: emitted.append((tokens, compute_s))
+    reported_stages: set[int | None] = set()  # P, as the planner will read it from telemetry
+
+    def record(tokens, compute_s, *rest, pipeline_stages=None, **kw):
+        emitted.append((tokens, compute_s))
+        reported_stages.add(pipeline_stages)
+
+    telemetry.emit_verifier_step = record
     stop = asyncio.Event()
     devices = [asyncio.create_task(device(60 + i, stop)) for i in range(3)]
     try:
@@ -253,6 +259,7 @@ async def test_two_micro_batches_are_in_flight_at_once(verifiers, checkpoint):
         await asyncio.wait_for(asyncio.gather(*devices), 30)
         telemetry.emit_verifier_step = original_emit
     assert overlapped()
+    assert reported_stages == {running.server.settings.pipeline_stages}
     assert pipeline.max_in_flight_seen == 2
     # eta_hat is the micro-batch's summed stage compute (its whole trip through the middle layers).
     steps = [step for step in pipeline.recent if step.batch_id > seen_before]
