@@ -181,11 +181,15 @@ def decode_tensor(obj: Any, expected_hidden_size: int | None = None, *, finite_o
     return tensor
 
 
+def dtype_bytes(wire_dtype: WireDtype | str) -> int:
+    """Bytes per element of a tensor sent in `wire_dtype`."""
+    return _TORCH_DTYPE[_as_dtype(wire_dtype)].itemsize
+
+
 def max_rows_per_frame(hidden_size: int, wire_dtype: WireDtype | str = WireDtype.F16,
                        max_frame_bytes: int = MAX_FRAME_BYTES) -> int:
     """Largest [rows, H] that fits one frame, so the device can size prefill chunks."""
-    itemsize = _TORCH_DTYPE[_as_dtype(wire_dtype)].itemsize
-    return max(0, (max_frame_bytes - MAX_OVERHEAD_BYTES) // (hidden_size * itemsize))
+    return max(0, (max_frame_bytes - MAX_OVERHEAD_BYTES) // (hidden_size * dtype_bytes(wire_dtype)))
 
 
 def _as_dtype(wd: WireDtype | str) -> WireDtype:

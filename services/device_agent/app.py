@@ -179,7 +179,7 @@ class DeviceAgent:
     async def plan(self) -> Plan:
         """Chunk size and PD steps for a request starting now: the planner's cached plan, or the defaults."""
         if self.plans is None:
-            return Plan(self.settings.default_chunk_size, (DEFAULT_PARALLEL_STEPS,), "default:no-planner", 0.0)
+            return Plan.defaults(self.settings.default_chunk_size, DEFAULT_PARALLEL_STEPS)
         return await self.plans.current()
 
     async def _hat_rounds(self, request: GenerateRequest, ids: list[int], session: DeviceSession,

@@ -21,16 +21,14 @@ from dataclasses import dataclass
 
 import httpx
 
-from shared.wire import WireDtype
+from shared.planners import hidden_bytes_per_token
+from shared.wire import WireDtype, dtype_bytes
 
 log = logging.getLogger(__name__)
 
-_WIRE_BYTES = {WireDtype.F16: 2, WireDtype.BF16: 2, WireDtype.F32: 4}
-
-
 def wire_bytes_per_token(hidden_size: int, wire_dtype: WireDtype) -> int:
     """A in eq. 3 / eq. 6: one hidden state on this device's wire."""
-    return hidden_size * _WIRE_BYTES[wire_dtype]
+    return hidden_bytes_per_token(hidden_size, dtype_bytes(wire_dtype))
 
 
 @dataclass(frozen=True)
@@ -39,6 +37,11 @@ class Plan:
     steps_by_rows: tuple[int, ...]  # λ for 0..max_draft+1 rows per verification
     source: str  # the planner's sources, "chunk:<eq3|default:...> steps:<eq6|default:...>"
     fetched_at: float
+
+    @classmethod
+    def defaults(cls, chunk_size: int, steps: int) -> Plan:
+        """The plan without a planner: fixed chunk size and pre-draft steps, never fresh."""
+        return cls(chunk_size, (steps,), "default:no-planner", float("-inf"))
 
     def chunk_for(self, prompt_tokens: int) -> int:
         return max(1, min(self.chunk_size, prompt_tokens))
@@ -60,7 +63,7 @@ class PlanCache:
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
         self.clock = clock
-        self.default = Plan(default_chunk_size, (default_steps,), "default:no-planner", float("-inf"))
+        self.default = Plan.defaults(default_chunk_size, default_steps)
         self.plan: Plan | None = None
         self.refreshing: asyncio.Task | None = None  # the one background refresh, owned here
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from services.verifier_cloud.token_mode import TokenModel, TokenSession
-from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind, check_item
+from services.verifier_cloud.work import EngineError, ErrorKind, TokenItem, WorkKind, check_item
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
 from shared.specdec.sampling import SamplingParams
@@ -36,7 +36,7 @@ log = logging.getLogger("services.verifier_cloud.runner")
 
 
 @dataclass(eq=False)
-class RunItem:
+class RunItem(TokenItem):
     """One session's work in a batch, as the runner sees it (no reply, no wire)."""
     session_id: int
     kind: WorkKind
@@ -44,14 +44,6 @@ class RunItem:
     hidden: torch.Tensor | None  # [S, H] states entering this layer range; None for token items
     token_ids: torch.Tensor | None = None  # [S] int64: token mode (the runner embeds them itself)
     is_last: bool = False  # token items: sample the next token
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_ids.shape[0] if self.token_ids is not None else self.hidden.shape[0]
-
-    @property
-    def is_token(self) -> bool:
-        return self.token_ids is not None
 
 
 @dataclass

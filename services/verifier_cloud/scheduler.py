@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.verifier_cloud.session import Session
-from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
+from services.verifier_cloud.work import EngineError, ErrorKind, TokenItem, WorkKind
 
 log = logging.getLogger("services.verifier_cloud.scheduler")
 
@@ -58,7 +58,7 @@ Reply = Callable[["WorkItem", torch.Tensor | None, EngineError | None], None]
 
 
 @dataclass(eq=False)
-class WorkItem:
+class WorkItem(TokenItem):
     session_id: int
     seq_no: int
     kind: WorkKind  # a token step is a VERIFY: roll back to position, append, answer ("prefill"/"verify" accepted)
@@ -71,14 +71,6 @@ class WorkItem:
 
     def __post_init__(self) -> None:
         self.kind = WorkKind(self.kind)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.token_ids.shape[0] if self.token_ids is not None else self.hidden.shape[0]
-
-    @property
-    def is_token(self) -> bool:
-        return self.token_ids is not None
 
     def split_front(self, size: int, reply: Reply) -> "WorkItem":
         """Detach the first `size` positions as a piece of their own; this item keeps the rest."""

@@ -8,12 +8,27 @@ The server maps an `EngineError` to a wire ErrorFrame by the code's name.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 
 class WorkKind(enum.StrEnum):
     """What an item asks of a session's KV (a str: equal to "prefill" / "verify" in logs and records)."""
     PREFILL = "prefill"  # append at the end: position must equal the cached length
     VERIFY = "verify"  # roll back to position (commit_len), then append (a token step is one too)
+
+
+class TokenItem:
+    """What a queued item (scheduler) and a running one (runner) both know: its rows, hidden or token ids."""
+    hidden: Any  # [S, H] states, or None for token items
+    token_ids: Any  # [S] ids for token items, else None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0] if self.token_ids is not None else self.hidden.shape[0]
+
+    @property
+    def is_token(self) -> bool:
+        return self.token_ids is not None
 
 
 class ErrorKind(enum.IntEnum):
