@@ -152,8 +152,9 @@ class VerifierServer:
                 async with asyncio.timeout(self.settings.idle_timeout_s):
                     frame = await connection.recv()
                 if isinstance(frame, str):
-                    bad_frames.bad_frame(wire.WireError(wire.ErrorCode.MALFORMED, "text frames are not accepted"))
-                    await self.send(connection, wire.ErrorFrame(wire.ErrorCode.MALFORMED, "text frames are not accepted"))
+                    error = wire.WireError(wire.ErrorCode.MALFORMED, "text frames are not accepted")
+                    bad_frames.bad_frame(error)
+                    await self.send(connection, error.to_frame())
                     continue
                 message: wire.Message | None = None
                 try:
