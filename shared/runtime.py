@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shared.chat import chat_prompt_ids
 from shared.model.adapter import ADAPTER_FILENAME, AdapterError, DraftAdapter
 from shared.model.checkpoint import Checkpoint
 from shared.specdec.device_session import DeviceModel, SessionError
@@ -36,9 +37,11 @@ def build_device_model(
     return DeviceModel.from_checkpoint(checkpoint, split_layers, adapter)
 
 
-def encode_prompt(checkpoint: Checkpoint, prompt: str | None, prompt_ids: list[int] | None) -> list[int]:
-    if (prompt is None) == (prompt_ids is None):
-        raise SessionError("give exactly one of a prompt text or prompt ids")
+def encode_prompt(checkpoint: Checkpoint, prompt: str | None, prompt_ids: list[int] | None,
+                  messages: list[dict] | None = None) -> list[int]:
+    """Prompt ids from exactly one of: raw text, ids, or chat messages (rendered with the model's template)."""
+    if sum(x is not None for x in (prompt, prompt_ids, messages)) != 1:
+        raise SessionError("give exactly one of a prompt text, prompt ids or chat messages")
     if prompt_ids is not None:
         bad = [t for t in prompt_ids if not 0 <= t < checkpoint.vocab_size]
         if bad:
@@ -46,6 +49,8 @@ def encode_prompt(checkpoint: Checkpoint, prompt: str | None, prompt_ids: list[i
         return list(prompt_ids)
     if checkpoint.tokenizer is None:
         raise SessionError(f"{checkpoint.path} has no tokenizer; use --prompt-ids")
+    if messages is not None:
+        return chat_prompt_ids(checkpoint.tokenizer, messages)
     return checkpoint.tokenizer.encode(prompt, add_special_tokens=False)
 
 

@@ -27,14 +27,14 @@ from tophatctl.chat_client import ChatClientError, chat_turn, run_chat, stream_c
 TIMING = re.compile(r"^TTFT \d+\.\d ms \| TBT \d+\.\d ms \| accept length \d+\.\d\d \| \d+ tokens$")
 
 
-def fake_device(prompts: list[str]) -> FastAPI:
+def fake_device(prompts: list[Any]) -> FastAPI:
     """Echoes 'tok0 tok1 ...': one token first, then rounds of 2 tokens 10 ms apart."""
     app = FastAPI()
 
     @app.post("/generate")
     async def generate(request: Request) -> StreamingResponse:
         body = await request.json()
-        prompts.append(body["prompt"])
+        prompts.append(body["messages"])  # a chat's turns: the device applies the template
 
         async def lines() -> AsyncIterator[str]:
             yield json.dumps({"type": "start", "request_id": body["request_id"], "prompt_tokens": 3}) + "\n"
@@ -71,7 +71,7 @@ async def serve(app: Any) -> AsyncIterator[str]:
 
 
 @asynccontextmanager
-async def streamer(prompts: list[str]) -> AsyncIterator[str]:
+async def streamer(prompts: list[Any]) -> AsyncIterator[str]:
     async with serve(fake_device(prompts)) as device_url:
         async with serve(create_app(load_settings({}, device_urls=device_url, health_interval_s=0.0))) as url:
             yield url
@@ -87,14 +87,14 @@ async def test_stream_chat_events() -> None:
 
 
 async def test_one_shot_prints_tokens_and_timing(capsys: pytest.CaptureFixture[str]) -> None:
-    prompts: list[str] = []
+    prompts: list[Any] = []
     async with streamer(prompts) as url:
         code = await run_chat(url, "hello", 5, 0.0)
     out = capsys.readouterr().out.splitlines()
     assert code == 0 and out[0] == "tok0 tok1 tok2 tok3 tok4 "
     assert TIMING.match(out[1]), out[1]
     assert out[1].endswith("accept length 2.00 | 5 tokens")
-    assert prompts == ["user: hello\nassistant:"]
+    assert prompts == [[{"role": "user", "content": "hello"}]]
 
 
 async def test_timing_is_per_token_after_the_first() -> None:
@@ -108,13 +108,15 @@ async def test_timing_is_per_token_after_the_first() -> None:
 
 async def test_repl_keeps_history_and_exits(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    prompts: list[str] = []
+    prompts: list[Any] = []
     answers = iter(["first", "", "second", "/exit"])  # input() runs on the client's reader thread
     monkeypatch.setattr("builtins.input", lambda _prompt="": next(answers))
     async with streamer(prompts) as url:
         code = await run_chat(url, None, 2, 0.0)
     assert code == 0
-    assert prompts == ["user: first\nassistant:", "user: first\nassistant: tok0 tok1 \nuser: second\nassistant:"]
+    first = {"role": "user", "content": "first"}
+    assert prompts == [[first], [first, {"role": "assistant", "content": "tok0 tok1 "},
+                                 {"role": "user", "content": "second"}]]
     assert sum(bool(TIMING.match(line)) for line in capsys.readouterr().out.splitlines()) == 2
 
 

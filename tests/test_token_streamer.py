@@ -29,6 +29,7 @@ from services.state_monitor.app import RequestDone
 from services.token_streamer import create_app, load_settings
 from services.token_streamer.openai_format import StopScanner
 from services.token_streamer.router import Router
+from shared.chat import plain_chat_text
 from shared.settings import SettingsError
 
 WORDS = ["Hello", ",", " world", "!", " The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog"]
@@ -64,10 +65,11 @@ class FakeDevice:
             self.requests.append(body)
             if self.busy or self.active >= self.max_sessions:
                 return JSONResponse({"error": {"code": "busy", "message": "no free session"}}, status_code=503)
-            if body["prompt"] == "user: bad\nassistant:":
+            prompt = body["prompt"] if "prompt" in body else plain_chat_text(body["messages"])
+            if prompt == "user: bad\nassistant:":
                 return JSONResponse({"error": {"code": "prompt_too_long", "message": "too long"}}, status_code=400)
             self.active += 1  # taken here, not in the stream, so two requests cannot both pass the check
-            self.admitted.append(body["prompt"])
+            self.admitted.append(prompt)
             return StreamingResponse(self._lines(body), media_type="application/x-ndjson")
 
         @app.get("/info")
@@ -183,8 +185,9 @@ async def test_openai_client_streams_chat_and_completions() -> None:
                                                   temperature=0, seed=3)
             texts = [c.choices[0].text async for c in stream]
             assert "".join(texts) == expected_text(5)
-    assert dev.requests[0]["prompt"] == "system: be brief\nuser: hi\nassistant:"
+    assert dev.requests[0]["messages"] == CHAT and "prompt" not in dev.requests[0]  # templated on the device
     assert (dev.requests[1]["prompt"], dev.requests[1]["temperature"], dev.requests[1]["seed"]) == ("def f(", 0, 3)
+    assert "messages" not in dev.requests[1]  # a completion stays raw text
     assert dev.requests[0]["max_new_tokens"] == 7 and dev.requests[0]["request_id"].startswith("chatcmpl-")
 
 

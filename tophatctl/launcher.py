@@ -65,7 +65,7 @@ class MeshStartError(RuntimeError):
 
 @dataclass
 class MeshConfig:
-    model_dir: str = "models/demo"
+    model_dir: str = "smollm2"  # smollm2 | demo | a checkpoint directory (tophatctl/models.py resolve_model)
     num_devices: int = 1
     port_base: int = 8000
     redis_url: str | None = None  # None: start an embedded redis-server
@@ -174,6 +174,21 @@ class Mesh:
                 if pending:
                     time.sleep(0.2)
 
+    def _model_dir(self) -> Path:
+        """The checkpoint directory, checked before any process starts: a speculative mesh needs a draft
+        adapter, and a missing one is a choice for the operator to make, not a device crash."""
+        from shared.model.adapter import ADAPTER_FILENAME
+        from tophatctl.models import resolve_model
+
+        cfg = self.config
+        path = resolve_model(cfg.model_dir).resolve()
+        if cfg.speculative and not cfg.adapter and not (path / ADAPTER_FILENAME).is_file():
+            raise MeshStartError(
+                f"{path} has no draft adapter ({ADAPTER_FILENAME}). Train one (`tophat train-adapter --model "
+                f"{cfg.model_dir}`), or choose: --adapter random (untrained: still lossless, but it accepts "
+                "almost nothing, so speculation gains nothing) or --no-speculation (plain U-shape)")
+        return path
+
     def _use_netns(self) -> bool:
         from tophatctl.netns import netns_support
 
@@ -230,11 +245,11 @@ class Mesh:
     def start(self) -> "Mesh":
         cfg = self.config
         try:
+            model_dir = str(self._model_dir())
             self.redis_url = cfg.redis_url
             if self.redis_url is None:
                 self.redis = EmbeddedRedis().start()
                 self.redis_url = self.redis.url
-            model_dir = str(Path(cfg.model_dir).resolve())
             self._netns = self._use_netns()
             # Devices in namespaces reach the cloud-side services through the veth, so those bind everywhere.
             bind = "0.0.0.0" if self._netns else cfg.host

@@ -1,6 +1,7 @@
 """The device agent's local HTTP API: submit a prompt, stream tokens as they are accepted.
 
-    POST /generate  -> application/x-ndjson, one event per line:
+    POST /generate  {"prompt"|"prompt_ids"|"messages", ...}  (messages: the chat template is applied here,
+                    where the tokenizer lives; shared/chat.py) -> application/x-ndjson, one event per line:
         {"type":"start", "request_id", "prompt_tokens"}
         {"type":"tokens", "token_ids", "text", "t"}           (one per verification round)
         {"type":"done", "finish_reason", "stats"} | {"type":"error", "code", "message"}
@@ -54,9 +55,16 @@ MIN_BANDWIDTH_SAMPLE_BYTES = 16 * 1024
 DEFAULT_PARALLEL_STEPS = 2  # used when the planner (eq. 6) is unreachable or has no telemetry
 
 
+class ChatTurn(BaseModel):
+    role: str = Field(min_length=1, max_length=32)
+    content: str
+
+
 class GenerateRequest(BaseModel):
+    # exactly one of: raw text, token ids, or a conversation (rendered with the model's chat template)
     prompt: str | None = None
     prompt_ids: list[int] | None = None
+    messages: list[ChatTurn] | None = None
     max_new_tokens: int = Field(64, ge=1, le=4096)
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -338,7 +346,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         if agent.active >= settings.max_sessions:
             return _error(503, "busy", f"device {settings.device_id} is serving {agent.active} sessions")
         try:
-            ids = encode_prompt(agent.checkpoint, request.prompt, request.prompt_ids)
+            messages = None if request.messages is None else [m.model_dump() for m in request.messages]
+            ids = encode_prompt(agent.checkpoint, request.prompt, request.prompt_ids, messages)
             params = SamplingParams(request.temperature, request.top_p, request.seed)
             if request.option("mode", settings) == "cloud":  # SD / PC / PD do not apply
                 if not ids:

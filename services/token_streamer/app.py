@@ -2,8 +2,9 @@
 
 The user only ever talks to this service; it queues the request for a device
 slot (admission.py: bounded, first come first served, with a deadline), picks a
-device agent (router.py), relays the device's NDJSON token stream as OpenAI
-chunks, applies stop strings, measures TTFT/TBT as the user sees them (from
+device agent (router.py; a chat goes as its turns, which the device renders with
+the model's own chat template, a completion as raw text), relays the device's
+NDJSON token stream as OpenAI chunks, applies stop strings, measures TTFT/TBT as the user sees them (from
 request arrival here, so queueing counts) and reports each finished request to
 the state monitor (HAT §3.2) when one is configured.
 A client that goes away, streaming or not, cancels its request: it leaves the
@@ -217,17 +218,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), None)
 
-    async def start(req: of.SamplingRequest, prompt: str, max_tokens: int | None,
-                    chat: bool) -> tuple[Run, of.ChunkFactory]:
+    def prompt_of(req: of.SamplingRequest) -> dict[str, Any]:
+        """What the device is asked for: a completion's raw text, or a chat's turns (templated on the device)."""
+        if isinstance(req, of.ChatRequest):
+            return {"messages": req.turns}
+        return {"prompt": req.prompt_text}
+
+    async def start(req: of.SamplingRequest, max_tokens: int | None, chat: bool) -> tuple[Run, of.ChunkFactory]:
         """Validate, dispatch to a device and wait for its start line (errors raise before any byte is sent)."""
         started = time.perf_counter()
-        if len(prompt) > s.max_prompt_chars:
-            raise BadRequest(f"prompt is longer than {s.max_prompt_chars} characters", "prompt")
+        prompt = prompt_of(req)
+        chars = len(prompt["prompt"]) if "prompt" in prompt else sum(len(m["content"]) for m in prompt["messages"])
+        if chars > s.max_prompt_chars:
+            raise BadRequest(f"prompt is longer than {s.max_prompt_chars} characters",
+                             "prompt" if "prompt" in prompt else "messages")
         max_new = max_tokens if max_tokens is not None else s.max_new_tokens_default
         if max_new > s.max_new_tokens_limit:
             raise BadRequest(f"max_tokens must be <= {s.max_new_tokens_limit}", "max_tokens")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        body = {"prompt": prompt, "prompt_ids": None, "max_new_tokens": max_new, "temperature": req.temperature,
+        body = {**prompt, "max_new_tokens": max_new, "temperature": req.temperature,
                 "top_p": req.top_p, "seed": req.seed, "request_id": request_id}
         if req.tophat is not None:
             options = req.tophat.model_dump(exclude_none=True)
@@ -255,8 +264,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield of.sse(fmt.error_chunk(exc.status, exc.code, exc.message))
         yield of.DONE
 
-    async def serve_request(req: of.SamplingRequest, prompt: str, max_tokens: int | None, chat: bool) -> Response:
-        run, fmt = await start(req, prompt, max_tokens, chat)
+    async def serve_request(req: of.SamplingRequest, max_tokens: int | None, chat: bool) -> Response:
+        run, fmt = await start(req, max_tokens, chat)
         headers = {QUEUE_WAIT_HEADER: f"{run.stream.queue_wait_s * 1e3:.3f}"}
         if req.stream:
             return OwnedStreamingResponse(sse_body(run, fmt, req.include_usage), run.close,
@@ -271,12 +280,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await run.close()
         return JSONResponse(fmt.response(text, run.finish_reason, run.usage(), run.tophat()), headers=headers)
 
-    async def respond(request: Request, req: of.SamplingRequest, prompt: str, max_tokens: int | None,
-                      chat: bool) -> Response:
+    async def respond(request: Request, req: of.SamplingRequest, max_tokens: int | None, chat: bool) -> Response:
         """Serve the request unless its client goes away first: then cancel it wherever it is
         (queued, starting, or waiting for a non-streaming answer). A streamed answer's own
         response watches for the disconnect once it is returned."""
-        work = asyncio.create_task(serve_request(req, prompt, max_tokens, chat), name="serve-request")
+        work = asyncio.create_task(serve_request(req, max_tokens, chat), name="serve-request")
         gone = asyncio.create_task(client_gone(request.receive), name="watch-disconnect")
         try:
             done, _ = await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -295,11 +303,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: of.CompletionRequest) -> Any:
-        return await respond(request, req, req.prompt_text, req.max_tokens, chat=False)
+        return await respond(request, req, req.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: of.ChatRequest) -> Any:
-        return await respond(request, req, of.render_chat_prompt(req.messages), req.requested_tokens, chat=True)
+        return await respond(request, req, req.requested_tokens, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -334,7 +342,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         async def answer(raw: str) -> None:
             try:
                 req = of.ChatRequest.model_validate_json(raw)
-                run, _ = await start(req, of.render_chat_prompt(req.messages), req.requested_tokens, chat=True)
+                run, _ = await start(req, req.requested_tokens, chat=True)
             except ValidationError as exc:
                 detail, param = of.validation_error(exc.errors())
                 await send_error(400, detail, "invalid_request", param)

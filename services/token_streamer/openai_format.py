@@ -124,10 +124,11 @@ class ChatRequest(SamplingRequest):
     def requested_tokens(self) -> int | None:
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
-
-def render_chat_prompt(messages: list[ChatMessage]) -> str:
-    """The demo model has no chat template: 'role: content' lines, then 'assistant:'."""
-    return "".join(f"{m.role}: {m.text}\n" for m in messages) + "assistant:"
+    @property
+    def turns(self) -> list[dict[str, str]]:
+        """The conversation as the device agent takes it; the device renders it with the model's
+        own chat template (shared/chat.py), as only the device holds the tokenizer."""
+        return [{"role": m.role, "content": m.text} for m in self.messages]
 
 
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> dict[str, Any]:
