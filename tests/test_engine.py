@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from shared.model.adapter import DraftAdapter
+from shared.model.adapter import AdapterSpec, DraftAdapter
 from shared.model.split import MiddleSubmodel
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig, SessionError
 from shared.specdec.engine import LocalCloud, generate
@@ -72,6 +72,8 @@ def test_greedy_with_random_adapter_is_still_exact(tiny_checkpoint):
 class MiddleAsDraft(torch.nn.Module):
     """A "draft adapter" that is the cloud's middle itself: the draft is the target."""
 
+    spec = AdapterSpec()  # reads the shallow state only, like HAT's adapter
+
     def __init__(self, middle: MiddleSubmodel):
         super().__init__()
         self.middle = middle
@@ -79,7 +81,7 @@ class MiddleAsDraft(torch.nn.Module):
     def new_cache(self):
         return self.middle.new_cache()
 
-    def forward(self, shallow, cache):
+    def forward(self, shallow, cache, side=None):
         return self.middle.forward_batch([(cache, shallow)])[0]  # [S, H]
 
 

@@ -1,18 +1,23 @@
-"""HAT's draft adapter Λ (§3.4): one self-attention block between the device's
-first m layers and the LLM's own norm + head.
+"""HAT's draft adapter Λ (§3.4) and two EAGLE-style extensions of it.
 
-    draft = H_L ∘ Λ ∘ w_L^m,   Λ(h) = h + Attn(RMSNorm(h))
+    draft = H_L ∘ Λ ∘ w_L^m
 
-Λ has the shape of a decoder layer's attention (q/k/v/o projections with the
-model's head layout, pre-norm and residual); only Λ is trained. It is
-initialised from the first middle layer's attention, which is already a good
-guess at what the middle does to shallow states.
+    variant "hat":     Λ(h)      = h + Attn(RMSNorm(h))                        (HAT: one attention block)
+    variant "fusion":  x = W·[emb(t); h],  Λ = x + Attn(RMSNorm(x))            (EAGLE's input fusion)
+    variant "feature": x = W·[h; f_{t-1}], Λ = x + Attn(RMSNorm(x))            (feature-level autoregression)
+
+f_{t-1} is the deep state at the previous position: the cloud's (exact) for verified positions,
+the adapter's own prediction while drafting ahead, zeros inside the prompt (the cloud returns the
+deep state of the prompt's last position only). `mlp=True` appends the template layer's gated MLP,
+making Λ a whole decoder layer. Only Λ is trained. It is initialised from the first middle layer
+(attention, MLP) with W passing h through unchanged, a good first guess at what the middle does.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,52 +31,107 @@ from shared.model.layers import attention_forward, packed_positions, rotary_tabl
 from shared.model.split import _kv_shape, validate_split
 
 ADAPTER_FILENAME = "draft_adapter.safetensors"
+VARIANTS = ("hat", "fusion", "feature")
 
 
 class AdapterError(ValueError):
     """An adapter file that does not fit this model or split."""
 
 
+@dataclass(frozen=True)
+class AdapterSpec:
+    variant: str = "hat"
+    mlp: bool = False
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise AdapterError(f"adapter variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
+
+    @property
+    def side_input(self) -> str | None:
+        """What the adapter reads besides the shallow state: 'embedding', 'feature' or nothing."""
+        return {"hat": None, "fusion": "embedding", "feature": "feature"}[self.variant]
+
+    @property
+    def name(self) -> str:
+        return self.variant + ("+mlp" if self.mlp else "")
+
+
 class DraftAdapter(torch.nn.Module):
-    def __init__(self, checkpoint: Checkpoint, split_layers: int):
+    def __init__(self, checkpoint: Checkpoint, split_layers: int, spec: AdapterSpec = AdapterSpec()):
         super().__init__()
         validate_split(checkpoint.num_layers, split_layers)
         template = checkpoint.model.model.layers[split_layers]
+        hidden = checkpoint.hidden_size
         self.split_layers = split_layers
+        self.spec = spec
         self.input_layernorm = copy.deepcopy(template.input_layernorm)
         self.self_attn = copy.deepcopy(template.self_attn)
+        if spec.mlp:
+            self.post_attention_layernorm = copy.deepcopy(template.post_attention_layernorm)
+            self.mlp = copy.deepcopy(template.mlp)
+        if spec.side_input is not None:
+            self.fuse = torch.nn.Linear(2 * hidden, hidden, bias=False, dtype=checkpoint.model.dtype)
+            with torch.no_grad():  # start as "pass h through": [side; h] -> h, or [h; f] -> h
+                self.fuse.weight.zero_()
+                eye = torch.eye(hidden, dtype=self.fuse.weight.dtype)
+                if spec.side_input == "embedding":
+                    self.fuse.weight[:, hidden:] = eye
+                else:
+                    self.fuse.weight[:, :hidden] = eye
         self.rotary_emb = checkpoint.model.model.rotary_emb
         self.num_kv_heads, self.head_dim = _kv_shape(checkpoint.config)
         self.requires_grad_(False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input_layernorm.weight.dtype
+
     def new_cache(self) -> SessionKV:
-        return SessionKV(1, self.num_kv_heads, self.head_dim, self.input_layernorm.weight.dtype)
+        return SessionKV(1, self.num_kv_heads, self.head_dim, self.dtype)
 
     def randomize(self, seed: int) -> "DraftAdapter":
         """A random (untrained) adapter: speculation still must be lossless with it."""
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for name, param in self.self_attn.named_parameters():
+            for name, param in self.named_parameters():
+                if "layernorm" in name:
+                    continue
                 scale = 0.0 if name.endswith("bias") else param.shape[-1] ** -0.5
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
         return self
 
-    @torch.inference_mode()
-    def forward(self, shallow: torch.Tensor, cache: SessionKV) -> torch.Tensor:
-        # shallow: [S, H] -> draft final hidden f_S: [S, H]
-        positions = packed_positions([cache], [shallow.shape[0]])
-        cos, sin = rotary_tables(self.rotary_emb, positions, shallow)
-        attn = attention_forward(
-            self.self_attn, self.input_layernorm(shallow), [cache.layer(0)], [shallow.shape[0]], cos, sin
-        )
-        return shallow + attn
+    def _fused(self, shallow: torch.Tensor, side: torch.Tensor | None) -> torch.Tensor:
+        # shallow, side: [..., H] -> [..., H]
+        if self.spec.side_input is None:
+            return shallow
+        if side is None or side.shape != shallow.shape:
+            raise AdapterError(f"the {self.spec.name} adapter needs a side input shaped like {tuple(shallow.shape)}")
+        pair = (side, shallow) if self.spec.side_input == "embedding" else (shallow, side)
+        return self.fuse(torch.cat(pair, dim=-1))
 
-    def forward_training(self, shallow: torch.Tensor) -> torch.Tensor:
+    def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        hidden = x + attn
+        if self.spec.mlp:
+            hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, shallow: torch.Tensor, cache: SessionKV, side: torch.Tensor | None = None) -> torch.Tensor:
+        # shallow: [S, H], side: [S, H] (embeddings or previous deep states) -> draft final hidden f_S: [S, H]
+        x = self._fused(shallow, side)
+        positions = packed_positions([cache], [x.shape[0]])
+        cos, sin = rotary_tables(self.rotary_emb, positions, x)
+        attn = attention_forward(self.self_attn, self.input_layernorm(x), [cache.layer(0)], [x.shape[0]], cos, sin)
+        return self._finish(x, attn)
+
+    def forward_training(self, shallow: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
         """Cache-free causal pass over a batch of whole sequences, with gradients."""
-        # shallow: [B, S, H] -> [B, S, H]
-        batch, seq_len, _ = shallow.shape
+        # shallow, side: [B, S, H] -> [B, S, H]
+        x_in = self._fused(shallow, side)
+        batch, seq_len, _ = x_in.shape
         attn = self.self_attn
-        x = self.input_layernorm(shallow)
+        x = self.input_layernorm(x_in)
         q = attn.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # [B, Hq, S, D]
         k = attn.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         v = attn.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
@@ -80,37 +140,42 @@ class DraftAdapter(torch.nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1]
         )  # [B, Hq, S, D]
-        return shallow + attn.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        return self._finish(x_in, attn.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1)))
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.input_layernorm.parameters()) + list(self.self_attn.parameters())
+        return list(self.parameters())
 
     def save(self, path: Path, extra_metadata: dict | None = None) -> None:
         tensors = {name: t.detach().contiguous().float() for name, t in self.state_dict().items()}
-        metadata = {"split_layers": str(self.split_layers), "format": "tophat-draft-adapter-v1"}
+        metadata = {"split_layers": str(self.split_layers), "format": "tophat-draft-adapter-v2",
+                    "variant": self.spec.variant, "mlp": str(self.spec.mlp).lower()}
         if extra_metadata:
             metadata["training"] = json.dumps(extra_metadata)
         save_file(tensors, str(path), metadata=metadata)
 
     @classmethod
     def load(cls, path: Path, checkpoint: Checkpoint, split_layers: int) -> "DraftAdapter":
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         if not path.is_file():
             raise AdapterError(f"adapter file not found: {path}")
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+        except (OSError, SafetensorError) as exc:
+            raise AdapterError(f"{path} is not a safetensors adapter file: {exc}") from exc
         trained_m = int(metadata.get("split_layers", -1))
         if trained_m != split_layers:
             raise AdapterError(
                 f"{path} was trained for --split-layers {trained_m}, not {split_layers}; "
                 "train one for this split (tophat train-adapter) or use --adapter random"
             )
-        adapter = cls(checkpoint, split_layers)
+        spec = AdapterSpec(metadata.get("variant", "hat"), metadata.get("mlp", "false") == "true")
+        adapter = cls(checkpoint, split_layers, spec)
         state = load_file(str(path))
         try:
-            adapter.load_state_dict({k: v.to(adapter.input_layernorm.weight.dtype) for k, v in state.items()})
+            adapter.load_state_dict({k: v.to(adapter.dtype) for k, v in state.items()})
         except RuntimeError as exc:
             raise AdapterError(f"{path} does not fit this model: {exc}") from exc
         return adapter

@@ -91,7 +91,7 @@ class Branch:
     candidate: int
     input_cache: object
     adapter_cache: object
-    last_logits: torch.Tensor | None
+    last: tuple  # (draft logits at the branch's last drafted position, the adapter state they came from)
     draft: Draft  # commit_len = positions before the candidate; shallow rows = (candidate, e_1..e_j)
 
     def free(self) -> None:
@@ -142,6 +142,9 @@ class DeviceSession:
         self.prefill_seconds: list[tuple[float, int]] = []  # (compute + send, tokens) per prompt chunk
         self._ready_draft: Draft | None = None  # an adopted pre-drafted branch, used by the next draft()
         self._last_draft_logits: torch.Tensor | None = None  # draft logits at the last drafted position
+        self._last_draft_hidden: torch.Tensor | None = None  # [1, H]: the adapter state they came from
+        # [1, H]: the cloud's deep state at the position before the pending token (feature adapters read it)
+        self._prev_feature: torch.Tensor | None = None
         self.reused_branches = 0
         self.predraft_chances = 0  # rounds with pre-drafted branches whose last draft token was corrected
         self.full_accepts = 0  # verification rounds that accepted every drafted token (L = k + 1)
@@ -174,18 +177,28 @@ class DeviceSession:
             raise SessionError(f"chunk of {size} at {start} does not fit a {len(self.prompt_ids)}-token prompt")
         ids = torch.tensor(self.prompt_ids[start : start + size])
         shallow = self.model.input(ids, self.input_cache)  # [S, H]
-        self._run_adapter(shallow)  # keep the draft's cache in step
+        if self.adapter_cache is not None:  # keep the draft's cache in step
+            # inside the prompt no deep state comes back: a feature adapter reads zeros there
+            self._run_adapter(self.adapter_cache, shallow, ids, torch.zeros_like(shallow))
         return start, shallow
 
-    def _run_adapter(self, shallow: torch.Tensor) -> torch.Tensor | None:
-        if self.adapter_cache is None:
-            return None
-        return self.model.adapter(shallow, self.adapter_cache)  # [S, H]
+    def _run_adapter(self, cache, shallow: torch.Tensor, token_ids: torch.Tensor,
+                     prev_features: torch.Tensor | None) -> torch.Tensor:
+        """The adapter over rows of (token, shallow state, deep state of the position before)."""
+        # shallow: [S, H], token_ids: [S], prev_features: [S, H] -> f_S: [S, H]
+        side_input = self.model.adapter.spec.side_input
+        side = None
+        if side_input == "embedding":
+            side = self.model.input.embed_tokens(token_ids)
+        elif side_input == "feature":
+            side = prev_features
+        return self.model.adapter(shallow, cache, side)
 
     def on_prefill_result(self, deep_last: torch.Tensor) -> list[int]:
         """Sample the first token from the deep state of the prompt's last position."""
         # deep_last: [1, H]
         logits = self.model.output(deep_last[-1:])[0]  # [V]
+        self._prev_feature = deep_last[-1:]
         token = sample(logits_to_probs(logits, self.params), self.generator)
         self.pending_token = token
         return self._emit([token])
@@ -207,32 +220,38 @@ class DeviceSession:
         return self._draft_rng.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1)
 
     def _run_draft(self, round_start: int, token: int | None, input_cache, adapter_cache, budget: int,
-                   should_stop=None, hidden: torch.Tensor | None = None):
-        """Autoregressive drafting on the given caches, from `token` (not yet in the caches) or, to
-        continue a draft, from `hidden` (the adapter's state at the caches' last position).
+                   should_stop=None, hidden: torch.Tensor | None = None, prev_feature: torch.Tensor | None = None):
+        """Autoregressive drafting on the given caches, from `token` (not yet in the caches; its
+        position's previous deep state is `prev_feature`) or, to continue a draft, from `hidden`
+        (the adapter's state at the caches' last position).
 
-        Returns (tokens, q rows, shallow rows, logits of the last drafting step, the adapter's state
-        at the last row, whether eta / EOS ended it)."""
+        Returns (tokens, q rows, shallow rows, (logits of the last drafting step, the adapter state
+        they came from), the adapter's state at the last row, whether eta / EOS ended it)."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         shallows: list[torch.Tensor] = []
-        last_logits = None
+        last_logits = last_hidden = None
         ended = False
+        prev = prev_feature if token is not None else hidden
         while True:
             if token is not None:
-                shallow = self.model.input(torch.tensor([token]), input_cache)  # [1, H]
+                ids = torch.tensor([token])
+                shallow = self.model.input(ids, input_cache)  # [1, H]
                 shallows.append(shallow)
-                hidden = self.model.adapter(shallow, adapter_cache) if adapter_cache is not None else None
+                if adapter_cache is not None:
+                    hidden = self._run_adapter(adapter_cache, shallow, ids, prev)  # [1, H]
+                    prev = hidden  # drafting ahead, the next position reads the adapter's own prediction
             if ended or len(tokens) >= budget or (should_stop is not None and should_stop()):
                 break
             last_logits = self.model.output(hidden)[0]  # [V]
+            last_hidden = hidden
             q = logits_to_probs(last_logits, self.params)
             token = sample(q, self._draft_stream(round_start, input_cache.length))
             confidence = torch.softmax(last_logits, -1)[token] if self.params.is_greedy else q[token]
             tokens.append(token)
             probs.append(q)
             ended = float(confidence) < self.draft_config.eta or token == self.model.eos_token_id
-        return tokens, probs, shallows, last_logits, hidden, ended
+        return tokens, probs, shallows, (last_logits, last_hidden), hidden, ended
 
     def _make_draft(self, commit_len: int, tokens, probs, shallows, last_hidden=None, ended=True) -> Draft:
         return Draft(
@@ -253,9 +272,10 @@ class DeviceSession:
         if ready is not None:
             return self._finish_ready_draft(ready, started)
         start = self.commit_len
-        tokens, probs, shallows, last_logits, hidden, ended = self._run_draft(
-            start, self.pending_token, self.input_cache, self.adapter_cache, self._draft_budget())
-        self._last_draft_logits = last_logits
+        tokens, probs, shallows, last, hidden, ended = self._run_draft(
+            start, self.pending_token, self.input_cache, self.adapter_cache, self._draft_budget(),
+            prev_feature=self._prev_feature)
+        self._last_draft_logits, self._last_draft_hidden = last
         self.draft_seconds.append((time.perf_counter() - started, len(shallows)))
         return self._make_draft(start, tokens, probs, shallows, hidden, ended)
 
@@ -265,10 +285,10 @@ class DeviceSession:
         more = self._draft_budget() - len(ready.tokens)
         if not ready.can_continue or more <= 0:
             return ready
-        tokens, probs, shallows, last_logits, hidden, ended = self._run_draft(
+        tokens, probs, shallows, last, hidden, ended = self._run_draft(
             ready.commit_len, None, self.input_cache, self.adapter_cache, more, hidden=ready.last_hidden)
         if tokens:
-            self._last_draft_logits = last_logits
+            self._last_draft_logits, self._last_draft_hidden = last
         self.draft_seconds.append((time.perf_counter() - started, len(shallows)))
         earlier_probs = [] if ready.probs is None else list(ready.probs.unbind(0))
         return self._make_draft(ready.commit_len, ready.tokens + tokens, earlier_probs + probs,
@@ -295,9 +315,11 @@ class DeviceSession:
                 break
             input_cache = self.input_cache.fork(branch_commit)
             adapter_cache = self.adapter_cache.fork(branch_commit) if self.adapter_cache is not None else None
-            tokens, probs, shallows, last_logits, hidden, ended = self._run_draft(
-                branch_commit, candidate, input_cache, adapter_cache, budget, should_stop)
-            branches.append(Branch(candidate, input_cache, adapter_cache, last_logits,
+            # the candidate replaces d_k, so the state before it is the one d_k was drafted from
+            tokens, probs, shallows, last, hidden, ended = self._run_draft(
+                branch_commit, candidate, input_cache, adapter_cache, budget, should_stop,
+                prev_feature=self._last_draft_hidden)
+            branches.append(Branch(candidate, input_cache, adapter_cache, last,
                                    self._make_draft(branch_commit, tokens, probs, shallows, hidden, ended)))
         steps_run = sum(len(b.draft.tokens) + 1 for b in branches)
         self.draft_seconds.append((time.perf_counter() - started, steps_run))
@@ -309,7 +331,7 @@ class DeviceSession:
         if self.adapter_cache is not None:
             self.adapter_cache.free()
             self.adapter_cache = branch.adapter_cache
-        self._last_draft_logits = branch.last_logits
+        self._last_draft_logits, self._last_draft_hidden = branch.last
         self._ready_draft = branch.draft
         self.reused_branches += 1
 
@@ -341,8 +363,21 @@ class DeviceSession:
         else:
             self.input_cache.truncate(keep)
             if self.adapter_cache is not None:
-                self.adapter_cache.truncate(keep)
+                self._refresh_adapter(draft, deep, verdict.num_accepted)
+        self._prev_feature = deep[verdict.num_accepted : verdict.num_accepted + 1]
         return emitted
+
+    def _refresh_adapter(self, draft: Draft, deep: torch.Tensor, num_accepted: int) -> None:
+        """Roll the adapter back to the kept positions. A feature adapter drafted the accepted tokens
+        from its own predicted deep states; now the cloud's are known, so it re-reads those rows
+        from the exact ones (the pending token's row already read an exact state)."""
+        # deep: [k+1, H]; row i is the position of draft.shallow row i
+        if self.model.adapter.spec.side_input != "feature" or num_accepted == 0:
+            self.adapter_cache.truncate(draft.commit_len + 1 + num_accepted)
+            return
+        self.adapter_cache.truncate(draft.commit_len + 1)
+        ids = torch.tensor(draft.tokens[:num_accepted])
+        self._run_adapter(self.adapter_cache, draft.shallow[1 : 1 + num_accepted], ids, deep[:num_accepted])
 
     def _fit_ready_draft_to_budget(self) -> None:
         draft = self._ready_draft
