@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 
 from tophatctl.demo_model.corpus import held_out_prompts
+from tophatctl.models import resolve_model
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel
 from shared.runtime import build_device_model
@@ -70,7 +71,8 @@ class DelayedCloud(LocalCloud):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="models/demo")
+    parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
+    parser.add_argument("--adapter", default=None, help="draft adapter file or 'random' (default: the model's own)")
     parser.add_argument("--split-layers", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -81,9 +83,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    checkpoint = load_checkpoint(args.model)
+    checkpoint = load_checkpoint(resolve_model(args.model))
     m = args.split_layers
-    hat_device = build_device_model(checkpoint, m, None, speculative=True)
+    hat_device = build_device_model(checkpoint, m, args.adapter, speculative=True)
     ushape_device = build_device_model(checkpoint, m, None, speculative=False)
     middle = MiddleSubmodel(checkpoint, m)
     prompts = [checkpoint.tokenizer.encode(p, add_special_tokens=False) for p in held_out_prompts(args.prompts, seed=11)]

@@ -126,7 +126,8 @@ def bench_chunk_sizes(mesh: Mesh, long: list[str], short: list[str], max_new: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="models/demo")
+    parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
+    parser.add_argument("--adapter", default="", help="draft adapter file or 'random' (default: the model's own)")
     parser.add_argument("--link", default="far", help="link profile of every device (HAT's slow group by default)")
     parser.add_argument("--link-mode", default="auto")
     parser.add_argument("--devices", type=int, default=3)
@@ -137,11 +138,12 @@ def main() -> None:
 
     from shared.model.checkpoint import load_checkpoint
     from tophatctl.demo_model.corpus import held_out_prompts
+    from tophatctl.models import resolve_model
 
-    tokenizer = load_checkpoint(args.model).tokenizer
+    tokenizer = load_checkpoint(resolve_model(args.model)).tokenizer
     long = long_prompts(tokenizer, 2, args.prompt_tokens)
     short = [p[:200] for p in held_out_prompts(6, seed=3)]
-    config = MeshConfig(model_dir=args.model, num_devices=args.devices, port_base=find_port_base(args.devices),
+    config = MeshConfig(model_dir=args.model, adapter=args.adapter, num_devices=args.devices, port_base=find_port_base(args.devices),
                         link=args.link, link_mode=args.link_mode)
     with Mesh(config) as mesh:
         mode = "netns + tc" if mesh.netns_links else "in-process shaper"

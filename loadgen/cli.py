@@ -37,7 +37,8 @@ def loadgen_command(
     max_new_tokens: int = typer.Option(128, min=1, help="max_tokens per request (HAT: 128)"),
     seed: int = typer.Option(0, help="seed for arrivals and prompts"),
     out: Path = typer.Option(..., help="output directory (results.json, requests.csv, *.png)"),
-    tokenizer: Path = typer.Option(Path("models/demo"), help="model directory with the tokenizer (and config.json)"),
+    tokenizer: str = typer.Option("smollm2", help="the model whose tokenizer (and config.json) counts tokens: "
+                                  "smollm2 | demo | a checkpoint directory"),
     context_limit: Optional[int] = typer.Option(None, help="model context (default: config.json max_position_embeddings)"),
     length_dist: str = typer.Option("gamma", help="prompt-length fit: gamma or lognormal"),
     max_concurrency: Optional[int] = typer.Option(None, min=1, help="cap on requests in flight (waiting counts in TTFT)"),
@@ -90,7 +91,9 @@ async def _run(o: dict[str, Any]) -> dict[str, Any]:
     num_devices = o["num_devices"] or probe["num_devices"] or 1
     notes = [] if o["send_device_hint"] else [DEVICE_HINT_NOTE]
 
-    tok_path: Path = o["tokenizer"]
+    from tophatctl.models import resolve_model
+
+    tok_path = resolve_model(o["tokenizer"])
     builtin = wl.BUILTIN.get(o["workload"])
     tok = wl.load_tokenizer(tok_path) if builtin or (tok_path / "tokenizer_config.json").exists() else None
     if builtin:

@@ -7,8 +7,8 @@ reply, so replies line up with frames without any matching. Frames that still de
 would address a protected session are not sent: the fuzz must leave those sessions alone,
 so the caller can check afterwards that they verify exactly as before.
 
-`python -m loadgen.fuzz_wire` starts a verifier on a free loopback port (the demo model by
-default), opens a session, runs the fuzz on the same connection and prints the counts:
+`python -m loadgen.fuzz_wire` starts a verifier on a free loopback port (SmolLM2 by default,
+`--model-dir demo` for the small model), opens a session, runs the fuzz on the same connection and prints the counts:
 frames sent, typed errors, connections dropped (must be 0).
 """
 
@@ -192,7 +192,9 @@ async def _main(args: argparse.Namespace) -> FuzzCounts:
     from services.verifier_cloud.server import VerifierServer
     from services.verifier_cloud.settings import Settings
 
-    settings = Settings(port=0, model_dir=args.model_dir, split_layers=args.split_layers, log_level="warning")
+    from tophatctl.models import resolve_model
+
+    settings = Settings(port=0, model_dir=str(resolve_model(args.model_dir)), split_layers=args.split_layers, log_level="warning")
     server = VerifierServer.from_settings(settings)
     stop = asyncio.Event()
     started = asyncio.get_running_loop().create_future()
@@ -220,7 +222,7 @@ async def _main(args: argparse.Namespace) -> FuzzCounts:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", default="models/demo")
+    parser.add_argument("--model-dir", default="smollm2", help="smollm2 | demo | a checkpoint directory")
     parser.add_argument("--split-layers", type=int, default=2)
     parser.add_argument("--frames", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)

@@ -92,6 +92,8 @@ def test_malformed_conversations_are_clear_errors(smollm2):
 
 
 def test_a_missing_adapter_is_a_clear_choice_before_anything_starts(tmp_path):
+    with pytest.raises(MeshStartError, match="not a checkpoint directory"):
+        Mesh(MeshConfig(model_dir=str(tmp_path / "nowhere"), log_dir=tmp_path / "logs")).start()
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(MeshStartError, match="--adapter random"):
         Mesh(MeshConfig(model_dir=str(tmp_path), log_dir=tmp_path / "logs")).start()

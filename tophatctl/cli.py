@@ -41,6 +41,19 @@ def _parse_ids(text: str | None) -> list[int] | None:
         _fail(f"--prompt-ids must be comma-separated integers, got {text!r}")
 
 
+MODEL_HELP = "smollm2 (SmolLM2-135M-Instruct, imported by `make install`) | demo (the small stdlib model) | a checkpoint dir"
+
+
+def _model(name: str) -> Path:
+    """`--model` to a checkpoint directory (tophatctl/models.py), or a clean exit with the reason."""
+    from tophatctl.models import resolve_model
+
+    try:
+        return resolve_model(name)
+    except USER_ERRORS as exc:
+        _fail(str(exc))
+
+
 def _setup(threads: int | None) -> None:
     import torch
 
@@ -92,25 +105,77 @@ def import_gguf_cmd(
 
 @app.command("train-adapter")
 def train_adapter_cmd(
-    model: Path = typer.Option(..., help="checkpoint directory"),
+    model: str = typer.Option("smollm2", help="smollm2, demo, or a checkpoint directory"),
     split_layers: int = typer.Option(2, "--split-layers", help="m: decoder layers on the device"),
     steps: int = typer.Option(300, help="training steps"),
+    variant: str = typer.Option("feature", help="hat (one attention block), fusion (+ token embedding), "
+                                "feature (+ previous deep state); chat models only"),
+    mlp: bool = typer.Option(True, "--mlp/--no-mlp", help="append the template layer's MLP (chat models only)"),
     out: Optional[Path] = typer.Option(None, help="default: MODEL/draft_adapter.safetensors"),
 ):
-    """Distil HAT's draft adapter from the middle submodel (eq. 4)."""
-    from tophatctl.demo_model.train_adapter import AdapterTrainConfig, train_adapter
+    """Distil a draft adapter from the middle submodel (HAT eq. 4). A chat model is distilled on its
+    own answers to prompts built from this machine's docs; the demo model on its code corpus."""
+    from shared.model.adapter import AdapterSpec
+    from shared.model.checkpoint import load_checkpoint
+    from tophatctl.models import resolve_model
 
     _setup(None)
+    logging.getLogger("tophatctl").setLevel(logging.INFO)
     try:
-        report = train_adapter(model, AdapterTrainConfig(split_layers=split_layers, steps=steps), out)
+        model_dir = resolve_model(model)
+        checkpoint = load_checkpoint(model_dir)
+        if getattr(checkpoint.tokenizer, "chat_template", None):
+            from tophatctl.adapter_training.distill import DistillConfig
+            from tophatctl.adapter_training.run import DataConfig, train_chat_adapter
+
+            report = train_chat_adapter(checkpoint, AdapterSpec(variant, mlp),
+                                        DistillConfig(split_layers=split_layers, steps=steps), DataConfig(), out)
+        else:
+            from tophatctl.demo_model.train_adapter import AdapterTrainConfig, train_adapter
+
+            report = train_adapter(model_dir, AdapterTrainConfig(split_layers=split_layers, steps=steps), out)
     except USER_ERRORS as exc:
         _fail(str(exc))
     typer.echo(json.dumps(report, indent=2))
 
 
+@app.command("adapter-sweep")
+def adapter_sweep_cmd(
+    model: str = typer.Option("smollm2", help="a chat model: smollm2 or a checkpoint directory"),
+    split_layers: int = typer.Option(2, "--split-layers", help="m for the variant comparison"),
+    steps: int = typer.Option(150, help="training steps per adapter (the same for every row)"),
+    eval_prompts: int = typer.Option(12, help="held-out chat prompts per evaluation"),
+    eval_new_tokens: int = typer.Option(48),
+    out: Path = typer.Option(Path("bench-results/adapter-sweep.json")),
+):
+    """Adapter variants side by side on the same data and steps, then the best variant at m = 1..4."""
+    from shared.model.adapter import AdapterSpec
+    from shared.model.checkpoint import load_checkpoint
+    from tophatctl.adapter_training.distill import DistillConfig
+    from tophatctl.adapter_training.run import DataConfig, sweep
+    from tophatctl.models import resolve_model
+
+    _setup(None)
+    logging.getLogger("tophatctl").setLevel(logging.INFO)
+    specs = [AdapterSpec("hat"), AdapterSpec("fusion"), AdapterSpec("feature"), AdapterSpec("feature", mlp=True)]
+    try:
+        checkpoint = load_checkpoint(resolve_model(model))
+        rows = sweep(checkpoint, DistillConfig(split_layers=split_layers, steps=steps), DataConfig(), specs,
+                     eval_prompts, eval_new_tokens)
+    except USER_ERRORS as exc:
+        _fail(str(exc))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    typer.echo(f"{'variant':14s} {'m':>2s} {'accept len':>10s} {'draft ms/round':>14s} {'train s':>8s}  distribution")
+    for row in rows:
+        held = row["held_out"]
+        typer.echo(f"{row['variant']:14s} {row['config']['split_layers']:2d} {held['mean_accept_length']:10.3f} "
+                   f"{held['draft_ms_per_round']:14.2f} {row['train_seconds']:8.0f}  {held['distribution']}")
+
+
 @app.command()
 def generate(
-    model: Path = typer.Option(..., help="a local Llama-family checkpoint directory"),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
     prompt: Optional[str] = typer.Option(None, help="prompt text"),
     prompt_ids: Optional[str] = typer.Option(None, help="comma-separated token ids"),
     max_new_tokens: int = typer.Option(64),
@@ -137,7 +202,7 @@ def generate(
 
     _setup(threads)
     try:
-        checkpoint = load_checkpoint(model)
+        checkpoint = load_checkpoint(_model(model))
         ids = encode_prompt(checkpoint, prompt, _parse_ids(prompt_ids))
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
         if mode is Mode.full:
@@ -175,7 +240,7 @@ def generate(
 @app.command()
 def up(
     devices: int = typer.Option(1, "--devices", help="number of device agents"),
-    model: Path = typer.Option(Path("models/demo"), help="checkpoint directory"),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
     redis_url: Optional[str] = typer.Option(None, help="external Redis (default: embedded redis-server)"),
     port_base: int = typer.Option(8000, help="token-streamer port; the others are laid out from it"),
     split_layers: int = typer.Option(2, "--split-layers"),
@@ -196,7 +261,7 @@ def up(
     from tophatctl.launcher import Mesh, MeshConfig, MeshStartError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = MeshConfig(model_dir=str(model), num_devices=devices, port_base=port_base, redis_url=redis_url,
+    config = MeshConfig(model_dir=str(_model(model)), num_devices=devices, port_base=port_base, redis_url=redis_url,
                         split_layers=split_layers, speculative=not no_speculation, adapter=adapter,
                         link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
                         device_env={"prompt_chunking": str(prompt_chunking).lower(),
@@ -247,7 +312,7 @@ def bench(
     num_requests: int = typer.Option(16, help="requests per mode and rate"),
     max_new_tokens: int = typer.Option(32),
     seed: int = typer.Option(0),
-    model: Path = typer.Option(Path("models/demo")),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
     out: Path = typer.Option(Path("bench-results"), help="results, tables and plots go here"),
     ablation: bool = typer.Option(False, "--ablation", help="HAT Table 5 (SD/PC/PD on and off), both workloads"),
     sim_check: bool = typer.Option(False, "--sim-check", help="real mesh vs `tophat simulate` calibrated from it"),
@@ -262,12 +327,19 @@ def bench(
     except ValueError as exc:
         _fail(str(exc))
     workloads = ["specbench", "cnndm"] if ablation else [w.strip() for w in workload.split(",")]
+    model_dir = str(_model(model))
+    from tophatctl.launcher import MeshConfig, MeshStartError, mesh_model_dir
+
+    try:  # the meshes below run speculative devices: a missing draft adapter is a clear error up front
+        mesh_model_dir(MeshConfig(model_dir=model_dir))
+    except MeshStartError as exc:
+        _fail(str(exc))
     if sim_check:
         from loadgen.bench import sim_vs_real
 
         text = sim_vs_real(workload=workloads[0], rates=rate_list, num_requests=num_requests,
                            max_new_tokens=max_new_tokens, seed=seed, out=out, devices=devices,
-                           link=link_profile, model_dir=str(model), modes=modes.split(","))
+                           link=link_profile, model_dir=model_dir, modes=modes.split(","))
         out.mkdir(parents=True, exist_ok=True)
         (out / "sim-check.txt").write_text(text)
         typer.echo(text)
@@ -284,7 +356,7 @@ def bench(
             baseline, title = "ushape", f"{name}, link {link_profile}, {devices} devices"
         results = run_modes(chosen, workload=name, rates=rate_list, num_requests=num_requests,
                             max_new_tokens=max_new_tokens, seed=seed, out=out, devices=devices,
-                            link=link_profile, model_dir=str(model))
+                            link=link_profile, model_dir=model_dir)
         table = format_table(results, baseline, title)
         save_table(out, f"{'ablation' if ablation else 'bench'}-{name}", table, results)
         plot_modes(out, name, results, f"{'ablation' if ablation else 'bench'}-{name}")

@@ -1,41 +1,76 @@
 """`make demo`: start the mesh, stream answers to a few prompts through the chat client, stop.
 
-The demo model is a small Llama trained on Python's standard library, so the
-prompts are code and the answers are (plausible-looking) code.
+`--model smollm2` (the default, SmolLM2-135M-Instruct) is asked what a user would ask; its
+chat template is applied on the device. `--model demo` (a small Llama trained on Python's
+standard library) has no chat template and writes code, so it gets code to continue.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import logging
 import sys
+from pathlib import Path
 
 from tophatctl.chat_client import run_chat
 from tophatctl.launcher import Mesh, MeshConfig, MeshStartError, find_port_base
+from shared.model.checkpoint import ModelLoadError
+from tophatctl.models import DEFAULT_MODEL
 
-PROMPTS = [
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for writing clear Python functions.",
+    "Explain what a hash table is in two sentences.",
+]
+CODE_PROMPTS = [  # for the demo model, which continues code rather than chatting
     "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return the .py files under root.\"\"\"\n",
     "class LRUCache:\n    def __init__(self, capacity):\n",
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
 ]
 
 
-def main() -> int:
+def has_chat_template(model_dir: Path) -> bool:
+    """Whether the checkpoint's tokenizer ships a chat template (read from its files, no tokenizer load)."""
+    if (model_dir / "chat_template.jinja").is_file():
+        return True
+    try:
+        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tophatctl.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="smollm2 | demo | a checkpoint directory")
+    parser.add_argument("--adapter", default="",
+                        help="draft adapter file or 'random' (default: the model's draft_adapter.safetensors)")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    config = MeshConfig(num_devices=2, port_base=find_port_base(2))
-    print(f"starting the mesh (2 device agents, logs in {config.log_dir or 'a temp dir'}) ...", flush=True)
+    config = MeshConfig(model_dir=args.model, adapter=args.adapter, num_devices=args.devices,
+                        port_base=find_port_base(args.devices))
+    print(f"starting the mesh ({args.model}, {args.devices} device agents) ...", flush=True)
     try:
         mesh = Mesh(config).start()
-    except MeshStartError as exc:
+    except (MeshStartError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    prompts = CHAT_PROMPTS if has_chat_template(mesh.model_dir) else CODE_PROMPTS
     status = 0
     try:
+        print(f"  logs in {config.log_dir}")
         for name, url in mesh.urls().items():
             print(f"  {name:16s} {url}")
-        for prompt in PROMPTS:
+        for prompt in prompts:
             print("\n>>> " + prompt.replace("\n", "\n... "), flush=True)
-            status |= asyncio.run(run_chat(config.streamer_url, prompt, max_tokens=64, temperature=0.0))
+            status |= asyncio.run(run_chat(config.streamer_url, prompt, max_tokens=args.max_tokens, temperature=0.0))
     finally:
         mesh.stop()
         print("\nmesh stopped")

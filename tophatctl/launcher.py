@@ -115,6 +115,24 @@ class MeshConfig:
     device_hosts: dict[int, str] = field(default_factory=dict)  # filled when devices live in namespaces
 
 
+def mesh_model_dir(config: MeshConfig) -> Path:
+    """The mesh's checkpoint directory, checked before any process starts: a speculative mesh needs a
+    draft adapter, and a missing one is a choice for the operator to make, not a device crash."""
+    from shared.model.adapter import ADAPTER_FILENAME
+    from tophatctl.models import resolve_model
+
+    path = resolve_model(config.model_dir).resolve()
+    if not (path / "config.json").is_file():
+        raise MeshStartError(f"{path} is not a checkpoint directory (no config.json); "
+                             "a model is smollm2, demo or a checkpoint directory")
+    if config.speculative and not config.adapter and not (path / ADAPTER_FILENAME).is_file():
+        raise MeshStartError(
+            f"{path} has no draft adapter ({ADAPTER_FILENAME}). Train one (`tophat train-adapter --model "
+            f"{path}`), or choose: --adapter random (untrained: still lossless, but it accepts "
+            "almost nothing, so speculation gains nothing) or --no-speculation (plain U-shape)")
+    return path
+
+
 @dataclass
 class ServiceProcess:
     name: str
@@ -135,6 +153,7 @@ class Mesh:
         self.redis: EmbeddedRedis | None = None
         self.redis_url: str | None = None
         self.services: list[ServiceProcess] = []
+        self.model_dir: Path | None = None  # the resolved checkpoint directory, once started
         self.netns_links: list = []
         if config.log_dir is None:
             import tempfile
@@ -173,21 +192,6 @@ class Mesh:
                     raise MeshStartError(f"not ready after {self.config.ready_timeout_s}s: {names}\n{pending[0].log_tail()}")
                 if pending:
                     time.sleep(0.2)
-
-    def _model_dir(self) -> Path:
-        """The checkpoint directory, checked before any process starts: a speculative mesh needs a draft
-        adapter, and a missing one is a choice for the operator to make, not a device crash."""
-        from shared.model.adapter import ADAPTER_FILENAME
-        from tophatctl.models import resolve_model
-
-        cfg = self.config
-        path = resolve_model(cfg.model_dir).resolve()
-        if cfg.speculative and not cfg.adapter and not (path / ADAPTER_FILENAME).is_file():
-            raise MeshStartError(
-                f"{path} has no draft adapter ({ADAPTER_FILENAME}). Train one (`tophat train-adapter --model "
-                f"{cfg.model_dir}`), or choose: --adapter random (untrained: still lossless, but it accepts "
-                "almost nothing, so speculation gains nothing) or --no-speculation (plain U-shape)")
-        return path
 
     def _use_netns(self) -> bool:
         from tophatctl.netns import netns_support
@@ -245,7 +249,8 @@ class Mesh:
     def start(self) -> "Mesh":
         cfg = self.config
         try:
-            model_dir = str(self._model_dir())
+            self.model_dir = mesh_model_dir(cfg)
+            model_dir = str(self.model_dir)
             self.redis_url = cfg.redis_url
             if self.redis_url is None:
                 self.redis = EmbeddedRedis().start()
