@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from tophatctl.demo_model.corpus import held_out_prompts, iter_corpus_files, split_corpus
@@ -25,6 +24,7 @@ from shared.model.checkpoint import Checkpoint, ModelLoadError, load_checkpoint
 from shared.model.split import MiddleSubmodel
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
 from shared.specdec.engine import LocalCloud, generate
+from tophatctl.adapter_training.distill import distillation_loss
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +63,6 @@ def _targets(checkpoint: Checkpoint, batch: torch.Tensor, split_layers: int) -> 
     finally:
         hook.remove()
     return out.hidden_states[split_layers], captured["f_l"]  # each [B, S, H]
-
-
-def distillation_loss(checkpoint: Checkpoint, f_student: torch.Tensor, f_teacher: torch.Tensor, w_ce: float) -> torch.Tensor:
-    head = lambda f: checkpoint.model.lm_head(checkpoint.model.model.norm(f))  # noqa: E731
-    with torch.no_grad():
-        teacher_probs = torch.softmax(head(f_teacher), dim=-1)  # [B, S, V]
-    student_logits = head(f_student)
-    ce = -(teacher_probs * F.log_softmax(student_logits, dim=-1)).sum(-1).mean()
-    return F.smooth_l1_loss(f_student, f_teacher) + w_ce * ce
 
 
 def evaluate_accept_length(checkpoint: Checkpoint, adapter: DraftAdapter, cfg: AdapterTrainConfig) -> dict:

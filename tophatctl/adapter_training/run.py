@@ -1,0 +1,97 @@
+"""`tophat train-adapter` for chat models and `tophat adapter-sweep`: build (or reuse) the
+distillation data, train, measure acceptance on the held-out chat prompts, save.
+
+    tophat train-adapter --model smollm2 --variant feature --mlp --split-layers 2
+    tophat adapter-sweep --model smollm2          # variants at one m, then the best one at m = 1..4
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec
+from shared.model.checkpoint import Checkpoint, ModelLoadError
+from tophatctl.adapter_training.dataset import DistillData, build_distill_data
+from tophatctl.adapter_training.distill import DistillConfig, evaluate_accept_length, train_adapter
+from tophatctl.adapter_training.prompts import HELD_OUT_CHAT_PROMPTS, teacher_forced_texts, training_prompts
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = Path("build/adapter-data")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    prompts: int = 320
+    texts: int = 160
+    max_new_tokens: int = 96
+    max_m: int = 4
+    seed: int = 0
+
+
+def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig) -> DistillData:
+    if checkpoint.tokenizer is None or not getattr(checkpoint.tokenizer, "chat_template", None):
+        raise ModelLoadError(f"{checkpoint.path} has no chat template; distilling on its own answers needs one")
+    path = DATA_DIR / f"{checkpoint.path.name}-p{cfg.prompts}-t{cfg.texts}-n{cfg.max_new_tokens}-m{cfg.max_m}-s{cfg.seed}.pt"
+    if path.is_file():
+        log.info("reusing distillation data %s", path)
+        return DistillData.load(path)
+    prompts = training_prompts(cfg.prompts, cfg.seed)
+    overlap = set(prompts) & set(HELD_OUT_CHAT_PROMPTS)
+    if overlap:  # training_prompts excludes them; this guards the guarantee the numbers rest on
+        raise RuntimeError(f"held-out prompts leaked into training: {sorted(overlap)}")
+    data = build_distill_data(checkpoint, prompts, teacher_forced_texts(cfg.texts, cfg.seed), cfg.max_m,
+                              cfg.max_new_tokens)
+    data.save(path)
+    log.info("distillation data: %d sequences, %d tokens, built in %.0f s -> %s", len(data.sequences),
+             data.num_tokens, data.build_seconds, path)
+    return data
+
+
+def train_and_evaluate(checkpoint: Checkpoint, data: DistillData, spec: AdapterSpec, cfg: DistillConfig,
+                       eval_prompts: int, eval_new_tokens: int):
+    adapter, report = train_adapter(checkpoint, data, spec, cfg)
+    started = time.monotonic()
+    report["held_out"] = evaluate_accept_length(checkpoint, adapter, list(HELD_OUT_CHAT_PROMPTS[:eval_prompts]),
+                                                max_new_tokens=eval_new_tokens)
+    report["eval_seconds"] = round(time.monotonic() - started, 1)
+    log.info("%s m=%d: %s", spec.name, cfg.split_layers, report["held_out"])
+    return adapter, report
+
+
+def train_chat_adapter(checkpoint: Checkpoint, spec: AdapterSpec, cfg: DistillConfig, data_cfg: DataConfig,
+                       out: Path | None, eval_prompts: int = len(HELD_OUT_CHAT_PROMPTS),
+                       eval_new_tokens: int = 64) -> dict:
+    started = time.monotonic()
+    data = load_or_build_data(checkpoint, data_cfg)
+    adapter, report = train_and_evaluate(checkpoint, data, spec, cfg, eval_prompts, eval_new_tokens)
+    report["data"] = {"sequences": len(data.sequences), "tokens": data.num_tokens,
+                      "build_seconds": data.build_seconds, **vars(data_cfg)}
+    report["wall_seconds"] = round(time.monotonic() - started + data.build_seconds, 1)
+    out = out or checkpoint.path / ADAPTER_FILENAME
+    adapter.save(out, extra_metadata=report)
+    out.with_name("adapter_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    log.info("adapter saved to %s", out)
+    return report
+
+
+def sweep(checkpoint: Checkpoint, cfg: DistillConfig, data_cfg: DataConfig, specs: list[AdapterSpec],
+          eval_prompts: int, eval_new_tokens: int) -> list[dict]:
+    """Each variant on the same data and steps at cfg.split_layers, then the best at m = 1..max_m."""
+    data = load_or_build_data(checkpoint, data_cfg)
+    rows = []
+    for spec in specs:
+        _, report = train_and_evaluate(checkpoint, data, spec, cfg, eval_prompts, eval_new_tokens)
+        rows.append(report)
+    best = max(rows, key=lambda r: r["held_out"]["mean_accept_length"])
+    best_spec = AdapterSpec(best["variant"].removesuffix("+mlp"), best["variant"].endswith("+mlp"))
+    for m in range(1, data.max_m + 1):
+        if m != cfg.split_layers:
+            _, report = train_and_evaluate(checkpoint, data, best_spec, replace(cfg, split_layers=m),
+                                           eval_prompts, eval_new_tokens)
+            rows.append(report)
+    return rows
