@@ -9,11 +9,14 @@ with any adapter, so the answers are the same."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
 import pytest
 
+from services.device_agent.__main__ import missing_adapter
+from services.device_agent.settings import Settings as DeviceSettings
 from shared.chat import ChatTemplateError, chat_prompt_ids, plain_chat_text
 from shared.model.checkpoint import load_checkpoint
 from shared.runtime import encode_prompt
@@ -97,6 +100,11 @@ def test_a_missing_adapter_is_a_clear_choice_before_anything_starts(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(MeshStartError, match="--adapter random"):
         Mesh(MeshConfig(model_dir=str(tmp_path), log_dir=tmp_path / "logs")).start()
+    # a device agent started on its own says the same in one line, before loading the model
+    settings = DeviceSettings(model_dir=str(tmp_path))
+    assert "TOPHAT_DEVICE_ADAPTER=random" in missing_adapter(settings)
+    assert missing_adapter(dataclasses.replace(settings, adapter="random")) is None
+    assert missing_adapter(dataclasses.replace(settings, speculative=False)) is None
 
 
 # -- through the real mesh -------------------------------------------------------------------------
