@@ -163,7 +163,10 @@ def test_two_turn_chat_through_the_openai_client(mesh, smollm2):
 def test_completions_stay_raw_text(mesh, smollm2):
     prompt = "The capital of France is"
     ids = smollm2.tokenizer.encode(prompt, add_special_tokens=False)
-    reply = openai_client(mesh).completions.create(model="smollm2", prompt=prompt, max_tokens=6, temperature=0)
+    client = openai_client(mesh)
+    assert [m.id for m in client.models.list()] == ["smollm2"]  # the mesh names the model it serves
+    reply = client.completions.create(model="smollm2", prompt=prompt, max_tokens=6, temperature=0)
+    assert reply.model == "smollm2"
     assert reply.usage.prompt_tokens == len(ids)  # no template around it
     assert reply.choices[0].text == smollm2.tokenizer.decode(generate_full(smollm2, ids, 6).token_ids,
                                                              skip_special_tokens=True)

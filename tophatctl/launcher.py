@@ -284,6 +284,7 @@ class Mesh:
                 "TOPHAT_STREAMER_PORT": str(cfg.port_base),
                 "TOPHAT_STREAMER_DEVICE_URLS": ",".join(cfg.device_url(i) for i in range(cfg.num_devices)),
                 "TOPHAT_STREAMER_STATE_MONITOR_URL": cfg.monitor_url,
+                "TOPHAT_STREAMER_MODEL_NAME": self.model_dir.name,  # what /v1/models lists: smollm2, demo, ...
             }, f"{cfg.streamer_url}/readyz")
             self._wait_ready([streamer])
         except BaseException:
