@@ -69,6 +69,48 @@ class DelayedCloud(LocalCloud):
         return await super().verify(*args)
 
 
+def bench_prompts(checkpoint, count: int) -> list[list[int]]:
+    """Held-out chat prompts through the model's chat template; held-out stdlib code for a model
+    without one (the demo model)."""
+    if getattr(checkpoint.tokenizer, "chat_template", None):
+        from tophatctl.adapter_training.dataset import chat_prompt_ids
+        from tophatctl.adapter_training.prompts import HELD_OUT_CHAT_PROMPTS
+
+        return [chat_prompt_ids(checkpoint, p) for p in HELD_OUT_CHAT_PROMPTS[:count]]
+    return [checkpoint.tokenizer.encode(p, add_special_tokens=False) for p in held_out_prompts(count, seed=11)]
+
+
+@torch.inference_mode()
+def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, threads: int) -> dict[str, float]:
+    """Tokens/s of plain greedy decoding after the prompt, one token per pass: the project's own
+    layer runner over all layers, and transformers' generate, on the same prompt and threads."""
+    from shared.model.split import LayerRange, OutputSubmodel
+
+    torch.set_num_threads(threads)
+    whole, head = LayerRange(checkpoint, 0, checkpoint.num_layers), OutputSubmodel(checkpoint)
+    embed = checkpoint.model.model.embed_tokens
+    rates = {}
+    for _ in range(2):  # the first round warms both up
+        cache = whole.new_cache()
+        hidden = whole.forward_packed(embed(torch.tensor(prompt_ids)), [cache], [len(prompt_ids)])
+        token = int(head(hidden[-1:])[0].argmax())
+        started = time.perf_counter()
+        for _ in range(new_tokens):
+            hidden = whole.forward_packed(embed(torch.tensor([token])), [cache], [1])
+            token = int(head(hidden)[0].argmax())
+        rates["tophat runner"] = new_tokens / (time.perf_counter() - started)
+        cache.free()
+        ids = torch.tensor([prompt_ids])
+        prefill_started = time.perf_counter()
+        checkpoint.model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        prefill_s = time.perf_counter() - prefill_started
+        started = time.perf_counter()
+        checkpoint.model.generate(input_ids=ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1,
+                                  do_sample=False, pad_token_id=0)
+        rates["transformers generate"] = new_tokens / (time.perf_counter() - started - prefill_s)
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
@@ -88,10 +130,16 @@ def main() -> None:
     hat_device = build_device_model(checkpoint, m, args.adapter, speculative=True)
     ushape_device = build_device_model(checkpoint, m, None, speculative=False)
     middle = MiddleSubmodel(checkpoint, m)
-    prompts = [checkpoint.tokenizer.encode(p, add_special_tokens=False) for p in held_out_prompts(args.prompts, seed=11)]
+    prompts = bench_prompts(checkpoint, args.prompts)
 
     print(f"model {args.model}: {checkpoint.num_layers} layers, hidden {checkpoint.hidden_size}, m={m}, "
           f"eta={args.eta}, max draft {args.max_draft}, {args.prompts} held-out prompts, torch threads {args.threads}")
+    print("\nunsplit greedy decode, same prompt, tokens/s (anchor from issue 10: llama.cpp on this GGUF, 62 on 1 "
+          "thread, 83 on 2):")
+    for threads in (1, args.threads):
+        rates = unsplit_decode_rates(checkpoint, prompts[0], 64, threads)
+        print(f"  {threads} thread(s): " + ", ".join(f"{name} {rate:5.1f}" for name, rate in rates.items()))
+    torch.set_num_threads(args.threads)
     draft_ms = _median_ms([time_draft_steps(hat_device, p, 8) for p in prompts[:4]])
     print(f"\ndraft step (input layers + adapter + head): {draft_ms:.2f} ms")
     print("\nverify pass (middle submodel, 128-token context) by number of draft tokens k:")

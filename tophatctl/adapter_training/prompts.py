@@ -7,6 +7,7 @@ are never used for training.
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import re
 from pathlib import Path
@@ -77,6 +78,7 @@ def _clean(text: str, max_chars: int) -> str:
     return cut[: cut.rfind(" ")] if " " in cut else cut
 
 
+@functools.cache
 def stdlib_docstrings(max_chars: int = 300) -> list[tuple[str, str]]:
     """(qualified name, first paragraph of its docstring) for public stdlib functions and classes."""
     found = []
