@@ -2,6 +2,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
+MODEL ?= smollm2
 
 .PHONY: install test demo bench bench-ablation bench-core bench-hat bench-sim clean
 
@@ -26,29 +28,29 @@ test: install
 	$(BIN)/python -m pytest -q
 
 demo: install
-	$(BIN)/python -m tophatctl.demo
+	$(BIN)/python -m tophatctl.demo --model $(MODEL)
 
 bench-core: install
-	$(BIN)/python -m loadgen.bench_core
+	$(BIN)/python -m loadgen.bench_core --model $(MODEL)
 
 clean:
 	rm -rf $(VENV)
 
 bench-hat: install
-	$(BIN)/python -m loadgen.bench_hat
+	$(BIN)/python -m loadgen.bench_hat --model $(MODEL)
 
 # HAT against its baselines on one mesh, same arrival trace; leaves tables, CSVs and plots in bench-results/
 bench: install
-	$(BIN)/tophat bench --workload specbench --rates 0.5,1,2 --modes ushape,usarathi,cloud,hat \
+	$(BIN)/tophat bench --model $(MODEL) --workload specbench --rates 0.5,1,2 --modes ushape,usarathi,cloud,hat \
 		--link-profile mid --devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 
 bench-ablation: install
-	$(BIN)/tophat bench --ablation --rates 1 --link-profile mid --devices 2 --num-requests 12 \
+	$(BIN)/tophat bench --model $(MODEL) --ablation --rates 1 --link-profile mid --devices 2 --num-requests 12 \
 		--max-new-tokens 32 --out bench-results
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
 bench-sim: install
-	$(BIN)/tophat bench --sim-check --workload specbench --rates 0.5,1 --modes ushape,hat --link-profile mid \
+	$(BIN)/tophat bench --model $(MODEL) --sim-check --workload specbench --rates 0.5,1 --modes ushape,hat --link-profile mid \
 		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
 		--out bench-results/simulate-30

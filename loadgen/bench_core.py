@@ -17,6 +17,7 @@ import torch
 
 from tophatctl.demo_model.corpus import held_out_prompts
 from tophatctl.models import resolve_model
+from shared.chat import has_chat_template
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel
 from shared.runtime import build_device_model
@@ -72,11 +73,11 @@ class DelayedCloud(LocalCloud):
 def bench_prompts(checkpoint, count: int) -> list[list[int]]:
     """Held-out chat prompts through the model's chat template; held-out stdlib code for a model
     without one (the demo model)."""
-    if getattr(checkpoint.tokenizer, "chat_template", None):
-        from tophatctl.adapter_training.dataset import chat_prompt_ids
+    if has_chat_template(checkpoint.tokenizer):
+        from tophatctl.adapter_training.dataset import user_prompt_ids
         from tophatctl.adapter_training.prompts import HELD_OUT_CHAT_PROMPTS
 
-        return [chat_prompt_ids(checkpoint, p) for p in HELD_OUT_CHAT_PROMPTS[:count]]
+        return [user_prompt_ids(checkpoint, p) for p in HELD_OUT_CHAT_PROMPTS[:count]]
     return [checkpoint.tokenizer.encode(p, add_special_tokens=False) for p in held_out_prompts(count, seed=11)]
 
 

@@ -115,6 +115,7 @@ def train_adapter_cmd(
 ):
     """Distil a draft adapter from the middle submodel (HAT eq. 4). A chat model is distilled on its
     own answers to prompts built from this machine's docs; the demo model on its code corpus."""
+    from shared.chat import has_chat_template
     from shared.model.adapter import AdapterSpec
     from shared.model.checkpoint import load_checkpoint
     from tophatctl.models import resolve_model
@@ -124,7 +125,7 @@ def train_adapter_cmd(
     try:
         model_dir = resolve_model(model)
         checkpoint = load_checkpoint(model_dir)
-        if getattr(checkpoint.tokenizer, "chat_template", None):
+        if has_chat_template(checkpoint.tokenizer):
             from tophatctl.adapter_training.distill import DistillConfig
             from tophatctl.adapter_training.run import DataConfig, train_chat_adapter
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from shared.chat import chat_prompt_ids
 from shared.model.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,9 @@ class DistillData:
         return cls([DistillSequence(**s) for s in raw["sequences"]], raw["max_m"], raw["build_seconds"])
 
 
-def chat_prompt_ids(checkpoint: Checkpoint, prompt: str) -> list[int]:
-    return list(checkpoint.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                          add_generation_prompt=True, return_dict=False))
+def user_prompt_ids(checkpoint: Checkpoint, prompt: str) -> list[int]:
+    """One user turn through the model's chat template, ready for the assistant's answer."""
+    return chat_prompt_ids(checkpoint.tokenizer, [{"role": "user", "content": prompt}])
 
 
 @torch.inference_mode()
@@ -62,7 +63,7 @@ def generate_answers(checkpoint: Checkpoint, prompts: list[str], max_new_tokens:
     answers: list[list[int]] = []
     started = time.monotonic()
     for start in range(0, len(prompts), batch_size):
-        batch = [chat_prompt_ids(checkpoint, p) for p in prompts[start : start + batch_size]]
+        batch = [user_prompt_ids(checkpoint, p) for p in prompts[start : start + batch_size]]
         width = max(len(ids) for ids in batch)
         input_ids = torch.tensor([[eos] * (width - len(ids)) + ids for ids in batch])  # [B, W]
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
@@ -105,7 +106,7 @@ def build_distill_data(checkpoint: Checkpoint, prompts: list[str], texts: list[s
     pairs: list[tuple[list[int], int]] = []
     answers = generate_answers(checkpoint, prompts, max_new_tokens, batch_size)
     for prompt, answer in zip(prompts, answers):
-        prompt_ids = chat_prompt_ids(checkpoint, prompt)
+        prompt_ids = user_prompt_ids(checkpoint, prompt)
         if answer and len(prompt_ids) < max_len - 8:
             pairs.append(((prompt_ids + answer)[:max_len], len(prompt_ids)))
     for text in texts:

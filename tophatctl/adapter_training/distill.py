@@ -26,7 +26,7 @@ from shared.model.checkpoint import Checkpoint
 from shared.model.split import MiddleSubmodel
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
 from shared.specdec.engine import LocalCloud, generate
-from tophatctl.adapter_training.dataset import DistillData, chat_prompt_ids
+from tophatctl.adapter_training.dataset import DistillData, user_prompt_ids
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def evaluate_accept_length(checkpoint: Checkpoint, adapter: DraftAdapter, prompt
     lengths: list[int] = []
     draft_seconds = 0.0
     for index, prompt in enumerate(prompts):
-        session = DeviceSession(device, chat_prompt_ids(checkpoint, prompt), draft_config=DraftConfig(eta=eta),
+        session = DeviceSession(device, user_prompt_ids(checkpoint, prompt), draft_config=DraftConfig(eta=eta),
                                 max_new_tokens=max_new_tokens)
         lengths += asyncio.run(generate(session, cloud, session_id=index + 1)).accept_lengths
         draft_seconds += sum(seconds for seconds, _ in session.draft_seconds)

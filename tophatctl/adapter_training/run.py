@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from shared.chat import has_chat_template
 from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec
 from shared.model.checkpoint import Checkpoint, ModelLoadError
 from tophatctl.adapter_training.dataset import DistillData, build_distill_data
@@ -34,7 +35,7 @@ class DataConfig:
 
 
 def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig) -> DistillData:
-    if checkpoint.tokenizer is None or not getattr(checkpoint.tokenizer, "chat_template", None):
+    if not has_chat_template(checkpoint.tokenizer):
         raise ModelLoadError(f"{checkpoint.path} has no chat template; distilling on its own answers needs one")
     path = DATA_DIR / f"{checkpoint.path.name}-p{cfg.prompts}-t{cfg.texts}-n{cfg.max_new_tokens}-m{cfg.max_m}-s{cfg.seed}.pt"
     if path.is_file():
