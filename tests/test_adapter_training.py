@@ -12,7 +12,8 @@ from shared.model.adapter import AdapterSpec
 from shared.model.split import InputSubmodel
 from tophatctl.adapter_training.dataset import DistillData, extract_states
 from tophatctl.adapter_training.distill import DistillConfig, _batch, train_adapter
-from tophatctl.adapter_training.prompts import HELD_OUT_CHAT_PROMPTS, debian_packages, training_prompts
+from tophatctl.adapter_training.prompts import (HELD_OUT_CHAT_PROMPTS, debian_packages, general_prompts,
+                                               training_prompts)
 
 
 def _random_sequences(checkpoint, count: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -64,9 +65,10 @@ def test_training_lowers_the_distillation_loss(tiny_checkpoint, spec):
         train_adapter(tiny_checkpoint, data, spec, DistillConfig(split_layers=3, steps=1))
 
 
-def test_training_prompts_are_deterministic_and_never_held_out():
-    prompts = training_prompts(60, seed=3)
-    assert prompts == training_prompts(60, seed=3)
+@pytest.mark.parametrize("build", [training_prompts, general_prompts], ids=lambda f: f.__name__)
+def test_training_prompts_are_deterministic_and_never_held_out(build):
+    prompts = build(60, seed=3)
+    assert prompts == build(60, seed=3)
     assert len(set(prompts)) == 60
     assert not set(prompts) & set(HELD_OUT_CHAT_PROMPTS)
 

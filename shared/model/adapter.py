@@ -107,6 +107,10 @@ class DraftAdapter(torch.nn.Module):
             return shallow
         if side is None or side.shape != shallow.shape:
             raise AdapterError(f"the {self.spec.name} adapter needs a side input shaped like {tuple(shallow.shape)}")
+        if self.spec.side_input == "feature":
+            # deep states carry massive activations (SmolLM2: a few dimensions near 2700, mean 22):
+            # read their direction, as the model's own final norm does, not their scale
+            side = side * torch.rsqrt(side.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(side.dtype)
         pair = (side, shallow) if self.spec.side_input == "embedding" else (shallow, side)
         return self.fuse(torch.cat(pair, dim=-1))
 

@@ -60,7 +60,7 @@ _PACKAGE_TEMPLATES = (
     "Who would need {name}, and why? Description: {text}",
     "List three things a user can do with {name}. It is described as: {text}",
 )
-_GENERAL_TEMPLATES = (
+_TOPIC_TEMPLATES = (
     "What is {topic}?",
     "Explain {topic} in two sentences.",
     "Give me three facts about {topic}.",
@@ -68,6 +68,24 @@ _GENERAL_TEMPLATES = (
     "Why is {topic} important?",
     "How would you teach {topic} to a child?",
 )
+_GENERAL_TEMPLATES = _TOPIC_TEMPLATES + (
+    "Write a short poem about {topic}.",
+    "Give me some tips about {topic}.",
+    "What are the pros and cons of {topic}?",
+    "Tell me a short story that involves {topic}.",
+    "How does {topic} work?",
+    "What is the difference between {topic} and {other}?",
+    "Write a friendly message to a colleague about {topic}.",
+    "List five words related to {topic}.",
+    "What would a beginner need to know about {topic}?",
+    "Describe {topic} to someone who has never seen it.",
+    "Summarize the history of {topic} in a few sentences.",
+    "What questions should I ask before choosing {topic}?",
+)
+_STOP_WORDS = frozenset(
+    "this that with from have will when which their there these those into then than been were what where "
+    "return returns value values none true false object objects default given used using uses only also more "
+    "must should would could other each such some does like same just them they your first last used".split())
 
 
 def _clean(text: str, max_chars: int) -> str:
@@ -131,9 +149,36 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
             name, text = rng.choice(packages)
             prompt = rng.choice(_PACKAGE_TEMPLATES).format(name=name, text=text)
         elif topics:
-            prompt = rng.choice(_GENERAL_TEMPLATES).format(topic=rng.choice(topics))
+            prompt = rng.choice(_TOPIC_TEMPLATES).format(topic=rng.choice(topics))
         else:
             continue
+        if prompt not in held_out:
+            prompts.add(prompt)
+    return sorted(prompts, key=lambda p: rng.random())
+
+
+@functools.cache
+def common_words(count: int = 1500) -> list[str]:
+    """The most frequent plain English words of the docstrings and package descriptions: the
+    everyday topics those texts talk about (file, music, network, language, image, ...)."""
+    from collections import Counter
+
+    words = Counter(w for _, text in stdlib_docstrings() + debian_packages()
+                    for w in re.findall(r"\b[a-z]{4,12}\b", text))
+    return [w for w, _ in words.most_common(count + len(_STOP_WORDS)) if w not in _STOP_WORDS][:count]
+
+
+def general_prompts(count: int, seed: int = 0) -> list[str]:
+    """`count` distinct everyday chat prompts: general templates over the texts' common words."""
+    rng = random.Random(seed + 2)
+    words = common_words()
+    held_out = set(HELD_OUT_CHAT_PROMPTS)
+    prompts: set[str] = set()
+    for _ in range(50 * count):
+        if len(prompts) >= count:
+            break
+        topic, other = rng.sample(words, 2)
+        prompt = rng.choice(_GENERAL_TEMPLATES).format(topic=topic, other=other)
         if prompt not in held_out:
             prompts.add(prompt)
     return sorted(prompts, key=lambda p: rng.random())

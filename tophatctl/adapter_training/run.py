@@ -18,7 +18,8 @@ from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec
 from shared.model.checkpoint import Checkpoint, ModelLoadError
 from tophatctl.adapter_training.dataset import DistillData, build_distill_data
 from tophatctl.adapter_training.distill import DistillConfig, evaluate_accept_length, train_adapter
-from tophatctl.adapter_training.prompts import HELD_OUT_CHAT_PROMPTS, teacher_forced_texts, training_prompts
+from tophatctl.adapter_training.prompts import (HELD_OUT_CHAT_PROMPTS, general_prompts, teacher_forced_texts,
+                                               training_prompts)
 
 log = logging.getLogger(__name__)
 
@@ -27,30 +28,40 @@ DATA_DIR = Path("build/adapter-data")
 
 @dataclass(frozen=True)
 class DataConfig:
-    prompts: int = 320
-    texts: int = 160
+    prompts: int = 320  # chat prompts about stdlib docstrings and Debian package descriptions
+    texts: int = 160  # teacher-forced passages of the same texts
+    general: int = 384  # everyday chat prompts over the common words of those texts
     max_new_tokens: int = 96
     max_m: int = 4
     seed: int = 0
 
 
-def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig) -> DistillData:
-    if not has_chat_template(checkpoint.tokenizer):
-        raise ModelLoadError(f"{checkpoint.path} has no chat template; distilling on its own answers needs one")
-    path = DATA_DIR / f"{checkpoint.path.name}-p{cfg.prompts}-t{cfg.texts}-n{cfg.max_new_tokens}-m{cfg.max_m}-s{cfg.seed}.pt"
+def _part(checkpoint: Checkpoint, name: str, prompts: list[str], texts: list[str], cfg: DataConfig) -> DistillData:
+    """One cached slice of the data (built once; a later, larger mix reuses it)."""
+    overlap = set(prompts) & set(HELD_OUT_CHAT_PROMPTS)
+    if overlap:  # the builders exclude them; this guards the guarantee the numbers rest on
+        raise RuntimeError(f"held-out prompts leaked into training: {sorted(overlap)}")
+    path = DATA_DIR / (f"{checkpoint.path.name}-{name}-p{len(prompts)}-t{len(texts)}-n{cfg.max_new_tokens}"
+                       f"-m{cfg.max_m}-s{cfg.seed}.pt")
     if path.is_file():
         log.info("reusing distillation data %s", path)
         return DistillData.load(path)
-    prompts = training_prompts(cfg.prompts, cfg.seed)
-    overlap = set(prompts) & set(HELD_OUT_CHAT_PROMPTS)
-    if overlap:  # training_prompts excludes them; this guards the guarantee the numbers rest on
-        raise RuntimeError(f"held-out prompts leaked into training: {sorted(overlap)}")
-    data = build_distill_data(checkpoint, prompts, teacher_forced_texts(cfg.texts, cfg.seed), cfg.max_m,
-                              cfg.max_new_tokens)
+    data = build_distill_data(checkpoint, prompts, texts, cfg.max_m, cfg.max_new_tokens)
     data.save(path)
-    log.info("distillation data: %d sequences, %d tokens, built in %.0f s -> %s", len(data.sequences),
-             data.num_tokens, data.build_seconds, path)
+    log.info("distillation data %s: %d sequences, %d tokens, built in %.0f s", path, len(data.sequences),
+             data.num_tokens, data.build_seconds)
     return data
+
+
+def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig) -> DistillData:
+    if not has_chat_template(checkpoint.tokenizer):
+        raise ModelLoadError(f"{checkpoint.path} has no chat template; distilling on its own answers needs one")
+    parts = [_part(checkpoint, "docs", training_prompts(cfg.prompts, cfg.seed),
+                   teacher_forced_texts(cfg.texts, cfg.seed), cfg)]
+    if cfg.general:
+        parts.append(_part(checkpoint, "general", general_prompts(cfg.general, cfg.seed), [], cfg))
+    return DistillData([s for part in parts for s in part.sequences], cfg.max_m,
+                       round(sum(part.build_seconds for part in parts), 1))
 
 
 def train_and_evaluate(checkpoint: Checkpoint, data: DistillData, spec: AdapterSpec, cfg: DistillConfig,
