@@ -41,16 +41,16 @@ bench-hat: install
 
 # HAT against its baselines on one mesh, same arrival trace; leaves tables, CSVs and plots in bench-results/
 bench: install
-	$(BIN)/tophat bench --model $(MODEL) --workload specbench --rates 0.5,1,2 --modes ushape,usarathi,cloud,hat \
+	$(BIN)/tophat bench --model $(MODEL) --workload specbench --rates 0.25,0.5,1 --modes ushape,usarathi,cloud,hat \
 		--link-profile mid --devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 
 bench-ablation: install
-	$(BIN)/tophat bench --model $(MODEL) --ablation --rates 1 --link-profile mid --devices 2 --num-requests 12 \
+	$(BIN)/tophat bench --model $(MODEL) --ablation --rates 0.25 --link-profile mid --devices 2 --num-requests 12 \
 		--max-new-tokens 32 --out bench-results
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
 bench-sim: install
-	$(BIN)/tophat bench --model $(MODEL) --sim-check --workload specbench --rates 0.5,1 --modes ushape,hat --link-profile mid \
+	$(BIN)/tophat bench --model $(MODEL) --sim-check --workload specbench --rates 0.25,0.5 --modes ushape,hat --link-profile mid \
 		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
 		--out bench-results/simulate-30
