@@ -174,11 +174,15 @@ def _calibrate(monitor_url: str, link: str, model_dir: str):
 
     from shared.links import parse_link_spec, scaled_for_hidden
     from shared.model.checkpoint import read_config
+    from shared.runtime import DEFAULT_SPLIT_LAYERS
     from loadgen.simulate import Calibration
     from loadgen.simulate.calibration import demo_calibration
 
-    profile = scaled_for_hidden(parse_link_spec(link), read_config(Path(model_dir))["hidden_size"])
-    base = demo_calibration()
+    config = read_config(Path(model_dir))
+    profile = scaled_for_hidden(parse_link_spec(link), config["hidden_size"])
+    # the served model's shape (bytes per token on the wire, the middle's share of the layers), not the demo's
+    base = dataclasses.replace(demo_calibration(), hidden_size=config["hidden_size"],
+                               num_layers=config["num_hidden_layers"], split_layers=DEFAULT_SPLIT_LAYERS)
     base = dataclasses.replace(base, devices=[dataclasses.replace(
         base.devices[0], beta_up=profile.uplink_bytes_s, beta_down=profile.downlink_bytes_s,
         latency_s=profile.latency_s)])
