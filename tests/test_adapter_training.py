@@ -79,3 +79,16 @@ def test_debian_descriptions_parse(tmp_path):
                       "Package: nodesc\nStatus: install ok\n")
     assert debian_packages(status) == [("foo", "a foo tool it does foo and bar")]
     assert debian_packages(tmp_path / "missing") == []
+
+
+def test_training_prompts_are_the_same_in_every_process():
+    """The prompts come out of a set; its iteration order follows the per-process string hash seed."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from tophatctl.adapter_training.prompts import training_prompts as t, general_prompts as g;"
+            "print(t(40, seed=3) + g(40, seed=3))")
+    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outputs) == 1

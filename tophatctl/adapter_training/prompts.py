@@ -97,8 +97,9 @@ def _clean(text: str, max_chars: int) -> str:
 
 
 @functools.cache
-def stdlib_docstrings(max_chars: int = 300) -> list[tuple[str, str]]:
-    """(qualified name, first paragraph of its docstring) for public stdlib functions and classes."""
+def _stdlib_first_paragraphs() -> tuple[tuple[str, str], ...]:
+    """(qualified name, raw first docstring paragraph) of public stdlib functions and classes: the
+    stdlib is parsed once, whatever lengths the callers cut the paragraphs to."""
     found = []
     for corpus_file in iter_corpus_files():
         try:
@@ -111,8 +112,14 @@ def stdlib_docstrings(max_chars: int = 300) -> list[tuple[str, str]]:
                 continue
             doc = ast.get_docstring(node)
             if doc and len(doc) > 40:
-                found.append((f"{module}.{node.name}", _clean(doc.split("\n\n")[0], max_chars)))
-    return found
+                found.append((f"{module}.{node.name}", doc.split("\n\n")[0]))
+    return tuple(found)
+
+
+@functools.cache
+def stdlib_docstrings(max_chars: int = 300) -> list[tuple[str, str]]:
+    """(qualified name, first paragraph of its docstring, cut to max_chars) for public stdlib functions and classes."""
+    return [(name, _clean(paragraph, max_chars)) for name, paragraph in _stdlib_first_paragraphs()]
 
 
 def debian_packages(status: Path = DPKG_STATUS, max_chars: int = 300) -> list[tuple[str, str]]:
@@ -154,7 +161,7 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
             continue
         if prompt not in held_out:
             prompts.add(prompt)
-    return sorted(prompts, key=lambda p: rng.random())
+    return sorted(sorted(prompts), key=lambda p: rng.random())  # sorted first: a set's order varies per process
 
 
 @functools.cache
@@ -181,7 +188,7 @@ def general_prompts(count: int, seed: int = 0) -> list[str]:
         prompt = rng.choice(_GENERAL_TEMPLATES).format(topic=topic, other=other)
         if prompt not in held_out:
             prompts.add(prompt)
-    return sorted(prompts, key=lambda p: rng.random())
+    return sorted(sorted(prompts), key=lambda p: rng.random())  # sorted first: a set's order varies per process
 
 
 def teacher_forced_texts(count: int, seed: int = 0, min_chars: int = 200) -> list[str]:
