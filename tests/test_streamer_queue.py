@@ -65,14 +65,20 @@ async def test_more_requests_than_slots_all_complete_first_come_first_served(lea
         assert len(dev.requests) == 10  # never sent a request the device had to refuse
 
 
+async def occupy_the_only_slot(http: httpx.AsyncClient, url: str, dev: FakeDevice, max_tokens: int) -> asyncio.Task:
+    """Start a request "first" and return its task once the device is running it."""
+    running = asyncio.create_task(post(http, url, "first", max_tokens=max_tokens))
+    async with asyncio.timeout(5):
+        while not dev.active:
+            await asyncio.sleep(0.01)
+    return running
+
+
 async def test_full_queue_answers_429_with_retry_after() -> None:
     dev = FakeDevice("dev-a", round_delay_s=0.05, max_sessions=1)
     dev.gate = asyncio.Event()  # "first" holds the only slot until the test lets it go
     async with mesh(dev, queue_max_waiting=2) as url, httpx.AsyncClient(timeout=30) as http:
-        running = asyncio.create_task(post(http, url, "first", max_tokens=12))
-        async with asyncio.timeout(5):
-            while not dev.active:
-                await asyncio.sleep(0.01)
+        running = await occupy_the_only_slot(http, url, dev, max_tokens=12)
         queued = [asyncio.create_task(post(http, url, f"q{i}")) for i in range(2)]
         await wait_for_queue(http, url, 2)
         refused = await post(http, url, "one too many")
@@ -112,10 +118,7 @@ async def test_queued_request_whose_client_leaves_is_dropped() -> None:
     dev = FakeDevice("dev-a", round_delay_s=0.05, max_sessions=1)
     dev.gate = asyncio.Event()  # "first" holds the only slot until the test lets it go
     async with mesh(dev) as url, httpx.AsyncClient(timeout=30) as http:
-        running = asyncio.create_task(post(http, url, "first", max_tokens=12))
-        async with asyncio.timeout(5):
-            while not dev.active:
-                await asyncio.sleep(0.01)
+        running = await occupy_the_only_slot(http, url, dev, max_tokens=12)
         parts = urlsplit(url)
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         payload = json.dumps({"prompt": "leaves", "max_tokens": 4}).encode()
@@ -166,10 +169,7 @@ async def test_queued_websocket_chat_whose_client_leaves_is_dropped() -> None:
     dev = FakeDevice("dev-a", round_delay_s=0.05, max_sessions=1)
     dev.gate = asyncio.Event()  # "first" holds the only slot until the test lets it go
     async with mesh(dev) as url, httpx.AsyncClient(timeout=30) as http:
-        running = asyncio.create_task(post(http, url, "first", max_tokens=100))
-        async with asyncio.timeout(5):
-            while not dev.active:
-                await asyncio.sleep(0.01)
+        running = await occupy_the_only_slot(http, url, dev, max_tokens=100)
         async with websockets.connect(url.replace("http", "ws") + "/v1/chat/ws", open_timeout=5) as ws:
             await ws.send(json.dumps({"messages": [{"role": "user", "content": "leaves"}], "max_tokens": 4}))
             await wait_for_queue(http, url, 1)
