@@ -1,0 +1,154 @@
+"""Where a model runs and in which dtype: `auto|cpu|cuda[:N]` x `auto|float32|float16|bfloat16`.
+
+The rules live in pure functions of explicit facts (is CUDA there, how many
+GPUs, does the chosen GPU do bfloat16 natively), so every branch is tested on
+a machine without a GPU; `detect_placement` is the one place that asks torch.
+
+    device auto  -> cuda:0 when CUDA is available, else cpu
+    device cuda  -> cuda:0 (an explicit device, so every process names the same GPU)
+    dtype  auto  -> float32 on the CPU; on CUDA bfloat16 where the GPU has it natively
+                    (compute capability >= 8.0: Ampere, Hopper, Jetson Orin), else float16
+                    (Volta / Jetson Xavier)
+
+Pipeline stages (`plan_stage_devices`): with CUDA and an unindexed spec
+(auto / cuda) stage i runs on cuda:(i mod count), one stage per GPU when P
+equals the GPU count; an indexed spec (cuda:N) pins every stage to GPU N.
+
+Hidden states on the wire keep their wire dtype; callers convert at the
+boundaries (received states to the compute device/dtype, replies to the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEVICE_SPECS = "auto, cpu, cuda or cuda:N"
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
+
+
+class PlacementError(ValueError):
+    """A device or dtype setting that is malformed or that this machine cannot honour."""
+
+
+class UnknownDeviceError(PlacementError):
+    """Not one of auto, cpu, cuda, cuda:N."""
+
+
+class UnknownDtypeError(PlacementError):
+    """Not one of auto, float32, float16, bfloat16."""
+
+
+class CudaUnavailableError(PlacementError):
+    """CUDA was asked for and this process has none."""
+
+
+class CudaIndexError(PlacementError):
+    """cuda:N with N >= the number of visible GPUs."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: torch.device
+    dtype: torch.dtype
+    warnings: tuple[str, ...] = ()  # allowed but probably not what the operator wants (logged by detect_placement)
+
+    def __str__(self) -> str:
+        return f"{self.device} {str(self.dtype).removeprefix('torch.')}"
+
+
+def parse_device_spec(spec: str) -> tuple[str, int | None]:
+    """Syntax only (no hardware probe): 'auto' | 'cpu' | 'cuda' | 'cuda:N' -> (kind, index or None)."""
+    match = _DEVICE_RE.match(spec.strip().lower()) if isinstance(spec, str) else None
+    if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise UnknownDeviceError(f"device must be {DEVICE_SPECS}, got {spec!r}")
+    kind, index = match.group(1), match.group(2)
+    return kind, None if index is None else int(index)
+
+
+def parse_dtype_spec(spec: str) -> torch.dtype | None:
+    """Syntax only: 'auto' -> None (decided with the device), else the named dtype."""
+    name = spec.strip().lower() if isinstance(spec, str) else ""
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise UnknownDtypeError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {spec!r}")
+    return DTYPES[name]
+
+
+def resolve_device(spec: str, cuda_available: bool, device_count: int) -> torch.device:
+    kind, index = parse_device_spec(spec)
+    if kind == "cpu" or (kind == "auto" and not (cuda_available and device_count > 0)):
+        return torch.device("cpu")
+    if not cuda_available or device_count < 1:
+        raise CudaUnavailableError(f"device {spec!r} asks for CUDA, but this process has no CUDA device "
+                                   "(a CPU build of torch, no driver, or CUDA_VISIBLE_DEVICES hides them); "
+                                   "use cpu or auto")
+    index = 0 if index is None else index
+    if index >= device_count:
+        raise CudaIndexError(f"device {spec!r}: only {device_count} GPU(s) visible (cuda:0..cuda:{device_count - 1})")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(spec: str, device: torch.device, bf16_supported: bool) -> tuple[torch.dtype, tuple[str, ...]]:
+    """(dtype, warnings) for `spec` on `device`; `bf16_supported`: the GPU computes bfloat16 natively."""
+    dtype = parse_dtype_spec(spec)
+    on_cuda = device.type == "cuda"
+    if dtype is None:
+        dtype = torch.float32 if not on_cuda else torch.bfloat16 if bf16_supported else torch.float16
+        return dtype, ()
+    warnings = []
+    if not on_cuda and dtype is not torch.float32:
+        warnings.append(f"{dtype} on the CPU is allowed but usually slower than float32 there")
+    if on_cuda and dtype is torch.bfloat16 and not bf16_supported:
+        warnings.append(f"{device} has no native bfloat16 (compute capability < 8.0): emulated, slow; "
+                        "float16 is the fast choice there")
+    return dtype, tuple(warnings)
+
+
+def resolve_placement(device_spec: str, dtype_spec: str, *, cuda_available: bool, device_count: int,
+                      bf16_supported: bool) -> Placement:
+    """The pure rule: settings + machine facts -> where and how the model computes (or a PlacementError)."""
+    device = resolve_device(device_spec, cuda_available, device_count)
+    dtype, warnings = resolve_dtype(dtype_spec, device, bf16_supported)
+    return Placement(device, dtype, warnings)
+
+
+def plan_stage_devices(device_spec: str, num_stages: int, *, cuda_available: bool, device_count: int) -> list[str]:
+    """One device string per pipeline stage: unindexed CUDA specs spread stage i to cuda:(i mod count);
+    cuda:N pins all stages to GPU N; cpu (or auto without CUDA) keeps them all on the CPU."""
+    if num_stages < 1:
+        raise PlacementError(f"need at least one stage, got {num_stages}")
+    first = resolve_device(device_spec, cuda_available, device_count)  # every refusal, before any process starts
+    if first.type == "cpu":
+        return ["cpu"] * num_stages
+    _, index = parse_device_spec(device_spec)
+    if index is not None:
+        return [str(first)] * num_stages
+    return [f"cuda:{i % device_count}" for i in range(num_stages)]
+
+
+def cuda_facts() -> tuple[bool, int]:
+    """(available, visible device count) without creating a CUDA context (safe before spawning workers)."""
+    available = torch.cuda.is_available()
+    return available, torch.cuda.device_count() if available else 0
+
+
+def detect_placement(device_spec: str, dtype_spec: str, *, what: str = "model") -> Placement:
+    """`resolve_placement` with this process's CUDA facts; logs the choice and any warning."""
+    available, count = cuda_facts()
+    device = resolve_device(device_spec, available, count)
+    # Capability is asked only once a GPU is chosen: it initialises CUDA in this process.
+    bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    placement = resolve_placement(device_spec, dtype_spec, cuda_available=available, device_count=count,
+                                  bf16_supported=bf16)
+    for warning in placement.warnings:
+        log.warning("%s placement: %s", what, warning)
+    log.info("%s runs on %s (device=%s dtype=%s)", what, placement, device_spec, dtype_spec)
+    return placement
