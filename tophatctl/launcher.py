@@ -88,6 +88,9 @@ class MeshConfig:
     link_mode: str = "auto"
     pipeline_stages: int = 1
     device_env: dict[str, str] = field(default_factory=dict)  # extra TOPHAT_DEVICE_* settings
+    # As a container deployment runs: devices take any free port and a host-name id and announce themselves
+    # to the state monitor; the streamer routes to whatever announced (no list of device URLs).
+    discover_devices: bool = False
 
     @property
     def streamer_url(self) -> str:
@@ -155,6 +158,7 @@ class Mesh:
         self.services: list[ServiceProcess] = []
         self.model_dir: Path | None = None  # the resolved checkpoint directory, once started
         self.netns_links: list = []
+        self.discovered_urls: list[str] = []  # discover_devices: the agents' announced URLs
         if config.log_dir is None:
             import tempfile
 
@@ -203,6 +207,38 @@ class Mesh:
         if self.config.link_mode == "netns" and not support.available:
             raise MeshStartError(f"--link-mode netns, but namespaces are unavailable: {support.reason}")
         return wants_shaping and support.available
+
+    def _spawn_announcing_device(self, i: int, model_dir: str) -> ServiceProcess:
+        cfg = self.config
+        env = {"TOPHAT_DEVICE_DEVICE_ID": "auto", "TOPHAT_DEVICE_PORT": "0", "TOPHAT_DEVICE_MODEL_DIR": model_dir,
+               "TOPHAT_DEVICE_SPLIT_LAYERS": str(cfg.split_layers), "TOPHAT_DEVICE_ADAPTER": cfg.adapter,
+               "TOPHAT_DEVICE_SPECULATIVE": str(cfg.speculative).lower(), "TOPHAT_DEVICE_SPEED": cfg.per_device(cfg.speed, i),
+               "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or f"ws://{cfg.host}:{cfg.verifier_port}/ws",
+               "TOPHAT_DEVICE_CHUNK_PLANNER_URL": cfg.planner_url, "TOPHAT_DEVICE_STATE_MONITOR_URL": cfg.monitor_url,
+               "TOPHAT_DEVICE_ANNOUNCE_INTERVAL_S": "0.5",
+               **{f"TOPHAT_DEVICE_{k.upper()}": v for k, v in cfg.device_env.items()}}
+        return self._spawn(f"device-agent-{i}", "services.device_agent", env, "")
+
+    def _wait_announced(self, devices: list[ServiceProcess]) -> None:
+        """Discovery mode: ready when the state monitor lists every device agent."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                for service in devices:
+                    if service.process.poll() is not None:
+                        raise MeshStartError(f"{service.name} exited with {service.process.returncode}:\n"
+                                             f"{service.log_tail()}")
+                try:
+                    listed = client.get(f"{self.config.monitor_url}/devices").json()["devices"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    listed = []
+                if len(listed) >= len(devices):
+                    self.discovered_urls = [d["url"] for d in listed]
+                    return
+                if time.monotonic() > deadline:
+                    raise MeshStartError(f"{len(listed)} of {len(devices)} device agents announced after "
+                                         f"{self.config.ready_timeout_s}s\n{devices[0].log_tail()}")
+                time.sleep(0.2)
 
     def _spawn_device(self, i: int, model_dir: str) -> ServiceProcess:
         from shared.links import parse_link_spec, scaled_for_hidden
@@ -278,11 +314,17 @@ class Mesh:
                 "TOPHAT_VERIFIER_STATE_MONITOR_URL": cfg.monitor_url,
             }, f"http://{cfg.host}:{cfg.verifier_port}/readyz")
             self._wait_ready([monitor, planner, verifier])
-            devices = [self._spawn_device(i, model_dir) for i in range(cfg.num_devices)]
-            self._wait_ready(devices)
+            if cfg.discover_devices:
+                devices = [self._spawn_announcing_device(i, model_dir) for i in range(cfg.num_devices)]
+                self._wait_announced(devices)
+                device_urls = ""
+            else:
+                devices = [self._spawn_device(i, model_dir) for i in range(cfg.num_devices)]
+                self._wait_ready(devices)
+                device_urls = ",".join(cfg.device_url(i) for i in range(cfg.num_devices))
             streamer = self._spawn("token-streamer", "services.token_streamer", {
                 "TOPHAT_STREAMER_PORT": str(cfg.port_base),
-                "TOPHAT_STREAMER_DEVICE_URLS": ",".join(cfg.device_url(i) for i in range(cfg.num_devices)),
+                "TOPHAT_STREAMER_DEVICE_URLS": device_urls,
                 "TOPHAT_STREAMER_STATE_MONITOR_URL": cfg.monitor_url,
                 "TOPHAT_STREAMER_MODEL_NAME": self.model_dir.name,  # what /v1/models lists: smollm2, demo, ...
             }, f"{cfg.streamer_url}/readyz")

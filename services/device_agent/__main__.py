@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import uvicorn
 
 from services.device_agent.app import create_app
 from services.device_agent.settings import Settings, load_settings
+from shared.device_registry import auto_device_id
 
 log = logging.getLogger("services.device_agent")
 
@@ -35,7 +38,21 @@ def main() -> None:
     if problem:
         log.error("%s", problem)
         sys.exit(2)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    # Bound here, before the app exists, so that port 0 (any free port) and device id "auto" are settled
+    # into the settings the agent announces.
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
+        sys.exit(2)
+    port = sock.getsockname()[1]
+    device_id = auto_device_id(port) if settings.device_id == "auto" else settings.device_id
+    settings = dataclasses.replace(settings, port=port, device_id=device_id)
+    config = uvicorn.Config(create_app(settings), log_level=settings.log_level.lower())
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -35,10 +35,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from services.device_agent.announce import announce_loop
 from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud, token_decode
 from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.settings import Settings
 from shared import latency_stats, wire
+from shared.device_registry import advertised_url
 from shared.device_speed import slowed, speed_schedule
 from shared.latency_stats import Timeline
 from shared.links import parse_link_spec, scaled_for_hidden
@@ -310,6 +312,11 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
                  settings.model_dir, settings.split_layers, settings.speculative, settings.mode)
         probes = [asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
                   asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe")]
+        if settings.state_monitor_url and settings.announce_interval_s > 0:
+            url = advertised_url(settings.advertise_url, settings.host, settings.port)
+            probes.append(asyncio.create_task(announce_loop(
+                state["agent"].http, settings.state_monitor_url, settings.device_id, url, settings.max_sessions,
+                settings.announce_interval_s), name="announce"))
         if state["agent"].plans is not None:
             state["agent"].plans.refresh()  # the first plan, fetched before the first request needs it
         try:

@@ -15,9 +15,13 @@ MODES = ("hat", "cloud")
 
 @dataclass(frozen=True)
 class Settings:
-    device_id: str = "device-0"
+    device_id: str = "device-0"  # "auto": <host name>-<port>, unique per replica of a scaled service
     host: str = "127.0.0.1"
-    port: int = 8200
+    port: int = 8200  # 0: any free port (replicas sharing a host's network)
+    # Where the token streamer reaches this agent; announced to the state monitor every announce_interval_s
+    # (0 = never). Empty: http://<this host's address>:<port>.
+    advertise_url: str = ""
+    announce_interval_s: float = 5.0
     model_dir: str = "models/demo"
     split_layers: int = 2  # m: must match the verifier's
     adapter: str = ""  # draft adapter file; "random" = untrained; empty = MODEL_DIR/draft_adapter.safetensors
@@ -76,7 +80,11 @@ class Settings:
             raise ValueError("max_sessions and default_chunk_size must be >= 1")
         if min(self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s) <= 0:
             raise ValueError("timeouts must be > 0")
-        if min(self.bandwidth_probe_interval_s, self.rtt_probe_interval_s) < 0:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
+            raise ValueError(f"advertise_url must be an http(s) URL: {self.advertise_url!r}")
+        if min(self.bandwidth_probe_interval_s, self.rtt_probe_interval_s, self.announce_interval_s) < 0:
             raise ValueError("probe intervals must be >= 0 (0 = never)")
 
 

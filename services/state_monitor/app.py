@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.state_monitor.settings import Settings, load_settings
 from shared import telemetry as tk
+from shared.device_registry import DeviceRegistry
 from shared.redis_server import resolve_redis_url
 from shared.state_model import CloudState, ComputeDelayPredictor, DeviceState
 
@@ -91,6 +92,14 @@ class RequestDone(_Record):
                                                               description="accepted draft tokens per verification")
     prompt_tokens: int | None = Field(default=None, ge=0)
     generated_tokens: int | None = Field(default=None, ge=0)
+
+
+class DeviceAnnouncement(BaseModel):
+    """A device agent saying where it serves (shared/device_registry.py); repeated every few seconds."""
+    model_config = ConfigDict(extra="forbid")
+    device_id: Ident
+    url: Annotated[str, Field(min_length=8, max_length=512, pattern=r"^https?://[^\s/]+$")]
+    max_sessions: int | None = Field(default=None, ge=1)
 
 
 Record = Annotated[VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone, Field(discriminator="kind")]
@@ -211,6 +220,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                              request_ttl_s=settings.request_ttl_s, initial_backoff_s=settings.redis_backoff_initial_s,
                              max_backoff_s=settings.redis_backoff_max_s) if url else None)
     monitor = Monitor(settings, sink)
+    registry = DeviceRegistry(settings.announce_ttl_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -239,6 +249,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         for rec in records:
             persisted += await monitor.ingest(rec)
         return {"accepted": len(records), "persisted": persisted}
+
+    @app.post("/devices/announce")
+    async def announce(body: DeviceAnnouncement) -> dict[str, Any]:
+        known = {a.device_id: a.url for a in registry.live()}
+        if known.get(body.device_id) != body.url:
+            log.info("device %s announced at %s", body.device_id, body.url)
+        registry.announce(body.device_id, body.url, body.max_sessions)
+        return {"ttl_s": registry.ttl_s}
+
+    @app.get("/devices")
+    async def devices() -> dict[str, Any]:
+        """The device agents that announced within the TTL (the streamer routes to these)."""
+        return {"ttl_s": registry.ttl_s,
+                "devices": [{"device_id": a.device_id, "url": a.url, "max_sessions": a.max_sessions,
+                             "age_s": registry.age_s(a)} for a in registry.live()]}
 
     @app.get("/state/cloud")
     async def state_cloud() -> dict[str, Any]:

@@ -30,6 +30,7 @@ class Settings:
     buckets_per_octave: int = 2          # resolution of g(mu) on the log2 scale
     device_stale_s: float = 30.0         # device state older than this is flagged stale
     max_batch: int = 1000                # records per POST /telemetry
+    announce_ttl_s: float = 15.0         # a device agent not announced for this long leaves GET /devices
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -41,8 +42,8 @@ class Settings:
             raise ValueError(f"alpha must be in [0, 1): {self.alpha}")
         if self.buckets_per_octave < 1:
             raise ValueError("buckets_per_octave must be >= 1")
-        if min(self.redis_timeout_s, self.redis_backoff_initial_s, self.device_stale_s) <= 0:
-            raise ValueError("timeouts, backoff and device_stale_s must be > 0")
+        if min(self.redis_timeout_s, self.redis_backoff_initial_s, self.device_stale_s, self.announce_ttl_s) <= 0:
+            raise ValueError("timeouts, backoff, device_stale_s and announce_ttl_s must be > 0")
         if self.redis_backoff_max_s < self.redis_backoff_initial_s:
             raise ValueError("redis_backoff_max_s must be >= redis_backoff_initial_s")
 

@@ -172,17 +172,31 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 log.exception("device health probe failed")
             await asyncio.sleep(s.health_interval_s)
 
+    async def discovery_loop() -> None:
+        while True:
+            try:
+                if await dispatcher.discover(s.state_monitor_url):
+                    await dispatcher.probe_all()  # learn new devices' ids and capacity before routing to them
+            except Exception:  # a supervision loop must survive bugs in one discovery round
+                log.exception("device discovery failed")
+            await asyncio.sleep(s.discovery_interval_s)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if not router.devices:
-            log.warning("no device agents configured (TOPHAT_STREAMER_DEVICE_URLS); every request will get 503")
-        task = asyncio.create_task(health_loop(), name="device-health") if s.health_interval_s > 0 else None
+        if s.discovers_devices:
+            log.info("discovering device agents from the state monitor at %s", s.state_monitor_url)
+        elif not router.devices:
+            log.warning("no device agents configured (TOPHAT_STREAMER_DEVICE_URLS, or a state monitor to discover "
+                        "them from); every request will get 503")
+        tasks = [asyncio.create_task(health_loop(), name="device-health")] if s.health_interval_s > 0 else []
+        if s.discovers_devices:
+            tasks.append(asyncio.create_task(discovery_loop(), name="device-discovery"))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await telemetry.aclose()
             await client.aclose()
 

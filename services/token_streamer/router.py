@@ -68,6 +68,7 @@ class DeviceState:
     served: int = 0
     failures: int = 0
     last_error: str | None = None
+    retired: bool = False         # discovery no longer lists it: never picked (kept while its streams finish)
 
 
 class Router:
@@ -81,7 +82,23 @@ class Router:
         self._cursor = 0
 
     def healthy(self, device: DeviceState) -> bool:
-        return self._clock() >= device.down_until
+        return not device.retired and self._clock() >= device.down_until
+
+    def sync(self, urls: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Make the announced devices the routable set: new URLs join, missing ones retire (a stream
+        already on a retired device runs on; it gets no new request). Returns (added, retired) URLs."""
+        wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        known = {d.url: d for d in self.devices}
+        added = [u for u in wanted if u not in known]
+        for url in added:
+            self.devices.append(DeviceState(url, len(self.devices)))
+        retired = []
+        for device in self.devices:
+            gone = device.url not in wanted
+            if gone and not device.retired:
+                retired.append(device.url)
+            device.retired = gone
+        return added, retired
 
     def has_free_slot(self, device: DeviceState) -> bool:
         """Healthy, not held off after a 'busy', and below its known session count. A device of
@@ -146,7 +163,7 @@ class Router:
     def snapshot(self) -> list[dict[str, Any]]:
         return [{"url": d.url, "device_id": d.device_id, "healthy": self.healthy(d), "outstanding": d.outstanding,
                  "max_sessions": d.max_sessions, "served": d.served, "failures": d.failures,
-                 "last_error": d.last_error} for d in self.devices]
+                 "last_error": d.last_error} for d in self.devices if not d.retired or d.outstanding]
 
 
 class DeviceStream:
@@ -359,5 +376,24 @@ class Dispatcher:
 
     async def probe_all(self) -> int:
         """Probe every device concurrently; the number that are ready."""
-        results = await asyncio.gather(*(self.probe(d) for d in self.router.devices))
+        results = await asyncio.gather(*(self.probe(d) for d in self.router.devices if not d.retired))
         return sum(results)
+
+    async def discover(self, monitor_url: str) -> bool:
+        """Route to the devices that announced themselves to the state monitor (GET /devices). False, and
+        the set unchanged, when the monitor cannot answer: a monitor restart must not empty the mesh."""
+        try:
+            async with asyncio.timeout(self.probe_timeout_s):
+                response = await self.client.get(f"{monitor_url.rstrip('/')}/devices")
+            response.raise_for_status()
+            urls = [str(d["url"]) for d in response.json()["devices"]]
+        except (httpx.HTTPError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            log.warning("device discovery at %s failed: %s", monitor_url, exc)
+            return False
+        urls = [u for u in urls if u.startswith(("http://", "https://"))]
+        added, retired = self.router.sync(urls)
+        for url in added:
+            log.info("discovered device agent %s", url)
+        for url in retired:
+            log.info("device agent %s no longer announced; retired", url)
+        return True

@@ -17,7 +17,10 @@ class Settings:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    device_urls: str = ""                 # comma-separated device-agent base URLs
+    # Comma-separated device-agent base URLs. Empty, with state_monitor_url set: route to the agents that
+    # announce themselves to the state monitor (GET /devices), re-read every discovery_interval_s.
+    device_urls: str = ""
+    discovery_interval_s: float = 2.0
     state_monitor_url: str = ""           # empty: no request telemetry
     model_name: str = "tophat-demo"       # the id served by /v1/models and echoed in responses
     connect_timeout_s: float = 2.0        # TCP connect to a device agent (also pool wait)
@@ -48,7 +51,7 @@ class Settings:
             raise ValueError(f"state_monitor_url must be an http(s) URL: {self.state_monitor_url!r}")
         timeouts = (self.connect_timeout_s, self.first_byte_timeout_s, self.line_timeout_s, self.probe_timeout_s,
                     self.device_down_s, self.ws_idle_timeout_s, self.send_timeout_s, self.telemetry_timeout_s,
-                    self.queue_timeout_s)
+                    self.queue_timeout_s, self.discovery_interval_s)
         if min(timeouts) <= 0:
             raise ValueError("timeouts and device_down_s must be > 0")
         if self.health_interval_s < 0:
@@ -61,6 +64,10 @@ class Settings:
             raise ValueError("max_prompt_chars must be >= 1")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
+
+    @property
+    def discovers_devices(self) -> bool:
+        return not self.device_url_list and bool(self.state_monitor_url)
 
     @property
     def device_url_list(self) -> list[str]:

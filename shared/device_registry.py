@@ -1,0 +1,83 @@
+"""Which device agents are alive and where: announcements with a time to live.
+
+A deployment does not know its device agents' addresses in advance (`docker compose
+up --scale device-agent=N`, a Swarm service in `mode: global` over 30 Jetsons, a
+Kubernetes DaemonSet), so each agent announces `(device_id, url)` to the state
+monitor every few seconds, and the token streamer asks the monitor which agents
+announced recently. An agent that stops announcing (its container died, its node
+left) drops out after `ttl_s`; one that comes back under a new address replaces
+its old entry.
+
+`advertised_url` is how an agent names its own address: an explicit URL wins;
+an agent bound to every interface advertises the address its host name resolves
+to (the container's address on a bridge or overlay network).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DEFAULT_TTL_S = 15.0
+ANY_HOST = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True)
+class Announcement:
+    device_id: str
+    url: str
+    seen_at: float  # the registry clock's time of the latest announcement
+    max_sessions: int | None = None
+
+
+class DeviceRegistry:
+    """Latest announcement per device id; `live()` lists the ones younger than the TTL."""
+
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be > 0")
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._entries: dict[str, Announcement] = {}
+
+    def announce(self, device_id: str, url: str, max_sessions: int | None = None) -> Announcement:
+        entry = Announcement(device_id, url.rstrip("/"), self._clock(), max_sessions)
+        # One address, one device: an agent restarted under a new id at an old address replaces the old one.
+        for other in [k for k, v in self._entries.items() if v.url == entry.url and k != device_id]:
+            del self._entries[other]
+        self._entries[device_id] = entry
+        return entry
+
+    def live(self) -> list[Announcement]:
+        now = self._clock()
+        for device_id in [k for k, v in self._entries.items() if now - v.seen_at > self.ttl_s]:
+            del self._entries[device_id]
+        return sorted(self._entries.values(), key=lambda a: a.device_id)
+
+    def age_s(self, entry: Announcement) -> float:
+        return max(0.0, self._clock() - entry.seen_at)
+
+
+def advertised_url(explicit: str, host: str, port: int, resolve: Callable[[str], str] | None = None,
+                   hostname: Callable[[], str] = socket.gethostname) -> str:
+    """The base URL other machines reach this agent at."""
+    if explicit:
+        return explicit.rstrip("/")
+    if host in ANY_HOST:
+        resolve = resolve or socket.gethostbyname
+        try:
+            host = resolve(hostname())
+        except OSError:
+            host = "127.0.0.1"
+    if ":" in host:  # an IPv6 literal
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def auto_device_id(port: int, hostname: Callable[[], str] = socket.gethostname) -> str:
+    """`<host name>-<port>`: unique per replica both on a bridge network (each container has its own host
+    name) and on host networking (replicas share the host name but not the port)."""
+    name = "".join(c if c.isalnum() or c in "_.-" else "-" for c in hostname())[:100] or "device"
+    return f"{name}-{port}"

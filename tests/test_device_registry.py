@@ -1,0 +1,81 @@
+"""Device announcements (shared/device_registry.py) and the streamer's routable set (Router.sync)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.token_streamer.router import Router
+from shared.device_registry import DeviceRegistry, advertised_url, auto_device_id
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_agent_silent_for_the_ttl_leaves_the_live_set():
+    clock = Clock()
+    registry = DeviceRegistry(ttl_s=10, clock=clock)
+    registry.announce("a", "http://10.0.0.1:8200/")
+    clock.now += 6
+    registry.announce("b", "http://10.0.0.2:8200")
+    assert [(e.device_id, e.url) for e in registry.live()] == [("a", "http://10.0.0.1:8200"),
+                                                               ("b", "http://10.0.0.2:8200")]
+    clock.now += 5  # a: 11 s silent, b: 5 s
+    assert [e.device_id for e in registry.live()] == ["b"]
+    registry.announce("a", "http://10.0.0.1:8200")  # back again
+    assert [e.device_id for e in registry.live()] == ["a", "b"]
+
+
+def test_a_new_address_or_a_new_id_replaces_the_old_entry():
+    registry = DeviceRegistry(ttl_s=10, clock=Clock())
+    registry.announce("a", "http://10.0.0.1:8200")
+    registry.announce("a", "http://10.0.0.9:8200")  # restarted elsewhere
+    registry.announce("c", "http://10.0.0.5:8200")
+    registry.announce("d", "http://10.0.0.5:8200")  # a new agent at c's old address
+    assert [(e.device_id, e.url) for e in registry.live()] == [("a", "http://10.0.0.9:8200"),
+                                                               ("d", "http://10.0.0.5:8200")]
+
+
+def test_ttl_must_be_positive():
+    with pytest.raises(ValueError):
+        DeviceRegistry(ttl_s=0)
+
+
+def test_advertised_url():
+    assert advertised_url("http://jetson-07:8200/", "0.0.0.0", 8200) == "http://jetson-07:8200"
+    assert advertised_url("", "127.0.0.1", 41234) == "http://127.0.0.1:41234"
+    # Bound everywhere: the address the host name resolves to (a container's own address).
+    assert advertised_url("", "0.0.0.0", 8200, resolve=lambda name: {"c0ffee": "172.18.0.5"}[name],
+                          hostname=lambda: "c0ffee") == "http://172.18.0.5:8200"
+    assert advertised_url("", "::", 8200, resolve=lambda name: "fd00::5", hostname=lambda: "h") == "http://[fd00::5]:8200"
+
+    def unresolvable(name: str) -> str:
+        raise OSError("no such host")
+
+    assert advertised_url("", "0.0.0.0", 8200, resolve=unresolvable) == "http://127.0.0.1:8200"
+
+
+def test_auto_device_id_is_a_valid_ident_per_port():
+    assert auto_device_id(8200, hostname=lambda: "jetson-07") == "jetson-07-8200"
+    assert auto_device_id(41234, hostname=lambda: "weird host/name") == "weird-host-name-41234"
+    assert auto_device_id(1, hostname=lambda: "") == "device-1"
+
+
+def test_router_sync_adds_new_devices_and_retires_missing_ones():
+    router = Router(["http://a:1"])
+    added, retired = router.sync(["http://a:1", "http://b:1/"])
+    assert (added, retired) == (["http://b:1"], [])
+    a, b = router.devices
+    router.acquire(a)  # a stream is running on a
+    added, retired = router.sync(["http://b:1"])
+    assert (added, retired) == ([], ["http://a:1"])
+    assert not router.healthy(a) and router.pick() is b
+    assert [d["url"] for d in router.snapshot()] == ["http://a:1", "http://b:1"]  # a still holds a stream
+    router.release(a)
+    assert [d["url"] for d in router.snapshot()] == ["http://b:1"]
+    added, retired = router.sync(["http://a:1", "http://b:1"])  # a announces again
+    assert (added, retired) == ([], []) and router.healthy(a) and len(router.devices) == 2
