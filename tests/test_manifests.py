@@ -1,0 +1,389 @@
+"""The deployment files, checked offline: swarm/stack.yml and k8s/.
+
+Validators (the compose-spec JSON schema, Docker's own Swarm stack loader, `kubectl kustomize`,
+`kubernetes-validate --strict`) say the files parse and every field exists; the topology tests say
+they describe the mesh we mean: device agents on every Jetson and nowhere else, the verifier on the
+GPU server with one pipeline stage per GPU, probes, policies and limits on everything, and every
+address a service is given pointing at a service that listens there. Every TOPHAT_* variable must be
+a real setting of its service and every service's settings must load from what the files give it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from services.chunk_planner.settings import load_settings as planner_settings
+from services.device_agent.settings import load_settings as device_settings
+from services.state_monitor.settings import load_settings as monitor_settings
+from services.token_streamer.settings import load_settings as streamer_settings
+from services.verifier_cloud.settings import load_settings as verifier_settings
+
+REPO = Path(__file__).resolve().parents[1]
+STACK = REPO / "swarm" / "stack.yml"
+K8S = REPO / "k8s"
+VENV_BIN = Path(sys.executable).parent
+TIMEOUT_S = 120
+
+# env prefix -> the service's settings loader; every TOPHAT_<PREFIX>* variable must be one of its fields
+LOADERS = {
+    "TOPHAT_STREAMER_": streamer_settings,
+    "TOPHAT_VERIFIER_": verifier_settings,
+    "TOPHAT_DEVICE_": device_settings,
+    "TOPHAT_CHUNK_PLANNER_": planner_settings,
+    "TOPHAT_STATE_MONITOR_": monitor_settings,
+}
+# module run by each image command -> its env prefix
+PREFIX_OF_MODULE = {
+    "services.token_streamer": "TOPHAT_STREAMER_",
+    "services.verifier_cloud": "TOPHAT_VERIFIER_",
+    "services.device_agent": "TOPHAT_DEVICE_",
+    "services.chunk_planner": "TOPHAT_CHUNK_PLANNER_",
+    "services.state_monitor": "TOPHAT_STATE_MONITOR_",
+}
+SETTINGS_FILE_VAR = "TOPHAT_SETTINGS_FILE"  # read by shared/settings.py, not a field of any service
+SPEED_CLASSES = {"orin", "xavier"}
+SERVER_SERVICES = {"redis", "state-monitor", "chunk-planner", "verifier-cloud", "token-streamer"}
+
+
+def run(*cmd: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, **kwargs)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def check_settings(module: str, env: dict[str, str], where: str) -> None:
+    """Every TOPHAT_* variable names a real field, and the service's settings load (and validate) from env."""
+    prefix = PREFIX_OF_MODULE[module]
+    fields = set(type(LOADERS[prefix]({})).__dataclass_fields__)
+    for key in env:
+        if key.startswith("TOPHAT_") and key != SETTINGS_FILE_VAR:
+            owner = next((p for p in LOADERS if key.startswith(p)), None)
+            assert owner is not None, f"{where}: {key} has no service prefix"
+            owner_fields = fields if owner == prefix else set(type(LOADERS[owner]({})).__dataclass_fields__)
+            assert key[len(owner):].lower() in owner_fields, f"{where}: {key} is not a setting"
+    LOADERS[prefix]({k: v for k, v in env.items() if k.startswith(prefix)})
+
+
+def url_targets(env: dict[str, str]) -> list[tuple[str, str, int]]:
+    """(variable, host, port) of every URL-valued variable that names a host."""
+    targets = []
+    for key, value in env.items():
+        if re.match(r"^(https?|wss?|redis)://", value):
+            parts = urlsplit(value)
+            targets.append((key, parts.hostname, parts.port))
+    return targets
+
+
+# ---------------------------------------------------------------------------------------------- Swarm
+
+
+@pytest.fixture(scope="module")
+def stack() -> dict:
+    return yaml.safe_load(STACK.read_text())
+
+
+@pytest.fixture(scope="module")
+def swarm_settings_file() -> dict[str, str]:
+    return read_env_file(REPO / "swarm" / "tophat.env")
+
+
+def service_port(service: dict) -> int:
+    return int(next(v for k, v in service["environment"].items() if k.endswith("_PORT")))
+
+
+def tophat_services(stack: dict) -> dict[str, dict]:
+    return {name: svc for name, svc in stack["services"].items() if name != "redis"}
+
+
+def test_stack_matches_the_compose_spec_schema():
+    result = run(str(VENV_BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(STACK))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_stack_loads_with_dockers_swarm_loader(tmp_path):
+    # `docker stack config` runs the CLI's own stack loader (the v3 schema `docker stack deploy` checks,
+    # interpolation, merges) without a daemon; the socket is pointed nowhere to prove it.
+    docker = shutil.which("docker")
+    assert docker, "docker CLI (with `docker stack config`) is needed to validate swarm/stack.yml"
+    env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"}
+    result = run(docker, "stack", "config", "-c", str(STACK), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rendered = yaml.safe_load(result.stdout)
+    image = rendered["services"]["verifier-cloud"]["image"]
+    assert image == "registry.local:5000/tophat:cuda"  # ${TOPHAT_REGISTRY:-...} interpolated
+    env["TOPHAT_REGISTRY"] = "ghcr.io/acme"
+    retargeted = yaml.safe_load(run(docker, "stack", "config", "-c", str(STACK), env=env).stdout)
+    assert {svc["image"].rsplit("/", 1)[0] for name, svc in retargeted["services"].items()
+            if name != "redis"} == {"ghcr.io/acme"}
+
+
+def test_stack_has_the_mesh_services(stack):
+    assert set(stack["services"]) == SERVER_SERVICES | {f"device-agent-{c}" for c in SPEED_CLASSES}
+
+
+def test_every_swarm_service_has_healthcheck_restart_update_rollback_and_limits(stack):
+    for name, svc in stack["services"].items():
+        health = svc.get("healthcheck", {})
+        assert health.get("test") and not health.get("disable"), f"{name}: no healthcheck"
+        deploy = svc["deploy"]
+        assert deploy["restart_policy"]["condition"] in {"any", "on-failure"}, name
+        for policy in ("update_config", "rollback_config"):
+            assert deploy[policy]["order"] in {"start-first", "stop-first"}, f"{name}: {policy}"
+        assert deploy["update_config"]["failure_action"] == "rollback", name
+        resources = deploy["resources"]
+        assert {"cpus", "memory"} <= set(resources["limits"]), name
+        assert {"cpus", "memory"} <= set(resources["reservations"]), name
+
+
+def test_swarm_healthchecks_probe_readyz_on_the_service_port(stack):
+    for name, svc in tophat_services(stack).items():
+        probe = " ".join(svc["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{service_port(svc)}/readyz" in probe, name
+
+
+def test_device_agents_run_once_on_every_jetson_of_their_speed_class(stack):
+    classes = set()
+    for name, svc in stack["services"].items():
+        constraints = set(svc["deploy"].get("placement", {}).get("constraints", []))
+        if not name.startswith("device-agent"):
+            assert "node.labels.tophat.role == gpu-server" in constraints, f"{name} must run on the server"
+            assert svc["deploy"].get("mode", "replicated") == "replicated", name
+            continue
+        env = svc["environment"]
+        speed = env["TOPHAT_DEVICE_SPEED"]
+        classes.add(speed)
+        assert svc["deploy"]["mode"] == "global", name
+        assert constraints == {"node.labels.tophat.role == device", "node.platform.arch == aarch64",
+                               f"node.labels.tophat.speed == {speed}"}, name
+        assert svc["image"].endswith("/tophat:jetson"), name
+        assert env["TOPHAT_DEVICE_DEVICE_ID"] == "{{.Node.Hostname}}", name
+        assert env["TOPHAT_DEVICE_LINK"] == "none", f"{name}: a real network needs no emulated link"
+        assert "ports" not in svc, f"{name}: agents are reached over the overlay, not published"
+    assert classes == SPEED_CLASSES
+
+
+def test_verifier_reserves_the_gpus_and_runs_one_stage_per_gpu(stack):
+    verifier = stack["services"]["verifier-cloud"]
+    deploy = verifier["deploy"]
+    (gpus,) = [spec["discrete_resource_spec"]["value"] for spec in deploy["resources"]["reservations"]["generic_resources"]
+               if spec["discrete_resource_spec"]["kind"] == "NVIDIA-GPU"]
+    assert gpus == 8
+    assert int(verifier["environment"]["TOPHAT_VERIFIER_PIPELINE_STAGES"]) == gpus
+    # the planner's P in HAT eq. 3 is the verifier's stage count
+    assert int(stack["services"]["chunk-planner"]["environment"]["TOPHAT_CHUNK_PLANNER_PIPELINE_STAGES"]) == gpus
+    assert "node.platform.arch == x86_64" in deploy["placement"]["constraints"]
+    assert verifier["image"].endswith("/tophat:cuda")
+    assert deploy["replicas"] == 1
+    # every GPU is reserved: a second copy can never start beside the first
+    assert deploy["update_config"]["order"] == deploy["rollback_config"]["order"] == "stop-first"
+
+
+def test_swarm_addresses_point_at_services_listening_there(stack):
+    ports = {name: service_port(svc) for name, svc in tophat_services(stack).items()} | {"redis": 6379}
+    seen = 0
+    for name, svc in tophat_services(stack).items():
+        for key, host, port in url_targets(svc["environment"]):
+            assert host in ports and port == ports[host], f"{name}: {key} -> {host}:{port}"
+            seen += 1
+        assert all(v == "0.0.0.0" for k, v in svc["environment"].items() if k.endswith("_HOST")), name
+    assert seen >= 10
+    assert stack["networks"]["tophat"]["driver"] == "overlay"
+    assert all(svc["networks"] == ["tophat"] for svc in stack["services"].values())
+    assert stack["services"]["token-streamer"]["ports"][0]["published"] == 8000
+
+
+def test_swarm_settings_are_real_and_load(stack, swarm_settings_file):
+    for name, svc in tophat_services(stack).items():
+        (config,) = svc["configs"]
+        assert config["source"] in stack["configs"]
+        assert svc["environment"][SETTINGS_FILE_VAR] == config["target"], name
+        module = svc["command"][-1]
+        check_settings(module, {**swarm_settings_file, **svc["environment"]}, f"swarm {name}")
+    assert (STACK.parent / stack["configs"]["tophat-settings"]["file"]).is_file()
+    (secret,) = stack["services"]["token-streamer"]["secrets"]
+    assert stack["secrets"][secret["source"]]["external"] is True
+
+
+def test_stack_checks_fail_on_a_broken_stack(stack, tmp_path):
+    # the validators and topology checks above must be able to fail: break the file two ways
+    broken = yaml.safe_load(STACK.read_text())
+    broken["services"]["verifier-cloud"]["deploy"]["placment"] = {"constraints": []}
+    path = tmp_path / "stack.yml"
+    path.write_text(yaml.safe_dump(broken))
+    result = run(str(VENV_BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path))
+    assert result.returncode != 0
+    broken = yaml.safe_load(STACK.read_text())
+    broken["services"]["verifier-cloud"]["environment"]["TOPHAT_VERIFIER_PIPELINE_STAGE"] = "8"
+    with pytest.raises(AssertionError, match="TOPHAT_VERIFIER_PIPELINE_STAGE is not a setting"):
+        test_swarm_settings_are_real_and_load(broken, read_env_file(REPO / "swarm" / "tophat.env"))
+
+
+# ------------------------------------------------------------------------------------------ Kubernetes
+
+
+def kustomize(path: Path) -> list[dict]:
+    result = run(shutil.which("kubectl") or "kubectl", "kustomize", str(path))
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict]:
+    return kustomize(K8S)
+
+
+def workloads(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["kind"] in {"Deployment", "StatefulSet", "DaemonSet"}]
+
+
+def container_env(container: dict, config: dict[str, str]) -> dict[str, str]:
+    """What the process sees: the ConfigMap (envFrom) under the container's own env, $(VAR) expanded."""
+    env = dict(config)
+    for var in container.get("env", []):
+        if "valueFrom" in var:
+            env[var["name"]] = {"status.podIP": "10.42.0.7", "spec.nodeName": "jetson-07"}.get(
+                var["valueFrom"]["fieldRef"]["fieldPath"], "x")
+        else:
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], var["value"])
+    return env
+
+
+def test_kustomize_output_passes_strict_kubernetes_validation(rendered, tmp_path):
+    path = tmp_path / "rendered.yaml"
+    path.write_text(yaml.safe_dump_all(rendered))
+    result = run(str(VENV_BIN / "kubernetes-validate"), "--strict", "-k", "1.30.0", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("passed") == len(rendered)
+    broken = copy.deepcopy(next(o for o in rendered if o["kind"] == "Deployment"))
+    broken["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["paht"] = "/healthz"
+    path.write_text(yaml.safe_dump(broken))
+    assert run(str(VENV_BIN / "kubernetes-validate"), "--strict", "-k", "1.30.0", str(path)).returncode != 0
+
+
+def test_k8s_has_namespace_runtimeclass_config_secret_and_the_workloads(rendered):
+    kinds = {(o["kind"], o["metadata"]["name"].rsplit("-", 1)[0] if o["kind"] == "ConfigMap" else o["metadata"]["name"])
+             for o in rendered}
+    assert {("Namespace", "tophat"), ("RuntimeClass", "nvidia"), ("ConfigMap", "tophat-settings"),
+            ("Secret", "tophat-api-token"), ("StatefulSet", "redis"), ("DaemonSet", "device-agent-orin"),
+            ("DaemonSet", "device-agent-xavier")} <= kinds
+    assert {name for kind, name in kinds if kind == "Deployment"} == SERVER_SERVICES - {"redis"}
+    for obj in rendered:
+        if obj["kind"] not in {"Namespace", "RuntimeClass"}:
+            assert obj["metadata"]["namespace"] == "tophat", obj["metadata"]["name"]
+    assert "namespace" not in next(o for o in rendered if o["kind"] == "RuntimeClass")["metadata"]
+
+
+def test_every_container_has_probes_resources_and_every_pod_scrape_annotations(rendered):
+    for workload in workloads(rendered):
+        pod = workload["spec"]["template"]
+        for container in pod["spec"]["containers"]:
+            where = f"{workload['metadata']['name']}/{container['name']}"
+            for kind in ("cpu", "memory"):
+                assert kind in container["resources"]["requests"], where
+                assert kind in container["resources"]["limits"], where
+            if container["name"] == "redis":
+                assert container["livenessProbe"]["exec"] and container["readinessProbe"]["exec"]
+                continue
+            port = container["ports"][0]
+            assert container["livenessProbe"]["httpGet"]["path"] == "/healthz", where
+            assert container["readinessProbe"]["httpGet"]["path"] == "/readyz", where
+            assert container["livenessProbe"]["httpGet"]["port"] == port["name"], where
+            annotations = pod["metadata"]["annotations"]
+            assert annotations["prometheus.io/scrape"] == "true", where
+            assert annotations["prometheus.io/port"] == str(port["containerPort"]), where
+            assert annotations["prometheus.io/path"] == "/metrics", where
+            assert pod["spec"]["securityContext"]["runAsUser"] == 10001, where
+
+
+def test_device_agents_are_daemonsets_on_arm64_jetsons_without_gpu_requests(rendered):
+    classes = set()
+    for ds in (o for o in rendered if o["kind"] == "DaemonSet"):
+        spec = ds["spec"]["template"]["spec"]
+        (container,) = spec["containers"]
+        env = container_env(container, {})
+        classes.add(env["TOPHAT_DEVICE_SPEED"])
+        assert spec["nodeSelector"] == {"kubernetes.io/arch": "arm64", "tophat.role": "device",
+                                        "tophat.speed": env["TOPHAT_DEVICE_SPEED"]}
+        assert spec["runtimeClassName"] == "nvidia"
+        assert spec["tolerations"], "Jetsons may be tainted for tophat only"
+        requested = set(container["resources"]["requests"]) | set(container["resources"]["limits"])
+        assert "nvidia.com/gpu" not in requested, "the device plugin's Tegra support is patchy"
+        assert container["image"].endswith("/tophat:jetson")
+        assert env["TOPHAT_DEVICE_DEVICE_ID"] == "jetson-07"  # spec.nodeName
+        assert env["TOPHAT_DEVICE_ADVERTISE_URL"] == "http://10.42.0.7:8200"  # status.podIP
+    assert classes == SPEED_CLASSES
+
+
+def test_verifier_gets_the_gpus_and_one_stage_per_gpu(rendered):
+    deployments = {o["metadata"]["name"]: o for o in rendered if o["kind"] == "Deployment"}
+    verifier = deployments["verifier-cloud"]
+    spec = verifier["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == 8
+    assert int(container_env(container, {})["TOPHAT_VERIFIER_PIPELINE_STAGES"]) == gpus
+    (planner,) = deployments["chunk-planner"]["spec"]["template"]["spec"]["containers"]
+    assert int(container_env(planner, {})["TOPHAT_CHUNK_PLANNER_PIPELINE_STAGES"]) == gpus
+    assert spec["runtimeClassName"] == "nvidia" and spec["nodeSelector"]["kubernetes.io/arch"] == "amd64"
+    assert verifier["spec"]["replicas"] == 1 and verifier["spec"]["strategy"]["type"] == "Recreate"
+    assert container["image"].endswith("/tophat:cuda")
+
+
+def test_k8s_addresses_point_at_services_and_settings_are_real(rendered):
+    (configmap,) = [o for o in rendered if o["kind"] == "ConfigMap"]
+    pods = {w["metadata"]["name"]: w["spec"]["template"] for w in workloads(rendered)}
+    ports = {}
+    for svc in (o for o in rendered if o["kind"] == "Service"):
+        matching = [n for n, pod in pods.items()
+                    if svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()]
+        assert len(matching) == 1, f"Service {svc['metadata']['name']} selects {matching}"
+        (container,) = pods[matching[0]]["spec"]["containers"]
+        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        (port,) = svc["spec"]["ports"]
+        assert named[port["targetPort"]] == port["port"]
+        ports[svc["metadata"]["name"]] = port["port"]
+    seen = 0
+    for name, pod in pods.items():
+        (container,) = pod["spec"]["containers"]
+        if container["name"] == "redis":
+            continue
+        assert container["envFrom"] == [{"configMapRef": {"name": configmap["metadata"]["name"]}}], name
+        env = container_env(container, configmap["data"])
+        for key, host, port in url_targets(env):
+            if host != "10.42.0.7":  # the agent's own advertised address
+                assert ports.get(host) == port, f"{name}: {key} -> {host}:{port}"
+                seen += 1
+        check_settings(container["command"][-1], env, f"k8s {name}")
+        assert int(next(v for k, v in env.items() if k.endswith("_PORT"))) == container["ports"][0]["containerPort"]
+    assert seen >= 10
+
+
+def test_k8s_and_swarm_share_the_mesh_tunables(rendered):
+    (configmap,) = [o for o in rendered if o["kind"] == "ConfigMap"]
+    assert configmap["data"] == read_env_file(REPO / "swarm" / "tophat.env")
+
+
+def test_images_retarget_with_one_kustomize_entry(tmp_path):
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S, overlay)],
+        "images": [{"name": "registry.local:5000/tophat", "newName": "ghcr.io/acme/tophat"}],
+    }))
+    images = {c["image"] for w in workloads(kustomize(overlay)) for c in w["spec"]["template"]["spec"]["containers"]}
+    assert images == {"ghcr.io/acme/tophat:cpu", "ghcr.io/acme/tophat:cuda", "ghcr.io/acme/tophat:jetson",
+                      "redis:7.2-bookworm"}
