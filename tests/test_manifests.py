@@ -232,6 +232,15 @@ def test_swarm_settings_are_real_and_load(stack, swarm_settings_file):
     assert stack["secrets"][secret["source"]]["external"] is True
 
 
+def test_the_settings_file_a_swarm_config_mounts_is_read_under_the_environment(tmp_path):
+    # Swarm configs are files, so stack.yml points TOPHAT_SETTINGS_FILE at the mounted tophat.env;
+    # shared/settings.py reads it for variables the environment does not set
+    path = tmp_path / "tophat.env"
+    path.write_text("# tunables\nTOPHAT_STREAMER_PORT=8123\nTOPHAT_STREAMER_HOST=10.0.0.1\n")
+    settings = streamer_settings({SETTINGS_FILE_VAR: str(path), "TOPHAT_STREAMER_HOST": "0.0.0.0"})
+    assert (settings.port, settings.host) == (8123, "0.0.0.0")
+
+
 def test_stack_checks_fail_on_a_broken_stack(stack, tmp_path):
     # the validators and topology checks above must be able to fail: break the file two ways
     broken = yaml.safe_load(STACK.read_text())
