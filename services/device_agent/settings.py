@@ -22,6 +22,7 @@ class Settings:
     # (0 = never). Empty: http://<this host's address>:<port>.
     advertise_url: str = ""
     announce_interval_s: float = 5.0
+    port_file: str = ""  # written with the port listened on (for a healthcheck when port is 0)
     model_dir: str = "models/demo"
     split_layers: int = 2  # m: must match the verifier's
     adapter: str = ""  # draft adapter file; "random" = untrained; empty = MODEL_DIR/draft_adapter.safetensors

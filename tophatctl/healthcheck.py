@@ -1,0 +1,46 @@
+"""`python -m tophatctl.healthcheck [URL] [--port-file PATH]`: a container healthcheck (exit 0 = healthy).
+
+Images carry no curl; this asks one service's /readyz with the standard library.
+The URL defaults to $TOPHAT_HEALTH_URL, else http://127.0.0.1:8000/readyz. A device
+agent that took any free port (replicas sharing a host's network) writes its port
+to a file, and `--port-file` reads it: the URL's port is replaced by it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+
+DEFAULT_URL = "http://127.0.0.1:8000/readyz"
+
+
+def health_url(url: str, port_file: str | None) -> str:
+    if not port_file:
+        return url
+    with open(port_file, encoding="ascii") as handle:
+        port = int(handle.read().strip())
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.hostname}:{port}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("url", nargs="?", default=os.environ.get("TOPHAT_HEALTH_URL") or DEFAULT_URL)
+    parser.add_argument("--port-file", default=None)
+    parser.add_argument("--timeout", type=float, default=3.0)
+    args = parser.parse_args(argv)
+    try:
+        url = health_url(args.url, args.port_file)
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:  # noqa: S310 (loopback, ours)
+            return 0 if response.status == 200 else 1
+    except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors
+        sys.stderr.write(f"unhealthy: {exc}\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
