@@ -9,14 +9,16 @@ left) drops out after `ttl_s`; one that comes back under a new address replaces
 its old entry.
 
 `advertised_url` is how an agent names its own address: an explicit URL wins;
-an agent bound to every interface advertises the address its host name resolves
-to (the container's address on a bridge or overlay network).
+an agent bound to every interface advertises its address on the route to the state
+monitor (a Swarm task has several interfaces, and only the overlay one is reachable
+from the streamer), else the address its host name resolves to.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,17 +62,32 @@ class DeviceRegistry:
         return max(0.0, self._clock() - entry.seen_at)
 
 
-def advertised_url(explicit: str, host: str, port: int, resolve: Callable[[str], str] | None = None,
+def route_source_address(peer_url: str) -> str:
+    """This host's address on the route to `peer_url`'s host (a UDP connect sends nothing)."""
+    parts = urllib.parse.urlsplit(peer_url)
+    if not parts.hostname:
+        raise OSError(f"no host in {peer_url!r}")
+    info = socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(info[0], socket.SOCK_DGRAM) as sock:
+        sock.connect(info[4])
+        return str(sock.getsockname()[0])
+
+
+def advertised_url(explicit: str, host: str, port: int, route_to: str = "",
+                   route_source: Callable[[str], str] = route_source_address,
+                   resolve: Callable[[str], str] = socket.gethostbyname,
                    hostname: Callable[[], str] = socket.gethostname) -> str:
     """The base URL other machines reach this agent at."""
     if explicit:
         return explicit.rstrip("/")
     if host in ANY_HOST:
-        resolve = resolve or socket.gethostbyname
         try:
-            host = resolve(hostname())
+            host = route_source(route_to) if route_to else resolve(hostname())
         except OSError:
-            host = "127.0.0.1"
+            try:
+                host = resolve(hostname())
+            except OSError:
+                host = "127.0.0.1"
     if ":" in host:  # an IPv6 literal
         host = f"[{host}]"
     return f"http://{host}:{port}"

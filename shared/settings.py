@@ -4,6 +4,10 @@ Each service declares a dataclass whose fields carry defaults; `from_env` reads
 `<PREFIX><FIELD_NAME_UPPER>` for every field, converts it to the field's type
 and runs the class's `validate()` (if any) so a bad value fails at startup with
 a clear message rather than deep inside a request.
+
+`TOPHAT_SETTINGS_FILE` names an optional file of `KEY=VALUE` lines (`#` comments, blank
+lines) read under the environment: a variable set in both takes the environment's value.
+It is how a Swarm `config` (a mounted file) or a Kubernetes ConfigMap volume sets tunables.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import typing
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+SETTINGS_FILE_VAR = "TOPHAT_SETTINGS_FILE"
 
 
 class SettingsError(ValueError):
@@ -42,9 +48,31 @@ def _convert(raw: str, annotation: Any, name: str) -> Any:
     raise SettingsError(f"{name}: unsupported settings type {annotation!r}")
 
 
+def read_settings_file(path: str) -> dict[str, str]:
+    """`KEY=VALUE` lines; a line that is neither that, blank nor a `#` comment is an error (with its number)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError as exc:
+        raise SettingsError(f"{SETTINGS_FILE_VAR}: cannot read {path}: {exc}") from exc
+    values: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        key, sep, value = stripped.partition("=")
+        if not sep or not key.strip():
+            raise SettingsError(f"{path}:{number}: expected KEY=VALUE, got {stripped[:80]!r}")
+        values[key.strip()] = value.strip()
+    return values
+
+
 def from_env(cls: type[T], prefix: str, environ: typing.Mapping[str, str] | None = None, **overrides: Any) -> T:
-    """Build `cls` from `prefix + FIELD` environment variables; `overrides` win."""
+    """Build `cls` from `prefix + FIELD` environment variables (over the settings file, if one is named);
+    `overrides` win."""
     environ = os.environ if environ is None else environ
+    if environ.get(SETTINGS_FILE_VAR):
+        environ = {**read_settings_file(environ[SETTINGS_FILE_VAR]), **environ}
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]

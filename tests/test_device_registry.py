@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.token_streamer.router import Router
-from shared.device_registry import DeviceRegistry, advertised_url, auto_device_id
+from shared.device_registry import DeviceRegistry, advertised_url, auto_device_id, route_source_address
 
 
 class Clock:
@@ -57,6 +57,18 @@ def test_advertised_url():
         raise OSError("no such host")
 
     assert advertised_url("", "0.0.0.0", 8200, resolve=unresolvable) == "http://127.0.0.1:8200"
+    # With the monitor's URL: the address on the route to it (a Swarm task's overlay address, not its
+    # docker_gwbridge one), falling back to the host name's when there is no route.
+    assert advertised_url("", "0.0.0.0", 8200, route_to="http://state-monitor:8020",
+                          route_source=lambda url: "10.0.1.7", resolve=unresolvable) == "http://10.0.1.7:8200"
+    assert advertised_url("", "0.0.0.0", 8200, route_to="http://state-monitor:8020", route_source=unresolvable,
+                          resolve=lambda name: "172.18.0.5") == "http://172.18.0.5:8200"
+
+
+def test_route_source_address_on_loopback():
+    assert route_source_address("http://127.0.0.1:8020") == "127.0.0.1"
+    with pytest.raises(OSError):
+        route_source_address("not a url")
 
 
 def test_auto_device_id_is_a_valid_ident_per_port():

@@ -44,6 +44,7 @@ from shared.device_registry import advertised_url
 from shared.device_speed import slowed, speed_schedule
 from shared.latency_stats import Timeline
 from shared.links import parse_link_spec, scaled_for_hidden
+from shared.metrics import DeviceMetrics, metrics_response
 from shared.model.checkpoint import load_checkpoint, split_fingerprint
 from shared.runtime import build_device_model, encode_prompt
 from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError, warm_up_device
@@ -116,12 +117,14 @@ class DeviceAgent:
         self.model = build_device_model(self.checkpoint, settings.split_layers, settings.adapter or None,
                                         speculative=settings.speculative)
         self.telemetry = TelemetryClient(settings.state_monitor_url or None)
+        self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
         link = parse_link_spec(settings.link)
         if settings.link_scaled:
             link = scaled_for_hidden(link, self.checkpoint.hidden_size)
         self.cloud = WebSocketCloud(settings.verifier_url, self.checkpoint.hidden_size,
                                     wire.WireDtype(settings.wire_dtype), settings.request_timeout_s,
                                     on_transfer=self._on_transfer, link=link if link.shaped else None,
+                                    on_frame=self.metrics.frame,
                                     split_layers=settings.split_layers,
                                     fingerprint=split_fingerprint(settings.model_dir, settings.split_layers))
         self.speed = speed_schedule(settings.speed)
@@ -234,10 +237,13 @@ class DeviceAgent:
         request_slowdown = self.speed.slowdown_for(self.requests_served)
         self.requests_served += 1
         yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
+        counted = 0  # of session.verdicts, those in the metrics
         try:
             rounds = (self._hat_rounds(request, ids, session, session_id, request_slowdown) if session is not None
                       else self._cloud_rounds(request, ids, session_id, cloud_generated))
             async for tokens in rounds:
+                if session is not None:  # spec-decode counters, live: this delivery is one round's (or the prefill's)
+                    counted = self._count_rounds(session, counted)
                 now = time.perf_counter() - started
                 timeline.deliver(now, len(tokens))
                 yield json.dumps({"type": "tokens", "token_ids": tokens, "text": detok.push(tokens), "t": now}) + "\n"
@@ -247,6 +253,8 @@ class DeviceAgent:
             return
         finally:
             self.active -= 1
+            if session is not None:  # rounds verified but not delivered (the client went away) count too
+                self._count_rounds(session, counted)
         if session is not None:
             generated, accept_lengths = session.generated, session.accept_lengths
         else:  # like the reference decoder: every round after the first yields exactly one token
@@ -267,6 +275,12 @@ class DeviceAgent:
         yield json.dumps({"type": "done", "finish_reason": finish, "stats": stats}) + "\n"
         if session is not None:
             self._report_timings(session, request_slowdown)
+
+    def _count_rounds(self, session: DeviceSession, counted: int) -> int:
+        """Count the session's verification rounds from index `counted` on; returns how many are counted now."""
+        verdicts = session.verdicts[counted:]
+        self.metrics.spec_decode.rounds(verdicts)
+        return counted + len(verdicts)
 
     def _report_timings(self, session: DeviceSession, slowdown: float) -> None:
         """What only the device knows: its draft step (gamma) and, for the simulator's latency models,
@@ -313,7 +327,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         probes = [asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
                   asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe")]
         if settings.state_monitor_url and settings.announce_interval_s > 0:
-            url = advertised_url(settings.advertise_url, settings.host, settings.port)
+            url = advertised_url(settings.advertise_url, settings.host, settings.port,
+                                 route_to=settings.state_monitor_url)
             probes.append(asyncio.create_task(announce_loop(
                 state["agent"].http, settings.state_monitor_url, settings.device_id, url, settings.max_sessions,
                 settings.announce_interval_s), name="announce"))
@@ -338,6 +353,10 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         if "agent" not in state:
             return _error(503, "starting", "model still loading")
         return {"status": "ready", "device_id": settings.device_id}
+
+    @app.get("/metrics")
+    async def metrics():
+        return metrics_response(state["agent"].metrics.registry if "agent" in state else None)
 
     @app.get("/info")
     async def info():

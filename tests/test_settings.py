@@ -1,0 +1,43 @@
+"""shared/settings.py: environment variables over an optional settings file, typed and validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from shared.settings import SETTINGS_FILE_VAR, SettingsError, from_env, read_settings_file
+
+
+@dataclass(frozen=True)
+class Example:
+    port: int = 1
+    name: str = "x"
+    fast: bool = False
+
+    def validate(self) -> None:
+        if self.port < 0:
+            raise ValueError("port must be >= 0")
+
+
+def test_file_values_apply_under_the_environment(tmp_path):
+    path = tmp_path / "settings.env"
+    path.write_text("# tunables\n\nEX_PORT = 9\nEX_NAME=file\nOTHER_KEY=ignored\n")
+    got = from_env(Example, "EX_", {SETTINGS_FILE_VAR: str(path), "EX_NAME": "env"})
+    assert got == Example(port=9, name="env", fast=False)
+    assert from_env(Example, "EX_", {SETTINGS_FILE_VAR: str(path)}, port=3).port == 3  # overrides win
+
+
+def test_bad_files_and_values_are_clear_errors(tmp_path):
+    with pytest.raises(SettingsError, match="cannot read"):
+        from_env(Example, "EX_", {SETTINGS_FILE_VAR: str(tmp_path / "missing.env")})
+    bad = tmp_path / "bad.env"
+    bad.write_text("EX_PORT=1\nthis is not a setting\n")
+    with pytest.raises(SettingsError, match=r"bad.env:2: expected KEY=VALUE"):
+        read_settings_file(str(bad))
+    typed = tmp_path / "typed.env"
+    typed.write_text("EX_FAST=maybe\n")
+    with pytest.raises(SettingsError, match="EX_FAST"):
+        from_env(Example, "EX_", {SETTINGS_FILE_VAR: str(typed)})
+    with pytest.raises(SettingsError, match="port must be"):
+        from_env(Example, "EX_", {"EX_PORT": "-1"})
