@@ -63,7 +63,7 @@ WHEELHOUSE := build/wheelhouse
 IMAGE ?= tophat:cpu
 BASE_IMAGE ?= python:3.11-slim-bookworm
 
-.PHONY: wheelhouse image base-image test-deploy
+.PHONY: wheelhouse image image-cuda image-jetson base-image test-deploy
 
 wheelhouse: $(STAMP)
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
@@ -78,6 +78,13 @@ base-image:
 image: wheelhouse
 	docker build --network host --build-arg PIP_NO_INDEX=1 --build-arg PYTHON_BASE=$(BASE_IMAGE) \
 		--target cpu --tag $(IMAGE) .
+
+# The GPU server's and the Jetsons' images need the public bases and PyPI (torch's CUDA build; arm64 wheels).
+image-cuda: wheelhouse
+	docker build --target cuda --tag tophat:cuda .
+
+image-jetson: wheelhouse
+	docker buildx build --platform linux/arm64 --target jetson --tag tophat:jetson --load .
 
 # The compose test: build the image, `up` with host networking, a streamed answer, the verifier killed and
 # restarted, `down -v`. With CI=true it first installs and starts what it needs (Docker engine, compose plugin,
