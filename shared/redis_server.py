@@ -6,6 +6,13 @@ real protocol (streams, MAXLEN trimming, server restarts), not a fake. The
 as a plain subprocess on 127.0.0.1 with a temporary working directory and no
 persistence (no RDB snapshots, no AOF): when it stops, the data is gone.
 
+Any local process can reach a loopback port, so the server is not open: it
+binds loopback only, keeps protected mode on, and requires a random password
+(`requirepass`). The password lives in a 0600 config file inside the 0700 temp
+dir, never on the command line (which `ps` shows to every user), and reaches
+clients only inside `EmbeddedRedis.url`; log that URL through
+`shared.telemetry.redact_url`.
+
 `resolve_redis_url` implements the lookup order every service uses: an
 explicit URL, else the `REDIS_URL` environment variable, else None (the caller
 decides whether to start an `EmbeddedRedis`).
@@ -13,8 +20,10 @@ decides whether to start an `EmbeddedRedis`).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -24,6 +33,10 @@ from pathlib import Path
 from types import TracebackType
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from shared.telemetry import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +75,22 @@ def resolve_redis_url(explicit: str | None = None) -> str | None:
     return os.environ.get("REDIS_URL") or None
 
 
-def _server_pid(host: str, port: int, timeout: float) -> int | None:
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _server_pid(host: str, port: int, password: str, timeout: float) -> int | None:
     """PID of whichever redis-server answers on host:port, None if none answers.
 
     Readiness checks compare it with our child's PID: a bare PING could be
     answered by some *other* server already holding the port.
     """
-    client = redis.Redis(host=host, port=port, socket_timeout=timeout, socket_connect_timeout=timeout)
+    # No retries: the caller polls, and redis-py would back off on a refused connection.
+    client = redis.Redis(host=host, port=port, password=password, socket_timeout=timeout,
+                         socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
     try:
         return int(client.info("server")["process_id"])
     except (redis.RedisError, OSError, KeyError, ValueError):
@@ -82,6 +104,8 @@ class EmbeddedRedis:
 
     `stop()` keeps the chosen port, so `start()` again brings a fresh, empty
     server back on the same address -- which is how tests simulate an outage.
+    The password is drawn once per instance and kept across restarts too, so
+    clients holding `url` reconnect after such an outage.
     """
 
     def __init__(self, port: int = 0, *, host: str = HOST, startup_timeout: float = 10.0,
@@ -93,12 +117,28 @@ class EmbeddedRedis:
         self._executable = executable
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmpdir: str | None = None
+        if not _is_loopback(host):  # the embedded server is for this machine only
+            raise EmbeddedRedisError(f"embedded redis binds loopback only, not {host!r}")
+        self.password = secrets.token_urlsafe(32)  # URL-safe alphabet: no quoting in the URL or config
 
     @property
     def url(self) -> str:
+        """`redis://:PASSWORD@host:port/0` -- a secret: log it only through `redact_url`."""
         if not self.port:
             raise EmbeddedRedisError("server has no port yet; call start() first")
-        return f"redis://{self.host}:{self.port}/0"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6 literal
+        return f"redis://:{self.password}@{host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def config_path(self) -> Path:
+        """The running server's config file (it holds the password; mode 0600)."""
+        if self._tmpdir is None:
+            raise EmbeddedRedisError("server is not running; call start() first")
+        return Path(self._tmpdir) / "redis.conf"
 
     @property
     def running(self) -> bool:
@@ -117,18 +157,21 @@ class EmbeddedRedis:
             last_error = self._launch(exe)
             if not last_error:
                 self._fixed_port = True  # restarts come back on the same address
-                log.info("embedded redis-server up at %s (pid %d)", self.url, self._proc.pid)  # type: ignore[union-attr]
+                log.info("embedded redis-server up at %s (pid %d)", redact_url(self.url), self._proc.pid)  # type: ignore[union-attr]
                 return self
         raise EmbeddedRedisError(f"redis-server did not start on {self.host}:{self.port}: {last_error}")
 
     def _launch(self, exe: str) -> str:
         """One launch attempt; returns '' on success, else an error description."""
-        self._tmpdir = tempfile.mkdtemp(prefix="tophat-redis-")
-        conf = Path(self._tmpdir) / "redis.conf"
-        conf.write_text(
-            f"bind {self.host}\nport {self.port}\nprotected-mode no\ndaemonize no\n"
-            f'save ""\nappendonly no\ndir {self._tmpdir}\nlogfile ""\nloglevel warning\n'
-        )
+        self._tmpdir = tempfile.mkdtemp(prefix="tophat-redis-")  # mode 0700
+        conf = self.config_path
+        # O_EXCL + 0600 from the first byte: the password is never readable by another user.
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(
+                f"bind {self.host}\nport {self.port}\nprotected-mode yes\nrequirepass {self.password}\n"
+                f'daemonize no\nsave ""\nappendonly no\ndir {self._tmpdir}\nlogfile ""\nloglevel warning\n'
+            )
         logfile = open(Path(self._tmpdir) / "stdout.log", "wb")  # noqa: SIM115 - owned by the child
         try:
             self._proc = subprocess.Popen([exe, str(conf)], stdout=logfile, stderr=subprocess.STDOUT,
@@ -139,7 +182,7 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 break
-            pid = _server_pid(self.host, self.port, timeout=0.5)
+            pid = _server_pid(self.host, self.port, self.password, timeout=0.5)
             if pid == self._proc.pid:
                 return ""
             time.sleep(0.02)

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from shared.redis_server import EmbeddedRedis
+from shared.telemetry import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +362,7 @@ class Mesh:
             "chunk-planner": cfg.planner_url,
             "state-monitor": cfg.monitor_url,
             "verifier-cloud": f"ws://{cfg.host}:{cfg.verifier_port}/ws",
-            "redis": self.redis_url or "",
+            "redis": redact_url(self.redis_url) if self.redis_url else "",  # printed: never the password
         }
         urls.update({f"device-agent-{i}": cfg.device_url(i) for i in range(cfg.num_devices)})
         return urls

@@ -16,6 +16,7 @@ import uvicorn
 from services.state_monitor.app import create_app
 from services.state_monitor.settings import load_settings
 from shared.redis_server import EmbeddedRedis, resolve_redis_url
+from shared.telemetry import redact_url
 
 log = logging.getLogger("services.state_monitor")
 
@@ -27,7 +28,7 @@ def main() -> None:
     if resolve_redis_url(settings.redis_url or None) is None and settings.embedded_redis:
         embedded = EmbeddedRedis().start()
         settings = dataclasses.replace(settings, redis_url=embedded.url)
-        log.info("no REDIS_URL given; using embedded redis at %s", embedded.url)
+        log.info("no REDIS_URL given; using embedded redis at %s", redact_url(embedded.url))
     try:
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                     log_level=settings.log_level.lower())
