@@ -13,22 +13,23 @@ from websockets.exceptions import ConnectionClosed
 
 
 class CapturingRelay:
-    """Listens on a free port, relays each connection to `upstream`, keeps device->cloud frames."""
+    """Listens on a free port, relays each connection to `upstream`, keeps device->cloud frames (and the
+    cloud's replies, in `replies`)."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream
         self.frames: list[bytes] = []
+        self.replies: list[bytes] = []
         self.port: int | None = None
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),), daemon=True)
         self._ready = threading.Event()
 
-    async def _pipe(self, source, sink, record: bool) -> None:
+    async def _pipe(self, source, sink, record: list[bytes]) -> None:
         try:
             async for frame in source:
-                if record:
-                    self.frames.append(frame)
+                record.append(frame)
                 await asyncio.wait_for(sink.send(frame), 30)
         except ConnectionClosed:
             pass
@@ -38,8 +39,8 @@ class CapturingRelay:
     async def _handle(self, device_side) -> None:
         async with connect(self.upstream, max_size=None, compression=None, open_timeout=10) as cloud_side:
             async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._pipe(device_side, cloud_side, record=True))
-                tasks.create_task(self._pipe(cloud_side, device_side, record=False))
+                tasks.create_task(self._pipe(device_side, cloud_side, record=self.frames))
+                tasks.create_task(self._pipe(cloud_side, device_side, record=self.replies))
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()

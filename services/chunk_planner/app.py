@@ -35,9 +35,10 @@ from typing import Annotated, Any
 import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from services.chunk_planner.settings import Settings, load_settings
+from shared.metrics import PlannerMetrics, metrics_response
 from shared.planners import (
     PlannerInputs,
     hidden_bytes_per_token,
@@ -188,6 +189,7 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
     """Build the app; `monitor_transport` (tests) replaces the network under the monitor client."""
     settings = settings or load_settings()
     monitor: MonitorClient | None = None
+    metrics = PlannerMetrics()
 
     async def telemetry(device_id: str) -> Telemetry:
         return NO_MONITOR if monitor is None else await monitor.fetch(device_id)
@@ -223,6 +225,7 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
         state = await telemetry(device_id)
         inputs = planner_inputs(settings, bytes_per_token, stages or reported_stages(state))
         plan = plan_chunk_size(settings, device_id, prompt_tokens, state, inputs)
+        metrics.decision("chunk_size", plan.source)
         return {"chunk_size": plan.chunk_size, "source": plan.source,
                 "bytes_per_token": inputs.bytes_per_token, "stages": inputs.stages}
 
@@ -235,6 +238,7 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
         state = await telemetry(device_id)
         inputs = planner_inputs(settings, bytes_per_token, stages or reported_stages(state))
         plan = plan_parallel_draft_steps(settings, device_id, draft_len, state, inputs)
+        metrics.decision("parallel_draft_steps", plan.source)
         answer: dict[str, Any] = {"steps": plan.steps, "source": plan.source,
                                   "bytes_per_token": inputs.bytes_per_token, "stages": inputs.stages}
         if all_lengths:
@@ -246,6 +250,10 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return metrics_response(metrics.registry)
 
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:

@@ -48,6 +48,7 @@ class CloudUnavailable(ConnectionError):
 
 
 TransferHook = Callable[[str, int, float], None]  # (direction "up"/"down", bytes, seconds)
+FrameHook = Callable[[str, int], None]  # (direction "up"/"down", bytes of one WebSocket message); must not raise
 
 
 class WebSocketCloud:
@@ -64,6 +65,7 @@ class WebSocketCloud:
         *,
         split_layers: int | None = None,
         fingerprint: int | None = None,
+        on_frame: FrameHook | None = None,
     ):
         """`split_layers` (m) and `fingerprint` (`split_fingerprint(checkpoint_dir, m)`) go with every
         OpenSession so a verifier with another split or checkpoint refuses it; without them only
@@ -77,6 +79,7 @@ class WebSocketCloud:
         self.connect_timeout_s = connect_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.on_transfer = on_transfer
+        self.on_frame = on_frame  # every message's payload bytes, each way (the device's link metrics)
         self._connection: ClientConnection | None = None
         self._reader: asyncio.Task | None = None
         self._connect_lock = asyncio.Lock()
@@ -131,6 +134,8 @@ class WebSocketCloud:
 
     async def _deliver_frame(self, frame: bytes) -> None:
         received = time.perf_counter()
+        if self.on_frame is not None:
+            self.on_frame("down", len(frame))
         try:
             message = wire.decode(frame, max_frame_bytes=self.max_frame_bytes)
         except wire.WireError as exc:
@@ -169,7 +174,8 @@ class WebSocketCloud:
         except (ConnectionClosed, TimeoutError, RuntimeError) as exc:
             self._waiting.pop(key, None)
             raise CloudUnavailable(f"sending to the verifier failed: {type(exc).__name__}") from exc
-
+        if self.on_frame is not None:
+            self.on_frame("up", len(frame))
         return future
 
     async def _wait(self, future: asyncio.Future, key: tuple[int, int]) -> wire.Message:

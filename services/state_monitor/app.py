@@ -17,11 +17,13 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.state_monitor.settings import Settings, load_settings
 from shared import telemetry as tk
 from shared.device_registry import DeviceRegistry
+from shared.metrics import MonitorMetrics, metrics_response
 from shared.redis_server import resolve_redis_url
 from shared.state_model import CloudState, ComputeDelayPredictor, DeviceState
 
@@ -221,6 +223,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                              max_backoff_s=settings.redis_backoff_max_s) if url else None)
     monitor = Monitor(settings, sink)
     registry = DeviceRegistry(settings.announce_ttl_s)
+    metrics = MonitorMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -248,6 +251,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         persisted = 0
         for rec in records:
             persisted += await monitor.ingest(rec)
+            metrics.record(rec.kind)
         return {"accepted": len(records), "persisted": persisted}
 
     @app.post("/devices/announce")
@@ -264,6 +268,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"ttl_s": registry.ttl_s,
                 "devices": [{"device_id": a.device_id, "url": a.url, "max_sessions": a.max_sessions,
                              "age_s": registry.age_s(a)} for a in registry.live()]}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return metrics_response(metrics.registry)
 
     @app.get("/state/cloud")
     async def state_cloud() -> dict[str, Any]:

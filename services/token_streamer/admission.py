@@ -60,6 +60,11 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def running(self) -> int:
+        """Requests holding a device slot (being started or generating), on every device, retired ones included."""
+        return sum(device.outstanding for device in self.router.devices)
+
     async def acquire(self, deadline: float, *, front: bool = False) -> DeviceState:
         """A device with one slot taken for the caller, in arrival order.
 

@@ -37,6 +37,7 @@ from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher
 from services.token_streamer.settings import Settings, load_settings
 from shared import latency_stats
 from shared.latency_stats import Timeline
+from shared.metrics import StreamerMetrics, metrics_response
 from shared.telemetry import TelemetryClient
 
 log = logging.getLogger(__name__)
@@ -55,12 +56,13 @@ class Run:
     """One request's generation on one device: stop strings, user-side timing, stats, telemetry."""
 
     def __init__(self, stream: DeviceStream, stops: list[str], started: float, request_id: str,
-                 telemetry: TelemetryClient) -> None:
+                 telemetry: TelemetryClient, metrics: StreamerMetrics | None = None) -> None:
         self.stream = stream
         self.scanner = of.StopScanner(stops)
         self.started = started
         self.request_id = request_id
         self.telemetry = telemetry
+        self.metrics = metrics
         self.finish_reason = "length"
         self.timeline = Timeline(started)  # one delivery per NDJSON 'tokens' line, perf_counter times
         self.device_stats: dict[str, Any] | None = None
@@ -145,6 +147,8 @@ class Run:
             return
         self._closed = True
         await self.stream.aclose()
+        if self.metrics is not None:  # TTFT, ITL and e2e as the user saw them, from arrival here
+            self.metrics.request_done(self.ttft_s, self.token_times_s, time.perf_counter() - self.started)
         self.telemetry.emit_request(self.request_id, device_id=self.stream.device.device_id, ttft_s=self.ttft_s,
                                     token_times_s=self.token_times_s, accept_lengths=self.accept_lengths,
                                     prompt_tokens=self.stream.prompt_tokens)
@@ -162,6 +166,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     dispatcher = Dispatcher(admission, client, first_byte_timeout_s=s.first_byte_timeout_s,
                             line_timeout_s=s.line_timeout_s, probe_timeout_s=s.probe_timeout_s)
     telemetry = TelemetryClient(s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s)
+    metrics = StreamerMetrics(running=lambda: admission.running, waiting=lambda: admission.waiting)
     started_at = int(time.time())
 
     async def health_loop() -> None:
@@ -260,7 +265,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             body.update(options)
         stream = await dispatcher.open(body)
         log.debug("request %s -> %s", request_id, stream.device.url)
-        run = Run(stream, req.stop_list, started, request_id, telemetry)
+        run = Run(stream, req.stop_list, started, request_id, telemetry, metrics)
         return run, of.ChunkFactory(chat, request_id, s.model_name)
 
     async def sse_body(run: Run, fmt: of.ChunkFactory, include_usage: bool) -> AsyncIterator[str]:
@@ -409,6 +414,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         queue = {"waiting": admission.waiting, "max_waiting": admission.max_waiting}
         return JSONResponse({"ready": ready, "queue": queue, "devices": router.snapshot()},
                             status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return metrics_response(metrics.registry)
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:

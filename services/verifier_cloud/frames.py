@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 
@@ -67,8 +68,10 @@ class BadFrameLog:
     """One connection's bad frames: each at DEBUG, and an INFO summary (count by code) at most once per
     interval and when the connection ends, so a peer sending garbage cannot flood the log."""
 
-    def __init__(self, peer: object, interval_s: float = BAD_FRAME_SUMMARY_S) -> None:
-        self.peer, self.interval_s = peer, interval_s
+    def __init__(self, peer: object, interval_s: float = BAD_FRAME_SUMMARY_S,
+                 on_count: Callable[[str], None] | None = None) -> None:
+        """`on_count(code name)`: every bad frame, as it comes (the verifier's metrics); must not raise."""
+        self.peer, self.interval_s, self.on_count = peer, interval_s, on_count
         self.counts: Counter[str] = Counter()
         self.since = time.monotonic()
         self.traced_internal = False
@@ -88,6 +91,8 @@ class BadFrameLog:
 
     def _count(self, code: wire.ErrorCode) -> None:
         self.counts[code.name] += 1
+        if self.on_count is not None:
+            self.on_count(code.name)
         if time.monotonic() - self.since >= self.interval_s:
             self.flush()
 

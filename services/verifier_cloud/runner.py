@@ -107,6 +107,12 @@ class ModelRunner:
     def close(self, session_id: int) -> None:
         self._release(session_id, None)
 
+    def kv_bytes(self) -> int:
+        """Bytes allocated to the open sessions' KV (token sessions' lower layers included)."""
+        with self._lock:  # a session in `sessions` is never freed, and none leaves it while we sum
+            return sum(c.middle.nbytes() + (c.token.lower.nbytes() if c.token is not None else 0)
+                       for c in self.sessions.values())
+
     def _release(self, session_id: int, replacement: SessionCaches | None) -> None:
         with self._lock:
             old = self.sessions.pop(session_id, None)

@@ -49,6 +49,7 @@ from services.verifier_cloud.work import EngineError, ErrorKind
 from shared import wire
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config, split_fingerprint
 from shared.model.split import MiddleSubmodel, warm_up_layers
+from shared.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, exposition
 from shared.settings import SettingsError
 from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
@@ -89,6 +90,9 @@ class VerifierServer:
         else:
             self.pipeline = StagePipeline(stages, settings.stage_start_timeout_s, settings.stage_timeout_s)
             self.engine = PipelineEngine(self.scheduler, self.pipeline, self._record_step)
+        # With P > 1 the KV lives in the stage workers: no KV gauge here.
+        self.metrics = VerifierMetrics(sessions=lambda: len(self.scheduler.sessions),
+                                       kv_bytes=self.runner.kv_bytes if self.runner is not None else None)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "VerifierServer":
@@ -130,6 +134,11 @@ class VerifierServer:
             if self.pipeline is not None and not self.pipeline.healthy and self.pipeline.last_failure is not None:
                 body += f"pipeline failed: {self.pipeline.last_failure} (restart {self.pipeline.restarts + 1})\n"
             return connection.respond(status, body)
+        if request.path == METRICS_PATH:
+            response = connection.respond(HTTPStatus.OK, exposition(self.metrics.registry).decode())
+            del response.headers["Content-Type"]  # respond() says text/plain; Prometheus wants its version too
+            response.headers["Content-Type"] = CONTENT_TYPE
+            return response
         if request.path != WS_PATH:
             return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
         return None
@@ -146,7 +155,7 @@ class VerifierServer:
     async def handle(self, connection: ServerConnection) -> None:
         peer = connection.remote_address
         log.info("device connected from %s", peer)
-        bad_frames = BadFrameLog(peer)
+        bad_frames = BadFrameLog(peer, on_count=self.metrics.bad_frame)
         try:
             while True:
                 async with asyncio.timeout(self.settings.idle_timeout_s):
@@ -322,6 +331,7 @@ class VerifierServer:
     def _record_step(self, stats: StepStats, overhead_s: float | None) -> None:
         """One verifier_step record per batch (per micro-batch with P > 1): HAT's mu-hat and eta-hat."""
         self.steps += 1
+        self.metrics.step(stats.batched_tokens, stats.compute_s)
         kinds = {"prefill": stats.num_prefill, "verify": stats.num_verify}
         if stats.num_token:
             kinds["token"] = stats.num_token  # of the prefill + verify items, those in token mode

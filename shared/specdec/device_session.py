@@ -136,6 +136,7 @@ class DeviceSession:
         self.generated: list[int] = []
         self.pending_token: int | None = None  # last emitted token, not yet run through any layer
         self.accept_lengths: list[int] = []  # tokens emitted per verification round
+        self.verdicts: list[tuple[int, int]] = []  # (draft tokens, draft tokens accepted) per verification round
         self.draft_seconds: list[tuple[float, int]] = []  # (seconds, device steps) of each draft() call
         # Wall-clock timings the engine records for telemetry (the simulator's latency models):
         self.round_overhead_s: list[float] = []  # per round, outside drafting and the cloud wait
@@ -349,6 +350,7 @@ class DeviceSession:
         self.pending_token = verdict.next_token
         emitted = self._emit(draft.tokens[: verdict.num_accepted] + [verdict.next_token])
         self.accept_lengths.append(len(emitted))
+        self.verdicts.append((len(draft.tokens), verdict.num_accepted))
         self.full_accepts += verdict.num_accepted == len(draft.tokens)
         match = None
         if verdict.num_accepted == len(draft.tokens) - 1 and not self.is_finished:
