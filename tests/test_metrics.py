@@ -25,6 +25,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
@@ -213,3 +214,42 @@ def test_a_bad_frame_is_counted_by_its_code(mesh_and_relay):
     after = scrape(verifier_url)
     assert value(after, "tophat:verifier_bad_frames_total", code=code) == \
         before.get(("tophat:verifier_bad_frames_total", (("code", code),)), 0) + 1
+
+
+# -- the verifier's gauges while a session lives, and the device's frame hook ------------------------
+async def test_live_sessions_and_kv_bytes_rise_while_a_session_is_open(tiny_llama_dir):
+    from services.device_agent.cloud_client import WebSocketCloud
+    from shared.model.checkpoint import load_checkpoint
+    from tests.mesh_tools import split_identity, verifier_on_loopback
+
+    checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
+    frames: list[tuple[str, int]] = []
+    async with verifier_on_loopback(checkpoint, 2) as (server, url):
+        http_url = url.replace("ws://", "http://").removesuffix("/ws")
+        cloud = WebSocketCloud(url, checkpoint.hidden_size, on_frame=lambda d, n: frames.append((d, n)),
+                               **split_identity(checkpoint))
+        async with httpx.AsyncClient(timeout=10) as http:
+            async def scraped() -> dict:
+                response = await http.get(f"{http_url}/metrics")
+                assert response.headers["content-type"] == metrics.CONTENT_TYPE
+                return samples(response.text)
+
+            idle = await scraped()
+            assert value(idle, "tophat:verifier_sessions") == 0 and value(idle, "tophat:verifier_kv_cache_bytes") == 0
+            try:
+                await cloud.open(7)
+                answer = await cloud.send_prefill(7, 0, torch.randn(5, checkpoint.hidden_size), is_last=True)
+                assert (await answer).shape == (1, checkpoint.hidden_size)
+                live = await scraped()
+                assert value(live, "tophat:verifier_sessions") == 1
+                assert value(live, "tophat:verifier_kv_cache_bytes") > 0
+                assert value(live, "tophat:verifier_batched_tokens_sum") == 5
+                await cloud.close(7)
+                closed = await scraped()
+                assert value(closed, "tophat:verifier_sessions") == 0
+                assert value(closed, "tophat:verifier_kv_cache_bytes") == 0
+            finally:
+                await cloud.close_connection()
+    # open, prefill, close: three frames each way, every one counted with its size
+    assert [d for d, _ in frames].count("up") == 3 and [d for d, _ in frames].count("down") == 3
+    assert all(n > 0 for _, n in frames)
