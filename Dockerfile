@@ -45,7 +45,7 @@ WORKDIR /opt/tophat
 USER 10001
 EXPOSE 8000 8010 8020 8100 8200
 ENTRYPOINT ["tini", "-s", "--"]
-# Each service sets TOPHAT_HEALTH_URL to its own /readyz (compose, stack and k8s do).
+# Each service sets HEALTHCHECK_URL to its own /readyz (compose, stack and k8s do).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 CMD ["python", "-m", "tophatctl.healthcheck"]
 CMD ["python", "-m", "services.token_streamer"]
 

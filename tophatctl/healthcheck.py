@@ -1,7 +1,7 @@
 """`python -m tophatctl.healthcheck [URL] [--port-file PATH]`: a container healthcheck (exit 0 = healthy).
 
 Images carry no curl; this asks one service's /readyz with the standard library.
-The URL defaults to $TOPHAT_HEALTH_URL, else http://127.0.0.1:8000/readyz. A device
+The URL defaults to $HEALTHCHECK_URL, else http://127.0.0.1:8000/readyz. A device
 agent that took any free port (replicas sharing a host's network) writes its port
 to a file, and `--port-file` reads it: the URL's port is replaced by it.
 """
@@ -29,7 +29,7 @@ def health_url(url: str, port_file: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("url", nargs="?", default=os.environ.get("TOPHAT_HEALTH_URL") or DEFAULT_URL)
+    parser.add_argument("url", nargs="?", default=os.environ.get("HEALTHCHECK_URL") or DEFAULT_URL)
     parser.add_argument("--port-file", default=None)
     parser.add_argument("--timeout", type=float, default=3.0)
     args = parser.parse_args(argv)
