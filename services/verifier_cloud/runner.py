@@ -194,9 +194,11 @@ class ModelRunner:
 
     def _forward(self, items: Sequence[RunItem], entries: Sequence[SessionCaches]) -> list[torch.Tensor | None]:
         """Token items through embeddings + layers [0, m), then everything through one packed pass of
-        this layer range, then token items through the head: deep states, or sampled ids [1]."""
-        dtype = self.layers.dtype
-        inputs: list[torch.Tensor | None] = [None if item.is_token else item.hidden.to(dtype) for item in items]
+        this layer range, then token items through the head: deep states on the CPU, or sampled ids [1]."""
+        # Received states keep their wire dtype until here: now the layers' device and compute dtype.
+        device, dtype = self.layers.device, self.layers.dtype
+        inputs: list[torch.Tensor | None] = [None if item.is_token else item.hidden.to(device=device, dtype=dtype)
+                                             for item in items]
         token_rows = [i for i, item in enumerate(items) if item.is_token]
         if token_rows:
             if self.token_model is None:  # _refusal keeps token items off a runner without one
@@ -209,4 +211,6 @@ class ModelRunner:
         for i in token_rows:
             outputs[i] = (torch.tensor([self.token_model.next_token(entries[i].token, outputs[i][-1:])])
                           if items[i].is_last else None)
-        return outputs
+        # Replies go back to the CPU for encoding; on a GPU this copy also waits for the pass to finish,
+        # so whoever times run() measures the compute, not the kernel launches.
+        return [None if out is None else out.cpu() for out in outputs]

@@ -53,6 +53,12 @@ class TokenModel:
         log.info("token mode on: the cloud holds embeddings, layers [0, %d), norm and head (vocab %d)",
                  split_layers, self.vocab_size)
 
+    def to(self, device: torch.device | str) -> "TokenModel":
+        """Move the embeddings, layers [0, m), norm and head beside the middle layers (dtypes unchanged)."""
+        for part in (self.embed_tokens, self.lower, self.output):
+            part.to(device)
+        return self
+
     def open(self, params: SamplingParams) -> TokenSession:
         generator = torch.Generator()
         if params.seed is not None:
@@ -71,7 +77,7 @@ class TokenModel:
         """[(lower cache, ids [S_i])] -> shallow states [[S_i, H]], one packed pass over layers [0, m)."""
         lengths = [ids.shape[0] for _, ids in items]
         ids = torch.cat([ids for _, ids in items]) if len(items) > 1 else items[0][1]
-        hidden = self.embed_tokens(ids)  # [T, H]
+        hidden = self.embed_tokens(ids.to(self.embed_tokens.weight.device))  # [T, H] on the model's device
         out = self.lower.forward_packed(hidden, [cache for cache, _ in items], lengths)
         return list(out.split(lengths))
 

@@ -71,10 +71,11 @@ class DraftAdapter(torch.nn.Module):
             self.post_attention_layernorm = copy.deepcopy(template.post_attention_layernorm)
             self.mlp = copy.deepcopy(template.mlp)
         if spec.side_input is not None:
-            self.fuse = torch.nn.Linear(2 * hidden, hidden, bias=False, dtype=checkpoint.model.dtype)
+            self.fuse = torch.nn.Linear(2 * hidden, hidden, bias=False, dtype=checkpoint.model.dtype,
+                                        device=template.input_layernorm.weight.device)  # beside the copies above
             with torch.no_grad():  # start as "pass h through": [side; h] -> h, or [h; f] -> h
                 self.fuse.weight.zero_()
-                eye = torch.eye(hidden, dtype=self.fuse.weight.dtype)
+                eye = torch.eye(hidden, dtype=self.fuse.weight.dtype, device=self.fuse.weight.device)
                 if spec.side_input == "embedding":
                     self.fuse.weight[:, hidden:] = eye
                 else:
@@ -87,8 +88,12 @@ class DraftAdapter(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.input_layernorm.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_layernorm.weight.device
+
     def new_cache(self) -> SessionKV:
-        return SessionKV(1, self.num_kv_heads, self.head_dim, self.dtype)
+        return SessionKV(1, self.num_kv_heads, self.head_dim, self.dtype, self.device)
 
     def randomize(self, seed: int) -> "DraftAdapter":
         """A random (untrained) adapter: speculation still must be lossless with it."""
@@ -98,7 +103,7 @@ class DraftAdapter(torch.nn.Module):
                 if "layernorm" in name:
                     continue
                 scale = 0.0 if name.endswith("bias") else param.shape[-1] ** -0.5
-                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)  # CPU draws: same on any device
         return self
 
     def _fused(self, shallow: torch.Tensor, side: torch.Tensor | None) -> torch.Tensor:
@@ -124,7 +129,7 @@ class DraftAdapter(torch.nn.Module):
     def forward(self, shallow: torch.Tensor, cache: SessionKV, side: torch.Tensor | None = None) -> torch.Tensor:
         # shallow: [S, H], side: [S, H] (embeddings or previous deep states) -> draft final hidden f_S: [S, H]
         x = self._fused(shallow, side)
-        positions = packed_positions([cache], [x.shape[0]])
+        positions = packed_positions([cache], [x.shape[0]], x.device)
         cos, sin = rotary_tables(self.rotary_emb, positions, x)
         attn = attention_forward(self.self_attn, self.input_layernorm(x), [cache.layer(0)], [x.shape[0]], cos, sin)
         return self._finish(x, attn)
@@ -139,7 +144,7 @@ class DraftAdapter(torch.nn.Module):
         q = attn.q_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # [B, Hq, S, D]
         k = attn.k_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         v = attn.v_proj(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = self.rotary_emb(x, torch.arange(seq_len)[None, :])  # [1, S, D]
+        cos, sin = self.rotary_emb(x, torch.arange(seq_len, device=x.device)[None, :])  # [1, S, D]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=q.shape[1] != k.shape[1]

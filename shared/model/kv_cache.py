@@ -17,10 +17,11 @@ class KVCacheError(ValueError):
 class LayerKV:
     """Keys and values of one attention layer for one session."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 64):
-        # keys/values: [Hkv, capacity, D]; rows >= length are garbage
-        self.keys = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype)
-        self.values = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype)
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 64,
+                 device: torch.device | str = "cpu"):
+        # keys/values: [Hkv, capacity, D] on the layer's device; rows >= length are garbage
+        self.keys = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.length = 0
 
     @property
@@ -31,7 +32,7 @@ class LayerKV:
         new_capacity = max(needed, 2 * self.capacity)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = torch.empty(old.shape[0], new_capacity, old.shape[2], dtype=old.dtype)
+            new = old.new_empty(old.shape[0], new_capacity, old.shape[2])  # same dtype and device
             new[:, : self.length] = old[:, : self.length]
             setattr(self, name, new)
 
@@ -49,8 +50,10 @@ class LayerKV:
 class SessionKV:
     """The KV cache of one session across a contiguous range of layers."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32):
-        self.layers: list[LayerKV] | None = [LayerKV(num_kv_heads, head_dim, dtype) for _ in range(num_layers)]
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        self.layers: list[LayerKV] | None = [LayerKV(num_kv_heads, head_dim, dtype, device=device)
+                                             for _ in range(num_layers)]
 
     def _alive(self) -> list[LayerKV]:
         if self.layers is None:

@@ -21,10 +21,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from shared.model.kv_cache import LayerKV, SessionKV
 
 
-def packed_positions(caches: Sequence[SessionKV], lengths: Sequence[int]) -> torch.Tensor:
+def packed_positions(caches: Sequence[SessionKV], lengths: Sequence[int],
+                     device: torch.device | str = "cpu") -> torch.Tensor:
     """Absolute positions of the new tokens: each session continues from its cache length."""
-    # positions: [T]
-    return torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, lengths)])
+    # positions: [T], on the device of the states they index (the rotary tables are computed there)
+    return torch.cat([torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, lengths)])
 
 
 def rotary_tables(rotary_emb: torch.nn.Module, positions: torch.Tensor, like: torch.Tensor):
@@ -59,7 +60,7 @@ def attention_forward(
         mask = None
         if n > 1:
             # query i sits at position past+i and sees keys 0..past+i
-            mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+            mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)
         out = F.scaled_dot_product_attention(
             q[None], all_keys[None], all_values[None], attn_mask=mask, scale=attn.scaling, enable_gqa=enable_gqa
         )  # [1, Hq, n, D]
@@ -97,7 +98,7 @@ def run_layers(
     # hidden: [T, H]; sum(lengths) == T
     if sum(lengths) != hidden.shape[0]:
         raise ValueError(f"lengths {list(lengths)} do not add up to {hidden.shape[0]} packed tokens")
-    positions = packed_positions(caches, lengths)
+    positions = packed_positions(caches, lengths, hidden.device)
     cos, sin = rotary_tables(rotary_emb, positions, hidden)
     for index, layer in enumerate(layers):
         hidden = decoder_layer_forward(layer, hidden, [c.layer(index) for c in caches], lengths, cos, sin)

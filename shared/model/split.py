@@ -51,8 +51,13 @@ class LayerRange(torch.nn.Module):
         self.num_kv_heads, self.head_dim = _kv_shape(checkpoint.config)
         self.dtype = checkpoint.model.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the layers' weights are (module.to(device) moves them; KV and inputs follow)."""
+        return next(self.layers.parameters()).device
+
     def new_cache(self) -> SessionKV:
-        return SessionKV(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype)
+        return SessionKV(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward_packed(self, hidden: torch.Tensor, caches: Sequence[SessionKV], lengths: Sequence[int]) -> torch.Tensor:
@@ -73,7 +78,7 @@ def warm_up_layers(layers: LayerRange, hidden_size: int, sizes: Sequence[int] = 
     cache = layers.new_cache()
     try:
         for size in sizes:
-            layers.forward_batch([(cache, torch.zeros(size, hidden_size, dtype=layers.dtype))])
+            layers.forward_batch([(cache, torch.zeros(size, hidden_size, dtype=layers.dtype, device=layers.device))])
     finally:
         cache.free()
 
@@ -88,8 +93,8 @@ class InputSubmodel(LayerRange):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, cache: SessionKV) -> torch.Tensor:
-        # token_ids: [S] -> shallow hidden: [S, H]
-        hidden = self.embed_tokens(token_ids)
+        # token_ids: [S] (any device) -> shallow hidden: [S, H] on the layers' device
+        hidden = self.embed_tokens(token_ids.to(self.embed_tokens.weight.device))
         return self.forward_packed(hidden, [cache], [token_ids.shape[0]])
 
 
@@ -114,8 +119,8 @@ class OutputSubmodel(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, H] -> logits: [S, V] (fp32 for stable softmax)
-        return self.lm_head(self.norm(hidden)).float()
+        # hidden: [S, H] -> logits: [S, V] fp32 (stable softmax) on the CPU, where sampling's generators live
+        return self.lm_head(self.norm(hidden)).float().cpu()
 
 
 @dataclass

@@ -72,6 +72,25 @@ class DeviceModel:
     def hidden_size(self) -> int:
         return self.output.lm_head.in_features
 
+    @property
+    def device(self) -> torch.device:
+        return self.input.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.input.dtype
+
+    def to(self, device: torch.device | str) -> "DeviceModel":
+        """Move every part to `device`; dtypes stay as the checkpoint was loaded (shared/model/placement.py)."""
+        for part in (self.input, self.adapter, self.output):
+            if part is not None:
+                part.to(device)
+        return self
+
+    def compute_states(self, deep: torch.Tensor) -> torch.Tensor:
+        """Deep states as the cloud sent them (wire dtype, fp32, CPU) -> this model's device and dtype."""
+        return deep.to(device=self.device, dtype=self.dtype)
+
 
 @dataclass
 class Draft:
@@ -190,7 +209,7 @@ class DeviceSession:
         side_input = self.model.adapter.spec.side_input
         side = None
         if side_input == "embedding":
-            side = self.model.input.embed_tokens(token_ids)
+            side = self.model.input.embed_tokens(token_ids.to(self.model.device))
         elif side_input == "feature":
             side = prev_features
         return self.model.adapter(shallow, cache, side)
@@ -198,6 +217,7 @@ class DeviceSession:
     def on_prefill_result(self, deep_last: torch.Tensor) -> list[int]:
         """Sample the first token from the deep state of the prompt's last position."""
         # deep_last: [1, H]
+        deep_last = self.model.compute_states(deep_last)
         logits = self.model.output(deep_last[-1:])[0]  # [V]
         self._prev_feature = deep_last[-1:]
         token = sample(logits_to_probs(logits, self.params), self.generator)
@@ -344,6 +364,7 @@ class DeviceSession:
         # deep: [k+1, H]
         if deep.shape[0] != len(draft.tokens) + 1:
             raise SessionError(f"verify result has {deep.shape[0]} rows, expected {len(draft.tokens) + 1}")
+        deep = self.model.compute_states(deep)
         target_logits = self.model.output(deep)  # [k+1, V]
         verdict: Verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
         keep = draft.commit_len + 1 + verdict.num_accepted
