@@ -13,6 +13,7 @@ import uvicorn
 from services.device_agent.app import create_app
 from services.device_agent.settings import Settings, load_settings
 from shared.device_registry import auto_device_id
+from shared.model.placement import PlacementError, cuda_facts, resolve_device
 
 log = logging.getLogger("services.device_agent")
 
@@ -37,6 +38,12 @@ def main() -> None:
     problem = missing_adapter(settings)
     if problem:
         log.error("%s", problem)
+        sys.exit(2)
+    available, count = cuda_facts()
+    try:  # a device this machine lacks (cuda without a GPU, cuda:3 with 2) is refused before the app starts
+        resolve_device(settings.device, available, count)
+    except PlacementError as exc:
+        log.error("cannot start: %s", exc)
         sys.exit(2)
     # Bound here, before the app exists, so that port 0 (any free port) and device id "auto" are settled
     # into the settings the agent announces.

@@ -46,6 +46,7 @@ from shared.latency_stats import Timeline
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.metrics import DeviceMetrics, metrics_response
 from shared.model.checkpoint import load_checkpoint, split_fingerprint
+from shared.model.placement import detect_placement
 from shared.runtime import build_device_model, encode_prompt
 from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError, warm_up_device
 from shared.specdec.engine import fixed_chunks, run_session
@@ -113,9 +114,10 @@ class IncrementalDetokenizer:
 class DeviceAgent:
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.checkpoint = load_checkpoint(settings.model_dir)
+        self.placement = detect_placement(settings.device, settings.dtype, what=f"device agent {settings.device_id}")
+        self.checkpoint = load_checkpoint(settings.model_dir, dtype=self.placement.dtype)
         self.model = build_device_model(self.checkpoint, settings.split_layers, settings.adapter or None,
-                                        speculative=settings.speculative)
+                                        speculative=settings.speculative).to(self.placement.device)
         self.telemetry = TelemetryClient(settings.state_monitor_url or None)
         self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
         link = parse_link_spec(settings.link)

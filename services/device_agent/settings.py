@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.settings import from_env
 from shared.wire import WireDtype
 
@@ -62,6 +63,11 @@ class Settings:
     # refreshed in the background for the next request (only the very first request waits for one).
     plan_refresh_s: float = 2.0
     torch_threads: int = 1
+    # Where the device's layers, adapter and head compute (shared/model/placement.py): auto (CUDA when
+    # present, e.g. a Jetson's GPU, else cpu) | cpu | cuda | cuda:N; dtype auto (float32 on the CPU; bfloat16
+    # on Orin-class GPUs, float16 on Xavier) | float32 | float16 | bfloat16. wire_dtype is separate.
+    device: str = "auto"
+    dtype: str = "auto"
     log_level: str = "info"
 
     def validate(self) -> None:
@@ -69,6 +75,8 @@ class Settings:
         from shared.links import parse_link_spec
 
         WireDtype(self.wire_dtype)
+        parse_device_spec(self.device)  # syntax here; the GPU itself is checked when the model loads
+        parse_dtype_spec(self.dtype)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         parse_link_spec(self.link)

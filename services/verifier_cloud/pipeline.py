@@ -33,6 +33,7 @@ from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import (Hello, MicroBatch, Probe, SessionsClosed, SessionsOpened,
                                             SessionsRolledBack, StageFailed, StageItem, StageSpec, Stop, run_stage,
                                             to_numpy)
+from shared.model.placement import cuda_facts, plan_stage_devices
 from shared.model.split import SplitError, stage_ranges, validate_split
 
 log = logging.getLogger("services.verifier_cloud.pipeline")
@@ -64,16 +65,20 @@ DoneCallback = Callable[[SchedulerOutput, list[StageItem], PipelineStep], None]
 FailCallback = Callable[[SchedulerOutput, str], None]
 
 
-def plan_stages(settings: Settings, num_layers: int) -> list[StageSpec]:
-    """The P stage specs for `settings`, or a SplitError naming the flag that does not fit the model."""
+def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | None = None) -> list[StageSpec]:
+    """The P stage specs for `settings`, or a SplitError naming the flag that does not fit the model (a
+    PlacementError for a device this machine lacks). `cuda`: (available, GPU count); None asks torch."""
     validate_split(num_layers, settings.split_layers)
     try:
         ranges = stage_ranges(settings.split_layers, num_layers, settings.pipeline_stages)
     except SplitError as exc:
         raise SplitError(f"--pipeline-stages {settings.pipeline_stages} does not fit: {exc} "
                          f"(layers {settings.split_layers}..{num_layers - 1} run in the cloud)") from exc
-    return [StageSpec(i, settings.model_dir, settings.split_layers, r, settings.torch_threads, settings.log_level)
-            for i, r in enumerate(ranges)]
+    available, count = cuda if cuda is not None else cuda_facts()
+    devices = plan_stage_devices(settings.device, len(ranges), cuda_available=available, device_count=count)
+    return [StageSpec(i, settings.model_dir, settings.split_layers, r, settings.torch_threads, settings.log_level,
+                      device=device, dtype=settings.dtype)
+            for i, (r, device) in enumerate(zip(ranges, devices))]
 
 
 class StagePipeline:

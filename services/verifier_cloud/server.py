@@ -48,6 +48,7 @@ from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
 from shared import wire
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config, split_fingerprint
+from shared.model.placement import PlacementError, detect_placement
 from shared.model.split import MiddleSubmodel, warm_up_layers
 from shared.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, exposition
 from shared.settings import SettingsError
@@ -105,13 +106,23 @@ class VerifierServer:
             keys = ("num_hidden_layers", "max_position_embeddings", "hidden_size")
             if not all(isinstance(config.get(k), int) for k in keys):
                 raise ModelLoadError(f"{settings.model_dir}/config.json lacks one of {', '.join(keys)}")
-            stages = plan_stages(settings, config["num_hidden_layers"])
+            try:
+                stages = plan_stages(settings, config["num_hidden_layers"])  # one stage per GPU (placement.py)
+            except PlacementError as exc:
+                raise SettingsError(f"Settings: {exc}") from exc
             return cls(settings, None, config["max_position_embeddings"], config["hidden_size"], stages=stages)
-        checkpoint = load_checkpoint(settings.model_dir, with_tokenizer=False)
+        try:
+            placement = detect_placement(settings.device, settings.dtype, what="verifier")
+        except PlacementError as exc:
+            raise SettingsError(f"Settings: {exc}") from exc
+        checkpoint = load_checkpoint(settings.model_dir, dtype=placement.dtype, with_tokenizer=False)
         middle = MiddleSubmodel(checkpoint, settings.split_layers)
-        warm_up_layers(middle, checkpoint.hidden_size)
         # Without full_model only the middle layers outlive `checkpoint`: no embeddings, no head.
         token_model = TokenModel(checkpoint, settings.split_layers) if settings.full_model else None
+        middle.to(placement.device)  # moves only what this process keeps; KV and inputs follow the weights
+        if token_model is not None:
+            token_model.to(placement.device)
+        warm_up_layers(middle, checkpoint.hidden_size)
         return cls(settings, middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size,
                    token_model=token_model)
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.settings import from_env
 from shared.wire import MAX_FRAME_BYTES
 
@@ -31,6 +32,12 @@ class Settings:
     send_timeout_s: float = 10.0
     state_monitor_url: str = ""  # empty: no telemetry
     torch_threads: int = 1  # per process: the server with P = 1, each stage worker with P > 1
+    # Where and how the middle layers compute (shared/model/placement.py). device: auto (CUDA when present,
+    # else cpu) | cpu | cuda | cuda:N; with P > 1 an unindexed spec runs stage i on cuda:(i mod GPUs), cuda:N
+    # pins every stage. dtype: auto (float32 on the CPU; bfloat16 on a GPU that has it, else float16) |
+    # float32 | float16 | bfloat16. Hidden states on the wire keep the sessions' wire dtype either way.
+    device: str = "auto"
+    dtype: str = "auto"
     log_level: str = "info"
     # P: the middle layers run as P contiguous layer ranges, each in its own worker process, with up to
     # P micro-batches in flight (HAT §4.5). 1 = in-process, no workers.
@@ -61,6 +68,8 @@ class Settings:
             raise ValueError("pipeline_stages must be >= 1")
         if self.torch_threads < 1:
             raise ValueError("torch_threads must be >= 1")
+        parse_device_spec(self.device)  # syntax here; the GPUs themselves are checked when the model loads
+        parse_dtype_spec(self.dtype)
         if self.server_chunk_tokens < 0:
             raise ValueError("server_chunk_tokens must be >= 0 (0 = off)")
         if self.full_model and self.pipeline_stages > 1:

@@ -125,6 +125,8 @@ class StageSpec:
     torch_threads: int = 1
     log_level: str = "info"
     poll_s: float = 1.0  # how often an idle worker checks that its parent still lives
+    device: str = "cpu"  # this stage's device, planned by the parent (pipeline.plan_stages): cpu or cuda:i
+    dtype: str = "auto"  # the dtype setting; resolved here, where this stage's GPU is known
 
 
 # -- the stage itself (pure, testable in-process) ------------------------------------------
@@ -174,10 +176,15 @@ class StageWorker:
 
 def _build(spec: StageSpec) -> StageWorker:
     from shared.model.checkpoint import load_checkpoint
+    from shared.model.placement import detect_placement
     from shared.model.split import MiddleSubmodel, warm_up_layers
 
-    checkpoint = load_checkpoint(spec.model_dir, with_tokenizer=False)
+    placement = detect_placement(spec.device, spec.dtype, what=f"stage {spec.index}")
+    if placement.device.type == "cuda":
+        torch.cuda.set_device(placement.device)  # anything left implicit lands on this stage's GPU, not cuda:0
+    checkpoint = load_checkpoint(spec.model_dir, dtype=placement.dtype, with_tokenizer=False)
     middle = MiddleSubmodel(checkpoint, spec.split_layers, stage=spec.layers)
+    middle.to(placement.device)  # only this stage's layers (and the rotary table) go to the GPU
     warm_up_layers(middle, checkpoint.hidden_size)
     # Dropping the checkpoint frees the embeddings, head and other stages' layers in this process.
     return StageWorker(spec.index, middle, checkpoint.config.max_position_embeddings)
