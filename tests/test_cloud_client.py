@@ -35,3 +35,40 @@ async def test_a_reply_over_the_frame_limit_closes_the_connection_unbuffered() -
         finally:
             await cloud.close_connection()
     assert closed_with == [1009]  # message too big, refused from its header
+
+
+async def test_several_replicas_are_tried_in_turn() -> None:
+    """A dead first replica is skipped; after the live one's connection closes, the other is tried first."""
+    import socket
+
+    from shared import wire
+
+    accepted: list[int] = []
+
+    async def one_session_then_hang_up(connection) -> None:
+        frame = wire.decode(await connection.recv())
+        accepted.append(connection.local_address[1])
+        await connection.send(wire.encode(wire.SessionOpened(frame.session_id)))
+        await connection.close()
+
+    with socket.socket() as unused:  # a port nothing listens on: a dead replica
+        unused.bind(("127.0.0.1", 0))
+        dead_port = unused.getsockname()[1]
+    async with serve(one_session_then_hang_up, "127.0.0.1", 0) as first, \
+            serve(one_session_then_hang_up, "127.0.0.1", 0) as second:
+        ports = [first.sockets[0].getsockname()[1], second.sockets[0].getsockname()[1]]
+        urls = ",".join(f"ws://127.0.0.1:{p}/ws" for p in [dead_port, *ports])
+        cloud = WebSocketCloud(urls, 8, request_timeout_s=5, split_layers=1, fingerprint=1)
+        try:
+            await cloud.open(1)  # the dead one is skipped
+            assert cloud.url.endswith(f":{ports[0]}/ws")
+            async with asyncio.timeout(5):
+                while cloud._reader is not None and not cloud._reader.done():  # the replica hangs up
+                    await asyncio.sleep(0.01)
+            await cloud.open(2)  # the next replica first
+            assert cloud.url.endswith(f":{ports[1]}/ws")
+        finally:
+            await cloud.close_connection()
+    assert accepted == ports
+    with pytest.raises(ValueError):
+        WebSocketCloud(" , ", 8)

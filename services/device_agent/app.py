@@ -36,7 +36,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from services.device_agent.announce import announce_loop
-from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud, token_decode
+from services.device_agent.cloud_client import (CloudError, CloudUnavailable, WebSocketCloud, token_decode,
+                                                verifier_lost)
 from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.settings import Settings
 from shared import latency_stats, wire
@@ -50,6 +51,7 @@ from shared.model.placement import detect_placement
 from shared.runtime import build_device_model, encode_prompt
 from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError, warm_up_device
 from shared.specdec.engine import fixed_chunks, run_session
+from shared.specdec.replay import ReplayingCloud
 from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
 
@@ -57,6 +59,12 @@ log = logging.getLogger("services.device_agent")
 
 MIN_BANDWIDTH_SAMPLE_BYTES = 16 * 1024
 DEFAULT_PARALLEL_STEPS = 2  # used when the planner (eq. 6) is unreachable or has no telemetry
+# Readiness follows the verifier connection: a drop is seen at once (the reader ends), a reconnect
+# and split check is tried this often, each bounded; a verifier that refused the split is a
+# configuration error, re-checked rarely so the refusal is not logged every second.
+READINESS_INTERVAL_S = 1.0
+READINESS_TIMEOUT_S = 5.0
+REFUSED_RECHECK_S = 10.0
 
 
 class ChatTurn(BaseModel):
@@ -129,8 +137,13 @@ class DeviceAgent:
                                     on_frame=self.metrics.frame,
                                     split_layers=settings.split_layers,
                                     fingerprint=split_fingerprint(settings.model_dir, settings.split_layers))
+        # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
+        # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
+        self.sessions_cloud = ReplayingCloud(self.cloud, verifier_lost, deadline_s=settings.failover_deadline_s,
+                                             on_replay=self._on_replay)
         self.speed = speed_schedule(settings.speed)
         self.requests_served = 0
+        self.replays = 0  # sessions moved to another verifier (or the same one, restarted)
         self.active = 0
         self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
@@ -159,6 +172,18 @@ class DeviceAgent:
             if self.active == 0:
                 await self.probe_bandwidth()
             await asyncio.sleep(interval)
+
+    async def readiness_loop(self) -> None:
+        """Keep `cloud.ready` current: reconnect and re-check the split identity while it is not."""
+        was_ready = False
+        while True:
+            ready = await self.cloud.check_ready(READINESS_TIMEOUT_S)
+            if ready != was_ready:
+                log.log(logging.INFO if ready else logging.WARNING, "device %s %s", self.settings.device_id,
+                        "is ready: the verifier accepted its split" if ready else
+                        f"is not ready: {self.cloud.not_ready_reason}")
+                was_ready = ready
+            await asyncio.sleep(REFUSED_RECHECK_S if self.cloud.split_refused else READINESS_INTERVAL_S)
 
     async def rtt_probe_loop(self) -> None:
         """Tiny round trips, busy or not: what a message costs under the load of the moment."""
@@ -191,6 +216,11 @@ class DeviceAgent:
         log.info("link probe: up %.0f KB/s, down %.0f KB/s, small-message round trip %.1f ms",
                  up_bytes / up_s / 1e3, down_bytes / down_s / 1e3, rtt_s * 1e3)
 
+    def _on_replay(self, session_id: int, rows: int, seconds: float) -> None:
+        self.replays += 1
+        log.warning("session %d continues on verifier %s: %d rows replayed, %.2f s after the loss",
+                    session_id, self.cloud.url, rows, seconds)
+
     async def plan(self) -> Plan:
         """Chunk size and PD steps for a request starting now: the planner's cached plan, or the defaults."""
         if self.plans is None:
@@ -213,7 +243,7 @@ class DeviceAgent:
         async def offload(fn, *args):
             return await slowed(fn, *args, slowdown=slowdown)
 
-        async for tokens in run_session(session, self.cloud, session_id, chunks, offload=offload,
+        async for tokens in run_session(session, self.sessions_cloud, session_id, chunks, offload=offload,
                                         overlap_prefill=request.option("overlap_prefill", settings),
                                         parallel_candidates=pd_candidates, parallel_steps=pd_steps):
             yield tokens
@@ -326,7 +356,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         state["agent"] = agent or await asyncio.to_thread(DeviceAgent, settings)
         log.info("device agent %s ready (model %s, m=%d, speculative=%s, mode %s)", settings.device_id,
                  settings.model_dir, settings.split_layers, settings.speculative, settings.mode)
-        probes = [asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
+        probes = [asyncio.create_task(state["agent"].readiness_loop(), name="verifier-readiness"),
+                  asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
                   asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe")]
         if settings.state_monitor_url and settings.announce_interval_s > 0:
             url = advertised_url(settings.advertise_url, settings.host, settings.port,
@@ -354,6 +385,9 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
     async def readyz():
         if "agent" not in state:
             return _error(503, "starting", "model still loading")
+        cloud = state["agent"].cloud
+        if not cloud.ready:  # the readiness loop's cached answer: no network call per probe
+            return _error(503, "verifier_unavailable", cloud.not_ready_reason)
         return {"status": "ready", "device_id": settings.device_id}
 
     @app.get("/metrics")

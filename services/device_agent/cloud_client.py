@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -47,6 +48,14 @@ class CloudUnavailable(ConnectionError):
     """The verifier could not be reached or the connection dropped."""
 
 
+def verifier_lost(exc: BaseException) -> bool:
+    """Whether a failed request means the session's verifier state is gone (so a replay can rebuild it):
+    the connection dropped or timed out, or the verifier no longer knows the session."""
+    if isinstance(exc, CloudUnavailable):
+        return True
+    return isinstance(exc, CloudError) and exc.code == wire.ErrorCode.UNKNOWN_SESSION
+
+
 TransferHook = Callable[[str, int, float], None]  # (direction "up"/"down", bytes, seconds)
 FrameHook = Callable[[str, int], None]  # (direction "up"/"down", bytes of one WebSocket message); must not raise
 
@@ -69,8 +78,13 @@ class WebSocketCloud:
     ):
         """`split_layers` (m) and `fingerprint` (`split_fingerprint(checkpoint_dir, m)`) go with every
         OpenSession so a verifier with another split or checkpoint refuses it; without them only
-        token-mode sessions can be opened."""
-        self.url = url
+        token-mode sessions can be opened. `url` may list several verifier replicas, comma-separated: a
+        connection goes to the first that answers, and after one closes the next is tried first."""
+        self.urls = [u.strip() for u in url.split(",") if u.strip()]
+        if not self.urls:
+            raise ValueError("no verifier URL")
+        self.url = self.urls[0]  # the replica connected to (or tried) last
+        self._next_url = 0
         self.hidden_size = hidden_size
         self.split_layers = split_layers
         self.fingerprint = fingerprint
@@ -90,19 +104,70 @@ class WebSocketCloud:
         self._shapers = shapers_for(link) if link is not None else None
         self._uplink: DelayLine | None = None
         self._downlink: DelayLine | None = None
+        # Readiness: the connection on which the verifier last accepted this device's split identity,
+        # and why the device is not ready when it is not (read by /readyz, no network call there).
+        self._accepted_on: ClientConnection | None = None
+        self.not_ready_reason = "not yet connected to the verifier"
+        self.split_refused = False  # the last check met SPLIT_MISMATCH: a configuration error
 
     # -- connection -------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._connection is not None and self._reader is not None and not self._reader.done()
+
+    @property
+    def ready(self) -> bool:
+        """Connected, and this connection's verifier accepted the split identity (a cached answer)."""
+        return self.connected and self._accepted_on is self._connection
+
+    async def check_ready(self, timeout_s: float) -> bool:
+        """Make `ready` current: (re)connect and, once per connection, open and close a throwaway
+        session, which the verifier answers with SPLIT_MISMATCH before anything else when the split or
+        checkpoint differ. Any other refusal (full, busy) still means the identity was accepted.
+        Bounded by `timeout_s`; the reason for a False is in `not_ready_reason`."""
+        if self.ready:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                connection = await self._ensure_connected()
+                session_id = random.getrandbits(63)
+                try:
+                    await self.open(session_id)
+                except CloudError as exc:
+                    if exc.code == wire.ErrorCode.SPLIT_MISMATCH:
+                        raise
+                else:
+                    await self.close(session_id)
+        except CloudError as exc:
+            self.not_ready_reason = f"the verifier at {self.url} refused this device: {exc.detail}"
+            self.split_refused = True
+            return False
+        except (CloudUnavailable, TimeoutError) as exc:
+            self.not_ready_reason = f"the verifier at {self.url} is unreachable: {exc or type(exc).__name__}"
+            return False
+        self._accepted_on, self.split_refused = connection, False
+        return self.ready
+
     async def _ensure_connected(self) -> ClientConnection:
         async with self._connect_lock:
             if self._connection is not None and self._reader is not None and not self._reader.done():
                 return self._connection
-            try:
-                self._connection = await connect(
-                    self.url, open_timeout=self.connect_timeout_s, max_size=self.max_frame_bytes,
-                    compression=None, ping_interval=20, ping_timeout=20,
-                )
-            except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
-                raise CloudUnavailable(f"cannot reach the verifier at {self.url}: {exc}") from exc
+            failures = []
+            for attempt in range(len(self.urls)):
+                index = (self._next_url + attempt) % len(self.urls)
+                self.url = self.urls[index]
+                try:
+                    self._connection = await connect(
+                        self.url, open_timeout=self.connect_timeout_s, max_size=self.max_frame_bytes,
+                        compression=None, ping_interval=20, ping_timeout=20,
+                    )
+                except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
+                    failures.append(f"{self.url}: {exc or type(exc).__name__}")
+                    continue
+                self._next_url = index
+                break
+            else:
+                raise CloudUnavailable(f"cannot reach a verifier ({'; '.join(failures)})")
             if self._shapers is not None:
                 connection = self._connection
                 self._uplink = DelayLine(self._shapers[0], connection.send)
@@ -130,6 +195,8 @@ class WebSocketCloud:
                 if not future.done():
                     future.set_exception(failure)
             self._waiting.clear()
+            self._next_url = (self.urls.index(self.url) + 1) % len(self.urls)  # another replica first next time
+            self.not_ready_reason = f"the connection to the verifier at {self.url} closed"
             log.info("connection to verifier %s closed", self.url)
 
     async def _deliver_frame(self, frame: bytes) -> None:

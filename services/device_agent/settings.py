@@ -39,7 +39,10 @@ class Settings:
     overlap_prefill: bool = True  # False: wait for each chunk's answer before the next (U-Sarathi-like)
     parallel_candidates: int = 2  # PD: top-k candidates pre-drafted during verification; 0 = off
     parallel_steps: int = 0  # PD: steps per candidate; 0 = ask the chunk planner (HAT eq. 6), fallback 2
-    verifier_url: str = "ws://127.0.0.1:8100/ws"
+    verifier_url: str = "ws://127.0.0.1:8100/ws"  # several replicas: comma-separated, tried in turn
+    # A session whose verifier goes away mid-generation is replayed on a reachable one; past this deadline
+    # the request fails with cloud_unavailable.
+    failover_deadline_s: float = 30.0
     chunk_planner_url: str = ""  # empty: fixed default_chunk_size
     state_monitor_url: str = ""  # empty: no telemetry
     default_chunk_size: int = 128
@@ -87,7 +90,7 @@ class Settings:
             raise ValueError("parallel_candidates and parallel_steps must be >= 0")
         if self.max_sessions < 1 or self.default_chunk_size < 1:
             raise ValueError("max_sessions and default_chunk_size must be >= 1")
-        if min(self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s) <= 0:
+        if min(self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s, self.failover_deadline_s) <= 0:
             raise ValueError("timeouts must be > 0")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")

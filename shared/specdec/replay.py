@@ -1,0 +1,175 @@
+"""A cloud session that survives losing its verifier: keep what was sent, replay it elsewhere.
+
+The verifier's whole state for a session is the middle layers' KV of the committed prefix,
+and that is a function of the shallow hidden states the device sent for those positions. So,
+as Petals' client keeps its inputs, `ReplayingCloud` keeps every shallow row it uploaded,
+indexed by position (a verify's drafted rows are provisional: the next verify's `commit_len`
+says how many of them the session kept). When a request fails because the verifier went away
+(`is_lost(exc)`), it reopens the session (the inner cloud reconnects, to another replica when it
+has several), replays the kept rows as prefill chunks, and sends the failed request again. The
+user sees a gap, not an error; the tokens are the same, because the replayed cache holds the
+same states. Recovery is retried with backoff until `deadline_s` after the failure; then the
+last failure is raised.
+
+One recovery per loss: requests of the same session that fail together (pipelined prefill
+chunks) wait for the first one's recovery instead of starting their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.specdec.engine import Cloud
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _SessionLog:
+    rows: list[torch.Tensor] = field(default_factory=list)  # one [H] shallow row per position sent
+    prefill_done: bool = False  # the last prefill chunk was sent (its answer is the session's first deep row)
+    epoch: int = 0  # bumped by every successful recovery
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_deep: torch.Tensor | None = None  # the replayed last prefill chunk's answer
+    replays: int = 0
+
+
+def _done(value) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+class ReplayingCloud:
+    """Wraps a `Cloud`; same protocol. `chunk_rows` bounds the rows of one replayed prefill frame."""
+
+    def __init__(self, inner: Cloud, is_lost: Callable[[BaseException], bool], *, deadline_s: float = 30.0,
+                 backoff_s: float = 0.25, max_backoff_s: float = 4.0, chunk_rows: int = 512,
+                 on_replay: Callable[[int, int, float], None] | None = None) -> None:
+        if deadline_s <= 0 or backoff_s <= 0 or chunk_rows < 1:
+            raise ValueError("deadline_s and backoff_s must be > 0 and chunk_rows >= 1")
+        self.inner = inner
+        self.is_lost = is_lost
+        self.deadline_s = deadline_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.chunk_rows = chunk_rows
+        self.on_replay = on_replay  # (session_id, rows replayed, seconds from the failure to recovered)
+        self.sessions: dict[int, _SessionLog] = {}
+
+    # -- the Cloud protocol ------------------------------------------------------------------------
+    async def open(self, session_id: int) -> None:
+        self.sessions[session_id] = _SessionLog()
+        await self._with_recovery(session_id, lambda: self.inner.open(session_id), reopen_only=True)
+
+    async def send_prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor,
+                           is_last: bool) -> Awaitable[torch.Tensor | None]:
+        record = self.sessions[session_id]
+        del record.rows[start_pos:]
+        record.rows.extend(shallow.unbind(0))  # shallow: [S, H]
+        record.prefill_done = record.prefill_done or is_last
+        epoch = record.epoch
+        try:
+            answer = await self.inner.send_prefill(session_id, start_pos, shallow, is_last)
+        except Exception as exc:  # noqa: BLE001 - only a lost verifier is recovered; others re-raised below
+            if not self.is_lost(exc):
+                raise
+            return _done(await self._prefill_after_loss(session_id, epoch, is_last, exc))
+        return asyncio.ensure_future(self._prefill_answer(session_id, epoch, answer, is_last))
+
+    async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor:
+        record = self.sessions[session_id]
+        del record.rows[commit_len:]  # the previous round's rejected drafts
+        record.rows.extend(shallow.unbind(0))  # shallow: [k+1, H], provisional until the next commit_len
+        return await self._with_recovery(session_id, lambda: self.inner.verify(session_id, commit_len, shallow),
+                                         keep=commit_len)
+
+    async def close(self, session_id: int) -> None:
+        self.sessions.pop(session_id, None)
+        await self.inner.close(session_id)
+
+    # -- recovery ------------------------------------------------------------------------------------
+    async def _prefill_answer(self, session_id: int, epoch: int, answer: Awaitable[torch.Tensor | None],
+                              is_last: bool) -> torch.Tensor | None:
+        try:
+            return await answer
+        except Exception as exc:  # noqa: BLE001 - as in send_prefill
+            if not self.is_lost(exc):
+                raise
+            return await self._prefill_after_loss(session_id, epoch, is_last, exc)
+
+    async def _prefill_after_loss(self, session_id: int, epoch: int, is_last: bool,
+                                  exc: BaseException) -> torch.Tensor | None:
+        """A prefill chunk was lost: the recovery replays every row sent so far (this chunk's included)."""
+        record = await self._recover(session_id, epoch, len(self.sessions[session_id].rows), exc)
+        return record.last_deep if is_last else None
+
+    async def _with_recovery(self, session_id: int, request: Callable[[], Awaitable], *, keep: int | None = None,
+                             reopen_only: bool = False):
+        while True:
+            record = self.sessions[session_id]
+            epoch = record.epoch
+            try:
+                return await request()
+            except Exception as exc:  # noqa: BLE001 - as in send_prefill
+                if not self.is_lost(exc):
+                    raise
+                await self._recover(session_id, epoch, 0 if reopen_only else keep, exc)
+
+    async def _recover(self, session_id: int, epoch: int, keep: int | None, exc: BaseException) -> _SessionLog:
+        """Reopen the session and replay its first `keep` rows (None: all), once per loss."""
+        record = self.sessions[session_id]
+        async with record.lock:
+            if record.epoch != epoch:
+                return record  # a request that failed with ours already recovered the session
+            failed_at = time.monotonic()
+            log.warning("session %d lost its verifier (%s); replaying %s rows", session_id, exc,
+                        len(record.rows) if keep is None else keep)
+            delay, last_error = self.backoff_s, exc
+            while True:
+                try:
+                    await self._replay(session_id, record, keep)
+                    break
+                except Exception as retry_exc:  # noqa: BLE001 - as in send_prefill
+                    if not self.is_lost(retry_exc):
+                        raise
+                    last_error = retry_exc
+                if time.monotonic() - failed_at + delay > self.deadline_s:
+                    log.error("session %d: no verifier within %.1f s", session_id, self.deadline_s)
+                    raise last_error
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+            record.epoch += 1
+            record.replays += 1
+            replayed = len(record.rows) if keep is None else keep
+            log.info("session %d replayed %d rows in %.2f s", session_id, replayed, time.monotonic() - failed_at)
+            if self.on_replay is not None:
+                self.on_replay(session_id, replayed, time.monotonic() - failed_at)
+            return record
+
+    async def _replay(self, session_id: int, record: _SessionLog, keep: int | None) -> None:
+        rows = record.rows if keep is None else record.rows[:keep]
+        # A verifier that timed out but still holds the session must let it go before it is opened again
+        # (a dead one dropped it with the connection; closing is then a no-op).
+        await self.inner.close(session_id)
+        await self.inner.open(session_id)
+        record.last_deep = None
+        if not rows:
+            return
+        # The replayed prefix ends the prefill if the original prefill had ended (always, once verifying).
+        final = record.prefill_done
+        answers = []
+        for start in range(0, len(rows), self.chunk_rows):
+            chunk = torch.stack(rows[start:start + self.chunk_rows])  # [S, H]
+            is_last = final and start + self.chunk_rows >= len(rows)
+            answers.append(await self.inner.send_prefill(session_id, start, chunk, is_last))
+        for answer in answers:
+            deep = await answer
+            if deep is not None:
+                record.last_deep = deep
