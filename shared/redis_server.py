@@ -141,6 +141,11 @@ class EmbeddedRedis:
         return Path(self._tmpdir) / "redis.conf"
 
     @property
+    def returncode(self) -> int | None:
+        """The server's exit status once it has exited (None while it runs or before start)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -254,8 +254,11 @@ def up(
     pipeline_stages: int = typer.Option(1, help="P: verifier pipeline stages (worker processes)"),
     prompt_chunking: bool = typer.Option(True, "--prompt-chunking/--no-prompt-chunking", help="PC switch"),
     parallel_drafting: bool = typer.Option(True, "--parallel-drafting/--no-parallel-drafting", help="PD switch"),
+    state_file: Optional[Path] = typer.Option(None, "--state-file", help="keep a JSON list of every process "
+                                              "(role, pid, url) here, rewritten after each restart"),
 ):
-    """Start the whole mesh on localhost; Ctrl-C (or SIGTERM) stops every process."""
+    """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
+    (or SIGTERM) stops every process."""
     import signal
     import threading
 
@@ -266,7 +269,8 @@ def up(
                         split_layers=split_layers, speculative=not no_speculation, adapter=adapter,
                         link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
                         device_env={"prompt_chunking": str(prompt_chunking).lower(),
-                                    **({} if parallel_drafting else {"parallel_candidates": "0"})})
+                                    **({} if parallel_drafting else {"parallel_candidates": "0"})},
+                        supervise=True, state_file=state_file)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -280,11 +284,8 @@ def up(
             typer.echo(f"{name:16s} {url}")
         typer.echo(f"logs in {config.log_dir}; chat with: tophat chat --url {config.streamer_url}")
         typer.echo("Ctrl-C to stop")
-        while not stop.wait(0.5):
-            dead = [s.name for s in mesh.services if s.process.poll() is not None]
-            if dead:
-                typer.secho(f"service exited: {', '.join(dead)}; stopping the mesh", fg=typer.colors.RED, err=True)
-                break
+        while not stop.wait(0.5):  # a timed wait, so Ctrl-C is handled promptly
+            pass  # the mesh's supervisor restarts what dies meanwhile (and logs it)
     finally:
         mesh.stop()
         typer.echo("mesh stopped")

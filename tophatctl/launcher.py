@@ -92,6 +92,10 @@ class MeshConfig:
     # As a container deployment runs: devices take any free port and a host-name id and announce themselves
     # to the state monitor; the streamer routes to whatever announced (no list of device URLs).
     discover_devices: bool = False
+    # `tophat up`: restart a process that dies (tophatctl/supervisor.py) and keep a JSON list of every
+    # process (role, pid, url) in state_file, rewritten after each restart.
+    supervise: bool = False
+    state_file: Path | None = None
 
     @property
     def streamer_url(self) -> str:
@@ -143,6 +147,15 @@ class ServiceProcess:
     process: subprocess.Popen
     ready_url: str
     log_path: Path
+    # How it was started, so the supervisor restarts it the same way (netns prefix, env, ports).
+    command: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def role(self) -> str:
+        """The service kind: device-agent-3 -> device-agent."""
+        return self.name.rsplit("-", 1)[0] if self.name.startswith("device-agent-") else self.name
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -160,6 +173,7 @@ class Mesh:
         self.model_dir: Path | None = None  # the resolved checkpoint directory, once started
         self.netns_links: list = []
         self.discovered_urls: list[str] = []  # discover_devices: the agents' announced URLs
+        self.supervisor = None  # a tophatctl.supervisor.Supervisor while supervising
         if config.log_dir is None:
             import tempfile
 
@@ -171,13 +185,30 @@ class Mesh:
                prefix: list[str] | None = None) -> ServiceProcess:
         log_path = self.config.log_dir / f"{name}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.config.extra_env, **env}
-        handle = open(log_path, "ab")
-        process = subprocess.Popen([*(prefix or []), sys.executable, "-m", module], cwd=REPO_ROOT, env=full_env,
-                                   stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-        handle.close()
-        service = ServiceProcess(name, process, ready_url, log_path)
+        command = [*(prefix or []), sys.executable, "-m", module]
+        service = ServiceProcess(name, self._popen(command, full_env, log_path), ready_url, log_path, command, full_env)
         self.services.append(service)
         return service
+
+    @staticmethod
+    def _popen(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+        with open(log_path, "ab") as handle:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    def respawn(self, service: ServiceProcess) -> None:
+        """Start a dead service again, as it was started (same command, environment and ports)."""
+        service.process = self._popen(service.command, service.env, service.log_path)
+        service.started_at = time.monotonic()
+
+    def process_table(self) -> list[dict]:
+        """Every process of the mesh: role, name, pid and URL (Redis's redacted), for the state file."""
+        urls = self.urls()
+        table = [{"role": s.role, "name": s.name, "pid": s.process.pid, "url": urls.get(s.name, "")}
+                 for s in self.services]
+        if self.redis is not None and self.redis.pid is not None:
+            table.append({"role": "redis", "name": "redis", "pid": self.redis.pid, "url": urls["redis"]})
+        return table
 
     def _wait_ready(self, services: list[ServiceProcess]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
@@ -330,12 +361,23 @@ class Mesh:
                 "TOPHAT_STREAMER_MODEL_NAME": self.model_dir.name,  # what /v1/models lists: smollm2, demo, ...
             }, f"{cfg.streamer_url}/readyz")
             self._wait_ready([streamer])
+            if cfg.supervise:
+                from tophatctl.supervisor import Supervisor
+
+                self.supervisor = Supervisor(self, cfg.state_file).start()
+            elif cfg.state_file is not None:
+                from tophatctl.supervisor import write_state_file
+
+                write_state_file(cfg.state_file, self.process_table())
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        if self.supervisor is not None:  # first: a process stopped below must not be restarted
+            self.supervisor.stop()
+            self.supervisor = None
         for service in reversed(self.services):
             if service.process.poll() is None:
                 service.process.terminate()
