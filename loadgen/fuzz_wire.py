@@ -19,6 +19,7 @@ import asyncio
 import copy
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,12 +49,19 @@ class FuzzCounts:
     wrong_replies: list[str] = field(default_factory=list)  # bad frames answered otherwise (must stay empty)
     valid_frames: int = 0  # mutations that still decode; the verifier answers them like any frame
     connections_dropped: int = 0
-    by_code: Counter = field(default_factory=Counter)
+    by_code: Counter = field(default_factory=Counter)  # bad frames by the code the schema gives them
+    valid_replies: Counter = field(default_factory=Counter)  # what still-valid frames were answered with
+    elapsed_s: float = 0.0
 
     def summary(self) -> str:
-        return (f"frames sent {self.frames_sent}, typed errors {self.typed_errors} "
-                f"(of {self.bad_frames} bad frames), connections dropped {self.connections_dropped}, "
-                f"still-valid frames {self.valid_frames}, wrong replies {len(self.wrong_replies)}")
+        rate = self.frames_sent / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return (f"frames sent {self.frames_sent} in {self.elapsed_s:.1f} s ({rate:.0f}/s), typed errors "
+                f"{self.typed_errors} (of {self.bad_frames} bad frames), connections dropped "
+                f"{self.connections_dropped}, still-valid frames {self.valid_frames}, wrong replies "
+                f"{len(self.wrong_replies)}; errors by code: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.by_code.items()))
+                + "; valid frames answered with: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(self.valid_replies.items())))
 
 
 def templates(hidden: int, session_ids: tuple[int, ...], open_fields: dict, rng: random.Random) -> list[wire.Message]:
@@ -158,6 +166,7 @@ async def fuzz_connection(ws: ClientConnection, hidden: int, *, frames: int = 20
     rng = random.Random(seed)
     open_fields = open_fields or {}
     counts = FuzzCounts()
+    started = time.perf_counter()
     own = tuple(rng.randrange(2**32, 2**33) for _ in range(2))
     for sid in own:  # the fuzz's own sessions, so that mutations which stay valid have something to act on
         await _exchange(ws, wire.encode(wire.OpenSession(sid, hidden, **open_fields)))
@@ -173,11 +182,17 @@ async def fuzz_connection(ws: ClientConnection, hidden: int, *, frames: int = 20
             counts.connections_dropped += 1
             log.warning("connection dropped after frame %d (%r): %s", counts.frames_sent, frame[:64], exc)
             if reconnect is None:
-                return counts
+                break
             ws = await reconnect()
             continue
         if code is None:
             counts.valid_frames += 1
+            answered = type(reply).__name__
+            if isinstance(reply, wire.ErrorFrame):
+                answered += f" {reply.code.name}"
+                if reply.code == wire.ErrorCode.INTERNAL:  # a valid frame met a bug in the handler
+                    counts.wrong_replies.append(f"{frame[:48]!r}: valid frame answered {reply!r}"[:300])
+            counts.valid_replies[answered] += 1
             continue
         counts.bad_frames += 1
         counts.by_code[code.name] += 1
@@ -185,6 +200,7 @@ async def fuzz_connection(ws: ClientConnection, hidden: int, *, frames: int = 20
             counts.typed_errors += 1
         else:
             counts.wrong_replies.append(f"{frame[:48]!r}: expected {code.name}, got {reply!r}"[:300])
+    counts.elapsed_s = time.perf_counter() - started
     return counts
 
 
@@ -229,11 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     counts = asyncio.run(_main(args))
-    print(f"frames sent: {counts.frames_sent}")
+    print(f"frames sent: {counts.frames_sent} in {counts.elapsed_s:.1f} s "
+          f"({counts.frames_sent / max(counts.elapsed_s, 1e-9):.0f} frames/s)")
     print(f"typed errors: {counts.typed_errors} (of {counts.bad_frames} bad frames; "
           f"{counts.valid_frames} mutations still valid)")
     print(f"connections dropped: {counts.connections_dropped}")
     print("errors by code: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.by_code.items())))
+    print("still-valid frames answered with: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(counts.valid_replies.items())))
     for line in counts.wrong_replies[:10]:
         print(f"wrong reply: {line}")
     return 0 if counts.connections_dropped == 0 and not counts.wrong_replies else 1
