@@ -21,7 +21,8 @@ def main() -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("token streamer on %s:%d over %d device agent(s)", settings.host, settings.port,
              len(settings.device_url_list))
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                ws_max_size=settings.max_body_bytes)  # one chat WebSocket message: the HTTP body's bound
 
 
 if __name__ == "__main__":

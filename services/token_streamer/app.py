@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.token_streamer import openai_format as of
 from services.token_streamer.admission import Admission
+from services.token_streamer.limits import install as install_gate
 from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone, unless_gone
 from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
 from services.token_streamer.settings import Settings, load_settings
@@ -206,6 +207,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await client.aclose()
 
     app = FastAPI(title="tophat token streamer", lifespan=lifespan)
+    install_gate(app, s)  # API keys, rate per credential, body size: answered before any parsing
     app.state.router = router
     app.state.dispatcher = dispatcher
     app.state.admission = admission

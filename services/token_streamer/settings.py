@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared.settings import from_env
@@ -40,6 +40,14 @@ class Settings:
     queue_timeout_s: float = 60.0
     telemetry_timeout_s: float = 0.5
     log_level: str = "info"
+    # The door (limits.py). api_key: comma-separated keys; with any, every route but /healthz, /readyz and
+    # /metrics needs `Authorization: Bearer <key>` (empty: open). A token bucket per key (per client address
+    # when open) of rate_limit_rps, rate_limit_burst deep (0 rps: no limit). A body over max_body_bytes
+    # is refused (413) before it is parsed; the same bounds one chat WebSocket message.
+    api_key: str = field(default="", repr=False)  # repr=False: settings are never printed with the keys
+    rate_limit_rps: float = 0.0
+    rate_limit_burst: int = 10
+    max_body_bytes: int = 1 << 20
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -64,10 +72,19 @@ class Settings:
             raise ValueError("max_prompt_chars must be >= 1")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
+        if self.rate_limit_rps < 0 or (self.rate_limit_rps > 0 and self.rate_limit_burst < 1):
+            raise ValueError("rate_limit_rps must be >= 0 (0: off), and rate_limit_burst >= 1 when it is on")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
 
     @property
     def discovers_devices(self) -> bool:
         return not self.device_url_list and bool(self.state_monitor_url)
+
+    @property
+    def api_key_list(self) -> list[str]:
+        """Parsed `api_key`: the comma-separated keys, stripped, empty ones dropped."""
+        return [key.strip() for key in self.api_key.split(",") if key.strip()]
 
     @property
     def device_url_list(self) -> list[str]:
