@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
 MODEL ?= smollm2
 
-.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-sim clean
+.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-sim soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -54,6 +54,12 @@ bench-sim: install
 		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
 		--out bench-results/simulate-30
+
+# Poisson load through the streamer of a real mesh for SOAK_S seconds (after a warm-up): failed requests (goal 0,
+# exit status 1 otherwise) and each service's RSS at start and end (goal: < 5% growth)
+SOAK_S ?= 600
+soak: install
+	$(BIN)/python -m loadgen.soak --model $(MODEL) --duration $(SOAK_S)
 
 # ---- containers ------------------------------------------------------------------------------------------
 # Every wheel an image needs, gathered on the host (torch 2.13.0 is this machine's CPU build; the model's wheel
