@@ -56,6 +56,8 @@ def loadgen_command(
     redis_url: Optional[str] = typer.Option(None, help="read tophat:verifier:steps for the cloud compute-delay plot"),
     state_monitor_url: Optional[str] = typer.Option(None, help="record the state monitor's cloud state after the run"),
     progress: bool = typer.Option(True, help="show a live progress bar"),
+    api_key: Optional[str] = typer.Option(None, envvar="OPENAI_API_KEY", show_envvar=True,
+                                          help="sent as Authorization: Bearer (the streamer's TOPHAT_STREAMER_API_KEY)"),
 ) -> None:
     """Open-loop benchmark of the OpenAI API, like `vllm bench serve`, with HAT's metrics."""
     if (num_requests is None) == (duration is None):
@@ -85,7 +87,7 @@ async def _run(o: dict[str, Any]) -> dict[str, Any]:
                               seed=o["seed"])
     if len(times) == 0:
         raise ValueError("no arrivals in that duration; raise --rate or --duration")
-    probe = await runner.probe_server(o["url"])
+    probe = await runner.probe_server(o["url"], api_key=o["api_key"])
     if not probe["reachable"]:
         raise ValueError(f"cannot reach {o['url']}: {probe['error']}")
     num_devices = o["num_devices"] or probe["num_devices"] or 1
@@ -108,7 +110,8 @@ async def _run(o: dict[str, Any]) -> dict[str, Any]:
 
     cfg = runner.RunConfig(url=o["url"], model=o["model"] or probe["model"], temperature=o["temperature"],
                            request_timeout_s=o["request_timeout"], max_concurrency=o["max_concurrency"],
-                           extra_body=o["body_extra"], send_device_hint=o["send_device_hint"], progress=o["progress"])
+                           extra_body=o["body_extra"], send_device_hint=o["send_device_hint"], progress=o["progress"],
+                           api_key=o["api_key"])
     count = (lambda text: len(tok(text, add_special_tokens=False)["input_ids"])) if tok is not None else None
     run = await runner.run_load(work.requests, times.tolist(), cfg, count_tokens=count)
     if count is None:

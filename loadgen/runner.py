@@ -34,7 +34,7 @@ import httpx
 from tqdm import tqdm
 
 from loadgen.metrics import RequestRecord, reconcile_tokens, request_row
-from loadgen.sse_client import StreamError, StreamStats, stream_chunks
+from loadgen.sse_client import StreamError, StreamStats, auth_headers, stream_chunks
 from loadgen.workloads import WorkloadRequest
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class RunConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
     send_device_hint: bool = False        # add "device_hint" to the body (the streamer ignores it today)
     progress: bool = True
+    api_key: str | None = field(default=None, repr=False)  # sent as Authorization: Bearer; never printed
 
 
 @dataclass
@@ -85,7 +86,7 @@ def make_client(cfg: RunConfig) -> httpx.AsyncClient:
     timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.request_timeout_s,
                             write=cfg.connect_timeout_s, pool=cfg.request_timeout_s)
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency or 256)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, headers=auth_headers(cfg.api_key))
 
 
 async def run_load(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg: RunConfig, *,
@@ -166,13 +167,13 @@ def _apply_stats(rec: RequestRecord, stats: StreamStats) -> None:
     rec.server_queue_wait_s = float(wait) if isinstance(wait, int | float) and not isinstance(wait, bool) else None
 
 
-async def probe_server(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+async def probe_server(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> dict[str, Any]:
     """Whether the server answers at all, its model id (/v1/models) and device count (/readyz).
 
     Only `reachable` matters for going on; the rest is best effort (another server may lack /readyz).
     """
     info: dict[str, Any] = {"reachable": False, "model": None, "num_devices": None, "error": None}
-    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=auth_headers(api_key)) as client:
         try:
             models = await client.get(f"{base_url(url)}/v1/models")
             info["reachable"] = True

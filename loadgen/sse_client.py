@@ -112,6 +112,11 @@ class StreamStats:
             self.prompt_tokens = _int(chunk.usage.get("prompt_tokens"), self.prompt_tokens)
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The streamer's API key as OpenAI clients send it (none when there is no key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def stream_chunks(client: httpx.AsyncClient, url: str, body: dict[str, Any], *,
                         timeout_s: float) -> AsyncIterator[Chunk]:
     """POST `body` to `url` and yield its chunks until `[DONE]`; a StreamError for anything less.

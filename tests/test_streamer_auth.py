@@ -8,6 +8,7 @@ tophat's chat client and the load generator.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import socket
@@ -177,7 +178,8 @@ async def talk_with_keys() -> None:
 def test_settings_keys_limits_and_the_open_endpoint_warning(caplog: pytest.LogCaptureFixture) -> None:
     s = load_settings({"TOPHAT_STREAMER_API_KEY": f" {KEY},, {OTHER_KEY} ", "TOPHAT_STREAMER_RATE_LIMIT_RPS": "2.5",
                        "TOPHAT_STREAMER_RATE_LIMIT_BURST": "4", "TOPHAT_STREAMER_MAX_BODY_BYTES": "1000"})
-    assert s.api_key_list == [KEY, OTHER_KEY] and (s.rate_limit_rps, s.rate_limit_burst, s.max_body_bytes) == (2.5, 4, 1000)
+    assert s.api_key_list == [KEY, OTHER_KEY]
+    assert (s.rate_limit_rps, s.rate_limit_burst, s.max_body_bytes) == (2.5, 4, 1000)
     defaults = load_settings({})
     assert defaults.api_key_list == [] and defaults.rate_limit_rps == 0 and defaults.max_body_bytes == 1 << 20
     for bad in ({"TOPHAT_STREAMER_RATE_LIMIT_RPS": "-1"}, {"TOPHAT_STREAMER_MAX_BODY_BYTES": "0"},
@@ -204,8 +206,8 @@ async def test_past_the_burst_a_credential_gets_429_with_retry_after() -> None:
         assert error["code"] == "rate_limit_exceeded" and error["message"] and error["type"]
         assert [(await http.get(f"{url}/healthz")).status_code for _ in range(5)] == [200] * 5  # probes not counted
         assert (await ws_refused(url, None)).status_code == 429  # a WebSocket handshake draws on the same bucket
-    async with mesh(FakeDevice("dev-a"), api_key=f"{KEY},{OTHER_KEY}", rate_limit_rps=0.01, rate_limit_burst=1) as url, \
-            httpx.AsyncClient(timeout=10) as http:
+    two_keys = {"api_key": f"{KEY},{OTHER_KEY}", "rate_limit_rps": 0.01, "rate_limit_burst": 1}
+    async with mesh(FakeDevice("dev-a"), **two_keys) as url, httpx.AsyncClient(timeout=10) as http:
         assert (await http.get(f"{url}/v1/models", headers=bearer(KEY))).status_code == 200
         assert (await http.get(f"{url}/v1/models", headers=bearer(KEY))).status_code == 429
         assert (await http.get(f"{url}/v1/models", headers=bearer(OTHER_KEY))).status_code == 200  # its own bucket
@@ -247,3 +249,59 @@ async def test_an_oversized_body_gets_413_before_it_is_parsed_and_the_streamer_g
             assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == expected_text(4)
         assert await ws_chat(url, None) == expected_text(3)
     assert len(dev.requests) == 4  # the refused bodies never reached a device
+
+
+async def test_tophats_own_clients_send_the_key() -> None:
+    """`tophat chat --api-key` and the load generator send `Authorization: Bearer`; without it they get the 401."""
+    from loadgen.runner import RunConfig, probe_server, run_load
+    from loadgen.workloads import WorkloadRequest
+    from tophatctl.chat_client import ChatClientError, chat_turn, run_chat
+
+    async with mesh(FakeDevice("dev-a"), api_key=KEY) as url:
+        out = io.StringIO()
+        result = await chat_turn(url, CHAT, 4, 0.0, out=out, api_key=KEY)
+        assert result.text == out.getvalue() == expected_text(4)
+        with pytest.raises(ChatClientError, match="401"):
+            await chat_turn(url, CHAT, 4, 0.0, out=io.StringIO())
+        assert await run_chat(url, "hi", max_tokens=3, api_key=KEY) == 0
+        assert await run_chat(url, "hi", max_tokens=3, api_key=WRONG) == 1
+
+        work = [WorkloadRequest(i, f"p{i}", 2, 3, 0) for i in range(2)]
+        run = await run_load(work, [0.0, 0.0], RunConfig(url=url, progress=False, api_key=KEY))
+        assert all(r.ok for r in run.records) and KEY not in repr(RunConfig(url=url, api_key=KEY))
+        run = await run_load(work, [0.0, 0.0], RunConfig(url=url, progress=False))
+        assert not any(r.ok for r in run.records) and all("401" in str(r.error) for r in run.records)
+        assert (await probe_server(url, api_key=KEY))["model"] == "tophat-demo"
+
+
+def test_tophat_up_api_key_reaches_the_streamer_of_a_real_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tophat up --api-key` -> MeshConfig -> the streamer process's TOPHAT_STREAMER_API_KEY (real processes,
+    demo model): its OpenAI endpoint refuses a keyless request and serves `tophat chat --api-key`."""
+    from typer.testing import CliRunner
+
+    from tests.conftest import DEMO_MODEL_DIR
+    from tophatctl import cli
+    from tophatctl.launcher import Mesh, MeshConfig, MeshStartError, find_port_base
+
+    seen: list[MeshConfig] = []
+
+    class NoMesh:
+        def __init__(self, config: MeshConfig) -> None:
+            seen.append(config)
+
+        def start(self) -> None:
+            raise MeshStartError("not in this test")
+
+    monkeypatch.setattr("tophatctl.launcher.Mesh", NoMesh)
+    CliRunner().invoke(cli.app, ["up", "--model", str(DEMO_MODEL_DIR), "--api-key", KEY])
+    assert seen and seen[0].api_key == KEY and KEY not in repr(seen[0])
+    monkeypatch.undo()
+
+    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1), api_key=KEY)
+    with Mesh(config) as running:
+        url = running.config.streamer_url
+        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
+        assert_openai_401(httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=10))
+        chat = CliRunner().invoke(cli.app, ["chat", "--url", url, "--prompt", "hi", "--max-tokens", "4",
+                                            "--api-key", KEY])
+        assert chat.exit_code == 0 and "TTFT" in chat.output, chat.output

@@ -31,7 +31,7 @@ from typing import Any, Literal, TextIO
 import httpx
 
 from loadgen.metrics import chunk_token_counts
-from loadgen.sse_client import Chunk, StreamError, stream_chunks
+from loadgen.sse_client import Chunk, StreamError, auth_headers, stream_chunks
 from shared import latency_stats
 from shared.latency_stats import Timeline
 
@@ -106,15 +106,16 @@ def chat_url(url: str) -> str:
 
 async def stream_chat(url: str, messages: Sequence[dict[str, str]], max_tokens: int = 64,
                       temperature: float = 0.0, timeout: float = 60.0, *,
-                      client: httpx.AsyncClient | None = None) -> AsyncIterator[ChatEvent]:
+                      client: httpx.AsyncClient | None = None, api_key: str | None = None) -> AsyncIterator[ChatEvent]:
     """Yield content/finish/usage events until `[DONE]`; ChatClientError on any failure.
 
     `timeout` bounds connecting and each wait for the next chunk. Pass a `client`
-    to reuse connections across turns (and keep its setup cost out of TTFT).
+    to reuse connections across turns (and keep its setup cost out of TTFT); `api_key` is sent as
+    `Authorization: Bearer` when this function makes its own client (a passed one carries its own headers).
     Closing this generator early closes the stream, which stops the generation.
     """
     if client is None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as own:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), headers=auth_headers(api_key)) as own:
             async for event in stream_chat(url, messages, max_tokens, temperature, timeout, client=own):
                 yield event
         return
@@ -142,10 +143,10 @@ def _events_of(chunk: Chunk) -> list[ChatEvent]:
 
 async def chat_turn(url: str, messages: Sequence[dict[str, str]], max_tokens: int, temperature: float,
                     timeout: float = 60.0, out: TextIO | None = None,
-                    client: httpx.AsyncClient | None = None) -> ChatResult:
+                    client: httpx.AsyncClient | None = None, api_key: str | None = None) -> ChatResult:
     """Stream one answer, writing each delta to `out` (default stdout) as it arrives."""
     if client is None:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as own:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), headers=auth_headers(api_key)) as own:
             return await chat_turn(url, messages, max_tokens, temperature, timeout, out, own)
     out = out or sys.stdout
     result = ChatResult(text="", finish_reason=None, sent_at=time.perf_counter())
@@ -164,13 +165,13 @@ async def chat_turn(url: str, messages: Sequence[dict[str, str]], max_tokens: in
 
 
 async def run_chat(url: str = "http://127.0.0.1:8000", prompt: str | None = None, max_tokens: int = 64,
-                   temperature: float = 0.0, timeout: float = 60.0) -> int:
+                   temperature: float = 0.0, timeout: float = 60.0, api_key: str | None = None) -> int:
     """`tophat chat`: one-shot when `prompt` is given, else a REPL. Returns a process exit code.
 
     Ctrl-C is left to the caller (asyncio.run turns it into KeyboardInterrupt); the
     open stream is closed on the way out, which stops the generation server-side.
     """
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), headers=auth_headers(api_key)) as client:
         if prompt is None:
             return await _repl(client, url, max_tokens, temperature, timeout)
         try:

@@ -256,6 +256,8 @@ def up(
     parallel_drafting: bool = typer.Option(True, "--parallel-drafting/--no-parallel-drafting", help="PD switch"),
     state_file: Optional[Path] = typer.Option(None, "--state-file", help="keep a JSON list of every process "
                                               "(role, pid, url) here, rewritten after each restart"),
+    api_key: str = typer.Option("", "--api-key", envvar="TOPHAT_STREAMER_API_KEY", show_default=False,
+                                help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)"),
 ):
     """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
     (or SIGTERM) stops every process."""
@@ -270,7 +272,7 @@ def up(
                         link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
                         device_env={"prompt_chunking": str(prompt_chunking).lower(),
                                     **({} if parallel_drafting else {"parallel_candidates": "0"})},
-                        supervise=True, state_file=state_file)
+                        supervise=True, state_file=state_file, api_key=api_key)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -282,7 +284,8 @@ def up(
     try:
         for name, url in mesh.urls().items():
             typer.echo(f"{name:16s} {url}")
-        typer.echo(f"logs in {config.log_dir}; chat with: tophat chat --url {config.streamer_url}")
+        key_hint = " --api-key KEY" if api_key else ""
+        typer.echo(f"logs in {config.log_dir}; chat with: tophat chat --url {config.streamer_url}{key_hint}")
         typer.echo("Ctrl-C to stop")
         while not stop.wait(0.5):  # a timed wait, so Ctrl-C is handled promptly
             pass  # the mesh's supervisor restarts what dies meanwhile (and logs it)
@@ -297,11 +300,13 @@ def chat(
     prompt: Optional[str] = typer.Option(None, help="one-shot prompt (default: interactive)"),
     max_tokens: int = typer.Option(64),
     temperature: float = typer.Option(0.0),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", show_envvar=True,
+                                          help="sent as Authorization: Bearer (the key `tophat up --api-key` set)"),
 ):
     """Chat with the mesh, streaming tokens; prints TTFT, TBT and accept length after each answer."""
     from tophatctl.chat_client import run_chat
 
-    raise typer.Exit(asyncio.run(run_chat(url, prompt, max_tokens, temperature)))
+    raise typer.Exit(asyncio.run(run_chat(url, prompt, max_tokens, temperature, api_key=api_key)))
 
 
 @app.command()

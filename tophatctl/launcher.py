@@ -92,6 +92,7 @@ class MeshConfig:
     # As a container deployment runs: devices take any free port and a host-name id and announce themselves
     # to the state monitor; the streamer routes to whatever announced (no list of device URLs).
     discover_devices: bool = False
+    api_key: str = field(default="", repr=False)  # the OpenAI endpoint's key(s), comma-separated; empty: open
     # `tophat up`: restart a process that dies (tophatctl/supervisor.py) and keep a JSON list of every
     # process (role, pid, url) in state_file, rewritten after each restart.
     supervise: bool = False
@@ -359,6 +360,7 @@ class Mesh:
                 "TOPHAT_STREAMER_DEVICE_URLS": device_urls,
                 "TOPHAT_STREAMER_STATE_MONITOR_URL": cfg.monitor_url,
                 "TOPHAT_STREAMER_MODEL_NAME": self.model_dir.name,  # what /v1/models lists: smollm2, demo, ...
+                **({"TOPHAT_STREAMER_API_KEY": cfg.api_key} if cfg.api_key else {}),
             }, f"{cfg.streamer_url}/readyz")
             self._wait_ready([streamer])
             if cfg.supervise:

@@ -32,8 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.token_streamer import openai_format as of
 from services.token_streamer.admission import Admission
-from services.token_streamer.limits import install as install_gate
 from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone, unless_gone
+from services.token_streamer.limits import install as install_gate
 from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
 from services.token_streamer.settings import Settings, load_settings
 from shared import latency_stats
