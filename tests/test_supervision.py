@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -32,6 +33,7 @@ PROMPT = "Once upon a time"
 MAX_TOKENS = 12
 START_TIMEOUT_S = 90.0
 RECOVERY_TIMEOUT_S = 40.0
+FAILOVER_DEADLINE_S = 30.0  # the device agent's default failover_deadline_s
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.1):
@@ -142,17 +144,23 @@ def test_killed_verifier_makes_devices_unready_then_is_restarted(mesh, demo_chec
     unready = wait_for(lambda: (r := get(f"{mesh.device}/readyz")) is not None and r.status_code == 503 and r, 10)
     assert unready, "the device agent stayed ready without a verifier"
     assert "verifier" in unready.json()["error"]["message"]
-    # The streamer answers with a typed error, never hangs, while the verifier is away.
-    started = time.monotonic()
-    answer = complete(mesh)
+    # A request while the verifier is away, beside the watch for its restart: the streamer answers
+    # with a typed error (the device is marked down), or the device waits for the verifier's return
+    # (its failover deadline, 30 s by default) and finishes -- never a hang.
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        during_outage = pool.submit(lambda: (complete(mesh), time.monotonic() - started))
+        new_pid = wait_for(lambda: (pid := mesh.pid_of("verifier-cloud")) != old_pid and pid, RECOVERY_TIMEOUT_S)
+        assert new_pid and alive(new_pid), mesh.log_text()
+        print(f"verifier killed -> new pid: {time.monotonic() - killed_at:.2f} s")
+        answer, answered_after_s = during_outage.result(timeout=60)
     if answer.status_code != 200:
         assert answer.status_code in (502, 503) and answer.json()["error"]["code"], answer.text
-        assert time.monotonic() - started < 10
-    else:  # the supervisor was quicker than this request: then it must be the right text
+        assert answered_after_s < FAILOVER_DEADLINE_S + 5
+    else:  # the verifier came back within this request: then it must be the right text
         assert answer.json()["choices"][0]["text"] == expected_text(demo_checkpoint)
+    print(f"request during the outage: HTTP {answer.status_code} after {answered_after_s:.2f} s: {answer.text[:300]}")
 
-    new_pid = wait_for(lambda: (pid := mesh.pid_of("verifier-cloud")) != old_pid and pid, RECOVERY_TIMEOUT_S)
-    assert new_pid and alive(new_pid), mesh.log_text()
     assert wait_for(lambda: (r := get(f"{mesh.device}/readyz")) is not None and r.status_code == 200,
                     RECOVERY_TIMEOUT_S), mesh.log_text()
     assert wait_for(mesh.ready, RECOVERY_TIMEOUT_S)
@@ -167,6 +175,7 @@ def test_killed_device_agent_is_restarted(mesh, demo_checkpoint):
     os.kill(old_pid, signal.SIGKILL)
     new_pid = wait_for(lambda: (pid := mesh.pid_of("device-agent")) != old_pid and pid, RECOVERY_TIMEOUT_S)
     assert new_pid and alive(new_pid), mesh.log_text()
+    print(f"device agent killed -> new pid: {time.monotonic() - killed_at:.2f} s")
     assert wait_for(lambda: (r := get(f"{mesh.device}/readyz")) is not None and r.status_code == 200,
                     RECOVERY_TIMEOUT_S), mesh.log_text()
     assert wait_for(mesh.ready, RECOVERY_TIMEOUT_S)
