@@ -40,7 +40,8 @@ async def _deep_states(ws, sid: int, shallow: torch.Tensor, seq_no: int = 100) -
 
 
 async def _open_with_prompt(ws, sid: int, prompt: torch.Tensor, identity: dict) -> None:
-    assert isinstance(await _roundtrip(ws, wire.OpenSession(sid, prompt.shape[1], "f4", **identity)), wire.SessionOpened)
+    opened = await _roundtrip(ws, wire.OpenSession(sid, prompt.shape[1], "f4", **identity))
+    assert isinstance(opened, wire.SessionOpened), opened
     assert isinstance(await _roundtrip(ws, wire.PrefillChunk(sid, 1, 0, True, prompt)), wire.DeepHidden)
 
 
