@@ -25,12 +25,21 @@ class VerifierLost(ConnectionError):
     pass
 
 
+class StrictLocalCloud(LocalCloud):
+    """Refuses to open a session that is already open, as the verifier does."""
+
+    async def open(self, session_id):
+        if session_id in self.caches:
+            raise RuntimeError(f"session {session_id} is already open")
+        await super().open(session_id)
+
+
 class DyingCloud:
     """A LocalCloud that 'dies' at chosen calls: the call fails and every session's KV is gone (as
     when the verifier process is killed and another one, empty, takes its place)."""
 
     def __init__(self, middle, die_at: set[int], answer_dies: set[int] = frozenset(), down_for: int = 0):
-        self.local = LocalCloud(middle)
+        self.local = StrictLocalCloud(middle)
         self.calls = 0
         self.die_at = set(die_at)
         self.answer_dies = set(answer_dies)  # prefill calls whose answer (not the send) fails
@@ -82,6 +91,7 @@ def run(checkpoint, ids, cloud, max_new=24, chunk_size=4, **replay):
 
 @pytest.mark.parametrize("die_at,answer_dies,down_for", [
     ({1}, set(), 0),          # the open
+    ({1}, set(), 2),          # the open, while the verifier is down for a while
     ({3}, set(), 0),          # the second prefill chunk's send
     (set(), {2}, 0),          # the first chunk's answer, while later chunks are in flight
     ({6}, set(), 0),          # the first verification

@@ -241,6 +241,8 @@ def generate(
 @app.command()
 def up(
     devices: int = typer.Option(1, "--devices", help="number of device agents"),
+    verifiers: int = typer.Option(1, "--verifiers", help="verifier replicas; a session whose verifier dies "
+                                  "is replayed on another"),
     model: str = typer.Option("smollm2", help=MODEL_HELP),
     redis_url: Optional[str] = typer.Option(None, help="external Redis (default: embedded redis-server)"),
     port_base: int = typer.Option(8000, help="token-streamer port; the others are laid out from it"),
@@ -272,7 +274,7 @@ def up(
                         link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
                         device_env={"prompt_chunking": str(prompt_chunking).lower(),
                                     **({} if parallel_drafting else {"parallel_candidates": "0"})},
-                        supervise=True, state_file=state_file, api_key=api_key)
+                        supervise=True, state_file=state_file, api_key=api_key, verifiers=verifiers)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

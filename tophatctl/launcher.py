@@ -34,7 +34,7 @@ def _ephemeral_port_floor() -> int:
         return 32768
 
 
-def find_port_base(num_devices: int, host: str = "127.0.0.1") -> int:
+def find_port_base(num_devices: int, host: str = "127.0.0.1", num_verifiers: int = 1) -> int:
     """A base whose whole port layout is free right now (for tests and parallel meshes)."""
     import random
     import socket
@@ -44,7 +44,8 @@ def find_port_base(num_devices: int, host: str = "127.0.0.1") -> int:
     low_ephemeral = _ephemeral_port_floor()
     for _ in range(200):
         base = random.randrange(10_000, max(10_010, low_ephemeral - 300 - num_devices), 10)
-        ports = [base, base + 10, base + 20, base + 100] + [base + 200 + i for i in range(num_devices)]
+        ports = ([base, base + 10, base + 20] + [base + 100 + j for j in range(num_verifiers)]
+                 + [base + 200 + i for i in range(num_devices)])
         try:
             sockets = []
             for port in ports:
@@ -80,6 +81,7 @@ class MeshConfig:
     host: str = "127.0.0.1"
     extra_env: dict[str, str] = field(default_factory=dict)
     device_verifier_url: str | None = None  # where devices connect (default: the verifier); tests put a proxy here
+    verifiers: int = 1  # replicas of the verifier (ports base+100+j); devices fail over between them
     # Emulated testbed: a link spec and a speed spec per device (";"-separated lists are cycled
     # over the devices), and how links are emulated: "inprocess" (shaper on the device's
     # WebSocket), "netns" (device in a network namespace behind a tc-shaped veth; root), or
@@ -113,6 +115,10 @@ class MeshConfig:
     @property
     def verifier_port(self) -> int:
         return self.port_base + 100
+
+    def verifier_urls(self, host: str | None = None) -> str:
+        """Every verifier replica's WebSocket URL, comma-separated (what a device agent is given)."""
+        return ",".join(f"ws://{host or self.host}:{self.verifier_port + j}/ws" for j in range(self.verifiers))
 
     def device_url(self, index: int) -> str:
         return f"http://{self.device_hosts.get(index, self.host)}:{self.port_base + 200 + index}"
@@ -155,8 +161,9 @@ class ServiceProcess:
 
     @property
     def role(self) -> str:
-        """The service kind: device-agent-3 -> device-agent."""
-        return self.name.rsplit("-", 1)[0] if self.name.startswith("device-agent-") else self.name
+        """The service kind: device-agent-3 -> device-agent, verifier-cloud-1 -> verifier-cloud."""
+        replica = self.name.startswith(("device-agent-", "verifier-cloud-"))
+        return self.name.rsplit("-", 1)[0] if replica else self.name
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -246,7 +253,7 @@ class Mesh:
         env = {"TOPHAT_DEVICE_DEVICE_ID": "auto", "TOPHAT_DEVICE_PORT": "0", "TOPHAT_DEVICE_MODEL_DIR": model_dir,
                "TOPHAT_DEVICE_SPLIT_LAYERS": str(cfg.split_layers), "TOPHAT_DEVICE_ADAPTER": cfg.adapter,
                "TOPHAT_DEVICE_SPECULATIVE": str(cfg.speculative).lower(), "TOPHAT_DEVICE_SPEED": cfg.per_device(cfg.speed, i),
-               "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or f"ws://{cfg.host}:{cfg.verifier_port}/ws",
+               "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or cfg.verifier_urls(),
                "TOPHAT_DEVICE_CHUNK_PLANNER_URL": cfg.planner_url, "TOPHAT_DEVICE_STATE_MONITOR_URL": cfg.monitor_url,
                "TOPHAT_DEVICE_ANNOUNCE_INTERVAL_S": "0.5",
                **{f"TOPHAT_DEVICE_{k.upper()}": v for k, v in cfg.device_env.items()}}
@@ -309,7 +316,7 @@ class Mesh:
             cfg.device_hosts[i] = link.ns_ip
             prefix = link.exec_prefix()
         env.update({
-            "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or f"ws://{host}:{cfg.verifier_port}/ws",
+            "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or cfg.verifier_urls(host),
             "TOPHAT_DEVICE_CHUNK_PLANNER_URL": f"http://{host}:{cfg.port_base + 10}",
             "TOPHAT_DEVICE_STATE_MONITOR_URL": f"http://{host}:{cfg.port_base + 20}",
         })
@@ -317,6 +324,8 @@ class Mesh:
 
     def start(self) -> "Mesh":
         cfg = self.config
+        if not 1 <= cfg.verifiers <= 99:
+            raise MeshStartError(f"verifiers must be 1..99 (ports base+100 .. base+199), got {cfg.verifiers}")
         try:
             self.model_dir = mesh_model_dir(cfg)
             model_dir = str(self.model_dir)
@@ -338,15 +347,15 @@ class Mesh:
                 "TOPHAT_CHUNK_PLANNER_PIPELINE_STAGES": str(cfg.pipeline_stages),
                 "TOPHAT_CHUNK_PLANNER_STATE_MONITOR_URL": cfg.monitor_url,
             }, f"{cfg.planner_url}/readyz")
-            verifier = self._spawn("verifier-cloud", "services.verifier_cloud", {
-                "TOPHAT_VERIFIER_PORT": str(cfg.verifier_port),
+            verifiers = [self._spawn("verifier-cloud" if j == 0 else f"verifier-cloud-{j}", "services.verifier_cloud", {
+                "TOPHAT_VERIFIER_PORT": str(cfg.verifier_port + j),
                 "TOPHAT_VERIFIER_HOST": bind,
                 "TOPHAT_VERIFIER_PIPELINE_STAGES": str(cfg.pipeline_stages),
                 "TOPHAT_VERIFIER_MODEL_DIR": model_dir,
                 "TOPHAT_VERIFIER_SPLIT_LAYERS": str(cfg.split_layers),
                 "TOPHAT_VERIFIER_STATE_MONITOR_URL": cfg.monitor_url,
-            }, f"http://{cfg.host}:{cfg.verifier_port}/readyz")
-            self._wait_ready([monitor, planner, verifier])
+            }, f"http://{cfg.host}:{cfg.verifier_port + j}/readyz") for j in range(cfg.verifiers)]
+            self._wait_ready([monitor, planner, *verifiers])
             if cfg.discover_devices:
                 devices = [self._spawn_announcing_device(i, model_dir) for i in range(cfg.num_devices)]
                 self._wait_announced(devices)
@@ -405,7 +414,8 @@ class Mesh:
             "token-streamer": cfg.streamer_url,
             "chunk-planner": cfg.planner_url,
             "state-monitor": cfg.monitor_url,
-            "verifier-cloud": f"ws://{cfg.host}:{cfg.verifier_port}/ws",
+            **{"verifier-cloud" if j == 0 else f"verifier-cloud-{j}": f"ws://{cfg.host}:{cfg.verifier_port + j}/ws"
+               for j in range(cfg.verifiers)},
             "redis": redact_url(self.redis_url) if self.redis_url else "",  # printed: never the password
         }
         urls.update({f"device-agent-{i}": cfg.device_url(i) for i in range(cfg.num_devices)})

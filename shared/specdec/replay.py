@@ -121,6 +121,8 @@ class ReplayingCloud:
                 if not self.is_lost(exc):
                     raise
                 await self._recover(session_id, epoch, 0 if reopen_only else keep, exc)
+                if reopen_only:
+                    return None  # the recovery's replay opened the session: opening it again would be refused
 
     async def _recover(self, session_id: int, epoch: int, keep: int | None, exc: BaseException) -> _SessionLog:
         """Reopen the session and replay its first `keep` rows (None: all), once per loss."""
