@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -252,10 +253,12 @@ class TelemetryClient:
     """
 
     def __init__(self, base_url: str | None, *, timeout_s: float = 0.5, max_in_flight: int = 64,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, verify: ssl.SSLContext | bool = True) -> None:
         self.base_url = base_url.rstrip("/") if base_url else None
         self.max_in_flight = max_in_flight
-        self._client = (httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport)
+        # verify: the context trusting the mesh's CA for an https:// monitor (shared/tls.py client_context)
+        self._client = (httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport,
+                                          verify=verify)
                         if self.base_url else None)
         self._tasks: set[asyncio.Task[bool]] = set()
         self._outage = _Outage(f"state monitor at {base_url}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from shared.planners import (
     plan_draft_steps_table_from_state,
     plan_from_state,
 )
+from shared.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +98,11 @@ class MonitorClient:
     trickle could outlast it; `asyncio.wait_for` bounds the total.
     """
 
-    def __init__(self, base_url: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, base_url: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None,
+                 verify: ssl.SSLContext | bool = True) -> None:
         self.timeout_s = timeout_s
-        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport,
+                                      verify=verify)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -198,7 +202,8 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal monitor
         if settings.state_monitor_url:
-            monitor = MonitorClient(settings.state_monitor_url, settings.monitor_timeout_s, monitor_transport)
+            monitor = MonitorClient(settings.state_monitor_url, settings.monitor_timeout_s, monitor_transport,
+                                    verify=client_context(settings.tls_ca))
         else:
             log.warning("no state_monitor_url: chunk sizes and draft steps are fixed defaults")
         app.state.ready = True

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared.settings import from_env
+from shared.tls import check_server_files
 
 ENV_PREFIX = "TOPHAT_CHUNK_PLANNER_"
 
@@ -32,9 +33,18 @@ class Settings:
     wire_dtype_bytes: int = 2           # fp16 / bf16 hidden states on the wire
     default_parallel_draft_steps: int = 2   # eq. 6 fallback
     max_parallel_draft_steps: int = 16
+    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
+    # open); empty: open, as before. repr=False: settings are never printed with it.
+    auth_secret: str = field(default="", repr=False)
     log_level: str = "info"
+    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
+    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def validate(self) -> None:
+        check_server_files(self.tls_cert, self.tls_key)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
         if self.min_chunk_size < 1:

@@ -60,7 +60,9 @@ def main() -> None:
         Path(settings.port_file).write_text(f"{port}\n", encoding="ascii")
     device_id = auto_device_id(port) if settings.device_id == "auto" else settings.device_id
     settings = dataclasses.replace(settings, port=port, device_id=device_id)
-    config = uvicorn.Config(create_app(settings), log_level=settings.log_level.lower())
+    # With TLS the bound socket is served wrapped (uvicorn passes ssl= to create_server(sock=...)).
+    config = uvicorn.Config(create_app(settings), log_level=settings.log_level.lower(),
+                            ssl_certfile=settings.tls_cert or None, ssl_keyfile=settings.tls_key or None)
     uvicorn.Server(config).run(sockets=[sock])
 
 

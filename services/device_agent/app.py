@@ -54,6 +54,7 @@ from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.replay import ReplayingCloud
 from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
+from shared.tls import client_context
 
 log = logging.getLogger("services.device_agent")
 
@@ -126,7 +127,8 @@ class DeviceAgent:
         self.checkpoint = load_checkpoint(settings.model_dir, dtype=self.placement.dtype)
         self.model = build_device_model(self.checkpoint, settings.split_layers, settings.adapter or None,
                                         speculative=settings.speculative).to(self.placement.device)
-        self.telemetry = TelemetryClient(settings.state_monitor_url or None)
+        tls = client_context(settings.tls_ca)  # trusts the mesh's CA for https:// planner and monitor
+        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls)
         self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
         link = parse_link_spec(settings.link)
         if settings.link_scaled:
@@ -136,7 +138,8 @@ class DeviceAgent:
                                     on_transfer=self._on_transfer, link=link if link.shaped else None,
                                     on_frame=self.metrics.frame,
                                     split_layers=settings.split_layers,
-                                    fingerprint=split_fingerprint(settings.model_dir, settings.split_layers))
+                                    fingerprint=split_fingerprint(settings.model_dir, settings.split_layers),
+                                    tls_ca=settings.tls_ca)
         # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
         # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
         self.sessions_cloud = ReplayingCloud(self.cloud, verifier_lost, deadline_s=settings.failover_deadline_s,
@@ -145,7 +148,7 @@ class DeviceAgent:
         self.requests_served = 0
         self.replays = 0  # sessions moved to another verifier (or the same one, restarted)
         self.active = 0
-        self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s)
+        self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
         self.plans = PlanCache(
@@ -362,6 +365,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         if settings.state_monitor_url and settings.announce_interval_s > 0:
             url = advertised_url(settings.advertise_url, settings.host, settings.port,
                                  route_to=settings.state_monitor_url)
+            if settings.tls_cert and not settings.advertise_url:  # this agent serves only https
+                url = "https://" + url.removeprefix("http://")
             probes.append(asyncio.create_task(announce_loop(
                 state["agent"].http, settings.state_monitor_url, settings.device_id, url, settings.max_sessions,
                 settings.announce_interval_s), name="announce"))

@@ -28,6 +28,7 @@ from shared import wire
 from shared.links import LinkProfile
 from shared.shaper import DelayLine, shapers_for
 from shared.specdec.sampling import SamplingParams
+from shared.tls import websocket_ssl
 
 log = logging.getLogger("services.device_agent.cloud")
 
@@ -75,6 +76,7 @@ class WebSocketCloud:
         split_layers: int | None = None,
         fingerprint: int | None = None,
         on_frame: FrameHook | None = None,
+        tls_ca: str = "",
     ):
         """`split_layers` (m) and `fingerprint` (`split_fingerprint(checkpoint_dir, m)`) go with every
         OpenSession so a verifier with another split or checkpoint refuses it; without them only
@@ -94,6 +96,7 @@ class WebSocketCloud:
         self.max_frame_bytes = max_frame_bytes
         self.on_transfer = on_transfer
         self.on_frame = on_frame  # every message's payload bytes, each way (the device's link metrics)
+        self.tls_ca = tls_ca  # the CA trusted for wss:// replicas (empty: the system's CAs)
         self._connection: ClientConnection | None = None
         self._reader: asyncio.Task | None = None
         self._connect_lock = asyncio.Lock()
@@ -160,6 +163,7 @@ class WebSocketCloud:
                     self._connection = await connect(
                         self.url, open_timeout=self.connect_timeout_s, max_size=self.max_frame_bytes,
                         compression=None, ping_interval=20, ping_timeout=20,
+                        ssl=websocket_ssl(self.url, self.tls_ca),  # None for ws://
                     )
                 except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
                     failures.append(f"{self.url}: {exc or type(exc).__name__}")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.settings import from_env
+from shared.tls import check_server_files
 from shared.wire import WireDtype
 
 ENV_PREFIX = "TOPHAT_DEVICE_"
@@ -71,9 +72,21 @@ class Settings:
     # on Orin-class GPUs, float16 on Xavier) | float32 | float16 | bfloat16. wire_dtype is separate.
     device: str = "auto"
     dtype: str = "auto"
+    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
+    # open); empty: open, as before. repr=False: settings are never printed with it.
+    auth_secret: str = field(default="", repr=False)
+    # Instead of (or beside) the secret: this device's own token, sent on its calls (the verifier, monitor,
+    # planner); it cannot be used for another device, but without the secret /generate stays open.
+    auth_token: str = field(default="", repr=False)
     log_level: str = "info"
+    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
+    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def validate(self) -> None:
+        check_server_files(self.tls_cert, self.tls_key)
         from shared.device_speed import speed_schedule
         from shared.links import parse_link_spec
 

@@ -31,7 +31,8 @@ def main() -> None:
         log.info("no REDIS_URL given; using embedded redis at %s", redact_url(embedded.url))
     try:
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                    log_level=settings.log_level.lower())
+                    log_level=settings.log_level.lower(),
+                    ssl_certfile=settings.tls_cert or None, ssl_keyfile=settings.tls_key or None)
     finally:
         if embedded is not None:
             embedded.stop()

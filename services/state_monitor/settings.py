@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared.settings import from_env
+from shared.tls import check_server_files
 
 ENV_PREFIX = "TOPHAT_STATE_MONITOR_"
 
@@ -31,9 +32,18 @@ class Settings:
     device_stale_s: float = 30.0         # device state older than this is flagged stale
     max_batch: int = 1000                # records per POST /telemetry
     announce_ttl_s: float = 15.0         # a device agent not announced for this long leaves GET /devices
+    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
+    # open); empty: open, as before. repr=False: settings are never printed with it.
+    auth_secret: str = field(default="", repr=False)
     log_level: str = "info"
+    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
+    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def validate(self) -> None:
+        check_server_files(self.tls_cert, self.tls_key)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
         if self.stream_maxlen < 1 or self.request_ttl_s < 1 or self.max_batch < 1:

@@ -22,7 +22,8 @@ def main() -> None:
     log.info("token streamer on %s:%d over %d device agent(s)", settings.host, settings.port,
              len(settings.device_url_list))
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                ws_max_size=settings.max_body_bytes)  # one chat WebSocket message: the HTTP body's bound
+                ws_max_size=settings.max_body_bytes,  # one chat WebSocket message: the HTTP body's bound
+                ssl_certfile=settings.tls_cert or None, ssl_keyfile=settings.tls_key or None)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from shared import latency_stats
 from shared.latency_stats import Timeline
 from shared.metrics import StreamerMetrics, metrics_response
 from shared.telemetry import TelemetryClient
+from shared.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +163,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=s.connect_timeout_s, pool=s.connect_timeout_s, write=s.connect_timeout_s,
                               read=max(s.first_byte_timeout_s, s.line_timeout_s) + 1.0),
-        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64), trust_env=False)
+        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64), trust_env=False,
+        verify=client_context(s.tls_ca))  # https:// device agents: the mesh's CA
     admission = Admission(router, max_waiting=s.queue_max_waiting, timeout_s=s.queue_timeout_s)
     dispatcher = Dispatcher(admission, client, first_byte_timeout_s=s.first_byte_timeout_s,
                             line_timeout_s=s.line_timeout_s, probe_timeout_s=s.probe_timeout_s)
-    telemetry = TelemetryClient(s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s)
+    telemetry = TelemetryClient(s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s,
+                                verify=client_context(s.tls_ca))
     metrics = StreamerMetrics(running=lambda: admission.running, waiting=lambda: admission.waiting)
     started_at = int(time.time())
 

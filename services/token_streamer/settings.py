@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.settings import from_env
+from shared.tls import check_server_files
 
 ENV_PREFIX = "TOPHAT_STREAMER_"
 
@@ -40,6 +41,11 @@ class Settings:
     queue_timeout_s: float = 60.0
     telemetry_timeout_s: float = 0.5
     log_level: str = "info"
+    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
+    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
     # The door (limits.py). api_key: comma-separated keys; with any, every route but /healthz, /readyz and
     # /metrics needs `Authorization: Bearer <key>` (empty: open). A token bucket per key (per client address
     # when open) of rate_limit_rps, rate_limit_burst deep (0 rps: no limit). A body over max_body_bytes
@@ -50,6 +56,7 @@ class Settings:
     max_body_bytes: int = 1 << 20
 
     def validate(self) -> None:
+        check_server_files(self.tls_cert, self.tls_key)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
         for url in self.device_url_list:

@@ -54,6 +54,7 @@ from shared.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, expositi
 from shared.settings import SettingsError
 from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
+from shared.tls import client_context, server_context
 
 log = logging.getLogger("services.verifier_cloud")
 
@@ -78,7 +79,7 @@ class VerifierServer:
                                    prefill_pipelining=stages is not None and settings.prefill_pipelining,
                                    max_sessions_per_owner=settings.max_sessions_per_connection,
                                    max_queue=settings.max_queue_per_session)
-        self.telemetry = TelemetryClient(settings.state_monitor_url or None)
+        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=client_context(settings.tls_ca))
         self.steps = 0
         self.ready = False
         self._pending_sends: set[asyncio.Task] = set()
@@ -379,9 +380,10 @@ class VerifierServer:
     async def _serve(self, stop: asyncio.Event, started: asyncio.Future | None) -> None:
         # The transport's limit is the frame limit: a bigger frame is refused (close 1009) from its header,
         # before its payload is read into memory; a typed OVERSIZED answer would need it buffered first.
+        tls = server_context(self.settings.tls_cert, self.settings.tls_key)  # None: plain ws://
         async with serve(self.handle, self.settings.host, self.settings.port, process_request=self.process_request,
                          max_size=self.settings.max_frame_bytes, compression=None, ping_interval=20,
-                         ping_timeout=20) as server:
+                         ping_timeout=20, ssl=tls) as server:
             server: Server
             async with asyncio.TaskGroup() as tasks:
                 engine = tasks.create_task(self.engine.run())
@@ -390,8 +392,8 @@ class VerifierServer:
                              if self.pipeline is not None else None)
                 self.ready = True
                 port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
-                log.info("verifier-cloud ready on ws://%s:%d%s (%d pipeline stage(s), token mode %s, server chunks %s)",
-                         self.settings.host, port, WS_PATH,
+                log.info("verifier-cloud ready on %s://%s:%d%s (%d pipeline stage(s), token mode %s, server chunks %s)",
+                         "wss" if tls is not None else "ws", self.settings.host, port, WS_PATH,
                          self.settings.pipeline_stages if self.pipeline is not None else 1,
                          "on" if self.token_model is not None else "off",
                          self.settings.server_chunk_tokens or "off")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.settings import from_env
+from shared.tls import check_server_files
 from shared.wire import MAX_FRAME_BYTES
 
 ENV_PREFIX = "TOPHAT_VERIFIER_"
@@ -38,7 +39,15 @@ class Settings:
     # float32 | float16 | bfloat16. Hidden states on the wire keep the sessions' wire dtype either way.
     device: str = "auto"
     dtype: str = "auto"
+    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
+    # open); empty: open, as before. repr=False: settings are never printed with it.
+    auth_secret: str = field(default="", repr=False)
     log_level: str = "info"
+    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
+    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
     # P: the middle layers run as P contiguous layer ranges, each in its own worker process, with up to
     # P micro-batches in flight (HAT §4.5). 1 = in-process, no workers.
     pipeline_stages: int = 1
@@ -55,6 +64,7 @@ class Settings:
     server_chunk_tokens: int = 0
 
     def validate(self) -> None:
+        check_server_files(self.tls_cert, self.tls_key)
         if self.split_layers < 1:
             raise ValueError("split_layers must be >= 1")
         if self.max_frame_bytes < 1024 or self.max_batch_tokens < 1 or self.max_sessions < 1:
