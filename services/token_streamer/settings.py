@@ -40,6 +40,9 @@ class Settings:
     queue_max_waiting: int = 256
     queue_timeout_s: float = 60.0
     telemetry_timeout_s: float = 0.5
+    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
+    # open); empty: open, as before. repr=False: settings are never printed with it.
+    auth_secret: str = field(default="", repr=False)
     log_level: str = "info"
     # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
     # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
