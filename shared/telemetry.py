@@ -253,12 +253,14 @@ class TelemetryClient:
     """
 
     def __init__(self, base_url: str | None, *, timeout_s: float = 0.5, max_in_flight: int = 64,
-                 transport: httpx.AsyncBaseTransport | None = None, verify: ssl.SSLContext | bool = True) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, verify: ssl.SSLContext | bool = True,
+                 auth: httpx.Auth | None = None) -> None:
         self.base_url = base_url.rstrip("/") if base_url else None
         self.max_in_flight = max_in_flight
         # verify: the context trusting the mesh's CA for an https:// monitor (shared/tls.py client_context)
+        # auth: this sender's credential for a monitor that requires one (shared/auth.py BearerAuth)
         self._client = (httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport,
-                                          verify=verify)
+                                          verify=verify, auth=auth)
                         if self.base_url else None)
         self._tasks: set[asyncio.Task[bool]] = set()
         self._outage = _Outage(f"state monitor at {base_url}")

@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import httpx
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from services.chunk_planner.settings import Settings, load_settings
+from shared import auth
 from shared.metrics import PlannerMetrics, metrics_response
 from shared.planners import (
     PlannerInputs,
@@ -216,6 +217,13 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
                 monitor = None
 
     app = FastAPI(title="tophat chunk planner", lifespan=lifespan)
+    # Every answer needs a credential (shared/auth.py); a device's only for its own device id. Probes stay open.
+    auth.warn_if_open("the chunk planner", settings.auth_secret, settings.host, "TOPHAT_CHUNK_PLANNER_AUTH_SECRET")
+    auth.install(app, settings.auth_secret, auth.ROLES)
+
+    def for_caller(request: Request, device_id: str) -> None:
+        if not auth.may_act_for(auth.claims_of(request.scope), device_id):
+            raise HTTPException(403, "a device credential may ask only for its own device id")
     app.state.ready = False
 
     @app.exception_handler(RequestValidationError)
@@ -226,7 +234,9 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
 
     @app.get("/chunk-size")
     async def chunk_size(device_id: DeviceId, prompt_tokens: Annotated[int, Query(ge=1, le=10_000_000)],
-                         bytes_per_token: BytesPerToken = None, stages: Stages = None) -> dict[str, Any]:
+                         request: Request, bytes_per_token: BytesPerToken = None, stages: Stages = None
+                         ) -> dict[str, Any]:
+        for_caller(request, device_id)
         state = await telemetry(device_id)
         inputs = planner_inputs(settings, bytes_per_token, stages or reported_stages(state))
         plan = plan_chunk_size(settings, device_id, prompt_tokens, state, inputs)
@@ -235,11 +245,13 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
                 "bytes_per_token": inputs.bytes_per_token, "stages": inputs.stages}
 
     @app.get("/parallel-draft-steps")
-    async def parallel_draft_steps(device_id: DeviceId, draft_len: Annotated[int, Query(ge=0, le=4096)],
+    async def parallel_draft_steps(request: Request, device_id: DeviceId,
+                                   draft_len: Annotated[int, Query(ge=0, le=4096)],
                                    bytes_per_token: BytesPerToken = None, stages: Stages = None,
                                    all_lengths: bool = False) -> dict[str, Any]:
         """λ for `draft_len` rows; with `all_lengths`, also λ for 0..draft_len rows from the same telemetry
         (`steps_by_draft_len`), so a device can plan each round from one answer."""
+        for_caller(request, device_id)
         state = await telemetry(device_id)
         inputs = planner_inputs(settings, bytes_per_token, stages or reported_stages(state))
         plan = plan_parallel_draft_steps(settings, device_id, draft_len, state, inputs)

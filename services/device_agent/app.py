@@ -40,7 +40,7 @@ from services.device_agent.cloud_client import (CloudError, CloudUnavailable, We
                                                 verifier_lost)
 from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.settings import Settings
-from shared import latency_stats, wire
+from shared import auth, latency_stats, wire
 from shared.device_registry import advertised_url
 from shared.device_speed import slowed, speed_schedule
 from shared.latency_stats import Timeline
@@ -128,7 +128,10 @@ class DeviceAgent:
         self.model = build_device_model(self.checkpoint, settings.split_layers, settings.adapter or None,
                                         speculative=settings.speculative).to(self.placement.device)
         tls = client_context(settings.tls_ca)  # trusts the mesh's CA for https:// planner and monitor
-        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls)
+        # This device's credential on its calls (verifier handshake, monitor, planner): its own token, or one
+        # minted from the mesh secret for its device id (shared/auth.py); None when the mesh runs open.
+        credential = auth.client_auth(settings.auth_secret, settings.device_id, "device", settings.auth_token)
+        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls, auth=credential)
         self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
         link = parse_link_spec(settings.link)
         if settings.link_scaled:
@@ -139,7 +142,7 @@ class DeviceAgent:
                                     on_frame=self.metrics.frame,
                                     split_layers=settings.split_layers,
                                     fingerprint=split_fingerprint(settings.model_dir, settings.split_layers),
-                                    tls_ca=settings.tls_ca)
+                                    tls_ca=settings.tls_ca, auth=credential)
         # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
         # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
         self.sessions_cloud = ReplayingCloud(self.cloud, verifier_lost, deadline_s=settings.failover_deadline_s,
@@ -148,7 +151,7 @@ class DeviceAgent:
         self.requests_served = 0
         self.replays = 0  # sessions moved to another verifier (or the same one, restarted)
         self.active = 0
-        self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls)
+        self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls, auth=credential)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
         self.plans = PlanCache(
@@ -381,6 +384,10 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             await state["agent"].aclose()
 
     app = FastAPI(title=f"tophat device agent {settings.device_id}", lifespan=lifespan)
+    # /generate and /info answer the streamer only (a service token); the probes stay open.
+    auth.warn_if_open(f"device agent {settings.device_id}", settings.auth_secret, settings.host,
+                      "TOPHAT_DEVICE_AUTH_SECRET")
+    auth.install(app, settings.auth_secret, {"service"})
 
     @app.get("/healthz")
     async def healthz():

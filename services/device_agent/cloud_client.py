@@ -25,6 +25,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from shared import wire
+from shared.auth import BearerAuth
 from shared.links import LinkProfile
 from shared.shaper import DelayLine, shapers_for
 from shared.specdec.sampling import SamplingParams
@@ -77,6 +78,7 @@ class WebSocketCloud:
         fingerprint: int | None = None,
         on_frame: FrameHook | None = None,
         tls_ca: str = "",
+        auth: BearerAuth | None = None,
     ):
         """`split_layers` (m) and `fingerprint` (`split_fingerprint(checkpoint_dir, m)`) go with every
         OpenSession so a verifier with another split or checkpoint refuses it; without them only
@@ -97,6 +99,7 @@ class WebSocketCloud:
         self.on_transfer = on_transfer
         self.on_frame = on_frame  # every message's payload bytes, each way (the device's link metrics)
         self.tls_ca = tls_ca  # the CA trusted for wss:// replicas (empty: the system's CAs)
+        self.auth = auth  # this device's credential for the handshake (shared/auth.py); fresh on every connect
         self._connection: ClientConnection | None = None
         self._reader: asyncio.Task | None = None
         self._connect_lock = asyncio.Lock()
@@ -164,6 +167,7 @@ class WebSocketCloud:
                         self.url, open_timeout=self.connect_timeout_s, max_size=self.max_frame_bytes,
                         compression=None, ping_interval=20, ping_timeout=20,
                         ssl=websocket_ssl(self.url, self.tls_ca),  # None for ws://
+                        additional_headers=self.auth.header() if self.auth is not None else None,
                     )
                 except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
                     failures.append(f"{self.url}: {exc or type(exc).__name__}")

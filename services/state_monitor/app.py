@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.state_monitor.settings import Settings, load_settings
+from shared import auth
 from shared import telemetry as tk
 from shared.device_registry import DeviceRegistry
 from shared.metrics import MonitorMetrics, metrics_response
@@ -210,6 +211,16 @@ class Monitor:
                 "stale": d.is_stale(now, self.settings.device_stale_s)}
 
 
+def _may_write(request: Request, device_ids: list[str | None]) -> None:
+    """403 unless the caller may write for every one of `device_ids` (None: a verifier's or request record),
+    before any of the batch is kept: a device writes only for itself, a service for anyone."""
+    claims = auth.claims_of(request.scope)
+    for device_id in device_ids:
+        if not auth.may_act_for(claims, device_id):
+            log.info("refused a write for device %s by device %s", device_id, claims.subject if claims else None)
+            raise HTTPException(403, "a device credential may write only for its own device id")
+
+
 def _mean(xs: list[float] | list[int]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -240,12 +251,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await sink.close()
 
     app = FastAPI(title="tophat state monitor", lifespan=lifespan)
+    # Writes need a credential (shared/auth.py), a device's only for its own device id; reads stay open.
+    auth.warn_if_open("the state monitor", settings.auth_secret, settings.host, "TOPHAT_STATE_MONITOR_AUTH_SECRET")
+    auth.install(app, settings.auth_secret, auth.ROLES, guarded=lambda method, path: method == "POST")
     app.state.ready = False
     app.state.monitor = monitor
 
     @app.post("/telemetry")
-    async def post_telemetry(body: Record | list[Record]) -> dict[str, Any]:
+    async def post_telemetry(body: Record | list[Record], request: Request) -> dict[str, Any]:
         records = body if isinstance(body, list) else [body]
+        _may_write(request, [getattr(rec, "device_id", None) for rec in records])
         if len(records) > settings.max_batch:
             raise HTTPException(413, f"at most {settings.max_batch} records per request")
         persisted = 0
@@ -255,7 +270,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"accepted": len(records), "persisted": persisted}
 
     @app.post("/devices/announce")
-    async def announce(body: DeviceAnnouncement) -> dict[str, Any]:
+    async def announce(body: DeviceAnnouncement, request: Request) -> dict[str, Any]:
+        _may_write(request, [body.device_id])
         known = {a.device_id: a.url for a in registry.live()}
         if known.get(body.device_id) != body.url:
             log.info("device %s announced at %s", body.device_id, body.url)

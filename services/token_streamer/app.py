@@ -36,7 +36,7 @@ from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingR
 from services.token_streamer.limits import install as install_gate
 from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
 from services.token_streamer.settings import Settings, load_settings
-from shared import latency_stats
+from shared import auth, latency_stats
 from shared.latency_stats import Timeline
 from shared.metrics import StreamerMetrics, metrics_response
 from shared.telemetry import TelemetryClient
@@ -160,16 +160,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     s = settings
     router = Router(s.device_url_list, down_s=s.device_down_s)
+    credential = auth.client_auth(s.auth_secret, "token-streamer", "service")  # minted from the mesh secret
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=s.connect_timeout_s, pool=s.connect_timeout_s, write=s.connect_timeout_s,
                               read=max(s.first_byte_timeout_s, s.line_timeout_s) + 1.0),
         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64), trust_env=False,
-        verify=client_context(s.tls_ca))  # https:// device agents: the mesh's CA
+        verify=client_context(s.tls_ca),  # https:// device agents: the mesh's CA
+        auth=credential)  # device agents answer /generate and /info to a service token only
     admission = Admission(router, max_waiting=s.queue_max_waiting, timeout_s=s.queue_timeout_s)
     dispatcher = Dispatcher(admission, client, first_byte_timeout_s=s.first_byte_timeout_s,
                             line_timeout_s=s.line_timeout_s, probe_timeout_s=s.probe_timeout_s)
     telemetry = TelemetryClient(s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s,
-                                verify=client_context(s.tls_ca))
+                                verify=client_context(s.tls_ca), auth=credential)
     metrics = StreamerMetrics(running=lambda: admission.running, waiting=lambda: admission.waiting)
     started_at = int(time.time())
 

@@ -46,7 +46,7 @@ from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
-from shared import wire
+from shared import auth, wire
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config, split_fingerprint
 from shared.model.placement import PlacementError, detect_placement
 from shared.model.split import MiddleSubmodel, warm_up_layers
@@ -79,7 +79,9 @@ class VerifierServer:
                                    prefill_pipelining=stages is not None and settings.prefill_pipelining,
                                    max_sessions_per_owner=settings.max_sessions_per_connection,
                                    max_queue=settings.max_queue_per_session)
-        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=client_context(settings.tls_ca))
+        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=client_context(settings.tls_ca),
+                                         auth=auth.client_auth(settings.auth_secret, "verifier-cloud", "service"))
+        auth.warn_if_open("the verifier", settings.auth_secret, settings.host, "TOPHAT_VERIFIER_AUTH_SECRET")
         self.steps = 0
         self.ready = False
         self._pending_sends: set[asyncio.Task] = set()
@@ -153,6 +155,23 @@ class VerifierServer:
             return response
         if request.path != WS_PATH:
             return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
+        return self._refuse_unauthenticated(connection, request)
+
+    def _refuse_unauthenticated(self, connection: ServerConnection, request):
+        """With a mesh secret, the upgrade needs a device's token (shared/auth.py): else 401 (none, forged,
+        expired) or 403 (a service's), before any session exists. The connection then lives past the token's
+        expiry: it was authenticated when it opened; a reconnect needs a fresh token."""
+        if not self.settings.auth_secret:
+            return None
+        try:
+            auth.authenticate(self.settings.auth_secret, request.headers.get("Authorization"), {"device"},
+                              time.time())
+        except auth.AuthError as exc:
+            log.info("refused a verifier connection from %s: %s", connection.remote_address, exc.reason)
+            response = connection.respond(HTTPStatus(exc.status), f"{exc.reason}\n")
+            if exc.status == HTTPStatus.UNAUTHORIZED:
+                response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         return None
 
     # -- connections -----------------------------------------------------------------
