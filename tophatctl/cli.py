@@ -260,6 +260,8 @@ def up(
                                               "(role, pid, url) here, rewritten after each restart"),
     api_key: str = typer.Option("", "--api-key", envvar="TOPHAT_STREAMER_API_KEY", show_default=False,
                                 help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)"),
+    auth: bool = typer.Option(True, "--auth/--no-auth", help="authenticate every internal hop with signed tokens "
+                              "from a random mesh secret made for this run (TOPHAT_*_AUTH_SECRET)"),
 ):
     """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
     (or SIGTERM) stops every process."""
@@ -274,7 +276,8 @@ def up(
                         link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
                         device_env={"prompt_chunking": str(prompt_chunking).lower(),
                                     **({} if parallel_drafting else {"parallel_candidates": "0"})},
-                        supervise=True, state_file=state_file, api_key=api_key, verifiers=verifiers)
+                        supervise=True, state_file=state_file, auth=auth,
+                        api_key=api_key, verifiers=verifiers)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -95,6 +96,10 @@ class MeshConfig:
     # to the state monitor; the streamer routes to whatever announced (no list of device URLs).
     discover_devices: bool = False
     api_key: str = field(default="", repr=False)  # the OpenAI endpoint's key(s), comma-separated; empty: open
+    # Every hop authenticated (shared/auth.py): one mesh secret in every service's TOPHAT_*_AUTH_SECRET, each
+    # minting its own short-lived tokens; auth_secret empty: a random one per Mesh. auth=False: open, as before.
+    auth: bool = True
+    auth_secret: str = field(default="", repr=False)
     # `tophat up`: restart a process that dies (tophatctl/supervisor.py) and keep a JSON list of every
     # process (role, pid, url) in state_file, rewritten after each restart.
     supervise: bool = False
@@ -182,17 +187,30 @@ class Mesh:
         self.netns_links: list = []
         self.discovered_urls: list[str] = []  # discover_devices: the agents' announced URLs
         self.supervisor = None  # a tophatctl.supervisor.Supervisor while supervising
+        self._auth_secret = (config.auth_secret or secrets.token_urlsafe(32)) if config.auth else ""
+        self.auth_env = {f"TOPHAT_{service}_AUTH_SECRET": self._auth_secret for service in
+                         ("STATE_MONITOR", "CHUNK_PLANNER", "VERIFIER", "DEVICE", "STREAMER")} if config.auth else {}
         if config.log_dir is None:
             import tempfile
 
             config.log_dir = Path(tempfile.mkdtemp(prefix="tophat-mesh-"))
         config.log_dir.mkdir(parents=True, exist_ok=True)
 
+    def operator_auth(self, role: str = "service", subject: str = "tophat-operator"):
+        """httpx `auth` for calling this mesh's internal endpoints directly (a device's /generate, the planner):
+        a token minted from the mesh secret; None when the mesh runs open."""
+        from shared.auth import client_auth
+
+        return client_auth(self._auth_secret, subject, role)
+
     # -- lifecycle ---------------------------------------------------------------------
     def _spawn(self, name: str, module: str, env: dict[str, str], ready_url: str,
                prefix: list[str] | None = None) -> ServiceProcess:
         log_path = self.config.log_dir / f"{name}.log"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.config.extra_env, **env}
+        # The mesh's secret over the caller's environment (one secret for the whole mesh), under what this
+        # mesh's extra_env or this service's own env sets.
+        full_env.update({k: v for k, v in self.auth_env.items() if k not in self.config.extra_env and k not in env})
         command = [*(prefix or []), sys.executable, "-m", module]
         service = ServiceProcess(name, self._popen(command, full_env, log_path), ready_url, log_path, command, full_env)
         self.services.append(service)
