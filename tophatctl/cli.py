@@ -262,6 +262,8 @@ def up(
                                 help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)"),
     auth: bool = typer.Option(True, "--auth/--no-auth", help="authenticate every internal hop with signed tokens "
                               "from a random mesh secret made for this run (TOPHAT_*_AUTH_SECRET)"),
+    tls: bool = typer.Option(False, "--tls", help="TLS on every hop (https, wss) with a development CA made in "
+                             "the log directory (see tophat certs)"),
 ):
     """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
     (or SIGTERM) stops every process."""
@@ -277,7 +279,7 @@ def up(
                         device_env={"prompt_chunking": str(prompt_chunking).lower(),
                                     **({} if parallel_drafting else {"parallel_candidates": "0"})},
                         supervise=True, state_file=state_file, auth=auth,
-                        api_key=api_key, verifiers=verifiers)
+                        api_key=api_key, verifiers=verifiers, tls=tls)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -290,13 +292,33 @@ def up(
         for name, url in mesh.urls().items():
             typer.echo(f"{name:16s} {url}")
         key_hint = " --api-key KEY" if api_key else ""
-        typer.echo(f"logs in {config.log_dir}; chat with: tophat chat --url {config.streamer_url}{key_hint}")
+        ca_hint = f"SSL_CERT_FILE={mesh.certs.ca_cert} " if mesh.certs is not None else ""  # httpx trusts it
+        typer.echo(f"logs in {config.log_dir}; chat with: {ca_hint}tophat chat --url {config.streamer_url}{key_hint}")
         typer.echo("Ctrl-C to stop")
         while not stop.wait(0.5):  # a timed wait, so Ctrl-C is handled promptly
             pass  # the mesh's supervisor restarts what dies meanwhile (and logs it)
     finally:
         mesh.stop()
         typer.echo("mesh stopped")
+
+
+@app.command()
+def certs(
+    out: Path = typer.Option(..., "--out", help="directory for ca.pem, ca-key.pem, server.pem, server-key.pem"),
+    hosts: str = typer.Option("127.0.0.1,localhost,::1", help="comma-separated names and addresses the "
+                              "server certificate is valid for (every host a service is reached by)"),
+    days: int = typer.Option(365, help="validity in days"),
+):
+    """Make a development CA and a server certificate it signs (keys 0600), for TOPHAT_*_TLS_CERT / _TLS_KEY
+    (servers) and TOPHAT_*_TLS_CA (clients). Not for production: the CA's key is written beside them."""
+    from tophatctl.certs import make_dev_certs, parse_hosts
+
+    try:
+        made = make_dev_certs(out, parse_hosts(hosts), days=days)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    for what, path in (("tls_ca", made.ca_cert), ("tls_cert", made.server_cert), ("tls_key", made.server_key)):
+        typer.echo(f"{what:9s} {path}")
 
 
 @app.command()

@@ -26,6 +26,9 @@ from shared.telemetry import redact_url
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Every service's settings prefix: with TLS each process gets all of them (each reads only its own).
+TLS_PREFIXES = ("TOPHAT_STATE_MONITOR_", "TOPHAT_CHUNK_PLANNER_", "TOPHAT_VERIFIER_", "TOPHAT_DEVICE_",
+                "TOPHAT_STREAMER_")
 
 
 def _ephemeral_port_floor() -> int:
@@ -104,18 +107,29 @@ class MeshConfig:
     # process (role, pid, url) in state_file, rewritten after each restart.
     supervise: bool = False
     state_file: Path | None = None
+    # TLS on every hop: a development CA and server certificate made in log_dir/tls (tophatctl/certs.py),
+    # every service serving only https / wss with it, every client trusting that CA.
+    tls: bool = False
+
+    @property
+    def http_scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def ws_scheme(self) -> str:
+        return "wss" if self.tls else "ws"
 
     @property
     def streamer_url(self) -> str:
-        return f"http://{self.host}:{self.port_base}"
+        return f"{self.http_scheme}://{self.host}:{self.port_base}"
 
     @property
     def planner_url(self) -> str:
-        return f"http://{self.host}:{self.port_base + 10}"
+        return f"{self.http_scheme}://{self.host}:{self.port_base + 10}"
 
     @property
     def monitor_url(self) -> str:
-        return f"http://{self.host}:{self.port_base + 20}"
+        return f"{self.http_scheme}://{self.host}:{self.port_base + 20}"
 
     @property
     def verifier_port(self) -> int:
@@ -123,10 +137,11 @@ class MeshConfig:
 
     def verifier_urls(self, host: str | None = None) -> str:
         """Every verifier replica's WebSocket URL, comma-separated (what a device agent is given)."""
-        return ",".join(f"ws://{host or self.host}:{self.verifier_port + j}/ws" for j in range(self.verifiers))
+        return ",".join(f"{self.ws_scheme}://{host or self.host}:{self.verifier_port + j}/ws"
+                        for j in range(self.verifiers))
 
     def device_url(self, index: int) -> str:
-        return f"http://{self.device_hosts.get(index, self.host)}:{self.port_base + 200 + index}"
+        return f"{self.http_scheme}://{self.device_hosts.get(index, self.host)}:{self.port_base + 200 + index}"
 
     def per_device(self, spec: str, index: int) -> str:
         parts = [p.strip() for p in spec.split(";") if p.strip()] or ["none"]
@@ -190,11 +205,33 @@ class Mesh:
         self._auth_secret = (config.auth_secret or secrets.token_urlsafe(32)) if config.auth else ""
         self.auth_env = {f"TOPHAT_{service}_AUTH_SECRET": self._auth_secret for service in
                          ("STATE_MONITOR", "CHUNK_PLANNER", "VERIFIER", "DEVICE", "STREAMER")} if config.auth else {}
+        self.certs = None  # tophatctl.certs.DevCerts with config.tls, once started
+        self.tls_env: dict[str, str] = {}  # every service's TOPHAT_*_TLS_* settings (empty: plain)
         if config.log_dir is None:
             import tempfile
 
             config.log_dir = Path(tempfile.mkdtemp(prefix="tophat-mesh-"))
         config.log_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- TLS -----------------------------------------------------------------------------
+    def _make_certs(self) -> None:
+        """A dev CA + one server certificate for every address a service is reached by (the host, loopback
+        and, with namespaces, each device's veth ends), and every service's tls_* settings pointing at them."""
+        from tophatctl.certs import DEFAULT_HOSTS, make_dev_certs
+        from tophatctl.netns import subnet_for_index
+
+        hosts = [self.config.host, *DEFAULT_HOSTS]
+        if self._netns:
+            hosts += [ip for i in range(self.config.num_devices) for ip in subnet_for_index(i)]
+        self.certs = make_dev_certs(self.config.log_dir / "tls", list(dict.fromkeys(hosts)))
+        files = {"TLS_CERT": self.certs.server_cert, "TLS_KEY": self.certs.server_key, "TLS_CA": self.certs.ca_cert}
+        self.tls_env = {f"{prefix}{name}": str(path) for prefix in TLS_PREFIXES for name, path in files.items()}
+
+    def client_verify(self):
+        """httpx's `verify` for talking to this mesh: a context trusting its CA with TLS, the default without."""
+        from shared.tls import client_context
+
+        return client_context(str(self.certs.ca_cert)) if self.certs is not None else True
 
     def operator_auth(self, role: str = "service", subject: str = "tophat-operator"):
         """httpx `auth` for calling this mesh's internal endpoints directly (a device's /generate, the planner):
@@ -207,7 +244,8 @@ class Mesh:
     def _spawn(self, name: str, module: str, env: dict[str, str], ready_url: str,
                prefix: list[str] | None = None) -> ServiceProcess:
         log_path = self.config.log_dir / f"{name}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.config.extra_env, **env}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.tls_env,
+                    **self.config.extra_env, **env}
         # The mesh's secret over the caller's environment (one secret for the whole mesh), under what this
         # mesh's extra_env or this service's own env sets.
         full_env.update({k: v for k, v in self.auth_env.items() if k not in self.config.extra_env and k not in env})
@@ -239,7 +277,7 @@ class Mesh:
     def _wait_ready(self, services: list[ServiceProcess]) -> None:
         deadline = time.monotonic() + self.config.ready_timeout_s
         pending = list(services)
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, verify=self.client_verify()) as client:
             while pending:
                 for service in list(pending):
                     if service.process.poll() is not None:
@@ -280,7 +318,7 @@ class Mesh:
     def _wait_announced(self, devices: list[ServiceProcess]) -> None:
         """Discovery mode: ready when the state monitor lists every device agent."""
         deadline = time.monotonic() + self.config.ready_timeout_s
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, verify=self.client_verify()) as client:
             while True:
                 for service in devices:
                     if service.process.poll() is not None:
@@ -335,8 +373,8 @@ class Mesh:
             prefix = link.exec_prefix()
         env.update({
             "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or cfg.verifier_urls(host),
-            "TOPHAT_DEVICE_CHUNK_PLANNER_URL": f"http://{host}:{cfg.port_base + 10}",
-            "TOPHAT_DEVICE_STATE_MONITOR_URL": f"http://{host}:{cfg.port_base + 20}",
+            "TOPHAT_DEVICE_CHUNK_PLANNER_URL": f"{cfg.http_scheme}://{host}:{cfg.port_base + 10}",
+            "TOPHAT_DEVICE_STATE_MONITOR_URL": f"{cfg.http_scheme}://{host}:{cfg.port_base + 20}",
         })
         return self._spawn(f"device-agent-{i}", "services.device_agent", env, f"{cfg.device_url(i)}/readyz", prefix)
 
@@ -352,6 +390,8 @@ class Mesh:
                 self.redis = EmbeddedRedis().start()
                 self.redis_url = self.redis.url
             self._netns = self._use_netns()
+            if cfg.tls:
+                self._make_certs()
             # Devices in namespaces reach the cloud-side services through the veth, so those bind everywhere.
             bind = "0.0.0.0" if self._netns else cfg.host
             monitor = self._spawn("state-monitor", "services.state_monitor", {
@@ -372,7 +412,7 @@ class Mesh:
                 "TOPHAT_VERIFIER_MODEL_DIR": model_dir,
                 "TOPHAT_VERIFIER_SPLIT_LAYERS": str(cfg.split_layers),
                 "TOPHAT_VERIFIER_STATE_MONITOR_URL": cfg.monitor_url,
-            }, f"http://{cfg.host}:{cfg.verifier_port + j}/readyz") for j in range(cfg.verifiers)]
+            }, f"{cfg.http_scheme}://{cfg.host}:{cfg.verifier_port + j}/readyz") for j in range(cfg.verifiers)]
             self._wait_ready([monitor, planner, *verifiers])
             if cfg.discover_devices:
                 devices = [self._spawn_announcing_device(i, model_dir) for i in range(cfg.num_devices)]
@@ -432,7 +472,7 @@ class Mesh:
             "token-streamer": cfg.streamer_url,
             "chunk-planner": cfg.planner_url,
             "state-monitor": cfg.monitor_url,
-            **{"verifier-cloud" if j == 0 else f"verifier-cloud-{j}": f"ws://{cfg.host}:{cfg.verifier_port + j}/ws"
+            **{"verifier-cloud" if j == 0 else f"verifier-cloud-{j}": f"{cfg.ws_scheme}://{cfg.host}:{cfg.verifier_port + j}/ws"
                for j in range(cfg.verifiers)},
             "redis": redact_url(self.redis_url) if self.redis_url else "",  # printed: never the password
         }
