@@ -144,7 +144,8 @@ def main() -> None:
     long = long_prompts(tokenizer, 2, args.prompt_tokens)
     short = [p[:200] for p in held_out_prompts(6, seed=3)]
     config = MeshConfig(model_dir=args.model, adapter=args.adapter, num_devices=args.devices, port_base=find_port_base(args.devices),
-                        link=args.link, link_mode=args.link_mode)
+                        link=args.link, link_mode=args.link_mode,
+                        auth=False)  # this bench calls the device agents itself, where the streamer would
     with Mesh(config) as mesh:
         mode = "netns + tc" if mesh.netns_links else "in-process shaper"
         print(f"mesh: {args.devices} devices, link {args.link} via {mode}, model {args.model}")

@@ -37,7 +37,10 @@ class CapturingRelay:
             await sink.close()
 
     async def _handle(self, device_side) -> None:
-        async with connect(self.upstream, max_size=None, compression=None, open_timeout=10) as cloud_side:
+        # The device's credential goes on to the verifier (a mesh with a secret refuses a handshake without one).
+        credential = device_side.request.headers.get("Authorization") if device_side.request else None
+        async with connect(self.upstream, max_size=None, compression=None, open_timeout=10,
+                           additional_headers={"Authorization": credential} if credential else None) as cloud_side:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._pipe(device_side, cloud_side, record=self.frames))
                 tasks.create_task(self._pipe(cloud_side, device_side, record=self.replies))

@@ -38,7 +38,8 @@ def verifier_state(mesh: Mesh) -> dict[str, int]:
 
 
 def device_sessions(mesh: Mesh) -> int:
-    return httpx.get(f"{mesh.config.device_url(0)}/info", timeout=5).json()["active_sessions"]
+    info = httpx.get(f"{mesh.config.device_url(0)}/info", timeout=5, auth=mesh.operator_auth())  # as the streamer
+    return info.json()["active_sessions"]
 
 
 def wait_until(predicate, timeout_s: float) -> bool:

@@ -59,7 +59,8 @@ def test_device_agent_streams_token_ids_equal_to_the_full_model(relay_and_mesh, 
     ids = demo_checkpoint.tokenizer.encode(prompts[0], add_special_tokens=False)
     events = []
     with httpx.stream("POST", f"{mesh.config.device_url(0)}/generate",
-                      json={"prompt_ids": ids, "max_new_tokens": MAX_TOKENS}, timeout=120) as response:
+                      json={"prompt_ids": ids, "max_new_tokens": MAX_TOKENS}, timeout=120,
+                      auth=mesh.operator_auth()) as response:  # as the streamer calls it
         for line in response.iter_lines():
             if line:
                 events.append(json.loads(line))

@@ -192,7 +192,7 @@ def test_metrics_match_the_run(mesh_and_relay):
     before = sum(v for (name, _), v in planner.items() if name == "tophat:planner_decisions_total")
     assert before > 0  # the device asked for its chunk sizes and draft steps
     plan = httpx.get(f"{config.planner_url}/chunk-size", params={"device_id": "x", "prompt_tokens": 50},
-                     timeout=10).json()
+                     timeout=10, auth=mesh.operator_auth()).json()
     after = scrape(config.planner_url)
     assert value(after, "tophat:planner_decisions_total", plan="chunk_size", source=plan["source"]) == \
         planner.get(("tophat:planner_decisions_total", (("plan", "chunk_size"), ("source", plan["source"]))), 0) + 1

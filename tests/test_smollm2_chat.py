@@ -126,7 +126,7 @@ def test_device_agent_renders_the_template_and_streams_the_unsplit_models_ids(me
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt_ids, expected = reference(smollm2, messages)
     events = []
-    with httpx.stream("POST", f"{mesh.config.device_url(0)}/generate",
+    with httpx.stream("POST", f"{mesh.config.device_url(0)}/generate", auth=mesh.operator_auth(),
                       json={"messages": messages, "max_new_tokens": MAX_TOKENS}, timeout=120) as response:
         events = [json.loads(line) for line in response.iter_lines() if line]
     assert events[0] == {"type": "start", "request_id": events[0]["request_id"], "prompt_tokens": len(prompt_ids)}
@@ -139,7 +139,7 @@ def test_device_agent_renders_the_template_and_streams_the_unsplit_models_ids(me
 def test_rounds_that_accept_drafts_still_give_the_unsplit_models_ids(mesh, smollm2):
     messages = [{"role": "user", "content": "Give me three tips for writing clear Python functions."}]
     _, expected = reference(smollm2, messages)
-    with httpx.stream("POST", f"{mesh.config.device_url(0)}/generate",
+    with httpx.stream("POST", f"{mesh.config.device_url(0)}/generate", auth=mesh.operator_auth(),
                       json={"messages": messages, "max_new_tokens": MAX_TOKENS}, timeout=120) as response:
         rounds = [json.loads(line)["token_ids"] for line in response.iter_lines()
                   if line and json.loads(line)["type"] == "tokens"]

@@ -117,6 +117,10 @@ def test_compose_mesh_serves_restarts_and_leaves_nothing(stack, expected_answer)
 
     wait_serving(120)
     assert streamed_chat_answer() == expected_answer, logs()
+    chat = subprocess.run([str(REPO / ".venv" / "bin" / "tophat"), "chat", "--url", STREAMER, "--prompt",
+                           QUESTION[0]["content"], "--max-tokens", str(MAX_TOKENS), "--temperature", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0 and expected_answer in chat.stdout, chat.stdout + chat.stderr
 
     # The verifier's container dies as the kernel's OOM killer would end it (SIGKILL to its init, from the
     # host: `docker kill` counts as an operator's stop, which restart policies respect). Its restart policy
