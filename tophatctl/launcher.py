@@ -472,8 +472,8 @@ class Mesh:
             "token-streamer": cfg.streamer_url,
             "chunk-planner": cfg.planner_url,
             "state-monitor": cfg.monitor_url,
-            **{"verifier-cloud" if j == 0 else f"verifier-cloud-{j}": f"{cfg.ws_scheme}://{cfg.host}:{cfg.verifier_port + j}/ws"
-               for j in range(cfg.verifiers)},
+            **{"verifier-cloud" if j == 0 else f"verifier-cloud-{j}": url
+               for j, url in enumerate(cfg.verifier_urls().split(","))},
             "redis": redact_url(self.redis_url) if self.redis_url else "",  # printed: never the password
         }
         urls.update({f"device-agent-{i}": cfg.device_url(i) for i in range(cfg.num_devices)})
