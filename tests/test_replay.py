@@ -82,11 +82,13 @@ class DyingCloud:
         await self.local.close(session_id)
 
 
-def run(checkpoint, ids, cloud, max_new=24, chunk_size=4, **replay):
+def run(checkpoint, ids, cloud, max_new=24, chunk_size=4, generate_options=None, **replay):
     device = DeviceModel.from_checkpoint(checkpoint, M, DraftAdapter(checkpoint, M))
     session = DeviceSession(device, ids, SamplingParams(), DraftConfig(eta=0.3, max_draft=4), max_new)
     replaying = ReplayingCloud(cloud, lambda exc: isinstance(exc, VerifierLost), backoff_s=0.001, **replay)
-    return asyncio.run(generate(session, replaying, chunk_size=chunk_size)), replaying
+    result = asyncio.run(generate(session, replaying, chunk_size=chunk_size, **(generate_options or {})))
+    result.degraded = session.degraded
+    return result, replaying
 
 
 @pytest.mark.parametrize("die_at,answer_dies,down_for", [
@@ -135,3 +137,20 @@ def test_other_errors_are_not_replayed(tiny_llama_dir):
     with pytest.raises(ValueError, match="caller's bug"):
         run(checkpoint, [5, 6, 7, 8, 9], cloud)
     assert cloud.deaths == 0
+
+
+@pytest.mark.parametrize("parallel_candidates", [0, 2])
+def test_finish_alone_ends_on_the_draft_model_after_the_deadline(tiny_llama_dir, parallel_candidates):
+    from shared.model.checkpoint import load_checkpoint
+
+    checkpoint = load_checkpoint(tiny_llama_dir)
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    expected = generate_full(checkpoint, ids, 24).token_ids
+    cloud = DyingCloud(MiddleSubmodel(checkpoint, M), {7}, down_for=10**9)
+    lost = lambda exc: isinstance(exc, VerifierLost)  # noqa: E731
+    result, _ = run(checkpoint, ids, cloud, deadline_s=0.2,
+                    generate_options={"finish_alone_on": lost, "parallel_candidates": parallel_candidates,
+                                      "parallel_steps": 2})
+    assert result.degraded and len(result.token_ids) == 24
+    verified = sum(result.accept_lengths) + 1  # the prefill's token and every verified round's
+    assert 1 < verified < 24 and result.token_ids[:verified] == expected[:verified]

@@ -251,7 +251,9 @@ class DeviceAgent:
 
         async for tokens in run_session(session, self.sessions_cloud, session_id, chunks, offload=offload,
                                         overlap_prefill=request.option("overlap_prefill", settings),
-                                        parallel_candidates=pd_candidates, parallel_steps=pd_steps):
+                                        parallel_candidates=pd_candidates, parallel_steps=pd_steps,
+                                        finish_alone_on=verifier_lost if settings.on_cloud_loss == "finish_on_device"
+                                        else None):
             yield tokens
 
     async def _cloud_rounds(self, request: GenerateRequest, ids: list[int], session_id: int,
@@ -307,6 +309,8 @@ class DeviceAgent:
             "mean_accept_length": latency_stats.mean_accept_length(accept_lengths) or 0.0,
             "num_rounds": len(accept_lengths),
             "mode": "hat" if session is not None else "cloud",
+            # finished by the draft model alone after losing the cloud: not the target model's text
+            "degraded": bool(session is not None and session.degraded),
         }
         eos = self.model.eos_token_id
         finish = "stop" if generated and generated[-1] == eos else "length"

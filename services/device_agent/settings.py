@@ -44,6 +44,9 @@ class Settings:
     # A session whose verifier goes away mid-generation is replayed on a reachable one; past this deadline
     # the request fails with cloud_unavailable.
     failover_deadline_s: float = 30.0
+    # Then: "error" (the request fails with CloudUnavailable) or "finish_on_device" (the draft model finishes
+    # the answer alone; the done event's stats say degraded=true: not the target model's output).
+    on_cloud_loss: str = "error"
     chunk_planner_url: str = ""  # empty: fixed default_chunk_size
     state_monitor_url: str = ""  # empty: no telemetry
     default_chunk_size: int = 128
@@ -105,6 +108,8 @@ class Settings:
             raise ValueError("max_sessions and default_chunk_size must be >= 1")
         if min(self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s, self.failover_deadline_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.on_cloud_loss not in ("error", "finish_on_device"):
+            raise ValueError(f"on_cloud_loss must be error or finish_on_device, got {self.on_cloud_loss!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
         if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):

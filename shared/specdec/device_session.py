@@ -168,6 +168,7 @@ class DeviceSession:
         self.reused_branches = 0
         self.predraft_chances = 0  # rounds with pre-drafted branches whose last draft token was corrected
         self.full_accepts = 0  # verification rounds that accepted every drafted token (L = k + 1)
+        self.degraded = False  # finished on the device alone after losing the cloud (finish_alone)
 
     # -- state -----------------------------------------------------------------
     @property
@@ -388,6 +389,26 @@ class DeviceSession:
             if self.adapter_cache is not None:
                 self._refresh_adapter(draft, deep, verdict.num_accepted)
         self._prev_feature = deep[verdict.num_accepted : verdict.num_accepted + 1]
+        return emitted
+
+    def finish_alone(self, draft: Draft) -> list[int]:
+        """The cloud is gone for good (its verification of `draft` never came back): emit the draft and
+        go on with the draft model alone to the end. Degraded: these tokens are the adapter's, not the
+        target model's."""
+        if self.adapter_cache is None or draft.last_hidden is None:
+            raise SessionError("no draft model on this device: it cannot finish without the cloud")
+        self.degraded = True
+        emitted = self._emit(draft.tokens)
+        hidden = draft.last_hidden  # [1, H]: the adapter's state at the draft's last position
+        while not self.is_finished:
+            logits = self.model.output(hidden)[0]  # [V]
+            token = sample(logits_to_probs(logits, self.params), self.generator)
+            emitted += self._emit([token])
+            if self.is_finished:
+                break
+            ids = torch.tensor([token])
+            shallow = self.model.input(ids, self.input_cache)  # [1, H]
+            hidden = self._run_adapter(self.adapter_cache, shallow, ids, hidden)
         return emitted
 
     def _refresh_adapter(self, draft: Draft, deep: torch.Tensor, num_accepted: int) -> None:

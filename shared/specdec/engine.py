@@ -98,6 +98,7 @@ async def run_session(
     overlap_prefill: bool = True,
     parallel_candidates: int = 0,
     parallel_steps: int | Callable[[int], int] = 0,
+    finish_alone_on: Callable[[BaseException], bool] | None = None,
 ) -> AsyncIterator[list[int]]:
     """Yield the tokens each round makes final, until the session finishes.
 
@@ -108,6 +109,8 @@ async def run_session(
     `parallel_candidates` > 0 the device pre-drafts `parallel_steps` tokens from each
     top candidate while a verification is in flight (HAT §3.5, parallel drafting); a callable
     `parallel_steps(rows)` is asked every round with the rows that round sends (k + 1: eq. 6's μ_i).
+    A verification that fails with an error `finish_alone_on(error)` accepts ends the session on the
+    device alone (DeviceSession.finish_alone: degraded output) instead of raising.
     """
     clock = time.perf_counter
     in_step: list[asyncio.Future] = []  # the offloaded device step running now (or last), if any
@@ -144,23 +147,32 @@ async def run_session(
         while not session.is_finished:
             draft = await offload_step(session.draft)
             branches = []
-            if parallel_candidates > 0 and draft.tokens:
-                # Pre-draft only while the verification is in flight: its answer stops the drafting.
-                answered = threading.Event()
-                answer_time: list[float] = []
-                verifying = asyncio.ensure_future(cloud.verify(session_id, draft.commit_len, draft.shallow))
-                verifying.add_done_callback(lambda _: (answer_time.append(clock()), answered.set()))
-                steps = parallel_steps(len(draft.tokens) + 1) if callable(parallel_steps) else parallel_steps
-                try:
-                    branches = await offload_step(session.predraft, draft, parallel_candidates, steps, answered.is_set)
-                finally:
-                    deep = await verifying
-                # The done callback runs via call_soon: when the answer came while the last
-                # pre-draft step was finishing, `await verifying` can return before it has run.
-                answered_at = answer_time[0] if answer_time else clock()
-            else:
-                deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
-                answered_at = clock()
+            try:
+                if parallel_candidates > 0 and draft.tokens:
+                    # Pre-draft only while the verification is in flight: its answer stops the drafting.
+                    answered = threading.Event()
+                    answer_time: list[float] = []
+                    verifying = asyncio.ensure_future(cloud.verify(session_id, draft.commit_len, draft.shallow))
+                    verifying.add_done_callback(lambda _: (answer_time.append(clock()), answered.set()))
+                    steps = parallel_steps(len(draft.tokens) + 1) if callable(parallel_steps) else parallel_steps
+                    try:
+                        branches = await offload_step(session.predraft, draft, parallel_candidates, steps,
+                                                      answered.is_set)
+                    finally:
+                        deep = await verifying
+                    # The done callback runs via call_soon: when the answer came while the last
+                    # pre-draft step was finishing, `await verifying` can return before it has run.
+                    answered_at = answer_time[0] if answer_time else clock()
+                else:
+                    deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
+                    answered_at = clock()
+            except Exception as exc:  # noqa: BLE001 - only what finish_alone_on accepts is handled
+                if finish_alone_on is None or not finish_alone_on(exc):
+                    raise
+                for branch in branches:
+                    branch.free()
+                yield await offload_step(session.finish_alone, draft)
+                return
             yield await offload_step(session.on_verify_result, draft, deep, branches)
             session.round_overhead_s.append(clock() - answered_at)
     finally:
