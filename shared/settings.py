@@ -5,9 +5,10 @@ Each service declares a dataclass whose fields carry defaults; `from_env` reads
 and runs the class's `validate()` (if any) so a bad value fails at startup with
 a clear message rather than deep inside a request.
 
-`TOPHAT_SETTINGS_FILE` names an optional file of `KEY=VALUE` lines (`#` comments, blank
-lines) read under the environment: a variable set in both takes the environment's value.
-It is how a Swarm `config` (a mounted file) or a Kubernetes ConfigMap volume sets tunables.
+`TOPHAT_SETTINGS_FILE` names optional files of `KEY=VALUE` lines (`#` comments, blank
+lines), comma-separated, read under the environment: a later file overrides an earlier one, and a
+variable set in the environment wins over every file. It is how a Swarm `config` or a Kubernetes
+ConfigMap (tunables) and a mounted secret (the mesh secret, API keys) set a service's settings.
 """
 
 from __future__ import annotations
@@ -72,7 +73,11 @@ def from_env(cls: type[T], prefix: str, environ: typing.Mapping[str, str] | None
     `overrides` win."""
     environ = os.environ if environ is None else environ
     if environ.get(SETTINGS_FILE_VAR):
-        environ = {**read_settings_file(environ[SETTINGS_FILE_VAR]), **environ}
+        from_files: dict[str, str] = {}
+        for path in (p.strip() for p in environ[SETTINGS_FILE_VAR].split(",")):
+            if path:
+                from_files.update(read_settings_file(path))
+        environ = {**from_files, **environ}
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]

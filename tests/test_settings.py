@@ -41,3 +41,16 @@ def test_bad_files_and_values_are_clear_errors(tmp_path):
         from_env(Example, "EX_", {SETTINGS_FILE_VAR: str(typed)})
     with pytest.raises(SettingsError, match="port must be"):
         from_env(Example, "EX_", {"EX_PORT": "-1"})
+
+
+def test_several_files_later_ones_override_and_the_environment_overrides_all(tmp_path):
+    # a Swarm config beside a Swarm secret: TOPHAT_SETTINGS_FILE=/etc/tophat/tophat.env,/run/secrets/mesh.env
+    tunables = tmp_path / "tophat.env"
+    tunables.write_text("EX_PORT=9\nEX_NAME=tunables\n")
+    secrets = tmp_path / "mesh.env"
+    secrets.write_text("EX_NAME=secret\nEX_FAST=true\n")
+    listed = f"{tunables}, {secrets},"  # spaces and an empty entry are tolerated
+    assert from_env(Example, "EX_", {SETTINGS_FILE_VAR: listed}) == Example(port=9, name="secret", fast=True)
+    assert from_env(Example, "EX_", {SETTINGS_FILE_VAR: listed, "EX_NAME": "env"}).name == "env"
+    with pytest.raises(SettingsError, match="missing.env"):
+        from_env(Example, "EX_", {SETTINGS_FILE_VAR: f"{tunables},{tmp_path / 'missing.env'}"})
