@@ -27,6 +27,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass
@@ -198,6 +199,31 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve anywhere
         return False
+
+
+class RedactCredentials(logging.Filter):
+    """Blanks credentials in a log record: uvicorn's and websockets' servers, at debug, log every handshake
+    header, Authorization included."""
+
+    PATTERNS = (re.compile(r"(?i)(authorization\W{0,4})[^\r\n'\"]+"), re.compile(r"(?i)(bearer\s+)[^\s'\",;)]+"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = message
+        for pattern in self.PATTERNS:
+            redacted = pattern.sub(r"\1[redacted]", redacted)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        return True
+
+
+def redact_credentials(logger_names: Sequence[str]) -> None:
+    """Put RedactCredentials on each named logger, once. A logger's filter sees only the records logged on it
+    (not its children's), so name the exact loggers the servers use."""
+    for name in logger_names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, RedactCredentials) for f in logger.filters):
+            logger.addFilter(RedactCredentials())
 
 
 def warn_if_open(service: str, secret: str, host: str, env_var: str) -> None:

@@ -1,4 +1,5 @@
-"""What one peer can make the verifier spend: probe replies, frame buffering, NaN states, log lines.
+"""What one peer can make the verifier spend: probe replies, frame buffering, NaN states, log lines,
+sessions per device credential (across its connections); and what its debug log may show (no token).
 
 A real verifier on a real loopback WebSocket (tests/mesh_tools.verifier_on_loopback).
 """
@@ -7,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 import torch
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from shared import wire
+from shared import auth, wire
 from shared.model.checkpoint import load_checkpoint
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
@@ -103,3 +105,68 @@ async def test_a_thousand_bad_frames_make_a_few_info_lines_and_a_full_count(chec
     assert sum(r.bad_frames for r in info) == 1000  # every bad frame counted in a summary
     text = " ".join(r.getMessage() for r in info)
     assert "MALFORMED" in text and "UNKNOWN_SESSION" in text  # counted by code
+
+
+# -- limits per credential: sessions per device, across its connections ---------------------------------
+SECRET = "limits-test-secret"
+
+
+def _bearer(device_id: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {auth.issue(SECRET, device_id, 'device', 60, time.time())}"}
+
+
+async def _open_session(ws, checkpoint, sid: int) -> wire.Message:
+    reply, _ = await _exchange(ws, wire.encode(wire.OpenSession(sid, checkpoint.hidden_size,
+                                                                **split_identity(checkpoint, M))))
+    return reply
+
+
+def _refused_as_overloaded(reply: wire.Message) -> bool:
+    return isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.OVERLOADED
+
+
+async def test_one_device_token_holds_at_most_its_sessions_across_connections(checkpoint):
+    async with verifier_on_loopback(checkpoint, M, auth_secret=SECRET, max_sessions_per_device=3) as (_, url):
+        async with connect(url, additional_headers=_bearer("dev-a")) as a1, \
+                connect(url, additional_headers=_bearer("dev-a")) as a2, \
+                connect(url, additional_headers=_bearer("dev-b")) as b:
+            assert isinstance(await _open_session(a1, checkpoint, 1), wire.SessionOpened)
+            assert isinstance(await _open_session(a1, checkpoint, 2), wire.SessionOpened)
+            assert isinstance(await _open_session(a2, checkpoint, 3), wire.SessionOpened)
+            # the device's fourth, on either of its connections: the per-connection limit's typed answer
+            assert _refused_as_overloaded(await _open_session(a2, checkpoint, 4))
+            assert _refused_as_overloaded(await _open_session(a1, checkpoint, 5))
+            for sid in (11, 12, 13):  # another device's token is unaffected
+                assert isinstance(await _open_session(b, checkpoint, sid), wire.SessionOpened)
+            assert _refused_as_overloaded(await _open_session(b, checkpoint, 14))
+            # closing a session frees its place for the device, on its other connection too
+            closed, _ = await _exchange(a1, wire.encode(wire.CloseSession(1)))
+            assert isinstance(closed, wire.SessionClosed)
+            assert isinstance(await _open_session(a2, checkpoint, 6), wire.SessionOpened)
+            assert _refused_as_overloaded(await _open_session(a2, checkpoint, 7))
+        # closing connections frees every place they held
+        async with connect(url, additional_headers=_bearer("dev-a")) as a3:
+            for sid in (21, 22, 23):
+                assert isinstance(await _open_session(a3, checkpoint, sid), wire.SessionOpened)
+
+
+async def test_without_auth_the_device_bound_is_per_connection(checkpoint):
+    async with verifier_on_loopback(checkpoint, M, max_sessions_per_device=2) as (_, url):
+        async with connect(url) as one, connect(url) as two:
+            for ws, sids in ((one, (1, 2)), (two, (3, 4))):
+                for sid in sids:
+                    assert isinstance(await _open_session(ws, checkpoint, sid), wire.SessionOpened)
+                assert _refused_as_overloaded(await _open_session(ws, checkpoint, sids[-1] + 10))
+
+
+async def test_the_handshake_debug_log_never_shows_a_token(checkpoint, caplog):
+    caplog.set_level(logging.DEBUG, logger="websockets.server")
+    headers = _bearer("dev-secretive")
+    token = headers["Authorization"].removeprefix("Bearer ")
+    async with verifier_on_loopback(checkpoint, M, auth_secret=SECRET) as (_, url):
+        async with connect(url, additional_headers=headers) as ws:
+            assert isinstance(await _open_session(ws, checkpoint, 1), wire.SessionOpened)
+    logged = [r.getMessage() for r in caplog.records] + [caplog.text]
+    assert any("[redacted]" in line for line in logged)  # the handshake was logged, with its header blanked
+    pieces = [token, *token.split(".")]
+    assert not [line for line in logged if any(piece in line for piece in pieces)]

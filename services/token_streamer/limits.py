@@ -15,7 +15,7 @@ LINGER_S (as nginx's lingering close does), never kept: a client writes its whol
 it reads, and a socket closed on unread data is reset, which would lose the answer.
 A refused WebSocket handshake gets the same HTTP answer (the ASGI denial response) where the
 server offers it, else a close with 1008 (policy violation).
-The server's own debug log prints a WebSocket handshake's headers: `RedactCredentials` blanks them.
+The server's own debug log prints a WebSocket handshake's headers: `RedactCredentials` (shared/auth.py) blanks them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import asyncio
 import hmac
 import ipaddress
 import logging
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.token_streamer import openai_format as of
+from shared.auth import redact_credentials
 from shared.rate_limit import RateLimiter, retry_after_s
 
 log = logging.getLogger(__name__)
@@ -213,21 +213,6 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-class RedactCredentials(logging.Filter):
-    """Blanks credentials in a log record: uvicorn's WebSocket handshake, at debug, logs every header."""
-
-    PATTERNS = (re.compile(r"(?i)(authorization\W{0,4})[^\r\n'\"]+"), re.compile(r"(?i)(bearer\s+)[^\s'\",;)]+"))
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        redacted = message
-        for pattern in self.PATTERNS:
-            redacted = pattern.sub(r"\1[redacted]", redacted)
-        if redacted != message:
-            record.msg, record.args = redacted, ()
-        return True
-
-
 SERVER_LOGGERS = ("uvicorn.error", "uvicorn.access", "websockets.server")
 
 
@@ -237,9 +222,6 @@ def install(app: Any, settings: Any) -> None:
     if not keys and not is_loopback(settings.host):
         log.warning("the OpenAI endpoint on %s is open to anyone who can reach it: set TOPHAT_STREAMER_API_KEY "
                     "(tophat up --api-key) to require Authorization: Bearer", settings.host)
-    for name in SERVER_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, RedactCredentials) for f in logger.filters):
-            logger.addFilter(RedactCredentials())
+    redact_credentials(SERVER_LOGGERS)
     limiter = RateLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
     app.add_middleware(Gate, api_keys=keys, limiter=limiter, max_body_bytes=settings.max_body_bytes)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from http import HTTPStatus
 from pathlib import Path
@@ -82,6 +83,8 @@ class VerifierServer:
         self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=client_context(settings.tls_ca),
                                          auth=auth.client_auth(settings.auth_secret, "verifier-cloud", "service"))
         auth.warn_if_open("the verifier", settings.auth_secret, settings.host, "TOPHAT_VERIFIER_AUTH_SECRET")
+        # Whom each connection's sessions count toward (`_open`): its device token's subject, kept at the handshake
+        self._device_of: weakref.WeakKeyDictionary[ServerConnection, str] = weakref.WeakKeyDictionary()
         self.steps = 0
         self.ready = False
         self._pending_sends: set[asyncio.Task] = set()
@@ -164,14 +167,15 @@ class VerifierServer:
         if not self.settings.auth_secret:
             return None
         try:
-            auth.authenticate(self.settings.auth_secret, request.headers.get("Authorization"), {"device"},
-                              time.time())
+            claims = auth.authenticate(self.settings.auth_secret, request.headers.get("Authorization"), {"device"},
+                                       time.time())
         except auth.AuthError as exc:
             log.info("refused a verifier connection from %s: %s", connection.remote_address, exc.reason)
             response = connection.respond(HTTPStatus(exc.status), f"{exc.reason}\n")
             if exc.status == HTTPStatus.UNAUTHORIZED:
                 response.headers["WWW-Authenticate"] = "Bearer"
             return response
+        self._device_of[connection] = claims.subject
         return None
 
     # -- connections -----------------------------------------------------------------
@@ -295,8 +299,22 @@ class VerifierServer:
         except EngineError as exc:
             raise to_wire(exc) from None
 
+    def _device(self, connection: ServerConnection) -> object:
+        """Whom a connection's sessions count toward: its token's device id; with auth off, itself."""
+        return self._device_of.get(connection, connection)
+
+    def _check_device_limit(self, session: Session) -> None:
+        """One device holds at most `max_sessions_per_device` sessions over all its connections: OVERLOADED,
+        as the per-connection bound answers (more connections buy a device nothing)."""
+        device, limit = self._device(session.owner), self.settings.device_session_limit
+        held = sum(1 for other in self.scheduler.sessions.values() if self._device(other.owner) == device)
+        if held >= limit:
+            raise EngineError(ErrorKind.OVERLOADED, f"this device holds {limit} sessions over its connections, "
+                              "the most one device may", session.session_id)
+
     def _open(self, session: Session) -> wire.Message:
         try:
+            self._check_device_limit(session)
             self.scheduler.open(session)
             if self.runner is not None:
                 self.runner.open(session.session_id, session.sampling)
@@ -400,6 +418,7 @@ class VerifierServer:
         # The transport's limit is the frame limit: a bigger frame is refused (close 1009) from its header,
         # before its payload is read into memory; a typed OVERSIZED answer would need it buffered first.
         tls = server_context(self.settings.tls_cert, self.settings.tls_key)  # None: plain ws://
+        auth.redact_credentials(("websockets.server",))  # at debug it logs each handshake header, tokens included
         async with serve(self.handle, self.settings.host, self.settings.port, process_request=self.process_request,
                          max_size=self.settings.max_frame_bytes, compression=None, ping_interval=20,
                          ping_timeout=20, ssl=tls) as server:

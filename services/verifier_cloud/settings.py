@@ -27,6 +27,10 @@ class Settings:
     # other devices out; a session queues at most this many items (more: OVERLOADED for the item); a session
     # without requests or replies for the TTL is closed and its KV freed (the device then gets UNKNOWN_SESSION).
     max_sessions_per_connection: int = 64
+    # ... and one device credential (the token's subject) at most this many over all its connections, so opening
+    # more connections buys nothing; 0: the same as max_sessions_per_connection. With auth off there is no
+    # identity to count by: the bound is then per connection.
+    max_sessions_per_device: int = 0
     max_queue_per_session: int = 256
     session_idle_ttl_s: float = 300.0
     idle_timeout_s: float = 600.0  # a device silent this long is disconnected and its KV freed
@@ -63,6 +67,10 @@ class Settings:
     # per scheduler step, interleaved with other sessions' work. 0 = off (an item runs whole).
     server_chunk_tokens: int = 0
 
+    @property
+    def device_session_limit(self) -> int:
+        return self.max_sessions_per_device or self.max_sessions_per_connection
+
     def validate(self) -> None:
         check_server_files(self.tls_cert, self.tls_key)
         if self.split_layers < 1:
@@ -71,6 +79,8 @@ class Settings:
             raise ValueError("max_frame_bytes, max_batch_tokens and max_sessions are too small")
         if self.max_sessions_per_connection < 1 or self.max_queue_per_session < 1:
             raise ValueError("max_sessions_per_connection and max_queue_per_session must be >= 1")
+        if self.max_sessions_per_device < 0:
+            raise ValueError("max_sessions_per_device must be >= 0 (0 = max_sessions_per_connection)")
         if min(self.idle_timeout_s, self.send_timeout_s, self.stage_start_timeout_s, self.stage_timeout_s,
                self.session_idle_ttl_s) <= 0:
             raise ValueError("timeouts must be > 0")
