@@ -6,6 +6,9 @@ they describe the mesh we mean: device agents on every Jetson and nowhere else, 
 GPU server with one pipeline stage per GPU, probes, policies and limits on everything, and every
 address a service is given pointing at a service that listens there. Every TOPHAT_* variable must be
 a real setting of its service and every service's settings must load from what the files give it.
+Issue 12: every service mounts the mesh secret env file and names it in TOPHAT_SETTINGS_FILE, its TLS
+settings name mounted files, every address between services is https/wss (Redis and, on Swarm, the
+device agents excepted: both inside the IPsec-encrypted overlay), and the secrets are external.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ PREFIX_OF_MODULE = {
     "services.state_monitor": "TOPHAT_STATE_MONITOR_",
 }
 SETTINGS_FILE_VAR = "TOPHAT_SETTINGS_FILE"  # read by shared/settings.py, not a field of any service
+MESH_ENV = "tophat-mesh.env"  # the secret env file every service reads second (tophatctl/mesh_secrets.py)
+SECURE_SCHEMES = {"https", "wss"}
 SPEED_CLASSES = {"orin", "xavier"}
 SERVER_SERVICES = {"redis", "state-monitor", "chunk-planner", "verifier-cloud", "token-streamer"}
 
@@ -63,6 +68,20 @@ def run(*cmd: str, **kwargs) -> subprocess.CompletedProcess:
 def read_env_file(path: Path) -> dict[str, str]:
     pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
     return {key.strip(): value.strip() for key, value in pairs}
+
+
+def module_of(command: list[str]) -> str:
+    """The `services.<name>` module a container command runs (directly, or through `sh -c`)."""
+    (module,) = set(re.findall(r"\bservices\.\w+", " ".join(command)))
+    return module
+
+
+def settings_files(env: dict[str, str]) -> list[str]:
+    return [path.strip() for path in env[SETTINGS_FILE_VAR].split(",") if path.strip()]
+
+
+def tls_paths(env: dict[str, str]) -> dict[str, str]:
+    return {key: value for key, value in env.items() if re.search(r"_TLS_(CERT|KEY|CA)$", key)}
 
 
 def check_settings(module: str, env: dict[str, str], where: str) -> None:
@@ -82,6 +101,12 @@ def url_targets(env: dict[str, str]) -> list[tuple[str, str, int]]:
     return [(key, url.hostname, url.port) for key, url in urls.items()]
 
 
+def insecure_urls(env: dict[str, str]) -> list[str]:
+    """URL-valued variables that are neither https nor wss, Redis's excepted (no TLS; a password)."""
+    return [key for key, value in env.items()
+            if re.match(r"^\w+://", value) and urlsplit(value).scheme not in SECURE_SCHEMES | {"redis"}]
+
+
 # ---------------------------------------------------------------------------------------------- Swarm
 
 
@@ -92,7 +117,8 @@ def stack() -> dict:
 
 @pytest.fixture(scope="module")
 def swarm_settings_file() -> dict[str, str]:
-    return read_env_file(REPO / "swarm" / "tophat.env")
+    """What the services read from files: the tunables, then the (example) mesh secret env file."""
+    return {**read_env_file(REPO / "swarm" / "tophat.env"), **read_env_file(REPO / "swarm" / "secrets.example.env")}
 
 
 def service_port(service: dict) -> int:
@@ -166,7 +192,8 @@ def test_every_swarm_service_has_healthcheck_restart_update_rollback_and_limits(
 def test_swarm_healthchecks_probe_readyz_on_the_service_port(stack):
     for name, svc in tophat_services(stack).items():
         probe = " ".join(svc["healthcheck"]["test"])
-        assert f"http://127.0.0.1:{service_port(svc)}/readyz" in probe, name
+        scheme = "https" if any(k.endswith("_TLS_CERT") for k in svc["environment"]) else "http"
+        assert f"{scheme}://127.0.0.1:{service_port(svc)}/readyz" in probe, name
 
 
 def test_device_agents_run_once_on_every_jetson_of_their_speed_class(stack):
@@ -214,8 +241,11 @@ def test_swarm_addresses_point_at_services_listening_there(stack):
             assert host in ports and port == ports[host], f"{name}: {key} -> {host}:{port}"
             seen += 1
         assert all(v == "0.0.0.0" for k, v in svc["environment"].items() if k.endswith("_HOST")), name
+        assert not insecure_urls(svc["environment"]), f"{name}: {insecure_urls(svc['environment'])}"
     assert seen >= 10
     assert stack["networks"]["tophat"]["driver"] == "overlay"
+    # device agents serve plain http at announced overlay addresses: the overlay itself is IPsec-encrypted
+    assert stack["networks"]["tophat"]["driver_opts"]["encrypted"] == "true"
     assert all(svc["networks"] == ["tophat"] for svc in stack["services"].values())
     assert stack["services"]["token-streamer"]["ports"][0]["published"] == 8000
 
@@ -224,12 +254,42 @@ def test_swarm_settings_are_real_and_load(stack, swarm_settings_file):
     for name, svc in tophat_services(stack).items():
         (config,) = svc["configs"]
         assert config["source"] in stack["configs"]
-        assert svc["environment"][SETTINGS_FILE_VAR] == config["target"], name
-        module = svc["command"][-1]
-        check_settings(module, {**swarm_settings_file, **svc["environment"]}, f"swarm {name}")
+        assert settings_files(svc["environment"])[0] == config["target"], name
+        check_settings(module_of(svc["command"]), {**swarm_settings_file, **svc["environment"]}, f"swarm {name}")
     assert (STACK.parent / stack["configs"]["tophat-settings"]["file"]).is_file()
-    (secret,) = stack["services"]["token-streamer"]["secrets"]
-    assert stack["secrets"][secret["source"]]["external"] is True
+
+
+def test_every_swarm_service_mounts_the_mesh_secret_and_its_tls_files(stack):
+    mounted_at = {}  # /run/secrets/<target> -> secret
+    for name, svc in stack["services"].items():
+        mounts = {f"/run/secrets/{s['target']}": s["source"] for s in svc["secrets"]}
+        assert all(stack["secrets"][source]["external"] is True for source in mounts.values()), name
+        mounted_at.update(mounts)
+        if name == "redis":  # requirepass from a config-file secret
+            assert mounts == {"/run/secrets/redis.conf": "tophat-redis-conf"}
+            assert "/run/secrets/redis.conf" in svc["command"] and "redis.conf" in " ".join(svc["healthcheck"]["test"])
+            continue
+        env = svc["environment"]
+        files = settings_files(env)
+        assert files[-1] == f"/run/secrets/{MESH_ENV}" and mounts[files[-1]] == "tophat-mesh-secrets", name
+        assert all(uid == "10001" for uid in (s["uid"] for s in svc["secrets"])), name
+        tls = tls_paths(env)
+        assert all(path in mounts for path in tls.values()), f"{name}: TLS settings name unmounted files {tls}"
+        assert any(k.endswith("_TLS_CA") for k in tls), f"{name}: outgoing https/wss needs the CA"
+        if name.startswith("device-agent"):  # serves plain http on the encrypted overlay; the key stays off Jetsons
+            assert not any(k.endswith(("_TLS_CERT", "_TLS_KEY")) for k in tls), name
+            assert "tophat-tls-key" not in mounts.values(), name
+        else:
+            assert {k.rsplit("_", 1)[-1] for k in tls} == {"CERT", "KEY", "CA"}, name
+    assert {mounted_at[p] for p in mounted_at} == set(stack["secrets"])
+
+
+def test_example_secret_files_hold_one_mesh_secret_and_placeholders_only():
+    (swarm_example, k8s_example) = (read_env_file(REPO / d / "secrets.example.env") for d in ("swarm", "k8s"))
+    assert swarm_example == k8s_example
+    secrets = {v for k, v in swarm_example.items() if k.endswith("_AUTH_SECRET")}
+    assert len(secrets) == 1 and {k[: -len("AUTH_SECRET")] for k in swarm_example if k.endswith("_AUTH_SECRET")} == set(LOADERS)
+    assert all(value.startswith("placeholder-") for value in swarm_example.values())
 
 
 def test_the_settings_file_a_swarm_config_mounts_is_read_under_the_environment(tmp_path):
@@ -253,6 +313,14 @@ def test_stack_checks_fail_on_a_broken_stack(stack, tmp_path):
     broken["services"]["verifier-cloud"]["environment"]["TOPHAT_VERIFIER_PIPELINE_STAGE"] = "8"
     with pytest.raises(AssertionError, match="TOPHAT_VERIFIER_PIPELINE_STAGE is not a setting"):
         test_swarm_settings_are_real_and_load(broken, read_env_file(REPO / "swarm" / "tophat.env"))
+    broken = yaml.safe_load(STACK.read_text())
+    broken["services"]["chunk-planner"]["environment"]["TOPHAT_CHUNK_PLANNER_STATE_MONITOR_URL"] = "http://state-monitor:8020"
+    with pytest.raises(AssertionError, match="TOPHAT_CHUNK_PLANNER_STATE_MONITOR_URL"):
+        test_swarm_addresses_point_at_services_listening_there(broken)
+    broken = yaml.safe_load(STACK.read_text())
+    broken["services"]["verifier-cloud"]["environment"]["TOPHAT_VERIFIER_TLS_KEY"] = "/run/secrets/elsewhere.pem"
+    with pytest.raises(AssertionError, match="unmounted"):
+        test_every_swarm_service_mounts_the_mesh_secret_and_its_tls_files(broken)
 
 
 # ------------------------------------------------------------------------------------------ Kubernetes
@@ -274,7 +342,8 @@ def workloads(objects: list[dict]) -> list[dict]:
 
 
 def container_env(container: dict, config: dict[str, str]) -> dict[str, str]:
-    """What the process sees: the ConfigMap (envFrom) under the container's own env, $(VAR) expanded."""
+    """What the process sees: the files (`config`) under the container's own env, $(VAR) expanded, and
+    what a `sh -c` command exports: the command itself runs, with a `python` that prints its environment."""
     env = dict(config)
     for var in container.get("env", []):
         if "valueFrom" in var:
@@ -282,7 +351,43 @@ def container_env(container: dict, config: dict[str, str]) -> dict[str, str]:
                 var["valueFrom"]["fieldRef"]["fieldPath"], "x")
         else:
             env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], var["value"])
+    if container["command"][0] == "sh":
+        fake_bin = Path(os.environ.get("TMPDIR", "/tmp")) / f"tophat-fake-python-{os.getpid()}"
+        fake_bin.mkdir(exist_ok=True)
+        (fake_bin / "python").write_text("#!/bin/sh\nexec env\n")
+        (fake_bin / "python").chmod(0o755)
+        shell_env = {k: v for k, v in env.items() if k not in config} | {"PATH": f"{fake_bin}:/usr/bin:/bin"}
+        result = run(*container["command"], env=shell_env)
+        assert result.returncode == 0, result.stderr
+        env |= dict(line.split("=", 1) for line in result.stdout.splitlines() if line.startswith("TOPHAT_"))
     return env
+
+
+# the keys of the Secrets the operator makes (k8s/README.md): they are not in the rendered objects
+SECRET_KEYS = {"tophat-mesh-secrets": [MESH_ENV, "redis.conf"], "tophat-tls": ["tls.crt", "tls.key", "ca.crt"]}
+
+
+def mounted_files(objects: list[dict], pod: dict, container: dict) -> dict[str, tuple[str, str]]:
+    """Every file a container sees from a ConfigMap or Secret volume: path -> (object name, key)."""
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    configmaps = {o["metadata"]["name"]: list(o["data"]) for o in objects if o["kind"] == "ConfigMap"}
+    files = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes.get(mount["name"], {})  # absent: a volumeClaimTemplate
+        source = volume.get("secret") or volume.get("configMap")
+        if source is None:
+            continue
+        name = source.get("secretName") or source.get("name")
+        keys = [item["key"] for item in source.get("items", [])] or configmaps.get(name) or SECRET_KEYS[name]
+        for key in keys:
+            files[f"{mount['mountPath']}/{key}"] = (name, key)
+    return files
+
+
+@pytest.fixture(scope="module")
+def k8s_files() -> dict[str, str]:
+    """What the services read from files: the ConfigMap's tunables, then the (example) mesh secret env file."""
+    return {**read_env_file(K8S / "tophat.env"), **read_env_file(K8S / "secrets.example.env")}
 
 
 def test_kustomize_output_passes_strict_kubernetes_validation(rendered, tmp_path):
@@ -301,8 +406,10 @@ def test_k8s_has_namespace_runtimeclass_config_secret_and_the_workloads(rendered
     kinds = {(o["kind"], o["metadata"]["name"].rsplit("-", 1)[0] if o["kind"] == "ConfigMap" else o["metadata"]["name"])
              for o in rendered}
     assert {("Namespace", "tophat"), ("RuntimeClass", "nvidia"), ("ConfigMap", "tophat-settings"),
-            ("Secret", "tophat-api-token"), ("StatefulSet", "redis"), ("DaemonSet", "device-agent-orin"),
+            ("StatefulSet", "redis"), ("DaemonSet", "device-agent-orin"),
             ("DaemonSet", "device-agent-xavier")} <= kinds
+    # the mesh secret and the TLS Secret are the operator's (k8s/README.md): no values in the repository
+    assert not [o for o in rendered if o["kind"] == "Secret"]
     assert {name for kind, name in kinds if kind == "Deployment"} == SERVER_SERVICES - {"redis"}
     for obj in rendered:
         if obj["kind"] not in {"Namespace", "RuntimeClass"}:
@@ -325,6 +432,8 @@ def test_every_container_has_probes_resources_and_every_pod_scrape_annotations(r
             assert container["livenessProbe"]["httpGet"]["path"] == "/healthz", where
             assert container["readinessProbe"]["httpGet"]["path"] == "/readyz", where
             assert container["livenessProbe"]["httpGet"]["port"] == port["name"], where
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert container[probe]["httpGet"]["scheme"] == "HTTPS", f"{where}: {probe} (every port is TLS)"
             annotations = pod["metadata"]["annotations"]
             assert annotations["prometheus.io/scrape"] == "true", where
             assert annotations["prometheus.io/port"] == str(port["containerPort"]), where
@@ -338,6 +447,7 @@ def test_device_agents_are_daemonsets_on_arm64_jetsons_without_gpu_requests(rend
         spec = ds["spec"]["template"]["spec"]
         (container,) = spec["containers"]
         env = container_env(container, {})
+        assert module_of(container["command"]) == "services.device_agent"
         classes.add(env["TOPHAT_DEVICE_SPEED"])
         assert spec["nodeSelector"] == {"kubernetes.io/arch": "arm64", "tophat.role": "device",
                                         "tophat.speed": env["TOPHAT_DEVICE_SPEED"]}
@@ -347,7 +457,8 @@ def test_device_agents_are_daemonsets_on_arm64_jetsons_without_gpu_requests(rend
         assert "nvidia.com/gpu" not in requested, "the device plugin's Tegra support is patchy"
         assert container["image"].endswith("/tophat:jetson")
         assert env["TOPHAT_DEVICE_DEVICE_ID"] == "jetson-07"  # spec.nodeName
-        assert env["TOPHAT_DEVICE_ADVERTISE_URL"] == "http://10.42.0.7:8200"  # status.podIP
+        # status.podIP as the pod's DNS name, which the certificate's *.tophat.pod.cluster.local matches
+        assert env["TOPHAT_DEVICE_ADVERTISE_URL"] == "https://10-42-0-7.tophat.pod.cluster.local:8200"
     assert classes == SPEED_CLASSES
 
 
@@ -366,7 +477,7 @@ def test_verifier_gets_the_gpus_and_one_stage_per_gpu(rendered):
     assert container["image"].endswith("/tophat:cuda")
 
 
-def test_k8s_addresses_point_at_services_and_settings_are_real(rendered):
+def test_k8s_addresses_point_at_services_and_settings_are_real(rendered, k8s_files):
     (configmap,) = [o for o in rendered if o["kind"] == "ConfigMap"]
     pods = {w["metadata"]["name"]: w["spec"]["template"] for w in workloads(rendered)}
     ports = {}
@@ -384,39 +495,97 @@ def test_k8s_addresses_point_at_services_and_settings_are_real(rendered):
         (container,) = pod["spec"]["containers"]
         if container["name"] == "redis":
             continue
-        assert container["envFrom"] == [{"configMapRef": {"name": configmap["metadata"]["name"]}}], name
-        env = container_env(container, configmap["data"])
+        assert "envFrom" not in container, f"{name}: settings come from files (TOPHAT_SETTINGS_FILE)"
+        env = container_env(container, k8s_files)
+        files = mounted_files(rendered, pod, container)
+        (first, second) = settings_files(env)
+        assert files[first] == (configmap["metadata"]["name"], "tophat.env"), name
+        assert files[second] == ("tophat-mesh-secrets", MESH_ENV), name
+        tls = tls_paths(env)
+        assert {k.rsplit("_", 1)[-1] for k in tls} == {"CERT", "KEY", "CA"}, name
+        assert {files.get(path, (None,))[0] for path in tls.values()} == {"tophat-tls"}, f"{name}: unmounted {tls}"
+        assert not insecure_urls(env), f"{name}: {insecure_urls(env)}"
         for key, host, port in url_targets(env):
-            if host != "10.42.0.7":  # the agent's own advertised address
+            if not host.endswith(".tophat.pod.cluster.local"):  # the agent's own advertised address
                 assert ports.get(host) == port, f"{name}: {key} -> {host}:{port}"
                 seen += 1
-        check_settings(container["command"][-1], env, f"k8s {name}")
+        check_settings(module_of(container["command"]), env, f"k8s {name}")
         assert int(next(v for k, v in env.items() if k.endswith("_PORT"))) == container["ports"][0]["containerPort"]
     assert seen >= 10
 
 
 def test_k8s_and_swarm_share_the_mesh_tunables(rendered):
     (configmap,) = [o for o in rendered if o["kind"] == "ConfigMap"]
-    assert configmap["data"] == read_env_file(REPO / "swarm" / "tophat.env")
+    assert configmap["data"] == {"tophat.env": (K8S / "tophat.env").read_text()}  # one file, mounted whole
+    assert read_env_file(K8S / "tophat.env") == read_env_file(REPO / "swarm" / "tophat.env")
 
 
-def test_a_site_overlay_retargets_images_and_replaces_the_token(tmp_path):
-    # the overlay k8s/README.md tells users to write
+def test_redis_takes_its_password_from_the_mesh_secret(rendered):
+    (redis,) = [w for w in workloads(rendered) if w["metadata"]["name"] == "redis"]
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    files = mounted_files(rendered, redis["spec"]["template"], container)
+    assert files == {"/etc/redis/redis.conf": ("tophat-mesh-secrets", "redis.conf")}
+    assert container["args"][:2] == ["redis-server", "/etc/redis/redis.conf"]
+    assert all("REDISCLI_AUTH" in " ".join(container[p]["exec"]["command"]) for p in ("livenessProbe", "readinessProbe"))
+
+
+def test_a_wildcard_pod_dns_certificate_from_tophat_certs_verifies_an_agents_announced_name(tmp_path):
+    # the name k8s device agents announce, checked against a certificate made as k8s/README.md says
+    import ssl
+
+    from tophatctl.certs import make_dev_certs
+
+    made = make_dev_certs(tmp_path, ["state-monitor", "*.tophat.pod.cluster.local"], days=1)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(made.server_cert, made.server_key)
+    client = ssl.create_default_context(cafile=str(made.ca_cert))
+
+    def handshake(name: str) -> None:
+        c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+        client_side = client.wrap_bio(c_in, c_out, server_hostname=name)
+        server_side = server.wrap_bio(s_in, s_out, server_side=True)
+        for _ in range(10):  # the handshake takes a few round trips through memory
+            for side, inbox, outbox, peer_in in ((client_side, c_in, c_out, s_in), (server_side, s_in, s_out, c_in)):
+                try:
+                    side.do_handshake()
+                except ssl.SSLWantReadError:
+                    pass
+                peer_in.write(outbox.read())
+        client_side.do_handshake()
+
+    handshake("10-42-0-7.tophat.pod.cluster.local")
+    with pytest.raises(ssl.SSLCertVerificationError):
+        handshake("10-42-0-7.other.pod.cluster.local")
+
+
+def test_a_site_overlay_retargets_images_and_supplies_the_secrets(tmp_path):
+    # the overlay k8s/README.md tells users to write: its generated Secrets replace every reference
     overlay = tmp_path / "overlay"
     overlay.mkdir()
-    (overlay / "api-token").write_text("s3cret")
+    for name in (MESH_ENV, "redis.conf", "server.pem", "server-key.pem", "ca.pem"):
+        (overlay / name).write_text(f"{name} contents\n")
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(K8S, overlay)],
-        "secretGenerator": [{"name": "tophat-api-token", "behavior": "replace", "files": ["api-token"]}],
+        "secretGenerator": [
+            # no hash suffix: the base names these Secrets without generating them, so kustomize cannot rename
+            {"name": "tophat-mesh-secrets", "files": [MESH_ENV, "redis.conf"],
+             "options": {"disableNameSuffixHash": True}},
+            {"name": "tophat-tls", "type": "kubernetes.io/tls", "options": {"disableNameSuffixHash": True},
+             "files": ["tls.crt=server.pem", "tls.key=server-key.pem", "ca.crt=ca.pem"]}],
         "images": [{"name": "registry.local:5000/tophat", "newName": "ghcr.io/acme/tophat"}],
     }))
     objects = kustomize(overlay)
     images = {c["image"] for w in workloads(objects) for c in w["spec"]["template"]["spec"]["containers"]}
     assert images == {"ghcr.io/acme/tophat:cpu", "ghcr.io/acme/tophat:cuda", "ghcr.io/acme/tophat:jetson",
                       "redis:7.2-bookworm"}
-    (secret,) = [o for o in objects if o["kind"] == "Secret"]
-    assert secret["data"] == {"api-token": base64.b64encode(b"s3cret").decode()}
-    (streamer,) = [w for w in workloads(objects) if w["metadata"]["name"] == "token-streamer"]
-    volumes = streamer["spec"]["template"]["spec"]["volumes"]
-    assert {"name": "api-token", "secret": {"secretName": secret["metadata"]["name"], "defaultMode": 0o440}} in volumes
+    secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
+    assert set(secrets) == set(SECRET_KEYS)
+    assert base64.b64decode(secrets["tophat-tls"]["data"]["ca.crt"]) == b"ca.pem contents\n"
+    generated = {o["metadata"]["name"] for o in secrets.values()}
+    for workload in workloads(objects):
+        named = {v["secret"]["secretName"] for v in workload["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+        assert named and named <= generated, f"{workload['metadata']['name']}: {named}"
+    path = tmp_path / "rendered.yaml"
+    path.write_text(yaml.safe_dump_all(objects))
+    assert run(str(VENV_BIN / "kubernetes-validate"), "--strict", "-k", "1.30.0", str(path)).returncode == 0
