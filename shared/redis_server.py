@@ -29,6 +29,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 from types import TracebackType
 
@@ -73,6 +74,15 @@ def resolve_redis_url(explicit: str | None = None) -> str | None:
     if explicit:
         return explicit
     return os.environ.get("REDIS_URL") or None
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` carrying `password`, unless it has credentials already (an explicit URL wins)."""
+    parts = urllib.parse.urlsplit(url)
+    if not password or parts.password or parts.username:
+        return url
+    netloc = f":{urllib.parse.quote(password, safe='')}@{parts.netloc}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def _is_loopback(host: str) -> bool:

@@ -194,3 +194,12 @@ def test_only_loopback_addresses_are_accepted() -> None:
     with pytest.raises(EmbeddedRedisError, match="loopback"):
         EmbeddedRedis(host="0.0.0.0")
     assert EmbeddedRedis(host="::1").host == "::1"
+
+
+def test_with_password_adds_credentials_only_where_none_are_given():
+    from shared.redis_server import with_password
+
+    assert with_password("redis://redis:6379/0", "p@ss/w") == "redis://:p%40ss%2Fw@redis:6379/0"
+    assert with_password("redis://:given@redis:6379/0", "other") == "redis://:given@redis:6379/0"
+    assert with_password("redis://user:given@redis:6379/0", "other") == "redis://user:given@redis:6379/0"
+    assert with_password("redis://redis:6379/0", "") == "redis://redis:6379/0"

@@ -321,6 +321,19 @@ def certs(
         typer.echo(f"{what:9s} {path}")
 
 
+@app.command("mesh-secrets")
+def mesh_secrets(
+    out: Path = typer.Option(Path("build/secrets"), "--out", help="directory for tophat-mesh.env and redis.conf"),
+    api_key: str = typer.Option("", "--api-key", help="also require this key on the OpenAI endpoint"),
+):
+    """Fresh secrets for `docker compose up` (mounted as Compose secrets): the mesh's auth secret, Redis's
+    password and an optional API key; files 0600, owned by the images' user when run as root."""
+    from tophatctl.mesh_secrets import make_mesh_secrets
+
+    for path in make_mesh_secrets(out, api_key):
+        typer.echo(path)
+
+
 @app.command()
 def chat(
     url: str = typer.Option("http://127.0.0.1:8000", help="token-streamer base URL"),

@@ -25,7 +25,7 @@ from shared import auth
 from shared import telemetry as tk
 from shared.device_registry import DeviceRegistry
 from shared.metrics import MonitorMetrics, metrics_response
-from shared.redis_server import resolve_redis_url
+from shared.redis_server import resolve_redis_url, with_password
 from shared.state_model import CloudState, ComputeDelayPredictor, DeviceState
 
 log = logging.getLogger(__name__)
@@ -229,6 +229,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; Redis URL = settings.redis_url, else env REDIS_URL, else in-memory only."""
     settings = settings or load_settings()
     url = resolve_redis_url(settings.redis_url or None)
+    if url and settings.redis_password:
+        url = with_password(url, settings.redis_password)
     sink = (tk.TelemetrySink(url, stream_maxlen=settings.stream_maxlen, timeout_s=settings.redis_timeout_s,
                              request_ttl_s=settings.request_ttl_s, initial_backoff_s=settings.redis_backoff_initial_s,
                              max_backoff_s=settings.redis_backoff_max_s) if url else None)

@@ -22,6 +22,7 @@ class Settings:
     # redis-server (embedded_redis=true) or the monitor runs in memory only.
     redis_url: str = ""
     embedded_redis: bool = True
+    redis_password: str = field(default="", repr=False)  # for a redis_url without one (a secret file sets it)
     stream_maxlen: int = 10_000          # XADD MAXLEN ~ for every stream
     request_ttl_s: int = 86_400          # tophat:request:{id} hashes expire after this
     redis_timeout_s: float = 0.5         # bound on every Redis call

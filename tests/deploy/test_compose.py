@@ -20,6 +20,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from shared.model.checkpoint import load_checkpoint
 from shared.specdec.reference import generate_full
@@ -114,6 +117,13 @@ def test_compose_mesh_serves_restarts_and_leaves_nothing(stack, expected_answer)
                            "token-streamer"}
     devices = httpx.get("http://127.0.0.1:8020/devices", timeout=10).json()["devices"]
     assert len(devices) == 2 and len({d["device_id"] for d in devices}) == 2, devices
+
+    # The mesh secret and Redis's password came in as Compose secrets: no credential, no entry.
+    forged = {"device_id": "intruder", "url": "http://127.0.0.1:1"}
+    assert httpx.post("http://127.0.0.1:8020/devices/announce", json=forged, timeout=10).status_code == 401
+    assert httpx.post(f"{devices[0]['url']}/generate", json={"prompt": "hi"}, timeout=10).status_code == 401
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=16379, socket_timeout=5, retry=Retry(NoBackoff(), 0)).ping()
 
     wait_serving(120)
     assert streamed_chat_answer() == expected_answer, logs()
