@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -120,8 +121,10 @@ def test_a_verifier_that_never_returns_is_an_error_after_the_deadline(tiny_llama
 
     checkpoint = load_checkpoint(tiny_llama_dir)
     cloud = DyingCloud(MiddleSubmodel(checkpoint, M), {6}, down_for=10**9)
+    started = time.monotonic()
     with pytest.raises(VerifierLost):
-        run(checkpoint, [5, 6, 7, 8, 9], cloud, deadline_s=0.2)
+        run(checkpoint, [5, 6, 7, 8, 9], cloud, deadline_s=0.3, max_backoff_s=0.25)
+    assert time.monotonic() - started >= 0.3  # retried until the deadline, not given up one backoff early
 
 
 def test_other_errors_are_not_replayed(tiny_llama_dir):

@@ -142,10 +142,11 @@ class ReplayingCloud:
                     if not self.is_lost(retry_exc):
                         raise
                     last_error = retry_exc
-                if time.monotonic() - failed_at + delay > self.deadline_s:
+                left = self.deadline_s - (time.monotonic() - failed_at)
+                if left <= 0:
                     log.error("session %d: no verifier within %.1f s", session_id, self.deadline_s)
                     raise last_error
-                await asyncio.sleep(delay)
+                await asyncio.sleep(min(delay, left))  # the last try lands on the deadline
                 delay = min(delay * 2, self.max_backoff_s)
             record.epoch += 1
             record.replays += 1
