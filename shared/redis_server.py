@@ -20,7 +20,6 @@ decides whether to start an `EmbeddedRedis`).
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import secrets
@@ -37,6 +36,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from shared.auth import is_loopback
 from shared.telemetry import redact_url
 
 log = logging.getLogger(__name__)
@@ -85,13 +85,6 @@ def with_password(url: str, password: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def _server_pid(host: str, port: int, password: str, timeout: float) -> int | None:
     """PID of whichever redis-server answers on host:port, None if none answers.
 
@@ -127,7 +120,7 @@ class EmbeddedRedis:
         self._executable = executable
         self._proc: subprocess.Popen[bytes] | None = None
         self._tmpdir: str | None = None
-        if not _is_loopback(host):  # the embedded server is for this machine only
+        if not is_loopback(host):  # the embedded server is for this machine only
             raise EmbeddedRedisError(f"embedded redis binds loopback only, not {host!r}")
         self.password = secrets.token_urlsafe(32)  # URL-safe alphabet: no quoting in the URL or config
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.token_streamer import openai_format as of
-from shared.auth import redact_credentials
+from shared.auth import is_loopback, redact_credentials
 from shared.rate_limit import RateLimiter, retry_after_s
 
 log = logging.getLogger(__name__)
@@ -72,15 +71,6 @@ def content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
             except ValueError:
                 return None  # the server's parser has already refused a malformed one
     return None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
 
 
 class Gate:
