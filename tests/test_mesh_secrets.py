@@ -29,3 +29,20 @@ def test_secrets_are_private_fresh_and_load_into_every_service(tmp_path):
     assert "k-123" not in repr(streamer(environ)) and password not in repr(monitor(environ))
     again, _ = make_mesh_secrets(tmp_path / "s")
     assert monitor({SETTINGS_FILE_VAR: str(again)}).redis_password != password  # fresh each time
+
+
+def test_tls_lines_point_at_the_mounted_certificates(tmp_path):
+    from cryptography import x509
+
+    from services.device_agent.settings import load_settings as device
+    from services.verifier_cloud.settings import load_settings as verifier
+    from tophatctl.mesh_secrets import MOUNTED
+
+    env_path, _ = make_mesh_secrets(tmp_path, tls_hosts=["verifier-cloud", "127.0.0.1"])
+    environ = {SETTINGS_FILE_VAR: str(env_path)}
+    assert verifier(environ).tls_cert == str(MOUNTED / "server.pem") and verifier(environ).tls_ca.endswith("ca.pem")
+    assert device(environ).tls_cert == "" and device(environ).tls_ca == str(MOUNTED / "ca.pem")  # devices: plain
+    cert = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "verifier-cloud" in names.get_values_for_type(x509.DNSName)
+    assert stat.S_IMODE(os.stat(tmp_path / "server-key.pem").st_mode) == 0o600

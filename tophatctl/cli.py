@@ -325,12 +325,16 @@ def certs(
 def mesh_secrets(
     out: Path = typer.Option(Path("build/secrets"), "--out", help="directory for tophat-mesh.env and redis.conf"),
     api_key: str = typer.Option("", "--api-key", help="also require this key on the OpenAI endpoint"),
+    tls_hosts: str = typer.Option("token-streamer,verifier-cloud,chunk-planner,state-monitor,localhost,127.0.0.1",
+                                  "--tls-hosts", help="names the services' certificate is valid for; empty: no TLS"),
 ):
     """Fresh secrets for `docker compose up` (mounted as Compose secrets): the mesh's auth secret, Redis's
-    password and an optional API key; files 0600, owned by the images' user when run as root."""
+    password, an optional API key, and a development CA + server certificate with the settings that turn
+    TLS on; files 0600, owned by the images' user when run as root."""
+    from tophatctl.certs import parse_hosts
     from tophatctl.mesh_secrets import make_mesh_secrets
 
-    for path in make_mesh_secrets(out, api_key):
+    for path in make_mesh_secrets(out, api_key, parse_hosts(tls_hosts) if tls_hosts else None):
         typer.echo(path)
 
 

@@ -4,8 +4,11 @@
 mesh secret as each service's `AUTH_SECRET` (shared/auth.py: each service mints its own tokens from it),
 the Redis password for the state monitor, and optionally the OpenAI endpoint's API key.
 `redis.conf`: `requirepass` for the Redis container (a config file, so the password never sits on a
-command line). Both are written 0600; when run as root they are handed to the images' user (uid 10001),
-because Compose bind-mounts file secrets with their host owner and mode.
+command line). With `tls_hosts`, a development CA and a server certificate for those names
+(tophatctl/certs.py) and the settings lines that make the cloud-side services serve TLS and every service
+trust the CA, at the paths Compose mounts them (`/run/secrets/`). Secret files are written 0600; when run
+as root they are handed to the images' user (uid 10001), because Compose bind-mounts file secrets with
+their host owner and mode.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from pathlib import Path
 MESH_ENV = "tophat-mesh.env"
 REDIS_CONF = "redis.conf"
 IMAGE_UID = 10001
+# Served with TLS in a container deployment; device agents are reached at addresses no fixed certificate
+# names (their containers' own), so they serve plain HTTP to callers that must hold a token.
+TLS_SERVERS = ("TOPHAT_VERIFIER_", "TOPHAT_STREAMER_", "TOPHAT_CHUNK_PLANNER_", "TOPHAT_STATE_MONITOR_")
+MOUNTED = Path("/run/secrets")
 AUTH_PREFIXES = ("TOPHAT_VERIFIER_", "TOPHAT_DEVICE_", "TOPHAT_STREAMER_", "TOPHAT_CHUNK_PLANNER_",
                  "TOPHAT_STATE_MONITOR_")
 
@@ -30,8 +37,10 @@ def _write_private(path: Path, text: str) -> None:
         os.chown(path, IMAGE_UID, IMAGE_UID)
 
 
-def make_mesh_secrets(out_dir: Path, api_key: str = "") -> tuple[Path, Path]:
+def make_mesh_secrets(out_dir: Path, api_key: str = "", tls_hosts: list[str] | None = None) -> tuple[Path, Path]:
     """Write fresh secrets; returns (tophat-mesh.env, redis.conf). Existing files are replaced."""
+    from tophatctl.certs import CA_CERT, SERVER_CERT, SERVER_KEY, make_dev_certs
+
     out_dir.mkdir(parents=True, exist_ok=True)
     mesh_secret = secrets.token_urlsafe(32)
     redis_password = secrets.token_urlsafe(32)
@@ -40,6 +49,13 @@ def make_mesh_secrets(out_dir: Path, api_key: str = "") -> tuple[Path, Path]:
     lines.append(f"TOPHAT_STATE_MONITOR_REDIS_PASSWORD={redis_password}")
     if api_key:
         lines.append(f"TOPHAT_STREAMER_API_KEY={api_key}")
+    if tls_hosts:
+        made = make_dev_certs(out_dir, tls_hosts)
+        if os.geteuid() == 0:
+            os.chown(made.server_key, IMAGE_UID, IMAGE_UID)
+        lines += [f"{prefix}TLS_CERT={MOUNTED / SERVER_CERT}" for prefix in TLS_SERVERS]
+        lines += [f"{prefix}TLS_KEY={MOUNTED / SERVER_KEY}" for prefix in TLS_SERVERS]
+        lines += [f"{prefix}TLS_CA={MOUNTED / CA_CERT}" for prefix in AUTH_PREFIXES]
     env_path, conf_path = out_dir / MESH_ENV, out_dir / REDIS_CONF
     _write_private(env_path, "\n".join(lines) + "\n")
     _write_private(conf_path, f"requirepass {redis_password}\n")

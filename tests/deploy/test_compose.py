@@ -2,7 +2,9 @@
 
 The image `tophat:cpu` (`make image`) runs every service in its own container, each on the host's
 network (docker-compose.host.yml), so all traffic stays on 127.0.0.1. Two device agents come from
-`--scale device-agent=2` and announce themselves; the official `openai` client streams a greedy chat
+`--scale device-agent=2` and announce themselves. The secrets come from `make secrets`: every internal hop
+needs a token, Redis a password, and the cloud-side services speak only TLS (a development CA's
+certificate, trusted here). The official `openai` client streams a greedy chat
 answer that must equal the unsplit model's (computed here, on the host, from the same wheel); the
 verifier container is killed and the restart policy must bring the mesh back to serving; `down -v`
 must leave no container, network or volume behind.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -33,7 +36,13 @@ pytestmark = pytest.mark.deploy
 REPO = Path(__file__).resolve().parents[2]
 PROJECT = "tophat-ci"
 FILES = ["-f", str(REPO / "docker-compose.yml"), "-f", str(REPO / "docker-compose.host.yml")]
-STREAMER = "http://127.0.0.1:8000"
+STREAMER = "https://127.0.0.1:8000"
+MONITOR = "https://127.0.0.1:8020"
+CA = REPO / "build" / "secrets" / "ca.pem"  # `make secrets`: the development CA the services' certificate is from
+
+
+def trusted() -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(CA))
 MAX_TOKENS = 16
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -61,7 +70,8 @@ def project_objects() -> dict[str, list[str]]:
 def streamed_chat_answer(timeout: float = 300) -> str:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{STREAMER}/v1", api_key="unused", timeout=timeout, max_retries=0)
+    client = OpenAI(base_url=f"{STREAMER}/v1", api_key="unused", timeout=timeout, max_retries=0,
+                    http_client=httpx.Client(verify=trusted(), timeout=timeout))
     stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=MAX_TOKENS,
                                             temperature=0, stream=True)
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
@@ -73,7 +83,7 @@ def wait_serving(deadline_s: float) -> None:
     last = ""
     while time.monotonic() < deadline:
         try:
-            response = httpx.get(f"{STREAMER}/readyz", timeout=5)
+            response = httpx.get(f"{STREAMER}/readyz", timeout=5, verify=trusted())
             if response.status_code == 200:
                 return
             last = response.text
@@ -115,13 +125,19 @@ def test_compose_mesh_serves_restarts_and_leaves_nothing(stack, expected_answer)
     status = {c["Service"]: c for c in map(json.loads, compose("ps", "--format", "json").stdout.splitlines())}
     assert set(status) == {"redis", "state-monitor", "chunk-planner", "verifier-cloud", "device-agent",
                            "token-streamer"}
-    devices = httpx.get("http://127.0.0.1:8020/devices", timeout=10).json()["devices"]
+    devices = httpx.get(f"{MONITOR}/devices", timeout=10, verify=trusted()).json()["devices"]
     assert len(devices) == 2 and len({d["device_id"] for d in devices}) == 2, devices
 
     # The mesh secret and Redis's password came in as Compose secrets: no credential, no entry.
     forged = {"device_id": "intruder", "url": "http://127.0.0.1:1"}
-    assert httpx.post("http://127.0.0.1:8020/devices/announce", json=forged, timeout=10).status_code == 401
+    assert httpx.post(f"{MONITOR}/devices/announce", json=forged, timeout=10, verify=trusted()).status_code == 401
     assert httpx.post(f"{devices[0]['url']}/generate", json={"prompt": "hi"}, timeout=10).status_code == 401
+    # The cloud-side services speak only TLS, with a certificate from the deployment's CA.
+    for port in (8000, 8010, 8020, 8100):
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=5)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"https://127.0.0.1:{port}/readyz", timeout=5)  # a client that does not trust the CA
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(port=16379, socket_timeout=5, retry=Retry(NoBackoff(), 0)).ping()
 
@@ -129,7 +145,7 @@ def test_compose_mesh_serves_restarts_and_leaves_nothing(stack, expected_answer)
     assert streamed_chat_answer() == expected_answer, logs()
     chat = subprocess.run([str(REPO / ".venv" / "bin" / "tophat"), "chat", "--url", STREAMER, "--prompt",
                            QUESTION[0]["content"], "--max-tokens", str(MAX_TOKENS), "--temperature", "0"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "SSL_CERT_FILE": str(CA)})
     assert chat.returncode == 0 and expected_answer in chat.stdout, chat.stdout + chat.stderr
 
     # The verifier's container dies as the kernel's OOM killer would end it (SIGKILL to its init, from the
