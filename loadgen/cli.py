@@ -87,7 +87,7 @@ async def _run(o: dict[str, Any]) -> dict[str, Any]:
                               seed=o["seed"])
     if len(times) == 0:
         raise ValueError("no arrivals in that duration; raise --rate or --duration")
-    probe = await runner.probe_server(o["url"], api_key=o["api_key"])
+    probe = await runner.probe_server(o["url"], api_key=o.get("api_key"))
     if not probe["reachable"]:
         raise ValueError(f"cannot reach {o['url']}: {probe['error']}")
     num_devices = o["num_devices"] or probe["num_devices"] or 1
@@ -111,7 +111,7 @@ async def _run(o: dict[str, Any]) -> dict[str, Any]:
     cfg = runner.RunConfig(url=o["url"], model=o["model"] or probe["model"], temperature=o["temperature"],
                            request_timeout_s=o["request_timeout"], max_concurrency=o["max_concurrency"],
                            extra_body=o["body_extra"], send_device_hint=o["send_device_hint"], progress=o["progress"],
-                           api_key=o["api_key"])
+                           api_key=o.get("api_key"))
     count = (lambda text: len(tok(text, add_special_tokens=False)["input_ids"])) if tok is not None else None
     run = await runner.run_load(work.requests, times.tolist(), cfg, count_tokens=count)
     if count is None:
