@@ -75,6 +75,17 @@ def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> Verdi
     return Verdict(num_accepted, target_tokens[num_accepted])
 
 
+def accepted_prefix_length(
+    p_of_drafted: torch.Tensor, q_of_drafted: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Number of leading drafts accepted under u_i < p_i(x_i) / q(x_i); batched over leading dims."""
+    # p_of_drafted, q_of_drafted, uniforms: [..., k] -> [...] int64
+    # u * q < p avoids the division; q == 0 (a token the draft could not have drawn) rejects.
+    accepted = (q_of_drafted > 0) & (uniforms * q_of_drafted < p_of_drafted)
+    # cumprod turns "accepted at i" into "accepted at every j <= i"; its sum is the prefix length.
+    return accepted.long().cumprod(-1).sum(-1)
+
+
 def accept_sampled(
     draft_tokens: list[int],
     draft_probs: torch.Tensor,
@@ -83,13 +94,13 @@ def accept_sampled(
 ) -> Verdict:
     """Speculative rejection sampling over one draft."""
     # draft_probs: [k, V] (q, the distributions the drafts were drawn from); target_probs: [k+1, V]
-    uniforms = torch.rand(len(draft_tokens), generator=generator).tolist()
-    for i, token in enumerate(draft_tokens):
-        p, q = float(target_probs[i, token]), float(draft_probs[i, token])
-        if q > 0 and uniforms[i] * q < p:  # u < p/q without dividing
-            continue
-        return Verdict(i, sample(residual_distribution(target_probs[i], draft_probs[i]), generator))
-    return Verdict(len(draft_tokens), sample(target_probs[len(draft_tokens)], generator))
+    k = len(draft_tokens)
+    uniforms = torch.rand(k, generator=generator)  # [k]
+    rows, ids = torch.arange(k), torch.tensor(draft_tokens, dtype=torch.long)
+    n = int(accepted_prefix_length(target_probs[rows, ids], draft_probs[rows, ids], uniforms))
+    if n < k:
+        return Verdict(n, sample(residual_distribution(target_probs[n], draft_probs[n]), generator))
+    return Verdict(k, sample(target_probs[k], generator))
 
 
 def accept(

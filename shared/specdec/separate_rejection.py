@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from .sampling import accept_greedy, residual_distribution, sample
+from .sampling import accept_greedy, accepted_prefix_length, residual_distribution, sample
 
 DEFAULT_TOP_K = 10
 # On the wire: token ids and top-K indices as int32, probabilities as float32.
@@ -60,17 +60,6 @@ class CloudVerdict:
     num_accepted: int  # draft tokens accepted, 0..k
     bonus_token: int | None  # sampled from p[k] when all k were accepted, else None
     rejection: RejectionPayload | None  # set exactly when num_accepted < k
-
-
-def accepted_prefix_length(
-    p_of_drafted: torch.Tensor, q_of_drafted: torch.Tensor, uniforms: torch.Tensor
-) -> torch.Tensor:
-    """Number of leading drafts accepted under u_i < p_i(x_i) / q(x_i); batched over leading dims."""
-    # p_of_drafted, q_of_drafted, uniforms: [..., k] -> [...] int64
-    # u * q < p avoids the division; q == 0 (a token the draft could not have drawn) rejects.
-    accepted = (q_of_drafted > 0) & (uniforms * q_of_drafted < p_of_drafted)
-    # cumprod turns "accepted at i" into "accepted at every j <= i"; its sum is the prefix length.
-    return accepted.long().cumprod(-1).sum(-1)
 
 
 def make_payload(
