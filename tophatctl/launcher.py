@@ -304,15 +304,32 @@ class Mesh:
             raise MeshStartError(f"--link-mode netns, but namespaces are unavailable: {support.reason}")
         return wants_shaping and support.available
 
-    def _spawn_announcing_device(self, i: int, model_dir: str) -> ServiceProcess:
+    def _device_env(self, i: int, model_dir: str) -> dict[str, str]:
+        """Device agent i's settings, but for where it listens and how it reaches the cloud side."""
         cfg = self.config
-        env = {"TOPHAT_DEVICE_DEVICE_ID": "auto", "TOPHAT_DEVICE_PORT": "0", "TOPHAT_DEVICE_MODEL_DIR": model_dir,
-               "TOPHAT_DEVICE_SPLIT_LAYERS": str(cfg.split_layers), "TOPHAT_DEVICE_ADAPTER": cfg.adapter,
-               "TOPHAT_DEVICE_SPECULATIVE": str(cfg.speculative).lower(), "TOPHAT_DEVICE_SPEED": cfg.per_device(cfg.speed, i),
-               "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or cfg.verifier_urls(),
-               "TOPHAT_DEVICE_CHUNK_PLANNER_URL": cfg.planner_url, "TOPHAT_DEVICE_STATE_MONITOR_URL": cfg.monitor_url,
-               "TOPHAT_DEVICE_ANNOUNCE_INTERVAL_S": "0.5",
-               **{f"TOPHAT_DEVICE_{k.upper()}": v for k, v in cfg.device_env.items()}}
+        return {
+            "TOPHAT_DEVICE_MODEL_DIR": model_dir,
+            "TOPHAT_DEVICE_SPLIT_LAYERS": str(cfg.split_layers),
+            "TOPHAT_DEVICE_ADAPTER": cfg.adapter,
+            "TOPHAT_DEVICE_SPECULATIVE": str(cfg.speculative).lower(),
+            "TOPHAT_DEVICE_MAX_DRAFT": str(cfg.max_draft),
+            "TOPHAT_DEVICE_ETA": str(cfg.eta),
+            "TOPHAT_DEVICE_LINK": cfg.per_device(cfg.link, i),
+            "TOPHAT_DEVICE_SPEED": cfg.per_device(cfg.speed, i),
+            **{f"TOPHAT_DEVICE_{k.upper()}": v for k, v in cfg.device_env.items()},
+        }
+
+    def _cloud_urls_env(self, host: str) -> dict[str, str]:
+        cfg = self.config
+        return {
+            "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or cfg.verifier_urls(host),
+            "TOPHAT_DEVICE_CHUNK_PLANNER_URL": f"{cfg.http_scheme}://{host}:{cfg.port_base + 10}",
+            "TOPHAT_DEVICE_STATE_MONITOR_URL": f"{cfg.http_scheme}://{host}:{cfg.port_base + 20}",
+        }
+
+    def _spawn_announcing_device(self, i: int, model_dir: str) -> ServiceProcess:
+        env = {**self._device_env(i, model_dir), **self._cloud_urls_env(self.config.host),
+               "TOPHAT_DEVICE_DEVICE_ID": "auto", "TOPHAT_DEVICE_PORT": "0", "TOPHAT_DEVICE_ANNOUNCE_INTERVAL_S": "0.5"}
         return self._spawn(f"device-agent-{i}", "services.device_agent", env, "")
 
     def _wait_announced(self, devices: list[ServiceProcess]) -> None:
@@ -344,19 +361,8 @@ class Mesh:
         cfg = self.config
         link_spec = cfg.per_device(cfg.link, i)
         host = cfg.host
-        env = {
-            "TOPHAT_DEVICE_DEVICE_ID": f"device-{i}",
-            "TOPHAT_DEVICE_PORT": str(cfg.port_base + 200 + i),
-            "TOPHAT_DEVICE_MODEL_DIR": model_dir,
-            "TOPHAT_DEVICE_SPLIT_LAYERS": str(cfg.split_layers),
-            "TOPHAT_DEVICE_ADAPTER": cfg.adapter,
-            "TOPHAT_DEVICE_SPECULATIVE": str(cfg.speculative).lower(),
-            "TOPHAT_DEVICE_MAX_DRAFT": str(cfg.max_draft),
-            "TOPHAT_DEVICE_ETA": str(cfg.eta),
-            "TOPHAT_DEVICE_LINK": link_spec,
-            "TOPHAT_DEVICE_SPEED": cfg.per_device(cfg.speed, i),
-            **{f"TOPHAT_DEVICE_{k.upper()}": v for k, v in cfg.device_env.items()},
-        }
+        env = {**self._device_env(i, model_dir), "TOPHAT_DEVICE_DEVICE_ID": f"device-{i}",
+               "TOPHAT_DEVICE_PORT": str(cfg.port_base + 200 + i)}
         prefix = None
         if self._netns and link_spec != "none":
             hidden = read_config(Path(model_dir))["hidden_size"]
@@ -371,11 +377,7 @@ class Mesh:
             host = link.host_ip  # the root namespace's end of the veth
             cfg.device_hosts[i] = link.ns_ip
             prefix = link.exec_prefix()
-        env.update({
-            "TOPHAT_DEVICE_VERIFIER_URL": cfg.device_verifier_url or cfg.verifier_urls(host),
-            "TOPHAT_DEVICE_CHUNK_PLANNER_URL": f"{cfg.http_scheme}://{host}:{cfg.port_base + 10}",
-            "TOPHAT_DEVICE_STATE_MONITOR_URL": f"{cfg.http_scheme}://{host}:{cfg.port_base + 20}",
-        })
+        env.update(self._cloud_urls_env(host))
         return self._spawn(f"device-agent-{i}", "services.device_agent", env, f"{cfg.device_url(i)}/readyz", prefix)
 
     def start(self) -> "Mesh":
