@@ -16,11 +16,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from services.token_streamer import create_app, load_settings
+from tests.test_token_streamer import serve
 from tophatctl import chat_client
 from tophatctl.chat_client import ChatClientError, chat_turn, run_chat, stream_chat
 
@@ -51,23 +51,6 @@ def fake_device(prompts: list[Any]) -> FastAPI:
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     return app
-
-
-@asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with asyncio.timeout(5):
-            while not server.started:
-                await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 5)
-        sock.close()
 
 
 @asynccontextmanager

@@ -11,7 +11,6 @@ import asyncio
 import io
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,7 +18,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 import websockets
 from websockets.exceptions import InvalidStatus
 
@@ -110,25 +108,10 @@ async def test_openai_client_with_the_key_works_and_a_wrong_one_raises_authentic
             assert refused.value.code == "invalid_api_key"
 
 
-@asynccontextmanager
-async def serve_at_debug(app: Any) -> AsyncIterator[str]:
+def serve_at_debug(app: Any):
     """`serve` at debug level, access log on, leaving the logging setup alone (log_config=None: no
     dictConfig, which would drop the handlers a test put on uvicorn's loggers)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_config=None, log_level="debug", access_log=True, lifespan="on",
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with asyncio.timeout(5):
-            while not server.started:
-                await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 5)
-        sock.close()
+    return serve(app, log_config=None, log_level="debug", access_log=True)
 
 
 @asynccontextmanager

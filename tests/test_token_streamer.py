@@ -107,12 +107,14 @@ class FakeDevice:
 
 
 @asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    """Serve an ASGI app with real uvicorn on a kernel-chosen loopback port (no bind race)."""
+async def serve(app: Any, **config: Any) -> AsyncIterator[str]:
+    """Serve an ASGI app with real uvicorn on a kernel-chosen loopback port (no bind race); `config`
+    overrides uvicorn.Config's arguments."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1))
+    server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", "lifespan": "on",
+                                                   "timeout_graceful_shutdown": 1, **config}))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(5):
