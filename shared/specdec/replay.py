@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.specdec.engine import Cloud
+from shared.specdec.engine import Cloud, _done
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,6 @@ class _SessionLog:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_deep: torch.Tensor | None = None  # the replayed last prefill chunk's answer
     replays: int = 0
-
-
-def _done(value) -> asyncio.Future:
-    future = asyncio.get_running_loop().create_future()
-    future.set_result(value)
-    return future
 
 
 class ReplayingCloud:
