@@ -33,6 +33,8 @@ Type-code table (one byte each: every code < 128 is a msgpack positive fixint):
                PRIVACY_VIOLATION on sessions opened with ``privacy=True``.
         0x40 OpenTokenSession d->c (reply SessionOpened; the session has privacy off)
         0x41 TokenPrefill     d->c    0x42 TokenStep d->c    0x43 TokenResult c->d
+        0x44 TokenDraft       d->c    0x45 TokenVerdict c->d  (PicoSpec's streamed drafts, separate
+                                                               rejection sampling; draft_stream.py)
     0x7f ErrorFrame    either direction
 
 Token ids travel as one bin of little-endian uint32 (``TOKENS`` fields), not a
@@ -223,6 +225,7 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 U64, OPT_U64, BOOL, TEXT = "u64", "opt_u64", "bool", "text"
 TENSOR, DTYPE, CODE = "tensor", "dtype", "code"
 FLOAT, TOKENS = "float", "tokens"  # finite float; non-empty tuple of uint32 token ids
+OPT_TOKENS, OPT_PROBS = "opt_tokens", "opt_probs"  # absent, or ids / float32 probabilities in [0, 1] as one bin
 _TYPES: dict[int, type[Message]] = {}
 
 
@@ -242,7 +245,7 @@ class Message:
     def __post_init__(self) -> None:
         for name, _key, kind, _has_default in self._spec:
             value = getattr(self, name)
-            if value is None and kind == OPT_U64:
+            if value is None and kind in (OPT_U64, OPT_TOKENS, OPT_PROBS):
                 continue
             checked = _check(kind, name, value)
             if checked is not value:
@@ -253,7 +256,11 @@ class Message:
             return NotImplemented
         for name, _key, kind, _opt in self._spec:
             a, b = getattr(self, name), getattr(other, name)
-            if not (_same_tensor(a, b) if kind == TENSOR else a == b):
+            if kind == OPT_PROBS and (a is None or b is None):
+                same = a is b
+            else:
+                same = _same_tensor(a, b) if kind in (TENSOR, OPT_PROBS) else a == b
+            if not same:
                 return False
         return True
 
@@ -286,7 +293,12 @@ def _check(kind: str, name: str, value: Any) -> Any:
             value = float(value)
         if type(value) is not float or not math.isfinite(value):
             raise WireError(ErrorCode.MALFORMED, f"{name} must be a finite float, got {value!r}")
-    elif kind == TOKENS:
+    elif kind == OPT_PROBS:
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != torch.float32 or not value.numel():
+            raise WireError(ErrorCode.BAD_SHAPE, f"{name} must be a non-empty 1-D float32 tensor")
+        if not bool(((value >= 0) & (value <= 1)).all()):  # NaN fails both comparisons
+            raise WireError(ErrorCode.BAD_VALUE, f"{name} must hold probabilities in [0, 1]")
+    elif kind in (TOKENS, OPT_TOKENS):
         if not isinstance(value, (list, tuple)) or not all(_is_int(t) and 0 <= t <= _TOKEN_ID_MAX for t in value):
             raise WireError(ErrorCode.MALFORMED, f"{name} must be a sequence of uint32 token ids")
         if not value:
@@ -310,6 +322,15 @@ def decode_tokens(raw: Any) -> tuple[int, ...]:
     if not raw:
         raise WireError(ErrorCode.BAD_SHAPE, "no token ids")
     return tuple(np.frombuffer(raw, dtype="<u4").tolist())
+
+
+def decode_probs(raw: Any) -> torch.Tensor:
+    """Little-endian float32 bytes -> probabilities [n] (range-checked by the field)."""
+    if not isinstance(raw, bytes):
+        raise WireError(ErrorCode.MALFORMED, "probabilities must be bin")
+    if len(raw) % 4 or not raw:
+        raise WireError(ErrorCode.LENGTH_MISMATCH, f"{len(raw)} bytes is not a whole, non-zero number of float32")
+    return torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy())
 
 
 def _message(code: int):
@@ -473,6 +494,61 @@ class TokenResult(Message):
     token_ids: tuple[int, ...] = _f("i", TOKENS)
 
 
+@_message(0x44)
+class TokenDraft(Message):
+    """One chunk of a streamed draft (shared/specdec/draft_stream.py): ids at positions start_pos..; the
+    first `num_final` (0 or 1) are final, the rest drafts with q(x) each (`draft_probs`, absent when greedy).
+    `more`: another chunk follows in this epoch (no bonus on full acceptance). `top_k`: on a rejection send
+    the target row's top-K (0: the whole row). Answered by TokenVerdict; a chunk of an earlier epoch is
+    answered `stale` without being run."""
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    epoch: int = _f("e", U64)
+    start_pos: int = _f("p", U64)
+    token_ids: tuple[int, ...] = _f("i", TOKENS)
+    num_final: int = _f("f", U64)
+    more: bool = _f("m", BOOL)
+    top_k: int = _f("k", U64, default=10)
+    draft_probs: torch.Tensor | None = _f("dq", OPT_PROBS, default=None)  # [len(token_ids) - num_final]
+
+    def __post_init__(self) -> None:
+        Message.__post_init__(self)
+        if self.num_final > 1 or (self.draft_probs is not None
+                                  and self.draft_probs.shape[0] != len(self.token_ids) - self.num_final):
+            raise WireError(ErrorCode.BAD_SHAPE, f"num_final {self.num_final} must be 0 or 1 and draft_probs hold "
+                            "one probability per draft", self.session_id, self.seq_no)
+
+
+@_message(0x45)
+class TokenVerdict(Message):
+    """The verdict on a TokenDraft: `num_accepted` drafts accepted; then, unless `stale`, either the bonus
+    (`token`, all accepted and no more promised), nothing (all accepted, more promised), or a rejection
+    (`rejected`): the correction itself (`token`, greedy) or the target row at the rejected position for the
+    device to sample it, as top-K `probs` + `indices`, or the whole row (`probs` of `vocab_size`).
+    `epoch` is the stream's epoch after this verdict."""
+    session_id: int = _f("s", U64)
+    seq_no: int = _f("q", U64)
+    epoch: int = _f("e", U64)
+    num_accepted: int = _f("n", U64)
+    rejected: bool = _f("r", BOOL, default=False)
+    stale: bool = _f("st", BOOL, default=False)
+    token: int | None = _f("x", OPT_U64, default=None)
+    vocab_size: int | None = _f("V", OPT_U64, default=None)
+    probs: torch.Tensor | None = _f("pv", OPT_PROBS, default=None)
+    indices: tuple[int, ...] | None = _f("pi", OPT_TOKENS, default=None)
+
+    def __post_init__(self) -> None:
+        Message.__post_init__(self)
+        has_row = self.probs is not None
+        ok = (not (self.stale and (self.rejected or self.token is not None or has_row))
+              and (has_row == (self.rejected and self.token is None))
+              and (not has_row or self.vocab_size is not None)
+              and (self.indices is None or (has_row and len(self.indices) == self.probs.shape[0]))
+              and (not has_row or self.indices is not None or self.probs.shape[0] == self.vocab_size))
+        if not ok:
+            raise WireError(ErrorCode.MALFORMED, "inconsistent TokenVerdict", self.session_id, self.seq_no)
+
+
 @_message(0x7F)
 class ErrorFrame(Message):
     code: ErrorCode = _f("e", CODE)
@@ -493,8 +569,10 @@ def encode(msg: Message, *, wire_dtype: WireDtype | str | None = None) -> bytes:
         if kind == TENSOR:
             wd = wire_dtype or _FROM_TORCH.get(value.dtype, WireDtype.F16)
             value = encode_tensor(value, wd)
-        elif kind == TOKENS:
+        elif kind in (TOKENS, OPT_TOKENS):
             value = encode_tokens(value)
+        elif kind == OPT_PROBS:
+            value = value.numpy().astype("<f4").tobytes()
         elif kind in (DTYPE, CODE):
             value = value.value
         out[key] = value
@@ -551,8 +629,10 @@ def _decode_map(m: dict, expected_hidden_size: int | None, finite_only: bool = F
         value = m[key]
         if kind == TENSOR:
             value = decode_tensor(value, expected_hidden_size, finite_only=finite_only)
-        elif kind == TOKENS:
+        elif kind in (TOKENS, OPT_TOKENS):
             value = decode_tokens(value)
+        elif kind == OPT_PROBS:
+            value = decode_probs(value)
         kwargs[name] = value
     msg = cls(**kwargs)
     if (expected_hidden_size is not None and isinstance(msg, OpenSession)

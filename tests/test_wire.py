@@ -68,6 +68,13 @@ TOKEN_MESSAGES = [
     TokenPrefill(7, 0, tuple(range(5000)), start_pos=3),  # far more ids than the unpacker's array limit
     TokenStep(7, 1, 3, [42]),
     TokenResult(7, 1, [0]),
+    wire.TokenDraft(7, 4, 0, 12, (5, 6, 7), 1, True),  # greedy: no q
+    wire.TokenDraft(7, 5, 3, 15, (8,), 0, False, top_k=0, draft_probs=torch.tensor([0.25])),
+    wire.TokenVerdict(7, 4, 0, 2),  # all accepted, more promised
+    wire.TokenVerdict(7, 5, 4, 0, rejected=True, token=9),  # greedy correction
+    wire.TokenVerdict(7, 6, 4, 1, rejected=True, vocab_size=100, probs=torch.tensor([0.5, 0.25]), indices=(3, 4)),
+    wire.TokenVerdict(7, 7, 4, 0, rejected=True, vocab_size=3, probs=torch.tensor([0.5, 0.25, 0.25])),
+    wire.TokenVerdict(7, 8, 5, 0, stale=True),
 ]
 
 
@@ -406,3 +413,26 @@ def test_max_rows_per_frame_fits():
     frame = encode(PrefillChunk(2**63, 2**32, 2**40, True, _h(rows, hidden=256)))
     assert len(frame) <= limit < len(frame) + 256 * 2 * 2
     assert decode(frame, max_frame_bytes=limit).hidden.shape == (rows, 256)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: wire.TokenDraft(7, 1, 0, 0, (1, 2), 2, True),  # num_final > 1
+    lambda: wire.TokenDraft(7, 1, 0, 0, (1, 2), 1, True, draft_probs=torch.tensor([0.5, 0.5])),  # one q too many
+    lambda: wire.TokenDraft(7, 1, 0, 0, (1,), 0, True, draft_probs=torch.tensor([1.5])),  # not a probability
+    lambda: wire.TokenDraft(7, 1, 0, 0, (1,), 0, True, draft_probs=torch.tensor([float("nan")])),
+    lambda: wire.TokenVerdict(7, 1, 0, 0, stale=True, token=3),  # a stale verdict carries nothing
+    lambda: wire.TokenVerdict(7, 1, 0, 0, rejected=True),  # a rejection without a correction or a row
+    lambda: wire.TokenVerdict(7, 1, 0, 0, rejected=True, vocab_size=9, probs=torch.tensor([0.5])),  # partial row
+    lambda: wire.TokenVerdict(7, 1, 0, 0, probs=torch.tensor([0.5]), indices=(1,), vocab_size=9),  # row, no rejection
+])
+def test_stream_messages_refuse_inconsistent_fields(build):
+    with pytest.raises(WireError):
+        build()
+
+
+def test_a_draft_probability_frame_with_a_ragged_payload_is_a_typed_error():
+    frame = msgpack.unpackb(encode(wire.TokenDraft(7, 1, 0, 0, (1,), 0, True, draft_probs=torch.tensor([0.5]))))
+    frame["dq"] = b"\0\0\0"
+    with pytest.raises(WireError) as info:
+        decode(msgpack.packb(frame, use_bin_type=True))
+    assert info.value.code == ErrorCode.LENGTH_MISMATCH and info.value.session_id == 7

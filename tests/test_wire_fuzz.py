@@ -16,6 +16,7 @@ import random
 from collections import Counter
 
 import msgpack
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -120,14 +121,16 @@ _OF_KIND = {
     wire.U64: st.integers(0, 2**64 - 1), wire.OPT_U64: st.integers(0, 2**64 - 1), wire.BOOL: st.booleans(),
     wire.TEXT: st.text(max_size=8), wire.DTYPE: st.sampled_from([wd.value for wd in wire.WireDtype]),
     wire.CODE: st.integers(0, 16), wire.TENSOR: _TENSORS, wire.FLOAT: st.floats(-2, 2),
-    wire.TOKENS: st.binary(max_size=16),
+    wire.TOKENS: st.binary(max_size=16), wire.OPT_TOKENS: st.binary(max_size=16),
+    wire.OPT_PROBS: st.one_of(st.binary(max_size=16), st.lists(st.floats(-1, 2, width=32), min_size=1, max_size=4)
+                              .map(lambda xs: np.asarray(xs, dtype="<f4").tobytes())),
 }
 
 
 def _maps_of(code: int) -> st.SearchStrategy[dict]:
     fields = {key: st.one_of(_OF_KIND[kind], _OF_KIND[kind], _ANY) for _name, key, kind, _ in wire._TYPES[code]._spec}
     return st.fixed_dictionaries({"v": st.just(wire.WIRE_VERSION), "t": st.just(code), **fields},
-                                 optional={"x": _SCALARS})
+                                 optional={"zz": _SCALARS})
 
 
 _MAPS = st.sampled_from(sorted(wire._TYPES)).flatmap(_maps_of)

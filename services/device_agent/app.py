@@ -27,7 +27,6 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
 
 import httpx
 import torch
@@ -52,7 +51,10 @@ from shared.runtime import build_device_model, encode_prompt
 from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError, warm_up_device
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.replay import ReplayingCloud
+from shared.modes import STREAM_MODES, TOKEN_MODES, Downlink, Mode
 from shared.specdec.sampling import SamplingParams
+from shared.specdec.stream_engine import StreamConfig, hat_async_session, token_stream_session
+from shared.specdec.stream_session import StreamSession
 from shared.telemetry import TelemetryClient
 from shared.tls import client_context
 
@@ -83,7 +85,12 @@ class GenerateRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     request_id: str | None = None
-    mode: Literal["hat", "cloud"] | None = None  # None: the agent's `mode` setting
+    mode: Mode | None = None  # None: the agent's `mode` setting (shared/modes.py)
+    privacy: bool | None = None  # true: refuse the token modes
+    downlink: Downlink | None = None
+    top_k: int | None = Field(None, ge=1, le=1000)
+    stream_group: int | None = Field(None, ge=1, le=64)
+    stream_window: int | None = Field(None, ge=1, le=64)
     # Per-request overrides of the agent's feature switches (for baselines and ablations).
     speculative: bool | None = None  # SD
     prompt_chunking: bool | None = None  # PC
@@ -256,6 +263,29 @@ class DeviceAgent:
                                         else None):
             yield tokens
 
+    async def _stream_rounds(self, request: GenerateRequest, session: StreamSession, session_id: int,
+                             slowdown: float) -> AsyncIterator[list[int]]:
+        """token-sd / picospec / hat-async: the tokens each verdict makes final (stream_engine.py)."""
+        settings = self.settings
+        mode = request.option("mode", settings)
+        config = StreamConfig(pipelined=mode != "token-sd", group=request.option("stream_group", settings),
+                              window=request.option("stream_window", settings))
+
+        async def offload(fn, *args):
+            return await slowed(fn, *args, slowdown=slowdown)
+
+        if mode == "hat-async":
+            chunking = request.option("prompt_chunking", settings)
+            plan = await self.plan() if chunking and not request.chunk_size else None
+            chunk_size = (request.chunk_size or plan.chunk_for(len(session.prompt_ids))) if chunking else None
+            rounds = hat_async_session(session, self.cloud, session_id, fixed_chunks(len(session.prompt_ids), chunk_size),
+                                       config, offload, request.option("overlap_prefill", settings))
+        else:
+            rounds = token_stream_session(session, self.cloud, session_id, config, offload,
+                                          request.option("downlink", settings), request.option("top_k", settings))
+        async for tokens in rounds:
+            yield tokens
+
     async def _cloud_rounds(self, request: GenerateRequest, ids: list[int], session_id: int,
                             generated: list[int]) -> AsyncIterator[list[int]]:
         """Cloud mode: one token per round trip; the device does no model compute (so no slowdown)."""
@@ -279,8 +309,13 @@ class DeviceAgent:
         yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
         counted = 0  # of session.verdicts, those in the metrics
         try:
-            rounds = (self._hat_rounds(request, ids, session, session_id, request_slowdown) if session is not None
-                      else self._cloud_rounds(request, ids, session_id, cloud_generated))
+            mode = request.option("mode", self.settings)
+            if session is None:
+                rounds = self._cloud_rounds(request, ids, session_id, cloud_generated)
+            elif mode in STREAM_MODES:
+                rounds = self._stream_rounds(request, session, session_id, request_slowdown)
+            else:
+                rounds = self._hat_rounds(request, ids, session, session_id, request_slowdown)
             async for tokens in rounds:
                 if session is not None:  # spec-decode counters, live: this delivery is one round's (or the prefill's)
                     counted = self._count_rounds(session, counted)
@@ -308,7 +343,8 @@ class DeviceAgent:
             "tbt_s": tbt,
             "mean_accept_length": latency_stats.mean_accept_length(accept_lengths) or 0.0,
             "num_rounds": len(accept_lengths),
-            "mode": "hat" if session is not None else "cloud",
+            "mode": mode,
+            "privacy": mode not in TOKEN_MODES,  # False: token ids went to the cloud
             # finished by the draft model alone after losing the cloud: not the target model's text
             "degraded": bool(session is not None and session.degraded),
         }
@@ -427,7 +463,11 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             messages = None if request.messages is None else [m.model_dump() for m in request.messages]
             ids = encode_prompt(agent.checkpoint, request.prompt, request.prompt_ids, messages)
             params = SamplingParams(request.temperature, request.top_p, request.seed)
-            if request.option("mode", settings) == "cloud":  # SD / PC / PD do not apply
+            mode = request.option("mode", settings)
+            if request.privacy and mode in TOKEN_MODES:
+                return _error(400, "privacy", f"mode {mode} sends token ids to the cloud; this request asked for "
+                              "privacy (use hat or hat-async)")
+            if mode == "cloud":  # SD / PC / PD do not apply
                 if not ids:
                     return _error(400, "bad_request", "the prompt is empty")
                 agent.active += 1
@@ -437,8 +477,10 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             if speculative and agent.model.adapter is None:
                 return _error(400, "bad_request", "this device runs without a draft adapter (speculative=false)")
             max_draft = settings.max_draft if speculative else 0
-            session = DeviceSession(agent.model, ids, params, DraftConfig(settings.eta, max_draft),
-                                    request.max_new_tokens)
+            if mode in STREAM_MODES and (agent.model.adapter is None or not max_draft):
+                return _error(400, "bad_request", f"mode {mode} drafts: it needs speculative=true and a draft adapter")
+            session = (StreamSession if mode in STREAM_MODES else DeviceSession)(
+                agent.model, ids, params, DraftConfig(settings.eta, max_draft), request.max_new_tokens)
         except (SessionError, ValueError) as exc:
             return _error(400, "bad_request", str(exc))
         agent.active += 1

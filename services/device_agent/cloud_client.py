@@ -18,7 +18,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
 from websockets.asyncio.client import ClientConnection, connect
@@ -28,7 +28,9 @@ from shared import wire
 from shared.auth import BearerAuth
 from shared.links import LinkProfile
 from shared.shaper import DelayLine, shapers_for
+from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.sampling import SamplingParams
+from shared.specdec.separate_rejection import Downlink, RejectionPayload
 from shared.tls import websocket_ssl
 
 log = logging.getLogger("services.device_agent.cloud")
@@ -334,6 +336,18 @@ class WebSocketCloud:
         reply = await self._request(wire.VerifyRequest(session_id, seq_no, commit_len, shallow), (session_id, seq_no))
         return reply.hidden.float()  # [k+1, H]
 
+    async def send_verify(self, session_id: int, commit_len: int, shallow: torch.Tensor):
+        """`verify` returning once the frame is sent: pipelined chunks go up in order, answers come later."""
+        seq_no = next(self._seq)
+        key = (session_id, seq_no)
+        future = await self._send(wire.VerifyRequest(session_id, seq_no, commit_len, shallow), key)
+
+        async def answer() -> torch.Tensor:
+            reply = await self._wait(future, key)
+            return reply.hidden.float()  # [n, H]
+
+        return asyncio.ensure_future(answer())
+
     async def close(self, session_id: int) -> None:
         if self._connection is None or self._reader is None or self._reader.done():
             return  # the cloud already dropped every session of the lost connection
@@ -363,6 +377,23 @@ class WebSocketCloud:
         """Keep `commit_len` cached positions, append `token_ids`; returns the next token."""
         return await self._next_token(wire.TokenStep(session_id, next(self._seq), commit_len, list(token_ids)))
 
+    async def send_token_chunk(self, session_id: int, chunk: DraftChunk, downlink: Downlink,
+                               top_k: int) -> Awaitable[ChunkVerdict]:
+        """Upload one chunk of a streamed draft; returns once it is sent, with an awaitable of its verdict."""
+        seq_no = next(self._seq)
+        key = (session_id, seq_no)
+        message = wire.TokenDraft(session_id, seq_no, chunk.epoch, chunk.start_pos, chunk.tokens, chunk.num_final,
+                                  chunk.more, 0 if downlink == "full" else top_k, chunk.q_drafted)
+        future = await self._send(message, key)
+
+        async def answer() -> ChunkVerdict:
+            reply = await self._wait(future, key)
+            if not isinstance(reply, wire.TokenVerdict):
+                raise CloudError(wire.ErrorCode.MALFORMED, f"expected a TokenVerdict, got {type(reply).__name__}")
+            return chunk_verdict(reply, chunk)
+
+        return asyncio.ensure_future(answer())
+
 
 async def token_decode(cloud: WebSocketCloud, session_id: int, prompt_ids: Sequence[int], params: SamplingParams,
                        max_new_tokens: int, eos_token_id: int | None) -> AsyncIterator[list[int]]:
@@ -383,3 +414,20 @@ async def token_decode(cloud: WebSocketCloud, session_id: int, prompt_ids: Seque
             yield [token]
     finally:
         await cloud.close(session_id)
+
+
+def chunk_verdict(reply: wire.TokenVerdict, chunk: DraftChunk) -> ChunkVerdict:
+    """A TokenVerdict as the stream session reads it; one that does not fit its chunk is a CloudError."""
+    if reply.num_accepted > chunk.num_drafts or (reply.rejected and reply.num_accepted == chunk.num_drafts):
+        raise CloudError(wire.ErrorCode.MALFORMED, f"a verdict of {reply.num_accepted} accepted "
+                         f"(rejected {reply.rejected}) for a chunk of {chunk.num_drafts} drafts")
+    payload = None
+    if reply.rejected:
+        if reply.probs is None:
+            payload = RejectionPayload(reply.num_accepted, "token", 0, token=reply.token)
+        elif reply.indices is None:
+            payload = RejectionPayload(reply.num_accepted, "full", reply.vocab_size, values=reply.probs)
+        else:
+            payload = RejectionPayload(reply.num_accepted, "topk", reply.vocab_size, values=reply.probs,
+                                       indices=torch.tensor(reply.indices, dtype=torch.int32))
+    return ChunkVerdict(reply.epoch, reply.num_accepted, None if reply.rejected else reply.token, payload, reply.stale)

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.model.placement import parse_device_spec, parse_dtype_spec
+from shared.modes import MODES
 from shared.settings import from_env
 from shared.tls import check_server_files
 from shared.wire import WireDtype
 
 ENV_PREFIX = "TOPHAT_DEVICE_"
-MODES = ("hat", "cloud")
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,14 @@ class Settings:
     adapter: str = ""  # draft adapter file; "random" = untrained; empty = MODEL_DIR/draft_adapter.safetensors
     # hat: U-shaped split, hidden states only (the switches below apply). cloud: HAT's cloud baseline, the whole
     # model in the verifier (TOPHAT_VERIFIER_FULL_MODEL), token ids on the wire, no privacy, one token per round
-    # trip; SD/PC/PD do not apply. A request's "mode" overrides this.
+    # trip; SD/PC/PD do not apply. token-sd / picospec / hat-async: shared/modes.py. A request's "mode" overrides this.
     mode: str = "hat"
+    # Streamed drafts (token-sd, picospec, hat-async): drafts per chunk and the most unverified drafts when
+    # pipelined; on a rejection in token mode the cloud sends the target row's top_k, or the whole row (full).
+    stream_group: int = 2
+    stream_window: int = 8
+    downlink: str = "topk"
+    top_k: int = 10
     speculative: bool = True  # False: plain U-shape, one token per cloud round trip
     eta: float = 0.6  # HAT eq. 5 drafting threshold
     max_draft: int = 8
@@ -96,6 +102,10 @@ class Settings:
         WireDtype(self.wire_dtype)
         parse_device_spec(self.device)  # syntax here; the GPU itself is checked when the model loads
         parse_dtype_spec(self.dtype)
+        if self.downlink not in ("topk", "full") or not 1 <= self.top_k <= 1000:
+            raise ValueError(f"downlink must be topk or full and top_k in [1, 1000], got {self.downlink!r}, {self.top_k}")
+        if self.stream_group < 1 or self.stream_window < 1:
+            raise ValueError("stream_group and stream_window must be >= 1")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         parse_link_spec(self.link)

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.modes import Downlink, Mode
+
 DONE = "data: [DONE]\n\n"
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
@@ -38,7 +40,12 @@ class TophatOptions(BaseModel):
     overlap_prefill: bool | None = None
     parallel_candidates: int | None = Field(default=None, ge=0, le=16)  # PD
     parallel_steps: int | None = Field(default=None, ge=0, le=32)
-    mode: Literal["hat", "cloud"] | None = None  # cloud: the whole model in the cloud (token ids, no privacy)
+    mode: Mode | None = None  # shared/modes.py; cloud, token-sd and picospec put token ids on the wire (no privacy)
+    privacy: bool | None = None  # true: refuse the token modes (the request must not leave the device as tokens)
+    downlink: Downlink | None = None  # token-sd / picospec: the target row on a rejection (top-K or whole)
+    top_k: int | None = Field(default=None, ge=1, le=1000)
+    stream_group: int | None = Field(default=None, ge=1, le=64)  # drafts per chunk (picospec, hat-async)
+    stream_window: int | None = Field(default=None, ge=1, le=64)  # most unverified drafts in flight
     # A known delay the streamer adds before the request starts: lets a benchmark harness prove
     # it measures what happens (see tests/test_bench_honesty.py). Not forwarded to the device.
     added_delay_ms: float | None = Field(default=None, ge=0, le=60_000)

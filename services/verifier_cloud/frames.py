@@ -16,12 +16,15 @@ from collections.abc import Callable
 import torch
 
 from services.verifier_cloud.scheduler import Reply, WorkItem
+from services.verifier_cloud.token_mode import StreamedChunk
+from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamProtocolError
 from services.verifier_cloud.work import EngineError, WorkKind
 from shared import wire
 
 log = logging.getLogger("services.verifier_cloud")
 
-WorkMessage = wire.PrefillChunk | wire.VerifyRequest | wire.TokenPrefill | wire.TokenStep
+WorkMessage = wire.PrefillChunk | wire.VerifyRequest | wire.TokenPrefill | wire.TokenStep | wire.TokenDraft
+TOKEN_WORK = (wire.TokenPrefill, wire.TokenStep, wire.TokenDraft)
 
 
 def to_wire(error: EngineError, session_id: int | None = None, seq_no: int | None = None) -> wire.WireError:
@@ -35,23 +38,48 @@ def work_item(message: WorkMessage, reply: Reply) -> WorkItem:
     """The queued work a request frame asks for: a prefill appends at start_pos, a verify rolls back to
     commit_len and appends; token messages carry ids (the cloud embeds them) and always get the next token."""
     is_prefill = isinstance(message, (wire.PrefillChunk, wire.TokenPrefill))
-    is_token = isinstance(message, (wire.TokenPrefill, wire.TokenStep))
+    is_token = isinstance(message, TOKEN_WORK)
+    draft = streamed_chunk(message) if isinstance(message, wire.TokenDraft) else None
     return WorkItem(
         session_id=message.session_id,
         seq_no=message.seq_no,
         kind=WorkKind.PREFILL if is_prefill else WorkKind.VERIFY,
         hidden=None if is_token else message.hidden,
-        position=message.start_pos if is_prefill else message.commit_len,
+        position=message.start_pos if is_prefill or draft is not None else message.commit_len,
         is_last=message.is_last if is_prefill and not is_token else True,
         reply=reply,
         token_ids=torch.tensor(message.token_ids, dtype=torch.long) if is_token else None,
+        draft=draft,
     )
+
+
+def streamed_chunk(message: wire.TokenDraft) -> StreamedChunk:
+    try:
+        chunk = DraftChunk(message.epoch, message.start_pos, message.token_ids, message.num_final,
+                           message.draft_probs, message.more)
+    except StreamProtocolError as exc:
+        raise wire.WireError(wire.ErrorCode.BAD_SHAPE, str(exc), message.session_id, message.seq_no) from None
+    return StreamedChunk(chunk, message.top_k)
+
+
+def verdict_frame(session_id: int, seq_no: int, verdict: ChunkVerdict) -> wire.TokenVerdict:
+    """A streamed chunk's verdict on the wire: only what changed (tens of bytes unless a row goes down)."""
+    payload = verdict.rejection
+    if payload is None or payload.kind == "token":
+        token = verdict.token if payload is None else payload.token
+        return wire.TokenVerdict(session_id, seq_no, verdict.epoch, verdict.num_accepted, rejected=payload is not None,
+                                 stale=verdict.stale, token=token)
+    indices = tuple(payload.indices.tolist()) if payload.kind == "topk" else None
+    return wire.TokenVerdict(session_id, seq_no, verdict.epoch, verdict.num_accepted, rejected=True,
+                             vocab_size=payload.vocab_size, probs=payload.values.float().contiguous(), indices=indices)
 
 
 def reply_frame(item: WorkItem, out: torch.Tensor | None, error: EngineError | None) -> wire.Message:
     """What the device gets for a finished item (out: deep states [S, H], or sampled ids [1] for token items)."""
     if error is not None:
         return to_wire(error, item.session_id, item.seq_no).to_frame()
+    if item.draft is not None:
+        return verdict_frame(item.session_id, item.seq_no, out)
     if item.is_token:
         return wire.TokenResult(item.session_id, item.seq_no, out.tolist())
     if item.kind is WorkKind.VERIFY:

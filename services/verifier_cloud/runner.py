@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.verifier_cloud.token_mode import TokenModel, TokenSession
+from services.verifier_cloud.token_mode import StreamedChunk, TokenModel, TokenSession
+from shared.specdec.draft_stream import ChunkVerdict, StreamProtocolError, StreamVerifier
 from services.verifier_cloud.work import EngineError, ErrorKind, TokenItem, WorkKind, check_item
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
@@ -44,12 +45,14 @@ class RunItem(TokenItem):
     hidden: torch.Tensor | None  # [S, H] states entering this layer range; None for token items
     token_ids: torch.Tensor | None = None  # [S] int64: token mode (the runner embeds them itself)
     is_last: bool = False  # token items: sample the next token
+    draft: StreamedChunk | None = None  # token items of a streamed draft: verify it (token_mode.py)
 
 
 @dataclass
 class ItemResult:
-    # Deep states [S, H] for hidden items; for token items the sampled ids [1] when is_last (else None).
-    output: torch.Tensor | None
+    # Deep states [S, H] for hidden items; for token items the sampled ids [1] when is_last (else None),
+    # or the verdict on a streamed draft chunk.
+    output: torch.Tensor | ChunkVerdict | None
     error: EngineError | None = None
 
 
@@ -68,17 +71,21 @@ class SessionCaches:
         if self.token is not None:
             self.token.lower.truncate(length)
 
-    def mark(self) -> tuple[int, torch.Tensor | None]:
-        """What `restore` needs to undo one pass: the length and the sampler's state."""
-        return self.length, (self.token.generator.get_state() if self.token is not None else None)
+    def mark(self) -> tuple:
+        """What `restore` needs to undo one pass: the length, the sampler's state and the draft stream's."""
+        if self.token is None:
+            return self.length, None, None
+        stream = self.token.stream
+        return self.length, self.token.generator.get_state(), StreamVerifier(stream.epoch, stream.carried_row)
 
-    def restore(self, mark: tuple[int, torch.Tensor | None]) -> None:
-        length, generator_state = mark
+    def restore(self, mark: tuple) -> None:
+        length, generator_state, stream = mark
         # truncate() sets every layer to `length`, also layers a failed pass had appended to.
         self.middle.truncate(length)
         if self.token is not None:
             self.token.lower.truncate(min(length, self.token.lower.length))
             self.token.generator.set_state(generator_state)
+            self.token.stream = stream
 
     def free(self) -> None:
         self.middle.free()
@@ -145,6 +152,11 @@ class ModelRunner:
             results: list[ItemResult | None] = [None] * len(items)
             runnable: list[int] = []
             for i, (item, caches) in enumerate(zip(items, entries)):
+                if (item.draft is not None and caches is not None and caches.token is not None
+                        and caches.token.stream.is_stale(item.draft.chunk)):
+                    # drafted on a token rejected since: not run, and it must not touch the KV
+                    results[i] = ItemResult(ChunkVerdict(caches.token.stream.epoch, 0, stale=True))
+                    continue
                 error = self._refusal(item, caches)
                 if error is not None:
                     results[i] = ItemResult(None, error)
@@ -167,6 +179,11 @@ class ModelRunner:
             return EngineError(ErrorKind.UNKNOWN_SESSION, f"unknown session {item.session_id}")
         if item.is_token != (caches.token is not None):
             return EngineError(ErrorKind.MALFORMED, "token items need a token session, and only take token items")
+        if item.draft is not None:
+            try:
+                caches.token.stream.check(item.draft.chunk)
+            except StreamProtocolError as exc:
+                return EngineError(ErrorKind.MALFORMED, str(exc))
         return check_item(item.kind, item.position, item.num_tokens, caches.length, self.context_length)
 
     def _run_isolated(self, items: Sequence[RunItem], entries: Sequence[SessionCaches], group: list[int],
@@ -209,8 +226,13 @@ class ModelRunner:
         outputs: list[torch.Tensor | None] = list(
             self.layers.forward_batch([(caches.middle, x) for caches, x in zip(entries, inputs)]))
         for i in token_rows:
-            outputs[i] = (torch.tensor([self.token_model.next_token(entries[i].token, outputs[i][-1:])])
-                          if items[i].is_last else None)
+            if items[i].draft is not None:
+                outputs[i] = self.token_model.verify_chunk(entries[i].token, outputs[i], items[i].draft)
+                if outputs[i].rejected:  # the rejected draft and everything after it leave the KV now
+                    entries[i].truncate(items[i].position + items[i].draft.chunk.num_final + outputs[i].num_accepted)
+            else:
+                outputs[i] = (torch.tensor([self.token_model.next_token(entries[i].token, outputs[i][-1:])])
+                              if items[i].is_last else None)
         # Replies go back to the CPU for encoding; on a GPU this copy also waits for the pass to finish,
         # so whoever times run() measures the compute, not the kernel launches.
-        return [None if out is None else out.cpu() for out in outputs]
+        return [out.cpu() if isinstance(out, torch.Tensor) else out for out in outputs]

@@ -68,6 +68,7 @@ class WorkItem(TokenItem):
     reply: Reply | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
     token_ids: torch.Tensor | None = None  # [S] int64: token mode (the cloud embeds them itself)
+    draft: object | None = None  # a streamed draft chunk to verify (token_mode.StreamedChunk); never split
 
     def __post_init__(self) -> None:
         self.kind = WorkKind(self.kind)

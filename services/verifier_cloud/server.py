@@ -38,7 +38,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
-from services.verifier_cloud.frames import BadFrameLog, reply_frame, to_wire, work_item
+from services.verifier_cloud.frames import TOKEN_WORK, BadFrameLog, reply_frame, to_wire, work_item
 from services.verifier_cloud.pipeline import StagePipeline, plan_stages
 from services.verifier_cloud.runner import ModelRunner
 from services.verifier_cloud.scheduler import Reply, Scheduler, WorkItem
@@ -248,7 +248,7 @@ class VerifierServer:
                                       wire_dtype=wire.WireDtype(message.wire_dtype)))
         if isinstance(message, wire.OpenTokenSession):
             return self._open_token_session(connection, message)
-        if isinstance(message, (wire.TokenPrefill, wire.TokenStep)):
+        if isinstance(message, TOKEN_WORK):
             self._submit_tokens(connection, message)
             return None
         if isinstance(message, wire.CloseSession):
@@ -279,7 +279,8 @@ class VerifierServer:
         log.debug("token session %d opened (temperature %g, top_p %g)", sid, params.temperature, params.top_p)
         return opened
 
-    def _submit_tokens(self, connection: ServerConnection, message: wire.TokenPrefill | wire.TokenStep) -> None:
+    def _submit_tokens(self, connection: ServerConnection, message: wire.TokenPrefill | wire.TokenStep
+                       | wire.TokenDraft) -> None:
         """Queue a token-mode item; refuse it on privacy sessions and on hidden-state sessions."""
         sid, seq = message.session_id, message.seq_no
         state = self._session(sid, connection, seq)

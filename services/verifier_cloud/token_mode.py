@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.model.checkpoint import Checkpoint
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange, OutputSubmodel, validate_split
+from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamVerifier
 from shared.specdec.sampling import SamplingParams, logits_to_probs, sample
 from shared.wire import ErrorCode, WireError
 
@@ -38,7 +39,14 @@ class TokenSession:
     lower: SessionKV  # layers [0, m), kept the same length as the session's middle cache
     params: SamplingParams
     generator: torch.Generator
+    stream: StreamVerifier = field(default_factory=StreamVerifier)  # streamed drafts (PicoSpec)
 
+
+@dataclass(frozen=True)
+class StreamedChunk:
+    """A draft chunk to verify and how to answer a rejection (top_k 0: the whole target row)."""
+    chunk: DraftChunk
+    top_k: int
 
 class TokenModel:
     """Embeddings + layers [0, m) + norm + head: the parts only token mode needs in the cloud."""
@@ -86,3 +94,11 @@ class TokenModel:
         """Sample the token after the last position from its deep state [1, H]."""
         logits = self.output(deep_last)[0]  # [V] fp32
         return sample(logits_to_probs(logits, session.params), session.generator)
+
+    @torch.inference_mode()
+    def verify_chunk(self, session: TokenSession, deep: torch.Tensor, streamed: StreamedChunk) -> ChunkVerdict:
+        """The verdict on a streamed draft chunk from the deep states of its tokens [n, H]."""
+        p_rows = logits_to_probs(self.output(deep), session.params)  # [n, V]
+        downlink = "full" if streamed.top_k == 0 else "topk"
+        return session.stream.verify(streamed.chunk, p_rows.cpu(), session.generator,
+                                     greedy=session.params.is_greedy, downlink=downlink, top_k=max(1, streamed.top_k))

@@ -21,6 +21,7 @@ class TokenItem:
     """What a queued item (scheduler) and a running one (runner) both know: its rows, hidden or token ids."""
     hidden: Any  # [S, H] states, or None for token items
     token_ids: Any  # [S] ids for token items, else None
+    draft: Any = None  # token items of a streamed draft: the StreamedChunk to verify (token_mode.py)
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,10 @@ class Cloud(Protocol):
 
     async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor: ...
 
+    async def send_verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> Awaitable[torch.Tensor]:
+        """`verify`, returning once the request is sent (so several go up in order without waiting)."""
+        ...
+
     async def close(self, session_id: int) -> None: ...
 
 
@@ -79,6 +83,9 @@ class LocalCloud:
         cache.truncate(commit_len)
         return self.middle.forward_batch([(cache, shallow)])[0]  # [k+1, H]
 
+    async def send_verify(self, session_id, commit_len, shallow):
+        return _done(await self.verify(session_id, commit_len, shallow))
+
     async def close(self, session_id):
         cache = self.caches.pop(session_id, None)
         if cache is not None:
@@ -113,32 +120,12 @@ async def run_session(
     device alone (DeviceSession.finish_alone: degraded output) instead of raising.
     """
     clock = time.perf_counter
-    in_step: list[asyncio.Future] = []  # the offloaded device step running now (or last), if any
-
-    async def offload_step(fn, *args):
-        # Shielded: a cancelled request stops waiting at once, but the step (a worker thread that cannot be
-        # interrupted) keeps its handle, so the release below frees the device KV only after it is done.
-        step = asyncio.ensure_future(offload(fn, *args))
-        in_step[:] = [step]
-        return await asyncio.shield(step)
-
+    offload_step = ShieldedOffload(offload)
     try:
         # Inside the try: a request cancelled while OpenSession is in flight still closes the cloud's
         # session (the frame may already have opened it) and frees the device's KV.
         await cloud.open(session_id)
-        answers = []
-        for index, size in enumerate(chunk_sizes):
-            chunk_start = clock()
-            start, shallow = await offload_step(session.prefill_chunk, size)
-            answer = await cloud.send_prefill(session_id, start, shallow, index == len(chunk_sizes) - 1)
-            session.prefill_seconds.append((clock() - chunk_start, size))
-            if overlap_prefill:
-                answers.append(answer)
-            else:
-                answers.append(_done(await answer))
-        deep_last = None
-        for answer in answers:
-            deep_last = await answer
+        deep_last = await prefill_on_cloud(session, cloud, session_id, chunk_sizes, offload_step, overlap_prefill)
         answered_at = clock()
         yield await offload_step(session.on_prefill_result, deep_last)
         # The round's own time beyond drafting and the cloud's answer: output head, accept /
@@ -176,15 +163,54 @@ async def run_session(
             yield await offload_step(session.on_verify_result, draft, deep, branches)
             session.round_overhead_s.append(clock() - answered_at)
     finally:
-        release = asyncio.ensure_future(_release(cloud, session_id, session, in_step[0] if in_step else None))
-        try:
-            await asyncio.shield(release)
-        except asyncio.CancelledError:
-            # Cancelled again while releasing (a client that went away under a level-triggered cancel scope):
-            # the release finishes on its own, owned by _RELEASES until it is done.
-            _RELEASES.add(release)
-            release.add_done_callback(_RELEASES.discard)
-            raise
+        await release_session(cloud, session_id, session, offload_step.last)
+
+
+class ShieldedOffload:
+    """`offload(fn, *args)` for device steps, shielded: a cancelled request stops waiting at once, but the
+    step (a worker thread that cannot be interrupted) keeps its handle in `last`, so the release frees the
+    device KV only after it is done."""
+
+    def __init__(self, offload: Callable[..., Awaitable]):
+        self.offload = offload
+        self.last: asyncio.Future | None = None  # the offloaded step running now (or the last one)
+
+    async def __call__(self, fn, *args):
+        self.last = asyncio.ensure_future(self.offload(fn, *args))
+        return await asyncio.shield(self.last)
+
+
+async def prefill_on_cloud(session: DeviceSession, cloud: Cloud, session_id: int, chunk_sizes: Sequence[int],
+                           offload_step: Callable[..., Awaitable], overlap_prefill: bool = True) -> torch.Tensor:
+    """Upload the prompt chunk by chunk (hidden states); returns the deep state of its last position [1, H]."""
+    answers = []
+    for index, size in enumerate(chunk_sizes):
+        chunk_start = time.perf_counter()
+        start, shallow = await offload_step(session.prefill_chunk, size)
+        answer = await cloud.send_prefill(session_id, start, shallow, index == len(chunk_sizes) - 1)
+        session.prefill_seconds.append((time.perf_counter() - chunk_start, size))
+        if overlap_prefill:
+            answers.append(answer)
+        else:
+            answers.append(_done(await answer))
+    deep_last = None
+    for answer in answers:
+        deep_last = await answer
+    return deep_last
+
+
+async def release_session(cloud, session_id: int, session: DeviceSession, step: asyncio.Future | None) -> None:
+    """Free the device's KV once `step` (its last offloaded step) is done, and close the cloud's session;
+    shielded, so a cancelled request still releases both."""
+    release = asyncio.ensure_future(_release(cloud, session_id, session, step))
+    try:
+        await asyncio.shield(release)
+    except asyncio.CancelledError:
+        # Cancelled again while releasing (a client that went away under a level-triggered cancel scope):
+        # the release finishes on its own, owned by _RELEASES until it is done.
+        _RELEASES.add(release)
+        release.add_done_callback(_RELEASES.discard)
+        raise
 
 
 # Releases that outlived their cancelled request: kept here so they are owned until they finish.

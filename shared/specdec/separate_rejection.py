@@ -89,8 +89,10 @@ def verify_drafts(
     greedy: bool = False,
     downlink: Downlink = "topk",
     top_k: int = DEFAULT_TOP_K,
+    bonus: bool = True,
 ) -> CloudVerdict:
-    """Cloud side: accept/reject k drafts knowing only q of each drafted token."""
+    """Cloud side: accept/reject k drafts knowing only q of each drafted token. With `bonus` False a
+    fully accepted draft gets no bonus token (more drafts follow, and p[k] verifies the next of them)."""
     # p: [k+1, V] target probabilities at the draft positions plus the bonus position
     # q_drafted: [k] the draft's probability of each drafted token
     k = len(drafted)
@@ -107,14 +109,14 @@ def verify_drafts(
         # Exactly the unsplit argmax rule; the device needs only the correction token.
         verdict = accept_greedy(drafted, p)
         if verdict.num_accepted == k:
-            return CloudVerdict(k, verdict.next_token, None)
+            return CloudVerdict(k, verdict.next_token if bonus else None, None)
         payload = RejectionPayload(verdict.num_accepted, "token", vocab_size, token=verdict.next_token)
         return CloudVerdict(verdict.num_accepted, None, payload)
     uniforms = torch.rand(k, generator=generator)  # [k]
     p_of_drafted = p[torch.arange(k), torch.tensor(drafted, dtype=torch.long)].float()  # [k]
     num_accepted = int(accepted_prefix_length(p_of_drafted, q_drafted.float(), uniforms))
     if num_accepted == k:
-        return CloudVerdict(k, sample(p[k].float(), generator), None)
+        return CloudVerdict(k, sample(p[k].float(), generator) if bonus else None, None)
     return CloudVerdict(num_accepted, None, make_payload(p[num_accepted], num_accepted, downlink, top_k))
 
 

@@ -1,0 +1,16 @@
+"""The decoding modes a request can ask for (device agent, token streamer, bench)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+# hat:       HAT, hidden states only; the device drafts, the cloud computes the middle layers (private)
+# hat-async: HAT with PicoSpec's asynchronous pipeline (private)
+# cloud:     the whole model in the cloud, token ids, one token per round trip (no privacy)
+# token-sd:  the device drafts with its own small model, the cloud verifies token ids (no privacy)
+# picospec:  token-sd with the asynchronous pipeline, streamed drafts and a sparse downlink (no privacy)
+Mode = Literal["hat", "hat-async", "cloud", "token-sd", "picospec"]
+MODES: tuple[str, ...] = get_args(Mode)
+TOKEN_MODES = frozenset({"cloud", "token-sd", "picospec"})  # token ids on the wire: never for a privacy session
+STREAM_MODES = frozenset({"hat-async", "token-sd", "picospec"})  # drafts as a stream (shared/specdec/stream_engine.py)
+Downlink = Literal["topk", "full"]

@@ -1,0 +1,205 @@
+"""The decode loop of a streamed draft: synchronous (token-sd) or asynchronous (picospec, hat-async).
+
+    schedule: apply the verdicts that came back (in order) -> draft one token, or send a chunk, or wait
+
+Synchronous: draft until eta / the draft cap / EOS, send the draft (`more` False), wait for
+its verdict: vanilla collaborative speculative decoding (PicoSpec Fig. 1c).
+
+Asynchronous (PicoSpec §3.2): after sending a chunk the device drafts on at once, assuming the
+chunk is accepted, while at most `window` drafts are unverified. Fast verification: drafts go
+up in groups of `group` as they are drafted, so the verifier starts on a known prefix before
+the rest exists. Latency-aware truncation: when no chunk is in flight (the verifier would sit
+idle), whatever is drafted goes up at once, short of a group. A rejection's verdict carries a
+new epoch: the chunks drafted on the rejected token come back `stale` and are dropped, and
+the session has already rolled back (stream_session.py).
+
+`send(chunk, shallow)` uploads a chunk and returns an awaitable of its verdict; token mode
+gets the verdict from the cloud, hat-async computes it on the device from the deep states
+(`StreamSession.verify_locally`, through `offload`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
+from shared.specdec.engine import Cloud, ShieldedOffload, prefill_on_cloud, release_session
+from shared.specdec.separate_rejection import DEFAULT_TOP_K, Downlink
+from shared.specdec.stream_session import StreamSession
+
+# Uploads a chunk (and its shallow states in hidden mode); returns an awaitable of the verdict, or of the
+# deep states [n, H] the device judges itself.
+SendChunk = Callable[[DraftChunk, torch.Tensor | None], Awaitable[Awaitable[ChunkVerdict | torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    pipelined: bool  # draft past an in-flight verification (picospec, hat-async)
+    group: int = 2  # drafts per chunk when pipelined (fast verification)
+    window: int = 8  # most unverified drafts when pipelined
+
+    def __post_init__(self):
+        if self.group < 1 or self.window < 1:
+            raise ValueError(f"group ({self.group}) and window ({self.window}) must be >= 1")
+
+
+@dataclass
+class StreamTimings:
+    """What the expected-time model (picospec_model.py) needs, measured on this stream."""
+    chunks: int = 0
+    stale_chunks: int = 0
+    waits_s: list[float] = None  # each wait for a verdict with nothing else to do (the bubbles)
+
+    def __post_init__(self):
+        self.waits_s = [] if self.waits_s is None else self.waits_s
+
+
+async def _inline(fn, *args):
+    return fn(*args)
+
+
+async def run_stream(session: StreamSession, send: SendChunk, config: StreamConfig,
+                     offload: Callable[..., Awaitable] = _inline,
+                     timings: StreamTimings | None = None) -> AsyncIterator[list[int]]:
+    """Yield the tokens each verdict makes final, until the session finishes."""
+    timings = timings if timings is not None else StreamTimings()
+    max_draft = session.draft_config.max_draft
+    eta = session.draft_config.eta
+    in_flight: deque[tuple[DraftChunk, asyncio.Future]] = deque()
+    round_drafts = 0  # synchronous mode: drafts in the round being built
+    low_confidence = False
+
+    async def ship(more: bool) -> None:
+        if session.hidden_mode and not more:
+            await offload(session.advance_to_end)  # the last draft's row gives the bonus position
+        chunk, shallow = session.take_chunk(more)
+        in_flight.append((chunk, asyncio.ensure_future(await send(chunk, shallow))))
+        timings.chunks += 1
+
+    try:
+        while not session.is_finished:
+            # 1. verdicts, in the order the chunks went up
+            if in_flight and in_flight[0][1].done():
+                chunk, answer = in_flight.popleft()
+                verdict = answer.result()
+                if not isinstance(verdict, ChunkVerdict):  # hidden mode: deep states; the device judges
+                    verdict = await offload(session.verify_locally, chunk, verdict)
+                timings.stale_chunks += verdict.stale
+                emitted = session.apply(chunk, verdict)
+                if verdict.rejected or verdict.token is not None:
+                    round_drafts, low_confidence = 0, False
+                if emitted:
+                    yield emitted
+                continue
+            # 2. draft, send or wait
+            room = session.draft_room()
+            if config.pipelined:
+                if room > 0 and session.speculative < config.window:
+                    await offload(session.draft_step)
+                    if session.stopped or session.draft_room() == 0:
+                        await ship(more=False)
+                    elif session.sendable - (session.sent_len < session.final_len) >= config.group or not in_flight:
+                        await ship(more=True)  # a full group, or the verifier is idle (truncation)
+                    continue
+                if session.sendable > 0:
+                    await ship(more=room > 0)
+                    continue
+                if session.hidden_mode and not in_flight and session.advanced < len(session.seq):
+                    await offload(session.advance_to_end)  # the window is full of drafts not yet run
+                    continue
+            else:
+                if not in_flight and room > 0 and round_drafts < max_draft and not low_confidence:
+                    drafted = await offload(session.draft_step)
+                    round_drafts += 1
+                    low_confidence = drafted.confidence < eta
+                    continue
+                if not in_flight and session.sendable > 0:
+                    await ship(more=False)
+                    continue
+            if not in_flight:
+                raise RuntimeError("stream stalled: nothing to draft, send or wait for")
+            waited = time.perf_counter()
+            await asyncio.wait([in_flight[0][1]])
+            timings.waits_s.append(time.perf_counter() - waited)
+    finally:
+        # Verdicts still coming (the session ended on EOS or the budget, or was cancelled): let their
+        # requests finish on their own (each is bounded by the cloud client's timeout); retrieve errors.
+        for _, answer in in_flight:
+            answer.add_done_callback(_retrieve)
+            if not answer.done() and isinstance(answer, asyncio.Task):
+                answer.cancel()
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+class TokenCloud(Protocol):
+    """What token mode needs from the verifier (token ids on the wire: no privacy)."""
+
+    async def open_token_session(self, session_id: int, params) -> None: ...
+
+    async def token_prefill(self, session_id: int, token_ids: Sequence[int]) -> int: ...
+
+    async def send_token_chunk(self, session_id: int, chunk: DraftChunk, downlink: Downlink,
+                               top_k: int) -> Awaitable[ChunkVerdict]: ...
+
+    async def close(self, session_id: int) -> None: ...
+
+
+async def token_stream_session(session: StreamSession, cloud: TokenCloud, session_id: int, config: StreamConfig,
+                               offload: Callable[..., Awaitable] = _inline, downlink: Downlink = "topk",
+                               top_k: int = DEFAULT_TOP_K,
+                               timings: StreamTimings | None = None) -> AsyncIterator[list[int]]:
+    """Token mode (token-sd, picospec): the device drafts alone; the cloud, holding the whole target,
+    prefills the prompt's ids, samples the first token and verifies every chunk."""
+    offload_step = ShieldedOffload(offload)
+    try:
+        await cloud.open_token_session(session_id, session.params)
+        first = asyncio.ensure_future(cloud.token_prefill(session_id, session.prompt_ids))
+        try:
+            await offload_step(session.prefill_locally)  # the draft model's prefill, beside the cloud's
+        finally:
+            if not first.done():
+                await asyncio.wait([first])
+        yield session.start_token_mode(first.result())
+
+        async def send(chunk: DraftChunk, shallow) -> Awaitable[ChunkVerdict]:
+            return await cloud.send_token_chunk(session_id, chunk, downlink, top_k)
+
+        async for tokens in run_stream(session, send, config, offload_step, timings):
+            yield tokens
+    finally:
+        await release_session(cloud, session_id, session, offload_step.last)
+
+
+async def hat_async_session(session: StreamSession, cloud: Cloud, session_id: int, chunk_sizes: Sequence[int],
+                            config: StreamConfig, offload: Callable[..., Awaitable] = _inline,
+                            overlap_prefill: bool = True,
+                            timings: StreamTimings | None = None) -> AsyncIterator[list[int]]:
+    """hat-async: HAT's privacy mode (hidden states only, the device samples and judges) with the
+    asynchronous pipeline: the device drafts on past an in-flight verification."""
+    offload_step = ShieldedOffload(offload)
+    try:
+        await cloud.open(session_id)
+        deep_last = await prefill_on_cloud(session, cloud, session_id, chunk_sizes, offload_step, overlap_prefill)
+        first = await offload_step(session.on_prefill_result, deep_last)
+        session.start_hidden_mode()
+        yield first
+
+        async def send(chunk: DraftChunk, shallow: torch.Tensor) -> Awaitable[torch.Tensor]:
+            # the cloud keeps chunk.start_pos positions (a rejected tail is cut), then appends the chunk
+            return await cloud.send_verify(session_id, chunk.start_pos, shallow)
+
+        async for tokens in run_stream(session, send, config, offload_step, timings):
+            yield tokens
+    finally:
+        await release_session(cloud, session_id, session, offload_step.last)

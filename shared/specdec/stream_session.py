@@ -1,0 +1,207 @@
+"""The device side of a streamed draft (draft_stream.py): draft one token at a time, cut chunks,
+apply verdicts, roll back on a rejection. No I/O; `stream_engine.py` drives it.
+
+A `StreamSession` is a `DeviceSession` (same model, caches, sampling streams, counters) whose
+drafting is not tied to rounds. It keeps the whole token sequence with three marks:
+
+    seq:        prompt + final tokens + speculative drafts
+    final_len:  positions < final_len are final (delivered, or the one final token not yet sent)
+    sent_len:   positions < sent_len went up in chunks
+    advanced:   positions < advanced ran through the input submodel and the adapter (the caches'
+                length); seq[advanced] is the last token, not yet run
+
+Token mode sends token ids (any drafted token can go up); hidden mode (hat-async) sends the
+shallow states of tokens, so only advanced positions can go up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shared.specdec.device_session import DeviceSession, SessionError
+from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamVerifier
+from shared.specdec.sampling import logits_to_probs, sample
+from shared.specdec.separate_rejection import correction_token
+
+
+@dataclass
+class DraftedToken:
+    token: int
+    confidence: float  # what eta is compared with (HAT eq. 5)
+
+
+class StreamSession(DeviceSession):
+    """Set `hidden_mode` for hat-async (chunks carry shallow states; the device verifies)."""
+
+    hidden_mode: bool = False
+
+    def _stream_init(self, first_token: int, feature: torch.Tensor) -> None:
+        # feature: [1, H], the deep state (exact or the adapter's estimate) of the position before first_token
+        if self.model.adapter is None:
+            raise SessionError("streamed drafting needs a draft adapter on the device")
+        self.seq = list(self.prompt_ids) + [first_token]
+        self.final_len = len(self.seq)
+        self.sent_len = len(self.prompt_ids)
+        self.epoch = 0
+        self.q_of: dict[int, float] = {}  # position -> q(x) of the draft there
+        self.q_rows: dict[int, torch.Tensor] = {}  # position -> q [V] (sampling: the correction needs it)
+        self.shallow_rows: dict[int, torch.Tensor] = {}  # position -> shallow state [1, H] (hidden mode)
+        self.features: dict[int, torch.Tensor] = {len(self.prompt_ids) - 1: feature}  # position -> [1, H]
+        self.local_verifier = StreamVerifier()  # hidden mode: the device verifies
+        self.pending_token = first_token
+        self.stopped = False  # EOS drafted: nothing after it may be drafted in this epoch
+
+    def start_token_mode(self, first_token: int) -> list[int]:
+        """After `prefill_locally()` and the cloud's first token: begin the stream."""
+        self._stream_init(first_token, self._prompt_feature)
+        return self._emit([first_token])
+
+    def prefill_locally(self) -> None:
+        """Token mode: the draft model's own pass over the prompt (the cloud prefills the target)."""
+        ids = torch.tensor(self.prompt_ids)
+        shallow = self.model.input(ids, self.input_cache)  # [P, H]
+        hidden = self._run_adapter(self.adapter_cache, shallow, ids, torch.zeros_like(shallow))  # [P, H]
+        self._prompt_feature = hidden[-1:]
+
+    def start_hidden_mode(self) -> None:
+        """hat-async, after the hidden-state prefill and `on_prefill_result` gave the first token."""
+        self.hidden_mode = True
+        self._stream_init(self.pending_token, self._prev_feature)
+
+    # -- marks ----------------------------------------------------------------------------
+    @property
+    def advanced(self) -> int:
+        return self.input_cache.length
+
+    @property
+    def speculative(self) -> int:
+        """Drafted tokens not yet final."""
+        return len(self.seq) - self.final_len
+
+    @property
+    def sendable(self) -> int:
+        """Positions that could go up now, not yet sent."""
+        return (self.advanced if self.hidden_mode else len(self.seq)) - self.sent_len
+
+    def draft_room(self) -> int:
+        """Drafts this stream may still add: the remaining tokens less one (a bonus may follow)."""
+        if self.stopped:
+            return 0
+        return max(0, self.max_new_tokens - len(self.generated) - 1 - self.speculative)
+
+    # -- drafting -------------------------------------------------------------------------
+    def _advance(self) -> torch.Tensor:
+        """Run seq[advanced] through the input submodel and the adapter: the adapter state [1, H]."""
+        position = self.advanced
+        ids = torch.tensor([self.seq[position]])
+        shallow = self.model.input(ids, self.input_cache)  # [1, H]
+        if self.hidden_mode:
+            self.shallow_rows[position] = shallow
+        hidden = self._run_adapter(self.adapter_cache, shallow, ids, self.features[position - 1])  # [1, H]
+        self.features[position] = hidden
+        return hidden
+
+    def draft_step(self) -> DraftedToken:
+        """One more draft token on the end of the stream."""
+        if self.draft_room() < 1 or self.is_finished:
+            raise SessionError("no room to draft")
+        started = time.perf_counter()
+        hidden = self._advance()
+        logits = self.model.output(hidden)[0]  # [V]
+        q = logits_to_probs(logits, self.params)
+        position = len(self.seq)
+        token = sample(q, self._draft_stream(-1 - self.epoch, position))
+        confidence = float(torch.softmax(logits, -1)[token] if self.params.is_greedy else q[token])
+        self.seq.append(token)
+        self.q_of[position] = float(q[token])
+        if not self.params.is_greedy:
+            self.q_rows[position] = q
+        self.stopped = token == self.model.eos_token_id
+        self.draft_seconds.append((time.perf_counter() - started, 1))
+        return DraftedToken(token, confidence)
+
+    def advance_to_end(self) -> None:
+        """Hidden mode: run the last token too, so the whole stream can go up (its row gives the bonus)."""
+        if self.advanced < len(self.seq):
+            self._advance()
+
+    # -- chunks ---------------------------------------------------------------------------
+    def take_chunk(self, more: bool) -> tuple[DraftChunk, torch.Tensor | None]:
+        """Everything sendable as one chunk, and (hidden mode) its shallow states [n, H]."""
+        start, end = self.sent_len, self.sent_len + self.sendable
+        if end <= start:
+            raise SessionError("nothing to send")
+        num_final = 1 if start < self.final_len else 0
+        q = None
+        if not self.params.is_greedy and end > start + num_final:
+            q = torch.tensor([self.q_of[p] for p in range(start + num_final, end)], dtype=torch.float32)
+        shallow = torch.cat([self.shallow_rows[p] for p in range(start, end)]) if self.hidden_mode else None
+        self.sent_len = end
+        return DraftChunk(self.epoch, start, tuple(self.seq[start:end]), num_final, q, more), shallow
+
+    def verify_locally(self, chunk: DraftChunk, deep: torch.Tensor) -> ChunkVerdict:
+        """Hidden mode: the verdict on a chunk from the deep states the cloud returned for it."""
+        # deep: [n, H]
+        if self.local_verifier.is_stale(chunk):
+            return ChunkVerdict(self.local_verifier.epoch, 0, stale=True)
+        if deep.shape[0] != len(chunk.tokens):
+            raise SessionError(f"verify result has {deep.shape[0]} rows, expected {len(chunk.tokens)}")
+        deep = self.model.compute_states(deep)
+        p_rows = logits_to_probs(self.model.output(deep), self.params)  # [n, V]
+        verdict = self.local_verifier.verify(chunk, p_rows, self.generator, greedy=self.params.is_greedy,
+                                             downlink="full")
+        # the exact deep state before the next token to run: the adapter reads it instead of its estimate
+        last = chunk.num_final + verdict.num_accepted - 1 if verdict.rejected else len(chunk.tokens) - 1
+        if last >= 0 and not verdict.stale:
+            self.features[chunk.start_pos + last] = deep[last : last + 1]
+        return verdict
+
+    def apply(self, chunk: DraftChunk, verdict: ChunkVerdict) -> list[int]:
+        """Tokens the verdict makes final (delivered now); on a rejection, roll back past it."""
+        if verdict.stale or chunk.epoch != self.epoch:
+            return []  # drafted on a token that was rejected meanwhile
+        first_draft = chunk.start_pos + chunk.num_final
+        accepted = list(chunk.drafts[: verdict.num_accepted])
+        self.final_len = first_draft + verdict.num_accepted
+        extra: list[int] = []
+        if verdict.rejected:
+            position = first_draft + verdict.num_accepted
+            payload = verdict.rejection
+            q_row = self.q_rows.get(position)
+            if q_row is None:  # greedy: the correction itself came down
+                q_row = torch.zeros(payload.vocab_size)
+            correction = correction_token(payload, q_row, self.generator)
+            self._roll_back(position)
+            self.epoch = verdict.epoch
+            extra = [correction]
+        elif verdict.token is not None:
+            if len(self.seq) != chunk.end_pos:
+                raise SessionError("a bonus token for a stream that went on drafting")
+            extra = [verdict.token]
+        if extra:
+            self.seq.append(extra[0])
+            self.final_len += 1
+            self.pending_token = extra[0]
+        self.verdicts.append((chunk.num_drafts, verdict.num_accepted))
+        self.full_accepts += verdict.num_accepted == chunk.num_drafts
+        emitted = self._emit(accepted + extra)
+        self.accept_lengths.append(len(emitted))
+        for table in (self.q_of, self.q_rows):
+            for p in [p for p in table if p < self.final_len]:
+                del table[p]
+        return emitted
+
+    def _roll_back(self, position: int) -> None:
+        """Drop everything from `position` on (the rejected draft and all drafted after it)."""
+        del self.seq[position:]
+        self.sent_len = min(self.sent_len, position)
+        if self.advanced > position:
+            self.input_cache.truncate(position)
+            self.adapter_cache.truncate(position)
+        for table in (self.q_of, self.q_rows, self.shallow_rows, self.features):
+            for p in [p for p in table if p >= position]:
+                del table[p]
+        self.stopped = False
