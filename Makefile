@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
 MODEL ?= smollm2
 
-.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-sim soak clean
+.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -43,6 +43,14 @@ bench-hat: install
 bench: install
 	$(BIN)/tophat bench --model $(MODEL) --workload specbench --rates 0.25,0.5,1 --modes ushape,usarathi,cloud,hat \
 		--link-profile mid --devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
+
+# PicoSpec (issue 13): cloud, token-sd, picospec, hat and hat-async per emulated round trip, measured beside
+# PicoSpec's expected-time model; then the same modes through a whole mesh and the streamer (loadgen's JSON keys)
+bench-picospec: install
+	$(BIN)/python -m loadgen.bench_picospec --model $(MODEL) --rtt-ms 20,50,100 --out bench-results/picospec.json
+	$(BIN)/python -m loadgen.bench_topk_tv --model $(MODEL) --out bench-results/topk-tv.json
+	$(BIN)/tophat bench --model $(MODEL) --modes cloud,token-sd,picospec,hat,hat-async --rtt-ms 20,50,100 \
+		--baseline token-sd --rates 0.25 --devices 1 --num-requests 8 --max-new-tokens 48 --out bench-results/picospec-mesh
 
 bench-ablation: install
 	$(BIN)/tophat bench --model $(MODEL) --ablation --rates 0.25 --link-profile mid --devices 2 --num-requests 12 \

@@ -5,7 +5,10 @@ Each mode is a configuration of the same product (HAT §4 baselines):
     ushape    split, no speculation, no chunking                   (request switches)
     usarathi  split, no speculation, whole upload, server chunks   (verifier server chunking)
     cloud     whole model in the cloud, token ids, autoregressive  (verifier full model; no privacy)
+    token-sd  device drafts, cloud verifies token ids, stop-and-wait (verifier full model; no privacy)
+    picospec  token-sd with PicoSpec's asynchronous pipeline       (verifier full model; no privacy)
     hat       SD + PC + PD                                         (request switches)
+    hat-async HAT with the asynchronous pipeline (hidden states)   (request switches)
 
 Modes that need a differently configured verifier get their own mesh; the
 others share one. Every mode replays the same arrival times and prompts (same
@@ -41,12 +44,26 @@ class Mode:
 def modes_for(workload: str) -> dict[str, Mode]:
     chunk = str(SERVER_CHUNK.get(workload, 128))
     plain = {"speculative": False, "prompt_chunking": False}
+    full_model = (("TOPHAT_VERIFIER_FULL_MODEL", "true"),)
     return {
         "ushape": Mode("ushape", plain),
         "usarathi": Mode("usarathi", plain, (("TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS", chunk),)),
-        "cloud": Mode("cloud", {"mode": "cloud"}, (("TOPHAT_VERIFIER_FULL_MODEL", "true"),)),
+        "cloud": Mode("cloud", {"mode": "cloud"}, full_model),
+        "token-sd": Mode("token-sd", {"mode": "token-sd"}, full_model),
+        "picospec": Mode("picospec", {"mode": "picospec"}, full_model),
         "hat": Mode("hat", {}),
+        "hat-async": Mode("hat-async", {"mode": "hat-async"}),
     }
+
+
+def link_with_rtt(link: str, rtt_ms: float | None) -> str:
+    """The link spec with its one-way latency set to half of an emulated round trip (`--rtt-ms`)."""
+    if rtt_ms is None:
+        return link
+    if rtt_ms < 0:
+        raise ValueError(f"--rtt-ms must be >= 0, got {rtt_ms}")
+    latency = f"lat={rtt_ms / 2:g}ms"
+    return latency if link in ("", "none") else f"{link},{latency}"
 
 
 def ablation_modes() -> dict[str, Mode]:
@@ -102,12 +119,13 @@ def run_modes(modes: dict[str, Mode], *, workload: str, rates: list[float], num_
 
 def format_table(results: dict[tuple[str, float], dict], baseline: str, title: str) -> str:
     lines = [title, f"{'mode':12s} {'rate':>5s} {'done':>5s} {'TTFT mean':>10s} {'TTFT p99':>9s} {'TBT mean':>9s} "
-             f"{'TBT p99':>8s} {'accept':>7s} {'TTFT/base':>10s} {'TBT/base':>9s}"]
+             f"{'TBT p99':>8s} {'tok/s':>6s} {'accept':>7s} {'TTFT/base':>10s} {'TBT/base':>9s}"]
     for (mode, rate), r in results.items():
         base = results.get((baseline, rate))
         ratio = lambda key: (f"{r[key] / base[key]:.2f}x" if base and base.get(key) else "-")  # noqa: E731
         lines.append(f"{mode:12s} {rate:5g} {r['completed']:5d} {r['mean_ttft_ms']:9.1f}ms {r['p99_ttft_ms']:7.1f}ms "
-                     f"{r['mean_tbt_ms']:7.2f}ms {r['p99_tbt_ms']:6.1f}ms {r.get('mean_accept_length') or 0:7.2f} "
+                     f"{r['mean_tbt_ms']:7.2f}ms {r['p99_tbt_ms']:6.1f}ms "
+                     f"{1e3 / r['mean_tbt_ms'] if r['mean_tbt_ms'] else 0:6.1f} {r.get('mean_accept_length') or 0:7.2f} "
                      f"{ratio('mean_ttft_ms'):>10s} {ratio('mean_tbt_ms'):>9s}")
     return "\n".join(lines)
 

@@ -113,3 +113,102 @@ def test_seeded_sampled_streams_finish_with_consistent_verdicts(demo_checkpoint,
         assert all(0 <= t < device_model.vocab_size for t in tokens)
         assert sum(session.accept_lengths) + 1 == len(tokens)
         assert all(0 <= accepted <= drafted for drafted, accepted in session.verdicts)
+
+
+# -- the device agent's HTTP API ---------------------------------------------------------------------------
+
+def test_device_agent_serves_the_stream_modes_and_refuses_token_modes_to_privacy_requests(demo_checkpoint):
+    import json
+
+    import httpx
+
+    from services.device_agent import settings as device_settings
+    from services.device_agent.app import create_app
+    from tests.conftest import DEMO_MODEL_DIR
+
+    prompt = PROMPTS[1]
+    expected = generate_full(demo_checkpoint, prompt, 16).token_ids
+
+    async def main():
+        async with verifier_on_loopback(demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M),
+                                        full_model=True) as (server, url):
+            settings = device_settings.Settings(model_dir=str(DEMO_MODEL_DIR), split_layers=M, verifier_url=url,
+                                                prompt_chunking=False, link="lat=10ms")
+            app = create_app(settings)
+            events, refusals = {}, {}
+            async with app.router.lifespan_context(app):
+                transport = httpx.ASGITransport(app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://device", timeout=60) as http:
+                    for mode in ("token-sd", "picospec", "hat-async"):
+                        body = {"prompt_ids": prompt, "max_new_tokens": 16, "mode": mode, "stream_group": 1,
+                                "downlink": "full" if mode == "token-sd" else "topk"}
+                        response = await http.post("/generate", json=body)
+                        assert response.status_code == 200
+                        events[mode] = [json.loads(line) for line in response.text.splitlines()]
+                        refused = await http.post("/generate", json={**body, "privacy": True})
+                        refusals[mode] = (refused.status_code, refused.json() if refused.status_code != 200 else None)
+                    bad = await http.post("/generate", json={"prompt_ids": prompt, "mode": "picospec", "top_k": 0})
+                    assert bad.status_code == 422
+            await asyncio.sleep(0.05)
+            assert not server.scheduler.sessions
+            return events, refusals
+
+    events, refusals = asyncio.run(main())
+    for mode, stream in events.items():
+        assert [t for e in stream if e["type"] == "tokens" for t in e["token_ids"]] == expected, mode
+        done = stream[-1]
+        assert done["type"] == "done" and done["stats"]["mode"] == mode
+        assert done["stats"]["privacy"] is (mode == "hat-async")  # token ids went to the cloud in the others
+    for mode in ("token-sd", "picospec"):
+        status, body = refusals[mode]
+        assert status == 400 and body["error"]["code"] == "privacy"
+    assert refusals["hat-async"][0] == 200
+
+
+# -- the verifier's side of TokenDraft ----------------------------------------------------------------------
+
+def test_the_verifier_refuses_bad_draft_chunks_and_answers_stale_ones_without_running_them(demo_checkpoint):
+    from websockets.asyncio.client import connect
+
+    from shared import wire
+
+    hidden = demo_checkpoint.hidden_size
+
+    async def roundtrip(ws, message):
+        await ws.send(wire.encode(message))
+        return wire.decode(await asyncio.wait_for(ws.recv(), 10))
+
+    async def main():
+        async with verifier_on_loopback(demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M),
+                                        full_model=True) as (server, url):
+            async with connect(url) as ws:
+                # a privacy session never takes token ids
+                await roundtrip(ws, wire.OpenSession(1, hidden, **split_identity(demo_checkpoint, M)))
+                reply = await roundtrip(ws, wire.TokenDraft(1, 1, 0, 0, (5, 6), 1, False))
+                assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.PRIVACY_VIOLATION
+                assert await roundtrip(ws, wire.OpenTokenSession(2)) == wire.SessionOpened(2)
+                first = await roundtrip(ws, wire.TokenPrefill(2, 2, PROMPTS[0]))
+                start = len(PROMPTS[0])
+                caches = server.runner.sessions[2]
+                # a continuation chunk with nothing to continue, then ids outside the vocabulary: typed errors
+                reply = await roundtrip(ws, wire.TokenDraft(2, 3, 0, start, (5,), 0, True))
+                assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.MALFORMED
+                reply = await roundtrip(ws, wire.TokenDraft(2, 4, 0, start, (demo_checkpoint.vocab_size,), 1, True))
+                assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.MALFORMED
+                assert caches.length == start
+                # a draft the target rejects at once: the epoch goes up and the KV keeps the final token only
+                wrong = (first.token_ids[0] + 1) % demo_checkpoint.vocab_size
+                reply = await roundtrip(ws, wire.TokenDraft(2, 5, 0, start, (first.token_ids[0], wrong, 7), 1, True))
+                assert isinstance(reply, wire.TokenVerdict) and reply.rejected and reply.num_accepted == 0
+                assert reply.epoch == 1 and reply.token is not None and caches.length == start + 1
+                correction = reply.token
+                # a chunk drafted before the device heard of the rejection: stale, not run, KV untouched
+                reply = await roundtrip(ws, wire.TokenDraft(2, 6, 0, start + 3, (9, 9), 0, True))
+                assert isinstance(reply, wire.TokenVerdict) and reply.stale and reply.num_accepted == 0
+                assert caches.length == start + 1
+                # the session goes on in the new epoch from the correction
+                reply = await roundtrip(ws, wire.TokenDraft(2, 7, 1, start + 1, (correction,), 1, False))
+                assert isinstance(reply, wire.TokenVerdict) and not reply.stale and not reply.rejected
+                assert reply.token is not None and caches.length == start + 2
+
+    asyncio.run(main())

@@ -367,9 +367,13 @@ def bench(
     out: Path = typer.Option(Path("bench-results"), help="results, tables and plots go here"),
     ablation: bool = typer.Option(False, "--ablation", help="HAT Table 5 (SD/PC/PD on and off), both workloads"),
     sim_check: bool = typer.Option(False, "--sim-check", help="real mesh vs `tophat simulate` calibrated from it"),
+    rtt_ms: str = typer.Option("", "--rtt-ms", help="emulated round trips (ms), comma-separated: one table each "
+                               "(the link's one-way latency set to half)"),
+    baseline: str = typer.Option("", help="the mode ratios are taken against (default: ushape, or the first mode)"),
 ):
     """Every mode against the same arrival trace, back to back; one table with ratios vs ushape."""
-    from loadgen.bench import ablation_modes, format_table, modes_for, parse_rates, plot_modes, run_modes, save_table
+    from loadgen.bench import (ablation_modes, format_table, link_with_rtt, modes_for, parse_rates, plot_modes,
+                               run_modes, save_table)
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("loadgen").setLevel(logging.INFO)
@@ -395,23 +399,31 @@ def bench(
         (out / "sim-check.txt").write_text(text)
         typer.echo(text)
         return
+    try:
+        rtts = [float(x) for x in rtt_ms.split(",") if x.strip()] or [None]
+        links = [link_with_rtt(link_profile, rtt) for rtt in rtts]
+    except ValueError as exc:
+        _fail(f"--rtt-ms: {exc}")
     for name in workloads:
-        if ablation:
-            chosen, baseline, title = ablation_modes(), "U-shape", f"HAT Table 5 layout, {name}"
-        else:
-            available = modes_for(name)
-            unknown = [m for m in modes.split(",") if m not in available]
-            if unknown:
-                _fail(f"unknown modes {unknown}; choose from {', '.join(available)}")
-            chosen = {m: available[m] for m in modes.split(",")}
-            baseline, title = "ushape", f"{name}, link {link_profile}, {devices} devices"
-        results = run_modes(chosen, workload=name, rates=rate_list, num_requests=num_requests,
-                            max_new_tokens=max_new_tokens, seed=seed, out=out, devices=devices,
-                            link=link_profile, model_dir=model_dir)
-        table = format_table(results, baseline, title)
-        save_table(out, f"{'ablation' if ablation else 'bench'}-{name}", table, results)
-        plot_modes(out, name, results, f"{'ablation' if ablation else 'bench'}-{name}")
-        typer.echo("\n" + table)
+        for rtt, link in zip(rtts, links):
+            if ablation:
+                chosen, base, title = ablation_modes(), "U-shape", f"HAT Table 5 layout, {name}"
+            else:
+                available = modes_for(name)
+                unknown = [m for m in modes.split(",") if m not in available]
+                if unknown:
+                    _fail(f"unknown modes {unknown}; choose from {', '.join(available)}")
+                chosen = {m: available[m] for m in modes.split(",")}
+                base = baseline or ("ushape" if "ushape" in chosen else next(iter(chosen)))
+                title = f"{name}, link {link}, {devices} devices"
+            tag = f"{'ablation' if ablation else 'bench'}-{name}" + (f"-rtt{rtt:g}" if rtt is not None else "")
+            results = run_modes(chosen, workload=name, rates=rate_list, num_requests=num_requests,
+                                max_new_tokens=max_new_tokens, seed=seed, out=out / tag if rtt is not None else out,
+                                devices=devices, link=link, model_dir=model_dir)
+            table = format_table(results, base, title)
+            save_table(out, tag, table, results)
+            plot_modes(out / tag if rtt is not None else out, name, results, tag)
+            typer.echo("\n" + table)
     typer.echo(f"\nresults, per-request CSVs and plots under {out}/")
 
 
