@@ -109,7 +109,7 @@ async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire,
         session = StreamSession(model, ids, params, drafting, max_new)
         from shared.specdec.stream_engine import StreamConfig
 
-        stream = StreamConfig(mode != "token-sd", config["group"], config["window"])
+        stream = StreamConfig(mode != "token-sd", config["group"], config["window"], 1 if mode == "hat-async" else 0)
         rounds = (hat_async_session(session, cloud, session_id, fixed_chunks(len(ids), 128), stream, offload,
                                     timings=timings) if mode == "hat-async"
                   else token_stream_session(session, cloud, session_id, stream, offload, downlink, top_k, timings))

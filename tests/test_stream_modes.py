@@ -55,7 +55,8 @@ async def decode(mode: str, cloud: WebSocketCloud, session: StreamSession, sessi
 def configs(mode: str) -> list[StreamConfig]:
     if mode == "token-sd":
         return [StreamConfig(pipelined=False)]
-    return [StreamConfig(pipelined=True, group=1, window=3), StreamConfig(pipelined=True, group=2, window=8)]
+    return [StreamConfig(pipelined=True, group=1, window=3),
+            StreamConfig(pipelined=True, group=2, window=8, depth=1 if mode == "hat-async" else 0)]
 
 
 @pytest.mark.parametrize("rtt_ms", [0, 20, 60])

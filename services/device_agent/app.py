@@ -269,7 +269,7 @@ class DeviceAgent:
         settings = self.settings
         mode = request.option("mode", settings)
         config = StreamConfig(pipelined=mode != "token-sd", group=request.option("stream_group", settings),
-                              window=request.option("stream_window", settings))
+                              window=request.option("stream_window", settings), depth=1 if mode == "hat-async" else 0)
 
         async def offload(fn, *args):
             return await slowed(fn, *args, slowdown=slowdown)

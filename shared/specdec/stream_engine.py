@@ -44,10 +44,15 @@ class StreamConfig:
     pipelined: bool  # draft past an in-flight verification (picospec, hat-async)
     group: int = 2  # drafts per chunk when pipelined (fast verification)
     window: int = 8  # most unverified drafts when pipelined
+    # Most chunks in flight (0: no limit but the window). hat-async keeps 1: the cloud cannot tell a stale
+    # hidden-state chunk from a live one, so every chunk sent behind a rejected one costs a cloud pass, while
+    # token mode's stale chunks are answered unseen. With 1, the device drafts ahead while a verification is
+    # in flight and sends what it drafted the moment the verdict lets it (nothing, after a rejection).
+    depth: int = 0
 
     def __post_init__(self):
-        if self.group < 1 or self.window < 1:
-            raise ValueError(f"group ({self.group}) and window ({self.window}) must be >= 1")
+        if self.group < 1 or self.window < 1 or self.depth < 0:
+            raise ValueError(f"group ({self.group}) and window ({self.window}) must be >= 1, depth ({self.depth}) >= 0")
 
 
 @dataclass
@@ -101,14 +106,18 @@ async def run_stream(session: StreamSession, send: SendChunk, config: StreamConf
             # 2. draft, send or wait
             room = session.draft_room()
             if config.pipelined:
+                can_send = session.sendable > 0 and (not config.depth or len(in_flight) < config.depth)
+                unsent_drafts = session.sendable - (session.sent_len < session.final_len)
+                if can_send and (session.stopped or room == 0):
+                    await ship(more=False)  # EOS or the budget: the stream ends here unless rejected
+                    continue
+                if can_send and (unsent_drafts >= config.group or (unsent_drafts and not in_flight)):
+                    await ship(more=True)  # a full group, or the verifier is idle (truncation)
+                    continue
                 if room > 0 and session.speculative < config.window:
                     await offload(session.draft_step)
-                    if session.stopped or session.draft_room() == 0:
-                        await ship(more=False)
-                    elif session.sendable - (session.sent_len < session.final_len) >= config.group or not in_flight:
-                        await ship(more=True)  # a full group, or the verifier is idle (truncation)
                     continue
-                if session.sendable > 0:
+                if can_send:
                     await ship(more=room > 0)
                     continue
                 if session.hidden_mode and not in_flight and session.advanced < len(session.seq):
