@@ -68,6 +68,7 @@ def templates(hidden: int, session_ids: tuple[int, ...], open_fields: dict, rng:
     """Valid frames of every type the verifier meets, addressed to the fuzz's own sessions."""
     sid = rng.choice(session_ids)
     seq = rng.randrange(1, 2**32)
+    num_final = rng.randrange(2)
 
     def rows(n: int) -> torch.Tensor:  # [n, H]
         return torch.randn(n, hidden, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
@@ -80,6 +81,9 @@ def templates(hidden: int, session_ids: tuple[int, ...], open_fields: dict, rng:
         wire.BandwidthProbe(0, seq, rng.randint(1, 4), rows(1)),
         wire.OpenTokenSession(sid, 0.5, 0.9, 3),
         wire.TokenStep(sid, seq, 2, [5, 6]),
+        wire.TokenDraft(sid, seq, rng.randrange(2), rng.randrange(4), (5, 6, 7), num_final, rng.random() < 0.5,
+                        rng.randrange(11), torch.full((3 - num_final,), 0.5) if rng.random() < 0.5 else None),
+        wire.TokenVerdict(sid, seq, 1, 0, rejected=True, vocab_size=4, probs=torch.tensor([0.5, 0.5]), indices=(1, 2)),
         wire.SessionOpened(sid),
         wire.ErrorFrame(wire.ErrorCode.INTERNAL, "x", sid, seq),
     ]

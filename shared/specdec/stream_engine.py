@@ -6,7 +6,9 @@ Synchronous: draft until eta / the draft cap / EOS, send the draft (`more` False
 its verdict: vanilla collaborative speculative decoding (PicoSpec Fig. 1c).
 
 Asynchronous (PicoSpec §3.2): after sending a chunk the device drafts on at once, assuming the
-chunk is accepted, while at most `window` drafts are unverified. Fast verification: drafts go
+chunk is accepted, while at most `window` drafts are unverified and each draft is confident
+(q >= eta, HAT eq. 5; a draft below it ends the run like a synchronous draft, so the device drafts
+ahead only where drafting ahead is likely to pay). Fast verification: drafts go
 up in groups of `group` as they are drafted, so the verifier starts on a known prefix before
 the rest exists. Latency-aware truncation: when no chunk is in flight (the verifier would sit
 idle), whatever is drafted goes up at once, short of a group. A rejection's verdict carries a
@@ -108,14 +110,17 @@ async def run_stream(session: StreamSession, send: SendChunk, config: StreamConf
             if config.pipelined:
                 can_send = session.sendable > 0 and (not config.depth or len(in_flight) < config.depth)
                 unsent_drafts = session.sendable - (session.sent_len < session.final_len)
-                if can_send and (session.stopped or room == 0):
-                    await ship(more=False)  # EOS or the budget: the stream ends here unless rejected
+                if can_send and (session.stopped or room == 0 or low_confidence):
+                    # EOS or the budget, or a draft below eta (HAT eq. 5): drafting on is likely wasted, so this
+                    # chunk ends the run and asks for the bonus; drafting resumes from the verdict
+                    await ship(more=False)
                     continue
                 if can_send and (unsent_drafts >= config.group or (unsent_drafts and not in_flight)):
                     await ship(more=True)  # a full group, or the verifier is idle (truncation)
                     continue
-                if room > 0 and session.speculative < config.window:
-                    await offload(session.draft_step)
+                if room > 0 and session.speculative < config.window and not low_confidence:
+                    drafted = await offload(session.draft_step)
+                    low_confidence = drafted.confidence < eta
                     continue
                 if can_send:
                     await ship(more=room > 0)
