@@ -109,7 +109,8 @@ async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire,
         session = StreamSession(model, ids, params, drafting, max_new)
         from shared.specdec.stream_engine import StreamConfig
 
-        stream = StreamConfig(mode != "token-sd", config["group"], config["window"], 1 if mode == "hat-async" else 0)
+        stream = StreamConfig(mode != "token-sd", config["group"], config["window"], 1 if mode == "hat-async" else 0,
+                              eta_gate=config["eta_gate"])
         rounds = (hat_async_session(session, cloud, session_id, fixed_chunks(len(ids), 128), stream, offload,
                                     timings=timings) if mode == "hat-async"
                   else token_stream_session(session, cloud, session_id, stream, offload, downlink, top_k, timings))
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-draft", type=int, default=8)
     parser.add_argument("--group", type=int, default=2)
     parser.add_argument("--window", type=int, default=8)
-    parser.add_argument("--downlink", choices=("topk", "full"), default="topk")
+    parser.add_argument("--no-eta-gate", action="store_true", help="async modes draft ahead past low-confidence drafts")
+    parser.add_argument("--downlink", choices=("topk", "full"), default="full")
     parser.add_argument("--top-k", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("bench-results/picospec.json"))
     args = parser.parse_args(argv)
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
                    if getattr(checkpoint.tokenizer, "chat_template", None)
                    else encode_prompt(checkpoint, p, None) for p in PROMPTS[: args.prompts]]
     config = {"eta": args.eta, "max_draft": args.max_draft, "group": args.group, "window": args.window,
-              "split_layers": 2}
+              "split_layers": 2, "eta_gate": not args.no_eta_gate}
     rows = []
     for rtt in [float(x) for x in args.rtt_ms.split(",") if x.strip()]:
         results = asyncio.run(bench_rtt(checkpoint, model, prompts_ids, rtt, modes, args.max_new_tokens, config,

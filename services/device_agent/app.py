@@ -91,6 +91,7 @@ class GenerateRequest(BaseModel):
     top_k: int | None = Field(None, ge=1, le=1000)
     stream_group: int | None = Field(None, ge=1, le=64)
     stream_window: int | None = Field(None, ge=1, le=64)
+    stream_eta_gate: bool | None = None
     # Per-request overrides of the agent's feature switches (for baselines and ablations).
     speculative: bool | None = None  # SD
     prompt_chunking: bool | None = None  # PC
@@ -269,7 +270,8 @@ class DeviceAgent:
         settings = self.settings
         mode = request.option("mode", settings)
         config = StreamConfig(pipelined=mode != "token-sd", group=request.option("stream_group", settings),
-                              window=request.option("stream_window", settings), depth=1 if mode == "hat-async" else 0)
+                              window=request.option("stream_window", settings), depth=1 if mode == "hat-async" else 0,
+                              eta_gate=request.option("stream_eta_gate", settings))
 
         async def offload(fn, *args):
             return await slowed(fn, *args, slowdown=slowdown)

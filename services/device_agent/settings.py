@@ -33,10 +33,13 @@ class Settings:
     # trip; SD/PC/PD do not apply. token-sd / picospec / hat-async: shared/modes.py. A request's "mode" overrides this.
     mode: str = "hat"
     # Streamed drafts (token-sd, picospec, hat-async): drafts per chunk and the most unverified drafts when
-    # pipelined; on a rejection in token mode the cloud sends the target row's top_k, or the whole row (full).
+    # pipelined. On a sampled rejection in token mode the cloud sends the whole target row ("full": the output
+    # has exactly the target's distribution) or, as PicoSpec does, its top_k ("topk": ~80 bytes instead of
+    # 4 V, but the correction is then drawn from an approximate residual). Greedy sends the correction alone.
     stream_group: int = 2
     stream_window: int = 8
-    downlink: str = "topk"
+    stream_eta_gate: bool = True  # pipelined runs stop drafting ahead at a draft below eta (stream_engine.py)
+    downlink: str = "full"
     top_k: int = 10
     speculative: bool = True  # False: plain U-shape, one token per cloud round trip
     eta: float = 0.6  # HAT eq. 5 drafting threshold

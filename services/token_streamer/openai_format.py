@@ -46,6 +46,7 @@ class TophatOptions(BaseModel):
     top_k: int | None = Field(default=None, ge=1, le=1000)
     stream_group: int | None = Field(default=None, ge=1, le=64)  # drafts per chunk (picospec, hat-async)
     stream_window: int | None = Field(default=None, ge=1, le=64)  # most unverified drafts in flight
+    stream_eta_gate: bool | None = None  # pipelined runs stop drafting ahead at a draft below eta
     # A known delay the streamer adds before the request starts: lets a benchmark harness prove
     # it measures what happens (see tests/test_bench_honesty.py). Not forwarded to the device.
     added_delay_ms: float | None = Field(default=None, ge=0, le=60_000)

@@ -51,6 +51,10 @@ class StreamConfig:
     # token mode's stale chunks are answered unseen. With 1, the device drafts ahead while a verification is
     # in flight and sends what it drafted the moment the verdict lets it (nothing, after a rejection).
     depth: int = 0
+    # A pipelined run stops drafting ahead at a draft below eta. Off: only the window bounds it (PicoSpec as
+    # published, whose truncation is about latency only): drafting past a likely rejection costs nothing when
+    # the device would idle anyway and stale token chunks cost the cloud nothing.
+    eta_gate: bool = True
 
     def __post_init__(self):
         if self.group < 1 or self.window < 1 or self.depth < 0:
@@ -120,7 +124,7 @@ async def run_stream(session: StreamSession, send: SendChunk, config: StreamConf
                     continue
                 if room > 0 and session.speculative < config.window and not low_confidence:
                     drafted = await offload(session.draft_step)
-                    low_confidence = drafted.confidence < eta
+                    low_confidence = config.eta_gate and drafted.confidence < eta
                     continue
                 if can_send:
                     await ship(more=room > 0)
@@ -170,7 +174,7 @@ class TokenCloud(Protocol):
 
 
 async def token_stream_session(session: StreamSession, cloud: TokenCloud, session_id: int, config: StreamConfig,
-                               offload: Callable[..., Awaitable] = _inline, downlink: Downlink = "topk",
+                               offload: Callable[..., Awaitable] = _inline, downlink: Downlink = "full",
                                top_k: int = DEFAULT_TOP_K,
                                timings: StreamTimings | None = None) -> AsyncIterator[list[int]]:
     """Token mode (token-sd, picospec): the device drafts alone; the cloud, holding the whole target,
