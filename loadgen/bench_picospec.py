@@ -110,7 +110,7 @@ async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire,
         from shared.specdec.stream_engine import StreamConfig
 
         stream = StreamConfig(mode != "token-sd", config["group"], config["window"], 1 if mode == "hat-async" else 0,
-                              eta_gate=config["eta_gate"])
+                              eta_gate=config["eta_gate"], branches=2 if mode == "hat-async" else 0)
         rounds = (hat_async_session(session, cloud, session_id, fixed_chunks(len(ids), 128), stream, offload,
                                     timings=timings) if mode == "hat-async"
                   else token_stream_session(session, cloud, session_id, stream, offload, downlink, top_k, timings))

@@ -56,7 +56,7 @@ def configs(mode: str) -> list[StreamConfig]:
     if mode == "token-sd":
         return [StreamConfig(pipelined=False)]
     return [StreamConfig(pipelined=True, group=1, window=3),
-            StreamConfig(pipelined=True, group=2, window=8, depth=1 if mode == "hat-async" else 0)]
+            StreamConfig(pipelined=True, group=2, window=8, depth=1 if mode == "hat-async" else 0, branches=3)]
 
 
 @pytest.mark.parametrize("rtt_ms", [0, 20, 60])
@@ -92,6 +92,9 @@ def test_greedy_output_equals_the_unsplit_model(demo_checkpoint, device_model, m
     if mode != "token-sd" and rtt_ms:
         # the pipeline really ran ahead: some chunks were drafted on a token rejected meanwhile
         assert sum(t.stale_chunks for t, _ in stats) > 0
+    if mode != "token-sd":
+        # parallel drafting ran, and a pre-drafted branch became the stream at least once (same output)
+        assert sum(s.predraft_chances for _, s in stats) > 0 and sum(s.reused_branches for _, s in stats) > 0
 
 
 # hat-async verifies on the device, which has the whole target row: it has no downlink to choose

@@ -271,7 +271,10 @@ class DeviceAgent:
         mode = request.option("mode", settings)
         config = StreamConfig(pipelined=mode != "token-sd", group=request.option("stream_group", settings),
                               window=request.option("stream_window", settings), depth=1 if mode == "hat-async" else 0,
-                              eta_gate=request.option("stream_eta_gate", settings))
+                              eta_gate=request.option("stream_eta_gate", settings),
+                              # HAT's parallel drafting, on hat-async (PicoSpec has none)
+                              branches=request.option("parallel_candidates", settings) if mode == "hat-async" else 0,
+                              branch_steps=request.parallel_steps or settings.parallel_steps or 2)
 
         async def offload(fn, *args):
             return await slowed(fn, *args, slowdown=slowdown)

@@ -55,6 +55,10 @@ class StreamConfig:
     # published, whose truncation is about latency only): drafting past a likely rejection costs nothing when
     # the device would idle anyway and stale token chunks cost the cloud nothing.
     eta_gate: bool = True
+    # Parallel drafting (HAT §3.5) while a run's last chunk is verified and the device has nothing else to
+    # do: `branches` top candidates for its last draft, `branch_steps` drafts each (0: off).
+    branches: int = 0
+    branch_steps: int = 2
 
     def __post_init__(self):
         if self.group < 1 or self.window < 1 or self.depth < 0:
@@ -143,6 +147,10 @@ async def run_stream(session: StreamSession, send: SendChunk, config: StreamConf
                     continue
             if not in_flight:
                 raise RuntimeError("stream stalled: nothing to draft, send or wait for")
+            if config.pipelined and config.branches and not session.branches:
+                await offload(session.predraft, config.branches, config.branch_steps, in_flight[0][1].done)
+                if in_flight[0][1].done():
+                    continue
             waited = time.perf_counter()
             await asyncio.wait([in_flight[0][1]])
             timings.waits_s.append(time.perf_counter() - waited)

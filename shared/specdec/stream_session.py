@@ -33,6 +33,26 @@ class DraftedToken:
     confidence: float  # what eta is compared with (HAT eq. 5)
 
 
+# What a line of drafting owns: the sequence, both caches and the per-position tables. The main line is the
+# session's own; a branch (parallel drafting, HAT §3.5) is another line forked from it.
+_LINE = ("seq", "input_cache", "adapter_cache", "q_of", "q_rows", "shallow_rows", "features", "candidates", "stopped")
+
+
+@dataclass
+class StreamBranch:
+    """A continuation pre-drafted from `candidate` in place of the draft at `position` (its correction)."""
+    position: int
+    candidate: int
+    line: dict  # the _LINE fields of the branch
+
+    def free(self) -> None:
+        self.line["input_cache"].free()
+        self.line["adapter_cache"].free()
+
+
+MAX_CANDIDATES = 4  # top tokens kept per draft position, for parallel drafting
+
+
 class StreamSession(DeviceSession):
     """Set `hidden_mode` for hat-async (chunks carry shallow states; the device verifies)."""
 
@@ -50,6 +70,8 @@ class StreamSession(DeviceSession):
         self.q_rows: dict[int, torch.Tensor] = {}  # position -> q [V] (sampling: the correction needs it)
         self.shallow_rows: dict[int, torch.Tensor] = {}  # position -> shallow state [1, H] (hidden mode)
         self.features: dict[int, torch.Tensor] = {len(self.prompt_ids) - 1: feature}  # position -> [1, H]
+        self.candidates: dict[int, list[int]] = {}  # position -> the draft model's top tokens there
+        self.branches: list[StreamBranch] = []
         self.local_verifier = StreamVerifier()  # hidden mode: the device verifies
         self.pending_token = first_token
         self.stopped = False  # EOS drafted: nothing after it may be drafted in this epoch
@@ -110,11 +132,14 @@ class StreamSession(DeviceSession):
             raise SessionError("no room to draft")
         started = time.perf_counter()
         hidden = self._advance()
+        while self.advanced < len(self.seq):  # token mode after a bonus: the last draft and the bonus both wait
+            hidden = self._advance()
         logits = self.model.output(hidden)[0]  # [V]
         q = logits_to_probs(logits, self.params)
         position = len(self.seq)
         token = sample(q, self._draft_stream(-1 - self.epoch, position))
         confidence = float(torch.softmax(logits, -1)[token] if self.params.is_greedy else q[token])
+        self.candidates[position] = torch.topk(logits, MAX_CANDIDATES + 1).indices.tolist()
         self.seq.append(token)
         self.q_of[position] = float(q[token])
         if not self.params.is_greedy:
@@ -165,6 +190,7 @@ class StreamSession(DeviceSession):
             return []  # drafted on a token that was rejected meanwhile
         first_draft = chunk.start_pos + chunk.num_final
         accepted = list(chunk.drafts[: verdict.num_accepted])
+        adopted = False
         self.final_len = first_draft + verdict.num_accepted
         extra: list[int] = []
         if verdict.rejected:
@@ -177,22 +203,83 @@ class StreamSession(DeviceSession):
             self._roll_back(position)
             self.epoch = verdict.epoch
             extra = [correction]
+            adopted = self._adopt_branch(position, correction)
         elif verdict.token is not None:
             if len(self.seq) != chunk.end_pos:
                 raise SessionError("a bonus token for a stream that went on drafting")
             extra = [verdict.token]
         if extra:
-            self.seq.append(extra[0])
+            if not adopted:
+                self.seq.append(extra[0])
             self.final_len += 1
             self.pending_token = extra[0]
         self.verdicts.append((chunk.num_drafts, verdict.num_accepted))
         self.full_accepts += verdict.num_accepted == chunk.num_drafts
         emitted = self._emit(accepted + extra)
         self.accept_lengths.append(len(emitted))
-        for table in (self.q_of, self.q_rows):
+        for table in (self.q_of, self.q_rows, self.candidates):
             for p in [p for p in table if p < self.final_len]:
                 del table[p]
+        for branch in [b for b in self.branches if b.position < self.final_len]:  # decided: no longer a branch
+            self.branches.remove(branch)
+            branch.free()
         return emitted
+
+    # -- parallel drafting (HAT §3.5) on a stream --------------------------------------------------
+    def predraft(self, num_candidates: int, steps: int, should_stop=None) -> int:
+        """While the chunk ending the current run is verified, draft `steps` ahead from each of the draft
+        model's top candidates for its last draft (other than that draft): if the verdict rejects exactly
+        that draft and corrects it to a candidate, the branch becomes the stream (`apply`). Only idle time:
+        `should_stop()` (the verdict came) ends it. Returns the branches drafted."""
+        position = len(self.seq) - 1  # the run's last draft, sent; the stream stopped drafting after it
+        if (self.branches or position < self.final_len or position not in self.candidates or num_candidates < 1
+                or self.sent_len != len(self.seq)):
+            return 0
+        main = {name: getattr(self, name) for name in _LINE}
+        candidates = [c for c in self.candidates[position] if c != self.seq[position]][:num_candidates]
+        try:
+            for candidate in candidates:
+                if should_stop is not None and should_stop():
+                    break
+                line = {**{name: dict(main[name]) if isinstance(main[name], dict) else main[name] for name in _LINE},
+                        "seq": main["seq"][:position] + [candidate], "stopped": False,
+                        "input_cache": main["input_cache"].fork(position),
+                        "adapter_cache": main["adapter_cache"].fork(position)}
+                for name, value in line.items():
+                    setattr(self, name, value)
+                for _ in range(steps):
+                    if should_stop is not None and should_stop() or self.draft_room() < 1 or self.stopped:
+                        break
+                    self.draft_step()
+                self.branches.append(StreamBranch(position, candidate, {name: getattr(self, name) for name in _LINE}))
+        finally:
+            for name, value in main.items():
+                setattr(self, name, value)
+        self.predraft_chances += 1
+        return len(self.branches)
+
+    def _adopt_branch(self, position: int, correction: int) -> bool:
+        """After a rejection at `position` corrected to `correction`: continue from the matching branch."""
+        match = next((b for b in self.branches if b.position == position and b.candidate == correction), None)
+        if match is None:
+            return False
+        self.branches.remove(match)
+        self.input_cache.free()
+        self.adapter_cache.free()
+        for name, value in match.line.items():  # seq: the kept prefix, the correction, the branch's drafts
+            setattr(self, name, value)
+        self.reused_branches += 1
+        return True
+
+    def free_branches(self) -> None:
+        for branch in self.branches:
+            branch.free()
+        self.branches = []
+
+    def free(self) -> None:
+        if hasattr(self, "branches"):
+            self.free_branches()
+        super().free()
 
     def _roll_back(self, position: int) -> None:
         """Drop everything from `position` on (the rejected draft and all drafted after it)."""
