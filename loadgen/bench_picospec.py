@@ -107,10 +107,9 @@ async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire,
                              parallel_candidates=2, parallel_steps=2)
     else:
         session = StreamSession(model, ids, params, drafting, max_new)
-        from shared.specdec.stream_engine import StreamConfig
+        from shared.specdec.stream_engine import stream_config
 
-        stream = StreamConfig(mode != "token-sd", config["group"], config["window"], 1 if mode == "hat-async" else 0,
-                              eta_gate=config["eta_gate"], branches=2 if mode == "hat-async" else 0)
+        stream = stream_config(mode, config["group"], config["window"], config["max_draft"], config["eta_gate"])
         rounds = (hat_async_session(session, cloud, session_id, fixed_chunks(len(ids), 128), stream, offload,
                                     timings=timings) if mode == "hat-async"
                   else token_stream_session(session, cloud, session_id, stream, offload, downlink, top_k, timings))
@@ -199,7 +198,9 @@ def _modelled(stats: ModeStats, row: dict, rtt_s: float, mode: str) -> dict:
 
     alpha = alpha_from_verdicts(stats.verdicts)
     gamma = max(1, round(statistics.fmean(d for d, _ in stats.verdicts)))
-    prediction = predict(alpha, gamma, row["draft_ms_per_token"] / 1e3, rtt_s, row["verify_ms_per_step"] / 1e3)
+    # a synchronous round ends with the bonus (or correction) token: sync_bonus
+    prediction = predict(alpha, gamma, row["draft_ms_per_token"] / 1e3, rtt_s, row["verify_ms_per_step"] / 1e3,
+                         sync_bonus=True)
     modelled = prediction.async_tokens_per_s if mode in ("picospec", "hat-async") else prediction.sync_tokens_per_s
     return {"alpha": alpha, "gamma": gamma, "modelled_tokens_per_s": modelled,
             "modelled_bubble_ms": 1e3 * prediction.bubble_s}

@@ -21,7 +21,8 @@ from shared.specdec.device_session import DraftConfig
 from shared.specdec.engine import fixed_chunks
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from shared.specdec.stream_engine import StreamConfig, StreamTimings, hat_async_session, token_stream_session
+from shared.specdec.stream_engine import (StreamConfig, StreamTimings, hat_async_session, stream_config,
+                                         token_stream_session)
 from shared.specdec.stream_session import StreamSession
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
@@ -56,7 +57,8 @@ def configs(mode: str) -> list[StreamConfig]:
     if mode == "token-sd":
         return [StreamConfig(pipelined=False)]
     return [StreamConfig(pipelined=True, group=1, window=3),
-            StreamConfig(pipelined=True, group=2, window=8, depth=1 if mode == "hat-async" else 0, branches=3)]
+            StreamConfig(pipelined=True, group=2, window=8, depth=1 if mode == "hat-async" else 0, branches=3),
+            stream_config(mode, group=2, window=8, max_draft=6)]  # what the device agent runs
 
 
 @pytest.mark.parametrize("rtt_ms", [0, 20, 60])

@@ -53,7 +53,7 @@ from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.replay import ReplayingCloud
 from shared.modes import STREAM_MODES, TOKEN_MODES, Downlink, Mode
 from shared.specdec.sampling import SamplingParams
-from shared.specdec.stream_engine import StreamConfig, hat_async_session, token_stream_session
+from shared.specdec.stream_engine import hat_async_session, stream_config, token_stream_session
 from shared.specdec.stream_session import StreamSession
 from shared.telemetry import TelemetryClient
 from shared.tls import client_context
@@ -269,12 +269,11 @@ class DeviceAgent:
         """token-sd / picospec / hat-async: the tokens each verdict makes final (stream_engine.py)."""
         settings = self.settings
         mode = request.option("mode", settings)
-        config = StreamConfig(pipelined=mode != "token-sd", group=request.option("stream_group", settings),
-                              window=request.option("stream_window", settings), depth=1 if mode == "hat-async" else 0,
-                              eta_gate=request.option("stream_eta_gate", settings),
-                              # HAT's parallel drafting, on hat-async (PicoSpec has none)
-                              branches=request.option("parallel_candidates", settings) if mode == "hat-async" else 0,
-                              branch_steps=request.parallel_steps or settings.parallel_steps or 2)
+        config = stream_config(mode, request.stream_group or settings.stream_group,
+                               request.stream_window or settings.stream_window, settings.max_draft,
+                               request.option("stream_eta_gate", settings),
+                               request.option("parallel_candidates", settings),
+                               request.parallel_steps or settings.parallel_steps or 2)
 
         async def offload(fn, *args):
             return await slowed(fn, *args, slowdown=slowdown)

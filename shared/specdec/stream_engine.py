@@ -59,6 +59,10 @@ class StreamConfig:
     # do: `branches` top candidates for its last draft, `branch_steps` drafts each (0: off).
     branches: int = 0
     branch_steps: int = 2
+    # Latency-aware truncation: with no chunk in flight, send what is drafted at once, short of a group. Pays
+    # where a verification is cheap next to drafting (PicoSpec's large target on a GPU); where a cloud pass
+    # costs several draft steps, every extra chunk is an extra pass (hat-async turns it off).
+    idle_send: bool = True
 
     def __post_init__(self):
         if self.group < 1 or self.window < 1 or self.depth < 0:
@@ -74,6 +78,23 @@ class StreamTimings:
 
     def __post_init__(self):
         self.waits_s = [] if self.waits_s is None else self.waits_s
+
+
+def stream_config(mode: str, group: int, window: int, max_draft: int, eta_gate: bool = True,
+                  branches: int = 2, branch_steps: int = 2) -> StreamConfig:
+    """The configuration each streamed mode runs with. token-sd: one chunk per round. picospec: PicoSpec's
+    pipeline (small groups, truncation when the verifier idles, any number of chunks in flight).
+    hat-async: HAT's rounds (a run of up to `max_draft` drafts ends at eta, with parallel-draft branches
+    while it is verified) plus drafting ahead past a full-length run while it is verified; one chunk in
+    flight and no truncation, because a hidden-state chunk costs a cloud pass even when stale."""
+    if mode == "token-sd":
+        return StreamConfig(pipelined=False)
+    if mode == "picospec":
+        return StreamConfig(pipelined=True, group=group, window=window, eta_gate=eta_gate)
+    if mode == "hat-async":
+        return StreamConfig(pipelined=True, group=max_draft, window=max(window, 2 * max_draft), depth=1,
+                            eta_gate=eta_gate, branches=branches, branch_steps=branch_steps, idle_send=False)
+    raise ValueError(f"{mode!r} is not a streamed mode")
 
 
 async def _inline(fn, *args):
@@ -123,14 +144,14 @@ async def run_stream(session: StreamSession, send: SendChunk, config: StreamConf
                     # chunk ends the run and asks for the bonus; drafting resumes from the verdict
                     await ship(more=False)
                     continue
-                if can_send and (unsent_drafts >= config.group or (unsent_drafts and not in_flight)):
+                if can_send and (unsent_drafts >= config.group or (config.idle_send and unsent_drafts and not in_flight)):
                     await ship(more=True)  # a full group, or the verifier is idle (truncation)
                     continue
                 if room > 0 and session.speculative < config.window and not low_confidence:
                     drafted = await offload(session.draft_step)
                     low_confidence = config.eta_gate and drafted.confidence < eta
                     continue
-                if can_send:
+                if can_send and (config.idle_send or in_flight or room == 0 or session.speculative >= config.window):
                     await ship(more=room > 0)
                     continue
                 if session.hidden_mode and not in_flight and session.advanced < len(session.seq):
