@@ -62,8 +62,10 @@ def link_with_rtt(link: str, rtt_ms: float | None) -> str:
         return link
     if rtt_ms < 0:
         raise ValueError(f"--rtt-ms must be >= 0, got {rtt_ms}")
-    latency = f"lat={rtt_ms / 2:g}ms"
-    return latency if link in ("", "none") else f"{link},{latency}"
+    kept = [part for part in link.split(",") if part.strip() and not part.strip().lower().startswith("lat=")]
+    if kept in ([], ["none"]):
+        kept = []
+    return ",".join([*kept, f"lat={rtt_ms / 2:g}ms"])
 
 
 def ablation_modes() -> dict[str, Mode]:
@@ -133,7 +135,7 @@ def format_table(results: dict[tuple[str, float], dict], baseline: str, title: s
 def save_table(out: Path, name: str, table: str, results: dict[tuple[str, float], dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.txt").write_text(table + "\n")
-    summary = {f"{mode}@{rate:g}": {k: v for k, v in r.items() if not isinstance(v, (list, dict))}
+    summary = {f"{mode}@{rate:g}": {"mode": mode, **{k: v for k, v in r.items() if not isinstance(v, (list, dict))}}
                for (mode, rate), r in results.items()}
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
