@@ -30,14 +30,6 @@ import torch
 log = logging.getLogger("loadgen.bench_picospec")
 
 MODES = ("cloud", "token-sd", "picospec", "hat", "hat-async")
-PROMPTS = [
-    "Explain why the sky is blue in two sentences.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "List three tips for staying focused while studying.",
-    "What is the difference between a list and a tuple in Python?",
-    "Summarise the plot of Romeo and Juliet in a few lines.",
-    "Give me a short recipe for pancakes.",
-]
 
 
 @dataclass
@@ -225,8 +217,9 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from loadgen.bench_core import bench_prompts
     from shared.model.checkpoint import load_checkpoint
-    from shared.runtime import build_device_model, encode_prompt
+    from shared.runtime import build_device_model
     from tophatctl.models import resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -252,9 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     checkpoint = load_checkpoint(resolve_model(args.model))
     model = build_device_model(checkpoint, 2, None)
-    prompts_ids = [encode_prompt(checkpoint, None, None, [{"role": "user", "content": p}])
-                   if getattr(checkpoint.tokenizer, "chat_template", None)
-                   else encode_prompt(checkpoint, p, None) for p in PROMPTS[: args.prompts]]
+    prompts_ids = bench_prompts(checkpoint, args.prompts)  # held-out chat prompts (stdlib code for the demo model)
     config = {"eta": args.eta, "max_draft": args.max_draft, "group": args.group, "window": args.window,
               "split_layers": 2, "eta_gate": not args.no_eta_gate}
     rows = []
