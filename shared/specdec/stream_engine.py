@@ -26,7 +26,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -71,13 +71,10 @@ class StreamConfig:
 
 @dataclass
 class StreamTimings:
-    """What the expected-time model (picospec_model.py) needs, measured on this stream."""
+    """Counts of one stream, for the bench and the tests."""
     chunks: int = 0
     stale_chunks: int = 0
-    waits_s: list[float] = None  # each wait for a verdict with nothing else to do (the bubbles)
-
-    def __post_init__(self):
-        self.waits_s = [] if self.waits_s is None else self.waits_s
+    waits_s: list[float] = field(default_factory=list)  # each wait for a verdict with nothing else to do
 
 
 def stream_config(mode: str, group: int, window: int, max_draft: int, eta_gate: bool = True,
