@@ -269,8 +269,8 @@ class DeviceAgent:
         """token-sd / picospec / hat-async: the tokens each verdict makes final (stream_engine.py)."""
         settings = self.settings
         mode = request.option("mode", settings)
-        config = stream_config(mode, request.stream_group or settings.stream_group,
-                               request.stream_window or settings.stream_window, settings.max_draft,
+        config = stream_config(mode, request.option("stream_group", settings),
+                               request.option("stream_window", settings), settings.max_draft,
                                request.option("stream_eta_gate", settings),
                                request.option("parallel_candidates", settings),
                                request.parallel_steps or settings.parallel_steps or 2)

@@ -23,10 +23,9 @@ gets the verdict from the cloud, hat-async computes it on the device from the de
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -74,7 +73,6 @@ class StreamTimings:
     """Counts of one stream, for the bench and the tests."""
     chunks: int = 0
     stale_chunks: int = 0
-    waits_s: list[float] = field(default_factory=list)  # each wait for a verdict with nothing else to do
 
 
 def stream_config(mode: str, group: int, window: int, max_draft: int, eta_gate: bool = True,
@@ -169,9 +167,7 @@ async def run_stream(session: StreamSession, send: SendChunk, config: StreamConf
                 await offload(session.predraft, config.branches, config.branch_steps, in_flight[0][1].done)
                 if in_flight[0][1].done():
                     continue
-            waited = time.perf_counter()
             await asyncio.wait([in_flight[0][1]])
-            timings.waits_s.append(time.perf_counter() - waited)
     finally:
         # Verdicts still coming (the session ended on EOS or the budget, or was cancelled): let their
         # requests finish on their own (each is bounded by the cloud client's timeout); retrieve errors.

@@ -196,10 +196,9 @@ class StreamSession(DeviceSession):
         if verdict.rejected:
             position = first_draft + verdict.num_accepted
             payload = verdict.rejection
-            q_row = self.q_rows.get(position)
-            if q_row is None:  # greedy: the correction itself came down
-                q_row = torch.zeros(payload.vocab_size)
-            correction = correction_token(payload, q_row, self.generator)
+            # greedy: the correction itself came down; sampling: drawn from the residual with this draft's q row
+            correction = (payload.token if payload.kind == "token"
+                          else correction_token(payload, self.q_rows[position], self.generator))
             self._roll_back(position)
             self.epoch = verdict.epoch
             extra = [correction]
@@ -288,7 +287,7 @@ class StreamSession(DeviceSession):
         if self.advanced > position:
             self.input_cache.truncate(position)
             self.adapter_cache.truncate(position)
-        for table in (self.q_of, self.q_rows, self.shallow_rows, self.features):
+        for table in (self.q_of, self.q_rows, self.shallow_rows, self.features, self.candidates):
             for p in [p for p in table if p >= position]:
                 del table[p]
         self.stopped = False
