@@ -61,11 +61,11 @@ async def test_slowed_stretches_wall_time_without_blocking_the_loop() -> None:
     elapsed = time.perf_counter() - start
     tick_task.cancel()
     assert result == 6
-    assert 0.15 <= elapsed < 0.15 + 0.08
+    assert 0.15 <= elapsed < 0.15 + 0.3  # upper bound loose: a loaded machine's threads run late
     assert ticks >= 8  # the loop kept running during both the work and the stretch
 
     start = time.perf_counter()
     await slowed(work, 1, scale=1, slowdown=1.0)
-    assert time.perf_counter() - start < 0.05 + 0.04
+    assert time.perf_counter() - start < 0.05 + 0.1  # no stretch (3x would add >= 0.1)
     with pytest.raises(ValueError):
         await slowed(work, 1, scale=1, slowdown=0.5)

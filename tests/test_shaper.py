@@ -9,7 +9,7 @@ import time
 import pytest
 
 from shared.links import UNSHAPED, LinkProfile
-from shared.shaper import DelayLine, LinkShaper, shapers_for
+from shared.shaper import TIMER_SLACK_S, DelayLine, LinkShaper, shapers_for
 
 
 def test_single_frame_pays_serialization_plus_latency() -> None:
@@ -66,14 +66,42 @@ def test_shapers_for_profile() -> None:
     assert (up.rate_bytes_s, down.rate_bytes_s, up.latency_s, down.jitter_s) == (1e3, 2e3, 0.004, 0.001)
 
 
-async def test_real_clock_throughput_within_15_percent() -> None:
+async def test_timer_overshoot_of_the_caller_is_forgiven(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fake clock whose sleeps all wake 1 ms late (a busy box): back-to-back
+    # frames from one task still get the whole rate, because each booking
+    # starts at the previous frame's intended finish, not at the late wake-up.
+    fake_now = [100.0]
+    overshoot = 0.001
+
+    async def late_sleep(delay: float) -> None:
+        fake_now[0] += delay + overshoot
+
+    monkeypatch.setattr("shared.shaper.asyncio.sleep", late_sleep)
+    link = LinkShaper(200_000.0, latency_s=0.0, clock=lambda: fake_now[0])
+    for _ in range(12):
+        await link.transmit(10_000)
+    # 12 frames of 50 ms each: only the last wake-up's overshoot remains.
+    assert fake_now[0] - 100.0 == pytest.approx(12 * 0.05 + overshoot)
+
+    # Lateness beyond the slack is not forgiven: an idle link banks nothing.
+    fake_now[0] += 1.0
+    start = fake_now[0]
+    await link.transmit(10_000)
+    assert fake_now[0] - start == pytest.approx(0.05 + overshoot)
+
+
+async def test_real_clock_never_exceeds_the_rate() -> None:
+    # A loaded machine can only make the sleeps longer, so the rate is the
+    # bound asserted here; that late wake-ups are forgiven is tested above
+    # with a fake clock (a real-clock throughput target would be a timed test).
     rate = 200_000.0  # 0.6 s of traffic in 10 KB frames, sent by one task
     link = LinkShaper(rate, latency_s=0.0)
     start = time.monotonic()
     for _ in range(12):
         await link.transmit(10_000)
     elapsed = time.monotonic() - start
-    assert 12 * 10_000 / elapsed == pytest.approx(rate, rel=0.15)
+    assert elapsed >= 12 * 10_000 / rate - TIMER_SLACK_S
+    assert (link.frames, link.bytes) == (12, 120_000)
 
 
 async def test_real_clock_latency_added_and_order_kept_under_concurrency() -> None:
@@ -91,8 +119,9 @@ async def test_real_clock_latency_added_and_order_kept_under_concurrency() -> No
     start = time.monotonic()
     await asyncio.gather(*(send(i) for i in range(20)))
     assert done == list(range(20))
-    # 20 frames x 1 ms serialization + one (pipelined) latency, not 20 latencies
-    assert time.monotonic() - start < 0.02 + 0.07 + 0.1
+    # 20 frames x 1 ms serialization + one (pipelined) latency (~0.09 s), not
+    # 20 latencies (>= 0.6 s); the margin is for a loaded machine's late timers
+    assert time.monotonic() - start < 0.4
 
 
 async def test_delay_line_pipelines_latency_and_keeps_rate_and_order() -> None:
@@ -106,17 +135,18 @@ async def test_delay_line_pipelines_latency_and_keeps_rate_and_order() -> None:
     start = time.monotonic()
     for i in range(100):  # 100 x 4 KB = 1 s of serialization
         await line.put(bytes([i]) * 4000)
-    # put() only blocks while > 50 ms is queued, so the sender is not stop-and-wait
-    assert time.monotonic() - start < 1.0
+    # put() only blocks while > 50 ms is queued, so the sender is not
+    # stop-and-wait (that would take 100 x 0.11 s); ~0.95 s on an idle machine
+    assert time.monotonic() - start < 4.0
     await line.drain()
     await line.aclose()
     assert [i for _, i in received] == list(range(100))
     first_arrival = received[0][0] - start
     assert first_arrival >= 4000 / rate + latency - 0.01 - 0.002
     elapsed = received[-1][0] - received[0][0]  # 99 frames' serialization between first and last
-    assert 99 * 4000 / elapsed == pytest.approx(rate, rel=0.15)
-    # total ~ 1 s + one latency, far from 100 latencies
-    assert received[-1][0] - start < 1.0 + latency + 0.2
+    assert elapsed >= 99 * 4000 / rate - 0.01 - 0.002  # never faster than the rate (jitter aside)
+    # total ~ 1 s + one latency, far from 100 latencies (11 s); slack for a loaded machine
+    assert received[-1][0] - start < 1.0 + latency + 3.0
 
 
 async def test_delay_line_surfaces_deliver_errors() -> None:
