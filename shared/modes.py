@@ -9,7 +9,8 @@ from typing import Literal, get_args
 # cloud:     the whole model in the cloud, token ids, one token per round trip (no privacy)
 # token-sd:  the device drafts with its own small model, the cloud verifies token ids (no privacy)
 # picospec:  token-sd with the asynchronous pipeline, streamed drafts and a sparse downlink (no privacy)
-Mode = Literal["hat", "hat-async", "cloud", "token-sd", "picospec"]
+# device:    the device's draft model alone, no cloud at all (DiSCo's on-device endpoint; private)
+Mode = Literal["hat", "hat-async", "cloud", "token-sd", "picospec", "device"]
 MODES: tuple[str, ...] = get_args(Mode)
 TOKEN_MODES = frozenset({"cloud", "token-sd", "picospec"})  # token ids on the wire: never for a privacy session
 STREAM_MODES = frozenset({"hat-async", "token-sd", "picospec"})  # drafts as a stream (shared/specdec/stream_engine.py)

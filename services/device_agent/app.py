@@ -7,12 +7,14 @@
         {"type":"done", "finish_reason", "stats"} | {"type":"error", "code", "message"}
     GET /info, /healthz, /readyz
 
-Two modes, per agent (`mode` setting) or per request (`"mode"` in the body):
-`hat` (HAT: U-shaped split, hidden states only, with the SD/PC/PD switches) and
+Modes, per agent (`mode` setting) or per request (`"mode"` in the body; shared/modes.py):
+`hat` (HAT: U-shaped split, hidden states only, with the SD/PC/PD switches), `hat-async`,
 `cloud` (HAT's cloud baseline: the device tokenizes and sends token ids, the
 verifier, started with TOPHAT_VERIFIER_FULL_MODEL, runs the whole model and
-samples one token per round trip; no privacy, and SD/PC/PD do not apply). Both
-stream the same events; in cloud mode every `tokens` event holds one token.
+samples one token per round trip; no privacy, and SD/PC/PD do not apply), the token
+modes `token-sd` / `picospec`, and `device` (DiSCo's on-device endpoint: the draft
+model alone, no cloud). All stream the same events. `prefix_ids` continue an answer
+another endpoint began (DiSCo's migration): read after the prompt, never re-sent.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import httpx
 import torch
@@ -50,6 +53,7 @@ from shared.model.placement import detect_placement
 from shared.runtime import build_device_model, encode_prompt
 from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError, warm_up_device
 from shared.specdec.engine import fixed_chunks, run_session
+from shared.specdec.local_decode import LocalSession, local_session
 from shared.specdec.replay import ReplayingCloud
 from shared.modes import STREAM_MODES, TOKEN_MODES, Downlink, Mode
 from shared.specdec.sampling import SamplingParams
@@ -80,6 +84,9 @@ class GenerateRequest(BaseModel):
     prompt: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[ChatTurn] | None = None
+    # Tokens another endpoint already generated for this request (DiSCo's token-level migration):
+    # read after the prompt, never sent back; the answer goes on from them.
+    prefix_ids: list[int] | None = Field(None, max_length=4096)
     max_new_tokens: int = Field(64, ge=1, le=4096)
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -112,16 +119,20 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 class IncrementalDetokenizer:
     """Text deltas from a growing token list, holding back incomplete UTF-8."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, prefix_ids: list[int] | None = None):
         self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.emitted = ""
+        # Text already shown (another endpoint's tokens): deltas continue it, so they join without a seam.
+        self.token_ids: list[int] = list(prefix_ids or [])
+        self.emitted = "" if tokenizer is None or not self.token_ids else self._decode()
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
 
     def push(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         self.token_ids += token_ids
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        text = self._decode()
         if text.endswith("\ufffd"):
             return ""
         delta, self.emitted = text[len(self.emitted):], text
@@ -304,7 +315,7 @@ class DeviceAgent:
         """NDJSON events of one request; `session` is None in cloud mode."""
         started = time.perf_counter()
         timeline = Timeline()  # seconds since `started`, one delivery per round
-        detok = IncrementalDetokenizer(self.checkpoint.tokenizer)
+        detok = IncrementalDetokenizer(self.checkpoint.tokenizer, request.prefix_ids)
         session_id = random.getrandbits(63)
         cloud_generated: list[int] = []
         # Counted in both modes, so the speed schedule (HAT's mode switches) sees the same requests.
@@ -316,6 +327,8 @@ class DeviceAgent:
             mode = request.option("mode", self.settings)
             if session is None:
                 rounds = self._cloud_rounds(request, ids, session_id, cloud_generated)
+            elif isinstance(session, LocalSession):
+                rounds = local_session(session, partial(slowed, slowdown=request_slowdown))
             elif mode in STREAM_MODES:
                 rounds = self._stream_rounds(request, session, session_id, request_slowdown)
             else:
@@ -466,6 +479,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         try:
             messages = None if request.messages is None else [m.model_dump() for m in request.messages]
             ids = encode_prompt(agent.checkpoint, request.prompt, request.prompt_ids, messages)
+            if request.prefix_ids:
+                ids = ids + encode_prompt(agent.checkpoint, None, request.prefix_ids)  # checked like prompt ids
             params = SamplingParams(request.temperature, request.top_p, request.seed)
             mode = request.option("mode", settings)
             if request.privacy and mode in TOKEN_MODES:
@@ -483,8 +498,10 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             max_draft = settings.max_draft if speculative else 0
             if mode in STREAM_MODES and (agent.model.adapter is None or not max_draft):
                 return _error(400, "bad_request", f"mode {mode} drafts: it needs speculative=true and a draft adapter")
-            session = (StreamSession if mode in STREAM_MODES else DeviceSession)(
-                agent.model, ids, params, DraftConfig(settings.eta, max_draft), request.max_new_tokens)
+            if mode == "device" and agent.model.adapter is None:
+                return _error(400, "bad_request", "mode device generates with the draft model: this device has none")
+            session_type = LocalSession if mode == "device" else StreamSession if mode in STREAM_MODES else DeviceSession
+            session = session_type(agent.model, ids, params, DraftConfig(settings.eta, max_draft), request.max_new_tokens)
         except (SessionError, ValueError) as exc:
             return _error(400, "bad_request", str(exc))
         agent.active += 1
