@@ -9,7 +9,7 @@ service builds its set here and counts where it owns the fact:
                     e2e_request_latency (per request, from arrival at the streamer)
     verifier        batched tokens and step time per step, live sessions, KV bytes, bad frames by code
     chunk planner   decisions by plan and source (eq3 / eq6 / default:<reason>)
-    state monitor   telemetry records ingested by kind
+    state monitor   telemetry records ingested by kind; request records by endpoint and their cost in $ (DiSCo)
 
 Each instance has its own CollectorRegistry (not the process-global default), so
 several services in one process (tests, the in-process launcher) never collide.
@@ -198,7 +198,20 @@ class MonitorMetrics:
         self.registry = CollectorRegistry()
         self.records = Counter(_name("telemetry_records"), "Telemetry records ingested, by kind", ["kind"],
                                registry=self.registry)
+        self.requests = Counter(_name("requests"), "Finished requests reported, by the endpoint that delivered "
+                                "the first token (device, cloud, hat; unknown when the sender did not say)",
+                                ["endpoint"], registry=self.registry)
+        self.request_cost = Counter(_name("request_cost_dollars"), "Cost of finished requests in $ (DiSCo's "
+                                    "unified cost), by the endpoint that delivered the first token",
+                                    ["endpoint"], registry=self.registry)
 
     @never_raises
     def record(self, kind: str) -> None:
         self.records.labels(kind=kind).inc()
+
+    @never_raises
+    def request(self, endpoint: str | None, cost: float | None) -> None:
+        label = endpoint or "unknown"
+        self.requests.labels(endpoint=label).inc()
+        if cost is not None:
+            self.request_cost.labels(endpoint=label).inc(cost)

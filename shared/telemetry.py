@@ -15,6 +15,8 @@ Key layout (see docs/redis-keys.md for fields and retention):
     tophat:devices               set     ids of devices that ever reported
     tophat:requests              stream  one entry per finished request
     tophat:request:{id}          hash    per-request summary, expires (TTL)
+    tophat:disco:prompt_tokens   list    recent prompt lengths, newest first, capped (DiSCo eq. 3)
+    tophat:disco:server_ttft_s   list    recent server-endpoint TTFTs, newest first, capped (DiSCo eq. 1)
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ VERIFIER_STEPS = f"{PREFIX}:verifier:steps"
 VERIFIER_STATE = f"{PREFIX}:verifier:state"
 DEVICES = f"{PREFIX}:devices"
 REQUESTS = f"{PREFIX}:requests"
+# DiSCo's two distributions: the prompt-length one behind l_th and the server TTFT CDF behind w_tail.
+DISCO_PROMPT_TOKENS = f"{PREFIX}:disco:prompt_tokens"
+DISCO_SERVER_TTFT = f"{PREFIX}:disco:server_ttft_s"
 
 RECORD_KINDS = ("verifier_step", "device_draft", "device_transfer", "request")
 
@@ -190,8 +195,10 @@ class TelemetrySink:
 
     async def write(self, *, events: Iterable[tuple[str, Mapping[str, Any]]] = (),
                     states: Iterable[tuple[str, Mapping[str, Any], int | None]] = (),
-                    members: Iterable[tuple[str, str]] = ()) -> bool:
-        """One round trip: XADD each event (MAXLEN ~), HSET each state (+EXPIRE), SADD members."""
+                    members: Iterable[tuple[str, str]] = (),
+                    lists: Iterable[tuple[str, Any, int]] = ()) -> bool:
+        """One round trip: XADD each event (MAXLEN ~), HSET each state (+EXPIRE), SADD members,
+        LPUSH each (list, value, cap) and LTRIM it to its newest `cap` values."""
         if self._outage.down or self._closed:
             self._outage.dropped += 1
             if time.monotonic() - self._last_ping >= self.initial_backoff_s:
@@ -206,6 +213,9 @@ class TelemetrySink:
                 pipe.expire(key, ttl)
         for key, member in members:
             pipe.sadd(key, member)
+        for key, value, cap in lists:
+            pipe.lpush(key, encode_value(value))
+            pipe.ltrim(key, 0, cap - 1)
         try:
             async with asyncio.timeout(self.timeout_s):
                 await pipe.execute()
@@ -227,6 +237,23 @@ class TelemetrySink:
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await self._redis.hgetall(key)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._mark_down(exc, dropped=False)
+            return None
+
+    async def read_lists(self, keys: Sequence[str], count: int) -> list[list[str]] | None:
+        """The first `count` values of each list in one round trip; None if Redis is unavailable. A read
+        during an outage wakes the reconnect loop as a write does, so readers are served soon after it ends."""
+        if self._outage.down:
+            if time.monotonic() - self._last_ping >= self.initial_backoff_s:
+                self._wake.set()
+            return None
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.lrange(key, 0, count - 1)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return list(await pipe.execute())
         except (RedisError, OSError, TimeoutError) as exc:
             self._mark_down(exc, dropped=False)
             return None
@@ -337,10 +364,19 @@ class TelemetryClient:
 
     def emit_request(self, request_id: str, *, device_id: str | None = None, ttft_s: float | None = None,
                      token_times_s: Sequence[float] = (), accept_lengths: Sequence[int] = (),
-                     prompt_tokens: int | None = None) -> None:
-        self.emit({"kind": "request", "request_id": request_id, "device_id": device_id, "ttft_s": ttft_s,
-                   "token_times_s": list(token_times_s), "accept_lengths": list(accept_lengths),
-                   "prompt_tokens": prompt_tokens, "ts": time.time()})
+                     prompt_tokens: int | None = None, endpoint: str | None = None,
+                     server_ttft_s: float | None = None, cost: float | None = None,
+                     dispatch: str | None = None) -> None:
+        """endpoint: which of "device", "cloud", "hat" delivered the first token; server_ttft_s: the server
+        endpoint's own TTFT (the time its first token arrived even when it lost the race; None when it was
+        cancelled first); cost: $ for the request; dispatch: the policy's decision. Left out when None, so a
+        monitor that predates them still accepts the record."""
+        record = {"kind": "request", "request_id": request_id, "device_id": device_id, "ttft_s": ttft_s,
+                  "token_times_s": list(token_times_s), "accept_lengths": list(accept_lengths),
+                  "prompt_tokens": prompt_tokens, "ts": time.time()}
+        disco = {"endpoint": endpoint, "server_ttft_s": server_ttft_s, "cost": cost, "dispatch": dispatch}
+        record.update({k: v for k, v in disco.items() if v is not None})
+        self.emit(record)
 
     async def aclose(self, drain_timeout_s: float = 1.0) -> None:
         """Give in-flight sends `drain_timeout_s`, cancel the rest, close the client."""

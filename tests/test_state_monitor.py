@@ -84,7 +84,7 @@ async def test_keys_appear_and_state_is_served(server: EmbeddedRedis) -> None:
     r = redis.Redis.from_url(server.url, decode_responses=True)
     assert set(r.keys("tophat:*")) == {
         tk.VERIFIER_STEPS, tk.VERIFIER_STATE, tk.DEVICES, tk.REQUESTS, tk.request_key("req-1"),
-        tk.device_events_key("jetson-1"), tk.device_state_key("jetson-1")}
+        tk.device_events_key("jetson-1"), tk.device_state_key("jetson-1"), tk.DISCO_PROMPT_TOKENS}
     assert r.type(tk.VERIFIER_STEPS) == "stream" and r.xlen(tk.VERIFIER_STEPS) == 2
     state = r.hgetall(tk.VERIFIER_STATE)
     assert float(state["mu"]) == pytest.approx(cloud["mu"]) and len(json.loads(state["g"])) == 2

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, HTTPException, Query, Request
-from fastapi.responses import Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.state_monitor.settings import Settings, load_settings
@@ -95,6 +98,13 @@ class RequestDone(_Record):
                                                               description="accepted draft tokens per verification")
     prompt_tokens: int | None = Field(default=None, ge=0)
     generated_tokens: int | None = Field(default=None, ge=0)
+    endpoint: Literal["device", "cloud", "hat"] | None = Field(default=None, description="DiSCo: the endpoint "
+                                                               "that delivered the first token")
+    server_ttft_s: Seconds | None = Field(default=None, description="the server endpoint's own TTFT, also when "
+                                          "it lost the race; None when it was cancelled before its first token")
+    cost: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(default=None, description="$ for the "
+                                                                             "request (DiSCo's unified cost)")
+    dispatch: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")] | None = None
 
 
 class DeviceAnnouncement(BaseModel):
@@ -154,8 +164,11 @@ class Monitor:
             return await self._write(events=[(tk.VERIFIER_STEPS, raw)], states=[(tk.VERIFIER_STATE, self._cloud_hash(), None)])
         if isinstance(rec, RequestDone):
             summary = {**raw, "mean_tbt_s": _mean(rec.token_times_s), "mean_accept_len": _mean(rec.accept_lengths)}
+            cap = self.settings.disco_history
+            samples = [(tk.DISCO_PROMPT_TOKENS, rec.prompt_tokens), (tk.DISCO_SERVER_TTFT, rec.server_ttft_s)]
             return await self._write(events=[(tk.REQUESTS, summary)],
-                                     states=[(tk.request_key(rec.request_id), summary, self.settings.request_ttl_s)])
+                                     states=[(tk.request_key(rec.request_id), summary, self.settings.request_ttl_s)],
+                                     lists=[(key, value, cap) for key, value in samples if value is not None])
         dev = self.device(rec.device_id)
         if isinstance(rec, DeviceDraft):
             dev.observe_draft(rec.step_s, now, round_overhead_s=rec.round_overhead_s,
@@ -225,6 +238,21 @@ def _mean(xs: list[float] | list[int]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _parsed(values: list[str], kind: type[int] | type[float]) -> list[Any]:
+    """List values as numbers; one the monitor did not write (garbage in Redis) is skipped, not served."""
+    out = []
+    for value in values:
+        try:
+            number = kind(value)
+        except ValueError:
+            number = math.nan
+        if math.isfinite(number):
+            out.append(number)
+        else:
+            log.warning("skipping unreadable %s sample in redis: %r", kind.__name__, value[:32])
+    return out
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; Redis URL = settings.redis_url, else env REDIS_URL, else in-memory only."""
     settings = settings or load_settings()
@@ -259,6 +287,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.ready = False
     app.state.monitor = monitor
 
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's own 422 echoes each bad input, and a NaN or Infinity there made its JSON encoder raise (a
+        500 instead of the 422); the echo is dropped, which also keeps a 100k-sample record from coming back."""
+        errors = [{k: v for k, v in err.items() if k != "input"} for err in exc.errors()]
+        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
     @app.post("/telemetry")
     async def post_telemetry(body: Record | list[Record], request: Request) -> dict[str, Any]:
         records = body if isinstance(body, list) else [body]
@@ -269,6 +304,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         for rec in records:
             persisted += await monitor.ingest(rec)
             metrics.record(rec.kind)
+            if isinstance(rec, RequestDone):
+                metrics.request(rec.endpoint, rec.cost)
         return {"accepted": len(records), "persisted": persisted}
 
     @app.post("/devices/announce")
@@ -309,6 +346,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/predict")
     async def predict(mu: Annotated[float, Query(ge=0, allow_inf_nan=False)]) -> dict[str, Any]:
         return {"mu": mu, "g": monitor.cloud.g.predict(mu), "observed_buckets": monitor.cloud.g.observed_buckets}
+
+    @app.get("/disco/history")
+    async def disco_history(limit: int | None = Query(None, ge=1, le=settings.disco_history)) -> dict[str, Any]:
+        """DiSCo's samples, newest first, read from Redis (so a restarted monitor serves its predecessor's)."""
+        keys = [tk.DISCO_PROMPT_TOKENS, tk.DISCO_SERVER_TTFT]
+        lists = await sink.read_lists(keys, limit or settings.disco_history) if sink is not None else None
+        if lists is None:
+            reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(url)}"
+            raise HTTPException(503, f"disco history lives in redis, which is {reason}")
+        return {"prompt_tokens": _parsed(lists[0], int), "server_ttft_s": _parsed(lists[1], float), "source": "redis"}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -33,6 +33,9 @@ class Settings:
     device_stale_s: float = 30.0         # device state older than this is flagged stale
     max_batch: int = 1000                # records per POST /telemetry
     announce_ttl_s: float = 15.0         # a device agent not announced for this long leaves GET /devices
+    # DiSCo: how many recent prompt lengths and server TTFTs Redis keeps (tophat:disco:* lists) for the
+    # streamer's length threshold (eq. 3) and server-TTFT CDF (eq. 1); GET /disco/history serves them.
+    disco_history: int = 2000
     # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
     # open); empty: open, as before. repr=False: settings are never printed with it.
     auth_secret: str = field(default="", repr=False)
@@ -47,8 +50,8 @@ class Settings:
         check_server_files(self.tls_cert, self.tls_key)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
-        if self.stream_maxlen < 1 or self.request_ttl_s < 1 or self.max_batch < 1:
-            raise ValueError("stream_maxlen, request_ttl_s and max_batch must be >= 1")
+        if min(self.stream_maxlen, self.request_ttl_s, self.max_batch, self.disco_history) < 1:
+            raise ValueError("stream_maxlen, request_ttl_s, max_batch and disco_history must be >= 1")
         if not 0 <= self.alpha < 1:
             raise ValueError(f"alpha must be in [0, 1): {self.alpha}")
         if self.buckets_per_octave < 1:
