@@ -165,7 +165,9 @@ def device_wait_plan(lengths, server_ttft, budget: float, alpha: float) -> tuple
     l_th = float(values[fit - 1]) if fit else 0.0
     if fit >= values.size or w_tail <= 0.0:
         return l_th, 0.0, w_tail
-    low, high = 0.0, w_tail / values[fit]  # at `high` every l > l_th waits w_tail: share <= b
+    # At `high` every l > l_th waits w_tail (share <= b); the 1e-9 keeps high * l >= w_tail in
+    # floating point, else a lone length could wait a hair under w_tail and always run.
+    low, high = 0.0, w_tail / values[fit] * (1 + 1e-9)
     for _ in range(_BISECTION_STEPS):
         mid = 0.5 * (low + high)
         if _device_share(values, probs, server_ttft, l_th, mid, w_tail) <= budget + 1e-12:
