@@ -15,3 +15,8 @@ MODES: tuple[str, ...] = get_args(Mode)
 TOKEN_MODES = frozenset({"cloud", "token-sd", "picospec"})  # token ids on the wire: never for a privacy session
 STREAM_MODES = frozenset({"hat-async", "token-sd", "picospec"})  # drafts as a stream (shared/specdec/stream_engine.py)
 Downlink = Literal["topk", "full"]
+
+# Where the token streamer runs a request (DiSCo, services/token_streamer/disco.py): "off" = on one
+# device agent in the request's own mode; "disco" = the cost-aware policy; the rest are its baselines.
+Dispatch = Literal["off", "disco", "device", "cloud", "hat", "random"]
+DISPATCHES: tuple[str, ...] = get_args(Dispatch)

@@ -469,7 +469,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         return {"device_id": settings.device_id, "model": agent.checkpoint.path.name,
                 "active_sessions": agent.active, "max_sessions": settings.max_sessions,
                 "speculative": settings.speculative, "split_layers": settings.split_layers, "mode": settings.mode,
-                "bytes_per_token": agent.bytes_per_token}
+                "bytes_per_token": agent.bytes_per_token, "speed": settings.speed,
+                "eos_token_id": agent.model.eos_token_id}
 
     @app.post("/generate")
     async def generate(request: GenerateRequest):

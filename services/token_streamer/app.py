@@ -32,6 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.token_streamer import openai_format as of
 from services.token_streamer.admission import Admission
+from services.token_streamer.disco import DiscoController
+from services.token_streamer.disco_stream import DiscoStream
 from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone, unless_gone
 from services.token_streamer.limits import install as install_gate
 from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
@@ -57,7 +59,7 @@ class BadRequest(Exception):
 class Run:
     """One request's generation on one device: stop strings, user-side timing, stats, telemetry."""
 
-    def __init__(self, stream: DeviceStream, stops: list[str], started: float, request_id: str,
+    def __init__(self, stream: DeviceStream | DiscoStream, stops: list[str], started: float, request_id: str,
                  telemetry: TelemetryClient, metrics: StreamerMetrics | None = None) -> None:
         self.stream = stream
         self.scanner = of.StopScanner(stops)
@@ -133,7 +135,8 @@ class Run:
         stats = self.device_stats or {}
         accepts = self.accept_lengths
         mean_accept = stats.get("mean_accept_length", latency_stats.mean_accept_length(accepts))
-        return {"device_id": self.stream.device.device_id, "queue_wait_s": self.stream.queue_wait_s,
+        disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else {}
+        return {**disco, "device_id": self.stream.device.device_id, "queue_wait_s": self.stream.queue_wait_s,
                 "ttft_s": self.ttft_s, "tbt_s": latency_stats.mean_tbt_s(self.timeline),
                 "mean_accept_length": mean_accept, "num_rounds": stats.get("num_rounds", len(accepts)),
                 "prompt_tokens": self.stream.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -151,9 +154,13 @@ class Run:
         await self.stream.aclose()
         if self.metrics is not None:  # TTFT, ITL and e2e as the user saw them, from arrival here
             self.metrics.request_done(self.ttft_s, self.token_times_s, time.perf_counter() - self.started)
+        disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else None
         self.telemetry.emit_request(self.request_id, device_id=self.stream.device.device_id, ttft_s=self.ttft_s,
                                     token_times_s=self.token_times_s, accept_lengths=self.accept_lengths,
-                                    prompt_tokens=self.stream.prompt_tokens)
+                                    prompt_tokens=self.stream.prompt_tokens,
+                                    **({} if disco is None else {
+                                        "endpoint": disco["endpoint"], "server_ttft_s": disco["server_ttft_s"],
+                                        "cost": disco["cost"]["total"], "dispatch": disco["dispatch"]}))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -173,6 +180,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     telemetry = TelemetryClient(s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s,
                                 verify=client_context(s.tls_ca), auth=credential)
     metrics = StreamerMetrics(running=lambda: admission.running, waiting=lambda: admission.waiting)
+    disco = DiscoController(s, client)
     started_at = int(time.time())
 
     async def health_loop() -> None:
@@ -202,6 +210,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tasks = [asyncio.create_task(health_loop(), name="device-health")] if s.health_interval_s > 0 else []
         if s.discovers_devices:
             tasks.append(asyncio.create_task(discovery_loop(), name="device-discovery"))
+        if s.state_monitor_url:  # DiSCo's history: any request may ask for a dispatch policy
+            tasks.append(asyncio.create_task(disco.refresh_loop(), name="disco-history"))
         try:
             yield
         finally:
@@ -264,13 +274,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         body = {**prompt, "max_new_tokens": max_new, "temperature": req.temperature,
                 "top_p": req.top_p, "seed": req.seed, "request_id": request_id}
-        if req.tophat is not None:
-            options = req.tophat.model_dump(exclude_none=True)
-            delay_ms = options.pop("added_delay_ms", 0.0)
-            if delay_ms:
-                await asyncio.sleep(delay_ms / 1e3)
-            body.update(options)
-        stream = await dispatcher.open(body)
+        options = req.tophat.model_dump(exclude_none=True) if req.tophat is not None else {}
+        delay_ms = options.pop("added_delay_ms", 0.0)
+        if delay_ms:
+            await asyncio.sleep(delay_ms / 1e3)
+        dispatch = options.pop("dispatch", s.dispatch)
+        budget = options.pop("budget", s.disco_budget)
+        reading_rate = options.pop("reading_rate_tps", s.reading_rate_tps)
+        migration = options.pop("migration", s.disco_migration)
+        body.update(options)
+        if dispatch == "off":
+            stream: DeviceStream | DiscoStream = await dispatcher.open(body)
+        else:
+            if "mode" in options:
+                raise BadRequest("a request under a dispatch policy cannot also choose its mode", "tophat")
+            stream = DiscoStream(disco, dispatcher, body, dispatch=dispatch, budget=budget,
+                                 reading_rate_tps=reading_rate, migration=migration, prompt_chars=chars)
+            try:
+                await stream.start()
+            except BaseException:
+                await stream.aclose()
+                raise
         log.debug("request %s -> %s", request_id, stream.device.url)
         run = Run(stream, req.stop_list, started, request_id, telemetry, metrics)
         return run, of.ChunkFactory(chat, request_id, s.model_name)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.modes import Downlink, Mode
+from shared.modes import Dispatch, Downlink, Mode
 
 DONE = "data: [DONE]\n\n"
 
@@ -47,6 +47,13 @@ class TophatOptions(BaseModel):
     stream_group: int | None = Field(default=None, ge=1, le=64)  # drafts per chunk (picospec, hat-async)
     stream_window: int | None = Field(default=None, ge=1, le=64)  # most unverified drafts in flight
     stream_eta_gate: bool | None = None  # pipelined runs stop drafting ahead at a draft below eta
+    # DiSCo (disco.py), answered by the streamer, never forwarded: where the request runs ("disco", a
+    # baseline: "device", "cloud", "hat", "random"; "off": the request's own mode), the budget ratio b
+    # and the reading rate r_c its delivery is paced at (0: unpaced).
+    dispatch: Dispatch | None = None
+    budget: float | None = Field(default=None, ge=0.0, le=1.0)
+    reading_rate_tps: float | None = Field(default=None, ge=0.0, le=1000.0)
+    migration: bool | None = None  # false: DiSCo without cost migrations (a lost cloud still hands over)
     # A known delay the streamer adds before the request starts: lets a benchmark harness prove
     # it measures what happens (see tests/test_bench_honesty.py). Not forwarded to the device.
     added_delay_ms: float | None = Field(default=None, ge=0, le=60_000)

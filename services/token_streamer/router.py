@@ -63,6 +63,8 @@ class DeviceState:
     down_until: float = 0.0       # monotonic time before which pick() skips the device
     device_id: str | None = None  # from GET /info, when a probe has fetched it
     max_sessions: int | None = None  # from /info; None: unknown, the device's 'busy' tells
+    speed_class: str | None = None  # from /info: prices its energy (DiSCo's cost model)
+    eos_token_id: int | None = None  # from /info: an answer that ended is never migrated
     held_until: float = 0.0       # after a 'busy' answer: not offered new requests until then
     opening: int = 0              # requests sent whose first line has not come back yet
     served: int = 0
@@ -297,6 +299,23 @@ class Dispatcher:
             self.admission.record_wait(waited_s)
             return stream
 
+    async def open_beside(self, device: DeviceState, body: dict[str, Any]) -> DeviceStream:
+        """Open another generation on `device` now, without queueing (DiSCo's second endpoint of a
+        request the queue already admitted there). DeviceError 503 `device_busy` when it cannot."""
+        self.router.acquire(device)
+        try:
+            stream = await self._open_on(device, body)
+        except _TryElsewhere as exc:
+            self.admission.release(device, busy=exc.busy)
+            raise DeviceError(503, "device_busy", f"device {device.url} cannot start another endpoint: {exc}") from None
+        except BaseException:
+            self.admission.release(device)
+            raise
+        finally:
+            self.router.opened(device)
+        device.served += 1
+        return stream
+
     async def _open_on(self, device: DeviceState, body: dict[str, Any]) -> DeviceStream:
         request = self.client.build_request("POST", f"{device.url}/generate", json=body)
         try:
@@ -371,6 +390,9 @@ class Dispatcher:
             device_id = str(info.get("device_id") or "")
             device.device_id = device_id if _IDENT.match(device_id) else None
             device.max_sessions = _opt_int(info.get("max_sessions"))
+            speed = info.get("speed")
+            device.speed_class = speed if isinstance(speed, str) and _IDENT.match(speed) else None
+            device.eos_token_id = _opt_int(info.get("eos_token_id"))
         except (httpx.HTTPError, TimeoutError, ValueError, AttributeError) as exc:
             log.debug("GET %s/info failed: %s", device.url, exc)
 

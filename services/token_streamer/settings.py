@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.disco.cost import CostModel, parse_device_energy
+from shared.modes import DISPATCHES
 from shared.settings import from_env
 from shared.tls import check_server_files
 
@@ -57,6 +59,26 @@ class Settings:
     rate_limit_rps: float = 0.0
     rate_limit_burst: int = 10
     max_body_bytes: int = 1 << 20
+    # DiSCo (disco.py; shared/disco/). dispatch: "off" (one device agent, the request's own mode, as
+    # before), "disco" (cost-aware: device, server or both, and token-level migration) or a baseline:
+    # "device", "cloud", "hat", "random" (Stoch-S / Stoch-D). A request may override dispatch, budget and
+    # reading rate in its "tophat" object.
+    dispatch: str = "off"
+    disco_budget: float = 0.5             # b: the share of prompt tokens the constrained endpoint may take
+    disco_tail_ratio: float = 0.05        # alpha: budget reserved for the server's TTFT tail (device-constrained)
+    disco_server_endpoint: str = "cloud"  # the server side: cloud (token mode, whole model) or hat
+    disco_migration: bool = True          # hand decoding to the cheaper endpoint when eq. 4 says it pays
+    reading_rate_tps: float = 5.0         # r_c: delivery under a dispatch policy is paced at this (0: unpaced)
+    disco_history: int = 2000             # recent prompt lengths / server TTFTs the policy is built from
+    disco_refresh_s: float = 5.0          # how often the history is re-read from the state monitor
+    # Unified cost (DiSCo §4.1; shared/disco/cost.py has the sources of the defaults): server $ per prompt /
+    # generated token; device energy per prompt / generated token per speed class ("class:J,J;..."), the
+    # exchange rate $ per J (lambda) and HAT's share of a token's compute done on the device.
+    server_prompt_price: float = 0.15e-6
+    server_decode_price: float = 0.60e-6
+    device_energy: str = "orin:0.02,0.4;xavier:0.05,1.0;cycle:0.03,0.6"
+    exchange_rate: float = 4.17e-8
+    hat_device_share: float = 0.1
 
     def validate(self) -> None:
         check_server_files(self.tls_cert, self.tls_key)
@@ -86,6 +108,22 @@ class Settings:
             raise ValueError("rate_limit_rps must be >= 0 (0: off), and rate_limit_burst >= 1 when it is on")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, got {self.dispatch!r}")
+        if self.disco_server_endpoint not in ("cloud", "hat"):
+            raise ValueError("disco_server_endpoint must be cloud or hat")
+        if not (0 <= self.disco_budget <= 1 and 0 < self.disco_tail_ratio < 1):
+            raise ValueError("need 0 <= disco_budget <= 1 and 0 < disco_tail_ratio < 1")
+        if self.reading_rate_tps < 0 or self.disco_history < 1 or self.disco_refresh_s <= 0:
+            raise ValueError("need reading_rate_tps >= 0, disco_history >= 1, disco_refresh_s > 0")
+        self.cost_model()  # the cost settings are checked where they are defined
+
+    def cost_model(self, speed_class: str = "orin") -> CostModel:
+        """The unified cost for a device of `speed_class` (the first class listed when it has none)."""
+        energy = parse_device_energy(self.device_energy)
+        prompt_j, decode_j = energy.get(speed_class) or next(iter(energy.values()), (0.02, 0.4))
+        return CostModel(self.server_prompt_price, self.server_decode_price, prompt_j, decode_j,
+                         self.exchange_rate, self.hat_device_share)
 
     @property
     def discovers_devices(self) -> bool:

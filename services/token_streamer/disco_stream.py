@@ -1,0 +1,325 @@
+"""One request under a DiSCo dispatch: endpoints raced or delayed, token-level migration, paced delivery.
+
+A *leg* is one endpoint's generation for the request, a /generate stream on the request's device
+agent in mode `device` (the draft model alone), `cloud` (token mode) or `hat`. The decision
+(disco.py) starts a server leg, a device leg, or both (the device's possibly after a wait w(l));
+the first leg to produce a token wins and every other leg is closed at once, which stops its
+generation and frees its sessions (device and cloud KV).
+
+Delivery is paced at the user's reading rate r_c: the first token goes out at once (TTFT), each
+later one 1/r_c after the previous (a leg generating faster fills a buffer). When the winner is
+the costlier decoder and eq. 4 says the hand-over pays, and the buffer holds B = r_c * t_m tokens
+(eq. 5, t_m the target's expected time to its first token), decoding migrates: the source is closed
+and the target is started with the prompt and every token generated so far (`prefix_ids`: token ids,
+no KV), so its first token continues the answer while the buffer keeps delivery going. A server leg
+that fails mid-answer (the cloud vanished) migrates the same way, to the device. The user sees one
+stream: no token lost (the prefix is everything generated) and none repeated (the target delivers
+only what follows it).
+
+`DiscoStream` looks like a `DeviceStream` to the streamer's `Run` (events, device, prompt_tokens,
+queue_wait_s, aclose) and adds `summary()` for the response's `tophat` object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.token_streamer.disco import DiscoController
+from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher
+from shared.disco.cost import CostLedger
+from shared.disco.dispatch import Decision
+from shared.disco.migration import buffer_tokens, expected_remaining, migration_saving, migration_target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Leg:
+    endpoint: str  # device | cloud | hat
+    prefix: int  # tokens of the answer it continues (0: it starts the answer)
+    started: float = field(default_factory=time.perf_counter)
+    stream: DeviceStream | None = None
+    task: asyncio.Task | None = None
+    first_at: float | None = None
+    tokens: int = 0
+    closed: bool = False
+
+
+class DiscoStream:
+    def __init__(self, controller: DiscoController, dispatcher: Dispatcher, body: dict[str, Any], *,
+                 dispatch: str, budget: float, reading_rate_tps: float, migration: bool, prompt_chars: int) -> None:
+        s = controller.settings
+        self.controller, self.dispatcher, self.body = controller, dispatcher, body
+        self.dispatch, self.budget, self.reading_rate = dispatch, budget, reading_rate_tps
+        self.prompt_chars = prompt_chars
+        self.server_endpoint = "hat" if dispatch == "hat" else "cloud" if dispatch == "cloud" else s.disco_server_endpoint
+        self.may_migrate = dispatch == "disco" and migration
+        self.idle_timeout_s = s.line_timeout_s + s.first_byte_timeout_s
+        self.max_new = int(body["max_new_tokens"])
+        self.ledger = CostLedger(controller.base_cost)
+        self.legs: list[Leg] = []
+        self.active: Leg | None = None  # the leg whose tokens make the answer
+        self.first_endpoint: str | None = None
+        self.generated: list[int] = []
+        self.buffer: deque[tuple[list[int], str, Leg]] = deque()
+        self.inbox: asyncio.Queue[tuple[Leg | None, str, Any]] = asyncio.Queue()
+        self.deliveries: list[float] = []
+        self.next_due = 0.0
+        self.finished: dict[str, Any] | None = None  # the active leg's done event
+        self.migrations: list[dict[str, Any]] = []
+        self.server_ttft_s: float | None = None
+        self.decision: Decision | None = None
+        self.device = None
+        self.queue_wait_s = 0.0
+        self.prompt_tokens: int | None = None
+        self._timer: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()
+        self._closed = False
+
+    # -- starting ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Decide, open the first leg (queueing for a device like any request; its errors raise) and
+        the others as the decision says."""
+        history = self.controller.history
+        estimate = history.estimate_tokens(self.prompt_chars)
+        self.decision = decision = self.controller.decide(self.dispatch, self.budget, estimate)
+        first = self.server_endpoint if decision.server else "device"
+        leg = Leg(first, 0)
+        stream = await self.dispatcher.open(self._leg_body(leg))
+        self.device, self.queue_wait_s, self.prompt_tokens = stream.device, stream.queue_wait_s, stream.prompt_tokens
+        history.learn_prompt(self.prompt_chars, self.prompt_tokens)
+        self.ledger = CostLedger(self.controller.settings.cost_model(self.device.speed_class or ""))
+        self._adopt(leg, stream)
+        if decision.server and decision.device_delay_s is not None:
+            if decision.device_delay_s <= 0:
+                self._open(Leg("device", 0))
+            else:
+                self._timer = asyncio.create_task(self._start_device_after(decision.device_delay_s),
+                                                  name="disco-device-wait")
+
+    async def _start_device_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        await self.inbox.put((None, "device_due", None))
+
+    def _leg_body(self, leg: Leg) -> dict[str, Any]:
+        body = {**self.body, "mode": leg.endpoint, "request_id": f"{self.body['request_id']}-{len(self.legs)}"}
+        if leg.prefix:
+            body["prefix_ids"] = self.generated[: leg.prefix]
+            body["max_new_tokens"] = self.max_new - leg.prefix
+        return body
+
+    def _adopt(self, leg: Leg, stream: DeviceStream) -> None:
+        leg.stream = stream
+        self.ledger.prefill(leg.endpoint, stream.prompt_tokens or 0)
+        self.legs.append(leg)
+        leg.task = asyncio.create_task(self._read(leg), name=f"disco-{leg.endpoint}")
+
+    def _open(self, leg: Leg) -> None:
+        """Start a leg on the request's device without blocking delivery."""
+        self.legs.append(leg)
+        leg.task = asyncio.create_task(self._open_and_read(leg), name=f"disco-open-{leg.endpoint}")
+
+    async def _open_and_read(self, leg: Leg) -> None:
+        try:
+            stream = await self.dispatcher.open_beside(self.device, self._leg_body(leg))
+        except DeviceError as exc:
+            await self.inbox.put((leg, "open_failed", exc))
+            return
+        leg.stream = stream
+        self.ledger.prefill(leg.endpoint, stream.prompt_tokens or 0)
+        await self._read(leg)
+
+    async def _read(self, leg: Leg) -> None:
+        try:
+            async for event in leg.stream.events():
+                await self.inbox.put((leg, "event", event))
+        except DeviceError as exc:
+            await self.inbox.put((leg, "failed", exc))
+
+    # -- the delivery loop ---------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            now = time.perf_counter()
+            if self.buffer and now >= self.next_due:
+                yield self._deliver(now)
+                continue
+            if self.finished is not None and not self.buffer:
+                yield {"type": "done", "finish_reason": self.finished.get("finish_reason"), "stats": self._stats()}
+                return
+            wait = self.next_due - now if self.buffer else self.idle_timeout_s
+            try:
+                async with asyncio.timeout(wait):
+                    leg, kind, payload = await self.inbox.get()
+            except TimeoutError:
+                if self.buffer:
+                    continue
+                raise DeviceError(504, "disco_timeout", f"no endpoint produced anything for {wait:g} s") from None
+            await self._handle(leg, kind, payload)
+
+    def _deliver(self, now: float) -> dict[str, Any]:
+        ids, text, leg = self.buffer.popleft()
+        self.deliveries.append(now)
+        self.next_due = now + len(ids) / self.reading_rate if self.reading_rate > 0 else now
+        migration = self.migrations[-1] if self.migrations else None
+        if migration is not None and leg.prefix == migration["at_token"] and "max_gap_s" not in migration:
+            # the target's first token reached the user: the largest gap since the hand-over began
+            times = [migration["started"], *[t for t in self.deliveries if t >= migration["started"]]]
+            before = [t for t in self.deliveries if t < migration["started"]]
+            if before:
+                times.insert(0, before[-1])
+            migration["max_gap_s"] = max(b - a for a, b in zip(times, times[1:]))
+            migration["ready_s"] = (leg.first_at or now) - migration["started"]
+        return {"type": "tokens", "token_ids": ids, "text": text}
+
+    async def _handle(self, leg: Leg | None, kind: str, payload: Any) -> None:
+        if kind == "device_due":
+            if self.active is None and not any(l.endpoint == "device" for l in self.legs):
+                self._open(Leg("device", 0))
+            return
+        assert leg is not None
+        if kind == "event":
+            event_type = payload.get("type")
+            if event_type == "tokens":
+                self._on_tokens(leg, payload)
+            elif event_type == "done":
+                if leg is self.active:
+                    self.finished = payload
+            elif event_type == "error":
+                await self._on_failure(leg, DeviceError(502, str(payload.get("code") or "device_error"),
+                                                        str(payload.get("message") or "the endpoint failed")))
+            return
+        await self._on_failure(leg, payload)  # open_failed / failed
+
+    def _on_tokens(self, leg: Leg, event: dict[str, Any]) -> None:
+        ids = event.get("token_ids")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise DeviceError(502, "device_bad_response", "a tokens event without a list of token ids")
+        now = time.perf_counter()
+        self.ledger.decode(leg.endpoint, len(ids))  # computed, so paid for, even by a leg that lost
+        leg.tokens += len(ids)
+        if leg.first_at is None:
+            leg.first_at = now
+            ttft = now - leg.started
+            if leg.endpoint == "device":
+                self.controller.history.device_ttft.append((leg.stream.prompt_tokens or 0, ttft))
+            elif leg.prefix == 0:
+                self.server_ttft_s = ttft
+        if self.active is None:  # the race is decided
+            self.active, self.first_endpoint = leg, leg.endpoint
+            for other in self.legs:
+                if other is not leg:
+                    self._close(other)
+            if self._timer is not None:
+                self._timer.cancel()
+        if leg is not self.active or leg.closed:
+            return
+        self.generated += ids
+        self.buffer.append((ids, str(event.get("text") or ""), leg))
+        self._maybe_migrate()
+
+    async def _on_failure(self, leg: Leg, exc: DeviceError) -> None:
+        self._close(leg)
+        if self.active is None:  # still racing: the others may win
+            if any(not l.closed for l in self.legs) or (self._timer is not None and not self._timer.done()):
+                if self._timer is not None and not self._timer.done() and leg.endpoint != "device":
+                    self._timer.cancel()  # the server failed: do not make the device wait for it
+                    self._open(Leg("device", 0))
+                log.info("DiSCo leg %s failed before its first token (%s); racing on", leg.endpoint, exc.message)
+                return
+            raise exc
+        if leg is not self.active:
+            return
+        if self.migrations and self.migrations[-1].get("ready_s") is None and leg.prefix:
+            raise exc  # the migration target itself failed
+        if leg.endpoint != "device" and self.may_resume_on_device():
+            log.warning("server endpoint lost mid-answer (%s); migrating to the device", exc.message)
+            self._migrate("device", "cloud_lost", self.controller.history.device_ttft_estimate_s(
+                (self.prompt_tokens or 0) + len(self.generated)), 0)
+            return
+        raise exc
+
+    def may_resume_on_device(self) -> bool:
+        return self.dispatch != "cloud" and self.dispatch != "hat" and self.device is not None
+
+    # -- migration -----------------------------------------------------------------------------
+    def _maybe_migrate(self) -> None:
+        if not self.may_migrate or self.migrations or self.finished is not None or self.active is None:
+            return
+        eos = getattr(self.device, "eos_token_id", None)
+        if eos is not None and self.generated and self.generated[-1] == eos:
+            return  # the answer is over
+        source = self.active.endpoint
+        target = migration_target(self.ledger.cost, source, "device" if source != "device" else self.server_endpoint)
+        if target is None:
+            return
+        history = self.controller.history
+        remaining = expected_remaining(len(self.generated), self.max_new, history.mean_output_tokens)
+        resume = (self.prompt_tokens or 0) + len(self.generated)
+        if remaining < 1 or migration_saving(self.ledger.cost, source, target, remaining, resume) <= 0:
+            return
+        t_m = history.device_ttft_estimate_s(resume) if target == "device" else history.server_ttft_estimate_s()
+        need = buffer_tokens(self.reading_rate, t_m) if self.reading_rate > 0 else 0
+        if sum(len(ids) for ids, _, _ in self.buffer) >= need:
+            self._migrate(target, "cost", t_m, need)
+
+    def _migrate(self, target: str, reason: str, t_m: float, need: int) -> None:
+        source = self.active
+        self._close(source)
+        leg = Leg(target, len(self.generated))
+        self.migrations.append({"from": source.endpoint, "to": target, "at_token": len(self.generated),
+                                "reason": reason, "buffered": sum(len(ids) for ids, _, _ in self.buffer),
+                                "buffer_needed": need, "estimated_s": t_m, "started": time.perf_counter()})
+        self.active = leg
+        if len(self.generated) >= self.max_new:
+            self.finished = {"finish_reason": "length", "stats": {}}
+            return
+        self._open(leg)
+
+    # -- closing -------------------------------------------------------------------------------
+    def _close(self, leg: Leg) -> None:
+        """Stop a leg now (its reader) and close its stream in an owned task (bounded by DeviceStream)."""
+        if leg.closed:
+            return
+        leg.closed = True
+        if leg.task is not None and leg.task is not asyncio.current_task():
+            leg.task.cancel()
+        task = asyncio.create_task(self._close_stream(leg), name=f"disco-close-{leg.endpoint}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_stream(leg: Leg) -> None:
+        if leg.task is not None:
+            await asyncio.gather(leg.task, return_exceptions=True)
+        if leg.stream is not None:
+            await leg.stream.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for leg in self.legs:
+            self._close(leg)
+        await asyncio.gather(*self._closing, *([self._timer] if self._timer else []), return_exceptions=True)
+        self.controller.history.request_done(self.prompt_tokens, self.server_ttft_s, len(self.generated))
+
+    def _stats(self) -> dict[str, Any]:
+        stats = dict((self.finished or {}).get("stats") or {})
+        stats.update(prompt_tokens=self.prompt_tokens, completion_tokens=len(self.generated))
+        return stats
+
+    def summary(self) -> dict[str, Any]:
+        migrations = [{k: v for k, v in m.items() if k != "started"} for m in self.migrations]
+        return {"dispatch": self.dispatch, "budget": self.budget, "reading_rate_tps": self.reading_rate,
+                "decision": self.decision.reason if self.decision else None,
+                "device_delay_s": self.decision.device_delay_s if self.decision else None,
+                "endpoint": self.first_endpoint, "endpoints": [leg.endpoint for leg in self.legs],
+                "server_ttft_s": self.server_ttft_s, "cost": self.ledger.as_dict(), "migrations": migrations}
