@@ -80,6 +80,24 @@ def test_detokenizer_continues_the_text_of_a_prefix():
     assert resumed.push([3, 4]) == text[3:] == "de"
 
 
+class _HeldBackTokenizer(_CharTokenizer):
+    """Token 9 starts a character that token 10 completes (a split multi-byte character)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = super().decode([i for i in ids if i not in (9, 10)])
+        if 9 in ids:
+            text += "\u00e9" if 10 in ids else "\ufffd"
+        return text
+
+
+def test_detokenizer_resumes_a_character_the_other_endpoint_held_back():
+    source = IncrementalDetokenizer(_HeldBackTokenizer())
+    shown = source.push([0, 1]) + source.push([9])  # "ab", then nothing: the character is incomplete
+    assert shown == "ab"
+    resumed = IncrementalDetokenizer(_HeldBackTokenizer(), prefix_ids=[0, 1, 9], prefix_text=shown)
+    assert resumed.push([10]) == "\u00e9"  # the whole character, not just what followed the replacement
+
+
 async def test_device_agent_device_mode_and_continuations(tiny_llama_dir, checkpoint, device_model):
     alone = await generate_alone(device_model, PROMPT, 10)
     prefix = alone[:4]

@@ -87,6 +87,7 @@ class GenerateRequest(BaseModel):
     # Tokens another endpoint already generated for this request (DiSCo's token-level migration):
     # read after the prompt, never sent back; the answer goes on from them.
     prefix_ids: list[int] | None = Field(None, max_length=4096)
+    prefix_text: str | None = Field(None, max_length=1 << 20)  # what the user was shown of them (see below)
     max_new_tokens: int = Field(64, ge=1, le=4096)
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -119,11 +120,15 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 class IncrementalDetokenizer:
     """Text deltas from a growing token list, holding back incomplete UTF-8."""
 
-    def __init__(self, tokenizer, prefix_ids: list[int] | None = None):
+    def __init__(self, tokenizer, prefix_ids: list[int] | None = None, prefix_text: str | None = None):
         self.tokenizer = tokenizer
         # Text already shown (another endpoint's tokens): deltas continue it, so they join without a seam.
+        # The other endpoint may have held back the start of a character its last tokens began: given
+        # what it did show, the first delta here carries the rest.
         self.token_ids: list[int] = list(prefix_ids or [])
         self.emitted = "" if tokenizer is None or not self.token_ids else self._decode()
+        if prefix_text is not None and self.emitted.startswith(prefix_text):
+            self.emitted = prefix_text
 
     def _decode(self) -> str:
         return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
@@ -315,7 +320,7 @@ class DeviceAgent:
         """NDJSON events of one request; `session` is None in cloud mode."""
         started = time.perf_counter()
         timeline = Timeline()  # seconds since `started`, one delivery per round
-        detok = IncrementalDetokenizer(self.checkpoint.tokenizer, request.prefix_ids)
+        detok = IncrementalDetokenizer(self.checkpoint.tokenizer, request.prefix_ids, request.prefix_text)
         session_id = random.getrandbits(63)
         cloud_generated: list[int] = []
         # Counted in both modes, so the speed schedule (HAT's mode switches) sees the same requests.

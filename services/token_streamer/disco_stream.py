@@ -67,6 +67,7 @@ class DiscoStream:
         self.active: Leg | None = None  # the leg whose tokens make the answer
         self.first_endpoint: str | None = None
         self.generated: list[int] = []
+        self.text = ""  # what the generated tokens show the user (a migration target continues it)
         self.buffer: deque[tuple[list[int], str, Leg]] = deque()
         self.inbox: asyncio.Queue[tuple[Leg | None, str, Any]] = asyncio.Queue()
         self.deliveries: list[float] = []
@@ -111,6 +112,7 @@ class DiscoStream:
         body = {**self.body, "mode": leg.endpoint, "request_id": f"{self.body['request_id']}-{len(self.legs)}"}
         if leg.prefix:
             body["prefix_ids"] = self.generated[: leg.prefix]
+            body["prefix_text"] = self.text
             body["max_new_tokens"] = self.max_new - leg.prefix
         return body
 
@@ -219,8 +221,10 @@ class DiscoStream:
                 self._timer.cancel()
         if leg is not self.active or leg.closed:
             return
+        text = str(event.get("text") or "")
         self.generated += ids
-        self.buffer.append((ids, str(event.get("text") or ""), leg))
+        self.text += text
+        self.buffer.append((ids, text, leg))
         self._maybe_migrate()
 
     async def _on_failure(self, leg: Leg, exc: DeviceError) -> None:
@@ -235,8 +239,6 @@ class DiscoStream:
             raise exc
         if leg is not self.active:
             return
-        if self.migrations and self.migrations[-1].get("ready_s") is None and leg.prefix:
-            raise exc  # the migration target itself failed
         if leg.endpoint != "device" and self.may_resume_on_device():
             log.warning("server endpoint lost mid-answer (%s); migrating to the device", exc.message)
             self._migrate("device", "cloud_lost", self.controller.history.device_ttft_estimate_s(
