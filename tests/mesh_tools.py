@@ -1,11 +1,15 @@
 """Tools for the end-to-end tests: a WebSocket relay that records every frame
-a device sends to the cloud (to prove what crosses the wire)."""
+a device sends to the cloud (to prove what crosses the wire), and what a running
+mesh holds (verifier and device sessions)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
+import time
+
+import httpx
 
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
@@ -93,3 +97,23 @@ async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=No
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+def verifier_state(mesh) -> dict[str, int]:
+    """The verifier's /readyz body, `sessions=N steps=M`, as a dict."""
+    body = httpx.get(f"http://{mesh.config.host}:{mesh.config.verifier_port}/readyz", timeout=5).text
+    return {k: int(v) for k, v in (part.split("=") for part in body.split()[:2])}
+
+
+def device_sessions(mesh, index: int = 0) -> int:
+    info = httpx.get(f"{mesh.config.device_url(index)}/info", timeout=5, auth=mesh.operator_auth())  # as the streamer
+    return info.json()["active_sessions"]
+
+
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

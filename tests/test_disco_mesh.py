@@ -25,6 +25,7 @@ from shared.specdec.local_decode import LocalSession
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 from tests.conftest import DEMO_MODEL_DIR, REPO_ROOT
+from tests.mesh_tools import device_sessions, verifier_state, wait_until
 from tophatctl.demo_model.corpus import held_out_prompts
 from tophatctl.launcher import Mesh, MeshConfig, find_port_base
 
@@ -101,20 +102,6 @@ def decode(checkpoint, ids: list[int]) -> str:
     return checkpoint.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def verifier_sessions(mesh: Mesh) -> int:
-    body = httpx.get(f"http://127.0.0.1:{mesh.config.verifier_port}/readyz", timeout=5).text
-    return int(body.split("sessions=")[1].split()[0])
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def test_race_the_device_wins_and_the_cloud_session_is_freed(mesh, models, prompt_ids):
     checkpoint, device_model = models
     # b = 1: every prompt races (eq. 3 leaves nothing device-only); the cloud is a 120 ms round trip away.
@@ -125,10 +112,8 @@ def test_race_the_device_wins_and_the_cloud_session_is_freed(mesh, models, promp
     assert answer["choices"][0]["text"] == decode(checkpoint, device_alone(device_model, prompt_ids, 24))
     assert stats["migrations"] == [] and stats["cost"]["tokens"]["device"]["decode"] == 24
     assert stats["cost"]["server"] > 0  # the losing cloud leg read the prompt: it is paid for
-    assert wait_until(lambda: verifier_sessions(mesh) == 0)  # its session (and KV) is gone
-    info = httpx.get(f"{mesh.config.device_url(0)}/info", timeout=5).json()
-    assert wait_until(lambda: httpx.get(f"{mesh.config.device_url(0)}/info", timeout=5).json()["active_sessions"] == 0)
-    assert info["speed"] == "orin"
+    assert wait_until(lambda: verifier_state(mesh)["sessions"] == 0, 10)  # its session (and KV) is gone
+    assert wait_until(lambda: device_sessions(mesh) == 0, 10)
 
 
 def test_cost_migration_device_to_cloud_loses_and_repeats_nothing(mesh, device_constrained, models, prompt_ids):

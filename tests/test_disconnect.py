@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import DEMO_MODEL_DIR
+from tests.mesh_tools import device_sessions, verifier_state, wait_until
 from tophatctl.launcher import Mesh, MeshConfig, find_port_base
 
 MAX_TOKENS = 1024  # ~20 s of decoding on the demo model: far longer than any bound below
@@ -29,26 +30,6 @@ def mesh():
     config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1))
     with Mesh(config) as running:
         yield running
-
-
-def verifier_state(mesh: Mesh) -> dict[str, int]:
-    """The verifier's /readyz body, `sessions=N steps=M`, as a dict."""
-    body = httpx.get(f"http://{mesh.config.host}:{mesh.config.verifier_port}/readyz", timeout=5).text
-    return {k: int(v) for k, v in (part.split("=") for part in body.split()[:2])}
-
-
-def device_sessions(mesh: Mesh) -> int:
-    info = httpx.get(f"{mesh.config.device_url(0)}/info", timeout=5, auth=mesh.operator_auth())  # as the streamer
-    return info.json()["active_sessions"]
-
-
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def post_and_hold(url: str, body: dict) -> socket.socket:
