@@ -79,7 +79,9 @@ def loadgen_command(
     typer.echo(f"results in {out}")
 
 
-async def _run(o: dict[str, Any]) -> dict[str, Any]:
+async def _run(o: dict[str, Any], records_out: list | None = None) -> dict[str, Any]:
+    """One run; its per-request records are appended to `records_out` when given (benches that need more
+    than results.json holds, e.g. each request's `tophat` object)."""
     from loadgen import arrivals as arr
     from loadgen import metrics, plots, runner, workloads as wl
 
@@ -114,6 +116,8 @@ async def _run(o: dict[str, Any]) -> dict[str, Any]:
                            api_key=o.get("api_key"))
     count = (lambda text: len(tok(text, add_special_tokens=False)["input_ids"])) if tok is not None else None
     run = await runner.run_load(work.requests, times.tolist(), cfg, count_tokens=count)
+    if records_out is not None:
+        records_out.extend(run.records)
     if count is None:
         notes.append("no tokenizer: tokens per chunk apportioned by characters")
 

@@ -56,6 +56,7 @@ class RequestRecord:
     server_ttft_s: float | None = None  # the streamer's own view, from the tophat field
     server_tbt_s: float | None = None
     server_queue_wait_s: float | None = None  # how long the streamer queued it for a device slot
+    tophat: dict[str, Any] | None = None  # the streamer's final `tophat` object as sent (cost, endpoint, ...)
     error: str | None = None
 
     @property

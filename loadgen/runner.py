@@ -160,6 +160,7 @@ def _apply_stats(rec: RequestRecord, stats: StreamStats) -> None:
     rec.finish_reason = stats.finish_reason or rec.finish_reason
     rec.accept_length, rec.num_rounds, rec.device_id = stats.accept_length, stats.num_rounds, stats.device_id
     rec.server_ttft_s, rec.server_tbt_s = stats.server_ttft_s, stats.server_tbt_s
+    rec.tophat = stats.raw_tophat
     rec.completion_tokens = stats.completion_tokens if stats.completion_tokens is not None else rec.completion_tokens
     rec.prompt_tokens = stats.prompt_tokens or rec.prompt_tokens  # else the workload's own count
     rec.server_rounds = stats.rounds

@@ -356,9 +356,11 @@ def chat(
 @app.command()
 def bench(
     workload: str = typer.Option("specbench", help="specbench | cnndm (comma-separated for several)"),
-    rates: str = typer.Option("0.5,1,2", help="request rates (req/s), comma-separated"),
+    rates: Optional[str] = typer.Option(None, help="request rates (req/s), comma-separated (default 0.5,1,2; "
+                                        "--disco: one rate, default 2)"),
     modes: str = typer.Option("ushape,usarathi,cloud,hat", help="modes to compare"),
-    link_profile: str = typer.Option("none", "--link-profile", help="link of every device (near|mid|far|none|spec)"),
+    link_profile: Optional[str] = typer.Option(None, "--link-profile", help="link of every device "
+                                               "(near|mid|far|none|spec; default none, --disco: far,lat=50ms,jitter=25ms)"),
     devices: int = typer.Option(2, help="device agents"),
     num_requests: int = typer.Option(16, help="requests per mode and rate"),
     max_new_tokens: int = typer.Option(32),
@@ -370,6 +372,13 @@ def bench(
     rtt_ms: str = typer.Option("", "--rtt-ms", help="emulated round trips (ms), comma-separated: one table each "
                                "(the link's one-way latency set to half)"),
     baseline: str = typer.Option("", help="the mode ratios are taken against (default: ushape, or the first mode)"),
+    disco: bool = typer.Option(False, "--disco", help="DiSCo vs device-only, cloud-only and random per budget "
+                               "(loadgen/bench_disco.py); --out may name the results JSON"),
+    budget: str = typer.Option("0.1,0.25,0.5,0.75", help="--disco: budgets b, comma-separated"),
+    constraint: str = typer.Option("server", help="--disco: cost regime server | device | both (two meshes)"),
+    reading_rate: float = typer.Option(5.0, "--reading-rate", min=0.0, help="--disco: r_c, tokens/s (0: unpaced)"),
+    speed: str = typer.Option("", help="--disco: device speed class or slowdown (default 10)"),
+    migration: bool = typer.Option(True, "--migration/--no-migration", help="--disco: token-level migration"),
 ):
     """Every mode against the same arrival trace, back to back; one table with ratios vs ushape."""
     from loadgen.bench import (ablation_modes, format_table, link_with_rtt, modes_for, parse_rates, plot_modes,
@@ -377,8 +386,12 @@ def bench(
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("loadgen").setLevel(logging.INFO)
+    if disco:
+        return _bench_disco(workload, rates, link_profile, devices, num_requests, max_new_tokens, seed, model, out,
+                            budget, constraint, reading_rate, speed, migration)
+    link_profile = link_profile or "none"
     try:
-        rate_list = parse_rates(rates)
+        rate_list = parse_rates(rates or "0.5,1,2")
     except ValueError as exc:
         _fail(str(exc))
     workloads = ["specbench", "cnndm"] if ablation else [w.strip() for w in workload.split(",")]
@@ -425,6 +438,41 @@ def bench(
             plot_modes(out / tag if rtt is not None else out, name, results, tag)
             typer.echo("\n" + table)
     typer.echo(f"\nresults, per-request CSVs and plots under {out}/")
+
+
+def disco_bench_options(rates: Optional[str], link_profile: Optional[str], budget: str, constraint: str,
+                        speed: str) -> dict:
+    """`tophat bench --disco`'s parsed options (ValueError for a bad one)."""
+    from loadgen.bench import parse_rates
+    from loadgen.bench_disco import DEFAULT_LINK, DEFAULT_RATE, DEFAULT_SPEED, parse_budgets, parse_constraint
+    from shared.device_speed import speed_schedule
+    from shared.links import parse_link_spec
+
+    rate_list = parse_rates(rates) if rates else [DEFAULT_RATE]
+    if len(rate_list) != 1:
+        raise ValueError("--disco takes one --rates value (every policy replays the same trace)")
+    link = link_profile or DEFAULT_LINK
+    parse_link_spec(link)
+    speed = speed or DEFAULT_SPEED
+    speed_schedule(speed)
+    return {"rate": rate_list[0], "link": link, "budgets": parse_budgets(budget),
+            "constraints": parse_constraint(constraint), "speed": speed}
+
+
+def _bench_disco(workload: str, rates: Optional[str], link_profile: Optional[str], devices: int, num_requests: int,
+                 max_new_tokens: int, seed: int, model: str, out: Path, budget: str, constraint: str,
+                 reading_rate: float, speed: str, migration: bool) -> None:
+    from loadgen.bench_disco import bench_disco
+
+    try:
+        options = disco_bench_options(rates, link_profile, budget, constraint, speed)
+    except ValueError as exc:
+        _fail(str(exc))
+    table, json_path, plots = bench_disco(workload=workload, num_requests=num_requests, max_new_tokens=max_new_tokens,
+                                          seed=seed, out=out, devices=devices, model_dir=str(_model(model)),
+                                          reading_rate_tps=reading_rate, migration=migration, **options)
+    typer.echo("\n" + table)
+    typer.echo(f"\nresults in {json_path}; plots: {', '.join(str(p) for p in plots)}")
 
 
 def _mount_loadgen() -> None:

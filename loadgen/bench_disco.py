@@ -1,0 +1,367 @@
+"""`tophat bench --disco`: DiSCo against device-only, cloud-only and a random split (DiSCo §5).
+
+One mesh per cost regime; on it the load generator's trace (same arrivals, same prompts, same
+seed) is replayed once per policy, each a `tophat.dispatch` of the token streamer:
+
+    device   the device's draft model alone              (does not depend on b: run once)
+    cloud    the whole model in the verifier, token ids  (does not depend on b: run once)
+    random   Stoch-S / Stoch-D: one endpoint at random within the budget b
+    disco    DiSCo's dispatch (eqs. 1-3) and token-level migration (eqs. 4-5)
+
+The baselines run first. DiSCo profiles the server's TTFT distribution and the prompt lengths
+offline; here the state monitor's history (`GET /disco/history`: every request's prompt length,
+and the server's TTFT whenever the server gave the first token) is filled by the device and cloud
+runs, so the disco runs start from a profiled history instead of racing everything ("no-history").
+
+The mesh (defaults chosen so the trade-off DiSCo exploits exists on one host):
+* link `far,lat=50ms,jitter=25ms`: a wide-area round trip of ~100 ms that varies request to
+  request, so the server's TTFT has a spread (and a tail) on top of its prefill time;
+* device speed `10` (a slowdown; the emulated testbed's `cycle` class reaches 10x): the device's
+  prefill is ~3x slower per token than the verifier's here, so its TTFT grows past the server's
+  for long prompts while it wins short ones (no round trip);
+* devices hold 16 sessions each: under a policy delivery is paced at the reading rate and a request
+  keeps its device slot until its last token is read, so the default 4 would queue requests
+  behind reading time, not compute.
+Cost regimes (`--constraint`): `server` keeps the streamer's prices (server $ per token far above
+the device's energy); `device` raises the exchange rate to DEVICE_EXCHANGE_RATE $/J so device
+energy dominates; `both` runs the two meshes one after the other.
+
+Everything below `run_disco` is pure (aggregation, ratios, Pareto front, the table) and tested by
+hand-made inputs in tests/test_bench_disco.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from loadgen.metrics import RequestRecord, build_results
+
+log = logging.getLogger(__name__)
+
+BUDGETS = (0.1, 0.25, 0.5, 0.75)
+DEFAULT_LINK = "far,lat=50ms,jitter=25ms"
+DEFAULT_SPEED = "10"
+DEFAULT_RATE = 2.0  # req/s
+DEVICE_SESSIONS = 16
+DEVICE_EXCHANGE_RATE = 1e-3  # $/J: device energy above every server price (Algorithm 1 says "device")
+HISTORY_REFRESH_S = 1.0  # the streamer re-reads the monitor's history this often during the bench
+CONSTRAINTS = ("server", "device")
+BASELINES = ("device", "cloud", "random")
+# A migration's largest delivery gap is compared with 1/r_c; the streamer paces by sleeping, so a
+# gap of exactly 1/r_c comes out a few ms over it: 10% slack before it counts as a stall.
+GAP_SLACK = 1.1
+
+
+@dataclass(frozen=True)
+class Policy:
+    mode: str  # device | cloud | random | disco
+    budget: float | None  # None for device and cloud (they do not depend on b)
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.budget is None else f"{self.mode}@{self.budget:g}"
+
+
+def policy_plan(budgets: Sequence[float]) -> list[Policy]:
+    """Run order: the baselines that do not depend on b first (they fill the history), then per budget
+    random and disco."""
+    plan = [Policy("device", None), Policy("cloud", None)]
+    for b in budgets:
+        plan += [Policy("random", b), Policy("disco", b)]
+    return plan
+
+
+def parse_budgets(text: str) -> list[float]:
+    budgets = [float(x) for x in text.split(",") if x.strip()]
+    if not budgets or any(not (0.0 <= b <= 1.0) for b in budgets):  # NaN fails the comparison too
+        raise ValueError(f"--budget must be numbers in [0, 1], comma-separated, got {text!r}")
+    return list(dict.fromkeys(budgets))
+
+
+def parse_constraint(text: str) -> list[str]:
+    if text == "both":
+        return list(CONSTRAINTS)
+    if text not in CONSTRAINTS:
+        raise ValueError(f"--constraint must be server, device or both, got {text!r}")
+    return [text]
+
+
+def request_options(policy: Policy, reading_rate_tps: float, migration: bool = True) -> dict[str, Any]:
+    """The request body's `tophat` object for one policy."""
+    options: dict[str, Any] = {"dispatch": policy.mode, "reading_rate_tps": reading_rate_tps}
+    if policy.budget is not None:
+        options["budget"] = policy.budget
+    if policy.mode == "disco":
+        options["migration"] = migration
+    return options
+
+
+def mesh_env(constraint: str) -> dict[str, str]:
+    """Mesh-wide settings: the whole model in the verifier (cloud-only needs it), a fresh history,
+    and for the device-constrained regime an exchange rate that makes device energy dominate."""
+    env = {"TOPHAT_VERIFIER_FULL_MODEL": "true", "TOPHAT_STREAMER_DISCO_REFRESH_S": f"{HISTORY_REFRESH_S:g}"}
+    if constraint == "device":
+        env["TOPHAT_STREAMER_EXCHANGE_RATE"] = f"{DEVICE_EXCHANGE_RATE:g}"
+    return env
+
+
+# -- aggregation --------------------------------------------------------------------------------
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def aggregate(records: Sequence[RequestRecord], *, mode: str, budget: float | None, constraint: str,
+              reading_rate_tps: float) -> dict[str, Any]:
+    """One results entry from a run's per-request records (their `tophat` objects carry cost, endpoint,
+    migrations). Latency statistics are the load generator's own (metrics.build_results)."""
+    stats = build_results(list(records))
+    done = [r for r in records if r.ok and isinstance(r.tophat, dict)]
+    cost = [r.tophat.get("cost") if isinstance(r.tophat.get("cost"), dict) else {} for r in done]
+    totals = [v for v in (_finite(c.get("total")) for c in cost) if v is not None]
+    migrations = [m for r in done for m in (r.tophat.get("migrations") or []) if isinstance(m, dict)]
+    gaps = [v for v in (_finite(m.get("max_gap_s")) for m in migrations) if v is not None]
+    limit_s = 1.0 / reading_rate_tps if reading_rate_tps > 0 else None
+    return {
+        "mode": mode, "budget": budget, "constraint": constraint, "reading_rate_tps": reading_rate_tps,
+        "requests": len(records), "completed": stats["completed"], "failed": stats["failed"],
+        "mean_ttft_ms": stats["mean_ttft_ms"], "median_ttft_ms": stats["median_ttft_ms"],
+        "p99_ttft_ms": stats["p99_ttft_ms"], "mean_tbt_ms": stats["mean_tbt_ms"], "p99_tbt_ms": stats["p99_tbt_ms"],
+        "mean_cost": _mean(totals),
+        "mean_device_cost": _mean([v for v in (_finite(c.get("device")) for c in cost) if v is not None]),
+        "mean_server_cost": _mean([v for v in (_finite(c.get("server")) for c in cost) if v is not None]),
+        "costed": len(totals),  # requests whose cost the streamer reported
+        "endpoints": dict(Counter(str(r.tophat.get("endpoint")) for r in done)),  # who gave the first token
+        "decisions": dict(Counter(str(r.tophat.get("decision")) for r in done)),
+        "raced": sum(1 for r in done if len(r.tophat.get("endpoints") or []) > 1),  # requests with > 1 leg
+        "migrations": len(migrations),
+        "migration_reasons": dict(Counter(str(m.get("reason")) for m in migrations)),
+        "max_migration_gap_ms": max(gaps) * 1e3 if gaps else None,
+        "migration_gap_limit_ms": limit_s * 1e3 if limit_s else None,
+        "migration_stalls": sum(1 for g in gaps if limit_s and g > limit_s * GAP_SLACK),
+        "migrations_unfinished": len(migrations) - len(gaps),  # the target's first token never reached the user
+        "errors": stats["errors"],
+    }
+
+
+# -- comparison ---------------------------------------------------------------------------------
+def _point(entry: dict[str, Any], ttft_key: str) -> tuple[float, float] | None:
+    x, y = _finite(entry.get("mean_cost")), _finite(entry.get(ttft_key))
+    return None if x is None or y is None else (x, y)
+
+
+def _label(entry: dict[str, Any]) -> str:
+    return Policy(entry["mode"], entry["budget"]).label
+
+
+def dominators(entry: dict[str, Any], others: Sequence[dict[str, Any]], ttft_key: str) -> list[str]:
+    """Labels of the entries that dominate `entry` in (mean cost, ttft_key): no worse in both and better
+    in one (lower is better in both)."""
+    point = _point(entry, ttft_key)
+    if point is None:
+        return []
+    beaten = []
+    for other in others:
+        q = _point(other, ttft_key)
+        if q is not None and q[0] <= point[0] and q[1] <= point[1] and q != point:
+            beaten.append(_label(other))
+    return beaten
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    a, b = _finite(a), _finite(b)
+    return a / b if a is not None and b not in (None, 0.0) else None
+
+
+def compare(entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every disco entry with its ratios (disco / baseline: mean TTFT, P99 TTFT, mean cost) against
+    random at the same budget, device-only and cloud-only of the same regime, and whether it is on
+    the Pareto front of {device, cloud, random at every budget} in (mean TTFT, cost) and (P99 TTFT, cost)."""
+    out = []
+    for entry in entries:
+        if entry["mode"] != "disco":
+            continue
+        same = [e for e in entries if e["constraint"] == entry["constraint"]]
+        baselines = [e for e in same if e["mode"] in BASELINES]
+        against = {
+            "random": next((e for e in same if e["mode"] == "random" and e["budget"] == entry["budget"]), None),
+            "device": next((e for e in same if e["mode"] == "device"), None),
+            "cloud": next((e for e in same if e["mode"] == "cloud"), None),
+        }
+        ratios = {name: None if base is None else {
+            "mean_ttft": _ratio(entry["mean_ttft_ms"], base["mean_ttft_ms"]),
+            "p99_ttft": _ratio(entry["p99_ttft_ms"], base["p99_ttft_ms"]),
+            "cost": _ratio(entry["mean_cost"], base["mean_cost"]),
+        } for name, base in against.items()}
+        by_mean = dominators(entry, baselines, "mean_ttft_ms")
+        by_p99 = dominators(entry, baselines, "p99_ttft_ms")
+        out.append({**entry, "ratios": ratios,
+                    "pareto_mean": _point(entry, "mean_ttft_ms") is not None and not by_mean,
+                    "pareto_p99": _point(entry, "p99_ttft_ms") is not None and not by_p99,
+                    "dominated_by_mean": by_mean, "dominated_by_p99": by_p99})
+    return out
+
+
+# -- presentation -------------------------------------------------------------------------------
+def _ms(v: Any) -> str:
+    return "-" if _finite(v) is None else f"{v:.0f}"
+
+
+def _x(v: Any) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def format_tables(entries: Sequence[dict[str, Any]], title: str) -> str:
+    """The measurements, then disco against the baselines measured in the same run."""
+    lines = [title, f"{'regime':7s} {'policy':12s} {'done':>6s} {'TTFT mean':>9s} {'TTFT p99':>9s} {'cost $/req':>11s} "
+             f"{'TBT p99':>8s} {'raced':>5s} {'first token dev/srv':>19s} {'migr':>4s} {'max gap / 1/r_c':>16s}"]
+    for e in entries:
+        first = e.get("endpoints") or {}
+        server_first = sum(v for k, v in first.items() if k in ("cloud", "hat"))
+        gap = (f"{_ms(e['max_migration_gap_ms'])}/{_ms(e['migration_gap_limit_ms'])} ms"
+               if e.get("max_migration_gap_ms") is not None else "-")
+        cost = "-" if _finite(e.get("mean_cost")) is None else f"{e['mean_cost']:.3g}"
+        lines.append(f"{e['constraint']:7s} {_label(e):12s} {e['completed']:>3d}/{e['requests']:<2d} "
+                     f"{_ms(e['mean_ttft_ms']):>7s}ms {_ms(e['p99_ttft_ms']):>7s}ms {cost:>11s} "
+                     f"{_ms(e['p99_tbt_ms']):>6s}ms {e['raced']:5d} {first.get('device', 0):>9d}/{server_first:<9d} "
+                     f"{e['migrations']:4d} {gap:>16s}")
+    compared = compare(entries)
+    if compared:
+        lines += ["", "disco / baseline (mean TTFT, P99 TTFT, cost); Pareto front of {device, cloud, random@all b} "
+                  "in (TTFT, cost)",
+                  f"{'regime':7s} {'policy':12s} {'vs random@b':>23s} {'vs device-only':>23s} {'vs cloud-only':>23s} "
+                  f"{'front(mean)':>11s} {'front(p99)':>10s}"]
+        for c in compared:
+            cells = []
+            for name in ("random", "device", "cloud"):
+                r = c["ratios"][name]
+                cells.append("-" if r is None else f"{_x(r['mean_ttft'])} {_x(r['p99_ttft'])} {_x(r['cost'])}")
+            lines.append(f"{c['constraint']:7s} {_label(c):12s} {cells[0]:>23s} {cells[1]:>23s} {cells[2]:>23s} "
+                         f"{'yes' if c['pareto_mean'] else 'no':>11s} {'yes' if c['pareto_p99'] else 'no':>10s}")
+            for key, name in (("dominated_by_mean", "mean"), ("dominated_by_p99", "p99")):
+                if c[key]:
+                    lines.append(f"{'':20s} ({name}) dominated by {', '.join(c[key])}")
+    return "\n".join(lines)
+
+
+def plot_cost_ttft(entries: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
+    """Mean and P99 TTFT against mean cost, one point per (policy, budget); random and disco joined
+    across budgets."""
+    from loadgen.plots import _pyplot
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    markers = {"device": "s", "cloud": "^", "random": "o", "disco": "*"}
+    for ax, key, name in ((axes[0], "mean_ttft_ms", "mean TTFT (ms)"), (axes[1], "p99_ttft_ms", "P99 TTFT (ms)")):
+        for mode, marker in markers.items():
+            points = sorted((e["budget"] or 0.0, p) for e in entries if e["mode"] == mode
+                            for p in [_point(e, key)] if p is not None)
+            if not points:
+                continue
+            xs, ys = [p[0] for _, p in points], [p[1] for _, p in points]
+            ax.plot(xs, ys, marker=marker, ms=10 if mode == "disco" else 7, ls="-" if len(points) > 1 else "",
+                    label=mode)
+            if mode in ("random", "disco"):
+                for (b, (x, y)) in points:
+                    ax.annotate(f"b={b:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set(xlabel="mean cost per request ($)", ylabel=name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def output_paths(out: Path) -> tuple[Path, Path]:
+    """(the results JSON, the folder for per-run outputs): `--out x.json` or a folder (disco.json in it)."""
+    json_path = out if out.suffix == ".json" else out / "disco.json"
+    return json_path, json_path.with_name(f"{json_path.stem}-runs")
+
+
+# -- the bench ----------------------------------------------------------------------------------
+def _history_sizes(monitor_url: str) -> dict[str, int] | None:
+    """How many prompt lengths and server TTFTs the monitor holds (what disco's policy is built from)."""
+    import httpx
+
+    try:
+        body = httpx.get(f"{monitor_url}/disco/history", timeout=5.0, trust_env=False).raise_for_status().json()
+        return {k: len(body.get(k) or []) for k in ("prompt_tokens", "server_ttft_s")}
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        log.warning("cannot read the monitor's DiSCo history: %s", exc)
+        return None
+
+
+def run_disco(*, constraint: str, budgets: Sequence[float], workload: str, rate: float, num_requests: int,
+              max_new_tokens: int, seed: int, runs_dir: Path, devices: int, link: str, speed: str, model_dir: str,
+              reading_rate_tps: float, migration: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every policy on one mesh of this cost regime, back to back: (entries, notes about the run)."""
+    from loadgen.bench import loadgen_options
+    from loadgen.cli import _run
+    from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+
+    config = MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link,
+                        speed=speed, extra_env=mesh_env(constraint),
+                        device_env={"TOPHAT_DEVICE_MAX_SESSIONS": str(DEVICE_SESSIONS)})
+    entries: list[dict[str, Any]] = []
+    notes: dict[str, Any] = {"constraint": constraint, "link": link, "speed": speed, "devices": devices}
+    with Mesh(config) as mesh:
+        for policy in policy_plan(budgets):
+            if policy.mode == "disco" and "history_before_disco" not in notes:
+                time.sleep(HISTORY_REFRESH_S * 2)  # the streamer has re-read the baselines' history
+                notes["history_before_disco"] = _history_sizes(config.monitor_url)
+            log.info("%s-constrained: %s, %s @ %g req/s", constraint, policy.label, workload, rate)
+            records: list[RequestRecord] = []
+            options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens, seed,
+                                      runs_dir / constraint / policy.label, request_options(
+                                          policy, reading_rate_tps, migration), mesh.redis_url, model_dir)
+            asyncio.run(_run(options, records))
+            entries.append(aggregate(records, mode=policy.mode, budget=policy.budget, constraint=constraint,
+                                     reading_rate_tps=reading_rate_tps))
+    return entries, notes
+
+
+def bench_disco(*, constraints: Sequence[str], budgets: Sequence[float], workload: str, rate: float,
+                num_requests: int, max_new_tokens: int, seed: int, out: Path, devices: int, link: str, speed: str,
+                model_dir: str, reading_rate_tps: float, migration: bool = True) -> tuple[str, Path, list[Path]]:
+    """Run every regime, write the JSON, the table and the plots: (table, JSON path, PNG paths)."""
+    json_path, runs_dir = output_paths(out)
+    entries: list[dict[str, Any]] = []
+    meshes = []
+    for constraint in constraints:
+        got, notes = run_disco(constraint=constraint, budgets=budgets, workload=workload, rate=rate,
+                               num_requests=num_requests, max_new_tokens=max_new_tokens, seed=seed, runs_dir=runs_dir,
+                               devices=devices, link=link, speed=speed, model_dir=model_dir,
+                               reading_rate_tps=reading_rate_tps, migration=migration)
+        entries += got
+        meshes.append(notes)
+    title = (f"DiSCo bench: {workload} @ {rate:g} req/s, {num_requests} requests/policy, max_tokens {max_new_tokens}, "
+             f"r_c {reading_rate_tps:g} tok/s, link {link}, device speed {speed}, {devices} device(s)")
+    table = format_tables(entries, title)
+    compared = {(c["constraint"], c["budget"]): c for c in compare(entries)}
+    saved = [compared.get((e["constraint"], e["budget"]), e) if e["mode"] == "disco" else e for e in entries]
+    config = {"workload": workload, "rate": rate, "num_requests": num_requests, "max_new_tokens": max_new_tokens,
+              "seed": seed, "devices": devices, "link": link, "speed": speed, "model": model_dir,
+              "reading_rate_tps": reading_rate_tps, "budgets": list(budgets), "migration": migration,
+              "device_exchange_rate": DEVICE_EXCHANGE_RATE, "meshes": meshes}
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"config": config, "entries": saved}, indent=2, default=str) + "\n")
+    json_path.with_suffix(".txt").write_text(table + "\n")
+    plots = [plot_cost_ttft([e for e in entries if e["constraint"] == c],
+                            json_path.with_name(f"{json_path.stem}-{c}.png"), f"{c}-constrained - {title}")
+             for c in constraints]
+    return table, json_path, plots
