@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
 MODEL ?= smollm2
 
-.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim soak clean
+.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -55,6 +55,13 @@ bench-picospec: install
 bench-ablation: install
 	$(BIN)/tophat bench --model $(MODEL) --ablation --rates 0.25 --link-profile mid --devices 2 --num-requests 12 \
 		--max-new-tokens 32 --out bench-results
+
+# DiSCo (issue 14): device-only, cloud-only, then random and disco per budget, same trace, one mesh per cost regime;
+# DISCO_CONSTRAINT=server|device|both. Table in bench-results/disco.txt, JSON beside it, TTFT-vs-cost PNGs.
+DISCO_CONSTRAINT ?= server
+bench-disco: install
+	$(BIN)/tophat bench --disco --model $(MODEL) --budget 0.1,0.25,0.5,0.75 --constraint $(DISCO_CONSTRAINT) \
+		--rates 2 --devices 1 --num-requests 48 --max-new-tokens 32 --reading-rate 5 --out bench-results/disco.json
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
 bench-sim: install
