@@ -167,7 +167,12 @@ class DiscoStream:
     def _deliver(self, now: float) -> dict[str, Any]:
         ids, text, leg = self.buffer.popleft()
         self.deliveries.append(now)
-        self.next_due = now + len(ids) / self.reading_rate if self.reading_rate > 0 else now
+        if self.reading_rate > 0:
+            # On schedule (a timer's lateness is not carried over), unless nothing was there to deliver.
+            on_time = self.deliveries[:-1] and now - self.next_due < 0.5 / self.reading_rate
+            self.next_due = (self.next_due if on_time else now) + len(ids) / self.reading_rate
+        else:
+            self.next_due = now
         migration = self.migrations[-1] if self.migrations else None
         if migration is not None and leg.prefix == migration["at_token"] and "max_gap_s" not in migration:
             # the target's first token reached the user: the largest gap since the hand-over began
