@@ -113,6 +113,15 @@ def mesh_env(constraint: str) -> dict[str, str]:
     return env
 
 
+def mesh_config(constraint: str, *, model_dir: str, devices: int, link: str, speed: str):
+    """The mesh of one cost regime (see the module docstring for the choices)."""
+    from tophatctl.launcher import MeshConfig, find_port_base
+
+    return MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link,
+                      speed=speed, extra_env=mesh_env(constraint),
+                      device_env={"max_sessions": str(DEVICE_SESSIONS)})  # the launcher adds TOPHAT_DEVICE_
+
+
 # -- aggregation --------------------------------------------------------------------------------
 def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
@@ -312,11 +321,9 @@ def run_disco(*, constraint: str, budgets: Sequence[float], workload: str, rate:
     """Every policy on one mesh of this cost regime, back to back: (entries, notes about the run)."""
     from loadgen.bench import loadgen_options
     from loadgen.cli import _run
-    from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+    from tophatctl.launcher import Mesh
 
-    config = MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link,
-                        speed=speed, extra_env=mesh_env(constraint),
-                        device_env={"TOPHAT_DEVICE_MAX_SESSIONS": str(DEVICE_SESSIONS)})
+    config = mesh_config(constraint, model_dir=model_dir, devices=devices, link=link, speed=speed)
     entries: list[dict[str, Any]] = []
     notes: dict[str, Any] = {"constraint": constraint, "link": link, "speed": speed, "devices": devices}
     with Mesh(config) as mesh:

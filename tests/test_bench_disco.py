@@ -105,6 +105,16 @@ def test_the_plan_runs_the_baselines_first_then_random_and_disco_per_budget():
     assert float(bd.mesh_env("device")["TOPHAT_STREAMER_EXCHANGE_RATE"]) == bd.DEVICE_EXCHANGE_RATE
 
 
+def test_the_mesh_gives_devices_room_for_paced_requests_and_the_verifier_the_full_model():
+    from tophatctl.launcher import Mesh
+
+    config = bd.mesh_config("device", model_dir=str(DEMO_MODEL_DIR), devices=2, link="lat=5ms", speed="3")
+    device = Mesh(config)._device_env(1, str(DEMO_MODEL_DIR))  # what device agent 1's process is given
+    assert device["TOPHAT_DEVICE_MAX_SESSIONS"] == str(bd.DEVICE_SESSIONS)
+    assert device["TOPHAT_DEVICE_SPEED"] == "3" and device["TOPHAT_DEVICE_LINK"] == "lat=5ms"
+    assert config.extra_env["TOPHAT_VERIFIER_FULL_MODEL"] == "true" and config.num_devices == 2
+
+
 def test_the_device_exchange_rate_makes_the_streamers_cost_model_device_constrained():
     from services.token_streamer.settings import load_settings
 
