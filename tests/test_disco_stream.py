@@ -151,3 +151,20 @@ async def test_bad_dispatch_requests_are_refused() -> None:
 def test_settings_are_checked(overrides: dict[str, Any]) -> None:
     with pytest.raises((SettingsError, ValueError)):
         load_settings({}, **overrides)
+
+
+async def test_a_finished_endpoint_frees_its_slot_while_paced_delivery_goes_on() -> None:
+    device = ModeDevice({})
+    async with mesh(device) as url:
+        task = asyncio.create_task(complete(url, 10, dispatch="device", reading_rate_tps=5))  # ~1.8 s to deliver
+        assert await wait_for(lambda: device.finished == 1)
+        async with httpx.AsyncClient(timeout=5) as http:
+            async def outstanding() -> int:
+                return (await http.get(f"{url}/stats")).json()["devices"][0]["outstanding"]
+            for _ in range(50):  # generated at once: the streamer gives the device slot back
+                if await outstanding() == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert await outstanding() == 0
+        assert not task.done()  # while the user is still reading
+        assert (await task).json()["choices"][0]["text"] == expected_text(10)

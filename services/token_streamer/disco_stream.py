@@ -197,6 +197,7 @@ class DiscoStream:
             elif event_type == "done":
                 if leg is self.active:
                     self.finished = payload
+                self._close(leg)  # its device slot is free while the buffer is still being delivered
             elif event_type == "error":
                 await self._on_failure(leg, DeviceError(502, str(payload.get("code") or "device_error"),
                                                         str(payload.get("message") or "the endpoint failed")))
