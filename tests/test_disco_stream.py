@@ -168,3 +168,22 @@ async def test_a_finished_endpoint_frees_its_slot_while_paced_delivery_goes_on()
             assert await outstanding() == 0
         assert not task.done()  # while the user is still reading
         assert (await task).json()["choices"][0]["text"] == expected_text(10)
+
+
+async def test_tokens_generated_before_a_fatal_failure_are_delivered_first() -> None:
+    # The device is the only endpoint left (a device-only baseline): when it fails, what it generated
+    # still reaches the user, then the typed error.
+    device = ModeDevice({}, fail_mode="device", fail_after=3)
+    async with mesh(device) as url, httpx.AsyncClient(timeout=20) as http:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True,
+                "tophat": {"dispatch": "device", "reading_rate_tps": 50}}
+        text, errors = "", []
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        errors.append(chunk["error"])
+                    elif chunk.get("choices"):
+                        text += chunk["choices"][0].get("text") or ""
+        assert text == expected_text(3) and len(errors) == 1 and "verifier gone" in errors[0]["message"]

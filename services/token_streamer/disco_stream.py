@@ -73,6 +73,7 @@ class DiscoStream:
         self.deliveries: list[float] = []
         self.next_due = 0.0
         self.finished: dict[str, Any] | None = None  # the active leg's done event
+        self.failure: DeviceError | None = None  # raised once the buffer is delivered
         self.migrations: list[dict[str, Any]] = []
         self.server_ttft_s: float | None = None
         self.decision: Decision | None = None
@@ -146,14 +147,22 @@ class DiscoStream:
 
     # -- the delivery loop ---------------------------------------------------------------------
     async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Paced token events, then `done`; a failure nothing can take over is raised (DeviceError)
+        once every token generated before it has been delivered."""
         while True:
             now = time.perf_counter()
             if self.buffer and now >= self.next_due:
                 yield self._deliver(now)
                 continue
-            if self.finished is not None and not self.buffer:
-                yield {"type": "done", "finish_reason": self.finished.get("finish_reason"), "stats": self._stats()}
-                return
+            if not self.buffer:
+                if self.failure is not None:
+                    raise self.failure
+                if self.finished is not None:
+                    yield {"type": "done", "finish_reason": self.finished.get("finish_reason"), "stats": self._stats()}
+                    return
+            if self.failure is not None:
+                await asyncio.sleep(self.next_due - now)
+                continue
             wait = self.next_due - now if self.buffer else self.idle_timeout_s
             try:
                 async with asyncio.timeout(wait):
@@ -162,7 +171,10 @@ class DiscoStream:
                 if self.buffer:
                     continue
                 raise DeviceError(504, "disco_timeout", f"no endpoint produced anything for {wait:g} s") from None
-            await self._handle(leg, kind, payload)
+            try:
+                await self._handle(leg, kind, payload)
+            except DeviceError as exc:
+                self.failure = exc
 
     def _deliver(self, now: float) -> dict[str, Any]:
         ids, text, leg = self.buffer.popleft()
@@ -317,7 +329,8 @@ class DiscoStream:
         for leg in self.legs:
             self._close(leg)
         await asyncio.gather(*self._closing, *([self._timer] if self._timer else []), return_exceptions=True)
-        self.controller.history.request_done(self.prompt_tokens, self.server_ttft_s, len(self.generated))
+        if self.prompt_tokens is not None:  # a request that never started teaches nothing
+            self.controller.history.request_done(self.prompt_tokens, self.server_ttft_s, len(self.generated))
 
     def _stats(self) -> dict[str, Any]:
         stats = dict((self.finished or {}).get("stats") or {})
