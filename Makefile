@@ -61,7 +61,7 @@ bench-ablation: install
 DISCO_CONSTRAINT ?= server
 bench-disco: install
 	$(BIN)/tophat bench --disco --model $(MODEL) --budget 0.1,0.25,0.5,0.75 --constraint $(DISCO_CONSTRAINT) \
-		--rates 2 --devices 1 --num-requests 48 --max-new-tokens 32 --reading-rate 5 --out bench-results/disco.json
+		--rates 2 --devices 1 --num-requests 40 --max-new-tokens 32 --reading-rate 5 --out bench-results/disco.json
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
 bench-sim: install

@@ -303,6 +303,19 @@ def output_paths(out: Path) -> tuple[Path, Path]:
 
 
 # -- the bench ----------------------------------------------------------------------------------
+def save_streamer_stats(path: Path, records: Sequence[RequestRecord]) -> None:
+    """One line per request: its prompt length, TTFT and the streamer's `tophat` object (decision,
+    legs, cost, migrations), beside the load generator's requests.csv."""
+    from loadgen.metrics import ttft_s
+
+    with path.open("w") as handle:
+        for r in records:
+            ttft = ttft_s(r)
+            handle.write(json.dumps({"index": r.index, "prompt_tokens": r.prompt_tokens, "error": r.error,
+                                     "ttft_ms": None if ttft is None else ttft * 1e3, "tophat": r.tophat},
+                                    default=str) + "\n")
+
+
 def _history_sizes(monitor_url: str) -> dict[str, int] | None:
     """How many prompt lengths and server TTFTs the monitor holds (what disco's policy is built from)."""
     import httpx
@@ -333,10 +346,12 @@ def run_disco(*, constraint: str, budgets: Sequence[float], workload: str, rate:
                 notes["history_before_disco"] = _history_sizes(config.monitor_url)
             log.info("%s-constrained: %s, %s @ %g req/s", constraint, policy.label, workload, rate)
             records: list[RequestRecord] = []
+            run_dir = runs_dir / constraint / policy.label
             options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens, seed,
-                                      runs_dir / constraint / policy.label, request_options(
-                                          policy, reading_rate_tps, migration), mesh.redis_url, model_dir)
+                                      run_dir, request_options(policy, reading_rate_tps, migration), mesh.redis_url,
+                                      model_dir)
             asyncio.run(_run(options, records))
+            save_streamer_stats(run_dir / "tophat.jsonl", records)
             entries.append(aggregate(records, mode=policy.mode, budget=policy.budget, constraint=constraint,
                                      reading_rate_tps=reading_rate_tps))
     return entries, notes

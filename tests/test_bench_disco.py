@@ -188,3 +188,5 @@ def test_a_tiny_bench_against_a_real_mesh_reports_every_policy(tmp_path):
     assert "ratios" in entries[("disco", 0.5)] and "pareto_mean" in entries[("disco", 0.5)]
     assert saved["config"]["meshes"][0]["history_before_disco"]["prompt_tokens"] >= 6
     assert all(p.exists() for p in plots) and "disco@0.5" in table
+    lines = (tmp_path / "disco-runs" / "server" / "disco@0.5" / "tophat.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and all(json.loads(line)["tophat"]["dispatch"] == "disco" for line in lines)
