@@ -36,6 +36,7 @@ import asyncio
 import json
 import logging
 import math
+import textwrap
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -288,7 +289,7 @@ def plot_cost_ttft(entries: Sequence[dict[str, Any]], path: Path, title: str) ->
         ax.set(xlabel="mean cost per request ($)", ylabel=name)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
