@@ -108,7 +108,8 @@ def request_options(policy: Policy, reading_rate_tps: float, migration: bool = T
 def mesh_env(constraint: str) -> dict[str, str]:
     """Mesh-wide settings: the whole model in the verifier (cloud-only needs it), a fresh history,
     and for the device-constrained regime an exchange rate that makes device energy dominate."""
-    env = {"TOPHAT_VERIFIER_FULL_MODEL": "true", "TOPHAT_STREAMER_DISCO_REFRESH_S": f"{HISTORY_REFRESH_S:g}"}
+    env = {"TOPHAT_VERIFIER_FULL_MODEL": "true", "TOPHAT_STREAMER_DISCO_REFRESH_S": f"{HISTORY_REFRESH_S:g}",
+           "TOPHAT_STREAMER_DISCO_SEED": "0"}  # the random baseline's choices repeat from run to run
     if constraint == "device":
         env["TOPHAT_STREAMER_EXCHANGE_RATE"] = f"{DEVICE_EXCHANGE_RATE:g}"
     return env

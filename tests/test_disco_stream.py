@@ -147,7 +147,8 @@ async def test_bad_dispatch_requests_are_refused() -> None:
 
 
 @pytest.mark.parametrize("overrides", [{"dispatch": "fastest"}, {"disco_budget": 2.0}, {"disco_server_endpoint": "edge"},
-                                       {"device_energy": "orin:1"}, {"exchange_rate": -1.0}, {"reading_rate_tps": -1.0}])
+                                       {"device_energy": "orin:1"}, {"exchange_rate": -1.0}, {"reading_rate_tps": -1.0},
+                                       {"disco_migration_margin": 0.5}])
 def test_settings_are_checked(overrides: dict[str, Any]) -> None:
     with pytest.raises((SettingsError, ValueError)):
         load_settings({}, **overrides)
@@ -187,3 +188,14 @@ async def test_tokens_generated_before_a_fatal_failure_are_delivered_first() -> 
                     elif chunk.get("choices"):
                         text += chunk["choices"][0].get("text") or ""
         assert text == expected_text(3) and len(errors) == 1 and "verifier gone" in errors[0]["message"]
+
+
+async def test_a_seeded_random_baseline_repeats_its_choices() -> None:
+    choices = []
+    for _ in range(2):
+        device = ModeDevice({})
+        async with mesh(device, disco_seed=7) as url:
+            for _ in range(6):
+                assert (await complete(url, 2, dispatch="random", budget=0.5, reading_rate_tps=0)).status_code == 200
+        choices.append([r["mode"] for r in device.requests])
+    assert choices[0] == choices[1] and len(set(choices[0])) == 2  # the same split, and a split

@@ -102,7 +102,7 @@ class DiscoController:
         self.settings = settings
         self.client = client
         self.history = History(settings.disco_history)
-        self.rng = rng or random.Random()
+        self.rng = rng or random.Random(None if settings.disco_seed < 0 else settings.disco_seed)
         self.base_cost: CostModel = settings.cost_model()
         self._policies: dict[float, tuple[int, DispatchPolicy]] = {}  # budget -> (history version, policy)
 

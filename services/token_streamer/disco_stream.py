@@ -284,6 +284,7 @@ class DiscoStream:
         if remaining < 1 or migration_saving(self.ledger.cost, source, target, remaining, resume) <= 0:
             return
         t_m = history.device_ttft_estimate_s(resume) if target == "device" else history.server_ttft_estimate_s()
+        t_m *= self.controller.settings.disco_migration_margin
         need = buffer_tokens(self.reading_rate, t_m) if self.reading_rate > 0 else 0
         if sum(len(ids) for ids, _, _ in self.buffer) >= need:
             self._migrate(target, "cost", t_m, need)

@@ -71,6 +71,10 @@ class Settings:
     reading_rate_tps: float = 5.0         # r_c: delivery under a dispatch policy is paced at this (0: unpaced)
     disco_history: int = 2000             # recent prompt lengths / server TTFTs the policy is built from
     disco_refresh_s: float = 5.0          # how often the history is re-read from the state monitor
+    # The buffer a migration waits for is B = r_c * t_m (eq. 5) with t_m, the receiver's expected time to
+    # its first token, times this margin: eq. 5 exactly leaves no room for an estimate that is short.
+    disco_migration_margin: float = 1.5
+    disco_seed: int = -1                  # the random baseline's generator (-1: unseeded); benches fix it
     # Unified cost (DiSCo §4.1; shared/disco/cost.py has the sources of the defaults): server $ per prompt /
     # generated token; device energy per prompt / generated token per speed class ("class:J,J;..."), the
     # exchange rate $ per J (lambda) and HAT's share of a token's compute done on the device.
@@ -116,6 +120,8 @@ class Settings:
             raise ValueError("need 0 <= disco_budget <= 1 and 0 < disco_tail_ratio < 1")
         if self.reading_rate_tps < 0 or self.disco_history < 1 or self.disco_refresh_s <= 0:
             raise ValueError("need reading_rate_tps >= 0, disco_history >= 1, disco_refresh_s > 0")
+        if not 1.0 <= self.disco_migration_margin <= 10.0:
+            raise ValueError("disco_migration_margin must be in [1, 10]")
         self.cost_model()  # the cost settings are checked where they are defined
 
     def cost_model(self, speed_class: str = "orin") -> CostModel:
