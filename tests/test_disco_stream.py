@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from services.token_streamer import load_settings
+from services.token_streamer.disco import FALLBACK_TTFT_S, History
 from shared.settings import SettingsError
 from tests.test_token_streamer import WORDS, FakeDevice, expected_text, mesh
 
@@ -148,7 +149,7 @@ async def test_bad_dispatch_requests_are_refused() -> None:
 
 @pytest.mark.parametrize("overrides", [{"dispatch": "fastest"}, {"disco_budget": 2.0}, {"disco_server_endpoint": "edge"},
                                        {"device_energy": "orin:1"}, {"exchange_rate": -1.0}, {"reading_rate_tps": -1.0},
-                                       {"disco_migration_margin": 0.5}])
+                                       {"disco_migration_quantile": 1.0}])
 def test_settings_are_checked(overrides: dict[str, Any]) -> None:
     with pytest.raises((SettingsError, ValueError)):
         load_settings({}, **overrides)
@@ -199,3 +200,15 @@ async def test_a_seeded_random_baseline_repeats_its_choices() -> None:
                 assert (await complete(url, 2, dispatch="random", budget=0.5, reading_rate_tps=0)).status_code == 200
         choices.append([r["mode"] for r in device.requests])
     assert choices[0] == choices[1] and len(set(choices[0])) == 2  # the same split, and a split
+
+
+def test_a_migrations_time_is_a_quantile_of_the_receivers_time_to_first_token() -> None:
+    history = History(100)
+    assert history.ttft_estimate_s(True, 100, 0.9) == FALLBACK_TTFT_S  # nothing seen yet
+    for tokens in (10, 20, 30, 40):
+        history.leg_started(True, tokens, 0.1 + 0.01 * tokens)  # exactly k*l + c
+    assert history.ttft_estimate_s(True, 100, 0.9) == pytest.approx(1.1)
+    for i in range(10):  # the server: no length dependence, one slow start in ten
+        history.leg_started(False, 50, 2.0 if i == 0 else 0.3)
+    assert history.ttft_estimate_s(False, 50, 0.5) == pytest.approx(0.3)  # mean 0.47 + the median residual
+    assert history.ttft_estimate_s(False, 50, 0.95) == pytest.approx(2.0)  # the tail is covered

@@ -43,7 +43,9 @@ class History:
     def __init__(self, size: int) -> None:
         self.prompt_tokens: deque[int] = deque(maxlen=size)
         self.server_ttft_s: deque[float] = deque(maxlen=size)
-        self.device_ttft: deque[tuple[int, float]] = deque(maxlen=256)  # (tokens read, seconds to first token)
+        # (tokens read, seconds to first token) of recent legs, device and server: migrations' t_m
+        self.device_ttft: deque[tuple[int, float]] = deque(maxlen=256)
+        self.leg_ttft: deque[tuple[int, float]] = deque(maxlen=256)
         self.output_tokens: deque[int] = deque(maxlen=256)
         self.chars_per_token = DEFAULT_CHARS_PER_TOKEN
         self.from_monitor = False
@@ -77,24 +79,26 @@ class History:
     def mean_output_tokens(self) -> float | None:
         return statistics.fmean(self.output_tokens) if self.output_tokens else None
 
-    def server_ttft_estimate_s(self) -> float:
-        """t_m of a migration to the server: its median TTFT."""
-        return statistics.median(self.server_ttft_s) if self.server_ttft_s else FALLBACK_TTFT_S
+    def leg_started(self, on_device: bool, tokens_read: int, ttft_s: float) -> None:
+        """An endpoint's first token came `ttft_s` after it was asked, having read `tokens_read` tokens."""
+        (self.device_ttft if on_device else self.leg_ttft).append((tokens_read, ttft_s))
 
-    def device_ttft_estimate_s(self, tokens: int) -> float:
-        """t_m of a migration to the device: its TTFT is linear in what it reads (DiSCo §3), k*l + c by
-        least squares over recent device starts."""
-        samples = list(self.device_ttft)
+    def ttft_estimate_s(self, on_device: bool, tokens: int, quantile: float) -> float:
+        """t_m of a migration: the `quantile` of an endpoint's time to first token after reading `tokens`.
+        Device TTFT is linear in what it reads (DiSCo §3); the server's mostly is not, but a cloud that
+        prefills on a busy CPU is, so both are fitted as k*l + c by least squares over recent starts,
+        plus the quantile of the residuals."""
+        samples = list(self.device_ttft if on_device else self.leg_ttft)
         if not samples:
             return FALLBACK_TTFT_S
         n = len(samples)
         mean_l = sum(l for l, _ in samples) / n
         mean_t = sum(t for _, t in samples) / n
         var = sum((l - mean_l) ** 2 for l, _ in samples)
-        if var == 0:
-            return mean_t * tokens / mean_l if mean_l else mean_t
-        k = sum((l - mean_l) * (t - mean_t) for l, t in samples) / var
-        return max(0.0, mean_t + k * (tokens - mean_l))
+        k = sum((l - mean_l) * (t - mean_t) for l, t in samples) / var if var > 0 else 0.0
+        residuals = sorted(t - (mean_t + k * (l - mean_l)) for l, t in samples)
+        spread = residuals[min(n - 1, int(quantile * n))]
+        return max(0.0, mean_t + k * (tokens - mean_l) + spread)
 
 
 class DiscoController:

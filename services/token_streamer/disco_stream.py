@@ -226,9 +226,8 @@ class DiscoStream:
         if leg.first_at is None:
             leg.first_at = now
             ttft = now - leg.started
-            if leg.endpoint == "device":
-                self.controller.history.device_ttft.append((leg.stream.prompt_tokens or 0, ttft))
-            elif leg.prefix == 0:
+            self.controller.history.leg_started(leg.endpoint == "device", leg.stream.prompt_tokens or 0, ttft)
+            if leg.endpoint != "device" and leg.prefix == 0:
                 self.server_ttft_s = ttft
         if self.active is None:  # the race is decided
             self.active, self.first_endpoint = leg, leg.endpoint
@@ -259,8 +258,7 @@ class DiscoStream:
             return
         if leg.endpoint != "device" and self.may_resume_on_device():
             log.warning("server endpoint lost mid-answer (%s); migrating to the device", exc.message)
-            self._migrate("device", "cloud_lost", self.controller.history.device_ttft_estimate_s(
-                (self.prompt_tokens or 0) + len(self.generated)), 0)
+            self._migrate("device", "cloud_lost", 0.0, 0)  # no buffer to wait for: the cloud is gone
             return
         raise exc
 
@@ -283,8 +281,8 @@ class DiscoStream:
         resume = (self.prompt_tokens or 0) + len(self.generated)
         if remaining < 1 or migration_saving(self.ledger.cost, source, target, remaining, resume) <= 0:
             return
-        t_m = history.device_ttft_estimate_s(resume) if target == "device" else history.server_ttft_estimate_s()
-        t_m *= self.controller.settings.disco_migration_margin
+        quantile = self.controller.settings.disco_migration_quantile
+        t_m = history.ttft_estimate_s(target == "device", resume, quantile)
         need = buffer_tokens(self.reading_rate, t_m) if self.reading_rate > 0 else 0
         if sum(len(ids) for ids, _, _ in self.buffer) >= need:
             self._migrate(target, "cost", t_m, need)

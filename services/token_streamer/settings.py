@@ -71,9 +71,9 @@ class Settings:
     reading_rate_tps: float = 5.0         # r_c: delivery under a dispatch policy is paced at this (0: unpaced)
     disco_history: int = 2000             # recent prompt lengths / server TTFTs the policy is built from
     disco_refresh_s: float = 5.0          # how often the history is re-read from the state monitor
-    # The buffer a migration waits for is B = r_c * t_m (eq. 5) with t_m, the receiver's expected time to
-    # its first token, times this margin: eq. 5 exactly leaves no room for an estimate that is short.
-    disco_migration_margin: float = 1.5
+    # The buffer a migration waits for is B = r_c * t_m (eq. 5) with t_m this quantile of the receiver's
+    # time to first token (a median leaves every slower-than-median hand-over to stall delivery).
+    disco_migration_quantile: float = 0.9
     disco_seed: int = -1                  # the random baseline's generator (-1: unseeded); benches fix it
     # Unified cost (DiSCo §4.1; shared/disco/cost.py has the sources of the defaults): server $ per prompt /
     # generated token; device energy per prompt / generated token per speed class ("class:J,J;..."), the
@@ -120,8 +120,8 @@ class Settings:
             raise ValueError("need 0 <= disco_budget <= 1 and 0 < disco_tail_ratio < 1")
         if self.reading_rate_tps < 0 or self.disco_history < 1 or self.disco_refresh_s <= 0:
             raise ValueError("need reading_rate_tps >= 0, disco_history >= 1, disco_refresh_s > 0")
-        if not 1.0 <= self.disco_migration_margin <= 10.0:
-            raise ValueError("disco_migration_margin must be in [1, 10]")
+        if not 0.0 < self.disco_migration_quantile < 1.0:
+            raise ValueError("disco_migration_quantile must be in (0, 1)")
         self.cost_model()  # the cost settings are checked where they are defined
 
     def cost_model(self, speed_class: str = "orin") -> CostModel:
