@@ -142,8 +142,10 @@ def aggregate(records: Sequence[RequestRecord], *, mode: str, budget: float | No
     done = [r for r in records if r.ok and isinstance(r.tophat, dict)]
     cost = [r.tophat.get("cost") if isinstance(r.tophat.get("cost"), dict) else {} for r in done]
     totals = [v for v in (_finite(c.get("total")) for c in cost) if v is not None]
-    migrations = [m for r in done for m in (r.tophat.get("migrations") or []) if isinstance(m, dict)]
-    gaps = [v for v in (_finite(m.get("max_gap_s")) for m in migrations) if v is not None]
+    # every hand-over begun; those called off (the receiver would have stalled delivery) stayed on the source
+    handovers = [m for r in done for m in (r.tophat.get("migrations") or []) if isinstance(m, dict)]
+    migrations = [m for m in handovers if "called_off" not in m]
+    gaps = [v for v in (_finite(m.get("max_gap_s")) for m in handovers) if v is not None]
     limit_s = 1.0 / reading_rate_tps if reading_rate_tps > 0 else None
     return {
         "mode": mode, "budget": budget, "constraint": constraint, "reading_rate_tps": reading_rate_tps,
@@ -156,13 +158,16 @@ def aggregate(records: Sequence[RequestRecord], *, mode: str, budget: float | No
         "costed": len(totals),  # requests whose cost the streamer reported
         "endpoints": dict(Counter(str(r.tophat.get("endpoint")) for r in done)),  # who gave the first token
         "decisions": dict(Counter(str(r.tophat.get("decision")) for r in done)),
-        "raced": sum(1 for r in done if len(r.tophat.get("endpoints") or []) > 1),  # requests with > 1 leg
+        # requests whose dispatch started more than one endpoint (hand-over receivers not counted)
+        "raced": sum(1 for r in done
+                     if len(r.tophat.get("endpoints") or []) - len(r.tophat.get("migrations") or []) > 1),
         "migrations": len(migrations),
+        "handovers_called_off": len(handovers) - len(migrations),
         "migration_reasons": dict(Counter(str(m.get("reason")) for m in migrations)),
         "max_migration_gap_ms": max(gaps) * 1e3 if gaps else None,
         "migration_gap_limit_ms": limit_s * 1e3 if limit_s else None,
         "migration_stalls": sum(1 for g in gaps if limit_s and g > limit_s * GAP_SLACK),
-        "migrations_unfinished": len(migrations) - len(gaps),  # the target's first token never reached the user
+        "migrations_unfinished": len(handovers) - len(gaps),  # the continuation never reached the user
         "errors": stats["errors"],
     }
 
@@ -237,7 +242,7 @@ def _x(v: Any) -> str:
 def format_tables(entries: Sequence[dict[str, Any]], title: str) -> str:
     """The measurements, then disco against the baselines measured in the same run."""
     lines = [title, f"{'regime':7s} {'policy':12s} {'done':>6s} {'TTFT mean':>9s} {'TTFT p99':>9s} {'cost $/req':>11s} "
-             f"{'TBT p99':>8s} {'raced':>5s} {'first token dev/srv':>19s} {'migr':>4s} {'max gap / 1/r_c':>16s}"]
+             f"{'TBT p99':>8s} {'raced':>5s} {'first token dev/srv':>19s} {'migr (off)':>10s} {'max gap / 1/r_c':>16s}"]
     for e in entries:
         first = e.get("endpoints") or {}
         server_first = sum(v for k, v in first.items() if k in ("cloud", "hat"))
@@ -247,7 +252,7 @@ def format_tables(entries: Sequence[dict[str, Any]], title: str) -> str:
         lines.append(f"{e['constraint']:7s} {_label(e):12s} {e['completed']:>3d}/{e['requests']:<2d} "
                      f"{_ms(e['mean_ttft_ms']):>7s}ms {_ms(e['p99_ttft_ms']):>7s}ms {cost:>11s} "
                      f"{_ms(e['p99_tbt_ms']):>6s}ms {e['raced']:5d} {first.get('device', 0):>9d}/{server_first:<9d} "
-                     f"{e['migrations']:4d} {gap:>16s}")
+                     f"{e['migrations']:4d} ({e.get('handovers_called_off', 0):2d})  {gap:>16s}")
     compared = compare(entries)
     if compared:
         lines += ["", "disco / baseline (mean TTFT, P99 TTFT, cost); Pareto front of {device, cloud, random@all b} "

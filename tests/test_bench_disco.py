@@ -29,8 +29,10 @@ def record(index: int, ttft_s: float, cost: float, *, endpoint: str = "device", 
 def test_an_entry_holds_the_runs_latency_cost_and_migrations():
     migration = {"from": "cloud", "to": "device", "at_token": 2, "reason": "cost", "max_gap_s": 0.25}
     unfinished = {"from": "cloud", "to": "device", "at_token": 1, "reason": "cost"}  # no max_gap_s
-    records = [record(0, 0.1, 1e-6), record(1, 0.3, 3e-6, endpoint="cloud", legs=("cloud", "device"),
-                                               migrations=[migration, unfinished]),
+    called_off = {**migration, "called_off": "would stall", "max_gap_s": 0.2}
+    # a race (cloud, device) and three hand-over receivers, one of them called off
+    records = [record(0, 0.1, 1e-6), record(1, 0.3, 3e-6, endpoint="cloud", legs=("cloud", "device") + ("device",) * 3,
+                                               migrations=[called_off, migration, unfinished]),
                record(2, 0.0, 0.0, error="HTTP 503: busy")]
     entry = bd.aggregate(records, mode="disco", budget=0.25, constraint="server", reading_rate_tps=5.0)
     assert entry["mode"] == "disco" and entry["budget"] == 0.25 and entry["constraint"] == "server"
@@ -39,7 +41,7 @@ def test_an_entry_holds_the_runs_latency_cost_and_migrations():
     assert entry["mean_cost"] == pytest.approx(2e-6)  # the failed request has no cost to average
     assert entry["mean_device_cost"] == pytest.approx(0.5e-6) and entry["mean_server_cost"] == pytest.approx(1.5e-6)
     assert entry["endpoints"] == {"device": 1, "cloud": 1} and entry["raced"] == 1
-    assert entry["migrations"] == 2 and entry["migrations_unfinished"] == 1
+    assert entry["migrations"] == 2 and entry["handovers_called_off"] == 1 and entry["migrations_unfinished"] == 1
     assert entry["max_migration_gap_ms"] == pytest.approx(250.0)
     assert entry["migration_gap_limit_ms"] == pytest.approx(200.0)
     assert entry["migration_stalls"] == 1  # 250 ms > 200 ms * 1.1

@@ -25,10 +25,11 @@ class ModeDevice(FakeDevice):
     WORDS[i], and a leg given `prefix_ids` goes on from there, as a real continuation would."""
 
     def __init__(self, first_delay_s: dict[str, float], *, fail_mode: str | None = None, fail_after: int = 3,
-                 garbage_mode: str | None = None, **kwargs: Any) -> None:
+                 garbage_mode: str | None = None, loud_mode: str | None = None, **kwargs: Any) -> None:
         super().__init__("dev", per_round=1, **kwargs)
         self.first_delay_s = first_delay_s
         self.fail_mode, self.fail_after, self.garbage_mode = fail_mode, fail_after, garbage_mode
+        self.loud_mode = loud_mode  # this endpoint's words come in capitals: who said what can be seen
 
     async def _lines(self, body: dict[str, Any]) -> AsyncIterator[str]:
         mode = body.get("mode")
@@ -41,7 +42,9 @@ class ModeDevice(FakeDevice):
                     yield json.dumps({"type": "error", "code": "CloudUnavailable", "message": "verifier gone"}) + "\n"
                     return
                 ids: Any = "x" if mode == self.garbage_mode else [i]
-                yield json.dumps({"type": "tokens", "token_ids": ids, "text": WORDS[i % len(WORDS)]}) + "\n"
+                word = WORDS[i % len(WORDS)]
+                yield json.dumps({"type": "tokens", "token_ids": ids,
+                                  "text": word.upper() if mode == self.loud_mode else word}) + "\n"
                 await asyncio.sleep(self.round_delay_s)
             yield json.dumps({"type": "done", "finish_reason": "length", "stats": {"mode": mode}}) + "\n"
             self.finished += 1
@@ -212,3 +215,36 @@ def test_a_migrations_time_is_a_quantile_of_the_receivers_time_to_first_token() 
         history.leg_started(False, 50, 2.0 if i == 0 else 0.3)
     assert history.ttft_estimate_s(False, 50, 0.5) == pytest.approx(0.3)  # mean 0.47 + the median residual
     assert history.ttft_estimate_s(False, 50, 0.95) == pytest.approx(2.0)  # the tail is covered
+
+
+async def test_a_hand_over_keeps_the_source_going_until_the_receiver_speaks() -> None:
+    # Device-constrained (device tokens cost more): the device wins the race and, with r_c * t_m tokens
+    # buffered (t_m 1 s before any receiver was seen), hands over to the cloud; the device's tokens made
+    # while the cloud prefilled are dropped, the cloud's follow the hand-over point.
+    device = ModeDevice({"cloud": 0.15}, loud_mode="cloud", round_delay_s=0.02)
+    async with mesh(device, exchange_rate=1e-3) as url:
+        response = await complete(url, 40, dispatch="disco", budget=1.0, reading_rate_tps=10)
+        body = response.json()
+        assert response.status_code == 200, body
+        [migration] = body["tophat"]["migrations"]
+        k = migration["at_token"]
+        assert (migration["from"], migration["to"], "called_off" in migration) == ("device", "cloud", False)
+        assert migration["buffered"] >= migration["buffer_needed"] == 10
+        words = [WORDS[i % len(WORDS)] for i in range(40)]
+        assert body["choices"][0]["text"] == "".join(words[:k]) + "".join(w.upper() for w in words[k:])
+        assert body["tophat"]["cost"]["tokens"]["device"]["decode"] > k  # it went on while the cloud prefilled
+
+
+async def test_a_receiver_too_slow_for_the_buffer_is_called_off_and_nothing_stalls() -> None:
+    device = ModeDevice({"cloud": 30.0}, loud_mode="cloud", round_delay_s=0.02)
+    async with mesh(device, exchange_rate=1e-3) as url:
+        response = await complete(url, 40, dispatch="disco", budget=1.0, reading_rate_tps=10)
+        body = response.json()
+        assert response.status_code == 200, body
+        assert body["choices"][0]["text"] == expected_text(40)  # the device's alone: nothing lost or doubled
+        migrations = body["tophat"]["migrations"]
+        assert migrations and all(m["called_off"] in ("would stall", "source finished") for m in migrations)
+        # no stall: the gaps stay near 1/r_c = 0.1 s (bounded loosely: a loaded machine runs timers late),
+        # where waiting for this receiver would have stalled delivery for 30 s
+        assert max(m.get("max_gap_s", 0.0) for m in migrations) < 5.0
+    assert await wait_for(lambda: device.active == 0)  # every receiver was closed

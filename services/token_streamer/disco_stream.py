@@ -38,6 +38,8 @@ from shared.disco.migration import buffer_tokens, expected_remaining, migration_
 
 log = logging.getLogger(__name__)
 
+MAX_HANDOVER_ATTEMPTS = 3  # a hand-over called off is tried again with a bigger buffer, this many times in all
+
 
 @dataclass(eq=False)
 class Leg:
@@ -65,6 +67,10 @@ class DiscoStream:
         self.ledger = CostLedger(controller.base_cost)
         self.legs: list[Leg] = []
         self.active: Leg | None = None  # the leg whose tokens make the answer
+        self.pending: Leg | None = None  # the receiver of a hand-over in progress (the source goes on meanwhile)
+        self.reserve: list[tuple[list[int], str]] = []  # what the source made meanwhile, shown only if it is called off
+        self.delivered = 0  # tokens delivered so far
+        self._slowest_handover_s = 0.0  # a called-off hand-over's wait: the next attempt buffers for longer
         self.first_endpoint: str | None = None
         self.generated: list[int] = []
         self.text = ""  # what the generated tokens show the user (a migration target continues it)
@@ -154,6 +160,9 @@ class DiscoStream:
             if self.buffer and now >= self.next_due:
                 yield self._deliver(now)
                 continue
+            if not self.buffer and self.pending is not None and self.reserve and now >= self.next_due:
+                self._call_off("would stall")  # the receiver is late: the source's tokens keep delivery going
+                continue
             if not self.buffer:
                 if self.failure is not None:
                     raise self.failure
@@ -163,12 +172,12 @@ class DiscoStream:
             if self.failure is not None:
                 await asyncio.sleep(self.next_due - now)
                 continue
-            wait = self.next_due - now if self.buffer else self.idle_timeout_s
+            wait = self.next_due - now if self.buffer or (self.pending and self.reserve) else self.idle_timeout_s
             try:
                 async with asyncio.timeout(wait):
                     leg, kind, payload = await self.inbox.get()
             except TimeoutError:
-                if self.buffer:
+                if self.buffer or (self.pending and self.reserve):
                     continue
                 raise DeviceError(504, "disco_timeout", f"no endpoint produced anything for {wait:g} s") from None
             try:
@@ -178,6 +187,7 @@ class DiscoStream:
 
     def _deliver(self, now: float) -> dict[str, Any]:
         ids, text, leg = self.buffer.popleft()
+        first_index, self.delivered = self.delivered, self.delivered + len(ids)
         self.deliveries.append(now)
         if self.reading_rate > 0:
             # On schedule (a timer's lateness is not carried over), unless nothing was there to deliver.
@@ -186,14 +196,13 @@ class DiscoStream:
         else:
             self.next_due = now
         migration = self.migrations[-1] if self.migrations else None
-        if migration is not None and leg.prefix == migration["at_token"] and "max_gap_s" not in migration:
-            # the target's first token reached the user: the largest gap since the hand-over began
+        if migration is not None and first_index == migration["at_token"] and "max_gap_s" not in migration:
+            # the continuation's first token reached the user: the largest gap since the hand-over began
             times = [migration["started"], *[t for t in self.deliveries if t >= migration["started"]]]
             before = [t for t in self.deliveries if t < migration["started"]]
             if before:
                 times.insert(0, before[-1])
             migration["max_gap_s"] = max(b - a for a, b in zip(times, times[1:]))
-            migration["ready_s"] = (leg.first_at or now) - migration["started"]
         return {"type": "tokens", "token_ids": ids, "text": text}
 
     async def _handle(self, leg: Leg | None, kind: str, payload: Any) -> None:
@@ -208,6 +217,8 @@ class DiscoStream:
                 self._on_tokens(leg, payload)
             elif event_type == "done":
                 if leg is self.active:
+                    if self.pending is not None:
+                        self._call_off("source finished")  # the answer is whole: nothing left to hand over
                     self.finished = payload
                 self._close(leg)  # its device slot is free while the buffer is still being delivered
             elif event_type == "error":
@@ -236,9 +247,16 @@ class DiscoStream:
                     self._close(other)
             if self._timer is not None:
                 self._timer.cancel()
+        text = str(event.get("text") or "")
+        if leg.prefix and leg.first_at == now and self.migrations:  # a receiver's first token
+            self.migrations[-1]["ready_s"] = now - self.migrations[-1]["started"]
+        if leg is self.pending:
+            self._complete_handover()
+        elif leg is self.active and self.pending is not None:
+            self.reserve.append((ids, text))
+            return
         if leg is not self.active or leg.closed:
             return
-        text = str(event.get("text") or "")
         self.generated += ids
         self.text += text
         self.buffer.append((ids, text, leg))
@@ -254,7 +272,13 @@ class DiscoStream:
                 log.info("DiSCo leg %s failed before its first token (%s); racing on", leg.endpoint, exc.message)
                 return
             raise exc
+        if leg is self.pending:
+            self._call_off(f"receiver failed: {exc.message}")
+            return
         if leg is not self.active:
+            return
+        if self.pending is not None:  # the source failed while handing over: the receiver takes it from here
+            self.active, self.pending, self.reserve = self.pending, None, []
             return
         if leg.endpoint != "device" and self.may_resume_on_device():
             log.warning("server endpoint lost mid-answer (%s); migrating to the device", exc.message)
@@ -267,7 +291,8 @@ class DiscoStream:
 
     # -- migration -----------------------------------------------------------------------------
     def _maybe_migrate(self) -> None:
-        if not self.may_migrate or self.migrations or self.finished is not None or self.active is None:
+        if (not self.may_migrate or self.pending is not None or self.finished is not None or self.active is None
+                or len(self.migrations) >= MAX_HANDOVER_ATTEMPTS or any("called_off" not in m for m in self.migrations)):
             return
         eos = getattr(self.device, "eos_token_id", None)
         if eos is not None and self.generated and self.generated[-1] == eos:
@@ -282,23 +307,48 @@ class DiscoStream:
         if remaining < 1 or migration_saving(self.ledger.cost, source, target, remaining, resume) <= 0:
             return
         quantile = self.controller.settings.disco_migration_quantile
-        t_m = history.ttft_estimate_s(target == "device", resume, quantile)
+        t_m = max(history.ttft_estimate_s(target == "device", resume, quantile), 1.5 * self._slowest_handover_s)
         need = buffer_tokens(self.reading_rate, t_m) if self.reading_rate > 0 else 0
         if sum(len(ids) for ids, _, _ in self.buffer) >= need:
             self._migrate(target, "cost", t_m, need)
 
     def _migrate(self, target: str, reason: str, t_m: float, need: int) -> None:
+        """Start the receiver from the answer so far. A lost source is replaced at once; a working one
+        goes on until the receiver's first token (Fig. 4), its tokens kept aside, so that a receiver
+        slower than the buffer can be called off instead of stalling delivery."""
         source = self.active
-        self._close(source)
         leg = Leg(target, len(self.generated))
         self.migrations.append({"from": source.endpoint, "to": target, "at_token": len(self.generated),
                                 "reason": reason, "buffered": sum(len(ids) for ids, _, _ in self.buffer),
                                 "buffer_needed": need, "estimated_s": t_m, "started": time.perf_counter()})
-        self.active = leg
-        if len(self.generated) >= self.max_new:
-            self.finished = {"finish_reason": "length", "stats": {}}
-            return
+        if reason == "cost":
+            self.pending = leg
+        else:
+            self._close(source)
+            self.active = leg
+            if len(self.generated) >= self.max_new:  # it failed after its last token, before saying done
+                self.finished = {"finish_reason": "length", "stats": {}}
+                return
         self._open(leg)
+
+    def _complete_handover(self) -> None:
+        """The receiver's first token: the source stops; what it made meanwhile is dropped (paid, never shown)."""
+        self._close(self.active)
+        self.active, self.pending, self.reserve = self.pending, None, []
+
+    def _call_off(self, why: str) -> None:
+        """Give the hand-over up: close the receiver; the source's tokens made meanwhile join the answer."""
+        migration = self.migrations[-1]
+        migration["called_off"] = why
+        self._slowest_handover_s = time.perf_counter() - migration["started"]
+        self._close(self.pending)
+        self.pending = None
+        for ids, text in self.reserve:
+            self.generated += ids
+            self.text += text
+            self.buffer.append((ids, text, self.active))
+        self.reserve = []
+        log.info("hand-over %s -> %s called off (%s)", migration["from"], migration["to"], why)
 
     # -- closing -------------------------------------------------------------------------------
     def _close(self, leg: Leg) -> None:
