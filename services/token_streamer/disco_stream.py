@@ -195,14 +195,13 @@ class DiscoStream:
             self.next_due = (self.next_due if on_time else now) + len(ids) / self.reading_rate
         else:
             self.next_due = now
-        migration = self.migrations[-1] if self.migrations else None
-        if migration is not None and first_index == migration["at_token"] and "max_gap_s" not in migration:
-            # the continuation's first token reached the user: the largest gap since the hand-over began
-            times = [migration["started"], *[t for t in self.deliveries if t >= migration["started"]]]
-            before = [t for t in self.deliveries if t < migration["started"]]
-            if before:
-                times.insert(0, before[-1])
-            migration["max_gap_s"] = max(b - a for a, b in zip(times, times[1:]))
+        for migration in self.migrations:
+            if first_index == migration["at_token"] and "max_gap_s" not in migration:
+                # the continuation's first token reached the user: the largest gap between deliveries from
+                # the last one before the hand-over began to this one
+                started = migration["started"]
+                times = [t for t in self.deliveries if t < started][-1:] + [t for t in self.deliveries if t >= started]
+                migration["max_gap_s"] = max((b - a for a, b in zip(times, times[1:])), default=now - started)
         return {"type": "tokens", "token_ids": ids, "text": text}
 
     async def _handle(self, leg: Leg | None, kind: str, payload: Any) -> None:
