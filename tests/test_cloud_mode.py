@@ -10,13 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
 import torch
 from websockets.asyncio.client import ClientConnection, connect
 
 from services.device_agent import settings as device_settings
-from services.device_agent.app import create_app
 from services.device_agent.cloud_client import CloudError, WebSocketCloud, token_decode
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import Settings, load_settings
@@ -29,7 +27,7 @@ from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfi
 from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from tests.mesh_tools import CapturingRelay, split_identity, verifier_on_loopback
+from tests.mesh_tools import CapturingRelay, device_agent_http, split_identity, verifier_on_loopback
 
 M = 2
 F32 = wire.WireDtype.F32
@@ -204,21 +202,16 @@ async def test_device_agent_streams_cloud_mode_per_request(tiny_llama_dir, check
     prompt = [9, 8, 7, 6, 5, 4]
     expected = generate_full(checkpoint, prompt, 10).token_ids
     async with running_verifier(checkpoint) as (server, url):
-        settings = device_settings.Settings(model_dir=str(tiny_llama_dir), split_layers=M, adapter="random",
-                                            verifier_url=url, wire_dtype="f4", prompt_chunking=False)
-        app = create_app(settings)
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://device", timeout=60) as http:
-                events = {}
-                for mode in ("cloud", "hat"):
-                    body = {"prompt_ids": prompt, "max_new_tokens": 10, "mode": mode, "speculative": False}
-                    response = await http.post("/generate", json=body)
-                    assert response.status_code == 200
-                    events[mode] = [json.loads(line) for line in response.text.splitlines()]
-                bad = await http.post("/generate", json={"prompt_ids": prompt, "mode": "edge"})
-                assert bad.status_code == 422
-                assert (await http.get("/info")).json()["mode"] == "hat"
+        async with device_agent_http(tiny_llama_dir, url, M) as http:
+            events = {}
+            for mode in ("cloud", "hat"):
+                body = {"prompt_ids": prompt, "max_new_tokens": 10, "mode": mode, "speculative": False}
+                response = await http.post("/generate", json=body)
+                assert response.status_code == 200
+                events[mode] = [json.loads(line) for line in response.text.splitlines()]
+            bad = await http.post("/generate", json={"prompt_ids": prompt, "mode": "edge"})
+            assert bad.status_code == 422
+            assert (await http.get("/info")).json()["mode"] == "hat"
         assert not server.scheduler.sessions
     cloud = events["cloud"]
     assert cloud[0]["type"] == "start" and cloud[-1]["type"] == "done"

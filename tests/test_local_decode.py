@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
-from services.device_agent import settings as device_settings
-from services.device_agent.app import IncrementalDetokenizer, create_app
+from services.device_agent.app import IncrementalDetokenizer
 from shared.model.checkpoint import load_checkpoint
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DraftConfig, SessionError
 from shared.specdec.local_decode import LocalSession, local_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from tests.mesh_tools import verifier_on_loopback
+from tests.mesh_tools import device_agent_http, verifier_on_loopback
 from services.verifier_cloud.token_mode import TokenModel
 
 M = 2
@@ -103,25 +101,19 @@ async def test_device_agent_device_mode_and_continuations(tiny_llama_dir, checkp
     prefix = alone[:4]
     token_model = TokenModel(checkpoint, M)
     async with verifier_on_loopback(checkpoint, M, token_model=token_model, full_model=True) as (server, url):
-        settings = device_settings.Settings(model_dir=str(tiny_llama_dir), split_layers=M, adapter="random",
-                                            verifier_url=url, wire_dtype="f4", prompt_chunking=False)
-        app = create_app(settings)
-        async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://device", timeout=60) as http:
-                async def run(**body):
-                    response = await http.post("/generate", json={"prompt_ids": PROMPT, **body})
-                    assert response.status_code == 200, response.text
-                    return [json.loads(line) for line in response.text.splitlines()]
+        async with device_agent_http(tiny_llama_dir, url, M) as http:
+            async def run(**body):
+                response = await http.post("/generate", json={"prompt_ids": PROMPT, **body})
+                assert response.status_code == 200, response.text
+                return [json.loads(line) for line in response.text.splitlines()]
 
-                device = await run(mode="device", max_new_tokens=10)
-                # the device picks up the device's own answer after 4 tokens: the same tokens follow
-                resumed = await run(mode="device", max_new_tokens=6, prefix_ids=prefix)
-                # the cloud picks up the device's first 4 tokens: the full model's continuation of them
-                to_cloud = await run(mode="cloud", max_new_tokens=6, prefix_ids=prefix)
-                bad = await http.post("/generate", json={"prompt_ids": PROMPT, "mode": "device",
-                                                         "prefix_ids": [10**9]})
-                assert bad.status_code == 400 and "vocabulary" in bad.text
+            device = await run(mode="device", max_new_tokens=10)
+            # the device picks up the device's own answer after 4 tokens: the same tokens follow
+            resumed = await run(mode="device", max_new_tokens=6, prefix_ids=prefix)
+            # the cloud picks up the device's first 4 tokens: the full model's continuation of them
+            to_cloud = await run(mode="cloud", max_new_tokens=6, prefix_ids=prefix)
+            bad = await http.post("/generate", json={"prompt_ids": PROMPT, "mode": "device", "prefix_ids": [10**9]})
+            assert bad.status_code == 400 and "vocabulary" in bad.text
         assert not server.scheduler.sessions  # nothing left open in the cloud
 
     def tokens(events):
