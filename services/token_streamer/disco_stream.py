@@ -49,7 +49,6 @@ class Leg:
     stream: DeviceStream | None = None
     task: asyncio.Task | None = None
     first_at: float | None = None
-    tokens: int = 0
     closed: bool = False
 
 
@@ -232,7 +231,6 @@ class DiscoStream:
             raise DeviceError(502, "device_bad_response", "a tokens event without a list of token ids")
         now = time.perf_counter()
         self.ledger.decode(leg.endpoint, len(ids))  # computed, so paid for, even by a leg that lost
-        leg.tokens += len(ids)
         if leg.first_at is None:
             leg.first_at = now
             ttft = now - leg.started

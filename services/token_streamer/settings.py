@@ -126,10 +126,11 @@ class Settings:
 
     def cost_model(self, speed_class: str = "orin") -> CostModel:
         """The unified cost for a device of `speed_class` (the first class listed when it has none)."""
+        base = CostModel(server_prompt=self.server_prompt_price, server_decode=self.server_decode_price,
+                         exchange_rate=self.exchange_rate, hat_device_share=self.hat_device_share)
         energy = parse_device_energy(self.device_energy)
-        prompt_j, decode_j = energy.get(speed_class) or next(iter(energy.values()), (0.02, 0.4))
-        return CostModel(self.server_prompt_price, self.server_decode_price, prompt_j, decode_j,
-                         self.exchange_rate, self.hat_device_share)
+        chosen = energy.get(speed_class) or next(iter(energy.values()), None)
+        return base if chosen is None else base.with_device_energy(*chosen)
 
     @property
     def discovers_devices(self) -> bool:
