@@ -76,6 +76,7 @@ def templates(hidden: int, session_ids: tuple[int, ...], open_fields: dict, rng:
     return [
         wire.OpenSession(rng.randrange(2**40, 2**41), hidden, **open_fields),
         wire.CloseSession(sid),
+        wire.ForkSession(rng.randrange(2**40, 2**41), sid, rng.randrange(4) if rng.random() < 0.5 else None),
         wire.PrefillChunk(sid, seq, rng.randrange(4), rng.random() < 0.5, rows(rng.randint(1, 3))),
         wire.VerifyRequest(sid, seq, rng.randrange(4), rows(rng.randint(1, 3))),
         wire.BandwidthProbe(0, seq, rng.randint(1, 4), rows(1)),

@@ -23,6 +23,7 @@ Type-code table (one byte each: every code < 128 is a msgpack positive fixint):
 
     0x01 OpenSession   d->c    0x02 SessionOpened c->d
     0x03 CloseSession  d->c    0x04 SessionClosed c->d
+    0x05 ForkSession   d->c    (reply SessionOpened: a new session whose KV is a copy of a parent's prefix)
     0x10 PrefillChunk  d->c    0x11 ChunkAck      c->d   0x12 DeepHidden c->d
     0x20 VerifyRequest d->c    0x21 VerifyResult  c->d
     0x30 BandwidthProbe d->c   0x31 ProbeReply    c->d   (link measurement, no model data)
@@ -383,6 +384,18 @@ class CloseSession(Message):
 @_message(0x04)
 class SessionClosed(Message):
     session_id: int = _f("s", U64)
+
+
+@_message(0x05)
+class ForkSession(Message):
+    """Open `session_id` as a copy of the first `length` positions of `parent_id` (None: all it holds), a
+    session of the same connection with nothing queued or running: a prefix computed once (a kept prompt)
+    goes on in many sessions without being sent or computed again. The child inherits the parent's privacy
+    and wire dtype. Refused with UNKNOWN_SESSION (no such parent on this connection), OVERLOADED (the parent
+    is busy, or no room) or BAD_SHAPE (`length` beyond the parent's positions); answered SessionOpened."""
+    session_id: int = _f("s", U64)
+    parent_id: int = _f("ps", U64)
+    length: int | None = _f("n", OPT_U64, default=None)
 
 
 @_message(0x10)

@@ -59,6 +59,8 @@ ALL_MESSAGES = [
     ErrorFrame(ErrorCode.OVERLOADED, "busy"),
     wire.BandwidthProbe(0, 3, 128, _h(1)),
     wire.ProbeReply(0, 3, _h(128)),
+    wire.ForkSession(8, 7),  # the parent's whole length
+    wire.ForkSession(2**64 - 1, 7, length=37),
 ]
 
 TOKEN_MESSAGES = [
@@ -436,3 +438,16 @@ def test_a_draft_probability_frame_with_a_ragged_payload_is_a_typed_error():
     with pytest.raises(WireError) as info:
         decode(msgpack.packb(frame, use_bin_type=True))
     assert info.value.code == ErrorCode.LENGTH_MISMATCH and info.value.session_id == 7
+
+
+@pytest.mark.parametrize("field,value", [("ps", -1), ("ps", "7"), ("n", -2), ("n", True), ("ps", None)])
+def test_a_fork_with_a_bad_parent_or_length_is_refused_and_addressed_to_the_child(field, value):
+    m = _raw(wire.ForkSession(8, 7, length=3))
+    err = _err(_pack({**m, field: value}), ErrorCode.MALFORMED)
+    assert err.session_id == 8  # the session the refusal answers: the one the device asked to open
+
+
+def test_a_fork_without_its_parent_is_malformed():
+    m = _raw(wire.ForkSession(8, 7))
+    del m["ps"]
+    _err(_pack(m), ErrorCode.MALFORMED)
