@@ -36,6 +36,7 @@ from services.token_streamer.disco import DiscoController
 from services.token_streamer.disco_stream import DiscoStream
 from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone, unless_gone
 from services.token_streamer.limits import install as install_gate
+from services.token_streamer.outline import OutlineFlow, OutlineStream
 from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
 from services.token_streamer.settings import Settings, load_settings
 from shared import auth, latency_stats
@@ -59,8 +60,8 @@ class BadRequest(Exception):
 class Run:
     """One request's generation on one device: stop strings, user-side timing, stats, telemetry."""
 
-    def __init__(self, stream: DeviceStream | DiscoStream, stops: list[str], started: float, request_id: str,
-                 telemetry: TelemetryClient, metrics: StreamerMetrics | None = None) -> None:
+    def __init__(self, stream: DeviceStream | DiscoStream | OutlineStream, stops: list[str], started: float,
+                 request_id: str, telemetry: TelemetryClient, metrics: StreamerMetrics | None = None) -> None:
         self.stream = stream
         self.scanner = of.StopScanner(stops)
         self.started = started
@@ -70,6 +71,7 @@ class Run:
         self.finish_reason = "length"
         self.timeline = Timeline(started)  # one delivery per NDJSON 'tokens' line, perf_counter times
         self.device_stats: dict[str, Any] | None = None
+        self.extra: dict[str, Any] = {}  # more of what happened, for the final stats (e.g. "outline")
         self._closed = False
 
     async def deltas(self) -> AsyncIterator[str]:
@@ -141,7 +143,7 @@ class Run:
                 "mean_accept_length": mean_accept, "num_rounds": stats.get("num_rounds", len(accepts)),
                 "prompt_tokens": self.stream.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "rounds": list(self.rounds),  # tokens per delivery: the prefill's, then each round's
-                "device_stats": self.device_stats}
+                "device_stats": self.device_stats, **self.extra}
 
     def usage(self) -> dict[str, int]:
         return of.usage(self.stream.prompt_tokens, self.completion_tokens)
@@ -181,6 +183,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                 verify=client_context(s.tls_ca), auth=credential)
     metrics = StreamerMetrics(running=lambda: admission.running, waiting=lambda: admission.waiting)
     disco = DiscoController(s, client)
+    outlines = OutlineFlow(dispatcher, client, wait_timeout_s=s.first_byte_timeout_s + s.line_timeout_s,
+                           probe_timeout_s=s.probe_timeout_s)
     started_at = int(time.time())
 
     async def health_loop() -> None:
@@ -282,9 +286,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         budget = options.pop("budget", s.disco_budget)
         reading_rate = options.pop("reading_rate_tps", s.reading_rate_tps)
         migration = options.pop("migration", s.disco_migration)
+        outline = options.pop("outline", s.outline)
         body.update(options)
-        if dispatch == "off":
-            stream: DeviceStream | DiscoStream = await dispatcher.open(body)
+        outline_stats: dict[str, Any] | None = None
+        stream: DeviceStream | DiscoStream | OutlineStream
+        if outline and (dispatch != "off" or options.get("mode", "hat") != "hat"):
+            outline_stats = {"used": False, "reason": "dispatch" if dispatch != "off" else "mode", "points": 0}
+        if dispatch == "off" and outline and outline_stats is None:
+            stream, outline_stats = await outlines.open(body)
+        elif dispatch == "off":
+            stream = await dispatcher.open(body)
         else:
             if "mode" in options:
                 raise BadRequest("a request under a dispatch policy cannot also choose its mode", "tophat")
@@ -297,6 +308,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 raise
         log.debug("request %s -> %s", request_id, stream.device.url)
         run = Run(stream, req.stop_list, started, request_id, telemetry, metrics)
+        if outline_stats is not None:
+            run.extra["outline"] = outline_stats
         return run, of.ChunkFactory(chat, request_id, s.model_name)
 
     async def sse_body(run: Run, fmt: of.ChunkFactory, include_usage: bool) -> AsyncIterator[str]:

@@ -54,6 +54,8 @@ class TophatOptions(BaseModel):
     budget: float | None = Field(default=None, ge=0.0, le=1.0)
     reading_rate_tps: float | None = Field(default=None, ge=0.0, le=1000.0)
     migration: bool | None = None  # false: DiSCo without cost migrations (a lost cloud still hands over)
+    # Jupiter's outline-based parallel decoding (outline.py), answered by the streamer, never forwarded.
+    outline: bool | None = None
     # A known delay the streamer adds before the request starts: lets a benchmark harness prove
     # it measures what happens (see tests/test_bench_honesty.py). Not forwarded to the device.
     added_delay_ms: float | None = Field(default=None, ge=0, le=60_000)

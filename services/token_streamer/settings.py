@@ -83,6 +83,11 @@ class Settings:
     device_energy: str = "orin:0.02,0.4;xavier:0.05,1.0;cycle:0.03,0.6"
     exchange_rate: float = 4.17e-8
     hat_device_share: float = 0.1
+    # Jupiter's outline-based parallel decoding (outline.py) for requests that do not say: an outline
+    # first, then its points expanded concurrently from the outline's kept KV. A request's "tophat"
+    # {"outline": bool} overrides it; questions the router declines (code, math, short answers) and
+    # agents without keep/fork are answered sequentially either way.
+    outline: bool = False
 
     def validate(self) -> None:
         check_server_files(self.tls_cert, self.tls_key)
