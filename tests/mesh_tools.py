@@ -120,14 +120,15 @@ def wait_until(predicate, timeout_s: float) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def device_agent_http(model_dir, verifier_url: str, split_layers: int = 2):
-    """A real device agent app (random adapter, fp32 wire, no chunking) on `verifier_url`, and an
-    httpx client speaking to it in-process."""
+async def device_agent_http(model_dir, verifier_url: str, split_layers: int = 2, **overrides):
+    """A real device agent app (random adapter, fp32 wire, no chunking; `overrides`: other settings) on
+    `verifier_url`, and an httpx client speaking to it in-process."""
     from services.device_agent import settings as device_settings
     from services.device_agent.app import create_app
 
-    settings = device_settings.Settings(model_dir=str(model_dir), split_layers=split_layers, adapter="random",
-                                        verifier_url=verifier_url, wire_dtype="f4", prompt_chunking=False)
+    settings = device_settings.Settings(**{"model_dir": str(model_dir), "split_layers": split_layers,
+                                           "adapter": "random", "verifier_url": verifier_url, "wire_dtype": "f4",
+                                           "prompt_chunking": False, **overrides})
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app)

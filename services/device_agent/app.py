@@ -4,8 +4,15 @@
                     where the tokenizer lives; shared/chat.py) -> application/x-ndjson, one event per line:
         {"type":"start", "request_id", "prompt_tokens"}
         {"type":"tokens", "token_ids", "text", "t"}           (one per verification round)
-        {"type":"done", "finish_reason", "stats"} | {"type":"error", "code", "message"}
+        {"type":"done", "finish_reason", "stats"[, "kept": {"handle", "length"}]} | {"type":"error", "code", "message"}
+    DELETE /kept/{handle}  free a kept session (404 if unknown)
     GET /info, /healthz, /readyz
+
+Kept sessions (mode hat; kept.py): `"keep": true` keeps a request's KV, device and verifier side, once it
+finishes normally, under the handle its done event carries (`max_new_tokens` 0 with keep: prefill only);
+`"fork": handle` makes the request's prompt a continuation of that kept sequence (prompt + generated),
+starting from copies of its KV: only the continuation is computed. An unknown handle is a 404 whose error
+has type `unknown_kept_session`.
 
 Modes, per agent (`mode` setting) or per request (`"mode"` in the body; shared/modes.py):
 `hat` (HAT: U-shaped split, hidden states only, with the SD/PC/PD switches), `hat-async`,
@@ -40,14 +47,18 @@ from pydantic import BaseModel, Field
 from services.device_agent.announce import announce_loop
 from services.device_agent.cloud_client import (CloudError, CloudUnavailable, WebSocketCloud, token_decode,
                                                 verifier_lost)
+from services.device_agent.kept import (KeepableSession, KeptSessions, SessionCloud, UnknownKeptSession,
+                                        prefill_only)
 from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.settings import Settings
 from shared import auth, latency_stats, wire
 from shared.device_registry import advertised_url
+from shared.jupiter.outline import advertised_chat_format
 from shared.device_speed import slowed, speed_schedule
 from shared.latency_stats import Timeline
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.metrics import DeviceMetrics, metrics_response
+from shared.jupiter.plan import load_plan
 from shared.model.checkpoint import load_checkpoint, split_fingerprint
 from shared.model.placement import detect_placement
 from shared.runtime import build_device_model, encode_prompt
@@ -88,7 +99,7 @@ class GenerateRequest(BaseModel):
     # read after the prompt, never sent back; the answer goes on from them.
     prefix_ids: list[int] | None = Field(None, max_length=4096)
     prefix_text: str | None = Field(None, max_length=1 << 20)  # what the user was shown of them (see below)
-    max_new_tokens: int = Field(64, ge=1, le=4096)
+    max_new_tokens: int = Field(64, ge=0, le=4096)  # 0: prefill only, with keep
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
@@ -107,14 +118,29 @@ class GenerateRequest(BaseModel):
     overlap_prefill: bool | None = None
     parallel_candidates: int | None = Field(None, ge=0, le=16)  # PD
     parallel_steps: int | None = Field(None, ge=0, le=32)
+    # Kept sessions (mode hat): keep this request's KV when it finishes; start from a kept session's KV
+    # (the prompt continues its sequence).
+    keep: bool = False
+    fork: str | None = Field(None, min_length=1, max_length=128)
 
     def option(self, name: str, settings: Settings):
         value = getattr(self, name)
         return getattr(settings, name) if value is None else value
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}})
+def _error(status: int, code: str, message: str, **detail) -> JSONResponse:
+    # "type" repeats the code: the kept-session errors were specified with it (OpenAI's error shape)
+    return JSONResponse(status_code=status, content={"error": {"code": code, "type": code, "message": message,
+                                                               **detail}})
+
+
+def _kept_refusal(request: GenerateRequest, mode: str) -> JSONResponse | None:
+    """Why keep / fork / max_new_tokens 0 cannot be served as asked (None: they can)."""
+    if request.max_new_tokens == 0 and not request.keep:
+        return _error(400, "bad_request", "max_new_tokens 0 (prefill only) needs keep: true")
+    if (request.keep or request.fork is not None) and mode != "hat":
+        return _error(400, "kept_sessions_unsupported", f"keep and fork work in mode hat only, not {mode}", mode=mode)
+    return None
 
 
 class IncrementalDetokenizer:
@@ -185,6 +211,10 @@ class DeviceAgent:
             refresh_s=settings.plan_refresh_s, timeout_s=settings.planner_timeout_s,
         ) if settings.chunk_planner_url else None
         self.recent_rtts: deque[float] = deque(maxlen=5)
+        # An edge pipeline's first stage cuts prompts by the plan's sub-sequence table (Jupiter §IV-B2).
+        self.edge_plan = load_plan(settings.edge_plan, self.checkpoint.num_layers,
+                                   self.checkpoint.hidden_size) if settings.edge_plan else None
+        self.kept = KeptSessions(settings.kept_ttl_s, settings.max_kept, self.sessions_cloud.close)
         warm_up_device(self.model)
 
     def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
@@ -265,20 +295,36 @@ class DeviceAgent:
         pd_candidates = request.option("parallel_candidates", settings) if speculative else 0
         chunking = request.option("prompt_chunking", settings)
         plan = await self.plan() if (chunking and not request.chunk_size) or pd_candidates else None
-        chunk_size = (request.chunk_size or plan.chunk_for(len(ids))) if chunking else None
-        chunks = fixed_chunks(len(ids), chunk_size)
+        new_tokens = len(ids) - session.commit_len  # a fork's caches already hold the kept prefix
+        chunk_size = (request.chunk_size or plan.chunk_for(new_tokens)) if chunking else None
+        chunks = (self.edge_plan.chunk_sizes(new_tokens) if chunking and self.edge_plan and not request.chunk_size
+                  else fixed_chunks(new_tokens, chunk_size))
+        cloud = SessionCloud(self.sessions_cloud, session) if isinstance(session, KeepableSession) else self.sessions_cloud
         # PD steps: the request's or the agent's fixed count, else eq. 6 per round for the rows it sends.
         pd_steps = (request.parallel_steps or settings.parallel_steps or plan.steps_for) if pd_candidates else 0
 
         async def offload(fn, *args):
             return await slowed(fn, *args, slowdown=slowdown)
 
-        async for tokens in run_session(session, self.sessions_cloud, session_id, chunks, offload=offload,
-                                        overlap_prefill=request.option("overlap_prefill", settings),
-                                        parallel_candidates=pd_candidates, parallel_steps=pd_steps,
-                                        finish_alone_on=verifier_lost if settings.on_cloud_loss == "finish_on_device"
-                                        else None):
+        if isinstance(session, KeepableSession) and session.prefill_only:
+            rounds = prefill_only(session, cloud, session_id, chunks, offload, request.option("overlap_prefill", settings))
+        else:
+            rounds = run_session(session, cloud, session_id, chunks, offload=offload,
+                                 overlap_prefill=request.option("overlap_prefill", settings),
+                                 parallel_candidates=pd_candidates, parallel_steps=pd_steps,
+                                 finish_alone_on=verifier_lost if settings.on_cloud_loss == "finish_on_device"
+                                 else None)
+        if isinstance(session, KeepableSession) and request.keep:
+            session.on_keep = partial(self._keep, session_id)
+        async for tokens in rounds:
             yield tokens
+
+    def _keep(self, session_id: int, session: KeepableSession):
+        """Hand a finished session's caches (and its verifier session) to the kept sessions."""
+        tokens = session.prompt_ids + session.generated
+        cache_len = min(session.commit_len, len(tokens))
+        return self.kept.keep(tokens, cache_len, session.input_cache, session.adapter_cache, session_id,
+                              self.sessions_cloud.rows(session_id, cache_len))
 
     async def _stream_rounds(self, request: GenerateRequest, session: StreamSession, session_id: int,
                              slowdown: float) -> AsyncIterator[list[int]]:
@@ -369,10 +415,15 @@ class DeviceAgent:
             "privacy": mode not in TOKEN_MODES,  # False: token ids went to the cloud
             # finished by the draft model alone after losing the cloud: not the target model's text
             "degraded": bool(session is not None and session.degraded),
+            # of prompt_tokens, those a fork started with in its caches (computed by the kept request)
+            "cached_tokens": session.cached_tokens if isinstance(session, KeepableSession) else 0,
         }
         eos = self.model.eos_token_id
         finish = "stop" if generated and generated[-1] == eos else "length"
-        yield json.dumps({"type": "done", "finish_reason": finish, "stats": stats}) + "\n"
+        done = {"type": "done", "finish_reason": finish, "stats": stats}
+        if isinstance(session, KeepableSession) and session.kept is not None:
+            done["kept"] = {"handle": session.kept.handle, "length": session.kept.length}
+        yield json.dumps(done) + "\n"
         if session is not None:
             self._report_timings(session, request_slowdown)
 
@@ -408,6 +459,7 @@ class DeviceAgent:
                               if session.accept_lengths and session.draft_config.max_draft > 0 else None))
 
     async def aclose(self) -> None:
+        await self.kept.aclose()  # closes their verifier sessions while the connection is still up
         await self.cloud.close_connection()
         if self.plans is not None:
             await self.plans.aclose()
@@ -426,7 +478,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
                  settings.model_dir, settings.split_layers, settings.speculative, settings.mode)
         probes = [asyncio.create_task(state["agent"].readiness_loop(), name="verifier-readiness"),
                   asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
-                  asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe")]
+                  asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe"),
+                  asyncio.create_task(state["agent"].kept.cleanup_loop(), name="kept-sessions")]
         if settings.state_monitor_url and settings.announce_interval_s > 0:
             url = advertised_url(settings.advertise_url, settings.host, settings.port,
                                  route_to=settings.state_monitor_url)
@@ -475,7 +528,15 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
                 "active_sessions": agent.active, "max_sessions": settings.max_sessions,
                 "speculative": settings.speculative, "split_layers": settings.split_layers, "mode": settings.mode,
                 "bytes_per_token": agent.bytes_per_token, "speed": settings.speed,
-                "eos_token_id": agent.model.eos_token_id}
+                "eos_token_id": agent.model.eos_token_id, "kept_sessions": len(agent.kept),
+                # the template's text between turns: the streamer's outline requests (shared/jupiter/outline.py)
+                "chat_format": advertised_chat_format(agent.checkpoint.tokenizer)}
+
+    @app.delete("/kept/{handle}")
+    async def delete_kept(handle: str):
+        if not await state["agent"].kept.delete(handle):
+            return _error(404, "unknown_kept_session", f"no kept session {handle!r} (deleted, expired or evicted)")
+        return {"deleted": handle}
 
     @app.post("/generate")
     async def generate(request: GenerateRequest):
@@ -489,6 +550,13 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
                 ids = ids + encode_prompt(agent.checkpoint, None, request.prefix_ids)  # checked like prompt ids
             params = SamplingParams(request.temperature, request.top_p, request.seed)
             mode = request.option("mode", settings)
+            if (refusal := _kept_refusal(request, mode)) is not None:
+                return refusal
+            parent = agent.kept.get(request.fork) if request.fork is not None else None
+            if parent is not None:  # the prompt continues the kept sequence
+                ids = parent.token_ids + ids
+                if len(ids) <= parent.cache_len:
+                    return _error(400, "bad_request", "a fork needs a continuation: the kept sequence is all cached")
             if request.privacy and mode in TOKEN_MODES:
                 return _error(400, "privacy", f"mode {mode} sends token ids to the cloud; this request asked for "
                               "privacy (use hat or hat-async)")
@@ -507,7 +575,17 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             if mode == "device" and agent.model.adapter is None:
                 return _error(400, "bad_request", "mode device generates with the draft model: this device has none")
             session_type = LocalSession if mode == "device" else StreamSession if mode in STREAM_MODES else DeviceSession
-            session = session_type(agent.model, ids, params, DraftConfig(settings.eta, max_draft), request.max_new_tokens)
+            if request.keep or parent is not None:
+                session_type = KeepableSession
+            session = session_type(agent.model, ids, params, DraftConfig(settings.eta, max_draft),
+                                   max(request.max_new_tokens, 1))  # 0 (prefill only) never reaches a decode step
+            if isinstance(session, KeepableSession):
+                session.prefill_only = request.max_new_tokens == 0
+                if parent is not None:
+                    session.start_from(parent)
+        except UnknownKeptSession:
+            return _error(404, "unknown_kept_session", f"no kept session {request.fork!r} (never kept, deleted, "
+                          "expired or evicted)")
         except (SessionError, ValueError) as exc:
             return _error(400, "bad_request", str(exc))
         agent.active += 1

@@ -320,6 +320,11 @@ class WebSocketCloud:
                              f"{self.split_layers}, checkpoint fingerprint {self.fingerprint:016x}); start both "
                              "with the same model directory and split") from None
 
+    async def fork(self, session_id: int, parent_id: int, length: int) -> None:
+        """Open `session_id` as a copy of the first `length` positions of `parent_id` (a session of this
+        connection with nothing in flight): the verifier copies that KV instead of computing it again."""
+        await self._request(wire.ForkSession(session_id, parent_id, length), (session_id, _SESSION_SEQ))
+
     async def send_prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool):
         seq_no = next(self._seq)
         key = (session_id, seq_no)

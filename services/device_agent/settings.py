@@ -59,6 +59,9 @@ class Settings:
     chunk_planner_url: str = ""  # empty: fixed default_chunk_size
     state_monitor_url: str = ""  # empty: no telemetry
     default_chunk_size: int = 128
+    # Jupiter's edge pipeline (tophatctl/edge_pipeline.py): a stored plan whose sub-sequence table cuts every
+    # chunked prompt (the planner's chunk size is not asked); empty: not an edge pipeline's first stage.
+    edge_plan: str = ""
     # Emulated testbed (HAT §4.1): link profile name or spec (see shared/links.py), applied
     # in-process on the WebSocket; named profiles are for a 4096-wide model and get scaled
     # to this model's hidden size when link_scaled. Speed: orin | xavier | cycle | 1,2,5@5.
@@ -73,6 +76,10 @@ class Settings:
     rtt_probe_interval_s: float = 5.0
     wire_dtype: str = "f2"  # hidden states on the wire: f2 (fp16), f4 (fp32), bf (bf16)
     max_sessions: int = 4  # concurrent generations on this device; more get 503
+    # Kept sessions (`"keep": true` on /generate; forked by `"fork": handle`): device and verifier KV of a
+    # finished request held for reuse, each for kept_ttl_s after it was kept, at most max_kept (oldest go first).
+    kept_ttl_s: float = 120.0
+    max_kept: int = 16
     request_timeout_s: float = 60.0  # one cloud round trip
     planner_timeout_s: float = 1.0
     # The planner's answers are cached; a request uses the cached plan and one older than this is
@@ -117,8 +124,10 @@ class Settings:
             raise ValueError("eta must be in [0, 1] and max_draft >= 0")
         if self.parallel_candidates < 0 or self.parallel_steps < 0:
             raise ValueError("parallel_candidates and parallel_steps must be >= 0")
-        if self.max_sessions < 1 or self.default_chunk_size < 1:
-            raise ValueError("max_sessions and default_chunk_size must be >= 1")
+        if self.max_sessions < 1 or self.default_chunk_size < 1 or self.max_kept < 1:
+            raise ValueError("max_sessions, default_chunk_size and max_kept must be >= 1")
+        if self.kept_ttl_s <= 0:
+            raise ValueError("kept_ttl_s must be > 0")
         if min(self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s, self.failover_deadline_s) <= 0:
             raise ValueError("timeouts must be > 0")
         if self.on_cloud_loss not in ("error", "finish_on_device"):

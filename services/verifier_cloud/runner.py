@@ -111,6 +111,21 @@ class ModelRunner:
         token = self.token_model.open(sampling) if sampling is not None else None
         self._release(session_id, SessionCaches(self.layers.new_cache(), token))
 
+    def fork(self, session_id: int, parent_id: int, length: int | None = None) -> None:
+        """Caches for `session_id` that copy the first `length` positions (None: all) of `parent_id`'s: a
+        prefix computed once goes on in many sessions. The caller makes sure no pass is running the parent."""
+        with self._lock:
+            parent = self.sessions.get(parent_id)
+        if parent is None:
+            raise EngineError(ErrorKind.UNKNOWN_SESSION, f"unknown parent session {parent_id}", session_id)
+        if parent.token is not None:
+            raise EngineError(ErrorKind.MALFORMED, "token-mode sessions are not forked", session_id)
+        length = parent.length if length is None else length
+        if length > parent.length:
+            raise EngineError(ErrorKind.BAD_SHAPE, f"fork of {length} positions; the parent holds {parent.length}",
+                              session_id)
+        self._release(session_id, SessionCaches(parent.middle.fork(length)))
+
     def close(self, session_id: int) -> None:
         self._release(session_id, None)
 

@@ -107,7 +107,7 @@ class VerifierServer:
             settings.validate()  # also when built in code rather than by load_settings
         except ValueError as exc:
             raise SettingsError(f"Settings: {exc}") from exc
-        if settings.pipeline_stages > 1:  # the workers load the weights; here only the config is needed
+        if settings.stage_workers:  # the workers load the weights; here only the config is needed
             config = read_config(Path(settings.model_dir))
             keys = ("num_hidden_layers", "max_position_embeddings", "hidden_size")
             if not all(isinstance(config.get(k), int) for k in keys):
@@ -246,6 +246,8 @@ class VerifierServer:
                 raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
             return self._open(Session(message.session_id, connection, privacy=message.privacy,
                                       wire_dtype=wire.WireDtype(message.wire_dtype)))
+        if isinstance(message, wire.ForkSession):
+            return self._fork(connection, message)
         if isinstance(message, wire.OpenTokenSession):
             return self._open_token_session(connection, message)
         if isinstance(message, TOKEN_WORK):
@@ -263,6 +265,24 @@ class VerifierServer:
             return None
         raise wire.WireError(wire.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not accepted by the verifier",
                              getattr(message, "session_id", None), getattr(message, "seq_no", None))
+
+    def _fork(self, connection: ServerConnection, message: wire.ForkSession) -> wire.Message:
+        """A session whose KV copies a parent's prefix (a kept prompt goes on without being computed again)."""
+        sid = message.session_id
+        try:
+            parent = self.scheduler.get(message.parent_id, connection)
+        except EngineError:
+            raise wire.WireError(wire.ErrorCode.UNKNOWN_SESSION, f"unknown parent session {message.parent_id}",
+                                 sid) from None
+        if parent.is_busy or parent.is_token:  # a busy parent's KV may be changing under the copy
+            raise wire.WireError(wire.ErrorCode.OVERLOADED if parent.is_busy else wire.ErrorCode.MALFORMED,
+                                 f"parent session {message.parent_id} is "
+                                 f"{'busy' if parent.is_busy else 'a token-mode session'}", sid)
+        if not self.is_ready:
+            raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", sid)
+        parent.touch()  # forking a kept prefix is using it: the idle sweep leaves it be
+        return self._open(Session(sid, connection, privacy=parent.privacy, wire_dtype=parent.wire_dtype),
+                          fork_of=(message.parent_id, message.length))
 
     def _open_token_session(self, connection: ServerConnection, message: wire.OpenTokenSession) -> wire.Message:
         sid = message.session_id
@@ -313,12 +333,17 @@ class VerifierServer:
             raise EngineError(ErrorKind.OVERLOADED, f"this device holds {limit} sessions over its connections, "
                               "the most one device may", session.session_id)
 
-    def _open(self, session: Session) -> wire.Message:
+    def _open(self, session: Session, fork_of: tuple[int, int | None] | None = None) -> wire.Message:
+        """`fork_of` (parent_id, length): the new session's KV copies that prefix of the parent's."""
         try:
             self._check_device_limit(session)
             self.scheduler.open(session)
-            if self.runner is not None:
+            if self.runner is not None and fork_of is not None:
+                self.runner.fork(session.session_id, *fork_of)
+            elif self.runner is not None:
                 self.runner.open(session.session_id, session.sampling)
+            elif fork_of is not None:
+                self.pipeline.fork_session(session.session_id, *fork_of)
             else:
                 self.pipeline.open_session(session.session_id)
         except Exception as exc:  # noqa: BLE001 - whatever refused it, no half-open session stays behind

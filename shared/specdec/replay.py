@@ -62,6 +62,24 @@ class ReplayingCloud:
         self.sessions[session_id] = _SessionLog()
         await self._with_recovery(session_id, lambda: self.inner.open(session_id), reopen_only=True)
 
+    async def fork(self, session_id: int, parent_id: int, length: int, rows: list[torch.Tensor]) -> None:
+        """Open `session_id` as a copy of `parent_id`'s first `length` positions (the inner cloud's `fork`);
+        `rows` are the [H] shallow rows that built them, kept by whoever kept the parent: the child's log
+        starts with them, so a verifier that lost the parent (or the child) is recovered by replaying them."""
+        if len(rows) != length:
+            raise ValueError(f"a fork of {length} positions needs {length} rows, got {len(rows)}")
+        record = self.sessions[session_id] = _SessionLog(rows=list(rows))
+        try:
+            await self.inner.fork(session_id, parent_id, length)
+        except Exception as exc:  # noqa: BLE001 - only a lost verifier (or parent) is recovered; others re-raised
+            if not self.is_lost(exc):
+                raise
+            await self._recover(session_id, record.epoch, None, exc)
+
+    def rows(self, session_id: int, length: int) -> list[torch.Tensor]:
+        """The [H] shallow rows sent for the session's first `length` positions (what a fork of it replays)."""
+        return list(self.sessions[session_id].rows[:length])
+
     async def send_prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor,
                            is_last: bool) -> Awaitable[torch.Tensor | None]:
         record = self.sessions[session_id]
