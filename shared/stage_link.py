@@ -1,0 +1,369 @@
+"""The stage transport: length-prefixed msgpack frames over TCP, each hop an emulated link.
+
+Pipeline stages (the verifier's P workers; Jupiter's edge devices) are
+separate processes chained by one TCP connection per hop:
+
+    main --hop 0--> stage 0 --hop 1--> stage 1 ... stage P-1 --hop P--> main
+
+A hop carries frames one way, in order (TCP's FIFO is what keeps every
+stage's KV in step). `LinkSender.put(message)` and `LinkReceiver.get(timeout)`
+have the queue interface the stages were written against: put never blocks
+on the network (a feeder thread writes, like multiprocessing.Queue's), get
+raises queue.Empty when nothing is due within the timeout.
+
+Frame: a 16-byte header `magic, body length (u32), deliver_at (f64)` and a
+msgpack body (shared/stage_codec.py; never pickle: a peer must not be able to
+run code here). A bad magic or an oversized length leaves the stream
+unreadable: the receiver closes the connection and raises StageLinkError. A
+body that does not decode drops that frame only and raises StageLinkError;
+either way the receiving process goes on and decides what to do (a stage
+reports StageFailed downstream; the main process fails and restarts the
+pipeline).
+
+Emulated link (`LinkProfile`, shared/links.py): the sender owns the hop's
+schedule. A frame starts onto the link when the previous one has finished
+(FIFO), occupies it for bytes / bandwidth (the profile's uplink: a hop runs in
+one direction), and is due at send_done + latency (+/- jitter). The sender
+stamps that due time in the header and sends at once; the receiver holds the
+frame until time.monotonic() reaches the stamp. ASSUMPTION: both ends read
+the same clock. time.monotonic() is CLOCK_MONOTONIC, system-wide on Linux, so
+this holds for processes on one host; stages on other hosts would need the
+stamp replaced by a receiver-side schedule. An unshaped hop stamps 0 (due at
+once).
+
+Connections are authenticated with a per-pipeline random token the parent
+hands its children at spawn: a connector sends it first; an acceptor drops
+any connection that does not, so a stray local client cannot take a hop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import queue
+import random
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from shared.links import UNSHAPED, LinkProfile
+from shared.stage_codec import StageCodec, StageLinkError
+
+log = logging.getLogger("shared.stage_link")
+
+MAGIC = b"TSL1"
+HEADER = struct.Struct("<4sId")  # magic, body bytes, deliver_at (time.monotonic(); 0 = at once)
+MAX_FRAME_BYTES = 256 * 1024 * 1024  # a prefill micro-batch of a 4096-wide model at 4096 tokens is 64 MiB
+MAX_HOLD_S = 120.0  # a stamp further ahead than this is refused: a peer cannot park a frame forever
+TOKEN_BYTES = 16
+_RECV_CHUNK = 1 << 20
+_CHECK_EVERY_S = 0.2  # how often a wait at startup checks whether it should give up
+
+Address = tuple[str, int]
+
+
+# -- the emulated link's schedule (pure) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class FrameSlot:
+    """When a frame of a shaped hop starts onto the link, finishes sending, and may be delivered."""
+    start: float
+    send_done: float
+    deliver_at: float
+
+
+def schedule_frame(link_free_at: float, now: float, nbytes: int, profile: LinkProfile,
+                   jitter_draw: float = 0.0) -> FrameSlot:
+    """A frame of `nbytes` handed to the hop at `now`, the link busy until `link_free_at` (FIFO).
+
+    `jitter_draw` in [-1, 1] scales the profile's jitter (the caller draws it; uniform, as netem)."""
+    if not -1.0 <= jitter_draw <= 1.0:
+        raise ValueError(f"jitter_draw must be in [-1, 1], got {jitter_draw}")
+    start = max(now, link_free_at)
+    bandwidth = profile.uplink_bytes_s
+    send_done = start if math.isinf(bandwidth) else start + nbytes / bandwidth
+    return FrameSlot(start, send_done, send_done + profile.latency_s + jitter_draw * profile.jitter_s)
+
+
+class LinkPacer:
+    """One hop's running schedule: each frame's deliver_at stamp (0.0 on an unshaped hop)."""
+
+    def __init__(self, profile: LinkProfile = UNSHAPED, seed: int | None = None):
+        self.profile = profile
+        self.link_free_at = 0.0
+        self._rng = random.Random(seed)
+
+    def stamp(self, nbytes: int, now: float) -> float:
+        if not self.profile.shaped:
+            return 0.0
+        draw = self._rng.uniform(-1.0, 1.0) if self.profile.jitter_s > 0 else 0.0
+        slot = schedule_frame(self.link_free_at, now, nbytes, self.profile, draw)
+        self.link_free_at = slot.send_done
+        return slot.deliver_at
+
+
+# -- connecting -----------------------------------------------------------------------------
+
+def bind_listener(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening socket for one hop's downstream end (port 0: the kernel picks; read getsockname())."""
+    return socket.create_server((host, port), backlog=4)
+
+
+def connect_link(address: Address, token: bytes, timeout_s: float) -> socket.socket:
+    """Connect to a hop's listener and authenticate, retrying a refused connect until `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection(address, timeout=max(deadline - time.monotonic(), 0.01))
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                raise StageLinkError(f"no listener at {address[0]}:{address[1]} within {timeout_s:.0f}s") from None
+            time.sleep(0.05)
+        except OSError as exc:
+            raise StageLinkError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from None
+    try:
+        sock.sendall(token)
+    except OSError as exc:
+        sock.close()
+        raise StageLinkError(f"handshake with {address[0]}:{address[1]} failed: {exc}") from None
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # frames go out whole, not after a delayed ACK
+    return sock
+
+
+def accept_link(listener: socket.socket, token: bytes, timeout_s: float,
+                check: Callable[[], str | None] | None = None) -> socket.socket:
+    """Accept the hop's one connection that presents `token` within `timeout_s`; others are dropped.
+    `check` (between short waits) returns a reason to give up early, e.g. the peer process died."""
+    deadline = time.monotonic() + timeout_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        if check is not None and (reason := check()) is not None:
+            raise StageLinkError(reason)
+        listener.settimeout(min(remaining, _CHECK_EVERY_S))
+        try:
+            sock, peer = listener.accept()
+        except TimeoutError:
+            continue
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.01))
+            presented = _recv_exactly(sock, len(token))
+        except (OSError, StageLinkError):
+            presented = b""
+        if hmac.compare_digest(presented, token):
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        log.warning("stage link: dropped a connection from %s:%d without the pipeline's token", *peer[:2])
+        sock.close()
+    raise StageLinkError(f"no stage connected to {listener.getsockname()} within {timeout_s:.0f}s")
+
+
+# -- bootstrap: wiring a chain of stage processes on one host ---------------------------------
+#
+# The parent creates one startup pipe per stage (addresses only: no message ever goes through it) and a
+# random token, and spawns every stage at once. Each stage binds port 0 on its host and sends
+# (host, port) up its pipe. Once all have, the parent binds its return listener and sends each stage
+# its next hop's address (stage i+1's, the last stage the parent's). Each stage connects downstream,
+# then accepts its upstream (the listen backlog takes a connect before its accept, so the order
+# cannot deadlock); the parent connects to stage 0 and accepts the last. Stages on other hosts would
+# need only a different way to learn the addresses: every hop is an explicit (host, port).
+
+def join_chain(host: str, startup: Connection, token: bytes, timeout_s: float) -> tuple[socket.socket, socket.socket]:
+    """A stage's side: (its upstream connection, its downstream connection)."""
+    try:
+        listener = bind_listener(host)
+    except OSError as exc:
+        raise StageLinkError(f"cannot listen on {host}: {exc}") from None
+    try:
+        startup.send(tuple(listener.getsockname()[:2]))
+        if not startup.poll(timeout_s):
+            raise StageLinkError(f"no next-hop address from the parent within {timeout_s:.0f}s")
+        next_hop = _address(startup.recv())
+        downstream = connect_link(next_hop, token, timeout_s)
+        try:
+            return accept_link(listener, token, timeout_s), downstream
+        except StageLinkError:
+            downstream.close()
+            raise
+    except (EOFError, OSError) as exc:
+        raise StageLinkError(f"startup pipe to the parent failed: {exc}") from None
+    finally:
+        listener.close()
+
+
+def chain_stages(startups: list[Connection], host: str, token: bytes, timeout_s: float,
+                 check: Callable[[], str | None]) -> tuple[socket.socket, socket.socket]:
+    """The parent's side: (its connection to stage 0, its connection from the last stage).
+    `check` returns a reason to give up (a stage process died); StageLinkError on any failure."""
+    deadline = time.monotonic() + timeout_s
+    addresses: list[Address] = []
+    for index, startup in enumerate(startups):
+        try:
+            while not startup.poll(_CHECK_EVERY_S):
+                if (reason := check()) is not None:
+                    raise StageLinkError(reason)
+                if time.monotonic() > deadline:
+                    raise StageLinkError(f"stage {index} did not report its address within {timeout_s:.0f}s")
+            addresses.append(_address(startup.recv()))
+        except (EOFError, OSError) as exc:
+            raise StageLinkError(f"stage {index}'s startup pipe failed: {exc}") from None
+    listener = bind_listener(host)
+    try:
+        for startup, next_hop in zip(startups, addresses[1:] + [_address(listener.getsockname()[:2])]):
+            startup.send(next_hop)
+        first = connect_link(addresses[0], token, max(deadline - time.monotonic(), 0.1))
+        try:
+            return first, accept_link(listener, token, max(deadline - time.monotonic(), 0.1), check)
+        except StageLinkError:
+            first.close()
+            raise
+    except OSError as exc:
+        raise StageLinkError(f"wiring the stages failed: {exc}") from None
+    finally:
+        listener.close()
+
+
+def _address(raw: Any) -> Address:
+    if not (isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[0], str) and type(raw[1]) is int):
+        raise StageLinkError(f"not a (host, port) address: {raw!r:.80}")
+    return raw[0], raw[1]
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise StageLinkError("connection closed during the handshake")
+        data += chunk
+    return bytes(data)
+
+
+# -- the two ends of a hop ------------------------------------------------------------------
+
+class LinkSender:
+    """The upstream end: encode on the caller's thread, pace, and let a feeder thread write."""
+
+    def __init__(self, sock: socket.socket, codec: StageCodec, profile: LinkProfile = UNSHAPED, name: str = "hop",
+                 max_frame_bytes: int = MAX_FRAME_BYTES):
+        self.sock, self.codec, self.name, self.max_frame_bytes = sock, codec, name, max_frame_bytes
+        self.pacer = LinkPacer(profile)
+        self.error: str | None = None  # set by the feeder when the connection broke
+        self._frames: queue.SimpleQueue[tuple[bytes, bytes] | None] = queue.SimpleQueue()
+        self._feeder = threading.Thread(target=self._feed, name=f"stage-link-{name}", daemon=True)
+        self._feeder.start()
+
+    def put(self, message: Any) -> None:
+        """Queue one message for the hop; never waits on the network. StageLinkError if the link broke."""
+        if self.error is not None:
+            raise StageLinkError(f"{self.name}: link broken: {self.error}")
+        body = self.codec.encode(message)
+        if len(body) > self.max_frame_bytes:
+            raise StageLinkError(f"{self.name}: a {type(message).__name__} of {len(body)} bytes exceeds "
+                                 f"the {self.max_frame_bytes}-byte frame limit")
+        deliver_at = self.pacer.stamp(HEADER.size + len(body), time.monotonic())
+        self._frames.put((HEADER.pack(MAGIC, len(body), deliver_at), body))
+
+    def _feed(self) -> None:
+        while (frame := self._frames.get()) is not None:
+            try:
+                self.sock.sendall(frame[0])
+                self.sock.sendall(frame[1])
+            except OSError as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.warning("stage link %s: send failed: %s", self.name, self.error)
+                return
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Flush what was put (bounded by `timeout_s`), then close the connection."""
+        self._frames.put(None)
+        self._feeder.join(timeout_s)
+        _shut(self.sock)
+
+
+class LinkReceiver:
+    """The downstream end: whole frames, decoded and held until their deliver_at stamp."""
+
+    def __init__(self, sock: socket.socket, codec: StageCodec, name: str = "hop",
+                 max_frame_bytes: int = MAX_FRAME_BYTES):
+        self.sock, self.codec, self.name, self.max_frame_bytes = sock, codec, name, max_frame_bytes
+        self.closed = False
+        self._buffer = bytearray()
+        self._due: tuple[float, Any] | None = None  # decoded, waiting for its deliver_at
+
+    def get(self, timeout: float) -> Any:
+        """The next message, once due. queue.Empty if none is due within `timeout`; StageLinkError for a
+        refused frame (dropped) or a broken or closed connection (then every later get raises too)."""
+        deadline = time.monotonic() + timeout
+        if self._due is None:
+            self._due = self._next_frame(deadline)
+        deliver_at, message = self._due
+        wait = deliver_at - time.monotonic()
+        if wait > 0:
+            time.sleep(min(wait, max(deadline - time.monotonic(), 0.0)))
+            if time.monotonic() < deliver_at:
+                raise queue.Empty
+        self._due = None
+        return message
+
+    def _next_frame(self, deadline: float) -> tuple[float, Any]:
+        while True:
+            if len(self._buffer) >= HEADER.size:
+                magic, length, deliver_at = HEADER.unpack_from(self._buffer)
+                if magic != MAGIC or length > self.max_frame_bytes:
+                    self._break(f"bad magic {magic!r}" if magic != MAGIC
+                                else f"a {length}-byte frame exceeds the {self.max_frame_bytes}-byte limit")
+                if len(self._buffer) >= HEADER.size + length:
+                    body = bytes(self._buffer[HEADER.size:HEADER.size + length])
+                    del self._buffer[:HEADER.size + length]  # consumed: a refused body drops this frame only
+                    if not math.isfinite(deliver_at) or deliver_at - time.monotonic() > MAX_HOLD_S:
+                        raise StageLinkError(f"{self.name}: frame stamped {deliver_at!r}, beyond any link's delay")
+                    try:
+                        return deliver_at, self.codec.decode(body)
+                    except StageLinkError as exc:
+                        raise StageLinkError(f"{self.name}: {exc}") from None
+            self._fill(deadline)
+
+    def _fill(self, deadline: float) -> None:
+        if self.closed:
+            raise StageLinkError(f"{self.name}: connection closed")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise queue.Empty
+        self.sock.settimeout(remaining)
+        try:
+            chunk = self.sock.recv(_RECV_CHUNK)
+        except TimeoutError:
+            raise queue.Empty from None
+        except OSError as exc:
+            self._break(f"{type(exc).__name__}: {exc}")
+        if not chunk:
+            self._break("peer closed the connection", warn=False)
+        self._buffer += chunk
+
+    def _break(self, reason: str, warn: bool = True) -> None:
+        if not self.closed:
+            (log.warning if warn else log.info)("stage link %s: %s; closing it", self.name, reason)
+        self.closed = True
+        self._buffer.clear()
+        _shut(self.sock)
+        raise StageLinkError(f"{self.name}: {reason}")
+
+    def close(self) -> None:
+        self.closed = True
+        _shut(self.sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it
+    except OSError:
+        pass  # already closed or never connected
+    sock.close()
