@@ -3,8 +3,9 @@
 Against a *fake* device agent (`OutlineAgent`, real uvicorn, real HTTP) that speaks the keep/fork
 API: it holds kept sequences as text, answers the question with a fixed outline and each point
 with a fixed answer, so the flow's order, concurrency, fallbacks, errors and handle clean-up can be
-checked exactly (the demo model writes no outlines). The real device agent's forked KV is checked
-in tests/test_outline_mesh.py style at the end of this file, against the real app and model."""
+checked exactly (the demo model writes no outlines). The last test runs the flow on the real device
+agent (real uvicorn, a real verifier, the demo model): the KV is forked, the handles are made and
+freed, and each point's text is the plain request's on the same token sequence (greedy)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.token_streamer import outline as outline_flow
+from services.token_streamer.router import Dispatcher
 from shared.chat import plain_chat_text
-from shared.jupiter.outline import OUTLINE_DIRECTIVE, PLAIN_FORMAT
-from tests.test_token_streamer import mesh
+from shared.jupiter.outline import OUTLINE_DIRECTIVE, PLAIN_FORMAT, heading
+from tests.conftest import DEMO_MODEL_DIR
+from tests.mesh_tools import verifier_on_loopback
+from tests.test_token_streamer import mesh, serve
 
 QUESTION = "What are good ways to improve my sleep quality?"
 OUTLINE = "1. Keep a schedule\n2. Dim the lights\n3. Skip late coffee\n"
@@ -262,3 +267,64 @@ async def test_the_setting_turns_it_on_and_a_request_turns_it_off() -> None:
             off = (await http.post(f"{url}/v1/chat/completions", json={**body, "tophat": {"outline": False}})).json()
         assert on["tophat"]["outline"]["used"] is True
         assert "outline" not in off["tophat"] and "fork" not in agent.requests[-1]
+
+
+# -- the real device agent ---------------------------------------------------------------------------
+
+async def plain_generate(http: httpx.AsyncClient, url: str, prompt_ids: list[int], max_new_tokens: int) -> dict:
+    """The tokens, text and finish of one plain (not forked) greedy request."""
+    response = await http.post(f"{url}/generate", json={"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens,
+                                                         "temperature": 0.0, "mode": "hat"})
+    events = [json.loads(line) for line in response.text.splitlines()]
+    assert events[-1]["type"] == "done", events[-1]
+    tokens = [e for e in events if e["type"] == "tokens"]
+    return {"ids": [t for e in tokens for t in e["token_ids"]], "text": "".join(e["text"] for e in tokens),
+            "finish": events[-1]["finish_reason"]}
+
+
+async def test_on_the_real_agent_points_fork_the_outline_kv_and_equal_plain_requests(demo_checkpoint,
+                                                                                     monkeypatch) -> None:
+    from services.device_agent.app import create_app as device_app
+    from services.device_agent.settings import Settings as DeviceSettings
+
+    # The demo model's outline is gibberish: the flow takes two fixed points from whatever it wrote.
+    monkeypatch.setattr(outline_flow, "parse_outline", lambda text: ["alpha", "beta"])
+    opened: list[dict[str, Any]] = []
+    open_beside = Dispatcher.open_beside
+
+    async def recording_open_beside(self, device, body):
+        opened.append(body)
+        return await open_beside(self, device, body)
+
+    monkeypatch.setattr(Dispatcher, "open_beside", recording_open_beside)
+    encode = lambda text: demo_checkpoint.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    async with verifier_on_loopback(demo_checkpoint) as (_server, ws_url):
+        settings = DeviceSettings(model_dir=str(DEMO_MODEL_DIR), split_layers=2, adapter="", verifier_url=ws_url,
+                                  wire_dtype="f4", prompt_chunking=False, port=0)
+        async with serve(device_app(settings)) as device_url, mesh(device_url) as url, \
+                httpx.AsyncClient(timeout=60) as http:
+            info = (await http.get(f"{device_url}/info")).json()
+            assert info["chat_format"] == PLAIN_FORMAT.to_dict()  # the demo tokenizer has no template
+            response = await ask(url, max_tokens=16)
+            body = response.json()
+            assert response.status_code == 200, body
+            assert body["tophat"]["outline"]["used"] is True and body["tophat"]["outline"]["points"] == 2
+
+            directive, outline, *points = opened
+            assert (directive["max_new_tokens"], directive["keep"]) == (0, True)
+            assert outline["keep"] is True and outline["fork"] and outline["fork"] != points[0]["fork"]
+            assert [p["fork"] for p in points] == [points[0]["fork"]] * 2  # both from the outline's KV
+            # The outline's handle is freed, the directive's kept for the next request.
+            assert (await http.get(f"{device_url}/info")).json()["kept_sessions"] == 1
+            assert (await http.delete(f"{device_url}/kept/{points[0]['fork']}")).status_code == 404
+
+            # Each point's text is the plain request on directive + question + outline + point turn.
+            context = encode(PLAIN_FORMAT.directive_text()) + encode(PLAIN_FORMAT.question_text(QUESTION))
+            sketch = await plain_generate(http, device_url, context, outline_flow.OUTLINE_MAX_TOKENS)
+            expected = ""
+            for index, point in enumerate(["alpha", "beta"], 1):
+                turn = PLAIN_FORMAT.point_text(index, point, outline_ended_turn=sketch["finish"] == "stop")
+                assert points[index - 1]["prompt"] == turn
+                plain = await plain_generate(http, device_url, context + sketch["ids"] + encode(turn), 8)
+                expected += heading(index, point) + plain["text"].lstrip()
+            assert body["choices"][0]["message"]["content"] == expected

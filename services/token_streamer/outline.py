@@ -127,6 +127,7 @@ class OutlineStream:
         completion = 0
         for point in self._points:
             head: str | None = heading(point.index, point.text)
+            leading = True  # the heading ends its line: the expansion's leading whitespace is dropped
             while True:
                 async with asyncio.timeout(self.flow.wait_timeout_s):  # a point task always ends with done or error
                     event = await point.events.get()
@@ -143,8 +144,10 @@ class OutlineStream:
                         yield {"type": "tokens", "token_ids": [], "text": head}
                     break
                 text = str(event.get("text") or "")
+                if leading:
+                    text = text.lstrip()
+                    leading = not text
                 if head is not None:
-                    text = text.lstrip()  # the heading ends the line; the expansion starts on the next
                     if not text and not event.get("token_ids"):
                         continue
                     text, head = head + text, None

@@ -20,10 +20,13 @@ assistant: outline, user: expand point i] up to the assistant's next turn.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 OUTLINE_DIRECTIVE = (
     "Before answering, plan. Reply with only a short numbered outline of the answer to the user's "
@@ -266,3 +269,14 @@ def heading(index: int, point: str) -> str:
 def assemble(points: Sequence[str], answers: Sequence[str]) -> str:
     """The final answer: each point's heading, then its expansion, in outline order."""
     return "".join(heading(i, p) + a.strip() for i, (p, a) in enumerate(zip(points, answers, strict=True), 1))
+
+
+def advertised_chat_format(tokenizer: Any) -> dict[str, str] | None:
+    """What a device agent's /info says about its template (None: outlines are not offered)."""
+    if tokenizer is None:  # prompts come as ids only: no text segments to send
+        return None
+    try:
+        return chat_format(tokenizer).to_dict()
+    except (ChatFormatError, ValueError) as exc:  # a template that refuses the sentinel conversation
+        log.info("no outline chat format for this tokenizer: %s", exc)
+        return None
