@@ -221,3 +221,18 @@ async def test_kept_sessions_expire_after_their_ttl_since_last_use_and_close_the
     assert closed == [101]
     now[0] = 18.5
     assert kept.expire() == 1 and b.adapter_cache.is_freed and len(kept) == 0
+
+
+async def test_a_fork_of_a_kept_session_the_verifier_lost_is_replayed_and_exact(agent, texts):
+    server, _, http = agent
+    directive, (point, _) = texts
+    plain, _ = await generate(http, prompt_ids=directive + point, max_new_tokens=8)
+    before = set(server.scheduler.sessions)
+    _, kept = await generate(http, prompt_ids=directive, max_new_tokens=0, keep=True)
+    (lost,) = set(server.scheduler.sessions) - before
+    server._close(lost)  # as the idle sweep or a restart would: the device still holds its handle
+    server.recent_steps.clear()
+    forked, _ = await generate(http, prompt_ids=point, fork=kept["kept"]["handle"], max_new_tokens=8)
+    assert forked == plain
+    assert prefill_tokens(server) == len(directive + point)  # the fork's session was rebuilt from the kept rows
+    assert (await http.delete(f"/kept/{kept['kept']['handle']}")).status_code == 200
