@@ -264,6 +264,15 @@ def up(
                               "from a random mesh secret made for this run (TOPHAT_*_AUTH_SECRET)"),
     tls: bool = typer.Option(False, "--tls", help="TLS on every hop (https, wss) with a development CA made in "
                              "the log directory (see tophat certs)"),
+    edge_pipeline: str = typer.Option("", "--edge-pipeline", help="Jupiter: run the model over these edge devices "
+                                      "as pipeline stages, e.g. 'orin;xavier;xavier' (speed classes, optional "
+                                      "':512MiB' memory budgets); one device agent (stage 0) drafts"),
+    lan: str = typer.Option("lan", "--lan", help="with --edge-pipeline: the link between neighbouring devices "
+                            "(a shared/links.py profile or spec; 'lan' = 100 Mbit/s)"),
+    edge_plan: str = typer.Option("", "--edge-plan", help="with --edge-pipeline: a stored plan (tophat plan --out); "
+                                  "default: planned at start from the model's stored profile (tophat profile)"),
+    edge_plan_kind: str = typer.Option("jupiter", "--edge-plan-kind", help="jupiter (DP partition + DP "
+                                       "sub-sequences) | equal | serial (the baselines)"),
 ):
     """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
     (or SIGTERM) stops every process."""
@@ -279,7 +288,8 @@ def up(
                         device_env={"prompt_chunking": str(prompt_chunking).lower(),
                                     **({} if parallel_drafting else {"parallel_candidates": "0"})},
                         supervise=True, state_file=state_file, auth=auth,
-                        api_key=api_key, verifiers=verifiers, tls=tls)
+                        api_key=api_key, verifiers=verifiers, tls=tls, edge_pipeline=edge_pipeline, lan=lan,
+                        edge_plan=edge_plan, edge_plan_kind=edge_plan_kind)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -379,6 +389,14 @@ def bench(
     reading_rate: float = typer.Option(5.0, "--reading-rate", min=0.0, help="--disco: r_c, tokens/s (0: unpaced)"),
     speed: str = typer.Option("", help="--disco: device speed class or slowdown (default 10)"),
     migration: bool = typer.Option(True, "--migration/--no-migration", help="--disco: token-level migration"),
+    edge_pipeline: str = typer.Option("", "--edge-pipeline", help="Jupiter: serial vs equal-split vs jupiter vs "
+                                      "jupiter-outline on an edge pipeline of these devices, e.g. 'orin;xavier;xavier' "
+                                      "(loadgen/bench_jupiter.py); --out may name the results JSON"),
+    lan: str = typer.Option("lan", "--lan", help="--edge-pipeline: the LAN between neighbouring devices"),
+    buckets: str = typer.Option("64,256,1024", help="--edge-pipeline: prompt lengths (tokens), comma-separated"),
+    per_bucket: int = typer.Option(3, "--per-bucket", help="--edge-pipeline: prompts per length"),
+    jupiter_modes: str = typer.Option("serial,equal-split,jupiter,jupiter-outline", "--jupiter-modes",
+                                      help="--edge-pipeline: the modes to run"),
 ):
     """Every mode against the same arrival trace, back to back; one table with ratios vs ushape."""
     from loadgen.bench import (ablation_modes, format_table, link_with_rtt, modes_for, parse_rates, plot_modes,
@@ -386,6 +404,8 @@ def bench(
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("loadgen").setLevel(logging.INFO)
+    if edge_pipeline:
+        return _bench_jupiter(edge_pipeline, lan, buckets, per_bucket, jupiter_modes, max_new_tokens, seed, model, out)
     if disco:
         return _bench_disco(workload, rates, link_profile, devices, num_requests, max_new_tokens, seed, model, out,
                             budget, constraint, reading_rate, speed, migration)
@@ -438,6 +458,35 @@ def bench(
             plot_modes(out / tag if rtt is not None else out, name, results, tag)
             typer.echo("\n" + table)
     typer.echo(f"\nresults, per-request CSVs and plots under {out}/")
+
+
+def _bench_jupiter(edge_pipeline: str, lan: str, buckets: str, per_bucket: int, modes: str, max_new_tokens: int,
+                   seed: int, model: str, out: Path) -> None:
+    from loadgen.bench_jupiter import (JupiterBenchConfig, format_jupiter_table, format_outline_answers,
+                                       run_jupiter_bench)
+    from shared.jupiter.plan import parse_edge_pipeline
+    from tophatctl.launcher import MeshStartError
+
+    try:
+        parse_edge_pipeline(edge_pipeline)
+        bucket_list = [int(b) for b in buckets.split(",") if b.strip()]
+        if not bucket_list or min(bucket_list) < 1:
+            raise ValueError("--buckets needs positive prompt lengths")
+    except ValueError as exc:
+        _fail(str(exc))
+    target = out if out.suffix == ".json" else out / "jupiter.json"
+    cfg = JupiterBenchConfig(model=str(_model(model)), edge_pipeline=edge_pipeline, lan=lan, buckets=bucket_list,
+                             per_bucket=per_bucket, max_tokens=max_new_tokens, seed=seed, out=target,
+                             modes=[m.strip() for m in modes.split(",") if m.strip()])
+    try:
+        results = run_jupiter_bench(cfg)
+    except MeshStartError as exc:
+        _fail(str(exc))
+    table = format_jupiter_table(results)
+    answers = format_outline_answers(results)
+    target.with_suffix(".txt").write_text(table + "\n\n" + answers + "\n")
+    typer.echo(table + "\n\n" + answers)
+    typer.echo(f"\nresults in {target}")
 
 
 def disco_bench_options(rates: Optional[str], link_profile: Optional[str], budget: str, constraint: str,
@@ -495,6 +544,16 @@ def _mount_simulate() -> None:
 
 
 _mount_simulate()
+
+
+def _mount_jupiter_planning() -> None:
+    from tophatctl.profile import plan_command, profile_command
+
+    app.command("profile", help="Profile per-layer time t(S, c) and memory for Jupiter's planner.")(profile_command)
+    app.command("plan", help="Plan an edge pipeline (Jupiter): DP layer partition + sub-sequence table.")(plan_command)
+
+
+_mount_jupiter_planning()
 
 
 if __name__ == "__main__":

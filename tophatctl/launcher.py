@@ -110,6 +110,14 @@ class MeshConfig:
     # TLS on every hop: a development CA and server certificate made in log_dir/tls (tophatctl/certs.py),
     # every service serving only https / wss with it, every client trusting that CA.
     tls: bool = False
+    # Jupiter's edge pipeline (tophatctl/edge_pipeline.py): the model over these edge devices as pipeline
+    # stages ("orin;xavier;xavier", speed classes with optional ':memory' budgets), neighbours linked by `lan`;
+    # the layer partition and sub-sequence table from `edge_plan` (a stored plan) or planned at start
+    # (`edge_plan_kind`: jupiter | equal | serial) from the model's stored profile. One device agent: stage 0.
+    edge_pipeline: str = ""
+    edge_plan: str = ""
+    edge_plan_kind: str = "jupiter"
+    lan: str = "lan"
 
     @property
     def http_scheme(self) -> str:
@@ -199,6 +207,7 @@ class Mesh:
         self.redis_url: str | None = None
         self.services: list[ServiceProcess] = []
         self.model_dir: Path | None = None  # the resolved checkpoint directory, once started
+        self.edge_plan = None  # shared.jupiter.plan.EdgePlan with config.edge_pipeline, once planned
         self.netns_links: list = []
         self.discovered_urls: list[str] = []  # discover_devices: the agents' announced URLs
         self.supervisor = None  # a tophatctl.supervisor.Supervisor while supervising
@@ -292,6 +301,30 @@ class Mesh:
                     raise MeshStartError(f"not ready after {self.config.ready_timeout_s}s: {names}\n{pending[0].log_tail()}")
                 if pending:
                     time.sleep(0.2)
+
+    def _plan_edge_pipeline(self) -> dict[str, str]:
+        """Plan (or load) the edge pipeline, point the device agent at stage 0's share and return the
+        verifier's stage settings (tophatctl/edge_pipeline.py)."""
+        from tophatctl.edge_pipeline import edge_plan, stage_wiring
+
+        cfg = self.config
+        if cfg.num_devices != 1 or cfg.verifiers != 1:
+            raise MeshStartError("an edge pipeline serves from one device agent (its first stage) and one verifier")
+        try:
+            plan = edge_plan(self.model_dir, cfg.edge_pipeline, cfg.lan, cfg.edge_plan_kind, cfg.split_layers,
+                             cfg.edge_plan or None)
+            wiring = stage_wiring(plan.stage_layers, [d.slowdown for d in plan.devices], plan.draft_layers, plan.lan)
+        except ValueError as exc:
+            raise MeshStartError(f"edge pipeline {cfg.edge_pipeline!r}: {exc}") from exc
+        self.edge_plan = plan
+        plan_path = plan.save(cfg.log_dir / "edge-plan.json")
+        log.info("edge pipeline %s: layers %s (%s plan), verifier stages %s, hops %s", cfg.edge_pipeline,
+                 list(plan.stage_layers), plan.kind, wiring.stage_layers, wiring.hop_links)
+        cfg.pipeline_stages = len(wiring.stage_layers)
+        cfg.speed = f"{plan.devices[0].slowdown:g}"
+        cfg.link = "none"  # the agent and the verifier's main both live on device 0
+        cfg.device_env = {**cfg.device_env, "edge_plan": str(plan_path)}
+        return wiring.verifier_env()
 
     def _use_netns(self) -> bool:
         from tophatctl.netns import netns_support
@@ -394,6 +427,7 @@ class Mesh:
             self._netns = self._use_netns()
             if cfg.tls:
                 self._make_certs()
+            edge_env = self._plan_edge_pipeline() if cfg.edge_pipeline else {}
             # Devices in namespaces reach the cloud-side services through the veth, so those bind everywhere.
             bind = "0.0.0.0" if self._netns else cfg.host
             monitor = self._spawn("state-monitor", "services.state_monitor", {
@@ -414,6 +448,7 @@ class Mesh:
                 "TOPHAT_VERIFIER_MODEL_DIR": model_dir,
                 "TOPHAT_VERIFIER_SPLIT_LAYERS": str(cfg.split_layers),
                 "TOPHAT_VERIFIER_STATE_MONITOR_URL": cfg.monitor_url,
+                **edge_env,
             }, f"{cfg.http_scheme}://{cfg.host}:{cfg.verifier_port + j}/readyz") for j in range(cfg.verifiers)]
             self._wait_ready([monitor, planner, *verifiers])
             if cfg.discover_devices:
