@@ -53,10 +53,10 @@ async def agent(demo_checkpoint):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pipelined_agent():
-    """A device agent's http client on a verifier with 2 pipeline stage processes."""
-    async with pipelined_verifier(2) as (_server, url):
+    """(a verifier with 2 pipeline stage processes, a device agent's http client on it)."""
+    async with pipelined_verifier(2) as (server, url):
         async with device_agent_http(DEMO_MODEL_DIR, url, adapter="", max_kept=MAX_KEPT) as http:
-            yield http
+            yield server, http
 
 
 async def generate(http, **body) -> tuple[list[int], dict]:
@@ -171,13 +171,18 @@ async def test_keep_and_fork_are_refused_outside_hat_and_prefill_only_needs_keep
 
 
 async def test_a_fork_through_two_pipeline_stages_is_exact(pipelined_agent, texts):
-    http = pipelined_agent
+    server, http = pipelined_agent
     directive, points = texts
     answer, kept = await generate(http, prompt_ids=directive, max_new_tokens=4, keep=True)
     plains = [(await generate(http, prompt_ids=directive + answer + p, max_new_tokens=10))[0] for p in points]
     forks = await asyncio.gather(*(generate(http, prompt_ids=p, fork=kept["kept"]["handle"], max_new_tokens=10)
                                    for p in points))
     assert [tokens for tokens, _ in forks] == plains
+    # Every stage copied the kept KV: one token costs the stages only the continuation's rows (no replay).
+    server.pipeline.recent.clear()
+    first, _ = await generate(http, prompt_ids=points[0], fork=kept["kept"]["handle"], max_new_tokens=1)
+    assert first == plains[0][:1]
+    assert sum(step.batched_tokens for step in server.pipeline.recent) == 1 + len(points[0])  # pending token + point
 
 
 async def test_the_verifier_refuses_a_fork_of_an_unknown_parent_or_beyond_its_length(agent, demo_checkpoint):
