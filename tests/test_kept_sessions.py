@@ -75,7 +75,8 @@ def ids(checkpoint, text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def texts(demo_checkpoint):
     directive = ids(demo_checkpoint, "You answer with a short numbered outline, then expand each point. Question:")
-    points = [ids(demo_checkpoint, " 1. Why the sky is blue."), ids(demo_checkpoint, " 2. How rain forms over the sea.")]
+    points = [ids(demo_checkpoint, " 1. Why the sky is blue."),
+              ids(demo_checkpoint, " 2. How rain forms over the sea.")]
     return directive, points
 
 

@@ -299,22 +299,24 @@ class DeviceAgent:
         chunk_size = (request.chunk_size or plan.chunk_for(new_tokens)) if chunking else None
         chunks = (self.edge_plan.chunk_sizes(new_tokens) if chunking and self.edge_plan and not request.chunk_size
                   else fixed_chunks(new_tokens, chunk_size))
-        cloud = SessionCloud(self.sessions_cloud, session) if isinstance(session, KeepableSession) else self.sessions_cloud
+        keepable = isinstance(session, KeepableSession)
+        cloud = SessionCloud(self.sessions_cloud, session) if keepable else self.sessions_cloud
         # PD steps: the request's or the agent's fixed count, else eq. 6 per round for the rows it sends.
         pd_steps = (request.parallel_steps or settings.parallel_steps or plan.steps_for) if pd_candidates else 0
 
         async def offload(fn, *args):
             return await slowed(fn, *args, slowdown=slowdown)
 
-        if isinstance(session, KeepableSession) and session.prefill_only:
-            rounds = prefill_only(session, cloud, session_id, chunks, offload, request.option("overlap_prefill", settings))
+        if keepable and session.prefill_only:
+            rounds = prefill_only(session, cloud, session_id, chunks, offload,
+                                  request.option("overlap_prefill", settings))
         else:
             rounds = run_session(session, cloud, session_id, chunks, offload=offload,
                                  overlap_prefill=request.option("overlap_prefill", settings),
                                  parallel_candidates=pd_candidates, parallel_steps=pd_steps,
                                  finish_alone_on=verifier_lost if settings.on_cloud_loss == "finish_on_device"
                                  else None)
-        if isinstance(session, KeepableSession) and request.keep:
+        if keepable and request.keep:
             session.on_keep = partial(self._keep, session_id)
         async for tokens in rounds:
             yield tokens
