@@ -62,6 +62,25 @@ def test_dp_equals_brute_force(data, num_layers, num_devices, first_min_layers):
     _check_partition(got, num_layers, num_devices, first_min_layers)
     # the ranges it returns really have the bottleneck it claims
     assert max(cost(d, a, b) for d, (a, b) in enumerate(got.ranges)) == got.bottleneck
+    # and among the partitions with that bottleneck, the least total time (one part's trip through the pipeline)
+    assert _total(cost, got.ranges) == pytest.approx(_least_total_at(cost, num_layers, num_devices,
+                                                                     first_min_layers, got.bottleneck))
+
+
+def _total(cost, ranges):
+    return sum(cost(d, a, b) for d, (a, b) in enumerate(ranges))
+
+
+def _least_total_at(cost, num_layers, num_devices, first_min_layers, bottleneck):
+    import itertools
+
+    totals = []
+    for cuts in itertools.combinations(range(first_min_layers, num_layers), num_devices - 1):
+        edges = (0, *cuts, num_layers)
+        ranges = list(zip(edges, edges[1:]))
+        if max(cost(d, a, b) for d, (a, b) in enumerate(ranges)) == bottleneck:
+            totals.append(_total(cost, ranges))
+    return min(totals)
 
 
 def test_dp_equals_brute_force_on_float_costs_seeded():
@@ -75,6 +94,15 @@ def test_dp_equals_brute_force_on_float_costs_seeded():
         cost = _cost_model(layer_costs, slowdowns)
         assert partition_layers(cost, num_layers, num_devices).bottleneck == pytest.approx(
             brute_force_partition(cost, num_layers, num_devices).bottleneck, rel=1e-12)
+
+
+def test_ties_on_the_bottleneck_go_to_the_least_total_time():
+    # orin;xavier;xavier over 8 layers: 6/1/1, 5/1/2, 4/2/2 all have a bottleneck of 6; in total
+    # they take 12, 14 and 16: a prompt crossing the pipeline once is fastest on 6/1/1
+    partition = partition_layers(_cost_model([1] * 8, [1.0, 3.0, 3.0]), 8, 3)
+    assert partition.bottleneck == 6.0 and partition.layer_counts == (6, 1, 1)
+    partition = partition_layers(_cost_model([1] * 8, [3.0, 3.0, 1.0]), 8, 3)
+    assert partition.bottleneck == 6.0 and partition.layer_counts == (1, 1, 6)
 
 
 def test_infinite_stage_is_never_chosen():

@@ -241,3 +241,31 @@ def test_edge_plan_rejects_a_first_stage_smaller_than_the_draft():
     body["draft_layers"] = body["stage_layers"][0][1] + 1
     with pytest.raises(PlanError, match="draft"):
         EdgePlan.from_json(body)
+
+
+# --- the CLI ------------------------------------------------------------------------------------
+def test_tophat_profile_and_plan_commands(tmp_path, tiny_llama_dir):
+    from typer.testing import CliRunner
+
+    from tophatctl.cli import app
+
+    runner = CliRunner()
+    profile_path = tmp_path / "profile.json"
+    result = runner.invoke(app, ["profile", "--model", str(tiny_llama_dir), "--lengths", "1,8", "--prefixes", "0,4",
+                                 "--repeats", "1", "--out", str(profile_path)])
+    assert result.exit_code == 0, result.output
+    assert "l_min" in result.output and load_profile(profile_path).num_layers == 5
+
+    synthetic_profile().save(profile_path)
+    plan_path = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", "--edge-pipeline", HETEROGENEOUS, "--profile", str(profile_path),
+                                 "--lan", "100mbit,lat=1ms", "--max-len", "512", "--out", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(plan_path, num_layers=24, hidden_size=256)
+    assert plan.kind == "jupiter" and plan.max_len == 512
+    assert "equal" in result.output and "serial" in result.output and str(plan.chunk_sizes(512)) in result.output
+
+    result = runner.invoke(app, ["plan", "--edge-pipeline", "orin", "--profile", str(profile_path)])
+    assert result.exit_code == 2 and "at least 2 devices" in result.output
+    result = runner.invoke(app, ["plan", "--edge-pipeline", HETEROGENEOUS, "--profile", str(tmp_path / "none.json")])
+    assert result.exit_code == 2 and "cannot read profile" in result.output

@@ -9,7 +9,8 @@ plus an adapter, so those layers must live with the drafter). The DP is exact fo
     B(j, l) = min over k of max(B(j-1, k), cost(j-1, k, l))     devices 0..j-1 cover layers [0, l)
     B(1, l) = cost(0, 0, l)                                     (l >= first_min_layers)
 
-answer B(D, n); O(D n^2) calls of `stage_cost`. `stage_cost(device, start, stop)` returns the
+answer B(D, n); O(D n^2) calls of `stage_cost`. Ties on B go to the least total stage time (a
+second DP of the same shape, over stages no slower than B). `stage_cost(device, start, stop)` returns the
 seconds device `device` needs for layers [start, stop), or math.inf where that stage's weights +
 KV exceed the device's memory budget; such a stage is never chosen.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,11 +68,11 @@ def _bottleneck(stage_cost: StageCost, ranges: tuple[tuple[int, int], ...]) -> f
     return max(stage_cost(device, start, stop) for device, (start, stop) in enumerate(ranges))
 
 
-def partition_layers(stage_cost: StageCost, num_layers: int, num_devices: int, first_min_layers: int = 1) -> Partition:
-    """The ordered partition minimising the slowest stage (eq. 1; see the module docstring).
-    Ties go to the earliest cut. Raises PartitionError when nothing is feasible (finite)."""
-    _check(num_layers, num_devices, first_min_layers)
-    # best[j][l]: slowest stage when devices 0..j-1 cover layers [0, l); cut[j][l]: where device j-1 starts
+def _ordered_dp(stage_cost: StageCost, num_layers: int, num_devices: int, first_min_layers: int,
+                combine: Callable[[float, float], float]) -> tuple[float, tuple[int, ...]]:
+    """min over ordered partitions of combine-folded stage costs (max or +; costs >= 0, so the
+    fold never decreases and a prefix already >= the best cannot improve). (value, cuts)."""
+    # best[j][l]: value when devices 0..j-1 cover layers [0, l); cut[j][l]: where device j-1 starts
     best = [[math.inf] * (num_layers + 1) for _ in range(num_devices + 1)]
     cut = [[-1] * (num_layers + 1) for _ in range(num_devices + 1)]
     for stop in range(first_min_layers, num_layers - num_devices + 2):
@@ -83,20 +85,35 @@ def partition_layers(stage_cost: StageCost, num_layers: int, num_devices: int, f
             for start in range(lowest_stop - 1, stop):
                 before = best[j - 1][start]
                 if before >= best[j][stop]:
-                    continue  # cannot improve: max(before, ·) >= current best
-                value = max(before, stage_cost(j - 1, start, stop))
+                    continue
+                value = combine(before, stage_cost(j - 1, start, stop))
                 if value < best[j][stop]:
                     best[j][stop], cut[j][stop] = value, start
-    bottleneck = best[num_devices][num_layers]
-    if not math.isfinite(bottleneck):
-        raise PartitionError(
-            f"no partition of {num_layers} layers over {num_devices} devices fits their memory budgets"
-        )
     cuts, stop = [], num_layers
     for j in range(num_devices, 1, -1):
         stop = cut[j][stop]
         cuts.append(stop)
-    return Partition(_ranges(tuple(reversed(cuts)), num_layers), bottleneck)
+    return best[num_devices][num_layers], tuple(reversed(cuts))
+
+
+def partition_layers(stage_cost: StageCost, num_layers: int, num_devices: int, first_min_layers: int = 1) -> Partition:
+    """The ordered partition minimising the slowest stage (eq. 1; see the module docstring); among
+    those, the one with the least total stage time (what one sub-sequence pays crossing the whole
+    pipeline: a second DP over the stages no slower than that bottleneck). Costs must be >= 0.
+    Raises PartitionError when nothing is feasible (finite)."""
+    _check(num_layers, num_devices, first_min_layers)
+    bottleneck, _ = _ordered_dp(stage_cost, num_layers, num_devices, first_min_layers, max)
+    if not math.isfinite(bottleneck):
+        raise PartitionError(
+            f"no partition of {num_layers} layers over {num_devices} devices fits their memory budgets"
+        )
+
+    def within_bottleneck(device: int, start: int, stop: int) -> float:
+        value = stage_cost(device, start, stop)
+        return value if value <= bottleneck else math.inf
+
+    _, cuts = _ordered_dp(within_bottleneck, num_layers, num_devices, first_min_layers, operator.add)
+    return Partition(_ranges(cuts, num_layers), bottleneck)
 
 
 def brute_force_partition(stage_cost: StageCost, num_layers: int, num_devices: int, first_min_layers: int = 1) -> Partition:

@@ -39,21 +39,18 @@ _TIE_TOLERANCE = 1e-9
 
 def min_subsequence_length(lengths: Sequence[int], times: Sequence[float],
                            tolerance: float = DEFAULT_L_MIN_TOLERANCE) -> int:
-    """l_min: the smallest profiled S from which on every profiled S' >= S has a per-token time
-    t(S')/S' within `tolerance` (0.10 = 10 %) of the per-token time at the largest profiled S. Below
-    it the accelerator is underused: a part that short costs nearly as much as a longer one."""
+    """l_min: the smallest profiled S whose per-token time t(S)/S is within `tolerance` (0.10 =
+    10 %) of the best per-token time on the grid. Shorter parts underuse the accelerator: they
+    cost nearly as much as longer ones. On a GPU the best is the longest S (per-token time only
+    falls); on a CPU causal attention's S^2 makes it rise again past some S, and then the longest
+    S would be a too-lenient reference, so the best one is used."""
     if len(lengths) != len(times) or not lengths:
         raise ValueError("lengths and times must be non-empty and of equal length")
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     per_token = [t / s for s, t in zip(lengths, times)]
-    limit = per_token[-1] * (1 + tolerance)
-    l_min = lengths[-1]
-    for s, cost in zip(reversed(lengths), reversed(per_token)):
-        if cost > limit:
-            break
-        l_min = s
-    return int(l_min)
+    limit = min(per_token) * (1 + tolerance)
+    return int(next(s for s, cost in zip(lengths, per_token) if cost <= limit))
 
 
 def equal_sub_sequences(length: int, count: int) -> list[int]:
