@@ -83,6 +83,10 @@ PROFILES: dict[str, LinkProfile] = {
 }
 PROFILES["slow"] = PROFILES["far"]
 PROFILES["none"] = UNSHAPED
+# Jupiter's edge LAN (§V: devices on a 100 Mbps LAN), for links between pipeline stages
+# (shared/stage_link.py): 100 Mbit/s each way, ~1 ms one-way, 0.1 ms jitter (latency/jitter our choice).
+# Real bytes, not a 4096-wide model's: never pass it through scaled_for_hidden.
+PROFILES["lan"] = LinkProfile(100e6 / 8, 100e6 / 8, 0.001, 0.0001)
 
 
 def scaled_for_hidden(profile: LinkProfile, hidden_size: int, reference_hidden: int = REFERENCE_HIDDEN) -> LinkProfile:
@@ -147,7 +151,7 @@ def _parse_time(text: str) -> float:
 def parse_link_spec(spec: str) -> LinkProfile:
     """Parse a CLI/env link spec into a profile (in the units written; no scaling).
 
-    Forms: a name (``near``, ``mid``, ``far``, ``slow`` = far, ``none``);
+    Forms: a name (``near``, ``mid``, ``far``, ``slow`` = far, ``lan``, ``none``);
     ``up=5MB,down=10MB,lat=5ms,jitter=1ms`` (omitted bandwidth = unlimited,
     omitted lat/jitter = 0); or a name followed by overrides,
     ``far,lat=20ms``. Bandwidth units: B, KB, MB, GB (decimal), KiB, MiB, GiB,

@@ -1,14 +1,17 @@
 """The main process's end of the stage pipeline: spawn, feed, collect, watch.
 
 `StagePipeline` owns P worker processes (services/verifier_cloud/stages.py),
-the P+1 queues chaining them, and the bookkeeping of micro-batches in flight.
+its two ends of the P+1 TCP hops chaining them (shared/stage_link.py: hop 0
+into stage 0, hop P back from the last stage; the hops between stages belong
+to the stages), and the bookkeeping of micro-batches in flight.
 At most P micro-batches are in flight (one per stage when the pipeline is
 full); more would only queue inside the workers and lengthen every reply.
 
 Every wait on a worker is bounded. Startup waits `start_timeout_s` for the
-handshake; the collector polls the last queue in short slices and, between
+hops to be wired and the handshake; the collector polls the last hop in short slices and, between
 slices, checks that every worker process is alive and that no micro-batch has
-been in flight longer than `stage_timeout_s`. Either failure marks the
+been in flight longer than `stage_timeout_s`. A refused frame (a stage's
+StageFailed, or one the collector itself refuses) counts as a failure too. Any failure marks the
 pipeline failed: workers are terminated, in-flight items are answered with
 INTERNAL errors, and `healthy` turns False (the server's /readyz turns 503)
 until `restart()` has spawned and loaded every stage again (engine.py's
@@ -22,6 +25,7 @@ import itertools
 import logging
 import multiprocessing
 import queue
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,15 +34,20 @@ from typing import Any
 
 from services.verifier_cloud.scheduler import SchedulerOutput
 from services.verifier_cloud.settings import Settings
-from services.verifier_cloud.stages import (Hello, MicroBatch, Probe, SessionsClosed, SessionsOpened,
+from services.verifier_cloud.stages import (Hello, MicroBatch, Probe, SessionsClosed, SessionsForked, SessionsOpened,
                                             SessionsRolledBack, StageFailed, StageItem, StageSpec, Stop, run_stage,
                                             to_numpy)
+from services.verifier_cloud.stages import STAGE_CODEC
 from shared.model.placement import cuda_facts, plan_stage_devices
 from shared.model.split import SplitError, stage_ranges, validate_split
+from shared.stage_codec import StageLinkError
+from shared.stage_link import TOKEN_BYTES, LinkReceiver, LinkSender, chain_stages
+from shared.stage_plan import check_layers_cover, parse_stage_layers, parse_stage_links, parse_stage_slowdowns
 
 log = logging.getLogger("services.verifier_cloud.pipeline")
 
 POLL_S = 0.2  # collector slice: how quickly a dead worker or a shutdown is noticed
+ROOT_CAUSE_CHECKS = 20  # x 50 ms: how long a broken hop waits for the stage behind it to be seen dead
 
 
 class PipelineFailed(RuntimeError):
@@ -70,14 +79,23 @@ def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | No
     PlacementError for a device this machine lacks). `cuda`: (available, GPU count); None asks torch."""
     validate_split(num_layers, settings.split_layers)
     try:
-        ranges = stage_ranges(settings.split_layers, num_layers, settings.pipeline_stages)
-    except SplitError as exc:
-        raise SplitError(f"--pipeline-stages {settings.pipeline_stages} does not fit: {exc} "
+        if settings.stage_layers:  # explicit ranges (Settings checked their syntax and start)
+            ranges = parse_stage_layers(settings.stage_layers, settings.split_layers)
+            check_layers_cover(ranges, num_layers)
+        else:
+            ranges = stage_ranges(settings.split_layers, num_layers, settings.pipeline_stages)
+    except (SplitError, ValueError) as exc:
+        flag = (f"--stage-layers {settings.stage_layers}" if settings.stage_layers
+                else f"--pipeline-stages {settings.pipeline_stages}")
+        raise SplitError(f"{flag} does not fit: {exc} "
                          f"(layers {settings.split_layers}..{num_layers - 1} run in the cloud)") from exc
     available, count = cuda if cuda is not None else cuda_facts()
     devices = plan_stage_devices(settings.device, len(ranges), cuda_available=available, device_count=count)
+    slowdowns = parse_stage_slowdowns(settings.stage_slowdowns, len(ranges))
+    links = parse_stage_links(settings.stage_links, len(ranges))  # P + 1 hops
     return [StageSpec(i, settings.model_dir, settings.split_layers, r, settings.torch_threads, settings.log_level,
-                      device=device, dtype=settings.dtype)
+                      device=device, dtype=settings.dtype, host=settings.stage_host, in_link=links[i],
+                      out_link=links[i + 1], slowdown=slowdowns[i])
             for i, (r, device) in enumerate(zip(ranges, devices))]
 
 
@@ -100,17 +118,22 @@ class StagePipeline:
         self._spawn()
 
     def _spawn(self) -> None:
-        """Fresh queues and (not yet started) worker processes: at construction and on every restart."""
+        """Fresh (not yet started) worker processes, each with a startup pipe and this run's token: at
+        construction and on every restart. The hops themselves are wired in start()."""
         ctx = multiprocessing.get_context("spawn")
-        self.queues = [ctx.Queue() for _ in range(self.num_stages + 1)]
+        self._token = secrets.token_bytes(TOKEN_BYTES)  # a new run's hops refuse anything of the old one's
+        pipes = [ctx.Pipe() for _ in self.specs]  # addresses only (stage_link.chain_stages); never messages
+        self._startups = [parent_end for parent_end, _ in pipes]
         self.processes = [
-            ctx.Process(target=run_stage, args=(spec, self.queues[i], self.queues[i + 1]),
-                        name=f"verifier-stage-{i}", daemon=True)
-            for i, spec in enumerate(self.specs)
+            ctx.Process(target=run_stage, args=(spec, child_end, self._token), name=f"verifier-stage-{i}", daemon=True)
+            for i, (spec, (_, child_end)) in enumerate(zip(self.specs, pipes))
         ]
+        self._child_ends = [child_end for _, child_end in pipes]
+        self.sender: LinkSender | None = None  # hop 0, into stage 0
+        self.receiver: LinkReceiver | None = None  # hop P, from the last stage
         self.failure: str | None = None
         self.started = False
-        self._closed = False  # queues closed and workers reaped
+        self._closed = False  # hops closed and workers reaped
         self._stopped = asyncio.Event()
 
     @property
@@ -126,14 +149,25 @@ class StagePipeline:
         """Spawn the workers and wait (bounded) until every stage has loaded its layers."""
         for process in self.processes:
             process.start()
-        self.queues[0].put(Hello())
+        for child_end in self._child_ends:
+            child_end.close()  # the children hold their own copies
         deadline = time.monotonic() + self.start_timeout_s
+        try:
+            first, last = await asyncio.to_thread(chain_stages, self._startups, self.specs[0].host, self._token,
+                                                  self.start_timeout_s, self._dead_worker)
+        except StageLinkError as exc:
+            raise await self._abort(f"wiring the stage hops failed: {self._dead_worker() or exc}") from None
+        self.sender = LinkSender(first, STAGE_CODEC, self.specs[0].in_link, "hop 0 (into stage 0)")
+        self.receiver = LinkReceiver(last, STAGE_CODEC, f"hop {self.num_stages} (back from stage {self.num_stages - 1})")
+        self.sender.put(Hello())
         while True:
             message = await asyncio.to_thread(self._poll)
             if isinstance(message, Hello):
                 break
             if isinstance(message, StageFailed):
                 raise await self._abort(f"stage {message.stage} failed to start: {message.message}")
+            if isinstance(message, StageLinkError):
+                raise await self._abort(await self._root_cause(f"during startup: {message}"))
             dead = self._dead_worker()
             if dead is not None:
                 raise await self._abort(f"{dead} during startup")
@@ -167,7 +201,7 @@ class StagePipeline:
         """Stop the workers in order (Stop flows down the chain), then reap anything left."""
         self.stopping = True
         if self.healthy:
-            self.queues[0].put(Stop())
+            self._send(Stop())
             try:
                 async with asyncio.timeout(timeout_s):
                     await self._stopped.wait()
@@ -193,9 +227,12 @@ class StagePipeline:
                 if process.is_alive():
                     process.kill()
                     process.join(2.0)
-            for q in self.queues:
-                q.cancel_join_thread()  # never block our exit on bytes a dead reader will not take
-                q.close()
+            if self.sender is not None:
+                self.sender.close(timeout_s=1.0)  # the stages are gone: nothing more reaches them
+            if self.receiver is not None:
+                self.receiver.close()
+            for startup in self._startups:
+                startup.close()
 
         await asyncio.to_thread(reap)
 
@@ -213,7 +250,8 @@ class StagePipeline:
         return self.num_stages - len(self.in_flight)
 
     def submit(self, batch: SchedulerOutput) -> None:
-        """Send a scheduled batch into stage 0 (caller holds a slot). Never blocks: the queue's feeder thread pickles."""
+        """Send a scheduled batch into stage 0 (caller holds a slot). Never blocks: the hop's feeder thread writes.
+        Raises StageLinkError if hop 0 is broken (the engine fails the batch; the collector the pipeline)."""
         if any(item.is_token for item in batch.items):  # Settings refuse full_model with P > 1; never silently
             raise RuntimeError("token-mode items cannot run through pipeline stages")
         batch_id = next(self._ids)
@@ -221,20 +259,24 @@ class StagePipeline:
                  for i in batch.items]
         self.in_flight[batch_id] = (batch, time.monotonic())
         self.max_in_flight_seen = max(self.max_in_flight_seen, len(self.in_flight))
-        self.queues[0].put(MicroBatch(batch_id, items))
+        self.sender.put(MicroBatch(batch_id, items))
 
     def open_session(self, session_id: int) -> None:
         if self.healthy:
-            self.queues[0].put(SessionsOpened([session_id]))
+            self._send(SessionsOpened([session_id]))
+
+    def fork_session(self, session_id: int, parent_id: int, length: int | None) -> None:
+        if self.healthy:
+            self._send(SessionsForked([(session_id, parent_id, length)]))
 
     def close_session(self, session_id: int) -> None:
         if self.healthy:
-            self.queues[0].put(SessionsClosed([session_id]))
+            self._send(SessionsClosed([session_id]))
 
     def roll_back_sessions(self, sessions: list[tuple[int, int]]) -> None:
         """Cut sessions back to these lengths in every stage, in order with all prior traffic."""
         if self.healthy and sessions:
-            self.queues[0].put(SessionsRolledBack(sessions))
+            self._send(SessionsRolledBack(sessions))
 
     async def probe(self, timeout_s: float = 10.0) -> list[dict[int, int]]:
         """Per stage, {session_id: cached positions}: answered by the workers, in order with all prior traffic."""
@@ -243,23 +285,45 @@ class StagePipeline:
         probe_id = next(self._ids)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._probes[probe_id] = future
-        self.queues[0].put(Probe(probe_id))
+        self.sender.put(Probe(probe_id))
         try:
             async with asyncio.timeout(timeout_s):
                 return await future
         finally:
             self._probes.pop(probe_id, None)
 
+    def _send(self, message: Any) -> None:
+        """A control message into stage 0; a broken hop is left to the collector, which fails the pipeline."""
+        try:
+            self.sender.put(message)
+        except StageLinkError as exc:
+            log.warning("could not send %s: %s", type(message).__name__, exc)
+
     # -- collecting -----------------------------------------------------------------------
     def _poll(self) -> Any:
-        if self._closed:
+        """The next message back from the last stage, None if none came in a slice, or the StageLinkError
+        of a frame refused or a hop broken."""
+        if self._closed or self.receiver is None:
             return None
         try:
-            return self.queues[-1].get(timeout=POLL_S)
+            return self.receiver.get(timeout=POLL_S)
         except queue.Empty:
             return None
-        except (OSError, ValueError, EOFError):  # the queue was closed under us during shutdown
+        except StageLinkError as exc:
+            return None if self._closed else exc  # closed under us during shutdown: not a failure
+        except OSError:  # the socket was closed under us during shutdown
             return None
+
+    async def _root_cause(self, link_failure: str) -> str:
+        """A dead stage closes its hops: when a hop broke, name the stage that died if one did. Its
+        sockets close as it exits, a moment before the process can be reaped: look for a short while."""
+        for _ in range(ROOT_CAUSE_CHECKS):
+            if (dead := self._dead_worker()) is not None:
+                return dead
+            if not (self.receiver is not None and self.receiver.closed):
+                break  # a refused frame, not a broken hop: no process died for it
+            await asyncio.sleep(0.05)
+        return link_failure
 
     def _dead_worker(self) -> str | None:
         for i, process in enumerate(self.processes):
@@ -281,7 +345,9 @@ class StagePipeline:
                 self._stopped.set()
                 return
             elif isinstance(message, StageFailed):
-                await self.fail(f"stage {message.stage} failed: {message.message}")
+                await self.fail(self._dead_worker() or f"stage {message.stage} failed: {message.message}")
+            elif isinstance(message, StageLinkError):
+                await self.fail(await self._root_cause(str(message)))
             if self.failure is None and (reason := self._watchdog()) is not None:
                 await self.fail(reason)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.settings import from_env
+from shared.stage_plan import parse_stage_layers, parse_stage_links, parse_stage_slowdowns
 from shared.tls import check_server_files
 from shared.wire import MAX_FRAME_BYTES
 
@@ -66,6 +67,31 @@ class Settings:
     # U-Sarathi (HAT's baseline): compute prefill items longer than this in pieces of this many tokens, one piece
     # per scheduler step, interleaved with other sessions' work. 0 = off (an item runs whole).
     server_chunk_tokens: int = 0
+    # The stages' own plan (shared/stage_plan.py), each optional. stage_layers: explicit contiguous [start, stop)
+    # ranges of the middle layers, "2-5,5-12,12-30", replacing the equal split; P is their count (pipeline_stages
+    # left at 1 follows it, any other value must agree). stage_slowdowns: each stage's emulated slowdown, "1,3,3"
+    # (shared/device_speed.py). stage_links: the P+1 hops' link specs separated by ';' (shared/links.py, e.g.
+    # "lan"; hop 0 = main -> stage 0, hop P = last stage -> main; one spec = every hop; empty = unshaped).
+    # Any of them set runs the middle layers in stage workers even with P = 1 (a stage across a link).
+    # stage_host: the address stages (and the return hop) listen on.
+    stage_layers: str = ""
+    stage_slowdowns: str = ""
+    stage_links: str = ""
+    stage_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.stage_layers.strip() and self.pipeline_stages == 1:
+            try:
+                count = len(parse_stage_layers(self.stage_layers))
+            except ValueError:
+                return  # validate() reports the spec
+            object.__setattr__(self, "pipeline_stages", count)  # P follows the explicit ranges
+
+    @property
+    def stage_workers(self) -> bool:
+        """Whether the middle layers run in stage worker processes (else in-process)."""
+        return self.pipeline_stages > 1 or any(s.strip() for s in (self.stage_layers, self.stage_slowdowns,
+                                                                     self.stage_links))
 
     @property
     def device_session_limit(self) -> int:
@@ -92,9 +118,15 @@ class Settings:
         parse_dtype_spec(self.dtype)
         if self.server_chunk_tokens < 0:
             raise ValueError("server_chunk_tokens must be >= 0 (0 = off)")
-        if self.full_model and self.pipeline_stages > 1:
-            raise ValueError("full_model (token mode) runs in-process: it needs pipeline_stages = 1, "
-                             f"got {self.pipeline_stages}")
+        if self.stage_layers.strip():
+            ranges = parse_stage_layers(self.stage_layers, self.split_layers)
+            if len(ranges) != self.pipeline_stages:
+                raise ValueError(f"stage_layers gives {len(ranges)} stages but pipeline_stages is {self.pipeline_stages}")
+        parse_stage_slowdowns(self.stage_slowdowns, self.pipeline_stages)
+        parse_stage_links(self.stage_links, self.pipeline_stages)
+        if self.full_model and self.stage_workers:
+            raise ValueError("full_model (token mode) runs in-process: it needs pipeline_stages = 1 and no stage_* "
+                             f"settings, got {self.pipeline_stages} stage(s)")
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -4,19 +4,19 @@ HAT (§4.5) runs the middle submodel as P pipeline stages so that stage 1 can
 work on the next micro-batch while stage 2 finishes the previous one. Each
 stage is a separate process (spawned, so it never inherits the parent's
 threads or event loop) that loads the checkpoint itself and keeps only its own
-layers. Stages form a chain of multiprocessing queues:
+layers. Stages form a chain of TCP connections (shared/stage_link.py), each
+hop optionally an emulated link (the `stage_links` setting):
 
-    main --q0--> stage 0 --q1--> stage 1 ... stage P-1 --qP--> main
+    main --hop 0--> stage 0 --hop 1--> stage 1 ... stage P-1 --hop P--> main
 
 Everything travels down the same chain, in order: micro-batches, session
 open/close, probes, stop. That single FIFO is what keeps every stage's KV in
 step with the others without any locking: a close that main sent after a
 micro-batch reaches each stage after that micro-batch, everywhere.
 
-Tensors cross process boundaries as numpy arrays (pickled as raw bytes), not
-torch tensors: torch's multiprocessing reductions would move them through
-shared-memory file descriptors, which is more machinery than a few KB of
-hidden states per token needs.
+Messages are the dataclasses below, and only those listed in STAGE_MESSAGES
+can cross a hop (msgpack, checked against their annotations: never pickle).
+Tensors travel as numpy arrays (dtype, shape, raw bytes).
 """
 
 from __future__ import annotations
@@ -32,8 +32,12 @@ import numpy as np
 import torch
 
 from services.verifier_cloud.runner import ModelRunner, RunItem
-from services.verifier_cloud.work import WorkKind
+from services.verifier_cloud.work import EngineError, WorkKind
+from shared.device_speed import DeviceSpeed
+from shared.links import UNSHAPED, LinkProfile
 from shared.model.split import LayerRange
+from shared.stage_codec import StageCodec, StageLinkError
+from shared.stage_link import LinkReceiver, LinkSender, join_chain
 
 log = logging.getLogger("services.verifier_cloud.stages")
 
@@ -92,6 +96,13 @@ class SessionsRolledBack:
 
 
 @dataclass
+class SessionsForked:
+    """(child, parent, length) triples: open each child as a copy of the parent's first `length` positions
+    (None: all). In order with all prior traffic, so every stage copies the same prefix."""
+    sessions: list[tuple[int, int, int | None]]
+
+
+@dataclass
 class Probe:
     """Debug/introspection: every stage appends {session_id: cached length}."""
     probe_id: int
@@ -127,6 +138,17 @@ class StageSpec:
     poll_s: float = 1.0  # how often an idle worker checks that its parent still lives
     device: str = "cpu"  # this stage's device, planned by the parent (pipeline.plan_stages): cpu or cuda:i
     dtype: str = "auto"  # the dtype setting; resolved here, where this stage's GPU is known
+    host: str = "127.0.0.1"  # where this stage listens for its upstream hop
+    in_link: LinkProfile = UNSHAPED  # hop into this stage (the sender, one hop up, paces it)
+    out_link: LinkProfile = UNSHAPED  # hop out of this stage, paced here
+    slowdown: float = 1.0  # emulated device speed (shared/device_speed.py): compute stretched this many times
+
+
+# Every message that may cross a hop; a new message type is one more entry here.
+STAGE_MESSAGES = (MicroBatch, StageItem, SessionsOpened, SessionsClosed, SessionsRolledBack, SessionsForked, Probe,
+                  Hello, Stop, StageFailed)
+STAGE_CODEC = StageCodec(STAGE_MESSAGES)
+LINK_TIMEOUT_S = 60.0  # a worker's bound on wiring its hops at startup (the parent's start timeout is the real one)
 
 
 # -- the stage itself (pure, testable in-process) ------------------------------------------
@@ -134,9 +156,10 @@ class StageSpec:
 class StageWorker:
     """A stage's ModelRunner (its layer range, its sessions' KV); turns each incoming message into the one to forward."""
 
-    def __init__(self, index: int, layers: LayerRange, context_length: int):
+    def __init__(self, index: int, layers: LayerRange, context_length: int, slowdown: float = 1.0):
         self.index = index
         self.runner = ModelRunner(layers, context_length)
+        self.speed = DeviceSpeed(slowdown)
 
     def handle(self, message: Any) -> Any:
         if isinstance(message, MicroBatch):
@@ -147,6 +170,12 @@ class StageWorker:
         elif isinstance(message, SessionsClosed):
             for sid in message.session_ids:
                 self.runner.close(sid)
+        elif isinstance(message, SessionsForked):
+            for child, parent, length in message.sessions:
+                try:
+                    self.runner.fork(child, parent, length)
+                except EngineError as exc:  # the server checked the parent; a stage left without it stays safe
+                    log.warning("stage %d: fork of session %d refused: %s", self.index, child, exc)
         elif isinstance(message, SessionsRolledBack):
             for sid, length in message.sessions:
                 self.runner.roll_back(sid, length)
@@ -169,6 +198,7 @@ class StageWorker:
                 item.error, item.hidden = (int(result.error.kind), f"stage {self.index}: {result.error.message}"), None
             else:
                 item.hidden = to_numpy(result.output)
+        time.sleep(self.speed.extra_s(time.monotonic() - started))  # an emulated slower device: its span grows too
         batch.spans.append((self.index, started, time.monotonic()))
 
 
@@ -187,13 +217,12 @@ def _build(spec: StageSpec) -> StageWorker:
     middle.to(placement.device)  # only this stage's layers (and the rotary table) go to the GPU
     warm_up_layers(middle, checkpoint.hidden_size)
     # Dropping the checkpoint frees the embeddings, head and other stages' layers in this process.
-    return StageWorker(spec.index, middle, checkpoint.config.max_position_embeddings)
+    return StageWorker(spec.index, middle, checkpoint.config.max_position_embeddings, spec.slowdown)
 
 
-def run_stage(spec: StageSpec, inbox: Any, outbox: Any) -> None:
-    """Worker main: load, then turn inbox messages into outbox messages until Stop or orphaned."""
-    import multiprocessing
-
+def run_stage(spec: StageSpec, startup: Any, token: bytes) -> None:
+    """Worker main: wire the hops (`startup`: a pipe that carries addresses only), load, then turn
+    inbox messages into outbox messages until Stop, the upstream hop closes, or the parent is gone."""
     from shared.model.checkpoint import ModelLoadError
     from shared.model.split import SplitError
 
@@ -201,12 +230,32 @@ def run_stage(spec: StageSpec, inbox: Any, outbox: Any) -> None:
                         format=f"%(asctime)s %(levelname)s stage-{spec.index}[%(process)d] %(name)s: %(message)s")
     torch.set_num_threads(spec.torch_threads)
     try:
-        worker = _build(spec)
-    except (ModelLoadError, SplitError, OSError, RuntimeError, ValueError) as exc:
-        log.error("stage %d could not load layers %s: %s", spec.index, spec.layers, exc)
-        outbox.put(StageFailed(spec.index, f"{type(exc).__name__}: {exc}"))
+        in_sock, out_sock = join_chain(spec.host, startup, token, LINK_TIMEOUT_S)
+    except StageLinkError as exc:
+        log.error("stage %d could not join the pipeline: %s", spec.index, exc)
         return
-    log.info("stage %d ready: layers [%d, %d)", spec.index, *spec.layers)
+    inbox = LinkReceiver(in_sock, STAGE_CODEC, f"hop {spec.index} (into stage {spec.index})")
+    outbox = LinkSender(out_sock, STAGE_CODEC, spec.out_link, f"hop {spec.index + 1} (from stage {spec.index})")
+    try:
+        try:
+            worker = _build(spec)
+        except (ModelLoadError, SplitError, OSError, RuntimeError, ValueError) as exc:
+            log.error("stage %d could not load layers %s: %s", spec.index, spec.layers, exc)
+            outbox.put(StageFailed(spec.index, f"{type(exc).__name__}: {exc}"))
+            return
+        log.info("stage %d ready: layers [%d, %d), slowdown %g, out link %s", spec.index, *spec.layers,
+                 spec.slowdown, spec.out_link.describe())
+        _serve(spec, worker, inbox, outbox)
+    except StageLinkError as exc:  # the downstream hop broke: nobody can hear this stage any more
+        log.warning("stage %d: %s; exiting", spec.index, exc)
+    finally:
+        outbox.close()
+        inbox.close()
+
+
+def _serve(spec: StageSpec, worker: StageWorker, inbox: LinkReceiver, outbox: LinkSender) -> None:
+    import multiprocessing
+
     parent = multiprocessing.parent_process()
     while True:
         try:
@@ -214,8 +263,16 @@ def run_stage(spec: StageSpec, inbox: Any, outbox: Any) -> None:
         except queue.Empty:
             if parent is not None and not parent.is_alive():
                 log.warning("stage %d: parent process gone; exiting", spec.index)
-                outbox.cancel_join_thread()  # nobody will read what is left: don't block exit on it
                 return
+            continue
+        except StageLinkError as exc:
+            if inbox.closed:  # upstream died or the pipeline is being torn down: nothing more will come
+                log.info("stage %d: upstream hop closed (%s); exiting", spec.index, exc)
+                return
+            # A refused frame was dropped: this stage is now out of step with the others. Report it;
+            # the main process fails the pipeline and restarts it.
+            log.error("stage %d refused a frame: %s", spec.index, exc)
+            outbox.put(StageFailed(spec.index, f"refused a frame: {exc}"))
             continue
         outbox.put(worker.handle(message))
         if isinstance(message, Stop):
