@@ -96,7 +96,14 @@ def load_or_measure_profile(model_dir: Path, path: Path | None = None):
         log.warning("profile %s is for another model; measuring again", path)
     except ProfileError as exc:
         log.info("no usable profile (%s); measuring %s", exc, model_dir)
-    profile = measure_profile(model_dir)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each stage runs: one process per device, one thread each
+    try:
+        profile = measure_profile(model_dir)
+    finally:
+        torch.set_num_threads(threads)
     profile.save(path)
     return profile
 

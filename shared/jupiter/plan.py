@@ -44,7 +44,9 @@ PLAN_VERSION = 1
 PLAN_KINDS = ("jupiter", "equal", "serial")
 DEFAULT_MEMORY_BYTES = 8 * 1024**3  # generous: an AGX board's share for one model
 DEFAULT_REFERENCE_LENGTH = 128
-WIRE_BYTES_PER_VALUE = 2  # hidden states cross the LAN as float16 (shared/wire.py's default)
+# Between stages hidden states travel in the layers' own dtype (bfloat16 as float32: numpy has none), so the
+# pipeline stays exact; the LAN time of a token is hidden_size x these bytes.
+STAGE_WIRE_BYTES = {"float32": 4, "bfloat16": 4, "float16": 2}
 _MEMORY_UNITS = {unit: size for unit, size in _RATE_UNITS.items() if not unit.endswith("bit")}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
 
@@ -283,7 +285,7 @@ def build_plan(profile: Profile, devices: Sequence[DeviceSpec], lan_bytes_per_s:
         return heaviest * profile.layer_time(length, prefix)
 
     scales = [w / heaviest for w in weights]
-    hop_s_per_token = profile.hidden_size * WIRE_BYTES_PER_VALUE / lan_bytes_per_s
+    hop_s_per_token = profile.hidden_size * STAGE_WIRE_BYTES.get(profile.dtype, 4) / lan_bytes_per_s
     l_min = min_subsequence_length(profile.lengths, [profile.layer_time(s, 0) for s in profile.lengths], l_min_tolerance)
     if kind == "jupiter":
         table = plan_sequences(bottleneck_time, len(devices), max_len, l_min, k_max, hop_s_per_token,
