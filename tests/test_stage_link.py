@@ -322,10 +322,22 @@ async def lan_pipeline(tiny_llama_dir):
     pipeline = StagePipeline(plan_stages(settings, 5, cuda=(False, 0)), start_timeout_s=120, stage_timeout_s=30)
     await pipeline.start()
     yield pipeline
-    collector = asyncio.create_task(pipeline.run())  # Stop comes back through it
+    collector = collect(pipeline)  # Stop comes back through it
     await pipeline.aclose()
     await asyncio.wait_for(collector, 10)
     assert [process.exitcode for process in pipeline.processes] == [0, 0]  # stopped in order, not terminated
+
+
+_collectors: dict[int, asyncio.Task] = {}
+
+
+def collect(pipeline: StagePipeline) -> asyncio.Task:
+    """The pipeline's collector task, started if none runs. Never cancelled: its poll runs in a thread
+    that a cancel would abandon mid-read, with the next collector reading the same hop."""
+    task = _collectors.get(id(pipeline))
+    if task is None or task.done():
+        task = _collectors[id(pipeline)] = asyncio.create_task(pipeline.run())
+    return task
 
 
 async def run_through(pipeline: StagePipeline, inputs: dict[int, torch.Tensor]) -> dict[int, np.ndarray]:
@@ -333,27 +345,23 @@ async def run_through(pipeline: StagePipeline, inputs: dict[int, torch.Tensor]) 
     results: asyncio.Queue = asyncio.Queue()
     pipeline.on_done = lambda batch, items, step: results.put_nowait((items, step))
     pipeline.on_fail = lambda batch, reason: results.put_nowait((None, reason))
-    collector = asyncio.create_task(pipeline.run())
-    try:
-        for sid in inputs:
-            pipeline.open_session(sid)
-        for sid, hidden in inputs.items():
-            await pipeline.acquire_slot()
-            pipeline.submit(SchedulerOutput([WorkItem(sid, 1, "prefill", hidden, 0, is_last=True)]))
-        out = {}
-        for _ in inputs:
-            items, step = await asyncio.wait_for(results.get(), 30)
-            assert items is not None, step
-            assert [stage for stage, _, _ in step.spans] == [0, 1]
-            out.update({item.session_id: item.hidden for item in items})
-        assert await pipeline.probe() == [{sid: len(h) for sid, h in inputs.items()}] * 2
-        for sid in inputs:
-            pipeline.close_session(sid)
-        assert await pipeline.probe() == [{}, {}]
-        return out
-    finally:
-        collector.cancel()
-        await asyncio.gather(collector, return_exceptions=True)
+    collect(pipeline)
+    for sid in inputs:
+        pipeline.open_session(sid)
+    for sid, hidden in inputs.items():
+        await pipeline.acquire_slot()
+        pipeline.submit(SchedulerOutput([WorkItem(sid, 1, "prefill", hidden, 0, is_last=True)]))
+    out = {}
+    for _ in inputs:
+        items, step = await asyncio.wait_for(results.get(), 30)
+        assert items is not None, step
+        assert [stage for stage, _, _ in step.spans] == [0, 1]
+        out.update({item.session_id: item.hidden for item in items})
+    assert await pipeline.probe() == [{sid: len(h) for sid, h in inputs.items()}] * 2
+    for sid in inputs:
+        pipeline.close_session(sid)
+    assert await pipeline.probe() == [{}, {}]
+    return out
 
 
 def expected_deep(tiny_llama_dir, inputs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -377,7 +385,7 @@ async def test_a_refused_frame_fails_the_pipeline_without_killing_the_stage_and_
     pipeline = lan_pipeline
     assert pipeline.healthy
     pipeline.on_fail = lambda batch, reason: None
-    collector = asyncio.create_task(pipeline.run())
+    collector = collect(pipeline)
     garbage = frame_of("Exploit", [])
     pipeline.sender.sock.sendall(HEADER.pack(MAGIC, len(garbage), 0.0) + garbage)  # straight onto hop 0
     await asyncio.wait_for(collector, 30)  # the collector returns once the pipeline has failed
