@@ -138,8 +138,8 @@ def test_min_subsequence_length():
     lengths = [1, 4, 16, 64, 256]
     # per-token: 10, 2.5, 1.2, 1.05, 1.0 -> within 10 % of 1.0 from 64 on
     times = [10.0, 10.0, 19.2, 67.2, 256.0]
-    assert min_subsequence_length(lengths, times) == 64
-    assert min_subsequence_length(lengths, times, tolerance=0.25) == 16
+    assert min_subsequence_length(lengths, times, tolerance=0.10) == 64
+    assert min_subsequence_length(lengths, times) == 16  # the default tolerance, 25 %
     assert min_subsequence_length(lengths, times, tolerance=0.0) == 256
     # a CPU: per-token time rises again past 128 (attention); the reference is the best S, not the longest
     assert min_subsequence_length([1, 32, 128, 512], [10.0, 32 * 1.4, 128 * 1.0, 512 * 1.3]) == 128
