@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 PIPELINE_MODES = ("serial", "equal-split", "jupiter")
 PLAN_KIND = {"serial": "serial", "equal-split": "equal", "jupiter": "jupiter"}
 DEFAULT_BUCKETS = (64, 256, 1024)
+DEVICE_SESSIONS = 8  # an outline's points (up to 5) run at once on device 0, beside the kept directive
 # Open questions of the kinds Jupiter's quality table keeps (generic, knowledge, counterfactual): the
 # outline router accepts them; code and math would be routed to sequential decoding anyway.
 OUTLINE_QUESTIONS = (
@@ -153,7 +154,8 @@ def run_jupiter_bench(cfg: JupiterBenchConfig) -> dict[str, Any]:
         if mode not in cfg.modes and not wants_outline:
             continue
         config = MeshConfig(model_dir=str(model_dir), port_base=find_port_base(1), edge_pipeline=cfg.edge_pipeline,
-                            lan=cfg.lan, edge_plan_kind=PLAN_KIND[mode], auth=False, link_mode="inprocess")
+                            lan=cfg.lan, edge_plan_kind=PLAN_KIND[mode], auth=False, link_mode="inprocess",
+                            device_env={"max_sessions": str(DEVICE_SESSIONS)})
         with Mesh(config) as mesh:
             plan = mesh.edge_plan
             plans[mode] = {"kind": plan.kind, "stage_layers": [list(r) for r in plan.stage_layers],

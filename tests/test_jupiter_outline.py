@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from shared.chat import chat_prompt_ids, plain_chat_text
-from shared.jupiter.outline import (MAX_POINTS, OUTLINE_DIRECTIVE, PLAIN_FORMAT, ChatFormat, assemble, chat_format,
+from shared.jupiter.outline import (MAX_POINTS, OUTLINE_DIRECTIVE, OUTLINE_OPENING, PLAIN_FORMAT, ChatFormat, assemble, chat_format,
                                     heading, parse_outline, route)
 from tests.conftest import DEMO_MODEL_DIR, REPO_ROOT
 
@@ -141,3 +141,9 @@ def test_a_chat_format_from_a_peer_is_validated() -> None:
 def test_the_answer_is_the_points_in_order_behind_their_headings() -> None:
     assert heading(1, "a") == "1. a\n" and heading(2, "b") == "\n\n2. b\n"
     assert assemble(["a", "b"], [" first. ", "second."]) == "1. a\nfirst.\n\n2. b\nsecond."
+
+
+def test_repeated_points_are_dropped_and_the_model_continues_the_opening():
+    # what SmolLM2 writes after the primed "1." (measured): repeats, and a list running past five points
+    written = " Improved health\n2. Better sleep\n3. Improved health\n4. More energy\n5. Better sleep\n6. Less stress\n"
+    assert parse_outline(OUTLINE_OPENING + written) == ["Improved health", "Better sleep", "More energy", "Less stress"]

@@ -23,13 +23,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from services.token_streamer import outline as outline_flow
 from services.token_streamer.router import Dispatcher
 from shared.chat import plain_chat_text
-from shared.jupiter.outline import OUTLINE_DIRECTIVE, PLAIN_FORMAT, heading
+from shared.jupiter.outline import OUTLINE_DIRECTIVE, OUTLINE_OPENING, PLAIN_FORMAT, heading
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import verifier_on_loopback
 from tests.test_token_streamer import mesh, serve
 
 QUESTION = "What are good ways to improve my sleep quality?"
-OUTLINE = "1. Keep a schedule\n2. Dim the lights\n3. Skip late coffee\n"
+OUTLINE = " Keep a schedule\n2. Dim the lights\n3. Skip late coffee\n"  # continues the opening "1."
 _POINT = re.compile(r"for point (\d+) of your outline")
 
 
@@ -90,12 +90,14 @@ class OutlineAgent:
         return app
 
     def _words(self, sequence: str) -> tuple[list[str], int | None]:
+        if sequence.endswith(QUESTION + "\nassistant:" + OUTLINE_OPENING):  # the outline request
+            return re.findall(r"\S+\s*", self.outline), None
         if not sequence.endswith("assistant:"):
             return [], None
         point = _POINT.findall(sequence)
         if point:
             return answer_words(int(point[-1])), int(point[-1])
-        if sequence.endswith(QUESTION + "\nassistant:") or "user: " in sequence:
+        if "user: " in sequence:  # a sequential answer: the fake writes the outline text as its answer
             return re.findall(r"\S+\s*", self.outline), None
         return [], None
 
@@ -162,7 +164,7 @@ async def test_points_are_forked_from_the_outline_run_at_once_and_joined_in_orde
         assert directive["prompt"] == PLAIN_FORMAT.directive_text() and OUTLINE_DIRECTIVE in directive["prompt"]
         assert (directive["max_new_tokens"], directive["keep"], directive.get("fork")) == (0, True, None)
         assert outline["fork"] == "h1" and outline["keep"] is True
-        assert outline["prompt"] == PLAIN_FORMAT.question_text(QUESTION)
+        assert outline["prompt"] == PLAIN_FORMAT.question_text(QUESTION) + OUTLINE_OPENING
         assert [p["fork"] for p in points] == ["h2"] * 3 and not any(p.get("keep") for p in points)
         assert all(p["max_new_tokens"] == 12 // 3 for p in points)  # the request's budget, shared
         assert agent.peak_points == 3  # concurrently, not one after the other
@@ -319,7 +321,7 @@ async def test_on_the_real_agent_points_fork_the_outline_kv_and_equal_plain_requ
             assert (await http.delete(f"{device_url}/kept/{points[0]['fork']}")).status_code == 404
 
             # Each point's text is the plain request on directive + question + outline + point turn.
-            context = encode(PLAIN_FORMAT.directive_text()) + encode(PLAIN_FORMAT.question_text(QUESTION))
+            context = encode(PLAIN_FORMAT.directive_text()) + encode(PLAIN_FORMAT.question_text(QUESTION) + OUTLINE_OPENING)
             sketch = await plain_generate(http, device_url, context, outline_flow.OUTLINE_MAX_TOKENS)
             expected = ""
             for index, point in enumerate(["alpha", "beta"], 1):

@@ -378,7 +378,7 @@ def test_a_stage_worker_loads_its_layers_in_the_dtype_asked_and_answers_on_the_c
     assert layers.dtype is torch.bfloat16 and next(layers.parameters()).dtype is torch.bfloat16
     worker.runner.open(7)
     assert worker.runner.sessions[7].middle.layer(0).keys.dtype is torch.bfloat16
-    hidden = torch.randn(3, 64).numpy()  # what crosses the stage queues: float32 numpy
+    hidden = torch.randn(3, 64).numpy()  # what crosses the stage transport: float32 numpy
     batch = MicroBatch(1, [StageItem(7, 0, WorkKind.PREFILL, 0, 3, hidden)])
     worker.run_batch(batch)
     assert batch.items[0].error is None and batch.items[0].hidden.shape == (3, 64)

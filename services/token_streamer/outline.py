@@ -26,11 +26,12 @@ from typing import Any
 import httpx
 
 from services.token_streamer.router import DeviceError, DeviceState, DeviceStream, Dispatcher
-from shared.jupiter.outline import MIN_POINTS, ChatFormat, heading, parse_outline, question_of, route
+from shared.jupiter.outline import (MIN_POINTS, OUTLINE_OPENING, ChatFormat, heading, parse_outline, question_of,
+                                   route)
 
 log = logging.getLogger(__name__)
 
-OUTLINE_MAX_TOKENS = 96  # the outline is 3-5 points of a few words each
+OUTLINE_MAX_TOKENS = 64  # the outline is 3-5 points of a few words each (~8 tokens a point)
 UNSUPPORTED_RECHECK_S = 60.0  # an agent without keep/fork is asked again after this long
 _UNKNOWN_HANDLE = ("unknown_kept_session", "http_404")
 
@@ -222,7 +223,7 @@ class OutlineFlow:
         fmt = await self._format(device)
         question = question_of(body.get("prompt"), body.get("messages")) or ""
         sampling = {k: body[k] for k in ("temperature", "top_p", "seed") if k in body}
-        outline_body = {**sampling, "mode": "hat", "prompt": fmt.question_text(question), "keep": True,
+        outline_body = {**sampling, "mode": "hat", "prompt": fmt.question_text(question) + OUTLINE_OPENING, "keep": True,
                         "max_new_tokens": OUTLINE_MAX_TOKENS, "request_id": f"{body.get('request_id')}-outline"}
         directive = await self._directive(device, fmt)
         try:
@@ -236,7 +237,7 @@ class OutlineFlow:
         if kept is None:
             self._mark_unsupported(device, "no kept handle after the outline")
             raise _Fallback("device_lacks_fork")
-        points = parse_outline(text)
+        points = parse_outline(OUTLINE_OPENING + text)
         if len(points) < MIN_POINTS:
             await self.delete_handle(device, kept["handle"])
             raise _Fallback(f"outline_points<{MIN_POINTS}")

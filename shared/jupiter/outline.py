@@ -37,7 +37,11 @@ POINT_INSTRUCTION = (
     "Now write the part of the answer for point {index} of your outline, \"{point}\", in one or two "
     "sentences. Write only about this point; the other points are answered separately.")
 
-MAX_POINTS = 8  # bounds the fan-out whatever the model writes (the directive asks for 3-5)
+MAX_POINTS = 5  # bounds the fan-out whatever the model writes (the directive asks for 3-5)
+# The assistant's outline turn starts with this, written for the model: a small model (SmolLM2-135M) ignores
+# the directive and answers in prose, but continues a numbered list it is put inside (Skeleton-of-Thought
+# primes its skeleton the same way). The parser reads it back in front of what the model wrote.
+OUTLINE_OPENING = "1."
 MAX_POINT_CHARS = 160
 MIN_POINTS = 2  # fewer: nothing to run in parallel, the caller answers sequentially
 
@@ -152,7 +156,8 @@ def parse_outline(text: str) -> list[str]:
         points = [p for p in map(_clean, _inline_points(text)) if p] or points
     if not points:
         points = [p for p in (_clean(m.group(1)) for m in map(_BULLET.match, lines) if m) if p]
-    return points[:MAX_POINTS]
+    unique = list(dict.fromkeys(points))  # a small model repeats itself; a repeated point adds nothing
+    return unique[:MAX_POINTS]
 
 
 def _inline_points(text: str) -> list[str]:
