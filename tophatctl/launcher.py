@@ -302,6 +302,16 @@ class Mesh:
                 if pending:
                     time.sleep(0.2)
 
+    def _spawn_streamer(self, device_urls: str) -> ServiceProcess:
+        cfg = self.config
+        return self._spawn("token-streamer", "services.token_streamer", {
+            "TOPHAT_STREAMER_PORT": str(cfg.port_base),
+            "TOPHAT_STREAMER_DEVICE_URLS": device_urls,
+            "TOPHAT_STREAMER_STATE_MONITOR_URL": cfg.monitor_url,
+            "TOPHAT_STREAMER_MODEL_NAME": self.model_dir.name,  # what /v1/models lists: smollm2, demo, ...
+            **({"TOPHAT_STREAMER_API_KEY": cfg.api_key} if cfg.api_key else {}),
+        }, f"{cfg.streamer_url}/readyz")
+
     def _plan_edge_pipeline(self) -> dict[str, str]:
         """Plan (or load) the edge pipeline, point the device agent at stage 0's share and return the
         verifier's stage settings (tophatctl/edge_pipeline.py)."""
@@ -450,22 +460,19 @@ class Mesh:
                 "TOPHAT_VERIFIER_STATE_MONITOR_URL": cfg.monitor_url,
                 **edge_env,
             }, f"{cfg.http_scheme}://{cfg.host}:{cfg.verifier_port + j}/readyz") for j in range(cfg.verifiers)]
-            self._wait_ready([monitor, planner, *verifiers])
             if cfg.discover_devices:
+                self._wait_ready([monitor, planner, *verifiers])
                 devices = [self._spawn_announcing_device(i, model_dir) for i in range(cfg.num_devices)]
                 self._wait_announced(devices)
-                device_urls = ""
+                streamer = self._spawn_streamer("")
             else:
+                # Agents and the streamer load while the cloud side does: an agent is ready once its verifier
+                # accepts it (its readiness loop retries each second), and the streamer's /readyz, asked once
+                # more after every agent is ready, probes them all again, so it starts with all of them up.
                 devices = [self._spawn_device(i, model_dir) for i in range(cfg.num_devices)]
+                streamer = self._spawn_streamer(",".join(cfg.device_url(i) for i in range(cfg.num_devices)))
+                self._wait_ready([monitor, planner, *verifiers])
                 self._wait_ready(devices)
-                device_urls = ",".join(cfg.device_url(i) for i in range(cfg.num_devices))
-            streamer = self._spawn("token-streamer", "services.token_streamer", {
-                "TOPHAT_STREAMER_PORT": str(cfg.port_base),
-                "TOPHAT_STREAMER_DEVICE_URLS": device_urls,
-                "TOPHAT_STREAMER_STATE_MONITOR_URL": cfg.monitor_url,
-                "TOPHAT_STREAMER_MODEL_NAME": self.model_dir.name,  # what /v1/models lists: smollm2, demo, ...
-                **({"TOPHAT_STREAMER_API_KEY": cfg.api_key} if cfg.api_key else {}),
-            }, f"{cfg.streamer_url}/readyz")
             self._wait_ready([streamer])
             if cfg.supervise:
                 from tophatctl.supervisor import Supervisor

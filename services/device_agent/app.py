@@ -223,14 +223,18 @@ class DeviceAgent:
             self.telemetry.emit_device_transfer(self.settings.device_id, direction, nbytes, seconds)
 
     async def probe_loop(self) -> None:
-        """Probe the link at startup and then every interval, only while no request runs
+        """Probe the link once the verifier answers, then every interval, only while no request runs
         (a probe shares the link, so it must not sit in front of a user's prefill)."""
         interval = self.settings.bandwidth_probe_interval_s
         if interval <= 0:
             return
         while True:
-            if self.active == 0:
-                await self.probe_bandwidth()
+            # Not before the verifier answers (the agent may start before it), and not in front of a request:
+            # then look again shortly instead of a whole interval later.
+            if not self.cloud.ready or self.active:
+                await asyncio.sleep(READINESS_INTERVAL_S)
+                continue
+            await self.probe_bandwidth()
             await asyncio.sleep(interval)
 
     async def readiness_loop(self) -> None:
