@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 
@@ -88,15 +89,37 @@ async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=No
     settings = Settings(**{"port": 0, "split_layers": split_layers, "model_dir": str(checkpoint.path), **overrides})
     server = VerifierServer(settings, MiddleSubmodel(checkpoint, split_layers), checkpoint.config.max_position_embeddings,
                             checkpoint.hidden_size, token_model=token_model)
+    async with serving_verifier(server, start_timeout_s=10) as url:
+        yield server, url
+
+
+@contextlib.asynccontextmanager
+async def serving_verifier(server, start_timeout_s: float, stop_timeout_s: float = 30.0):
+    """Run a built VerifierServer in this event loop until the block ends: yields its ws URL."""
     stop = asyncio.Event()
     started = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(server.serve_forever(stop, started))
-    port = await asyncio.wait_for(started, 10)
+    port = await asyncio.wait_for(started, start_timeout_s)
     try:
-        yield server, f"ws://127.0.0.1:{port}/ws"
+        yield f"ws://127.0.0.1:{port}/ws"
     finally:
         stop.set()
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, stop_timeout_s)
+
+
+async def sse_text_and_errors(http: httpx.AsyncClient, url: str, body: dict) -> tuple[str, list[dict]]:
+    """POST a streamed OpenAI request; (the text its chunks carried, the error objects it sent)."""
+    text, errors = "", []
+    async with http.stream("POST", url, json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk["error"])
+                elif chunk.get("choices"):
+                    choice = chunk["choices"][0]
+                    text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text, errors
 
 
 def verifier_state(mesh) -> dict[str, int]:

@@ -16,6 +16,7 @@ import pytest
 from services.token_streamer import load_settings
 from services.token_streamer.disco import FALLBACK_TTFT_S, History
 from shared.settings import SettingsError
+from tests.mesh_tools import sse_text_and_errors
 from tests.test_token_streamer import WORDS, FakeDevice, expected_text, mesh
 
 
@@ -182,15 +183,7 @@ async def test_tokens_generated_before_a_fatal_failure_are_delivered_first() -> 
     async with mesh(device) as url, httpx.AsyncClient(timeout=20) as http:
         body = {"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True,
                 "tophat": {"dispatch": "device", "reading_rate_tps": 50}}
-        text, errors = "", []
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        errors.append(chunk["error"])
-                    elif chunk.get("choices"):
-                        text += chunk["choices"][0].get("text") or ""
+        text, errors = await sse_text_and_errors(http, f"{url}/v1/completions", body)
         assert text == expected_text(3) and len(errors) == 1 and "verifier gone" in errors[0]["message"]
 
 

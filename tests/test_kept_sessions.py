@@ -22,7 +22,7 @@ from services.verifier_cloud.settings import Settings
 from shared import wire
 from shared.model.kv_cache import SessionKV
 from tests.conftest import DEMO_MODEL_DIR
-from tests.mesh_tools import device_agent_http, split_identity, verifier_on_loopback
+from tests.mesh_tools import device_agent_http, serving_verifier, split_identity, verifier_on_loopback
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -33,14 +33,8 @@ MAX_KEPT = 3
 async def pipelined_verifier(stages: int):
     server = VerifierServer.from_settings(Settings(port=0, split_layers=2, model_dir=str(DEMO_MODEL_DIR),
                                                    pipeline_stages=stages, stage_timeout_s=60.0))
-    stop, started = asyncio.Event(), asyncio.get_running_loop().create_future()
-    task = asyncio.create_task(server.serve_forever(stop, started))
-    port = await asyncio.wait_for(started, 120)
-    try:
-        yield server, f"ws://127.0.0.1:{port}/ws"
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
+    async with serving_verifier(server, start_timeout_s=120) as url:
+        yield server, url
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -25,7 +25,7 @@ from services.token_streamer.router import Dispatcher
 from shared.chat import plain_chat_text
 from shared.jupiter.outline import OUTLINE_DIRECTIVE, OUTLINE_OPENING, PLAIN_FORMAT, heading
 from tests.conftest import DEMO_MODEL_DIR
-from tests.mesh_tools import verifier_on_loopback
+from tests.mesh_tools import sse_text_and_errors, verifier_on_loopback
 from tests.test_token_streamer import mesh, serve
 
 QUESTION = "What are good ways to improve my sleep quality?"
@@ -233,16 +233,8 @@ async def test_a_failed_point_is_a_typed_error_after_what_was_delivered() -> Non
     agent = OutlineAgent(fail_point=2)
     body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12, "stream": True,
             "temperature": 0, "tophat": {"outline": True}}
-    text, errors = "", []
     async with mesh(agent) as url, httpx.AsyncClient(timeout=20) as http:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        errors.append(chunk["error"])
-                    elif chunk.get("choices"):
-                        text += chunk["choices"][0]["delta"].get("content") or ""
+        text, errors = await sse_text_and_errors(http, f"{url}/v1/chat/completions", body)
         await wait_for(lambda: agent.active == 0 and "h2" in agent.deleted)
     assert text == expected_answer(1) + "\n\n2. Dim the lights\nAnswer2 is"
     [error] = errors
