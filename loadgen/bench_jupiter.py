@@ -160,7 +160,8 @@ def run_jupiter_bench(cfg: JupiterBenchConfig) -> dict[str, Any]:
             plan = mesh.edge_plan
             plans[mode] = {"kind": plan.kind, "stage_layers": [list(r) for r in plan.stage_layers],
                            "predicted_bottleneck_ms": plan.predicted_bottleneck_s * 1e3,
-                           "sub_sequences": {b: plan.chunk_sizes(b) for b in cfg.buckets}}
+                           "sub_sequences": {b: plan.chunk_sizes(b) for b in cfg.buckets},
+                           "predicted_ttft_ms": {b: s * 1e3 for b, s in plan.predicted_ttft if b in cfg.buckets}}
             tophat = {"prompt_chunking": mode != "serial"}
             if mode in cfg.modes:
                 samples += asyncio.run(_run_prompts(config.streamer_url, mode, prompts, cfg, tophat))
@@ -238,8 +239,10 @@ def format_jupiter_table(results: dict[str, Any]) -> str:
     lines = [f"Jupiter bench: edge pipeline {results['edge_pipeline']}, LAN {results['lan']}, model "
              f"{results['model']}, max_tokens {results['max_tokens']}, one request at a time"]
     for mode, plan in results["plans"].items():
+        predicted = ", ".join(f"{b}: {ms:.0f}" for b, ms in sorted((int(b), ms) for b, ms in
+                                                                   plan.get("predicted_ttft_ms", {}).items()))
         lines.append(f"  {mode:12s} layers {plan['stage_layers']}  predicted bottleneck "
-                     f"{plan['predicted_bottleneck_ms']:.1f} ms")
+                     f"{plan['predicted_bottleneck_ms']:.1f} ms" + (f", prefill ms by length {predicted}" if predicted else ""))
     lines.append(f"{'bucket':>6s} {'metric':6s} {'serial':>9s} {'equal':>9s} {'jupiter':>9s} "
                  f"{'serial/jup':>10s} {'equal/jup':>9s}  sub-sequences (jupiter)")
     for bucket in buckets:

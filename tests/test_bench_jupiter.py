@@ -5,7 +5,8 @@ from loadgen.bench_jupiter import (JupiterBenchConfig, Sample, build_jupiter_res
 
 CFG = JupiterBenchConfig(model="demo", buckets=(64, 256), outline_questions=("Q1?", "Q2?"))
 PLANS = {m: {"kind": m, "stage_layers": [[0, 4], [4, 6], [6, 8]], "predicted_bottleneck_ms": 10.0,
-             "sub_sequences": {64: [64], 256: [130, 126]}} for m in ("serial", "equal-split", "jupiter")}
+             "sub_sequences": {64: [64], 256: [130, 126]}, "predicted_ttft_ms": {"64": 95.0, "256": 310.0}}
+         for m in ("serial", "equal-split", "jupiter")}
 
 
 def sample(mode, bucket, ttft, e2el, text="same", tokens=8, stats=None):
@@ -45,7 +46,7 @@ def test_tables_show_ratios_against_jupiter_and_the_answers_side_by_side():
     results = build_jupiter_results(samples(), PLANS, CFG)
     table = format_jupiter_table(results)
     assert "3.00x" in table and "2.00x" in table  # serial / jupiter and equal / jupiter, both metrics
-    assert "[130, 126]" in table
+    assert "[130, 126]" in table and "prefill ms by length 64: 95, 256: 310" in table
     assert "outline: E2EL 950 ms" in table and "sequential 1900 ms" in table
     answers = format_outline_answers(results)
     assert answers.index("Q: Q1?") < answers.index("one long answer") < answers.index("1. a")

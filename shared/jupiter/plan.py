@@ -27,7 +27,7 @@ from typing import Sequence
 
 from shared.device_speed import speed_schedule
 from shared.jupiter.partition import Partition, PartitionError, equal_partition, partition_layers
-from shared.jupiter.profile import Profile
+from shared.jupiter.profile import Profile, save_json
 from shared.jupiter.sequence import (
     DEFAULT_K_MAX,
     DEFAULT_L_MIN_TOLERANCE,
@@ -217,12 +217,7 @@ class EdgePlan:
             raise PlanError(f"bad plan: {exc}") from exc
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json()))
-        tmp.replace(path)
-        return path
+        return save_json(path, self.to_json())
 
 
 def load_plan(path: str | Path, num_layers: int | None = None, hidden_size: int | None = None) -> EdgePlan:

@@ -171,12 +171,17 @@ class Profile:
             raise ProfileError(f"bad profile: {exc}") from exc
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)  # never leave a half-written profile under the real name
-        return path
+        return save_json(path, self.to_json())
+
+
+def save_json(path: str | Path, obj: dict) -> Path:
+    """Write `obj` as JSON through a temporary file, so a reader never sees half a profile or plan."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+    return path
 
 
 def _stored_fields() -> list[str]:
