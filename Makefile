@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
 MODEL ?= smollm2
 
-.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco soak clean
+.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -62,6 +62,13 @@ DISCO_CONSTRAINT ?= server
 bench-disco: install
 	$(BIN)/tophat bench --disco --model $(MODEL) --budget 0.1,0.25,0.5,0.75 --constraint $(DISCO_CONSTRAINT) \
 		--rates 2 --devices 1 --num-requests 40 --max-new-tokens 32 --reading-rate 5 --out bench-results/disco.json
+
+# Jupiter (issue 15): serial / equal-split / jupiter / jupiter-outline on an edge pipeline of EDGE_PIPELINE devices,
+# one request at a time. Tables in bench-results/jupiter.txt, JSON beside it.
+EDGE_PIPELINE ?= orin;xavier;xavier
+bench-jupiter: install
+	$(BIN)/tophat bench --edge-pipeline "$(EDGE_PIPELINE)" --lan lan --model $(MODEL) --max-new-tokens 32 \
+		--out bench-results/jupiter.json
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
 bench-sim: install
