@@ -322,3 +322,32 @@ async def test_on_the_real_agent_points_fork_the_outline_kv_and_equal_plain_requ
                 plain = await plain_generate(http, device_url, context + sketch["ids"] + encode(turn), 8)
                 expected += heading(index, point) + plain["text"].lstrip()
             assert body["choices"][0]["message"]["content"] == expected
+
+
+async def test_a_cancelled_close_still_gives_the_device_slot_back() -> None:
+    """The stream holds a queue slot: a close cancelled while it deletes the outline's handle must still
+    release it (a leaked slot leaves the device short of one for good)."""
+
+    class StuckFlow:
+        wait_timeout_s = 5.0
+        dispatcher = None
+
+        def __init__(self) -> None:
+            self.released: list[object] = []
+            self.deleting = asyncio.Event()
+
+        async def delete_handle(self, device: object, handle: str) -> None:
+            self.deleting.set()
+            await asyncio.Event().wait()  # the agent never answers
+
+        def release(self, device: object) -> None:
+            self.released.append(device)
+
+    flow, device = StuckFlow(), object()
+    stream = outline_flow.OutlineStream(flow, device, PLAIN_FORMAT, {"max_new_tokens": 8}, "h", ["a", "b"], True, {})
+    closing = asyncio.create_task(stream.aclose())
+    await flow.deleting.wait()
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert flow.released == [device]

@@ -163,9 +163,11 @@ class OutlineStream:
         tasks = [p.task for p in self._points if p.task is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # each closes its own device stream
-        await self.flow.delete_handle(self.device, self._outline_handle)
-        self.flow.release(self.device)
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)  # each closes its own device stream
+            await self.flow.delete_handle(self.device, self._outline_handle)
+        finally:  # a cancelled close still gives the slot back (aclose runs once: a leak would be for good)
+            self.flow.release(self.device)
 
 
 class OutlineFlow:
