@@ -22,7 +22,7 @@ from services.verifier_cloud.scheduler import SchedulerOutput, WorkItem
 from services.verifier_cloud.settings import Settings, load_settings
 from services.verifier_cloud.stages import (STAGE_CODEC, STAGE_MESSAGES, Hello, MicroBatch, Probe, SessionsClosed,
                                             SessionsOpened, SessionsRolledBack, StageFailed, StageItem, Stop)
-from services.verifier_cloud.work import WorkKind
+from services.verifier_cloud.work import ErrorKind, WorkKind
 from shared.links import PROFILES, UNSHAPED, LinkProfile, parse_link_spec
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel, SplitError
@@ -308,6 +308,20 @@ def test_plan_stages_takes_the_explicit_ranges_slowdowns_and_hop_links():
     assert plan_stages(Settings(split_layers=1, pipeline_stages=2), 9, cuda=(False, 0))[0].out_link == UNSHAPED
     with pytest.raises(SplitError, match="--stage-layers 1-2,2-6 does not fit: .*must end at the model's 9 layers"):
         plan_stages(Settings(split_layers=1, stage_layers="1-2,2-6"), 9, cuda=(False, 0))
+
+
+def test_an_item_without_hidden_states_is_refused_not_a_dead_stage(tiny_llama_dir):
+    """The codec lets `hidden` be None (a failed item's); one that arrives without an error is refused
+    as malformed instead of raising in the stage (which would kill its process), and its batch goes on."""
+    checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
+    worker = stages.StageWorker(0, MiddleSubmodel(checkpoint, M, stage=(2, 5)), 64)
+    worker.handle(SessionsOpened([1, 2]))
+    batch = MicroBatch(1, [StageItem(1, 1, WorkKind.PREFILL, 0, 3, None),
+                           StageItem(2, 1, WorkKind.PREFILL, 0, 3, np.zeros((3, checkpoint.hidden_size), np.float32))])
+    worker.handle(batch)
+    assert batch.items[0].error[0] == int(ErrorKind.MALFORMED) and batch.items[0].hidden is None
+    assert batch.items[1].error is None and batch.items[1].hidden.shape == (3, checkpoint.hidden_size)
+    assert worker.runner.lengths() == {1: 0, 2: 3}
 
 
 # -- a real 2-stage pipeline over sockets, LAN hops, one slowed stage --------------------------

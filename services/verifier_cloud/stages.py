@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from services.verifier_cloud.runner import ModelRunner, RunItem
-from services.verifier_cloud.work import EngineError, WorkKind
+from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 from shared.device_speed import DeviceSpeed
 from shared.links import UNSHAPED, LinkProfile
 from shared.model.split import LayerRange
@@ -189,6 +189,9 @@ class StageWorker:
     def run_batch(self, batch: MicroBatch) -> None:
         """Run every item no earlier stage refused; a refused or failed item carries its error downstream."""
         started = time.monotonic()
+        for item in batch.items:  # the codec allows None (a failed item's); without an error it is a bad frame
+            if item.error is None and item.hidden is None:
+                item.error = (int(ErrorKind.MALFORMED), f"stage {self.index}: an item without hidden states")
         live = [item for item in batch.items if item.error is None]
         dtype = self.runner.layers.dtype
         results = self.runner.run([RunItem(item.session_id, item.kind, item.position, from_numpy(item.hidden, dtype))
