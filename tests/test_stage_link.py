@@ -324,6 +324,25 @@ def test_an_item_without_hidden_states_is_refused_not_a_dead_stage(tiny_llama_di
     assert worker.runner.lengths() == {1: 0, 2: 3}
 
 
+def test_a_batch_hop_0_refused_is_not_left_in_flight():
+    """submit raising on a broken hop 0: the engine answers that batch and gives its slot back, so the
+    batch must not stay in flight too (the pipeline's failure would answer it and free its slot again)."""
+    pipeline = StagePipeline(plan_stages(Settings(split_layers=M, pipeline_stages=2), 5, cuda=(False, 0)),
+                             start_timeout_s=1, stage_timeout_s=1)
+    upstream, downstream = socket.socketpair()
+    pipeline.sender = LinkSender(upstream, STAGE_CODEC, name="hop 0")
+    pipeline.sender.error = "BrokenPipeError: the stage is gone"
+    try:
+        with pytest.raises(StageLinkError, match="link broken"):
+            pipeline.submit(SchedulerOutput([WorkItem(1, 1, "prefill", torch.zeros(2, 8), 0, is_last=True)]))
+        assert pipeline.in_flight == {}
+    finally:
+        pipeline.sender.close(timeout_s=1.0)
+        downstream.close()
+        for end in pipeline._startups + pipeline._child_ends:
+            end.close()
+
+
 # -- a real 2-stage pipeline over sockets, LAN hops, one slowed stage --------------------------
 
 pytestmark_async = pytest.mark.asyncio(loop_scope="module")

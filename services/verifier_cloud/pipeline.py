@@ -259,7 +259,11 @@ class StagePipeline:
                  for i in batch.items]
         self.in_flight[batch_id] = (batch, time.monotonic())
         self.max_in_flight_seen = max(self.max_in_flight_seen, len(self.in_flight))
-        self.sender.put(MicroBatch(batch_id, items))
+        try:
+            self.sender.put(MicroBatch(batch_id, items))
+        except StageLinkError:
+            del self.in_flight[batch_id]  # the engine answers it and frees its slot: fail() must not do it again
+            raise
 
     def open_session(self, session_id: int) -> None:
         if self.healthy:
