@@ -158,3 +158,19 @@ def test_the_pipeline_engine_rolls_back_items_that_failed_internally():
     assert pipeline.rolled_back == [(2, 7)]  # a refused item (3) appended nowhere: nothing to undo
     assert [(sid, err.kind if err else None) for sid, err in replies] == [
         (1, None), (2, ErrorKind.INTERNAL), (3, ErrorKind.MALFORMED)]
+
+
+def test_a_fork_or_rollback_with_a_negative_length_changes_nothing(checkpoint):
+    """Stage messages carry plain ints: a negative length must be a typed refusal, not a cache cut from the end."""
+    from services.verifier_cloud.work import EngineError
+
+    runner = new_runner(checkpoint)
+    runner.open(1)
+    assert runner.run([RunItem(1, PREFILL, 0, torch.randn(5, checkpoint.hidden_size))])[0].error is None
+    with pytest.raises(EngineError) as refused:
+        runner.fork(2, 1, -1)
+    assert refused.value.kind is ErrorKind.BAD_SHAPE and 2 not in runner.lengths()
+    runner.roll_back(1, -3)
+    assert runner.lengths()[1] == 0
+    runner.fork(3, 1)  # an empty parent still forks
+    assert runner.lengths()[3] == 0

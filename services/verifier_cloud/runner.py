@@ -121,7 +121,7 @@ class ModelRunner:
         if parent.token is not None:
             raise EngineError(ErrorKind.MALFORMED, "token-mode sessions are not forked", session_id)
         length = parent.length if length is None else length
-        if length > parent.length:
+        if not 0 <= length <= parent.length:
             raise EngineError(ErrorKind.BAD_SHAPE, f"fork of {length} positions; the parent holds {parent.length}",
                               session_id)
         self._release(session_id, SessionCaches(parent.middle.fork(length)))
@@ -150,8 +150,8 @@ class ModelRunner:
         """Cut a session back to at most `length` positions (no-op for an unknown or shorter session)."""
         with self._lock:
             caches = self.sessions.get(session_id)
-            if caches is not None and caches.length > length:
-                caches.truncate(length)
+            if caches is not None and caches.length > max(length, 0):
+                caches.truncate(max(length, 0))
 
     def lengths(self) -> dict[int, int]:
         with self._lock:
