@@ -117,8 +117,11 @@ def edge_plan(model_dir: Path, spec: str, lan: str, kind: str, draft_layers: int
     devices = parse_edge_pipeline(spec)
     if plan_path:
         plan = load_plan(plan_path, config["num_hidden_layers"], config["hidden_size"])
-        if [d.slowdown for d in plan.devices] != [d.slowdown for d in devices]:
-            raise ValueError(f"plan {plan_path} is for devices {[d.name for d in plan.devices]}, not {spec!r}")
+        if [(d.slowdown, d.memory_bytes) for d in plan.devices] != [(d.slowdown, d.memory_bytes) for d in devices]:
+            raise ValueError(f"plan {plan_path} is for devices {[d.name for d in plan.devices]} with other speeds "
+                             f"or memory budgets, not {spec!r}")
+        if parse_lan(plan.lan) != parse_lan(lan):
+            raise ValueError(f"plan {plan_path} was made for the LAN {plan.lan!r}, not {lan!r}")
         if plan.draft_layers != draft_layers:
             raise ValueError(f"plan {plan_path} drafts from layer {plan.draft_layers}, the mesh from {draft_layers}")
         return plan
