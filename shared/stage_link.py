@@ -214,7 +214,10 @@ def chain_stages(startups: list[Connection], host: str, token: bytes, timeout_s:
             addresses.append(_address(startup.recv()))
         except (EOFError, OSError) as exc:
             raise StageLinkError(f"stage {index}'s startup pipe failed: {exc}") from None
-    listener = bind_listener(host)
+    try:
+        listener = bind_listener(host)
+    except OSError as exc:
+        raise StageLinkError(f"cannot listen for the last stage on {host}: {exc}") from None
     try:
         for startup, next_hop in zip(startups, addresses[1:] + [_address(listener.getsockname()[:2])]):
             startup.send(next_hop)

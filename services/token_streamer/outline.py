@@ -111,11 +111,14 @@ class OutlineStream:
                 point.events.put_nowait(event)
                 if event.get("type") == "done":
                     return
+            raise DeviceError(502, "device_stream_cut", "the device's stream ended before its done event")
         except DeviceError as exc:
             point.events.put_nowait(DeviceError(exc.status, exc.code, f"outline point {point.index}: {exc.message}"))
         except TimeoutError:
             point.events.put_nowait(DeviceError(503, "device_busy", f"outline point {point.index}: the device "
                                                 "stayed busy"))
+        except (httpx.HTTPError, ValueError) as exc:  # whatever else the device's stream can end in
+            point.events.put_nowait(DeviceError(502, "device_error", f"outline point {point.index}: {exc!r}"))
         finally:
             if stream is not None:
                 await stream.aclose()
