@@ -392,7 +392,9 @@ class ForkSession(Message):
     session of the same connection with nothing queued or running: a prefix computed once (a kept prompt)
     goes on in many sessions without being sent or computed again. The child inherits the parent's privacy
     and wire dtype. Refused with UNKNOWN_SESSION (no such parent on this connection), OVERLOADED (the parent
-    is busy, or no room) or BAD_SHAPE (`length` beyond the parent's positions); answered SessionOpened."""
+    is busy, or no room) or BAD_SHAPE (`length` beyond the parent's positions; with stage workers the main
+    process does not know the lengths, so there a stage refuses it and the child's first item comes back
+    UNKNOWN_SESSION, which the device's replay answers); answered SessionOpened."""
     session_id: int = _f("s", U64)
     parent_id: int = _f("ps", U64)
     length: int | None = _f("n", OPT_U64, default=None)
