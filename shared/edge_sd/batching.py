@@ -129,7 +129,9 @@ def dp_batching(costs: EdgeCosts, tasks: Sequence[Task], exact: bool = False) ->
     sum_n C but earlier draft-stage completions can serve the next batch better (rare: 1 of ~300
     random cases in the tests, by 0.01%). exact=True keeps, per prefix, every state not dominated
     step by step in both completions; eq. 20 is monotone in both, so pruning dominated states is
-    safe and the result equals `brute_force_batching` (cost grows with the surviving states)."""
+    safe and the result equals `brute_force_batching`. Its cost grows with the surviving states,
+    exponential in the worst case (K = 100 at the paper's settings did not finish in 5 minutes):
+    a check for small K, not the planner's default."""
     order = _sorted_order(tasks)
     count = len(order)
     steps = decoding_steps(max(o for _, o in tasks), costs.tokens_per_step)  # N
