@@ -195,3 +195,19 @@ def test_speculation_length_from_the_dp():
     chosen, best = choose_speculation_length(0.8, 12, latency_of_l)
     assert best == min(latency_of_l(l) for l in range(1, 13))
     assert 1 < chosen < 12
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_dp_latency_is_the_timeline_modules_eq_20_schedule(seed):
+    """pipeline_latency is eq. 20 vectorised over steps for the DP's inner loop; timeline.py is the same
+    recursion step by step with every start and end: both must give the same T_inf."""
+    from shared.edge_sd.timeline import pipeline_timeline
+
+    costs, tasks = _random_case(seed)
+    batches = dp_batching(costs, tasks).batches
+    times = [costs.step_times(len(b), max(tasks[k][0] for k in b), max(tasks[k][1] for k in b)) for b in batches]
+    steps = max(len(td) for td, _ in times)
+    draft = [[float(td[n]) if n < len(td) else None for td, _ in times] for n in range(steps)]
+    verify = [[float(tv[n]) if n < len(tv) else None for _, tv in times] for n in range(steps)]
+    timeline = pipeline_timeline(draft, verify, [len(td) for td, _ in times])
+    assert timeline.inference_latency == pytest.approx(pipeline_latency(costs, tasks, batches), rel=1e-9)
