@@ -130,15 +130,23 @@ _KEYS = {
 }
 
 
+def parse_bytes(text: str, *, bits: bool = True) -> float | None:
+    """'5MB', '2MiB', '40mbit' (only with bits), a bare number = bytes; None when it is not one of those."""
+    match = _NUM_UNIT.match(text.strip().lower())
+    unit = match.group(2) if match else None
+    if unit is None or (unit not in _RATE_UNITS and unit != "") or (not bits and unit.endswith("bit")):
+        return None
+    return float(match.group(1)) * _RATE_UNITS.get(unit, 1.0)
+
+
 def _parse_rate(text: str) -> float:
     lowered = text.strip().lower()
     if lowered in {"inf", "unlimited"}:
         return math.inf
-    lowered = lowered.removesuffix("/s")
-    match = _NUM_UNIT.match(lowered)
-    if not match or match.group(2) not in _RATE_UNITS and match.group(2) != "":
+    value = parse_bytes(lowered.removesuffix("/s"))
+    if value is None:
         raise ValueError(f"bad bandwidth {text!r} (use e.g. 5MB, 625KB, 40mbit, 2MiB; bare number = bytes/s)")
-    return float(match.group(1)) * _RATE_UNITS.get(match.group(2), 1.0)
+    return value
 
 
 def _parse_time(text: str) -> float:

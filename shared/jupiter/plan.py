@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -37,7 +36,7 @@ from shared.jupiter.sequence import (
     pipeline_latency,
     plan_sequences,
 )
-from shared.links import _RATE_UNITS, PROFILES, parse_link_spec
+from shared.links import PROFILES, parse_bytes, parse_link_spec
 
 PLAN_FORMAT = "tophat.jupiter.plan"
 PLAN_VERSION = 1
@@ -47,8 +46,6 @@ DEFAULT_REFERENCE_LENGTH = 128
 # Between stages hidden states travel in the layers' own dtype (bfloat16 as float32: numpy has none), so the
 # pipeline stays exact; the LAN time of a token is hidden_size x these bytes.
 STAGE_WIRE_BYTES = {"float32": 4, "bfloat16": 4, "float16": 2}
-_MEMORY_UNITS = {unit: size for unit, size in _RATE_UNITS.items() if not unit.endswith("bit")}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
 
 
 class PlanError(ValueError):
@@ -73,10 +70,10 @@ class DeviceSpec:
 
 def parse_memory(text: str) -> int:
     """'512MiB', '8GiB', '2GB', '1000000' (bytes) -> bytes."""
-    match = _SIZE.match(text.lower())
-    if not match or match.group(2) not in _MEMORY_UNITS and match.group(2) != "":
+    size = parse_bytes(text, bits=False)
+    if size is None:
         raise ValueError(f"bad memory budget {text!r} (use e.g. 512MiB, 8GiB, 2GB; a bare number is bytes)")
-    value = int(float(match.group(1)) * _MEMORY_UNITS.get(match.group(2), 1.0))
+    value = int(size)
     if value < 1:
         raise ValueError(f"memory budget {text!r} is zero")
     return value
