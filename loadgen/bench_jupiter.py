@@ -76,24 +76,18 @@ class Sample:
 # -- the live part -------------------------------------------------------------------------------
 
 async def timed_request(client, url: str, body: dict[str, Any], timeout_s: float) -> tuple[float, float, str, dict]:
-    """(ttft_s, e2el_s, text, tophat stats) of one streamed request."""
-    from loadgen.sse_client import StreamStats, stream_chunks
+    """(ttft_s, e2el_s, text, tophat stats) of one streamed request, timed by the load generator's sender."""
+    from loadgen.metrics import RequestRecord
+    from loadgen.runner import send_request
 
-    stats = StreamStats()
-    sent = time.perf_counter()
-    first = None
-    texts = []
-    last = sent
-    async for chunk in stream_chunks(client, url, body, timeout_s=timeout_s):
-        stats.observe(chunk)
-        if chunk.text:
-            first = first if first is not None else chunk.t
-            texts.append(chunk.text)
-        last = chunk.t
-    raw = dict(stats.raw_tophat or {})
-    raw["completion_tokens"] = stats.completion_tokens
-    raw["prompt_tokens"] = stats.prompt_tokens
-    return (first if first is not None else last) - sent, last - sent, "".join(texts), raw
+    record = RequestRecord(index=0, arrival_s=0.0, max_tokens=int(body.get("max_tokens") or 0))
+    await send_request(client, url, body, record, time.perf_counter(), timeout_s)
+    if record.error is not None:
+        raise RuntimeError(f"request failed: {record.error}")
+    stats = {**(record.tophat or {}), "completion_tokens": record.completion_tokens,
+             "prompt_tokens": record.prompt_tokens}
+    first = record.chunk_times_s[0] if record.chunk_times_s else record.end_s
+    return first, record.end_s, "".join(record.chunk_texts), stats
 
 
 async def _run_prompts(base_url: str, mode: str, prompts: list[tuple[int, str, int]], cfg: JupiterBenchConfig,

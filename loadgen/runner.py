@@ -106,7 +106,7 @@ async def run_load(requests: Sequence[WorkloadRequest], arrivals: Sequence[float
         await asyncio.sleep(max(0.0, t0 + rec.arrival_s - time.perf_counter()))
         async with sem if sem is not None else contextlib.nullcontext():
             rec.send_s = time.perf_counter() - t0
-            await _send(client, url, request_body(req, cfg), rec, t0, cfg.request_timeout_s)
+            await send_request(client, url, request_body(req, cfg), rec, t0, cfg.request_timeout_s)
         if not rec.ok:
             failed += 1
             log.debug("request %d failed: %s", rec.index, rec.error)
@@ -129,7 +129,7 @@ async def run_load(requests: Sequence[WorkloadRequest], arrivals: Sequence[float
     return RunResult(records, started_wall, ended_wall)
 
 
-async def _send(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord, t0: float,
+async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord, t0: float,
                 timeout_s: float) -> None:
     try:
         async with asyncio.timeout(timeout_s):
