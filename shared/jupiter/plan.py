@@ -26,7 +26,7 @@ from typing import Sequence
 
 from shared.device_speed import speed_schedule
 from shared.jupiter.partition import Partition, PartitionError, equal_partition, partition_layers
-from shared.jupiter.profile import Profile, save_json
+from shared.jupiter.profile import Profile, check_document, save_json
 from shared.jupiter.sequence import (
     DEFAULT_K_MAX,
     DEFAULT_L_MIN_TOLERANCE,
@@ -200,10 +200,7 @@ class EdgePlan:
 
     @classmethod
     def from_json(cls, obj: object) -> "EdgePlan":
-        if not isinstance(obj, dict) or obj.get("format") != PLAN_FORMAT:
-            raise PlanError(f"not a Jupiter edge plan (expected format {PLAN_FORMAT!r})")
-        if obj.get("version") != PLAN_VERSION:
-            raise PlanError(f"plan format version {obj.get('version')!r}; this build reads {PLAN_VERSION} (re-run `tophat plan`)")
+        check_document(obj, PLAN_FORMAT, PLAN_VERSION, PlanError, "plan")
         names = [n for n in cls.__dataclass_fields__ if not n.startswith("_")]
         missing = [n for n in names if n not in obj]
         if missing:

@@ -155,11 +155,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, obj: object) -> "Profile":
-        if not isinstance(obj, dict) or obj.get("format") != PROFILE_FORMAT:
-            raise ProfileError(f"not a Jupiter profile (expected format {PROFILE_FORMAT!r})")
-        if obj.get("version") != PROFILE_VERSION:
-            raise ProfileError(f"profile format version {obj.get('version')!r}; this build reads version "
-                               f"{PROFILE_VERSION} (re-run `tophat profile`)")
+        check_document(obj, PROFILE_FORMAT, PROFILE_VERSION, ProfileError, "profile")
         names = _stored_fields()
         required = [f for f in names if cls.__dataclass_fields__[f].default is MISSING]
         missing = [f for f in required if f not in obj]
@@ -172,6 +168,15 @@ class Profile:
 
     def save(self, path: str | Path) -> Path:
         return save_json(path, self.to_json())
+
+
+def check_document(obj: object, fmt: str, version: int, error: type[ValueError], what: str) -> None:
+    """A stored profile or plan is a JSON object naming its format and version: refuse anything else."""
+    if not isinstance(obj, dict) or obj.get("format") != fmt:
+        raise error(f"not a Jupiter {what} (expected format {fmt!r})")
+    if obj.get("version") != version:
+        raise error(f"{what} format version {obj.get('version')!r}; this build reads version {version} "
+                    f"(re-run `tophat {what}`)")
 
 
 def save_json(path: str | Path, obj: dict) -> Path:
