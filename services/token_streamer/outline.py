@@ -36,6 +36,11 @@ UNSUPPORTED_RECHECK_S = 60.0  # an agent without keep/fork is asked again after 
 _UNKNOWN_HANDLE = ("unknown_kept_session", "http_404")
 
 
+def hat_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """What every request of an outline carries from the user's: its sampling, in mode hat (keep/fork need it)."""
+    return {k: body[k] for k in ("temperature", "top_p", "seed") if k in body} | {"mode": "hat"}
+
+
 class _Fallback(Exception):
     """Internal: answer sequentially; `reason` goes to the response's stats."""
 
@@ -79,7 +84,7 @@ class OutlineStream:
         self._closed = False
 
     def _sampling(self) -> dict[str, Any]:
-        return {k: self._body[k] for k in ("temperature", "top_p", "seed") if k in self._body} | {"mode": "hat"}
+        return hat_sampling(self._body)
 
     def start_points(self) -> None:
         for point, body in zip(self._points, self._bodies, strict=True):
@@ -227,8 +232,7 @@ class OutlineFlow:
             raise _Fallback("device_lacks_fork")
         fmt = await self._format(device)
         question = question_of(body.get("prompt"), body.get("messages")) or ""
-        sampling = {k: body[k] for k in ("temperature", "top_p", "seed") if k in body}
-        outline_body = {**sampling, "mode": "hat", "prompt": fmt.question_text(question) + OUTLINE_OPENING, "keep": True,
+        outline_body = {**hat_sampling(body), "prompt": fmt.question_text(question) + OUTLINE_OPENING, "keep": True,
                         "max_new_tokens": OUTLINE_MAX_TOKENS, "request_id": f"{body.get('request_id')}-outline"}
         directive = await self._directive(device, fmt)
         try:
