@@ -21,7 +21,7 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.state_monitor.settings import Settings, load_settings
 from shared import auth
@@ -116,6 +116,28 @@ class DeviceAnnouncement(BaseModel):
 
 
 Record = Annotated[VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone, Field(discriminator="kind")]
+
+# Edge SD (paper 001): measured passes for T(b, F) = c1*F*b + c2 (eq. 17) and verdicts for alpha, per list.
+EDGE_SD_KEYS = {name: f"{tk.PREFIX}:edge_sd:{name}" for name in ("draft", "verify", "verdicts")}
+EdgePass = tuple[Annotated[int, Field(ge=1, strict=True)], Annotated[float, Field(ge=0, allow_inf_nan=False)], Seconds]
+Verdict = tuple[Annotated[int, Field(ge=0, strict=True)], Annotated[int, Field(ge=0, strict=True)]]
+
+
+class EdgeSdTelemetry(BaseModel):
+    """An edge draft server's (SBS) measurements: passes as [batch_size, flops_per_task, seconds] of its draft
+    model and of the verifier's target model, verdicts as [drafts, accepted]."""
+    model_config = ConfigDict(extra="forbid")
+    node: Ident
+    draft: list[EdgePass] = Field(default_factory=list, max_length=10_000)
+    verify: list[EdgePass] = Field(default_factory=list, max_length=10_000)
+    verdicts: list[Verdict] = Field(default_factory=list, max_length=10_000)
+
+    @field_validator("verdicts")
+    @classmethod
+    def _accepted_within_drafts(cls, verdicts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        if any(accepted > drafts for drafts, accepted in verdicts):
+            raise ValueError("a verdict's accepted count exceeds its drafts")
+        return verdicts
 
 
 class Monitor:
@@ -253,6 +275,22 @@ def _parsed(values: list[str], kind: type[int] | type[float]) -> list[Any]:
     return out
 
 
+def _parsed_rows(values: list[str], width: int) -> list[list[float | int]]:
+    """JSON rows of `width` finite numbers; one the monitor did not write (garbage in Redis) is skipped."""
+    out = []
+    for value in values:
+        try:
+            row = json.loads(value)
+        except ValueError:
+            row = None
+        if isinstance(row, list) and len(row) == width and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in row):
+            out.append(row)
+        else:
+            log.warning("skipping unreadable edge-sd sample in redis: %r", value[:64])
+    return out
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; Redis URL = settings.redis_url, else env REDIS_URL, else in-memory only."""
     settings = settings or load_settings()
@@ -356,6 +394,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(url)}"
             raise HTTPException(503, f"disco history lives in redis, which is {reason}")
         return {"prompt_tokens": _parsed(lists[0], int), "server_ttft_s": _parsed(lists[1], float), "source": "redis"}
+
+    @app.post("/edge-sd/telemetry")
+    async def post_edge_sd(body: EdgeSdTelemetry, request: Request) -> dict[str, Any]:
+        """Appends to the capped tophat:edge_sd:* lists (in order: the last sample is the newest kept)."""
+        _may_write(request, [body.node])
+        cap = settings.edge_sd_history
+        rows = {name: getattr(body, name)[-cap:] for name in EDGE_SD_KEYS}  # older ones would be trimmed anyway
+        lists = [(EDGE_SD_KEYS[name], list(row), cap) for name, values in rows.items() for row in values]
+        metrics.record("edge_sd")
+        persisted = await monitor._write(lists=lists)
+        return {"accepted": sum(len(getattr(body, name)) for name in EDGE_SD_KEYS), "persisted": persisted}
+
+    @app.get("/state/edge-sd")
+    async def state_edge_sd() -> dict[str, Any]:
+        """Edge SD's samples, newest first, from Redis (what the chunk planner fits eq. 17 and alpha on)."""
+        keys = list(EDGE_SD_KEYS.values())
+        lists = await sink.read_lists(keys, settings.edge_sd_history) if sink is not None else None
+        if lists is None:
+            reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(url)}"
+            raise HTTPException(503, f"edge-sd telemetry lives in redis, which is {reason}")
+        return {name: _parsed_rows(values, width) for (name, width), values in zip(
+            (("draft", 3), ("verify", 3), ("verdicts", 2)), lists)}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -36,6 +36,9 @@ class Settings:
     # DiSCo: how many recent prompt lengths and server TTFTs Redis keeps (tophat:disco:* lists) for the
     # streamer's length threshold (eq. 3) and server-TTFT CDF (eq. 1); GET /disco/history serves them.
     disco_history: int = 2000
+    # Edge SD: how many recent measured passes (draft, verify) and verdicts Redis keeps, each in its own
+    # tophat:edge_sd:* list (POST /edge-sd/telemetry); GET /state/edge-sd serves them to the chunk planner.
+    edge_sd_history: int = 512
     # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
     # open); empty: open, as before. repr=False: settings are never printed with it.
     auth_secret: str = field(default="", repr=False)
@@ -50,8 +53,8 @@ class Settings:
         check_server_files(self.tls_cert, self.tls_key)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
-        if min(self.stream_maxlen, self.request_ttl_s, self.max_batch, self.disco_history) < 1:
-            raise ValueError("stream_maxlen, request_ttl_s, max_batch and disco_history must be >= 1")
+        if min(self.stream_maxlen, self.request_ttl_s, self.max_batch, self.disco_history, self.edge_sd_history) < 1:
+            raise ValueError("stream_maxlen, request_ttl_s, max_batch, disco_history and edge_sd_history must be >= 1")
         if not 0 <= self.alpha < 1:
             raise ValueError(f"alpha must be in [0, 1): {self.alpha}")
         if self.buckets_per_octave < 1:
