@@ -12,6 +12,7 @@ ARG JETSON_BASE=nvcr.io/nvidia/pytorch:25.01-py3-igpu
 
 # ---- cpu-build: the virtual environment and the imported model ---------------------------------------------
 FROM ${PYTHON_BASE} AS cpu-build
+LABEL org.tophat.project=tophat
 ARG PIP_NO_INDEX=0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=${PIP_NO_INDEX} PIP_FIND_LINKS=/wheelhouse \
     HF_HUB_OFFLINE=1
@@ -27,6 +28,7 @@ RUN /opt/venv/bin/tophat import-gguf --out /opt/tophat/models/smollm2 \
 
 # ---- cpu -------------------------------------------------------------------------------------------------------
 FROM ${PYTHON_BASE} AS cpu
+LABEL org.tophat.project=tophat
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini=0.19.0-1+b3 \
     && apt-get clean && rm -rf /var/lib/apt/lists/* \
@@ -51,6 +53,7 @@ CMD ["python", "-m", "services.token_streamer"]
 
 # ---- cuda: the GPU server (verifier with one pipeline stage per GPU) ------------------------------------------
 FROM ${CUDA_BASE} AS cuda
+LABEL org.tophat.project=tophat
 ARG PIP_NO_INDEX=0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=${PIP_NO_INDEX} PIP_FIND_LINKS=/wheelhouse
 COPY build/wheelhouse /wheelhouse
@@ -79,6 +82,7 @@ CMD ["python", "-m", "services.verifier_cloud"]
 # ---- jetson: device agents on Jetsons; torch (built for the JetPack's CUDA) comes from the base --------------
 # The user is in `video`: the Tegra GPU's device nodes belong to it (Swarm has no group_add).
 FROM ${JETSON_BASE} AS jetson
+LABEL org.tophat.project=tophat
 ARG PIP_NO_INDEX=0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=${PIP_NO_INDEX} PIP_FIND_LINKS=/wheelhouse \
     HF_HUB_OFFLINE=1

@@ -107,16 +107,24 @@ secrets: $(STAMP)
 base-image:
 	.ci/base-image.sh tophat-base:bookworm
 
+# Every stage carries the project's label: each rebuild untags the last image and leaves its build stage behind
+# (~5 GB a build), so the project's untagged images are pruned before and after; nothing else is touched.
+PRUNE_OLD_IMAGES = docker image prune --force --filter label=org.tophat.project=tophat >/dev/null
+
 image: wheelhouse
+	$(PRUNE_OLD_IMAGES)
 	docker build --network host --build-arg PIP_NO_INDEX=1 --build-arg PYTHON_BASE=$(BASE_IMAGE) \
 		--target cpu --tag $(IMAGE) .
+	$(PRUNE_OLD_IMAGES)
 
 # The GPU server's and the Jetsons' images need the public bases and PyPI (torch's CUDA build; arm64 wheels).
 image-cuda: wheelhouse
 	docker build --target cuda --tag tophat:cuda .
+	$(PRUNE_OLD_IMAGES)
 
 image-jetson: wheelhouse
 	docker buildx build --platform linux/arm64 --target jetson --tag tophat:jetson --load .
+	$(PRUNE_OLD_IMAGES)
 
 # The compose test: build the image, `up` with host networking, a streamed answer, the verifier killed and
 # restarted, `down -v`. With CI=true it first installs and starts what it needs (Docker engine, compose plugin,
