@@ -21,6 +21,11 @@ answer is the configured default and `source` says why:
     default:stale                 the device's telemetry is older than `stale_after_s`
     default:missing-beta / default:missing-gamma / default:bad-telemetry /
     default:no-bytes-per-token    (see shared.planners)
+
+Edge SD (paper 001): `POST /edge-sd/plan` takes a `shared.edge_sd.plan.PlanRequest` body, fetches the
+monitor's `GET /state/edge-sd` (measured passes and verdicts, same bound and failure reasons as above, plus
+default:bad-telemetry), runs `plan_round` and keeps the answer as the latest, which `GET /edge-sd/plan`
+serves. A bad request or one whose task alone exceeds the memory budget is a 422.
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ from fastapi.responses import JSONResponse, Response
 
 from services.chunk_planner.settings import Settings, load_settings
 from shared import auth
+from shared.edge_sd.plan import (
+    EdgeTelemetry,
+    EdgeTelemetryError,
+    InfeasibleBatchingError,
+    PlanRequest,
+    PlanRequestError,
+    plan_round,
+)
 from shared.metrics import PlannerMetrics, metrics_response
 from shared.planners import (
     PlannerInputs,
@@ -122,6 +135,21 @@ class MonitorClient:
             return Telemetry(failure="monitor-error")
         return Telemetry(cloud=cloud, device=device)  # type: ignore[arg-type]
 
+    async def fetch_edge_sd(self) -> tuple[EdgeTelemetry | None, str | None]:
+        """Edge SD's measured passes and verdicts, or (None, reason) when they cannot be had."""
+        try:
+            body = await self._get("/state/edge-sd")
+        except _FetchFailed as exc:
+            log.warning("state monitor %s: %s", self.http.base_url, exc)
+            return None, exc.reason
+        if body is None:  # a monitor without the route
+            return None, "monitor-error"
+        try:
+            return EdgeTelemetry.from_dict(body), None
+        except EdgeTelemetryError as exc:
+            log.warning("state monitor %s: unreadable edge-sd telemetry: %s", self.http.base_url, exc)
+            return None, "bad-telemetry"
+
     async def _get(self, path: str) -> dict[str, Any] | None:
         """JSON object at `path`; None for 404; _FetchFailed for anything else that is not a JSON object."""
         try:
@@ -190,11 +218,18 @@ def plan_parallel_draft_steps(settings: Settings, device_id: str, draft_len: int
     return plan
 
 
+def _plan_error(code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": code}},
+                        status_code=422)
+
+
 def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """Build the app; `monitor_transport` (tests) replaces the network under the monitor client."""
     settings = settings or load_settings()
     monitor: MonitorClient | None = None
     metrics = PlannerMetrics()
+    edge_sd_defaults = settings.edge_sd_defaults()
+    latest_edge_sd_plan: dict[str, Any] | None = None
 
     async def telemetry(device_id: str) -> Telemetry:
         return NO_MONITOR if monitor is None else await monitor.fetch(device_id)
@@ -263,6 +298,33 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
                 [plan.steps] * (draft_len + 1) if state.failure is not None
                 else plan_draft_steps_table_from_state(state.cloud, state.device, inputs, draft_len)[0])
         return answer
+
+    @app.post("/edge-sd/plan")
+    async def edge_sd_plan(request: Request) -> JSONResponse:
+        """Batches, l and shares for the posted tasks from the monitor's Edge SD telemetry; kept as the latest."""
+        nonlocal latest_edge_sd_plan
+        try:
+            plan_request = PlanRequest.from_dict(await request.json())
+        except (ValueError, PlanRequestError) as exc:  # not JSON (json.JSONDecodeError is a ValueError) or invalid
+            return _plan_error("invalid_plan_request", str(exc))
+        measured, failure = (None, "no-monitor") if monitor is None else await monitor.fetch_edge_sd()
+        try:
+            # CPU-bound (Algorithm 1 for each l): off the event loop, so probes and other plans are answered.
+            plan = await asyncio.to_thread(plan_round, plan_request, measured, edge_sd_defaults, failure)
+        except InfeasibleBatchingError as exc:
+            return _plan_error("infeasible_batching", str(exc))
+        answer = plan.as_dict()
+        latest_edge_sd_plan = answer
+        metrics.decision("edge_sd_plan", answer["sources"]["alpha"])
+        log.info("edge-sd plan: %d tasks in %d batches, l=%d, sources %s", len(plan_request.tasks),
+                 len(answer["batches"]), answer["spec_len"], answer["sources"])
+        return JSONResponse(answer)
+
+    @app.get("/edge-sd/plan")
+    async def latest_edge_sd() -> dict[str, Any]:
+        if latest_edge_sd_plan is None:
+            raise HTTPException(404, "no edge-sd plan yet: POST /edge-sd/plan first")
+        return latest_edge_sd_plan
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

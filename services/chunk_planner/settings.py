@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.edge_sd.plan import PlanDefaults
 from shared.settings import from_env
 from shared.tls import check_server_files
 
@@ -33,6 +34,19 @@ class Settings:
     wire_dtype_bytes: int = 2           # fp16 / bf16 hidden states on the wire
     default_parallel_draft_steps: int = 2   # eq. 6 fallback
     max_parallel_draft_steps: int = 16
+    # Edge SD (POST /edge-sd/plan): what the plan uses where the monitor's GET /state/edge-sd cannot say
+    # (source "default:<reason>"). Defaults: the paper's Table II — T(b, F) = c1*F*b + c2 (eq. 17) of its
+    # SBS drafting LLaMA-1.1B (RTX 3080) and MBS verifying LLaMA-7B (RTX 4500), l_max = 10 — and alpha = 0.8
+    # (its Figs. 7-9). snr_db: a user's uplink SNR when the request gives none. min_samples: fewer measured
+    # passes (or verdicts) than this keep the default instead of a fit.
+    edge_sd_draft_c1: float = PlanDefaults.draft_c1      # s per FLOP, 4.11e-13
+    edge_sd_draft_c2: float = PlanDefaults.draft_c2      # s per pass, 0.56e-3
+    edge_sd_verify_c1: float = PlanDefaults.verify_c1    # 2.08e-14
+    edge_sd_verify_c2: float = PlanDefaults.verify_c2    # 1.28e-2
+    edge_sd_alpha: float = PlanDefaults.alpha            # 0.8
+    edge_sd_l_max: int = PlanDefaults.l_max              # 10
+    edge_sd_snr_db: float = PlanDefaults.snr_db          # 20 dB
+    edge_sd_min_samples: int = PlanDefaults.min_samples  # 8
     # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
     # open); empty: open, as before. repr=False: settings are never printed with it.
     auth_secret: str = field(default="", repr=False)
@@ -59,6 +73,13 @@ class Settings:
             raise ValueError("monitor_timeout_s and stale_after_s must be > 0")
         if not 0 <= self.default_parallel_draft_steps <= self.max_parallel_draft_steps:
             raise ValueError("need 0 <= default_parallel_draft_steps <= max_parallel_draft_steps")
+        self.edge_sd_defaults()  # its own checks (alpha in [0, 1], l_max >= 1, c >= 0, ...)
+
+    def edge_sd_defaults(self) -> PlanDefaults:
+        return PlanDefaults(draft_c1=self.edge_sd_draft_c1, draft_c2=self.edge_sd_draft_c2,
+                            verify_c1=self.edge_sd_verify_c1, verify_c2=self.edge_sd_verify_c2,
+                            alpha=self.edge_sd_alpha, l_max=self.edge_sd_l_max, snr_db=self.edge_sd_snr_db,
+                            min_samples=self.edge_sd_min_samples)
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
