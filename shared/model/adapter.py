@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,13 +126,23 @@ class DraftAdapter(torch.nn.Module):
             hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden
 
-    @torch.inference_mode()
     def forward(self, shallow: torch.Tensor, cache: SessionKV, side: torch.Tensor | None = None) -> torch.Tensor:
         # shallow: [S, H], side: [S, H] (embeddings or previous deep states) -> draft final hidden f_S: [S, H]
+        return self.forward_packed(shallow, [cache], [shallow.shape[0]], side)
+
+    @torch.inference_mode()
+    def forward_packed(self, shallow: torch.Tensor, caches: Sequence[SessionKV], lengths: Sequence[int],
+                       side: torch.Tensor | None = None) -> torch.Tensor:
+        """Many sessions in one pass (a draft server drafting for many users): each session's rows attend
+        to its own cache only, like LayerRange.forward_packed."""
+        # shallow: [T, H], side: [T, H] or None, sum(lengths) == T -> [T, H]
+        if sum(lengths) != shallow.shape[0]:
+            raise AdapterError(f"lengths {list(lengths)} do not add up to {shallow.shape[0]} packed rows")
         x = self._fused(shallow, side)
-        positions = packed_positions([cache], [x.shape[0]], x.device)
+        positions = packed_positions(caches, lengths, x.device)
         cos, sin = rotary_tables(self.rotary_emb, positions, x)
-        attn = attention_forward(self.self_attn, self.input_layernorm(x), [cache.layer(0)], [x.shape[0]], cos, sin)
+        attn = attention_forward(self.self_attn, self.input_layernorm(x), [c.layer(0) for c in caches], lengths,
+                                 cos, sin)
         return self._finish(x, attn)
 
     def forward_training(self, shallow: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:

@@ -207,13 +207,17 @@ class DeviceSession:
                      prev_features: torch.Tensor | None) -> torch.Tensor:
         """The adapter over rows of (token, shallow state, deep state of the position before)."""
         # shallow: [S, H], token_ids: [S], prev_features: [S, H] -> f_S: [S, H]
+        return self.model.adapter(shallow, cache, self._adapter_side(token_ids, prev_features))
+
+    def _adapter_side(self, token_ids: torch.Tensor, prev_features: torch.Tensor | None) -> torch.Tensor | None:
+        """What the adapter reads besides the shallow state, for these rows (a batched pass packs them)."""
+        # token_ids: [S], prev_features: [S, H] -> [S, H] or None
         side_input = self.model.adapter.spec.side_input
-        side = None
         if side_input == "embedding":
-            side = self.model.input.embed_tokens(token_ids.to(self.model.device))
-        elif side_input == "feature":
-            side = prev_features
-        return self.model.adapter(shallow, cache, side)
+            return self.model.input.embed_tokens(token_ids.to(self.model.device))
+        if side_input == "feature":
+            return prev_features
+        return None
 
     def on_prefill_result(self, deep_last: torch.Tensor) -> list[int]:
         """Sample the first token from the deep state of the prompt's last position."""

@@ -85,7 +85,10 @@ class StreamSession(DeviceSession):
         """Token mode: the draft model's own pass over the prompt (the cloud prefills the target)."""
         ids = torch.tensor(self.prompt_ids)
         shallow = self.model.input(ids, self.input_cache)  # [P, H]
-        hidden = self._run_adapter(self.adapter_cache, shallow, ids, torch.zeros_like(shallow))  # [P, H]
+        self._record_prefill(self._run_adapter(self.adapter_cache, shallow, ids, torch.zeros_like(shallow)))
+
+    def _record_prefill(self, hidden: torch.Tensor) -> None:
+        # hidden: [P, H], the adapter's states over the prompt (this session's or a batched pass's rows)
         self._prompt_feature = hidden[-1:]
 
     def start_hidden_mode(self) -> None:
@@ -117,12 +120,20 @@ class StreamSession(DeviceSession):
     # -- drafting -------------------------------------------------------------------------
     def _advance(self) -> torch.Tensor:
         """Run seq[advanced] through the input submodel and the adapter: the adapter state [1, H]."""
-        position = self.advanced
-        ids = torch.tensor([self.seq[position]])
+        position, ids = self._next_advance()
         shallow = self.model.input(ids, self.input_cache)  # [1, H]
+        hidden = self._run_adapter(self.adapter_cache, shallow, ids, self.features[position - 1])  # [1, H]
+        return self._record_advance(position, shallow, hidden)
+
+    def _next_advance(self) -> tuple[int, torch.Tensor]:
+        """The position the next advance runs and its token id [1] (a batched pass packs many sessions')."""
+        position = self.advanced
+        return position, torch.tensor([self.seq[position]])
+
+    def _record_advance(self, position: int, shallow: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # shallow, hidden: [1, H], the input submodel's and the adapter's states at `position`
         if self.hidden_mode:
             self.shallow_rows[position] = shallow
-        hidden = self._run_adapter(self.adapter_cache, shallow, ids, self.features[position - 1])  # [1, H]
         self.features[position] = hidden
         return hidden
 
@@ -134,7 +145,12 @@ class StreamSession(DeviceSession):
         hidden = self._advance()
         while self.advanced < len(self.seq):  # token mode after a bonus: the last draft and the bonus both wait
             hidden = self._advance()
-        logits = self.model.output(hidden)[0]  # [V]
+        drafted = self._record_draft(self.model.output(hidden)[0])
+        self.draft_seconds.append((time.perf_counter() - started, 1))
+        return drafted
+
+    def _record_draft(self, logits: torch.Tensor) -> DraftedToken:
+        """Sample the next draft from the draft model's logits [V] after the last token, and keep it."""
         q = logits_to_probs(logits, self.params)
         position = len(self.seq)
         token = sample(q, self._draft_stream(-1 - self.epoch, position))
@@ -145,7 +161,6 @@ class StreamSession(DeviceSession):
         if not self.params.is_greedy:
             self.q_rows[position] = q
         self.stopped = token == self.model.eos_token_id
-        self.draft_seconds.append((time.perf_counter() - started, 1))
         return DraftedToken(token, confidence)
 
     def advance_to_end(self) -> None:
