@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
 MODEL ?= smollm2
 
-.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter soak clean
+.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -69,6 +69,11 @@ EDGE_PIPELINE ?= orin;xavier;xavier
 bench-jupiter: install
 	$(BIN)/tophat bench --edge-pipeline "$(EDGE_PIPELINE)" --lan lan --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/jupiter.json
+
+# Edge SD: the draft server and its four baselines, K users a round, the paper's channel and a 20 MHz uplink
+bench-edge-sd: install
+	$(BIN)/tophat bench --edge-sd --tasks 8 --rounds 2 --model $(MODEL) --max-new-tokens 32 \
+		--out bench-results/edge-sd.json
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
 bench-sim: install

@@ -10,9 +10,11 @@ from typing import Literal, get_args
 # token-sd:  the device drafts with its own small model, the cloud verifies token ids (no privacy)
 # picospec:  token-sd with the asynchronous pipeline, streamed drafts and a sparse downlink (no privacy)
 # device:    the device's draft model alone, no cloud at all (DiSCo's on-device endpoint; private)
-Mode = Literal["hat", "hat-async", "cloud", "token-sd", "picospec", "device"]
+# edge-sd:   Edge SD: an edge draft server drafts for many users in batches, the cloud verifies token ids
+#            (services/device_agent/edge_server.py; no privacy)
+Mode = Literal["hat", "hat-async", "cloud", "token-sd", "picospec", "device", "edge-sd"]
 MODES: tuple[str, ...] = get_args(Mode)
-TOKEN_MODES = frozenset({"cloud", "token-sd", "picospec"})  # token ids on the wire: never for a privacy session
+TOKEN_MODES = frozenset({"cloud", "token-sd", "picospec", "edge-sd"})  # token ids on the wire: never for a privacy session
 STREAM_MODES = frozenset({"hat-async", "token-sd", "picospec"})  # drafts as a stream (shared/specdec/stream_engine.py)
 Downlink = Literal["topk", "full"]
 

@@ -273,6 +273,9 @@ def up(
                                   "default: planned at start from the model's stored profile (tophat profile)"),
     edge_plan_kind: str = typer.Option("jupiter", "--edge-plan-kind", help="jupiter (DP partition + DP "
                                        "sub-sequences) | equal | serial (the baselines)"),
+    edge_draft_server: bool = typer.Option(False, "--edge-draft-server", help="Edge SD: device agent 0 drafts for "
+                                           "every user in planned, pipelined batches (mode edge-sd); the verifier "
+                                           "holds the whole target (TOPHAT_DEVICE_EDGE_* tune it)"),
 ):
     """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
     (or SIGTERM) stops every process."""
@@ -289,7 +292,7 @@ def up(
                                     **({} if parallel_drafting else {"parallel_candidates": "0"})},
                         supervise=True, state_file=state_file, auth=auth,
                         api_key=api_key, verifiers=verifiers, tls=tls, edge_pipeline=edge_pipeline, lan=lan,
-                        edge_plan=edge_plan, edge_plan_kind=edge_plan_kind)
+                        edge_plan=edge_plan, edge_plan_kind=edge_plan_kind, edge_draft_server=edge_draft_server)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -397,6 +400,14 @@ def bench(
     per_bucket: int = typer.Option(3, "--per-bucket", help="--edge-pipeline: prompts per length"),
     jupiter_modes: str = typer.Option("serial,equal-split,jupiter,jupiter-outline", "--jupiter-modes",
                                       help="--edge-pipeline: the modes to run"),
+    edge_sd: bool = typer.Option(False, "--edge-sd", help="Edge SD: the draft server (eq. 27 shares, DP batching, "
+                                 "eq. 7 length, pipeline) vs each baseline on one trace (loadgen/bench_edge_sd.py); "
+                                 "--out may name the results JSON"),
+    tasks: int = typer.Option(8, "--tasks", min=1, max=64, help="--edge-sd: users' tasks per round (K)"),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="--edge-sd: counted rounds per mode (after a warm-up)"),
+    bandwidth_mhz: float = typer.Option(20.0, "--bandwidth-mhz", help="--edge-sd: the shared uplink B_w (MHz)"),
+    edge_sd_modes: str = typer.Option("edge-sd,uniform-bandwidth,max-batch,no-pipeline,fixed-length",
+                                      "--edge-sd-modes", help="--edge-sd: the modes to run"),
 ):
     """Every mode against the same arrival trace, back to back; one table with ratios vs ushape."""
     from loadgen.bench import (ablation_modes, format_table, link_with_rtt, modes_for, parse_rates, plot_modes,
@@ -404,6 +415,8 @@ def bench(
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("loadgen").setLevel(logging.INFO)
+    if edge_sd:
+        return _bench_edge_sd(tasks, rounds, bandwidth_mhz, edge_sd_modes, max_new_tokens, seed, model, out)
     if edge_pipeline:
         return _bench_jupiter(edge_pipeline, lan, buckets, per_bucket, jupiter_modes, max_new_tokens, seed, model, out)
     if disco:
@@ -458,6 +471,24 @@ def bench(
             plot_modes(out / tag if rtt is not None else out, name, results, tag)
             typer.echo("\n" + table)
     typer.echo(f"\nresults, per-request CSVs and plots under {out}/")
+
+
+def _bench_edge_sd(tasks: int, rounds: int, bandwidth_mhz: float, modes: str, max_new_tokens: int, seed: int,
+                   model: str, out: Path) -> None:
+    from loadgen.bench_edge_sd import EdgeSDBenchConfig, format_edge_sd_table, run_edge_sd_bench
+    from tophatctl.launcher import MeshStartError
+
+    target = out if out.suffix == ".json" else out / "edge-sd.json"
+    cfg = EdgeSDBenchConfig(model=str(_model(model)), tasks=tasks, rounds=rounds, bandwidth_mhz=bandwidth_mhz,
+                            max_output=max_new_tokens, seed=seed, out=target,
+                            modes=[m.strip() for m in modes.split(",") if m.strip()])
+    try:
+        results = run_edge_sd_bench(cfg)
+    except (MeshStartError, ValueError) as exc:
+        _fail(str(exc))
+    table = format_edge_sd_table(results)
+    target.with_suffix(".txt").write_text(table + "\n")
+    typer.echo(table)
 
 
 def _bench_jupiter(edge_pipeline: str, lan: str, buckets: str, per_bucket: int, modes: str, max_new_tokens: int,

@@ -115,6 +115,9 @@ class MeshConfig:
     # the layer partition and sub-sequence table from `edge_plan` (a stored plan) or planned at start
     # (`edge_plan_kind`: jupiter | equal | serial) from the model's stored profile. One device agent: stage 0.
     edge_pipeline: str = ""
+    # Edge SD (services/device_agent/edge_server.py): device agent 0 is the small base station's draft server for
+    # many users (mode edge-sd, its draft model), the verifier holds the whole target and verifies token ids.
+    edge_draft_server: bool = False
     edge_plan: str = ""
     edge_plan_kind: str = "jupiter"
     lan: str = "lan"
@@ -438,6 +441,10 @@ class Mesh:
             if cfg.tls:
                 self._make_certs()
             edge_env = self._plan_edge_pipeline() if cfg.edge_pipeline else {}
+            if cfg.edge_draft_server:
+                edge_env = {**edge_env, "TOPHAT_VERIFIER_FULL_MODEL": "true"}
+                cfg.device_env = {"edge_draft_server": "true", "mode": "edge-sd", "max_sessions": "64",
+                                  **cfg.device_env}
             # Devices in namespaces reach the cloud-side services through the veth, so those bind everywhere.
             bind = "0.0.0.0" if self._netns else cfg.host
             monitor = self._spawn("state-monitor", "services.state_monitor", {

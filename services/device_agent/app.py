@@ -36,6 +36,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from functools import partial
 
 import httpx
@@ -47,6 +48,7 @@ from pydantic import BaseModel, Field
 from services.device_agent.announce import announce_loop
 from services.device_agent.cloud_client import (CloudError, CloudUnavailable, WebSocketCloud, token_decode,
                                                 verifier_lost)
+from services.device_agent.edge_server import EdgeRequest, edge_draft_server
 from services.device_agent.kept import (KeepableSession, KeptSessions, SessionCloud, UnknownKeptSession,
                                         prefill_only)
 from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
@@ -122,6 +124,8 @@ class GenerateRequest(BaseModel):
     # (the prompt continues its sequence).
     keep: bool = False
     fork: str | None = Field(None, min_length=1, max_length=128)
+    # Edge SD (mode edge-sd): this user's uplink SNR p g / σ² in dB (the draft server's default without it)
+    snr_db: float | None = Field(None, ge=-30.0, le=150.0)
 
     def option(self, name: str, settings: Settings):
         value = getattr(self, name)
@@ -215,6 +219,8 @@ class DeviceAgent:
         self.edge_plan = load_plan(settings.edge_plan, self.checkpoint.num_layers,
                                    self.checkpoint.hidden_size) if settings.edge_plan else None
         self.kept = KeptSessions(settings.kept_ttl_s, settings.max_kept, self.sessions_cloud.close)
+        self.edge = edge_draft_server(settings, self.checkpoint, self.cloud, self.http) \
+            if settings.edge_draft_server else None
         warm_up_device(self.model)
 
     def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
@@ -384,6 +390,8 @@ class DeviceAgent:
             mode = request.option("mode", self.settings)
             if session is None:
                 rounds = self._cloud_rounds(request, ids, session_id, cloud_generated)
+            elif mode == "edge-sd":
+                rounds = self.edge.generate(EdgeRequest(session, session_id, request.snr_db))
             elif isinstance(session, LocalSession):
                 rounds = local_session(session, partial(slowed, slowdown=request_slowdown))
             elif mode in STREAM_MODES:
@@ -465,6 +473,8 @@ class DeviceAgent:
                               if session.accept_lengths and session.draft_config.max_draft > 0 else None))
 
     async def aclose(self) -> None:
+        if self.edge is not None:
+            await self.edge.aclose()
         await self.kept.aclose()  # closes their verifier sessions while the connection is still up
         await self.cloud.close_connection()
         if self.plans is not None:
@@ -486,6 +496,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
                   asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
                   asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe"),
                   asyncio.create_task(state["agent"].kept.cleanup_loop(), name="kept-sessions")]
+        if state["agent"].edge is not None:
+            probes.append(asyncio.create_task(state["agent"].edge.run(), name="edge-sd-rounds"))
         if settings.state_monitor_url and settings.announce_interval_s > 0:
             url = advertised_url(settings.advertise_url, settings.host, settings.port,
                                  route_to=settings.state_monitor_url)
@@ -538,6 +550,13 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
                 # the template's text between turns: the streamer's outline requests (shared/jupiter/outline.py)
                 "chat_format": advertised_chat_format(agent.checkpoint.tokenizer)}
 
+    @app.get("/edge-sd/rounds")
+    async def edge_rounds():
+        agent = state["agent"]
+        if agent.edge is None:
+            return _error(404, "not_an_edge_server", "this agent is not an edge draft server")
+        return {"rounds": [asdict(r) for r in agent.edge.rounds]}
+
     @app.delete("/kept/{handle}")
     async def delete_kept(handle: str):
         if not await state["agent"].kept.delete(handle):
@@ -578,9 +597,13 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             max_draft = settings.max_draft if speculative else 0
             if mode in STREAM_MODES and (agent.model.adapter is None or not max_draft):
                 return _error(400, "bad_request", f"mode {mode} drafts: it needs speculative=true and a draft adapter")
+            if mode == "edge-sd" and (agent.edge is None or agent.model.adapter is None):
+                return _error(400, "bad_request", "mode edge-sd needs an edge draft server (TOPHAT_DEVICE_EDGE_DRAFT_"
+                              "SERVER) with a draft adapter")
             if mode == "device" and agent.model.adapter is None:
                 return _error(400, "bad_request", "mode device generates with the draft model: this device has none")
-            session_type = LocalSession if mode == "device" else StreamSession if mode in STREAM_MODES else DeviceSession
+            session_type = (LocalSession if mode == "device" else
+                            StreamSession if mode in STREAM_MODES or mode == "edge-sd" else DeviceSession)
             if request.keep or parent is not None:
                 session_type = KeepableSession
             session = session_type(agent.model, ids, params, DraftConfig(settings.eta, max_draft),

@@ -62,6 +62,22 @@ class Settings:
     # Jupiter's edge pipeline (tophatctl/edge_pipeline.py): a stored plan whose sub-sequence table cuts every
     # chunked prompt (the planner's chunk size is not asked); empty: not an edge pipeline's first stage.
     edge_plan: str = ""
+    # Edge SD (services/device_agent/edge_server.py): this agent is the small base station's draft server for
+    # many users; requests in mode edge-sd wait up to edge_window_s for the round they join (at most
+    # edge_max_tasks), which is planned (chunk planner POST /edge-sd/plan) and run as batches pipelined against
+    # the verifier. edge_memory_budget: the SBS memory for the draft model (Γ_s); edge_bandwidth_mhz: the
+    # shared uplink (B_w, paper Table II: 20). A request's snr_db is its user's uplink SNR (else the planner's).
+    # The policy switches are the bench's baselines: edge_bandwidth eq27 | uniform, edge_batching dp | max,
+    # edge_spec_len 0 (chosen by eq. 7) or a fixed l, edge_pipeline false (draft and verify in turn).
+    edge_draft_server: bool = False
+    edge_window_s: float = 0.05
+    edge_max_tasks: int = 32
+    edge_memory_budget: str = "2GiB"
+    edge_bandwidth_mhz: float = 20.0
+    edge_bandwidth: str = "eq27"
+    edge_batching: str = "dp"
+    edge_spec_len: int = 0
+    edge_pipeline: bool = True
     # Emulated testbed (HAT §4.1): link profile name or spec (see shared/links.py), applied
     # in-process on the WebSocket; named profiles are for a 4096-wide model and get scaled
     # to this model's hidden size when link_scaled. Speed: orin | xavier | cycle | 1,2,5@5.
@@ -138,6 +154,23 @@ class Settings:
             raise ValueError(f"advertise_url must be an http(s) URL: {self.advertise_url!r}")
         if min(self.bandwidth_probe_interval_s, self.rtt_probe_interval_s, self.announce_interval_s) < 0:
             raise ValueError("probe intervals must be >= 0 (0 = never)")
+        self.edge_memory_budget_bytes  # parsed, so a bad size fails at start
+        if self.edge_bandwidth not in ("eq27", "uniform") or self.edge_batching not in ("dp", "max"):
+            raise ValueError(f"edge_bandwidth must be eq27 or uniform and edge_batching dp or max, got "
+                             f"{self.edge_bandwidth!r}, {self.edge_batching!r}")
+        if (self.edge_window_s < 0 or self.edge_max_tasks < 1 or self.edge_spec_len < 0
+                or not self.edge_bandwidth_mhz > 0):
+            raise ValueError("edge_window_s >= 0, edge_max_tasks >= 1, edge_spec_len >= 0 and "
+                             "edge_bandwidth_mhz > 0 are required")
+
+    @property
+    def edge_memory_budget_bytes(self) -> int:
+        from shared.links import parse_bytes
+
+        size = parse_bytes(self.edge_memory_budget, bits=False)
+        if size is None or size <= 0:
+            raise ValueError(f"edge_memory_budget must be a size like 2GiB, got {self.edge_memory_budget!r}")
+        return int(size)
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

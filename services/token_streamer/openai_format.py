@@ -56,6 +56,8 @@ class TophatOptions(BaseModel):
     migration: bool | None = None  # false: DiSCo without cost migrations (a lost cloud still hands over)
     # Jupiter's outline-based parallel decoding (outline.py), answered by the streamer, never forwarded.
     outline: bool | None = None
+    # Edge SD (mode edge-sd, services/device_agent/edge_server.py): this user's uplink SNR p g / σ² in dB.
+    snr_db: float | None = Field(default=None, ge=-30.0, le=150.0)
     # A known delay the streamer adds before the request starts: lets a benchmark harness prove
     # it measures what happens (see tests/test_bench_honesty.py). Not forwarded to the device.
     added_delay_ms: float | None = Field(default=None, ge=0, le=60_000)
