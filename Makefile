@@ -70,7 +70,8 @@ bench-jupiter: install
 	$(BIN)/tophat bench --edge-pipeline "$(EDGE_PIPELINE)" --lan lan --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/jupiter.json
 
-# Edge SD: the draft server and its four baselines, K users a round, the paper's channel and a 20 MHz uplink
+# Edge SD: the draft server and its four baselines, K = 8 users a round, the paper's channel, a 2 MHz uplink
+# (each user's share of the paper's 25 MHz for K = 100), the draft server 4x slower than this host
 bench-edge-sd: install
 	$(BIN)/tophat bench --edge-sd --tasks 8 --rounds 2 --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/edge-sd.json

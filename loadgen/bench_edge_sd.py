@@ -63,8 +63,14 @@ class EdgeSDBenchConfig:
     min_input: int = 16
     max_output: int = 32  # O_k uniform in [min_output, max_output]
     min_output: int = 8
-    bandwidth_mhz: float = 20.0
-    memory_budget: str = "2GiB"
+    # 2 MHz for K = 8 gives each user the share the paper's K = 100 users get of 25 MHz (Fig. 9)
+    bandwidth_mhz: float = 2.0
+    # The SBS memory Γ_s, as how many tasks of the longest kind a batch may hold beside the draft model's weights
+    # (eqs. 9-10): in the paper Γ_s = 16 GB holds LLaMA-1.1B and ~30 of its tasks, so K = 100 needs several batches.
+    tasks_per_batch_memory: int = 3
+    # The SBS drafts this many times slower than its compute here (the device speed setting): in the paper the
+    # SBS's GPU is ~20x slower per FLOP than the MBS's (Table II's c1), here both share one CPU.
+    sbs_slowdown: float = 4.0
     modes: Sequence[str] = EDGE_SD_MODES
     seed: int = 0
     timeout_s: float = 600.0
@@ -108,6 +114,16 @@ def trace(cfg: EdgeSDBenchConfig, rounds: int, rng: np.random.Generator) -> list
         outputs = rng.integers(cfg.min_output, cfg.max_output + 1, size=cfg.tasks)
         out.append([Task(int(i), int(o), s) for i, o, s in zip(inputs, outputs, user_snrs_db(cfg.tasks, rng))])
     return out
+
+
+def memory_budget_bytes(config: dict[str, Any], cfg: EdgeSDBenchConfig, split_layers: int = 2) -> int:
+    """Γ_s: the draft model's weights (eq. 9) and the KV (eq. 10) of `tasks_per_batch_memory` longest tasks."""
+    from shared.edge_sd.runtime import split_model_shapes
+
+    draft, _ = split_model_shapes(config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"],
+                                  split_layers)
+    longest = cfg.max_input + cfg.max_output + 8  # re-encoded prompts can come out a few tokens longer
+    return draft.weight_bytes + cfg.tasks_per_batch_memory * draft.kv_bytes_per_token * longest
 
 
 def predicted_inference_s(stages: Sequence[dict[str, Any]]) -> float | None:
@@ -169,6 +185,7 @@ async def _run_round(base_url: str, device_url: str, mode: str, index: int, task
 
 
 def run_edge_sd_bench(cfg: EdgeSDBenchConfig) -> dict[str, Any]:
+    from shared.model.checkpoint import read_config
     from tophatctl.launcher import Mesh, MeshConfig, find_port_base, mesh_model_dir
 
     unknown = set(cfg.modes) - set(EDGE_SD_MODES)
@@ -176,10 +193,12 @@ def run_edge_sd_bench(cfg: EdgeSDBenchConfig) -> dict[str, Any]:
         raise ValueError(f"unknown modes {sorted(unknown)}; choose from {', '.join(EDGE_SD_MODES)}")
     model_dir = mesh_model_dir(MeshConfig(model_dir=cfg.model))
     rounds = with_prompts(trace(cfg, cfg.rounds + 1, np.random.default_rng(cfg.seed)), model_dir, cfg.seed)
+    memory_budget = memory_budget_bytes(read_config(model_dir), cfg)
     samples: list[Sample] = []
     round_records: list[dict[str, Any]] = []
     for mode in cfg.modes:
-        env = {"edge_bandwidth_mhz": str(cfg.bandwidth_mhz), "edge_memory_budget": cfg.memory_budget,
+        env = {"edge_bandwidth_mhz": str(cfg.bandwidth_mhz), "edge_memory_budget": str(memory_budget),
+               "speed": f"{cfg.sbs_slowdown:g}",
                "edge_max_tasks": str(cfg.tasks), "edge_window_s": "0.2", **MODE_SETTINGS[mode]}
         config = MeshConfig(model_dir=str(model_dir), port_base=find_port_base(1), edge_draft_server=True,
                             auth=False, link_mode="inprocess", device_env=env)
@@ -206,7 +225,15 @@ def run_edge_sd_bench(cfg: EdgeSDBenchConfig) -> dict[str, Any]:
 def summarise_round(record: dict[str, Any]) -> dict[str, Any]:
     plan = record["plan"]
     predicted = predicted_inference_s(record["stages"])
+    decode = [s for s in record["stages"] if s["step"] > 1 and "verify_s" in s]
+    prefill = [s for s in record["stages"] if s["step"] == 1 and "verify_s" in s]
     return {"batches": plan["batches"], "spec_len": plan["spec_len"], "shares": plan["shares"],
+            "alpha": plan.get("alpha"), "draft_runtime": plan.get("draft_runtime"),
+            "verify_runtime": plan.get("verify_runtime"),
+            "mean_draft_step_ms": _mean([s["draft_s"] * 1e3 for s in decode]),
+            "mean_verify_step_ms": _mean([s["verify_s"] * 1e3 for s in decode]),
+            "prefill_draft_ms": sum(s["draft_s"] for s in prefill) * 1e3,
+            "prefill_verify_ms": sum(s["verify_s"] for s in prefill) * 1e3,
             "sources": plan["sources"], "upload_ms": record["upload_s"] * 1e3,
             "inference_ms": record["inference_s"] * 1e3,
             "eq20_predicted_inference_ms": None if predicted is None else predicted * 1e3,

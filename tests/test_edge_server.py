@@ -17,7 +17,7 @@ import torch
 from services.device_agent.cloud_client import WebSocketCloud
 from services.device_agent.edge_server import EdgeConfig, EdgeDraftServer, EdgeRequest
 from services.verifier_cloud.token_mode import TokenModel
-from shared.edge_sd.runtime import ModelShape
+from shared.edge_sd.runtime import ModelShape, split_model_shapes
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DraftConfig
 from shared.specdec.reference import generate_full
@@ -30,8 +30,7 @@ M = 2
 
 
 def shapes(checkpoint) -> tuple[ModelShape, ModelShape]:
-    ffn = checkpoint.config.intermediate_size
-    return (ModelShape(M + 1, checkpoint.hidden_size, ffn), ModelShape(checkpoint.num_layers, checkpoint.hidden_size, ffn))
+    return split_model_shapes(checkpoint.num_layers, checkpoint.hidden_size, checkpoint.config.intermediate_size, M)
 
 
 def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:

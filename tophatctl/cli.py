@@ -405,7 +405,9 @@ def bench(
                                  "--out may name the results JSON"),
     tasks: int = typer.Option(8, "--tasks", min=1, max=64, help="--edge-sd: users' tasks per round (K)"),
     rounds: int = typer.Option(2, "--rounds", min=1, help="--edge-sd: counted rounds per mode (after a warm-up)"),
-    bandwidth_mhz: float = typer.Option(20.0, "--bandwidth-mhz", help="--edge-sd: the shared uplink B_w (MHz)"),
+    bandwidth_mhz: float = typer.Option(2.0, "--bandwidth-mhz", help="--edge-sd: the shared uplink B_w (MHz)"),
+    sbs_slowdown: float = typer.Option(4.0, "--sbs-slowdown", min=1.0, help="--edge-sd: the draft server drafts "
+                                       "this many times slower than this host computes"),
     edge_sd_modes: str = typer.Option("edge-sd,uniform-bandwidth,max-batch,no-pipeline,fixed-length",
                                       "--edge-sd-modes", help="--edge-sd: the modes to run"),
 ):
@@ -416,7 +418,8 @@ def bench(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("loadgen").setLevel(logging.INFO)
     if edge_sd:
-        return _bench_edge_sd(tasks, rounds, bandwidth_mhz, edge_sd_modes, max_new_tokens, seed, model, out)
+        return _bench_edge_sd(tasks, rounds, bandwidth_mhz, sbs_slowdown, edge_sd_modes, max_new_tokens, seed, model,
+                              out)
     if edge_pipeline:
         return _bench_jupiter(edge_pipeline, lan, buckets, per_bucket, jupiter_modes, max_new_tokens, seed, model, out)
     if disco:
@@ -473,13 +476,14 @@ def bench(
     typer.echo(f"\nresults, per-request CSVs and plots under {out}/")
 
 
-def _bench_edge_sd(tasks: int, rounds: int, bandwidth_mhz: float, modes: str, max_new_tokens: int, seed: int,
-                   model: str, out: Path) -> None:
+def _bench_edge_sd(tasks: int, rounds: int, bandwidth_mhz: float, sbs_slowdown: float, modes: str,
+                   max_new_tokens: int, seed: int, model: str, out: Path) -> None:
     from loadgen.bench_edge_sd import EdgeSDBenchConfig, format_edge_sd_table, run_edge_sd_bench
     from tophatctl.launcher import MeshStartError
 
     target = out if out.suffix == ".json" else out / "edge-sd.json"
     cfg = EdgeSDBenchConfig(model=str(_model(model)), tasks=tasks, rounds=rounds, bandwidth_mhz=bandwidth_mhz,
+                            sbs_slowdown=sbs_slowdown,
                             max_output=max_new_tokens, seed=seed, out=target,
                             modes=[m.strip() for m in modes.split(",") if m.strip()])
     try:

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import httpx
 
@@ -33,7 +34,8 @@ from services.device_agent.cloud_client import CloudError, CloudUnavailable
 from shared.edge_sd.draft_batch import draft_batch, prefill_batch
 from shared.edge_sd.plan import EdgeTelemetry, PlanDefaults, PlanRequest, PlanRequestError, plan_round
 from shared.edge_sd.batching import InfeasibleBatchingError
-from shared.edge_sd.runtime import ModelShape
+from shared.device_speed import slowed, speed_schedule
+from shared.edge_sd.runtime import ModelShape, split_model_shapes
 from shared.specdec.device_session import SessionError
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.stream_session import StreamSession
@@ -331,16 +333,16 @@ def vars_of(shape: ModelShape) -> dict:
 
 def edge_draft_server(settings, checkpoint, cloud, http: httpx.AsyncClient) -> EdgeDraftServer:
     """The draft server a device agent runs with `edge_draft_server` (its settings' edge_* knobs)."""
-    config = checkpoint.config
-    hidden, ffn = checkpoint.hidden_size, config.intermediate_size
-    # the draft model: the first m layers and the adapter's block (the paper's J^d); the target: every layer
-    draft_shape = ModelShape(settings.split_layers + 1, hidden, ffn)
-    target_shape = ModelShape(checkpoint.num_layers, hidden, ffn)
+    draft_shape, target_shape = split_model_shapes(checkpoint.num_layers, checkpoint.hidden_size,
+                                                   checkpoint.config.intermediate_size, settings.split_layers)
     edge = EdgeConfig(window_s=settings.edge_window_s, max_tasks=settings.edge_max_tasks,
                       memory_budget_bytes=settings.edge_memory_budget_bytes,
                       bandwidth_hz=settings.edge_bandwidth_mhz * 1e6, bandwidth=settings.edge_bandwidth, batching=settings.edge_batching,
                       spec_len=settings.edge_spec_len or None, pipeline=settings.edge_pipeline,
                       downlink=settings.downlink, top_k=settings.top_k)
-    return EdgeDraftServer(cloud, draft_shape, target_shape, edge, asyncio.to_thread, http,
+    # The SBS's own speed (the paper's SBS GPU is far slower per FLOP than the MBS's, Table II's c1): its
+    # draft passes take `speed`'s slowdown x their compute here (shared/device_speed.py).
+    offload = partial(slowed, slowdown=speed_schedule(settings.speed).slowdown_for(0))
+    return EdgeDraftServer(cloud, draft_shape, target_shape, edge, offload, http,
                            settings.chunk_planner_url, settings.state_monitor_url, settings.planner_timeout_s,
                            settings.device_id)

@@ -98,6 +98,13 @@ class ModelShape:
         return self.forward_flops(1, kv_len)
 
 
+def split_model_shapes(num_layers: int, hidden: int, ffn: int, split_layers: int) -> tuple[ModelShape, ModelShape]:
+    """(draft, target) as Edge SD prices them for this project's draft model: the target's first m layers plus
+    the adapter's block (J^d = m + 1) against all of the target's layers (the embeddings and head, which the
+    paper leaves out of eqs. 9-14, are left out here too)."""
+    return ModelShape(split_layers + 1, hidden, ffn), ModelShape(num_layers, hidden, ffn)
+
+
 def draft_pass_flops(draft: ModelShape, input_len: int, step: int, draft_pass: int,
                      tokens_per_step: float) -> float:
     """Eq. 13: F^d_{i,n,m}, the draft model's FLOPs for forward pass i of step n, per task.
