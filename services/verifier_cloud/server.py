@@ -48,6 +48,7 @@ from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
 from shared import auth, wire
+from shared.capture import CaptureWriter
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config, split_fingerprint
 from shared.model.placement import PlacementError, detect_placement
 from shared.model.split import MiddleSubmodel, warm_up_layers
@@ -88,6 +89,7 @@ class VerifierServer:
         self.steps = 0
         self.ready = False
         self._pending_sends: set[asyncio.Task] = set()
+        self.capture: CaptureWriter | None = None  # settings.capture_path: opened while serving (serve_forever)
         self.runner: ModelRunner | None = None  # P = 1: the in-process runner and its KV
         self.pipeline: StagePipeline | None = None  # P > 1: the stage workers, each with its own runner
         self.engine: InProcessEngine | PipelineEngine
@@ -262,6 +264,10 @@ class VerifierServer:
                 raise wire.WireError(wire.ErrorCode.MALFORMED, "a token-mode session takes token messages only",
                                      message.session_id, message.seq_no)
             self._submit(work_item(message, self._replier(connection)), connection)
+            if self.capture is not None:  # only what was accepted as work: a refused frame raised above
+                prefill = isinstance(message, wire.PrefillChunk)
+                self.capture.record(message.session_id, message.seq_no, "prefill" if prefill else "verify",
+                                    message.start_pos if prefill else message.commit_len, message.hidden)
             return None
         raise wire.WireError(wire.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not accepted by the verifier",
                              getattr(message, "session_id", None), getattr(message, "seq_no", None))
@@ -429,6 +435,10 @@ class VerifierServer:
 
     async def serve_forever(self, stop: asyncio.Event, started: asyncio.Future | None = None) -> None:
         try:
+            if self.settings.capture_path:
+                self.capture = CaptureWriter.open(self.settings.capture_path)
+                log.warning("CAPTURE ON: every hidden-state frame accepted is appended to %s (an audit tool; "
+                            "it stores users' states)", self.settings.capture_path)
             if self.pipeline is not None:
                 await self.pipeline.start()  # bounded by stage_start_timeout_s; raises PipelineFailed
             await self._serve(stop, started)
@@ -439,6 +449,8 @@ class VerifierServer:
         finally:
             if self.pipeline is not None:
                 await self.pipeline.aclose()
+            if self.capture is not None:
+                self.capture.close()
 
     async def _serve(self, stop: asyncio.Event, started: asyncio.Future | None) -> None:
         # The transport's limit is the frame limit: a bigger frame is refused (close 1009) from its header,

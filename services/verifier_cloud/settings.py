@@ -78,6 +78,10 @@ class Settings:
     stage_slowdowns: str = ""
     stage_links: str = ""
     stage_host: str = "127.0.0.1"
+    # An audit tool (measured privacy, shared/capture.py): append every hidden-state frame this verifier accepts
+    # (PrefillChunk, VerifyRequest; as received, in the wire dtype) to this file, so what a cloud could keep can
+    # be attacked offline. Empty: off. When on, the verifier logs a WARNING at start: it stores users' states.
+    capture_path: str = ""
 
     def __post_init__(self) -> None:
         if self.stage_layers.strip() and self.pipeline_stages == 1:
