@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import threading
 import time
@@ -87,7 +88,13 @@ async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=No
 
     # model_dir names the checkpoint's files: the verifier fingerprints its split from them
     settings = Settings(**{"port": 0, "split_layers": split_layers, "model_dir": str(checkpoint.path), **overrides})
-    server = VerifierServer(settings, MiddleSubmodel(checkpoint, split_layers), checkpoint.config.max_position_embeddings,
+    middle = MiddleSubmodel(checkpoint, split_layers)
+    if settings.hidden_rotation:  # as from_settings does, on a copy: the caller's checkpoint stays the public one
+        from shared.model.rotation import apply_secret_rotation
+
+        middle = copy.deepcopy(middle)
+        apply_secret_rotation(middle, settings.hidden_rotation)
+    server = VerifierServer(settings, middle, checkpoint.config.max_position_embeddings,
                             checkpoint.hidden_size, token_model=token_model)
     async with serving_verifier(server, start_timeout_s=10) as url:
         yield server, url

@@ -103,6 +103,9 @@ class MeshConfig:
     # minting its own short-lived tokens; auth_secret empty: a random one per Mesh. auth=False: open, as before.
     auth: bool = True
     auth_secret: str = field(default="", repr=False)
+    # Secret rotation of the hidden basis (shared/model/rotation.py): the verifiers re-parameterise their middle
+    # layers for it, the device agents rotate their uplink with it (TOPHAT_*_HIDDEN_ROTATION). Empty: off.
+    hidden_rotation: str = field(default="", repr=False)
     # `tophat up`: restart a process that dies (tophatctl/supervisor.py) and keep a JSON list of every
     # process (role, pid, url) in state_file, rewritten after each restart.
     supervise: bool = False
@@ -362,6 +365,7 @@ class Mesh:
             "TOPHAT_DEVICE_ETA": str(cfg.eta),
             "TOPHAT_DEVICE_LINK": cfg.per_device(cfg.link, i),
             "TOPHAT_DEVICE_SPEED": cfg.per_device(cfg.speed, i),
+            **({"TOPHAT_DEVICE_HIDDEN_ROTATION": cfg.hidden_rotation} if cfg.hidden_rotation else {}),
             **{f"TOPHAT_DEVICE_{k.upper()}": v for k, v in cfg.device_env.items()},
         }
 
@@ -465,6 +469,7 @@ class Mesh:
                 "TOPHAT_VERIFIER_MODEL_DIR": model_dir,
                 "TOPHAT_VERIFIER_SPLIT_LAYERS": str(cfg.split_layers),
                 "TOPHAT_VERIFIER_STATE_MONITOR_URL": cfg.monitor_url,
+                **({"TOPHAT_VERIFIER_HIDDEN_ROTATION": cfg.hidden_rotation} if cfg.hidden_rotation else {}),
                 **edge_env,
             }, f"{cfg.http_scheme}://{cfg.host}:{cfg.verifier_port + j}/readyz") for j in range(cfg.verifiers)]
             if cfg.discover_devices:

@@ -61,7 +61,9 @@ from shared.latency_stats import Timeline
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.metrics import DeviceMetrics, metrics_response
 from shared.jupiter.plan import load_plan
+from shared.hardening import with_noise, with_rotation
 from shared.model.checkpoint import load_checkpoint, split_fingerprint
+from shared.model.rotation import rotated_fingerprint
 from shared.model.placement import detect_placement
 from shared.runtime import build_device_model, encode_prompt
 from shared.specdec.device_session import DeviceSession, DraftConfig, SessionError, warm_up_device
@@ -195,12 +197,19 @@ class DeviceAgent:
                                     on_transfer=self._on_transfer, link=link if link.shaped else None,
                                     on_frame=self.metrics.frame,
                                     split_layers=settings.split_layers,
-                                    fingerprint=split_fingerprint(settings.model_dir, settings.split_layers),
+                                    fingerprint=rotated_fingerprint(split_fingerprint(settings.model_dir,
+                                                                                      settings.split_layers),
+                                                                    settings.hidden_rotation),
                                     tls_ca=settings.tls_ca, auth=credential)
         # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
         # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
-        self.sessions_cloud = ReplayingCloud(self.cloud, verifier_lost, deadline_s=settings.failover_deadline_s,
-                                             on_replay=self._on_replay)
+        # Uplink hardening (shared/hardening.py) for the hidden-state modes: rotation inside the replay (replays are
+        # rotated too), noise outside it (the replay log keeps the noisy rows, so a replay rebuilds the same cache).
+        hidden_cloud = with_rotation(self.cloud, settings.hidden_rotation, self.checkpoint.hidden_size)
+        self.sessions_cloud = with_noise(ReplayingCloud(hidden_cloud, verifier_lost,
+                                                        deadline_s=settings.failover_deadline_s,
+                                                        on_replay=self._on_replay), settings.uplink_noise)
+        self.async_cloud = with_noise(hidden_cloud, settings.uplink_noise)  # hat-async: no replay
         self.speed = speed_schedule(settings.speed)
         self.requests_served = 0
         self.replays = 0  # sessions moved to another verifier (or the same one, restarted)
@@ -356,7 +365,7 @@ class DeviceAgent:
             chunking = request.option("prompt_chunking", settings)
             plan = await self.plan() if chunking and not request.chunk_size else None
             chunk_size = (request.chunk_size or plan.chunk_for(len(session.prompt_ids))) if chunking else None
-            rounds = hat_async_session(session, self.cloud, session_id, fixed_chunks(len(session.prompt_ids), chunk_size),
+            rounds = hat_async_session(session, self.async_cloud, session_id, fixed_chunks(len(session.prompt_ids), chunk_size),
                                        config, offload, request.option("overlap_prefill", settings))
         else:
             rounds = token_stream_session(session, self.cloud, session_id, config, offload,

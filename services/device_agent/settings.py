@@ -113,6 +113,12 @@ class Settings:
     # Instead of (or beside) the secret: this device's own token, sent on its calls (the verifier, monitor,
     # planner); it cannot be used for another device, but without the secret /generate stays open.
     auth_token: str = field(default="", repr=False)
+    # Uplink hardening (shared/hardening.py), for the hidden-state modes (hat, hat-async). hidden_rotation: the
+    # verifier's secret (its middle layers are re-parameterised for it): shallow states go up as shallow @ Q^T,
+    # exact; empty: off. uplink_noise: Gaussian noise of std uplink_noise x each row's RMS on every row sent;
+    # NOT lossless: the output is then the split model's on the noisy states; 0: off.
+    hidden_rotation: str = field(default="", repr=False)
+    uplink_noise: float = 0.0
     log_level: str = "info"
     # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
     # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
@@ -142,6 +148,8 @@ class Settings:
             raise ValueError("parallel_candidates and parallel_steps must be >= 0")
         if self.max_sessions < 1 or self.default_chunk_size < 1 or self.max_kept < 1:
             raise ValueError("max_sessions, default_chunk_size and max_kept must be >= 1")
+        if not self.uplink_noise >= 0:
+            raise ValueError(f"uplink_noise must be >= 0 (0 = off), got {self.uplink_noise}")
         if self.kept_ttl_s <= 0:
             raise ValueError("kept_ttl_s must be > 0")
         if min(self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s, self.failover_deadline_s) <= 0:

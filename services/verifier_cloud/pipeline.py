@@ -95,7 +95,7 @@ def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | No
     links = parse_stage_links(settings.stage_links, len(ranges))  # P + 1 hops
     return [StageSpec(i, settings.model_dir, settings.split_layers, r, settings.torch_threads, settings.log_level,
                       device=device, dtype=settings.dtype, host=settings.stage_host, in_link=links[i],
-                      out_link=links[i + 1], slowdown=slowdowns[i])
+                      out_link=links[i + 1], slowdown=slowdowns[i], hidden_rotation=settings.hidden_rotation)
             for i, (r, device) in enumerate(zip(ranges, devices))]
 
 

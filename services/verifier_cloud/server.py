@@ -51,6 +51,7 @@ from shared import auth, wire
 from shared.capture import CaptureWriter
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config, split_fingerprint
 from shared.model.placement import PlacementError, detect_placement
+from shared.model.rotation import apply_secret_rotation, rotated_fingerprint
 from shared.model.split import MiddleSubmodel, warm_up_layers
 from shared.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, exposition
 from shared.settings import SettingsError
@@ -74,7 +75,9 @@ class VerifierServer:
         self.settings = settings
         self.hidden_size = hidden_size
         # What every OpenSession must match (read from the files, so P > 1 needs no weights here)
-        self.split_fingerprint = split_fingerprint(settings.model_dir, settings.split_layers)
+        # With a hidden rotation the fingerprint names it too: a device with another secret (or none) is refused.
+        self.split_fingerprint = rotated_fingerprint(split_fingerprint(settings.model_dir, settings.split_layers),
+                                                     settings.hidden_rotation)
         self.token_model = token_model
         self.scheduler = Scheduler(settings.max_batch_tokens, settings.max_sessions, context_length,
                                    server_chunk_tokens=settings.server_chunk_tokens,
@@ -125,6 +128,8 @@ class VerifierServer:
             raise SettingsError(f"Settings: {exc}") from exc
         checkpoint = load_checkpoint(settings.model_dir, dtype=placement.dtype, with_tokenizer=False)
         middle = MiddleSubmodel(checkpoint, settings.split_layers)
+        if settings.hidden_rotation:  # this process's own copy of the weights: re-parameterised in place
+            apply_secret_rotation(middle, settings.hidden_rotation)
         # Without full_model only the middle layers outlive `checkpoint`: no embeddings, no head.
         token_model = TokenModel(checkpoint, settings.split_layers) if settings.full_model else None
         middle.to(placement.device)  # moves only what this process keeps; KV and inputs follow the weights

@@ -47,6 +47,10 @@ class Settings:
     # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
     # open); empty: open, as before. repr=False: settings are never printed with it.
     auth_secret: str = field(default="", repr=False)
+    # Secret rotation of the hidden basis (shared/model/rotation.py): the middle layers are re-parameterised at
+    # load for this secret, the devices (same secret) rotate what they send; exact. Empty: off. A cloud that
+    # holds these weights and the public checkpoint can solve for the rotation (tophatctl/privacy/).
+    hidden_rotation: str = field(default="", repr=False)
     log_level: str = "info"
     # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
     # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
@@ -128,6 +132,9 @@ class Settings:
                 raise ValueError(f"stage_layers gives {len(ranges)} stages but pipeline_stages is {self.pipeline_stages}")
         parse_stage_slowdowns(self.stage_slowdowns, self.pipeline_stages)
         parse_stage_links(self.stage_links, self.pipeline_stages)
+        if self.full_model and self.hidden_rotation:
+            raise ValueError("full_model (token mode) runs layers [0, m) and the head beside the middle layers: it "
+                             "cannot serve a rotated middle (hidden_rotation); token mode has no privacy anyway")
         if self.full_model and self.stage_workers:
             raise ValueError("full_model (token mode) runs in-process: it needs pipeline_stages = 1 and no stage_* "
                              f"settings, got {self.pipeline_stages} stage(s)")

@@ -142,6 +142,7 @@ class StageSpec:
     in_link: LinkProfile = UNSHAPED  # hop into this stage (the sender, one hop up, paces it)
     out_link: LinkProfile = UNSHAPED  # hop out of this stage, paced here
     slowdown: float = 1.0  # emulated device speed (shared/device_speed.py): compute stretched this many times
+    hidden_rotation: str = field(default="", repr=False)  # the verifier's secret rotation (shared/model/rotation.py)
 
 
 # Every message that may cross a hop; a new message type is one more entry here.
@@ -217,6 +218,10 @@ def _build(spec: StageSpec) -> StageWorker:
         torch.cuda.set_device(placement.device)  # anything left implicit lands on this stage's GPU, not cuda:0
     checkpoint = load_checkpoint(spec.model_dir, dtype=placement.dtype, with_tokenizer=False)
     middle = MiddleSubmodel(checkpoint, spec.split_layers, stage=spec.layers)
+    if spec.hidden_rotation:  # every layer of the middle is rotated the same way: a stage is a sub-range
+        from shared.model.rotation import apply_secret_rotation
+
+        apply_secret_rotation(middle, spec.hidden_rotation)
     middle.to(placement.device)  # only this stage's layers (and the rotary table) go to the GPU
     warm_up_layers(middle, checkpoint.hidden_size)
     # Dropping the checkpoint frees the embeddings, head and other stages' layers in this process.

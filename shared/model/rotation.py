@@ -143,3 +143,16 @@ def rotate_layers(layer_range: LayerRange, q: torch.Tensor) -> None:
             if linear.bias is not None:
                 bias = linear.bias.detach().to(torch.float64).cpu()  # [H]
                 linear.bias.copy_((q64 @ bias).to(device=linear.bias.device, dtype=linear.bias.dtype))
+
+
+def apply_secret_rotation(layer_range: LayerRange, secret: str) -> None:
+    """The verifier's load step: re-parameterise its middle layers (or one stage's) for the deployment's secret.
+    Q in fp64 here (the weights take one rounding each); the device builds the same Q from the same secret."""
+    hidden = layer_range.layers[0].input_layernorm.weight.shape[0]
+    rotate_layers(layer_range, secret_rotation(secret, hidden, torch.float64))
+
+
+def rotated_fingerprint(fingerprint: int, secret: str) -> int:
+    """The split fingerprint both sides present at OpenSession: with a rotation, XOR its tag (a mismatch is then
+    refused as SPLIT_MISMATCH, not decoded into noise); without one, unchanged."""
+    return fingerprint ^ rotation_tag(secret) if secret else fingerprint
