@@ -177,3 +177,49 @@ def test_device_agent_and_loopback_verifier_with_the_same_secret(tiny_llama_dir,
     assert other_done["type"] == "error" and "fingerprint" in other_done["message"]
     # the fixture's checkpoint is public: the verifier rotated a copy
     assert generate_full(checkpoint, ids, 16).token_ids == expected
+
+
+def test_each_pipeline_stage_is_rotated_from_its_spec(tiny_qwen2_dir):
+    """P > 1: every stage worker re-parameterises its own sub-range; chained, they compute the rotated middle."""
+    from services.verifier_cloud.pipeline import plan_stages
+    from services.verifier_cloud.settings import Settings
+    from services.verifier_cloud.stages import _build
+
+    settings = Settings(model_dir=str(tiny_qwen2_dir), split_layers=2, pipeline_stages=2, device="cpu",
+                        hidden_rotation="staged")
+    specs = plan_stages(settings, 5)
+    assert [s.layers for s in specs] == [(2, 4), (4, 5)] and all(s.hidden_rotation == "staged" for s in specs)
+    assert "staged" not in repr(specs[0]) and "staged" not in repr(settings)
+    stages = [_build(spec).runner.layers for spec in specs]
+    original = MiddleSubmodel(load_checkpoint(tiny_qwen2_dir, with_tokenizer=False), 2)
+    q = secret_rotation("staged", 64)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))  # [S, H]
+    expected = original.forward_batch([(original.new_cache(), x)])[0]
+    hidden = x @ q.T
+    for stage in stages:
+        hidden = stage.forward_batch([(stage.new_cache(), hidden)])[0]
+    assert torch.allclose(hidden @ q, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_settings_refuse_what_cannot_hold():
+    from services.device_agent.settings import Settings as DeviceSettings
+    from services.verifier_cloud.settings import Settings as VerifierSettings
+
+    with pytest.raises(ValueError, match="full_model"):
+        VerifierSettings(full_model=True, hidden_rotation="s").validate()
+    with pytest.raises(ValueError, match="uplink_noise"):
+        DeviceSettings(uplink_noise=-0.5).validate()
+    assert "topsecret" not in repr(DeviceSettings(hidden_rotation="topsecret"))
+
+
+def test_device_agent_with_uplink_noise_still_serves(tiny_llama_dir):
+    """Noise is wired in (hat: outside the replaying cloud): the request completes; its tokens are the noisy split
+    model's, so they are not compared with the unsplit model's."""
+    checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
+
+    async def main():
+        async with verifier_on_loopback(checkpoint, 2) as (_server, url):
+            return await _generate_via_agent(tiny_llama_dir, url, [7, 7, 3, 2], uplink_noise=0.05)
+
+    tokens, done = asyncio.run(main())
+    assert done["type"] == "done" and len(tokens) == 16
