@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -193,11 +194,16 @@ class EdgeDraftServer:
                 await job
         if verifying:  # the step's barrier (eq. 21): step n+1 starts when all of step n is back
             await asyncio.gather(*verifying)
+        # T^v of each batch as eq. 20 means it: the verifier's time on it, not its wait behind the batch before
+        # (a batch sent while the one before is still verified queues at the verifier)
+        previous_end = -math.inf
+        for entry in (e for e in record.stages if e["step"] == step and "verify_end_s" in e):
+            entry["verify_s"] = entry["verify_end_s"] - max(entry["verify_start_s"], previous_end)
+            previous_end = max(previous_end, entry["verify_end_s"])
 
     async def _timed_verify(self, record: RoundRecord, entry: dict, verify: Callable, live, work) -> None:
-        started = time.perf_counter()
+        entry["verify_start_s"] = time.perf_counter() - record.started
         await verify(live, work)
-        entry["verify_s"] = time.perf_counter() - started
         entry["verify_end_s"] = time.perf_counter() - record.started
 
     # -- the stages -----------------------------------------------------------------------------------
