@@ -591,5 +591,15 @@ def _mount_jupiter_planning() -> None:
 _mount_jupiter_planning()
 
 
+def _mount_privacy() -> None:
+    from tophatctl.privacy.command import privacy_command
+
+    app.command("privacy", help="What the cloud can recover from the hidden states it is sent, per split depth, "
+                "attack and defence (tophatctl/privacy/).")(privacy_command)
+
+
+_mount_privacy()
+
+
 if __name__ == "__main__":
     app()
