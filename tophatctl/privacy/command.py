@@ -67,7 +67,7 @@ def privacy_command(
                                  "--defence-split)"),
     defence_split: int = typer.Option(2, "--defence-split", help="the m the defences are measured at"),
     train_tokens: int = typer.Option(30_000, "--train-tokens", min=100, help="the attacker's public text (tokens)"),
-    steps: int = typer.Option(1500, min=1, help="optimiser steps of the learned attacks"),
+    steps: int = typer.Option(800, min=1, help="optimiser steps of the learned attacks"),
     prompts: int = typer.Option(16, min=1, help="held-out prompts the cloud is sent"),
     max_new_tokens: int = typer.Option(16, "--max-new-tokens", min=1),
     as_json: bool = typer.Option(False, "--json", help="print the results JSON instead of the tables"),

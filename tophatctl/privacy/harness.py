@@ -47,7 +47,7 @@ class PrivacyConfig:
     eval_prompts: int = 16
     prompt_tokens: int = 96
     max_new_tokens: int = 16
-    steps: int = 1500  # the learned attacks' optimiser steps
+    steps: int = 800  # the learned attacks' optimiser steps
     seed: int = 0
 
 
@@ -188,15 +188,22 @@ def _transformed(examples, matrix: torch.Tensor):
     return [(states @ matrix, ids) for states, ids in examples]
 
 
-def attack_rows(checkpoint, cfg: PrivacyConfig, split_layers: int, train, captured: Captured, defence: str,
-                attacker: str, budget) -> list[dict[str, Any]]:
-    """Fit each attack on `train` (as this attacker sees it) and score it on what the cloud captured."""
+def fit_attacks(checkpoint, cfg: PrivacyConfig, train, budget) -> dict[str, tuple[Any, dict]]:
+    """Every attack fitted on `train` (what this attacker can compute or observe), with the budget it spent."""
+    fitted = {}
+    for name in cfg.attacks:
+        attack = make_attack(name, checkpoint)
+        fitted[name] = (attack, attack.fit(train, budget))
+    return fitted
+
+
+def attack_rows(fitted: dict[str, tuple[Any, dict]], split_layers: int, captured: Captured, defence: str,
+                attacker: str) -> list[dict[str, Any]]:
+    """Score each fitted attack on what the cloud captured: prompt rows and verify-frame rows apart."""
     from tophatctl.privacy.attacks import recovery
 
     rows = []
-    for name in cfg.attacks:
-        attack = make_attack(name, checkpoint)
-        spent = attack.fit(train, budget)
+    for name, (attack, spent) in fitted.items():
         row = {"m": split_layers, "attack": name, "defence": defence, "attacker": attacker}
         prompt = recovery(attack, captured.prompts)
         row.update(top1=prompt["top1"], top5=prompt["top5"], tokens=prompt["tokens"])
@@ -240,8 +247,9 @@ def run_privacy(cfg: PrivacyConfig) -> dict[str, Any]:
         train = dataset(checkpoint, [f.text for f in train_files], m, cfg.prompt_tokens, cfg.train_tokens)
         plain = asyncio.run(capture_run(checkpoint, m, prompts, expected, cfg.max_new_tokens))
         costs.append(cost_row(m, "none", plain))
+        public = fit_attacks(checkpoint, cfg, train, budget)  # trained on the public checkpoint's states
         if "none" in cfg.defences:
-            results += attack_rows(checkpoint, cfg, m, train, plain, "none", "public", budget)
+            results += attack_rows(public, m, plain, "none", "public")
         if m != cfg.defence_split:
             continue
         if "rotation" in cfg.defences:
@@ -250,22 +258,22 @@ def run_privacy(cfg: PrivacyConfig) -> dict[str, Any]:
             costs.append(cost_row(m, "rotation", rotated))
             q = secret_rotation(ROTATION_SECRET, checkpoint.hidden_size, torch.float32)
             # The cloud's own copy of its re-parameterised layers, against the public checkpoint's.
-            public, held = MiddleSubmodel(checkpoint, m), MiddleSubmodel(load_checkpoint(cfg.model_dir), m)
+            held = MiddleSubmodel(load_checkpoint(cfg.model_dir, with_tokenizer=False), m)
             apply_secret_rotation(held, ROTATION_SECRET)
-            q_hat = recover_rotation(public, held).float()
+            q_hat = recover_rotation(MiddleSubmodel(checkpoint, m), held).float()
             notes["rotation_recovery_error"] = rotation_error(q_hat, q)
-            results += attack_rows(checkpoint, cfg, m, train, rotated, "rotation", "public", budget)
+            results += attack_rows(public, m, rotated, "rotation", "public")
             unrotated = Captured(_transformed(rotated.prompts, q_hat), _transformed(rotated.drafts, q_hat))
-            results += attack_rows(checkpoint, cfg, m, train, unrotated, "rotation", "knows-weights", budget)
+            results += attack_rows(public, m, unrotated, "rotation", "knows-weights")
             # states x Q^T of text the cloud chose, seen on the wire when it sends that text through a device
-            results += attack_rows(checkpoint, cfg, m, _transformed(train, q.T), rotated, "rotation", "provoked",
-                                   budget)
+            provoked = fit_attacks(checkpoint, cfg, _transformed(train, q.T), budget)
+            results += attack_rows(provoked, m, rotated, "rotation", "provoked")
         for defence in (d for d in cfg.defences if d.startswith("noise:")):
             sigma = float(defence.split(":", 1)[1])
             noisy = asyncio.run(capture_run(checkpoint, m, prompts, expected, cfg.max_new_tokens, noise=sigma))
             costs.append(cost_row(m, defence, noisy))
-            results += attack_rows(checkpoint, cfg, m, _noised(train, sigma, cfg.seed), noisy, defence,
-                                   "knows-noise", budget)
+            knowing = fit_attacks(checkpoint, cfg, _noised(train, sigma, cfg.seed), budget)
+            results += attack_rows(knowing, m, noisy, defence, "knows-noise")
     return {"config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
                        "model_dir": str(cfg.model_dir), "train_tokens_used": cfg.train_tokens},
             "results": results, "costs": costs, "notes": notes, "wall_s": time.perf_counter() - started}
