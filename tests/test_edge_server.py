@@ -8,6 +8,7 @@ verification, against its exact marginal computed from the model)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import numpy as np
@@ -151,3 +152,35 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir):
     marginal = (go_on[:, None] * second).sum(0)  # [V], unnormalised: the test normalises
     assert_samples_follow(np.array([o[0] for o in outputs]), first)
     assert_samples_follow(np.array([o[1] for o in outputs if len(o) == 2]), marginal)
+
+
+@pytest.mark.parametrize("answer", [
+    {"batches": [[0], [0]], "spec_len": 2, "upload_s": [0.1, 0.1], "sources": {}},  # a task twice, one missing
+    {"batches": [[0, 1]], "spec_len": 0, "upload_s": [0.1, 0.1], "sources": {}},
+    {"batches": [[0, 1]], "spec_len": 2, "upload_s": [0.1, float("nan")], "sources": {}},
+    {"batches": [[0, 1]], "spec_len": 2, "upload_s": [0.1], "sources": {}},
+    {"batches": [[0, True]], "spec_len": 2, "upload_s": [0.1, 0.1], "sources": {}},
+    ["not", "a", "plan"],
+], ids=["duplicate", "zero-l", "nan-upload", "short-uploads", "bool-index", "list"])
+def test_a_planner_answer_that_does_not_fit_the_round_is_not_run(demo_checkpoint, answer):
+    import httpx
+
+    from services.device_agent.edge_server import plan_fits
+
+    assert not plan_fits(answer, 2)
+    assert plan_fits({"batches": [[1], [0]], "spec_len": 2, "upload_s": [0.1, 0.0], "sources": {}}, 2)
+    device_model = build_device_model(demo_checkpoint, M, None)
+    sessions = [StreamSession(device_model, p, SamplingParams(), DraftConfig(0.0, 8), 4) for p in ([5, 6, 7], [8, 9])]
+
+    async def main():
+        # a planner gone wrong (json.dumps writes NaN as the bare token a JSON parser may still accept)
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=json.dumps(answer).encode(),
+                                                                       headers={"content-type": "application/json"}))
+        async with httpx.AsyncClient(transport=transport) as http:
+            edge = EdgeDraftServer(None, *shapes(demo_checkpoint), EdgeConfig(), asyncio.to_thread, http,
+                                   planner_url="http://planner")
+            return await edge.plan([EdgeRequest(s, i + 1, None) for i, s in enumerate(sessions)])
+
+    plan = asyncio.run(main())
+    assert plan["sources"]["planner"] == "default:planner-bad-answer"
+    assert sorted(i for b in plan["batches"] for i in b) == [0, 1]

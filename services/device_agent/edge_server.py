@@ -44,6 +44,7 @@ from shared.specdec.stream_session import StreamSession
 log = logging.getLogger("services.device_agent.edge_server")
 
 SAMPLES_KEPT = 512  # runtime and verdict samples kept for planning without the planner
+PLAN_TIMEOUT_S = 10.0  # a plan is a DP per speculation length: seconds for a large round, not a lookup
 
 
 @dataclass(frozen=True)
@@ -267,11 +268,17 @@ class EdgeDraftServer:
         failure = "default:no-planner"
         if self.planner_url and self.http is not None:
             try:
-                response = await self.http.post(f"{self.planner_url}/edge-sd/plan", json=body, timeout=self.timeout_s)
-                if response.status_code == 200:
-                    return response.json()
-                failure = f"default:planner-error-{response.status_code}"
-            except (httpx.HTTPError, ValueError) as exc:
+                response = await self.http.post(f"{self.planner_url}/edge-sd/plan", json=body,
+                                                timeout=max(self.timeout_s, PLAN_TIMEOUT_S))
+                if response.status_code != 200:
+                    failure = f"default:planner-error-{response.status_code}"
+                elif plan_fits(answer := _json_or_none(response), len(requests)):
+                    return answer
+                else:
+                    log.warning("the chunk planner's edge-sd plan does not fit the round's %d tasks; planning here",
+                                len(requests))
+                    failure = "default:planner-bad-answer"
+            except httpx.HTTPError as exc:
                 log.info("edge-sd plan from the chunk planner failed (%s); planning here", exc)
                 failure = "default:planner-unreachable"
         try:
@@ -352,3 +359,26 @@ def edge_draft_server(settings, checkpoint, cloud, http: httpx.AsyncClient) -> E
     return EdgeDraftServer(cloud, draft_shape, target_shape, edge, offload, http,
                            settings.chunk_planner_url, settings.state_monitor_url, settings.planner_timeout_s,
                            settings.device_id)
+
+
+def _json_or_none(response: httpx.Response) -> object:
+    try:
+        return response.json()
+    except ValueError:  # not JSON (or NaN / Infinity, which JSON does not have)
+        return None
+
+
+def plan_fits(plan: object, tasks: int) -> bool:
+    """A plan this server can run: every task in exactly one batch, l >= 1, an upload time per task."""
+    if not isinstance(plan, dict):
+        return False
+    batches, spec_len, uploads = plan.get("batches"), plan.get("spec_len"), plan.get("upload_s")
+    if not (isinstance(batches, list) and all(isinstance(b, list) and b for b in batches)):
+        return False
+    members = [i for b in batches for i in b]
+    return (all(isinstance(i, int) and not isinstance(i, bool) for i in members)
+            and sorted(members) == list(range(tasks))
+            and isinstance(spec_len, int) and not isinstance(spec_len, bool) and 1 <= spec_len <= 64
+            and isinstance(uploads, list) and len(uploads) == tasks
+            and all(isinstance(u, (int, float)) and 0 <= u < 3600 for u in uploads)
+            and isinstance(plan.get("sources"), dict))
