@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
 MODEL ?= smollm2
 
-.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd soak clean
+.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -69,6 +69,10 @@ EDGE_PIPELINE ?= orin;xavier;xavier
 bench-jupiter: install
 	$(BIN)/tophat bench --edge-pipeline "$(EDGE_PIPELINE)" --lan lan --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/jupiter.json
+
+# What the cloud can recover from the hidden states it is sent, per split depth, attack and defence (~40 min)
+privacy: install
+	$(BIN)/tophat privacy --model $(MODEL) --out bench-results/privacy.json
 
 # Edge SD: the draft server and its four baselines, K = 8 users a round, the paper's channel, a 2 MHz uplink
 # (each user's share of the paper's 25 MHz for K = 100), the draft server 4x slower than this host

@@ -247,7 +247,9 @@ def run_privacy(cfg: PrivacyConfig) -> dict[str, Any]:
         train = dataset(checkpoint, [f.text for f in train_files], m, cfg.prompt_tokens, cfg.train_tokens)
         plain = asyncio.run(capture_run(checkpoint, m, prompts, expected, cfg.max_new_tokens))
         costs.append(cost_row(m, "none", plain))
-        public = fit_attacks(checkpoint, cfg, train, budget)  # trained on the public checkpoint's states
+        wants_public = "none" in cfg.defences or (m == cfg.defence_split and "rotation" in cfg.defences)
+        # trained on the public checkpoint's states (only where a row uses them)
+        public = fit_attacks(checkpoint, cfg, train, budget) if wants_public else {}
         if "none" in cfg.defences:
             results += attack_rows(public, m, plain, "none", "public")
         if m != cfg.defence_split:
