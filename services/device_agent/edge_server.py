@@ -33,7 +33,8 @@ import httpx
 
 from services.device_agent.cloud_client import CloudError, CloudUnavailable
 from shared.edge_sd.draft_batch import draft_batch, prefill_batch
-from shared.edge_sd.plan import EdgeTelemetry, PlanDefaults, PlanRequest, PlanRequestError, plan_round
+from shared.edge_sd.bandwidth import embedding_bits_per_token
+from shared.edge_sd.plan import EdgeTask, EdgeTelemetry, PlanDefaults, PlanRequest, plan_round
 from shared.edge_sd.batching import InfeasibleBatchingError
 from shared.device_speed import slowed, speed_schedule
 from shared.edge_sd.runtime import ModelShape, split_model_shapes
@@ -251,24 +252,22 @@ class EdgeDraftServer:
         await self.cloud.close(request.session_id)  # bounded: the client times out its requests
 
     # -- planning -------------------------------------------------------------------------------------
-    def plan_request(self, requests: Sequence[EdgeRequest]) -> dict:
+    def plan_request(self, requests: Sequence[EdgeRequest]) -> PlanRequest:
         config = self.config
-        return {
-            "tasks": [{"input_tokens": len(r.session.prompt_ids), "output_tokens": r.session.max_new_tokens,
-                       "snr_db": r.snr_db} for r in requests],
-            "draft_shape": vars_of(self.draft_shape), "target_shape": vars_of(self.target_shape),
-            "memory_budget_bytes": config.memory_budget_bytes, "bandwidth_hz": config.bandwidth_hz,
-            "bits_per_token": 16.0 * (self.draft_shape.hidden + self.target_shape.hidden),  # λ, §II-D
-            "bandwidth": config.bandwidth, "batching": config.batching, "spec_len": config.spec_len,
-        }
+        return PlanRequest(
+            tasks=tuple(EdgeTask(len(r.session.prompt_ids), r.session.max_new_tokens, r.snr_db) for r in requests),
+            draft_shape=self.draft_shape, target_shape=self.target_shape,
+            memory_budget_bytes=config.memory_budget_bytes, bandwidth_hz=config.bandwidth_hz,
+            bits_per_token=embedding_bits_per_token(self.draft_shape.hidden, self.target_shape.hidden),  # λ, §II-D
+            bandwidth=config.bandwidth, batching=config.batching, spec_len=config.spec_len)
 
     async def plan(self, requests: Sequence[EdgeRequest]) -> dict:
         """The round's plan from the chunk planner; planned here from this server's samples without it."""
-        body = self.plan_request(requests)
+        request = self.plan_request(requests)
         failure = "default:no-planner"
         if self.planner_url and self.http is not None:
             try:
-                response = await self.http.post(f"{self.planner_url}/edge-sd/plan", json=body,
+                response = await self.http.post(f"{self.planner_url}/edge-sd/plan", json=request.as_dict(),
                                                 timeout=max(self.timeout_s, PLAN_TIMEOUT_S))
                 if response.status_code != 200:
                     failure = f"default:planner-error-{response.status_code}"
@@ -282,9 +281,8 @@ class EdgeDraftServer:
                 log.info("edge-sd plan from the chunk planner failed (%s); planning here", exc)
                 failure = "default:planner-unreachable"
         try:
-            plan = plan_round(PlanRequest.from_dict(body), self.telemetry,
-                              PlanDefaults()).as_dict()
-        except (PlanRequestError, InfeasibleBatchingError) as exc:
+            plan = plan_round(request, self.telemetry, PlanDefaults()).as_dict()
+        except InfeasibleBatchingError as exc:
             raise SessionError(f"the round cannot be planned: {exc}") from None
         plan["sources"]["planner"] = failure
         return plan
@@ -339,9 +337,6 @@ class EdgeDraftServer:
             task.cancel()
         await asyncio.gather(*self._posts, return_exceptions=True)
 
-
-def vars_of(shape: ModelShape) -> dict:
-    return {"layers": shape.layers, "hidden": shape.hidden, "ffn": shape.ffn}
 
 
 def edge_draft_server(settings, checkpoint, cloud, http: httpx.AsyncClient) -> EdgeDraftServer:

@@ -176,12 +176,11 @@ def make_attack(name: str, checkpoint):
 
 
 def _noised(examples, sigma: float, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for states, ids in examples:
-        rms = states.pow(2).mean(-1, keepdim=True).sqrt()
-        out.append((states + torch.randn(states.shape, generator=generator) * sigma * rms, ids))
-    return out
+    """The attacker's own states with the device's uplink noise (the product's NoisyUplink, seeded here)."""
+    from shared.hardening import NoisyUplink
+
+    uplink = NoisyUplink(None, sigma, torch.Generator().manual_seed(seed))
+    return [(uplink.noisy(states), ids) for states, ids in examples]
 
 
 def _transformed(examples, matrix: torch.Tensor):
