@@ -24,7 +24,7 @@ QUESTIONS = ("def parse_args(argv=None):\n    parser = argparse.ArgumentParser("
 def edge_sd_mesh(tmp_path_factory):
     logs = tmp_path_factory.mktemp("edge-sd-mesh")
     config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), port_base=find_port_base(1), edge_draft_server=True,
-                        auth=False, link_mode="inprocess", log_dir=logs, device_env={"edge_window_s": "0.3"})
+                        auth=False, link_mode="inprocess", log_dir=logs, device_env={"edge_window_s": "1.0"})
     with Mesh(config) as mesh:
         yield mesh
 
