@@ -10,10 +10,11 @@ import torch
 
 from shared.model.adapter import AdapterSpec
 from shared.model.split import InputSubmodel
-from tophatctl.adapter_training.dataset import DistillData, extract_states
+from tophatctl.adapter_training import dataset
+from tophatctl.adapter_training.dataset import DistillData, extract_states, sample_user_prompts
 from tophatctl.adapter_training.distill import DistillConfig, _batch, train_adapter
 from tophatctl.adapter_training.prompts import (HELD_OUT_CHAT_PROMPTS, debian_packages, general_prompts,
-                                               training_prompts)
+                                               near_held_out, training_prompts)
 
 
 def _random_sequences(checkpoint, count: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -71,6 +72,44 @@ def test_training_prompts_are_deterministic_and_never_held_out(build):
     assert prompts == build(60, seed=3)
     assert len(set(prompts)) == 60
     assert not set(prompts) & set(HELD_OUT_CHAT_PROMPTS)
+    assert not any(near_held_out(p) for p in prompts)
+
+
+def test_near_copies_of_held_out_prompts_are_caught():
+    assert all(near_held_out(p) for p in HELD_OUT_CHAT_PROMPTS)
+    assert near_held_out("what's the capital of France")
+    assert near_held_out("Why is the sky so blue?")
+    assert near_held_out("What is deep learning?")  # 3 of 5 words shared with "What is machine learning?"
+    assert not near_held_out("What is the capital of Peru and how big is it?")
+    assert not near_held_out("Can you help me plan a budget for a small wedding?")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from shared.model.checkpoint import load_checkpoint
+    from tophatctl.models import resolve_model
+
+    return load_checkpoint(resolve_model("smollm2"))
+
+
+def test_the_model_writes_its_own_distinct_questions_the_same_on_every_run(smollm2):
+    first = sample_user_prompts(smollm2, 4, seed=5, batch_size=8, max_new_tokens=40)
+    assert first == sample_user_prompts(smollm2, 4, seed=5, batch_size=8, max_new_tokens=40)
+    assert len(set(first)) == 4 and all(len(p.split()) >= 4 for p in first)
+    assert not any(near_held_out(p) for p in first)
+    # the user's words start right after the template's user header: rendering one back gives it whole
+    prefix = dataset._user_turn_prefix(smollm2)
+    assert dataset.user_prompt_ids(smollm2, first[0])[: len(prefix)] == prefix
+
+
+def test_self_written_questions_drop_held_out_copies_unfinished_turns_and_repeats(smollm2, monkeypatch):
+    tokenizer, eos = smollm2.tokenizer, smollm2.eos_token_id
+    fine = "Can you suggest a weekly plan for learning to play the guitar?"
+    rows = [tokenizer.encode(text, add_special_tokens=False) + [eos] for text in
+            (HELD_OUT_CHAT_PROMPTS[5], "What's the capital of France?", fine, fine, "Too short here")]
+    rows.append(tokenizer.encode("A question that never ends because the budget ran", add_special_tokens=False))
+    monkeypatch.setattr(dataset, "_generate", lambda *args, **kwargs: rows)
+    assert sample_user_prompts(smollm2, 3, batch_size=len(rows)) == [fine]  # 20 batches tried, one kept
 
 
 def test_debian_descriptions_parse(tmp_path):

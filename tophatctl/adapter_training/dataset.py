@@ -55,25 +55,71 @@ def user_prompt_ids(checkpoint: Checkpoint, prompt: str) -> list[int]:
     return chat_prompt_ids(checkpoint.tokenizer, [{"role": "user", "content": prompt}])
 
 
+def _user_turn_prefix(checkpoint: Checkpoint) -> list[int]:
+    """The template's ids up to where a user's words go (system turn + user header), found by
+    rendering a placeholder turn and cutting at it: whatever the template."""
+    marker = "\u2063QUERY\u2063"
+    text = checkpoint.tokenizer.decode(user_prompt_ids(checkpoint, marker))
+    if marker not in text:
+        raise ValueError("the chat template does not carry the user's words through verbatim")
+    return checkpoint.tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
+
+
 @torch.inference_mode()
-def generate_answers(checkpoint: Checkpoint, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[list[int]]:
-    """Greedy answers, batched (left padding); each cut after the end-of-turn token."""
-    tokenizer = checkpoint.tokenizer
+def _generate(checkpoint: Checkpoint, rows: list[list[int]], max_new_tokens: int, bf16: bool,
+              **sampling) -> list[list[int]]:
+    """One batch through model.generate (left padding); each row's new ids cut after the end-of-turn token."""
     eos = checkpoint.eos_token_id
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.tensor([[eos] * (width - len(ids)) + ids for ids in rows])  # [B, W]
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = checkpoint.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                        pad_token_id=eos, eos_token_id=eos, **sampling)
+    return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
+
+
+def generate_answers(checkpoint: Checkpoint, prompts: list[str], max_new_tokens: int, batch_size: int,
+                     bf16: bool = False) -> list[list[int]]:
+    """Greedy answers, batched; each cut after the end-of-turn token. bf16: the model's bf16 answers
+    (~1.5x the rate on this CPU; they are training inputs only, the states are extracted in fp32)."""
     answers: list[list[int]] = []
     started = time.monotonic()
     for start in range(0, len(prompts), batch_size):
         batch = [user_prompt_ids(checkpoint, p) for p in prompts[start : start + batch_size]]
-        width = max(len(ids) for ids in batch)
-        input_ids = torch.tensor([[eos] * (width - len(ids)) + ids for ids in batch])  # [B, W]
-        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
-        out = checkpoint.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                        do_sample=False, pad_token_id=eos, eos_token_id=eos)
-        for row in out[:, width:].tolist():
-            answers.append(row[: row.index(eos) + 1] if eos in row else row)
-        done = start + len(batch)
-        log.info("answers %d/%d (%.0f s)", done, len(prompts), time.monotonic() - started)
+        answers += _generate(checkpoint, batch, max_new_tokens, bf16, do_sample=False)
+        log.info("answers %d/%d (%.0f s)", len(answers), len(prompts), time.monotonic() - started)
     return answers
+
+
+def sample_user_prompts(checkpoint: Checkpoint, count: int, seed: int = 0, max_new_tokens: int = 48,
+                        batch_size: int = 96, bf16: bool = False) -> list[str]:
+    """`count` distinct user questions written by the chat model itself (as Magpie does): sample
+    from the template's text up to the user's words, keep the turns it finished. Never one of, or
+    close to, the held-out prompts."""
+    from tophatctl.adapter_training.prompts import near_held_out
+
+    eos = checkpoint.eos_token_id
+    prefix = _user_turn_prefix(checkpoint)
+    generator_seed = seed
+    prompts: list[str] = []
+    seen: set[str] = set()
+    started = time.monotonic()
+    for _ in range(20 * (count // batch_size + 1)):
+        if len(prompts) >= count:
+            break
+        torch.manual_seed(generator_seed)  # each batch its own seed: the same prompts on every run
+        generator_seed += 1
+        for row in _generate(checkpoint, [prefix] * batch_size, max_new_tokens, bf16,
+                             do_sample=True, temperature=1.0, top_p=0.95):
+            if not row or row[-1] != eos:
+                continue  # ran out of tokens mid-question
+            text = checkpoint.tokenizer.decode(row[:-1]).strip()
+            if len(text.split()) >= 4 and text not in seen and not near_held_out(text):
+                seen.add(text)
+                prompts.append(text)
+        log.info("self-written prompts %d/%d (%.0f s)", min(len(prompts), count), count, time.monotonic() - started)
+    return prompts[:count]
 
 
 @torch.inference_mode()
@@ -101,10 +147,12 @@ def extract_states(checkpoint: Checkpoint, sequences: list[tuple[list[int], int]
 
 
 def build_distill_data(checkpoint: Checkpoint, prompts: list[str], texts: list[str], max_m: int,
-                       max_new_tokens: int, batch_size: int = 16, max_len: int = 256) -> DistillData:
-    started = time.monotonic()
+                       max_new_tokens: int, batch_size: int = 96, max_len: int = 256, bf16: bool = True,
+                       started: float | None = None) -> DistillData:
+    """started: when building the prompts began, if that is part of the cost (self-written prompts)."""
+    started = time.monotonic() if started is None else started
     pairs: list[tuple[list[int], int]] = []
-    answers = generate_answers(checkpoint, prompts, max_new_tokens, batch_size)
+    answers = generate_answers(checkpoint, prompts, max_new_tokens, batch_size, bf16)
     for prompt, answer in zip(prompts, answers):
         prompt_ids = user_prompt_ids(checkpoint, prompt)
         if answer and len(prompt_ids) < max_len - 8:

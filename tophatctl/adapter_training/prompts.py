@@ -43,6 +43,21 @@ HELD_OUT_CHAT_PROMPTS = (
     "How can I improve my sleep?",
 )
 
+def _words(text: str) -> frozenset[str]:
+    return frozenset(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+_HELD_OUT_WORDS = tuple(_words(p) for p in HELD_OUT_CHAT_PROMPTS)
+
+
+def near_held_out(prompt: str, threshold: float = 0.5) -> bool:
+    """Whether a training prompt is, or is close to, a held-out one: the same words, or word sets
+    overlapping by `threshold` (Jaccard). Prompts the model writes itself (`sample_user_prompts`) can
+    land on an everyday question like ours; acceptance measured on them would flatter the adapter."""
+    words = _words(prompt)
+    return any(len(words & held) >= threshold * len(words | held) for held in _HELD_OUT_WORDS)
+
+
 _DOC_TEMPLATES = (
     "Explain this in simple terms: {text}",
     "Summarize the following in one sentence: {text}",
@@ -143,7 +158,6 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
     docs = stdlib_docstrings()
     packages = debian_packages()
     topics = sorted({w.lower() for _, text in docs + packages for w in re.findall(r"\b[A-Za-z]{7,14}\b", text)})
-    held_out = set(HELD_OUT_CHAT_PROMPTS)
     prompts: set[str] = set()
     attempts = 0
     while len(prompts) < count and attempts < 50 * count:
@@ -159,7 +173,7 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
             prompt = rng.choice(_TOPIC_TEMPLATES).format(topic=rng.choice(topics))
         else:
             continue
-        if prompt not in held_out:
+        if not near_held_out(prompt):
             prompts.add(prompt)
     return sorted(sorted(prompts), key=lambda p: rng.random())  # sorted first: a set's order varies per process
 
@@ -179,14 +193,13 @@ def general_prompts(count: int, seed: int = 0) -> list[str]:
     """`count` distinct everyday chat prompts: general templates over the texts' common words."""
     rng = random.Random(seed + 2)
     words = common_words()
-    held_out = set(HELD_OUT_CHAT_PROMPTS)
     prompts: set[str] = set()
     for _ in range(50 * count):
         if len(prompts) >= count:
             break
         topic, other = rng.sample(words, 2)
         prompt = rng.choice(_GENERAL_TEMPLATES).format(topic=topic, other=other)
-        if prompt not in held_out:
+        if not near_held_out(prompt):
             prompts.add(prompt)
     return sorted(sorted(prompts), key=lambda p: rng.random())  # sorted first: a set's order varies per process
 
