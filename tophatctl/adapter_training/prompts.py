@@ -43,6 +43,7 @@ HELD_OUT_CHAT_PROMPTS = (
     "How can I improve my sleep?",
 )
 
+
 def _words(text: str) -> frozenset[str]:
     return frozenset(re.findall(r"[a-z0-9]+", text.lower()))
 
