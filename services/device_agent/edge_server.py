@@ -338,7 +338,6 @@ class EdgeDraftServer:
         await asyncio.gather(*self._posts, return_exceptions=True)
 
 
-
 def edge_draft_server(settings, checkpoint, cloud, http: httpx.AsyncClient) -> EdgeDraftServer:
     """The draft server a device agent runs with `edge_draft_server` (its settings' edge_* knobs)."""
     draft_shape, target_shape = split_model_shapes(checkpoint.num_layers, checkpoint.hidden_size,

@@ -17,6 +17,7 @@ import torch
 
 from shared.chat import chat_prompt_ids
 from shared.model.checkpoint import Checkpoint
+from tophatctl.adapter_training.prompts import near_held_out
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,6 @@ def sample_user_prompts(checkpoint: Checkpoint, count: int, seed: int = 0, max_n
     """`count` distinct user questions written by the chat model itself (as Magpie does): sample
     from the template's text up to the user's words, keep the turns it finished. Never one of, or
     close to, the held-out prompts."""
-    from tophatctl.adapter_training.prompts import near_held_out
-
     eos = checkpoint.eos_token_id
     prefix = _user_turn_prefix(checkpoint)
     generator_seed = seed
@@ -147,10 +146,8 @@ def extract_states(checkpoint: Checkpoint, sequences: list[tuple[list[int], int]
 
 
 def build_distill_data(checkpoint: Checkpoint, prompts: list[str], texts: list[str], max_m: int,
-                       max_new_tokens: int, batch_size: int = 96, max_len: int = 256, bf16: bool = True,
-                       started: float | None = None) -> DistillData:
-    """started: when building the prompts began, if that is part of the cost (self-written prompts)."""
-    started = time.monotonic() if started is None else started
+                       max_new_tokens: int, batch_size: int = 96, max_len: int = 256, bf16: bool = True) -> DistillData:
+    started = time.monotonic()
     pairs: list[tuple[list[int], int]] = []
     answers = generate_answers(checkpoint, prompts, max_new_tokens, batch_size, bf16)
     for prompt, answer in zip(prompts, answers):

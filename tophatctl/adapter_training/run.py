@@ -50,8 +50,8 @@ def _part(checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, text
     leaked = [p for p in prompts if near_held_out(p)]
     if leaked:  # the builders exclude them; this guards the guarantee the numbers rest on
         raise RuntimeError(f"held-out prompts (or near copies) leaked into training: {leaked[:5]}")
-    data = build_distill_data(checkpoint, prompts, texts, cfg.max_m, cfg.max_new_tokens, bf16=cfg.bf16,
-                              started=started)
+    data = build_distill_data(checkpoint, prompts, texts, cfg.max_m, cfg.max_new_tokens, bf16=cfg.bf16)
+    data.build_seconds = round(time.monotonic() - started, 1)  # writing the prompts counts (self-written ones)
     data.save(path)
     log.info("distillation data %s: %d sequences, %d tokens, built in %.0f s", path, len(data.sequences),
              data.num_tokens, data.build_seconds)
