@@ -19,7 +19,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from services.token_streamer import create_app, load_settings
+from services.token_streamer.app import create_app
+from services.token_streamer.settings import load_settings
 from tests.test_token_streamer import serve
 from tophatctl import chat_client
 from tophatctl.chat_client import ChatClientError, chat_turn, run_chat, stream_chat

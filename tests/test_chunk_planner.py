@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from services import state_monitor
-from services.chunk_planner import Settings, create_app, load_settings, plan_chunk_size
+from services.chunk_planner.app import create_app, plan_chunk_size
+from services.chunk_planner.settings import Settings, load_settings
 from services.chunk_planner.app import Telemetry, plan_parallel_draft_steps, planner_inputs
 from shared.planners import (
     chunk_size_eq3,

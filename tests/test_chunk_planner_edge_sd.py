@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from services import state_monitor
-from services.chunk_planner import load_settings
+from services.chunk_planner.settings import load_settings
 from shared import auth
 from shared.edge_sd.plan import PlanDefaults
 from shared.edge_sd.runtime import RuntimeModel

@@ -16,7 +16,8 @@ import httpx
 import pytest
 import redis
 
-from services.state_monitor import Settings, create_app, load_settings
+from services.state_monitor.app import create_app
+from services.state_monitor.settings import Settings, load_settings
 from shared import telemetry as tk
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import SettingsError

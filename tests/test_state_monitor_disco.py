@@ -14,7 +14,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.state_monitor import create_app, load_settings
+from services.state_monitor.app import create_app
+from services.state_monitor.settings import load_settings
 from shared import telemetry as tk
 from shared.redis_server import EmbeddedRedis
 from shared.settings import SettingsError

@@ -13,7 +13,8 @@ import httpx
 import pytest
 import redis
 
-from services.state_monitor import create_app, load_settings
+from services.state_monitor.app import create_app
+from services.state_monitor.settings import load_settings
 from services.state_monitor.app import EDGE_SD_KEYS
 from shared import auth
 from shared.edge_sd.plan import EdgeTelemetry

@@ -21,7 +21,8 @@ import pytest
 import websockets
 from websockets.exceptions import InvalidStatus
 
-from services.token_streamer import create_app, load_settings
+from services.token_streamer.app import create_app
+from services.token_streamer.settings import load_settings
 from shared.settings import SettingsError
 from tests.test_token_streamer import CHAT, FakeDevice, expected_text, mesh, serve
 

@@ -189,7 +189,8 @@ async def test_streamer_routes_around_a_device_without_a_verifier(mesh, demo_che
     devices sends every request to the one that is."""
     from services.device_agent import settings as device_settings
     from services.device_agent.app import DeviceAgent, create_app as device_app
-    from services.token_streamer import create_app as streamer_app, load_settings
+    from services.token_streamer.app import create_app as streamer_app
+    from services.token_streamer.settings import load_settings
     from tests.test_token_streamer import dead_url, serve
 
     dead = dead_url().replace("http://", "ws://") + "/ws"  # nothing listens there
