@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from shared.model.checkpoint import Checkpoint
 from shared.model.kv_cache import SessionKV
 from shared.model.layers import attention_forward, packed_positions, rotary_tables
-from shared.model.split import _kv_shape, validate_split
+from shared.model.split import kv_shape, validate_split
 
 ADAPTER_FILENAME = "draft_adapter.safetensors"
 VARIANTS = ("hat", "fusion", "feature")
@@ -82,7 +82,7 @@ class DraftAdapter(torch.nn.Module):
                 else:
                     self.fuse.weight[:, :hidden] = eye
         self.rotary_emb = checkpoint.model.model.rotary_emb
-        self.num_kv_heads, self.head_dim = _kv_shape(checkpoint.config)
+        self.num_kv_heads, self.head_dim = kv_shape(checkpoint.config)
         self.requires_grad_(False)
 
     @property

@@ -25,7 +25,8 @@ class SplitError(ValueError):
     """A split point or layer range that does not fit the model."""
 
 
-def _kv_shape(config) -> tuple[int, int]:
+def kv_shape(config) -> tuple[int, int]:
+    """(key/value heads, head dim) of a model config: the shape every KV cache of it is allocated with."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_key_value_heads, head_dim
 
@@ -48,7 +49,7 @@ class LayerRange(torch.nn.Module):
         self.start, self.stop = start, stop
         self.layers = torch.nn.ModuleList(checkpoint.model.model.layers[start:stop])
         self.rotary_emb = checkpoint.model.model.rotary_emb
-        self.num_kv_heads, self.head_dim = _kv_shape(checkpoint.config)
+        self.num_kv_heads, self.head_dim = kv_shape(checkpoint.config)
         self.dtype = checkpoint.model.dtype
 
     @property

@@ -49,7 +49,8 @@ class UnknownSessionError(KeyError):
     pass
 
 
-def _done(value) -> asyncio.Future:
+def done_future(value) -> asyncio.Future:
+    """An already-resolved future: the answer to a step that needed no waiting, in the Cloud interface's shape."""
     future = asyncio.get_running_loop().create_future()
     future.set_result(value)
     return future
@@ -76,7 +77,7 @@ class LocalCloud:
         if start_pos != cache.length:
             raise ValueError(f"chunk starts at {start_pos} but the session holds {cache.length} positions")
         deep = self.middle.forward_batch([(cache, shallow)])[0]  # [S, H]
-        return _done(deep[-1:] if is_last else None)
+        return done_future(deep[-1:] if is_last else None)
 
     async def verify(self, session_id, commit_len, shallow):
         cache = self._cache(session_id)
@@ -84,7 +85,7 @@ class LocalCloud:
         return self.middle.forward_batch([(cache, shallow)])[0]  # [k+1, H]
 
     async def send_verify(self, session_id, commit_len, shallow):
-        return _done(await self.verify(session_id, commit_len, shallow))
+        return done_future(await self.verify(session_id, commit_len, shallow))
 
     async def close(self, session_id):
         cache = self.caches.pop(session_id, None)
@@ -192,7 +193,7 @@ async def prefill_on_cloud(session: DeviceSession, cloud: Cloud, session_id: int
         if overlap_prefill:
             answers.append(answer)
         else:
-            answers.append(_done(await answer))
+            answers.append(done_future(await answer))
     deep_last = None
     for answer in answers:
         deep_last = await answer

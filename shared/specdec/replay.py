@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.specdec.engine import Cloud, _done
+from shared.specdec.engine import Cloud, done_future
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class ReplayingCloud:
         except Exception as exc:  # noqa: BLE001 - only a lost verifier is recovered; others re-raised below
             if not self.is_lost(exc):
                 raise
-            return _done(await self._prefill_after_loss(session_id, epoch, is_last, exc))
+            return done_future(await self._prefill_after_loss(session_id, epoch, is_last, exc))
         return asyncio.ensure_future(self._prefill_answer(session_id, epoch, answer, is_last))
 
     async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor:
