@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.token_streamer import outline as outline_flow
-from services.token_streamer.router import Dispatcher
+from services.token_streamer.dispatcher import Dispatcher
 from shared.chat import plain_chat_text
 from shared.jupiter.outline import OUTLINE_DIRECTIVE, OUTLINE_OPENING, PLAIN_FORMAT, heading
 from tests.conftest import DEMO_MODEL_DIR

@@ -32,12 +32,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.token_streamer import openai_format as of
 from services.token_streamer.admission import Admission
+from services.token_streamer.device_stream import DeviceStream
 from services.token_streamer.disco import DiscoController
 from services.token_streamer.disco_stream import DiscoStream
+from services.token_streamer.dispatcher import Dispatcher
 from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone, unless_gone
 from services.token_streamer.limits import install as install_gate
 from services.token_streamer.outline import OutlineFlow, OutlineStream
-from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher, Router
+from services.token_streamer.router import DeviceError, Router
 from services.token_streamer.settings import Settings, load_settings
 from shared import auth, latency_stats
 from shared.latency_stats import Timeline

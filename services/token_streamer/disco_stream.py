@@ -30,8 +30,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.token_streamer.device_stream import DeviceStream
 from services.token_streamer.disco import DiscoController
-from services.token_streamer.router import DeviceError, DeviceStream, Dispatcher
+from services.token_streamer.dispatcher import Dispatcher
+from services.token_streamer.router import DeviceError
 from shared.disco.cost import CostLedger
 from shared.disco.dispatch import Decision
 from shared.disco.migration import buffer_tokens, expected_remaining, migration_saving, migration_target

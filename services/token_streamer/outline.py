@@ -25,9 +25,10 @@ from typing import Any
 
 import httpx
 
-from services.token_streamer.router import DeviceError, DeviceState, DeviceStream, Dispatcher
-from shared.jupiter.outline import (MIN_POINTS, OUTLINE_OPENING, ChatFormat, heading, parse_outline, question_of,
-                                   route)
+from services.token_streamer.device_stream import DeviceStream
+from services.token_streamer.dispatcher import Dispatcher
+from services.token_streamer.router import DeviceError, DeviceState
+from shared.jupiter.outline import MIN_POINTS, OUTLINE_OPENING, ChatFormat, heading, parse_outline, question_of, route
 
 log = logging.getLogger(__name__)
 
