@@ -36,6 +36,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from shared.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 PREFIX = "tophat"
@@ -132,6 +134,8 @@ class TelemetrySink:
         self.request_ttl_s = request_ttl_s
         self.initial_backoff_s = initial_backoff_s
         self.max_backoff_s = max_backoff_s
+        # A first wait longer than the cap (tests park the loop with initial 10 s) stays the wait: never shortened.
+        self._backoff = Backoff(initial_backoff_s, max(max_backoff_s, initial_backoff_s))
         self._redis = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0), decode_responses=True, health_check_interval=0)
@@ -174,7 +178,7 @@ class TelemetrySink:
                 self._reconnect(), name="telemetry-sink-reconnect")
 
     async def _reconnect(self) -> None:
-        delay = self.initial_backoff_s
+        delay = self._backoff.after(None)
         while not self._closed:
             self._wake.clear()
             try:
@@ -188,7 +192,7 @@ class TelemetrySink:
                     await self._redis.ping()
             except (RedisError, OSError, TimeoutError) as exc:
                 log.debug("redis still unavailable: %s", exc)
-                delay = min(delay * 2, self.max_backoff_s)
+                delay = self._backoff.after(delay)
                 continue
             self._outage.recovered()
             return

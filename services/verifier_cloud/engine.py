@@ -12,7 +12,6 @@ and goes on.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections import deque
@@ -26,11 +25,12 @@ from services.verifier_cloud.runner import ItemResult, ModelRunner, RunItem
 from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput, WorkItem
 from services.verifier_cloud.stages import StageItem
 from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
+from shared.backoff import Backoff
 
 log = logging.getLogger("services.verifier_cloud.engine")
 
 RETRY_PAUSE_S = 0.05  # after an unexpected failure of a step: keeps a persistent fault from spinning
-RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # between failed pipeline restarts
+RESTART_BACKOFF = Backoff(initial_s=1.0, max_s=30.0)  # between failed pipeline restarts
 
 
 @dataclass
@@ -170,14 +170,13 @@ class PipelineEngine:
             if pipeline.failure is None or pipeline.stopping:
                 return
             on_lost(pipeline.failure)
-            for attempt in itertools.count():
+            for delay in RESTART_BACKOFF.delays():
                 try:
                     await pipeline.restart()
                     break
                 except PipelineFailed as exc:
                     if pipeline.stopping:
                         return
-                    delay = RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)]
                     log.error("pipeline restart failed (%s); next try in %.0fs", exc, delay)
                     await asyncio.sleep(delay)
             log.info("pipeline restarted; the verifier is ready again")

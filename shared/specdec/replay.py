@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.backoff import Backoff
 from shared.specdec.engine import Cloud, done_future
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class ReplayingCloud:
         self.deadline_s = deadline_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self._backoff = Backoff(backoff_s, max(max_backoff_s, backoff_s))  # a first wait above the cap is kept
         self.chunk_rows = chunk_rows
         self.on_replay = on_replay  # (session_id, rows replayed, seconds from the failure to recovered)
         self.sessions: dict[int, _SessionLog] = {}
@@ -145,7 +147,7 @@ class ReplayingCloud:
             failed_at = time.monotonic()
             log.warning("session %d lost its verifier (%s); replaying %s rows", session_id, exc,
                         len(record.rows) if keep is None else keep)
-            delay, last_error = self.backoff_s, exc
+            delay, last_error = self._backoff.after(None), exc
             while True:
                 try:
                     await self._replay(session_id, record, keep)
@@ -159,7 +161,7 @@ class ReplayingCloud:
                     log.error("session %d: no verifier within %.1f s", session_id, self.deadline_s)
                     raise last_error
                 await asyncio.sleep(min(delay, left))  # the last try lands on the deadline
-                delay = min(delay * 2, self.max_backoff_s)
+                delay = self._backoff.after(delay)
             record.epoch += 1
             record.replays += 1
             replayed = len(record.rows) if keep is None else keep
