@@ -9,7 +9,7 @@ Definitions (times are seconds from the start of the run; stats are reported in 
   tokens arriving G after the previous one counts as k gaps of G/k, and the first
   chunk's extra k-1 tokens as gaps of 0 -- shared/latency_stats.py, the one
   definition the streamer, the engine and the chat client use too. (vllm's ITL
-  would be one gap per chunk.)
+  would be one gap per chunk.) Each chunk's token count: shared/chunk_tokens.py.
 * TPOT = (E2E - TTFT) / (output tokens - 1); undefined for one-token outputs.
 * E2E = end of the stream ([DONE] or failure) - arrival.
 * HAT SLAs: prefill SLA = TTFT per 128 prompt tokens = TTFT * 128 / prompt tokens;
@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from shared import latency_stats
+from shared.chunk_tokens import chunk_token_counts
 from shared.latency_stats import Timeline
 
 PREFILL_SLA_TOKENS = 128
@@ -62,43 +63,6 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-def apportion(weights: list[float], total: int) -> list[int]:
-    """Split `total` tokens over chunks in proportion to `weights` (largest remainder, so the
-    counts sum exactly to `total`), then make sure every chunk has at least one token."""
-    n = len(weights)
-    if n == 0:
-        return []
-    if total <= n:
-        return [1] * n  # the server said fewer tokens than chunks: trust the chunks
-    w = np.maximum(np.asarray(weights, dtype=float), 0.0)
-    w = np.ones(n) if w.sum() <= 0 else w
-    share = w / w.sum() * total
-    counts = np.floor(share).astype(int)
-    order = np.argsort(-(share - counts), kind="stable")
-    counts[order[: total - int(counts.sum())]] += 1
-    for i in np.flatnonzero(counts == 0):  # a chunk was delivered, so it held a token
-        counts[int(np.argmax(counts))] -= 1
-        counts[i] = 1
-    return counts.tolist()
-
-
-def chunk_token_counts(texts: list[str], completion_tokens: int | None, server_rounds: list[int] | None = None,
-                       count: Callable[[str], int] | None = None) -> list[int]:
-    """Tokens per content chunk: the server's per-round counts when they line up one-to-one with
-    the chunks, else per-chunk estimates (re-tokenized text, or characters without a tokenizer)
-    scaled so they sum to the server's completion token count."""
-    if not texts:
-        return []
-    rounds = server_rounds
-    if rounds and len(rounds) == len(texts) and min(rounds) >= 1 and completion_tokens in (None, sum(rounds)):
-        return list(rounds)
-    weights = [float(count(t)) if count else float(len(t)) for t in texts]
-    total = completion_tokens
-    if total is None:
-        total = int(sum(weights)) if count else len(weights)
-    return apportion(weights, total)
 
 
 def reconcile_tokens(record: RequestRecord, count: Callable[[str], int] | None = None) -> None:

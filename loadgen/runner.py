@@ -5,7 +5,7 @@ a closed loop would slow its own arrivals down exactly when the server is
 overloaded. Every request is an owned task in one TaskGroup that sleeps until its
 arrival, optionally waits for a concurrency slot (that wait counts in TTFT), then
 POSTs a streamed `/v1/completions` with `stream_options.include_usage` and
-timestamps every content chunk as it is parsed (loadgen/sse_client.py, the one SSE
+timestamps every content chunk as it is parsed (shared/sse.py, the one SSE
 client, shared with the chat client). A request that fails in any way
 (HTTP status, error chunk, no `[DONE]`, network error, per-request timeout) is
 recorded with its error and counted, never dropped.
@@ -34,7 +34,7 @@ import httpx
 from tqdm import tqdm
 
 from loadgen.metrics import RequestRecord, reconcile_tokens, request_row
-from loadgen.sse_client import StreamError, StreamStats, auth_headers, stream_chunks
+from shared.sse import StreamError, StreamStats, auth_headers, stream_chunks
 from loadgen.workloads import WorkloadRequest
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from contextlib import aclosing, asynccontextmanager
 import httpx
 import pytest
 
-from loadgen import sse_client as sc
+from shared import sse as sc
 
 Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
 

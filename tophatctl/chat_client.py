@@ -6,7 +6,8 @@ behind `tophat chat`: one-shot with a prompt, otherwise a small REPL that keeps
 the conversation history. This module prints
 (it is user-facing); the services never do.
 
-The stream is read by loadgen/sse_client.py, the load generator's SSE client.
+The stream is read by shared/sse.py, the SSE client the load generator uses too; its `Chunk`,
+split into one piece per kind (`Chunk.parts`), is the event `stream_chat` yields.
 Timing is measured here, on the client, from the stream itself, with the
 definitions of shared/latency_stats.py:
   * TTFT = request sent -> first chunk with non-empty content;
@@ -26,32 +27,20 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TextIO
+from typing import Any, TextIO
 
 import httpx
 
-from loadgen.metrics import chunk_token_counts
-from loadgen.sse_client import Chunk, StreamError, auth_headers, stream_chunks
 from shared import latency_stats
+from shared.chunk_tokens import chunk_token_counts
 from shared.latency_stats import Timeline
+from shared.sse import Chunk, StreamError, auth_headers, stream_chunks
 
 EXIT_WORDS = {"/exit", "/quit"}
 
 
 class ChatClientError(RuntimeError):
     """The streamer refused the request or the stream failed."""
-
-
-@dataclass
-class ChatEvent:
-    """One parsed piece of the stream; `t` is time.perf_counter() at arrival."""
-
-    kind: Literal["content", "finish", "usage"]
-    t: float
-    text: str = ""
-    finish_reason: str | None = None
-    tophat: dict[str, Any] | None = None
-    usage: dict[str, Any] | None = None
 
 
 @dataclass
@@ -106,8 +95,9 @@ def chat_url(url: str) -> str:
 
 async def stream_chat(url: str, messages: Sequence[dict[str, str]], max_tokens: int = 64,
                       temperature: float = 0.0, timeout: float = 60.0, *,
-                      client: httpx.AsyncClient | None = None, api_key: str | None = None) -> AsyncIterator[ChatEvent]:
-    """Yield content/finish/usage events until `[DONE]`; ChatClientError on any failure.
+                      client: httpx.AsyncClient | None = None, api_key: str | None = None) -> AsyncIterator[Chunk]:
+    """Yield content/finish/usage pieces of the stream (`Chunk.parts`) until `[DONE]`; ChatClientError
+    on any failure.
 
     `timeout` bounds connecting and each wait for the next chunk. Pass a `client`
     to reuse connections across turns (and keep its setup cost out of TTFT); `api_key` is sent as
@@ -124,21 +114,10 @@ async def stream_chat(url: str, messages: Sequence[dict[str, str]], max_tokens: 
     try:
         async with contextlib.aclosing(stream_chunks(client, chat_url(url), body, timeout_s=timeout)) as chunks:
             async for chunk in chunks:
-                for event in _events_of(chunk):
-                    yield event
+                for part in chunk.parts():
+                    yield part
     except StreamError as exc:
         raise ChatClientError(str(exc)) from exc
-
-
-def _events_of(chunk: Chunk) -> list[ChatEvent]:
-    events: list[ChatEvent] = []
-    if chunk.text:
-        events.append(ChatEvent("content", chunk.t, text=chunk.text))
-    if chunk.finish_reason:
-        events.append(ChatEvent("finish", chunk.t, finish_reason=chunk.finish_reason, tophat=chunk.tophat))
-    if chunk.usage:
-        events.append(ChatEvent("usage", chunk.t, usage=chunk.usage))
-    return events
 
 
 async def chat_turn(url: str, messages: Sequence[dict[str, str]], max_tokens: int, temperature: float,

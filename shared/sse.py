@@ -1,10 +1,15 @@
 """The one client for the token streamer's server-sent events (`stream: true` on
 `/v1/completions` and `/v1/chat/completions`), used by the load generator and the chat client.
 
+It lives at the bottom layer because it is a pure client of the product's own SSE protocol:
+the load generator (loadgen/runner.py) and the chat client (tophatctl/chat_client.py) both
+read the stream through it, with the same event type.
+
 `stream_chunks` POSTs a body and yields one `Chunk` per SSE event until `[DONE]`:
 its arrival time (time.perf_counter(), taken as the event is parsed), its text (a
 completion's `text` or a chat `delta.content`), the finish reason, and the
 streamer's `tophat` statistics and `usage` when the chunk carries them.
+`Chunk.parts` splits one into what the chat client shows: content, finish, usage.
 `StreamStats.observe` folds those statistics (token counts, tokens per delivery,
 accept length, the server's own TTFT/TBT) as they arrive.
 
@@ -21,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from httpx_sse import SSEError, aconnect_sse
@@ -65,6 +70,9 @@ class TransportError(StreamError):
     """The request could not be sent (connection refused, reset before the answer, ...)."""
 
 
+ChunkKind = Literal["content", "finish", "usage", "stats"]
+
+
 @dataclass(frozen=True)
 class Chunk:
     """One parsed SSE event; `t` is time.perf_counter() when it was parsed."""
@@ -74,6 +82,32 @@ class Chunk:
     finish_reason: str | None = None
     tophat: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"Chunk.text must be a str, got {type(self.text).__name__}")
+
+    @property
+    def kind(self) -> ChunkKind:
+        """What the chunk carries first: text, the end of the answer, the usage, or only statistics."""
+        if self.text:
+            return "content"
+        if self.finish_reason:
+            return "finish"
+        return "usage" if self.usage else "stats"
+
+    def parts(self) -> list[Chunk]:
+        """The chunk as one piece per kind, in stream order: its content, its finish (with the
+        `tophat` statistics, which the final chunk carries) and its usage. A chunk that carries
+        only statistics has no parts: a reader of the answer has nothing to show for it."""
+        parts = []
+        if self.text:
+            parts.append(Chunk(self.t, text=self.text))
+        if self.finish_reason:
+            parts.append(Chunk(self.t, finish_reason=self.finish_reason, tophat=self.tophat))
+        if self.usage:
+            parts.append(Chunk(self.t, usage=self.usage))
+        return parts
 
 
 @dataclass
