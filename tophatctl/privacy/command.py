@@ -77,7 +77,7 @@ def privacy_command(
     """Attack what the cloud receives, per split depth, attack and defence; report recovery and defence costs."""
     import torch
 
-    from tophatctl.cli import _model
+    from tophatctl.models import resolve_model_or_exit
     from tophatctl.privacy.harness import ATTACKS, PrivacyConfig, run_privacy
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -97,7 +97,7 @@ def privacy_command(
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2)
-    cfg = PrivacyConfig(model_dir=_model(model), splits=split_list, attacks=attack_list, defences=defence_list,
+    cfg = PrivacyConfig(model_dir=resolve_model_or_exit(model), splits=split_list, attacks=attack_list, defences=defence_list,
                         defence_split=defence_split, train_tokens=train_tokens, steps=steps, eval_prompts=prompts,
                         max_new_tokens=max_new_tokens)
     results = run_privacy(cfg)
