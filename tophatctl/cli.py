@@ -132,7 +132,7 @@ def train_adapter_cmd(
             report = train_chat_adapter(checkpoint, AdapterSpec(variant, mlp),
                                         DistillConfig(split_layers=split_layers, steps=steps), DataConfig(), out)
         else:
-            from tophatctl.demo_model.train_adapter import AdapterTrainConfig, train_adapter
+            from tophatctl.adapter_training.code_corpus import AdapterTrainConfig, train_adapter
 
             report = train_adapter(model_dir, AdapterTrainConfig(split_layers=split_layers, steps=steps), out)
     except USER_ERRORS as exc:

@@ -1,4 +1,8 @@
-"""Distil HAT's draft adapter Λ from the middle submodel (HAT §3.4, eq. 4):
+"""The demo model's draft adapter, distilled on its own code corpus (a model without a chat template;
+chat models go through run.py). It lives with adapter training rather than in demo_model/, so the
+demo model's package (corpus, builder) and adapter training do not import each other.
+
+Distil HAT's draft adapter Λ from the middle submodel (HAT §3.4, eq. 4):
 
     loss = SmoothL1(f_L, f_S) + w_ce · CE(softmax(H_L(f_L)), H_L(f_S))
 
