@@ -14,6 +14,9 @@ Modes that need a differently configured verifier get their own mesh; the
 others share one. Every mode replays the same arrival times and prompts (same
 seed), back to back, and one table prints TTFT / TBT mean and P99, accept
 length and ratios against `ushape` measured in this run.
+
+`tophat bench`'s flow over these (options, workloads, RTTs) is loadgen/bench_command.py; the real
+mesh against the simulator (`--sim-check`) is loadgen/bench_sim_check.py.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def loadgen_options(url: str, workload: str, rate: float, num_requests: int, max
 def run_modes(modes: dict[str, Mode], *, workload: str, rates: list[float], num_requests: int, max_new_tokens: int,
               seed: int, out: Path, devices: int, link: str, model_dir: str) -> dict[tuple[str, float], dict]:
     """Run every mode at every rate; returns results.json contents keyed by (mode, rate)."""
-    from loadgen.cli import _run
+    from loadgen.load_run import run_load_test
     from tophatctl.launcher import Mesh, MeshConfig, find_port_base
 
     results: dict[tuple[str, float], dict] = {}
@@ -115,7 +118,7 @@ def run_modes(modes: dict[str, Mode], *, workload: str, rates: list[float], num_
                     log.info("mode %s, %s @ %g req/s", mode.name, workload, rate)
                     options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens,
                                               seed, run_dir, mode.request_options, mesh.redis_url, model_dir)
-                    results[(mode.name, rate)] = asyncio.run(_run(options))
+                    results[(mode.name, rate)] = asyncio.run(run_load_test(options))
     return results
 
 
@@ -179,95 +182,3 @@ def plot_modes(out: Path, workload: str, results: dict[tuple[str, float], dict],
         plt.close(fig)
         written.append(path)
     return written
-
-
-def _calibrate(monitor_url: str, link: str, model_dir: str):
-    """The simulator's calibration from the mesh's telemetry, with bandwidth from the link's setting.
-
-    The devices' probes measure the same link (tests/test_verifier.py: within 15%), but a probe
-    is a handful of samples taken while idle; the setting is what the emulation enforces
-    (tests/test_netns.py: within 0.1%), so it is the less noisy input for a comparison. Latency
-    is the other way round: the probed small-message round trip also holds both ends' framing
-    and event-loop time, which the setting does not; the setting only fills in for a device
-    that has not probed yet."""
-    import dataclasses
-
-    from shared.links import parse_link_spec, scaled_for_hidden
-    from shared.model.checkpoint import read_config
-    from shared.runtime import DEFAULT_SPLIT_LAYERS
-    from loadgen.simulate import Calibration
-    from loadgen.simulate.calibration import demo_calibration
-
-    config = read_config(Path(model_dir))
-    profile = scaled_for_hidden(parse_link_spec(link), config["hidden_size"])
-    # the served model's shape (bytes per token on the wire, the middle's share of the layers), not the demo's
-    base = dataclasses.replace(demo_calibration(), hidden_size=config["hidden_size"],
-                               num_layers=config["num_hidden_layers"], split_layers=DEFAULT_SPLIT_LAYERS)
-    base = dataclasses.replace(base, devices=[dataclasses.replace(
-        base.devices[0], beta_up=profile.uplink_bytes_s, beta_down=profile.downlink_bytes_s,
-        latency_s=profile.latency_s)])
-    cal = Calibration.from_telemetry(monitor_url, base=base)
-    devices = [dataclasses.replace(d, beta_up=profile.uplink_bytes_s, beta_down=profile.downlink_bytes_s)
-               for d in cal.devices]
-    return dataclasses.replace(cal, devices=devices,
-                               notes=[*cal.notes, f"bandwidth from the link's setting: {profile.describe()}"])
-
-
-def _accept_dist_from_run(cal, requests_csv: Path):
-    """The run's own tokens-per-round distribution (the streamer reports each delivery's token
-    count; the first delivery is the prefill's token, not a verification round)."""
-    import csv
-    import dataclasses
-
-    counts: dict[int, int] = {}
-    with open(requests_csv) as handle:
-        for row in csv.DictReader(handle):
-            per_delivery = [int(x) for x in row["chunk_tokens"].split()]
-            for n in per_delivery[1:]:
-                counts[n] = counts.get(n, 0) + 1
-    if not counts:
-        return cal
-    longest = max(counts)
-    dist = [counts.get(n, 0) for n in range(1, longest + 1)]
-    return dataclasses.replace(cal, accept_dist=dist, notes=[*cal.notes, f"accept_dist from the run: {dist}"])
-
-
-def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new_tokens: int, seed: int, out: Path,
-                devices: int, link: str, model_dir: str, modes: list[str]) -> str:
-    """Run modes on the real mesh, calibrate the simulator from that mesh's own telemetry while
-    it is still up (g(mu), gamma, beta as measured under this load), simulate the same traces,
-    and print sim vs real side by side."""
-    import io
-    from contextlib import redirect_stdout
-
-    from loadgen.cli import _run
-    from tophatctl.launcher import Mesh, MeshConfig, find_port_base
-    from loadgen.simulate import SimConfig, compare_with_real, simulate_grid
-    from loadgen.simulate.modes import parse_modes
-
-    available = modes_for(workload)
-    report = io.StringIO()
-    config = MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link)
-    with Mesh(config) as mesh:
-        for rate in rates:
-            with redirect_stdout(report):
-                print(f"\n=== {workload} @ {rate:g} req/s, {devices} devices, link {link}")
-            for mode in modes:
-                run_dir = out / "sim-check" / mode / f"rate-{rate:g}"
-                options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens, seed,
-                                          run_dir, available[mode].request_options, mesh.redis_url, model_dir)
-                real = asyncio.run(_run(options))
-                # Calibrated after each mode's run, from the telemetry that mode produced (the
-                # monitor's averages weigh recent requests most), so each mode's latency models
-                # are the ones its own load measured.
-                cal = _calibrate(config.monitor_url, link, model_dir)
-                cal = _accept_dist_from_run(cal, run_dir / "requests.csv")
-                cal.save(run_dir / "calibration.json")  # what the simulator was given, for a second look
-                sim_config = SimConfig(devices=devices, stages=1, workload=workload, num_requests=num_requests,
-                                       seed=seed, heterogeneous=False, max_new_tokens=max_new_tokens)
-                grid = simulate_grid(cal, parse_modes(mode, workload), [rate], sim_config)
-                with redirect_stdout(report):
-                    print(f"\n{mode}: calibration from the mesh's telemetry ({'; '.join(cal.notes)}); "
-                          f"real accept length {real.get('mean_accept_length')}")
-                    compare_with_real(grid, real, mode=mode)
-    return report.getvalue()

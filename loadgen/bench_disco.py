@@ -275,9 +275,9 @@ def format_tables(entries: Sequence[dict[str, Any]], title: str) -> str:
 def plot_cost_ttft(entries: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
     """Mean and P99 TTFT against mean cost, one point per (policy, budget); random and disco joined
     across budgets."""
-    from loadgen.plots import _pyplot
+    from loadgen.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     markers = {"device": "s", "cloud": "^", "random": "o", "disco": "*"}
     for ax, key, name in ((axes[0], "mean_ttft_ms", "mean TTFT (ms)"), (axes[1], "p99_ttft_ms", "P99 TTFT (ms)")):
@@ -340,7 +340,7 @@ def run_disco(*, constraint: str, budgets: Sequence[float], workload: str, rate:
               reading_rate_tps: float, migration: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every policy on one mesh of this cost regime, back to back: (entries, notes about the run)."""
     from loadgen.bench import loadgen_options
-    from loadgen.cli import _run
+    from loadgen.load_run import run_load_test
     from tophatctl.launcher import Mesh
 
     config = mesh_config(constraint, model_dir=model_dir, devices=devices, link=link, speed=speed)
@@ -357,7 +357,7 @@ def run_disco(*, constraint: str, budgets: Sequence[float], workload: str, rate:
             options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens, seed,
                                       run_dir, request_options(policy, reading_rate_tps, migration), mesh.redis_url,
                                       model_dir)
-            asyncio.run(_run(options, records))
+            asyncio.run(run_load_test(options, records))
             save_streamer_stats(run_dir / "tophat.jsonl", records)
             entries.append(aggregate(records, mode=policy.mode, budget=policy.budget, constraint=constraint,
                                      reading_rate_tps=reading_rate_tps))

@@ -17,7 +17,8 @@ from loadgen.metrics import RequestRecord, tbt_samples_s, ttft_s
 log = logging.getLogger(__name__)
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend (benches run headless), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -39,7 +40,7 @@ def _cdf(ax: Any, values_ms: np.ndarray, label: str) -> None:
 
 def plot_latency_cdfs(records: Sequence[RequestRecord], out_dir: Path, title: str) -> list[Path]:
     """ttft_cdf.png and tbt_cdf.png (successful requests; TBT pooled over all tokens)."""
-    plt = _pyplot()
+    plt = pyplot()
     written = []
     series = {
         "ttft": np.asarray([v for v in map(ttft_s, records) if v is not None]) * 1e3,
@@ -60,7 +61,7 @@ def plot_latency_cdfs(records: Sequence[RequestRecord], out_dir: Path, title: st
 
 def plot_sla_compliance(compliance: dict[str, Any], out_dir: Path, title: str) -> Path:
     """sla_compliance.png: fraction of requests within each threshold, prefill and decode side by side."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     labels = {"prefill": "TTFT per 128 prompt tokens (ms)", "decode": "delay per 10 output tokens (ms)"}
     for ax, (name, xlabel) in zip(axes, labels.items()):
@@ -85,7 +86,7 @@ def plot_sla_compliance(compliance: dict[str, Any], out_dir: Path, title: str) -
 
 def plot_cloud_steps(steps: Sequence[dict[str, float]], out_dir: Path, title: str) -> Path:
     """cloud_compute_delay.png: per-step verifier compute delay over the run, with mean and std."""
-    plt = _pyplot()
+    plt = pyplot()
     delay = np.asarray([s["compute_s"] for s in steps]) * 1e3
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(np.arange(delay.size), delay, lw=0.8)

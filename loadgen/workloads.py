@@ -29,7 +29,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 MIN_PROMPT_TOKENS = 16
-_WORKLOAD_STREAM = 2  # RNG stream id (arrivals use 1)
+WORKLOAD_STREAM = 2  # RNG stream id of prompt lengths (arrivals use 1); the simulator draws the same lengths
 _FILE_SEPARATOR = "\n\n"
 
 
@@ -162,7 +162,7 @@ def synthetic_workload(spec: LengthSpec, num_requests: int, *, tokenizer: Tokeni
                        context_limit: int, seed: int = 0, num_devices: int = 1, dist: str = "gamma",
                        held_out: HeldOutText | None = None) -> Workload:
     """`num_requests` prompts with lengths fitted to `spec` (deterministic for a seed)."""
-    rng = np.random.default_rng([seed, _WORKLOAD_STREAM])
+    rng = np.random.default_rng([seed, WORKLOAD_STREAM])
     high = context_limit - max_new_tokens
     held_out = held_out or HeldOutText(tokenizer)
     lengths = fit_lengths(spec, num_requests, rng, MIN_PROMPT_TOKENS, high, dist)

@@ -15,8 +15,10 @@ import pytest
 from loadgen.arrivals import arrival_times
 from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, fit_lengths
 from shared.planners import chunk_size_eq3
-from loadgen.simulate import (Calibration, DeviceProfile, GTable, SimConfig, build_requests, compare_with_real,
-                             parse_mode, run_simulation)
+from loadgen.simulate.calibration import Calibration, DeviceProfile, GTable
+from loadgen.simulate.modes import parse_mode
+from loadgen.simulate.report import compare_with_real
+from loadgen.simulate.run import SimConfig, build_requests, run_simulation
 from loadgen.simulate.cloud import Cloud
 from loadgen.simulate.events import EventLoop
 from loadgen.simulate.fit import calibration_from_state, from_telemetry

@@ -7,17 +7,6 @@ traces through a model of the mesh whose timings come from the real mesh's telem
 
 Modules: events (clock, FIFO resources), calibration (+ fit: from the state monitor),
 cloud (continuous batching over P stages), modes, session (one request's event chain),
-run (a run / a grid, loadgen metrics), report (tables, sim vs real), cli.
+run (a run / a grid, loadgen metrics), report (tables, sim vs real), cli. Import what you use
+from those modules: this package re-exports nothing, so none of them imports the others through it.
 """
-
-from loadgen.simulate.calibration import Calibration, DeviceProfile, GTable, demo_calibration, paper_calibration
-from loadgen.simulate.modes import Mode, parse_mode, parse_modes
-from loadgen.simulate.report import compare_with_real, grid_tables, rate_table
-from loadgen.simulate.run import SimConfig, SimRun, build_requests, run_simulation, simulate, simulate_grid
-
-__all__ = [
-    "Calibration", "DeviceProfile", "GTable", "demo_calibration", "paper_calibration",
-    "Mode", "parse_mode", "parse_modes",
-    "compare_with_real", "grid_tables", "rate_table",
-    "SimConfig", "SimRun", "build_requests", "run_simulation", "simulate", "simulate_grid",
-]

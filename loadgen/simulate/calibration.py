@@ -280,13 +280,6 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
-    @classmethod
-    def from_telemetry(cls, state_monitor_url: str, **kwargs: Any) -> Calibration:
-        """Fill what a running state monitor knows; see `loadgen.simulate.fit.from_telemetry`."""
-        from loadgen.simulate.fit import from_telemetry
-
-        return from_telemetry(state_monitor_url, **kwargs)
-
 
 def _json_number(v: Any) -> Any:
     return "inf" if isinstance(v, float) and math.isinf(v) else v

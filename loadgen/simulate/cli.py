@@ -59,6 +59,7 @@ def simulate_command(
     import dataclasses
 
     from loadgen.simulate.calibration import Calibration
+    from loadgen.simulate.fit import from_telemetry
     from loadgen.simulate.modes import parse_modes
     from loadgen.simulate.report import compare_with_real, grid_tables
     from loadgen.simulate.run import SimConfig, simulate_grid
@@ -71,7 +72,7 @@ def simulate_command(
         if calibration is not None:
             cal = Calibration.load(calibration)
         elif state_monitor_url:
-            cal = Calibration.from_telemetry(state_monitor_url)
+            cal = from_telemetry(state_monitor_url)
         else:
             cal = Calibration()
         if mode_cycle:

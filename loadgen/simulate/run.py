@@ -29,7 +29,7 @@ import numpy as np
 
 from loadgen.arrivals import arrival_times
 from loadgen.metrics import RequestRecord, build_results
-from loadgen.workloads import _WORKLOAD_STREAM, BUILTIN, MIN_PROMPT_TOKENS, fit_lengths
+from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, WORKLOAD_STREAM, fit_lengths
 from loadgen.simulate.calibration import Calibration
 from loadgen.simulate.cloud import Cloud
 from loadgen.simulate.events import EventLoop
@@ -79,7 +79,7 @@ def build_requests(workload: str, num_requests: int, rate: float, *, burstiness:
                    max_new_tokens: int = 128, context_limit: int = 2048, num_devices: int = 1) -> list[SimRequest]:
     """The load generator's trace for these options: arrivals and prompt lengths."""
     times = arrival_times(rate, burstiness, num_requests=num_requests, seed=seed)
-    rng = np.random.default_rng([seed, _WORKLOAD_STREAM])
+    rng = np.random.default_rng([seed, WORKLOAD_STREAM])
     lengths = fit_lengths(BUILTIN[workload], len(times), rng, MIN_PROMPT_TOKENS, context_limit - max_new_tokens)
     return [SimRequest(i, float(t), int(n), max_new_tokens, i % max(1, num_devices))
             for i, (t, n) in enumerate(zip(times, lengths))]
