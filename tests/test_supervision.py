@@ -25,7 +25,8 @@ import pytest
 
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
-from tophatctl.launcher import REPO_ROOT, find_port_base
+from tophatctl.mesh_ports import find_port_base
+from tophatctl.service_process import REPO_ROOT
 from tophatctl.supervisor import RestartPolicy
 
 ROLES = {"verifier-cloud", "device-agent", "token-streamer", "chunk-planner", "state-monitor", "redis"}
@@ -188,7 +189,8 @@ async def test_streamer_routes_around_a_device_without_a_verifier(mesh, demo_che
     """A second device agent whose verifier is unreachable is not ready, and a streamer over both
     devices sends every request to the one that is."""
     from services.device_agent import settings as device_settings
-    from services.device_agent.app import DeviceAgent, create_app as device_app
+    from services.device_agent.agent import DeviceAgent
+    from services.device_agent.app import create_app as device_app
     from services.token_streamer.app import create_app as streamer_app
     from services.token_streamer.settings import load_settings
     from tests.test_token_streamer import dead_url, serve

@@ -14,7 +14,8 @@ to device 0 over the LAN too (the ring closes where the head is). m is the draft
 adapter imitates the layers after m from the states at m, so device 0 always drafts from layer m
 whatever the partition gives it.
 
-`stage_wiring` is pure: it turns a partition into the verifier's and the device agent's settings.
+`stage_wiring` is pure: it turns a partition into the verifier's and the device agent's settings;
+`configure_mesh` plans (or loads) the partition for a mesh about to start and points it at stage 0.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tophatctl.mesh_config import MeshConfig, MeshStartError
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ def stage_wiring(device_layers: Sequence[tuple[int, int]], slowdowns: Sequence[f
 
 def default_profile_path(model_dir: Path) -> Path:
     """Where `tophat profile` stores a model's profile unless told otherwise (build/ is not committed)."""
-    from tophatctl.launcher import REPO_ROOT
+    from tophatctl.models import REPO_ROOT  # imports torch: only when a profile is looked for
 
     return REPO_ROOT / "build" / "profiles" / f"{Path(model_dir).name}.json"
 
@@ -129,3 +132,25 @@ def edge_plan(model_dir: Path, spec: str, lan: str, kind: str, draft_layers: int
     bandwidth, latency = parse_lan(lan)
     max_len = min(int(config.get("max_position_embeddings", 2048)), MAX_PLANNED_LENGTH)
     return build_plan(profile, devices, bandwidth, latency, draft_layers=draft_layers, max_len=max_len, kind=kind)
+
+
+def configure_mesh(config: MeshConfig, model_dir: Path):
+    """Plan (or load) `config.edge_pipeline` for a mesh about to start; returns the plan and the verifier's stage
+    settings. The plan is stored in the mesh's log directory and `config` changed to run it: one device agent
+    (stage 0, at device 0's speed, beside the verifier's main: no link between them) reading that plan."""
+    if config.num_devices != 1 or config.verifiers != 1:
+        raise MeshStartError("an edge pipeline serves from one device agent (its first stage) and one verifier")
+    try:
+        plan = edge_plan(model_dir, config.edge_pipeline, config.lan, config.edge_plan_kind, config.split_layers,
+                         config.edge_plan or None)
+        wiring = stage_wiring(plan.stage_layers, [d.slowdown for d in plan.devices], plan.draft_layers, plan.lan)
+    except ValueError as exc:
+        raise MeshStartError(f"edge pipeline {config.edge_pipeline!r}: {exc}") from exc
+    plan_path = plan.save(config.log_dir / "edge-plan.json")
+    log.info("edge pipeline %s: layers %s (%s plan), verifier stages %s, hops %s", config.edge_pipeline,
+             list(plan.stage_layers), plan.kind, wiring.stage_layers, wiring.hop_links)
+    config.pipeline_stages = len(wiring.stage_layers)
+    config.speed = f"{plan.devices[0].slowdown:g}"
+    config.link = "none"  # the agent and the verifier's main both live on device 0
+    config.device_env = {**config.device_env, "edge_plan": str(plan_path)}
+    return plan, wiring.verifier_env()

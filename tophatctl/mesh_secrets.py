@@ -24,8 +24,15 @@ IMAGE_UID = 10001
 # names (their containers' own), so they serve plain HTTP to callers that must hold a token.
 TLS_SERVERS = ("TOPHAT_VERIFIER_", "TOPHAT_STREAMER_", "TOPHAT_CHUNK_PLANNER_", "TOPHAT_STATE_MONITOR_")
 MOUNTED = Path("/run/secrets")
-AUTH_PREFIXES = ("TOPHAT_VERIFIER_", "TOPHAT_DEVICE_", "TOPHAT_STREAMER_", "TOPHAT_CHUNK_PLANNER_",
-                 "TOPHAT_STATE_MONITOR_")
+# Every service's settings prefix: each takes the mesh secret and the CA under its own (and reads only its own).
+SERVICE_PREFIXES = ("TOPHAT_VERIFIER_", "TOPHAT_DEVICE_", "TOPHAT_STREAMER_", "TOPHAT_CHUNK_PLANNER_",
+                    "TOPHAT_STATE_MONITOR_")
+SECRET_BYTES = 32  # 256 bits of randomness per secret
+
+
+def new_secret() -> str:
+    """A fresh random secret, URL-safe (it travels in env files and settings)."""
+    return secrets.token_urlsafe(SECRET_BYTES)
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -42,10 +49,10 @@ def make_mesh_secrets(out_dir: Path, api_key: str = "", tls_hosts: list[str] | N
     from tophatctl.certs import CA_CERT, SERVER_CERT, SERVER_KEY, make_dev_certs
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    mesh_secret = secrets.token_urlsafe(32)
-    redis_password = secrets.token_urlsafe(32)
+    mesh_secret = new_secret()
+    redis_password = new_secret()
     lines = ["# written by `tophat mesh-secrets`: mounted as a secret, never committed"]
-    lines += [f"{prefix}AUTH_SECRET={mesh_secret}" for prefix in AUTH_PREFIXES]
+    lines += [f"{prefix}AUTH_SECRET={mesh_secret}" for prefix in SERVICE_PREFIXES]
     lines.append(f"TOPHAT_STATE_MONITOR_REDIS_PASSWORD={redis_password}")
     if api_key:
         lines.append(f"TOPHAT_STREAMER_API_KEY={api_key}")
@@ -55,7 +62,7 @@ def make_mesh_secrets(out_dir: Path, api_key: str = "", tls_hosts: list[str] | N
             os.chown(made.server_key, IMAGE_UID, IMAGE_UID)
         lines += [f"{prefix}TLS_CERT={MOUNTED / SERVER_CERT}" for prefix in TLS_SERVERS]
         lines += [f"{prefix}TLS_KEY={MOUNTED / SERVER_KEY}" for prefix in TLS_SERVERS]
-        lines += [f"{prefix}TLS_CA={MOUNTED / CA_CERT}" for prefix in AUTH_PREFIXES]
+        lines += [f"{prefix}TLS_CA={MOUNTED / CA_CERT}" for prefix in SERVICE_PREFIXES]
     env_path, conf_path = out_dir / MESH_ENV, out_dir / REDIS_CONF
     _write_private(env_path, "\n".join(lines) + "\n")
     _write_private(conf_path, f"requirepass {redis_password}\n")

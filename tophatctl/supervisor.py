@@ -2,8 +2,9 @@
 
 `tophat up` owns one `Supervisor` (through `Mesh.start()` / `Mesh.stop()`). A thread polls the
 mesh's processes; one that exited is logged with its exit code and started again after a delay
-(exponential: 0.5 s doubling up to 10 s, back to 0.5 s for a process that had stayed up 30 s, as
-compose's restart policy does), with the same command line, environment and ports -- a device in
+(the project's exponential backoff, shared/backoff.py: 0.5 s doubling up to 10 s, back to 0.5 s for
+a process that had stayed up 30 s, as compose's restart policy does), with the same command line,
+environment and ports -- a device in
 a network namespace comes back in the same namespace, its command carries the `ip netns exec`
 prefix. The embedded Redis comes back on its port with its password.
 
@@ -19,16 +20,27 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from tophatctl.launcher import Mesh
+from shared.backoff import Backoff
+from shared.redis_server import EmbeddedRedis
+from tophatctl.service_process import ServiceProcess
 
 log = logging.getLogger(__name__)
 
 REDIS = "redis"
+
+
+class SupervisedMesh(Protocol):
+    """What the supervisor watches (tophatctl/mesh.py's Mesh): its processes, its embedded Redis (None when
+    it uses an outside one) and the table the state file lists."""
+
+    services: list[ServiceProcess]
+    redis: EmbeddedRedis | None
+
+    def process_table(self) -> list[dict]: ...
 
 
 @dataclass(frozen=True)
@@ -36,12 +48,19 @@ class RestartPolicy:
     initial_s: float = 0.5
     max_s: float = 10.0
     reset_after_s: float = 30.0  # a process that stayed up this long starts over at initial_s
+    backoff: Backoff = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.reset_after_s <= 0:
+            raise ValueError(f"reset_after_s must be positive, got {self.reset_after_s}")
+        # Made here, so a bad initial_s / max_s fails now rather than at the first crash.
+        object.__setattr__(self, "backoff", Backoff(self.initial_s, self.max_s))
 
     def next_delay(self, previous_s: float | None, uptime_s: float) -> float:
         """Seconds to wait before restarting a process that ran `uptime_s` before it exited."""
-        if previous_s is None or uptime_s >= self.reset_after_s:
-            return self.initial_s
-        return min(previous_s * 2, self.max_s)
+        if uptime_s >= self.reset_after_s:
+            previous_s = None  # it stayed up: this crash is a first one
+        return self.backoff.after(previous_s)
 
 
 @dataclass
@@ -59,7 +78,7 @@ def write_state_file(path: Path, entries: list[dict]) -> None:
 
 
 class Supervisor:
-    def __init__(self, mesh: Mesh, state_file: Path | None = None, policy: RestartPolicy = RestartPolicy(),
+    def __init__(self, mesh: SupervisedMesh, state_file: Path | None = None, policy: RestartPolicy = RestartPolicy(),
                  poll_s: float = 0.2):
         self.mesh = mesh
         self.state_file = state_file
@@ -109,7 +128,7 @@ class Supervisor:
             if code is not None:
                 self._due(service.name, code, now - service.started_at, now)
                 if self._restart_due(service.name, now):
-                    self.mesh.respawn(service)
+                    service.restart()
                     self._restarted(service.name, service.process.pid)
         redis = self.mesh.redis
         if redis is not None and not redis.running:

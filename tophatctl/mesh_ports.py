@@ -1,0 +1,59 @@
+"""Where a local mesh's services listen: one base port and fixed offsets from it.
+
+    token-streamer  base        chunk-planner  base+10     state-monitor  base+20
+    verifier-cloud  base+100+j  device agents  base+200+i  redis          a free port (embedded)
+
+Verifier replicas take base+100 .. base+199, so at most 99 of them fit before the devices' range.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+STREAMER_OFFSET = 0
+PLANNER_OFFSET = 10
+MONITOR_OFFSET = 20
+VERIFIER_OFFSET = 100
+DEVICE_OFFSET = 200
+MAX_VERIFIERS = DEVICE_OFFSET - VERIFIER_OFFSET - 1
+# Linux's default when /proc does not say (the first port the kernel hands out for outgoing connections).
+DEFAULT_EPHEMERAL_FLOOR = 32768
+
+
+def ephemeral_port_floor() -> int:
+    """The lowest port the kernel picks for an outgoing connection's local end."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return DEFAULT_EPHEMERAL_FLOOR
+
+
+def layout(base: int, num_devices: int, num_verifiers: int = 1) -> list[int]:
+    """Every port a mesh with this base binds (the embedded Redis aside: it takes any free port)."""
+    return ([base + STREAMER_OFFSET, base + PLANNER_OFFSET, base + MONITOR_OFFSET]
+            + [base + VERIFIER_OFFSET + j for j in range(num_verifiers)]
+            + [base + DEVICE_OFFSET + i for i in range(num_devices)])
+
+
+def find_port_base(num_devices: int, host: str = "127.0.0.1", num_verifiers: int = 1) -> int:
+    """A base whose whole port layout is free right now (for tests and parallel meshes)."""
+    # Stay below the kernel's ephemeral range: services' own outgoing connections take ports
+    # from it, and one of them could land in our layout between this check and the bind.
+    low_ephemeral = ephemeral_port_floor()
+    for _ in range(200):
+        base = random.randrange(10_000, max(10_010, low_ephemeral - 300 - num_devices), 10)
+        try:
+            sockets = []
+            for port in layout(base, num_devices, num_verifiers):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return base
+    raise RuntimeError("no free port layout found")
