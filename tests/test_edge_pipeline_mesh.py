@@ -15,7 +15,9 @@ from shared.jupiter.plan import build_plan, parse_edge_pipeline, parse_lan
 from shared.jupiter.profile import Profile
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 SPEC = "orin;xavier;xavier"
 

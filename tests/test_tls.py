@@ -22,7 +22,9 @@ from shared.tls import TLSConfigError, client_context, server_context, websocket
 from tests.conftest import DEMO_MODEL_DIR
 from tophatctl.certs import make_dev_certs, parse_hosts
 from tophatctl.demo_model.corpus import held_out_prompts
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 MAX_TOKENS = 16
 
