@@ -248,7 +248,8 @@ class RequireToken:
             await self.app(scope, receive, send)
             return
         try:
-            claims = authenticate(self._secret, _header(scope.get("headers") or []), self.roles, self.clock())
+            header = authorization_header(scope.get("headers") or [])
+            claims = authenticate(self._secret, header, self.roles, self.clock())
         except AuthError as exc:
             client = (scope.get("client") or ("?",))[0]
             log.info("refused %s %s from %s: %s", scope.get("method"), scope["path"], client, exc.reason)
@@ -264,11 +265,19 @@ class RequireToken:
         await self.app(scope, receive, send)
 
 
-def _header(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+def authorization_header(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The first Authorization header's value among ASGI `headers`, or None."""
     for name, value in headers:
         if name.lower() == b"authorization":
             return value
     return None
+
+
+def bearer_token(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The credential of ASGI `headers`' `Authorization: Bearer <token>`, or None when there is none
+    (the one parser for both the mesh's signed tokens and the streamer's API keys)."""
+    token = bearer(authorization_header(headers))
+    return token if isinstance(token, bytes) else None
 
 
 def claims_of(scope: dict) -> Claims | None:

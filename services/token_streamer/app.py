@@ -5,8 +5,9 @@ slot (admission.py: bounded, first come first served, with a deadline), picks a
 device agent (router.py; a chat goes as its turns, which the device renders with
 the model's own chat template, a completion as raw text), relays the device's
 NDJSON token stream as OpenAI chunks, applies stop strings, measures TTFT/TBT as the user sees them (from
-request arrival here, so queueing counts) and reports each finished request to
-the state monitor (HAT §3.2) when one is configured.
+request arrival here, so queueing counts; run.py) and reports each finished request to
+the state monitor (HAT §3.2) when one is configured. starter.py turns a request into a
+started run; chat_ws.py is the WebSocket front over the same starter.
 A client that goes away, streaming or not, cancels its request: it leaves the
 queue, or its device stream is closed, which stops the generation on the device
 and frees its sessions there and in the cloud.
@@ -17,154 +18,34 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.token_streamer import openai_format as of
 from services.token_streamer.admission import Admission
-from services.token_streamer.device_stream import DeviceStream
+from services.token_streamer.chat_ws import serve_chat_ws
 from services.token_streamer.disco import DiscoController
-from services.token_streamer.disco_stream import DiscoStream
 from services.token_streamer.dispatcher import Dispatcher
-from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone, unless_gone
+from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone
 from services.token_streamer.limits import install as install_gate
-from services.token_streamer.outline import OutlineFlow, OutlineStream
+from services.token_streamer.outline import OutlineFlow
 from services.token_streamer.router import DeviceError, Router
+from services.token_streamer.run import Run
 from services.token_streamer.settings import Settings, load_settings
-from shared import auth, latency_stats
-from shared.latency_stats import Timeline
+from services.token_streamer.starter import BadRequest, RequestStarter
+from shared import auth
 from shared.metrics import StreamerMetrics, metrics_response
 from shared.telemetry import TelemetryClient
 from shared.tls import client_context
 
 log = logging.getLogger(__name__)
-
-
-class BadRequest(Exception):
-    """Input the streamer itself rejects (400), before any device is involved."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-class Run:
-    """One request's generation on one device: stop strings, user-side timing, stats, telemetry."""
-
-    def __init__(self, stream: DeviceStream | DiscoStream | OutlineStream, stops: list[str], started: float,
-                 request_id: str, telemetry: TelemetryClient, metrics: StreamerMetrics | None = None) -> None:
-        self.stream = stream
-        self.scanner = of.StopScanner(stops)
-        self.started = started
-        self.request_id = request_id
-        self.telemetry = telemetry
-        self.metrics = metrics
-        self.finish_reason = "length"
-        self.timeline = Timeline(started)  # one delivery per NDJSON 'tokens' line, perf_counter times
-        self.device_stats: dict[str, Any] | None = None
-        self.extra: dict[str, Any] = {}  # more of what happened, for the final stats (e.g. "outline")
-        self._closed = False
-
-    async def deltas(self) -> AsyncIterator[str]:
-        """Non-empty text deltas for the user; DeviceError if the device fails mid-way."""
-        async for event in self.stream.events():
-            kind = event.get("type")
-            if kind == "tokens":
-                ids = event.get("token_ids")
-                self._observe(len(ids) if isinstance(ids, list) else 0)
-                text = self.scanner.feed(str(event.get("text") or ""))
-                if text:
-                    yield text
-                if self.scanner.stopped:
-                    self.finish_reason = "stop"
-                    return
-            elif kind == "done":
-                self.finish_reason = "stop" if event.get("finish_reason") == "stop" else "length"
-                stats = event.get("stats")
-                self.device_stats = stats if isinstance(stats, dict) else None
-                tail = self.scanner.flush()
-                if tail:
-                    yield tail
-                return
-            elif kind == "error":
-                raise DeviceError(502, str(event.get("code") or "device_error"),
-                                  str(event.get("message") or "the device failed mid-generation"))
-        tail = self.scanner.flush()  # events() ends only after done/error or by raising
-        if tail:
-            yield tail
-
-    def _observe(self, n: int) -> None:
-        """Timing on arrival, from request arrival here (TTFT/TBT as shared/latency_stats.py defines them)."""
-        self.timeline.deliver(time.perf_counter(), n)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return latency_stats.ttft_s(self.timeline)
-
-    @property
-    def token_times_s(self) -> list[float]:
-        """TBT samples, one per token after the first (the telemetry record's `token_times_s`)."""
-        return latency_stats.tbt_samples_s(self.timeline)
-
-    @property
-    def rounds(self) -> list[int]:
-        """Tokens per delivery: the prefill's, then each round's."""
-        return self.timeline.tokens
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.timeline.num_tokens
-
-    @property
-    def accept_lengths(self) -> list[int]:
-        """Tokens per verification round; the first line is the prefill's token when it has one."""
-        rounds = self.rounds
-        num_rounds = (self.device_stats or {}).get("num_rounds")
-        if rounds and (num_rounds == len(rounds) - 1 or (num_rounds is None and rounds[0] == 1)):
-            return rounds[1:]
-        return list(rounds)
-
-    def tophat(self) -> dict[str, Any]:
-        stats = self.device_stats or {}
-        accepts = self.accept_lengths
-        mean_accept = stats.get("mean_accept_length", latency_stats.mean_accept_length(accepts))
-        disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else {}
-        return {**disco, "device_id": self.stream.device.device_id, "queue_wait_s": self.stream.queue_wait_s,
-                "ttft_s": self.ttft_s, "tbt_s": latency_stats.mean_tbt_s(self.timeline),
-                "mean_accept_length": mean_accept, "num_rounds": stats.get("num_rounds", len(accepts)),
-                "prompt_tokens": self.stream.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "rounds": list(self.rounds),  # tokens per delivery: the prefill's, then each round's
-                "device_stats": self.device_stats, **self.extra}
-
-    def usage(self) -> dict[str, int]:
-        return of.usage(self.stream.prompt_tokens, self.completion_tokens)
-
-    async def close(self) -> None:
-        """Release the device (stops its generation if still running) and report telemetry once."""
-        if self._closed:
-            return
-        self._closed = True
-        await self.stream.aclose()
-        if self.metrics is not None:  # TTFT, ITL and e2e as the user saw them, from arrival here
-            self.metrics.request_done(self.ttft_s, self.token_times_s, time.perf_counter() - self.started)
-        disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else None
-        self.telemetry.emit_request(self.request_id, device_id=self.stream.device.device_id, ttft_s=self.ttft_s,
-                                    token_times_s=self.token_times_s, accept_lengths=self.accept_lengths,
-                                    prompt_tokens=self.stream.prompt_tokens,
-                                    **({} if disco is None else {
-                                        "endpoint": disco["endpoint"], "server_ttft_s": disco["server_ttft_s"],
-                                        "cost": disco["cost"]["total"], "dispatch": disco["dispatch"]}))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -187,6 +68,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     disco = DiscoController(s, client)
     outlines = OutlineFlow(dispatcher, client, wait_timeout_s=s.first_byte_timeout_s + s.line_timeout_s,
                            probe_timeout_s=s.probe_timeout_s)
+    starter = RequestStarter(s, dispatcher, outlines, disco, telemetry, metrics)
     started_at = int(time.time())
 
     async def health_loop() -> None:
@@ -260,60 +142,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), None)
 
-    def prompt_of(req: of.SamplingRequest) -> dict[str, Any]:
-        """What the device is asked for: a completion's raw text, or a chat's turns (templated on the device)."""
-        if isinstance(req, of.ChatRequest):
-            return {"messages": req.turns}
-        return {"prompt": req.prompt_text}
-
-    async def start(req: of.SamplingRequest, max_tokens: int | None, chat: bool) -> tuple[Run, of.ChunkFactory]:
-        """Validate, dispatch to a device and wait for its start line (errors raise before any byte is sent)."""
-        started = time.perf_counter()
-        prompt = prompt_of(req)
-        chars = len(prompt["prompt"]) if "prompt" in prompt else sum(len(m["content"]) for m in prompt["messages"])
-        if chars > s.max_prompt_chars:
-            raise BadRequest(f"prompt is longer than {s.max_prompt_chars} characters",
-                             "prompt" if "prompt" in prompt else "messages")
-        max_new = max_tokens if max_tokens is not None else s.max_new_tokens_default
-        if max_new > s.max_new_tokens_limit:
-            raise BadRequest(f"max_tokens must be <= {s.max_new_tokens_limit}", "max_tokens")
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        body = {**prompt, "max_new_tokens": max_new, "temperature": req.temperature,
-                "top_p": req.top_p, "seed": req.seed, "request_id": request_id}
-        options = req.tophat.model_dump(exclude_none=True) if req.tophat is not None else {}
-        delay_ms = options.pop("added_delay_ms", 0.0)
-        if delay_ms:
-            await asyncio.sleep(delay_ms / 1e3)
-        dispatch = options.pop("dispatch", s.dispatch)
-        budget = options.pop("budget", s.disco_budget)
-        reading_rate = options.pop("reading_rate_tps", s.reading_rate_tps)
-        migration = options.pop("migration", s.disco_migration)
-        outline = options.pop("outline", s.outline)
-        body.update(options)
-        outline_stats: dict[str, Any] | None = None
-        stream: DeviceStream | DiscoStream | OutlineStream
-        if outline and (dispatch != "off" or options.get("mode", "hat") != "hat"):
-            outline_stats = {"used": False, "reason": "dispatch" if dispatch != "off" else "mode", "points": 0}
-        if dispatch == "off" and outline and outline_stats is None:
-            stream, outline_stats = await outlines.open(body)
-        elif dispatch == "off":
-            stream = await dispatcher.open(body)
-        else:
-            if "mode" in options:
-                raise BadRequest("a request under a dispatch policy cannot also choose its mode", "tophat")
-            stream = DiscoStream(disco, dispatcher, body, dispatch=dispatch, budget=budget,
-                                 reading_rate_tps=reading_rate, migration=migration, prompt_chars=chars)
-            try:
-                await stream.start()
-            except BaseException:
-                await stream.aclose()
-                raise
-        log.debug("request %s -> %s", request_id, stream.device.url)
-        run = Run(stream, req.stop_list, started, request_id, telemetry, metrics)
-        if outline_stats is not None:
-            run.extra["outline"] = outline_stats
-        return run, of.ChunkFactory(chat, request_id, s.model_name)
-
     async def sse_body(run: Run, fmt: of.ChunkFactory, include_usage: bool) -> AsyncIterator[str]:
         try:
             if fmt.chat:
@@ -330,7 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield of.DONE
 
     async def serve_request(req: of.SamplingRequest, max_tokens: int | None, chat: bool) -> Response:
-        run, fmt = await start(req, max_tokens, chat)
+        run, fmt = await starter.start(req, max_tokens, chat)
         headers = {QUEUE_WAIT_HEADER: f"{run.stream.queue_wait_s * 1e3:.3f}"}
         if req.stream:
             return OwnedStreamingResponse(sse_body(run, fmt, req.include_usage), run.close,
@@ -386,69 +214,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.websocket("/v1/chat/ws")
     async def chat_ws(ws: WebSocket) -> None:
-        """One chat request per JSON message (full history each time); the socket stays open between them."""
-        async with asyncio.timeout(s.send_timeout_s):
-            await ws.accept()
-
-        async def send(message: dict[str, Any]) -> None:
-            async with asyncio.timeout(s.send_timeout_s):
-                await ws.send_json(message)
-
-        async def send_error(status: int, detail: str, code: str, param: str | None = None) -> None:
-            await send({"type": "error", **of.error_body(detail, of.error_type(status), code, param)})
-
-        async def close(code: int, reason: str) -> None:
-            try:
-                async with asyncio.timeout(s.send_timeout_s):
-                    await ws.close(code=code, reason=reason)
-            except (TimeoutError, RuntimeError, OSError) as exc:  # already closed or peer gone
-                log.debug("closing chat websocket: %s", exc)
-
-        async def answer(raw: str) -> None:
-            try:
-                req = of.ChatRequest.model_validate_json(raw)
-                run, _ = await start(req, req.requested_tokens, chat=True)
-            except ValidationError as exc:
-                detail, param = of.validation_error(exc.errors())
-                await send_error(400, detail, "invalid_request", param)
-                return
-            except BadRequest as exc:
-                await send_error(400, exc.message, "invalid_request", exc.param)
-                return
-            except DeviceError as exc:
-                await send_error(exc.status, exc.message, exc.code)
-                return
-            try:
-                async for text in run.deltas():
-                    await send({"type": "token", "text": text})
-                await send({"type": "done", "finish_reason": run.finish_reason, "usage": run.usage(),
-                            "stats": run.tophat()})
-            except DeviceError as exc:
-                await send_error(exc.status, exc.message, exc.code)
-            finally:
-                await run.close()
-
-        pending: deque[dict[str, Any]] = deque()  # what the client sent while a request was being answered
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(s.ws_idle_timeout_s):
-                        message = pending.popleft() if pending else await ws.receive()
-                except TimeoutError:
-                    await close(1000, "idle")
-                    return
-                if message["type"] == "websocket.disconnect":
-                    return
-                raw = message.get("text") or (message.get("bytes") or b"").decode("utf-8", "replace")
-                # A client that leaves while its request is queued or streaming cancels it (and frees its slot).
-                if not await unless_gone(answer(raw), ws.receive, pending):
-                    log.debug("chat websocket client went away mid-request; request cancelled")
-                    return
-        except WebSocketDisconnect:
-            log.debug("chat websocket closed by the client")
-        except TimeoutError:
-            log.info("chat websocket client too slow to receive; closing")
-            await close(1011, "send timeout")
+        await serve_chat_ws(ws, starter, s)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

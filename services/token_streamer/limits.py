@@ -30,12 +30,11 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.token_streamer import openai_format as of
-from shared.auth import is_loopback, redact_credentials
+from shared.auth import OPEN_PATHS, bearer_token, is_loopback, redact_credentials
 from shared.rate_limit import RateLimiter, retry_after_s
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # probes and scrapes stay keyless
 BODY_READ_TIMEOUT_S = 30.0  # a client that takes longer to send a body of at most max_body_bytes is gone
 LINGER_S = 5.0  # how long the rest of a refused body is read and dropped before the connection closes
 NO_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
@@ -51,16 +50,6 @@ class Refusal(Exception):
         self.status, self.message, self.code, self.type_ = status, message, code, type_
         self.headers = headers or {}
         self.body_done = False  # the request's body has been read to its end (nothing to drop)
-
-
-def bearer_token(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
-    """The credential of `Authorization: Bearer <token>`, or None when there is none."""
-    for name, value in headers:
-        if name.lower() == b"authorization":
-            scheme, _, token = value.strip().partition(b" ")
-            token = token.strip()
-            return token if scheme.lower() == b"bearer" and token else None
-    return None
 
 
 def content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
@@ -85,7 +74,7 @@ class Gate:
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:  # probes, scrapes: keyless
             await self.app(scope, receive, send)
             return
         try:

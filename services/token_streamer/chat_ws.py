@@ -1,0 +1,86 @@
+"""The WebSocket chat: one chat request per JSON message (the full history each time), the socket
+open between them. A client that leaves while its request is queued or streaming cancels it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any
+
+from fastapi import WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from services.token_streamer import openai_format as of
+from services.token_streamer.lifecycle import unless_gone
+from services.token_streamer.router import DeviceError
+from services.token_streamer.settings import Settings
+from services.token_streamer.starter import BadRequest, RequestStarter
+
+log = logging.getLogger(__name__)
+
+
+async def serve_chat_ws(ws: WebSocket, starter: RequestStarter, s: Settings) -> None:
+    """One chat request per JSON message (full history each time); the socket stays open between them."""
+    async with asyncio.timeout(s.send_timeout_s):
+        await ws.accept()
+
+    async def send(message: dict[str, Any]) -> None:
+        async with asyncio.timeout(s.send_timeout_s):
+            await ws.send_json(message)
+
+    async def send_error(status: int, detail: str, code: str, param: str | None = None) -> None:
+        await send({"type": "error", **of.error_body(detail, of.error_type(status), code, param)})
+
+    async def close(code: int, reason: str) -> None:
+        try:
+            async with asyncio.timeout(s.send_timeout_s):
+                await ws.close(code=code, reason=reason)
+        except (TimeoutError, RuntimeError, OSError) as exc:  # already closed or peer gone
+            log.debug("closing chat websocket: %s", exc)
+
+    async def answer(raw: str) -> None:
+        try:
+            req = of.ChatRequest.model_validate_json(raw)
+            run, _ = await starter.start(req, req.requested_tokens, chat=True)
+        except ValidationError as exc:
+            detail, param = of.validation_error(exc.errors())
+            await send_error(400, detail, "invalid_request", param)
+            return
+        except BadRequest as exc:
+            await send_error(400, exc.message, "invalid_request", exc.param)
+            return
+        except DeviceError as exc:
+            await send_error(exc.status, exc.message, exc.code)
+            return
+        try:
+            async for text in run.deltas():
+                await send({"type": "token", "text": text})
+            await send({"type": "done", "finish_reason": run.finish_reason, "usage": run.usage(),
+                        "stats": run.tophat()})
+        except DeviceError as exc:
+            await send_error(exc.status, exc.message, exc.code)
+        finally:
+            await run.close()
+
+    pending: deque[dict[str, Any]] = deque()  # what the client sent while a request was being answered
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(s.ws_idle_timeout_s):
+                    message = pending.popleft() if pending else await ws.receive()
+            except TimeoutError:
+                await close(1000, "idle")
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            raw = message.get("text") or (message.get("bytes") or b"").decode("utf-8", "replace")
+            # A client that leaves while its request is queued or streaming cancels it (and frees its slot).
+            if not await unless_gone(answer(raw), ws.receive, pending):
+                log.debug("chat websocket client went away mid-request; request cancelled")
+                return
+    except WebSocketDisconnect:
+        log.debug("chat websocket closed by the client")
+    except TimeoutError:
+        log.info("chat websocket client too slow to receive; closing")
+        await close(1011, "send timeout")
