@@ -149,7 +149,7 @@ def test_output_paths_take_a_json_name_or_a_folder(tmp_path):
 
 
 def test_the_cli_parses_disco_options_and_refuses_bad_ones(monkeypatch, tmp_path):
-    from tophatctl import cli
+    from tophat import cli
 
     seen = {}
 

@@ -247,7 +247,7 @@ def test_edge_plan_rejects_a_first_stage_smaller_than_the_draft():
 def test_tophat_profile_and_plan_commands(tmp_path, tiny_llama_dir):
     from typer.testing import CliRunner
 
-    from tophatctl.cli import app
+    from tophat.cli import app
 
     runner = CliRunner()
     profile_path = tmp_path / "profile.json"

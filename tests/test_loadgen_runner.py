@@ -153,7 +153,7 @@ def test_cli_writes_results_csv_and_plots(server, tmp_path: Path) -> None:
     workload.write_text("\n".join(json.dumps({"prompt": p}) for p in ["ok", "ok", "busy"]) + "\n")
     app = typer.Typer()
     app.command("loadgen")(loadgen_command)
-    app.command("other")(lambda: None)  # a group, as when mounted in tophatctl/cli.py
+    app.command("other")(lambda: None)  # a group, as when mounted in tophat/cli.py
     out = tmp_path / "out"
     bodies.clear()
     result = CliRunner().invoke(app, [

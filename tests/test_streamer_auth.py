@@ -264,7 +264,7 @@ def test_tophat_up_api_key_reaches_the_streamer_of_a_real_mesh(monkeypatch: pyte
     from typer.testing import CliRunner
 
     from tests.conftest import DEMO_MODEL_DIR
-    from tophatctl import cli
+    from tophat import cli
     from tophatctl.launcher import Mesh, MeshConfig, MeshStartError, find_port_base
 
     seen: list[MeshConfig] = []

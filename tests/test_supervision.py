@@ -67,7 +67,7 @@ class RunningMesh:
         self.base = find_port_base(1)
         self.state_file = tmp / "state.json"
         self.log = open(tmp / "tophat-up.log", "wb")  # noqa: SIM115 - closed in stop()
-        command = ("from tophatctl.cli import app; app()", "up", "--model", str(DEMO_MODEL_DIR),
+        command = ("from tophat.cli import app; app()", "up", "--model", str(DEMO_MODEL_DIR),
                    "--port-base", str(self.base), "--state-file", str(self.state_file),
                    "--no-auth")  # open: a test streamer outside the mesh calls its device agent
         self.process = subprocess.Popen([sys.executable, "-c", *command], cwd=REPO_ROOT, stdout=self.log,

@@ -1,0 +1,125 @@
+"""`tophat up | certs | mesh-secrets`: running the mesh on this machine (tophatctl/launcher.py) and
+making what a deployment needs to run it securely (tophatctl/certs.py, tophatctl/mesh_secrets.py).
+The library is imported inside each command, so `tophat --help` does not load it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from tophat.command_support import MODEL_HELP, fail
+
+
+def up(
+    devices: int = typer.Option(1, "--devices", help="number of device agents"),
+    verifiers: int = typer.Option(1, "--verifiers", help="verifier replicas; a session whose verifier dies "
+                                  "is replayed on another"),
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    redis_url: Optional[str] = typer.Option(None, help="external Redis (default: embedded redis-server)"),
+    port_base: int = typer.Option(8000, help="token-streamer port; the others are laid out from it"),
+    split_layers: int = typer.Option(2, "--split-layers"),
+    no_speculation: bool = typer.Option(False, "--no-speculation", help="plain U-shape (no draft adapter)"),
+    adapter: str = typer.Option("", help="adapter file or 'random' (default: MODEL/draft_adapter.safetensors)"),
+    link: str = typer.Option("none", help="link profile per device: near|mid|far|none or 'up=5MB,down=10MB,lat=5ms'; "
+                             "';'-separated to vary by device"),
+    link_mode: str = typer.Option("auto", help="auto | netns (tc-shaped veth, root) | inprocess"),
+    speed: str = typer.Option("orin", help="device speed per device: orin|xavier|cycle|'1,2,5,10@5'; ';'-separated"),
+    pipeline_stages: int = typer.Option(1, help="P: verifier pipeline stages (worker processes)"),
+    prompt_chunking: bool = typer.Option(True, "--prompt-chunking/--no-prompt-chunking", help="PC switch"),
+    parallel_drafting: bool = typer.Option(True, "--parallel-drafting/--no-parallel-drafting", help="PD switch"),
+    state_file: Optional[Path] = typer.Option(None, "--state-file", help="keep a JSON list of every process "
+                                              "(role, pid, url) here, rewritten after each restart"),
+    api_key: str = typer.Option("", "--api-key", envvar="TOPHAT_STREAMER_API_KEY", show_default=False,
+                                help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)"),
+    auth: bool = typer.Option(True, "--auth/--no-auth", help="authenticate every internal hop with signed tokens "
+                              "from a random mesh secret made for this run (TOPHAT_*_AUTH_SECRET)"),
+    tls: bool = typer.Option(False, "--tls", help="TLS on every hop (https, wss) with a development CA made in "
+                             "the log directory (see tophat certs)"),
+    edge_pipeline: str = typer.Option("", "--edge-pipeline", help="Jupiter: run the model over these edge devices "
+                                      "as pipeline stages, e.g. 'orin;xavier;xavier' (speed classes, optional "
+                                      "':512MiB' memory budgets); one device agent (stage 0) drafts"),
+    lan: str = typer.Option("lan", "--lan", help="with --edge-pipeline: the link between neighbouring devices "
+                            "(a shared/links.py profile or spec; 'lan' = 100 Mbit/s)"),
+    edge_plan: str = typer.Option("", "--edge-plan", help="with --edge-pipeline: a stored plan (tophat plan --out); "
+                                  "default: planned at start from the model's stored profile (tophat profile)"),
+    edge_plan_kind: str = typer.Option("jupiter", "--edge-plan-kind", help="jupiter (DP partition + DP "
+                                       "sub-sequences) | equal | serial (the baselines)"),
+    edge_draft_server: bool = typer.Option(False, "--edge-draft-server", help="Edge SD: device agent 0 drafts for "
+                                           "every user in planned, pipelined batches (mode edge-sd); the verifier "
+                                           "holds the whole target (TOPHAT_DEVICE_EDGE_* tune it)"),
+):
+    """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
+    (or SIGTERM) stops every process."""
+    import signal
+    import threading
+
+    # looked up at call time (tests replace tophatctl.launcher.Mesh)
+    from tophatctl.launcher import Mesh, MeshConfig, MeshStartError
+    from tophatctl.models import resolve_model_or_exit
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = MeshConfig(model_dir=str(resolve_model_or_exit(model)), num_devices=devices, port_base=port_base,
+                        redis_url=redis_url, split_layers=split_layers, speculative=not no_speculation, adapter=adapter,
+                        link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
+                        device_env={"prompt_chunking": str(prompt_chunking).lower(),
+                                    **({} if parallel_drafting else {"parallel_candidates": "0"})},
+                        supervise=True, state_file=state_file, auth=auth,
+                        api_key=api_key, verifiers=verifiers, tls=tls, edge_pipeline=edge_pipeline, lan=lan,
+                        edge_plan=edge_plan, edge_plan_kind=edge_plan_kind, edge_draft_server=edge_draft_server)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    mesh = Mesh(config)
+    try:
+        mesh.start()
+    except MeshStartError as exc:
+        fail(str(exc))
+    try:
+        for name, url in mesh.urls().items():
+            typer.echo(f"{name:16s} {url}")
+        key_hint = " --api-key KEY" if api_key else ""
+        ca_hint = f"SSL_CERT_FILE={mesh.certs.ca_cert} " if mesh.certs is not None else ""  # httpx trusts it
+        typer.echo(f"logs in {config.log_dir}; chat with: {ca_hint}tophat chat --url {config.streamer_url}{key_hint}")
+        typer.echo("Ctrl-C to stop")
+        while not stop.wait(0.5):  # a timed wait, so Ctrl-C is handled promptly
+            pass  # the mesh's supervisor restarts what dies meanwhile (and logs it)
+    finally:
+        mesh.stop()
+        typer.echo("mesh stopped")
+
+
+def certs(
+    out: Path = typer.Option(..., "--out", help="directory for ca.pem, ca-key.pem, server.pem, server-key.pem"),
+    hosts: str = typer.Option("127.0.0.1,localhost,::1", help="comma-separated names and addresses the "
+                              "server certificate is valid for (every host a service is reached by)"),
+    days: int = typer.Option(365, help="validity in days"),
+):
+    """Make a development CA and a server certificate it signs (keys 0600), for TOPHAT_*_TLS_CERT / _TLS_KEY
+    (servers) and TOPHAT_*_TLS_CA (clients). Not for production: the CA's key is written beside them."""
+    from tophatctl.certs import make_dev_certs, parse_hosts
+
+    try:
+        made = make_dev_certs(out, parse_hosts(hosts), days=days)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    for what, path in (("tls_ca", made.ca_cert), ("tls_cert", made.server_cert), ("tls_key", made.server_key)):
+        typer.echo(f"{what:9s} {path}")
+
+
+def mesh_secrets(
+    out: Path = typer.Option(Path("build/secrets"), "--out", help="directory for tophat-mesh.env and redis.conf"),
+    api_key: str = typer.Option("", "--api-key", help="also require this key on the OpenAI endpoint"),
+    tls_hosts: str = typer.Option("token-streamer,verifier-cloud,chunk-planner,state-monitor,localhost,127.0.0.1",
+                                  "--tls-hosts", help="names the services' certificate is valid for; empty: no TLS"),
+):
+    """Fresh secrets for `docker compose up` (mounted as Compose secrets): the mesh's auth secret, Redis's
+    password, an optional API key, and a development CA + server certificate with the settings that turn
+    TLS on; files 0600, owned by the images' user when run as root."""
+    from tophatctl.certs import parse_hosts
+    from tophatctl.mesh_secrets import make_mesh_secrets
+
+    for path in make_mesh_secrets(out, api_key, parse_hosts(tls_hosts) if tls_hosts else None):
+        typer.echo(path)
