@@ -230,7 +230,7 @@ async def test_a_fork_of_a_kept_session_the_verifier_lost_is_replayed_and_exact(
     before = set(server.scheduler.sessions)
     _, kept = await generate(http, prompt_ids=directive, max_new_tokens=0, keep=True)
     (lost,) = set(server.scheduler.sessions) - before
-    server._close(lost)  # as the idle sweep or a restart would: the device still holds its handle
+    server.sessions.close(lost)  # as the idle sweep or a restart would: the device still holds its handle
     server.recent_steps.clear()
     forked, _ = await generate(http, prompt_ids=point, fork=kept["kept"]["handle"], max_new_tokens=8)
     assert forked == plain

@@ -22,9 +22,10 @@ import torch
 
 from services.verifier_cloud.pipeline import PipelineFailed, PipelineStep, StagePipeline
 from services.verifier_cloud.runner import ItemResult, ModelRunner, RunItem
-from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput, WorkItem
+from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput
 from services.verifier_cloud.stages import StageItem
 from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
+from services.verifier_cloud.work_item import WorkItem
 from shared.backoff import Backoff
 
 log = logging.getLogger("services.verifier_cloud.engine")

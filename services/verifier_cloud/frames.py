@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import torch
 
-from services.verifier_cloud.scheduler import Reply, WorkItem
 from services.verifier_cloud.token_mode import StreamedChunk
-from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamProtocolError
 from services.verifier_cloud.work import EngineError, WorkKind
+from services.verifier_cloud.work_item import Reply, WorkItem
 from shared import wire
+from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamProtocolError
 
 log = logging.getLogger("services.verifier_cloud")
 

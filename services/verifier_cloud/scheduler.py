@@ -41,50 +41,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from services.verifier_cloud.session import Session
-from services.verifier_cloud.work import EngineError, ErrorKind, TokenItem, WorkKind
+from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
+from services.verifier_cloud.work_item import WorkItem
 
 log = logging.getLogger("services.verifier_cloud.scheduler")
-
-# (item, output, error) -> None. Output: deep states [S, H]; for token items, the sampled ids [1] (or None).
-Reply = Callable[["WorkItem", torch.Tensor | None, EngineError | None], None]
-
-
-@dataclass(eq=False)
-class WorkItem(TokenItem):
-    session_id: int
-    seq_no: int
-    kind: WorkKind  # a token step is a VERIFY: roll back to position, append, answer ("prefill"/"verify" accepted)
-    hidden: torch.Tensor | None  # [S, H] shallow (or previous-stage) states; None for token items
-    position: int  # prefill: start_pos; verify: commit_len
-    is_last: bool = False  # prefill: reply with the last deep state (token items: sample the next token)
-    reply: Reply | None = None
-    enqueued_at: float = field(default_factory=time.perf_counter)
-    token_ids: torch.Tensor | None = None  # [S] int64: token mode (the cloud embeds them itself)
-    draft: object | None = None  # a streamed draft chunk to verify (token_mode.StreamedChunk); never split
-
-    def __post_init__(self) -> None:
-        self.kind = WorkKind(self.kind)
-
-    def split_front(self, size: int, reply: Reply) -> "WorkItem":
-        """Detach the first `size` positions as a piece of their own; this item keeps the rest."""
-        piece = WorkItem(self.session_id, self.seq_no, self.kind,
-                         None if self.hidden is None else self.hidden[:size], self.position, False, reply,
-                         self.enqueued_at, None if self.token_ids is None else self.token_ids[:size])
-        if self.hidden is not None:
-            self.hidden = self.hidden[size:]
-        if self.token_ids is not None:
-            self.token_ids = self.token_ids[size:]
-        self.position += size
-        return piece
-
 
 @dataclass
 class SchedulerOutput:

@@ -28,10 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections import deque
-from http import HTTPStatus
-from pathlib import Path
 
 import torch
 from websockets.asyncio.server import Server, ServerConnection, serve
@@ -39,21 +36,24 @@ from websockets.exceptions import ConnectionClosed
 
 from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
 from services.verifier_cloud.frames import TOKEN_WORK, BadFrameLog, reply_frame, to_wire, work_item
-from services.verifier_cloud.pipeline import StagePipeline, plan_stages
+from services.verifier_cloud.http_front import WS_PATH, HttpFront
+from services.verifier_cloud.model_loading import load_model
+from services.verifier_cloud.pipeline import StagePipeline
 from services.verifier_cloud.runner import ModelRunner
-from services.verifier_cloud.scheduler import Reply, Scheduler, WorkItem
+from services.verifier_cloud.scheduler import Scheduler
 from services.verifier_cloud.session import Session
+from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
+from services.verifier_cloud.work_item import Reply, WorkItem
 from shared import auth, wire
 from shared.capture import CaptureWriter
-from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config, split_fingerprint
-from shared.model.placement import PlacementError, detect_placement
-from shared.model.rotation import apply_secret_rotation, rotated_fingerprint
-from shared.model.split import MiddleSubmodel, warm_up_layers
-from shared.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, exposition
+from shared.metrics import VerifierMetrics
+from shared.model.checkpoint import split_fingerprint
+from shared.model.rotation import rotated_fingerprint
+from shared.model.split import MiddleSubmodel
 from shared.settings import SettingsError
 from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
@@ -61,7 +61,6 @@ from shared.tls import client_context, server_context
 
 log = logging.getLogger("services.verifier_cloud")
 
-WS_PATH = "/ws"
 MAX_PROBE_ROWS = 4096  # a probe reply is padding; cap it so a probe cannot ask for a huge frame
 class VerifierServer:
     def __init__(self, settings: Settings, middle: MiddleSubmodel | None, context_length: int, hidden_size: int,
@@ -87,8 +86,6 @@ class VerifierServer:
         self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=client_context(settings.tls_ca),
                                          auth=auth.client_auth(settings.auth_secret, "verifier-cloud", "service"))
         auth.warn_if_open("the verifier", settings.auth_secret, settings.host, "TOPHAT_VERIFIER_AUTH_SECRET")
-        # Whom each connection's sessions count toward (`_open`): its device token's subject, kept at the handshake
-        self._device_of: weakref.WeakKeyDictionary[ServerConnection, str] = weakref.WeakKeyDictionary()
         self.steps = 0
         self.ready = False
         self._pending_sends: set[asyncio.Task] = set()
@@ -102,9 +99,11 @@ class VerifierServer:
         else:
             self.pipeline = StagePipeline(stages, settings.stage_start_timeout_s, settings.stage_timeout_s)
             self.engine = PipelineEngine(self.scheduler, self.pipeline, self._record_step)
+        self.sessions = SessionTable(settings, self.scheduler, self.runner, self.pipeline)
         # With P > 1 the KV lives in the stage workers: no KV gauge here.
         self.metrics = VerifierMetrics(sessions=lambda: len(self.scheduler.sessions),
                                        kv_bytes=self.runner.kv_bytes if self.runner is not None else None)
+        self.http = HttpFront(settings, self.sessions, self.metrics, self.readiness)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "VerifierServer":
@@ -112,32 +111,9 @@ class VerifierServer:
             settings.validate()  # also when built in code rather than by load_settings
         except ValueError as exc:
             raise SettingsError(f"Settings: {exc}") from exc
-        if settings.stage_workers:  # the workers load the weights; here only the config is needed
-            config = read_config(Path(settings.model_dir))
-            keys = ("num_hidden_layers", "max_position_embeddings", "hidden_size")
-            if not all(isinstance(config.get(k), int) for k in keys):
-                raise ModelLoadError(f"{settings.model_dir}/config.json lacks one of {', '.join(keys)}")
-            try:
-                stages = plan_stages(settings, config["num_hidden_layers"])  # one stage per GPU (placement.py)
-            except PlacementError as exc:
-                raise SettingsError(f"Settings: {exc}") from exc
-            return cls(settings, None, config["max_position_embeddings"], config["hidden_size"], stages=stages)
-        try:
-            placement = detect_placement(settings.device, settings.dtype, what="verifier")
-        except PlacementError as exc:
-            raise SettingsError(f"Settings: {exc}") from exc
-        checkpoint = load_checkpoint(settings.model_dir, dtype=placement.dtype, with_tokenizer=False)
-        middle = MiddleSubmodel(checkpoint, settings.split_layers)
-        if settings.hidden_rotation:  # this process's own copy of the weights: re-parameterised in place
-            apply_secret_rotation(middle, settings.hidden_rotation)
-        # Without full_model only the middle layers outlive `checkpoint`: no embeddings, no head.
-        token_model = TokenModel(checkpoint, settings.split_layers) if settings.full_model else None
-        middle.to(placement.device)  # moves only what this process keeps; KV and inputs follow the weights
-        if token_model is not None:
-            token_model.to(placement.device)
-        warm_up_layers(middle, checkpoint.hidden_size)
-        return cls(settings, middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size,
-                   token_model=token_model)
+        loaded = load_model(settings)
+        return cls(settings, loaded.middle, loaded.context_length, loaded.hidden_size, stages=loaded.stages,
+                   token_model=loaded.token_model)
 
     @property
     def recent_steps(self) -> deque[StepStats]:
@@ -148,42 +124,12 @@ class VerifierServer:
     def is_ready(self) -> bool:
         return self.ready and (self.pipeline is None or self.pipeline.healthy)
 
-    # -- HTTP health on the same port ----------------------------------------------
-    def process_request(self, connection: ServerConnection, request):
-        if request.path == "/healthz":
-            return connection.respond(HTTPStatus.OK, "ok\n")
-        if request.path == "/readyz":
-            status = HTTPStatus.OK if self.is_ready else HTTPStatus.SERVICE_UNAVAILABLE
-            body = f"sessions={len(self.scheduler.sessions)} steps={self.steps}\n"
-            if self.pipeline is not None and not self.pipeline.healthy and self.pipeline.last_failure is not None:
-                body += f"pipeline failed: {self.pipeline.last_failure} (restart {self.pipeline.restarts + 1})\n"
-            return connection.respond(status, body)
-        if request.path == METRICS_PATH:
-            response = connection.respond(HTTPStatus.OK, exposition(self.metrics.registry).decode())
-            del response.headers["Content-Type"]  # respond() says text/plain; Prometheus wants its version too
-            response.headers["Content-Type"] = CONTENT_TYPE
-            return response
-        if request.path != WS_PATH:
-            return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
-        return self._refuse_unauthenticated(connection, request)
-
-    def _refuse_unauthenticated(self, connection: ServerConnection, request):
-        """With a mesh secret, the upgrade needs a device's token (shared/auth.py): else 401 (none, forged,
-        expired) or 403 (a service's), before any session exists. The connection then lives past the token's
-        expiry: it was authenticated when it opened; a reconnect needs a fresh token."""
-        if not self.settings.auth_secret:
-            return None
-        try:
-            claims = auth.authenticate(self.settings.auth_secret, request.headers.get("Authorization"), {"device"},
-                                       time.time())
-        except auth.AuthError as exc:
-            log.info("refused a verifier connection from %s: %s", connection.remote_address, exc.reason)
-            response = connection.respond(HTTPStatus(exc.status), f"{exc.reason}\n")
-            if exc.status == HTTPStatus.UNAUTHORIZED:
-                response.headers["WWW-Authenticate"] = "Bearer"
-            return response
-        self._device_of[connection] = claims.subject
-        return None
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, what /readyz says): sessions and steps, and why a failed pipeline is down."""
+        body = f"sessions={len(self.scheduler.sessions)} steps={self.steps}\n"
+        if self.pipeline is not None and not self.pipeline.healthy and self.pipeline.last_failure is not None:
+            body += f"pipeline failed: {self.pipeline.last_failure} (restart {self.pipeline.restarts + 1})\n"
+        return self.is_ready, body
 
     # -- connections -----------------------------------------------------------------
     async def send(self, connection: ServerConnection, message: wire.Message, wire_dtype=None) -> None:
@@ -228,7 +174,7 @@ class VerifierServer:
             pass
         finally:
             bad_frames.flush()
-            closed = self._close_owned_by(connection)
+            closed = self.sessions.close_owned_by(connection)
             log.info("device %s gone; freed %d session(s)", peer, len(closed))
 
     def on_message(self, connection: ServerConnection, message: wire.Message) -> wire.Message | None:
@@ -251,7 +197,7 @@ class VerifierServer:
                                      "(config or layers m-1, m differ)", message.session_id)
             if not self.is_ready:
                 raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
-            return self._open(Session(message.session_id, connection, privacy=message.privacy,
+            return self.sessions.open(Session(message.session_id, connection, privacy=message.privacy,
                                       wire_dtype=wire.WireDtype(message.wire_dtype)))
         if isinstance(message, wire.ForkSession):
             return self._fork(connection, message)
@@ -261,14 +207,14 @@ class VerifierServer:
             self._submit_tokens(connection, message)
             return None
         if isinstance(message, wire.CloseSession):
-            self._session(message.session_id, connection)
-            self._close(message.session_id)
+            self.sessions.get(message.session_id, connection)
+            self.sessions.close(message.session_id)
             return wire.SessionClosed(message.session_id)
         if isinstance(message, (wire.PrefillChunk, wire.VerifyRequest)):
-            if self._session(message.session_id, connection, message.seq_no).is_token:
+            if self.sessions.get(message.session_id, connection, message.seq_no).is_token:
                 raise wire.WireError(wire.ErrorCode.MALFORMED, "a token-mode session takes token messages only",
                                      message.session_id, message.seq_no)
-            self._submit(work_item(message, self._replier(connection)), connection)
+            self.sessions.submit(work_item(message, self._replier(connection)), connection)
             if self.capture is not None:  # only what was accepted as work: a refused frame raised above
                 prefill = isinstance(message, wire.PrefillChunk)
                 self.capture.record(message.session_id, message.seq_no, "prefill" if prefill else "verify",
@@ -292,7 +238,7 @@ class VerifierServer:
         if not self.is_ready:
             raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", sid)
         parent.touch()  # forking a kept prefix is using it: the idle sweep leaves it be
-        return self._open(Session(sid, connection, privacy=parent.privacy, wire_dtype=parent.wire_dtype),
+        return self.sessions.open(Session(sid, connection, privacy=parent.privacy, wire_dtype=parent.wire_dtype),
                           fork_of=(message.parent_id, message.length))
 
     def _open_token_session(self, connection: ServerConnection, message: wire.OpenTokenSession) -> wire.Message:
@@ -306,7 +252,7 @@ class VerifierServer:
             params = SamplingParams(message.temperature, message.top_p, message.seed)
         except ValueError as exc:  # the schema checks the same ranges; this keeps the two in step
             raise wire.WireError(wire.ErrorCode.MALFORMED, str(exc), sid) from None
-        opened = self._open(Session(sid, connection, privacy=False, sampling=params))
+        opened = self.sessions.open(Session(sid, connection, privacy=False, sampling=params))
         log.debug("token session %d opened (temperature %g, top_p %g)", sid, params.temperature, params.top_p)
         return opened
 
@@ -314,7 +260,7 @@ class VerifierServer:
                        | wire.TokenDraft) -> None:
         """Queue a token-mode item; refuse it on privacy sessions and on hidden-state sessions."""
         sid, seq = message.session_id, message.seq_no
-        state = self._session(sid, connection, seq)
+        state = self.sessions.get(sid, connection, seq)
         if state.privacy:
             raise wire.WireError(wire.ErrorCode.PRIVACY_VIOLATION, f"{type(message).__name__} carries token ids; "
                                  "this session was opened with privacy on", sid, seq)
@@ -322,68 +268,7 @@ class VerifierServer:
             raise wire.WireError(wire.ErrorCode.MALFORMED, "token messages need a session opened with "
                                  "OpenTokenSession", sid, seq)
         self.token_model.check_ids(message.token_ids, sid, seq)
-        self._submit(work_item(message, self._replier(connection)), connection)
-
-    # -- sessions: the scheduler's record and the KV behind it, opened and closed together ----------
-    def _session(self, session_id: int, connection: ServerConnection, seq_no: int | None = None) -> Session:
-        try:
-            return self.scheduler.get(session_id, connection, seq_no)
-        except EngineError as exc:
-            raise to_wire(exc) from None
-
-    def _device(self, connection: ServerConnection) -> object:
-        """Whom a connection's sessions count toward: its token's device id; with auth off, itself."""
-        return self._device_of.get(connection, connection)
-
-    def _check_device_limit(self, session: Session) -> None:
-        """One device holds at most `max_sessions_per_device` sessions over all its connections: OVERLOADED,
-        as the per-connection bound answers (more connections buy a device nothing)."""
-        device, limit = self._device(session.owner), self.settings.device_session_limit
-        held = sum(1 for other in self.scheduler.sessions.values() if self._device(other.owner) == device)
-        if held >= limit:
-            raise EngineError(ErrorKind.OVERLOADED, f"this device holds {limit} sessions over its connections, "
-                              "the most one device may", session.session_id)
-
-    def _open(self, session: Session, fork_of: tuple[int, int | None] | None = None) -> wire.Message:
-        """`fork_of` (parent_id, length): the new session's KV copies that prefix of the parent's."""
-        try:
-            self._check_device_limit(session)
-            self.scheduler.open(session)
-            if self.runner is not None and fork_of is not None:
-                self.runner.fork(session.session_id, *fork_of)
-            elif self.runner is not None:
-                self.runner.open(session.session_id, session.sampling)
-            elif fork_of is not None:
-                self.pipeline.fork_session(session.session_id, *fork_of)
-            else:
-                self.pipeline.open_session(session.session_id)
-        except Exception as exc:  # noqa: BLE001 - whatever refused it, no half-open session stays behind
-            if self.scheduler.sessions.get(session.session_id) is session:  # the runner refused or failed it
-                self.scheduler.close(session.session_id)
-            if isinstance(exc, EngineError):
-                raise to_wire(exc, session.session_id) from None
-            raise
-        return wire.SessionOpened(session.session_id)
-
-    def _close(self, session_id: int) -> None:
-        if self.scheduler.close(session_id) is None:
-            return
-        if self.runner is not None:
-            self.runner.close(session_id)  # deferred by the runner while a pass is using the caches
-        else:
-            self.pipeline.close_session(session_id)
-
-    def _close_owned_by(self, connection: ServerConnection) -> list[int]:
-        closed = self.scheduler.owned_by(connection)
-        for sid in closed:
-            self._close(sid)
-        return closed
-
-    def _submit(self, item: WorkItem, connection: ServerConnection) -> None:
-        try:
-            self.scheduler.submit(item, connection)
-        except EngineError as exc:
-            raise to_wire(exc, item.session_id, item.seq_no) from None
+        self.sessions.submit(work_item(message, self._replier(connection)), connection)
 
     def _replier(self, connection: ServerConnection) -> Reply:
         """The reply callback of a work item from `connection`: its result as a frame, in the session's dtype."""
@@ -410,7 +295,7 @@ class VerifierServer:
                 if item.reply is not None:
                     item.reply(item, None, error)
             self._send_soon(session.owner, to_wire(error, session.session_id).to_frame())
-            self._close(session.session_id)
+            self.sessions.close(session.session_id)
         log.warning("pipeline failure closed %d session(s); restarting the stage workers", len(lost))
 
     # -- the engine loop ------------------------------------------------------------------
@@ -434,7 +319,7 @@ class VerifierServer:
             try:
                 for sid in self.scheduler.idle(time.monotonic(), ttl_s):
                     log.info("session %d idle for %.0fs; closing it and freeing its KV", sid, ttl_s)
-                    self._close(sid)
+                    self.sessions.close(sid)
             except Exception:  # noqa: BLE001 - a failed sweep must not end the server; the next one retries
                 log.exception("idle-session sweep failed")
 
@@ -462,7 +347,7 @@ class VerifierServer:
         # before its payload is read into memory; a typed OVERSIZED answer would need it buffered first.
         tls = server_context(self.settings.tls_cert, self.settings.tls_key)  # None: plain ws://
         auth.redact_credentials(("websockets.server",))  # at debug it logs each handshake header, tokens included
-        async with serve(self.handle, self.settings.host, self.settings.port, process_request=self.process_request,
+        async with serve(self.handle, self.settings.host, self.settings.port, process_request=self.http.process_request,
                          max_size=self.settings.max_frame_bytes, compression=None, ping_interval=20,
                          ping_timeout=20, ssl=tls) as server:
             server: Server

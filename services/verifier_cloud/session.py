@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from services.verifier_cloud.work import WorkKind
 
 if TYPE_CHECKING:
-    from services.verifier_cloud.scheduler import WorkItem
+    from services.verifier_cloud.work_item import WorkItem
     from shared.specdec.sampling import SamplingParams
 
 

@@ -1,0 +1,69 @@
+"""What the verifier's one port answers over plain HTTP: /healthz, /readyz, /metrics, and the check
+of a WebSocket upgrade on /ws (with a mesh secret, a device's token) before any session exists.
+
+websockets calls `process_request` for every handshake; an answer ends it there, None goes on to
+the WebSocket. Readiness comes from the server (`readiness`), so this module knows no engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+
+from websockets.asyncio.server import ServerConnection
+from websockets.http11 import Request, Response
+
+from services.verifier_cloud.session_table import SessionTable
+from services.verifier_cloud.settings import Settings
+from shared import auth
+from shared.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, exposition
+
+log = logging.getLogger("services.verifier_cloud")
+
+WS_PATH = "/ws"
+
+
+class HttpFront:
+    def __init__(self, settings: Settings, sessions: SessionTable, metrics: VerifierMetrics,
+                 readiness: Callable[[], tuple[bool, str]]) -> None:
+        """`readiness()`: (ready, the /readyz body)."""
+        self.settings = settings
+        self.sessions = sessions
+        self.metrics = metrics
+        self.readiness = readiness
+
+    def process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        if request.path == "/healthz":
+            return connection.respond(HTTPStatus.OK, "ok\n")
+        if request.path == "/readyz":
+            ready, body = self.readiness()
+            status = HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE
+            return connection.respond(status, body)
+        if request.path == METRICS_PATH:
+            response = connection.respond(HTTPStatus.OK, exposition(self.metrics.registry).decode())
+            del response.headers["Content-Type"]  # respond() says text/plain; Prometheus wants its version too
+            response.headers["Content-Type"] = CONTENT_TYPE
+            return response
+        if request.path != WS_PATH:
+            return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
+        return self.refuse_unauthenticated(connection, request)
+
+    def refuse_unauthenticated(self, connection: ServerConnection, request: Request) -> Response | None:
+        """With a mesh secret, the upgrade needs a device's token (shared/auth.py): else 401 (none, forged,
+        expired) or 403 (a service's), before any session exists. The connection then lives past the token's
+        expiry: it was authenticated when it opened; a reconnect needs a fresh token."""
+        if not self.settings.auth_secret:
+            return None
+        try:
+            claims = auth.authenticate(self.settings.auth_secret, request.headers.get("Authorization"), {"device"},
+                                       time.time())
+        except auth.AuthError as exc:
+            log.info("refused a verifier connection from %s: %s", connection.remote_address, exc.reason)
+            response = connection.respond(HTTPStatus(exc.status), f"{exc.reason}\n")
+            if exc.status == HTTPStatus.UNAUTHORIZED:
+                response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        self.sessions.device_of[connection] = claims.subject
+        return None
