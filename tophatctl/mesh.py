@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -18,10 +19,12 @@ from pathlib import Path
 
 import httpx
 
+from shared.auth import BearerAuth
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.redis_server import EmbeddedRedis
 from shared.telemetry import redact_url
 from tophatctl import mesh_settings
+from tophatctl.certs import DevCerts
 from tophatctl.edge_pipeline import configure_mesh
 from tophatctl.mesh_config import MeshConfig, MeshStartError, mesh_model_dir
 from tophatctl.mesh_credentials import MeshCredentials
@@ -61,14 +64,16 @@ class Mesh:
         return self.credentials.tls_env
 
     @property
-    def certs(self):
-        """tophatctl.certs.DevCerts with config.tls, once started; None otherwise."""
+    def certs(self) -> DevCerts | None:
+        """The mesh's CA and server certificate with config.tls, once started; None otherwise."""
         return self.credentials.certs
 
-    def client_verify(self):
+    def client_verify(self) -> ssl.SSLContext | bool:
+        """httpx's `verify` for this mesh (trusting its CA with TLS)."""
         return self.credentials.client_verify()
 
-    def operator_auth(self, role: str = "service", subject: str = "tophat-operator"):
+    def operator_auth(self, role: str = "service", subject: str = "tophat-operator") -> BearerAuth | None:
+        """httpx `auth` for calling the mesh's internal endpoints directly; None when it runs open."""
         return self.credentials.operator_auth(role, subject)
 
     def _make_certs(self) -> None:
