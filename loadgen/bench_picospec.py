@@ -77,7 +77,7 @@ class Wire:
 
 
 async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire, stats: ModeStats, downlink, top_k):
-    from services.device_agent.cloud_client import token_decode
+    from services.device_agent.token_mode import token_decode
     from shared.specdec.device_session import DeviceSession, DraftConfig
     from shared.specdec.engine import fixed_chunks, run_session
     from shared.specdec.sampling import SamplingParams

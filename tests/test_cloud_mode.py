@@ -15,7 +15,8 @@ import torch
 from websockets.asyncio.client import ClientConnection, connect
 
 from services.device_agent import settings as device_settings
-from services.device_agent.cloud_client import CloudError, WebSocketCloud, token_decode
+from services.device_agent.cloud_client import CloudError, WebSocketCloud
+from services.device_agent.token_mode import token_decode
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import Settings, load_settings
 from services.verifier_cloud.token_mode import TokenModel

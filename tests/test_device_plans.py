@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from services.device_agent import settings as device_settings
-from services.device_agent.app import DeviceAgent, create_app
+from services.device_agent.agent import DeviceAgent
+from services.device_agent.app import create_app
 from services.device_agent.plans import PlanCache, wire_bytes_per_token
 from shared.wire import WireDtype
 from tests.mesh_tools import verifier_on_loopback

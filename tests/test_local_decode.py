@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.device_agent.app import IncrementalDetokenizer
+from services.device_agent.detokenizer import IncrementalDetokenizer
 from shared.model.checkpoint import load_checkpoint
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DraftConfig, SessionError

@@ -16,7 +16,8 @@ import pytest
 import torch
 from websockets.asyncio.client import ClientConnection, connect
 
-from services.device_agent.cloud_client import WebSocketCloud, token_decode
+from services.device_agent.cloud_client import WebSocketCloud
+from services.device_agent.token_mode import token_decode
 from services.verifier_cloud.scheduler import Scheduler, WorkItem
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.session import Session

@@ -5,10 +5,10 @@ matched to requests by (session_id, seq_no); a reader task owns the receive
 side. If the connection drops, every waiting request fails with
 `CloudUnavailable` and the next request reconnects.
 
-Besides the hidden-state protocol of HAT mode it speaks token mode (HAT's
-"cloud" baseline, no privacy): `token_decode` sends the prompt's token ids and
-gets one sampled token per round trip from a verifier started with
-TOPHAT_VERIFIER_FULL_MODEL. Every wait is bounded by `request_timeout_s`.
+Besides the hidden-state protocol of HAT mode it speaks token mode (no privacy) with a
+verifier started with TOPHAT_VERIFIER_FULL_MODEL: token_mode.py's `token_decode` (HAT's
+"cloud" baseline) and streamed token drafts. Every wait is bounded by `request_timeout_s`.
+How a call fails: cloud_errors.py.
 """
 
 from __future__ import annotations
@@ -18,19 +18,21 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
+from services.device_agent.cloud_errors import CloudError, CloudUnavailable
+from services.device_agent.token_mode import chunk_verdict
 from shared import wire
 from shared.auth import BearerAuth
 from shared.links import LinkProfile
 from shared.shaper import DelayLine, shapers_for
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.sampling import SamplingParams
-from shared.specdec.separate_rejection import Downlink, RejectionPayload
+from shared.specdec.separate_rejection import Downlink
 from shared.tls import websocket_ssl
 
 log = logging.getLogger("services.device_agent.cloud")
@@ -38,26 +40,6 @@ log = logging.getLogger("services.device_agent.cloud")
 # Replies that answer a session-level request (open/close) carry no seq_no.
 _SESSION_SEQ = -1
 _U64_MASK = 2**64 - 1
-
-
-class CloudError(RuntimeError):
-    """The verifier answered with an ErrorFrame."""
-
-    def __init__(self, code: wire.ErrorCode, message: str):
-        super().__init__(f"{code.name}: {message}")
-        self.code, self.detail = code, message
-
-
-class CloudUnavailable(ConnectionError):
-    """The verifier could not be reached or the connection dropped."""
-
-
-def verifier_lost(exc: BaseException) -> bool:
-    """Whether a failed request means the session's verifier state is gone (so a replay can rebuild it):
-    the connection dropped or timed out, or the verifier no longer knows the session."""
-    if isinstance(exc, CloudUnavailable):
-        return True
-    return isinstance(exc, CloudError) and exc.code == wire.ErrorCode.UNKNOWN_SESSION
 
 
 TransferHook = Callable[[str, int, float], None]  # (direction "up"/"down", bytes, seconds)
@@ -399,40 +381,3 @@ class WebSocketCloud:
 
         return asyncio.ensure_future(answer())
 
-
-async def token_decode(cloud: WebSocketCloud, session_id: int, prompt_ids: Sequence[int], params: SamplingParams,
-                       max_new_tokens: int, eos_token_id: int | None) -> AsyncIterator[list[int]]:
-    """Autoregressive decoding with the whole model in the cloud: yields [token] per round trip.
-
-    The device only tokenizes and detokenizes; it stops at EOS or `max_new_tokens`,
-    which the cloud does not need to know. The session is closed on the way out.
-    """
-    try:
-        await cloud.open_token_session(session_id, params)  # inside: a cancelled open still closes
-        token = await cloud.token_prefill(session_id, prompt_ids)
-        generated = 1
-        yield [token]
-        while generated < max_new_tokens and token != eos_token_id:
-            # the cloud holds prompt + every token but the last, which it has not seen yet
-            token = await cloud.token_step(session_id, len(prompt_ids) + generated - 1, [token])
-            generated += 1
-            yield [token]
-    finally:
-        await cloud.close(session_id)
-
-
-def chunk_verdict(reply: wire.TokenVerdict, chunk: DraftChunk) -> ChunkVerdict:
-    """A TokenVerdict as the stream session reads it; one that does not fit its chunk is a CloudError."""
-    if reply.num_accepted > chunk.num_drafts or (reply.rejected and reply.num_accepted == chunk.num_drafts):
-        raise CloudError(wire.ErrorCode.MALFORMED, f"a verdict of {reply.num_accepted} accepted "
-                         f"(rejected {reply.rejected}) for a chunk of {chunk.num_drafts} drafts")
-    payload = None
-    if reply.rejected:
-        if reply.probs is None:
-            payload = RejectionPayload(reply.num_accepted, "token", 0, token=reply.token)
-        elif reply.indices is None:
-            payload = RejectionPayload(reply.num_accepted, "full", reply.vocab_size, values=reply.probs)
-        else:
-            payload = RejectionPayload(reply.num_accepted, "topk", reply.vocab_size, values=reply.probs,
-                                       indices=torch.tensor(reply.indices, dtype=torch.int32))
-    return ChunkVerdict(reply.epoch, reply.num_accepted, None if reply.rejected else reply.token, payload, reply.stale)

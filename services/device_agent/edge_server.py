@@ -31,7 +31,7 @@ from functools import partial
 
 import httpx
 
-from services.device_agent.cloud_client import CloudError, CloudUnavailable
+from services.device_agent.cloud_errors import CloudError, CloudUnavailable
 from shared.edge_sd.draft_batch import draft_batch, prefill_batch
 from shared.edge_sd.bandwidth import embedding_bits_per_token
 from shared.edge_sd.plan import EdgeTask, EdgeTelemetry, PlanDefaults, PlanRequest, plan_round

@@ -8,15 +8,15 @@ from typing import Any
 
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.modes import MODES
+from shared.service_settings import ServiceSettings
 from shared.settings import from_env
-from shared.tls import check_server_files
 from shared.wire import WireDtype
 
 ENV_PREFIX = "TOPHAT_DEVICE_"
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(ServiceSettings):
     device_id: str = "device-0"  # "auto": <host name>-<port>, unique per replica of a scaled service
     host: str = "127.0.0.1"
     port: int = 8200  # 0: any free port (replicas sharing a host's network)
@@ -107,9 +107,6 @@ class Settings:
     # on Orin-class GPUs, float16 on Xavier) | float32 | float16 | bfloat16. wire_dtype is separate.
     device: str = "auto"
     dtype: str = "auto"
-    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
-    # open); empty: open, as before. repr=False: settings are never printed with it.
-    auth_secret: str = field(default="", repr=False)
     # Instead of (or beside) the secret: this device's own token, sent on its calls (the verifier, monitor,
     # planner); it cannot be used for another device, but without the secret /generate stays open.
     auth_token: str = field(default="", repr=False)
@@ -119,15 +116,9 @@ class Settings:
     # NOT lossless: the output is then the split model's on the noisy states; 0: off.
     hidden_rotation: str = field(default="", repr=False)
     uplink_noise: float = 0.0
-    log_level: str = "info"
-    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
-    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
 
     def validate(self) -> None:
-        check_server_files(self.tls_cert, self.tls_key)
+        super().validate()  # auth, logging, TLS (shared/service_settings.py)
         from shared.device_speed import speed_schedule
         from shared.links import parse_link_spec
 
@@ -135,7 +126,8 @@ class Settings:
         parse_device_spec(self.device)  # syntax here; the GPU itself is checked when the model loads
         parse_dtype_spec(self.dtype)
         if self.downlink not in ("topk", "full") or not 1 <= self.top_k <= 1000:
-            raise ValueError(f"downlink must be topk or full and top_k in [1, 1000], got {self.downlink!r}, {self.top_k}")
+            raise ValueError(f"downlink must be topk or full and top_k in [1, 1000], "
+                             f"got {self.downlink!r}, {self.top_k}")
         if self.stream_group < 1 or self.stream_window < 1:
             raise ValueError("stream_group and stream_window must be >= 1")
         if self.mode not in MODES:
@@ -162,7 +154,7 @@ class Settings:
             raise ValueError(f"advertise_url must be an http(s) URL: {self.advertise_url!r}")
         if min(self.bandwidth_probe_interval_s, self.rtt_probe_interval_s, self.announce_interval_s) < 0:
             raise ValueError("probe intervals must be >= 0 (0 = never)")
-        self.edge_memory_budget_bytes  # parsed, so a bad size fails at start
+        _ = self.edge_memory_budget_bytes  # parsed, so a bad size fails at start
         if self.edge_bandwidth not in ("eq27", "uniform") or self.edge_batching not in ("dp", "max"):
             raise ValueError(f"edge_bandwidth must be eq27 or uniform and edge_batching dp or max, got "
                              f"{self.edge_bandwidth!r}, {self.edge_batching!r}")

@@ -1,0 +1,285 @@
+"""The device agent's state and wiring: its model, its verifier connection(s), telemetry, the planner's
+plans, kept sessions, an edge draft server, the background loops (readiness, link probes), and the
+NDJSON events of one request (the mode's rounds loop: rounds.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import statistics
+import time
+from collections import deque
+
+import httpx
+
+from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud
+from services.device_agent.cloud_errors import verifier_lost
+from services.device_agent.detokenizer import IncrementalDetokenizer
+from services.device_agent.edge_server import edge_draft_server
+from services.device_agent.generate_request import GenerateRequest
+from services.device_agent.kept import KeepableSession, KeptSessions
+from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
+from services.device_agent.rounds import ROUNDS
+from services.device_agent.settings import Settings
+from shared import auth, latency_stats, wire
+from shared.device_speed import speed_schedule
+from shared.hardening import with_noise, with_rotation
+from shared.jupiter.plan import load_plan
+from shared.latency_stats import Timeline
+from shared.links import parse_link_spec, scaled_for_hidden
+from shared.metrics import DeviceMetrics
+from shared.model.checkpoint import load_checkpoint, split_fingerprint
+from shared.model.placement import detect_placement
+from shared.model.rotation import rotated_fingerprint
+from shared.modes import MODE_TABLE
+from shared.runtime import build_device_model
+from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
+from shared.specdec.replay import ReplayingCloud
+from shared.telemetry import TelemetryClient
+from shared.tls import client_context
+
+log = logging.getLogger("services.device_agent")
+
+MIN_BANDWIDTH_SAMPLE_BYTES = 16 * 1024
+DEFAULT_PARALLEL_STEPS = 2  # used when the planner (eq. 6) is unreachable or has no telemetry
+# Readiness follows the verifier connection: a drop is seen at once (the reader ends), a reconnect
+# and split check is tried this often, each bounded; a verifier that refused the split is a
+# configuration error, re-checked rarely so the refusal is not logged every second.
+READINESS_INTERVAL_S = 1.0
+READINESS_TIMEOUT_S = 5.0
+REFUSED_RECHECK_S = 10.0
+
+
+class DeviceAgent:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.placement = detect_placement(settings.device, settings.dtype, what=f"device agent {settings.device_id}")
+        self.checkpoint = load_checkpoint(settings.model_dir, dtype=self.placement.dtype)
+        self.model = build_device_model(self.checkpoint, settings.split_layers, settings.adapter or None,
+                                        speculative=settings.speculative).to(self.placement.device)
+        tls = client_context(settings.tls_ca)  # trusts the mesh's CA for https:// planner and monitor
+        # This device's credential on its calls (verifier handshake, monitor, planner): its own token, or one
+        # minted from the mesh secret for its device id (shared/auth.py); None when the mesh runs open.
+        credential = auth.client_auth(settings.auth_secret, settings.device_id, "device", settings.auth_token)
+        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls, auth=credential)
+        self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
+        link = parse_link_spec(settings.link)
+        if settings.link_scaled:
+            link = scaled_for_hidden(link, self.checkpoint.hidden_size)
+        self.cloud = WebSocketCloud(settings.verifier_url, self.checkpoint.hidden_size,
+                                    wire.WireDtype(settings.wire_dtype), settings.request_timeout_s,
+                                    on_transfer=self._on_transfer, link=link if link.shaped else None,
+                                    on_frame=self.metrics.frame,
+                                    split_layers=settings.split_layers,
+                                    fingerprint=rotated_fingerprint(split_fingerprint(settings.model_dir,
+                                                                                      settings.split_layers),
+                                                                    settings.hidden_rotation),
+                                    tls_ca=settings.tls_ca, auth=credential)
+        # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
+        # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
+        # Uplink hardening (shared/hardening.py) for the hidden-state modes: rotation inside the replay (replays are
+        # rotated too), noise outside it (the replay log keeps the noisy rows, so a replay rebuilds the same cache).
+        hidden_cloud = with_rotation(self.cloud, settings.hidden_rotation, self.checkpoint.hidden_size)
+        self.sessions_cloud = with_noise(ReplayingCloud(hidden_cloud, verifier_lost,
+                                                        deadline_s=settings.failover_deadline_s,
+                                                        on_replay=self._on_replay), settings.uplink_noise)
+        self.async_cloud = with_noise(hidden_cloud, settings.uplink_noise)  # hat-async: no replay
+        self.speed = speed_schedule(settings.speed)
+        self.requests_served = 0
+        self.replays = 0  # sessions moved to another verifier (or the same one, restarted)
+        self.active = 0
+        self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls, auth=credential)
+        # The planner's answers, cached per device and refreshed off the request path (plans.py).
+        self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
+        self.plans = PlanCache(
+            self.http, settings.chunk_planner_url, settings.device_id, bytes_per_token=self.bytes_per_token,
+            max_prompt_tokens=self.model.context_length, max_rows=settings.max_draft + 1,
+            default_chunk_size=settings.default_chunk_size, default_steps=DEFAULT_PARALLEL_STEPS,
+            refresh_s=settings.plan_refresh_s, timeout_s=settings.planner_timeout_s,
+        ) if settings.chunk_planner_url else None
+        self.recent_rtts: deque[float] = deque(maxlen=5)
+        # An edge pipeline's first stage cuts prompts by the plan's sub-sequence table (Jupiter §IV-B2).
+        self.edge_plan = load_plan(settings.edge_plan, self.checkpoint.num_layers,
+                                   self.checkpoint.hidden_size) if settings.edge_plan else None
+        self.kept = KeptSessions(settings.kept_ttl_s, settings.max_kept, self.sessions_cloud.close)
+        self.edge = edge_draft_server(settings, self.checkpoint, self.cloud, self.http) \
+            if settings.edge_draft_server else None
+        warm_up_device(self.model)
+
+    def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        # Small frames measure latency, not bandwidth; only bulk transfers feed beta_up/beta_down.
+        if nbytes >= MIN_BANDWIDTH_SAMPLE_BYTES:
+            self.telemetry.emit_device_transfer(self.settings.device_id, direction, nbytes, seconds)
+
+    async def probe_loop(self) -> None:
+        """Probe the link once the verifier answers, then every interval, only while no request runs
+        (a probe shares the link, so it must not sit in front of a user's prefill)."""
+        interval = self.settings.bandwidth_probe_interval_s
+        if interval <= 0:
+            return
+        while True:
+            # Not before the verifier answers (the agent may start before it), and not in front of a request:
+            # then look again shortly instead of a whole interval later.
+            if not self.cloud.ready or self.active:
+                await asyncio.sleep(READINESS_INTERVAL_S)
+                continue
+            await self.probe_bandwidth()
+            await asyncio.sleep(interval)
+
+    async def readiness_loop(self) -> None:
+        """Keep `cloud.ready` current: reconnect and re-check the split identity while it is not."""
+        was_ready = False
+        while True:
+            ready = await self.cloud.check_ready(READINESS_TIMEOUT_S)
+            if ready != was_ready:
+                log.log(logging.INFO if ready else logging.WARNING, "device %s %s", self.settings.device_id,
+                        "is ready: the verifier accepted its split" if ready else
+                        f"is not ready: {self.cloud.not_ready_reason}")
+                was_ready = ready
+            await asyncio.sleep(REFUSED_RECHECK_S if self.cloud.split_refused else READINESS_INTERVAL_S)
+
+    async def rtt_probe_loop(self) -> None:
+        """Tiny round trips, busy or not: what a message costs under the load of the moment."""
+        interval = self.settings.rtt_probe_interval_s
+        if interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self._report_rtt(await self.cloud.measure_rtt())
+            except (CloudUnavailable, CloudError) as exc:
+                log.info("round-trip probe failed: %s", exc)
+
+    def _report_rtt(self, rtt_s: float) -> None:
+        # The median of the last few: a probe that queued behind a prompt upload on the shared
+        # link measures that upload (which the simulator models itself), not the message cost.
+        self.recent_rtts.append(rtt_s)
+        self.telemetry.emit_device_rtt(self.settings.device_id, statistics.median(self.recent_rtts))
+
+    async def probe_bandwidth(self) -> None:
+        """Measure beta_up / beta_down with bulk probes (HAT §3.2: devices report both)."""
+        try:
+            (up_bytes, up_s), (down_bytes, down_s), rtt_s = await self.cloud.measure_link()
+        except (CloudUnavailable, CloudError) as exc:
+            log.info("bandwidth probe failed: %s", exc)
+            return
+        self._on_transfer("up", up_bytes, up_s)
+        self._on_transfer("down", down_bytes, down_s)
+        self._report_rtt(rtt_s)
+        log.info("link probe: up %.0f KB/s, down %.0f KB/s, small-message round trip %.1f ms",
+                 up_bytes / up_s / 1e3, down_bytes / down_s / 1e3, rtt_s * 1e3)
+
+    def _on_replay(self, session_id: int, rows: int, seconds: float) -> None:
+        self.replays += 1
+        log.warning("session %d continues on verifier %s: %d rows replayed, %.2f s after the loss",
+                    session_id, self.cloud.url, rows, seconds)
+
+    async def plan(self) -> Plan:
+        """Chunk size and PD steps for a request starting now: the planner's cached plan, or the defaults."""
+        if self.plans is None:
+            return Plan.defaults(self.settings.default_chunk_size, DEFAULT_PARALLEL_STEPS)
+        return await self.plans.current()
+
+    async def stream(self, request: GenerateRequest, ids: list[int], session: DeviceSession | None,
+                     request_id: str):
+        """NDJSON events of one request; `session` is None where the mode builds none (cloud)."""
+        spec = MODE_TABLE[request.option("mode", self.settings)]
+        started = time.perf_counter()
+        timeline = Timeline()  # seconds since `started`, one delivery per round
+        detok = IncrementalDetokenizer(self.checkpoint.tokenizer, request.prefix_ids, request.prefix_text)
+        session_id = random.getrandbits(63)
+        delivered: list[int] = []  # the tokens, where no session counts them
+        # Counted in both modes, so the speed schedule (HAT's mode switches) sees the same requests.
+        request_slowdown = self.speed.slowdown_for(self.requests_served)
+        self.requests_served += 1
+        yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
+        counted = 0  # of session.verdicts, those in the metrics
+        try:
+            rounds = ROUNDS[spec.rounds](self, request, ids, session, session_id, request_slowdown)
+            async for tokens in rounds:
+                if session is not None:  # spec-decode counters, live: this delivery is one round's (or the prefill's)
+                    counted = self._count_rounds(session, counted)
+                else:
+                    delivered += tokens
+                now = time.perf_counter() - started
+                timeline.deliver(now, len(tokens))
+                yield json.dumps({"type": "tokens", "token_ids": tokens, "text": detok.push(tokens), "t": now}) + "\n"
+        except (CloudUnavailable, CloudError, SessionError) as exc:
+            log.warning("request %s failed: %s", request_id, exc)
+            yield json.dumps({"type": "error", "code": type(exc).__name__, "message": str(exc)}) + "\n"
+            return
+        finally:
+            self.active -= 1
+            if session is not None:  # rounds verified but not delivered (the client went away) count too
+                self._count_rounds(session, counted)
+        if session is not None:
+            generated, accept_lengths = session.generated, session.accept_lengths
+        else:  # like the reference decoder: every round after the first yields exactly one token
+            generated, accept_lengths = delivered, [1] * max(0, len(delivered) - 1)
+        # shared/latency_stats.py's definitions; 0.0 where undefined (no token, one token, no round)
+        ttft, tbt = latency_stats.ttft_s(timeline) or 0.0, latency_stats.mean_tbt_s(timeline) or 0.0
+        stats = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(generated),
+            "ttft_s": ttft,
+            "tbt_s": tbt,
+            "mean_accept_length": latency_stats.mean_accept_length(accept_lengths) or 0.0,
+            "num_rounds": len(accept_lengths),
+            "mode": spec.name,
+            "privacy": spec.private,  # False: token ids went to the cloud
+            # finished by the draft model alone after losing the cloud: not the target model's text
+            "degraded": bool(session is not None and session.degraded),
+            # of prompt_tokens, those a fork started with in its caches (computed by the kept request)
+            "cached_tokens": session.cached_tokens if isinstance(session, KeepableSession) else 0,
+        }
+        eos = self.model.eos_token_id
+        finish = "stop" if generated and generated[-1] == eos else "length"
+        done = {"type": "done", "finish_reason": finish, "stats": stats}
+        if isinstance(session, KeepableSession) and session.kept is not None:
+            done["kept"] = {"handle": session.kept.handle, "length": session.kept.length}
+        yield json.dumps(done) + "\n"
+        if session is not None:
+            self._report_timings(session, request_slowdown)
+
+    def _count_rounds(self, session: DeviceSession, counted: int) -> int:
+        """Count the session's verification rounds from index `counted` on; returns how many are counted now."""
+        verdicts = session.verdicts[counted:]
+        self.metrics.spec_decode.rounds(verdicts)
+        return counted + len(verdicts)
+
+    def _report_timings(self, session: DeviceSession, slowdown: float) -> None:
+        """What only the device knows: its draft step (gamma) and, for the simulator's latency models,
+        its prompt cost per token, its per-round time outside drafting and the cloud wait (mean and
+        median: wall clock, divided by the emulated slowdown to be in gamma's unslowed units), how
+        often a pre-drafted branch was the correction and how often a whole draft was accepted.
+        Per-request telemetry (TTFT, token times, accept lengths) is the token-streamer's."""
+        total_s, steps = sum(s for s, _ in session.draft_seconds), sum(n for _, n in session.draft_seconds)
+        if not steps:
+            return
+        overheads = session.round_overhead_s
+        prefill_s, prefill_tokens = (sum(s for s, _ in session.prefill_seconds),
+                                     sum(n for _, n in session.prefill_seconds))
+        self.telemetry.emit_device_draft(
+            self.settings.device_id, total_s / steps, steps,
+            round_overhead_s=sum(overheads) / len(overheads) / slowdown if overheads else None,
+            round_overhead_median_s=statistics.median(overheads) / slowdown if overheads else None,
+            rounds=len(overheads),
+            prefill_token_s=prefill_s / prefill_tokens / slowdown if prefill_tokens else None,
+            prefill_tokens=prefill_tokens,
+            pd_hit_rate=session.reused_branches / session.predraft_chances if session.predraft_chances else None,
+            pd_chances=session.predraft_chances,
+            # U-shape rounds (no draft) accept "everything" trivially; only speculative sessions say anything.
+            full_accept_rate=(session.full_accepts / len(session.accept_lengths)
+                              if session.accept_lengths and session.draft_config.max_draft > 0 else None))
+
+    async def aclose(self) -> None:
+        if self.edge is not None:
+            await self.edge.aclose()
+        await self.kept.aclose()  # closes their verifier sessions while the connection is still up
+        await self.cloud.close_connection()
+        if self.plans is not None:
+            await self.plans.aclose()
+        await self.http.aclose()
+        await self.telemetry.aclose()

@@ -1,0 +1,161 @@
+"""Per mode, the session the device builds and the loop that turns it into verified tokens.
+
+shared/modes.py's table names both by string (a session kind, a rounds loop); this is the one place
+that maps them to classes and loops. Every loop has the same shape: given the agent, the request, its
+prompt ids, its session (None when the device builds none), a session id and the device's slowdown, it
+yields the tokens each verification round makes final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from typing import Any, Protocol
+
+from services.device_agent.cloud_client import WebSocketCloud
+from services.device_agent.cloud_errors import verifier_lost
+from services.device_agent.edge_server import EdgeDraftServer, EdgeRequest
+from services.device_agent.generate_request import GenerateRequest
+from services.device_agent.kept import KeepableSession, KeptSessions, SessionCloud, prefill_only
+from services.device_agent.plans import Plan
+from services.device_agent.settings import Settings
+from services.device_agent.token_mode import token_decode
+from shared.device_speed import slowed
+from shared.modes import ModeSpec, Rounds, SessionKind
+from shared.specdec.device_session import DeviceSession, DraftConfig
+from shared.specdec.engine import fixed_chunks, run_session
+from shared.specdec.local_decode import LocalSession, local_session
+from shared.specdec.sampling import SamplingParams
+from shared.specdec.stream_engine import hat_async_session, stream_config, token_stream_session
+from shared.specdec.stream_session import StreamSession
+
+PARALLEL_STEPS_STREAMED = 2  # a streamed mode's parallel-draft steps when neither request nor agent sets them
+
+
+class AgentParts(Protocol):
+    """What the rounds loops use of the device agent (services/device_agent/agent.py)."""
+
+    settings: Settings
+    model: Any  # shared/runtime.py's device model
+    cloud: WebSocketCloud  # token ids, and hidden states unwrapped
+    sessions_cloud: Any  # HAT's cloud: hardened, replayed on another verifier when one is lost
+    async_cloud: Any  # hat-async's cloud: hardened, no replay
+    edge_plan: Any  # Jupiter's sub-sequence table for an edge pipeline's first stage, or None
+    edge: EdgeDraftServer | None
+    kept: KeptSessions
+
+    async def plan(self) -> Plan: ...
+
+
+RoundsLoop = Callable[[AgentParts, GenerateRequest, list[int], Any, int, float], AsyncIterator[list[int]]]
+
+
+def build_session(spec: ModeSpec, model, ids: list[int], params: SamplingParams, draft: DraftConfig,
+                  max_new_tokens: int, keepable: bool):
+    """The device session of a request in mode `spec` (None in a mode where the device builds none)."""
+    session_type = KeepableSession if keepable else SESSION_TYPES[spec.session]
+    if session_type is None:
+        return None
+    return session_type(model, ids, params, draft, max_new_tokens)
+
+
+async def hat_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: DeviceSession,
+                     session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+    """HAT mode: the tokens each verification round makes final."""
+    settings = agent.settings
+    speculative = session.draft_config.max_draft > 0 and agent.model.adapter is not None
+    pd_candidates = request.option("parallel_candidates", settings) if speculative else 0
+    chunking = request.option("prompt_chunking", settings)
+    plan = await agent.plan() if (chunking and not request.chunk_size) or pd_candidates else None
+    new_tokens = len(ids) - session.commit_len  # a fork's caches already hold the kept prefix
+    chunk_size = (request.chunk_size or plan.chunk_for(new_tokens)) if chunking else None
+    chunks = (agent.edge_plan.chunk_sizes(new_tokens) if chunking and agent.edge_plan and not request.chunk_size
+              else fixed_chunks(new_tokens, chunk_size))
+    keepable = isinstance(session, KeepableSession)
+    cloud = SessionCloud(agent.sessions_cloud, session) if keepable else agent.sessions_cloud
+    # PD steps: the request's or the agent's fixed count, else eq. 6 per round for the rows it sends.
+    pd_steps = (request.parallel_steps or settings.parallel_steps or plan.steps_for) if pd_candidates else 0
+    offload = partial(slowed, slowdown=slowdown)
+    if keepable and session.prefill_only:
+        rounds = prefill_only(session, cloud, session_id, chunks, offload, request.option("overlap_prefill", settings))
+    else:
+        rounds = run_session(session, cloud, session_id, chunks, offload=offload,
+                             overlap_prefill=request.option("overlap_prefill", settings),
+                             parallel_candidates=pd_candidates, parallel_steps=pd_steps,
+                             finish_alone_on=verifier_lost if settings.on_cloud_loss == "finish_on_device" else None)
+    if keepable and request.keep:
+        session.on_keep = partial(_keep, agent, session_id)
+    async for tokens in rounds:
+        yield tokens
+
+
+def _keep(agent: AgentParts, session_id: int, session: KeepableSession):
+    """Hand a finished session's caches (and its verifier session) to the kept sessions."""
+    tokens = session.prompt_ids + session.generated
+    cache_len = min(session.commit_len, len(tokens))
+    return agent.kept.keep(tokens, cache_len, session.input_cache, session.adapter_cache, session_id,
+                           agent.sessions_cloud.rows(session_id, cache_len))
+
+
+def _stream_config(agent: AgentParts, request: GenerateRequest):
+    settings = agent.settings
+    return stream_config(request.option("mode", settings), request.option("stream_group", settings),
+                         request.option("stream_window", settings), settings.max_draft,
+                         request.option("stream_eta_gate", settings), request.option("parallel_candidates", settings),
+                         request.parallel_steps or settings.parallel_steps or PARALLEL_STEPS_STREAMED)
+
+
+async def hat_async_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: StreamSession,
+                           session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+    """hat-async: hidden-state drafts as a stream, chunked prompt (stream_engine.py)."""
+    settings = agent.settings
+    chunking = request.option("prompt_chunking", settings)
+    plan = await agent.plan() if chunking and not request.chunk_size else None
+    chunk_size = (request.chunk_size or plan.chunk_for(len(session.prompt_ids))) if chunking else None
+    async for tokens in hat_async_session(session, agent.async_cloud, session_id,
+                                          fixed_chunks(len(session.prompt_ids), chunk_size),
+                                          _stream_config(agent, request), partial(slowed, slowdown=slowdown),
+                                          request.option("overlap_prefill", settings)):
+        yield tokens
+
+
+async def token_stream_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: StreamSession,
+                              session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+    """token-sd / picospec: token-id drafts as a stream, the whole model verifying (stream_engine.py)."""
+    settings = agent.settings
+    async for tokens in token_stream_session(session, agent.cloud, session_id, _stream_config(agent, request),
+                                             partial(slowed, slowdown=slowdown), request.option("downlink", settings),
+                                             request.option("top_k", settings)):
+        yield tokens
+
+
+async def edge_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: StreamSession,
+                      session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+    """edge-sd: the agent's edge draft server drafts in batched rounds (its own speed, not this device's)."""
+    async for tokens in agent.edge.generate(EdgeRequest(session, session_id, request.snr_db)):
+        yield tokens
+
+
+async def local_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: LocalSession,
+                       session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+    """device: the draft model alone, no cloud."""
+    async for tokens in local_session(session, partial(slowed, slowdown=slowdown)):
+        yield tokens
+
+
+async def cloud_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: None,
+                       session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+    """cloud: one token per round trip; the device does no model compute (so no slowdown)."""
+    params = SamplingParams(request.temperature, request.top_p, request.seed)
+    async for tokens in token_decode(agent.cloud, session_id, ids, params, request.max_new_tokens,
+                                     agent.model.eos_token_id):
+        yield tokens
+
+
+SESSION_TYPES: dict[SessionKind, type | None] = {
+    "split": DeviceSession, "stream": StreamSession, "local": LocalSession, "none": None,
+}
+ROUNDS: dict[Rounds, RoundsLoop] = {
+    "hat": hat_rounds, "hat-async": hat_async_rounds, "token-stream": token_stream_rounds,
+    "edge": edge_rounds, "local": local_rounds, "cloud": cloud_rounds,
+}

@@ -1,0 +1,65 @@
+"""The device's side of the verifier's token mode (token ids on the wire, no privacy): HAT's cloud
+baseline decoding one token per round trip, and the verdicts of streamed token drafts."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+import torch
+
+from services.device_agent.cloud_errors import CloudError
+from shared import wire
+from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
+from shared.specdec.sampling import SamplingParams
+from shared.specdec.separate_rejection import RejectionPayload
+
+
+class TokenCloud(Protocol):
+    """What token_decode needs of a verifier connection (cloud_client.WebSocketCloud)."""
+
+    async def open_token_session(self, session_id: int, params: SamplingParams) -> None: ...
+
+    async def token_prefill(self, session_id: int, token_ids: Sequence[int]) -> int: ...
+
+    async def token_step(self, session_id: int, commit_len: int, token_ids: Sequence[int]) -> int: ...
+
+    async def close(self, session_id: int) -> None: ...
+
+
+async def token_decode(cloud: TokenCloud, session_id: int, prompt_ids: Sequence[int], params: SamplingParams,
+                       max_new_tokens: int, eos_token_id: int | None) -> AsyncIterator[list[int]]:
+    """Autoregressive decoding with the whole model in the cloud: yields [token] per round trip.
+
+    The device only tokenizes and detokenizes; it stops at EOS or `max_new_tokens`,
+    which the cloud does not need to know. The session is closed on the way out.
+    """
+    try:
+        await cloud.open_token_session(session_id, params)  # inside: a cancelled open still closes
+        token = await cloud.token_prefill(session_id, prompt_ids)
+        generated = 1
+        yield [token]
+        while generated < max_new_tokens and token != eos_token_id:
+            # the cloud holds prompt + every token but the last, which it has not seen yet
+            token = await cloud.token_step(session_id, len(prompt_ids) + generated - 1, [token])
+            generated += 1
+            yield [token]
+    finally:
+        await cloud.close(session_id)
+
+
+def chunk_verdict(reply: wire.TokenVerdict, chunk: DraftChunk) -> ChunkVerdict:
+    """A TokenVerdict as the stream session reads it; one that does not fit its chunk is a CloudError."""
+    if reply.num_accepted > chunk.num_drafts or (reply.rejected and reply.num_accepted == chunk.num_drafts):
+        raise CloudError(wire.ErrorCode.MALFORMED, f"a verdict of {reply.num_accepted} accepted "
+                         f"(rejected {reply.rejected}) for a chunk of {chunk.num_drafts} drafts")
+    payload = None
+    if reply.rejected:
+        if reply.probs is None:
+            payload = RejectionPayload(reply.num_accepted, "token", 0, token=reply.token)
+        elif reply.indices is None:
+            payload = RejectionPayload(reply.num_accepted, "full", reply.vocab_size, values=reply.probs)
+        else:
+            payload = RejectionPayload(reply.num_accepted, "topk", reply.vocab_size, values=reply.probs,
+                                       indices=torch.tensor(reply.indices, dtype=torch.int32))
+    return ChunkVerdict(reply.epoch, reply.num_accepted, None if reply.rejected else reply.token, payload, reply.stale)
