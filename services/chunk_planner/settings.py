@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from shared.edge_sd.plan import PlanDefaults
+from shared.service_settings import ServiceSettings
 from shared.settings import from_env
-from shared.tls import check_server_files
 
 ENV_PREFIX = "TOPHAT_CHUNK_PLANNER_"
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(ServiceSettings):
     """Defaults suit a laptop run; every field is `TOPHAT_CHUNK_PLANNER_<FIELD>`."""
 
     host: str = "127.0.0.1"
@@ -47,18 +47,9 @@ class Settings:
     edge_sd_l_max: int = PlanDefaults.l_max              # 10
     edge_sd_snr_db: float = PlanDefaults.snr_db          # 20 dB
     edge_sd_min_samples: int = PlanDefaults.min_samples  # 8
-    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
-    # open); empty: open, as before. repr=False: settings are never printed with it.
-    auth_secret: str = field(default="", repr=False)
-    log_level: str = "info"
-    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
-    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
 
     def validate(self) -> None:
-        check_server_files(self.tls_cert, self.tls_key)
+        super().validate()  # auth, logging, TLS (shared/service_settings.py)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
         if self.min_chunk_size < 1:

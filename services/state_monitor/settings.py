@@ -6,14 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.service_settings import ServiceSettings
 from shared.settings import from_env
-from shared.tls import check_server_files
 
 ENV_PREFIX = "TOPHAT_STATE_MONITOR_"
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(ServiceSettings):
     """Defaults suit a laptop run; every field is `TOPHAT_STATE_MONITOR_<FIELD>`."""
 
     host: str = "127.0.0.1"
@@ -39,18 +39,9 @@ class Settings:
     # Edge SD: how many recent measured passes (draft, verify) and verdicts Redis keeps, each in its own
     # tophat:edge_sd:* list (POST /edge-sd/telemetry); GET /state/edge-sd serves them to the chunk planner.
     edge_sd_history: int = 512
-    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
-    # open); empty: open, as before. repr=False: settings are never printed with it.
-    auth_secret: str = field(default="", repr=False)
-    log_level: str = "info"
-    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
-    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
 
     def validate(self) -> None:
-        check_server_files(self.tls_cert, self.tls_key)
+        super().validate()  # auth, logging, TLS (shared/service_settings.py)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
         if min(self.stream_maxlen, self.request_ttl_s, self.max_batch, self.disco_history, self.edge_sd_history) < 1:

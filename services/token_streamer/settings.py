@@ -8,14 +8,14 @@ from typing import Any
 
 from shared.disco.cost import CostModel, parse_device_energy
 from shared.modes import DISPATCHES
+from shared.service_settings import ServiceSettings
 from shared.settings import from_env
-from shared.tls import check_server_files
 
 ENV_PREFIX = "TOPHAT_STREAMER_"
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(ServiceSettings):
     """Defaults suit a laptop run; every field is `TOPHAT_STREAMER_<FIELD>`."""
 
     host: str = "127.0.0.1"
@@ -42,15 +42,6 @@ class Settings:
     queue_max_waiting: int = 256
     queue_timeout_s: float = 60.0
     telemetry_timeout_s: float = 0.5
-    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
-    # open); empty: open, as before. repr=False: settings are never printed with it.
-    auth_secret: str = field(default="", repr=False)
-    log_level: str = "info"
-    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
-    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
     # The door (limits.py). api_key: comma-separated keys; with any, every route but /healthz, /readyz and
     # /metrics needs `Authorization: Bearer <key>` (empty: open). A token bucket per key (per client address
     # when open) of rate_limit_rps, rate_limit_burst deep (0 rps: no limit). A body over max_body_bytes
@@ -90,7 +81,7 @@ class Settings:
     outline: bool = False
 
     def validate(self) -> None:
-        check_server_files(self.tls_cert, self.tls_key)
+        super().validate()  # auth, logging, TLS (shared/service_settings.py)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
         for url in self.device_url_list:

@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.model.placement import parse_device_spec, parse_dtype_spec
+from shared.service_settings import ServiceSettings
 from shared.settings import from_env
 from shared.stage_plan import parse_stage_layers, parse_stage_links, parse_stage_slowdowns
-from shared.tls import check_server_files
 from shared.wire import MAX_FRAME_BYTES
 
 ENV_PREFIX = "TOPHAT_VERIFIER_"
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(ServiceSettings):
     host: str = "127.0.0.1"
     port: int = 8100
     model_dir: str = "models/demo"
@@ -44,19 +44,10 @@ class Settings:
     # float32 | float16 | bfloat16. Hidden states on the wire keep the sessions' wire dtype either way.
     device: str = "auto"
     dtype: str = "auto"
-    # Mesh secret (shared/auth.py): with one, calls need `Authorization: Bearer <signed token>` (probes stay
-    # open); empty: open, as before. repr=False: settings are never printed with it.
-    auth_secret: str = field(default="", repr=False)
     # Secret rotation of the hidden basis (shared/model/rotation.py): the middle layers are re-parameterised at
     # load for this secret, the devices (same secret) rotate what they send; exact. Empty: off. A cloud that
     # holds these weights and the public checkpoint can solve for the rotation (tophatctl/privacy/).
     hidden_rotation: str = field(default="", repr=False)
-    log_level: str = "info"
-    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
-    # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
     # P: the middle layers run as P contiguous layer ranges, each in its own worker process, with up to
     # P micro-batches in flight (HAT §4.5). 1 = in-process, no workers.
     pipeline_stages: int = 1
@@ -106,7 +97,7 @@ class Settings:
         return self.max_sessions_per_device or self.max_sessions_per_connection
 
     def validate(self) -> None:
-        check_server_files(self.tls_cert, self.tls_key)
+        super().validate()  # auth, logging, TLS (shared/service_settings.py)
         if self.split_layers < 1:
             raise ValueError("split_layers must be >= 1")
         if self.max_frame_bytes < 1024 or self.max_batch_tokens < 1 or self.max_sessions < 1:
@@ -129,7 +120,8 @@ class Settings:
         if self.stage_layers.strip():
             ranges = parse_stage_layers(self.stage_layers, self.split_layers)
             if len(ranges) != self.pipeline_stages:
-                raise ValueError(f"stage_layers gives {len(ranges)} stages but pipeline_stages is {self.pipeline_stages}")
+                raise ValueError(f"stage_layers gives {len(ranges)} stages "
+                                 f"but pipeline_stages is {self.pipeline_stages}")
         parse_stage_slowdowns(self.stage_slowdowns, self.pipeline_stages)
         parse_stage_links(self.stage_links, self.pipeline_stages)
         if self.full_model and self.hidden_rotation:
