@@ -29,13 +29,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.modes import MODE_TABLE
+
 log = logging.getLogger(__name__)
 
 SERVER_CHUNK = {"specbench": 128, "cnndm": 256}  # HAT's U-Sarathi chunk sizes
+# The table's modes a bench runs (device needs no cloud; edge-sd has its own bench, loadgen/bench_edge_sd.py)
+BENCH_MODES = ("cloud", "token-sd", "picospec", "hat", "hat-async")
 
 
 @dataclass(frozen=True)
-class Mode:
+class BenchVariant:
+    """One row of a bench: a decoding mode (shared/modes.py) or a baseline built from request switches."""
+
     name: str
     request_options: dict[str, Any] = field(default_factory=dict)  # the request body's "tophat" object
     verifier_env: tuple[tuple[str, str], ...] = ()  # mesh-level settings this mode needs
@@ -44,18 +50,21 @@ class Mode:
         return self.verifier_env
 
 
-def modes_for(workload: str) -> dict[str, Mode]:
+def table_variant(mode: str) -> BenchVariant:
+    """A mode of shared/modes.py's table, asked for per request, on a verifier that runs the whole model
+    where the table says the mode needs it. hat is the agents' default mode: its requests name none."""
+    spec = MODE_TABLE[mode]
+    env = (("TOPHAT_VERIFIER_FULL_MODEL", "true"),) if spec.verifier_full_model else ()
+    return BenchVariant(mode, {} if mode == "hat" else {"mode": mode}, env)
+
+
+def modes_for(workload: str) -> dict[str, BenchVariant]:
     chunk = str(SERVER_CHUNK.get(workload, 128))
     plain = {"speculative": False, "prompt_chunking": False}
-    full_model = (("TOPHAT_VERIFIER_FULL_MODEL", "true"),)
     return {
-        "ushape": Mode("ushape", plain),
-        "usarathi": Mode("usarathi", plain, (("TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS", chunk),)),
-        "cloud": Mode("cloud", {"mode": "cloud"}, full_model),
-        "token-sd": Mode("token-sd", {"mode": "token-sd"}, full_model),
-        "picospec": Mode("picospec", {"mode": "picospec"}, full_model),
-        "hat": Mode("hat", {}),
-        "hat-async": Mode("hat-async", {"mode": "hat-async"}),
+        "ushape": BenchVariant("ushape", plain),
+        "usarathi": BenchVariant("usarathi", plain, (("TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS", chunk),)),
+        **{mode: table_variant(mode) for mode in BENCH_MODES},
     }
 
 
@@ -71,7 +80,7 @@ def link_with_rtt(link: str, rtt_ms: float | None) -> str:
     return ",".join([*kept, f"lat={rtt_ms / 2:g}ms"])
 
 
-def ablation_modes() -> dict[str, Mode]:
+def ablation_modes() -> dict[str, BenchVariant]:
     """HAT Table 5's rows: every combination of SD, PC and PD that the paper reports."""
     rows = {
         "U-shape": dict(speculative=False, prompt_chunking=False, parallel_candidates=0),
@@ -81,7 +90,7 @@ def ablation_modes() -> dict[str, Mode]:
         "+SD+PC": dict(speculative=True, prompt_chunking=True, parallel_candidates=0),
         "+SD+PC+PD": dict(speculative=True, prompt_chunking=True),
     }
-    return {name: Mode(name, options) for name, options in rows.items()}
+    return {name: BenchVariant(name, options) for name, options in rows.items()}
 
 
 def loadgen_options(url: str, workload: str, rate: float, num_requests: int, max_new_tokens: int, seed: int,
@@ -98,14 +107,15 @@ def loadgen_options(url: str, workload: str, rate: float, num_requests: int, max
     }
 
 
-def run_modes(modes: dict[str, Mode], *, workload: str, rates: list[float], num_requests: int, max_new_tokens: int,
-              seed: int, out: Path, devices: int, link: str, model_dir: str) -> dict[tuple[str, float], dict]:
+def run_modes(modes: dict[str, BenchVariant], *, workload: str, rates: list[float], num_requests: int,
+              max_new_tokens: int, seed: int, out: Path, devices: int, link: str,
+              model_dir: str) -> dict[tuple[str, float], dict]:
     """Run every mode at every rate; returns results.json contents keyed by (mode, rate)."""
     from loadgen.load_run import run_load_test
     from tophatctl.launcher import Mesh, MeshConfig, find_port_base
 
     results: dict[tuple[str, float], dict] = {}
-    groups: dict[tuple, list[Mode]] = {}
+    groups: dict[tuple, list[BenchVariant]] = {}
     for mode in modes.values():
         groups.setdefault(mode.mesh_key(), []).append(mode)
     for env, group in groups.items():

@@ -4,7 +4,7 @@ on a real mesh."""
 
 from __future__ import annotations
 
-from loadgen.bench import Mode, run_modes
+from loadgen.bench import BenchVariant, run_modes
 from tests.conftest import DEMO_MODEL_DIR
 
 ADDED_MS = 300.0
@@ -12,8 +12,8 @@ ADDED_MS = 300.0
 
 def test_harness_measures_a_known_added_delay(tmp_path):
     modes = {
-        "hat": Mode("hat", {}),
-        "hat+delay": Mode("hat+delay", {"added_delay_ms": ADDED_MS}),
+        "hat": BenchVariant("hat", {}),
+        "hat+delay": BenchVariant("hat+delay", {"added_delay_ms": ADDED_MS}),
     }
     results = run_modes(modes, workload="specbench", rates=[2.0], num_requests=6, max_new_tokens=8, seed=3,
                         out=tmp_path, devices=1, link="none", model_dir=str(DEMO_MODEL_DIR))
