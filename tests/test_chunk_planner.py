@@ -12,9 +12,8 @@ import httpx
 import pytest
 
 from services import state_monitor
-from services.chunk_planner.app import create_app, plan_chunk_size
+from services.chunk_planner.app import Telemetry, create_app, plan_chunk_size, plan_parallel_draft_steps, planner_inputs
 from services.chunk_planner.settings import Settings, load_settings
-from services.chunk_planner.app import Telemetry, plan_parallel_draft_steps, planner_inputs
 from shared.planners import (
     chunk_size_eq3,
     hidden_bytes_per_token,

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services.token_streamer.settings import load_settings
 from services.token_streamer.disco import FALLBACK_TTFT_S, History
+from services.token_streamer.settings import load_settings
 from shared.settings import SettingsError
 from tests.mesh_tools import sse_text_and_errors
 from tests.test_token_streamer import WORDS, FakeDevice, expected_text, mesh

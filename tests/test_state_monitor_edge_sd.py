@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from services.state_monitor.app import create_app
+from services.state_monitor.records import EDGE_SD_KEYS
 from services.state_monitor.settings import load_settings
-from services.state_monitor.app import EDGE_SD_KEYS
 from shared import auth
 from shared.edge_sd.plan import EdgeTelemetry
 from shared.redis_server import EmbeddedRedis

@@ -25,11 +25,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from httpx_sse import aconnect_sse
 
-from services.state_monitor.app import RequestDone
+from services.state_monitor.records import RequestDone
 from services.token_streamer.app import create_app
-from services.token_streamer.settings import load_settings
 from services.token_streamer.openai_format import StopScanner
 from services.token_streamer.router import Router
+from services.token_streamer.settings import load_settings
 from shared.chat import plain_chat_text
 from shared.settings import SettingsError
 

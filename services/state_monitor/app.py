@@ -5,6 +5,8 @@ Redis gets the raw events and the derived state so other processes and
 dashboards can read them, and so a restarted monitor can resume its averages.
 Redis is best effort: when it is down, records still update the in-memory
 model, /readyz stays ready (reporting redis connected=false) and nothing fails.
+The records it accepts are in records.py, the state they update in monitor.py; this module is
+the HTTP surface over them.
 """
 
 from __future__ import annotations
@@ -12,238 +14,25 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from services.state_monitor.monitor import Monitor
+from services.state_monitor.records import EDGE_SD_KEYS, DeviceAnnouncement, EdgeSdTelemetry, Record, RequestDone
 from services.state_monitor.settings import Settings, load_settings
 from shared import auth
 from shared import telemetry as tk
 from shared.device_registry import DeviceRegistry
 from shared.metrics import MonitorMetrics, metrics_response
 from shared.redis_server import resolve_redis_url, with_password
-from shared.state_model import CloudState, ComputeDelayPredictor, DeviceState
 
 log = logging.getLogger(__name__)
-
-Ident = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
-Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-PREDICT_SAMPLES = [2**k for k in range(13)]  # 1 .. 4096 batched tokens
-
-
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    ts: float | None = Field(default=None, description="sender's wall-clock time (unix s)")
-
-
-class VerifierStep(_Record):
-    kind: Literal["verifier_step"]
-    batched_tokens: int = Field(ge=0, description="mu_hat: tokens in the batch")
-    compute_s: Seconds = Field(description="eta_hat: batch compute time")
-    num_sessions: int = Field(default=0, ge=0)
-    step_kinds: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
-    overhead_s: Seconds | None = Field(default=None, description="step wall time beyond compute_s")
-    pipeline_stages: int | None = Field(default=None, ge=1, le=1024, description="P: the verifier's stages")
-
-
-class DeviceDraft(_Record):
-    kind: Literal["device_draft"]
-    device_id: Ident
-    step_s: PositiveSeconds = Field(description="gamma: seconds per draft step")
-    steps: int = Field(default=1, ge=1, description="draft steps this measurement averaged over")
-    round_overhead_s: Seconds | None = Field(default=None, description="mean device time per round outside "
-                                             "drafting and the cloud wait (output head, accept, thread hops)")
-    round_overhead_median_s: Seconds | None = Field(default=None, description="median of the same per-round times")
-    rounds: int = Field(default=0, ge=0, description="rounds round_overhead_s averaged over")
-    prefill_token_s: PositiveSeconds | None = Field(default=None, description="prompt cost per token "
-                                                    "(input layers + upload call), per chunk averaged")
-    prefill_tokens: int = Field(default=0, ge=0, description="prompt tokens prefill_token_s averaged over")
-    pd_hit_rate: float | None = Field(default=None, ge=0, le=1, description="parallel drafting: share of "
-                                      "corrected last draft tokens that were a pre-drafted candidate")
-    pd_chances: int = Field(default=0, ge=0, description="rounds pd_hit_rate is over")
-    full_accept_rate: float | None = Field(default=None, ge=0, le=1, description="share of verification rounds "
-                                           "that accepted every drafted token")
-
-
-class DeviceTransfer(_Record):
-    kind: Literal["device_transfer"]
-    device_id: Ident
-    direction: Literal["up", "down"]
-    bytes: int = Field(ge=0)
-    seconds: PositiveSeconds
-
-
-class DeviceRtt(_Record):
-    kind: Literal["device_rtt"]
-    device_id: Ident
-    rtt_s: PositiveSeconds = Field(description="round trip of a one-row probe (latency both ways + framing)")
-
-
-class RequestDone(_Record):
-    kind: Literal["request"]
-    request_id: Ident
-    device_id: Ident | None = None
-    ttft_s: Seconds | None = None
-    token_times_s: list[Seconds] = Field(default_factory=list, max_length=100_000,
-                                         description="gaps between consecutive delivered tokens (TBT)")
-    accept_lengths: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=100_000,
-                                                              description="accepted draft tokens per verification")
-    prompt_tokens: int | None = Field(default=None, ge=0)
-    generated_tokens: int | None = Field(default=None, ge=0)
-    endpoint: Literal["device", "cloud", "hat"] | None = Field(default=None, description="DiSCo: the endpoint "
-                                                               "that delivered the first token")
-    server_ttft_s: Seconds | None = Field(default=None, description="the server endpoint's own TTFT, also when "
-                                          "it lost the race; None when it was cancelled before its first token")
-    cost: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(default=None, description="$ for the "
-                                                                             "request (DiSCo's unified cost)")
-    dispatch: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")] | None = None
-
-
-class DeviceAnnouncement(BaseModel):
-    """A device agent saying where it serves (shared/device_registry.py); repeated every few seconds."""
-    model_config = ConfigDict(extra="forbid")
-    device_id: Ident
-    url: Annotated[str, Field(min_length=8, max_length=512, pattern=r"^https?://[^\s/]+$")]
-    max_sessions: int | None = Field(default=None, ge=1)
-
-
-Record = Annotated[VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone, Field(discriminator="kind")]
-
-# Edge SD (paper 001): measured passes for T(b, F) = c1*F*b + c2 (eq. 17) and verdicts for alpha, per list.
-EDGE_SD_KEYS = {name: f"{tk.PREFIX}:edge_sd:{name}" for name in ("draft", "verify", "verdicts")}
-EdgePass = tuple[Annotated[int, Field(ge=1, strict=True)], Annotated[float, Field(ge=0, allow_inf_nan=False)], Seconds]
-Verdict = tuple[Annotated[int, Field(ge=0, strict=True)], Annotated[int, Field(ge=0, strict=True)]]
-
-
-class EdgeSdTelemetry(BaseModel):
-    """An edge draft server's (SBS) measurements: passes as [batch_size, flops_per_task, seconds] of its draft
-    model and of the verifier's target model, verdicts as [drafts, accepted]."""
-    model_config = ConfigDict(extra="forbid")
-    node: Ident
-    draft: list[EdgePass] = Field(default_factory=list, max_length=10_000)
-    verify: list[EdgePass] = Field(default_factory=list, max_length=10_000)
-    verdicts: list[Verdict] = Field(default_factory=list, max_length=10_000)
-
-    @field_validator("verdicts")
-    @classmethod
-    def _accepted_within_drafts(cls, verdicts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        if any(accepted > drafts for drafts, accepted in verdicts):
-            raise ValueError("a verdict's accepted count exceeds its drafts")
-        return verdicts
-
-
-class Monitor:
-    """Applies records to the state model and mirrors them to Redis via the sink."""
-
-    def __init__(self, settings: Settings, sink: tk.TelemetrySink | None) -> None:
-        self.settings = settings
-        self.sink = sink
-        self.cloud = self._new_cloud()
-        self.devices: dict[str, DeviceState] = {}
-        self.started_at = time.time()
-
-    def _new_cloud(self) -> CloudState:
-        s = self.settings
-        return CloudState(alpha=s.alpha, g=ComputeDelayPredictor(s.alpha, s.buckets_per_octave))
-
-    def device(self, device_id: str) -> DeviceState:
-        state = self.devices.get(device_id)
-        if state is None:
-            state = self.devices[device_id] = DeviceState(device_id, alpha=self.settings.alpha)
-        return state
-
-    async def restore(self) -> None:
-        """Resume averages from Redis (best effort: bad or missing data is skipped)."""
-        if self.sink is None:
-            return
-        try:
-            cloud = await self.sink.read_hash(tk.VERIFIER_STATE)
-            if cloud and cloud.get("model"):
-                self.cloud = CloudState.from_dict(json.loads(cloud["model"]))
-            for device_id in sorted(await self.sink.read_members(tk.DEVICES) or ())[:10_000]:
-                data = await self.sink.read_hash(tk.device_state_key(device_id))
-                if data and data.get("model"):
-                    self.devices[device_id] = DeviceState.from_dict(json.loads(data["model"]))
-        except (ValueError, KeyError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
-            log.warning("ignoring unreadable state in redis: %s", exc)
-        log.info("restored state: %d cloud buckets, %d devices", self.cloud.g.observed_buckets, len(self.devices))
-
-    async def ingest(self, rec: VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone) -> bool:
-        now = time.time()
-        raw = {**rec.model_dump(), "ts": rec.ts if rec.ts is not None else now}
-        if isinstance(rec, VerifierStep):
-            self.cloud.observe_step(rec.batched_tokens, rec.compute_s, now, overhead_s=rec.overhead_s,
-                                    num_sessions=rec.num_sessions, step_kinds=rec.step_kinds,
-                                    **({"pipeline_stages": rec.pipeline_stages} if rec.pipeline_stages else {}))
-            return await self._write(events=[(tk.VERIFIER_STEPS, raw)], states=[(tk.VERIFIER_STATE, self._cloud_hash(), None)])
-        if isinstance(rec, RequestDone):
-            summary = {**raw, "mean_tbt_s": _mean(rec.token_times_s), "mean_accept_len": _mean(rec.accept_lengths)}
-            cap = self.settings.disco_history
-            samples = [(tk.DISCO_PROMPT_TOKENS, rec.prompt_tokens), (tk.DISCO_SERVER_TTFT, rec.server_ttft_s)]
-            return await self._write(events=[(tk.REQUESTS, summary)],
-                                     states=[(tk.request_key(rec.request_id), summary, self.settings.request_ttl_s)],
-                                     lists=[(key, value, cap) for key, value in samples if value is not None])
-        dev = self.device(rec.device_id)
-        if isinstance(rec, DeviceDraft):
-            dev.observe_draft(rec.step_s, now, round_overhead_s=rec.round_overhead_s,
-                              round_overhead_median_s=rec.round_overhead_median_s, prefill_token_s=rec.prefill_token_s,
-                              pd_hit_rate=rec.pd_hit_rate, full_accept_rate=rec.full_accept_rate)
-        elif isinstance(rec, DeviceRtt):
-            dev.observe_rtt(rec.rtt_s, now)
-        else:
-            raw["bytes_per_s"] = dev.observe_transfer(rec.direction, rec.bytes, rec.seconds, now)
-        return await self._write(events=[(tk.device_events_key(rec.device_id), raw)],
-                                 states=[(tk.device_state_key(rec.device_id), self._device_hash(dev), None)],
-                                 members=[(tk.DEVICES, rec.device_id)])
-
-    async def _write(self, **ops: Any) -> bool:
-        return await self.sink.write(**ops) if self.sink is not None else False
-
-    def _cloud_hash(self) -> dict[str, Any]:
-        c = self.cloud
-        line = c.g.fit_line()
-        return {"mu": c.mu.value, "eta": c.eta.value, "steps": c.mu.count,
-                "last_mu_hat": c.last.get("mu_hat"), "last_eta_hat": c.last.get("eta_hat"),
-                "num_sessions": c.last.get("num_sessions"), "step_kinds": c.last.get("step_kinds", {}),
-                "step_overhead_s": c.step_overhead.value,
-                "g_c1": line[0] if line else None, "g_c2": line[1] if line else None,
-                "g": c.g.table(), "updated_at": c.updated_at, "model": c.to_dict()}
-
-    @staticmethod
-    def _device_estimates(d: DeviceState) -> dict[str, float | None]:
-        """The current value of every per-device average (HAT's gamma and beta, the simulator's rest)."""
-        return {"gamma": d.gamma.value, "beta_up": d.beta_up.value, "beta_down": d.beta_down.value,
-                "round_overhead_s": d.round_overhead.value, "round_overhead_median_s": d.round_overhead_median.value,
-                "prefill_token_s": d.prefill_token.value, "rtt_s": d.rtt.value, "pd_hit_rate": d.pd_hit.value,
-                "full_accept_rate": d.full_accept.value}
-
-    def _device_hash(self, d: DeviceState) -> dict[str, Any]:
-        return {**self._device_estimates(d),
-                "draft_samples": d.gamma.count, "up_samples": d.beta_up.count, "down_samples": d.beta_down.count,
-                "last_update": d.last_update, "model": d.to_dict()}
-
-    def cloud_view(self) -> dict[str, Any]:
-        c = self.cloud
-        line = c.g.fit_line()
-        return {"mu": c.mu.value, "eta": c.eta.value, "steps": c.mu.count, "alpha": c.alpha, "last": c.last,
-                "step_overhead_s": c.step_overhead.value,
-                "g": {"buckets": c.g.table(), "line": {"c1": line[0], "c2": line[1]} if line else None},
-                "predict": {str(m): c.g.predict(m) for m in PREDICT_SAMPLES}, "updated_at": c.updated_at}
-
-    def device_view(self, d: DeviceState) -> dict[str, Any]:
-        now = time.time()
-        return {"device_id": d.device_id, **self._device_estimates(d),
-                "samples": {"draft": d.gamma.count, "up": d.beta_up.count, "down": d.beta_down.count},
-                "last_update": d.last_update, "age_s": d.age(now),
-                "stale": d.is_stale(now, self.settings.device_stale_s)}
 
 
 def _may_write(request: Request, device_ids: list[str | None]) -> None:
@@ -254,10 +43,6 @@ def _may_write(request: Request, device_ids: list[str | None]) -> None:
         if not auth.may_act_for(claims, device_id):
             log.info("refused a write for device %s by device %s", device_id, claims.subject if claims else None)
             raise HTTPException(403, "a device credential may write only for its own device id")
-
-
-def _mean(xs: list[float] | list[int]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
 
 
 def _parsed(values: list[str], kind: type[int] | type[float]) -> list[Any]:
