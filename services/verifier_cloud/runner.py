@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from services.verifier_cloud.token_mode import StreamedChunk, TokenModel, TokenSession
-from shared.specdec.draft_stream import ChunkVerdict, StreamProtocolError, StreamVerifier
 from services.verifier_cloud.work import EngineError, ErrorKind, TokenItem, WorkKind, check_item
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
+from shared.specdec.draft_stream import ChunkVerdict, StreamProtocolError, StreamVerifier
 from shared.specdec.sampling import SamplingParams
 
 log = logging.getLogger("services.verifier_cloud.runner")
