@@ -2,7 +2,9 @@
 
 HAT's baselines and ablations are combinations of a few independent mechanisms, so a
 mode is a set of flags rather than a class per mode; the session process branches on
-the flags. Names (comma-free, so `--modes a,b,c` can list them):
+the flags. Each is a variant of a mode of shared/modes.py's table (cloud of `cloud`, the
+rest of `hat`), and what it puts on the wire comes from that table. Names (comma-free,
+so `--modes a,b,c` can list them):
 
     ushape          split, no SD, whole prompt uploaded at once, one token per round trip
     usarathi[-C]    ushape + the cloud cuts the uploaded prompt into C-token chunks run in
@@ -21,12 +23,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.modes import MODE_TABLE
+
 SARATHI_CHUNK = {"specbench": 128, "cnndm": 256}
 HAT_SWITCHES = ("sd", "pc", "pd")
 
 
 @dataclass(frozen=True)
-class Mode:
+class SimMode:
+    """A simulated serving mode: the switches the session process branches on."""
+
     name: str
     speculative: bool = False        # SD: draft k tokens, verify k+1 rows in one pass
     client_chunking: bool = False    # PC: eq. 3 chunks, uploads overlap cloud compute
@@ -42,30 +48,36 @@ class Mode:
             raise ValueError(f"mode {self.name!r}: server chunk must be >= 1")
 
 
-def parse_mode(spec: str, workload: str = "specbench") -> Mode:
+def token_upload(table_mode: str) -> bool:
+    """Whether a mode of shared/modes.py's table puts token ids on the wire (else hidden states)."""
+    return MODE_TABLE[table_mode].uplink == "tokens"
+
+
+def parse_mode(spec: str, workload: str = "specbench") -> SimMode:
     """A mode from its name (see the module docstring)."""
     name = spec.strip().lower()
     if name == "ushape":
-        return Mode(name)
+        return SimMode(name, token_upload=token_upload("hat"))
     if name in ("cloud", "cloud-stream"):
-        return Mode(name, token_upload=True, cloud_stream=name == "cloud-stream")
+        return SimMode(name, token_upload=token_upload("cloud"), cloud_stream=name == "cloud-stream")
     if name == "usarathi" or name.startswith("usarathi-"):
         _, _, size = name.partition("-")
         try:
             chunk = int(size) if size else SARATHI_CHUNK.get(workload, 128)
         except ValueError:
             raise ValueError(f"bad U-Sarathi chunk in {spec!r} (use usarathi-128)") from None
-        return Mode(name, server_chunk=chunk)
+        return SimMode(name, server_chunk=chunk, token_upload=token_upload("hat"))
     if name == "hat" or name.startswith("hat-"):
         parts = name.split("-")[1:] or list(HAT_SWITCHES)
         bad = [p for p in parts if p not in HAT_SWITCHES]
         if bad:
             raise ValueError(f"unknown HAT switch(es) {bad} in {spec!r}; use {', '.join(HAT_SWITCHES)}")
-        return Mode(name, speculative="sd" in parts, client_chunking="pc" in parts, parallel_drafting="pd" in parts)
+        return SimMode(name, speculative="sd" in parts, client_chunking="pc" in parts, parallel_drafting="pd" in parts,
+                       token_upload=token_upload("hat"))
     raise ValueError(f"unknown mode {spec!r}; use ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd]")
 
 
-def parse_modes(text: str, workload: str = "specbench") -> list[Mode]:
+def parse_modes(text: str, workload: str = "specbench") -> list[SimMode]:
     modes = [parse_mode(part, workload) for part in text.split(",") if part.strip()]
     if not modes:
         raise ValueError("no modes given")

@@ -33,7 +33,7 @@ from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, WORKLOAD_STREAM, fit_l
 from loadgen.simulate.calibration import Calibration
 from loadgen.simulate.cloud import Cloud
 from loadgen.simulate.events import EventLoop
-from loadgen.simulate.modes import Mode, parse_mode
+from loadgen.simulate.modes import SimMode, parse_mode
 from loadgen.simulate.session import Context, Device, RequestProcess, SimRequest
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Router:
         return best
 
 
-def run_simulation(cal: Calibration, mode: Mode | str, rate: float, config: SimConfig | None = None,
+def run_simulation(cal: Calibration, mode: SimMode | str, rate: float, config: SimConfig | None = None,
                    requests: list[SimRequest] | None = None) -> SimRun:
     """Simulate one mode at one request rate (req/s; inf = all at t = 0)."""
     config = config or SimConfig()
@@ -153,12 +153,12 @@ def run_simulation(cal: Calibration, mode: Mode | str, rate: float, config: SimC
     return SimRun(results, records, cloud, devices, loop.events, wall, processes)
 
 
-def simulate(cal: Calibration, mode: Mode | str, rate: float, config: SimConfig | None = None) -> dict[str, Any]:
+def simulate(cal: Calibration, mode: SimMode | str, rate: float, config: SimConfig | None = None) -> dict[str, Any]:
     """The results dict of one run (loadgen's keys: mean_ttft_ms, p90_tbt_ms, ... plus mode, cloud)."""
     return run_simulation(cal, mode, rate, config).results
 
 
-def simulate_grid(cal: Calibration, modes: list[Mode | str], rates: list[float],
+def simulate_grid(cal: Calibration, modes: list[SimMode | str], rates: list[float],
                   config: SimConfig | None = None) -> dict[str, Any]:
     """Every mode at every rate, on the same trace per rate (same seed): {"config", "calibration", "runs"}."""
     config = config or SimConfig()

@@ -46,7 +46,7 @@ from shared.planners import chunk_size_eq3, fixed_chunks, parallel_draft_steps_e
 from loadgen.simulate.calibration import Calibration, DeviceProfile
 from loadgen.simulate.cloud import Cloud
 from loadgen.simulate.events import EventLoop, FifoServer, Link
-from loadgen.simulate.modes import Mode
+from loadgen.simulate.modes import SimMode
 
 _ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM, _FULL_STREAM = 3, 4, 5, 6  # loadgen: 1 arrivals, 2 prompts
 _BIG = 1e30  # stands in for an unlimited bandwidth in the planners' equations
@@ -86,7 +86,7 @@ class Context:
     loop: EventLoop
     cloud: Cloud
     cal: Calibration
-    mode: Mode
+    mode: SimMode
     stages: int
     seed: int
     on_done: Callable[[RequestProcess], None] = lambda _: None
