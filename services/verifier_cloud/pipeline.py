@@ -34,22 +34,9 @@ from typing import Any
 
 from services.verifier_cloud.scheduler import SchedulerOutput
 from services.verifier_cloud.settings import Settings
-from services.verifier_cloud.stages import (
-    STAGE_CODEC,
-    Hello,
-    MicroBatch,
-    Probe,
-    SessionsClosed,
-    SessionsForked,
-    SessionsOpened,
-    SessionsRolledBack,
-    StageFailed,
-    StageItem,
-    StageSpec,
-    Stop,
-    run_stage,
-    to_numpy,
-)
+from services.verifier_cloud.stages import (STAGE_CODEC, Hello, MicroBatch, Probe, SessionsClosed, SessionsForked,
+                                            SessionsOpened, SessionsRolledBack, StageFailed, StageItem, StageSpec, Stop,
+                                            run_stage, to_numpy)
 from shared.model.placement import cuda_facts, plan_stage_devices
 from shared.model.split import SplitError, stage_ranges, validate_split
 from shared.stage_codec import StageLinkError
