@@ -146,6 +146,8 @@ Mode = Literal["hat", "hat-async", "cloud", "token-sd", "picospec", "device", "e
 MODES: tuple[str, ...] = tuple(MODE_TABLE)
 TOKEN_MODES = frozenset(name for name, spec in MODE_TABLE.items() if not spec.private)  # never for privacy
 STREAM_MODES = frozenset(name for name, spec in MODE_TABLE.items() if spec.rounds in STREAM_ROUNDS)
+# The mode whose requests may keep and fork sessions (the streamer's outline decoding runs in it).
+KEPT_SESSIONS_MODE = next(name for name, spec in MODE_TABLE.items() if spec.keepable)
 if MODES != get_args(Mode):  # the Literal is spelled out for type checkers; the table is the truth
     raise ImportError("shared/modes.py: the Mode literal and MODE_TABLE name different modes")
 

@@ -40,7 +40,7 @@ class TophatOptions(BaseModel):
     overlap_prefill: bool | None = None
     parallel_candidates: int | None = Field(default=None, ge=0, le=16)  # PD
     parallel_steps: int | None = Field(default=None, ge=0, le=32)
-    mode: Mode | None = None  # shared/modes.py; cloud, token-sd and picospec put token ids on the wire (no privacy)
+    mode: Mode | None = None  # shared/modes.py's table; its TOKEN_MODES put token ids on the wire (no privacy)
     privacy: bool | None = None  # true: refuse the token modes (the request must not leave the device as tokens)
     downlink: Downlink | None = None  # token-sd / picospec: the target row on a rejection (top-K or whole)
     top_k: int | None = Field(default=None, ge=1, le=1000)

@@ -29,6 +29,7 @@ from services.token_streamer.device_stream import DeviceStream
 from services.token_streamer.dispatcher import Dispatcher
 from services.token_streamer.router import DeviceError, DeviceState
 from shared.jupiter.outline import MIN_POINTS, OUTLINE_OPENING, ChatFormat, heading, parse_outline, question_of, route
+from shared.modes import KEPT_SESSIONS_MODE
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ _UNKNOWN_HANDLE = ("unknown_kept_session", "http_404")
 
 def hat_sampling(body: dict[str, Any]) -> dict[str, Any]:
     """What every request of an outline carries from the user's: its sampling, in mode hat (keep/fork need it)."""
-    return {k: body[k] for k in ("temperature", "top_p", "seed") if k in body} | {"mode": "hat"}
+    return {k: body[k] for k in ("temperature", "top_p", "seed") if k in body} | {"mode": KEPT_SESSIONS_MODE}
 
 
 class _Fallback(Exception):
@@ -283,7 +284,8 @@ class OutlineFlow:
                 return self.directives[device.url]
             try:
                 _, kept, _ = await self._generate(device, {"prompt": fmt.directive_text(), "max_new_tokens": 0,
-                                                           "keep": True, "mode": "hat", "temperature": 0.0})
+                                                           "keep": True, "mode": KEPT_SESSIONS_MODE,
+                                                           "temperature": 0.0})
             except DeviceError as exc:
                 if exc.status != 400:  # refused (an agent without keep/fork), not failed
                     raise
