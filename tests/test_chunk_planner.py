@@ -11,9 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from services import state_monitor
 from services.chunk_planner.app import Telemetry, create_app, plan_chunk_size, plan_parallel_draft_steps, planner_inputs
 from services.chunk_planner.settings import Settings, load_settings
+from services.state_monitor.app import create_app as create_monitor
+from services.state_monitor.settings import load_settings as load_monitor_settings
 from shared.planners import (
     chunk_size_eq3,
     hidden_bytes_per_token,
@@ -50,7 +51,7 @@ async def running(settings: Settings, transport: httpx.AsyncBaseTransport | None
 @asynccontextmanager
 async def monitor() -> AsyncIterator[tuple[httpx.AsyncClient, httpx.ASGITransport]]:
     """A real state monitor (in memory), and the transport a planner reaches it through."""
-    app = state_monitor.create_app(state_monitor.load_settings({}, redis_url=""))
+    app = create_monitor(load_monitor_settings({}, redis_url=""))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url=MONITOR) as client:

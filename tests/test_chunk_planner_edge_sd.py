@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services import state_monitor
 from services.chunk_planner.settings import load_settings
+from services.state_monitor.app import create_app as create_monitor
 from shared import auth
 from shared.edge_sd.plan import PlanDefaults
 from shared.edge_sd.runtime import RuntimeModel
@@ -37,7 +37,7 @@ def server() -> Iterator[EmbeddedRedis]:
 @asynccontextmanager
 async def live_monitor(redis_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.ASGITransport]]:
     """A real state monitor on a real Redis, and the transport a planner reaches it through."""
-    app = state_monitor.create_app(fast_settings(redis_url))
+    app = create_monitor(fast_settings(redis_url))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app)
         async with httpx.AsyncClient(transport=transport, base_url=MONITOR) as client:
