@@ -16,8 +16,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadgen.bench import (ablation_modes, format_table, link_with_rtt, modes_for, parse_rates, plot_modes, run_modes,
-                           save_table)
+from loadgen.bench import (
+    ablation_modes,
+    format_table,
+    link_with_rtt,
+    modes_for,
+    parse_rates,
+    plot_modes,
+    run_modes,
+    save_table,
+)
 from tophatctl.mesh_config import MeshStartError
 
 BENCH_ERRORS = (ValueError, MeshStartError)
@@ -91,7 +99,8 @@ def run_mode_bench(bench: ModeBench, model_dir: str) -> Iterator[str]:
                 chosen = {m: available[m] for m in bench.modes}
                 base = bench.baseline or ("ushape" if "ushape" in chosen else next(iter(chosen)))
                 title = f"{workload}, link {link}, {bench.devices} devices"
-            tag = f"{'ablation' if bench.ablation else 'bench'}-{workload}" + (f"-rtt{rtt:g}" if rtt is not None else "")
+            kind = "ablation" if bench.ablation else "bench"
+            tag = f"{kind}-{workload}" + (f"-rtt{rtt:g}" if rtt is not None else "")
             run_out = out / tag if rtt is not None else out
             results = run_modes(chosen, workload=workload, rates=list(bench.rates), num_requests=bench.num_requests,
                                 max_new_tokens=bench.max_new_tokens, seed=bench.seed, out=run_out,
@@ -145,8 +154,12 @@ def jupiter_report(*, edge_pipeline: str, lan: str, buckets: list[int], per_buck
                    max_new_tokens: int, seed: int, model_dir: str, out: Path) -> str:
     """`--edge-pipeline`: serial, equal-split and Jupiter on one edge pipeline; results JSON (OUT, or
     OUT/jupiter.json), the table and the outline answers beside it. Returns what to show."""
-    from loadgen.bench_jupiter import (JupiterBenchConfig, format_jupiter_table, format_outline_answers,
-                                       run_jupiter_bench)
+    from loadgen.bench_jupiter import (
+        JupiterBenchConfig,
+        format_jupiter_table,
+        format_outline_answers,
+        run_jupiter_bench,
+    )
 
     target = out if out.suffix == ".json" else out / "jupiter.json"
     cfg = JupiterBenchConfig(model=model_dir, edge_pipeline=edge_pipeline, lan=lan, buckets=buckets,

@@ -22,7 +22,8 @@ async def run_load_test(o: dict[str, Any], records_out: list | None = None) -> d
     `records_out` when given (benches that need more than results.json holds, e.g. each request's
     `tophat` object). Heavy modules are imported here, so importing this module costs nothing."""
     from loadgen import arrivals as arr
-    from loadgen import metrics, plots, runner, workloads as wl
+    from loadgen import metrics, plots, runner
+    from loadgen import workloads as wl
     from tophatctl.models import resolve_model
 
     times = arr.arrival_times(o["rate"], o["burstiness"], num_requests=o["num_requests"], duration=o["duration"],

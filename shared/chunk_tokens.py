@@ -33,8 +33,12 @@ def apportion(weights: list[float], total: int) -> list[int]:
     return counts.tolist()
 
 
-def chunk_token_counts(texts: list[str], completion_tokens: int | None, server_rounds: list[int] | None = None,
-                       count: Callable[[str], int] | None = None) -> list[int]:
+def chunk_token_counts(
+    texts: list[str],
+    completion_tokens: int | None,
+    server_rounds: list[int] | None = None,
+    count: Callable[[str], int] | None = None,
+) -> list[int]:
     """Tokens per content chunk: the server's per-round counts when they line up one-to-one with
     the chunks, else per-chunk estimates (re-tokenized text, or characters without a tokenizer)
     scaled so they sum to the server's completion token count."""

@@ -151,8 +151,9 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def stream_chunks(client: httpx.AsyncClient, url: str, body: dict[str, Any], *,
-                        timeout_s: float) -> AsyncIterator[Chunk]:
+async def stream_chunks(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout_s: float
+) -> AsyncIterator[Chunk]:
     """POST `body` to `url` and yield its chunks until `[DONE]`; a StreamError for anything less.
 
     Breaking out of the loop (or cancelling the consumer) closes the response, which is how
@@ -204,7 +205,9 @@ def parse_chunk(data: str, t: float) -> Chunk:
     if chunk.get("error"):
         err = chunk["error"]
         if isinstance(err, dict):
-            raise ErrorEvent(str(err.get("message", err)), err.get("code") if isinstance(err.get("code"), str) else None)
+            raise ErrorEvent(
+                str(err.get("message", err)), err.get("code") if isinstance(err.get("code"), str) else None
+            )
         raise ErrorEvent(str(err))
     texts: list[str] = []
     finish_reason = None
@@ -218,8 +221,13 @@ def parse_chunk(data: str, t: float) -> Chunk:
         if choice.get("finish_reason"):
             finish_reason = str(choice["finish_reason"])
     tophat, usage = chunk.get("tophat"), chunk.get("usage")
-    return Chunk(t, "".join(texts), finish_reason, tophat if isinstance(tophat, dict) else None,
-                 usage if isinstance(usage, dict) else None)
+    return Chunk(
+        t,
+        "".join(texts),
+        finish_reason,
+        tophat if isinstance(tophat, dict) else None,
+        usage if isinstance(usage, dict) else None,
+    )
 
 
 def _num(v: Any) -> float | None:

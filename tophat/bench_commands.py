@@ -9,8 +9,18 @@ from typing import Optional
 
 import typer
 
-from loadgen.bench_command import (BENCH_ERRORS, ModeBench, check_draft_adapter, disco_bench_options, disco_report,
-                                   edge_sd_report, jupiter_report, parse_buckets, run_mode_bench, sim_check_report)
+from loadgen.bench_command import (
+    BENCH_ERRORS,
+    ModeBench,
+    check_draft_adapter,
+    disco_bench_options,
+    disco_report,
+    edge_sd_report,
+    jupiter_report,
+    parse_buckets,
+    run_mode_bench,
+    sim_check_report,
+)
 from tophat.command_support import MODEL_HELP, fail
 from tophatctl.models import resolve_model_or_exit
 
