@@ -1,0 +1,47 @@
+"""`tophat bench`'s option handling (loadgen/bench_command.py), without a mesh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadgen.bench_command import ModeBench, disco_bench_options, parse_buckets, split_list
+
+OPTIONS = dict(workload="specbench", rates=None, modes="ushape,hat", link_profile=None, rtt_ms="", ablation=False,
+               baseline="", devices=2, num_requests=4, max_new_tokens=8, seed=0, out=Path("out"))
+
+
+def test_defaults_are_the_documented_ones():
+    bench = ModeBench.from_options(**OPTIONS)
+    assert bench.rates == (0.5, 1.0, 2.0) and bench.link == "none" and bench.runs == ((None, "none"),)
+    assert bench.workloads == ("specbench",) and bench.modes == ("ushape", "hat")
+
+
+def test_each_rtt_is_a_run_with_half_of_it_as_one_way_latency():
+    bench = ModeBench.from_options(**{**OPTIONS, "link_profile": "mid,lat=3ms", "rtt_ms": "20,50"})
+    assert bench.runs == ((20.0, "mid,lat=10ms"), (50.0, "mid,lat=25ms"))
+
+
+def test_the_ablation_runs_both_workloads_whatever_the_modes():
+    bench = ModeBench.from_options(**{**OPTIONS, "ablation": True, "modes": "not-a-mode"})
+    assert bench.workloads == ("specbench", "cnndm")
+
+
+@pytest.mark.parametrize("bad, message", [({"modes": "ushape,warp"}, "unknown modes"),
+                                          ({"rates": "1,-2"}, "--rates"),
+                                          ({"rtt_ms": "fast"}, "--rtt-ms"),
+                                          ({"rtt_ms": "-5"}, "--rtt-ms")])
+def test_a_bad_option_is_a_value_error_naming_it(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ModeBench.from_options(**{**OPTIONS, **bad})
+
+
+def test_edge_and_disco_options():
+    assert parse_buckets("orin;xavier", "64, 256") == [64, 256]
+    with pytest.raises(ValueError, match="--buckets"):
+        parse_buckets("orin;xavier", "0")
+    assert disco_bench_options(None, None, "0.5", "server", "")["rate"] == 2.0
+    with pytest.raises(ValueError, match="one --rates"):
+        disco_bench_options("1,2", None, "0.5", "server", "")
+    assert split_list(" a, ,b ") == ["a", "b"]
