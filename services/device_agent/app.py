@@ -20,8 +20,8 @@ what each builds and needs, and its refusals; rounds.py runs them):
 `cloud` (HAT's cloud baseline: the device tokenizes and sends token ids, the
 verifier, started with TOPHAT_VERIFIER_FULL_MODEL, runs the whole model and
 samples one token per round trip; no privacy, and SD/PC/PD do not apply), the token
-modes `token-sd` / `picospec`, and `device` (DiSCo's on-device endpoint: the draft
-model alone, no cloud) and `edge-sd`. All stream the same events. `prefix_ids` continue an answer
+modes `token-sd` / `picospec` / `edge-sd`, and `device` (DiSCo's on-device endpoint: the
+draft model alone, no cloud). All stream the same events. `prefix_ids` continue an answer
 another endpoint began (DiSCo's migration): read after the prompt, never re-sent.
 """
 
