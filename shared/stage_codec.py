@@ -16,6 +16,9 @@ memory without a warning).
 
 Adding a message type is one line: put the dataclass in the tuple the
 codec is built from (services/verifier_cloud/stages.py: STAGE_MESSAGES).
+
+The msgpack layer (registry, packing, unpacking, the error base) is
+shared/msgpack_codec.py, the one the device <-> cloud wire schema uses too.
 """
 
 from __future__ import annotations
@@ -28,15 +31,18 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
-import msgpack
 import numpy as np
+
+from shared.msgpack_codec import CodecError, MessageRegistry, NotMsgpack, UnpackLimits, pack, unpack
 
 # Little-endian only (the hosts we run on); '|b1' is numpy's bool.
 ARRAY_DTYPES = frozenset({"<f2", "<f4", "<f8", "<i4", "<i8", "|u1", "|i1", "|b1"})
 MAX_ARRAY_DIMS = 8
+# Map keys may be ints (dict[int, X] fields); every container is bounded by the frame's length.
+_UNPACK_LIMITS = UnpackLimits(strict_map_key=False)
 
 
-class StageLinkError(ValueError):
+class StageLinkError(CodecError):
     """A frame that cannot be accepted: malformed, oversized, unknown type, or a broken link."""
 
 
@@ -44,11 +50,10 @@ class StageCodec:
     """Encode/decode the registered dataclasses; anything else is refused with StageLinkError."""
 
     def __init__(self, message_types: Iterable[type]):
-        self.types: dict[str, type] = {}
+        self._registry: MessageRegistry[str] = MessageRegistry("stage message")
+        self.types: dict[str, type] = self._registry.by_tag  # class name -> class
         for cls in message_types:
-            if not dataclasses.is_dataclass(cls) or cls.__name__ in self.types:
-                raise TypeError(f"{cls!r} is not a dataclass, or its name is registered twice")
-            self.types[cls.__name__] = cls
+            self._registry.register(cls.__name__, cls)  # TypeError: not a dataclass, or a name taken twice
         # Resolved once: (field name, annotation) per class, nested plain dataclasses included on demand.
         self._fields: dict[type, list[tuple[str, Any]]] = {}
         for cls in self.types.values():  # an annotation the decoder cannot check fails here, at import
@@ -57,9 +62,9 @@ class StageCodec:
     # -- encode (the sender's own objects: a bad one is the caller's bug, raised as TypeError) ----
     def encode(self, message: Any) -> bytes:
         cls = type(message)
-        if self.types.get(cls.__name__) is not cls:
+        if not self._registry.holds(cls, cls.__name__):
             raise TypeError(f"{cls.__name__} is not a registered stage message")
-        return msgpack.packb([cls.__name__, self._encode_value(message)], use_bin_type=True)
+        return pack([cls.__name__, self._encode_value(message)])
 
     def _encode_value(self, value: Any) -> Any:
         if value is None or type(value) in (bool, int, float, str):
@@ -84,9 +89,9 @@ class StageCodec:
     def decode(self, body: bytes) -> Any:
         try:
             # msgpack bounds every container by the buffer's length, so a short frame cannot claim a huge one.
-            obj = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise StageLinkError(f"not msgpack: {exc}") from None
+            obj = unpack(body, limits=_UNPACK_LIMITS)
+        except NotMsgpack as exc:  # the hop's header already bounded the body's size
+            raise StageLinkError(str(exc)) from None
         if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str)):
             raise StageLinkError("a frame must be [type name, fields]")
         cls = self.types.get(obj[0])

@@ -43,7 +43,9 @@ msgpack array: a prompt of thousands of ids stays one allocation, and the
 unpacker's small container limits stay in force.
 
 Adding a message = one decorated dataclass with a free code and `_f` fields;
-encode/decode/validation are generic over the registry. A new type needs no
+encode/decode/validation are generic over the registry. Packing, the size and
+container limits and the registry itself are shared/msgpack_codec.py's, the
+layer the pipeline stages' messages use too. A new type needs no
 version bump (an old peer answers UNKNOWN_TYPE); changing an existing one does.
 """
 
@@ -58,9 +60,10 @@ import warnings
 from dataclasses import field
 from typing import Any, ClassVar
 
-import msgpack
 import numpy as np
 import torch
+
+from shared.msgpack_codec import CodecError, FrameTooLarge, MessageRegistry, NotMsgpack, UnpackLimits, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ _MAX_ERROR_TEXT = 512
 # Our frames are structurally tiny (a map of <= ~8 keys, 2-element shapes); capping
 # container sizes stops a 16 MiB frame of 1-byte nils from inflating into ~128 MB of
 # Python objects before validation even starts.
-_UNPACK_LIMITS = dict(max_map_len=32, max_array_len=8, max_str_len=4096, max_ext_len=0)
+_UNPACK_LIMITS = UnpackLimits(max_map_len=32, max_array_len=8, max_str_len=4096, max_ext_len=0)
 
 # Decoded tensors wrap msgpack's (immutable) bytes zero-copy, which torch warns
 # about once per process (TORCH_WARN_ONCE). Spend that one warning here, silently,
@@ -119,7 +122,7 @@ class ErrorCode(enum.IntEnum):
     BAD_VALUE = 13  # a hidden state holds NaN or +-Inf (refused where the frame is decoded with finite_only)
 
 
-class WireError(ValueError):
+class WireError(CodecError):
     """A frame (or a message being built) violates the schema."""
 
     def __init__(self, code: ErrorCode, message: str, session_id: int | None = None,
@@ -227,7 +230,8 @@ U64, OPT_U64, BOOL, TEXT = "u64", "opt_u64", "bool", "text"
 TENSOR, DTYPE, CODE = "tensor", "dtype", "code"
 FLOAT, TOKENS = "float", "tokens"  # finite float; non-empty tuple of uint32 token ids
 OPT_TOKENS, OPT_PROBS = "opt_tokens", "opt_probs"  # absent, or ids / float32 probabilities in [0, 1] as one bin
-_TYPES: dict[int, type[Message]] = {}
+_REGISTRY: MessageRegistry[int] = MessageRegistry("wire message")
+_TYPES: dict[int, type[Message]] = _REGISTRY.by_tag  # type code -> class: the table decode dispatches on
 
 
 def _f(key: str, kind: str, **kw: Any) -> Any:
@@ -337,7 +341,7 @@ def decode_probs(raw: Any) -> torch.Tensor:
 def _message(code: int):
     """Class decorator: frozen dataclass + registration under a unique type code."""
     def wrap(cls: type) -> type:
-        if code in _TYPES or not 0 <= code < 128:
+        if not 0 <= code < 128:  # a positive fixint: one byte on the wire
             raise TypeError(f"bad or duplicate type code {code:#x}")
         cls = dataclasses.dataclass(frozen=True, eq=False, slots=True)(cls)
         cls.type = code
@@ -350,8 +354,7 @@ def _message(code: int):
         cls._keys = frozenset(keys) | {"v", "t"}
         if code in TOKEN_MODE_CODES:  # the range *is* the declaration: no token message can forget the flag
             cls.carries_token_ids = True
-        _TYPES[code] = cls
-        return cls
+        return _REGISTRY.register(code, cls)  # refuses a code taken twice
     return wrap
 
 
@@ -591,22 +594,19 @@ def encode(msg: Message, *, wire_dtype: WireDtype | str | None = None) -> bytes:
         elif kind in (DTYPE, CODE):
             value = value.value
         out[key] = value
-    return msgpack.packb(out, use_bin_type=True)
+    return pack(out)
 
 
 def decode(frame: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES,
            expected_hidden_size: int | None = None, finite_only: bool = False) -> Message:
     """Frame -> validated Message; raises WireError (with session/seq when known).
     `finite_only`: tensors holding NaN/Inf are BAD_VALUE (the verifier's receive path)."""
-    if not isinstance(frame, (bytes, bytearray, memoryview)):
-        raise WireError(ErrorCode.MALFORMED, f"frame must be bytes, got {type(frame).__name__}")
-    size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
-    if size > max_frame_bytes:  # before unpacking: never parse an oversized frame
-        raise WireError(ErrorCode.OVERSIZED, f"frame of {size} bytes > {max_frame_bytes}")
-    try:
-        m = msgpack.unpackb(frame, raw=False, **_UNPACK_LIMITS)
-    except (ValueError, TypeError, OverflowError) as exc:  # truncated, trailing data, bad utf-8...
-        raise WireError(ErrorCode.MALFORMED, f"not msgpack: {exc}") from None
+    try:  # the size is checked before unpacking: an oversized frame is never parsed
+        m = unpack(frame, max_frame_bytes=max_frame_bytes, limits=_UNPACK_LIMITS)
+    except FrameTooLarge as exc:
+        raise WireError(ErrorCode.OVERSIZED, str(exc)) from None
+    except NotMsgpack as exc:  # truncated, trailing data, bad utf-8, not bytes at all...
+        raise WireError(ErrorCode.MALFORMED, str(exc)) from None
     if not isinstance(m, dict):
         raise WireError(ErrorCode.MALFORMED, "frame must be a map")
     if "v" not in m:

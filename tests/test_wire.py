@@ -185,7 +185,7 @@ def test_non_contiguous_and_grad_tensors_encode():
 # ---------------------------------------------------------------- rejections
 
 def test_oversized_is_rejected_before_unpacking(monkeypatch):
-    monkeypatch.setattr(wire.msgpack, "unpackb", lambda *a, **k: pytest.fail("parsed"))
+    monkeypatch.setattr(msgpack, "unpackb", lambda *a, **k: pytest.fail("parsed"))
     _err(b"\xc1" * 101, ErrorCode.OVERSIZED, max_frame_bytes=100)
     _err(encode(ALL_MESSAGES[5]), ErrorCode.OVERSIZED, max_frame_bytes=64)
 
