@@ -342,7 +342,7 @@ def _message(code: int):
     """Class decorator: frozen dataclass + registration under a unique type code."""
     def wrap(cls: type) -> type:
         if not 0 <= code < 128:  # a positive fixint: one byte on the wire
-            raise TypeError(f"bad or duplicate type code {code:#x}")
+            raise TypeError(f"bad type code {code:#x}: not a positive fixint")
         cls = dataclasses.dataclass(frozen=True, eq=False, slots=True)(cls)
         cls.type = code
         cls._spec = tuple((f.name, f.metadata["key"], f.metadata["kind"],
