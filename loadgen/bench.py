@@ -112,7 +112,9 @@ def run_modes(modes: dict[str, BenchVariant], *, workload: str, rates: list[floa
               model_dir: str) -> dict[tuple[str, float], dict]:
     """Run every mode at every rate; returns results.json contents keyed by (mode, rate)."""
     from loadgen.load_run import run_load_test
-    from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+    from tophatctl.mesh import Mesh
+    from tophatctl.mesh_config import MeshConfig
+    from tophatctl.mesh_ports import find_port_base
 
     results: dict[tuple[str, float], dict] = {}
     groups: dict[tuple, list[BenchVariant]] = {}

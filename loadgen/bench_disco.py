@@ -117,7 +117,8 @@ def mesh_env(constraint: str) -> dict[str, str]:
 
 def mesh_config(constraint: str, *, model_dir: str, devices: int, link: str, speed: str):
     """The mesh of one cost regime (see the module docstring for the choices)."""
-    from tophatctl.launcher import MeshConfig, find_port_base
+    from tophatctl.mesh_config import MeshConfig
+    from tophatctl.mesh_ports import find_port_base
 
     return MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link,
                       speed=speed, extra_env=mesh_env(constraint),
@@ -341,7 +342,7 @@ def run_disco(*, constraint: str, budgets: Sequence[float], workload: str, rate:
     """Every policy on one mesh of this cost regime, back to back: (entries, notes about the run)."""
     from loadgen.bench import loadgen_options
     from loadgen.load_run import run_load_test
-    from tophatctl.launcher import Mesh
+    from tophatctl.mesh import Mesh
 
     config = mesh_config(constraint, model_dir=model_dir, devices=devices, link=link, speed=speed)
     entries: list[dict[str, Any]] = []

@@ -186,7 +186,9 @@ async def _run_round(base_url: str, device_url: str, mode: str, index: int, task
 
 def run_edge_sd_bench(cfg: EdgeSDBenchConfig) -> dict[str, Any]:
     from shared.model.checkpoint import read_config
-    from tophatctl.launcher import Mesh, MeshConfig, find_port_base, mesh_model_dir
+    from tophatctl.mesh import Mesh
+    from tophatctl.mesh_config import MeshConfig, mesh_model_dir
+    from tophatctl.mesh_ports import find_port_base
 
     unknown = set(cfg.modes) - set(EDGE_SD_MODES)
     if unknown:

@@ -26,7 +26,9 @@ import httpx
 from shared import latency_stats
 from shared.latency_stats import Timeline
 from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 
 def long_prompts(tokenizer, count: int, min_tokens: int, seed: int = 0) -> list[str]:

@@ -137,7 +137,9 @@ def bench_prompts(model_dir: Path, buckets: Sequence[int], per_bucket: int, seed
 
 def run_jupiter_bench(cfg: JupiterBenchConfig) -> dict[str, Any]:
     """Start one mesh per layer partition, time the same prompts on each, return the results JSON."""
-    from tophatctl.launcher import Mesh, MeshConfig, find_port_base, mesh_model_dir
+    from tophatctl.mesh import Mesh
+    from tophatctl.mesh_config import MeshConfig, mesh_model_dir
+    from tophatctl.mesh_ports import find_port_base
 
     model_dir = mesh_model_dir(MeshConfig(model_dir=cfg.model))
     prompts = bench_prompts(model_dir, cfg.buckets, cfg.per_bucket, cfg.seed)

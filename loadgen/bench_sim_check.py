@@ -25,7 +25,9 @@ from loadgen.simulate.run import SimConfig, simulate_grid
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.model.checkpoint import read_config
 from shared.runtime import DEFAULT_SPLIT_LAYERS
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 
 def calibrate_from_mesh(monitor_url: str, link: str, model_dir: str) -> Calibration:

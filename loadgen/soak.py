@@ -1,6 +1,6 @@
 """`make soak`: a long Poisson load through the streamer of a real mesh, watching failures and memory.
 
-The mesh is the one `tophat up` runs (tophatctl/launcher.py), the load is the benchmark's own
+The mesh is the one `tophat up` runs (tophatctl/mesh.py), the load is the benchmark's own
 (loadgen/arrivals.py Poisson arrivals of SpecBench-shaped prompts, sent open loop by
 loadgen/runner.py). First a few warm-up requests, one at a time: they load every lazy path (the
 first prefill, the planner's first plan, allocator pools) and, unless `--rate` is given, measure
@@ -200,7 +200,9 @@ async def soak(url: str, processes: Callable[[], dict[str, int]], *, model_dir: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+    from tophatctl.mesh import Mesh
+    from tophatctl.mesh_config import MeshConfig
+    from tophatctl.mesh_ports import find_port_base
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")

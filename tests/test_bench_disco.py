@@ -108,7 +108,7 @@ def test_the_plan_runs_the_baselines_first_then_random_and_disco_per_budget():
 
 
 def test_the_mesh_gives_devices_room_for_paced_requests_and_the_verifier_the_full_model():
-    from tophatctl.launcher import Mesh
+    from tophatctl.mesh import Mesh
 
     config = bd.mesh_config("device", model_dir=str(DEMO_MODEL_DIR), devices=2, link="lat=5ms", speed="3")
     device = Mesh(config)._device_env(1, str(DEMO_MODEL_DIR))  # what device agent 1's process is given

@@ -27,7 +27,9 @@ from shared.specdec.sampling import SamplingParams
 from tests.conftest import DEMO_MODEL_DIR, REPO_ROOT
 from tests.mesh_tools import device_sessions, verifier_state, wait_until
 from tophatctl.demo_model.corpus import held_out_prompts
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 LINK = "lat=60ms"  # the cloud is a round trip away; the device is not
 SPEED = "10"  # a device 10x slower than this host: still first for a short prompt, and slower to decode

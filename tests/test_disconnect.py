@@ -19,7 +19,9 @@ import pytest
 
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import device_sessions, verifier_state, wait_until
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 MAX_TOKENS = 1024  # ~20 s of decoding on the demo model: far longer than any bound below
 FREED_WITHIN_S = 5.0

@@ -12,7 +12,9 @@ import pytest
 
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 QUESTIONS = ("def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
              "The standard library's json module ",

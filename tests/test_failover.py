@@ -21,7 +21,9 @@ import httpx
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
 from tophatctl.demo_model.corpus import held_out_prompts
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 MAX_TOKENS = 40
 # A slow link keeps the generations in flight long enough to be cut in the middle.

@@ -19,7 +19,9 @@ from websockets.exceptions import InvalidStatus
 from shared import auth
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 MAX_TOKENS = 12
 DEVICE = "device-0"

@@ -10,7 +10,9 @@ import pytest
 import redis
 
 from tophatctl.demo_model.corpus import held_out_prompts
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
 

@@ -32,7 +32,9 @@ from websockets.asyncio.client import connect
 from shared import metrics, wire
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import CapturingRelay
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 MAX_TOKENS = 20
 MAX_DRAFT = 4

@@ -152,7 +152,8 @@ def test_start_logs_no_password(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_mesh_listing_hides_the_redis_password() -> None:
-    from tophatctl.launcher import Mesh, MeshConfig
+    from tophatctl.mesh import Mesh
+    from tophatctl.mesh_config import MeshConfig
 
     mesh = Mesh(MeshConfig(model_dir="demo"))
     mesh.redis_url = "redis://:s3cret-pw@127.0.0.1:6390/0"  # what start() takes from EmbeddedRedis.url

@@ -23,7 +23,9 @@ from shared.model.checkpoint import load_checkpoint
 from shared.runtime import encode_prompt
 from shared.specdec.device_session import SessionError
 from shared.specdec.reference import generate_full
-from tophatctl.launcher import Mesh, MeshConfig, MeshStartError, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig, MeshStartError
+from tophatctl.mesh_ports import find_port_base
 from tophatctl.models import resolve_model
 
 MAX_TOKENS = 24

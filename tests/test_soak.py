@@ -9,7 +9,9 @@ import pytest
 
 from loadgen.soak import SoakReport, mesh_processes, rss_kib, soak
 from tests.conftest import DEMO_MODEL_DIR
-from tophatctl.launcher import Mesh, MeshConfig, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig
+from tophatctl.mesh_ports import find_port_base
 
 SERVICES = {"state-monitor", "chunk-planner", "verifier-cloud", "device-agent-0", "token-streamer", "redis"}
 

@@ -265,7 +265,9 @@ def test_tophat_up_api_key_reaches_the_streamer_of_a_real_mesh(monkeypatch: pyte
 
     from tests.conftest import DEMO_MODEL_DIR
     from tophat import cli
-    from tophatctl.launcher import Mesh, MeshConfig, MeshStartError, find_port_base
+    from tophatctl.mesh import Mesh
+    from tophatctl.mesh_config import MeshConfig, MeshStartError
+    from tophatctl.mesh_ports import find_port_base
 
     seen: list[MeshConfig] = []
 
@@ -276,7 +278,7 @@ def test_tophat_up_api_key_reaches_the_streamer_of_a_real_mesh(monkeypatch: pyte
         def start(self) -> None:
             raise MeshStartError("not in this test")
 
-    monkeypatch.setattr("tophatctl.launcher.Mesh", NoMesh)
+    monkeypatch.setattr("tophatctl.mesh.Mesh", NoMesh)
     CliRunner().invoke(cli.app, ["up", "--model", str(DEMO_MODEL_DIR), "--api-key", KEY])
     assert seen and seen[0].api_key == KEY and KEY not in repr(seen[0])
     monkeypatch.undo()

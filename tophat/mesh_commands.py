@@ -1,4 +1,4 @@
-"""`tophat up | certs | mesh-secrets`: running the mesh on this machine (tophatctl/launcher.py) and
+"""`tophat up | certs | mesh-secrets`: running the mesh on this machine (tophatctl/mesh.py) and
 making what a deployment needs to run it securely (tophatctl/certs.py, tophatctl/mesh_secrets.py).
 The library is imported inside each command, so `tophat --help` does not load it."""
 
@@ -56,24 +56,25 @@ def up(
     import signal
     import threading
 
-    # looked up at call time (tests replace tophatctl.launcher.Mesh)
-    from tophatctl.launcher import Mesh, MeshConfig, MeshStartError
+    # looked up at call time (tests replace tophatctl.mesh.Mesh)
+    from tophatctl.mesh import Mesh
+    from tophatctl.mesh_config import MeshConfig, MeshStartError
     from tophatctl.models import resolve_model_or_exit
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = MeshConfig(model_dir=str(resolve_model_or_exit(model)), num_devices=devices, port_base=port_base,
-                        redis_url=redis_url, split_layers=split_layers, speculative=not no_speculation, adapter=adapter,
-                        link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
-                        device_env={"prompt_chunking": str(prompt_chunking).lower(),
-                                    **({} if parallel_drafting else {"parallel_candidates": "0"})},
-                        supervise=True, state_file=state_file, auth=auth,
-                        api_key=api_key, verifiers=verifiers, tls=tls, edge_pipeline=edge_pipeline, lan=lan,
-                        edge_plan=edge_plan, edge_plan_kind=edge_plan_kind, edge_draft_server=edge_draft_server)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    mesh = Mesh(config)
-    try:
+    try:  # a config no mesh can run is refused by MeshConfig itself, also a MeshStartError
+        config = MeshConfig(model_dir=str(resolve_model_or_exit(model)), num_devices=devices, port_base=port_base,
+                            redis_url=redis_url, split_layers=split_layers, speculative=not no_speculation, adapter=adapter,
+                            link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
+                            device_env={"prompt_chunking": str(prompt_chunking).lower(),
+                                        **({} if parallel_drafting else {"parallel_candidates": "0"})},
+                            supervise=True, state_file=state_file, auth=auth,
+                            api_key=api_key, verifiers=verifiers, tls=tls, edge_pipeline=edge_pipeline, lan=lan,
+                            edge_plan=edge_plan, edge_plan_kind=edge_plan_kind, edge_draft_server=edge_draft_server)
+        mesh = Mesh(config)
         mesh.start()
     except MeshStartError as exc:
         fail(str(exc))

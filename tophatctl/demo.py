@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 from tophatctl.chat_client import run_chat
-from tophatctl.launcher import Mesh, MeshConfig, MeshStartError, find_port_base
+from tophatctl.mesh import Mesh
+from tophatctl.mesh_config import MeshConfig, MeshStartError
+from tophatctl.mesh_ports import find_port_base
 from shared.model.checkpoint import ModelLoadError
 from tophatctl.models import DEFAULT_MODEL
 
