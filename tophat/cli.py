@@ -24,7 +24,9 @@ from tophatctl.profile import plan_command, profile_command
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Tophat: device-cloud collaborative LLM inference.")
 
 
-class Mode(str, Enum):
+class LocalDecoding(str, Enum):
+    """How `tophat generate` decodes in this one process (not a mesh mode: those are shared/modes.py's table)."""
+
     full = "full"  # the unsplit model, one token per pass
     ushape = "ushape"  # split, one token per cloud pass
     hat = "hat"  # split + speculative decoding with the draft adapter
@@ -45,7 +47,7 @@ def generate(
     prompt: Optional[str] = typer.Option(None, help="prompt text"),
     prompt_ids: Optional[str] = typer.Option(None, help="comma-separated token ids"),
     max_new_tokens: int = typer.Option(64),
-    mode: Mode = typer.Option(Mode.hat),
+    mode: LocalDecoding = typer.Option(LocalDecoding.hat),
     split_layers: int = typer.Option(2, "--split-layers", help="m: decoder layers on the device"),
     eta: float = typer.Option(0.6, help="drafting threshold (HAT eq. 5)"),
     max_draft: int = typer.Option(8, help="max draft tokens per round"),
@@ -73,10 +75,10 @@ def generate(
         checkpoint = load_checkpoint(resolve_model_or_exit(model))
         ids = encode_prompt(checkpoint, prompt, parse_ids(prompt_ids))
         params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
-        if mode is Mode.full:
+        if mode is LocalDecoding.full:
             result = generate_full(checkpoint, ids, max_new_tokens, params)
         else:
-            device = build_device_model(checkpoint, split_layers, adapter, speculative=mode is Mode.hat)
+            device = build_device_model(checkpoint, split_layers, adapter, speculative=mode is LocalDecoding.hat)
             session = DeviceSession(device, ids, params, DraftConfig(eta=eta, max_draft=max_draft), max_new_tokens)
             cloud = LocalCloud(MiddleSubmodel(checkpoint, split_layers))
             result = asyncio.run(run_generate(session, cloud, chunk_size=chunk_size))
