@@ -23,6 +23,7 @@ from services.token_streamer.outline import OutlineFlow, OutlineStream
 from services.token_streamer.run import Run
 from services.token_streamer.settings import Settings
 from shared.metrics import StreamerMetrics
+from shared.modes import KEPT_SESSIONS_MODE
 from shared.telemetry import TelemetryClient
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ def prompt_of(req: of.SamplingRequest) -> dict[str, Any]:
     """What the device is asked for: a completion's raw text, or a chat's turns (templated on the device)."""
     if isinstance(req, of.ChatRequest):
         return {"messages": req.turns}
+    assert isinstance(req, of.CompletionRequest)  # the two endpoints' requests are the only kinds
     return {"prompt": req.prompt_text}
 
 
@@ -82,7 +84,8 @@ class RequestStarter:
         body.update(options)
         outline_stats: dict[str, Any] | None = None
         stream: DeviceStream | DiscoStream | OutlineStream
-        if outline and (dispatch != "off" or options.get("mode", "hat") != "hat"):
+        # outlines fork kept sessions: only the table's keepable mode (a request without a mode gets the agent's, hat)
+        if outline and (dispatch != "off" or options.get("mode", KEPT_SESSIONS_MODE) != KEPT_SESSIONS_MODE):
             outline_stats = {"used": False, "reason": "dispatch" if dispatch != "off" else "mode", "points": 0}
         if dispatch == "off" and outline and outline_stats is None:
             stream, outline_stats = await self.outlines.open(body)
@@ -98,6 +101,7 @@ class RequestStarter:
             except BaseException:
                 await stream.aclose()
                 raise
+        assert stream.device is not None  # a DiscoStream's is set by start()
         log.debug("request %s -> %s", request_id, stream.device.url)
         run = Run(stream, req.stop_list, started, request_id, self.telemetry, self.metrics)
         if outline_stats is not None:
