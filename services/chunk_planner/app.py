@@ -122,18 +122,20 @@ class MonitorClient:
         await self.http.aclose()
 
     async def fetch(self, device_id: str) -> Telemetry:
-        cloud, device = await asyncio.gather(self._get("/state/cloud"), self._get(f"/state/device/{device_id}"),
-                                             return_exceptions=True)
-        for result in (cloud, device):
+        results = await asyncio.gather(self._get("/state/cloud"), self._get(f"/state/device/{device_id}"),
+                                       return_exceptions=True)
+        for result in results:
             if isinstance(result, _FetchFailed):
                 log.warning("state monitor %s: %s", self.http.base_url, result)
                 return Telemetry(failure=result.reason)
             if isinstance(result, BaseException):
                 raise result
+        cloud, device = results
+        assert not isinstance(cloud, BaseException) and not isinstance(device, BaseException)  # raised above
         if cloud is None:  # every state monitor serves /state/cloud: this is some other server
             log.warning("state monitor %s: GET /state/cloud -> 404", self.http.base_url)
             return Telemetry(failure="monitor-error")
-        return Telemetry(cloud=cloud, device=device)  # type: ignore[arg-type]
+        return Telemetry(cloud=cloud, device=device)
 
     async def fetch_edge_sd(self) -> tuple[EdgeTelemetry | None, str | None]:
         """Edge SD's measured passes and verdicts, or (None, reason) when they cannot be had."""
@@ -257,7 +259,8 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
     auth.install(app, settings.auth_secret, auth.ROLES)
 
     def for_caller(request: Request, device_id: str) -> None:
-        if not auth.may_act_for(auth.claims_of(request.scope), device_id):
+        # shared/auth.claims_of is annotated `dict` but only reads the ASGI scope (a MutableMapping)
+        if not auth.may_act_for(auth.claims_of(request.scope), device_id):  # type: ignore[arg-type]
             raise HTTPException(403, "a device credential may ask only for its own device id")
     app.state.ready = False
 

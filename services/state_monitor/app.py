@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 def _may_write(request: Request, device_ids: list[str | None]) -> None:
     """403 unless the caller may write for every one of `device_ids` (None: a verifier's or request record),
     before any of the batch is kept: a device writes only for itself, a service for anyone."""
-    claims = auth.claims_of(request.scope)
+    # shared/auth.claims_of is annotated `dict` but only reads the ASGI scope (a MutableMapping)
+    claims = auth.claims_of(request.scope)  # type: ignore[arg-type]
     for device_id in device_ids:
         if not auth.may_act_for(claims, device_id):
             log.info("refused a write for device %s by device %s", device_id, claims.subject if claims else None)
@@ -176,7 +177,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         keys = [tk.DISCO_PROMPT_TOKENS, tk.DISCO_SERVER_TTFT]
         lists = await sink.read_lists(keys, limit or settings.disco_history) if sink is not None else None
         if lists is None:
-            reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(url)}"
+            reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(sink.url)}"
             raise HTTPException(503, f"disco history lives in redis, which is {reason}")
         return {"prompt_tokens": _parsed(lists[0], int), "server_ttft_s": _parsed(lists[1], float), "source": "redis"}
 
@@ -197,7 +198,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         keys = list(EDGE_SD_KEYS.values())
         lists = await sink.read_lists(keys, settings.edge_sd_history) if sink is not None else None
         if lists is None:
-            reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(url)}"
+            reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(sink.url)}"
             raise HTTPException(503, f"edge-sd telemetry lives in redis, which is {reason}")
         return {name: _parsed_rows(values, width) for (name, width), values in zip(
             (("draft", 3), ("verify", 3), ("verdicts", 2)), lists)}

@@ -152,7 +152,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if include_usage:
                 yield of.sse(fmt.usage_chunk(run.usage()))
         except DeviceError as exc:
-            log.warning("request %s failed mid-stream on %s: %s %s", run.request_id, run.stream.device.url,
+            log.warning("request %s failed mid-stream on %s: %s %s", run.request_id, run.device.url,
                         exc.code, exc.message)
             yield of.sse(fmt.error_chunk(exc.status, exc.code, exc.message))
         yield of.DONE
@@ -167,7 +167,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             text = "".join([t async for t in run.deltas()])
         except DeviceError as exc:
-            log.warning("request %s failed on %s: %s", run.request_id, run.stream.device.url, exc.message)
+            log.warning("request %s failed on %s: %s", run.request_id, run.device.url, exc.message)
             return error_response(exc.status, exc.message, exc.code)
         finally:
             await run.close()

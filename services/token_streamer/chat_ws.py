@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
+from starlette.types import Message
 
 from services.token_streamer import openai_format as of
 from services.token_streamer.lifecycle import unless_gone
@@ -63,7 +64,7 @@ async def serve_chat_ws(ws: WebSocket, starter: RequestStarter, s: Settings) -> 
         finally:
             await run.close()
 
-    pending: deque[dict[str, Any]] = deque()  # what the client sent while a request was being answered
+    pending: deque[Message] = deque()  # what the client sent while a request was being answered
     try:
         while True:
             try:

@@ -92,11 +92,11 @@ class History:
         if not samples:
             return FALLBACK_TTFT_S
         n = len(samples)
-        mean_l = sum(l for l, _ in samples) / n
+        mean_l = sum(length for length, _ in samples) / n
         mean_t = sum(t for _, t in samples) / n
-        var = sum((l - mean_l) ** 2 for l, _ in samples)
-        k = sum((l - mean_l) * (t - mean_t) for l, t in samples) / var if var > 0 else 0.0
-        residuals = sorted(t - (mean_t + k * (l - mean_l)) for l, t in samples)
+        var = sum((length - mean_l) ** 2 for length, _ in samples)
+        k = sum((length - mean_l) * (t - mean_t) for length, t in samples) / var if var > 0 else 0.0
+        residuals = sorted(t - (mean_t + k * (length - mean_l)) for length, t in samples)
         spread = residuals[min(n - 1, int(quantile * n))]
         return max(0.0, mean_t + k * (tokens - mean_l) + spread)
 

@@ -33,8 +33,8 @@ from typing import Any
 from services.token_streamer.device_stream import DeviceStream
 from services.token_streamer.disco import DiscoController
 from services.token_streamer.dispatcher import Dispatcher
-from services.token_streamer.router import DeviceError
-from shared.disco.cost import CostLedger
+from services.token_streamer.router import DeviceError, DeviceState
+from shared.disco.cost import CostLedger, Endpoint
 from shared.disco.dispatch import Decision
 from shared.disco.migration import buffer_tokens, expected_remaining, migration_saving, migration_target
 
@@ -45,7 +45,7 @@ MAX_HANDOVER_ATTEMPTS = 3  # a hand-over called off is tried again with a bigger
 
 @dataclass(eq=False)
 class Leg:
-    endpoint: str  # device | cloud | hat
+    endpoint: Endpoint
     prefix: int  # tokens of the answer it continues (0: it starts the answer)
     started: float = field(default_factory=time.perf_counter)
     stream: DeviceStream | None = None
@@ -61,7 +61,9 @@ class DiscoStream:
         self.controller, self.dispatcher, self.body = controller, dispatcher, body
         self.dispatch, self.budget, self.reading_rate = dispatch, budget, reading_rate_tps
         self.prompt_chars = prompt_chars
-        self.server_endpoint = "hat" if dispatch == "hat" else "cloud" if dispatch == "cloud" else s.disco_server_endpoint
+        # Settings accept only cloud or hat for disco_server_endpoint.
+        configured: Endpoint = "hat" if s.disco_server_endpoint == "hat" else "cloud"
+        self.server_endpoint: Endpoint = "hat" if dispatch == "hat" else "cloud" if dispatch == "cloud" else configured
         self.may_migrate = dispatch == "disco" and migration
         self.idle_timeout_s = s.line_timeout_s + s.first_byte_timeout_s
         self.max_new = int(body["max_new_tokens"])
@@ -84,7 +86,7 @@ class DiscoStream:
         self.migrations: list[dict[str, Any]] = []
         self.server_ttft_s: float | None = None
         self.decision: Decision | None = None
-        self.device = None
+        self.device: DeviceState | None = None
         self.queue_wait_s = 0.0
         self.prompt_tokens: int | None = None
         self._timer: asyncio.Task | None = None
@@ -98,12 +100,12 @@ class DiscoStream:
         history = self.controller.history
         estimate = history.estimate_tokens(self.prompt_chars)
         self.decision = decision = self.controller.decide(self.dispatch, self.budget, estimate)
-        first = self.server_endpoint if decision.server else "device"
+        first: Endpoint = self.server_endpoint if decision.server else "device"
         leg = Leg(first, 0)
         stream = await self.dispatcher.open(self._leg_body(leg))
         self.device, self.queue_wait_s, self.prompt_tokens = stream.device, stream.queue_wait_s, stream.prompt_tokens
         history.learn_prompt(self.prompt_chars, self.prompt_tokens)
-        self.ledger = CostLedger(self.controller.settings.cost_model(self.device.speed_class or ""))
+        self.ledger = CostLedger(self.controller.settings.cost_model(stream.device.speed_class or ""))
         self._adopt(leg, stream)
         if decision.server and decision.device_delay_s is not None:
             if decision.device_delay_s <= 0:
@@ -136,6 +138,7 @@ class DiscoStream:
         leg.task = asyncio.create_task(self._open_and_read(leg), name=f"disco-open-{leg.endpoint}")
 
     async def _open_and_read(self, leg: Leg) -> None:
+        assert self.device is not None  # start() set it before any other leg is opened
         try:
             stream = await self.dispatcher.open_beside(self.device, self._leg_body(leg))
         except DeviceError as exc:
@@ -146,6 +149,7 @@ class DiscoStream:
         await self._read(leg)
 
     async def _read(self, leg: Leg) -> None:
+        assert leg.stream is not None  # set by _adopt / _open_and_read before reading
         try:
             async for event in leg.stream.events():
                 await self.inbox.put((leg, "event", event))
@@ -207,7 +211,7 @@ class DiscoStream:
 
     async def _handle(self, leg: Leg | None, kind: str, payload: Any) -> None:
         if kind == "device_due":
-            if self.active is None and not any(l.endpoint == "device" for l in self.legs):
+            if self.active is None and not any(other.endpoint == "device" for other in self.legs):
                 self._open(Leg("device", 0))
             return
         assert leg is not None
@@ -236,6 +240,7 @@ class DiscoStream:
         if leg.first_at is None:
             leg.first_at = now
             ttft = now - leg.started
+            assert leg.stream is not None  # only a leg being read produces tokens
             self.controller.history.leg_started(leg.endpoint == "device", leg.stream.prompt_tokens or 0, ttft)
             if leg.endpoint != "device" and leg.prefix == 0:
                 self.server_ttft_s = ttft
@@ -264,7 +269,7 @@ class DiscoStream:
     async def _on_failure(self, leg: Leg, exc: DeviceError) -> None:
         self._close(leg)
         if self.active is None:  # still racing: the others may win
-            if any(not l.closed for l in self.legs) or (self._timer is not None and not self._timer.done()):
+            if any(not other.closed for other in self.legs) or (self._timer is not None and not self._timer.done()):
                 if self._timer is not None and not self._timer.done() and leg.endpoint != "device":
                     self._timer.cancel()  # the server failed: do not make the device wait for it
                     self._open(Leg("device", 0))
@@ -291,7 +296,8 @@ class DiscoStream:
     # -- migration -----------------------------------------------------------------------------
     def _maybe_migrate(self) -> None:
         if (not self.may_migrate or self.pending is not None or self.finished is not None or self.active is None
-                or len(self.migrations) >= MAX_HANDOVER_ATTEMPTS or any("called_off" not in m for m in self.migrations)):
+                or len(self.migrations) >= MAX_HANDOVER_ATTEMPTS
+                or any("called_off" not in m for m in self.migrations)):
             return
         eos = getattr(self.device, "eos_token_id", None)
         if eos is not None and self.generated and self.generated[-1] == eos:
@@ -311,11 +317,12 @@ class DiscoStream:
         if sum(len(ids) for ids, _, _ in self.buffer) >= need:
             self._migrate(target, "cost", t_m, need)
 
-    def _migrate(self, target: str, reason: str, t_m: float, need: int) -> None:
+    def _migrate(self, target: Endpoint, reason: str, t_m: float, need: int) -> None:
         """Start the receiver from the answer so far. A lost source is replaced at once; a working one
         goes on until the receiver's first token (Fig. 4), its tokens kept aside, so that a receiver
         slower than the buffer can be called off instead of stalling delivery."""
         source = self.active
+        assert source is not None  # callers migrate only an active leg
         leg = Leg(target, len(self.generated))
         self.migrations.append({"from": source.endpoint, "to": target, "at_token": len(self.generated),
                                 "reason": reason, "buffered": sum(len(ids) for ids, _, _ in self.buffer),
@@ -332,6 +339,7 @@ class DiscoStream:
 
     def _complete_handover(self) -> None:
         """The receiver's first token: the source stops; what it made meanwhile is dropped (paid, never shown)."""
+        assert self.active is not None  # a hand-over starts only from an active leg
         self._close(self.active)
         self.active, self.pending, self.reserve = self.pending, None, []
 
@@ -340,6 +348,7 @@ class DiscoStream:
         migration = self.migrations[-1]
         migration["called_off"] = why
         self._slowest_handover_s = time.perf_counter() - migration["started"]
+        assert self.pending is not None and self.active is not None  # called only during a hand-over
         self._close(self.pending)
         self.pending = None
         for ids, text in self.reserve:

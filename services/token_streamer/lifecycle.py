@@ -25,8 +25,8 @@ async def client_gone(receive: Receive) -> None:
         pass
 
 
-async def unless_gone(work: Awaitable[None], receive: Callable[[], Awaitable[dict[str, Any]]],
-                      pending: deque[dict[str, Any]]) -> bool:
+async def unless_gone(work: Awaitable[None], receive: Callable[[], Awaitable[Message]],
+                      pending: deque[Message]) -> bool:
     """Run `work` while watching a WebSocket's receive channel; False (and `work` cancelled) when the client
     disconnects first. Messages that arrive meanwhile are kept in `pending`, in order, for after `work`."""
     async def gone() -> None:

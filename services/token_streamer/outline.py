@@ -77,7 +77,8 @@ class OutlineStream:
         self._body = body
         per_point = max(1, int(body.get("max_new_tokens") or 1) // len(points))  # the request's budget, shared
         self._points = [_Point(i, p) for i, p in enumerate(points, 1)]
-        self._bodies = [{**self._sampling(), "prompt": fmt.point_text(p.index, p.text, outline_ended_turn=outline_ended_turn),
+        self._bodies = [{**self._sampling(),
+                         "prompt": fmt.point_text(p.index, p.text, outline_ended_turn=outline_ended_turn),
                          "fork": outline_handle, "max_new_tokens": per_point,
                          "request_id": f"{body.get('request_id', 'outline')}-p{p.index}"} for p in self._points]
         self._running = 0

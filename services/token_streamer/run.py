@@ -15,7 +15,7 @@ from services.token_streamer import openai_format as of
 from services.token_streamer.device_stream import DeviceStream
 from services.token_streamer.disco_stream import DiscoStream
 from services.token_streamer.outline import OutlineStream
-from services.token_streamer.router import DeviceError
+from services.token_streamer.router import DeviceError, DeviceState
 from shared import latency_stats
 from shared.latency_stats import Timeline
 from shared.metrics import StreamerMetrics
@@ -38,6 +38,13 @@ class Run:
         self.device_stats: dict[str, Any] | None = None
         self.extra: dict[str, Any] = {}  # more of what happened, for the final stats (e.g. "outline")
         self._closed = False
+
+    @property
+    def device(self) -> DeviceState:
+        """The device the request runs on (a DiscoStream has one once started, before its Run exists)."""
+        device = self.stream.device
+        assert device is not None, "a Run is made only from a started stream"
+        return device
 
     async def deltas(self) -> AsyncIterator[str]:
         """Non-empty text deltas for the user; DeviceError if the device fails mid-way."""
@@ -103,7 +110,7 @@ class Run:
         accepts = self.accept_lengths
         mean_accept = stats.get("mean_accept_length", latency_stats.mean_accept_length(accepts))
         disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else {}
-        return {**disco, "device_id": self.stream.device.device_id, "queue_wait_s": self.stream.queue_wait_s,
+        return {**disco, "device_id": self.device.device_id, "queue_wait_s": self.stream.queue_wait_s,
                 "ttft_s": self.ttft_s, "tbt_s": latency_stats.mean_tbt_s(self.timeline),
                 "mean_accept_length": mean_accept, "num_rounds": stats.get("num_rounds", len(accepts)),
                 "prompt_tokens": self.stream.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -122,7 +129,7 @@ class Run:
         if self.metrics is not None:  # TTFT, ITL and e2e as the user saw them, from arrival here
             self.metrics.request_done(self.ttft_s, self.token_times_s, time.perf_counter() - self.started)
         disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else None
-        self.telemetry.emit_request(self.request_id, device_id=self.stream.device.device_id, ttft_s=self.ttft_s,
+        self.telemetry.emit_request(self.request_id, device_id=self.device.device_id, ttft_s=self.ttft_s,
                                     token_times_s=self.token_times_s, accept_lengths=self.accept_lengths,
                                     prompt_tokens=self.stream.prompt_tokens,
                                     **({} if disco is None else {

@@ -2,7 +2,7 @@
 
 Settings come from `TOPHAT_VERIFIER_*` environment variables; the few flags
 here override them (a flag is easier to type when trying pipeline depths).
-"""
+"""  # noqa: E501 - the first line is the CLI's --help description, kept whole
 
 from __future__ import annotations
 

@@ -38,17 +38,18 @@ def work_item(message: WorkMessage, reply: Reply) -> WorkItem:
     """The queued work a request frame asks for: a prefill appends at start_pos, a verify rolls back to
     commit_len and appends; token messages carry ids (the cloud embeds them) and always get the next token."""
     is_prefill = isinstance(message, (wire.PrefillChunk, wire.TokenPrefill))
-    is_token = isinstance(message, TOKEN_WORK)
     draft = streamed_chunk(message) if isinstance(message, wire.TokenDraft) else None
     return WorkItem(
         session_id=message.session_id,
         seq_no=message.seq_no,
         kind=WorkKind.PREFILL if is_prefill else WorkKind.VERIFY,
-        hidden=None if is_token else message.hidden,
-        position=message.start_pos if is_prefill or draft is not None else message.commit_len,
-        is_last=message.is_last if is_prefill and not is_token else True,
+        hidden=None if isinstance(message, TOKEN_WORK) else message.hidden,
+        # prefills and drafts append at start_pos; verifies and token steps roll back to commit_len first
+        position=(message.start_pos if isinstance(message, (wire.PrefillChunk, wire.TokenPrefill, wire.TokenDraft))
+                  else message.commit_len),
+        is_last=message.is_last if isinstance(message, wire.PrefillChunk) else True,
         reply=reply,
-        token_ids=torch.tensor(message.token_ids, dtype=torch.long) if is_token else None,
+        token_ids=torch.tensor(message.token_ids, dtype=torch.long) if isinstance(message, TOKEN_WORK) else None,
         draft=draft,
     )
 
@@ -69,19 +70,27 @@ def verdict_frame(session_id: int, seq_no: int, verdict: ChunkVerdict) -> wire.T
         token = verdict.token if payload is None else payload.token
         return wire.TokenVerdict(session_id, seq_no, verdict.epoch, verdict.num_accepted, rejected=payload is not None,
                                  stale=verdict.stale, token=token)
-    indices = tuple(payload.indices.tolist()) if payload.kind == "topk" else None
+    assert payload.values is not None  # "topk" and "full" payloads carry the target's row
+    indices = None
+    if payload.kind == "topk":
+        assert payload.indices is not None  # and "topk" its token ids
+        indices = tuple(payload.indices.tolist())
     return wire.TokenVerdict(session_id, seq_no, verdict.epoch, verdict.num_accepted, rejected=True,
                              vocab_size=payload.vocab_size, probs=payload.values.float().contiguous(), indices=indices)
 
 
-def reply_frame(item: WorkItem, out: torch.Tensor | None, error: EngineError | None) -> wire.Message:
-    """What the device gets for a finished item (out: deep states [S, H], or sampled ids [1] for token items)."""
+def reply_frame(item: WorkItem, out: torch.Tensor | ChunkVerdict | None, error: EngineError | None) -> wire.Message:
+    """What the device gets for a finished item (out: deep states [S, H], sampled ids [1] for token items,
+    or the verdict on a streamed draft)."""
     if error is not None:
         return to_wire(error, item.session_id, item.seq_no).to_frame()
     if item.draft is not None:
+        assert isinstance(out, ChunkVerdict)  # a streamed draft's result is its verdict
         return verdict_frame(item.session_id, item.seq_no, out)
     if item.is_token:
+        assert isinstance(out, torch.Tensor)  # token items always sample (is_last)
         return wire.TokenResult(item.session_id, item.seq_no, out.tolist())
+    assert isinstance(out, torch.Tensor)  # a hidden item's deep states
     if item.kind is WorkKind.VERIFY:
         return wire.VerifyResult(item.session_id, item.seq_no, out)
     if item.is_last:

@@ -34,9 +34,22 @@ from typing import Any
 
 from services.verifier_cloud.scheduler import SchedulerOutput
 from services.verifier_cloud.settings import Settings
-from services.verifier_cloud.stages import (STAGE_CODEC, Hello, MicroBatch, Probe, SessionsClosed, SessionsForked,
-                                            SessionsOpened, SessionsRolledBack, StageFailed, StageItem, StageSpec, Stop,
-                                            run_stage, to_numpy)
+from services.verifier_cloud.stages import (
+    STAGE_CODEC,
+    Hello,
+    MicroBatch,
+    Probe,
+    SessionsClosed,
+    SessionsForked,
+    SessionsOpened,
+    SessionsRolledBack,
+    StageFailed,
+    StageItem,
+    StageSpec,
+    Stop,
+    run_stage,
+    to_numpy,
+)
 from shared.model.placement import cuda_facts, plan_stage_devices
 from shared.model.split import SplitError, stage_ranges, validate_split
 from shared.stage_codec import StageLinkError
@@ -104,7 +117,9 @@ class StagePipeline:
         self.specs = specs
         self.num_stages = len(specs)
         self.start_timeout_s, self.stage_timeout_s = start_timeout_s, stage_timeout_s
-        self.on_done, self.on_fail = on_done, on_fail  # set by whoever feeds the pipeline (engine.py)
+        # set by whoever feeds the pipeline (engine.py)
+        self.on_done: DoneCallback | None = on_done
+        self.on_fail: FailCallback | None = on_fail
         self.slots = asyncio.Semaphore(self.num_stages)
         self.in_flight: dict[int, tuple[SchedulerOutput, float]] = {}  # batch_id -> (batch, sent_at)
         self.max_in_flight_seen = 0
@@ -157,7 +172,8 @@ class StagePipeline:
         except StageLinkError as exc:
             raise await self._abort(f"wiring the stage hops failed: {self._dead_worker() or exc}") from None
         self.sender = LinkSender(first, STAGE_CODEC, self.specs[0].in_link, "hop 0 (into stage 0)")
-        self.receiver = LinkReceiver(last, STAGE_CODEC, f"hop {self.num_stages} (back from stage {self.num_stages - 1})")
+        self.receiver = LinkReceiver(last, STAGE_CODEC,
+                                     f"hop {self.num_stages} (back from stage {self.num_stages - 1})")
         self.sender.put(Hello())
         while True:
             message = await asyncio.to_thread(self._poll)
@@ -254,10 +270,13 @@ class StagePipeline:
         if any(item.is_token for item in batch.items):  # Settings refuse full_model with P > 1; never silently
             raise RuntimeError("token-mode items cannot run through pipeline stages")
         batch_id = next(self._ids)
-        items = [StageItem(i.session_id, i.seq_no, i.kind, i.position, i.num_tokens, to_numpy(i.hidden))
-                 for i in batch.items]
+        items: list[StageItem] = []
+        for i in batch.items:
+            assert i.hidden is not None  # not a token item (refused above): it carries hidden states
+            items.append(StageItem(i.session_id, i.seq_no, i.kind, i.position, i.num_tokens, to_numpy(i.hidden)))
         self.in_flight[batch_id] = (batch, time.monotonic())
         self.max_in_flight_seen = max(self.max_in_flight_seen, len(self.in_flight))
+        assert self.sender is not None  # hop 0 exists once started: the engine feeds only a started pipeline
         try:
             self.sender.put(MicroBatch(batch_id, items))
         except StageLinkError:
@@ -288,6 +307,7 @@ class StagePipeline:
         probe_id = next(self._ids)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._probes[probe_id] = future
+        assert self.sender is not None  # healthy: started, so hop 0 exists
         self.sender.put(Probe(probe_id))
         try:
             async with asyncio.timeout(timeout_s):
@@ -297,6 +317,7 @@ class StagePipeline:
 
     def _send(self, message: Any) -> None:
         """A control message into stage 0; a broken hop is left to the collector, which fails the pipeline."""
+        assert self.sender is not None  # callers send only while healthy: started, so hop 0 exists
         try:
             self.sender.put(message)
         except StageLinkError as exc:
@@ -374,6 +395,7 @@ class StagePipeline:
         step = PipelineStep(message.batch_id, sum(i.num_tokens for i in message.items if i.error is None),
                             message.spans, sent_at, time.monotonic())
         self.recent.append(step)
+        assert self.on_done is not None  # set by the engine before the pipeline runs
         self.on_done(batch, message.items, step)
 
     async def fail(self, reason: str) -> None:
@@ -385,6 +407,7 @@ class StagePipeline:
         in_flight, self.in_flight = list(self.in_flight.values()), {}
         for batch, _ in in_flight:
             self.release_slot()
+            assert self.on_fail is not None  # set by the engine before anything is in flight
             self.on_fail(batch, reason)
         for future in self._probes.values():
             if not future.done():

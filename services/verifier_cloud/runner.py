@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,9 +106,11 @@ class ModelRunner:
     # -- sessions (any thread) ----------------------------------------------------------------
     def open(self, session_id: int, sampling: SamplingParams | None = None) -> None:
         """Fresh caches for `session_id` (replacing any it had); `sampling` makes it a token session."""
-        if sampling is not None and self.token_model is None:
-            raise EngineError(ErrorKind.MALFORMED, "token mode needs the token model", session_id)
-        token = self.token_model.open(sampling) if sampling is not None else None
+        token = None
+        if sampling is not None:
+            if self.token_model is None:
+                raise EngineError(ErrorKind.MALFORMED, "token mode needs the token model", session_id)
+            token = self.token_model.open(sampling)
         self._release(session_id, SessionCaches(self.layers.new_cache(), token))
 
     def fork(self, session_id: int, parent_id: int, length: int | None = None) -> None:
@@ -165,7 +167,7 @@ class ModelRunner:
             entries = [self.sessions.get(item.session_id) for item in items]
         try:
             results: list[ItemResult | None] = [None] * len(items)
-            runnable: list[int] = []
+            runnable: dict[int, SessionCaches] = {}  # item index -> its caches, in item order
             for i, (item, caches) in enumerate(zip(items, entries)):
                 if (item.draft is not None and caches is not None and caches.token is not None
                         and caches.token.stream.is_stale(item.draft.chunk)):
@@ -176,12 +178,15 @@ class ModelRunner:
                 if error is not None:
                     results[i] = ItemResult(None, error)
                     continue
+                assert caches is not None  # _refusal refuses an unknown session
                 if item.kind is WorkKind.VERIFY:
                     caches.truncate(item.position)  # roll back rejected draft positions before appending
-                runnable.append(i)
+                runnable[i] = caches
             if runnable:
-                self._run_isolated(items, entries, runnable, results)
-            return results
+                self._run_isolated(items, runnable, list(runnable), results)
+            done = [result for result in results if result is not None]
+            assert len(done) == len(items)  # every item was stale, refused or run
+            return done
         finally:
             with self._lock:
                 self._running = False
@@ -195,13 +200,14 @@ class ModelRunner:
         if item.is_token != (caches.token is not None):
             return EngineError(ErrorKind.MALFORMED, "token items need a token session, and only take token items")
         if item.draft is not None:
+            assert caches.token is not None  # a draft rides on a token item, matched to a token session above
             try:
                 caches.token.stream.check(item.draft.chunk)
             except StreamProtocolError as exc:
                 return EngineError(ErrorKind.MALFORMED, str(exc))
         return check_item(item.kind, item.position, item.num_tokens, caches.length, self.context_length)
 
-    def _run_isolated(self, items: Sequence[RunItem], entries: Sequence[SessionCaches], group: list[int],
+    def _run_isolated(self, items: Sequence[RunItem], entries: Mapping[int, SessionCaches], group: list[int],
                       results: list[ItemResult | None]) -> None:
         """One packed pass over `group`; if it raises, restore and retry in halves down to the failing item."""
         marks = [entries[i].mark() for i in group]
@@ -224,29 +230,49 @@ class ModelRunner:
         for i, output in zip(group, outputs):
             results[i] = ItemResult(output)
 
-    def _forward(self, items: Sequence[RunItem], entries: Sequence[SessionCaches]) -> list[torch.Tensor | None]:
+    def _forward(self, items: Sequence[RunItem],
+                 entries: Sequence[SessionCaches]) -> list[torch.Tensor | ChunkVerdict | None]:
         """Token items through embeddings + layers [0, m), then everything through one packed pass of
         this layer range, then token items through the head: deep states on the CPU, or sampled ids [1]."""
         # Received states keep their wire dtype until here: now the layers' device and compute dtype.
         device, dtype = self.layers.device, self.layers.dtype
-        inputs: list[torch.Tensor | None] = [None if item.is_token else item.hidden.to(device=device, dtype=dtype)
-                                             for item in items]
+        assert isinstance(dtype, torch.dtype)  # the checkpoint's dtype (LayerRange.dtype, an untyped nn.Module attr)
+        inputs: list[torch.Tensor | None] = []
+        for item in items:
+            if item.is_token:
+                inputs.append(None)
+            else:
+                assert item.hidden is not None  # a hidden-state item carries its states
+                inputs.append(item.hidden.to(device=device, dtype=dtype))
         token_rows = [i for i, item in enumerate(items) if item.is_token]
+        token_model = self.token_model
+        tokens: dict[int, TokenSession] = {}  # row -> its token session (_refusal matched token items to them)
         if token_rows:
-            if self.token_model is None:  # _refusal keeps token items off a runner without one
+            if token_model is None:  # _refusal keeps token items off a runner without one
                 raise RuntimeError("token item without a token model")
-            shallow = self.token_model.shallow([(entries[i].token.lower, items[i].token_ids) for i in token_rows])
+            shallow_in: list[tuple[SessionKV, torch.Tensor]] = []
+            for i in token_rows:
+                token, token_ids = entries[i].token, items[i].token_ids
+                assert token is not None and token_ids is not None  # a token item on a token session
+                tokens[i] = token
+                shallow_in.append((token.lower, token_ids))
+            shallow = token_model.shallow(shallow_in)
             for i, states in zip(token_rows, shallow):
                 inputs[i] = states  # [S_i, H]
-        outputs: list[torch.Tensor | None] = list(
-            self.layers.forward_batch([(caches.middle, x) for caches, x in zip(entries, inputs)]))
+        ready = [x for x in inputs if x is not None]
+        assert len(ready) == len(inputs)  # every token row got its shallow states
+        deep = self.layers.forward_batch([(caches.middle, x) for caches, x in zip(entries, ready)])
+        outputs: list[torch.Tensor | ChunkVerdict | None] = list(deep)
         for i in token_rows:
-            if items[i].draft is not None:
-                outputs[i] = self.token_model.verify_chunk(entries[i].token, outputs[i], items[i].draft)
-                if outputs[i].rejected:  # the rejected draft and everything after it leave the KV now
-                    entries[i].truncate(items[i].position + items[i].draft.chunk.num_final + outputs[i].num_accepted)
+            assert token_model is not None  # checked above: token rows need it
+            draft = items[i].draft
+            if draft is not None:
+                verdict = token_model.verify_chunk(tokens[i], deep[i], draft)
+                outputs[i] = verdict
+                if verdict.rejected:  # the rejected draft and everything after it leave the KV now
+                    entries[i].truncate(items[i].position + draft.chunk.num_final + verdict.num_accepted)
             else:
-                outputs[i] = (torch.tensor([self.token_model.next_token(entries[i].token, outputs[i][-1:])])
+                outputs[i] = (torch.tensor([token_model.next_token(tokens[i], deep[i][-1:])])
                               if items[i].is_last else None)
         # Replies go back to the CPU for encoding; on a GPU this copy also waits for the pass to finish,
         # so whoever times run() measures the compute, not the kernel launches.

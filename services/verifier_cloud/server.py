@@ -31,7 +31,7 @@ import time
 from collections import deque
 
 import torch
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
@@ -55,6 +55,7 @@ from shared.model.checkpoint import split_fingerprint
 from shared.model.rotation import rotated_fingerprint
 from shared.model.split import MiddleSubmodel
 from shared.settings import SettingsError
+from shared.specdec.draft_stream import ChunkVerdict
 from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
 from shared.tls import client_context, server_context
@@ -94,6 +95,7 @@ class VerifierServer:
         self.pipeline: StagePipeline | None = None  # P > 1: the stage workers, each with its own runner
         self.engine: InProcessEngine | PipelineEngine
         if stages is None:
+            assert middle is not None  # exactly one of middle / stages, checked above
             self.runner = ModelRunner(middle, context_length, token_model)
             self.engine = InProcessEngine(self.scheduler, self.runner, self._record_step)
         else:
@@ -216,9 +218,12 @@ class VerifierServer:
                                      message.session_id, message.seq_no)
             self.sessions.submit(work_item(message, self._replier(connection)), connection)
             if self.capture is not None:  # only what was accepted as work: a refused frame raised above
-                prefill = isinstance(message, wire.PrefillChunk)
-                self.capture.record(message.session_id, message.seq_no, "prefill" if prefill else "verify",
-                                    message.start_pos if prefill else message.commit_len, message.hidden)
+                if isinstance(message, wire.PrefillChunk):
+                    self.capture.record(message.session_id, message.seq_no, "prefill", message.start_pos,
+                                        message.hidden)
+                else:
+                    self.capture.record(message.session_id, message.seq_no, "verify", message.commit_len,
+                                        message.hidden)
             return None
         raise wire.WireError(wire.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not accepted by the verifier",
                              getattr(message, "session_id", None), getattr(message, "seq_no", None))
@@ -272,7 +277,7 @@ class VerifierServer:
 
     def _replier(self, connection: ServerConnection) -> Reply:
         """The reply callback of a work item from `connection`: its result as a frame, in the session's dtype."""
-        def reply(item: WorkItem, out: torch.Tensor | None, error: EngineError | None) -> None:
+        def reply(item: WorkItem, out: torch.Tensor | ChunkVerdict | None, error: EngineError | None) -> None:
             session = self.scheduler.sessions.get(item.session_id)
             dtype = session.wire_dtype if session is not None and session.wire_dtype is not None else wire.WireDtype.F16
             self._send_soon(connection, reply_frame(item, out, error), dtype)
@@ -350,12 +355,12 @@ class VerifierServer:
         async with serve(self.handle, self.settings.host, self.settings.port, process_request=self.http.process_request,
                          max_size=self.settings.max_frame_bytes, compression=None, ping_interval=20,
                          ping_timeout=20, ssl=tls) as server:
-            server: Server
             async with asyncio.TaskGroup() as tasks:
                 engine = tasks.create_task(self.engine.run())
                 sweeper = tasks.create_task(self.close_idle_sessions())
+                # a pipeline (P > 1) comes with a PipelineEngine (__init__)
                 collector = (tasks.create_task(self.engine.supervise(self._sessions_lost))
-                             if self.pipeline is not None else None)
+                             if isinstance(self.engine, PipelineEngine) else None)
                 self.ready = True
                 port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
                 log.info("verifier-cloud ready on %s://%s:%d%s (%d pipeline stage(s), token mode %s, server chunks %s)",

@@ -32,7 +32,7 @@ class SessionTable:
         self.runner = runner
         self.pipeline = pipeline
         # Whom each connection's sessions count toward: its device token's subject, kept at the handshake
-        self.device_of: weakref.WeakKeyDictionary[ServerConnection, str] = weakref.WeakKeyDictionary()
+        self.device_of: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
 
     def get(self, session_id: int, connection: ServerConnection, seq_no: int | None = None) -> Session:
         try:
@@ -40,7 +40,7 @@ class SessionTable:
         except EngineError as exc:
             raise to_wire(exc) from None
 
-    def device(self, connection: ServerConnection) -> object:
+    def device(self, connection: object) -> object:
         """Whom a connection's sessions count toward: its token's device id; with auth off, itself."""
         return self.device_of.get(connection, connection)
 
@@ -62,10 +62,12 @@ class SessionTable:
                 self.runner.fork(session.session_id, *fork_of)
             elif self.runner is not None:
                 self.runner.open(session.session_id, session.sampling)
-            elif fork_of is not None:
-                self.pipeline.fork_session(session.session_id, *fork_of)
             else:
-                self.pipeline.open_session(session.session_id)
+                assert self.pipeline is not None  # without a runner the KV lives in the pipeline's stages
+                if fork_of is not None:
+                    self.pipeline.fork_session(session.session_id, *fork_of)
+                else:
+                    self.pipeline.open_session(session.session_id)
         except Exception as exc:  # noqa: BLE001 - whatever refused it, no half-open session stays behind
             if self.scheduler.sessions.get(session.session_id) is session:  # the runner refused or failed it
                 self.scheduler.close(session.session_id)
@@ -80,6 +82,7 @@ class SessionTable:
         if self.runner is not None:
             self.runner.close(session_id)  # deferred by the runner while a pass is using the caches
         else:
+            assert self.pipeline is not None  # without a runner the KV lives in the pipeline's stages
             self.pipeline.close_session(session_id)
 
     def close_owned_by(self, connection: ServerConnection) -> list[int]:

@@ -155,7 +155,8 @@ LINK_TIMEOUT_S = 60.0  # a worker's bound on wiring its hops at startup (the par
 # -- the stage itself (pure, testable in-process) ------------------------------------------
 
 class StageWorker:
-    """A stage's ModelRunner (its layer range, its sessions' KV); turns each incoming message into the one to forward."""
+    """A stage's ModelRunner (its layer range, its sessions' KV); turns each incoming message into the one
+    to forward."""
 
     def __init__(self, index: int, layers: LayerRange, context_length: int, slowdown: float = 1.0):
         self.index = index
@@ -195,12 +196,17 @@ class StageWorker:
                 item.error = (int(ErrorKind.MALFORMED), f"stage {self.index}: an item without hidden states")
         live = [item for item in batch.items if item.error is None]
         dtype = self.runner.layers.dtype
-        results = self.runner.run([RunItem(item.session_id, item.kind, item.position, from_numpy(item.hidden, dtype))
-                                   for item in live])
+        assert isinstance(dtype, torch.dtype)  # the checkpoint's dtype (LayerRange.dtype, an untyped nn.Module attr)
+        run_items: list[RunItem] = []
+        for item in live:
+            assert item.hidden is not None  # an item without states got its error above
+            run_items.append(RunItem(item.session_id, item.kind, item.position, from_numpy(item.hidden, dtype)))
+        results = self.runner.run(run_items)
         for item, result in zip(live, results):
             if result.error is not None:
                 item.error, item.hidden = (int(result.error.kind), f"stage {self.index}: {result.error.message}"), None
             else:
+                assert isinstance(result.output, torch.Tensor)  # a hidden-state item's deep states
                 item.hidden = to_numpy(result.output)
         time.sleep(self.speed.extra_s(time.monotonic() - started))  # an emulated slower device: its span grows too
         batch.spans.append((self.index, started, time.monotonic()))

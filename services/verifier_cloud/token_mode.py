@@ -28,6 +28,7 @@ from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange, OutputSubmodel, validate_split
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamVerifier
 from shared.specdec.sampling import SamplingParams, logits_to_probs, sample
+from shared.specdec.separate_rejection import Downlink
 from shared.wire import ErrorCode, WireError
 
 log = logging.getLogger("services.verifier_cloud.token_mode")
@@ -53,7 +54,9 @@ class TokenModel:
 
     def __init__(self, checkpoint: Checkpoint, split_layers: int):
         validate_split(checkpoint.num_layers, split_layers)
-        self.embed_tokens = checkpoint.model.model.embed_tokens
+        embed_tokens = checkpoint.model.get_submodule("model.embed_tokens")
+        assert isinstance(embed_tokens, torch.nn.Embedding), "a *ForCausalLM's .model.embed_tokens is an Embedding"
+        self.embed_tokens = embed_tokens
         self.lower = LayerRange(checkpoint, 0, split_layers)
         self.output = OutputSubmodel(checkpoint)
         self.vocab_size: int = self.embed_tokens.num_embeddings
@@ -99,6 +102,6 @@ class TokenModel:
     def verify_chunk(self, session: TokenSession, deep: torch.Tensor, streamed: StreamedChunk) -> ChunkVerdict:
         """The verdict on a streamed draft chunk from the deep states of its tokens [n, H]."""
         p_rows = logits_to_probs(self.output(deep), session.params)  # [n, V]
-        downlink = "full" if streamed.top_k == 0 else "topk"
+        downlink: Downlink = "full" if streamed.top_k == 0 else "topk"
         return session.stream.verify(streamed.chunk, p_rows.cpu(), session.generator,
                                      greedy=session.params.is_greedy, downlink=downlink, top_k=max(1, streamed.top_k))

@@ -9,13 +9,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.verifier_cloud.work import EngineError, TokenItem, WorkKind
+from shared.specdec.draft_stream import ChunkVerdict
 
-# (item, output, error) -> None. Output: deep states [S, H]; for token items, the sampled ids [1] (or None).
-Reply = Callable[["WorkItem", torch.Tensor | None, EngineError | None], None]
+if TYPE_CHECKING:  # token_mode loads the model code; this module stays below it
+    from services.verifier_cloud.token_mode import StreamedChunk
+
+# (item, output, error) -> None. Output: deep states [S, H]; for token items, the sampled ids [1] (or None),
+# or the verdict on a streamed draft chunk.
+Reply = Callable[["WorkItem", torch.Tensor | ChunkVerdict | None, EngineError | None], None]
 
 
 @dataclass(eq=False)
@@ -29,7 +35,7 @@ class WorkItem(TokenItem):
     reply: Reply | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
     token_ids: torch.Tensor | None = None  # [S] int64: token mode (the cloud embeds them itself)
-    draft: object | None = None  # a streamed draft chunk to verify (token_mode.StreamedChunk); never split
+    draft: StreamedChunk | None = None  # a streamed draft chunk to verify; never split
 
     def __post_init__(self) -> None:
         self.kind = WorkKind(self.kind)
