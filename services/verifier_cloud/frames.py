@@ -89,7 +89,7 @@ def reply_frame(item: WorkItem, out: torch.Tensor | ChunkVerdict | None, error: 
         return verdict_frame(item.session_id, item.seq_no, out)
     if item.is_token:
         assert isinstance(out, torch.Tensor)  # token items always sample (is_last)
-        return wire.TokenResult(item.session_id, item.seq_no, out.tolist())
+        return wire.TokenResult(item.session_id, item.seq_no, tuple(out.tolist()))  # the wire keeps a tuple
     assert isinstance(out, torch.Tensor)  # a hidden item's deep states
     if item.kind is WorkKind.VERIFY:
         return wire.VerifyResult(item.session_id, item.seq_no, out)
