@@ -67,7 +67,7 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         torch.set_num_threads(settings.torch_threads)
-        state["agent"] = agent or await asyncio.to_thread(DeviceAgent, settings)
+        state["agent"] = agent if agent is not None else await asyncio.to_thread(DeviceAgent, settings)
         log.info("device agent %s ready (model %s, m=%d, speculative=%s, mode %s)", settings.device_id,
                  settings.model_dir, settings.split_layers, settings.speculative, settings.mode)
         probes = [asyncio.create_task(state["agent"].readiness_loop(), name="verifier-readiness"),

@@ -191,10 +191,13 @@ class WebSocketCloud:
             self.not_ready_reason = f"the connection to the verifier at {self.url} closed"
             log.info("connection to verifier %s closed", self.url)
 
-    async def _deliver_frame(self, frame: bytes) -> None:
+    async def _deliver_frame(self, frame: bytes | str) -> None:
         received = time.perf_counter()
         if self.on_frame is not None:
             self.on_frame("down", len(frame))
+        if isinstance(frame, str):  # a text frame: the verifier sends binary ones only (wire.decode refuses it)
+            log.warning("undecodable frame from the verifier: MALFORMED: frame must be bytes, got str")
+            return
         try:
             message = wire.decode(frame, max_frame_bytes=self.max_frame_bytes)
         except wire.WireError as exc:
@@ -204,9 +207,11 @@ class WebSocketCloud:
 
     def _deliver(self, message: wire.Message, nbytes: int, received: float) -> None:
         seq_no = getattr(message, "seq_no", None)
-        key = (getattr(message, "session_id", None), _SESSION_SEQ if seq_no is None else seq_no)
-        future = self._waiting.pop(key, None)
-        if future is None and isinstance(message, wire.ErrorFrame):
+        session_id = getattr(message, "session_id", None)
+        key = (session_id, _SESSION_SEQ if seq_no is None else seq_no)
+        # nothing waits under a None session id: every request is sent under its session's (`_send`)
+        future = self._waiting.pop((session_id, key[1]), None) if session_id is not None else None
+        if future is None and isinstance(message, wire.ErrorFrame) and message.session_id is not None:
             # An error about a session-level request, or one we cannot place.
             future = self._waiting.pop((message.session_id, _SESSION_SEQ), None)
         if future is None:
@@ -321,7 +326,7 @@ class WebSocketCloud:
     async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor:
         seq_no = next(self._seq)
         reply = await self._request(wire.VerifyRequest(session_id, seq_no, commit_len, shallow), (session_id, seq_no))
-        return reply.hidden.float()  # [k+1, H]
+        return _deep_hidden(reply)  # [k+1, H]
 
     async def send_verify(self, session_id: int, commit_len: int, shallow: torch.Tensor):
         """`verify` returning once the frame is sent: pipelined chunks go up in order, answers come later."""
@@ -331,7 +336,7 @@ class WebSocketCloud:
 
         async def answer() -> torch.Tensor:
             reply = await self._wait(future, key)
-            return reply.hidden.float()  # [n, H]
+            return _deep_hidden(reply)  # [n, H]
 
         return asyncio.ensure_future(answer())
 
@@ -381,3 +386,9 @@ class WebSocketCloud:
 
         return asyncio.ensure_future(answer())
 
+
+def _deep_hidden(reply: wire.Message) -> torch.Tensor:
+    """A verify's answer: its deep hidden states; any other message answering it is malformed."""
+    if not isinstance(reply, wire.VerifyResult):
+        raise CloudError(wire.ErrorCode.MALFORMED, f"expected a VerifyResult, got {type(reply).__name__}")
+    return reply.hidden.float()

@@ -28,15 +28,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TypeGuard
 
 import httpx
 
 from services.device_agent.cloud_errors import CloudError, CloudUnavailable
-from shared.edge_sd.draft_batch import draft_batch, prefill_batch
-from shared.edge_sd.bandwidth import embedding_bits_per_token
-from shared.edge_sd.plan import EdgeTask, EdgeTelemetry, PlanDefaults, PlanRequest, plan_round
-from shared.edge_sd.batching import InfeasibleBatchingError
 from shared.device_speed import slowed, speed_schedule
+from shared.edge_sd.bandwidth import embedding_bits_per_token
+from shared.edge_sd.batching import InfeasibleBatchingError
+from shared.edge_sd.draft_batch import draft_batch, prefill_batch
+from shared.edge_sd.plan import EdgeTask, EdgeTelemetry, PlanDefaults, PlanRequest, plan_round
 from shared.edge_sd.runtime import ModelShape, split_model_shapes
 from shared.specdec.device_session import SessionError
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
@@ -305,7 +306,7 @@ class EdgeDraftServer:
             sample = {"node": self.node, "draft": [list(s) for s in draft[-64:]],
                       "verify": [list(s) for s in verify[-64:]],
                       "verdicts": [list(v) for v in self.telemetry.verdicts[-256:]]}
-            task = asyncio.ensure_future(self._post_telemetry(sample))
+            task = asyncio.ensure_future(self._post_telemetry(self.http, sample))
             self._posts.add(task)
             task.add_done_callback(self._posts.discard)
 
@@ -324,9 +325,9 @@ class EdgeDraftServer:
             return self.target_shape.prefill_flops(max(1, round(entry["context"])))
         return self.target_shape.forward_flops(1 + record.plan["spec_len"], entry["context"])
 
-    async def _post_telemetry(self, sample: dict) -> None:
+    async def _post_telemetry(self, http: httpx.AsyncClient, sample: dict) -> None:
         try:
-            response = await self.http.post(f"{self.monitor_url}/edge-sd/telemetry", json=sample,
+            response = await http.post(f"{self.monitor_url}/edge-sd/telemetry", json=sample,
                                             timeout=self.timeout_s)
             response.raise_for_status()
         except httpx.HTTPError as exc:
@@ -344,7 +345,8 @@ def edge_draft_server(settings, checkpoint, cloud, http: httpx.AsyncClient) -> E
                                                    checkpoint.config.intermediate_size, settings.split_layers)
     edge = EdgeConfig(window_s=settings.edge_window_s, max_tasks=settings.edge_max_tasks,
                       memory_budget_bytes=settings.edge_memory_budget_bytes,
-                      bandwidth_hz=settings.edge_bandwidth_mhz * 1e6, bandwidth=settings.edge_bandwidth, batching=settings.edge_batching,
+                      bandwidth_hz=settings.edge_bandwidth_mhz * 1e6, bandwidth=settings.edge_bandwidth,
+                      batching=settings.edge_batching,
                       spec_len=settings.edge_spec_len or None, pipeline=settings.edge_pipeline,
                       downlink=settings.downlink, top_k=settings.top_k)
     # The SBS's own speed (the paper's SBS GPU is far slower per FLOP than the MBS's, Table II's c1): its
@@ -362,7 +364,7 @@ def _json_or_none(response: httpx.Response) -> object:
         return None
 
 
-def plan_fits(plan: object, tasks: int) -> bool:
+def plan_fits(plan: object, tasks: int) -> TypeGuard[dict]:
     """A plan this server can run: every task in exactly one batch, l >= 1, an upload time per task."""
     if not isinstance(plan, dict):
         return False

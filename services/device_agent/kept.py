@@ -218,5 +218,6 @@ async def prefill_only(session: KeepableSession, cloud: SessionCloud, session_id
         session.prefilled = True
     finally:
         await release_session(cloud, session_id, session, offload_step.last)
+    tokens: list[int]
     for tokens in ():  # an async generator, like the other rounds, that yields nothing
         yield tokens

@@ -68,23 +68,31 @@ async def hat_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int]
     chunking = request.option("prompt_chunking", settings)
     plan = await agent.plan() if (chunking and not request.chunk_size) or pd_candidates else None
     new_tokens = len(ids) - session.commit_len  # a fork's caches already hold the kept prefix
-    chunk_size = (request.chunk_size or plan.chunk_for(new_tokens)) if chunking else None
+    chunk_size = request.chunk_size if chunking else None
+    if chunking and not chunk_size:
+        assert plan is not None  # fetched above: chunking without the request's own chunk size
+        chunk_size = plan.chunk_for(new_tokens)
     chunks = (agent.edge_plan.chunk_sizes(new_tokens) if chunking and agent.edge_plan and not request.chunk_size
               else fixed_chunks(new_tokens, chunk_size))
-    keepable = isinstance(session, KeepableSession)
-    cloud = SessionCloud(agent.sessions_cloud, session) if keepable else agent.sessions_cloud
+    keepable = session if isinstance(session, KeepableSession) else None
+    cloud = SessionCloud(agent.sessions_cloud, keepable) if keepable is not None else agent.sessions_cloud
     # PD steps: the request's or the agent's fixed count, else eq. 6 per round for the rows it sends.
-    pd_steps = (request.parallel_steps or settings.parallel_steps or plan.steps_for) if pd_candidates else 0
+    pd_steps: int | Callable[[int], int] = 0
+    if pd_candidates:
+        pd_steps = request.parallel_steps or settings.parallel_steps or 0
+        if not pd_steps:
+            assert plan is not None  # fetched above whenever there are parallel candidates
+            pd_steps = plan.steps_for
     offload = partial(slowed, slowdown=slowdown)
-    if keepable and session.prefill_only:
-        rounds = prefill_only(session, cloud, session_id, chunks, offload, request.option("overlap_prefill", settings))
+    if keepable is not None and keepable.prefill_only:
+        rounds = prefill_only(keepable, cloud, session_id, chunks, offload, request.option("overlap_prefill", settings))
     else:
         rounds = run_session(session, cloud, session_id, chunks, offload=offload,
                              overlap_prefill=request.option("overlap_prefill", settings),
                              parallel_candidates=pd_candidates, parallel_steps=pd_steps,
                              finish_alone_on=verifier_lost if settings.on_cloud_loss == "finish_on_device" else None)
-    if keepable and request.keep:
-        session.on_keep = partial(_keep, agent, session_id)
+    if keepable is not None and request.keep:
+        keepable.on_keep = partial(_keep, agent, session_id)
     async for tokens in rounds:
         yield tokens
 
@@ -111,7 +119,10 @@ async def hat_async_rounds(agent: AgentParts, request: GenerateRequest, ids: lis
     settings = agent.settings
     chunking = request.option("prompt_chunking", settings)
     plan = await agent.plan() if chunking and not request.chunk_size else None
-    chunk_size = (request.chunk_size or plan.chunk_for(len(session.prompt_ids))) if chunking else None
+    chunk_size = request.chunk_size if chunking else None
+    if chunking and not chunk_size:
+        assert plan is not None  # fetched above: chunking without the request's own chunk size
+        chunk_size = plan.chunk_for(len(session.prompt_ids))
     async for tokens in hat_async_session(session, agent.async_cloud, session_id,
                                           fixed_chunks(len(session.prompt_ids), chunk_size),
                                           _stream_config(agent, request), partial(slowed, slowdown=slowdown),
@@ -132,6 +143,7 @@ async def token_stream_rounds(agent: AgentParts, request: GenerateRequest, ids: 
 async def edge_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: StreamSession,
                       session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
     """edge-sd: the agent's edge draft server drafts in batched rounds (its own speed, not this device's)."""
+    assert agent.edge is not None  # modes.py refuses edge-sd (needs_edge_server) to an agent without one
     async for tokens in agent.edge.generate(EdgeRequest(session, session_id, request.snr_db)):
         yield tokens
 

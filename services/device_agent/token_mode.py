@@ -57,9 +57,11 @@ def chunk_verdict(reply: wire.TokenVerdict, chunk: DraftChunk) -> ChunkVerdict:
     if reply.rejected:
         if reply.probs is None:
             payload = RejectionPayload(reply.num_accepted, "token", 0, token=reply.token)
-        elif reply.indices is None:
-            payload = RejectionPayload(reply.num_accepted, "full", reply.vocab_size, values=reply.probs)
         else:
-            payload = RejectionPayload(reply.num_accepted, "topk", reply.vocab_size, values=reply.probs,
-                                       indices=torch.tensor(reply.indices, dtype=torch.int32))
+            assert reply.vocab_size is not None  # TokenVerdict refuses a row (probs) without its vocab_size
+            if reply.indices is None:
+                payload = RejectionPayload(reply.num_accepted, "full", reply.vocab_size, values=reply.probs)
+            else:
+                payload = RejectionPayload(reply.num_accepted, "topk", reply.vocab_size, values=reply.probs,
+                                           indices=torch.tensor(reply.indices, dtype=torch.int32))
     return ChunkVerdict(reply.epoch, reply.num_accepted, None if reply.rejected else reply.token, payload, reply.stale)
