@@ -17,7 +17,8 @@ import pytest_asyncio
 import torch
 
 from services.verifier_cloud import stages
-from services.verifier_cloud.pipeline import StagePipeline, plan_stages
+from services.verifier_cloud.pipeline import StagePipeline
+from services.verifier_cloud.stage_specs import plan_stages
 from services.verifier_cloud.scheduler import SchedulerOutput, WorkItem
 from services.verifier_cloud.settings import Settings, load_settings
 from services.verifier_cloud.stages import (STAGE_CODEC, STAGE_MESSAGES, Hello, MicroBatch, Probe, SessionsClosed,

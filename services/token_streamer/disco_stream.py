@@ -1,23 +1,21 @@
 """One request under a DiSCo dispatch: endpoints raced or delayed, token-level migration, paced delivery.
 
-A *leg* is one endpoint's generation for the request, a /generate stream on the request's device
-agent in mode `device` (the draft model alone), `cloud` (token mode) or `hat`. The decision
-(disco.py) starts a server leg, a device leg, or both (the device's possibly after a wait w(l));
-the first leg to produce a token wins and every other leg is closed at once, which stops its
-generation and frees its sessions (device and cloud KV).
+A *leg* is one endpoint's generation for the request, a /generate stream on the request's device agent in mode
+`device` (the draft model alone), `cloud` (token mode) or `hat`. The decision (disco.py) starts a server leg, a
+device leg, or both (the device's possibly after a wait w(l)); the first leg to produce a token wins and every other
+leg is closed at once, which stops its generation and frees its sessions (device and cloud KV).
 
-Delivery is paced at the user's reading rate r_c: the first token goes out at once (TTFT), each
-later one 1/r_c after the previous (a leg generating faster fills a buffer). When the winner is
-the costlier decoder and eq. 4 says the hand-over pays, and the buffer holds B = r_c * t_m tokens
-(eq. 5, t_m the target's expected time to its first token), decoding migrates: the source is closed
-and the target is started with the prompt and every token generated so far (`prefix_ids`: token ids,
-no KV), so its first token continues the answer while the buffer keeps delivery going. A server leg
-that fails mid-answer (the cloud vanished) migrates the same way, to the device. The user sees one
-stream: no token lost (the prefix is everything generated) and none repeated (the target delivers
-only what follows it).
+Delivery is paced at the user's reading rate r_c: the first token goes out at once (TTFT), each later one 1/r_c
+after the previous (a leg generating faster fills a buffer). When the winner is the costlier decoder and eq. 4 says
+the hand-over pays, and the buffer holds B = r_c * t_m tokens (eq. 5, t_m the target's expected time to its first
+token), decoding migrates: the source is closed and the target is started with the prompt and every token generated
+so far (`prefix_ids`: token ids, no KV), so its first token continues the answer while the buffer keeps delivery
+going. A server leg that fails mid-answer (the cloud vanished) migrates the same way, to the device. The user sees
+one stream: no token lost (the prefix is everything generated) and none repeated (the target delivers only what
+follows it).
 
-`DiscoStream` looks like a `DeviceStream` to the streamer's `Run` (events, device, prompt_tokens,
-queue_wait_s, aclose) and adds `summary()` for the response's `tophat` object.
+`DiscoStream` looks like a `DeviceStream` to the streamer's `Run` (events, device, prompt_tokens, queue_wait_s,
+aclose) and adds `summary()` for the response's `tophat` object.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.verifier_cloud.pipeline import plan_stages
+from services.verifier_cloud.stage_specs import plan_stages
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel

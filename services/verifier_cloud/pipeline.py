@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.verifier_cloud.scheduler import SchedulerOutput
-from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import (
     STAGE_CODEC,
     Hello,
@@ -50,11 +49,8 @@ from services.verifier_cloud.stages import (
     run_stage,
     to_numpy,
 )
-from shared.model.placement import cuda_facts, plan_stage_devices
-from shared.model.split import SplitError, stage_ranges, validate_split
 from shared.stage_codec import StageLinkError
 from shared.stage_link import TOKEN_BYTES, LinkReceiver, LinkSender, chain_stages
-from shared.stage_plan import check_layers_cover, parse_stage_layers, parse_stage_links, parse_stage_slowdowns
 
 log = logging.getLogger("services.verifier_cloud.pipeline")
 
@@ -84,31 +80,6 @@ class PipelineStep:
 # (batch, the last stage's items in batch order, the step) -> None; (batch, reason) -> None
 DoneCallback = Callable[[SchedulerOutput, list[StageItem], PipelineStep], None]
 FailCallback = Callable[[SchedulerOutput, str], None]
-
-
-def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | None = None) -> list[StageSpec]:
-    """The P stage specs for `settings`, or a SplitError naming the flag that does not fit the model (a
-    PlacementError for a device this machine lacks). `cuda`: (available, GPU count); None asks torch."""
-    validate_split(num_layers, settings.split_layers)
-    try:
-        if settings.stage_layers:  # explicit ranges (Settings checked their syntax and start)
-            ranges = parse_stage_layers(settings.stage_layers, settings.split_layers)
-            check_layers_cover(ranges, num_layers)
-        else:
-            ranges = stage_ranges(settings.split_layers, num_layers, settings.pipeline_stages)
-    except (SplitError, ValueError) as exc:
-        flag = (f"--stage-layers {settings.stage_layers}" if settings.stage_layers
-                else f"--pipeline-stages {settings.pipeline_stages}")
-        raise SplitError(f"{flag} does not fit: {exc} "
-                         f"(layers {settings.split_layers}..{num_layers - 1} run in the cloud)") from exc
-    available, count = cuda if cuda is not None else cuda_facts()
-    devices = plan_stage_devices(settings.device, len(ranges), cuda_available=available, device_count=count)
-    slowdowns = parse_stage_slowdowns(settings.stage_slowdowns, len(ranges))
-    links = parse_stage_links(settings.stage_links, len(ranges))  # P + 1 hops
-    return [StageSpec(i, settings.model_dir, settings.split_layers, r, settings.torch_threads, settings.log_level,
-                      device=device, dtype=settings.dtype, host=settings.stage_host, in_link=links[i],
-                      out_link=links[i + 1], slowdown=slowdowns[i], hidden_rotation=settings.hidden_rotation)
-            for i, (r, device) in enumerate(zip(ranges, devices))]
 
 
 class StagePipeline:
