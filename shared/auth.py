@@ -132,8 +132,8 @@ def bearer(value: str | bytes | None) -> str | bytes | None:
     if isinstance(value, bytes):
         scheme, _, token = value.strip().partition(b" ")
         return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
-    scheme, _, text = value.strip().partition(" ")
-    return text.strip() if scheme.lower() == "bearer" and text.strip() else None
+    text_scheme, _, text = value.strip().partition(" ")
+    return text.strip() if text_scheme.lower() == "bearer" and text.strip() else None
 
 
 def authenticate(secret: str, header: str | bytes | None, roles: Collection[str], now: float) -> Claims:

@@ -74,7 +74,7 @@ def encode_record(session_id: int, seq_no: int, kind: FrameKind, start: int, row
     raw = rows.detach().to("cpu").contiguous().view(torch.uint8).numpy()  # the bytes as held, no cast
     body = msgpack.packb({"session_id": session_id, "seq_no": seq_no, "kind": kind, "start": start,
                           "rows": {"dtype": _DTYPE_NAMES[rows.dtype], "shape": list(rows.shape),
-                                   "raw": memoryview(raw)}}, use_bin_type=True)
+                                   "raw": raw.data}}, use_bin_type=True)
     return _LENGTH.pack(len(body)) + body
 
 

@@ -24,11 +24,10 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
-P = ParamSpec("P")
 R = TypeVar("R")
 
 
@@ -104,7 +103,7 @@ def speed_schedule(spec: str) -> SpeedSchedule:
     return SpeedSchedule(modes, switch_every=every)
 
 
-async def slowed(fn: Callable[P, R], *args: P.args, slowdown: float, **kwargs: P.kwargs) -> R:
+async def slowed(fn: Callable[..., R], *args: Any, slowdown: float, **kwargs: Any) -> R:
     """Run ``fn(*args, **kwargs)`` in a worker thread, then sleep so it appears
     ``slowdown`` times slower: total wall time ~= slowdown x its duration.
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Awaitable
+from typing import overload
 
 import torch
 
@@ -60,6 +61,13 @@ class RotatingCloud(_Wrapper):
     def rotate(self, shallow: torch.Tensor) -> torch.Tensor:
         # shallow: [S, H] -> [S, H] in the basis the cloud's layers were re-parameterised for
         return (shallow.float() @ self._q(shallow.device).T).to(shallow.dtype)
+
+    @overload
+    def unrotate(self, deep: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def unrotate(self, deep: None) -> None: ...
+    @overload
+    def unrotate(self, deep: torch.Tensor | None) -> torch.Tensor | None: ...
 
     def unrotate(self, deep: torch.Tensor | None) -> torch.Tensor | None:
         # deep: [S, H] rotated -> [S, H] in the model's own basis (None: a non-final prefill chunk's answer)

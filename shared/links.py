@@ -133,8 +133,10 @@ _KEYS = {
 def parse_bytes(text: str, *, bits: bool = True) -> float | None:
     """'5MB', '2MiB', '40mbit' (only with bits), a bare number = bytes; None when it is not one of those."""
     match = _NUM_UNIT.match(text.strip().lower())
-    unit = match.group(2) if match else None
-    if unit is None or (unit not in _RATE_UNITS and unit != "") or (not bits and unit.endswith("bit")):
+    if match is None:
+        return None
+    unit = match.group(2)
+    if (unit not in _RATE_UNITS and unit != "") or (not bits and unit.endswith("bit")):
         return None
     return float(match.group(1)) * _RATE_UNITS.get(unit, 1.0)
 

@@ -280,9 +280,10 @@ def _device_problem(device: Mapping[str, Any] | None, stale_after_s: float) -> s
 
 
 def _usable_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
-                  inputs: PlannerInputs) -> tuple[Callable[[float], float], float, Mapping[str, Any]] | str:
-    """(g, μ, device) when A is known and both sides have usable telemetry, else the default reason."""
-    if inputs.bytes_per_token is None:
+                  inputs: PlannerInputs) -> tuple[int, Callable[[float], float], float, Mapping[str, Any]] | str:
+    """(A, g, μ, device) when A is known and both sides have usable telemetry, else the default reason."""
+    bytes_per_token = inputs.bytes_per_token
+    if bytes_per_token is None:
         return "no-bytes-per-token"
     reason = _device_problem(device, inputs.stale_after_s)
     if reason is not None or device is None:
@@ -290,7 +291,7 @@ def _usable_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | N
     terms = _cloud_terms(cloud)
     if isinstance(terms, str):
         return terms
-    return terms[0], terms[1], device
+    return bytes_per_token, terms[0], terms[1], device
 
 
 def _positive_field(device: Mapping[str, Any], key: str, missing: str) -> float | str:
@@ -311,29 +312,29 @@ def plan_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] |
     state = _usable_state(cloud, device, inputs)
     if isinstance(state, str):
         return inputs.default_chunk(prompt_tokens), f"default:{state}"
-    g, mu, dev = state
+    bytes_per_token, g, mu, dev = state
     beta_up = _positive_field(dev, "beta_up", "missing-beta")
     if isinstance(beta_up, str):
         return inputs.default_chunk(prompt_tokens), f"default:{beta_up}"
-    size = chunk_size_eq3(inputs.bytes_per_token, beta_up, g, mu, inputs.stages,
+    size = chunk_size_eq3(bytes_per_token, beta_up, g, mu, inputs.stages,
                           inputs.min_chunk_size, inputs.max_chunk_size, prompt_tokens)
     return size, "eq3"
 
 
 def _eq6_terms(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
-               inputs: PlannerInputs) -> tuple[float, float, float, float] | str:
-    """(β_up, β_down, g(μ), γ) from the monitor's JSON, or the default reason."""
+               inputs: PlannerInputs) -> tuple[int, float, float, float, float] | str:
+    """(A, β_up, β_down, g(μ), γ) from the monitor's JSON, or the default reason."""
     state = _usable_state(cloud, device, inputs)
     if isinstance(state, str):
         return state
-    g, mu, dev = state
+    bytes_per_token, g, mu, dev = state
     beta_up = _positive_field(dev, "beta_up", "missing-beta")
     beta_down = _positive_field(dev, "beta_down", "missing-beta")
     gamma = _positive_field(dev, "gamma", "missing-gamma")
     for value in (beta_up, beta_down, gamma):
         if isinstance(value, str):
             return value
-    return float(beta_up), float(beta_down), g(mu), float(gamma)
+    return bytes_per_token, float(beta_up), float(beta_down), g(mu), float(gamma)
 
 
 def plan_draft_steps_table_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
@@ -343,8 +344,8 @@ def plan_draft_steps_table_from_state(cloud: Mapping[str, Any] | None, device: M
     terms = _eq6_terms(cloud, device, inputs)
     if isinstance(terms, str):
         return [inputs.default_steps()] * (max_draft_len + 1), f"default:{terms}"
-    beta_up, beta_down, g_mu, gamma = terms
-    return [parallel_draft_steps_eq6(n, inputs.bytes_per_token, beta_up, beta_down, g_mu, gamma,
+    bytes_per_token, beta_up, beta_down, g_mu, gamma = terms
+    return [parallel_draft_steps_eq6(n, bytes_per_token, beta_up, beta_down, g_mu, gamma,
                                      inputs.max_draft_steps) for n in range(max_draft_len + 1)], "eq6"
 
 
@@ -356,6 +357,6 @@ def plan_draft_steps_from_state(cloud: Mapping[str, Any] | None, device: Mapping
     terms = _eq6_terms(cloud, device, inputs)
     if isinstance(terms, str):
         return inputs.default_steps(), f"default:{terms}"
-    beta_up, beta_down, g_mu, gamma = terms
-    return parallel_draft_steps_eq6(draft_len, inputs.bytes_per_token, beta_up, beta_down, g_mu, gamma,
+    bytes_per_token, beta_up, beta_down, g_mu, gamma = terms
+    return parallel_draft_steps_eq6(draft_len, bytes_per_token, beta_up, beta_down, g_mu, gamma,
                                     inputs.max_draft_steps), "eq6"

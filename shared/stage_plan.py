@@ -26,11 +26,11 @@ def parse_stage_layers(spec: str, first_layer: int | None = None) -> list[tuple[
             ranges.append((int(start), int(stop)))
         except ValueError:
             raise ValueError(f"stage_layers: bad range {part!r} in {spec!r} (use e.g. 2-5,5-12,12-30)") from None
-    for (start, stop), nxt in zip(ranges, ranges[1:] + [None]):
-        if not 0 <= start < stop:
-            raise ValueError(f"stage_layers: range {start}-{stop} is empty or negative")
-        if nxt is not None and nxt[0] != stop:
-            raise ValueError(f"stage_layers: ranges must be contiguous: {start}-{stop} is followed by "
+    for (lo, hi), nxt in zip(ranges, ranges[1:] + [None]):
+        if not 0 <= lo < hi:
+            raise ValueError(f"stage_layers: range {lo}-{hi} is empty or negative")
+        if nxt is not None and nxt[0] != hi:
+            raise ValueError(f"stage_layers: ranges must be contiguous: {lo}-{hi} is followed by "
                              f"{nxt[0]}-{nxt[1]}")
     if first_layer is not None and ranges[0][0] != first_layer:
         raise ValueError(f"stage_layers: the first stage must start at split_layers ({first_layer}), "

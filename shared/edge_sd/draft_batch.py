@@ -45,7 +45,9 @@ def _packed_pass(sessions: Sequence[StreamSession], ids: Sequence[torch.Tensor],
     embedded = model.input.embed_tokens(packed_ids.to(model.input.embed_tokens.weight.device))  # [T, H]
     shallow = model.input.forward_packed(embedded, [s.input_cache for s in sessions], lengths)  # [T, H]
     sides = [s._adapter_side(t, f) for s, t, f in zip(sessions, ids, prev_features)]
-    side = None if sides[0] is None else torch.cat(sides)  # [T, H]
+    # one draft model (checked above), so one side input for all: every entry is None or none is
+    present = [s for s in sides if s is not None]
+    side = None if sides[0] is None else torch.cat(present)  # [T, H]
     hidden = model.adapter.forward_packed(shallow, [s.adapter_cache for s in sessions], lengths, side)  # [T, H]
     return list(zip(shallow.split(lengths), hidden.split(lengths)))
 

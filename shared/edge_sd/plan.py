@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
-from shared.edge_sd.bandwidth import upload_times, uniform_split, uplink_split
+from shared.edge_sd.bandwidth import uniform_split, uplink_split, upload_times
 from shared.edge_sd.batching import BatchPlan, EdgeCosts, InfeasibleBatchingError, dp_batching, max_batching
 from shared.edge_sd.runtime import ModelShape, RuntimeFitError, RuntimeModel, fit_runtime
 from shared.edge_sd.speculation import choose_speculation_length
@@ -52,11 +52,11 @@ class EdgeTelemetryError(ValueError):
     """Telemetry (the monitor's `GET /state/edge-sd`) in a shape this planner cannot read."""
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

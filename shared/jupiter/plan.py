@@ -65,7 +65,8 @@ class DeviceSpec:
         if not isinstance(self.slowdown, (int, float)) or not math.isfinite(self.slowdown) or self.slowdown < 1:
             raise ValueError(f"device {self.name!r}: slowdown must be a finite number >= 1, got {self.slowdown!r}")
         if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes < 1:
-            raise ValueError(f"device {self.name!r}: memory_bytes must be a positive integer, got {self.memory_bytes!r}")
+            raise ValueError(
+                f"device {self.name!r}: memory_bytes must be a positive integer, got {self.memory_bytes!r}")
 
 
 def parse_memory(text: str) -> int:
@@ -200,7 +201,7 @@ class EdgePlan:
 
     @classmethod
     def from_json(cls, obj: object) -> "EdgePlan":
-        check_document(obj, PLAN_FORMAT, PLAN_VERSION, PlanError, "plan")
+        obj = check_document(obj, PLAN_FORMAT, PLAN_VERSION, PlanError, "plan")
         names = [n for n in cls.__dataclass_fields__ if not n.startswith("_")]
         missing = [n for n in names if n not in obj]
         if missing:
@@ -275,7 +276,8 @@ def build_plan(profile: Profile, devices: Sequence[DeviceSpec], lan_bytes_per_s:
 
     scales = [w / heaviest for w in weights]
     hop_s_per_token = profile.hidden_size * STAGE_WIRE_BYTES.get(profile.dtype, 4) / lan_bytes_per_s
-    l_min = min_subsequence_length(profile.lengths, [profile.layer_time(s, 0) for s in profile.lengths], l_min_tolerance)
+    l_min = min_subsequence_length(profile.lengths, [profile.layer_time(s, 0) for s in profile.lengths],
+                                   l_min_tolerance)
     if kind == "jupiter":
         table = plan_sequences(bottleneck_time, len(devices), max_len, l_min, k_max, hop_s_per_token,
                                lan_latency_s, scales).table

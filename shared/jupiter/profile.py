@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -102,7 +102,8 @@ class Profile:
             raise ProfileError(f"layer_times must be {len(lengths)} rows of {len(prefixes)} times (lengths x prefixes)")
         for row in rows:
             for value in row:
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                        or value <= 0):
                     raise ProfileError(f"layer_times must be finite positive seconds, got {value!r}")
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "prefixes", prefixes)
@@ -155,7 +156,7 @@ class Profile:
 
     @classmethod
     def from_json(cls, obj: object) -> "Profile":
-        check_document(obj, PROFILE_FORMAT, PROFILE_VERSION, ProfileError, "profile")
+        obj = check_document(obj, PROFILE_FORMAT, PROFILE_VERSION, ProfileError, "profile")
         names = _stored_fields()
         required = [f for f in names if cls.__dataclass_fields__[f].default is MISSING]
         missing = [f for f in required if f not in obj]
@@ -170,13 +171,15 @@ class Profile:
         return save_json(path, self.to_json())
 
 
-def check_document(obj: object, fmt: str, version: int, error: type[ValueError], what: str) -> None:
-    """A stored profile or plan is a JSON object naming its format and version: refuse anything else."""
+def check_document(obj: object, fmt: str, version: int, error: type[ValueError], what: str) -> dict[str, Any]:
+    """A stored profile or plan is a JSON object naming its format and version: refuse anything else.
+    Returns `obj`, known from here on to be that object."""
     if not isinstance(obj, dict) or obj.get("format") != fmt:
         raise error(f"not a Jupiter {what} (expected format {fmt!r})")
     if obj.get("version") != version:
         raise error(f"{what} format version {obj.get('version')!r}; this build reads version {version} "
                     f"(re-run `tophat {what}`)")
+    return obj
 
 
 def save_json(path: str | Path, obj: dict) -> Path:
@@ -263,7 +266,7 @@ def measure_profile(model_dir: str | Path, lengths: Sequence[int] = DEFAULT_LENG
     def param_bytes(module: torch.nn.Module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
-    inner = checkpoint.model.model
+    inner = checkpoint.decoder
     element = torch.empty((), dtype=stack.dtype).element_size()
     draft_file = model_dir / "draft_adapter.safetensors"
     return Profile(
@@ -273,7 +276,8 @@ def measure_profile(model_dir: str | Path, lengths: Sequence[int] = DEFAULT_LENG
         layer_weight_bytes=max(param_bytes(layer) for layer in inner.layers),
         kv_bytes_per_token_layer=2 * stack.num_kv_heads * stack.head_dim * element,
         embed_bytes=param_bytes(inner.embed_tokens),
-        head_bytes=param_bytes(inner.norm) + param_bytes(checkpoint.model.lm_head),
+        # lm_head is set at run time: nn.Module.__getattr__ types it Tensor | Module
+        head_bytes=param_bytes(inner.norm) + param_bytes(checkpoint.model.lm_head),  # type: ignore[arg-type]
         draft_bytes=draft_file.stat().st_size if draft_file.is_file() else 0,
         lengths=lengths,
         prefixes=prefixes,

@@ -27,10 +27,11 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-LayerTimeFn = Callable[[object, object], object]  # t(S, c): scalars or broadcasting numpy arrays
+LayerTimeFn = Callable[[object, object], Any]  # t(S, c): scalars or broadcasting numpy arrays
 DEFAULT_K_MAX = 8
 # l_min only prunes parts too short to use the hardware; eq. 4's makespan, costed with the profiled t(S, c),
 # weighs what shorter parts lose. At 10 % the floor on this CPU was S = 512 for SmolLM2 (t(128)/128 is 11 %

@@ -62,7 +62,7 @@ class DraftAdapter(torch.nn.Module):
     def __init__(self, checkpoint: Checkpoint, split_layers: int, spec: AdapterSpec = AdapterSpec()):
         super().__init__()
         validate_split(checkpoint.num_layers, split_layers)
-        template = checkpoint.model.model.layers[split_layers]
+        template = checkpoint.decoder.layers[split_layers]
         hidden = checkpoint.hidden_size
         self.split_layers = split_layers
         self.spec = spec
@@ -81,7 +81,7 @@ class DraftAdapter(torch.nn.Module):
                     self.fuse.weight[:, hidden:] = eye
                 else:
                     self.fuse.weight[:, :hidden] = eye
-        self.rotary_emb = checkpoint.model.model.rotary_emb
+        self.rotary_emb: torch.nn.Module = checkpoint.decoder.rotary_emb
         self.num_kv_heads, self.head_dim = kv_shape(checkpoint.config)
         self.requires_grad_(False)
 

@@ -8,6 +8,7 @@ import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,27 +31,34 @@ class ModelLoadError(RuntimeError):
 class Checkpoint:
     path: Path
     model: torch.nn.Module  # a *ForCausalLM with .model.{embed_tokens,layers,norm,rotary_emb} and .lm_head
-    tokenizer: object | None  # a transformers tokenizer, or None when the checkpoint ships none
+    tokenizer: Any | None  # a transformers tokenizer (untyped here), or None when the checkpoint ships none
 
     @property
-    def config(self):
+    def config(self) -> Any:
+        """The HF config: its fields (num_hidden_layers, hidden_size, ...) are set at run time, untyped."""
         return self.model.config
 
     @property
+    def decoder(self) -> Any:
+        """The *ForCausalLM's inner *Model (.embed_tokens, .layers, .norm, .rotary_emb): HF sets these parts at
+        run time, which nn.Module's typing sees only as Tensor | Module."""
+        return self.model.model
+
+    @property
     def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
+        return self.config.num_hidden_layers
 
     @property
     def hidden_size(self) -> int:
-        return self.model.config.hidden_size
+        return self.config.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self.config.vocab_size
 
     @property
     def eos_token_id(self) -> int | None:
-        eos = self.model.config.eos_token_id
+        eos = self.config.eos_token_id
         return eos[0] if isinstance(eos, list) else eos
 
 

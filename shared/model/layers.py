@@ -12,7 +12,8 @@ cache handling and the packing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ def rotary_tables(rotary_emb: torch.nn.Module, positions: torch.Tensor, like: to
 
 
 def attention_forward(
-    attn: torch.nn.Module,
+    attn: Any,  # an HF *Attention module: q/k/v/o_proj, head_dim and scaling are set at run time (untyped)
     x: torch.Tensor,
     layer_caches: Sequence[LayerKV],
     lengths: Sequence[int],
@@ -71,7 +72,7 @@ def attention_forward(
 
 
 def decoder_layer_forward(
-    layer: torch.nn.Module,
+    layer: Any,  # an HF decoder layer: its norms, self_attn and mlp are set at run time (untyped)
     hidden: torch.Tensor,
     layer_caches: Sequence[LayerKV],
     lengths: Sequence[int],
@@ -88,7 +89,7 @@ def decoder_layer_forward(
 
 
 def run_layers(
-    layers: Sequence[torch.nn.Module],
+    layers: Iterable[torch.nn.Module],
     rotary_emb: torch.nn.Module,
     hidden: torch.Tensor,
     caches: Sequence[SessionKV],

@@ -22,6 +22,8 @@ What it does not do: a cloud that holds these weights and the public checkpoint 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -97,7 +99,7 @@ def _set_weight(linear: torch.nn.Linear, value: torch.Tensor) -> None:
     linear.weight.copy_(value.to(device=linear.weight.device, dtype=linear.weight.dtype))
 
 
-def _layer_parts(layer: torch.nn.Module):
+def _layer_parts(layer: Any):  # an HF decoder layer: its norms, self_attn and mlp are set at run time (untyped)
     try:
         attn, mlp = layer.self_attn, layer.mlp
         reads = {layer.input_layernorm: (attn.q_proj, attn.k_proj, attn.v_proj),
@@ -121,10 +123,10 @@ def folded_read_weights(layer: torch.nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def rotate_layers(layer_range: LayerRange, q: torch.Tensor) -> None:
+def rotate_layers(layer_range: LayerRange | Iterable[torch.nn.Module], q: torch.Tensor) -> None:
     """Re-parameterise `layer_range`'s decoder layers in place so that, fed x Q^T, they return (their original
     output) Q^T. The module's weights are shared with its checkpoint: load a checkpoint for it alone."""
-    layers = list(getattr(layer_range, "layers", layer_range))
+    layers: list[Any] = list(layer_range.layers if hasattr(layer_range, "layers") else layer_range)
     if not layers:
         raise RotationError("no layers to rotate")
     hidden = layers[0].input_layernorm.weight.shape[0] if hasattr(layers[0], "input_layernorm") else -1
@@ -148,7 +150,8 @@ def rotate_layers(layer_range: LayerRange, q: torch.Tensor) -> None:
 def apply_secret_rotation(layer_range: LayerRange, secret: str) -> None:
     """The verifier's load step: re-parameterise its middle layers (or one stage's) for the deployment's secret.
     Q in fp64 here (the weights take one rounding each); the device builds the same Q from the same secret."""
-    hidden = layer_range.layers[0].input_layernorm.weight.shape[0]
+    first: Any = layer_range.layers[0]  # an HF decoder layer: its parts are set at run time (untyped)
+    hidden = first.input_layernorm.weight.shape[0]
     rotate_layers(layer_range, secret_rotation(secret, hidden, torch.float64))
 
 

@@ -47,10 +47,11 @@ class LayerRange(torch.nn.Module):
         if not 0 <= start < stop <= checkpoint.num_layers:
             raise SplitError(f"layer range [{start}, {stop}) outside 0..{checkpoint.num_layers}")
         self.start, self.stop = start, stop
-        self.layers = torch.nn.ModuleList(checkpoint.model.model.layers[start:stop])
-        self.rotary_emb = checkpoint.model.model.rotary_emb
+        self.layers = torch.nn.ModuleList(checkpoint.decoder.layers[start:stop])
+        self.rotary_emb: torch.nn.Module = checkpoint.decoder.rotary_emb
         self.num_kv_heads, self.head_dim = kv_shape(checkpoint.config)
-        self.dtype = checkpoint.model.dtype
+        # PreTrainedModel.dtype; Checkpoint.model is typed as a plain nn.Module, whose __getattr__ says Tensor | Module
+        self.dtype: torch.dtype = checkpoint.model.dtype  # type: ignore[assignment]
 
     @property
     def device(self) -> torch.device:
@@ -90,7 +91,7 @@ class InputSubmodel(LayerRange):
     def __init__(self, checkpoint: Checkpoint, split_layers: int):
         validate_split(checkpoint.num_layers, split_layers)
         super().__init__(checkpoint, 0, split_layers)
-        self.embed_tokens = checkpoint.model.model.embed_tokens
+        self.embed_tokens: torch.nn.Embedding = checkpoint.decoder.embed_tokens
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, cache: SessionKV) -> torch.Tensor:
@@ -115,8 +116,9 @@ class OutputSubmodel(torch.nn.Module):
 
     def __init__(self, checkpoint: Checkpoint):
         super().__init__()
-        self.norm = checkpoint.model.model.norm
-        self.lm_head = checkpoint.model.lm_head
+        self.norm: torch.nn.Module = checkpoint.decoder.norm
+        # the *ForCausalLM's head, set at run time: nn.Module.__getattr__ types it Tensor | Module
+        self.lm_head: torch.nn.Module = checkpoint.model.lm_head  # type: ignore[assignment]
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -132,7 +134,8 @@ class SplitModel:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, split_layers: int) -> "SplitModel":
-        return cls(InputSubmodel(checkpoint, split_layers), MiddleSubmodel(checkpoint, split_layers), OutputSubmodel(checkpoint))
+        return cls(InputSubmodel(checkpoint, split_layers), MiddleSubmodel(checkpoint, split_layers),
+                   OutputSubmodel(checkpoint))
 
 
 def stage_ranges(split_layers: int, num_layers: int, num_stages: int) -> list[tuple[int, int]]:
