@@ -5,19 +5,7 @@ the batch compute delay eta_hat^t. The monitor keeps
     mu^t   = a * mu^{t-1}   + (1 - a) * mu_hat^t      (eq. 1)
     g^t(m) = a * g^{t-1}(m) + (1 - a) * eta_hat^t     (eq. 2)
 with a = 0.8; the first sample initializes an average instead of being blended
-with zero.
-
-Why g is bucketed. eq. 2 needs "g at the batched size of this round", but the
-batched sizes are not spread evenly: decode/verify steps batch a few tokens per
-session (small mu), prefill chunks add hundreds (large mu), so observations
-cluster in a few regions that span orders of magnitude. One global line fit
-would let the many cheap decode steps drag the estimate for prefill chunks (and
-vice versa). Buckets on a log2 scale give each region its own EMA, with equal
-relative resolution at 8 and at 2048 tokens, so the curve adapts per region as
-load shifts. Between observed buckets we interpolate linearly; beyond them we
-extrapolate linearly (least-squares slope over all buckets as fallback). Each
-bucket also averages the mu values it saw, so the curve runs through where the
-data actually is, not through nominal bucket centers.
+with zero. g is bucketed by batched size (shared/compute_delay.py).
 
 Device side. Each device reports its draft step time gamma and the bytes and
 seconds of real uploads/downloads, from which beta_up/beta_down (bytes/s) are
@@ -26,189 +14,11 @@ averaged the same way. `last_update` lets consumers notice a silent device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_ALPHA = 0.8
-
-
-def _check_alpha(alpha: float) -> float:
-    if not 0.0 <= alpha < 1.0:
-        raise ValueError(f"alpha must be in [0, 1), got {alpha!r}")
-    return float(alpha)
-
-
-def _check_sample(x: float, name: str) -> float:
-    x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"{name} must be finite, got {x!r}")
-    return x
-
-
-@dataclass
-class Ema:
-    """Exponential moving average v = a*v + (1-a)*x; the first sample sets v."""
-
-    alpha: float = DEFAULT_ALPHA
-    value: float | None = None
-    count: int = 0
-
-    def __post_init__(self) -> None:
-        _check_alpha(self.alpha)
-
-    def update(self, sample: float) -> float:
-        sample = _check_sample(sample, "sample")
-        if self.value is None:
-            self.value = sample
-        else:
-            self.value = self.alpha * self.value + (1.0 - self.alpha) * sample
-        self.count += 1
-        return self.value
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "value": self.value, "count": self.count}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Ema:
-        value = data.get("value")
-        return cls(alpha=float(data.get("alpha", DEFAULT_ALPHA)),
-                   value=None if value is None else float(value), count=int(data.get("count", 0)))
-
-
-@dataclass
-class _Bucket:
-    mu: Ema      # where in the bucket the samples actually fell (x)
-    eta: Ema     # compute seconds at that size (y), eq. 2
-    updated_at: float | None = None
-
-
-class ComputeDelayPredictor:
-    """g(mu): predicted compute seconds of a batch of `mu` tokens (eq. 2).
-
-    `buckets_per_octave` sets resolution (bucket k covers mu around 2**(k/bpo)).
-    With `monotone`, a running max over buckets makes predict() non-decreasing.
-    """
-
-    def __init__(self, alpha: float = DEFAULT_ALPHA, buckets_per_octave: int = 2, monotone: bool = True) -> None:
-        self.alpha = _check_alpha(alpha)
-        if buckets_per_octave < 1:
-            raise ValueError("buckets_per_octave must be >= 1")
-        self.buckets_per_octave = int(buckets_per_octave)
-        self.monotone = bool(monotone)
-        self._buckets: dict[int, _Bucket] = {}
-
-    def bucket_of(self, mu: float) -> int:
-        return round(math.log2(max(float(mu), 1.0)) * self.buckets_per_octave)
-
-    def observe(self, mu_hat: float, eta_hat: float, now: float | None = None) -> None:
-        """Fold one round's (batched tokens, compute seconds) into its bucket."""
-        mu_hat = _check_sample(mu_hat, "mu_hat")
-        eta_hat = _check_sample(eta_hat, "eta_hat")
-        if mu_hat < 1 or eta_hat < 0:
-            raise ValueError(f"need mu_hat >= 1 and eta_hat >= 0, got {mu_hat!r}, {eta_hat!r}")
-        key = self.bucket_of(mu_hat)
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = _Bucket(Ema(self.alpha), Ema(self.alpha))
-        bucket.mu.update(mu_hat)
-        bucket.eta.update(eta_hat)
-        bucket.updated_at = now
-
-    @property
-    def observed_buckets(self) -> int:
-        return len(self._buckets)
-
-    def points(self) -> list[tuple[float, float]]:
-        """(mu, eta) per observed bucket in mu order; running max applied if monotone."""
-        pts: list[tuple[float, float]] = []
-        top = -math.inf
-        for key in sorted(self._buckets):
-            b = self._buckets[key]
-            y = b.eta.value or 0.0
-            if self.monotone:
-                top = max(top, y)
-                y = top
-            pts.append((b.mu.value or 0.0, y))
-        return pts
-
-    def fit_line(self) -> tuple[float, float] | None:
-        """Least-squares c1, c2 of eta ~ c1*mu + c2 over bucket points (None if < 2 distinct mu)."""
-        pts = self.points()
-        n = len(pts)
-        if n < 2:
-            return None
-        mx = sum(p[0] for p in pts) / n
-        my = sum(p[1] for p in pts) / n
-        sxx = sum((p[0] - mx) ** 2 for p in pts)
-        if sxx <= 0:
-            return None
-        c1 = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
-        return c1, my - c1 * mx
-
-    def predict(self, mu: float) -> float | None:
-        """Predicted compute seconds for `mu` batched tokens; None before any data.
-
-        One bucket: that bucket's value everywhere (no slope is known yet).
-        Inside the observed range: linear interpolation between neighbours.
-        Outside: linear extrapolation from the edge segment, falling back to the
-        least-squares slope when the edge segment is flat or degenerate; the
-        slope is never negative under `monotone`, and the result is >= 0.
-        """
-        mu = _check_sample(mu, "mu")
-        pts = self.points()
-        if not pts:
-            return None
-        if len(pts) == 1:
-            return max(pts[0][1], 0.0)
-        if mu <= pts[0][0]:
-            (x0, y0), (x1, y1) = pts[0], pts[1]
-            anchor_x, anchor_y = x0, y0
-        elif mu >= pts[-1][0]:
-            (x0, y0), (x1, y1) = pts[-2], pts[-1]
-            anchor_x, anchor_y = x1, y1
-        else:
-            for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-                if x0 <= mu <= x1:
-                    if x1 <= x0:
-                        return max(y0, y1)
-                    return y0 + (y1 - y0) * (mu - x0) / (x1 - x0)
-            raise AssertionError("unreachable: mu inside the observed range")
-        slope = (y1 - y0) / (x1 - x0) if x1 > x0 else 0.0
-        if slope <= 0:
-            line = self.fit_line()
-            slope = line[0] if line else 0.0
-        if self.monotone:
-            slope = max(slope, 0.0)
-        return max(anchor_y + slope * (mu - anchor_x), 0.0)
-
-    def table(self) -> list[dict[str, Any]]:
-        """Bucket table for APIs and dashboards (raw EMAs, before the running max)."""
-        return [
-            {"bucket": k, "mu_lo": 2 ** ((k - 0.5) / self.buckets_per_octave),
-             "mu_hi": 2 ** ((k + 0.5) / self.buckets_per_octave), "mu": b.mu.value,
-             "eta": b.eta.value, "count": b.eta.count, "updated_at": b.updated_at}
-            for k, b in sorted(self._buckets.items())
-        ]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "buckets_per_octave": self.buckets_per_octave,
-                "monotone": self.monotone,
-                "buckets": [{"bucket": k, "mu": b.mu.to_dict(), "eta": b.eta.to_dict(),
-                             "updated_at": b.updated_at} for k, b in sorted(self._buckets.items())]}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ComputeDelayPredictor:
-        pred = cls(alpha=float(data.get("alpha", DEFAULT_ALPHA)),
-                   buckets_per_octave=int(data.get("buckets_per_octave", 2)),
-                   monotone=bool(data.get("monotone", True)))
-        for item in data.get("buckets", []):
-            mu, eta = Ema.from_dict(item["mu"]), Ema.from_dict(item["eta"])
-            if mu.value is None or eta.value is None:
-                continue
-            updated = item.get("updated_at")
-            pred._buckets[int(item["bucket"])] = _Bucket(mu, eta, None if updated is None else float(updated))
-        return pred
+from shared.compute_delay import ComputeDelayPredictor
+from shared.ema import DEFAULT_ALPHA, Ema, check_alpha
 
 
 @dataclass
@@ -226,11 +36,12 @@ class CloudState:
     updated_at: float | None = None
 
     def __post_init__(self) -> None:
-        _check_alpha(self.alpha)
+        check_alpha(self.alpha)
         self.mu.alpha = self.eta.alpha = self.g.alpha = self.step_overhead.alpha = self.alpha
 
-    def observe_step(self, mu_hat: float, eta_hat: float, now: float, overhead_s: float | None = None,
-                     **extra: Any) -> None:
+    def observe_step(
+        self, mu_hat: float, eta_hat: float, now: float, overhead_s: float | None = None, **extra: Any
+    ) -> None:
         self.mu.update(mu_hat)
         self.eta.update(eta_hat)
         if overhead_s is not None:
@@ -241,15 +52,27 @@ class CloudState:
         self.updated_at = now
 
     def to_dict(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "mu": self.mu.to_dict(), "eta": self.eta.to_dict(),
-                "step_overhead": self.step_overhead.to_dict(), "g": self.g.to_dict(), "last": self.last, "updated_at": self.updated_at}
+        return {
+            "alpha": self.alpha,
+            "mu": self.mu.to_dict(),
+            "eta": self.eta.to_dict(),
+            "step_overhead": self.step_overhead.to_dict(),
+            "g": self.g.to_dict(),
+            "last": self.last,
+            "updated_at": self.updated_at,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CloudState:
-        return cls(alpha=float(data.get("alpha", DEFAULT_ALPHA)), mu=Ema.from_dict(data.get("mu", {})),
-                   eta=Ema.from_dict(data.get("eta", {})),
-                   step_overhead=Ema.from_dict(data.get("step_overhead", {})), g=ComputeDelayPredictor.from_dict(data.get("g", {})),
-                   last=dict(data.get("last", {})), updated_at=data.get("updated_at"))
+        return cls(
+            alpha=float(data.get("alpha", DEFAULT_ALPHA)),
+            mu=Ema.from_dict(data.get("mu", {})),
+            eta=Ema.from_dict(data.get("eta", {})),
+            step_overhead=Ema.from_dict(data.get("step_overhead", {})),
+            g=ComputeDelayPredictor.from_dict(data.get("g", {})),
+            last=dict(data.get("last", {})),
+            updated_at=data.get("updated_at"),
+        )
 
 
 @dataclass
@@ -272,14 +95,31 @@ class DeviceState:
     last_update: float | None = None
 
     def __post_init__(self) -> None:
-        _check_alpha(self.alpha)
-        for ema in (self.gamma, self.beta_up, self.beta_down, self.round_overhead, self.round_overhead_median,
-                    self.prefill_token, self.rtt, self.pd_hit, self.full_accept):
+        check_alpha(self.alpha)
+        for ema in (
+            self.gamma,
+            self.beta_up,
+            self.beta_down,
+            self.round_overhead,
+            self.round_overhead_median,
+            self.prefill_token,
+            self.rtt,
+            self.pd_hit,
+            self.full_accept,
+        ):
             ema.alpha = self.alpha
 
-    def observe_draft(self, step_seconds: float, now: float, *, round_overhead_s: float | None = None,
-                      prefill_token_s: float | None = None, pd_hit_rate: float | None = None,
-                      round_overhead_median_s: float | None = None, full_accept_rate: float | None = None) -> None:
+    def observe_draft(
+        self,
+        step_seconds: float,
+        now: float,
+        *,
+        round_overhead_s: float | None = None,
+        prefill_token_s: float | None = None,
+        pd_hit_rate: float | None = None,
+        round_overhead_median_s: float | None = None,
+        full_accept_rate: float | None = None,
+    ) -> None:
         if not step_seconds > 0:
             raise ValueError(f"draft step seconds must be > 0, got {step_seconds!r}")
         for name, value in (("round overhead", round_overhead_s), ("round overhead median", round_overhead_median_s)):
@@ -328,22 +168,35 @@ class DeviceState:
         return age is None or age > max_age_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device_id": self.device_id, "alpha": self.alpha, "gamma": self.gamma.to_dict(),
-                "beta_up": self.beta_up.to_dict(), "beta_down": self.beta_down.to_dict(),
-                "round_overhead": self.round_overhead.to_dict(),
-                "round_overhead_median": self.round_overhead_median.to_dict(), "prefill_token": self.prefill_token.to_dict(),
-                "rtt": self.rtt.to_dict(), "pd_hit": self.pd_hit.to_dict(),
-                "full_accept": self.full_accept.to_dict(), "last_update": self.last_update}
+        return {
+            "device_id": self.device_id,
+            "alpha": self.alpha,
+            "gamma": self.gamma.to_dict(),
+            "beta_up": self.beta_up.to_dict(),
+            "beta_down": self.beta_down.to_dict(),
+            "round_overhead": self.round_overhead.to_dict(),
+            "round_overhead_median": self.round_overhead_median.to_dict(),
+            "prefill_token": self.prefill_token.to_dict(),
+            "rtt": self.rtt.to_dict(),
+            "pd_hit": self.pd_hit.to_dict(),
+            "full_accept": self.full_accept.to_dict(),
+            "last_update": self.last_update,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceState:
         last = data.get("last_update")
-        return cls(device_id=str(data["device_id"]), alpha=float(data.get("alpha", DEFAULT_ALPHA)),
-                   gamma=Ema.from_dict(data.get("gamma", {})), beta_up=Ema.from_dict(data.get("beta_up", {})),
-                   beta_down=Ema.from_dict(data.get("beta_down", {})),
-                   round_overhead=Ema.from_dict(data.get("round_overhead", {})),
-                   round_overhead_median=Ema.from_dict(data.get("round_overhead_median", {})),
-                   prefill_token=Ema.from_dict(data.get("prefill_token", {})),
-                   rtt=Ema.from_dict(data.get("rtt", {})), pd_hit=Ema.from_dict(data.get("pd_hit", {})),
-                   full_accept=Ema.from_dict(data.get("full_accept", {})),
-                   last_update=None if last is None else float(last))
+        return cls(
+            device_id=str(data["device_id"]),
+            alpha=float(data.get("alpha", DEFAULT_ALPHA)),
+            gamma=Ema.from_dict(data.get("gamma", {})),
+            beta_up=Ema.from_dict(data.get("beta_up", {})),
+            beta_down=Ema.from_dict(data.get("beta_down", {})),
+            round_overhead=Ema.from_dict(data.get("round_overhead", {})),
+            round_overhead_median=Ema.from_dict(data.get("round_overhead_median", {})),
+            prefill_token=Ema.from_dict(data.get("prefill_token", {})),
+            rtt=Ema.from_dict(data.get("rtt", {})),
+            pd_hit=Ema.from_dict(data.get("pd_hit", {})),
+            full_accept=Ema.from_dict(data.get("full_accept", {})),
+            last_update=None if last is None else float(last),
+        )

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from services.chunk_planner.app import Telemetry, create_app, plan_chunk_size, plan_parallel_draft_steps, planner_inputs
+from services.chunk_planner.app import create_app, plan_chunk_size, plan_parallel_draft_steps, planner_inputs
+from services.chunk_planner.monitor_client import Telemetry
 from services.chunk_planner.settings import Settings, load_settings
 from services.state_monitor.app import create_app as create_monitor
 from services.state_monitor.settings import load_settings as load_monitor_settings
@@ -24,7 +25,7 @@ from shared.planners import (
 )
 from shared.redis_server import free_port
 from shared.settings import SettingsError
-from shared.state_model import ComputeDelayPredictor
+from shared.compute_delay import ComputeDelayPredictor
 
 MONITOR = "http://monitor"
 STEPS = [(64, 0.02), (512, 0.06), (8, 0.01), (128, 0.03)]

@@ -21,7 +21,8 @@ from shared.planners import (
     plan_from_state,
     predictor_from_cloud_state,
 )
-from shared.state_model import CloudState, ComputeDelayPredictor
+from shared.compute_delay import ComputeDelayPredictor
+from shared.state_model import CloudState
 
 light = settings(max_examples=150, deadline=None)
 
