@@ -131,7 +131,7 @@ def test_an_item_failing_in_a_later_stage_is_rolled_back_in_every_stage(checkpoi
 
 def test_the_pipeline_engine_rolls_back_items_that_failed_internally():
     from services.verifier_cloud.engine import PipelineEngine
-    from services.verifier_cloud.pipeline import PipelineStep
+    from services.verifier_cloud.pipeline_results import PipelineStep
     from services.verifier_cloud.scheduler import Scheduler, WorkItem
     from services.verifier_cloud.session import Session
     from services.verifier_cloud.stages import StageItem

@@ -13,8 +13,14 @@ from services.chunk_planner.settings import load_settings
 def main() -> None:
     settings = load_settings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                ssl_certfile=settings.tls_cert or None, ssl_keyfile=settings.tls_key or None)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        ssl_certfile=settings.tls_cert or None,
+        ssl_keyfile=settings.tls_key or None,
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ service's `pipeline_stages` (the launcher sets it to the verifier's). Every answ
 it used. Without A from the caller or `hidden_size` in the settings, the answer is the default
 with `source: default:no-bytes-per-token`: the planner never solves eq. 3 for a guessed model.
 
-Each request fetches the state monitor's `GET /state/cloud` (μ and the g(μ)
+Each request fetches (monitor_client.py) the state monitor's `GET /state/cloud` (μ and the g(μ)
 bucket table) and `GET /state/device/{id}` (β_up, β_down, γ, age) over HTTP,
 every fetch bounded by `monitor_timeout_s`, and hands the JSON to the pure
 planners in `shared.planners`. When the equations cannot be applied the
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -43,11 +42,10 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from services.chunk_planner.monitor_client import NO_MONITOR, MonitorClient, Telemetry, reported_stages
 from services.chunk_planner.settings import Settings, load_settings
 from shared import auth
 from shared.edge_sd.plan import (
-    EdgeTelemetry,
-    EdgeTelemetryError,
     InfeasibleBatchingError,
     PlanRequest,
     PlanRequestError,
@@ -82,107 +80,7 @@ class DraftPlan:
     source: str  # "eq6" or "default:<reason>"
 
 
-@dataclass(frozen=True)
-class Telemetry:
-    """What one fetch from the monitor produced.
-
-    `failure` is set when no JSON could be had at all (no-monitor,
-    monitor-unreachable, monitor-error); otherwise `device` is None for a device
-    the monitor does not know (404).
-    """
-
-    cloud: dict[str, Any] | None = None
-    device: dict[str, Any] | None = None
-    failure: str | None = None
-
-
-NO_MONITOR = Telemetry(failure="no-monitor")
-
-
-class _FetchFailed(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-class MonitorClient:
-    """Reads the state monitor; every request is bounded by `timeout_s` as a whole.
-
-    httpx's timeout bounds each phase (connect, each read) separately, so a slow
-    trickle could outlast it; `asyncio.wait_for` bounds the total.
-    """
-
-    def __init__(self, base_url: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None,
-                 verify: ssl.SSLContext | bool = True) -> None:
-        self.timeout_s = timeout_s
-        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport,
-                                      verify=verify)
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-    async def fetch(self, device_id: str) -> Telemetry:
-        results = await asyncio.gather(self._get("/state/cloud"), self._get(f"/state/device/{device_id}"),
-                                       return_exceptions=True)
-        for result in results:
-            if isinstance(result, _FetchFailed):
-                log.warning("state monitor %s: %s", self.http.base_url, result)
-                return Telemetry(failure=result.reason)
-            if isinstance(result, BaseException):
-                raise result
-        cloud, device = results
-        assert not isinstance(cloud, BaseException) and not isinstance(device, BaseException)  # raised above
-        if cloud is None:  # every state monitor serves /state/cloud: this is some other server
-            log.warning("state monitor %s: GET /state/cloud -> 404", self.http.base_url)
-            return Telemetry(failure="monitor-error")
-        return Telemetry(cloud=cloud, device=device)
-
-    async def fetch_edge_sd(self) -> tuple[EdgeTelemetry | None, str | None]:
-        """Edge SD's measured passes and verdicts, or (None, reason) when they cannot be had."""
-        try:
-            body = await self._get("/state/edge-sd")
-        except _FetchFailed as exc:
-            log.warning("state monitor %s: %s", self.http.base_url, exc)
-            return None, exc.reason
-        if body is None:  # a monitor without the route
-            return None, "monitor-error"
-        try:
-            return EdgeTelemetry.from_dict(body), None
-        except EdgeTelemetryError as exc:
-            log.warning("state monitor %s: unreadable edge-sd telemetry: %s", self.http.base_url, exc)
-            return None, "bad-telemetry"
-
-    async def _get(self, path: str) -> dict[str, Any] | None:
-        """JSON object at `path`; None for 404; _FetchFailed for anything else that is not a JSON object."""
-        try:
-            response = await asyncio.wait_for(self.http.get(path), self.timeout_s)
-        except (TimeoutError, httpx.TimeoutException) as exc:
-            raise _FetchFailed("monitor-unreachable", f"GET {path} timed out") from exc
-        except httpx.TransportError as exc:
-            raise _FetchFailed("monitor-unreachable", f"GET {path}: {type(exc).__name__}: {exc}") from exc
-        except httpx.HTTPError as exc:  # protocol trouble after connecting (bad encoding, redirects)
-            raise _FetchFailed("monitor-error", f"GET {path}: {type(exc).__name__}: {exc}") from exc
-        if response.status_code == 404:
-            return None
-        if response.status_code != 200:
-            raise _FetchFailed("monitor-error", f"GET {path} -> HTTP {response.status_code}")
-        try:
-            body = response.json()
-        except ValueError as exc:
-            raise _FetchFailed("monitor-error", f"GET {path}: not JSON") from exc
-        if not isinstance(body, dict):
-            raise _FetchFailed("monitor-error", f"GET {path}: not a JSON object")
-        return body
-
-
-def reported_stages(telemetry: Telemetry) -> int | None:
-    """P as the verifier reports it with its steps (None: no report yet, or no monitor)."""
-    stages = ((telemetry.cloud or {}).get("last") or {}).get("pipeline_stages")
-    return stages if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1 else None
-
-
-def planner_inputs(settings: Settings, bytes_per_token: int | None = None, stages: int | None = None
-                   ) -> PlannerInputs:
+def planner_inputs(settings: Settings, bytes_per_token: int | None = None, stages: int | None = None) -> PlannerInputs:
     """The static half of eq. 3 / eq. 6 (A, P, bounds, defaults): A and P from the caller when given (P also
     from the verifier's telemetry, `reported_stages`), else from settings (A only where `hidden_size` is
     configured; None = unknown)."""
@@ -190,14 +88,23 @@ def planner_inputs(settings: Settings, bytes_per_token: int | None = None, stage
         bytes_per_token = hidden_bytes_per_token(settings.hidden_size, settings.wire_dtype_bytes)
     return PlannerInputs(
         bytes_per_token=bytes_per_token,
-        stages=stages or settings.pipeline_stages, min_chunk_size=settings.min_chunk_size,
-        max_chunk_size=settings.max_chunk_size, default_chunk_size=settings.default_chunk_size,
-        stale_after_s=settings.stale_after_s, default_draft_steps=settings.default_parallel_draft_steps,
-        max_draft_steps=settings.max_parallel_draft_steps)
+        stages=stages or settings.pipeline_stages,
+        min_chunk_size=settings.min_chunk_size,
+        max_chunk_size=settings.max_chunk_size,
+        default_chunk_size=settings.default_chunk_size,
+        stale_after_s=settings.stale_after_s,
+        default_draft_steps=settings.default_parallel_draft_steps,
+        max_draft_steps=settings.max_parallel_draft_steps,
+    )
 
 
-def plan_chunk_size(settings: Settings, device_id: str, prompt_tokens: int,
-                    telemetry: Telemetry = NO_MONITOR, inputs: PlannerInputs | None = None) -> ChunkPlan:
+def plan_chunk_size(
+    settings: Settings,
+    device_id: str,
+    prompt_tokens: int,
+    telemetry: Telemetry = NO_MONITOR,
+    inputs: PlannerInputs | None = None,
+) -> ChunkPlan:
     """Chunk size for one prompt: eq. 3 from `telemetry`, else the default clamped to [min, max] and the prompt."""
     inputs = inputs or planner_inputs(settings)
     if telemetry.failure is not None:
@@ -208,8 +115,13 @@ def plan_chunk_size(settings: Settings, device_id: str, prompt_tokens: int,
     return plan
 
 
-def plan_parallel_draft_steps(settings: Settings, device_id: str, draft_len: int,
-                              telemetry: Telemetry = NO_MONITOR, inputs: PlannerInputs | None = None) -> DraftPlan:
+def plan_parallel_draft_steps(
+    settings: Settings,
+    device_id: str,
+    draft_len: int,
+    telemetry: Telemetry = NO_MONITOR,
+    inputs: PlannerInputs | None = None,
+) -> DraftPlan:
     """Steps to pre-draft during one verification of `draft_len` rows (k + 1): eq. 6, else the default."""
     inputs = inputs or planner_inputs(settings)
     if telemetry.failure is not None:
@@ -221,8 +133,7 @@ def plan_parallel_draft_steps(settings: Settings, device_id: str, draft_len: int
 
 
 def _plan_error(code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": code}},
-                        status_code=422)
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": code}}, status_code=422)
 
 
 def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
@@ -240,8 +151,12 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal monitor
         if settings.state_monitor_url:
-            monitor = MonitorClient(settings.state_monitor_url, settings.monitor_timeout_s, monitor_transport,
-                                    verify=client_context(settings.tls_ca))
+            monitor = MonitorClient(
+                settings.state_monitor_url,
+                settings.monitor_timeout_s,
+                monitor_transport,
+                verify=client_context(settings.tls_ca),
+            )
         else:
             log.warning("no state_monitor_url: chunk sizes and draft steps are fixed defaults")
         app.state.ready = True
@@ -262,31 +177,52 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
         # shared/auth.claims_of is annotated `dict` but only reads the ASGI scope (a MutableMapping)
         if not auth.may_act_for(auth.claims_of(request.scope), device_id):  # type: ignore[arg-type]
             raise HTTPException(403, "a device credential may ask only for its own device id")
+
     app.state.ready = False
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         detail = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:3])
-        return JSONResponse({"error": {"message": detail or "invalid request", "type": "invalid_request_error",
-                                       "code": "invalid_request"}}, status_code=400)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": detail or "invalid request",
+                    "type": "invalid_request_error",
+                    "code": "invalid_request",
+                }
+            },
+            status_code=400,
+        )
 
     @app.get("/chunk-size")
-    async def chunk_size(device_id: DeviceId, prompt_tokens: Annotated[int, Query(ge=1, le=10_000_000)],
-                         request: Request, bytes_per_token: BytesPerToken = None, stages: Stages = None
-                         ) -> dict[str, Any]:
+    async def chunk_size(
+        device_id: DeviceId,
+        prompt_tokens: Annotated[int, Query(ge=1, le=10_000_000)],
+        request: Request,
+        bytes_per_token: BytesPerToken = None,
+        stages: Stages = None,
+    ) -> dict[str, Any]:
         for_caller(request, device_id)
         state = await telemetry(device_id)
         inputs = planner_inputs(settings, bytes_per_token, stages or reported_stages(state))
         plan = plan_chunk_size(settings, device_id, prompt_tokens, state, inputs)
         metrics.decision("chunk_size", plan.source)
-        return {"chunk_size": plan.chunk_size, "source": plan.source,
-                "bytes_per_token": inputs.bytes_per_token, "stages": inputs.stages}
+        return {
+            "chunk_size": plan.chunk_size,
+            "source": plan.source,
+            "bytes_per_token": inputs.bytes_per_token,
+            "stages": inputs.stages,
+        }
 
     @app.get("/parallel-draft-steps")
-    async def parallel_draft_steps(request: Request, device_id: DeviceId,
-                                   draft_len: Annotated[int, Query(ge=0, le=4096)],
-                                   bytes_per_token: BytesPerToken = None, stages: Stages = None,
-                                   all_lengths: bool = False) -> dict[str, Any]:
+    async def parallel_draft_steps(
+        request: Request,
+        device_id: DeviceId,
+        draft_len: Annotated[int, Query(ge=0, le=4096)],
+        bytes_per_token: BytesPerToken = None,
+        stages: Stages = None,
+        all_lengths: bool = False,
+    ) -> dict[str, Any]:
         """λ for `draft_len` rows; with `all_lengths`, also λ for 0..draft_len rows from the same telemetry
         (`steps_by_draft_len`), so a device can plan each round from one answer."""
         for_caller(request, device_id)
@@ -294,12 +230,18 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
         inputs = planner_inputs(settings, bytes_per_token, stages or reported_stages(state))
         plan = plan_parallel_draft_steps(settings, device_id, draft_len, state, inputs)
         metrics.decision("parallel_draft_steps", plan.source)
-        answer: dict[str, Any] = {"steps": plan.steps, "source": plan.source,
-                                  "bytes_per_token": inputs.bytes_per_token, "stages": inputs.stages}
+        answer: dict[str, Any] = {
+            "steps": plan.steps,
+            "source": plan.source,
+            "bytes_per_token": inputs.bytes_per_token,
+            "stages": inputs.stages,
+        }
         if all_lengths:
             answer["steps_by_draft_len"] = (
-                [plan.steps] * (draft_len + 1) if state.failure is not None
-                else plan_draft_steps_table_from_state(state.cloud, state.device, inputs, draft_len)[0])
+                [plan.steps] * (draft_len + 1)
+                if state.failure is not None
+                else plan_draft_steps_table_from_state(state.cloud, state.device, inputs, draft_len)[0]
+            )
         return answer
 
     @app.post("/edge-sd/plan")
@@ -319,8 +261,13 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
         answer = plan.as_dict()
         latest_edge_sd_plan = answer
         metrics.decision("edge_sd_plan", answer["sources"]["alpha"])
-        log.info("edge-sd plan: %d tasks in %d batches, l=%d, sources %s", len(plan_request.tasks),
-                 len(answer["batches"]), answer["spec_len"], answer["sources"])
+        log.info(
+            "edge-sd plan: %d tasks in %d batches, l=%d, sources %s",
+            len(plan_request.tasks),
+            len(answer["batches"]),
+            answer["spec_len"],
+            answer["sources"],
+        )
         return JSONResponse(answer)
 
     @app.get("/edge-sd/plan")

@@ -19,33 +19,33 @@ class Settings(ServiceSettings):
 
     host: str = "127.0.0.1"
     port: int = 8010
-    default_chunk_size: int = 128   # HAT compares against server-side chunks of 128/256 (U-Sarathi)
+    default_chunk_size: int = 128  # HAT compares against server-side chunks of 128/256 (U-Sarathi)
     min_chunk_size: int = 16
     max_chunk_size: int = 1024
     # Where eq. 3 / eq. 6 telemetry comes from (GET /state/cloud, /state/device/{id});
     # empty: always the defaults, source "default:no-monitor".
     state_monitor_url: str = ""
-    monitor_timeout_s: float = 0.5      # bound on each fetch from the monitor, connect to body
-    stale_after_s: float = 30.0         # device telemetry older than this: defaults, "default:stale"
-    pipeline_stages: int = 1            # P in eq. 3 (HAT's testbed: 4)
+    monitor_timeout_s: float = 0.5  # bound on each fetch from the monitor, connect to body
+    stale_after_s: float = 30.0  # device telemetry older than this: defaults, "default:stale"
+    pipeline_stages: int = 1  # P in eq. 3 (HAT's testbed: 4)
     # A (bytes/token) for callers that do not pass `bytes_per_token`: hidden_size x wire_dtype_bytes.
     # 0 = unknown: such callers get the defaults ("default:no-bytes-per-token"), never eq. 3 for a guess.
     hidden_size: int = 0
-    wire_dtype_bytes: int = 2           # fp16 / bf16 hidden states on the wire
-    default_parallel_draft_steps: int = 2   # eq. 6 fallback
+    wire_dtype_bytes: int = 2  # fp16 / bf16 hidden states on the wire
+    default_parallel_draft_steps: int = 2  # eq. 6 fallback
     max_parallel_draft_steps: int = 16
     # Edge SD (POST /edge-sd/plan): what the plan uses where the monitor's GET /state/edge-sd cannot say
     # (source "default:<reason>"). Defaults: the paper's Table II — T(b, F) = c1*F*b + c2 (eq. 17) of its
     # SBS drafting LLaMA-1.1B (RTX 3080) and MBS verifying LLaMA-7B (RTX 4500), l_max = 10 — and alpha = 0.8
     # (its Figs. 7-9). snr_db: a user's uplink SNR when the request gives none. min_samples: fewer measured
     # passes (or verdicts) than this keep the default instead of a fit.
-    edge_sd_draft_c1: float = PlanDefaults.draft_c1      # s per FLOP, 4.11e-13
-    edge_sd_draft_c2: float = PlanDefaults.draft_c2      # s per pass, 0.56e-3
-    edge_sd_verify_c1: float = PlanDefaults.verify_c1    # 2.08e-14
-    edge_sd_verify_c2: float = PlanDefaults.verify_c2    # 1.28e-2
-    edge_sd_alpha: float = PlanDefaults.alpha            # 0.8
-    edge_sd_l_max: int = PlanDefaults.l_max              # 10
-    edge_sd_snr_db: float = PlanDefaults.snr_db          # 20 dB
+    edge_sd_draft_c1: float = PlanDefaults.draft_c1  # s per FLOP, 4.11e-13
+    edge_sd_draft_c2: float = PlanDefaults.draft_c2  # s per pass, 0.56e-3
+    edge_sd_verify_c1: float = PlanDefaults.verify_c1  # 2.08e-14
+    edge_sd_verify_c2: float = PlanDefaults.verify_c2  # 1.28e-2
+    edge_sd_alpha: float = PlanDefaults.alpha  # 0.8
+    edge_sd_l_max: int = PlanDefaults.l_max  # 10
+    edge_sd_snr_db: float = PlanDefaults.snr_db  # 20 dB
     edge_sd_min_samples: int = PlanDefaults.min_samples  # 8
 
     def validate(self) -> None:
@@ -67,10 +67,16 @@ class Settings(ServiceSettings):
         self.edge_sd_defaults()  # its own checks (alpha in [0, 1], l_max >= 1, c >= 0, ...)
 
     def edge_sd_defaults(self) -> PlanDefaults:
-        return PlanDefaults(draft_c1=self.edge_sd_draft_c1, draft_c2=self.edge_sd_draft_c2,
-                            verify_c1=self.edge_sd_verify_c1, verify_c2=self.edge_sd_verify_c2,
-                            alpha=self.edge_sd_alpha, l_max=self.edge_sd_l_max, snr_db=self.edge_sd_snr_db,
-                            min_samples=self.edge_sd_min_samples)
+        return PlanDefaults(
+            draft_c1=self.edge_sd_draft_c1,
+            draft_c2=self.edge_sd_draft_c2,
+            verify_c1=self.edge_sd_verify_c1,
+            verify_c2=self.edge_sd_verify_c2,
+            alpha=self.edge_sd_alpha,
+            l_max=self.edge_sd_l_max,
+            snr_db=self.edge_sd_snr_db,
+            min_samples=self.edge_sd_min_samples,
+        )
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.verifier_cloud.pipeline import PipelineFailed
+from services.verifier_cloud.pipeline_results import PipelineFailed
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import load_settings
 from shared.model.checkpoint import ModelLoadError
@@ -27,22 +27,39 @@ log = logging.getLogger("services.verifier_cloud")
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.verifier_cloud", description=__doc__.splitlines()[0])
-    parser.add_argument("--pipeline-stages", type=int, default=None, metavar="P",
-                        help="run the middle layers as P worker-process stages (env TOPHAT_VERIFIER_PIPELINE_STAGES; "
-                             "default 1 = in-process)")
-    parser.add_argument("--full-model", action="store_true", default=None,
-                        help="also serve token mode, HAT's cloud baseline: hold the whole model and accept token ids "
-                             "on sessions opened without privacy (env TOPHAT_VERIFIER_FULL_MODEL; default off)")
-    parser.add_argument("--server-chunk-tokens", type=int, default=None, metavar="N",
-                        help="U-Sarathi: compute prefills in pieces of N tokens, one per step "
-                             "(env TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS; default 0 = off)")
+    parser.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=None,
+        metavar="P",
+        help="run the middle layers as P worker-process stages (env TOPHAT_VERIFIER_PIPELINE_STAGES; "
+        "default 1 = in-process)",
+    )
+    parser.add_argument(
+        "--full-model",
+        action="store_true",
+        default=None,
+        help="also serve token mode, HAT's cloud baseline: hold the whole model and accept token ids "
+        "on sessions opened without privacy (env TOPHAT_VERIFIER_FULL_MODEL; default off)",
+    )
+    parser.add_argument(
+        "--server-chunk-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="U-Sarathi: compute prefills in pieces of N tokens, one per step "
+        "(env TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS; default 0 = off)",
+    )
     return parser.parse_args(argv)
 
 
 async def _main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    flags = {"pipeline_stages": args.pipeline_stages, "full_model": args.full_model,
-             "server_chunk_tokens": args.server_chunk_tokens}
+    flags = {
+        "pipeline_stages": args.pipeline_stages,
+        "full_model": args.full_model,
+        "server_chunk_tokens": args.server_chunk_tokens,
+    }
     overrides = {name: value for name, value in flags.items() if value is not None}
     settings = load_settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.verifier_cloud.pipeline import PipelineFailed, PipelineStep, StagePipeline
+from services.verifier_cloud.pipeline import StagePipeline
+from services.verifier_cloud.pipeline_results import PipelineFailed, PipelineStep
 from services.verifier_cloud.runner import ItemResult, ModelRunner, RunItem
 from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput
 from services.verifier_cloud.stages import StageItem
@@ -46,9 +47,15 @@ class StepStats:
 
     @classmethod
     def of(cls, ran: Sequence[WorkItem], batched_tokens: int, compute_s: float) -> "StepStats":
-        return cls(batched_tokens, compute_s, len(ran), sum(i.kind is WorkKind.PREFILL for i in ran),
-                   sum(i.kind is WorkKind.VERIFY for i in ran), sum(i.is_token for i in ran),
-                   tuple((i.session_id, i.kind.value, i.num_tokens) for i in ran))
+        return cls(
+            batched_tokens,
+            compute_s,
+            len(ran),
+            sum(i.kind is WorkKind.PREFILL for i in ran),
+            sum(i.kind is WorkKind.VERIFY for i in ran),
+            sum(i.is_token for i in ran),
+            tuple((i.session_id, i.kind.value, i.num_tokens) for i in ran),
+        )
 
 
 # (stats, overhead_s or None) -> None: one verifier_step record per (micro-)batch
@@ -93,9 +100,9 @@ class InProcessEngine:
     def execute(self, batch: SchedulerOutput) -> tuple[list[ItemResult], StepStats]:
         """Run one batch through the runner (worker thread): one result per item, and the step's stats."""
         started = time.perf_counter()
-        results = self.runner.run([RunItem(i.session_id, i.kind, i.position, i.hidden, i.token_ids, i.is_last,
-                                           i.draft)
-                                   for i in batch.items])
+        results = self.runner.run(
+            [RunItem(i.session_id, i.kind, i.position, i.hidden, i.token_ids, i.is_last, i.draft) for i in batch.items]
+        )
         compute_s = time.perf_counter() - started
         ran = [item for item, result in zip(batch.items, results) if result.error is None]
         return results, StepStats.of(ran, sum(i.num_tokens for i in ran), compute_s)
@@ -190,13 +197,23 @@ class PipelineEngine:
         it to a verify's round trip; eq. 3 divides it by P for the pipelined chunk rate).
         """
         self.scheduler.finish_batch(batch)
-        results = [ItemResult(None, EngineError(ErrorKind(item.error[0]), item.error[1])) if item.error is not None
-                   else ItemResult(torch.from_numpy(item.hidden)) for item in items]
+        results = [
+            ItemResult(None, EngineError(ErrorKind(item.error[0]), item.error[1]))
+            if item.error is not None
+            else ItemResult(torch.from_numpy(item.hidden))
+            for item in items
+        ]
         # An item that failed INTERNAL in stage k was appended by stages 0..k-1 (and restored in k):
         # cut it back everywhere to its position, the length all stages had before it.
-        self.pipeline.roll_back_sessions([(work.session_id, work.position) for work, result in zip(batch.items, results)
-                                          if result.error is not None and result.error.kind is ErrorKind.INTERNAL
-                                          and self.scheduler.is_current(work)])
+        self.pipeline.roll_back_sessions(
+            [
+                (work.session_id, work.position)
+                for work, result in zip(batch.items, results)
+                if result.error is not None
+                and result.error.kind is ErrorKind.INTERNAL
+                and self.scheduler.is_current(work)
+            ]
+        )
         deliver(self.scheduler, batch, results)
         ran = [work for work, result in zip(batch.items, results) if result.error is None]
         self.record_step(StepStats.of(ran, step.batched_tokens, step.compute_s), None)

@@ -29,9 +29,12 @@ TOKEN_WORK = (wire.TokenPrefill, wire.TokenStep, wire.TokenDraft)
 
 def to_wire(error: EngineError, session_id: int | None = None, seq_no: int | None = None) -> wire.WireError:
     """The engine's typed error as the wire's (same code names), addressed to the session and seq it concerns."""
-    return wire.WireError(wire.ErrorCode[error.kind.name], error.message,
-                          error.session_id if error.session_id is not None else session_id,
-                          error.seq_no if error.seq_no is not None else seq_no)
+    return wire.WireError(
+        wire.ErrorCode[error.kind.name],
+        error.message,
+        error.session_id if error.session_id is not None else session_id,
+        error.seq_no if error.seq_no is not None else seq_no,
+    )
 
 
 def work_item(message: WorkMessage, reply: Reply) -> WorkItem:
@@ -45,8 +48,11 @@ def work_item(message: WorkMessage, reply: Reply) -> WorkItem:
         kind=WorkKind.PREFILL if is_prefill else WorkKind.VERIFY,
         hidden=None if isinstance(message, TOKEN_WORK) else message.hidden,
         # prefills and drafts append at start_pos; verifies and token steps roll back to commit_len first
-        position=(message.start_pos if isinstance(message, (wire.PrefillChunk, wire.TokenPrefill, wire.TokenDraft))
-                  else message.commit_len),
+        position=(
+            message.start_pos
+            if isinstance(message, (wire.PrefillChunk, wire.TokenPrefill, wire.TokenDraft))
+            else message.commit_len
+        ),
         is_last=message.is_last if isinstance(message, wire.PrefillChunk) else True,
         reply=reply,
         token_ids=torch.tensor(message.token_ids, dtype=torch.long) if isinstance(message, TOKEN_WORK) else None,
@@ -56,8 +62,9 @@ def work_item(message: WorkMessage, reply: Reply) -> WorkItem:
 
 def streamed_chunk(message: wire.TokenDraft) -> StreamedChunk:
     try:
-        chunk = DraftChunk(message.epoch, message.start_pos, message.token_ids, message.num_final,
-                           message.draft_probs, message.more)
+        chunk = DraftChunk(
+            message.epoch, message.start_pos, message.token_ids, message.num_final, message.draft_probs, message.more
+        )
     except StreamProtocolError as exc:
         raise wire.WireError(wire.ErrorCode.BAD_SHAPE, str(exc), message.session_id, message.seq_no) from None
     return StreamedChunk(chunk, message.top_k)
@@ -68,15 +75,30 @@ def verdict_frame(session_id: int, seq_no: int, verdict: ChunkVerdict) -> wire.T
     payload = verdict.rejection
     if payload is None or payload.kind == "token":
         token = verdict.token if payload is None else payload.token
-        return wire.TokenVerdict(session_id, seq_no, verdict.epoch, verdict.num_accepted, rejected=payload is not None,
-                                 stale=verdict.stale, token=token)
+        return wire.TokenVerdict(
+            session_id,
+            seq_no,
+            verdict.epoch,
+            verdict.num_accepted,
+            rejected=payload is not None,
+            stale=verdict.stale,
+            token=token,
+        )
     assert payload.values is not None  # "topk" and "full" payloads carry the target's row
     indices = None
     if payload.kind == "topk":
         assert payload.indices is not None  # and "topk" its token ids
         indices = tuple(payload.indices.tolist())
-    return wire.TokenVerdict(session_id, seq_no, verdict.epoch, verdict.num_accepted, rejected=True,
-                             vocab_size=payload.vocab_size, probs=payload.values.float().contiguous(), indices=indices)
+    return wire.TokenVerdict(
+        session_id,
+        seq_no,
+        verdict.epoch,
+        verdict.num_accepted,
+        rejected=True,
+        vocab_size=payload.vocab_size,
+        probs=payload.values.float().contiguous(),
+        indices=indices,
+    )
 
 
 def reply_frame(item: WorkItem, out: torch.Tensor | ChunkVerdict | None, error: EngineError | None) -> wire.Message:
@@ -105,8 +127,9 @@ class BadFrameLog:
     """One connection's bad frames: each at DEBUG, and an INFO summary (count by code) at most once per
     interval and when the connection ends, so a peer sending garbage cannot flood the log."""
 
-    def __init__(self, peer: object, interval_s: float = BAD_FRAME_SUMMARY_S,
-                 on_count: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, peer: object, interval_s: float = BAD_FRAME_SUMMARY_S, on_count: Callable[[str], None] | None = None
+    ) -> None:
         """`on_count(code name)`: every bad frame, as it comes (the verifier's metrics); must not raise."""
         self.peer, self.interval_s, self.on_count = peer, interval_s, on_count
         self.counts: Counter[str] = Counter()
@@ -136,7 +159,13 @@ class BadFrameLog:
     def flush(self) -> None:
         if self.counts:
             total = sum(self.counts.values())
-            log.info("%d bad frame(s) from %s in %.0f s: %s", total, self.peer, time.monotonic() - self.since,
-                     ", ".join(f"{code} {n}" for code, n in self.counts.most_common()), extra={"bad_frames": total})
+            log.info(
+                "%d bad frame(s) from %s in %.0f s: %s",
+                total,
+                self.peer,
+                time.monotonic() - self.since,
+                ", ".join(f"{code} {n}" for code, n in self.counts.most_common()),
+                extra={"bad_frames": total},
+            )
             self.counts.clear()
         self.since = time.monotonic()

@@ -26,8 +26,13 @@ WS_PATH = "/ws"
 
 
 class HttpFront:
-    def __init__(self, settings: Settings, sessions: SessionTable, metrics: VerifierMetrics,
-                 readiness: Callable[[], tuple[bool, str]]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: SessionTable,
+        metrics: VerifierMetrics,
+        readiness: Callable[[], tuple[bool, str]],
+    ) -> None:
         """`readiness()`: (ready, the /readyz body)."""
         self.settings = settings
         self.sessions = sessions
@@ -57,8 +62,9 @@ class HttpFront:
         if not self.settings.auth_secret:
             return None
         try:
-            claims = auth.authenticate(self.settings.auth_secret, request.headers.get("Authorization"), {"device"},
-                                       time.time())
+            claims = auth.authenticate(
+                self.settings.auth_secret, request.headers.get("Authorization"), {"device"}, time.time()
+            )
         except auth.AuthError as exc:
             log.info("refused a verifier connection from %s: %s", connection.remote_address, exc.reason)
             response = connection.respond(HTTPStatus(exc.status), f"{exc.reason}\n")

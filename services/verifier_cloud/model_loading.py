@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.verifier_cloud.stage_specs import plan_stages
 from services.verifier_cloud.settings import Settings
+from services.verifier_cloud.stage_specs import plan_stages
 from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config
@@ -54,5 +54,6 @@ def load_model(settings: Settings) -> LoadedModel:
     if token_model is not None:
         token_model.to(placement.device)
     warm_up_layers(middle, checkpoint.hidden_size)
-    return LoadedModel(middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size,
-                       token_model=token_model)
+    return LoadedModel(
+        middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size, token_model=token_model
+    )

@@ -28,10 +28,9 @@ import queue
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from services.verifier_cloud.pipeline_results import DoneCallback, FailCallback, PipelineFailed, PipelineStep
 from services.verifier_cloud.scheduler import SchedulerOutput
 from services.verifier_cloud.stages import (
     STAGE_CODEC,
@@ -58,33 +57,16 @@ POLL_S = 0.2  # collector slice: how quickly a dead worker or a shutdown is noti
 ROOT_CAUSE_CHECKS = 20  # x 50 ms: how long a broken hop waits for the stage behind it to be seen dead
 
 
-class PipelineFailed(RuntimeError):
-    """A stage worker died, stalled or could not start."""
-
-
-@dataclass
-class PipelineStep:
-    """One finished micro-batch, with each stage's compute span (time.monotonic(), comparable across processes)."""
-    batch_id: int
-    batched_tokens: int
-    spans: list[tuple[int, float, float]]
-    sent_at: float
-    done_at: float
-
-    @property
-    def compute_s(self) -> float:
-        """Sum of the stages' compute: the micro-batch's whole trip through the middle layers (see server.py)."""
-        return sum(end - start for _, start, end in self.spans)
-
-
-# (batch, the last stage's items in batch order, the step) -> None; (batch, reason) -> None
-DoneCallback = Callable[[SchedulerOutput, list[StageItem], PipelineStep], None]
-FailCallback = Callable[[SchedulerOutput, str], None]
-
-
 class StagePipeline:
-    def __init__(self, specs: list[StageSpec], start_timeout_s: float, stage_timeout_s: float,
-                 on_done: DoneCallback | None = None, on_fail: FailCallback | None = None, history: int = 512):
+    def __init__(
+        self,
+        specs: list[StageSpec],
+        start_timeout_s: float,
+        stage_timeout_s: float,
+        on_done: DoneCallback | None = None,
+        on_fail: FailCallback | None = None,
+        history: int = 512,
+    ):
         self.specs = specs
         self.num_stages = len(specs)
         self.start_timeout_s, self.stage_timeout_s = start_timeout_s, stage_timeout_s
@@ -138,13 +120,15 @@ class StagePipeline:
             child_end.close()  # the children hold their own copies
         deadline = time.monotonic() + self.start_timeout_s
         try:
-            first, last = await asyncio.to_thread(chain_stages, self._startups, self.specs[0].host, self._token,
-                                                  self.start_timeout_s, self._dead_worker)
+            first, last = await asyncio.to_thread(
+                chain_stages, self._startups, self.specs[0].host, self._token, self.start_timeout_s, self._dead_worker
+            )
         except StageLinkError as exc:
             raise await self._abort(f"wiring the stage hops failed: {self._dead_worker() or exc}") from None
         self.sender = LinkSender(first, STAGE_CODEC, self.specs[0].in_link, "hop 0 (into stage 0)")
-        self.receiver = LinkReceiver(last, STAGE_CODEC,
-                                     f"hop {self.num_stages} (back from stage {self.num_stages - 1})")
+        self.receiver = LinkReceiver(
+            last, STAGE_CODEC, f"hop {self.num_stages} (back from stage {self.num_stages - 1})"
+        )
         self.sender.put(Hello())
         while True:
             message = await asyncio.to_thread(self._poll)
@@ -160,8 +144,9 @@ class StagePipeline:
             if time.monotonic() > deadline:
                 raise await self._abort(f"stages not ready after {self.start_timeout_s:.0f}s")
         self.started = True
-        log.info("pipeline ready: %s", ", ".join(f"stage {i} layers [{a}, {b}) pid {pid}"
-                                                   for i, a, b, pid in message.stages))
+        log.info(
+            "pipeline ready: %s", ", ".join(f"stage {i} layers [{a}, {b}) pid {pid}" for i, a, b, pid in message.stages)
+        )
 
     async def restart(self) -> None:
         """After a failure: reap what is left, spawn every stage afresh and wait until it is ready.
@@ -363,8 +348,13 @@ class StagePipeline:
             return
         batch, sent_at = entry
         self.release_slot()
-        step = PipelineStep(message.batch_id, sum(i.num_tokens for i in message.items if i.error is None),
-                            message.spans, sent_at, time.monotonic())
+        step = PipelineStep(
+            message.batch_id,
+            sum(i.num_tokens for i in message.items if i.error is None),
+            message.spans,
+            sent_at,
+            time.monotonic(),
+        )
         self.recent.append(step)
         assert self.on_done is not None  # set by the engine before the pipeline runs
         self.on_done(batch, message.items, step)

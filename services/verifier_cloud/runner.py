@@ -39,6 +39,7 @@ log = logging.getLogger("services.verifier_cloud.runner")
 @dataclass(eq=False)
 class RunItem(TokenItem):
     """One session's work in a batch, as the runner sees it (no reply, no wire)."""
+
     session_id: int
     kind: WorkKind
     position: int  # prefill: start_pos; verify: commit_len
@@ -59,6 +60,7 @@ class ItemResult:
 @dataclass
 class SessionCaches:
     """What the runner holds for one session: its KV in this layer range, and token-mode state."""
+
     middle: SessionKV
     token: TokenSession | None = None  # the lower layers' KV and the sampler (token mode only)
 
@@ -124,8 +126,9 @@ class ModelRunner:
             raise EngineError(ErrorKind.MALFORMED, "token-mode sessions are not forked", session_id)
         length = parent.length if length is None else length
         if not 0 <= length <= parent.length:
-            raise EngineError(ErrorKind.BAD_SHAPE, f"fork of {length} positions; the parent holds {parent.length}",
-                              session_id)
+            raise EngineError(
+                ErrorKind.BAD_SHAPE, f"fork of {length} positions; the parent holds {parent.length}", session_id
+            )
         self._release(session_id, SessionCaches(parent.middle.fork(length)))
 
     def close(self, session_id: int) -> None:
@@ -134,8 +137,10 @@ class ModelRunner:
     def kv_bytes(self) -> int:
         """Bytes allocated to the open sessions' KV (token sessions' lower layers included)."""
         with self._lock:  # a session in `sessions` is never freed, and none leaves it while we sum
-            return sum(c.middle.nbytes() + (c.token.lower.nbytes() if c.token is not None else 0)
-                       for c in self.sessions.values())
+            return sum(
+                c.middle.nbytes() + (c.token.lower.nbytes() if c.token is not None else 0)
+                for c in self.sessions.values()
+            )
 
     def _release(self, session_id: int, replacement: SessionCaches | None) -> None:
         with self._lock:
@@ -169,8 +174,12 @@ class ModelRunner:
             results: list[ItemResult | None] = [None] * len(items)
             runnable: dict[int, SessionCaches] = {}  # item index -> its caches, in item order
             for i, (item, caches) in enumerate(zip(items, entries)):
-                if (item.draft is not None and caches is not None and caches.token is not None
-                        and caches.token.stream.is_stale(item.draft.chunk)):
+                if (
+                    item.draft is not None
+                    and caches is not None
+                    and caches.token is not None
+                    and caches.token.stream.is_stale(item.draft.chunk)
+                ):
                     # drafted on a token rejected since: not run, and it must not touch the KV
                     results[i] = ItemResult(ChunkVerdict(caches.token.stream.epoch, 0, stale=True))
                     continue
@@ -207,8 +216,13 @@ class ModelRunner:
                 return EngineError(ErrorKind.MALFORMED, str(exc))
         return check_item(item.kind, item.position, item.num_tokens, caches.length, self.context_length)
 
-    def _run_isolated(self, items: Sequence[RunItem], entries: Mapping[int, SessionCaches], group: list[int],
-                      results: list[ItemResult | None]) -> None:
+    def _run_isolated(
+        self,
+        items: Sequence[RunItem],
+        entries: Mapping[int, SessionCaches],
+        group: list[int],
+        results: list[ItemResult | None],
+    ) -> None:
         """One packed pass over `group`; if it raises, restore and retry in halves down to the failing item."""
         marks = [entries[i].mark() for i in group]
         try:
@@ -217,12 +231,21 @@ class ModelRunner:
             for i, mark in zip(group, marks):
                 entries[i].restore(mark)
             if len(group) == 1:
-                log.error("session %d: item failed alone: %s: %s", items[group[0]].session_id,
-                          type(exc).__name__, exc, exc_info=exc)
+                log.error(
+                    "session %d: item failed alone: %s: %s",
+                    items[group[0]].session_id,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=exc,
+                )
                 results[group[0]] = ItemResult(None, EngineError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}"))
                 return
-            log.warning("a packed pass of %d items failed (%s: %s); retrying it in halves without the fault",
-                        len(group), type(exc).__name__, exc)
+            log.warning(
+                "a packed pass of %d items failed (%s: %s); retrying it in halves without the fault",
+                len(group),
+                type(exc).__name__,
+                exc,
+            )
             half = len(group) // 2
             self._run_isolated(items, entries, group[:half], results)
             self._run_isolated(items, entries, group[half:], results)
@@ -230,8 +253,9 @@ class ModelRunner:
         for i, output in zip(group, outputs):
             results[i] = ItemResult(output)
 
-    def _forward(self, items: Sequence[RunItem],
-                 entries: Sequence[SessionCaches]) -> list[torch.Tensor | ChunkVerdict | None]:
+    def _forward(
+        self, items: Sequence[RunItem], entries: Sequence[SessionCaches]
+    ) -> list[torch.Tensor | ChunkVerdict | None]:
         """Token items through embeddings + layers [0, m), then everything through one packed pass of
         this layer range, then token items through the head: deep states on the CPU, or sampled ids [1]."""
         # Received states keep their wire dtype until here: now the layers' device and compute dtype.
@@ -272,8 +296,9 @@ class ModelRunner:
                 if verdict.rejected:  # the rejected draft and everything after it leave the KV now
                     entries[i].truncate(items[i].position + draft.chunk.num_final + verdict.num_accepted)
             else:
-                outputs[i] = (torch.tensor([token_model.next_token(tokens[i], deep[i][-1:])])
-                              if items[i].is_last else None)
+                outputs[i] = (
+                    torch.tensor([token_model.next_token(tokens[i], deep[i][-1:])]) if items[i].is_last else None
+                )
         # Replies go back to the CPU for encoding; on a GPU this copy also waits for the pass to finish,
         # so whoever times run() measures the compute, not the kernel launches.
         return [out.cpu() if isinstance(out, torch.Tensor) else out for out in outputs]

@@ -50,6 +50,7 @@ from services.verifier_cloud.work_item import WorkItem
 
 log = logging.getLogger("services.verifier_cloud.scheduler")
 
+
 @dataclass
 class SchedulerOutput:
     items: list[WorkItem]
@@ -60,9 +61,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, max_batch_tokens: int, max_sessions: int, context_length: int,
-                 server_chunk_tokens: int = 0, prefill_pipelining: bool = False,
-                 max_sessions_per_owner: int | None = None, max_queue: int | None = None):
+    def __init__(
+        self,
+        max_batch_tokens: int,
+        max_sessions: int,
+        context_length: int,
+        server_chunk_tokens: int = 0,
+        prefill_pipelining: bool = False,
+        max_sessions_per_owner: int | None = None,
+        max_queue: int | None = None,
+    ):
         self.max_batch_tokens = max_batch_tokens
         self.max_sessions = max_sessions
         self.max_sessions_per_owner = max_sessions_per_owner  # None: no per-connection bound
@@ -81,8 +89,11 @@ class Scheduler:
         if len(self.sessions) >= self.max_sessions:
             raise EngineError(ErrorKind.OVERLOADED, f"verifier holds {self.max_sessions} sessions", sid)
         if self.max_sessions_per_owner is not None and len(self.owned_by(session.owner)) >= self.max_sessions_per_owner:
-            raise EngineError(ErrorKind.OVERLOADED, f"this connection holds {self.max_sessions_per_owner} sessions, "
-                              "the most one device may", sid)
+            raise EngineError(
+                ErrorKind.OVERLOADED,
+                f"this connection holds {self.max_sessions_per_owner} sessions, the most one device may",
+                sid,
+            )
         self.sessions[sid] = session
         return session
 
@@ -109,8 +120,12 @@ class Scheduler:
     def submit(self, item: WorkItem, owner: object) -> None:
         session = self.get(item.session_id, owner, item.seq_no)
         if self.max_queue is not None and len(session.queue) >= self.max_queue:
-            raise EngineError(ErrorKind.OVERLOADED, f"session {item.session_id} has {self.max_queue} items queued",
-                              item.session_id, item.seq_no)
+            raise EngineError(
+                ErrorKind.OVERLOADED,
+                f"session {item.session_id} has {self.max_queue} items queued",
+                item.session_id,
+                item.seq_no,
+            )
         session.queue.append(item)
         session.touch()
         self.work_ready.set()
@@ -121,8 +136,11 @@ class Scheduler:
             return False
         if not session.in_flight:
             return True
-        return (self.prefill_pipelining and session.queue[0].kind is WorkKind.PREFILL
-                and all(kind is WorkKind.PREFILL for kind in session.in_flight))
+        return (
+            self.prefill_pipelining
+            and session.queue[0].kind is WorkKind.PREFILL
+            and all(kind is WorkKind.PREFILL for kind in session.in_flight)
+        )
 
     def _head_tokens(self, session: Session) -> int:
         """Tokens the session's head item would put in this step (a piece of it, with server chunking)."""
@@ -154,8 +172,12 @@ class Scheduler:
                 break
         else:
             return  # the session was closed meanwhile: nobody to tell
-        log.info("session %d: server-side piece of seq %d failed (%s); dropping the rest of the item",
-                 rest.session_id, rest.seq_no, error.message)
+        log.info(
+            "session %d: server-side piece of seq %d failed (%s); dropping the rest of the item",
+            rest.session_id,
+            rest.seq_no,
+            error.message,
+        )
         if rest.reply is not None:
             rest.reply(rest, None, error)
 

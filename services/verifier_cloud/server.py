@@ -1,9 +1,10 @@
 """The verifier's WebSocket server: frames in, scheduler, frames out.
 
 One connection per device agent; a device multiplexes its sessions over it.
-Frames are validated on receipt; a bad frame gets a typed ErrorFrame back and
-the connection (and every other session) keeps working. When a connection
-ends, every session it opened is closed and its KV freed.
+Frames are validated on receipt (device_link.py, the connection's frame loop); a
+bad frame gets a typed ErrorFrame back and the connection (and every other
+session) keeps working. When a connection ends, every session it opened is
+closed and its KV freed.
 
 With `pipeline_stages` P = 1 (the default) the middle submodel runs in this
 process, one batch at a time, in a worker thread. With P > 1 it runs in P
@@ -16,7 +17,8 @@ session records (session.py); engine.py runs them, through runner.py's
 ModelRunner in this process or through the stage workers (pipeline.py,
 stages.py), each of which has a ModelRunner of its own.
 
-With `full_model` the verifier also serves token mode (token_mode.py): sessions
+With `full_model` the verifier also serves token mode (token_mode.py; its frames
+are token_frames.py's): sessions
 opened with OpenTokenSession send token ids and get sampled tokens back. Token
 messages on a session opened with privacy on are refused with PRIVACY_VIOLATION,
 and a verifier without the full model refuses OpenTokenSession with
@@ -32,10 +34,10 @@ from collections import deque
 
 import torch
 from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
 
+from services.verifier_cloud.device_link import DeviceLink
 from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
-from services.verifier_cloud.frames import TOKEN_WORK, BadFrameLog, reply_frame, to_wire, work_item
+from services.verifier_cloud.frames import TOKEN_WORK, to_wire, work_item
 from services.verifier_cloud.http_front import WS_PATH, HttpFront
 from services.verifier_cloud.model_loading import load_model
 from services.verifier_cloud.pipeline import StagePipeline
@@ -45,9 +47,9 @@ from services.verifier_cloud.session import Session
 from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageSpec
+from services.verifier_cloud.token_frames import TokenFrames
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
-from services.verifier_cloud.work_item import Reply, WorkItem
 from shared import auth, wire
 from shared.capture import CaptureWriter
 from shared.metrics import VerifierMetrics
@@ -55,17 +57,24 @@ from shared.model.checkpoint import split_fingerprint
 from shared.model.rotation import rotated_fingerprint
 from shared.model.split import MiddleSubmodel
 from shared.settings import SettingsError
-from shared.specdec.draft_stream import ChunkVerdict
-from shared.specdec.sampling import SamplingParams
 from shared.telemetry import TelemetryClient
 from shared.tls import client_context, server_context
 
 log = logging.getLogger("services.verifier_cloud")
 
 MAX_PROBE_ROWS = 4096  # a probe reply is padding; cap it so a probe cannot ask for a huge frame
+
+
 class VerifierServer:
-    def __init__(self, settings: Settings, middle: MiddleSubmodel | None, context_length: int, hidden_size: int,
-                 stages: list[StageSpec] | None = None, token_model: TokenModel | None = None):
+    def __init__(
+        self,
+        settings: Settings,
+        middle: MiddleSubmodel | None,
+        context_length: int,
+        hidden_size: int,
+        stages: list[StageSpec] | None = None,
+        token_model: TokenModel | None = None,
+    ):
         """`middle` for the in-process path (P = 1); `stages` (and middle=None) for P > 1 worker processes.
         `token_model` (P = 1 only) turns token mode on; `from_settings` builds it when `full_model` is set."""
         if (middle is None) == (stages is None):
@@ -76,20 +85,27 @@ class VerifierServer:
         self.hidden_size = hidden_size
         # What every OpenSession must match (read from the files, so P > 1 needs no weights here)
         # With a hidden rotation the fingerprint names it too: a device with another secret (or none) is refused.
-        self.split_fingerprint = rotated_fingerprint(split_fingerprint(settings.model_dir, settings.split_layers),
-                                                     settings.hidden_rotation)
+        self.split_fingerprint = rotated_fingerprint(
+            split_fingerprint(settings.model_dir, settings.split_layers), settings.hidden_rotation
+        )
         self.token_model = token_model
-        self.scheduler = Scheduler(settings.max_batch_tokens, settings.max_sessions, context_length,
-                                   server_chunk_tokens=settings.server_chunk_tokens,
-                                   prefill_pipelining=stages is not None and settings.prefill_pipelining,
-                                   max_sessions_per_owner=settings.max_sessions_per_connection,
-                                   max_queue=settings.max_queue_per_session)
-        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=client_context(settings.tls_ca),
-                                         auth=auth.client_auth(settings.auth_secret, "verifier-cloud", "service"))
+        self.scheduler = Scheduler(
+            settings.max_batch_tokens,
+            settings.max_sessions,
+            context_length,
+            server_chunk_tokens=settings.server_chunk_tokens,
+            prefill_pipelining=stages is not None and settings.prefill_pipelining,
+            max_sessions_per_owner=settings.max_sessions_per_connection,
+            max_queue=settings.max_queue_per_session,
+        )
+        self.telemetry = TelemetryClient(
+            settings.state_monitor_url or None,
+            verify=client_context(settings.tls_ca),
+            auth=auth.client_auth(settings.auth_secret, "verifier-cloud", "service"),
+        )
         auth.warn_if_open("the verifier", settings.auth_secret, settings.host, "TOPHAT_VERIFIER_AUTH_SECRET")
         self.steps = 0
         self.ready = False
-        self._pending_sends: set[asyncio.Task] = set()
         self.capture: CaptureWriter | None = None  # settings.capture_path: opened while serving (serve_forever)
         self.runner: ModelRunner | None = None  # P = 1: the in-process runner and its KV
         self.pipeline: StagePipeline | None = None  # P > 1: the stage workers, each with its own runner
@@ -103,9 +119,13 @@ class VerifierServer:
             self.engine = PipelineEngine(self.scheduler, self.pipeline, self._record_step)
         self.sessions = SessionTable(settings, self.scheduler, self.runner, self.pipeline)
         # With P > 1 the KV lives in the stage workers: no KV gauge here.
-        self.metrics = VerifierMetrics(sessions=lambda: len(self.scheduler.sessions),
-                                       kv_bytes=self.runner.kv_bytes if self.runner is not None else None)
+        self.metrics = VerifierMetrics(
+            sessions=lambda: len(self.scheduler.sessions),
+            kv_bytes=self.runner.kv_bytes if self.runner is not None else None,
+        )
         self.http = HttpFront(settings, self.sessions, self.metrics, self.readiness)
+        self.link = DeviceLink(settings, hidden_size, self.sessions, self.metrics.bad_frame)
+        self.tokens = TokenFrames(self.sessions, token_model)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "VerifierServer":
@@ -114,8 +134,14 @@ class VerifierServer:
         except ValueError as exc:
             raise SettingsError(f"Settings: {exc}") from exc
         loaded = load_model(settings)
-        return cls(settings, loaded.middle, loaded.context_length, loaded.hidden_size, stages=loaded.stages,
-                   token_model=loaded.token_model)
+        return cls(
+            settings,
+            loaded.middle,
+            loaded.context_length,
+            loaded.hidden_size,
+            stages=loaded.stages,
+            token_model=loaded.token_model,
+        )
 
     @property
     def recent_steps(self) -> deque[StepStats]:
@@ -134,79 +160,55 @@ class VerifierServer:
         return self.is_ready, body
 
     # -- connections -----------------------------------------------------------------
-    async def send(self, connection: ServerConnection, message: wire.Message, wire_dtype=None) -> None:
-        frame = wire.encode(message, wire_dtype=wire_dtype)
-        try:
-            async with asyncio.timeout(self.settings.send_timeout_s):
-                await connection.send(frame)
-        except (ConnectionClosed, TimeoutError) as exc:
-            log.info("could not reply to a device (%s); dropping the frame", type(exc).__name__)
-
     async def handle(self, connection: ServerConnection) -> None:
-        peer = connection.remote_address
-        log.info("device connected from %s", peer)
-        bad_frames = BadFrameLog(peer, on_count=self.metrics.bad_frame)
-        try:
-            while True:
-                async with asyncio.timeout(self.settings.idle_timeout_s):
-                    frame = await connection.recv()
-                if isinstance(frame, str):
-                    error = wire.WireError(wire.ErrorCode.MALFORMED, "text frames are not accepted")
-                    bad_frames.bad_frame(error)
-                    await self.send(connection, error.to_frame())
-                    continue
-                message: wire.Message | None = None
-                try:
-                    message = wire.decode(frame, max_frame_bytes=self.settings.max_frame_bytes,
-                                          expected_hidden_size=self.hidden_size, finite_only=True)
-                    reply = self.on_message(connection, message)
-                except wire.WireError as exc:
-                    bad_frames.bad_frame(exc)
-                    reply = exc.to_frame()
-                except Exception as exc:  # a bug met by one frame answers that frame, never ends the connection
-                    bad_frames.internal(exc)
-                    reply = wire.WireError(wire.ErrorCode.INTERNAL, f"{type(exc).__name__} handling this frame",
-                                           getattr(message, "session_id", None),
-                                           getattr(message, "seq_no", None)).to_frame()
-                if reply is not None:
-                    await self.send(connection, reply)
-        except TimeoutError:
-            log.info("device %s idle for %.0fs; disconnecting", peer, self.settings.idle_timeout_s)
-        except ConnectionClosed:
-            pass
-        finally:
-            bad_frames.flush()
-            closed = self.sessions.close_owned_by(connection)
-            log.info("device %s gone; freed %d session(s)", peer, len(closed))
+        """One device connection (device_link.py): its frames through `on_message`, looked up as it connects."""
+        await self.link.serve(connection, self.on_message)
 
     def on_message(self, connection: ServerConnection, message: wire.Message) -> wire.Message | None:
         if isinstance(message, wire.BandwidthProbe):
             # No amplification: the padding sent back is never more rows than came up (downlink probes pad uploads).
             if message.reply_rows > message.hidden.shape[0]:
-                raise wire.WireError(wire.ErrorCode.BAD_SHAPE, f"reply_rows {message.reply_rows} > the probe's own "
-                                     f"{message.hidden.shape[0]} rows", message.session_id, message.seq_no)
+                raise wire.WireError(
+                    wire.ErrorCode.BAD_SHAPE,
+                    f"reply_rows {message.reply_rows} > the probe's own {message.hidden.shape[0]} rows",
+                    message.session_id,
+                    message.seq_no,
+                )
             rows = max(1, min(message.reply_rows, MAX_PROBE_ROWS))
             padding = torch.zeros(rows, message.hidden.shape[1], dtype=torch.float16)
             return wire.ProbeReply(message.session_id, message.seq_no, padding)
         if isinstance(message, wire.OpenSession):
             if message.split_layers != self.settings.split_layers:
-                raise wire.WireError(wire.ErrorCode.SPLIT_MISMATCH, f"the device splits at layer "
-                                     f"{message.split_layers}, this verifier at layer {self.settings.split_layers}",
-                                     message.session_id)
+                raise wire.WireError(
+                    wire.ErrorCode.SPLIT_MISMATCH,
+                    f"the device splits at layer "
+                    f"{message.split_layers}, this verifier at layer {self.settings.split_layers}",
+                    message.session_id,
+                )
             if message.fingerprint != self.split_fingerprint:
-                raise wire.WireError(wire.ErrorCode.SPLIT_MISMATCH, f"checkpoint fingerprint "
-                                     f"{message.fingerprint:016x} is not this verifier's {self.split_fingerprint:016x} "
-                                     "(config or layers m-1, m differ)", message.session_id)
+                raise wire.WireError(
+                    wire.ErrorCode.SPLIT_MISMATCH,
+                    f"checkpoint fingerprint "
+                    f"{message.fingerprint:016x} is not this verifier's {self.split_fingerprint:016x} "
+                    "(config or layers m-1, m differ)",
+                    message.session_id,
+                )
             if not self.is_ready:
                 raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
-            return self.sessions.open(Session(message.session_id, connection, privacy=message.privacy,
-                                      wire_dtype=wire.WireDtype(message.wire_dtype)))
+            return self.sessions.open(
+                Session(
+                    message.session_id,
+                    connection,
+                    privacy=message.privacy,
+                    wire_dtype=wire.WireDtype(message.wire_dtype),
+                )
+            )
         if isinstance(message, wire.ForkSession):
             return self._fork(connection, message)
         if isinstance(message, wire.OpenTokenSession):
-            return self._open_token_session(connection, message)
+            return self.tokens.open(connection, message, self.is_ready)
         if isinstance(message, TOKEN_WORK):
-            self._submit_tokens(connection, message)
+            self.tokens.submit(connection, message, self.link.replier(connection))
             return None
         if isinstance(message, wire.CloseSession):
             self.sessions.get(message.session_id, connection)
@@ -214,19 +216,29 @@ class VerifierServer:
             return wire.SessionClosed(message.session_id)
         if isinstance(message, (wire.PrefillChunk, wire.VerifyRequest)):
             if self.sessions.get(message.session_id, connection, message.seq_no).is_token:
-                raise wire.WireError(wire.ErrorCode.MALFORMED, "a token-mode session takes token messages only",
-                                     message.session_id, message.seq_no)
-            self.sessions.submit(work_item(message, self._replier(connection)), connection)
+                raise wire.WireError(
+                    wire.ErrorCode.MALFORMED,
+                    "a token-mode session takes token messages only",
+                    message.session_id,
+                    message.seq_no,
+                )
+            self.sessions.submit(work_item(message, self.link.replier(connection)), connection)
             if self.capture is not None:  # only what was accepted as work: a refused frame raised above
                 if isinstance(message, wire.PrefillChunk):
-                    self.capture.record(message.session_id, message.seq_no, "prefill", message.start_pos,
-                                        message.hidden)
+                    self.capture.record(
+                        message.session_id, message.seq_no, "prefill", message.start_pos, message.hidden
+                    )
                 else:
-                    self.capture.record(message.session_id, message.seq_no, "verify", message.commit_len,
-                                        message.hidden)
+                    self.capture.record(
+                        message.session_id, message.seq_no, "verify", message.commit_len, message.hidden
+                    )
             return None
-        raise wire.WireError(wire.ErrorCode.UNKNOWN_TYPE, f"{type(message).__name__} is not accepted by the verifier",
-                             getattr(message, "session_id", None), getattr(message, "seq_no", None))
+        raise wire.WireError(
+            wire.ErrorCode.UNKNOWN_TYPE,
+            f"{type(message).__name__} is not accepted by the verifier",
+            getattr(message, "session_id", None),
+            getattr(message, "seq_no", None),
+        )
 
     def _fork(self, connection: ServerConnection, message: wire.ForkSession) -> wire.Message:
         """A session whose KV copies a parent's prefix (a kept prompt goes on without being computed again)."""
@@ -234,72 +246,36 @@ class VerifierServer:
         try:
             parent = self.scheduler.get(message.parent_id, connection)
         except EngineError:
-            raise wire.WireError(wire.ErrorCode.UNKNOWN_SESSION, f"unknown parent session {message.parent_id}",
-                                 sid) from None
+            raise wire.WireError(
+                wire.ErrorCode.UNKNOWN_SESSION, f"unknown parent session {message.parent_id}", sid
+            ) from None
         if parent.is_busy or parent.is_token:  # a busy parent's KV may be changing under the copy
-            raise wire.WireError(wire.ErrorCode.OVERLOADED if parent.is_busy else wire.ErrorCode.MALFORMED,
-                                 f"parent session {message.parent_id} is "
-                                 f"{'busy' if parent.is_busy else 'a token-mode session'}", sid)
+            raise wire.WireError(
+                wire.ErrorCode.OVERLOADED if parent.is_busy else wire.ErrorCode.MALFORMED,
+                f"parent session {message.parent_id} is {'busy' if parent.is_busy else 'a token-mode session'}",
+                sid,
+            )
         if not self.is_ready:
             raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", sid)
         parent.touch()  # forking a kept prefix is using it: the idle sweep leaves it be
-        return self.sessions.open(Session(sid, connection, privacy=parent.privacy, wire_dtype=parent.wire_dtype),
-                          fork_of=(message.parent_id, message.length))
-
-    def _open_token_session(self, connection: ServerConnection, message: wire.OpenTokenSession) -> wire.Message:
-        sid = message.session_id
-        if self.token_model is None:
-            raise wire.WireError(wire.ErrorCode.UNKNOWN_TYPE, "token mode is off on this verifier: it holds only the "
-                                 "middle layers (start it with TOPHAT_VERIFIER_FULL_MODEL=true)", sid)
-        if not self.is_ready:
-            raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", sid)
-        try:
-            params = SamplingParams(message.temperature, message.top_p, message.seed)
-        except ValueError as exc:  # the schema checks the same ranges; this keeps the two in step
-            raise wire.WireError(wire.ErrorCode.MALFORMED, str(exc), sid) from None
-        opened = self.sessions.open(Session(sid, connection, privacy=False, sampling=params))
-        log.debug("token session %d opened (temperature %g, top_p %g)", sid, params.temperature, params.top_p)
-        return opened
-
-    def _submit_tokens(self, connection: ServerConnection, message: wire.TokenPrefill | wire.TokenStep
-                       | wire.TokenDraft) -> None:
-        """Queue a token-mode item; refuse it on privacy sessions and on hidden-state sessions."""
-        sid, seq = message.session_id, message.seq_no
-        state = self.sessions.get(sid, connection, seq)
-        if state.privacy:
-            raise wire.WireError(wire.ErrorCode.PRIVACY_VIOLATION, f"{type(message).__name__} carries token ids; "
-                                 "this session was opened with privacy on", sid, seq)
-        if not state.is_token or self.token_model is None:
-            raise wire.WireError(wire.ErrorCode.MALFORMED, "token messages need a session opened with "
-                                 "OpenTokenSession", sid, seq)
-        self.token_model.check_ids(message.token_ids, sid, seq)
-        self.sessions.submit(work_item(message, self._replier(connection)), connection)
-
-    def _replier(self, connection: ServerConnection) -> Reply:
-        """The reply callback of a work item from `connection`: its result as a frame, in the session's dtype."""
-        def reply(item: WorkItem, out: torch.Tensor | ChunkVerdict | None, error: EngineError | None) -> None:
-            session = self.scheduler.sessions.get(item.session_id)
-            dtype = session.wire_dtype if session is not None and session.wire_dtype is not None else wire.WireDtype.F16
-            self._send_soon(connection, reply_frame(item, out, error), dtype)
-        return reply
-
-    def _send_soon(self, connection, message: wire.Message, wire_dtype=None) -> None:
-        """Send from synchronous code (engine callbacks): an owned task, bounded by send_timeout_s."""
-        task = asyncio.create_task(self.send(connection, message, wire_dtype))
-        self._pending_sends.add(task)
-        task.add_done_callback(self._pending_sends.discard)
+        return self.sessions.open(
+            Session(sid, connection, privacy=parent.privacy, wire_dtype=parent.wire_dtype),
+            fork_of=(message.parent_id, message.length),
+        )
 
     def _sessions_lost(self, reason: str) -> None:
         """The stage workers died and every session's KV with them: answer each session's queued
         work and the session itself with a typed error, and close it (the device starts over)."""
-        error = EngineError(ErrorKind.INTERNAL, f"verifier pipeline failed ({reason}); this session's KV is lost "
-                            "and the session is closed")
+        error = EngineError(
+            ErrorKind.INTERNAL,
+            f"verifier pipeline failed ({reason}); this session's KV is lost and the session is closed",
+        )
         lost = list(self.scheduler.sessions.values())
         for session in lost:
             for item in list(session.queue):
                 if item.reply is not None:
                     item.reply(item, None, error)
-            self._send_soon(session.owner, to_wire(error, session.session_id).to_frame())
+            self.link.send_soon(session.owner, to_wire(error, session.session_id).to_frame())
             self.sessions.close(session.session_id)
         log.warning("pipeline failure closed %d session(s); restarting the stage workers", len(lost))
 
@@ -311,10 +287,21 @@ class VerifierServer:
         kinds = {"prefill": stats.num_prefill, "verify": stats.num_verify}
         if stats.num_token:
             kinds["token"] = stats.num_token  # of the prefill + verify items, those in token mode
-        self.telemetry.emit_verifier_step(stats.batched_tokens, stats.compute_s, stats.num_sessions, kinds, overhead_s,
-                                          pipeline_stages=self.settings.pipeline_stages)
-        log.debug("step %d: %d tokens, %d sessions, %.1f ms", self.steps, stats.batched_tokens, stats.num_sessions,
-                  stats.compute_s * 1e3)
+        self.telemetry.emit_verifier_step(
+            stats.batched_tokens,
+            stats.compute_s,
+            stats.num_sessions,
+            kinds,
+            overhead_s,
+            pipeline_stages=self.settings.pipeline_stages,
+        )
+        log.debug(
+            "step %d: %d tokens, %d sessions, %.1f ms",
+            self.steps,
+            stats.batched_tokens,
+            stats.num_sessions,
+            stats.compute_s * 1e3,
+        )
 
     async def close_idle_sessions(self) -> None:
         """A task: close sessions without traffic for `session_idle_ttl_s`, a few times per TTL."""
@@ -332,8 +319,11 @@ class VerifierServer:
         try:
             if self.settings.capture_path:
                 self.capture = CaptureWriter.open(self.settings.capture_path)
-                log.warning("CAPTURE ON: every hidden-state frame accepted is appended to %s (an audit tool; "
-                            "it stores users' states)", self.settings.capture_path)
+                log.warning(
+                    "CAPTURE ON: every hidden-state frame accepted is appended to %s (an audit tool; "
+                    "it stores users' states)",
+                    self.settings.capture_path,
+                )
             if self.pipeline is not None:
                 await self.pipeline.start()  # bounded by stage_start_timeout_s; raises PipelineFailed
             await self._serve(stop, started)
@@ -352,22 +342,38 @@ class VerifierServer:
         # before its payload is read into memory; a typed OVERSIZED answer would need it buffered first.
         tls = server_context(self.settings.tls_cert, self.settings.tls_key)  # None: plain ws://
         auth.redact_credentials(("websockets.server",))  # at debug it logs each handshake header, tokens included
-        async with serve(self.handle, self.settings.host, self.settings.port, process_request=self.http.process_request,
-                         max_size=self.settings.max_frame_bytes, compression=None, ping_interval=20,
-                         ping_timeout=20, ssl=tls) as server:
+        async with serve(
+            self.handle,
+            self.settings.host,
+            self.settings.port,
+            process_request=self.http.process_request,
+            max_size=self.settings.max_frame_bytes,
+            compression=None,
+            ping_interval=20,
+            ping_timeout=20,
+            ssl=tls,
+        ) as server:
             async with asyncio.TaskGroup() as tasks:
                 engine = tasks.create_task(self.engine.run())
                 sweeper = tasks.create_task(self.close_idle_sessions())
                 # a pipeline (P > 1) comes with a PipelineEngine (__init__)
-                collector = (tasks.create_task(self.engine.supervise(self._sessions_lost))
-                             if isinstance(self.engine, PipelineEngine) else None)
+                collector = (
+                    tasks.create_task(self.engine.supervise(self._sessions_lost))
+                    if isinstance(self.engine, PipelineEngine)
+                    else None
+                )
                 self.ready = True
                 port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
-                log.info("verifier-cloud ready on %s://%s:%d%s (%d pipeline stage(s), token mode %s, server chunks %s)",
-                         "wss" if tls is not None else "ws", self.settings.host, port, WS_PATH,
-                         self.settings.pipeline_stages if self.pipeline is not None else 1,
-                         "on" if self.token_model is not None else "off",
-                         self.settings.server_chunk_tokens or "off")
+                log.info(
+                    "verifier-cloud ready on %s://%s:%d%s (%d pipeline stage(s), token mode %s, server chunks %s)",
+                    "wss" if tls is not None else "ws",
+                    self.settings.host,
+                    port,
+                    WS_PATH,
+                    self.settings.pipeline_stages if self.pipeline is not None else 1,
+                    "on" if self.token_model is not None else "off",
+                    self.settings.server_chunk_tokens or "off",
+                )
                 if started is not None:
                     started.set_result(port)
                 await stop.wait()

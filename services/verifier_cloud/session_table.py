@@ -24,8 +24,9 @@ from shared import wire
 
 
 class SessionTable:
-    def __init__(self, settings: Settings, scheduler: Scheduler, runner: ModelRunner | None,
-                 pipeline: StagePipeline | None) -> None:
+    def __init__(
+        self, settings: Settings, scheduler: Scheduler, runner: ModelRunner | None, pipeline: StagePipeline | None
+    ) -> None:
         """`runner` for the in-process path (P = 1), else `pipeline` (P > 1 stage workers)."""
         self.settings = settings
         self.scheduler = scheduler
@@ -50,8 +51,11 @@ class SessionTable:
         device, limit = self.device(session.owner), self.settings.device_session_limit
         held = sum(1 for other in self.scheduler.sessions.values() if self.device(other.owner) == device)
         if held >= limit:
-            raise EngineError(ErrorKind.OVERLOADED, f"this device holds {limit} sessions over its connections, "
-                              "the most one device may", session.session_id)
+            raise EngineError(
+                ErrorKind.OVERLOADED,
+                f"this device holds {limit} sessions over its connections, the most one device may",
+                session.session_id,
+            )
 
     def open(self, session: Session, fork_of: tuple[int, int | None] | None = None) -> wire.Message:
         """`fork_of` (parent_id, length): the new session's KV copies that prefix of the parent's."""

@@ -89,8 +89,9 @@ class Settings(ServiceSettings):
     @property
     def stage_workers(self) -> bool:
         """Whether the middle layers run in stage worker processes (else in-process)."""
-        return self.pipeline_stages > 1 or any(s.strip() for s in (self.stage_layers, self.stage_slowdowns,
-                                                                     self.stage_links))
+        return self.pipeline_stages > 1 or any(
+            s.strip() for s in (self.stage_layers, self.stage_slowdowns, self.stage_links)
+        )
 
     @property
     def device_session_limit(self) -> int:
@@ -106,8 +107,16 @@ class Settings(ServiceSettings):
             raise ValueError("max_sessions_per_connection and max_queue_per_session must be >= 1")
         if self.max_sessions_per_device < 0:
             raise ValueError("max_sessions_per_device must be >= 0 (0 = max_sessions_per_connection)")
-        if min(self.idle_timeout_s, self.send_timeout_s, self.stage_start_timeout_s, self.stage_timeout_s,
-               self.session_idle_ttl_s) <= 0:
+        if (
+            min(
+                self.idle_timeout_s,
+                self.send_timeout_s,
+                self.stage_start_timeout_s,
+                self.stage_timeout_s,
+                self.session_idle_ttl_s,
+            )
+            <= 0
+        ):
             raise ValueError("timeouts must be > 0")
         if self.pipeline_stages < 1:
             raise ValueError("pipeline_stages must be >= 1")
@@ -120,16 +129,21 @@ class Settings(ServiceSettings):
         if self.stage_layers.strip():
             ranges = parse_stage_layers(self.stage_layers, self.split_layers)
             if len(ranges) != self.pipeline_stages:
-                raise ValueError(f"stage_layers gives {len(ranges)} stages "
-                                 f"but pipeline_stages is {self.pipeline_stages}")
+                raise ValueError(
+                    f"stage_layers gives {len(ranges)} stages but pipeline_stages is {self.pipeline_stages}"
+                )
         parse_stage_slowdowns(self.stage_slowdowns, self.pipeline_stages)
         parse_stage_links(self.stage_links, self.pipeline_stages)
         if self.full_model and self.hidden_rotation:
-            raise ValueError("full_model (token mode) runs layers [0, m) and the head beside the middle layers: it "
-                             "cannot serve a rotated middle (hidden_rotation); token mode has no privacy anyway")
+            raise ValueError(
+                "full_model (token mode) runs layers [0, m) and the head beside the middle layers: it "
+                "cannot serve a rotated middle (hidden_rotation); token mode has no privacy anyway"
+            )
         if self.full_model and self.stage_workers:
-            raise ValueError("full_model (token mode) runs in-process: it needs pipeline_stages = 1 and no stage_* "
-                             f"settings, got {self.pipeline_stages} stage(s)")
+            raise ValueError(
+                "full_model (token mode) runs in-process: it needs pipeline_stages = 1 and no stage_* "
+                f"settings, got {self.pipeline_stages} stage(s)"
+            )
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -20,15 +20,33 @@ def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | No
         else:
             ranges = stage_ranges(settings.split_layers, num_layers, settings.pipeline_stages)
     except (SplitError, ValueError) as exc:
-        flag = (f"--stage-layers {settings.stage_layers}" if settings.stage_layers
-                else f"--pipeline-stages {settings.pipeline_stages}")
-        raise SplitError(f"{flag} does not fit: {exc} "
-                         f"(layers {settings.split_layers}..{num_layers - 1} run in the cloud)") from exc
+        flag = (
+            f"--stage-layers {settings.stage_layers}"
+            if settings.stage_layers
+            else f"--pipeline-stages {settings.pipeline_stages}"
+        )
+        raise SplitError(
+            f"{flag} does not fit: {exc} (layers {settings.split_layers}..{num_layers - 1} run in the cloud)"
+        ) from exc
     available, count = cuda if cuda is not None else cuda_facts()
     devices = plan_stage_devices(settings.device, len(ranges), cuda_available=available, device_count=count)
     slowdowns = parse_stage_slowdowns(settings.stage_slowdowns, len(ranges))
     links = parse_stage_links(settings.stage_links, len(ranges))  # P + 1 hops
-    return [StageSpec(i, settings.model_dir, settings.split_layers, r, settings.torch_threads, settings.log_level,
-                      device=device, dtype=settings.dtype, host=settings.stage_host, in_link=links[i],
-                      out_link=links[i + 1], slowdown=slowdowns[i], hidden_rotation=settings.hidden_rotation)
-            for i, (r, device) in enumerate(zip(ranges, devices))]
+    return [
+        StageSpec(
+            i,
+            settings.model_dir,
+            settings.split_layers,
+            r,
+            settings.torch_threads,
+            settings.log_level,
+            device=device,
+            dtype=settings.dtype,
+            host=settings.stage_host,
+            in_link=links[i],
+            out_link=links[i + 1],
+            slowdown=slowdowns[i],
+            hidden_rotation=settings.hidden_rotation,
+        )
+        for i, (r, device) in enumerate(zip(ranges, devices))
+    ]

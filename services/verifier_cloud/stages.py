@@ -56,9 +56,11 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 # -- messages (plain dataclasses; all pickle cheaply) -------------------------------------
 
+
 @dataclass
 class StageItem:
     """One session's piece of a micro-batch; `hidden` is replaced by each stage's output."""
+
     session_id: int
     seq_no: int
     kind: WorkKind
@@ -92,6 +94,7 @@ class SessionsRolledBack:
     Sent after an item failed INTERNAL in some stage: the stages before it had appended its
     positions, the failing one had not; `length` is the item's position, the length every
     stage had before it (a prefill starts at the cached length, a verify rolls back to it)."""
+
     sessions: list[tuple[int, int]]
 
 
@@ -99,12 +102,14 @@ class SessionsRolledBack:
 class SessionsForked:
     """(child, parent, length) triples: open each child as a copy of the parent's first `length` positions
     (None: all). In order with all prior traffic, so every stage copies the same prefix."""
+
     sessions: list[tuple[int, int, int | None]]
 
 
 @dataclass
 class Probe:
     """Debug/introspection: every stage appends {session_id: cached length}."""
+
     probe_id: int
     lengths: list[dict[int, int]] = field(default_factory=list)
 
@@ -112,6 +117,7 @@ class Probe:
 @dataclass
 class Hello:
     """Startup handshake: every stage appends (index, start layer, stop layer, pid) once it has loaded."""
+
     stages: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
@@ -129,6 +135,7 @@ class StageFailed:
 @dataclass(frozen=True)
 class StageSpec:
     """What a worker process needs to build its stage (picklable, no tensors)."""
+
     index: int
     model_dir: str
     split_layers: int
@@ -146,13 +153,24 @@ class StageSpec:
 
 
 # Every message that may cross a hop; a new message type is one more entry here.
-STAGE_MESSAGES = (MicroBatch, StageItem, SessionsOpened, SessionsClosed, SessionsRolledBack, SessionsForked, Probe,
-                  Hello, Stop, StageFailed)
+STAGE_MESSAGES = (
+    MicroBatch,
+    StageItem,
+    SessionsOpened,
+    SessionsClosed,
+    SessionsRolledBack,
+    SessionsForked,
+    Probe,
+    Hello,
+    Stop,
+    StageFailed,
+)
 STAGE_CODEC = StageCodec(STAGE_MESSAGES)
 LINK_TIMEOUT_S = 60.0  # a worker's bound on wiring its hops at startup (the parent's start timeout is the real one)
 
 
 # -- the stage itself (pure, testable in-process) ------------------------------------------
+
 
 class StageWorker:
     """A stage's ModelRunner (its layer range, its sessions' KV); turns each incoming message into the one
@@ -214,6 +232,7 @@ class StageWorker:
 
 # -- the process entry point -------------------------------------------------------------
 
+
 def _build(spec: StageSpec) -> StageWorker:
     from shared.model.checkpoint import load_checkpoint
     from shared.model.placement import detect_placement
@@ -240,8 +259,10 @@ def run_stage(spec: StageSpec, startup: Any, token: bytes) -> None:
     from shared.model.checkpoint import ModelLoadError
     from shared.model.split import SplitError
 
-    logging.basicConfig(level=spec.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s stage-{spec.index}[%(process)d] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s stage-{spec.index}[%(process)d] %(name)s: %(message)s",
+    )
     torch.set_num_threads(spec.torch_threads)
     try:
         in_sock, out_sock = join_chain(spec.host, startup, token, LINK_TIMEOUT_S)
@@ -257,8 +278,13 @@ def run_stage(spec: StageSpec, startup: Any, token: bytes) -> None:
             log.error("stage %d could not load layers %s: %s", spec.index, spec.layers, exc)
             outbox.put(StageFailed(spec.index, f"{type(exc).__name__}: {exc}"))
             return
-        log.info("stage %d ready: layers [%d, %d), slowdown %g, out link %s", spec.index, *spec.layers,
-                 spec.slowdown, spec.out_link.describe())
+        log.info(
+            "stage %d ready: layers [%d, %d), slowdown %g, out link %s",
+            spec.index,
+            *spec.layers,
+            spec.slowdown,
+            spec.out_link.describe(),
+        )
         _serve(spec, worker, inbox, outbox)
     except StageLinkError as exc:  # the downstream hop broke: nobody can hear this stage any more
         log.warning("stage %d: %s; exiting", spec.index, exc)

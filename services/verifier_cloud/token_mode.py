@@ -37,6 +37,7 @@ log = logging.getLogger("services.verifier_cloud.token_mode")
 @dataclass
 class TokenSession:
     """The cloud-side state a token session has beyond its middle-layer KV."""
+
     lower: SessionKV  # layers [0, m), kept the same length as the session's middle cache
     params: SamplingParams
     generator: torch.Generator
@@ -46,8 +47,10 @@ class TokenSession:
 @dataclass(frozen=True)
 class StreamedChunk:
     """A draft chunk to verify and how to answer a rejection (top_k 0: the whole target row)."""
+
     chunk: DraftChunk
     top_k: int
+
 
 class TokenModel:
     """Embeddings + layers [0, m) + norm + head: the parts only token mode needs in the cloud."""
@@ -61,8 +64,11 @@ class TokenModel:
         self.output = OutputSubmodel(checkpoint)
         self.vocab_size: int = self.embed_tokens.num_embeddings
         self.dtype = self.lower.dtype
-        log.info("token mode on: the cloud holds embeddings, layers [0, %d), norm and head (vocab %d)",
-                 split_layers, self.vocab_size)
+        log.info(
+            "token mode on: the cloud holds embeddings, layers [0, %d), norm and head (vocab %d)",
+            split_layers,
+            self.vocab_size,
+        )
 
     def to(self, device: torch.device | str) -> "TokenModel":
         """Move the embeddings, layers [0, m), norm and head beside the middle layers (dtypes unchanged)."""
@@ -80,8 +86,9 @@ class TokenModel:
         """Refuse ids the embedding table does not have (they would fail deep inside a batch)."""
         bad = [t for t in token_ids if t >= self.vocab_size]
         if bad:
-            raise WireError(ErrorCode.MALFORMED, f"token id {bad[0]} outside the vocabulary ({self.vocab_size})",
-                            session_id, seq_no)
+            raise WireError(
+                ErrorCode.MALFORMED, f"token id {bad[0]} outside the vocabulary ({self.vocab_size})", session_id, seq_no
+            )
 
     @torch.inference_mode()
     def shallow(self, items: Sequence[tuple[SessionKV, torch.Tensor]]) -> list[torch.Tensor]:
@@ -103,5 +110,11 @@ class TokenModel:
         """The verdict on a streamed draft chunk from the deep states of its tokens [n, H]."""
         p_rows = logits_to_probs(self.output(deep), session.params)  # [n, V]
         downlink: Downlink = "full" if streamed.top_k == 0 else "topk"
-        return session.stream.verify(streamed.chunk, p_rows.cpu(), session.generator,
-                                     greedy=session.params.is_greedy, downlink=downlink, top_k=max(1, streamed.top_k))
+        return session.stream.verify(
+            streamed.chunk,
+            p_rows.cpu(),
+            session.generator,
+            greedy=session.params.is_greedy,
+            downlink=downlink,
+            top_k=max(1, streamed.top_k),
+        )

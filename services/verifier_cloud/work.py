@@ -13,12 +13,14 @@ from typing import Any
 
 class WorkKind(enum.StrEnum):
     """What an item asks of a session's KV (a str: equal to "prefill" / "verify" in logs and records)."""
+
     PREFILL = "prefill"  # append at the end: position must equal the cached length
     VERIFY = "verify"  # roll back to position (commit_len), then append (a token step is one too)
 
 
 class TokenItem:
     """What a queued item (scheduler) and a running one (runner) both know: its rows, hidden or token ids."""
+
     hidden: Any  # [S, H] states, or None for token items
     token_ids: Any  # [S] ids for token items, else None
     draft: Any = None  # token items of a streamed draft: the StreamedChunk to verify (token_mode.py)
@@ -34,6 +36,7 @@ class TokenItem:
 
 class ErrorKind(enum.IntEnum):
     """Why an item or a session request failed; names match shared.wire.ErrorCode's."""
+
     MALFORMED = 1
     BAD_SHAPE = 5
     UNKNOWN_SESSION = 7
@@ -50,8 +53,9 @@ class EngineError(Exception):
         self.session_id, self.seq_no = session_id, seq_no
 
 
-def check_item(kind: WorkKind, position: int, num_tokens: int, cache_length: int,
-               context_length: int) -> EngineError | None:
+def check_item(
+    kind: WorkKind, position: int, num_tokens: int, cache_length: int, context_length: int
+) -> EngineError | None:
     """Why an item cannot run against a cache of `cache_length` positions (None: it can).
 
     The one check used by the in-process runner and every pipeline stage, so both

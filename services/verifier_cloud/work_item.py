@@ -42,9 +42,17 @@ class WorkItem(TokenItem):
 
     def split_front(self, size: int, reply: Reply) -> "WorkItem":
         """Detach the first `size` positions as a piece of their own; this item keeps the rest."""
-        piece = WorkItem(self.session_id, self.seq_no, self.kind,
-                         None if self.hidden is None else self.hidden[:size], self.position, False, reply,
-                         self.enqueued_at, None if self.token_ids is None else self.token_ids[:size])
+        piece = WorkItem(
+            self.session_id,
+            self.seq_no,
+            self.kind,
+            None if self.hidden is None else self.hidden[:size],
+            self.position,
+            False,
+            reply,
+            self.enqueued_at,
+            None if self.token_ids is None else self.token_ids[:size],
+        )
         if self.hidden is not None:
             self.hidden = self.hidden[size:]
         if self.token_ids is not None:
