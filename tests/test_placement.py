@@ -355,13 +355,13 @@ def test_stage_specs_carry_one_gpu_each_and_the_dtype_setting():
 @pytest.mark.parametrize("stages", [1, 2])
 def test_a_verifier_asked_for_a_missing_gpu_refuses_to_start_with_a_settings_error(tiny_llama_dir, stages,
                                                                                    monkeypatch):
-    import services.verifier_cloud.pipeline as pipeline
+    import services.verifier_cloud.stage_specs as stage_specs
     import shared.model.placement as placement
     from services.verifier_cloud.server import VerifierServer
     from services.verifier_cloud.settings import Settings
     from shared.settings import SettingsError
 
-    for module in (placement, pipeline):  # a machine without CUDA, wherever the test runs
+    for module in (placement, stage_specs):  # a machine without CUDA, wherever the test runs
         monkeypatch.setattr(module, "cuda_facts", lambda: (False, 0))
 
     settings = Settings(model_dir=str(tiny_llama_dir), pipeline_stages=stages, device="cuda")
