@@ -165,7 +165,7 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir):
 def test_a_planner_answer_that_does_not_fit_the_round_is_not_run(demo_checkpoint, answer):
     import httpx
 
-    from services.device_agent.edge_server import plan_fits
+    from services.device_agent.edge_planning import plan_fits
 
     assert not plan_fits(answer, 2)
     assert plan_fits({"batches": [[1], [0]], "spec_len": 2, "upload_s": [0.1, 0.0], "sources": {}}, 2)

@@ -28,8 +28,10 @@ def missing_adapter(settings: Settings) -> str | None:
     path = Path(settings.model_dir) / ADAPTER_FILENAME
     if path.is_file():
         return None
-    return (f"no draft adapter at {path}: set TOPHAT_DEVICE_ADAPTER=random (untrained: lossless, accepts "
-            "little) or to an adapter file, or TOPHAT_DEVICE_SPECULATIVE=false (plain U-shape)")
+    return (
+        f"no draft adapter at {path}: set TOPHAT_DEVICE_ADAPTER=random (untrained: lossless, accepts "
+        "little) or to an adapter file, or TOPHAT_DEVICE_SPECULATIVE=false (plain U-shape)"
+    )
 
 
 def main() -> None:
@@ -61,8 +63,12 @@ def main() -> None:
     device_id = auto_device_id(port) if settings.device_id == "auto" else settings.device_id
     settings = dataclasses.replace(settings, port=port, device_id=device_id)
     # With TLS the bound socket is served wrapped (uvicorn passes ssl= to create_server(sock=...)).
-    config = uvicorn.Config(create_app(settings), log_level=settings.log_level.lower(),
-                            ssl_certfile=settings.tls_cert or None, ssl_keyfile=settings.tls_key or None)
+    config = uvicorn.Config(
+        create_app(settings),
+        log_level=settings.log_level.lower(),
+        ssl_certfile=settings.tls_cert or None,
+        ssl_keyfile=settings.tls_key or None,
+    )
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -57,8 +57,9 @@ class DeviceAgent:
         self.settings = settings
         self.placement = detect_placement(settings.device, settings.dtype, what=f"device agent {settings.device_id}")
         self.checkpoint = load_checkpoint(settings.model_dir, dtype=self.placement.dtype)
-        self.model = build_device_model(self.checkpoint, settings.split_layers, settings.adapter or None,
-                                        speculative=settings.speculative).to(self.placement.device)
+        self.model = build_device_model(
+            self.checkpoint, settings.split_layers, settings.adapter or None, speculative=settings.speculative
+        ).to(self.placement.device)
         tls = client_context(settings.tls_ca)  # trusts the mesh's CA for https:// planner and monitor
         # This device's credential on its calls (verifier handshake, monitor, planner): its own token, or one
         # minted from the mesh secret for its device id (shared/auth.py); None when the mesh runs open.
@@ -68,23 +69,32 @@ class DeviceAgent:
         link = parse_link_spec(settings.link)
         if settings.link_scaled:
             link = scaled_for_hidden(link, self.checkpoint.hidden_size)
-        self.cloud = WebSocketCloud(settings.verifier_url, self.checkpoint.hidden_size,
-                                    wire.WireDtype(settings.wire_dtype), settings.request_timeout_s,
-                                    on_transfer=self._on_transfer, link=link if link.shaped else None,
-                                    on_frame=self.metrics.frame,
-                                    split_layers=settings.split_layers,
-                                    fingerprint=rotated_fingerprint(split_fingerprint(settings.model_dir,
-                                                                                      settings.split_layers),
-                                                                    settings.hidden_rotation),
-                                    tls_ca=settings.tls_ca, auth=credential)
+        self.cloud = WebSocketCloud(
+            settings.verifier_url,
+            self.checkpoint.hidden_size,
+            wire.WireDtype(settings.wire_dtype),
+            settings.request_timeout_s,
+            on_transfer=self._on_transfer,
+            link=link if link.shaped else None,
+            on_frame=self.metrics.frame,
+            split_layers=settings.split_layers,
+            fingerprint=rotated_fingerprint(
+                split_fingerprint(settings.model_dir, settings.split_layers), settings.hidden_rotation
+            ),
+            tls_ca=settings.tls_ca,
+            auth=credential,
+        )
         # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
         # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
         # Uplink hardening (shared/hardening.py) for the hidden-state modes: rotation inside the replay (replays are
         # rotated too), noise outside it (the replay log keeps the noisy rows, so a replay rebuilds the same cache).
         hidden_cloud = with_rotation(self.cloud, settings.hidden_rotation, self.checkpoint.hidden_size)
-        self.sessions_cloud = with_noise(ReplayingCloud(hidden_cloud, verifier_lost,
-                                                        deadline_s=settings.failover_deadline_s,
-                                                        on_replay=self._on_replay), settings.uplink_noise)
+        self.sessions_cloud = with_noise(
+            ReplayingCloud(
+                hidden_cloud, verifier_lost, deadline_s=settings.failover_deadline_s, on_replay=self._on_replay
+            ),
+            settings.uplink_noise,
+        )
         self.async_cloud = with_noise(hidden_cloud, settings.uplink_noise)  # hat-async: no replay
         self.speed = speed_schedule(settings.speed)
         self.requests_served = 0
@@ -93,19 +103,33 @@ class DeviceAgent:
         self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls, auth=credential)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
-        self.plans = PlanCache(
-            self.http, settings.chunk_planner_url, settings.device_id, bytes_per_token=self.bytes_per_token,
-            max_prompt_tokens=self.model.context_length, max_rows=settings.max_draft + 1,
-            default_chunk_size=settings.default_chunk_size, default_steps=DEFAULT_PARALLEL_STEPS,
-            refresh_s=settings.plan_refresh_s, timeout_s=settings.planner_timeout_s,
-        ) if settings.chunk_planner_url else None
+        self.plans = (
+            PlanCache(
+                self.http,
+                settings.chunk_planner_url,
+                settings.device_id,
+                bytes_per_token=self.bytes_per_token,
+                max_prompt_tokens=self.model.context_length,
+                max_rows=settings.max_draft + 1,
+                default_chunk_size=settings.default_chunk_size,
+                default_steps=DEFAULT_PARALLEL_STEPS,
+                refresh_s=settings.plan_refresh_s,
+                timeout_s=settings.planner_timeout_s,
+            )
+            if settings.chunk_planner_url
+            else None
+        )
         self.recent_rtts: deque[float] = deque(maxlen=5)
         # An edge pipeline's first stage cuts prompts by the plan's sub-sequence table (Jupiter §IV-B2).
-        self.edge_plan = load_plan(settings.edge_plan, self.checkpoint.num_layers,
-                                   self.checkpoint.hidden_size) if settings.edge_plan else None
+        self.edge_plan = (
+            load_plan(settings.edge_plan, self.checkpoint.num_layers, self.checkpoint.hidden_size)
+            if settings.edge_plan
+            else None
+        )
         self.kept = KeptSessions(settings.kept_ttl_s, settings.max_kept, self.sessions_cloud.close)
-        self.edge = edge_draft_server(settings, self.checkpoint, self.cloud, self.http) \
-            if settings.edge_draft_server else None
+        self.edge = (
+            edge_draft_server(settings, self.checkpoint, self.cloud, self.http) if settings.edge_draft_server else None
+        )
         warm_up_device(self.model)
 
     def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
@@ -134,9 +158,14 @@ class DeviceAgent:
         while True:
             ready = await self.cloud.check_ready(READINESS_TIMEOUT_S)
             if ready != was_ready:
-                log.log(logging.INFO if ready else logging.WARNING, "device %s %s", self.settings.device_id,
-                        "is ready: the verifier accepted its split" if ready else
-                        f"is not ready: {self.cloud.not_ready_reason}")
+                log.log(
+                    logging.INFO if ready else logging.WARNING,
+                    "device %s %s",
+                    self.settings.device_id,
+                    "is ready: the verifier accepted its split"
+                    if ready
+                    else f"is not ready: {self.cloud.not_ready_reason}",
+                )
                 was_ready = ready
             await asyncio.sleep(REFUSED_RECHECK_S if self.cloud.split_refused else READINESS_INTERVAL_S)
 
@@ -168,13 +197,22 @@ class DeviceAgent:
         self._on_transfer("up", up_bytes, up_s)
         self._on_transfer("down", down_bytes, down_s)
         self._report_rtt(rtt_s)
-        log.info("link probe: up %.0f KB/s, down %.0f KB/s, small-message round trip %.1f ms",
-                 up_bytes / up_s / 1e3, down_bytes / down_s / 1e3, rtt_s * 1e3)
+        log.info(
+            "link probe: up %.0f KB/s, down %.0f KB/s, small-message round trip %.1f ms",
+            up_bytes / up_s / 1e3,
+            down_bytes / down_s / 1e3,
+            rtt_s * 1e3,
+        )
 
     def _on_replay(self, session_id: int, rows: int, seconds: float) -> None:
         self.replays += 1
-        log.warning("session %d continues on verifier %s: %d rows replayed, %.2f s after the loss",
-                    session_id, self.cloud.url, rows, seconds)
+        log.warning(
+            "session %d continues on verifier %s: %d rows replayed, %.2f s after the loss",
+            session_id,
+            self.cloud.url,
+            rows,
+            seconds,
+        )
 
     async def plan(self) -> Plan:
         """Chunk size and PD steps for a request starting now: the planner's cached plan, or the defaults."""
@@ -182,8 +220,7 @@ class DeviceAgent:
             return Plan.defaults(self.settings.default_chunk_size, DEFAULT_PARALLEL_STEPS)
         return await self.plans.current()
 
-    async def stream(self, request: GenerateRequest, ids: list[int], session: DeviceSession | None,
-                     request_id: str):
+    async def stream(self, request: GenerateRequest, ids: list[int], session: DeviceSession | None, request_id: str):
         """NDJSON events of one request; `session` is None where the mode builds none (cloud)."""
         spec = MODE_TABLE[request.option("mode", self.settings)]
         started = time.perf_counter()
@@ -259,10 +296,14 @@ class DeviceAgent:
         if not steps:
             return
         overheads = session.round_overhead_s
-        prefill_s, prefill_tokens = (sum(s for s, _ in session.prefill_seconds),
-                                     sum(n for _, n in session.prefill_seconds))
+        prefill_s, prefill_tokens = (
+            sum(s for s, _ in session.prefill_seconds),
+            sum(n for _, n in session.prefill_seconds),
+        )
         self.telemetry.emit_device_draft(
-            self.settings.device_id, total_s / steps, steps,
+            self.settings.device_id,
+            total_s / steps,
+            steps,
             round_overhead_s=sum(overheads) / len(overheads) / slowdown if overheads else None,
             round_overhead_median_s=statistics.median(overheads) / slowdown if overheads else None,
             rounds=len(overheads),
@@ -271,8 +312,12 @@ class DeviceAgent:
             pd_hit_rate=session.reused_branches / session.predraft_chances if session.predraft_chances else None,
             pd_chances=session.predraft_chances,
             # U-shape rounds (no draft) accept "everything" trivially; only speculative sessions say anything.
-            full_accept_rate=(session.full_accepts / len(session.accept_lengths)
-                              if session.accept_lengths and session.draft_config.max_draft > 0 else None))
+            full_accept_rate=(
+                session.full_accepts / len(session.accept_lengths)
+                if session.accept_lengths and session.draft_config.max_draft > 0
+                else None
+            ),
+        )
 
     async def aclose(self) -> None:
         if self.edge is not None:

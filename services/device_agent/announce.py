@@ -16,8 +16,9 @@ import httpx
 log = logging.getLogger("services.device_agent")
 
 
-async def announce_loop(client: httpx.AsyncClient, monitor_url: str, device_id: str, url: str,
-                        max_sessions: int, interval_s: float) -> None:
+async def announce_loop(
+    client: httpx.AsyncClient, monitor_url: str, device_id: str, url: str, max_sessions: int, interval_s: float
+) -> None:
     body = {"device_id": device_id, "url": url, "max_sessions": max_sessions}
     failing = False
     while True:

@@ -57,8 +57,9 @@ log = logging.getLogger("services.device_agent")
 
 def error_response(status: int, code: str, message: str, **detail) -> JSONResponse:
     # "type" repeats the code: the kept-session errors were specified with it (OpenAI's error shape)
-    return JSONResponse(status_code=status, content={"error": {"code": code, "type": code, "message": message,
-                                                               **detail}})
+    return JSONResponse(
+        status_code=status, content={"error": {"code": code, "type": code, "message": message, **detail}}
+    )
 
 
 def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
@@ -68,22 +69,41 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI):
         torch.set_num_threads(settings.torch_threads)
         state["agent"] = agent if agent is not None else await asyncio.to_thread(DeviceAgent, settings)
-        log.info("device agent %s ready (model %s, m=%d, speculative=%s, mode %s)", settings.device_id,
-                 settings.model_dir, settings.split_layers, settings.speculative, settings.mode)
-        probes = [asyncio.create_task(state["agent"].readiness_loop(), name="verifier-readiness"),
-                  asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
-                  asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe"),
-                  asyncio.create_task(state["agent"].kept.cleanup_loop(), name="kept-sessions")]
+        log.info(
+            "device agent %s ready (model %s, m=%d, speculative=%s, mode %s)",
+            settings.device_id,
+            settings.model_dir,
+            settings.split_layers,
+            settings.speculative,
+            settings.mode,
+        )
+        probes = [
+            asyncio.create_task(state["agent"].readiness_loop(), name="verifier-readiness"),
+            asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
+            asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe"),
+            asyncio.create_task(state["agent"].kept.cleanup_loop(), name="kept-sessions"),
+        ]
         if state["agent"].edge is not None:
             probes.append(asyncio.create_task(state["agent"].edge.run(), name="edge-sd-rounds"))
         if settings.state_monitor_url and settings.announce_interval_s > 0:
-            url = advertised_url(settings.advertise_url, settings.host, settings.port,
-                                 route_to=settings.state_monitor_url)
+            url = advertised_url(
+                settings.advertise_url, settings.host, settings.port, route_to=settings.state_monitor_url
+            )
             if settings.tls_cert and not settings.advertise_url:  # this agent serves only https
                 url = "https://" + url.removeprefix("http://")
-            probes.append(asyncio.create_task(announce_loop(
-                state["agent"].http, settings.state_monitor_url, settings.device_id, url, settings.max_sessions,
-                settings.announce_interval_s), name="announce"))
+            probes.append(
+                asyncio.create_task(
+                    announce_loop(
+                        state["agent"].http,
+                        settings.state_monitor_url,
+                        settings.device_id,
+                        url,
+                        settings.max_sessions,
+                        settings.announce_interval_s,
+                    ),
+                    name="announce",
+                )
+            )
         if state["agent"].plans is not None:
             state["agent"].plans.refresh()  # the first plan, fetched before the first request needs it
         try:
@@ -96,8 +116,9 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
 
     app = FastAPI(title=f"tophat device agent {settings.device_id}", lifespan=lifespan)
     # /generate and /info answer the streamer only (a service token); the probes stay open.
-    auth.warn_if_open(f"device agent {settings.device_id}", settings.auth_secret, settings.host,
-                      "TOPHAT_DEVICE_AUTH_SECRET")
+    auth.warn_if_open(
+        f"device agent {settings.device_id}", settings.auth_secret, settings.host, "TOPHAT_DEVICE_AUTH_SECRET"
+    )
     auth.install(app, settings.auth_secret, {"service"})
 
     @app.get("/healthz")
@@ -120,13 +141,21 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
     @app.get("/info")
     async def info():
         agent = state["agent"]
-        return {"device_id": settings.device_id, "model": agent.checkpoint.path.name,
-                "active_sessions": agent.active, "max_sessions": settings.max_sessions,
-                "speculative": settings.speculative, "split_layers": settings.split_layers, "mode": settings.mode,
-                "bytes_per_token": agent.bytes_per_token, "speed": settings.speed,
-                "eos_token_id": agent.model.eos_token_id, "kept_sessions": len(agent.kept),
-                # the template's text between turns: the streamer's outline requests (shared/jupiter/outline.py)
-                "chat_format": advertised_chat_format(agent.checkpoint.tokenizer)}
+        return {
+            "device_id": settings.device_id,
+            "model": agent.checkpoint.path.name,
+            "active_sessions": agent.active,
+            "max_sessions": settings.max_sessions,
+            "speculative": settings.speculative,
+            "split_layers": settings.split_layers,
+            "mode": settings.mode,
+            "bytes_per_token": agent.bytes_per_token,
+            "speed": settings.speed,
+            "eos_token_id": agent.model.eos_token_id,
+            "kept_sessions": len(agent.kept),
+            # the template's text between turns: the streamer's outline requests (shared/jupiter/outline.py)
+            "chat_format": advertised_chat_format(agent.checkpoint.tokenizer),
+        }
 
     @app.get("/edge-sd/rounds")
     async def edge_rounds():
@@ -138,8 +167,9 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
     @app.delete("/kept/{handle}")
     async def delete_kept(handle: str):
         if not await state["agent"].kept.delete(handle):
-            return error_response(404, "unknown_kept_session",
-                                  f"no kept session {handle!r} (deleted, expired or evicted)")
+            return error_response(
+                404, "unknown_kept_session", f"no kept session {handle!r} (deleted, expired or evicted)"
+            )
         return {"deleted": handle}
 
     @app.post("/generate")
@@ -149,10 +179,16 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             return error_response(503, "busy", f"device {settings.device_id} is serving {agent.active} sessions")
         spec = MODE_TABLE[request.option("mode", settings)]
         speculative = request.option("speculative", settings)
-        asked = Asked(privacy=bool(request.privacy), keep_or_fork=request.keep or request.fork is not None,
-                      speculative=speculative)
-        offered = Offered(draft_adapter=agent.model.adapter is not None, max_draft=settings.max_draft,
-                          edge_server=agent.edge is not None)
+        asked = Asked(
+            privacy=bool(request.privacy),
+            keep_or_fork=request.keep or request.fork is not None,
+            speculative=speculative,
+        )
+        offered = Offered(
+            draft_adapter=agent.model.adapter is not None,
+            max_draft=settings.max_draft,
+            edge_server=agent.edge is not None,
+        )
         try:
             messages = None if request.messages is None else [m.model_dump() for m in request.messages]
             ids = encode_prompt(agent.checkpoint, request.prompt, request.prompt_ids, messages)
@@ -167,23 +203,33 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             if parent is not None:  # the prompt continues the kept sequence
                 ids = parent.token_ids + ids
                 if len(ids) <= parent.cache_len:
-                    return error_response(400, "bad_request", "a fork needs a continuation: the kept sequence "
-                                          "is all cached")
+                    return error_response(
+                        400, "bad_request", "a fork needs a continuation: the kept sequence is all cached"
+                    )
             if (refusal := spec.refusal(asked, offered)) is not None:
                 return error_response(refusal.status, refusal.code, refusal.message, **dict(refusal.detail))
             if not spec.uses_device_model and not ids:  # a device session refuses an empty prompt itself
                 return error_response(400, "bad_request", "the prompt is empty")
             max_draft = settings.max_draft if speculative else 0
-            session = build_session(spec, agent.model, ids, params, DraftConfig(settings.eta, max_draft),
-                                    max(request.max_new_tokens, 1),  # 0 (prefill only) never reaches a decode step
-                                    keepable=request.keep or parent is not None)
+            session = build_session(
+                spec,
+                agent.model,
+                ids,
+                params,
+                DraftConfig(settings.eta, max_draft),
+                max(request.max_new_tokens, 1),  # 0 (prefill only) never reaches a decode step
+                keepable=request.keep or parent is not None,
+            )
             if isinstance(session, KeepableSession):
                 session.prefill_only = request.max_new_tokens == 0
                 if parent is not None:
                     session.start_from(parent)
         except UnknownKeptSession:
-            return error_response(404, "unknown_kept_session", f"no kept session {request.fork!r} (never kept, "
-                                  "deleted, expired or evicted)")
+            return error_response(
+                404,
+                "unknown_kept_session",
+                f"no kept session {request.fork!r} (never kept, deleted, expired or evicted)",
+            )
         except (SessionError, ValueError) as exc:
             return error_response(400, "bad_request", str(exc))
         agent.active += 1

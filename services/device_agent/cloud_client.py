@@ -1,52 +1,43 @@
 """The device's side of the WebSocket to verifier-cloud: a `Cloud` over the wire.
 
-One connection per device agent, shared by all its sessions. Replies are
-matched to requests by (session_id, seq_no); a reader task owns the receive
-side. If the connection drops, every waiting request fails with
-`CloudUnavailable` and the next request reconnects.
+One connection per device agent, shared by all its sessions (cloud_connection.py: replicas, the reader,
+replies matched to requests by (session_id, seq_no), every wait bounded by `request_timeout_s`). If the
+connection drops, every waiting request fails with `CloudUnavailable` and the next request reconnects.
 
 Besides the hidden-state protocol of HAT mode it speaks token mode (no privacy) with a
 verifier started with TOPHAT_VERIFIER_FULL_MODEL: token_mode.py's `token_decode` (HAT's
-"cloud" baseline) and streamed token drafts. Every wait is bounded by `request_timeout_s`.
-How a call fails: cloud_errors.py.
+"cloud" baseline) and streamed token drafts. How a call fails: cloud_errors.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.asyncio.client import ClientConnection
 
+from services.device_agent.cloud_connection import SESSION_SEQ, CloudConnection, FrameHook
 from services.device_agent.cloud_errors import CloudError, CloudUnavailable
 from services.device_agent.token_mode import chunk_verdict
 from shared import wire
 from shared.auth import BearerAuth
 from shared.links import LinkProfile
-from shared.shaper import DelayLine, shapers_for
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.separate_rejection import Downlink
-from shared.tls import websocket_ssl
 
 log = logging.getLogger("services.device_agent.cloud")
 
-# Replies that answer a session-level request (open/close) carry no seq_no.
-_SESSION_SEQ = -1
 _U64_MASK = 2**64 - 1
 
-
 TransferHook = Callable[[str, int, float], None]  # (direction "up"/"down", bytes, seconds)
-FrameHook = Callable[[str, int], None]  # (direction "up"/"down", bytes of one WebSocket message); must not raise
 
 
-class WebSocketCloud:
+class WebSocketCloud(CloudConnection):
     def __init__(
         self,
         url: str,
@@ -68,43 +59,19 @@ class WebSocketCloud:
         OpenSession so a verifier with another split or checkpoint refuses it; without them only
         token-mode sessions can be opened. `url` may list several verifier replicas, comma-separated: a
         connection goes to the first that answers, and after one closes the next is tried first."""
-        self.urls = [u.strip() for u in url.split(",") if u.strip()]
-        if not self.urls:
-            raise ValueError("no verifier URL")
-        self.url = self.urls[0]  # the replica connected to (or tried) last
-        self._next_url = 0
+        super().__init__(
+            url, wire_dtype, request_timeout_s, connect_timeout_s, max_frame_bytes, link, on_frame, tls_ca, auth
+        )
         self.hidden_size = hidden_size
         self.split_layers = split_layers
         self.fingerprint = fingerprint
-        self.wire_dtype = wire_dtype
-        self.request_timeout_s = request_timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.max_frame_bytes = max_frame_bytes
         self.on_transfer = on_transfer
-        self.on_frame = on_frame  # every message's payload bytes, each way (the device's link metrics)
-        self.tls_ca = tls_ca  # the CA trusted for wss:// replicas (empty: the system's CAs)
-        self.auth = auth  # this device's credential for the handshake (shared/auth.py); fresh on every connect
-        self._connection: ClientConnection | None = None
-        self._reader: asyncio.Task | None = None
-        self._connect_lock = asyncio.Lock()
-        self._waiting: dict[tuple[int, int], asyncio.Future] = {}
-        self._seq = itertools.count(1)
-        # In-process link emulation (when the kernel path is unavailable): frames pass through
-        # a delay line per direction, so bandwidth and latency apply to real WebSocket traffic.
-        self._shapers = shapers_for(link) if link is not None else None
-        self._uplink: DelayLine | None = None
-        self._downlink: DelayLine | None = None
-        # Readiness: the connection on which the verifier last accepted this device's split identity,
-        # and why the device is not ready when it is not (read by /readyz, no network call there).
+        # Readiness: the connection on which the verifier last accepted this device's split identity (read by
+        # /readyz, no network call there; why the device is not ready when it is not: `not_ready_reason`).
         self._accepted_on: ClientConnection | None = None
-        self.not_ready_reason = "not yet connected to the verifier"
         self.split_refused = False  # the last check met SPLIT_MISMATCH: a configuration error
 
-    # -- connection -------------------------------------------------------------------
-    @property
-    def connected(self) -> bool:
-        return self._connection is not None and self._reader is not None and not self._reader.done()
-
+    # -- readiness --------------------------------------------------------------------
     @property
     def ready(self) -> bool:
         """Connected, and this connection's verifier accepted the split identity (a cached answer)."""
@@ -138,121 +105,7 @@ class WebSocketCloud:
         self._accepted_on, self.split_refused = connection, False
         return self.ready
 
-    async def _ensure_connected(self) -> ClientConnection:
-        async with self._connect_lock:
-            if self._connection is not None and self._reader is not None and not self._reader.done():
-                return self._connection
-            failures = []
-            for attempt in range(len(self.urls)):
-                index = (self._next_url + attempt) % len(self.urls)
-                self.url = self.urls[index]
-                try:
-                    self._connection = await connect(
-                        self.url, open_timeout=self.connect_timeout_s, max_size=self.max_frame_bytes,
-                        compression=None, ping_interval=20, ping_timeout=20,
-                        ssl=websocket_ssl(self.url, self.tls_ca),  # None for ws://
-                        additional_headers=self.auth.header() if self.auth is not None else None,
-                    )
-                except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
-                    failures.append(f"{self.url}: {exc or type(exc).__name__}")
-                    continue
-                self._next_url = index
-                break
-            else:
-                raise CloudUnavailable(f"cannot reach a verifier ({'; '.join(failures)})")
-            if self._shapers is not None:
-                connection = self._connection
-                self._uplink = DelayLine(self._shapers[0], connection.send)
-                self._downlink = DelayLine(self._shapers[1], self._deliver_frame)
-            self._reader = asyncio.create_task(self._read_loop(self._connection))
-            log.info("connected to verifier %s", self.url)
-            return self._connection
-
-    async def _read_loop(self, connection: ClientConnection) -> None:
-        try:
-            async for frame in connection:
-                if self._downlink is not None:
-                    await self._downlink.put(frame)
-                else:
-                    await self._deliver_frame(frame)
-        except ConnectionClosed:
-            pass
-        finally:
-            if self._downlink is not None:
-                await self._downlink.aclose()
-            if self._uplink is not None:
-                await self._uplink.aclose()
-            failure = CloudUnavailable("connection to the verifier closed")
-            for future in self._waiting.values():
-                if not future.done():
-                    future.set_exception(failure)
-            self._waiting.clear()
-            self._next_url = (self.urls.index(self.url) + 1) % len(self.urls)  # another replica first next time
-            self.not_ready_reason = f"the connection to the verifier at {self.url} closed"
-            log.info("connection to verifier %s closed", self.url)
-
-    async def _deliver_frame(self, frame: bytes | str) -> None:
-        received = time.perf_counter()
-        if self.on_frame is not None:
-            self.on_frame("down", len(frame))
-        if isinstance(frame, str):  # a text frame: the verifier sends binary ones only (wire.decode refuses it)
-            log.warning("undecodable frame from the verifier: MALFORMED: frame must be bytes, got str")
-            return
-        try:
-            message = wire.decode(frame, max_frame_bytes=self.max_frame_bytes)
-        except wire.WireError as exc:
-            log.warning("undecodable frame from the verifier: %s", exc)
-            return
-        self._deliver(message, len(frame), received)
-
-    def _deliver(self, message: wire.Message, nbytes: int, received: float) -> None:
-        seq_no = getattr(message, "seq_no", None)
-        session_id = getattr(message, "session_id", None)
-        key = (session_id, _SESSION_SEQ if seq_no is None else seq_no)
-        # nothing waits under a None session id: every request is sent under its session's (`_send`)
-        future = self._waiting.pop((session_id, key[1]), None) if session_id is not None else None
-        if future is None and isinstance(message, wire.ErrorFrame) and message.session_id is not None:
-            # An error about a session-level request, or one we cannot place.
-            future = self._waiting.pop((message.session_id, _SESSION_SEQ), None)
-        if future is None:
-            log.warning("unexpected %s from the verifier (session %s, seq %s)", type(message).__name__, *key)
-            return
-        if future.done():
-            return
-        if isinstance(message, wire.ErrorFrame):
-            future.set_exception(CloudError(wire.ErrorCode(message.code), message.message))
-        else:
-            future.set_result(message)
-
-    async def _send(self, message: wire.Message, key: tuple[int, int]) -> asyncio.Future:
-        connection = await self._ensure_connected()
-        future = asyncio.get_running_loop().create_future()
-        self._waiting[key] = future
-        frame = wire.encode(message, wire_dtype=self.wire_dtype)
-        try:
-            async with asyncio.timeout(self.request_timeout_s):
-                if self._uplink is not None:
-                    await self._uplink.put(frame)
-                else:
-                    await connection.send(frame)
-        except (ConnectionClosed, TimeoutError, RuntimeError) as exc:
-            self._waiting.pop(key, None)
-            raise CloudUnavailable(f"sending to the verifier failed: {type(exc).__name__}") from exc
-        if self.on_frame is not None:
-            self.on_frame("up", len(frame))
-        return future
-
-    async def _wait(self, future: asyncio.Future, key: tuple[int, int]) -> wire.Message:
-        try:
-            async with asyncio.timeout(self.request_timeout_s):
-                return await future
-        except TimeoutError as exc:
-            self._waiting.pop(key, None)
-            raise CloudUnavailable(f"the verifier did not answer within {self.request_timeout_s}s") from exc
-
-    async def _request(self, message: wire.Message, key: tuple[int, int]) -> wire.Message:
-        return await self._wait(await self._send(message, key), key)
-
+    # -- link probes ------------------------------------------------------------------
     async def _probe_rtt(self, up_rows: int, down_rows: int) -> float:
         seq_no = next(self._seq)
         padding = torch.zeros(up_rows, self.hidden_size, dtype=torch.float16)
@@ -280,37 +133,38 @@ class WebSocketCloud:
         bulk_both = await self._probe_rtt(rows, rows)
         return (extra, max(bulk_up - base, 1e-6)), (extra, max(bulk_both - bulk_up, 1e-6)), base
 
-    async def close_connection(self) -> None:
-        if self._connection is not None:
-            await self._connection.close()
-        if self._reader is not None:
-            try:
-                async with asyncio.timeout(5):
-                    await self._reader
-            except TimeoutError:
-                self._reader.cancel()
-
     # -- the Cloud protocol ------------------------------------------------------------
     async def open(self, session_id: int) -> None:
         if self.split_layers is None or self.fingerprint is None:
-            raise ValueError("this WebSocketCloud was built without split_layers and fingerprint: it can open "
-                             "token-mode sessions only")
-        message = wire.OpenSession(session_id, self.hidden_size, self.wire_dtype.value, True,
-                                   split_layers=self.split_layers, fingerprint=self.fingerprint)
+            raise ValueError(
+                "this WebSocketCloud was built without split_layers and fingerprint: it can open "
+                "token-mode sessions only"
+            )
+        message = wire.OpenSession(
+            session_id,
+            self.hidden_size,
+            wire.WireDtype(self.wire_dtype),
+            True,
+            split_layers=self.split_layers,
+            fingerprint=self.fingerprint,
+        )
         try:
-            await self._request(message, (session_id, _SESSION_SEQ))
+            await self._request(message, (session_id, SESSION_SEQ))
         except CloudError as exc:
             if exc.code != wire.ErrorCode.SPLIT_MISMATCH:
                 raise
             log.error("the verifier at %s serves another split or checkpoint: %s", self.url, exc)
-            raise CloudError(exc.code, f"{exc.detail} (this device: split at layer "
-                             f"{self.split_layers}, checkpoint fingerprint {self.fingerprint:016x}); start both "
-                             "with the same model directory and split") from None
+            raise CloudError(
+                exc.code,
+                f"{exc.detail} (this device: split at layer "
+                f"{self.split_layers}, checkpoint fingerprint {self.fingerprint:016x}); start both "
+                "with the same model directory and split",
+            ) from None
 
     async def fork(self, session_id: int, parent_id: int, length: int) -> None:
         """Open `session_id` as a copy of the first `length` positions of `parent_id` (a session of this
         connection with nothing in flight): the verifier copies that KV instead of computing it again."""
-        await self._request(wire.ForkSession(session_id, parent_id, length), (session_id, _SESSION_SEQ))
+        await self._request(wire.ForkSession(session_id, parent_id, length), (session_id, SESSION_SEQ))
 
     async def send_prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool):
         seq_no = next(self._seq)
@@ -344,7 +198,7 @@ class WebSocketCloud:
         if self._connection is None or self._reader is None or self._reader.done():
             return  # the cloud already dropped every session of the lost connection
         try:
-            await self._request(wire.CloseSession(session_id), (session_id, _SESSION_SEQ))
+            await self._request(wire.CloseSession(session_id), (session_id, SESSION_SEQ))
         except (CloudUnavailable, CloudError) as exc:
             log.info("closing session %d: %s", session_id, exc)
 
@@ -352,8 +206,10 @@ class WebSocketCloud:
     async def open_token_session(self, session_id: int, params: SamplingParams) -> None:
         # torch seeds a generator with a negative seed as its two's complement; the wire carries a u64
         seed = None if params.seed is None else params.seed & _U64_MASK
-        await self._request(wire.OpenTokenSession(session_id, float(params.temperature), float(params.top_p), seed),
-                            (session_id, _SESSION_SEQ))
+        await self._request(
+            wire.OpenTokenSession(session_id, float(params.temperature), float(params.top_p), seed),
+            (session_id, SESSION_SEQ),
+        )
 
     async def _next_token(self, message: wire.TokenPrefill | wire.TokenStep) -> int:
         reply = await self._request(message, (message.session_id, message.seq_no))
@@ -363,19 +219,29 @@ class WebSocketCloud:
 
     async def token_prefill(self, session_id: int, token_ids: Sequence[int]) -> int:
         """Upload the whole prompt's ids; returns the first generated token."""
-        return await self._next_token(wire.TokenPrefill(session_id, next(self._seq), list(token_ids)))
+        return await self._next_token(wire.TokenPrefill(session_id, next(self._seq), tuple(token_ids)))
 
     async def token_step(self, session_id: int, commit_len: int, token_ids: Sequence[int]) -> int:
         """Keep `commit_len` cached positions, append `token_ids`; returns the next token."""
-        return await self._next_token(wire.TokenStep(session_id, next(self._seq), commit_len, list(token_ids)))
+        return await self._next_token(wire.TokenStep(session_id, next(self._seq), commit_len, tuple(token_ids)))
 
-    async def send_token_chunk(self, session_id: int, chunk: DraftChunk, downlink: Downlink,
-                               top_k: int) -> Awaitable[ChunkVerdict]:
+    async def send_token_chunk(
+        self, session_id: int, chunk: DraftChunk, downlink: Downlink, top_k: int
+    ) -> Awaitable[ChunkVerdict]:
         """Upload one chunk of a streamed draft; returns once it is sent, with an awaitable of its verdict."""
         seq_no = next(self._seq)
         key = (session_id, seq_no)
-        message = wire.TokenDraft(session_id, seq_no, chunk.epoch, chunk.start_pos, chunk.tokens, chunk.num_final,
-                                  chunk.more, 0 if downlink == "full" else top_k, chunk.q_drafted)
+        message = wire.TokenDraft(
+            session_id,
+            seq_no,
+            chunk.epoch,
+            chunk.start_pos,
+            chunk.tokens,
+            chunk.num_final,
+            chunk.more,
+            0 if downlink == "full" else top_k,
+            chunk.q_drafted,
+        )
         future = await self._send(message, key)
 
         async def answer() -> ChunkVerdict:

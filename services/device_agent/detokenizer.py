@@ -26,5 +26,5 @@ class IncrementalDetokenizer:
         text = self._decode()
         if text.endswith("\ufffd"):
             return ""
-        delta, self.emitted = text[len(self.emitted):], text
+        delta, self.emitted = text[len(self.emitted) :], text
         return delta

@@ -17,6 +17,8 @@ output is the target's and sampled output has its distribution (shared/specdec/d
 
 Step 1 differs from the paper's in one way: the first token is the target's (its prefill samples it), as
 in every other mode here, instead of a first verification of l drafts made on the draft model's prefill.
+
+The plans, and the samples they are made from without the planner, are edge_planning.py's.
 """
 
 from __future__ import annotations
@@ -28,25 +30,21 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeGuard
 
 import httpx
 
 from services.device_agent.cloud_errors import CloudError, CloudUnavailable
+from services.device_agent.edge_planning import EdgePlanning, RoundRecord
 from shared.device_speed import slowed, speed_schedule
 from shared.edge_sd.bandwidth import embedding_bits_per_token
-from shared.edge_sd.batching import InfeasibleBatchingError
 from shared.edge_sd.draft_batch import draft_batch, prefill_batch
-from shared.edge_sd.plan import EdgeTask, EdgeTelemetry, PlanDefaults, PlanRequest, plan_round
+from shared.edge_sd.plan import EdgeTask, PlanRequest
 from shared.edge_sd.runtime import ModelShape, split_model_shapes
 from shared.specdec.device_session import SessionError
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.stream_session import StreamSession
 
 log = logging.getLogger("services.device_agent.edge_server")
-
-SAMPLES_KEPT = 512  # runtime and verdict samples kept for planning without the planner
-PLAN_TIMEOUT_S = 10.0  # a plan is a DP per speculation length: seconds for a large round, not a lookup
 
 
 @dataclass(frozen=True)
@@ -86,33 +84,29 @@ class EdgeRequest:
             self.tokens.put_nowait(error)
 
 
-@dataclass
-class RoundRecord:
-    """What one round planned and how its stages ran, for /edge-sd/plan and the bench."""
-
-    plan: dict
-    started: float
-    upload_s: float = 0.0
-    # per (step, batch): draft and verify seconds as measured, and when each ended (since the round's start)
-    stages: list[dict] = field(default_factory=list)
-    inference_s: float = 0.0
-
-
 class EdgeDraftServer:
-    def __init__(self, cloud, draft_shape: ModelShape, target_shape: ModelShape, config: EdgeConfig,
-                 offload: Callable[..., Awaitable], http: httpx.AsyncClient | None = None,
-                 planner_url: str = "", monitor_url: str = "", timeout_s: float = 1.0, node: str = "edge-0"):
+    def __init__(
+        self,
+        cloud,
+        draft_shape: ModelShape,
+        target_shape: ModelShape,
+        config: EdgeConfig,
+        offload: Callable[..., Awaitable],
+        http: httpx.AsyncClient | None = None,
+        planner_url: str = "",
+        monitor_url: str = "",
+        timeout_s: float = 1.0,
+        node: str = "edge-0",
+    ):
         self.cloud = cloud
         self.draft_shape, self.target_shape = draft_shape, target_shape
         self.config = config
         self.offload = offload
-        self.http, self.planner_url, self.monitor_url = http, planner_url.rstrip("/"), monitor_url.rstrip("/")
-        self.timeout_s, self.node = timeout_s, node
+        self.planning = EdgePlanning(draft_shape, target_shape, http, planner_url, monitor_url, timeout_s, node)
         self.waiting: list[EdgeRequest] = []
         self._arrived = asyncio.Event()
-        self.telemetry = EdgeTelemetry(draft=[], verify=[], verdicts=[])  # kept for planning alone
+        self.telemetry = self.planning.telemetry  # the samples rounds are planned from without the planner
         self.rounds: list[RoundRecord] = []
-        self._posts: set[asyncio.Task] = set()
 
     # -- requests -------------------------------------------------------------------------------------
     async def generate(self, request: EdgeRequest) -> AsyncIterator[list[int]]:
@@ -136,7 +130,7 @@ class EdgeDraftServer:
         while True:
             await self._arrived.wait()
             await asyncio.sleep(self.config.window_s)
-            requests, self.waiting = self.waiting[: self.config.max_tasks], self.waiting[self.config.max_tasks:]
+            requests, self.waiting = self.waiting[: self.config.max_tasks], self.waiting[self.config.max_tasks :]
             if not self.waiting:
                 self._arrived.clear()
             requests = [r for r in requests if not r.gone]
@@ -169,15 +163,17 @@ class EdgeDraftServer:
         step = 2
         spec_len = plan["spec_len"]
         while any(r.live for batch in batches for r in batch):
-            await self._step(record, step, batches, lambda live: draft_batch([r.session for r in live], spec_len),
-                             self._verify)
+            await self._step(
+                record, step, batches, lambda live: draft_batch([r.session for r in live], spec_len), self._verify
+            )
             step += 1
         record.inference_s = time.perf_counter() - inference_started
-        self._report(requests)
+        self.planning.report(record)
         return record
 
-    async def _step(self, record: RoundRecord, step: int, batches: list[list[EdgeRequest]],
-                    draft: Callable, verify: Callable) -> None:
+    async def _step(
+        self, record: RoundRecord, step: int, batches: list[list[EdgeRequest]], draft: Callable, verify: Callable
+    ) -> None:
         """One decoding step over every batch: draft batch m here while batch m-1 is verified."""
         verifying: list[asyncio.Future] = []
         for index, batch in enumerate(batches):
@@ -187,8 +183,14 @@ class EdgeDraftServer:
             context = sum(len(r.session.prompt_ids) + len(r.session.generated) for r in live) / len(live)
             started = time.perf_counter()
             work = await self.offload(draft, live)
-            entry = {"step": step, "batch": index, "size": len(live), "context": context,
-                     "draft_s": time.perf_counter() - started, "draft_end_s": time.perf_counter() - record.started}
+            entry = {
+                "step": step,
+                "batch": index,
+                "size": len(live),
+                "context": context,
+                "draft_s": time.perf_counter() - started,
+                "draft_end_s": time.perf_counter() - record.started,
+            }
             record.stages.append(entry)
             job = asyncio.ensure_future(self._timed_verify(record, entry, verify, live, work))
             if self.config.pipeline:
@@ -228,8 +230,9 @@ class EdgeDraftServer:
     async def _verify(self, live: list[EdgeRequest], chunks: Sequence[DraftChunk]) -> None:
         answers = []
         for request, chunk in zip(live, chunks):
-            answers.append(await self.cloud.send_token_chunk(request.session_id, chunk, self.config.downlink,
-                                                             self.config.top_k))
+            answers.append(
+                await self.cloud.send_token_chunk(request.session_id, chunk, self.config.downlink, self.config.top_k)
+            )
         verdicts = await asyncio.gather(*answers, return_exceptions=True)
         for request, chunk, verdict in zip(live, chunks, verdicts):
             if isinstance(verdict, BaseException):
@@ -257,124 +260,53 @@ class EdgeDraftServer:
         config = self.config
         return PlanRequest(
             tasks=tuple(EdgeTask(len(r.session.prompt_ids), r.session.max_new_tokens, r.snr_db) for r in requests),
-            draft_shape=self.draft_shape, target_shape=self.target_shape,
-            memory_budget_bytes=config.memory_budget_bytes, bandwidth_hz=config.bandwidth_hz,
+            draft_shape=self.draft_shape,
+            target_shape=self.target_shape,
+            memory_budget_bytes=config.memory_budget_bytes,
+            bandwidth_hz=config.bandwidth_hz,
             bits_per_token=embedding_bits_per_token(self.draft_shape.hidden, self.target_shape.hidden),  # λ, §II-D
-            bandwidth=config.bandwidth, batching=config.batching, spec_len=config.spec_len)
+            bandwidth=config.bandwidth,
+            batching=config.batching,
+            spec_len=config.spec_len,
+        )
 
     async def plan(self, requests: Sequence[EdgeRequest]) -> dict:
         """The round's plan from the chunk planner; planned here from this server's samples without it."""
-        request = self.plan_request(requests)
-        failure = "default:no-planner"
-        if self.planner_url and self.http is not None:
-            try:
-                response = await self.http.post(f"{self.planner_url}/edge-sd/plan", json=request.as_dict(),
-                                                timeout=max(self.timeout_s, PLAN_TIMEOUT_S))
-                if response.status_code != 200:
-                    failure = f"default:planner-error-{response.status_code}"
-                elif plan_fits(answer := _json_or_none(response), len(requests)):
-                    return answer
-                else:
-                    log.warning("the chunk planner's edge-sd plan does not fit the round's %d tasks; planning here",
-                                len(requests))
-                    failure = "default:planner-bad-answer"
-            except httpx.HTTPError as exc:
-                log.info("edge-sd plan from the chunk planner failed (%s); planning here", exc)
-                failure = "default:planner-unreachable"
-        try:
-            plan = plan_round(request, self.telemetry, PlanDefaults()).as_dict()
-        except InfeasibleBatchingError as exc:
-            raise SessionError(f"the round cannot be planned: {exc}") from None
-        plan["sources"]["planner"] = failure
-        return plan
-
-    def _report(self, requests: Sequence[EdgeRequest]) -> None:
-        """The round's measured passes and verdicts: kept here, and sent to the state monitor."""
-        record = self.rounds[-1]
-        draft, verify = self.telemetry.draft, self.telemetry.verify
-        for entry in record.stages:
-            if "verify_s" not in entry:
-                continue
-            b = entry["size"]
-            # per pass: the step's draft seconds over its passes (eq. 17 is linear, so the mean pass fits)
-            passes = self._passes(record, entry["step"])
-            draft.append((b, self._draft_pass_flops(record, entry), entry["draft_s"] / passes))
-            verify.append((b, self._verify_flops(record, entry), entry["verify_s"]))
-        for table in (draft, verify, self.telemetry.verdicts):
-            del table[:-SAMPLES_KEPT]
-        if self.monitor_url and self.http is not None:
-            sample = {"node": self.node, "draft": [list(s) for s in draft[-64:]],
-                      "verify": [list(s) for s in verify[-64:]],
-                      "verdicts": [list(v) for v in self.telemetry.verdicts[-256:]]}
-            task = asyncio.ensure_future(self._post_telemetry(self.http, sample))
-            self._posts.add(task)
-            task.add_done_callback(self._posts.discard)
-
-    def _passes(self, record: RoundRecord, step: int) -> int:
-        return 1 if step == 1 else record.plan["spec_len"]
-
-    def _draft_pass_flops(self, record: RoundRecord, entry: dict) -> float:
-        """Per task, the mean pass of the step (eq. 13): the prompt's prefill, or one token on the context."""
-        if entry["step"] == 1:
-            return self.draft_shape.prefill_flops(max(1, round(entry["context"])))
-        return self.draft_shape.decode_flops(entry["context"] + (record.plan["spec_len"] - 1) / 2)
-
-    def _verify_flops(self, record: RoundRecord, entry: dict) -> float:
-        """Per task (eq. 14): the prompt's prefill, or the pending token + l drafts on the context."""
-        if entry["step"] == 1:
-            return self.target_shape.prefill_flops(max(1, round(entry["context"])))
-        return self.target_shape.forward_flops(1 + record.plan["spec_len"], entry["context"])
-
-    async def _post_telemetry(self, http: httpx.AsyncClient, sample: dict) -> None:
-        try:
-            response = await http.post(f"{self.monitor_url}/edge-sd/telemetry", json=sample,
-                                            timeout=self.timeout_s)
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            log.info("edge-sd telemetry not sent: %s", exc)
+        return await self.planning.plan(self.plan_request(requests))
 
     async def aclose(self) -> None:
-        for task in self._posts:
-            task.cancel()
-        await asyncio.gather(*self._posts, return_exceptions=True)
+        await self.planning.aclose()
 
 
 def edge_draft_server(settings, checkpoint, cloud, http: httpx.AsyncClient) -> EdgeDraftServer:
     """The draft server a device agent runs with `edge_draft_server` (its settings' edge_* knobs)."""
-    draft_shape, target_shape = split_model_shapes(checkpoint.num_layers, checkpoint.hidden_size,
-                                                   checkpoint.config.intermediate_size, settings.split_layers)
-    edge = EdgeConfig(window_s=settings.edge_window_s, max_tasks=settings.edge_max_tasks,
-                      memory_budget_bytes=settings.edge_memory_budget_bytes,
-                      bandwidth_hz=settings.edge_bandwidth_mhz * 1e6, bandwidth=settings.edge_bandwidth,
-                      batching=settings.edge_batching,
-                      spec_len=settings.edge_spec_len or None, pipeline=settings.edge_pipeline,
-                      downlink=settings.downlink, top_k=settings.top_k)
+    draft_shape, target_shape = split_model_shapes(
+        checkpoint.num_layers, checkpoint.hidden_size, checkpoint.config.intermediate_size, settings.split_layers
+    )
+    edge = EdgeConfig(
+        window_s=settings.edge_window_s,
+        max_tasks=settings.edge_max_tasks,
+        memory_budget_bytes=settings.edge_memory_budget_bytes,
+        bandwidth_hz=settings.edge_bandwidth_mhz * 1e6,
+        bandwidth=settings.edge_bandwidth,
+        batching=settings.edge_batching,
+        spec_len=settings.edge_spec_len or None,
+        pipeline=settings.edge_pipeline,
+        downlink=settings.downlink,
+        top_k=settings.top_k,
+    )
     # The SBS's own speed (the paper's SBS GPU is far slower per FLOP than the MBS's, Table II's c1): its
     # draft passes take `speed`'s slowdown x their compute here (shared/device_speed.py).
     offload = partial(slowed, slowdown=speed_schedule(settings.speed).slowdown_for(0))
-    return EdgeDraftServer(cloud, draft_shape, target_shape, edge, offload, http,
-                           settings.chunk_planner_url, settings.state_monitor_url, settings.planner_timeout_s,
-                           settings.device_id)
-
-
-def _json_or_none(response: httpx.Response) -> object:
-    try:
-        return response.json()
-    except ValueError:  # not JSON (or NaN / Infinity, which JSON does not have)
-        return None
-
-
-def plan_fits(plan: object, tasks: int) -> TypeGuard[dict]:
-    """A plan this server can run: every task in exactly one batch, l >= 1, an upload time per task."""
-    if not isinstance(plan, dict):
-        return False
-    batches, spec_len, uploads = plan.get("batches"), plan.get("spec_len"), plan.get("upload_s")
-    if not (isinstance(batches, list) and all(isinstance(b, list) and b for b in batches)):
-        return False
-    members = [i for b in batches for i in b]
-    return (all(isinstance(i, int) and not isinstance(i, bool) for i in members)
-            and sorted(members) == list(range(tasks))
-            and isinstance(spec_len, int) and not isinstance(spec_len, bool) and 1 <= spec_len <= 64
-            and isinstance(uploads, list) and len(uploads) == tasks
-            and all(isinstance(u, (int, float)) and 0 <= u < 3600 for u in uploads)
-            and isinstance(plan.get("sources"), dict))
+    return EdgeDraftServer(
+        cloud,
+        draft_shape,
+        target_shape,
+        edge,
+        offload,
+        http,
+        settings.chunk_planner_url,
+        settings.state_monitor_url,
+        settings.planner_timeout_s,
+        settings.device_id,
+    )

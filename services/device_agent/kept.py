@@ -66,8 +66,13 @@ class KeptSession:
 class KeptSessions:
     """The agent's kept sessions by handle: TTL, LRU cap and an owned cleanup task (`cleanup_loop`)."""
 
-    def __init__(self, ttl_s: float, max_kept: int, close_cloud: Callable[[int], Awaitable[None]],
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        ttl_s: float,
+        max_kept: int,
+        close_cloud: Callable[[int], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.ttl_s, self.max_kept = ttl_s, max_kept
         self.close_cloud = close_cloud  # closes a verifier session; bounded by the cloud client's timeout
         self.clock = clock
@@ -78,11 +83,26 @@ class KeptSessions:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep(self, token_ids: Sequence[int], cache_len: int, input_cache: SessionKV, adapter_cache: SessionKV | None,
-             cloud_session_id: int, rows: list[torch.Tensor]) -> KeptSession:
+    def keep(
+        self,
+        token_ids: Sequence[int],
+        cache_len: int,
+        input_cache: SessionKV,
+        adapter_cache: SessionKV | None,
+        cloud_session_id: int,
+        rows: list[torch.Tensor],
+    ) -> KeptSession:
         """Take over these caches (and the verifier's session) under a fresh handle."""
-        entry = KeptSession(secrets.token_urlsafe(16), list(token_ids), cache_len, input_cache, adapter_cache,
-                            cloud_session_id, rows, self.clock())
+        entry = KeptSession(
+            secrets.token_urlsafe(16),
+            list(token_ids),
+            cache_len,
+            input_cache,
+            adapter_cache,
+            cloud_session_id,
+            rows,
+            self.clock(),
+        )
         self._kept[entry.handle] = entry
         while len(self._kept) > self.max_kept:
             _, oldest = self._kept.popitem(last=False)
@@ -208,8 +228,14 @@ class SessionCloud:
             await self.inner.close(session_id)
 
 
-async def prefill_only(session: KeepableSession, cloud: SessionCloud, session_id: int, chunk_sizes: Sequence[int],
-                       offload: Callable[..., Awaitable], overlap_prefill: bool) -> AsyncIterator[list[int]]:
+async def prefill_only(
+    session: KeepableSession,
+    cloud: SessionCloud,
+    session_id: int,
+    chunk_sizes: Sequence[int],
+    offload: Callable[..., Awaitable],
+    overlap_prefill: bool,
+) -> AsyncIterator[list[int]]:
     """max_new_tokens 0: prefill the prompt on both sides (to keep it), deliver no token."""
     offload_step = ShieldedOffload(offload)
     try:

@@ -26,6 +26,7 @@ from shared.wire import WireDtype, dtype_bytes
 
 log = logging.getLogger(__name__)
 
+
 def wire_bytes_per_token(hidden_size: int, wire_dtype: WireDtype) -> int:
     """A in eq. 3 / eq. 6: one hidden state on this device's wire."""
     return hidden_bytes_per_token(hidden_size, dtype_bytes(wire_dtype))
@@ -51,9 +52,21 @@ class Plan:
 
 
 class PlanCache:
-    def __init__(self, http: httpx.AsyncClient, planner_url: str, device_id: str, *, bytes_per_token: int,
-                 max_prompt_tokens: int, max_rows: int, default_chunk_size: int, default_steps: int,
-                 refresh_s: float, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        planner_url: str,
+        device_id: str,
+        *,
+        bytes_per_token: int,
+        max_prompt_tokens: int,
+        max_rows: int,
+        default_chunk_size: int,
+        default_steps: int,
+        refresh_s: float,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.http = http
         self.planner_url = planner_url.rstrip("/")
         self.device_id = device_id
@@ -96,19 +109,25 @@ class PlanCache:
             self.plan = await asyncio.wait_for(self._fetch(), self.timeout_s)
         except (TimeoutError, httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
             # Keep the last plan (old telemetry beats none); the next request tries again.
-            log.warning("chunk planner unavailable (%s: %s); %s", type(exc).__name__, exc,
-                        "keeping the last plan" if self.plan else "using defaults")
+            log.warning(
+                "chunk planner unavailable (%s: %s); %s",
+                type(exc).__name__,
+                exc,
+                "keeping the last plan" if self.plan else "using defaults",
+            )
 
     async def _fetch(self) -> Plan:
         base = {"device_id": self.device_id, "bytes_per_token": self.bytes_per_token}
         chunk, steps = await asyncio.gather(
             self._get("/chunk-size", {**base, "prompt_tokens": self.max_prompt_tokens}),
-            self._get("/parallel-draft-steps", {**base, "draft_len": self.max_rows, "all_lengths": "true"}))
+            self._get("/parallel-draft-steps", {**base, "draft_len": self.max_rows, "all_lengths": "true"}),
+        )
         table = tuple(max(0, int(n)) for n in steps["steps_by_draft_len"])
         if not table:
             raise ValueError("empty steps_by_draft_len")
-        plan = Plan(int(chunk["chunk_size"]), table, f"chunk:{chunk.get('source')} steps:{steps.get('source')}",
-                    self.clock())
+        plan = Plan(
+            int(chunk["chunk_size"]), table, f"chunk:{chunk.get('source')} steps:{steps.get('source')}", self.clock()
+        )
         log.debug("plan for %s: %s", self.device_id, plan)
         return plan
 

@@ -50,8 +50,15 @@ class AgentParts(Protocol):
 RoundsLoop = Callable[[AgentParts, GenerateRequest, list[int], Any, int, float], AsyncIterator[list[int]]]
 
 
-def build_session(spec: ModeSpec, model, ids: list[int], params: SamplingParams, draft: DraftConfig,
-                  max_new_tokens: int, keepable: bool):
+def build_session(
+    spec: ModeSpec,
+    model,
+    ids: list[int],
+    params: SamplingParams,
+    draft: DraftConfig,
+    max_new_tokens: int,
+    keepable: bool,
+):
     """The device session of a request in mode `spec` (None in a mode where the device builds none)."""
     session_type = KeepableSession if keepable else SESSION_TYPES[spec.session]
     if session_type is None:
@@ -59,8 +66,14 @@ def build_session(spec: ModeSpec, model, ids: list[int], params: SamplingParams,
     return session_type(model, ids, params, draft, max_new_tokens)
 
 
-async def hat_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: DeviceSession,
-                     session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+async def hat_rounds(
+    agent: AgentParts,
+    request: GenerateRequest,
+    ids: list[int],
+    session: DeviceSession,
+    session_id: int,
+    slowdown: float,
+) -> AsyncIterator[list[int]]:
     """HAT mode: the tokens each verification round makes final."""
     settings = agent.settings
     speculative = session.draft_config.max_draft > 0 and agent.model.adapter is not None
@@ -72,8 +85,11 @@ async def hat_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int]
     if chunking and not chunk_size:
         assert plan is not None  # fetched above: chunking without the request's own chunk size
         chunk_size = plan.chunk_for(new_tokens)
-    chunks = (agent.edge_plan.chunk_sizes(new_tokens) if chunking and agent.edge_plan and not request.chunk_size
-              else fixed_chunks(new_tokens, chunk_size))
+    chunks = (
+        agent.edge_plan.chunk_sizes(new_tokens)
+        if chunking and agent.edge_plan and not request.chunk_size
+        else fixed_chunks(new_tokens, chunk_size)
+    )
     keepable = session if isinstance(session, KeepableSession) else None
     cloud = SessionCloud(agent.sessions_cloud, keepable) if keepable is not None else agent.sessions_cloud
     # PD steps: the request's or the agent's fixed count, else eq. 6 per round for the rows it sends.
@@ -87,10 +103,17 @@ async def hat_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int]
     if keepable is not None and keepable.prefill_only:
         rounds = prefill_only(keepable, cloud, session_id, chunks, offload, request.option("overlap_prefill", settings))
     else:
-        rounds = run_session(session, cloud, session_id, chunks, offload=offload,
-                             overlap_prefill=request.option("overlap_prefill", settings),
-                             parallel_candidates=pd_candidates, parallel_steps=pd_steps,
-                             finish_alone_on=verifier_lost if settings.on_cloud_loss == "finish_on_device" else None)
+        rounds = run_session(
+            session,
+            cloud,
+            session_id,
+            chunks,
+            offload=offload,
+            overlap_prefill=request.option("overlap_prefill", settings),
+            parallel_candidates=pd_candidates,
+            parallel_steps=pd_steps,
+            finish_alone_on=verifier_lost if settings.on_cloud_loss == "finish_on_device" else None,
+        )
     if keepable is not None and request.keep:
         keepable.on_keep = partial(_keep, agent, session_id)
     async for tokens in rounds:
@@ -101,20 +124,37 @@ def _keep(agent: AgentParts, session_id: int, session: KeepableSession):
     """Hand a finished session's caches (and its verifier session) to the kept sessions."""
     tokens = session.prompt_ids + session.generated
     cache_len = min(session.commit_len, len(tokens))
-    return agent.kept.keep(tokens, cache_len, session.input_cache, session.adapter_cache, session_id,
-                           agent.sessions_cloud.rows(session_id, cache_len))
+    return agent.kept.keep(
+        tokens,
+        cache_len,
+        session.input_cache,
+        session.adapter_cache,
+        session_id,
+        agent.sessions_cloud.rows(session_id, cache_len),
+    )
 
 
 def _stream_config(agent: AgentParts, request: GenerateRequest):
     settings = agent.settings
-    return stream_config(request.option("mode", settings), request.option("stream_group", settings),
-                         request.option("stream_window", settings), settings.max_draft,
-                         request.option("stream_eta_gate", settings), request.option("parallel_candidates", settings),
-                         request.parallel_steps or settings.parallel_steps or PARALLEL_STEPS_STREAMED)
+    return stream_config(
+        request.option("mode", settings),
+        request.option("stream_group", settings),
+        request.option("stream_window", settings),
+        settings.max_draft,
+        request.option("stream_eta_gate", settings),
+        request.option("parallel_candidates", settings),
+        request.parallel_steps or settings.parallel_steps or PARALLEL_STEPS_STREAMED,
+    )
 
 
-async def hat_async_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: StreamSession,
-                           session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+async def hat_async_rounds(
+    agent: AgentParts,
+    request: GenerateRequest,
+    ids: list[int],
+    session: StreamSession,
+    session_id: int,
+    slowdown: float,
+) -> AsyncIterator[list[int]]:
     """hat-async: hidden-state drafts as a stream, chunked prompt (stream_engine.py)."""
     settings = agent.settings
     chunking = request.option("prompt_chunking", settings)
@@ -123,51 +163,84 @@ async def hat_async_rounds(agent: AgentParts, request: GenerateRequest, ids: lis
     if chunking and not chunk_size:
         assert plan is not None  # fetched above: chunking without the request's own chunk size
         chunk_size = plan.chunk_for(len(session.prompt_ids))
-    async for tokens in hat_async_session(session, agent.async_cloud, session_id,
-                                          fixed_chunks(len(session.prompt_ids), chunk_size),
-                                          _stream_config(agent, request), partial(slowed, slowdown=slowdown),
-                                          request.option("overlap_prefill", settings)):
+    async for tokens in hat_async_session(
+        session,
+        agent.async_cloud,
+        session_id,
+        fixed_chunks(len(session.prompt_ids), chunk_size),
+        _stream_config(agent, request),
+        partial(slowed, slowdown=slowdown),
+        request.option("overlap_prefill", settings),
+    ):
         yield tokens
 
 
-async def token_stream_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: StreamSession,
-                              session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+async def token_stream_rounds(
+    agent: AgentParts,
+    request: GenerateRequest,
+    ids: list[int],
+    session: StreamSession,
+    session_id: int,
+    slowdown: float,
+) -> AsyncIterator[list[int]]:
     """token-sd / picospec: token-id drafts as a stream, the whole model verifying (stream_engine.py)."""
     settings = agent.settings
-    async for tokens in token_stream_session(session, agent.cloud, session_id, _stream_config(agent, request),
-                                             partial(slowed, slowdown=slowdown), request.option("downlink", settings),
-                                             request.option("top_k", settings)):
+    async for tokens in token_stream_session(
+        session,
+        agent.cloud,
+        session_id,
+        _stream_config(agent, request),
+        partial(slowed, slowdown=slowdown),
+        request.option("downlink", settings),
+        request.option("top_k", settings),
+    ):
         yield tokens
 
 
-async def edge_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: StreamSession,
-                      session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+async def edge_rounds(
+    agent: AgentParts,
+    request: GenerateRequest,
+    ids: list[int],
+    session: StreamSession,
+    session_id: int,
+    slowdown: float,
+) -> AsyncIterator[list[int]]:
     """edge-sd: the agent's edge draft server drafts in batched rounds (its own speed, not this device's)."""
     assert agent.edge is not None  # modes.py refuses edge-sd (needs_edge_server) to an agent without one
     async for tokens in agent.edge.generate(EdgeRequest(session, session_id, request.snr_db)):
         yield tokens
 
 
-async def local_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: LocalSession,
-                       session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+async def local_rounds(
+    agent: AgentParts, request: GenerateRequest, ids: list[int], session: LocalSession, session_id: int, slowdown: float
+) -> AsyncIterator[list[int]]:
     """device: the draft model alone, no cloud."""
     async for tokens in local_session(session, partial(slowed, slowdown=slowdown)):
         yield tokens
 
 
-async def cloud_rounds(agent: AgentParts, request: GenerateRequest, ids: list[int], session: None,
-                       session_id: int, slowdown: float) -> AsyncIterator[list[int]]:
+async def cloud_rounds(
+    agent: AgentParts, request: GenerateRequest, ids: list[int], session: None, session_id: int, slowdown: float
+) -> AsyncIterator[list[int]]:
     """cloud: one token per round trip; the device does no model compute (so no slowdown)."""
     params = SamplingParams(request.temperature, request.top_p, request.seed)
-    async for tokens in token_decode(agent.cloud, session_id, ids, params, request.max_new_tokens,
-                                     agent.model.eos_token_id):
+    async for tokens in token_decode(
+        agent.cloud, session_id, ids, params, request.max_new_tokens, agent.model.eos_token_id
+    ):
         yield tokens
 
 
 SESSION_TYPES: dict[SessionKind, type | None] = {
-    "split": DeviceSession, "stream": StreamSession, "local": LocalSession, "none": None,
+    "split": DeviceSession,
+    "stream": StreamSession,
+    "local": LocalSession,
+    "none": None,
 }
 ROUNDS: dict[Rounds, RoundsLoop] = {
-    "hat": hat_rounds, "hat-async": hat_async_rounds, "token-stream": token_stream_rounds,
-    "edge": edge_rounds, "local": local_rounds, "cloud": cloud_rounds,
+    "hat": hat_rounds,
+    "hat-async": hat_async_rounds,
+    "token-stream": token_stream_rounds,
+    "edge": edge_rounds,
+    "local": local_rounds,
+    "cloud": cloud_rounds,
 }

@@ -126,8 +126,9 @@ class Settings(ServiceSettings):
         parse_device_spec(self.device)  # syntax here; the GPU itself is checked when the model loads
         parse_dtype_spec(self.dtype)
         if self.downlink not in ("topk", "full") or not 1 <= self.top_k <= 1000:
-            raise ValueError(f"downlink must be topk or full and top_k in [1, 1000], "
-                             f"got {self.downlink!r}, {self.top_k}")
+            raise ValueError(
+                f"downlink must be topk or full and top_k in [1, 1000], got {self.downlink!r}, {self.top_k}"
+            )
         if self.stream_group < 1 or self.stream_window < 1:
             raise ValueError("stream_group and stream_window must be >= 1")
         if self.mode not in MODES:
@@ -156,12 +157,19 @@ class Settings(ServiceSettings):
             raise ValueError("probe intervals must be >= 0 (0 = never)")
         _ = self.edge_memory_budget_bytes  # parsed, so a bad size fails at start
         if self.edge_bandwidth not in ("eq27", "uniform") or self.edge_batching not in ("dp", "max"):
-            raise ValueError(f"edge_bandwidth must be eq27 or uniform and edge_batching dp or max, got "
-                             f"{self.edge_bandwidth!r}, {self.edge_batching!r}")
-        if (self.edge_window_s < 0 or self.edge_max_tasks < 1 or self.edge_spec_len < 0
-                or not self.edge_bandwidth_mhz > 0):
-            raise ValueError("edge_window_s >= 0, edge_max_tasks >= 1, edge_spec_len >= 0 and "
-                             "edge_bandwidth_mhz > 0 are required")
+            raise ValueError(
+                f"edge_bandwidth must be eq27 or uniform and edge_batching dp or max, got "
+                f"{self.edge_bandwidth!r}, {self.edge_batching!r}"
+            )
+        if (
+            self.edge_window_s < 0
+            or self.edge_max_tasks < 1
+            or self.edge_spec_len < 0
+            or not self.edge_bandwidth_mhz > 0
+        ):
+            raise ValueError(
+                "edge_window_s >= 0, edge_max_tasks >= 1, edge_spec_len >= 0 and edge_bandwidth_mhz > 0 are required"
+            )
 
     @property
     def edge_memory_budget_bytes(self) -> int:

@@ -27,8 +27,14 @@ class TokenCloud(Protocol):
     async def close(self, session_id: int) -> None: ...
 
 
-async def token_decode(cloud: TokenCloud, session_id: int, prompt_ids: Sequence[int], params: SamplingParams,
-                       max_new_tokens: int, eos_token_id: int | None) -> AsyncIterator[list[int]]:
+async def token_decode(
+    cloud: TokenCloud,
+    session_id: int,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+) -> AsyncIterator[list[int]]:
     """Autoregressive decoding with the whole model in the cloud: yields [token] per round trip.
 
     The device only tokenizes and detokenizes; it stops at EOS or `max_new_tokens`,
@@ -51,8 +57,11 @@ async def token_decode(cloud: TokenCloud, session_id: int, prompt_ids: Sequence[
 def chunk_verdict(reply: wire.TokenVerdict, chunk: DraftChunk) -> ChunkVerdict:
     """A TokenVerdict as the stream session reads it; one that does not fit its chunk is a CloudError."""
     if reply.num_accepted > chunk.num_drafts or (reply.rejected and reply.num_accepted == chunk.num_drafts):
-        raise CloudError(wire.ErrorCode.MALFORMED, f"a verdict of {reply.num_accepted} accepted "
-                         f"(rejected {reply.rejected}) for a chunk of {chunk.num_drafts} drafts")
+        raise CloudError(
+            wire.ErrorCode.MALFORMED,
+            f"a verdict of {reply.num_accepted} accepted "
+            f"(rejected {reply.rejected}) for a chunk of {chunk.num_drafts} drafts",
+        )
     payload = None
     if reply.rejected:
         if reply.probs is None:
@@ -62,6 +71,11 @@ def chunk_verdict(reply: wire.TokenVerdict, chunk: DraftChunk) -> ChunkVerdict:
             if reply.indices is None:
                 payload = RejectionPayload(reply.num_accepted, "full", reply.vocab_size, values=reply.probs)
             else:
-                payload = RejectionPayload(reply.num_accepted, "topk", reply.vocab_size, values=reply.probs,
-                                           indices=torch.tensor(reply.indices, dtype=torch.int32))
+                payload = RejectionPayload(
+                    reply.num_accepted,
+                    "topk",
+                    reply.vocab_size,
+                    values=reply.probs,
+                    indices=torch.tensor(reply.indices, dtype=torch.int32),
+                )
     return ChunkVerdict(reply.epoch, reply.num_accepted, None if reply.rejected else reply.token, payload, reply.stale)

@@ -30,9 +30,14 @@ def main() -> None:
         settings = dataclasses.replace(settings, redis_url=embedded.url)
         log.info("no REDIS_URL given; using embedded redis at %s", redact_url(embedded.url))
     try:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                    log_level=settings.log_level.lower(),
-                    ssl_certfile=settings.tls_cert or None, ssl_keyfile=settings.tls_key or None)
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level.lower(),
+            ssl_certfile=settings.tls_cert or None,
+            ssl_keyfile=settings.tls_key or None,
+        )
     finally:
         if embedded is not None:
             embedded.stop()

@@ -69,8 +69,11 @@ def _parsed_rows(values: list[str], width: int) -> list[list[float | int]]:
             row = json.loads(value)
         except ValueError:
             row = None
-        if isinstance(row, list) and len(row) == width and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in row):
+        if (
+            isinstance(row, list)
+            and len(row) == width
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in row)
+        ):
             out.append(row)
         else:
             log.warning("skipping unreadable edge-sd sample in redis: %r", value[:64])
@@ -83,9 +86,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     url = resolve_redis_url(settings.redis_url or None)
     if url and settings.redis_password:
         url = with_password(url, settings.redis_password)
-    sink = (tk.TelemetrySink(url, stream_maxlen=settings.stream_maxlen, timeout_s=settings.redis_timeout_s,
-                             request_ttl_s=settings.request_ttl_s, initial_backoff_s=settings.redis_backoff_initial_s,
-                             max_backoff_s=settings.redis_backoff_max_s) if url else None)
+    sink = (
+        tk.TelemetrySink(
+            url,
+            stream_maxlen=settings.stream_maxlen,
+            timeout_s=settings.redis_timeout_s,
+            request_ttl_s=settings.request_ttl_s,
+            initial_backoff_s=settings.redis_backoff_initial_s,
+            max_backoff_s=settings.redis_backoff_max_s,
+        )
+        if url
+        else None
+    )
     monitor = Monitor(settings, sink)
     registry = DeviceRegistry(settings.announce_ttl_s)
     metrics = MonitorMetrics()
@@ -144,9 +156,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/devices")
     async def devices() -> dict[str, Any]:
         """The device agents that announced within the TTL (the streamer routes to these)."""
-        return {"ttl_s": registry.ttl_s,
-                "devices": [{"device_id": a.device_id, "url": a.url, "max_sessions": a.max_sessions,
-                             "age_s": registry.age_s(a)} for a in registry.live()]}
+        return {
+            "ttl_s": registry.ttl_s,
+            "devices": [
+                {"device_id": a.device_id, "url": a.url, "max_sessions": a.max_sessions, "age_s": registry.age_s(a)}
+                for a in registry.live()
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -200,8 +216,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if lists is None:
             reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(sink.url)}"
             raise HTTPException(503, f"edge-sd telemetry lives in redis, which is {reason}")
-        return {name: _parsed_rows(values, width) for (name, width), values in zip(
-            (("draft", 3), ("verify", 3), ("verdicts", 2)), lists)}
+        return {
+            name: _parsed_rows(values, width)
+            for (name, width), values in zip((("draft", 3), ("verify", 3), ("verdicts", 2)), lists)
+        }
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -209,8 +227,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Any:
-        redis = {"configured": sink is not None, "connected": bool(sink and sink.connected),
-                 "url": tk.redact_url(url) if url else None, "dropped": sink.dropped if sink else 0}
+        redis = {
+            "configured": sink is not None,
+            "connected": bool(sink and sink.connected),
+            "url": tk.redact_url(url) if url else None,
+            "dropped": sink.dropped if sink else 0,
+        }
         if not request.app.state.ready:
             raise HTTPException(503, {"ready": False, "redis": redis})
         return {"ready": True, "redis": redis}

@@ -16,6 +16,8 @@ from shared import telemetry as tk
 Ident = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ts: float | None = Field(default=None, description="sender's wall-clock time (unix s)")
@@ -36,18 +38,26 @@ class DeviceDraft(_Record):
     device_id: Ident
     step_s: PositiveSeconds = Field(description="gamma: seconds per draft step")
     steps: int = Field(default=1, ge=1, description="draft steps this measurement averaged over")
-    round_overhead_s: Seconds | None = Field(default=None, description="mean device time per round outside "
-                                             "drafting and the cloud wait (output head, accept, thread hops)")
+    round_overhead_s: Seconds | None = Field(
+        default=None,
+        description="mean device time per round outside drafting and the cloud wait (output head, accept, thread hops)",
+    )
     round_overhead_median_s: Seconds | None = Field(default=None, description="median of the same per-round times")
     rounds: int = Field(default=0, ge=0, description="rounds round_overhead_s averaged over")
-    prefill_token_s: PositiveSeconds | None = Field(default=None, description="prompt cost per token "
-                                                    "(input layers + upload call), per chunk averaged")
+    prefill_token_s: PositiveSeconds | None = Field(
+        default=None, description="prompt cost per token (input layers + upload call), per chunk averaged"
+    )
     prefill_tokens: int = Field(default=0, ge=0, description="prompt tokens prefill_token_s averaged over")
-    pd_hit_rate: float | None = Field(default=None, ge=0, le=1, description="parallel drafting: share of "
-                                      "corrected last draft tokens that were a pre-drafted candidate")
+    pd_hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="parallel drafting: share of corrected last draft tokens that were a pre-drafted candidate",
+    )
     pd_chances: int = Field(default=0, ge=0, description="rounds pd_hit_rate is over")
-    full_accept_rate: float | None = Field(default=None, ge=0, le=1, description="share of verification rounds "
-                                           "that accepted every drafted token")
+    full_accept_rate: float | None = Field(
+        default=None, ge=0, le=1, description="share of verification rounds that accepted every drafted token"
+    )
 
 
 class DeviceTransfer(_Record):
@@ -69,23 +79,31 @@ class RequestDone(_Record):
     request_id: Ident
     device_id: Ident | None = None
     ttft_s: Seconds | None = None
-    token_times_s: list[Seconds] = Field(default_factory=list, max_length=100_000,
-                                         description="gaps between consecutive delivered tokens (TBT)")
-    accept_lengths: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=100_000,
-                                                              description="accepted draft tokens per verification")
+    token_times_s: list[Seconds] = Field(
+        default_factory=list, max_length=100_000, description="gaps between consecutive delivered tokens (TBT)"
+    )
+    accept_lengths: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, max_length=100_000, description="accepted draft tokens per verification"
+    )
     prompt_tokens: int | None = Field(default=None, ge=0)
     generated_tokens: int | None = Field(default=None, ge=0)
-    endpoint: Literal["device", "cloud", "hat"] | None = Field(default=None, description="DiSCo: the endpoint "
-                                                               "that delivered the first token")
-    server_ttft_s: Seconds | None = Field(default=None, description="the server endpoint's own TTFT, also when "
-                                          "it lost the race; None when it was cancelled before its first token")
-    cost: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(default=None, description="$ for the "
-                                                                             "request (DiSCo's unified cost)")
+    endpoint: Literal["device", "cloud", "hat"] | None = Field(
+        default=None, description="DiSCo: the endpoint that delivered the first token"
+    )
+    server_ttft_s: Seconds | None = Field(
+        default=None,
+        description="the server endpoint's own TTFT, also when "
+        "it lost the race; None when it was cancelled before its first token",
+    )
+    cost: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
+        default=None, description="$ for the request (DiSCo's unified cost)"
+    )
     dispatch: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")] | None = None
 
 
 class DeviceAnnouncement(BaseModel):
     """A device agent saying where it serves (shared/device_registry.py); repeated every few seconds."""
+
     model_config = ConfigDict(extra="forbid")
     device_id: Ident
     url: Annotated[str, Field(min_length=8, max_length=512, pattern=r"^https?://[^\s/]+$")]
@@ -103,6 +121,7 @@ Verdict = tuple[Annotated[int, Field(ge=0, strict=True)], Annotated[int, Field(g
 class EdgeSdTelemetry(BaseModel):
     """An edge draft server's (SBS) measurements: passes as [batch_size, flops_per_task, seconds] of its draft
     model and of the verifier's target model, verdicts as [drafts, accepted]."""
+
     model_config = ConfigDict(extra="forbid")
     node: Ident
     draft: list[EdgePass] = Field(default_factory=list, max_length=10_000)

@@ -23,16 +23,16 @@ class Settings(ServiceSettings):
     redis_url: str = ""
     embedded_redis: bool = True
     redis_password: str = field(default="", repr=False)  # for a redis_url without one (a secret file sets it)
-    stream_maxlen: int = 10_000          # XADD MAXLEN ~ for every stream
-    request_ttl_s: int = 86_400          # tophat:request:{id} hashes expire after this
-    redis_timeout_s: float = 0.5         # bound on every Redis call
+    stream_maxlen: int = 10_000  # XADD MAXLEN ~ for every stream
+    request_ttl_s: int = 86_400  # tophat:request:{id} hashes expire after this
+    redis_timeout_s: float = 0.5  # bound on every Redis call
     redis_backoff_initial_s: float = 0.25
     redis_backoff_max_s: float = 5.0
-    alpha: float = 0.8                   # HAT eq. 1-2 moving-average weight
-    buckets_per_octave: int = 2          # resolution of g(mu) on the log2 scale
-    device_stale_s: float = 30.0         # device state older than this is flagged stale
-    max_batch: int = 1000                # records per POST /telemetry
-    announce_ttl_s: float = 15.0         # a device agent not announced for this long leaves GET /devices
+    alpha: float = 0.8  # HAT eq. 1-2 moving-average weight
+    buckets_per_octave: int = 2  # resolution of g(mu) on the log2 scale
+    device_stale_s: float = 30.0  # device state older than this is flagged stale
+    max_batch: int = 1000  # records per POST /telemetry
+    announce_ttl_s: float = 15.0  # a device agent not announced for this long leaves GET /devices
     # DiSCo: how many recent prompt lengths and server TTFTs Redis keeps (tophat:disco:* lists) for the
     # streamer's length threshold (eq. 3) and server-TTFT CDF (eq. 1); GET /disco/history serves them.
     disco_history: int = 2000

@@ -19,11 +19,18 @@ log = logging.getLogger("services.token_streamer")
 def main() -> None:
     settings = load_settings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.info("token streamer on %s:%d over %d device agent(s)", settings.host, settings.port,
-             len(settings.device_url_list))
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                ws_max_size=settings.max_body_bytes,  # one chat WebSocket message: the HTTP body's bound
-                ssl_certfile=settings.tls_cert or None, ssl_keyfile=settings.tls_key or None)
+    log.info(
+        "token streamer on %s:%d over %d device agent(s)", settings.host, settings.port, len(settings.device_url_list)
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        ws_max_size=settings.max_body_bytes,  # one chat WebSocket message: the HTTP body's bound
+        ssl_certfile=settings.tls_cert or None,
+        ssl_keyfile=settings.tls_key or None,
+    )
 
 
 if __name__ == "__main__":

@@ -33,15 +33,17 @@ RECENT_WAITS = 1024
 
 class QueueFull(DeviceError):
     def __init__(self, waiting: int, retry_after_s: int) -> None:
-        super().__init__(429, "queue_full", f"{waiting} requests are already waiting for a device; "
-                                            f"retry in {retry_after_s} s")
+        super().__init__(
+            429, "queue_full", f"{waiting} requests are already waiting for a device; retry in {retry_after_s} s"
+        )
         self.retry_after_s = retry_after_s
 
 
 class QueueTimeout(DeviceError):
     def __init__(self, waited_s: float) -> None:
-        super().__init__(503, "queue_timeout", f"no device slot came free within {waited_s:.1f} s "
-                                               "in the streamer's queue")
+        super().__init__(
+            503, "queue_timeout", f"no device slot came free within {waited_s:.1f} s in the streamer's queue"
+        )
 
 
 class Admission:
@@ -152,7 +154,15 @@ class Admission:
 
     def stats(self) -> dict[str, Any]:
         waits = latency_stats.summary(self.recent_waits_s)  # the same percentiles loadgen reports
-        return {"waiting": self.waiting, "max_waiting": self.max_waiting, "timeout_s": self.timeout_s,
-                "admitted": self.admitted, "queued": self.queued, "rejected_full": self.rejected_full,
-                "timed_out": self.timed_out, "abandoned": self.abandoned,
-                "wait_p50_s": waits["median"], "wait_p99_s": waits["p99"]}
+        return {
+            "waiting": self.waiting,
+            "max_waiting": self.max_waiting,
+            "timeout_s": self.timeout_s,
+            "admitted": self.admitted,
+            "queued": self.queued,
+            "rejected_full": self.rejected_full,
+            "timed_out": self.timed_out,
+            "abandoned": self.abandoned,
+            "wait_p50_s": waits["median"],
+            "wait_p99_s": waits["p99"],
+        }

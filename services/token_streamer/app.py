@@ -54,20 +54,33 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     router = Router(s.device_url_list, down_s=s.device_down_s)
     credential = auth.client_auth(s.auth_secret, "token-streamer", "service")  # minted from the mesh secret
     client = httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=s.connect_timeout_s, pool=s.connect_timeout_s, write=s.connect_timeout_s,
-                              read=max(s.first_byte_timeout_s, s.line_timeout_s) + 1.0),
-        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64), trust_env=False,
+        timeout=httpx.Timeout(
+            connect=s.connect_timeout_s,
+            pool=s.connect_timeout_s,
+            write=s.connect_timeout_s,
+            read=max(s.first_byte_timeout_s, s.line_timeout_s) + 1.0,
+        ),
+        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64),
+        trust_env=False,
         verify=client_context(s.tls_ca),  # https:// device agents: the mesh's CA
-        auth=credential)  # device agents answer /generate and /info to a service token only
+        auth=credential,
+    )  # device agents answer /generate and /info to a service token only
     admission = Admission(router, max_waiting=s.queue_max_waiting, timeout_s=s.queue_timeout_s)
-    dispatcher = Dispatcher(admission, client, first_byte_timeout_s=s.first_byte_timeout_s,
-                            line_timeout_s=s.line_timeout_s, probe_timeout_s=s.probe_timeout_s)
-    telemetry = TelemetryClient(s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s,
-                                verify=client_context(s.tls_ca), auth=credential)
+    dispatcher = Dispatcher(
+        admission,
+        client,
+        first_byte_timeout_s=s.first_byte_timeout_s,
+        line_timeout_s=s.line_timeout_s,
+        probe_timeout_s=s.probe_timeout_s,
+    )
+    telemetry = TelemetryClient(
+        s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s, verify=client_context(s.tls_ca), auth=credential
+    )
     metrics = StreamerMetrics(running=lambda: admission.running, waiting=lambda: admission.waiting)
     disco = DiscoController(s, client)
-    outlines = OutlineFlow(dispatcher, client, wait_timeout_s=s.first_byte_timeout_s + s.line_timeout_s,
-                           probe_timeout_s=s.probe_timeout_s)
+    outlines = OutlineFlow(
+        dispatcher, client, wait_timeout_s=s.first_byte_timeout_s + s.line_timeout_s, probe_timeout_s=s.probe_timeout_s
+    )
     starter = RequestStarter(s, dispatcher, outlines, disco, telemetry, metrics)
     started_at = int(time.time())
 
@@ -93,8 +106,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if s.discovers_devices:
             log.info("discovering device agents from the state monitor at %s", s.state_monitor_url)
         elif not router.devices:
-            log.warning("no device agents configured (TOPHAT_STREAMER_DEVICE_URLS, or a state monitor to discover "
-                        "them from); every request will get 503")
+            log.warning(
+                "no device agents configured (TOPHAT_STREAMER_DEVICE_URLS, or a state monitor to discover "
+                "them from); every request will get 503"
+            )
         tasks = [asyncio.create_task(health_loop(), name="device-health")] if s.health_interval_s > 0 else []
         if s.discovers_devices:
             tasks.append(asyncio.create_task(discovery_loop(), name="device-discovery"))
@@ -115,15 +130,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.dispatcher = dispatcher
     app.state.admission = admission
 
-    def error_response(status: int, message: str, code: str | None, param: str | None = None,
-                       headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(of.error_body(message, of.error_type(status), code, param), status_code=status,
-                            headers=headers)
+    def error_response(
+        status: int, message: str, code: str | None, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> JSONResponse:
+        return JSONResponse(
+            of.error_body(message, of.error_type(status), code, param), status_code=status, headers=headers
+        )
 
     def device_error_response(exc: DeviceError) -> JSONResponse:
         retry_after = getattr(exc, "retry_after_s", None)  # a full queue says when to come back
-        return error_response(exc.status, exc.message, exc.code,
-                              headers={"Retry-After": str(retry_after)} if retry_after else None)
+        return error_response(
+            exc.status, exc.message, exc.code, headers={"Retry-After": str(retry_after)} if retry_after else None
+        )
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -152,8 +170,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if include_usage:
                 yield of.sse(fmt.usage_chunk(run.usage()))
         except DeviceError as exc:
-            log.warning("request %s failed mid-stream on %s: %s %s", run.request_id, run.device.url,
-                        exc.code, exc.message)
+            log.warning(
+                "request %s failed mid-stream on %s: %s %s", run.request_id, run.device.url, exc.code, exc.message
+            )
             yield of.sse(fmt.error_chunk(exc.status, exc.code, exc.message))
         yield of.DONE
 
@@ -161,9 +180,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         run, fmt = await starter.start(req, max_tokens, chat)
         headers = {QUEUE_WAIT_HEADER: f"{run.stream.queue_wait_s * 1e3:.3f}"}
         if req.stream:
-            return OwnedStreamingResponse(sse_body(run, fmt, req.include_usage), run.close,
-                                          send_timeout_s=s.send_timeout_s, media_type="text/event-stream",
-                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+            return OwnedStreamingResponse(
+                sse_body(run, fmt, req.include_usage),
+                run.close,
+                send_timeout_s=s.send_timeout_s,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+            )
         try:
             text = "".join([t async for t in run.deltas()])
         except DeviceError as exc:
@@ -224,8 +247,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def readyz() -> JSONResponse:
         ready = await dispatcher.probe_all() > 0
         queue = {"waiting": admission.waiting, "max_waiting": admission.max_waiting}
-        return JSONResponse({"ready": ready, "queue": queue, "devices": router.snapshot()},
-                            status_code=200 if ready else 503)
+        return JSONResponse(
+            {"ready": ready, "queue": queue, "devices": router.snapshot()}, status_code=200 if ready else 503
+        )
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -237,4 +261,3 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"queue": admission.stats(), "devices": router.snapshot()}
 
     return app
-

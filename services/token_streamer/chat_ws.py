@@ -57,8 +57,9 @@ async def serve_chat_ws(ws: WebSocket, starter: RequestStarter, s: Settings) -> 
         try:
             async for text in run.deltas():
                 await send({"type": "token", "text": text})
-            await send({"type": "done", "finish_reason": run.finish_reason, "usage": run.usage(),
-                        "stats": run.tophat()})
+            await send(
+                {"type": "done", "finish_reason": run.finish_reason, "usage": run.usage(), "stats": run.tophat()}
+            )
         except DeviceError as exc:
             await send_error(exc.status, exc.message, exc.code)
         finally:

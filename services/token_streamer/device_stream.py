@@ -29,8 +29,15 @@ class DeviceStream:
     tells the device to stop generating, and gives the slot back to the queue.
     """
 
-    def __init__(self, admission: Admission, device: DeviceState, response: httpx.Response,
-                 lines: AsyncIterator[str], first: dict[str, Any], line_timeout_s: float) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        device: DeviceState,
+        response: httpx.Response,
+        lines: AsyncIterator[str],
+        first: dict[str, Any],
+        line_timeout_s: float,
+    ) -> None:
         self.admission = admission
         self.router = admission.router
         self.device = device
@@ -59,12 +66,14 @@ class DeviceStream:
                 async with asyncio.timeout(self._line_timeout_s):
                     line = await anext(self._lines)
             except StopAsyncIteration:
-                raise DeviceError(502, "device_stream_truncated",
-                                  "the device closed the stream before 'done'") from None
+                raise DeviceError(
+                    502, "device_stream_truncated", "the device closed the stream before 'done'"
+                ) from None
             except TimeoutError:
                 self.router.mark_down(self.device, "no output within line timeout")
-                raise DeviceError(502, "device_timeout",
-                                  f"no output from the device for {self._line_timeout_s:g} s") from None
+                raise DeviceError(
+                    502, "device_timeout", f"no output from the device for {self._line_timeout_s:g} s"
+                ) from None
             except httpx.HTTPError as exc:
                 self.router.mark_down(self.device, f"stream broke: {type(exc).__name__}")
                 raise DeviceError(502, "device_disconnected", f"the device stream broke: {exc}") from exc

@@ -113,9 +113,13 @@ class DiscoController:
     def policy(self, budget: float) -> DispatchPolicy:
         cached = self._policies.get(budget)
         if cached is None or cached[0] != self.history.version:
-            policy = DispatchPolicy.build(self.base_cost, list(self.history.prompt_tokens),
-                                          list(self.history.server_ttft_s), budget,
-                                          self.settings.disco_tail_ratio)
+            policy = DispatchPolicy.build(
+                self.base_cost,
+                list(self.history.prompt_tokens),
+                list(self.history.server_ttft_s),
+                budget,
+                self.settings.disco_tail_ratio,
+            )
             cached = (self.history.version, policy)
             self._policies[budget] = cached
         return cached[1]
@@ -137,8 +141,9 @@ class DiscoController:
             return False
         try:
             async with asyncio.timeout(self.settings.probe_timeout_s):
-                response = await self.client.get(f"{url.rstrip('/')}/disco/history",
-                                                  params={"limit": self.settings.disco_history})
+                response = await self.client.get(
+                    f"{url.rstrip('/')}/disco/history", params={"limit": self.settings.disco_history}
+                )
             response.raise_for_status()
             body = response.json()
             lengths = [int(x) for x in body["prompt_tokens"] if int(x) > 0]

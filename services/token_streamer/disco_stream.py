@@ -1,9 +1,9 @@
 """One request under a DiSCo dispatch: endpoints raced or delayed, token-level migration, paced delivery.
 
-A *leg* is one endpoint's generation for the request, a /generate stream on the request's device agent in mode
-`device` (the draft model alone), `cloud` (token mode) or `hat`. The decision (disco.py) starts a server leg, a
-device leg, or both (the device's possibly after a wait w(l)); the first leg to produce a token wins and every other
-leg is closed at once, which stops its generation and frees its sessions (device and cloud KV).
+A *leg* (disco_legs.py) is one endpoint's generation for the request, a /generate stream on the request's device
+agent in mode `device` (the draft model alone), `cloud` (token mode) or `hat`. The decision (disco.py) starts a
+server leg, a device leg, or both (the device's possibly after a wait w(l)); the first leg to produce a token wins
+and every other leg is closed at once, which stops its generation and frees its sessions (device and cloud KV).
 
 Delivery is paced at the user's reading rate r_c: the first token goes out at once (TTFT), each later one 1/r_c
 after the previous (a leg generating faster fills a buffer). When the winner is the costlier decoder and eq. 4 says
@@ -25,11 +25,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from services.token_streamer.device_stream import DeviceStream
 from services.token_streamer.disco import DiscoController
+from services.token_streamer.disco_legs import Leg, Legs
 from services.token_streamer.dispatcher import Dispatcher
 from services.token_streamer.router import DeviceError, DeviceState
 from shared.disco.cost import CostLedger, Endpoint
@@ -41,20 +41,19 @@ log = logging.getLogger(__name__)
 MAX_HANDOVER_ATTEMPTS = 3  # a hand-over called off is tried again with a bigger buffer, this many times in all
 
 
-@dataclass(eq=False)
-class Leg:
-    endpoint: Endpoint
-    prefix: int  # tokens of the answer it continues (0: it starts the answer)
-    started: float = field(default_factory=time.perf_counter)
-    stream: DeviceStream | None = None
-    task: asyncio.Task | None = None
-    first_at: float | None = None
-    closed: bool = False
-
-
 class DiscoStream:
-    def __init__(self, controller: DiscoController, dispatcher: Dispatcher, body: dict[str, Any], *,
-                 dispatch: str, budget: float, reading_rate_tps: float, migration: bool, prompt_chars: int) -> None:
+    def __init__(
+        self,
+        controller: DiscoController,
+        dispatcher: Dispatcher,
+        body: dict[str, Any],
+        *,
+        dispatch: str,
+        budget: float,
+        reading_rate_tps: float,
+        migration: bool,
+        prompt_chars: int,
+    ) -> None:
         s = controller.settings
         self.controller, self.dispatcher, self.body = controller, dispatcher, body
         self.dispatch, self.budget, self.reading_rate = dispatch, budget, reading_rate_tps
@@ -66,7 +65,8 @@ class DiscoStream:
         self.idle_timeout_s = s.line_timeout_s + s.first_byte_timeout_s
         self.max_new = int(body["max_new_tokens"])
         self.ledger = CostLedger(controller.base_cost)
-        self.legs: list[Leg] = []
+        self.inbox: asyncio.Queue[tuple[Leg | None, str, Any]] = asyncio.Queue()
+        self.legs = Legs(dispatcher, self.inbox, self._leg_body, self._opened)
         self.active: Leg | None = None  # the leg whose tokens make the answer
         self.pending: Leg | None = None  # the receiver of a hand-over in progress (the source goes on meanwhile)
         self.reserve: list[tuple[list[int], str]] = []  # what the source made meanwhile, shown only if it is called off
@@ -76,7 +76,6 @@ class DiscoStream:
         self.generated: list[int] = []
         self.text = ""  # what the generated tokens show the user (a migration target continues it)
         self.buffer: deque[tuple[list[int], str, Leg]] = deque()
-        self.inbox: asyncio.Queue[tuple[Leg | None, str, Any]] = asyncio.Queue()
         self.deliveries: list[float] = []
         self.next_due = 0.0
         self.finished: dict[str, Any] | None = None  # the active leg's done event
@@ -88,7 +87,6 @@ class DiscoStream:
         self.queue_wait_s = 0.0
         self.prompt_tokens: int | None = None
         self._timer: asyncio.Task | None = None
-        self._closing: set[asyncio.Task] = set()
         self._closed = False
 
     # -- starting ------------------------------------------------------------------------------
@@ -104,13 +102,14 @@ class DiscoStream:
         self.device, self.queue_wait_s, self.prompt_tokens = stream.device, stream.queue_wait_s, stream.prompt_tokens
         history.learn_prompt(self.prompt_chars, self.prompt_tokens)
         self.ledger = CostLedger(self.controller.settings.cost_model(stream.device.speed_class or ""))
-        self._adopt(leg, stream)
+        self.legs.adopt(leg, stream)
         if decision.server and decision.device_delay_s is not None:
             if decision.device_delay_s <= 0:
-                self._open(Leg("device", 0))
+                self._open_beside(Leg("device", 0))
             else:
-                self._timer = asyncio.create_task(self._start_device_after(decision.device_delay_s),
-                                                  name="disco-device-wait")
+                self._timer = asyncio.create_task(
+                    self._start_device_after(decision.device_delay_s), name="disco-device-wait"
+                )
 
     async def _start_device_after(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
@@ -124,35 +123,13 @@ class DiscoStream:
             body["max_new_tokens"] = self.max_new - leg.prefix
         return body
 
-    def _adopt(self, leg: Leg, stream: DeviceStream) -> None:
-        leg.stream = stream
+    def _opened(self, leg: Leg, stream: DeviceStream) -> None:
         self.ledger.prefill(leg.endpoint, stream.prompt_tokens or 0)
-        self.legs.append(leg)
-        leg.task = asyncio.create_task(self._read(leg), name=f"disco-{leg.endpoint}")
 
-    def _open(self, leg: Leg) -> None:
+    def _open_beside(self, leg: Leg) -> None:
         """Start a leg on the request's device without blocking delivery."""
-        self.legs.append(leg)
-        leg.task = asyncio.create_task(self._open_and_read(leg), name=f"disco-open-{leg.endpoint}")
-
-    async def _open_and_read(self, leg: Leg) -> None:
         assert self.device is not None  # start() set it before any other leg is opened
-        try:
-            stream = await self.dispatcher.open_beside(self.device, self._leg_body(leg))
-        except DeviceError as exc:
-            await self.inbox.put((leg, "open_failed", exc))
-            return
-        leg.stream = stream
-        self.ledger.prefill(leg.endpoint, stream.prompt_tokens or 0)
-        await self._read(leg)
-
-    async def _read(self, leg: Leg) -> None:
-        assert leg.stream is not None  # set by _adopt / _open_and_read before reading
-        try:
-            async for event in leg.stream.events():
-                await self.inbox.put((leg, "event", event))
-        except DeviceError as exc:
-            await self.inbox.put((leg, "failed", exc))
+        self.legs.open_beside(self.device, leg)
 
     # -- the delivery loop ---------------------------------------------------------------------
     async def events(self) -> AsyncIterator[dict[str, Any]]:
@@ -210,7 +187,7 @@ class DiscoStream:
     async def _handle(self, leg: Leg | None, kind: str, payload: Any) -> None:
         if kind == "device_due":
             if self.active is None and not any(other.endpoint == "device" for other in self.legs):
-                self._open(Leg("device", 0))
+                self._open_beside(Leg("device", 0))
             return
         assert leg is not None
         if kind == "event":
@@ -222,10 +199,16 @@ class DiscoStream:
                     if self.pending is not None:
                         self._call_off("source finished")  # the answer is whole: nothing left to hand over
                     self.finished = payload
-                self._close(leg)  # its device slot is free while the buffer is still being delivered
+                self.legs.close(leg)  # its device slot is free while the buffer is still being delivered
             elif event_type == "error":
-                await self._on_failure(leg, DeviceError(502, str(payload.get("code") or "device_error"),
-                                                        str(payload.get("message") or "the endpoint failed")))
+                await self._on_failure(
+                    leg,
+                    DeviceError(
+                        502,
+                        str(payload.get("code") or "device_error"),
+                        str(payload.get("message") or "the endpoint failed"),
+                    ),
+                )
             return
         await self._on_failure(leg, payload)  # open_failed / failed
 
@@ -246,7 +229,7 @@ class DiscoStream:
             self.active, self.first_endpoint = leg, leg.endpoint
             for other in self.legs:
                 if other is not leg:
-                    self._close(other)
+                    self.legs.close(other)
             if self._timer is not None:
                 self._timer.cancel()
         text = str(event.get("text") or "")
@@ -265,12 +248,12 @@ class DiscoStream:
         self._maybe_migrate()
 
     async def _on_failure(self, leg: Leg, exc: DeviceError) -> None:
-        self._close(leg)
+        self.legs.close(leg)
         if self.active is None:  # still racing: the others may win
             if any(not other.closed for other in self.legs) or (self._timer is not None and not self._timer.done()):
                 if self._timer is not None and not self._timer.done() and leg.endpoint != "device":
                     self._timer.cancel()  # the server failed: do not make the device wait for it
-                    self._open(Leg("device", 0))
+                    self._open_beside(Leg("device", 0))
                 log.info("DiSCo leg %s failed before its first token (%s); racing on", leg.endpoint, exc.message)
                 return
             raise exc
@@ -293,9 +276,14 @@ class DiscoStream:
 
     # -- migration -----------------------------------------------------------------------------
     def _maybe_migrate(self) -> None:
-        if (not self.may_migrate or self.pending is not None or self.finished is not None or self.active is None
-                or len(self.migrations) >= MAX_HANDOVER_ATTEMPTS
-                or any("called_off" not in m for m in self.migrations)):
+        if (
+            not self.may_migrate
+            or self.pending is not None
+            or self.finished is not None
+            or self.active is None
+            or len(self.migrations) >= MAX_HANDOVER_ATTEMPTS
+            or any("called_off" not in m for m in self.migrations)
+        ):
             return
         eos = getattr(self.device, "eos_token_id", None)
         if eos is not None and self.generated and self.generated[-1] == eos:
@@ -322,23 +310,32 @@ class DiscoStream:
         source = self.active
         assert source is not None  # callers migrate only an active leg
         leg = Leg(target, len(self.generated))
-        self.migrations.append({"from": source.endpoint, "to": target, "at_token": len(self.generated),
-                                "reason": reason, "buffered": sum(len(ids) for ids, _, _ in self.buffer),
-                                "buffer_needed": need, "estimated_s": t_m, "started": time.perf_counter()})
+        self.migrations.append(
+            {
+                "from": source.endpoint,
+                "to": target,
+                "at_token": len(self.generated),
+                "reason": reason,
+                "buffered": sum(len(ids) for ids, _, _ in self.buffer),
+                "buffer_needed": need,
+                "estimated_s": t_m,
+                "started": time.perf_counter(),
+            }
+        )
         if reason == "cost":
             self.pending = leg
         else:
-            self._close(source)
+            self.legs.close(source)
             self.active = leg
             if len(self.generated) >= self.max_new:  # it failed after its last token, before saying done
                 self.finished = {"finish_reason": "length", "stats": {}}
                 return
-        self._open(leg)
+        self._open_beside(leg)
 
     def _complete_handover(self) -> None:
         """The receiver's first token: the source stops; what it made meanwhile is dropped (paid, never shown)."""
         assert self.active is not None  # a hand-over starts only from an active leg
-        self._close(self.active)
+        self.legs.close(self.active)
         self.active, self.pending, self.reserve = self.pending, None, []
 
     def _call_off(self, why: str) -> None:
@@ -347,7 +344,7 @@ class DiscoStream:
         migration["called_off"] = why
         self._slowest_handover_s = time.perf_counter() - migration["started"]
         assert self.pending is not None and self.active is not None  # called only during a hand-over
-        self._close(self.pending)
+        self.legs.close(self.pending)
         self.pending = None
         for ids, text in self.reserve:
             self.generated += ids
@@ -356,34 +353,14 @@ class DiscoStream:
         self.reserve = []
         log.info("hand-over %s -> %s called off (%s)", migration["from"], migration["to"], why)
 
-    # -- closing -------------------------------------------------------------------------------
-    def _close(self, leg: Leg) -> None:
-        """Stop a leg now (its reader) and close its stream in an owned task (bounded by DeviceStream)."""
-        if leg.closed:
-            return
-        leg.closed = True
-        if leg.task is not None and leg.task is not asyncio.current_task():
-            leg.task.cancel()
-        task = asyncio.create_task(self._close_stream(leg), name=f"disco-close-{leg.endpoint}")
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    @staticmethod
-    async def _close_stream(leg: Leg) -> None:
-        if leg.task is not None:
-            await asyncio.gather(leg.task, return_exceptions=True)
-        if leg.stream is not None:
-            await leg.stream.aclose()
-
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
-        for leg in self.legs:
-            self._close(leg)
-        await asyncio.gather(*self._closing, *([self._timer] if self._timer else []), return_exceptions=True)
+        self.legs.close_all()
+        await asyncio.gather(*self.legs.closing, *([self._timer] if self._timer else []), return_exceptions=True)
         if self.prompt_tokens is not None:  # a request that never started teaches nothing
             self.controller.history.request_done(self.prompt_tokens, self.server_ttft_s, len(self.generated))
 
@@ -394,8 +371,15 @@ class DiscoStream:
 
     def summary(self) -> dict[str, Any]:
         migrations = [{k: v for k, v in m.items() if k != "started"} for m in self.migrations]
-        return {"dispatch": self.dispatch, "budget": self.budget, "reading_rate_tps": self.reading_rate,
-                "decision": self.decision.reason if self.decision else None,
-                "device_delay_s": self.decision.device_delay_s if self.decision else None,
-                "endpoint": self.first_endpoint, "endpoints": [leg.endpoint for leg in self.legs],
-                "server_ttft_s": self.server_ttft_s, "cost": self.ledger.as_dict(), "migrations": migrations}
+        return {
+            "dispatch": self.dispatch,
+            "budget": self.budget,
+            "reading_rate_tps": self.reading_rate,
+            "decision": self.decision.reason if self.decision else None,
+            "device_delay_s": self.decision.device_delay_s if self.decision else None,
+            "endpoint": self.first_endpoint,
+            "endpoints": [leg.endpoint for leg in self.legs],
+            "server_ttft_s": self.server_ttft_s,
+            "cost": self.ledger.as_dict(),
+            "migrations": migrations,
+        }

@@ -48,8 +48,15 @@ def _error_of(response: httpx.Response) -> tuple[str, str]:
 class Dispatcher:
     """Opens a generation on some device, failing over while nothing was delivered yet."""
 
-    def __init__(self, admission: Admission, client: httpx.AsyncClient, *, first_byte_timeout_s: float,
-                 line_timeout_s: float, probe_timeout_s: float) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        client: httpx.AsyncClient,
+        *,
+        first_byte_timeout_s: float,
+        line_timeout_s: float,
+        probe_timeout_s: float,
+    ) -> None:
         self.admission = admission
         self.router = admission.router
         self.client = client

@@ -25,10 +25,12 @@ async def client_gone(receive: Receive) -> None:
         pass
 
 
-async def unless_gone(work: Awaitable[None], receive: Callable[[], Awaitable[Message]],
-                      pending: deque[Message]) -> bool:
+async def unless_gone(
+    work: Awaitable[None], receive: Callable[[], Awaitable[Message]], pending: deque[Message]
+) -> bool:
     """Run `work` while watching a WebSocket's receive channel; False (and `work` cancelled) when the client
     disconnects first. Messages that arrive meanwhile are kept in `pending`, in order, for after `work`."""
+
     async def gone() -> None:
         while True:
             message = await receive()
@@ -55,8 +57,9 @@ class OwnedStreamingResponse(StreamingResponse):
     """Runs `on_close` however the response ends (done, client gone, server shutdown), and
     bounds every write so a client that stops reading cannot pin a device slot forever."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], *,
-                 send_timeout_s: float, **kw: Any) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]], *, send_timeout_s: float, **kw: Any
+    ) -> None:
         super().__init__(content, **kw)
         self._on_close = on_close
         self._send_timeout_s = send_timeout_s

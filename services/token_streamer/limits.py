@@ -37,8 +37,10 @@ log = logging.getLogger(__name__)
 
 BODY_READ_TIMEOUT_S = 30.0  # a client that takes longer to send a body of at most max_body_bytes is gone
 LINGER_S = 5.0  # how long the rest of a refused body is read and dropped before the connection closes
-NO_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
-          "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+NO_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header "
+    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
 BAD_KEY = "Incorrect API key provided."
 
 
@@ -65,8 +67,15 @@ def content_length(headers: Sequence[tuple[bytes, bytes]]) -> int | None:
 class Gate:
     """ASGI middleware: keys, rate, body size, in that order (an unauthenticated body is never read)."""
 
-    def __init__(self, app: ASGIApp, *, api_keys: Sequence[str], limiter: RateLimiter, max_body_bytes: int,
-                 body_timeout_s: float = BODY_READ_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_keys: Sequence[str],
+        limiter: RateLimiter,
+        max_body_bytes: int,
+        body_timeout_s: float = BODY_READ_TIMEOUT_S,
+    ) -> None:
         self.app = app
         self._keys = [key.encode() for key in api_keys]
         self.limiter = limiter
@@ -83,8 +92,14 @@ class Gate:
                 receive = await self._read_body(scope, receive)
         except Refusal as refusal:
             client = (scope.get("client") or ("?",))[0]
-            log.info("refused %s %s from %s: %d %s", scope.get("method", "WEBSOCKET"), scope["path"], client,
-                     refusal.status, refusal.code)
+            log.info(
+                "refused %s %s from %s: %d %s",
+                scope.get("method", "WEBSOCKET"),
+                scope["path"],
+                client,
+                refusal.status,
+                refusal.code,
+            )
             await self._refuse(scope, receive, send, refusal)
             return
         await self.app(scope, receive, send)
@@ -108,13 +123,23 @@ class Gate:
         wait_s = self.limiter.acquire(self._credential(scope))
         if wait_s > 0:
             seconds = retry_after_s(wait_s)
-            raise Refusal(429, f"Rate limit reached: {self.limiter.rate_per_s:g} requests/s, burst "
-                          f"{self.limiter.burst}. Try again in {seconds} s.", "rate_limit_exceeded",
-                          of.error_type(429), {"Retry-After": str(seconds)})
+            raise Refusal(
+                429,
+                f"Rate limit reached: {self.limiter.rate_per_s:g} requests/s, burst "
+                f"{self.limiter.burst}. Try again in {seconds} s.",
+                "rate_limit_exceeded",
+                of.error_type(429),
+                {"Retry-After": str(seconds)},
+            )
 
     def _too_large(self) -> Refusal:
-        return Refusal(413, f"Request body is larger than {self.max_body_bytes} bytes.", "request_too_large",
-                       "invalid_request_error", {"Connection": "close"})
+        return Refusal(
+            413,
+            f"Request body is larger than {self.max_body_bytes} bytes.",
+            "request_too_large",
+            "invalid_request_error",
+            {"Connection": "close"},
+        )
 
     async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
         """Read the body here, refusing it past the limit; return a `receive` that replays it."""
@@ -138,18 +163,23 @@ class Gate:
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            refusal = Refusal(408, f"Request body not received within {self.body_timeout_s:g} s.", "request_timeout",
-                              "invalid_request_error", {"Connection": "close"})
+            refusal = Refusal(
+                408,
+                f"Request body not received within {self.body_timeout_s:g} s.",
+                "request_timeout",
+                "invalid_request_error",
+                {"Connection": "close"},
+            )
             refusal.body_done = True  # too slow to be worth waiting for
             raise refusal from None
         return _replay(messages, receive)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, refusal: Refusal) -> None:
-        response = JSONResponse(of.error_body(refusal.message, refusal.type_, refusal.code), refusal.status,
-                                headers=refusal.headers)
+        response = JSONResponse(
+            of.error_body(refusal.message, refusal.type_, refusal.code), refusal.status, headers=refusal.headers
+        )
         if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": response.raw_headers})
+            await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
             await send({"type": "http.response.body", "body": response.body, "more_body": True})
             if not refusal.body_done:
                 await _drop_rest_of_body(receive)
@@ -199,8 +229,11 @@ def install(app: Any, settings: Any) -> None:
     """Put the gate in front of the streamer's app from its settings; warn when an open endpoint faces a network."""
     keys = settings.api_key_list
     if not keys and not is_loopback(settings.host):
-        log.warning("the OpenAI endpoint on %s is open to anyone who can reach it: set TOPHAT_STREAMER_API_KEY "
-                    "(tophat up --api-key) to require Authorization: Bearer", settings.host)
+        log.warning(
+            "the OpenAI endpoint on %s is open to anyone who can reach it: set TOPHAT_STREAMER_API_KEY "
+            "(tophat up --api-key) to require Authorization: Bearer",
+            settings.host,
+        )
     redact_credentials(SERVER_LOGGERS)
     limiter = RateLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
     app.add_middleware(Gate, api_keys=keys, limiter=limiter, max_body_bytes=settings.max_body_bytes)

@@ -226,8 +226,12 @@ class ChunkFactory:
 
     def response(self, text: str, finish_reason: str, usage_: dict[str, int], tophat: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -266,10 +270,10 @@ class StopScanner:
         if hits:
             self.stopped = True
             self._held = ""
-            return buf[:min(hits)]
+            return buf[: min(hits)]
         hold = self._partial_suffix(buf)
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold]
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold]
 
     def flush(self) -> str:
         held, self._held = self._held, ""

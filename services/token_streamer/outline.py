@@ -66,8 +66,17 @@ class OutlineStream:
     streamer's Run applies stop strings, timing and telemetry unchanged. Events: the points'
     'tokens' in outline order (each point's heading joined to its first text), then one 'done'."""
 
-    def __init__(self, flow: OutlineFlow, device: DeviceState, fmt: ChatFormat, body: dict[str, Any],
-                 outline_handle: str, points: list[str], outline_ended_turn: bool, stats: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        flow: OutlineFlow,
+        device: DeviceState,
+        fmt: ChatFormat,
+        body: dict[str, Any],
+        outline_handle: str,
+        points: list[str],
+        outline_ended_turn: bool,
+        stats: dict[str, Any],
+    ) -> None:
         self.flow = flow
         self.device = device
         self.queue_wait_s = 0.0
@@ -77,10 +86,16 @@ class OutlineStream:
         self._body = body
         per_point = max(1, int(body.get("max_new_tokens") or 1) // len(points))  # the request's budget, shared
         self._points = [_Point(i, p) for i, p in enumerate(points, 1)]
-        self._bodies = [{**self._sampling(),
-                         "prompt": fmt.point_text(p.index, p.text, outline_ended_turn=outline_ended_turn),
-                         "fork": outline_handle, "max_new_tokens": per_point,
-                         "request_id": f"{body.get('request_id', 'outline')}-p{p.index}"} for p in self._points]
+        self._bodies = [
+            {
+                **self._sampling(),
+                "prompt": fmt.point_text(p.index, p.text, outline_ended_turn=outline_ended_turn),
+                "fork": outline_handle,
+                "max_new_tokens": per_point,
+                "request_id": f"{body.get('request_id', 'outline')}-p{p.index}",
+            }
+            for p in self._points
+        ]
         self._running = 0
         self._finished = 0
         self._freed = asyncio.Event()  # a point finished: a busy device may take a waiting one now
@@ -114,8 +129,11 @@ class OutlineStream:
             self._running += 1
             async for event in stream.events():
                 if event.get("type") == "error":
-                    raise DeviceError(502, str(event.get("code") or "device_error"),
-                                      str(event.get("message") or "the device failed mid-generation"))
+                    raise DeviceError(
+                        502,
+                        str(event.get("code") or "device_error"),
+                        str(event.get("message") or "the device failed mid-generation"),
+                    )
                 point.events.put_nowait(event)
                 if event.get("type") == "done":
                     return
@@ -123,8 +141,9 @@ class OutlineStream:
         except DeviceError as exc:
             point.events.put_nowait(DeviceError(exc.status, exc.code, f"outline point {point.index}: {exc.message}"))
         except TimeoutError:
-            point.events.put_nowait(DeviceError(503, "device_busy", f"outline point {point.index}: the device "
-                                                "stayed busy"))
+            point.events.put_nowait(
+                DeviceError(503, "device_busy", f"outline point {point.index}: the device stayed busy")
+            )
         except (httpx.HTTPError, ValueError) as exc:  # whatever else the device's stream can end in
             point.events.put_nowait(DeviceError(502, "device_error", f"outline point {point.index}: {exc!r}"))
         finally:
@@ -184,8 +203,9 @@ class OutlineStream:
 class OutlineFlow:
     """Per-streamer state: each device's directive handle and chat format, and what it lacks."""
 
-    def __init__(self, dispatcher: Dispatcher, client: httpx.AsyncClient, *, wait_timeout_s: float,
-                 probe_timeout_s: float) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, client: httpx.AsyncClient, *, wait_timeout_s: float, probe_timeout_s: float
+    ) -> None:
         self.dispatcher = dispatcher
         self.admission = dispatcher.admission
         self.client = client
@@ -235,8 +255,13 @@ class OutlineFlow:
             raise _Fallback("device_lacks_fork")
         fmt = await self._format(device)
         question = question_of(body.get("prompt"), body.get("messages")) or ""
-        outline_body = {**hat_sampling(body), "prompt": fmt.question_text(question) + OUTLINE_OPENING, "keep": True,
-                        "max_new_tokens": OUTLINE_MAX_TOKENS, "request_id": f"{body.get('request_id')}-outline"}
+        outline_body = {
+            **hat_sampling(body),
+            "prompt": fmt.question_text(question) + OUTLINE_OPENING,
+            "keep": True,
+            "max_new_tokens": OUTLINE_MAX_TOKENS,
+            "request_id": f"{body.get('request_id')}-outline",
+        }
         directive = await self._directive(device, fmt)
         try:
             text, kept, finish = await self._generate(device, {**outline_body, "fork": directive})
@@ -253,8 +278,13 @@ class OutlineFlow:
         if len(points) < MIN_POINTS:
             await self.delete_handle(device, kept["handle"])
             raise _Fallback(f"outline_points<{MIN_POINTS}")
-        stats = {"used": True, "reason": "open_ended", "points": len(points), "outline": points,
-                 "outline_tokens": int(kept.get("length") or 0)}
+        stats = {
+            "used": True,
+            "reason": "open_ended",
+            "points": len(points),
+            "outline": points,
+            "outline_tokens": int(kept.get("length") or 0),
+        }
         stream = OutlineStream(self, device, fmt, body, str(kept["handle"]), points, finish == "stop", stats)
         stream.start_points()
         return stream
@@ -284,9 +314,16 @@ class OutlineFlow:
             if device.url in self.directives:
                 return self.directives[device.url]
             try:
-                _, kept, _ = await self._generate(device, {"prompt": fmt.directive_text(), "max_new_tokens": 0,
-                                                           "keep": True, "mode": KEPT_SESSIONS_MODE,
-                                                           "temperature": 0.0})
+                _, kept, _ = await self._generate(
+                    device,
+                    {
+                        "prompt": fmt.directive_text(),
+                        "max_new_tokens": 0,
+                        "keep": True,
+                        "mode": KEPT_SESSIONS_MODE,
+                        "temperature": 0.0,
+                    },
+                )
             except DeviceError as exc:
                 if exc.status != 400:  # refused (an agent without keep/fork), not failed
                     raise
@@ -309,8 +346,11 @@ class OutlineFlow:
                 if kind == "tokens":
                     text.append(str(event.get("text") or ""))
                 elif kind == "error":
-                    raise DeviceError(502, str(event.get("code") or "device_error"),
-                                      str(event.get("message") or "the device failed mid-generation"))
+                    raise DeviceError(
+                        502,
+                        str(event.get("code") or "device_error"),
+                        str(event.get("message") or "the device failed mid-generation"),
+                    )
                 elif kind == "done":
                     kept = event.get("kept")
                     valid = isinstance(kept, dict) and isinstance(kept.get("handle"), str) and kept["handle"]

@@ -38,25 +38,26 @@ class DeviceState:
 
     url: str
     index: int
-    outstanding: int = 0          # requests of this streamer currently on the device
-    down_until: float = 0.0       # monotonic time before which pick() skips the device
+    outstanding: int = 0  # requests of this streamer currently on the device
+    down_until: float = 0.0  # monotonic time before which pick() skips the device
     device_id: str | None = None  # from GET /info, when a probe has fetched it
     max_sessions: int | None = None  # from /info; None: unknown, the device's 'busy' tells
     speed_class: str | None = None  # from /info: prices its energy (DiSCo's cost model)
     eos_token_id: int | None = None  # from /info: an answer that ended is never migrated
-    held_until: float = 0.0       # after a 'busy' answer: not offered new requests until then
-    opening: int = 0              # requests sent whose first line has not come back yet
+    held_until: float = 0.0  # after a 'busy' answer: not offered new requests until then
+    opening: int = 0  # requests sent whose first line has not come back yet
     served: int = 0
     failures: int = 0
     last_error: str | None = None
-    retired: bool = False         # discovery no longer lists it: never picked (kept while its streams finish)
+    retired: bool = False  # discovery no longer lists it: never picked (kept while its streams finish)
 
 
 class Router:
     """Least-outstanding-requests placement with round-robin among ties."""
 
-    def __init__(self, urls: Iterable[str], *, down_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, urls: Iterable[str], *, down_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.devices = [DeviceState(url, i) for i, url in enumerate(urls)]
         self.down_s = down_s
         self._clock = clock
@@ -93,8 +94,11 @@ class Router:
 
     def capacity(self) -> int:
         """Sessions the healthy devices can hold (a device of unknown capacity: what it holds now)."""
-        return sum(d.max_sessions if d.max_sessions is not None else max(1, d.outstanding)
-                   for d in self.devices if self.healthy(d))
+        return sum(
+            d.max_sessions if d.max_sessions is not None else max(1, d.outstanding)
+            for d in self.devices
+            if self.healthy(d)
+        )
 
     def pick(self, exclude: Iterable[str] = (), *, free_only: bool = False) -> DeviceState | None:
         """The healthy device (not in `exclude`, by URL) with the fewest outstanding requests.
@@ -142,6 +146,17 @@ class Router:
         device.down_until = 0.0
 
     def snapshot(self) -> list[dict[str, Any]]:
-        return [{"url": d.url, "device_id": d.device_id, "healthy": self.healthy(d), "outstanding": d.outstanding,
-                 "max_sessions": d.max_sessions, "served": d.served, "failures": d.failures,
-                 "last_error": d.last_error} for d in self.devices if not d.retired or d.outstanding]
+        return [
+            {
+                "url": d.url,
+                "device_id": d.device_id,
+                "healthy": self.healthy(d),
+                "outstanding": d.outstanding,
+                "max_sessions": d.max_sessions,
+                "served": d.served,
+                "failures": d.failures,
+                "last_error": d.last_error,
+            }
+            for d in self.devices
+            if not d.retired or d.outstanding
+        ]

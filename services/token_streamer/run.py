@@ -25,8 +25,15 @@ from shared.telemetry import TelemetryClient
 class Run:
     """One request's generation on one device: stop strings, user-side timing, stats, telemetry."""
 
-    def __init__(self, stream: DeviceStream | DiscoStream | OutlineStream, stops: list[str], started: float,
-                 request_id: str, telemetry: TelemetryClient, metrics: StreamerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        stream: DeviceStream | DiscoStream | OutlineStream,
+        stops: list[str],
+        started: float,
+        request_id: str,
+        telemetry: TelemetryClient,
+        metrics: StreamerMetrics | None = None,
+    ) -> None:
         self.stream = stream
         self.scanner = of.StopScanner(stops)
         self.started = started
@@ -68,8 +75,11 @@ class Run:
                     yield tail
                 return
             elif kind == "error":
-                raise DeviceError(502, str(event.get("code") or "device_error"),
-                                  str(event.get("message") or "the device failed mid-generation"))
+                raise DeviceError(
+                    502,
+                    str(event.get("code") or "device_error"),
+                    str(event.get("message") or "the device failed mid-generation"),
+                )
         tail = self.scanner.flush()  # events() ends only after done/error or by raising
         if tail:
             yield tail
@@ -110,12 +120,20 @@ class Run:
         accepts = self.accept_lengths
         mean_accept = stats.get("mean_accept_length", latency_stats.mean_accept_length(accepts))
         disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else {}
-        return {**disco, "device_id": self.device.device_id, "queue_wait_s": self.stream.queue_wait_s,
-                "ttft_s": self.ttft_s, "tbt_s": latency_stats.mean_tbt_s(self.timeline),
-                "mean_accept_length": mean_accept, "num_rounds": stats.get("num_rounds", len(accepts)),
-                "prompt_tokens": self.stream.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "rounds": list(self.rounds),  # tokens per delivery: the prefill's, then each round's
-                "device_stats": self.device_stats, **self.extra}
+        return {
+            **disco,
+            "device_id": self.device.device_id,
+            "queue_wait_s": self.stream.queue_wait_s,
+            "ttft_s": self.ttft_s,
+            "tbt_s": latency_stats.mean_tbt_s(self.timeline),
+            "mean_accept_length": mean_accept,
+            "num_rounds": stats.get("num_rounds", len(accepts)),
+            "prompt_tokens": self.stream.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "rounds": list(self.rounds),  # tokens per delivery: the prefill's, then each round's
+            "device_stats": self.device_stats,
+            **self.extra,
+        }
 
     def usage(self) -> dict[str, int]:
         return of.usage(self.stream.prompt_tokens, self.completion_tokens)
@@ -129,9 +147,21 @@ class Run:
         if self.metrics is not None:  # TTFT, ITL and e2e as the user saw them, from arrival here
             self.metrics.request_done(self.ttft_s, self.token_times_s, time.perf_counter() - self.started)
         disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else None
-        self.telemetry.emit_request(self.request_id, device_id=self.device.device_id, ttft_s=self.ttft_s,
-                                    token_times_s=self.token_times_s, accept_lengths=self.accept_lengths,
-                                    prompt_tokens=self.stream.prompt_tokens,
-                                    **({} if disco is None else {
-                                        "endpoint": disco["endpoint"], "server_ttft_s": disco["server_ttft_s"],
-                                        "cost": disco["cost"]["total"], "dispatch": disco["dispatch"]}))
+        self.telemetry.emit_request(
+            self.request_id,
+            device_id=self.device.device_id,
+            ttft_s=self.ttft_s,
+            token_times_s=self.token_times_s,
+            accept_lengths=self.accept_lengths,
+            prompt_tokens=self.stream.prompt_tokens,
+            **(
+                {}
+                if disco is None
+                else {
+                    "endpoint": disco["endpoint"],
+                    "server_ttft_s": disco["server_ttft_s"],
+                    "cost": disco["cost"]["total"],
+                    "dispatch": disco["dispatch"],
+                }
+            ),
+        )

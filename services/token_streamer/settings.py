@@ -24,19 +24,19 @@ class Settings(ServiceSettings):
     # announce themselves to the state monitor (GET /devices), re-read every discovery_interval_s.
     device_urls: str = ""
     discovery_interval_s: float = 2.0
-    state_monitor_url: str = ""           # empty: no request telemetry
-    model_name: str = "tophat-demo"       # the id served by /v1/models and echoed in responses
-    connect_timeout_s: float = 2.0        # TCP connect to a device agent (also pool wait)
-    first_byte_timeout_s: float = 30.0    # request sent -> device's first NDJSON line
-    line_timeout_s: float = 30.0          # between two NDJSON lines of a running generation
-    probe_timeout_s: float = 1.0          # one /readyz or /info probe
-    health_interval_s: float = 5.0        # background device probe period; 0 disables it
-    device_down_s: float = 5.0            # a device that failed to connect is skipped this long
-    ws_idle_timeout_s: float = 600.0      # a chat WebSocket with no message this long is closed
-    send_timeout_s: float = 10.0          # one WebSocket send to the client
+    state_monitor_url: str = ""  # empty: no request telemetry
+    model_name: str = "tophat-demo"  # the id served by /v1/models and echoed in responses
+    connect_timeout_s: float = 2.0  # TCP connect to a device agent (also pool wait)
+    first_byte_timeout_s: float = 30.0  # request sent -> device's first NDJSON line
+    line_timeout_s: float = 30.0  # between two NDJSON lines of a running generation
+    probe_timeout_s: float = 1.0  # one /readyz or /info probe
+    health_interval_s: float = 5.0  # background device probe period; 0 disables it
+    device_down_s: float = 5.0  # a device that failed to connect is skipped this long
+    ws_idle_timeout_s: float = 600.0  # a chat WebSocket with no message this long is closed
+    send_timeout_s: float = 10.0  # one WebSocket send to the client
     max_new_tokens_default: int = 64
     max_new_tokens_limit: int = 1024
-    max_prompt_chars: int = 200_000       # longer prompts are rejected with 400
+    max_prompt_chars: int = 200_000  # longer prompts are rejected with 400
     # Requests beyond the devices' free sessions wait in a FCFS queue of at most queue_max_waiting
     # (more get 429 with Retry-After); one still waiting after queue_timeout_s gets 503 queue_timeout.
     queue_max_waiting: int = 256
@@ -55,17 +55,17 @@ class Settings(ServiceSettings):
     # "device", "cloud", "hat", "random" (Stoch-S / Stoch-D). A request may override dispatch, budget and
     # reading rate in its "tophat" object.
     dispatch: str = "off"
-    disco_budget: float = 0.5             # b: the share of prompt tokens the constrained endpoint may take
-    disco_tail_ratio: float = 0.05        # alpha: budget reserved for the server's TTFT tail (device-constrained)
+    disco_budget: float = 0.5  # b: the share of prompt tokens the constrained endpoint may take
+    disco_tail_ratio: float = 0.05  # alpha: budget reserved for the server's TTFT tail (device-constrained)
     disco_server_endpoint: str = "cloud"  # the server side: cloud (token mode, whole model) or hat
-    disco_migration: bool = True          # hand decoding to the cheaper endpoint when eq. 4 says it pays
-    reading_rate_tps: float = 5.0         # r_c: delivery under a dispatch policy is paced at this (0: unpaced)
-    disco_history: int = 2000             # recent prompt lengths / server TTFTs the policy is built from
-    disco_refresh_s: float = 5.0          # how often the history is re-read from the state monitor
+    disco_migration: bool = True  # hand decoding to the cheaper endpoint when eq. 4 says it pays
+    reading_rate_tps: float = 5.0  # r_c: delivery under a dispatch policy is paced at this (0: unpaced)
+    disco_history: int = 2000  # recent prompt lengths / server TTFTs the policy is built from
+    disco_refresh_s: float = 5.0  # how often the history is re-read from the state monitor
     # The buffer a migration waits for is B = r_c * t_m (eq. 5) with t_m this quantile of the receiver's
     # time to first token (a median leaves every slower-than-median hand-over to stall delivery).
     disco_migration_quantile: float = 0.9
-    disco_seed: int = -1                  # the random baseline's generator (-1: unseeded); benches fix it
+    disco_seed: int = -1  # the random baseline's generator (-1: unseeded); benches fix it
     # Unified cost (DiSCo §4.1; shared/disco/cost.py has the sources of the defaults): server $ per prompt /
     # generated token; device energy per prompt / generated token per speed class ("class:J,J;..."), the
     # exchange rate $ per J (lambda) and HAT's share of a token's compute done on the device.
@@ -89,9 +89,18 @@ class Settings(ServiceSettings):
                 raise ValueError(f"device url must start with http:// or https://: {url!r}")
         if self.state_monitor_url and not self.state_monitor_url.startswith(("http://", "https://")):
             raise ValueError(f"state_monitor_url must be an http(s) URL: {self.state_monitor_url!r}")
-        timeouts = (self.connect_timeout_s, self.first_byte_timeout_s, self.line_timeout_s, self.probe_timeout_s,
-                    self.device_down_s, self.ws_idle_timeout_s, self.send_timeout_s, self.telemetry_timeout_s,
-                    self.queue_timeout_s, self.discovery_interval_s)
+        timeouts = (
+            self.connect_timeout_s,
+            self.first_byte_timeout_s,
+            self.line_timeout_s,
+            self.probe_timeout_s,
+            self.device_down_s,
+            self.ws_idle_timeout_s,
+            self.send_timeout_s,
+            self.telemetry_timeout_s,
+            self.queue_timeout_s,
+            self.discovery_interval_s,
+        )
         if min(timeouts) <= 0:
             raise ValueError("timeouts and device_down_s must be > 0")
         if self.health_interval_s < 0:
@@ -122,8 +131,12 @@ class Settings(ServiceSettings):
 
     def cost_model(self, speed_class: str = "orin") -> CostModel:
         """The unified cost for a device of `speed_class` (the first class listed when it has none)."""
-        base = CostModel(server_prompt=self.server_prompt_price, server_decode=self.server_decode_price,
-                         exchange_rate=self.exchange_rate, hat_device_share=self.hat_device_share)
+        base = CostModel(
+            server_prompt=self.server_prompt_price,
+            server_decode=self.server_decode_price,
+            exchange_rate=self.exchange_rate,
+            hat_device_share=self.hat_device_share,
+        )
         energy = parse_device_energy(self.device_energy)
         chosen = energy.get(speed_class) or next(iter(energy.values()), None)
         return base if chosen is None else base.with_device_energy(*chosen)

@@ -64,14 +64,21 @@ class RequestStarter:
         prompt = prompt_of(req)
         chars = len(prompt["prompt"]) if "prompt" in prompt else sum(len(m["content"]) for m in prompt["messages"])
         if chars > s.max_prompt_chars:
-            raise BadRequest(f"prompt is longer than {s.max_prompt_chars} characters",
-                             "prompt" if "prompt" in prompt else "messages")
+            raise BadRequest(
+                f"prompt is longer than {s.max_prompt_chars} characters", "prompt" if "prompt" in prompt else "messages"
+            )
         max_new = max_tokens if max_tokens is not None else s.max_new_tokens_default
         if max_new > s.max_new_tokens_limit:
             raise BadRequest(f"max_tokens must be <= {s.max_new_tokens_limit}", "max_tokens")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        body = {**prompt, "max_new_tokens": max_new, "temperature": req.temperature,
-                "top_p": req.top_p, "seed": req.seed, "request_id": request_id}
+        body = {
+            **prompt,
+            "max_new_tokens": max_new,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "seed": req.seed,
+            "request_id": request_id,
+        }
         options = req.tophat.model_dump(exclude_none=True) if req.tophat is not None else {}
         delay_ms = options.pop("added_delay_ms", 0.0)
         if delay_ms:
@@ -94,8 +101,16 @@ class RequestStarter:
         else:
             if "mode" in options:
                 raise BadRequest("a request under a dispatch policy cannot also choose its mode", "tophat")
-            stream = DiscoStream(self.disco, self.dispatcher, body, dispatch=dispatch, budget=budget,
-                                 reading_rate_tps=reading_rate, migration=migration, prompt_chars=chars)
+            stream = DiscoStream(
+                self.disco,
+                self.dispatcher,
+                body,
+                dispatch=dispatch,
+                budget=budget,
+                reading_rate_tps=reading_rate,
+                migration=migration,
+                prompt_chars=chars,
+            )
             try:
                 await stream.start()
             except BaseException:
