@@ -27,7 +27,7 @@ import logging
 import ssl
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -35,6 +35,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.typing import EncodableT, FieldT
 
 from shared.backoff import Backoff
 
@@ -85,6 +86,9 @@ def encode_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     return json.dumps(value, separators=(",", ":"), default=str)
+
+
+_RedisFields = dict[FieldT, EncodableT]  # what redis-py's stubs take: invariant, so a dict[str, str] is cast to it
 
 
 def encode_fields(fields: Mapping[str, Any]) -> dict[str, str]:
@@ -210,9 +214,9 @@ class TelemetrySink:
             return False
         pipe = self._redis.pipeline(transaction=False)
         for stream, fields in events:
-            pipe.xadd(stream, encode_fields(fields), maxlen=self.stream_maxlen, approximate=True)
+            pipe.xadd(stream, cast(_RedisFields, encode_fields(fields)), maxlen=self.stream_maxlen, approximate=True)
         for key, mapping, ttl in states:
-            pipe.hset(key, mapping=encode_fields(mapping))
+            pipe.hset(key, mapping=cast(_RedisFields, encode_fields(mapping)))
             if ttl:
                 pipe.expire(key, ttl)
         for key, member in members:
@@ -240,7 +244,7 @@ class TelemetrySink:
             return None
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await self._redis.hgetall(key)
+                return cast(dict[str, str], await self._redis.hgetall(key))  # decode_responses: str
         except (RedisError, OSError, TimeoutError) as exc:
             self._mark_down(exc, dropped=False)
             return None
@@ -267,7 +271,7 @@ class TelemetrySink:
             return None
         try:
             async with asyncio.timeout(self.timeout_s):
-                return set(await self._redis.smembers(key))
+                return cast(set[str], set(await self._redis.smembers(key)))  # decode_responses: str
         except (RedisError, OSError, TimeoutError) as exc:
             self._mark_down(exc, dropped=False)
             return None

@@ -57,8 +57,9 @@ import logging
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard, TypeVar, dataclass_transform
 
 import numpy as np
 import torch
@@ -151,7 +152,7 @@ def encode_tensor(t: torch.Tensor, wire_dtype: WireDtype | str = WireDtype.F16) 
     if not t.is_contiguous():
         t = t.contiguous()
     # numpy has no bfloat16: ship its 16 bits through an int16 view (no copy either way)
-    raw = memoryview((t.view(torch.int16) if wd is WireDtype.BF16 else t).numpy())
+    raw = (t.view(torch.int16) if wd is WireDtype.BF16 else t).numpy().data  # a memoryview of the array
     return {"d": wd.value, "s": list(t.shape), "b": raw}
 
 
@@ -205,7 +206,7 @@ def _as_dtype(wd: WireDtype | str) -> WireDtype:
         raise WireError(ErrorCode.BAD_DTYPE, f"unknown dtype {wd!r}") from None
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return type(v) is int  # excludes bool (and IntEnum); msgpack yields exact ints
 
 
@@ -246,6 +247,7 @@ class Message:
     carries_token_ids: ClassVar[bool] = False
     _spec: ClassVar[tuple[tuple[str, str, str, bool], ...]]  # (name, key, kind, has_default)
     _keys: ClassVar[frozenset[str]]  # every key a frame of this type may hold
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # set by dataclass() in `_message`
 
     def __post_init__(self) -> None:
         for name, _key, kind, _has_default in self._spec:
@@ -287,7 +289,9 @@ def _check(kind: str, name: str, value: Any) -> Any:
         return _as_dtype(value)
     elif kind == CODE:
         try:
-            return ErrorCode(value if type(value) is not bool else None)
+            if type(value) is bool:  # True is not MALFORMED's 1
+                raise ValueError(value)
+            return ErrorCode(value)
         except ValueError:
             raise WireError(ErrorCode.MALFORMED, f"unknown error code {value!r}") from None
     elif kind == TENSOR:
@@ -338,9 +342,15 @@ def decode_probs(raw: Any) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy())
 
 
-def _message(code: int):
+M = TypeVar("M", bound=Message)
+
+
+# dataclass_transform: tells the type checker what the run-time dataclass() call below makes of a
+# message class (its __init__ from the `_f` fields, frozen), so constructor calls are checked.
+@dataclass_transform(frozen_default=True, eq_default=False, field_specifiers=(_f,))
+def _message(code: int) -> Callable[[type[M]], type[M]]:
     """Class decorator: frozen dataclass + registration under a unique type code."""
-    def wrap(cls: type) -> type:
+    def wrap(cls: type[M]) -> type[M]:
         if not 0 <= code < 128:  # a positive fixint: one byte on the wire
             raise TypeError(f"bad type code {code:#x}: not a positive fixint")
         cls = dataclasses.dataclass(frozen=True, eq=False, slots=True)(cls)
@@ -557,12 +567,13 @@ class TokenVerdict(Message):
 
     def __post_init__(self) -> None:
         Message.__post_init__(self)
-        has_row = self.probs is not None
+        probs = self.probs
+        has_row = probs is not None
         ok = (not (self.stale and (self.rejected or self.token is not None or has_row))
               and (has_row == (self.rejected and self.token is None))
               and (not has_row or self.vocab_size is not None)
-              and (self.indices is None or (has_row and len(self.indices) == self.probs.shape[0]))
-              and (not has_row or self.indices is not None or self.probs.shape[0] == self.vocab_size))
+              and (self.indices is None or (probs is not None and len(self.indices) == probs.shape[0]))
+              and (probs is None or self.indices is not None or probs.shape[0] == self.vocab_size))
         if not ok:
             raise WireError(ErrorCode.MALFORMED, "inconsistent TokenVerdict", self.session_id, self.seq_no)
 

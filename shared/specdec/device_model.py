@@ -4,6 +4,7 @@ output submodel of one checkpoint, with the shapes a session needs from them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -36,7 +37,7 @@ class DeviceModel:
 
     @property
     def hidden_size(self) -> int:
-        return self.output.lm_head.in_features
+        return cast(int, self.output.lm_head.in_features)  # an int: nn.Module's __getattr__ types it Tensor | Module
 
     @property
     def device(self) -> torch.device:

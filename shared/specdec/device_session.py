@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.model.adapter import DraftAdapter
+from shared.model.kv_cache import SessionKV
 from shared.specdec.device_model import DeviceModel
 from shared.specdec.draft import Branch, Draft, branch_for, only_last_corrected
 from shared.specdec.draft_config import DraftConfig, SessionError
@@ -44,7 +46,7 @@ class DeviceSession(Drafting):
     draft_config: DraftConfig = field(default_factory=DraftConfig)
     max_new_tokens: int = 64
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise SessionError("the prompt is empty")
         bad = [t for t in self.prompt_ids if not 0 <= t < self.model.vocab_size]
@@ -120,16 +122,24 @@ class DeviceSession(Drafting):
             self._run_adapter(self.adapter_cache, shallow, ids, torch.zeros_like(shallow))
         return start, shallow
 
-    def _run_adapter(self, cache, shallow: torch.Tensor, token_ids: torch.Tensor,
+    def _draft_adapter(self) -> DraftAdapter:
+        if self.model.adapter is None:
+            raise SessionError("no draft adapter on this device")
+        return self.model.adapter
+
+    def _run_adapter(self, cache: SessionKV | None, shallow: torch.Tensor, token_ids: torch.Tensor,
                      prev_features: torch.Tensor | None) -> torch.Tensor:
         """The adapter over rows of (token, shallow state, deep state of the position before)."""
         # shallow: [S, H], token_ids: [S], prev_features: [S, H] -> f_S: [S, H]
-        return self.model.adapter(shallow, cache, self._adapter_side(token_ids, prev_features))
+        adapter = self._draft_adapter()
+        if cache is None:
+            raise SessionError("no draft adapter cache in this session")
+        return adapter(shallow, cache, self._adapter_side(token_ids, prev_features))
 
     def _adapter_side(self, token_ids: torch.Tensor, prev_features: torch.Tensor | None) -> torch.Tensor | None:
         """What the adapter reads besides the shallow state, for these rows (a batched pass packs them)."""
         # token_ids: [S], prev_features: [S, H] -> [S, H] or None
-        side_input = self.model.adapter.spec.side_input
+        side_input = self._draft_adapter().spec.side_input
         if side_input == "embedding":
             return self.model.input.embed_tokens(token_ids.to(self.model.device))
         if side_input == "feature":
@@ -206,12 +216,14 @@ class DeviceSession(Drafting):
         from its own predicted deep states; now the cloud's are known, so it re-reads those rows
         from the exact ones (the pending token's row already read an exact state)."""
         # deep: [k+1, H]; row i is the position of draft.shallow row i
-        if self.model.adapter.spec.side_input != "feature" or num_accepted == 0:
-            self.adapter_cache.truncate(draft.commit_len + 1 + num_accepted)
+        cache = self.adapter_cache
+        assert cache is not None  # the one caller checked
+        if self._draft_adapter().spec.side_input != "feature" or num_accepted == 0:
+            cache.truncate(draft.commit_len + 1 + num_accepted)
             return
-        self.adapter_cache.truncate(draft.commit_len + 1)
+        cache.truncate(draft.commit_len + 1)
         ids = torch.tensor(draft.tokens[:num_accepted])
-        self._run_adapter(self.adapter_cache, draft.shallow[1 : 1 + num_accepted], ids, deep[:num_accepted])
+        self._run_adapter(cache, draft.shallow[1 : 1 + num_accepted], ids, deep[:num_accepted])
 
     def free(self) -> None:
         self.input_cache.free()

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.model.kv_cache import SessionKV
 
 
 @dataclass
@@ -26,9 +30,10 @@ class Branch:
     """A continuation pre-drafted from one candidate for the last draft position (HAT §3.5)."""
 
     candidate: int
-    input_cache: object
-    adapter_cache: object
-    last: tuple  # (draft logits at the branch's last drafted position, the adapter state they came from)
+    input_cache: SessionKV
+    adapter_cache: SessionKV | None
+    # (draft logits at the branch's last drafted position, the adapter state they came from)
+    last: tuple[torch.Tensor | None, torch.Tensor | None]
     draft: Draft  # commit_len = positions before the candidate; shallow rows = (candidate, e_1..e_j)
 
     def free(self) -> None:

@@ -119,7 +119,11 @@ class StreamVerifier:
         if chunk.q_drafted is None and not greedy and chunk.num_drafts:
             raise StreamProtocolError("sampled verification needs q of every draft")
         # p: [num_drafts + 1, V]: row i verifies draft i, the last row is the bonus position
-        p = p_rows if chunk.num_final else torch.cat([self.carried_row[None], p_rows])
+        if chunk.num_final:
+            p = p_rows
+        else:
+            assert self.carried_row is not None  # check() refused a continuation with nothing carried
+            p = torch.cat([self.carried_row[None], p_rows])
         q = chunk.q_drafted if chunk.q_drafted is not None else torch.ones(chunk.num_drafts)
         try:
             verdict = verify_drafts(p, list(chunk.drafts), q, generator, greedy=greedy, downlink=downlink,

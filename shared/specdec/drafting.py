@@ -12,16 +12,49 @@ from __future__ import annotations
 
 import hashlib
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.specdec.draft import Branch, Draft
-from shared.specdec.draft_config import SessionError
-from shared.specdec.sampling import logits_to_probs, sample
+from shared.specdec.draft_config import DraftConfig, SessionError
+from shared.specdec.sampling import SamplingParams, logits_to_probs, sample
+
+if TYPE_CHECKING:
+    from shared.model.kv_cache import SessionKV
+    from shared.specdec.device_model import DeviceModel
 
 
 class Drafting:
     """Draft, continue an adopted branch's draft, pre-draft branches, adopt one (DeviceSession's)."""
+
+    # The host's state this mixin reads and advances (DeviceSession sets all of it): declarations only.
+    model: DeviceModel
+    params: SamplingParams
+    draft_config: DraftConfig
+    max_new_tokens: int
+    generated: list[int]
+    pending_token: int | None
+    generator: torch.Generator
+    _draft_rng: torch.Generator
+    input_cache: SessionKV
+    adapter_cache: SessionKV | None
+    draft_seconds: list[tuple[float, int]]
+    reused_branches: int
+    _ready_draft: Draft | None
+    _last_draft_logits: torch.Tensor | None
+    _last_draft_hidden: torch.Tensor | None
+    _prev_feature: torch.Tensor | None
+
+    if TYPE_CHECKING:  # the host's, likewise
+        @property
+        def is_finished(self) -> bool: ...
+
+        @property
+        def commit_len(self) -> int: ...
+
+        def _run_adapter(self, cache: SessionKV | None, shallow: torch.Tensor, token_ids: torch.Tensor,
+                         prev_features: torch.Tensor | None) -> torch.Tensor: ...
 
     # -- decode ----------------------------------------------------------------
     def _draft_budget(self) -> int:
@@ -157,6 +190,7 @@ class Drafting:
 
     def _fit_ready_draft_to_budget(self) -> None:
         draft = self._ready_draft
+        assert draft is not None  # the one caller has just adopted a branch, which set it
         budget = self._draft_budget()
         if len(draft.tokens) > budget:
             draft = Draft(draft.commit_len, draft.tokens[:budget],

@@ -20,7 +20,7 @@ from shared.latency_stats import Timeline
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
 from shared.planners import fixed_chunks  # noqa: F401  (callers import it from here too)
-from shared.specdec.device_session import DeviceSession
+from shared.specdec.device_session import DeviceSession, SessionError
 
 
 class Cloud(Protocol):
@@ -141,7 +141,13 @@ async def run_session(
                     answered = threading.Event()
                     answer_time: list[float] = []
                     verifying = asyncio.ensure_future(cloud.verify(session_id, draft.commit_len, draft.shallow))
-                    verifying.add_done_callback(lambda _: (answer_time.append(clock()), answered.set()))
+
+                    def on_answer(_: object, times: list[float] = answer_time,
+                                  event: threading.Event = answered) -> None:  # this round's, bound now
+                        times.append(clock())
+                        event.set()
+
+                    verifying.add_done_callback(on_answer)
                     steps = parallel_steps(len(draft.tokens) + 1) if callable(parallel_steps) else parallel_steps
                     try:
                         branches = await offload_step(session.predraft, draft, parallel_candidates, steps,
@@ -197,6 +203,8 @@ async def prefill_on_cloud(session: DeviceSession, cloud: Cloud, session_id: int
     deep_last = None
     for answer in answers:
         deep_last = await answer
+    if deep_last is None:  # no chunks, or a cloud that answered the last chunk with nothing
+        raise SessionError("the prompt's prefill gave no deep state")
     return deep_last
 
 
@@ -264,7 +272,8 @@ async def generate(
     started = time.perf_counter()
     times: list[float] = []
     tokens: list[int] = []
-    async for emitted in run_session(session, cloud, session_id, fixed_chunks(len(session.prompt_ids), chunk_size), **options):
+    chunks = fixed_chunks(len(session.prompt_ids), chunk_size)
+    async for emitted in run_session(session, cloud, session_id, chunks, **options):
         now = time.perf_counter() - started
         tokens.extend(emitted)
         times.extend([now] * len(emitted))

@@ -11,10 +11,11 @@ from shared.model.checkpoint import Checkpoint
 from shared.specdec.engine import GenerationResult
 from shared.specdec.sampling import SamplingParams, logits_to_probs, sample
 
+_DEFAULT_PARAMS = SamplingParams()  # frozen: one shared default
 
 @torch.inference_mode()
 def generate_full(
-    checkpoint: Checkpoint, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = SamplingParams()
+    checkpoint: Checkpoint, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = _DEFAULT_PARAMS
 ) -> GenerationResult:
     model = checkpoint.model
     generator = torch.Generator()

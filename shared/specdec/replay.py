@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol, cast
 
 import torch
 
@@ -29,6 +30,12 @@ from shared.backoff import Backoff
 from shared.specdec.engine import Cloud, done_future
 
 log = logging.getLogger(__name__)
+
+
+class _ForkingCloud(Cloud, Protocol):
+    """A `Cloud` that also forks sessions (WebSocketCloud); only a caller that forks asks for it."""
+
+    async def fork(self, session_id: int, parent_id: int, length: int) -> None: ...
 
 
 @dataclass
@@ -72,7 +79,7 @@ class ReplayingCloud:
             raise ValueError(f"a fork of {length} positions needs {length} rows, got {len(rows)}")
         record = self.sessions[session_id] = _SessionLog(rows=list(rows))
         try:
-            await self.inner.fork(session_id, parent_id, length)
+            await cast(_ForkingCloud, self.inner).fork(session_id, parent_id, length)
         except Exception as exc:  # noqa: BLE001 - only a lost verifier (or parent) is recovered; others re-raised
             if not self.is_lost(exc):
                 raise

@@ -124,11 +124,20 @@ def dense_target(payload: RejectionPayload) -> torch.Tensor:
     """The target row as the device knows it: exact ("full") or zero outside the top-K ("topk")."""
     # -> [V] float32
     if payload.kind == "full":
-        return payload.values.float()
+        return _values(payload).float()
     if payload.kind == "topk":
+        if payload.indices is None:
+            raise SeparateRejectionShapeError("a 'topk' payload carries no indices")
         dense = torch.zeros(payload.vocab_size)
-        return dense.scatter(0, payload.indices.long(), payload.values.float())
+        return dense.scatter(0, payload.indices.long(), _values(payload).float())
     raise SeparateRejectionShapeError(f"a {payload.kind!r} payload carries no distribution")
+
+
+def _values(payload: RejectionPayload) -> torch.Tensor:
+    """The probabilities a "topk" or "full" payload carries."""
+    if payload.values is None:
+        raise SeparateRejectionShapeError(f"a {payload.kind!r} payload carries no values")
+    return payload.values
 
 
 def correction_distribution(payload: RejectionPayload, q_row: torch.Tensor) -> torch.Tensor:
@@ -148,6 +157,8 @@ def correction_token(payload: RejectionPayload, q_row: torch.Tensor, generator: 
     if payload.kind == "token":
         if q_row.shape != (payload.vocab_size,):
             raise SeparateRejectionShapeError(f"q_row must be [V={payload.vocab_size}], got {list(q_row.shape)}")
+        if payload.token is None:
+            raise SeparateRejectionShapeError("a 'token' payload carries no token")
         return int(payload.token)
     return sample(correction_distribution(payload, q_row), generator)
 
@@ -156,7 +167,8 @@ def residual_tv_distance(p_row: torch.Tensor, q_row: torch.Tensor, k: int) -> fl
     """Total variation distance between the exact residual and the one a top-k downlink gives."""
     # p_row, q_row: [V]
     if p_row.dim() != 1 or q_row.shape != p_row.shape:
-        raise SeparateRejectionShapeError(f"p_row and q_row must both be [V], got {list(p_row.shape)}, {list(q_row.shape)}")
+        raise SeparateRejectionShapeError(
+            f"p_row and q_row must both be [V], got {list(p_row.shape)}, {list(q_row.shape)}")
     exact = correction_distribution(make_payload(p_row, 0, "full"), q_row)  # [V]
     approx = correction_distribution(make_payload(p_row, 0, "topk", k), q_row)  # [V]
     return 0.5 * float((exact - approx).abs().sum())
@@ -176,5 +188,5 @@ def downlink_bytes(payload: RejectionPayload | None) -> int:
     if payload.kind == "token":
         return TOKEN_ID_BYTES
     if payload.kind == "topk":
-        return payload.values.numel() * (PROBABILITY_BYTES + TOKEN_ID_BYTES)
-    return payload.values.numel() * PROBABILITY_BYTES
+        return _values(payload).numel() * (PROBABILITY_BYTES + TOKEN_ID_BYTES)
+    return _values(payload).numel() * PROBABILITY_BYTES

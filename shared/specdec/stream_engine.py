@@ -139,7 +139,8 @@ async def run_stream(session: StreamSession, send: SendChunk, config: StreamConf
                     # chunk ends the run and asks for the bonus; drafting resumes from the verdict
                     await ship(more=False)
                     continue
-                if can_send and (unsent_drafts >= config.group or (config.idle_send and unsent_drafts and not in_flight)):
+                idle = config.idle_send and unsent_drafts and not in_flight
+                if can_send and (unsent_drafts >= config.group or idle):
                     await ship(more=True)  # a full group, or the verifier is idle (truncation)
                     continue
                 if room > 0 and session.speculative < config.window and not low_confidence:
@@ -235,7 +236,8 @@ async def hat_async_session(session: StreamSession, cloud: Cloud, session_id: in
         session.start_hidden_mode()
         yield first
 
-        async def send(chunk: DraftChunk, shallow: torch.Tensor) -> Awaitable[torch.Tensor]:
+        async def send(chunk: DraftChunk, shallow: torch.Tensor | None) -> Awaitable[torch.Tensor]:
+            assert shallow is not None  # hidden mode: take_chunk gives every chunk its shallow rows
             # the cloud keeps chunk.start_pos positions (a rejected tail is cut), then appends the chunk
             return await cloud.send_verify(session_id, chunk.start_pos, shallow)
 

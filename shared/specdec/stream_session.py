@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ class StreamBranch:
     """A continuation pre-drafted from `candidate` in place of the draft at `position` (its correction)."""
     position: int
     candidate: int
-    line: dict  # the _LINE fields of the branch
+    line: dict[str, Any]  # the _LINE fields of the branch
 
     def free(self) -> None:
         self.line["input_cache"].free()
@@ -93,6 +94,8 @@ class StreamSession(DeviceSession):
 
     def start_hidden_mode(self) -> None:
         """hat-async, after the hidden-state prefill and `on_prefill_result` gave the first token."""
+        if self.pending_token is None or self._prev_feature is None:
+            raise SessionError("start_hidden_mode() before on_prefill_result()")
         self.hidden_mode = True
         self._stream_init(self.pending_token, self._prev_feature)
 
@@ -208,12 +211,14 @@ class StreamSession(DeviceSession):
         adopted = False
         self.final_len = first_draft + verdict.num_accepted
         extra: list[int] = []
-        if verdict.rejected:
+        if verdict.rejection is not None:  # verdict.rejected
             position = first_draft + verdict.num_accepted
             payload = verdict.rejection
             # greedy: the correction itself came down; sampling: drawn from the residual with this draft's q row
             correction = (payload.token if payload.kind == "token"
                           else correction_token(payload, self.q_rows[position], self.generator))
+            if correction is None:
+                raise SessionError("a greedy rejection without its correction token")
             self._roll_back(position)
             self.epoch = verdict.epoch
             extra = [correction]
@@ -240,7 +245,8 @@ class StreamSession(DeviceSession):
         return emitted
 
     # -- parallel drafting (HAT §3.5) on a stream --------------------------------------------------
-    def predraft(self, num_candidates: int, steps: int, should_stop=None) -> int:
+    # A stream pre-drafts from its own line, not from a Draft: run_stream calls this one, never DeviceSession's.
+    def predraft(self, num_candidates: int, steps: int, should_stop=None) -> int:  # type: ignore[override]
         """While the chunk ending the current run is verified, draft `steps` ahead from each of the draft
         model's top candidates for its last draft (other than that draft): if the verdict rejects exactly
         that draft and corrects it to a candidate, the branch becomes the stream (`apply`). Only idle time:
@@ -279,7 +285,8 @@ class StreamSession(DeviceSession):
             return False
         self.branches.remove(match)
         self.input_cache.free()
-        self.adapter_cache.free()
+        if self.adapter_cache is not None:
+            self.adapter_cache.free()
         for name, value in match.line.items():  # seq: the kept prefix, the correction, the branch's drafts
             setattr(self, name, value)
         self.reused_branches += 1
@@ -301,7 +308,8 @@ class StreamSession(DeviceSession):
         self.sent_len = min(self.sent_len, position)
         if self.advanced > position:
             self.input_cache.truncate(position)
-            self.adapter_cache.truncate(position)
+            if self.adapter_cache is not None:
+                self.adapter_cache.truncate(position)
         for table in (self.q_of, self.q_rows, self.shallow_rows, self.features, self.candidates):
             for p in [p for p in table if p >= position]:
                 del table[p]
