@@ -89,8 +89,9 @@ def issue(secret: str | bytes, subject: str, role: str, ttl_s: float, now: float
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if not subject or ttl_s <= 0:
         raise ValueError("a token needs a subject and a positive ttl")
-    payload = json.dumps({"sub": subject, "exp": int(now + ttl_s), "role": role}, separators=(",", ":"),
-                         sort_keys=True).encode()
+    payload = json.dumps(
+        {"sub": subject, "exp": int(now + ttl_s), "role": role}, separators=(",", ":"), sort_keys=True
+    ).encode()
     signed = _b64encode(payload)
     return f"{signed}.{_b64encode(_mac(secret, signed))}"
 
@@ -159,8 +160,15 @@ class BearerAuth(httpx.Auth):
     """httpx auth: `Authorization: Bearer` on every request, a fresh token minted before the last one expires
     (or a fixed token given from outside)."""
 
-    def __init__(self, secret: str = "", subject: str = "", role: str = "service", ttl_s: float = DEFAULT_TTL_S,
-                 token: str = "", clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        secret: str = "",
+        subject: str = "",
+        role: str = "service",
+        ttl_s: float = DEFAULT_TTL_S,
+        token: str = "",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if not (secret or token):
             raise ValueError("BearerAuth needs a secret to mint with or a token")
         self._secret, self.subject, self.role, self.ttl_s = secret, subject, role, ttl_s
@@ -228,8 +236,13 @@ def redact_credentials(logger_names: Sequence[str]) -> None:
 
 def warn_if_open(service: str, secret: str, host: str, env_var: str) -> None:
     if not secret and not is_loopback(host):
-        log.warning("%s on %s accepts unauthenticated calls from anyone who can reach it: set %s (tophat up "
-                    "--auth does) to require signed credentials", service, host, env_var)
+        log.warning(
+            "%s on %s accepts unauthenticated calls from anyone who can reach it: set %s (tophat up "
+            "--auth does) to require signed credentials",
+            service,
+            host,
+            env_var,
+        )
 
 
 class RequireToken:
@@ -237,14 +250,23 @@ class RequireToken:
     expired credential) or 403 (another role); the claims go into the scope (`claims_of`). `guarded(method,
     path)` picks the paths; OPEN_PATHS are never guarded. The body is not read before the check."""
 
-    def __init__(self, app: Any, *, secret: str, roles: Collection[str],
-                 guarded: Callable[[str, str], bool] = lambda method, path: True,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        secret: str,
+        roles: Collection[str],
+        guarded: Callable[[str, str], bool] = lambda method, path: True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.app, self._secret, self.roles, self.guarded, self.clock = app, secret, frozenset(roles), guarded, clock
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if (scope["type"] != "http" or scope["path"] in OPEN_PATHS
-                or not self.guarded(scope.get("method", "GET"), scope["path"])):
+        if (
+            scope["type"] != "http"
+            or scope["path"] in OPEN_PATHS
+            or not self.guarded(scope.get("method", "GET"), scope["path"])
+        ):
             await self.app(scope, receive, send)
             return
         try:
@@ -253,8 +275,15 @@ class RequireToken:
         except AuthError as exc:
             client = (scope.get("client") or ("?",))[0]
             log.info("refused %s %s from %s: %s", scope.get("method"), scope["path"], client, exc.reason)
-            body = json.dumps({"error": {"code": "unauthorized" if exc.status == 401 else "forbidden",
-                                         "reason": exc.reason, "message": str(exc)}}).encode()
+            body = json.dumps(
+                {
+                    "error": {
+                        "code": "unauthorized" if exc.status == 401 else "forbidden",
+                        "reason": exc.reason,
+                        "message": str(exc),
+                    }
+                }
+            ).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             if exc.status == 401:
                 headers.append((b"www-authenticate", b"Bearer"))
@@ -285,8 +314,9 @@ def claims_of(scope: dict) -> Claims | None:
     return scope.get(SCOPE_KEY)
 
 
-def install(app: Any, secret: str, roles: Collection[str],
-            guarded: Callable[[str, str], bool] = lambda method, path: True) -> None:
+def install(
+    app: Any, secret: str, roles: Collection[str], guarded: Callable[[str, str], bool] = lambda method, path: True
+) -> None:
     """Guard a FastAPI app when a mesh secret is configured; with none, leave it open."""
     if secret:
         app.add_middleware(RequireToken, secret=secret, roles=roles, guarded=guarded)

@@ -72,9 +72,16 @@ def encode_record(session_id: int, seq_no: int, kind: FrameKind, start: int, row
     if rows.dtype not in _DTYPE_NAMES or rows.dim() != 2:
         raise ValueError(f"rows must be a 2-D float16/bfloat16/float32 tensor, got {rows.dtype} {tuple(rows.shape)}")
     raw = rows.detach().to("cpu").contiguous().view(torch.uint8).numpy()  # the bytes as held, no cast
-    body = msgpack.packb({"session_id": session_id, "seq_no": seq_no, "kind": kind, "start": start,
-                          "rows": {"dtype": _DTYPE_NAMES[rows.dtype], "shape": list(rows.shape),
-                                   "raw": raw.data}}, use_bin_type=True)
+    body = msgpack.packb(
+        {
+            "session_id": session_id,
+            "seq_no": seq_no,
+            "kind": kind,
+            "start": start,
+            "rows": {"dtype": _DTYPE_NAMES[rows.dtype], "shape": list(rows.shape), "raw": raw.data},
+        },
+        use_bin_type=True,
+    )
     return _LENGTH.pack(len(body)) + body
 
 
@@ -121,8 +128,9 @@ class CaptureWriter:
             self._file.write(record)
             self._file.flush()
         except OSError as exc:
-            log.error("capture %s: writing failed (%s); capture stopped after %d record(s)", self.path, exc,
-                      self.records)
+            log.error(
+                "capture %s: writing failed (%s); capture stopped after %d record(s)", self.path, exc, self.records
+            )
             self.failed = True
             self._close_quietly()
             return
@@ -147,8 +155,9 @@ def read_capture(path: str | Path) -> list[CapturedFrame]:
     (see the module docstring) for a file that is not a capture or is damaged or truncated."""
     data = Path(path).read_bytes()
     if not data.startswith(MAGIC):
-        raise CaptureFormatError(f"{path} is not a capture file (no {MAGIC!r} header)", [], 0,
-                                 truncated=MAGIC.startswith(data))
+        raise CaptureFormatError(
+            f"{path} is not a capture file (no {MAGIC!r} header)", [], 0, truncated=MAGIC.startswith(data)
+        )
     frames: list[CapturedFrame] = []
     offset = len(MAGIC)
     while offset < len(data):
@@ -157,10 +166,9 @@ def read_capture(path: str | Path) -> list[CapturedFrame]:
         (length,) = _LENGTH.unpack_from(data, offset)
         if length > MAX_RECORD_BYTES:
             raise CaptureFormatError(f"record length {length} is not plausible", frames, offset, truncated=False)
-        body = data[offset + _LENGTH.size: offset + _LENGTH.size + length]
+        body = data[offset + _LENGTH.size : offset + _LENGTH.size + length]
         if len(body) < length:
-            raise CaptureFormatError(f"truncated record: {len(body)} of {length} bytes", frames, offset,
-                                     truncated=True)
+            raise CaptureFormatError(f"truncated record: {len(body)} of {length} bytes", frames, offset, truncated=True)
         try:
             frames.append(_decode_record(body))
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
@@ -182,8 +190,12 @@ def _decode_record(body: bytes) -> CapturedFrame:
     dtype, shape, raw = _DTYPES.get(rows["dtype"]), rows["shape"], rows["raw"]
     if dtype is None:
         raise ValueError(f"unknown dtype {rows['dtype']!r}")
-    if (not isinstance(shape, list) or len(shape) != 2 or not all(type(d) is int and d > 0 for d in shape)
-            or not isinstance(raw, bytes)):
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 2
+        or not all(type(d) is int and d > 0 for d in shape)
+        or not isinstance(raw, bytes)
+    ):
         raise ValueError("shape must be two positive ints and raw bytes")
     if len(raw) != shape[0] * shape[1] * dtype.itemsize:
         raise ValueError(f"{len(raw)} bytes do not hold {shape} {rows['dtype']}")

@@ -73,10 +73,15 @@ def route_source_address(peer_url: str) -> str:
         return str(sock.getsockname()[0])
 
 
-def advertised_url(explicit: str, host: str, port: int, route_to: str = "",
-                   route_source: Callable[[str], str] = route_source_address,
-                   resolve: Callable[[str], str] = socket.gethostbyname,
-                   hostname: Callable[[], str] = socket.gethostname) -> str:
+def advertised_url(
+    explicit: str,
+    host: str,
+    port: int,
+    route_to: str = "",
+    route_source: Callable[[str], str] = route_source_address,
+    resolve: Callable[[str], str] = socket.gethostbyname,
+    hostname: Callable[[], str] = socket.gethostname,
+) -> str:
     """The base URL other machines reach this agent at."""
     if explicit:
         return explicit.rstrip("/")

@@ -44,23 +44,27 @@ TOKEN_BUCKETS = tuple(float(2**k) for k in range(13))  # 1 .. 4096 batched token
 
 def never_raises(method: Callable) -> Callable:
     """Counting is bookkeeping: a failure is logged and swallowed, never raised into a request path."""
+
     @functools.wraps(method)
     def guarded(*args: Any, **kwargs: Any) -> None:
         try:
             method(*args, **kwargs)
         except Exception:  # noqa: BLE001 - see the docstring
             log.warning("metrics: %s failed", method.__qualname__, exc_info=True)
+
     return guarded
 
 
 def read_at_scrape(gauge: Gauge, read: Callable[[], float]) -> None:
     """`gauge` reads `read()` at every scrape; NaN when it fails (a scrape never fails for one gauge)."""
+
     def value() -> float:
         try:
             return float(read())
         except Exception:  # noqa: BLE001 - a scrape answers; the broken gauge says NaN
             log.warning("metrics: reading a gauge failed", exc_info=True)
             return math.nan
+
     gauge.set_function(value)
 
 
@@ -84,15 +88,23 @@ class SpecDecodeMetrics:
     """vLLM's speculative-decoding counters, counted per verification round of a device session."""
 
     def __init__(self, registry: CollectorRegistry, max_draft: int = 0):
-        self.drafts = Counter(_name("spec_decode_num_drafts"), "Verification rounds that carried at least one "
-                              "draft token", registry=registry)
-        self.draft_tokens = Counter(_name("spec_decode_num_draft_tokens"), "Draft tokens sent for verification",
-                                    registry=registry)
-        self.accepted_tokens = Counter(_name("spec_decode_num_accepted_tokens"), "Draft tokens the target model "
-                                       "accepted", registry=registry)
-        self.accepted_per_pos = Counter(_name("spec_decode_num_accepted_tokens_per_pos"), "Accepted draft tokens by "
-                                        "position in the draft (0 = first draft token)", ["position"],
-                                        registry=registry)
+        self.drafts = Counter(
+            _name("spec_decode_num_drafts"),
+            "Verification rounds that carried at least one draft token",
+            registry=registry,
+        )
+        self.draft_tokens = Counter(
+            _name("spec_decode_num_draft_tokens"), "Draft tokens sent for verification", registry=registry
+        )
+        self.accepted_tokens = Counter(
+            _name("spec_decode_num_accepted_tokens"), "Draft tokens the target model accepted", registry=registry
+        )
+        self.accepted_per_pos = Counter(
+            _name("spec_decode_num_accepted_tokens_per_pos"),
+            "Accepted draft tokens by position in the draft (0 = first draft token)",
+            ["position"],
+            registry=registry,
+        )
         for position in range(max_draft):  # every position a draft can have shows, at 0 until it happens
             self.accepted_per_pos.labels(position=str(position))
 
@@ -115,10 +127,18 @@ class DeviceMetrics:
     def __init__(self, device_id: str, max_draft: int):
         self.registry = CollectorRegistry()
         self.spec_decode = SpecDecodeMetrics(self.registry, max_draft)
-        uplink = Counter(_name("device_uplink_bytes"), "Bytes of WebSocket messages the device sent to the verifier",
-                         ["device"], registry=self.registry)
-        downlink = Counter(_name("device_downlink_bytes"), "Bytes of WebSocket messages the device received from "
-                           "the verifier", ["device"], registry=self.registry)
+        uplink = Counter(
+            _name("device_uplink_bytes"),
+            "Bytes of WebSocket messages the device sent to the verifier",
+            ["device"],
+            registry=self.registry,
+        )
+        downlink = Counter(
+            _name("device_downlink_bytes"),
+            "Bytes of WebSocket messages the device received from the verifier",
+            ["device"],
+            registry=self.registry,
+        )
         self._link = {"up": uplink.labels(device=device_id), "down": downlink.labels(device=device_id)}
 
     @never_raises
@@ -132,17 +152,32 @@ class StreamerMetrics:
 
     def __init__(self, running: Callable[[], float], waiting: Callable[[], float]):
         self.registry = CollectorRegistry()
-        read_at_scrape(Gauge(_name("num_requests_running"), "Requests holding a device slot",
-                             registry=self.registry), running)
-        read_at_scrape(Gauge(_name("num_requests_waiting"), "Requests queued for a device slot",
-                             registry=self.registry), waiting)
-        self.ttft = Histogram(_name("time_to_first_token_seconds"), "Request arrival at the streamer to its first "
-                              "token", buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram(_name("inter_token_latency_seconds"), "Time between tokens: one sample per token after "
-                             "the first; a round of k tokens counts as k gaps of 1/k of its wait "
-                             "(shared/latency_stats.py)", buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(_name("e2e_request_latency_seconds"), "Request arrival at the streamer to its end",
-                             buckets=E2E_BUCKETS, registry=self.registry)
+        read_at_scrape(
+            Gauge(_name("num_requests_running"), "Requests holding a device slot", registry=self.registry), running
+        )
+        read_at_scrape(
+            Gauge(_name("num_requests_waiting"), "Requests queued for a device slot", registry=self.registry), waiting
+        )
+        self.ttft = Histogram(
+            _name("time_to_first_token_seconds"),
+            "Request arrival at the streamer to its first token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            _name("inter_token_latency_seconds"),
+            "Time between tokens: one sample per token after "
+            "the first; a round of k tokens counts as k gaps of 1/k of its wait "
+            "(shared/latency_stats.py)",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            _name("e2e_request_latency_seconds"),
+            "Request arrival at the streamer to its end",
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
 
     @never_raises
     def request_done(self, ttft_s: float | None, tbt_samples_s: Iterable[float], e2e_s: float) -> None:
@@ -159,17 +194,36 @@ class VerifierMetrics:
     def __init__(self, sessions: Callable[[], float], kv_bytes: Callable[[], float] | None):
         """`kv_bytes` None: the KV is not in this process (pipeline stages), so no gauge claims to know it."""
         self.registry = CollectorRegistry()
-        self.batched_tokens = Histogram(_name("verifier_batched_tokens"), "Tokens in one verifier step (mu-hat)",
-                                        buckets=TOKEN_BUCKETS, registry=self.registry)
-        self.step_seconds = Histogram(_name("verifier_step_seconds"), "Compute time of one verifier step (eta-hat)",
-                                      buckets=STEP_BUCKETS, registry=self.registry)
-        read_at_scrape(Gauge(_name("verifier_sessions"), "Live sessions on the verifier", registry=self.registry),
-                       sessions)
+        self.batched_tokens = Histogram(
+            _name("verifier_batched_tokens"),
+            "Tokens in one verifier step (mu-hat)",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.step_seconds = Histogram(
+            _name("verifier_step_seconds"),
+            "Compute time of one verifier step (eta-hat)",
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        )
+        read_at_scrape(
+            Gauge(_name("verifier_sessions"), "Live sessions on the verifier", registry=self.registry), sessions
+        )
         if kv_bytes is not None:
-            read_at_scrape(Gauge(_name("verifier_kv_cache_bytes"), "Bytes allocated to the KV caches of live "
-                                 "sessions", registry=self.registry), kv_bytes)
-        self.bad_frames = Counter(_name("verifier_bad_frames"), "Frames answered with an error, by error code",
-                                  ["code"], registry=self.registry)
+            read_at_scrape(
+                Gauge(
+                    _name("verifier_kv_cache_bytes"),
+                    "Bytes allocated to the KV caches of live sessions",
+                    registry=self.registry,
+                ),
+                kv_bytes,
+            )
+        self.bad_frames = Counter(
+            _name("verifier_bad_frames"),
+            "Frames answered with an error, by error code",
+            ["code"],
+            registry=self.registry,
+        )
 
     @never_raises
     def step(self, batched_tokens: int, compute_s: float) -> None:
@@ -184,9 +238,12 @@ class VerifierMetrics:
 class PlannerMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.decisions = Counter(_name("planner_decisions"), "Plans answered, by plan (chunk_size, "
-                                 "parallel_draft_steps) and source (eq3, eq6, default:<reason>)",
-                                 ["plan", "source"], registry=self.registry)
+        self.decisions = Counter(
+            _name("planner_decisions"),
+            "Plans answered, by plan (chunk_size, parallel_draft_steps) and source (eq3, eq6, default:<reason>)",
+            ["plan", "source"],
+            registry=self.registry,
+        )
 
     @never_raises
     def decision(self, plan: str, source: str) -> None:
@@ -196,14 +253,22 @@ class PlannerMetrics:
 class MonitorMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
-        self.records = Counter(_name("telemetry_records"), "Telemetry records ingested, by kind", ["kind"],
-                               registry=self.registry)
-        self.requests = Counter(_name("requests"), "Finished requests reported, by the endpoint that delivered "
-                                "the first token (device, cloud, hat; unknown when the sender did not say)",
-                                ["endpoint"], registry=self.registry)
-        self.request_cost = Counter(_name("request_cost_dollars"), "Cost of finished requests in $ (DiSCo's "
-                                    "unified cost), by the endpoint that delivered the first token",
-                                    ["endpoint"], registry=self.registry)
+        self.records = Counter(
+            _name("telemetry_records"), "Telemetry records ingested, by kind", ["kind"], registry=self.registry
+        )
+        self.requests = Counter(
+            _name("requests"),
+            "Finished requests reported, by the endpoint that delivered "
+            "the first token (device, cloud, hat; unknown when the sender did not say)",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self.request_cost = Counter(
+            _name("request_cost_dollars"),
+            "Cost of finished requests in $ (DiSCo's unified cost), by the endpoint that delivered the first token",
+            ["endpoint"],
+            registry=self.registry,
+        )
 
     @never_raises
     def record(self, kind: str) -> None:

@@ -101,45 +101,96 @@ class ModeSpec:
         a request with several problems always hears about the same one."""
         if asked.keep_or_fork and not self.keepable:
             keepable = " or ".join(name for name, spec in MODE_TABLE.items() if spec.keepable)
-            return Refusal("kept_sessions_unsupported", f"keep and fork work in mode {keepable} only, not {self.name}",
-                           detail=(("mode", self.name),))
+            return Refusal(
+                "kept_sessions_unsupported",
+                f"keep and fork work in mode {keepable} only, not {self.name}",
+                detail=(("mode", self.name),),
+            )
         if asked.privacy and not self.private:
             private = " or ".join(name for name, spec in MODE_TABLE.items() if spec.uplink == "hidden")
-            return Refusal("privacy", f"mode {self.name} sends token ids to the cloud; this request asked for "
-                           f"privacy (use {private})")
+            return Refusal(
+                "privacy",
+                f"mode {self.name} sends token ids to the cloud; this request asked for privacy (use {private})",
+            )
         if not self.uses_device_model:  # SD / PC / PD do not apply
             return None
         if asked.speculative and not offered.draft_adapter:
             return Refusal("bad_request", "this device runs without a draft adapter (speculative=false)")
         drafting = asked.speculative and offered.max_draft > 0 and offered.draft_adapter
-        if ((self.needs_drafting and not drafting)
-                or (self.needs_edge_server and not (offered.edge_server and offered.draft_adapter))
-                or (self.needs_draft_model and not offered.draft_adapter)):
+        if (
+            (self.needs_drafting and not drafting)
+            or (self.needs_edge_server and not (offered.edge_server and offered.draft_adapter))
+            or (self.needs_draft_model and not offered.draft_adapter)
+        ):
             return Refusal("bad_request", self.unmet)
         return None
 
 
-MODE_TABLE: dict[str, ModeSpec] = {spec.name: spec for spec in (
-    ModeSpec("hat", "split", "hat", "hidden", keepable=True,
-             summary="HAT: the device drafts, the cloud computes the middle layers (SD / PC / PD switches)"),
-    ModeSpec("hat-async", "stream", "hat-async", "hidden", needs_drafting=True,
-             unmet="mode hat-async drafts: it needs speculative=true and a draft adapter",
-             summary="HAT with PicoSpec's asynchronous pipeline"),
-    ModeSpec("cloud", "none", "cloud", "tokens",
-             summary="the whole model in the cloud, one token per round trip (HAT's cloud baseline)"),
-    ModeSpec("token-sd", "stream", "token-stream", "tokens", needs_drafting=True,
-             unmet="mode token-sd drafts: it needs speculative=true and a draft adapter",
-             summary="the device drafts with its own small model, the cloud verifies token ids"),
-    ModeSpec("picospec", "stream", "token-stream", "tokens", needs_drafting=True,
-             unmet="mode picospec drafts: it needs speculative=true and a draft adapter",
-             summary="token-sd with the asynchronous pipeline, streamed drafts and a sparse downlink"),
-    ModeSpec("device", "local", "local", "none", needs_draft_model=True,
-             unmet="mode device generates with the draft model: this device has none",
-             summary="the device's draft model alone, no cloud at all (DiSCo's on-device endpoint)"),
-    ModeSpec("edge-sd", "stream", "edge", "tokens", needs_edge_server=True,
-             unmet="mode edge-sd needs an edge draft server (TOPHAT_DEVICE_EDGE_DRAFT_SERVER) with a draft adapter",
-             summary="Edge SD: an edge draft server drafts for many users in batches, the cloud verifies token ids"),
-)}
+MODE_TABLE: dict[str, ModeSpec] = {
+    spec.name: spec
+    for spec in (
+        ModeSpec(
+            "hat",
+            "split",
+            "hat",
+            "hidden",
+            keepable=True,
+            summary="HAT: the device drafts, the cloud computes the middle layers (SD / PC / PD switches)",
+        ),
+        ModeSpec(
+            "hat-async",
+            "stream",
+            "hat-async",
+            "hidden",
+            needs_drafting=True,
+            unmet="mode hat-async drafts: it needs speculative=true and a draft adapter",
+            summary="HAT with PicoSpec's asynchronous pipeline",
+        ),
+        ModeSpec(
+            "cloud",
+            "none",
+            "cloud",
+            "tokens",
+            summary="the whole model in the cloud, one token per round trip (HAT's cloud baseline)",
+        ),
+        ModeSpec(
+            "token-sd",
+            "stream",
+            "token-stream",
+            "tokens",
+            needs_drafting=True,
+            unmet="mode token-sd drafts: it needs speculative=true and a draft adapter",
+            summary="the device drafts with its own small model, the cloud verifies token ids",
+        ),
+        ModeSpec(
+            "picospec",
+            "stream",
+            "token-stream",
+            "tokens",
+            needs_drafting=True,
+            unmet="mode picospec drafts: it needs speculative=true and a draft adapter",
+            summary="token-sd with the asynchronous pipeline, streamed drafts and a sparse downlink",
+        ),
+        ModeSpec(
+            "device",
+            "local",
+            "local",
+            "none",
+            needs_draft_model=True,
+            unmet="mode device generates with the draft model: this device has none",
+            summary="the device's draft model alone, no cloud at all (DiSCo's on-device endpoint)",
+        ),
+        ModeSpec(
+            "edge-sd",
+            "stream",
+            "edge",
+            "tokens",
+            needs_edge_server=True,
+            unmet="mode edge-sd needs an edge draft server (TOPHAT_DEVICE_EDGE_DRAFT_SERVER) with a draft adapter",
+            summary="Edge SD: an edge draft server drafts for many users in batches, the cloud verifies token ids",
+        ),
+    )
+}
 
 # The names a request may use (pydantic checks them); the table's keys, in its order.
 Mode = Literal["hat", "hat-async", "cloud", "token-sd", "picospec", "device", "edge-sd"]

@@ -59,8 +59,9 @@ class MessageRegistry(Generic[Tag]):
         if not is_dataclass(cls) or not isinstance(cls, type):
             raise TypeError(f"{cls!r} is not a dataclass: it cannot be a {self.what}")
         if tag in self.by_tag:
-            raise TypeError(f"{self.what} tag {tag!r} is registered twice ({self.by_tag[tag].__name__}, "
-                            f"{cls.__name__})")
+            raise TypeError(
+                f"{self.what} tag {tag!r} is registered twice ({self.by_tag[tag].__name__}, {cls.__name__})"
+            )
         self.by_tag[tag] = cls
         return cls
 

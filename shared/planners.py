@@ -79,8 +79,8 @@ def _chunk_grid(min_size: int, max_size: int) -> tuple[int, Callable[[int], int]
     """
     if min_size == max_size:
         return 1, lambda _: min_size
-    first = (min_size // CHUNK_ALIGN + 1) * CHUNK_ALIGN            # first multiple > min_size
-    last = ((max_size - 1) // CHUNK_ALIGN) * CHUNK_ALIGN           # last multiple < max_size
+    first = (min_size // CHUNK_ALIGN + 1) * CHUNK_ALIGN  # first multiple > min_size
+    last = ((max_size - 1) // CHUNK_ALIGN) * CHUNK_ALIGN  # last multiple < max_size
     inner = max(0, (last - first) // CHUNK_ALIGN + 1)
     count = inner + 2
 
@@ -94,8 +94,9 @@ def _chunk_grid(min_size: int, max_size: int) -> tuple[int, Callable[[int], int]
     return count, size
 
 
-def eq3_gap(x: float, bytes_per_token: float, beta_up: float, g: Callable[[float], float],
-            mu: float, stages: int) -> float:
+def eq3_gap(
+    x: float, bytes_per_token: float, beta_up: float, g: Callable[[float], float], mu: float, stages: int
+) -> float:
     """f(X) = X·A/β_up − (g(μ) + g(μ+X)) / P: upload time of a chunk minus the cloud time it overlaps (eq. 3).
 
     Negative: the upload finishes before the cloud would be ready for it (the chunk
@@ -104,8 +105,16 @@ def eq3_gap(x: float, bytes_per_token: float, beta_up: float, g: Callable[[float
     return x * bytes_per_token / beta_up - (g(mu) + g(mu + x)) / stages
 
 
-def chunk_size_eq3(bytes_per_token: float, beta_up: float, g: Callable[[float], float], mu: float,
-                   stages: int, min_size: int, max_size: int, prompt_tokens: int) -> int:
+def chunk_size_eq3(
+    bytes_per_token: float,
+    beta_up: float,
+    g: Callable[[float], float],
+    mu: float,
+    stages: int,
+    min_size: int,
+    max_size: int,
+    prompt_tokens: int,
+) -> int:
     """Prompt chunk size X from HAT eq. 3: X·A/β_up = (g(μ) + g(μ+X)) / P.
 
     Intuition: while the cloud works on chunk j, the device uploads chunk j+1. A
@@ -134,8 +143,10 @@ def chunk_size_eq3(bytes_per_token: float, beta_up: float, g: Callable[[float], 
     if not (math.isfinite(mu) and mu >= 0):
         raise ValueError(f"mu must be finite and >= 0, got {mu!r}")
     if stages < 1 or min_size < 1 or max_size < min_size or prompt_tokens < 1:
-        raise ValueError(f"need stages >= 1, 1 <= min_size <= max_size, prompt_tokens >= 1; got "
-                         f"{stages}, {min_size}, {max_size}, {prompt_tokens}")
+        raise ValueError(
+            f"need stages >= 1, 1 <= min_size <= max_size, prompt_tokens >= 1; got "
+            f"{stages}, {min_size}, {max_size}, {prompt_tokens}"
+        )
 
     def f(x: int) -> float:
         return eq3_gap(x, a, beta, g, mu, stages)
@@ -157,8 +168,9 @@ def chunk_size_eq3(bytes_per_token: float, beta_up: float, g: Callable[[float], 
     return min(chosen, prompt_tokens)
 
 
-def parallel_draft_steps_eq6(draft_len: int, bytes_per_token: float, beta_up: float, beta_down: float,
-                             g_mu: float, gamma: float, max_steps: int) -> int:
+def parallel_draft_steps_eq6(
+    draft_len: int, bytes_per_token: float, beta_up: float, beta_down: float, g_mu: float, gamma: float, max_steps: int
+) -> int:
     """Parallel-draft steps λ_i from HAT eq. 6: ⌊(μ_i·A/β_up + g(μ) + μ_i·A/β_down) / γ_i⌋.
 
     Why: while a verification of μ_i draft tokens is in flight, the device is idle
@@ -190,8 +202,8 @@ class PlannerInputs:
     telemetry is older is planned with defaults, since its bandwidth may have changed.
     """
 
-    bytes_per_token: int | None          # A; None: unknown (eq. 3 / eq. 6 cannot be applied)
-    stages: int = 1                      # P
+    bytes_per_token: int | None  # A; None: unknown (eq. 3 / eq. 6 cannot be applied)
+    stages: int = 1  # P
     min_chunk_size: int = 16
     max_chunk_size: int = 1024
     default_chunk_size: int = 128
@@ -239,13 +251,25 @@ def predictor_from_cloud_state(cloud: Mapping[str, Any]) -> ComputeDelayPredicto
         if lo and hi and hi > lo > 0:
             bpo = max(1, round(1.0 / math.log2(hi / lo)))
         count = max(1, int(_finite(b.get("count")) or 1))
-        items.append({"bucket": b["bucket"], "mu": {"value": mu, "count": count},
-                      "eta": {"value": eta, "count": count}, "updated_at": _finite(b.get("updated_at"))})
+        items.append(
+            {
+                "bucket": b["bucket"],
+                "mu": {"value": mu, "count": count},
+                "eta": {"value": eta, "count": count},
+                "updated_at": _finite(b.get("updated_at")),
+            }
+        )
     if not items:
         return None
     alpha = _finite(cloud.get("alpha"))
-    return ComputeDelayPredictor.from_dict({"alpha": alpha if alpha is not None and 0 <= alpha < 1 else 0.8,
-                                            "buckets_per_octave": bpo, "monotone": True, "buckets": items})
+    return ComputeDelayPredictor.from_dict(
+        {
+            "alpha": alpha if alpha is not None and 0 <= alpha < 1 else 0.8,
+            "buckets_per_octave": bpo,
+            "monotone": True,
+            "buckets": items,
+        }
+    )
 
 
 def _cloud_terms(cloud: Mapping[str, Any] | None) -> tuple[Callable[[float], float], float] | str:
@@ -279,8 +303,9 @@ def _device_problem(device: Mapping[str, Any] | None, stale_after_s: float) -> s
     return "stale" if stale else None
 
 
-def _usable_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
-                  inputs: PlannerInputs) -> tuple[int, Callable[[float], float], float, Mapping[str, Any]] | str:
+def _usable_state(
+    cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None, inputs: PlannerInputs
+) -> tuple[int, Callable[[float], float], float, Mapping[str, Any]] | str:
     """(A, g, μ, device) when A is known and both sides have usable telemetry, else the default reason."""
     bytes_per_token = inputs.bytes_per_token
     if bytes_per_token is None:
@@ -303,8 +328,9 @@ def _positive_field(device: Mapping[str, Any], key: str, missing: str) -> float 
     return x if x is not None and x > 0 else "bad-telemetry"
 
 
-def plan_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
-                    inputs: PlannerInputs, prompt_tokens: int) -> tuple[int, str]:
+def plan_from_state(
+    cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None, inputs: PlannerInputs, prompt_tokens: int
+) -> tuple[int, str]:
     """Chunk size for one prompt from the monitor's JSON: (size, "eq3") or (default, "default:<reason>").
 
     `cloud` is `GET /state/cloud`, `device` is `GET /state/device/{id}` (None for a 404).
@@ -316,13 +342,15 @@ def plan_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] |
     beta_up = _positive_field(dev, "beta_up", "missing-beta")
     if isinstance(beta_up, str):
         return inputs.default_chunk(prompt_tokens), f"default:{beta_up}"
-    size = chunk_size_eq3(bytes_per_token, beta_up, g, mu, inputs.stages,
-                          inputs.min_chunk_size, inputs.max_chunk_size, prompt_tokens)
+    size = chunk_size_eq3(
+        bytes_per_token, beta_up, g, mu, inputs.stages, inputs.min_chunk_size, inputs.max_chunk_size, prompt_tokens
+    )
     return size, "eq3"
 
 
-def _eq6_terms(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
-               inputs: PlannerInputs) -> tuple[int, float, float, float, float] | str:
+def _eq6_terms(
+    cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None, inputs: PlannerInputs
+) -> tuple[int, float, float, float, float] | str:
     """(A, β_up, β_down, g(μ), γ) from the monitor's JSON, or the default reason."""
     state = _usable_state(cloud, device, inputs)
     if isinstance(state, str):
@@ -337,20 +365,24 @@ def _eq6_terms(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None
     return bytes_per_token, float(beta_up), float(beta_down), g(mu), float(gamma)
 
 
-def plan_draft_steps_table_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
-                                      inputs: PlannerInputs, max_draft_len: int) -> tuple[list[int], str]:
+def plan_draft_steps_table_from_state(
+    cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None, inputs: PlannerInputs, max_draft_len: int
+) -> tuple[list[int], str]:
     """λ for every draft length 0..max_draft_len from one telemetry snapshot, so a device can look
     up each round's λ for the rows it actually sends: ([λ_0..λ_max], "eq6") or the default for all."""
     terms = _eq6_terms(cloud, device, inputs)
     if isinstance(terms, str):
         return [inputs.default_steps()] * (max_draft_len + 1), f"default:{terms}"
     bytes_per_token, beta_up, beta_down, g_mu, gamma = terms
-    return [parallel_draft_steps_eq6(n, bytes_per_token, beta_up, beta_down, g_mu, gamma,
-                                     inputs.max_draft_steps) for n in range(max_draft_len + 1)], "eq6"
+    return [
+        parallel_draft_steps_eq6(n, bytes_per_token, beta_up, beta_down, g_mu, gamma, inputs.max_draft_steps)
+        for n in range(max_draft_len + 1)
+    ], "eq6"
 
 
-def plan_draft_steps_from_state(cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None,
-                                inputs: PlannerInputs, draft_len: int) -> tuple[int, str]:
+def plan_draft_steps_from_state(
+    cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None, inputs: PlannerInputs, draft_len: int
+) -> tuple[int, str]:
     """Parallel-draft steps from the monitor's JSON: (λ, "eq6") or (default, "default:<reason>").
 
     `draft_len` is μ_i of eq. 6: the rows one verification moves each way (k drafts + 1)."""
@@ -358,5 +390,6 @@ def plan_draft_steps_from_state(cloud: Mapping[str, Any] | None, device: Mapping
     if isinstance(terms, str):
         return inputs.default_steps(), f"default:{terms}"
     bytes_per_token, beta_up, beta_down, g_mu, gamma = terms
-    return parallel_draft_steps_eq6(draft_len, bytes_per_token, beta_up, beta_down, g_mu, gamma,
-                                    inputs.max_draft_steps), "eq6"
+    return parallel_draft_steps_eq6(
+        draft_len, bytes_per_token, beta_up, beta_down, g_mu, gamma, inputs.max_draft_steps
+    ), "eq6"

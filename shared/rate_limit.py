@@ -48,8 +48,9 @@ class TokenBucket:
 class RateLimiter:
     """One token bucket per key; `rate_per_s` <= 0 turns limiting off (every request passes)."""
 
-    def __init__(self, rate_per_s: float, burst: int, *, clock: Callable[[], float] = time.monotonic,
-                 max_keys: int = 10_000) -> None:
+    def __init__(
+        self, rate_per_s: float, burst: int, *, clock: Callable[[], float] = time.monotonic, max_keys: int = 10_000
+    ) -> None:
         if rate_per_s > 0 and burst < 1:
             raise ValueError("burst must be >= 1 when rate limiting is on")
         if max_keys < 1:

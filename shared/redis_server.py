@@ -92,8 +92,14 @@ def _server_pid(host: str, port: int, password: str, timeout: float) -> int | No
     answered by some *other* server already holding the port.
     """
     # No retries: the caller polls, and redis-py would back off on a refused connection.
-    client = redis.Redis(host=host, port=port, password=password, socket_timeout=timeout,
-                         socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+    client = redis.Redis(
+        host=host,
+        port=port,
+        password=password,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+    )
     try:
         return int(client.info("server")["process_id"])
     except (redis.RedisError, OSError, KeyError, ValueError):
@@ -111,8 +117,9 @@ class EmbeddedRedis:
     clients holding `url` reconnect after such an outage.
     """
 
-    def __init__(self, port: int = 0, *, host: str = HOST, startup_timeout: float = 10.0,
-                 executable: str | None = None) -> None:
+    def __init__(
+        self, port: int = 0, *, host: str = HOST, startup_timeout: float = 10.0, executable: str | None = None
+    ) -> None:
         self.host = host
         self.port = port
         self.startup_timeout = startup_timeout
@@ -182,8 +189,9 @@ class EmbeddedRedis:
             )
         logfile = open(Path(self._tmpdir) / "stdout.log", "wb")  # noqa: SIM115 - owned by the child
         try:
-            self._proc = subprocess.Popen([exe, str(conf)], stdout=logfile, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, cwd=self._tmpdir)
+            self._proc = subprocess.Popen(
+                [exe, str(conf)], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self._tmpdir
+            )
         finally:
             logfile.close()
         deadline = time.monotonic() + self.startup_timeout
@@ -220,8 +228,9 @@ class EmbeddedRedis:
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
     def __del__(self) -> None:  # last-resort cleanup so a failed test leaks no server

@@ -37,8 +37,9 @@ def build_device_model(
     return DeviceModel.from_checkpoint(checkpoint, split_layers, adapter)
 
 
-def encode_prompt(checkpoint: Checkpoint, prompt: str | None, prompt_ids: list[int] | None,
-                  messages: list[dict] | None = None) -> list[int]:
+def encode_prompt(
+    checkpoint: Checkpoint, prompt: str | None, prompt_ids: list[int] | None, messages: list[dict] | None = None
+) -> list[int]:
     """Prompt ids from exactly one of: raw text, ids, or chat messages (rendered with the model's template)."""
     if sum(x is not None for x in (prompt, prompt_ids, messages)) != 1:
         raise SessionError("give exactly one of a prompt text, prompt ids or chat messages")

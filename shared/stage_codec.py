@@ -136,8 +136,9 @@ class StageCodec:
         fields = self._field_types(cls)
         if not isinstance(raw, list) or len(raw) != len(fields):
             raise StageLinkError(f"{where}: expected {len(fields)} fields")
-        return cls(*(self._decode(annotation, value, f"{where}.{name}")
-                     for (name, annotation), value in zip(fields, raw)))
+        return cls(
+            *(self._decode(annotation, value, f"{where}.{name}") for (name, annotation), value in zip(fields, raw))
+        )
 
     def _decode(self, annotation: Any, raw: Any, where: str) -> Any:
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
@@ -176,8 +177,10 @@ class StageCodec:
             return tuple(self._decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, raw)))
         if origin is dict:
             _expect(raw, isinstance(raw, dict), "a map", where)
-            return {self._decode(args[0], k, f"{where}{{key}}"): self._decode(args[1], v, f"{where}{{}}")
-                    for k, v in raw.items()}
+            return {
+                self._decode(args[0], k, f"{where}{{key}}"): self._decode(args[1], v, f"{where}{{}}")
+                for k, v in raw.items()
+            }
         raise TypeError(f"{where}: unsupported annotation {annotation!r}")
 
 
@@ -188,8 +191,13 @@ def _expect(raw: Any, ok: bool, what: str, where: str) -> Any:
 
 
 def _decode_array(raw: Any, where: str) -> np.ndarray:
-    if not (isinstance(raw, list) and len(raw) == 3 and type(raw[0]) is str and isinstance(raw[1], list)
-            and type(raw[2]) is bytes):
+    if not (
+        isinstance(raw, list)
+        and len(raw) == 3
+        and type(raw[0]) is str
+        and isinstance(raw[1], list)
+        and type(raw[2]) is bytes
+    ):
         raise StageLinkError(f"{where}: an array must be [dtype, shape, bytes]")
     dtype_str, shape, data = raw
     if dtype_str not in ARRAY_DTYPES:

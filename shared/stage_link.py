@@ -70,16 +70,19 @@ Address = tuple[str, int]
 
 # -- the emulated link's schedule (pure) ----------------------------------------------------
 
+
 @dataclass(frozen=True)
 class FrameSlot:
     """When a frame of a shaped hop starts onto the link, finishes sending, and may be delivered."""
+
     start: float
     send_done: float
     deliver_at: float
 
 
-def schedule_frame(link_free_at: float, now: float, nbytes: int, profile: LinkProfile,
-                   jitter_draw: float = 0.0) -> FrameSlot:
+def schedule_frame(
+    link_free_at: float, now: float, nbytes: int, profile: LinkProfile, jitter_draw: float = 0.0
+) -> FrameSlot:
     """A frame of `nbytes` handed to the hop at `now`, the link busy until `link_free_at` (FIFO).
 
     `jitter_draw` in [-1, 1] scales the profile's jitter (the caller draws it; uniform, as netem)."""
@@ -110,6 +113,7 @@ class LinkPacer:
 
 # -- connecting -----------------------------------------------------------------------------
 
+
 def bind_listener(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A listening socket for one hop's downstream end (port 0: the kernel picks; read getsockname())."""
     return socket.create_server((host, port), backlog=4)
@@ -138,8 +142,9 @@ def connect_link(address: Address, token: bytes, timeout_s: float) -> socket.soc
     return sock
 
 
-def accept_link(listener: socket.socket, token: bytes, timeout_s: float,
-                check: Callable[[], str | None] | None = None) -> socket.socket:
+def accept_link(
+    listener: socket.socket, token: bytes, timeout_s: float, check: Callable[[], str | None] | None = None
+) -> socket.socket:
     """Accept the hop's one connection that presents `token` within `timeout_s`; others are dropped.
     `check` (between short waits) returns a reason to give up early, e.g. the peer process died."""
     deadline = time.monotonic() + timeout_s
@@ -175,6 +180,7 @@ def accept_link(listener: socket.socket, token: bytes, timeout_s: float,
 # cannot deadlock); the parent connects to stage 0 and accepts the last. Stages on other hosts would
 # need only a different way to learn the addresses: every hop is an explicit (host, port).
 
+
 def join_chain(host: str, startup: Connection, token: bytes, timeout_s: float) -> tuple[socket.socket, socket.socket]:
     """A stage's side: (its upstream connection, its downstream connection)."""
     try:
@@ -198,8 +204,9 @@ def join_chain(host: str, startup: Connection, token: bytes, timeout_s: float) -
         listener.close()
 
 
-def chain_stages(startups: list[Connection], host: str, token: bytes, timeout_s: float,
-                 check: Callable[[], str | None]) -> tuple[socket.socket, socket.socket]:
+def chain_stages(
+    startups: list[Connection], host: str, token: bytes, timeout_s: float, check: Callable[[], str | None]
+) -> tuple[socket.socket, socket.socket]:
     """The parent's side: (its connection to stage 0, its connection from the last stage).
     `check` returns a reason to give up (a stage process died); StageLinkError on any failure."""
     deadline = time.monotonic() + timeout_s
@@ -251,11 +258,18 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
 
 # -- the two ends of a hop ------------------------------------------------------------------
 
+
 class LinkSender:
     """The upstream end: encode on the caller's thread, pace, and let a feeder thread write."""
 
-    def __init__(self, sock: socket.socket, codec: StageCodec, profile: LinkProfile = UNSHAPED, name: str = "hop",
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
+    def __init__(
+        self,
+        sock: socket.socket,
+        codec: StageCodec,
+        profile: LinkProfile = UNSHAPED,
+        name: str = "hop",
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ):
         self.sock, self.codec, self.name, self.max_frame_bytes = sock, codec, name, max_frame_bytes
         self.pacer = LinkPacer(profile)
         self.error: str | None = None  # set by the feeder when the connection broke
@@ -269,8 +283,10 @@ class LinkSender:
             raise StageLinkError(f"{self.name}: link broken: {self.error}")
         body = self.codec.encode(message)
         if len(body) > self.max_frame_bytes:
-            raise StageLinkError(f"{self.name}: a {type(message).__name__} of {len(body)} bytes exceeds "
-                                 f"the {self.max_frame_bytes}-byte frame limit")
+            raise StageLinkError(
+                f"{self.name}: a {type(message).__name__} of {len(body)} bytes exceeds "
+                f"the {self.max_frame_bytes}-byte frame limit"
+            )
         deliver_at = self.pacer.stamp(HEADER.size + len(body), time.monotonic())
         self._frames.put((HEADER.pack(MAGIC, len(body), deliver_at), body))
 
@@ -294,8 +310,9 @@ class LinkSender:
 class LinkReceiver:
     """The downstream end: whole frames, decoded and held until their deliver_at stamp."""
 
-    def __init__(self, sock: socket.socket, codec: StageCodec, name: str = "hop",
-                 max_frame_bytes: int = MAX_FRAME_BYTES):
+    def __init__(
+        self, sock: socket.socket, codec: StageCodec, name: str = "hop", max_frame_bytes: int = MAX_FRAME_BYTES
+    ):
         self.sock, self.codec, self.name, self.max_frame_bytes = sock, codec, name, max_frame_bytes
         self.closed = False
         self._buffer = bytearray()
@@ -321,11 +338,14 @@ class LinkReceiver:
             if len(self._buffer) >= HEADER.size:
                 magic, length, deliver_at = HEADER.unpack_from(self._buffer)
                 if magic != MAGIC or length > self.max_frame_bytes:
-                    self._break(f"bad magic {magic!r}" if magic != MAGIC
-                                else f"a {length}-byte frame exceeds the {self.max_frame_bytes}-byte limit")
+                    self._break(
+                        f"bad magic {magic!r}"
+                        if magic != MAGIC
+                        else f"a {length}-byte frame exceeds the {self.max_frame_bytes}-byte limit"
+                    )
                 if len(self._buffer) >= HEADER.size + length:
-                    body = bytes(self._buffer[HEADER.size:HEADER.size + length])
-                    del self._buffer[:HEADER.size + length]  # consumed: a refused body drops this frame only
+                    body = bytes(self._buffer[HEADER.size : HEADER.size + length])
+                    del self._buffer[: HEADER.size + length]  # consumed: a refused body drops this frame only
                     if not math.isfinite(deliver_at) or deliver_at - time.monotonic() > MAX_HOLD_S:
                         raise StageLinkError(f"{self.name}: frame stamped {deliver_at!r}, beyond any link's delay")
                     try:

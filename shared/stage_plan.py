@@ -30,11 +30,11 @@ def parse_stage_layers(spec: str, first_layer: int | None = None) -> list[tuple[
         if not 0 <= lo < hi:
             raise ValueError(f"stage_layers: range {lo}-{hi} is empty or negative")
         if nxt is not None and nxt[0] != hi:
-            raise ValueError(f"stage_layers: ranges must be contiguous: {lo}-{hi} is followed by "
-                             f"{nxt[0]}-{nxt[1]}")
+            raise ValueError(f"stage_layers: ranges must be contiguous: {lo}-{hi} is followed by {nxt[0]}-{nxt[1]}")
     if first_layer is not None and ranges[0][0] != first_layer:
-        raise ValueError(f"stage_layers: the first stage must start at split_layers ({first_layer}), "
-                         f"got {ranges[0][0]}")
+        raise ValueError(
+            f"stage_layers: the first stage must start at split_layers ({first_layer}), got {ranges[0][0]}"
+        )
     return ranges
 
 
@@ -68,7 +68,9 @@ def parse_stage_links(spec: str, num_stages: int) -> list[LinkProfile]:
     if len(profiles) == 1:
         return profiles * (num_stages + 1)
     if len(profiles) != num_stages + 1:
-        raise ValueError(f"stage_links: {len(profiles)} hop specs for {num_stages} stages "
-                         f"(give {num_stages + 1}: main -> stage 0, ..., stage {num_stages - 1} -> main, or one "
-                         "for every hop)")
+        raise ValueError(
+            f"stage_links: {len(profiles)} hop specs for {num_stages} stages "
+            f"(give {num_stages + 1}: main -> stage 0, ..., stage {num_stages - 1} -> main, or one "
+            "for every hop)"
+        )
     return profiles

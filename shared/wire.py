@@ -94,17 +94,16 @@ with warnings.catch_warnings():
 
 class WireDtype(enum.Enum):
     """Dtype of a tensor on the wire (string code as sent)."""
+
     F16 = "f2"
     F32 = "f4"
     BF16 = "bf"
 
 
-_TORCH_DTYPE = {WireDtype.F16: torch.float16, WireDtype.F32: torch.float32,
-                WireDtype.BF16: torch.bfloat16}
+_TORCH_DTYPE = {WireDtype.F16: torch.float16, WireDtype.F32: torch.float32, WireDtype.BF16: torch.bfloat16}
 _FROM_TORCH = {v: k for k, v in _TORCH_DTYPE.items()}
 _BY_CODE = {wd.value: wd for wd in WireDtype}
-_BITS_DTYPE = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
-               torch.float32: torch.int32}
+_BITS_DTYPE = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
 class ErrorCode(enum.IntEnum):
@@ -126,8 +125,7 @@ class ErrorCode(enum.IntEnum):
 class WireError(CodecError):
     """A frame (or a message being built) violates the schema."""
 
-    def __init__(self, code: ErrorCode, message: str, session_id: int | None = None,
-                 seq_no: int | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, session_id: int | None = None, seq_no: int | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code, self.message = code, message
         self.session_id, self.seq_no = session_id, seq_no
@@ -135,11 +133,13 @@ class WireError(CodecError):
     def to_frame(self) -> ErrorFrame:
         """The ErrorFrame answering this error. An id that is not a valid u64 (the very thing that may have
         been wrong with the frame) is left out, so building the answer can never raise in its turn."""
-        return ErrorFrame(self.code, self.message[:_MAX_ERROR_TEXT], _u64_or_none(self.session_id),
-                          _u64_or_none(self.seq_no))
+        return ErrorFrame(
+            self.code, self.message[:_MAX_ERROR_TEXT], _u64_or_none(self.session_id), _u64_or_none(self.seq_no)
+        )
 
 
 # ---------------------------------------------------------------- tensors
+
 
 def encode_tensor(t: torch.Tensor, wire_dtype: WireDtype | str = WireDtype.F16) -> dict:
     """Tensor -> msgpack-ready map; casts to `wire_dtype` (the only copy besides packing)."""
@@ -172,8 +172,7 @@ def decode_tensor(obj: Any, expected_hidden_size: int | None = None, *, finite_o
     if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0:
         raise WireError(ErrorCode.BAD_SHAPE, f"shape must be 2-D positive, got {shape}")
     if expected_hidden_size is not None and shape[1] != expected_hidden_size:
-        raise WireError(ErrorCode.BAD_SHAPE,
-                        f"hidden size {shape[1]} != expected {expected_hidden_size}")
+        raise WireError(ErrorCode.BAD_SHAPE, f"hidden size {shape[1]} != expected {expected_hidden_size}")
     if not isinstance(raw, bytes):
         raise WireError(ErrorCode.MALFORMED, "tensor payload must be bin")
     torch_dtype = _TORCH_DTYPE[wd]
@@ -193,8 +192,9 @@ def dtype_bytes(wire_dtype: WireDtype | str) -> int:
     return _TORCH_DTYPE[_as_dtype(wire_dtype)].itemsize
 
 
-def max_rows_per_frame(hidden_size: int, wire_dtype: WireDtype | str = WireDtype.F16,
-                       max_frame_bytes: int = MAX_FRAME_BYTES) -> int:
+def max_rows_per_frame(
+    hidden_size: int, wire_dtype: WireDtype | str = WireDtype.F16, max_frame_bytes: int = MAX_FRAME_BYTES
+) -> int:
     """Largest [rows, H] that fits one frame, so the device can size prefill chunks."""
     return max(0, (max_frame_bytes - MAX_OVERHEAD_BYTES) // (hidden_size * dtype_bytes(wire_dtype)))
 
@@ -242,6 +242,7 @@ def _f(key: str, kind: str, **kw: Any) -> Any:
 
 class Message:
     """Base of all frames. Subclasses are frozen dataclasses registered by `_message`."""
+
     __slots__ = ()
     type: ClassVar[int]
     carries_token_ids: ClassVar[bool] = False
@@ -350,14 +351,16 @@ M = TypeVar("M", bound=Message)
 @dataclass_transform(frozen_default=True, eq_default=False, field_specifiers=(_f,))
 def _message(code: int) -> Callable[[type[M]], type[M]]:
     """Class decorator: frozen dataclass + registration under a unique type code."""
+
     def wrap(cls: type[M]) -> type[M]:
         if not 0 <= code < 128:  # a positive fixint: one byte on the wire
             raise TypeError(f"bad type code {code:#x}: not a positive fixint")
         cls = dataclasses.dataclass(frozen=True, eq=False, slots=True)(cls)
         cls.type = code
-        cls._spec = tuple((f.name, f.metadata["key"], f.metadata["kind"],
-                           f.default is not dataclasses.MISSING)
-                          for f in dataclasses.fields(cls))
+        cls._spec = tuple(
+            (f.name, f.metadata["key"], f.metadata["kind"], f.default is not dataclasses.MISSING)
+            for f in dataclasses.fields(cls)
+        )
         keys = [s[1] for s in cls._spec]
         if len(set(keys)) != len(keys) or {"v", "t"} & set(keys):
             raise TypeError(f"{cls.__name__}: wire keys must be unique and not v/t")
@@ -365,6 +368,7 @@ def _message(code: int) -> Callable[[type[M]], type[M]]:
         if code in TOKEN_MODE_CODES:  # the range *is* the declaration: no token message can forget the flag
             cls.carries_token_ids = True
         return _REGISTRY.register(code, cls)  # refuses a code taken twice
+
     return wrap
 
 
@@ -376,6 +380,7 @@ class OpenSession(Message):
     weights of layers m-1 and m) let the verifier refuse a device whose hidden states it would
     misread (SPLIT_MISMATCH) instead of answering with silently wrong ones. Both are required: a
     peer that predates them gets MALFORMED naming the missing or unexpected keys."""
+
     session_id: int = _f("s", U64)
     hidden_size: int = _f("H", U64)
     wire_dtype: WireDtype = _f("d", DTYPE, default=WireDtype.F16)
@@ -408,6 +413,7 @@ class ForkSession(Message):
     is busy, or no room) or BAD_SHAPE (`length` beyond the parent's positions; with stage workers the main
     process does not know the lengths, so there a stage refuses it and the child's first item comes back
     UNKNOWN_SESSION, which the device's replay answers); answered SessionOpened."""
+
     session_id: int = _f("s", U64)
     parent_id: int = _f("ps", U64)
     length: int | None = _f("n", OPT_U64, default=None)
@@ -416,6 +422,7 @@ class ForkSession(Message):
 @_message(0x10)
 class PrefillChunk(Message):
     """Shallow hidden states of prompt positions start_pos..start_pos+S-1."""
+
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     start_pos: int = _f("p", U64)
@@ -426,6 +433,7 @@ class PrefillChunk(Message):
 @_message(0x11)
 class ChunkAck(Message):
     """Reply to a non-last PrefillChunk (flow control: the device may send the next)."""
+
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
 
@@ -433,6 +441,7 @@ class ChunkAck(Message):
 @_message(0x12)
 class DeepHidden(Message):
     """Reply to the last PrefillChunk: deep hidden state(s) of the last position(s)."""
+
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     hidden: torch.Tensor = _f("h", TENSOR)  # hidden: [1, H]
@@ -441,6 +450,7 @@ class DeepHidden(Message):
 @_message(0x20)
 class VerifyRequest(Message):
     """Cloud truncates the session KV to commit_len (rollback), then runs `hidden`."""
+
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     commit_len: int = _f("c", U64)
@@ -461,6 +471,7 @@ class BandwidthProbe(Message):
     against the big-up/small-down one the downlink, with the same framing as real traffic
     (hidden rows are only padding). The verifier refuses reply_rows above the rows it was sent
     (BAD_SHAPE), so a small frame cannot ask for a big one."""
+
     session_id: int = _f("s", U64)  # 0: not tied to a session
     seq_no: int = _f("q", U64)
     reply_rows: int = _f("r", U64)
@@ -484,6 +495,7 @@ class OpenTokenSession(Message):
     session has privacy off by construction; sampling parameters live here because the
     cloud, not the device, draws every token.
     """
+
     session_id: int = _f("s", U64)
     temperature: float = _f("T", FLOAT, default=0.0)  # 0 = greedy
     top_p: float = _f("P", FLOAT, default=1.0)
@@ -492,13 +504,17 @@ class OpenTokenSession(Message):
     def __post_init__(self) -> None:
         Message.__post_init__(self)
         if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise WireError(ErrorCode.MALFORMED, f"temperature {self.temperature} must be >= 0 and top_p "
-                            f"{self.top_p} in (0, 1]", self.session_id)
+            raise WireError(
+                ErrorCode.MALFORMED,
+                f"temperature {self.temperature} must be >= 0 and top_p {self.top_p} in (0, 1]",
+                self.session_id,
+            )
 
 
 @_message(0x41)
 class TokenPrefill(Message):
     """Prompt ids at positions start_pos..; the cloud answers TokenResult with the next token."""
+
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     token_ids: tuple[int, ...] = _f("i", TOKENS)
@@ -508,6 +524,7 @@ class TokenPrefill(Message):
 @_message(0x42)
 class TokenStep(Message):
     """Roll back to commit_len, append token_ids (usually the last sampled one), answer the next token."""
+
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     commit_len: int = _f("c", U64)
@@ -517,6 +534,7 @@ class TokenStep(Message):
 @_message(0x43)
 class TokenResult(Message):
     """The token(s) the cloud sampled (one per step in autoregressive cloud mode)."""
+
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     token_ids: tuple[int, ...] = _f("i", TOKENS)
@@ -529,6 +547,7 @@ class TokenDraft(Message):
     `more`: another chunk follows in this epoch (no bonus on full acceptance). `top_k`: on a rejection send
     the target row's top-K (0: the whole row). Answered by TokenVerdict; a chunk of an earlier epoch is
     answered `stale` without being run."""
+
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     epoch: int = _f("e", U64)
@@ -541,10 +560,15 @@ class TokenDraft(Message):
 
     def __post_init__(self) -> None:
         Message.__post_init__(self)
-        if self.num_final > 1 or (self.draft_probs is not None
-                                  and self.draft_probs.shape[0] != len(self.token_ids) - self.num_final):
-            raise WireError(ErrorCode.BAD_SHAPE, f"num_final {self.num_final} must be 0 or 1 and draft_probs hold "
-                            "one probability per draft", self.session_id, self.seq_no)
+        if self.num_final > 1 or (
+            self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids) - self.num_final
+        ):
+            raise WireError(
+                ErrorCode.BAD_SHAPE,
+                f"num_final {self.num_final} must be 0 or 1 and draft_probs hold one probability per draft",
+                self.session_id,
+                self.seq_no,
+            )
 
 
 @_message(0x45)
@@ -554,6 +578,7 @@ class TokenVerdict(Message):
     (`rejected`): the correction itself (`token`, greedy) or the target row at the rejected position for the
     device to sample it, as top-K `probs` + `indices`, or the whole row (`probs` of `vocab_size`).
     `epoch` is the stream's epoch after this verdict."""
+
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     epoch: int = _f("e", U64)
@@ -569,11 +594,13 @@ class TokenVerdict(Message):
         Message.__post_init__(self)
         probs = self.probs
         has_row = probs is not None
-        ok = (not (self.stale and (self.rejected or self.token is not None or has_row))
-              and (has_row == (self.rejected and self.token is None))
-              and (not has_row or self.vocab_size is not None)
-              and (self.indices is None or (probs is not None and len(self.indices) == probs.shape[0]))
-              and (probs is None or self.indices is not None or probs.shape[0] == self.vocab_size))
+        ok = (
+            not (self.stale and (self.rejected or self.token is not None or has_row))
+            and (has_row == (self.rejected and self.token is None))
+            and (not has_row or self.vocab_size is not None)
+            and (self.indices is None or (probs is not None and len(self.indices) == probs.shape[0]))
+            and (probs is None or self.indices is not None or probs.shape[0] == self.vocab_size)
+        )
         if not ok:
             raise WireError(ErrorCode.MALFORMED, "inconsistent TokenVerdict", self.session_id, self.seq_no)
 
@@ -587,6 +614,7 @@ class ErrorFrame(Message):
 
 
 # ---------------------------------------------------------------- frames
+
 
 def encode(msg: Message, *, wire_dtype: WireDtype | str | None = None) -> bytes:
     """Message -> frame. Tensors go in `wire_dtype`; None keeps a wire dtype as-is, else f16."""
@@ -608,8 +636,13 @@ def encode(msg: Message, *, wire_dtype: WireDtype | str | None = None) -> bytes:
     return pack(out)
 
 
-def decode(frame: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES,
-           expected_hidden_size: int | None = None, finite_only: bool = False) -> Message:
+def decode(
+    frame: bytes,
+    *,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+    expected_hidden_size: int | None = None,
+    finite_only: bool = False,
+) -> Message:
     """Frame -> validated Message; raises WireError (with session/seq when known).
     `finite_only`: tensors holding NaN/Inf are BAD_VALUE (the verifier's receive path)."""
     try:  # the size is checked before unpacking: an oversized frame is never parsed
@@ -661,10 +694,8 @@ def _decode_map(m: dict, expected_hidden_size: int | None, finite_only: bool = F
             value = decode_probs(value)
         kwargs[name] = value
     msg = cls(**kwargs)
-    if (expected_hidden_size is not None and isinstance(msg, OpenSession)
-            and msg.hidden_size != expected_hidden_size):
-        raise WireError(ErrorCode.BAD_SHAPE,
-                        f"hidden_size {msg.hidden_size} != expected {expected_hidden_size}")
+    if expected_hidden_size is not None and isinstance(msg, OpenSession) and msg.hidden_size != expected_hidden_size:
+        raise WireError(ErrorCode.BAD_SHAPE, f"hidden_size {msg.hidden_size} != expected {expected_hidden_size}")
     return msg
 
 
@@ -677,8 +708,7 @@ def assert_privacy_safe(frame: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES)
     msg = decode(frame, max_frame_bytes=max_frame_bytes)
     sid, seq = getattr(msg, "session_id", None), getattr(msg, "seq_no", None)
     if msg.carries_token_ids:
-        raise WireError(ErrorCode.PRIVACY_VIOLATION,
-                        f"{type(msg).__name__} carries token ids", sid, seq)
+        raise WireError(ErrorCode.PRIVACY_VIOLATION, f"{type(msg).__name__} carries token ids", sid, seq)
     for name, _key, _kind, _opt in msg._spec:
         value = getattr(msg, name)
         if isinstance(value, str) and not (isinstance(msg, ErrorFrame) and name == "message"):

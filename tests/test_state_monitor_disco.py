@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.state_monitor.app import create_app
 from services.state_monitor.settings import load_settings
 from shared import telemetry as tk
+from shared.telemetry_client import TelemetryClient
 from shared.redis_server import EmbeddedRedis
 from shared.settings import SettingsError
 from tests.test_state_monitor import fast_settings, running
@@ -59,7 +60,7 @@ async def test_client_fields_reach_the_history_and_the_request_record(server: Em
     """TelemetryClient.emit_request's new keywords travel to the real app and land in the lists and the record."""
     app = create_app(fast_settings(server.url))
     async with app.router.lifespan_context(app):
-        client = tk.TelemetryClient("http://monitor", transport=httpx.ASGITransport(app))
+        client = TelemetryClient("http://monitor", transport=httpx.ASGITransport(app))
         assert await client.send({"kind": "request", "request_id": "warm"})  # old-style sender still accepted
         client.emit_request("r1", prompt_tokens=120, ttft_s=0.05, endpoint="device", server_ttft_s=0.4,
                             cost=0.0125, dispatch="race")

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from shared import telemetry as tk
+from shared.telemetry_client import TelemetryClient
 from shared.redis_server import EmbeddedRedis
 
 
@@ -142,7 +143,7 @@ async def test_client_posts_records_and_drops_on_failure(caplog: pytest.LogCaptu
         received.append(request.read())
         return httpx.Response(200, json={"accepted": 1})
 
-    client = tk.TelemetryClient("http://monitor", transport=httpx.MockTransport(handler))
+    client = TelemetryClient("http://monitor", transport=httpx.MockTransport(handler))
     client.emit_verifier_step(32, 0.01, 4, {"verify": 4})
     client.emit_device_draft("d1", 0.003)
     client.emit_device_transfer("d1", "up", 4096, 0.002)
@@ -160,7 +161,7 @@ async def test_client_posts_records_and_drops_on_failure(caplog: pytest.LogCaptu
 
 
 async def test_client_without_url_is_noop() -> None:
-    client = tk.TelemetryClient(None)
+    client = TelemetryClient(None)
     client.emit({"kind": "request", "request_id": "r"})
     assert not await client.send({"kind": "request", "request_id": "r"})
     await client.aclose()

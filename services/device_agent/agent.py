@@ -37,7 +37,7 @@ from shared.modes import MODE_TABLE
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
 from shared.specdec.replay import ReplayingCloud
-from shared.telemetry import TelemetryClient
+from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context
 
 log = logging.getLogger("services.device_agent")

@@ -42,7 +42,7 @@ from services.token_streamer.settings import Settings, load_settings
 from services.token_streamer.starter import BadRequest, RequestStarter
 from shared import auth
 from shared.metrics import StreamerMetrics, metrics_response
-from shared.telemetry import TelemetryClient
+from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context
 
 log = logging.getLogger(__name__)

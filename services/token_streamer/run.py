@@ -19,7 +19,7 @@ from services.token_streamer.router import DeviceError, DeviceState
 from shared import latency_stats
 from shared.latency_stats import Timeline
 from shared.metrics import StreamerMetrics
-from shared.telemetry import TelemetryClient
+from shared.telemetry_client import TelemetryClient
 
 
 class Run:

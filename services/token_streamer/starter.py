@@ -24,7 +24,7 @@ from services.token_streamer.run import Run
 from services.token_streamer.settings import Settings
 from shared.metrics import StreamerMetrics
 from shared.modes import KEPT_SESSIONS_MODE
-from shared.telemetry import TelemetryClient
+from shared.telemetry_client import TelemetryClient
 
 log = logging.getLogger(__name__)
 

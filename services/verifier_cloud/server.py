@@ -57,7 +57,7 @@ from shared.model.checkpoint import split_fingerprint
 from shared.model.rotation import rotated_fingerprint
 from shared.model.split import MiddleSubmodel
 from shared.settings import SettingsError
-from shared.telemetry import TelemetryClient
+from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context, server_context
 
 log = logging.getLogger("services.verifier_cloud")

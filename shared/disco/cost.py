@@ -151,7 +151,8 @@ class CostLedger:
     device: float = 0.0  # $ of device energy
     server: float = 0.0  # $ paid to the server
     tokens: dict[str, dict[str, int]] = field(
-        default_factory=lambda: {e: {"prefill": 0, "decode": 0} for e in ENDPOINTS})
+        default_factory=lambda: {e: {"prefill": 0, "decode": 0} for e in ENDPOINTS}
+    )
 
     def prefill(self, endpoint: Endpoint, tokens: int) -> None:
         """`endpoint` prefilled `tokens` prompt tokens (a migration's re-prefill counts too)."""
@@ -175,5 +176,9 @@ class CostLedger:
 
     def as_dict(self) -> dict:
         """{"total", "device", "server" ($), "tokens": {endpoint: {"prefill": n, "decode": n}}}."""
-        return {"total": self.total, "device": self.device, "server": self.server,
-                "tokens": {e: dict(counts) for e, counts in self.tokens.items()}}
+        return {
+            "total": self.total,
+            "device": self.device,
+            "server": self.server,
+            "tokens": {e: dict(counts) for e, counts in self.tokens.items()},
+        }

@@ -33,8 +33,8 @@ import numpy as np
 from shared.disco.cost import CostModel
 
 Constraint = Literal["device", "server"]
-MIN_SAMPLES = 8           # fewer samples than this in a needed distribution: "no-history"
-_BISECTION_STEPS = 100     # beta's bracket shrinks 2^-100: far below any step of F
+MIN_SAMPLES = 8  # fewer samples than this in a needed distribution: "no-history"
+_BISECTION_STEPS = 100  # beta's bracket shrinks 2^-100: far below any step of F
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,8 +46,7 @@ class Distribution:
     @classmethod
     def from_samples(cls, samples) -> Distribution:
         """Keep the finite samples >= 0; drop the rest (a failed request's NaN TTFT, say)."""
-        values = np.asarray(list(samples) if not isinstance(samples, np.ndarray) else samples,
-                            dtype=np.float64).ravel()
+        values = np.asarray(list(samples) if not isinstance(samples, np.ndarray) else samples, dtype=np.float64).ravel()
         values = values[np.isfinite(values) & (values >= 0)]
         return cls(np.sort(values))
 
@@ -185,15 +184,16 @@ class DispatchPolicy:
     constraint: Constraint
     budget: float
     length_threshold: float  # server: l < it -> device only; device: l <= it -> device at once
-    beta: float              # device-constrained: seconds of wait per prompt token above l_th
-    w_tail: float            # device-constrained: the longest wait, seconds
+    beta: float  # device-constrained: seconds of wait per prompt token above l_th
+    w_tail: float  # device-constrained: the longest wait, seconds
     alpha: float
-    samples: int             # prompt-length samples the policy was built from
-    history: bool = True     # False: too few samples, every request races
+    samples: int  # prompt-length samples the policy was built from
+    history: bool = True  # False: too few samples, every request races
 
     @classmethod
-    def build(cls, cost: CostModel, prompt_lengths, server_ttft_s, budget: float,
-              alpha: float = 0.05) -> DispatchPolicy:
+    def build(
+        cls, cost: CostModel, prompt_lengths, server_ttft_s, budget: float, alpha: float = 0.05
+    ) -> DispatchPolicy:
         """The policy for this cost model's constraint (Algorithm 1), lengths, TTFTs and budget."""
         _check_fraction("budget", budget)
         _check_fraction("alpha", alpha, low_open=True)

@@ -20,8 +20,9 @@ def migration_target(cost: CostModel, winner: Endpoint, other: Endpoint) -> Endp
     return None
 
 
-def migration_saving(cost: CostModel, source: Endpoint, target: Endpoint,
-                     remaining_tokens: float, resume_tokens: int) -> float:
+def migration_saving(
+    cost: CostModel, source: Endpoint, target: Endpoint, remaining_tokens: float, resume_tokens: int
+) -> float:
     """Eq. 4: $ saved by moving decoding from `source` to `target`; > 0 means migrate.
 
     (c_source^d - c_target^d) x remaining_tokens minus the overhead, the target's prefill of

@@ -71,7 +71,11 @@ def spectral_efficiency(snr: float) -> float:
 
 def embedding_bits_per_token(draft_hidden: int, verify_hidden: int, bits_per_value: int = FP16_BITS) -> float:
     """λ = 16 (h1_d + h1_v) (§II-D, under eq. 15): bits uploaded per input token."""
-    for name, value in (("draft_hidden", draft_hidden), ("verify_hidden", verify_hidden), ("bits_per_value", bits_per_value)):
+    for name, value in (
+        ("draft_hidden", draft_hidden),
+        ("verify_hidden", verify_hidden),
+        ("bits_per_value", bits_per_value),
+    ):
         _positive_finite(name, value)
     return float(bits_per_value * (draft_hidden + verify_hidden))
 

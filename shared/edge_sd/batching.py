@@ -54,11 +54,11 @@ class EdgeCosts:
 
     draft: ModelShape
     target: ModelShape
-    draft_runtime: RuntimeModel    # c1^d, c2^d (SBS GPU)
-    verify_runtime: RuntimeModel   # c1^v, c2^v (MBS GPU)
-    spec_len: int                  # l
-    alpha: float                   # α
-    memory_budget: float           # Γ_s, bytes
+    draft_runtime: RuntimeModel  # c1^d, c2^d (SBS GPU)
+    verify_runtime: RuntimeModel  # c1^v, c2^v (MBS GPU)
+    spec_len: int  # l
+    alpha: float  # α
+    memory_budget: float  # Γ_s, bytes
 
     @property
     def tokens_per_step(self) -> float:
@@ -73,12 +73,12 @@ class EdgeCosts:
         """(T^d_{n,m}, T^v_{n,m}) for n = 1..n_m, eqs. 18-19 with the FLOPs of eqs. 13-14.
 
         Vectorised over n; equals summing draft_pass_flops / verify_step_flops pass by pass."""
-        l, big_l = self.spec_len, self.tokens_per_step
+        l, big_l = self.spec_len, self.tokens_per_step  # noqa: E741 - the paper's l and L (eqs. 13-14)
         steps = np.arange(1, decoding_steps(output_len, big_l) + 1, dtype=float)  # n: [n_m]
         d, v = self.draft, self.target
         # Draft passes i = 1..l on a KV of I + (n-1)L - 1 + (i-1) (eq. 13, decoding branch);
         # sum_i (2h1 + kv_i + 1 + h2) = l*(2h1 + h2 + I + (n-1)L - 1) + l(l+1)/2.
-        kv0 = input_len + (steps - 1) * big_l - 1                                       # [n_m]
+        kv0 = input_len + (steps - 1) * big_l - 1  # [n_m]
         draft_flops = 4.0 * d.layers * d.hidden * (l * (2 * d.hidden + d.ffn + kv0) + l * (l + 1) / 2)
         # Step 1, pass 1 is the prefill instead (eq. 13, first branch): swap that one term.
         first_decode = 4.0 * d.layers * d.hidden * (2 * d.hidden + d.ffn + kv0[0] + 1)
@@ -107,7 +107,7 @@ def pipeline_latency(costs: EdgeCosts, tasks: Sequence[Task], batches: Sequence[
     per_batch = [costs.step_times(*key) for key in keys]
     steps = max(len(td) for td, _ in per_batch)
     draft_done = np.zeros(steps)  # C^d_{n,m} so far: [N]
-    both_done = np.zeros(steps)   # C_{n,m} so far: [N]
+    both_done = np.zeros(steps)  # C_{n,m} so far: [N]
     for td, tv in per_batch:
         draft_done = draft_done + _padded(td, steps)
         both_done = np.maximum(draft_done, both_done) + _padded(tv, steps)
@@ -137,19 +137,21 @@ def dp_batching(costs: EdgeCosts, tasks: Sequence[Task], exact: bool = False) ->
     steps = decoding_steps(max(o for _, o in tasks), costs.tokens_per_step)  # N
     # fronts[i]: states for the first i sorted tasks, each (sum_n C, C^d per step [N], C per step [N],
     # start of the last batch, index of the predecessor state in fronts[start - 1]).
-    fronts: list[list[tuple[float, np.ndarray, np.ndarray, int, int]]] = [[(0.0, np.zeros(steps), np.zeros(steps), 0, -1)]]
+    fronts: list[list[tuple[float, np.ndarray, np.ndarray, int, int]]] = [
+        [(0.0, np.zeros(steps), np.zeros(steps), 0, -1)]
+    ]
     for end in range(1, count + 1):
         candidates = []
         for start in range(1, end + 1):
             if not fronts[start - 1]:
                 continue  # the first start-1 tasks have no feasible split
-            key = _batch_key(tasks, order[start - 1:end])
+            key = _batch_key(tasks, order[start - 1 : end])
             if not costs.fits(*key):
                 continue  # Algorithm 1 lines 11-12: out of memory
             td, tv = (_padded(t, steps) for t in costs.step_times(*key))
             for index, (_, prev_draft, prev_both, _, _) in enumerate(fronts[start - 1]):
-                new_draft = prev_draft + td                              # eq. 31
-                new_both = np.maximum(new_draft, prev_both) + tv         # eq. 32 / eq. 20
+                new_draft = prev_draft + td  # eq. 31
+                new_both = np.maximum(new_draft, prev_both) + tv  # eq. 32 / eq. 20
                 candidates.append((float(new_both.sum()), new_draft, new_both, start, index))  # eq. 29
         if exact:
             fronts.append(_non_dominated(candidates))
@@ -165,7 +167,7 @@ def dp_batching(costs: EdgeCosts, tasks: Sequence[Task], exact: bool = False) ->
     end, index = count, best
     while end > 0:  # Algorithm 1 lines 24-26: backtrack S
         _, _, _, start, index = fronts[end][index]
-        batches.append(tuple(order[start - 1:end]))
+        batches.append(tuple(order[start - 1 : end]))
         end = start - 1
     batches.reverse()
     return BatchPlan(batches=tuple(batches), latency=latency)
@@ -211,7 +213,7 @@ def _set_partitions(items: list[int]):
     for partition in _set_partitions(rest):
         yield [[first], *partition]
         for index in range(len(partition)):
-            yield [*partition[:index], [first, *partition[index]], *partition[index + 1:]]
+            yield [*partition[:index], [first, *partition[index]], *partition[index + 1 :]]
 
 
 def _all_ordered_partitions(count: int):
@@ -243,5 +245,4 @@ def max_batching(costs: EdgeCosts, tasks: Sequence[Task]) -> BatchPlan:
             batches.append([task])
         else:
             raise InfeasibleBatchingError(f"task {task} alone exceeds the SBS memory budget Γ_s")
-    return BatchPlan(batches=tuple(tuple(b) for b in batches),
-                     latency=pipeline_latency(costs, tasks, batches))
+    return BatchPlan(batches=tuple(tuple(b) for b in batches), latency=pipeline_latency(costs, tasks, batches))

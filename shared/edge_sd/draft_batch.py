@@ -35,8 +35,9 @@ def _model_of(sessions: Sequence[StreamSession]):
     return model
 
 
-def _packed_pass(sessions: Sequence[StreamSession], ids: Sequence[torch.Tensor],
-                 prev_features: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _packed_pass(
+    sessions: Sequence[StreamSession], ids: Sequence[torch.Tensor], prev_features: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Input submodel + adapter over each session's new rows, packed: [(shallow [n_i, H], hidden [n_i, H])]."""
     # ids[i]: [n_i]; prev_features[i]: [n_i, H], the deep state of the position before each row
     model = _model_of(sessions)

@@ -29,8 +29,17 @@ from shared.edge_sd.runtime import ModelShape, RuntimeFitError, RuntimeModel, fi
 from shared.edge_sd.speculation import choose_speculation_length
 from shared.specdec.picospec_model import alpha_from_verdicts
 
-__all__ = ["EdgePlan", "EdgeTask", "EdgeTelemetry", "EdgeTelemetryError", "InfeasibleBatchingError",
-           "PlanDefaults", "PlanRequest", "PlanRequestError", "plan_round"]
+__all__ = [
+    "EdgePlan",
+    "EdgeTask",
+    "EdgeTelemetry",
+    "EdgeTelemetryError",
+    "InfeasibleBatchingError",
+    "PlanDefaults",
+    "PlanRequest",
+    "PlanRequestError",
+    "plan_round",
+]
 
 # Bounds on one request: Algorithm 1 is O(K^2 N) per l and runs l_max times, so K and the lengths
 # (N = ceil(O / L) steps) are capped to keep one plan well under a second of CPU.
@@ -99,14 +108,15 @@ class EdgeTask:
     @classmethod
     def from_dict(cls, body: object, index: int) -> EdgeTask:
         where = f"tasks[{index}]."
-        body = _only_keys(body, {"input_tokens", "output_tokens", "snr_db"}, {"input_tokens", "output_tokens"},
-                          where)
+        body = _only_keys(body, {"input_tokens", "output_tokens", "snr_db"}, {"input_tokens", "output_tokens"}, where)
         snr_db = body.get("snr_db")
         if snr_db is not None and (not _is_number(snr_db) or not SNR_DB_RANGE[0] <= snr_db <= SNR_DB_RANGE[1]):
             raise PlanRequestError(f"{where}snr_db must be a number in {list(SNR_DB_RANGE)} or null, got {snr_db!r}")
-        return cls(_int_field(body, "input_tokens", where, high=MAX_TOKENS),
-                   _int_field(body, "output_tokens", where, high=MAX_TOKENS),
-                   None if snr_db is None else float(snr_db))
+        return cls(
+            _int_field(body, "input_tokens", where, high=MAX_TOKENS),
+            _int_field(body, "output_tokens", where, high=MAX_TOKENS),
+            None if snr_db is None else float(snr_db),
+        )
 
 
 def _shape(body: object, key: str) -> ModelShape:
@@ -154,17 +164,27 @@ class PlanRequest:
             memory_budget_bytes=_int_field(body, "memory_budget_bytes", "", high=1 << 60),
             bandwidth_hz=_positive_number(body, "bandwidth_hz"),
             bits_per_token=_positive_number(body, "bits_per_token"),
-            bandwidth=bandwidth, batching=batching,
-            spec_len=None if spec_len is None else _int_field(body, "spec_len", "", high=MAX_SPEC_LEN))
+            bandwidth=bandwidth,
+            batching=batching,
+            spec_len=None if spec_len is None else _int_field(body, "spec_len", "", high=MAX_SPEC_LEN),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON body `from_dict` reads (what an edge server or bench posts)."""
-        return {"tasks": [{"input_tokens": t.input_tokens, "output_tokens": t.output_tokens, "snr_db": t.snr_db}
-                          for t in self.tasks],
-                "draft_shape": _shape_dict(self.draft_shape), "target_shape": _shape_dict(self.target_shape),
-                "memory_budget_bytes": self.memory_budget_bytes, "bandwidth_hz": self.bandwidth_hz,
-                "bits_per_token": self.bits_per_token, "bandwidth": self.bandwidth, "batching": self.batching,
-                "spec_len": self.spec_len}
+        return {
+            "tasks": [
+                {"input_tokens": t.input_tokens, "output_tokens": t.output_tokens, "snr_db": t.snr_db}
+                for t in self.tasks
+            ],
+            "draft_shape": _shape_dict(self.draft_shape),
+            "target_shape": _shape_dict(self.target_shape),
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "bandwidth_hz": self.bandwidth_hz,
+            "bits_per_token": self.bits_per_token,
+            "bandwidth": self.bandwidth,
+            "batching": self.batching,
+            "spec_len": self.spec_len,
+        }
 
 
 @dataclass(frozen=True)
@@ -172,14 +192,14 @@ class PlanDefaults:
     """What the planner uses where telemetry cannot say. Defaults: the paper's Table II (RTX 3080
     drafting LLaMA-1.1B, RTX 4500 verifying LLaMA-7B; l_max = 10) and α = 0.8 (its Figs. 7-9)."""
 
-    draft_c1: float = 4.11e-13   # s per FLOP (eq. 17, SBS)
-    draft_c2: float = 0.56e-3    # s per pass
+    draft_c1: float = 4.11e-13  # s per FLOP (eq. 17, SBS)
+    draft_c2: float = 0.56e-3  # s per pass
     verify_c1: float = 2.08e-14  # s per FLOP (MBS)
-    verify_c2: float = 1.28e-2   # s per pass
+    verify_c2: float = 1.28e-2  # s per pass
     alpha: float = 0.8
     l_max: int = 10
-    snr_db: float = 20.0         # a user's uplink SNR when the request does not give one
-    min_samples: int = 8         # fewer passes (or verdicts) than this: the default, not a fit
+    snr_db: float = 20.0  # a user's uplink SNR when the request does not give one
+    min_samples: int = 8  # fewer passes (or verdicts) than this: the default, not a fit
 
     def __post_init__(self) -> None:
         RuntimeModel(self.draft_c1, self.draft_c2)
@@ -234,14 +254,14 @@ class EdgeTelemetry:
 
 @dataclass(frozen=True)
 class EdgePlan:
-    batches: tuple[tuple[int, ...], ...]   # task indices (request order), in pipeline order
-    spec_len: int                          # l
-    shares: tuple[float, ...]              # w_k
-    upload_s: tuple[float, ...]            # T_k,com (eq. 15)
+    batches: tuple[tuple[int, ...], ...]  # task indices (request order), in pipeline order
+    spec_len: int  # l
+    shares: tuple[float, ...]  # w_k
+    upload_s: tuple[float, ...]  # T_k,com (eq. 15)
     alpha: float
     draft_runtime: RuntimeModel
     verify_runtime: RuntimeModel
-    inference_s: float                     # T_inf (eq. 22)
+    inference_s: float  # T_inf (eq. 22)
     sources: dict[str, str]
 
     @property
@@ -251,12 +271,18 @@ class EdgePlan:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "batches": [list(batch) for batch in self.batches], "spec_len": self.spec_len,
-            "shares": list(self.shares), "upload_s": list(self.upload_s), "alpha": self.alpha,
+            "batches": [list(batch) for batch in self.batches],
+            "spec_len": self.spec_len,
+            "shares": list(self.shares),
+            "upload_s": list(self.upload_s),
+            "alpha": self.alpha,
             "draft_runtime": {"c1": self.draft_runtime.c1, "c2": self.draft_runtime.c2},
             "verify_runtime": {"c1": self.verify_runtime.c1, "c2": self.verify_runtime.c2},
-            "predicted": {"upload_s": self.upload_latency_s, "inference_s": self.inference_s,
-                          "total_s": self.upload_latency_s + self.inference_s},  # eq. 23
+            "predicted": {
+                "upload_s": self.upload_latency_s,
+                "inference_s": self.inference_s,
+                "total_s": self.upload_latency_s + self.inference_s,
+            },  # eq. 23
             "sources": dict(self.sources),
         }
 
@@ -269,8 +295,9 @@ def _fallback_reason(telemetry: EdgeTelemetry | None, telemetry_failure: str | N
     return reason if reason.startswith("default:") else f"default:{reason}"
 
 
-def _runtime(samples: list[tuple[int, float, float]], default: RuntimeModel, min_samples: int,
-             no_telemetry: str | None) -> tuple[RuntimeModel, str]:
+def _runtime(
+    samples: list[tuple[int, float, float]], default: RuntimeModel, min_samples: int, no_telemetry: str | None
+) -> tuple[RuntimeModel, str]:
     if no_telemetry is not None:
         return default, no_telemetry
     if len(samples) < min_samples:
@@ -281,8 +308,9 @@ def _runtime(samples: list[tuple[int, float, float]], default: RuntimeModel, min
         return default, "default:unfit"
 
 
-def _alpha(verdicts: list[tuple[int, int]], default: float, min_samples: int,
-           no_telemetry: str | None) -> tuple[float, str]:
+def _alpha(
+    verdicts: list[tuple[int, int]], default: float, min_samples: int, no_telemetry: str | None
+) -> tuple[float, str]:
     if no_telemetry is not None:
         return default, no_telemetry
     if len(verdicts) < min_samples:
@@ -301,17 +329,20 @@ def _snrs(request: PlanRequest, defaults: PlanDefaults) -> tuple[list[float], st
     return [10.0 ** (db / 10.0) for db in decibels], source
 
 
-def plan_round(request: PlanRequest, telemetry: EdgeTelemetry | None, defaults: PlanDefaults,
-               telemetry_failure: str | None = None) -> EdgePlan:
+def plan_round(
+    request: PlanRequest, telemetry: EdgeTelemetry | None, defaults: PlanDefaults, telemetry_failure: str | None = None
+) -> EdgePlan:
     """Batches, l and shares for `request`. `telemetry` None: every measured input is the default
     with source `default:<telemetry_failure>` (e.g. monitor-unreachable). Raises
     InfeasibleBatchingError when a task alone exceeds the memory budget Γ_s."""
     no_telemetry = _fallback_reason(telemetry, telemetry_failure)
     measured = telemetry or EdgeTelemetry()
-    draft_runtime, draft_source = _runtime(measured.draft, RuntimeModel(defaults.draft_c1, defaults.draft_c2),
-                                           defaults.min_samples, no_telemetry)
-    verify_runtime, verify_source = _runtime(measured.verify, RuntimeModel(defaults.verify_c1, defaults.verify_c2),
-                                             defaults.min_samples, no_telemetry)
+    draft_runtime, draft_source = _runtime(
+        measured.draft, RuntimeModel(defaults.draft_c1, defaults.draft_c2), defaults.min_samples, no_telemetry
+    )
+    verify_runtime, verify_source = _runtime(
+        measured.verify, RuntimeModel(defaults.verify_c1, defaults.verify_c2), defaults.min_samples, no_telemetry
+    )
     alpha, alpha_source = _alpha(measured.verdicts, defaults.alpha, defaults.min_samples, no_telemetry)
 
     tasks = [(task.input_tokens, task.output_tokens) for task in request.tasks]
@@ -320,8 +351,15 @@ def plan_round(request: PlanRequest, telemetry: EdgeTelemetry | None, defaults: 
 
     def latency_of_l(spec_len: int) -> float:
         # Memory (eqs. 9-10) does not depend on l: an infeasible task raises at the first l.
-        costs = EdgeCosts(request.draft_shape, request.target_shape, draft_runtime, verify_runtime, spec_len,
-                          alpha, request.memory_budget_bytes)
+        costs = EdgeCosts(
+            request.draft_shape,
+            request.target_shape,
+            draft_runtime,
+            verify_runtime,
+            spec_len,
+            alpha,
+            request.memory_budget_bytes,
+        )
         plans[spec_len] = batch(costs, tasks)
         return plans[spec_len].latency
 
@@ -336,9 +374,24 @@ def plan_round(request: PlanRequest, telemetry: EdgeTelemetry | None, defaults: 
     lengths = [task.input_tokens for task in request.tasks]
     shares = uplink_split(lengths, snrs) if request.bandwidth == "eq27" else uniform_split(len(lengths))
     uploads = upload_times(lengths, snrs, shares, request.bandwidth_hz, request.bits_per_token)
-    sources = {"tasks": "request", "snr_db": snr_source, "alpha": alpha_source, "draft_runtime": draft_source,
-               "verify_runtime": verify_source, "spec_len": "eq7" if request.spec_len is None else "request",
-               "batching": "algorithm1" if request.batching == "dp" else "max-batch", "shares": request.bandwidth}
-    return EdgePlan(batches=chosen.batches, spec_len=spec_len, shares=tuple(shares), upload_s=tuple(uploads),
-                    alpha=alpha, draft_runtime=draft_runtime, verify_runtime=verify_runtime,
-                    inference_s=chosen.latency, sources=sources)
+    sources = {
+        "tasks": "request",
+        "snr_db": snr_source,
+        "alpha": alpha_source,
+        "draft_runtime": draft_source,
+        "verify_runtime": verify_source,
+        "spec_len": "eq7" if request.spec_len is None else "request",
+        "batching": "algorithm1" if request.batching == "dp" else "max-batch",
+        "shares": request.bandwidth,
+    }
+    return EdgePlan(
+        batches=chosen.batches,
+        spec_len=spec_len,
+        shares=tuple(shares),
+        upload_s=tuple(uploads),
+        alpha=alpha,
+        draft_runtime=draft_runtime,
+        verify_runtime=verify_runtime,
+        inference_s=chosen.latency,
+        sources=sources,
+    )

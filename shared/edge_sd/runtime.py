@@ -105,8 +105,7 @@ def split_model_shapes(num_layers: int, hidden: int, ffn: int, split_layers: int
     return ModelShape(split_layers + 1, hidden, ffn), ModelShape(num_layers, hidden, ffn)
 
 
-def draft_pass_flops(draft: ModelShape, input_len: int, step: int, draft_pass: int,
-                     tokens_per_step: float) -> float:
+def draft_pass_flops(draft: ModelShape, input_len: int, step: int, draft_pass: int, tokens_per_step: float) -> float:
     """Eq. 13: F^d_{i,n,m}, the draft model's FLOPs for forward pass i of step n, per task.
 
     Step 1, pass 1 is the prefill of the padded input (eq. 11). Otherwise one token on a KV of
@@ -121,8 +120,7 @@ def draft_pass_flops(draft: ModelShape, input_len: int, step: int, draft_pass: i
     return draft.decode_flops(kv_len)
 
 
-def verify_step_flops(target: ModelShape, input_len: int, step: int, spec_len: int,
-                      tokens_per_step: float) -> float:
+def verify_step_flops(target: ModelShape, input_len: int, step: int, spec_len: int, tokens_per_step: float) -> float:
     """Eq. 14: F^v_{n,m}, the verify model's FLOPs at step n, per task.
 
     Step 1 prefills I_m + l tokens (input plus drafts); later steps feed 1 + l tokens (bonus token

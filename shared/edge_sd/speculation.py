@@ -45,8 +45,7 @@ def decoding_steps(output_len: int, tokens_per_step: float) -> int:
     return max(1, math.ceil(output_len / tokens_per_step - _CEIL_SLACK))
 
 
-def choose_speculation_length(alpha: float, l_max: int,
-                              latency_of_l: Callable[[int], float]) -> tuple[int, float]:
+def choose_speculation_length(alpha: float, l_max: int, latency_of_l: Callable[[int], float]) -> tuple[int, float]:
     """Problem P3 (eq. 33): enumerate l = 1..l_max and keep the l with the least latency.
 
     `latency_of_l(l)` is the caller's latency for speculation length l (e.g. the batching DP's

@@ -31,11 +31,13 @@ log = logging.getLogger(__name__)
 OUTLINE_DIRECTIVE = (
     "Before answering, plan. Reply with only a short numbered outline of the answer to the user's "
     "question: 3 to 5 points, one per line, numbered 1., 2., 3. and so on, each point a few words "
-    "(no full sentences, no explanations). Do not write the answer itself.")
+    "(no full sentences, no explanations). Do not write the answer itself."
+)
 
 POINT_INSTRUCTION = (
-    "Now write the part of the answer for point {index} of your outline, \"{point}\", in one or two "
-    "sentences. Write only about this point; the other points are answered separately.")
+    'Now write the part of the answer for point {index} of your outline, "{point}", in one or two '
+    "sentences. Write only about this point; the other points are answered separately."
+)
 
 MAX_POINTS = 5  # bounds the fan-out whatever the model writes (the directive asks for 3-5)
 # The assistant's outline turn starts with this, written for the model: a small model (SmolLM2-135M) ignores
@@ -53,35 +55,60 @@ MIN_POINTS = 2  # fewer: nothing to run in parallel, the caller answers sequenti
 # decline costs only speed (the sequential path answers exactly), a false accept costs quality, so
 # every doubtful signal declines.
 
-_CODE_PATTERNS = [re.compile(p, re.IGNORECASE) for p in (
-    r"```", r"\bdef\s+\w+\s*\(", r"\bclass\s+\w+\s*[:({]", r"\bfunction\s*\w*\s*\(", r"#include\b",
-    r"^\s*(import|from)\s+\w+", r"\bconsole\.log\b", r"\bprintf?\s*\(", r"=>", r"\w+\([^()\n]*\)\s*[{;]",
-    r"[{};]\s*$", r"\b(write|implement|code|create|build|debug|fix|refactor)\b.{0,40}\b(program|script|function|"
-    r"method|class|code|query|regex|algorithm|snippet|api|app)\b",
-    r"\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|sql|bash|html|css|regex|"
-    r"programming|coding|compiler|source code|stack trace|segfault|recursion|pseudocode)\b",
-    r"\b\w+_\w+\b",  # snake_case identifiers
-)]
+_CODE_PATTERNS = [
+    re.compile(p, re.IGNORECASE)
+    for p in (
+        r"```",
+        r"\bdef\s+\w+\s*\(",
+        r"\bclass\s+\w+\s*[:({]",
+        r"\bfunction\s*\w*\s*\(",
+        r"#include\b",
+        r"^\s*(import|from)\s+\w+",
+        r"\bconsole\.log\b",
+        r"\bprintf?\s*\(",
+        r"=>",
+        r"\w+\([^()\n]*\)\s*[{;]",
+        r"[{};]\s*$",
+        r"\b(write|implement|code|create|build|debug|fix|refactor)\b.{0,40}\b(program|script|function|"
+        r"method|class|code|query|regex|algorithm|snippet|api|app)\b",
+        r"\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|sql|bash|html|css|regex|"
+        r"programming|coding|compiler|source code|stack trace|segfault|recursion|pseudocode)\b",
+        r"\b\w+_\w+\b",  # snake_case identifiers
+    )
+]
 
-_MATH_PATTERNS = [re.compile(p, re.IGNORECASE) for p in (
-    r"\d\s*[-+*/^×÷=<>%]\s*\(?\s*\d", r"\b\d*[a-z]\s*\^\s*\d", r"\b\d+[a-z]\b\s*[-+=]",
-    r"[a-z]\s*=\s*-?\d", r"\b(solve|calculate|compute|evaluate|simplify|prove|proof|derive|equation|inequality|"
-    r"integral|integrate|derivative|differentiate|theorem|lemma|arithmetic|algebra|geometry|probability|"
-    r"factorial|sqrt|logarithm|polynomial|matrix|how many|how much|percent(age)?|sum of|product of|"
-    r"remainder|divisible|prime number|math|maths|mathematics)\b", r"[∫∑√π≤≥≠]",
-)]
+_MATH_PATTERNS = [
+    re.compile(p, re.IGNORECASE)
+    for p in (
+        r"\d\s*[-+*/^×÷=<>%]\s*\(?\s*\d",
+        r"\b\d*[a-z]\s*\^\s*\d",
+        r"\b\d+[a-z]\b\s*[-+=]",
+        r"[a-z]\s*=\s*-?\d",
+        r"\b(solve|calculate|compute|evaluate|simplify|prove|proof|derive|equation|inequality|"
+        r"integral|integrate|derivative|differentiate|theorem|lemma|arithmetic|algebra|geometry|probability|"
+        r"factorial|sqrt|logarithm|polynomial|matrix|how many|how much|percent(age)?|sum of|product of|"
+        r"remainder|divisible|prime number|math|maths|mathematics)\b",
+        r"[∫∑√π≤≥≠]",
+    )
+]
 
 # A question that wants a fact, a yes/no or a one-liner has no outline worth running in parallel.
 _SHORT_EXPLICIT = re.compile(
     r"\b(in one word|one word|in a word|one sentence|single sentence|briefly|yes or no|true or false|"
-    r"short answer|just the (name|number|answer))\b", re.IGNORECASE)
+    r"short answer|just the (name|number|answer))\b",
+    re.IGNORECASE,
+)
 _SHORT_OPENERS = re.compile(
     r"^\s*(who|when|where|which|is|are|was|were|do|does|did|can|could|will|would|should|has|have|had|"
-    r"what (year|time|day|date|color|colour|is the (capital|name|date|population)))\b", re.IGNORECASE)
+    r"what (year|time|day|date|color|colour|is the (capital|name|date|population)))\b",
+    re.IGNORECASE,
+)
 _OPEN_ENDED = re.compile(
     r"\b(how|why|explain|describe|discuss|compare|contrast|list|tips|ways|steps|advice|suggest|"
     r"advantages|disadvantages|benefits|pros|cons|overview|impact|effects?|causes?|strategies|plan|"
-    r"what are|what would|imagine|essay|write)\b", re.IGNORECASE)
+    r"what are|what would|imagine|essay|write)\b",
+    re.IGNORECASE,
+)
 MIN_WORDS = 4
 
 
@@ -113,8 +140,11 @@ def route(prompt: str | None = None, messages: Sequence[Mapping[str, Any]] | Non
     if any(p.search(text) for p in _MATH_PATTERNS):
         return RouteDecision(False, "math")
     words = len(text.split())
-    if _SHORT_EXPLICIT.search(text) or words < MIN_WORDS or (_SHORT_OPENERS.search(text)
-                                                             and not _OPEN_ENDED.search(text)):
+    if (
+        _SHORT_EXPLICIT.search(text)
+        or words < MIN_WORDS
+        or (_SHORT_OPENERS.search(text) and not _OPEN_ENDED.search(text))
+    ):
         return RouteDecision(False, "short_answer")
     return RouteDecision(True, "open_ended")
 
@@ -167,7 +197,7 @@ def _inline_points(text: str) -> list[str]:
         if int(match.group(1)) != expected:
             continue
         if start is not None:
-            points.append(text[start:match.start()])
+            points.append(text[start : match.start()])
         start, expected = match.end(), expected + 1
     if start is not None:
         points.append(text[start:])
@@ -175,6 +205,7 @@ def _inline_points(text: str) -> list[str]:
 
 
 # -- the turns --------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ChatFormat:
@@ -204,7 +235,7 @@ class ChatFormat:
         outline finished on the model's end of turn, which the kept sequence then already holds."""
         between = self.assistant_to_user
         if outline_ended_turn and self.end_of_turn and between.startswith(self.end_of_turn):
-            between = between[len(self.end_of_turn):]
+            between = between[len(self.end_of_turn) :]
         return between + POINT_INSTRUCTION.format(index=index, point=point) + self.user_to_assistant
 
     def to_dict(self) -> dict[str, str]:
@@ -223,8 +254,9 @@ class ChatFormat:
 
 
 # The no-template rendering of shared/chat.py (plain_chat_text): 'role: content' lines, then 'assistant:'.
-PLAIN_FORMAT = ChatFormat(system_open="system: ", system_to_user="\nuser: ", user_to_assistant="\nassistant:",
-                          assistant_to_user="\nuser: ")
+PLAIN_FORMAT = ChatFormat(
+    system_open="system: ", system_to_user="\nuser: ", user_to_assistant="\nassistant:", assistant_to_user="\nuser: "
+)
 
 _SENTINELS = ("\u2063S\u2063", "\u2063Q\u2063", "\u2063A\u2063", "\u2063U\u2063")
 
@@ -245,13 +277,17 @@ def chat_format(tokenizer: Any) -> ChatFormat:
     cuts = [text.find(x) for x in _SENTINELS]
     if min(cuts) < 0 or cuts != sorted(cuts) or any(text.count(x) != 1 for x in _SENTINELS):
         raise ChatFormatError("the chat template does not render message contents verbatim")
-    between_a_u = text[cuts[2] + len(a):cuts[3]]
+    between_a_u = text[cuts[2] + len(a) : cuts[3]]
     eos = getattr(tokenizer, "eos_token", None) or ""
-    fmt = ChatFormat(system_open=text[:cuts[0]], system_to_user=text[cuts[0] + len(s):cuts[1]],
-                     user_to_assistant=text[cuts[3] + len(u):], assistant_to_user=between_a_u,
-                     end_of_turn=eos if eos and between_a_u.startswith(eos) else "")
+    fmt = ChatFormat(
+        system_open=text[: cuts[0]],
+        system_to_user=text[cuts[0] + len(s) : cuts[1]],
+        user_to_assistant=text[cuts[3] + len(u) :],
+        assistant_to_user=between_a_u,
+        end_of_turn=eos if eos and between_a_u.startswith(eos) else "",
+    )
     # The opening of an assistant turn after the first user turn must be the same as after the last.
-    if text[cuts[1] + len(q):cuts[2]] != fmt.user_to_assistant:
+    if text[cuts[1] + len(q) : cuts[2]] != fmt.user_to_assistant:
         raise ChatFormatError("the chat template opens assistant turns differently by position")
     check = _render(tokenizer, [("system", OUTLINE_DIRECTIVE), ("user", "Why is the sky blue?")])
     if check != fmt.directive_text() + fmt.question_text("Why is the sky blue?"):
@@ -265,6 +301,7 @@ def _render(tokenizer: Any, turns: list[tuple[str, str]]) -> str:
 
 
 # -- the answer ---------------------------------------------------------------------------------------
+
 
 def heading(index: int, point: str) -> str:
     """What goes before point `index`'s expansion in the answer (a blank line between points)."""

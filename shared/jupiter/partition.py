@@ -54,8 +54,7 @@ def _check(num_layers: int, num_devices: int, first_min_layers: int) -> None:
         raise PartitionError(f"first_min_layers must be >= 1, got {first_min_layers}")
     if num_layers < first_min_layers + num_devices - 1:
         raise PartitionError(
-            f"{num_layers} layers cannot give {num_devices} devices one layer each with "
-            f"{first_min_layers} on the first"
+            f"{num_layers} layers cannot give {num_devices} devices one layer each with {first_min_layers} on the first"
         )
 
 
@@ -68,8 +67,13 @@ def _bottleneck(stage_cost: StageCost, ranges: tuple[tuple[int, int], ...]) -> f
     return max(stage_cost(device, start, stop) for device, (start, stop) in enumerate(ranges))
 
 
-def _ordered_dp(stage_cost: StageCost, num_layers: int, num_devices: int, first_min_layers: int,
-                combine: Callable[[float, float], float]) -> tuple[float, tuple[int, ...]]:
+def _ordered_dp(
+    stage_cost: StageCost,
+    num_layers: int,
+    num_devices: int,
+    first_min_layers: int,
+    combine: Callable[[float, float], float],
+) -> tuple[float, tuple[int, ...]]:
     """min over ordered partitions of combine-folded stage costs (max or +; costs >= 0, so the
     fold never decreases and a prefix already >= the best cannot improve). (value, cuts)."""
     # best[j][l]: value when devices 0..j-1 cover layers [0, l); cut[j][l]: where device j-1 starts
@@ -116,7 +120,9 @@ def partition_layers(stage_cost: StageCost, num_layers: int, num_devices: int, f
     return Partition(_ranges(cuts, num_layers), bottleneck)
 
 
-def brute_force_partition(stage_cost: StageCost, num_layers: int, num_devices: int, first_min_layers: int = 1) -> Partition:
+def brute_force_partition(
+    stage_cost: StageCost, num_layers: int, num_devices: int, first_min_layers: int = 1
+) -> Partition:
     """Every composition of the layers over the devices (for tests: exponential)."""
     _check(num_layers, num_devices, first_min_layers)
     best: Partition | None = None

@@ -66,7 +66,8 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r}: slowdown must be a finite number >= 1, got {self.slowdown!r}")
         if not isinstance(self.memory_bytes, int) or isinstance(self.memory_bytes, bool) or self.memory_bytes < 1:
             raise ValueError(
-                f"device {self.name!r}: memory_bytes must be a positive integer, got {self.memory_bytes!r}")
+                f"device {self.name!r}: memory_bytes must be a positive integer, got {self.memory_bytes!r}"
+            )
 
 
 def parse_memory(text: str) -> int:
@@ -96,8 +97,10 @@ def parse_edge_pipeline(spec: str) -> list[DeviceSpec]:
         except ValueError as exc:
             raise ValueError(f"edge pipeline device {index} ({item!r}): {exc}") from exc
         if len(set(schedule.modes)) != 1:
-            raise ValueError(f"edge pipeline device {index} ({item!r}): a time-varying speed cannot be planned for; "
-                             "use a fixed class (orin, xavier) or slowdown")
+            raise ValueError(
+                f"edge pipeline device {index} ({item!r}): a time-varying speed cannot be planned for; "
+                "use a fixed class (orin, xavier) or slowdown"
+            )
         budget = parse_memory(memory) if memory.strip() else DEFAULT_MEMORY_BYTES
         devices.append(DeviceSpec(name, schedule.modes[0], budget))
     return devices
@@ -165,8 +168,13 @@ class EdgePlan:
             raise PlanError(f"device 0 holds {ranges[0][1]} layers, fewer than the draft's {self.draft_layers}")
         parse_lan(self.lan)
         try:
-            sequences = SequencePlan(self.max_len, self.l_min, self.k_max, tuple(tuple(p) for p in self.sequence_table),
-                                     (0.0,) * self.max_len)
+            sequences = SequencePlan(
+                self.max_len,
+                self.l_min,
+                self.k_max,
+                tuple(tuple(p) for p in self.sequence_table),
+                (0.0,) * self.max_len,
+            )
         except (TypeError, ValueError) as exc:
             raise PlanError(f"bad sequence table: {exc}") from exc
         object.__setattr__(self, "devices", devices)
@@ -238,8 +246,9 @@ def stage_cost_fn(profile: Profile, devices: Sequence[DeviceSpec], max_len: int,
     last = len(devices) - 1
 
     def cost(device: int, start: int, stop: int) -> float:
-        memory = profile.stage_memory(stop - start, max_len, with_embeddings=device == 0,
-                                      with_head=device == last, with_draft=device == 0)
+        memory = profile.stage_memory(
+            stop - start, max_len, with_embeddings=device == 0, with_head=device == last, with_draft=device == 0
+        )
         if memory > devices[device].memory_bytes:
             return math.inf
         return profile.stage_time(stop - start, reference_length, 0, devices[device].slowdown)
@@ -247,10 +256,18 @@ def stage_cost_fn(profile: Profile, devices: Sequence[DeviceSpec], max_len: int,
     return cost
 
 
-def build_plan(profile: Profile, devices: Sequence[DeviceSpec], lan_bytes_per_s: float, lan_latency_s: float,
-               draft_layers: int, max_len: int, kind: str = "jupiter",
-               reference_length: int = DEFAULT_REFERENCE_LENGTH, k_max: int = DEFAULT_K_MAX,
-               l_min_tolerance: float = DEFAULT_L_MIN_TOLERANCE) -> EdgePlan:
+def build_plan(
+    profile: Profile,
+    devices: Sequence[DeviceSpec],
+    lan_bytes_per_s: float,
+    lan_latency_s: float,
+    draft_layers: int,
+    max_len: int,
+    kind: str = "jupiter",
+    reference_length: int = DEFAULT_REFERENCE_LENGTH,
+    k_max: int = DEFAULT_K_MAX,
+    l_min_tolerance: float = DEFAULT_L_MIN_TOLERANCE,
+) -> EdgePlan:
     """Plan `profile`'s model over `devices` (module docstring). Raises PlanError when no layer
     partition fits the memory budgets (or the equal split does not, for the baselines)."""
     if kind not in PLAN_KINDS:
@@ -276,21 +293,36 @@ def build_plan(profile: Profile, devices: Sequence[DeviceSpec], lan_bytes_per_s:
 
     scales = [w / heaviest for w in weights]
     hop_s_per_token = profile.hidden_size * STAGE_WIRE_BYTES.get(profile.dtype, 4) / lan_bytes_per_s
-    l_min = min_subsequence_length(profile.lengths, [profile.layer_time(s, 0) for s in profile.lengths],
-                                   l_min_tolerance)
+    l_min = min_subsequence_length(
+        profile.lengths, [profile.layer_time(s, 0) for s in profile.lengths], l_min_tolerance
+    )
     if kind == "jupiter":
-        table = plan_sequences(bottleneck_time, len(devices), max_len, l_min, k_max, hop_s_per_token,
-                               lan_latency_s, scales).table
+        table = plan_sequences(
+            bottleneck_time, len(devices), max_len, l_min, k_max, hop_s_per_token, lan_latency_s, scales
+        ).table
     else:
         count = len(devices) if kind == "equal" else 1
         table = tuple(tuple(equal_sub_sequences(length, count)) for length in range(1, max_len + 1))
-    ttft = tuple((b, pipeline_latency(table[b - 1], bottleneck_time, len(devices), hop_s_per_token, lan_latency_s,
-                                      scales)) for b in ttft_buckets(max_len))
+    ttft = tuple(
+        (b, pipeline_latency(table[b - 1], bottleneck_time, len(devices), hop_s_per_token, lan_latency_s, scales))
+        for b in ttft_buckets(max_len)
+    )
     return EdgePlan(
-        model_name=profile.model_name, num_layers=n, hidden_size=profile.hidden_size, kind=kind, devices=devices,
-        stage_layers=partition.ranges, draft_layers=draft_layers, lan=lan_spec(lan_bytes_per_s, lan_latency_s),
-        reference_length=reference_length, l_min=l_min, k_max=max(k_max, len(devices)), max_len=max_len,
-        sequence_table=table, predicted_bottleneck_s=partition.bottleneck, predicted_ttft=ttft,
+        model_name=profile.model_name,
+        num_layers=n,
+        hidden_size=profile.hidden_size,
+        kind=kind,
+        devices=devices,
+        stage_layers=partition.ranges,
+        draft_layers=draft_layers,
+        lan=lan_spec(lan_bytes_per_s, lan_latency_s),
+        reference_length=reference_length,
+        l_min=l_min,
+        k_max=max(k_max, len(devices)),
+        max_len=max_len,
+        sequence_table=table,
+        predicted_bottleneck_s=partition.bottleneck,
+        predicted_ttft=ttft,
     )
 
 
@@ -299,6 +331,7 @@ def _feasible_equal(cost, num_layers: int, num_devices: int, draft_layers: int) 
     if not math.isfinite(partition.bottleneck):
         raise PartitionError(f"the equal split {partition.layer_counts} exceeds a device's memory budget")
     if partition.layer_counts[0] < draft_layers:
-        raise PartitionError(f"the equal split gives device 0 {partition.layer_counts[0]} layers, "
-                             f"fewer than the draft's {draft_layers}")
+        raise PartitionError(
+            f"the equal split gives device 0 {partition.layer_counts[0]} layers, fewer than the draft's {draft_layers}"
+        )
     return partition

@@ -102,8 +102,12 @@ class Profile:
             raise ProfileError(f"layer_times must be {len(lengths)} rows of {len(prefixes)} times (lengths x prefixes)")
         for row in rows:
             for value in row:
-                if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-                        or value <= 0):
+                if (
+                    not isinstance(value, (int, float))
+                    or isinstance(value, bool)
+                    or not math.isfinite(value)
+                    or value <= 0
+                ):
                     raise ProfileError(f"layer_times must be finite positive seconds, got {value!r}")
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "prefixes", prefixes)
@@ -119,8 +123,12 @@ class Profile:
         s, c = np.broadcast_arrays(np.asarray(length, np.float64), np.asarray(prefix, np.float64))
         i0, i1, ws = _locate(s_grid, s)
         j0, j1, wc = _locate(c_grid, c)
-        value = ((1 - ws) * (1 - wc) * table[i0, j0] + ws * (1 - wc) * table[i1, j0]
-                 + (1 - ws) * wc * table[i0, j1] + ws * wc * table[i1, j1])
+        value = (
+            (1 - ws) * (1 - wc) * table[i0, j0]
+            + ws * (1 - wc) * table[i1, j0]
+            + (1 - ws) * wc * table[i0, j1]
+            + ws * wc * table[i1, j1]
+        )
         value = np.maximum(value, 0.0)
         return float(value) if value.ndim == 0 else value
 
@@ -133,8 +141,14 @@ class Profile:
     def embed_head_bytes(self) -> int:
         return self.embed_bytes + self.head_bytes
 
-    def stage_memory(self, num_layers: int, max_len: int, with_embeddings: bool = False,
-                     with_head: bool = False, with_draft: bool = False) -> int:
+    def stage_memory(
+        self,
+        num_layers: int,
+        max_len: int,
+        with_embeddings: bool = False,
+        with_head: bool = False,
+        with_draft: bool = False,
+    ) -> int:
         """Bytes a stage of `num_layers` layers holds with one sequence of `max_len` positions in its
         KV cache. `with_embeddings` adds embeddings + head (the first stage: it embeds and drafts
         with the head), `with_head` the head alone (the last stage), `with_draft` the adapter."""
@@ -177,8 +191,9 @@ def check_document(obj: object, fmt: str, version: int, error: type[ValueError],
     if not isinstance(obj, dict) or obj.get("format") != fmt:
         raise error(f"not a Jupiter {what} (expected format {fmt!r})")
     if obj.get("version") != version:
-        raise error(f"{what} format version {obj.get('version')!r}; this build reads version {version} "
-                    f"(re-run `tophat {what}`)")
+        raise error(
+            f"{what} format version {obj.get('version')!r}; this build reads version {version} (re-run `tophat {what}`)"
+        )
     return obj
 
 
@@ -213,9 +228,14 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"{path}: {exc}") from exc
 
 
-def measure_profile(model_dir: str | Path, lengths: Sequence[int] = DEFAULT_LENGTHS,
-                    prefixes: Sequence[int] = DEFAULT_PREFIXES, repeats: int = DEFAULT_REPEATS,
-                    model_name: str | None = None, seed: int = 0) -> Profile:
+def measure_profile(
+    model_dir: str | Path,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    prefixes: Sequence[int] = DEFAULT_PREFIXES,
+    repeats: int = DEFAULT_REPEATS,
+    model_name: str | None = None,
+    seed: int = 0,
+) -> Profile:
     """Time the model's whole decoder stack (`LayerRange(0, n)`) on this machine at every (S, c)
     of the grid: the cache is first filled with c random hidden states (untimed), then S new
     positions are timed `repeats` times (the cache rolled back to c in between). Per-layer time =

@@ -42,8 +42,9 @@ _BLOCK = 256
 _TIE_TOLERANCE = 1e-9
 
 
-def min_subsequence_length(lengths: Sequence[int], times: Sequence[float],
-                           tolerance: float = DEFAULT_L_MIN_TOLERANCE) -> int:
+def min_subsequence_length(
+    lengths: Sequence[int], times: Sequence[float], tolerance: float = DEFAULT_L_MIN_TOLERANCE
+) -> int:
     """l_min: the smallest profiled S whose per-token time t(S)/S is within `tolerance` (0.10 =
     10 %) of the best per-token time on the grid. Shorter parts underuse the accelerator: they
     cost nearly as much as longer ones. On a GPU the best is the longest S (per-token time only
@@ -93,8 +94,14 @@ def _stage_scales(num_stages: int, stage_scales: Sequence[float] | None) -> np.n
     return scales
 
 
-def pipeline_latency(parts: Sequence[int], t: LayerTimeFn, num_stages: int, hop_s_per_token: float = 0.0,
-                     hop_latency_s: float = 0.0, stage_scales: Sequence[float] | None = None) -> float:
+def pipeline_latency(
+    parts: Sequence[int],
+    t: LayerTimeFn,
+    num_stages: int,
+    hop_s_per_token: float = 0.0,
+    hop_latency_s: float = 0.0,
+    stage_scales: Sequence[float] | None = None,
+) -> float:
     """Seconds until the last stage has processed every part (eq. 4 generalised; module docstring)."""
     scales = _stage_scales(num_stages, stage_scales)
     lengths = np.asarray(parts, np.float64)
@@ -172,9 +179,16 @@ def _parts(last_start: np.ndarray, k: int, length: int) -> list[int]:
     return parts[::-1]
 
 
-def plan_sequences(t: LayerTimeFn, num_stages: int, max_len: int, l_min: int, k_max: int = DEFAULT_K_MAX,
-                   hop_s_per_token: float = 0.0, hop_latency_s: float = 0.0,
-                   stage_scales: Sequence[float] | None = None) -> SequencePlan:
+def plan_sequences(
+    t: LayerTimeFn,
+    num_stages: int,
+    max_len: int,
+    l_min: int,
+    k_max: int = DEFAULT_K_MAX,
+    hop_s_per_token: float = 0.0,
+    hop_latency_s: float = 0.0,
+    stage_scales: Sequence[float] | None = None,
+) -> SequencePlan:
     """The DP table for lengths 1..max_len (module docstring). `t` must accept numpy arrays."""
     if max_len < 1 or l_min < 1 or k_max < 1:
         raise ValueError(f"need max_len, l_min, k_max >= 1, got {max_len}, {l_min}, {k_max}")

@@ -72,8 +72,13 @@ class DraftAdapter(torch.nn.Module):
             self.post_attention_layernorm = copy.deepcopy(template.post_attention_layernorm)
             self.mlp = copy.deepcopy(template.mlp)
         if spec.side_input is not None:
-            self.fuse = torch.nn.Linear(2 * hidden, hidden, bias=False, dtype=checkpoint.model.dtype,
-                                        device=template.input_layernorm.weight.device)  # beside the copies above
+            self.fuse = torch.nn.Linear(
+                2 * hidden,
+                hidden,
+                bias=False,
+                dtype=checkpoint.model.dtype,
+                device=template.input_layernorm.weight.device,
+            )  # beside the copies above
             with torch.no_grad():  # start as "pass h through": [side; h] -> h, or [h; f] -> h
                 self.fuse.weight.zero_()
                 eye = torch.eye(hidden, dtype=self.fuse.weight.dtype, device=self.fuse.weight.device)
@@ -131,8 +136,13 @@ class DraftAdapter(torch.nn.Module):
         return self.forward_packed(shallow, [cache], [shallow.shape[0]], side)
 
     @torch.inference_mode()
-    def forward_packed(self, shallow: torch.Tensor, caches: Sequence[SessionKV], lengths: Sequence[int],
-                       side: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_packed(
+        self,
+        shallow: torch.Tensor,
+        caches: Sequence[SessionKV],
+        lengths: Sequence[int],
+        side: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Many sessions in one pass (a draft server drafting for many users): each session's rows attend
         to its own cache only, like LayerRange.forward_packed."""
         # shallow: [T, H], side: [T, H] or None, sum(lengths) == T -> [T, H]
@@ -141,8 +151,9 @@ class DraftAdapter(torch.nn.Module):
         x = self._fused(shallow, side)
         positions = packed_positions(caches, lengths, x.device)
         cos, sin = rotary_tables(self.rotary_emb, positions, x)
-        attn = attention_forward(self.self_attn, self.input_layernorm(x), [c.layer(0) for c in caches], lengths,
-                                 cos, sin)
+        attn = attention_forward(
+            self.self_attn, self.input_layernorm(x), [c.layer(0) for c in caches], lengths, cos, sin
+        )
         return self._finish(x, attn)
 
     def forward_training(self, shallow: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
@@ -167,8 +178,12 @@ class DraftAdapter(torch.nn.Module):
 
     def save(self, path: Path, extra_metadata: dict | None = None) -> None:
         tensors = {name: t.detach().contiguous().float() for name, t in self.state_dict().items()}
-        metadata = {"split_layers": str(self.split_layers), "format": "tophat-draft-adapter-v2",
-                    "variant": self.spec.variant, "mlp": str(self.spec.mlp).lower()}
+        metadata = {
+            "split_layers": str(self.split_layers),
+            "format": "tophat-draft-adapter-v2",
+            "variant": self.spec.variant,
+            "mlp": str(self.spec.mlp).lower(),
+        }
         if extra_metadata:
             metadata["training"] = json.dumps(extra_metadata)
         save_file(tensors, str(path), metadata=metadata)

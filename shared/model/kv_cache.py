@@ -17,8 +17,14 @@ class KVCacheError(ValueError):
 class LayerKV:
     """Keys and values of one attention layer for one session."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 64,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        capacity: int = 64,
+        device: torch.device | str = "cpu",
+    ):
         # keys/values: [Hkv, capacity, D] on the layer's device; rows >= length are garbage
         self.keys = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
@@ -50,10 +56,17 @@ class LayerKV:
 class SessionKV:
     """The KV cache of one session across a contiguous range of layers."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
-        self.layers: list[LayerKV] | None = [LayerKV(num_kv_heads, head_dim, dtype, device=device)
-                                             for _ in range(num_layers)]
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.layers: list[LayerKV] | None = [
+            LayerKV(num_kv_heads, head_dim, dtype, device=device) for _ in range(num_layers)
+        ]
 
     def _alive(self) -> list[LayerKV]:
         if self.layers is None:

@@ -22,8 +22,9 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from shared.model.kv_cache import LayerKV, SessionKV
 
 
-def packed_positions(caches: Sequence[SessionKV], lengths: Sequence[int],
-                     device: torch.device | str = "cpu") -> torch.Tensor:
+def packed_positions(
+    caches: Sequence[SessionKV], lengths: Sequence[int], device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Absolute positions of the new tokens: each session continues from its cache length."""
     # positions: [T], on the device of the states they index (the rotary tables are computed there)
     return torch.cat([torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, lengths)])

@@ -87,9 +87,11 @@ def resolve_device(spec: str, cuda_available: bool, device_count: int) -> torch.
     if kind == "cpu" or (kind == "auto" and not (cuda_available and device_count > 0)):
         return torch.device("cpu")
     if not cuda_available or device_count < 1:
-        raise CudaUnavailableError(f"device {spec!r} asks for CUDA, but this process has no CUDA device "
-                                   "(a CPU build of torch, no driver, or CUDA_VISIBLE_DEVICES hides them); "
-                                   "use cpu or auto")
+        raise CudaUnavailableError(
+            f"device {spec!r} asks for CUDA, but this process has no CUDA device "
+            "(a CPU build of torch, no driver, or CUDA_VISIBLE_DEVICES hides them); "
+            "use cpu or auto"
+        )
     index = 0 if index is None else index
     if index >= device_count:
         raise CudaIndexError(f"device {spec!r}: only {device_count} GPU(s) visible (cuda:0..cuda:{device_count - 1})")
@@ -107,13 +109,16 @@ def resolve_dtype(spec: str, device: torch.device, bf16_supported: bool) -> tupl
     if not on_cuda and dtype is not torch.float32:
         warnings.append(f"{dtype} on the CPU is allowed but usually slower than float32 there")
     if on_cuda and dtype is torch.bfloat16 and not bf16_supported:
-        warnings.append(f"{device} has no native bfloat16 (compute capability < 8.0): emulated, slow; "
-                        "float16 is the fast choice there")
+        warnings.append(
+            f"{device} has no native bfloat16 (compute capability < 8.0): emulated, slow; "
+            "float16 is the fast choice there"
+        )
     return dtype, tuple(warnings)
 
 
-def resolve_placement(device_spec: str, dtype_spec: str, *, cuda_available: bool, device_count: int,
-                      bf16_supported: bool) -> Placement:
+def resolve_placement(
+    device_spec: str, dtype_spec: str, *, cuda_available: bool, device_count: int, bf16_supported: bool
+) -> Placement:
     """The pure rule: settings + machine facts -> where and how the model computes (or a PlacementError)."""
     device = resolve_device(device_spec, cuda_available, device_count)
     dtype, warnings = resolve_dtype(dtype_spec, device, bf16_supported)
@@ -146,8 +151,9 @@ def detect_placement(device_spec: str, dtype_spec: str, *, what: str = "model") 
     device = resolve_device(device_spec, available, count)
     # Capability is asked only once a GPU is chosen: it initialises CUDA in this process.
     bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-    placement = resolve_placement(device_spec, dtype_spec, cuda_available=available, device_count=count,
-                                  bf16_supported=bf16)
+    placement = resolve_placement(
+        device_spec, dtype_spec, cuda_available=available, device_count=count, bf16_supported=bf16
+    )
     for warning in placement.warnings:
         log.warning("%s placement: %s", what, warning)
     log.info("%s runs on %s (device=%s dtype=%s)", what, placement, device_spec, dtype_spec)

@@ -73,8 +73,10 @@ def check_rotation(q: torch.Tensor, hidden: int) -> None:
     q64 = q.detach().to(torch.float64, copy=True).cpu()
     error = (q64 @ q64.T - torch.eye(hidden, dtype=torch.float64)).abs().max().item()
     if not error <= ORTHOGONALITY_TOLERANCE:  # also catches NaN
-        raise RotationError(f"rotation is not orthogonal: max |Q Q^T - I| = {error:.3g} "
-                            f"(> {ORTHOGONALITY_TOLERANCE:g}; a 16-bit Q is not precise enough, use fp32/fp64)")
+        raise RotationError(
+            f"rotation is not orthogonal: max |Q Q^T - I| = {error:.3g} "
+            f"(> {ORTHOGONALITY_TOLERANCE:g}; a 16-bit Q is not precise enough, use fp32/fp64)"
+        )
 
 
 def _plain_rms_norm_gain(norm: torch.nn.Module, hidden: int) -> torch.Tensor:
@@ -102,8 +104,10 @@ def _set_weight(linear: torch.nn.Linear, value: torch.Tensor) -> None:
 def _layer_parts(layer: Any):  # an HF decoder layer: its norms, self_attn and mlp are set at run time (untyped)
     try:
         attn, mlp = layer.self_attn, layer.mlp
-        reads = {layer.input_layernorm: (attn.q_proj, attn.k_proj, attn.v_proj),
-                 layer.post_attention_layernorm: (mlp.gate_proj, mlp.up_proj)}
+        reads = {
+            layer.input_layernorm: (attn.q_proj, attn.k_proj, attn.v_proj),
+            layer.post_attention_layernorm: (mlp.gate_proj, mlp.up_proj),
+        }
         return reads, (attn.o_proj, mlp.down_proj)
     except AttributeError as exc:
         raise RotationError(f"{type(layer).__name__} is not a Llama-family decoder layer: {exc}") from None

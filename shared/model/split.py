@@ -134,8 +134,11 @@ class SplitModel:
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, split_layers: int) -> "SplitModel":
-        return cls(InputSubmodel(checkpoint, split_layers), MiddleSubmodel(checkpoint, split_layers),
-                   OutputSubmodel(checkpoint))
+        return cls(
+            InputSubmodel(checkpoint, split_layers),
+            MiddleSubmodel(checkpoint, split_layers),
+            OutputSubmodel(checkpoint),
+        )
 
 
 def stage_ranges(split_layers: int, num_layers: int, num_stages: int) -> list[tuple[int, int]]:

@@ -57,4 +57,3 @@ class DeviceModel:
     def compute_states(self, deep: torch.Tensor) -> torch.Tensor:
         """Deep states as the cloud sent them (wire dtype, fp32, CPU) -> this model's device and dtype."""
         return deep.to(device=self.device, dtype=self.dtype)
-

@@ -127,8 +127,13 @@ class DeviceSession(Drafting):
             raise SessionError("no draft adapter on this device")
         return self.model.adapter
 
-    def _run_adapter(self, cache: SessionKV | None, shallow: torch.Tensor, token_ids: torch.Tensor,
-                     prev_features: torch.Tensor | None) -> torch.Tensor:
+    def _run_adapter(
+        self,
+        cache: SessionKV | None,
+        shallow: torch.Tensor,
+        token_ids: torch.Tensor,
+        prev_features: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The adapter over rows of (token, shallow state, deep state of the position before)."""
         # shallow: [S, H], token_ids: [S], prev_features: [S, H] -> f_S: [S, H]
         adapter = self._draft_adapter()

@@ -21,4 +21,3 @@ class DraftConfig:
             raise ValueError(f"eta must be in [0, 1], got {self.eta}")
         if self.max_draft < 0:
             raise ValueError(f"max_draft must be >= 0, got {self.max_draft}")
-

@@ -72,7 +72,7 @@ class DraftChunk:
 
     @property
     def drafts(self) -> tuple[int, ...]:
-        return self.tokens[self.num_final:]
+        return self.tokens[self.num_final :]
 
     @property
     def end_pos(self) -> int:
@@ -107,8 +107,16 @@ class StreamVerifier:
         if chunk.num_final == 0 and self.carried_row is None:
             raise StreamProtocolError("a chunk with no final token must continue one that promised more")
 
-    def verify(self, chunk: DraftChunk, p_rows: torch.Tensor, generator: torch.Generator | None, *,
-               greedy: bool, downlink: Downlink = "topk", top_k: int = DEFAULT_TOP_K) -> ChunkVerdict:
+    def verify(
+        self,
+        chunk: DraftChunk,
+        p_rows: torch.Tensor,
+        generator: torch.Generator | None,
+        *,
+        greedy: bool,
+        downlink: Downlink = "topk",
+        top_k: int = DEFAULT_TOP_K,
+    ) -> ChunkVerdict:
         """The verdict on one chunk from the target's rows after each of its tokens."""
         # p_rows: [n, V], n = len(chunk.tokens)
         if self.is_stale(chunk):
@@ -126,8 +134,9 @@ class StreamVerifier:
             p = torch.cat([self.carried_row[None], p_rows])
         q = chunk.q_drafted if chunk.q_drafted is not None else torch.ones(chunk.num_drafts)
         try:
-            verdict = verify_drafts(p, list(chunk.drafts), q, generator, greedy=greedy, downlink=downlink,
-                                    top_k=top_k, bonus=not chunk.more)
+            verdict = verify_drafts(
+                p, list(chunk.drafts), q, generator, greedy=greedy, downlink=downlink, top_k=top_k, bonus=not chunk.more
+            )
         except SeparateRejectionShapeError as exc:
             raise StreamProtocolError(str(exc)) from None
         if verdict.rejection is not None:

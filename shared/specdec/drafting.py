@@ -47,14 +47,20 @@ class Drafting:
     _prev_feature: torch.Tensor | None
 
     if TYPE_CHECKING:  # the host's, likewise
+
         @property
         def is_finished(self) -> bool: ...
 
         @property
         def commit_len(self) -> int: ...
 
-        def _run_adapter(self, cache: SessionKV | None, shallow: torch.Tensor, token_ids: torch.Tensor,
-                         prev_features: torch.Tensor | None) -> torch.Tensor: ...
+        def _run_adapter(
+            self,
+            cache: SessionKV | None,
+            shallow: torch.Tensor,
+            token_ids: torch.Tensor,
+            prev_features: torch.Tensor | None,
+        ) -> torch.Tensor: ...
 
     # -- decode ----------------------------------------------------------------
     def _draft_budget(self) -> int:
@@ -72,8 +78,17 @@ class Drafting:
         key = f"{self.generator.initial_seed()}:{round_start}:{position}".encode()
         return self._draft_rng.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1)
 
-    def _run_draft(self, round_start: int, token: int | None, input_cache, adapter_cache, budget: int,
-                   should_stop=None, hidden: torch.Tensor | None = None, prev_feature: torch.Tensor | None = None):
+    def _run_draft(
+        self,
+        round_start: int,
+        token: int | None,
+        input_cache,
+        adapter_cache,
+        budget: int,
+        should_stop=None,
+        hidden: torch.Tensor | None = None,
+        prev_feature: torch.Tensor | None = None,
+    ):
         """Autoregressive drafting on the given caches, from `token` (not yet in the caches; its
         position's previous deep state is `prev_feature`) or, to continue a draft, from `hidden`
         (the adapter's state at the caches' last position).
@@ -126,8 +141,13 @@ class Drafting:
             return self._finish_ready_draft(ready, started)
         start = self.commit_len
         tokens, probs, shallows, last, hidden, ended = self._run_draft(
-            start, self.pending_token, self.input_cache, self.adapter_cache, self._draft_budget(),
-            prev_feature=self._prev_feature)
+            start,
+            self.pending_token,
+            self.input_cache,
+            self.adapter_cache,
+            self._draft_budget(),
+            prev_feature=self._prev_feature,
+        )
         self._last_draft_logits, self._last_draft_hidden = last
         self.draft_seconds.append((time.perf_counter() - started, len(shallows)))
         return self._make_draft(start, tokens, probs, shallows, hidden, ended)
@@ -139,13 +159,15 @@ class Drafting:
         if not ready.can_continue or more <= 0:
             return ready
         tokens, probs, shallows, last, hidden, ended = self._run_draft(
-            ready.commit_len, None, self.input_cache, self.adapter_cache, more, hidden=ready.last_hidden)
+            ready.commit_len, None, self.input_cache, self.adapter_cache, more, hidden=ready.last_hidden
+        )
         if tokens:
             self._last_draft_logits, self._last_draft_hidden = last
         self.draft_seconds.append((time.perf_counter() - started, len(shallows)))
         earlier_probs = [] if ready.probs is None else list(ready.probs.unbind(0))
-        return self._make_draft(ready.commit_len, ready.tokens + tokens, earlier_probs + probs,
-                                [ready.shallow] + shallows, hidden, ended)
+        return self._make_draft(
+            ready.commit_len, ready.tokens + tokens, earlier_probs + probs, [ready.shallow] + shallows, hidden, ended
+        )
 
     # -- parallel drafting (HAT §3.5) -------------------------------------------------
     def predraft(self, draft: Draft, num_candidates: int, steps: int, should_stop=None) -> list[Branch]:
@@ -170,10 +192,23 @@ class Drafting:
             adapter_cache = self.adapter_cache.fork(branch_commit) if self.adapter_cache is not None else None
             # the candidate replaces d_k, so the state before it is the one d_k was drafted from
             tokens, probs, shallows, last, hidden, ended = self._run_draft(
-                branch_commit, candidate, input_cache, adapter_cache, budget, should_stop,
-                prev_feature=self._last_draft_hidden)
-            branches.append(Branch(candidate, input_cache, adapter_cache, last,
-                                   self._make_draft(branch_commit, tokens, probs, shallows, hidden, ended)))
+                branch_commit,
+                candidate,
+                input_cache,
+                adapter_cache,
+                budget,
+                should_stop,
+                prev_feature=self._last_draft_hidden,
+            )
+            branches.append(
+                Branch(
+                    candidate,
+                    input_cache,
+                    adapter_cache,
+                    last,
+                    self._make_draft(branch_commit, tokens, probs, shallows, hidden, ended),
+                )
+            )
         steps_run = sum(len(b.draft.tokens) + 1 for b in branches)
         self.draft_seconds.append((time.perf_counter() - started, steps_run))
         return branches
@@ -193,8 +228,12 @@ class Drafting:
         assert draft is not None  # the one caller has just adopted a branch, which set it
         budget = self._draft_budget()
         if len(draft.tokens) > budget:
-            draft = Draft(draft.commit_len, draft.tokens[:budget],
-                          None if draft.probs is None else draft.probs[:budget], draft.shallow[: budget + 1])
+            draft = Draft(
+                draft.commit_len,
+                draft.tokens[:budget],
+                None if draft.probs is None else draft.probs[:budget],
+                draft.shallow[: budget + 1],
+            )
             # can_continue stays False: the draft now fills its budget
             self.input_cache.truncate(draft.commit_len + budget + 1)
             if self.adapter_cache is not None:

@@ -142,16 +142,18 @@ async def run_session(
                     answer_time: list[float] = []
                     verifying = asyncio.ensure_future(cloud.verify(session_id, draft.commit_len, draft.shallow))
 
-                    def on_answer(_: object, times: list[float] = answer_time,
-                                  event: threading.Event = answered) -> None:  # this round's, bound now
+                    def on_answer(
+                        _: object, times: list[float] = answer_time, event: threading.Event = answered
+                    ) -> None:  # this round's, bound now
                         times.append(clock())
                         event.set()
 
                     verifying.add_done_callback(on_answer)
                     steps = parallel_steps(len(draft.tokens) + 1) if callable(parallel_steps) else parallel_steps
                     try:
-                        branches = await offload_step(session.predraft, draft, parallel_candidates, steps,
-                                                      answered.is_set)
+                        branches = await offload_step(
+                            session.predraft, draft, parallel_candidates, steps, answered.is_set
+                        )
                     finally:
                         deep = await verifying
                     # The done callback runs via call_soon: when the answer came while the last
@@ -187,8 +189,14 @@ class ShieldedOffload:
         return await asyncio.shield(self.last)
 
 
-async def prefill_on_cloud(session: DeviceSession, cloud: Cloud, session_id: int, chunk_sizes: Sequence[int],
-                           offload_step: Callable[..., Awaitable], overlap_prefill: bool = True) -> torch.Tensor:
+async def prefill_on_cloud(
+    session: DeviceSession,
+    cloud: Cloud,
+    session_id: int,
+    chunk_sizes: Sequence[int],
+    offload_step: Callable[..., Awaitable],
+    overlap_prefill: bool = True,
+) -> torch.Tensor:
     """Upload the prompt chunk by chunk (hidden states); returns the deep state of its last position [1, H]."""
     answers = []
     for index, size in enumerate(chunk_sizes):

@@ -44,8 +44,9 @@ class LocalSession(DeviceSession):
         return self._emit([token])
 
 
-async def local_session(session: LocalSession,
-                        offload: Callable[..., Awaitable[list[int]]]) -> AsyncIterator[list[int]]:
+async def local_session(
+    session: LocalSession, offload: Callable[..., Awaitable[list[int]]]
+) -> AsyncIterator[list[int]]:
     """The tokens of each step (one per step), computed through `offload` (the device's speed)."""
     try:
         yield await offload(session.prefill)

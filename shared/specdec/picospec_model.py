@@ -75,8 +75,9 @@ def async_step_time(t_draft: float, t_rtt: float, t_verify: float, t_pre: float 
     return t_draft + bubble(t_rtt, t_verify, t_draft, t_pre)
 
 
-def expected_async_time(alpha: float, gamma: int, t_draft: float, t_rtt: float, t_verify: float,
-                        t_pre: float = 0.0) -> float:
+def expected_async_time(
+    alpha: float, gamma: int, t_draft: float, t_rtt: float, t_verify: float, t_pre: float = 0.0
+) -> float:
     """E[T_async] (eqs. 8-9): a hit (all gamma accepted, probability alpha^gamma) costs L_async; a
     miss flushes the pre-drafted batch and costs the serial L_sync."""
     _check_alpha_gamma(alpha, gamma)
@@ -90,17 +91,20 @@ def _rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else math.inf
 
 
-def sync_throughput(alpha: float, gamma: int, t_draft: float, t_rtt: float, t_verify: float,
-                    bonus: bool = False) -> float:
+def sync_throughput(
+    alpha: float, gamma: int, t_draft: float, t_rtt: float, t_verify: float, bonus: bool = False
+) -> float:
     """R_sync (eq. 7): E[L] / L_sync, tokens per second (inf when every time is 0)."""
     return _rate(expected_accepted_length(alpha, gamma, bonus), sync_step_time(t_draft, t_rtt, t_verify))
 
 
-def async_throughput(alpha: float, gamma: int, t_draft: float, t_rtt: float, t_verify: float,
-                     t_pre: float = 0.0) -> float:
+def async_throughput(
+    alpha: float, gamma: int, t_draft: float, t_rtt: float, t_verify: float, t_pre: float = 0.0
+) -> float:
     """R_async = E[L] / E[T_async] (§3.4, after eq. 9), tokens per second."""
-    return _rate(expected_accepted_length(alpha, gamma),
-                 expected_async_time(alpha, gamma, t_draft, t_rtt, t_verify, t_pre))
+    return _rate(
+        expected_accepted_length(alpha, gamma), expected_async_time(alpha, gamma, t_draft, t_rtt, t_verify, t_pre)
+    )
 
 
 def speedup(alpha: float, gamma: int, t_draft: float, t_rtt: float, t_verify: float, t_pre: float = 0.0) -> float:
@@ -134,8 +138,15 @@ class PicoSpecPrediction:
     speedup: float  # picospec / token-sd
 
 
-def predict(alpha: float, gamma: int, t_draft_per_token: float, t_rtt: float, t_verify: float,
-            t_pre: float = 0.0, sync_bonus: bool = False) -> PicoSpecPrediction:
+def predict(
+    alpha: float,
+    gamma: int,
+    t_draft_per_token: float,
+    t_rtt: float,
+    t_verify: float,
+    t_pre: float = 0.0,
+    sync_bonus: bool = False,
+) -> PicoSpecPrediction:
     """Tokens/s of token-sd (sync) and picospec (async) from measured timings and acceptance.
     sync_bonus=True counts token-sd's bonus token (this project's sync rounds have one; the paper's
     model does not)."""
@@ -148,10 +159,16 @@ def predict(alpha: float, gamma: int, t_draft_per_token: float, t_rtt: float, t_
     sync_length = expected_accepted_length(alpha, gamma, bonus=sync_bonus)
     sync_rate, async_rate = _rate(sync_length, sync_s), _rate(length, async_s)
     return PicoSpecPrediction(
-        alpha=alpha, gamma=gamma, expected_length=length, sync_expected_length=sync_length,
-        t_draft_s=t_draft, sync_step_s=sync_s, async_step_s=async_s,
+        alpha=alpha,
+        gamma=gamma,
+        expected_length=length,
+        sync_expected_length=sync_length,
+        t_draft_s=t_draft,
+        sync_step_s=sync_s,
+        async_step_s=async_s,
         bubble_s=bubble(t_rtt, t_verify, t_draft, t_pre),
-        sync_tokens_per_s=sync_rate, async_tokens_per_s=async_rate,
+        sync_tokens_per_s=sync_rate,
+        async_tokens_per_s=async_rate,
         speedup=async_rate / sync_rate if math.isfinite(sync_rate) and sync_rate > 0 else 1.0,
     )
 
@@ -169,10 +186,14 @@ def alpha_from_verdicts(verdicts: Iterable[tuple[int, int]]) -> float:
     nothing; with no trial at all the rate is undefined (ValueError)."""
     accepted = rejections = 0
     for drafts, num_accepted in verdicts:
-        if isinstance(drafts, bool) or isinstance(num_accepted, bool) or not (
-                isinstance(drafts, int) and isinstance(num_accepted, int) and 0 <= num_accepted <= drafts):
-            raise ValueError(f"a verdict must be (drafts, accepted) with 0 <= accepted <= drafts, "
-                             f"got {(drafts, num_accepted)!r}")
+        if (
+            isinstance(drafts, bool)
+            or isinstance(num_accepted, bool)
+            or not (isinstance(drafts, int) and isinstance(num_accepted, int) and 0 <= num_accepted <= drafts)
+        ):
+            raise ValueError(
+                f"a verdict must be (drafts, accepted) with 0 <= accepted <= drafts, got {(drafts, num_accepted)!r}"
+            )
         accepted += num_accepted
         rejections += num_accepted < drafts
     if accepted + rejections == 0:

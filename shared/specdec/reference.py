@@ -13,6 +13,7 @@ from shared.specdec.sampling import SamplingParams, logits_to_probs, sample
 
 _DEFAULT_PARAMS = SamplingParams()  # frozen: one shared default
 
+
 @torch.inference_mode()
 def generate_full(
     checkpoint: Checkpoint, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams = _DEFAULT_PARAMS

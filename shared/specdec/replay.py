@@ -51,9 +51,17 @@ class _SessionLog:
 class ReplayingCloud:
     """Wraps a `Cloud`; same protocol. `chunk_rows` bounds the rows of one replayed prefill frame."""
 
-    def __init__(self, inner: Cloud, is_lost: Callable[[BaseException], bool], *, deadline_s: float = 30.0,
-                 backoff_s: float = 0.25, max_backoff_s: float = 4.0, chunk_rows: int = 512,
-                 on_replay: Callable[[int, int, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        inner: Cloud,
+        is_lost: Callable[[BaseException], bool],
+        *,
+        deadline_s: float = 30.0,
+        backoff_s: float = 0.25,
+        max_backoff_s: float = 4.0,
+        chunk_rows: int = 512,
+        on_replay: Callable[[int, int, float], None] | None = None,
+    ) -> None:
         if deadline_s <= 0 or backoff_s <= 0 or chunk_rows < 1:
             raise ValueError("deadline_s and backoff_s must be > 0 and chunk_rows >= 1")
         self.inner = inner
@@ -89,8 +97,9 @@ class ReplayingCloud:
         """The [H] shallow rows sent for the session's first `length` positions (what a fork of it replays)."""
         return list(self.sessions[session_id].rows[:length])
 
-    async def send_prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor,
-                           is_last: bool) -> Awaitable[torch.Tensor | None]:
+    async def send_prefill(
+        self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool
+    ) -> Awaitable[torch.Tensor | None]:
         record = self.sessions[session_id]
         del record.rows[start_pos:]
         record.rows.extend(shallow.unbind(0))  # shallow: [S, H]
@@ -108,16 +117,18 @@ class ReplayingCloud:
         record = self.sessions[session_id]
         del record.rows[commit_len:]  # the previous round's rejected drafts
         record.rows.extend(shallow.unbind(0))  # shallow: [k+1, H], provisional until the next commit_len
-        return await self._with_recovery(session_id, lambda: self.inner.verify(session_id, commit_len, shallow),
-                                         keep=commit_len)
+        return await self._with_recovery(
+            session_id, lambda: self.inner.verify(session_id, commit_len, shallow), keep=commit_len
+        )
 
     async def close(self, session_id: int) -> None:
         self.sessions.pop(session_id, None)
         await self.inner.close(session_id)
 
     # -- recovery ------------------------------------------------------------------------------------
-    async def _prefill_answer(self, session_id: int, epoch: int, answer: Awaitable[torch.Tensor | None],
-                              is_last: bool) -> torch.Tensor | None:
+    async def _prefill_answer(
+        self, session_id: int, epoch: int, answer: Awaitable[torch.Tensor | None], is_last: bool
+    ) -> torch.Tensor | None:
         try:
             return await answer
         except Exception as exc:  # noqa: BLE001 - as in send_prefill
@@ -125,14 +136,16 @@ class ReplayingCloud:
                 raise
             return await self._prefill_after_loss(session_id, epoch, is_last, exc)
 
-    async def _prefill_after_loss(self, session_id: int, epoch: int, is_last: bool,
-                                  exc: BaseException) -> torch.Tensor | None:
+    async def _prefill_after_loss(
+        self, session_id: int, epoch: int, is_last: bool, exc: BaseException
+    ) -> torch.Tensor | None:
         """A prefill chunk was lost: the recovery replays every row sent so far (this chunk's included)."""
         record = await self._recover(session_id, epoch, len(self.sessions[session_id].rows), exc)
         return record.last_deep if is_last else None
 
-    async def _with_recovery(self, session_id: int, request: Callable[[], Awaitable], *, keep: int | None = None,
-                             reopen_only: bool = False):
+    async def _with_recovery(
+        self, session_id: int, request: Callable[[], Awaitable], *, keep: int | None = None, reopen_only: bool = False
+    ):
         while True:
             record = self.sessions[session_id]
             epoch = record.epoch
@@ -152,8 +165,12 @@ class ReplayingCloud:
             if record.epoch != epoch:
                 return record  # a request that failed with ours already recovered the session
             failed_at = time.monotonic()
-            log.warning("session %d lost its verifier (%s); replaying %s rows", session_id, exc,
-                        len(record.rows) if keep is None else keep)
+            log.warning(
+                "session %d lost its verifier (%s); replaying %s rows",
+                session_id,
+                exc,
+                len(record.rows) if keep is None else keep,
+            )
             delay, last_error = self._backoff.after(None), exc
             while True:
                 try:
@@ -190,7 +207,7 @@ class ReplayingCloud:
         final = record.prefill_done
         answers = []
         for start in range(0, len(rows), self.chunk_rows):
-            chunk = torch.stack(rows[start:start + self.chunk_rows])  # [S, H]
+            chunk = torch.stack(rows[start : start + self.chunk_rows])  # [S, H]
             is_last = final and start + self.chunk_rows >= len(rows)
             answers.append(await self.inner.send_prefill(session_id, start, chunk, is_last))
         for answer in answers:

@@ -168,7 +168,8 @@ def residual_tv_distance(p_row: torch.Tensor, q_row: torch.Tensor, k: int) -> fl
     # p_row, q_row: [V]
     if p_row.dim() != 1 or q_row.shape != p_row.shape:
         raise SeparateRejectionShapeError(
-            f"p_row and q_row must both be [V], got {list(p_row.shape)}, {list(q_row.shape)}")
+            f"p_row and q_row must both be [V], got {list(p_row.shape)}, {list(q_row.shape)}"
+        )
     exact = correction_distribution(make_payload(p_row, 0, "full"), q_row)  # [V]
     approx = correction_distribution(make_payload(p_row, 0, "topk", k), q_row)  # [V]
     return 0.5 * float((exact - approx).abs().sum())

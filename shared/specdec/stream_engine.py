@@ -71,12 +71,14 @@ class StreamConfig:
 @dataclass
 class StreamTimings:
     """Counts of one stream, for the bench and the tests."""
+
     chunks: int = 0
     stale_chunks: int = 0
 
 
-def stream_config(mode: str, group: int, window: int, max_draft: int, eta_gate: bool = True,
-                  branches: int = 2, branch_steps: int = 2) -> StreamConfig:
+def stream_config(
+    mode: str, group: int, window: int, max_draft: int, eta_gate: bool = True, branches: int = 2, branch_steps: int = 2
+) -> StreamConfig:
     """The configuration each streamed mode runs with. token-sd: one chunk per round. picospec: PicoSpec's
     pipeline (small groups, truncation when the verifier idles, any number of chunks in flight).
     hat-async: HAT's rounds (a run of up to `max_draft` drafts ends at eta, with parallel-draft branches
@@ -87,8 +89,16 @@ def stream_config(mode: str, group: int, window: int, max_draft: int, eta_gate: 
     if mode == "picospec":
         return StreamConfig(pipelined=True, group=group, window=window, eta_gate=eta_gate)
     if mode == "hat-async":
-        return StreamConfig(pipelined=True, group=max_draft, window=max(window, 2 * max_draft), depth=1,
-                            eta_gate=eta_gate, branches=branches, branch_steps=branch_steps, idle_send=False)
+        return StreamConfig(
+            pipelined=True,
+            group=max_draft,
+            window=max(window, 2 * max_draft),
+            depth=1,
+            eta_gate=eta_gate,
+            branches=branches,
+            branch_steps=branch_steps,
+            idle_send=False,
+        )
     raise ValueError(f"{mode!r} is not a streamed mode")
 
 
@@ -96,9 +106,13 @@ async def _inline(fn, *args):
     return fn(*args)
 
 
-async def run_stream(session: StreamSession, send: SendChunk, config: StreamConfig,
-                     offload: Callable[..., Awaitable] = _inline,
-                     timings: StreamTimings | None = None) -> AsyncIterator[list[int]]:
+async def run_stream(
+    session: StreamSession,
+    send: SendChunk,
+    config: StreamConfig,
+    offload: Callable[..., Awaitable] = _inline,
+    timings: StreamTimings | None = None,
+) -> AsyncIterator[list[int]]:
     """Yield the tokens each verdict makes final, until the session finishes."""
     timings = timings if timings is not None else StreamTimings()
     max_draft = session.draft_config.max_draft
@@ -190,16 +204,23 @@ class TokenCloud(Protocol):
 
     async def token_prefill(self, session_id: int, token_ids: Sequence[int]) -> int: ...
 
-    async def send_token_chunk(self, session_id: int, chunk: DraftChunk, downlink: Downlink,
-                               top_k: int) -> Awaitable[ChunkVerdict]: ...
+    async def send_token_chunk(
+        self, session_id: int, chunk: DraftChunk, downlink: Downlink, top_k: int
+    ) -> Awaitable[ChunkVerdict]: ...
 
     async def close(self, session_id: int) -> None: ...
 
 
-async def token_stream_session(session: StreamSession, cloud: TokenCloud, session_id: int, config: StreamConfig,
-                               offload: Callable[..., Awaitable] = _inline, downlink: Downlink = "full",
-                               top_k: int = DEFAULT_TOP_K,
-                               timings: StreamTimings | None = None) -> AsyncIterator[list[int]]:
+async def token_stream_session(
+    session: StreamSession,
+    cloud: TokenCloud,
+    session_id: int,
+    config: StreamConfig,
+    offload: Callable[..., Awaitable] = _inline,
+    downlink: Downlink = "full",
+    top_k: int = DEFAULT_TOP_K,
+    timings: StreamTimings | None = None,
+) -> AsyncIterator[list[int]]:
     """Token mode (token-sd, picospec): the device drafts alone; the cloud, holding the whole target,
     prefills the prompt's ids, samples the first token and verifies every chunk."""
     offload_step = ShieldedOffload(offload)
@@ -222,10 +243,16 @@ async def token_stream_session(session: StreamSession, cloud: TokenCloud, sessio
         await release_session(cloud, session_id, session, offload_step.last)
 
 
-async def hat_async_session(session: StreamSession, cloud: Cloud, session_id: int, chunk_sizes: Sequence[int],
-                            config: StreamConfig, offload: Callable[..., Awaitable] = _inline,
-                            overlap_prefill: bool = True,
-                            timings: StreamTimings | None = None) -> AsyncIterator[list[int]]:
+async def hat_async_session(
+    session: StreamSession,
+    cloud: Cloud,
+    session_id: int,
+    chunk_sizes: Sequence[int],
+    config: StreamConfig,
+    offload: Callable[..., Awaitable] = _inline,
+    overlap_prefill: bool = True,
+    timings: StreamTimings | None = None,
+) -> AsyncIterator[list[int]]:
     """hat-async: HAT's privacy mode (hidden states only, the device samples and judges) with the
     asynchronous pipeline: the device drafts on past an in-flight verification."""
     offload_step = ShieldedOffload(offload)

@@ -42,6 +42,7 @@ _LINE = ("seq", "input_cache", "adapter_cache", "q_of", "q_rows", "shallow_rows"
 @dataclass
 class StreamBranch:
     """A continuation pre-drafted from `candidate` in place of the draft at `position` (its correction)."""
+
     position: int
     candidate: int
     line: dict[str, Any]  # the _LINE fields of the branch
@@ -194,8 +195,9 @@ class StreamSession(DeviceSession):
             raise SessionError(f"verify result has {deep.shape[0]} rows, expected {len(chunk.tokens)}")
         deep = self.model.compute_states(deep)
         p_rows = logits_to_probs(self.model.output(deep), self.params)  # [n, V]
-        verdict = self.local_verifier.verify(chunk, p_rows, self.generator, greedy=self.params.is_greedy,
-                                             downlink="full")
+        verdict = self.local_verifier.verify(
+            chunk, p_rows, self.generator, greedy=self.params.is_greedy, downlink="full"
+        )
         # the exact deep state before the next token to run: the adapter reads it instead of its estimate
         last = chunk.num_final + verdict.num_accepted - 1 if verdict.rejected else len(chunk.tokens) - 1
         if last >= 0 and not verdict.stale:
@@ -215,8 +217,11 @@ class StreamSession(DeviceSession):
             position = first_draft + verdict.num_accepted
             payload = verdict.rejection
             # greedy: the correction itself came down; sampling: drawn from the residual with this draft's q row
-            correction = (payload.token if payload.kind == "token"
-                          else correction_token(payload, self.q_rows[position], self.generator))
+            correction = (
+                payload.token
+                if payload.kind == "token"
+                else correction_token(payload, self.q_rows[position], self.generator)
+            )
             if correction is None:
                 raise SessionError("a greedy rejection without its correction token")
             self._roll_back(position)
@@ -252,8 +257,13 @@ class StreamSession(DeviceSession):
         that draft and corrects it to a candidate, the branch becomes the stream (`apply`). Only idle time:
         `should_stop()` (the verdict came) ends it. Returns the branches drafted."""
         position = len(self.seq) - 1  # the run's last draft, sent; the stream stopped drafting after it
-        if (self.branches or position < self.final_len or position not in self.candidates or num_candidates < 1
-                or self.sent_len != len(self.seq)):
+        if (
+            self.branches
+            or position < self.final_len
+            or position not in self.candidates
+            or num_candidates < 1
+            or self.sent_len != len(self.seq)
+        ):
             return 0
         main = {name: getattr(self, name) for name in _LINE}
         candidates = [c for c in self.candidates[position] if c != self.seq[position]][:num_candidates]
@@ -261,10 +271,13 @@ class StreamSession(DeviceSession):
             for candidate in candidates:
                 if should_stop is not None and should_stop():
                     break
-                line = {**{name: dict(main[name]) if isinstance(main[name], dict) else main[name] for name in _LINE},
-                        "seq": main["seq"][:position] + [candidate], "stopped": False,
-                        "input_cache": main["input_cache"].fork(position),
-                        "adapter_cache": main["adapter_cache"].fork(position)}
+                line = {
+                    **{name: dict(main[name]) if isinstance(main[name], dict) else main[name] for name in _LINE},
+                    "seq": main["seq"][:position] + [candidate],
+                    "stopped": False,
+                    "input_cache": main["input_cache"].fork(position),
+                    "adapter_cache": main["adapter_cache"].fork(position),
+                }
                 for name, value in line.items():
                     setattr(self, name, value)
                 for _ in range(steps):

@@ -1,0 +1,191 @@
+"""The services' side of telemetry: records POSTed to the state monitor, fire and forget
+(shared/telemetry.py is the monitor's side: the Redis keys and the sink that writes them)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from shared.outage import Outage
+
+log = logging.getLogger("shared.telemetry")
+
+
+class TelemetryClient:
+    """Fire-and-forget POSTs of telemetry records to the state monitor.
+
+    `emit()` (call it from inside the event loop) never blocks and never raises
+    for network trouble: it schedules a send on an owned task set
+    (bounded by `max_in_flight`; beyond that records are dropped). Failures are
+    dropped with one warning per outage. With `base_url=None` it is a no-op,
+    so services can run without a monitor.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None,
+        *,
+        timeout_s: float = 0.5,
+        max_in_flight: int = 64,
+        transport: httpx.AsyncBaseTransport | None = None,
+        verify: ssl.SSLContext | bool = True,
+        auth: httpx.Auth | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/") if base_url else None
+        self.max_in_flight = max_in_flight
+        # verify: the context trusting the mesh's CA for an https:// monitor (shared/tls.py client_context)
+        # auth: this sender's credential for a monitor that requires one (shared/auth.py BearerAuth)
+        self._client = (
+            httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport, verify=verify, auth=auth)
+            if self.base_url
+            else None
+        )
+        self._tasks: set[asyncio.Task[bool]] = set()
+        self._outage = Outage(f"state monitor at {base_url}")
+        self._rejected = Outage(f"state monitor at {base_url} (rejecting records)")
+
+    @property
+    def dropped(self) -> int:
+        return self._outage.dropped + self._rejected.dropped
+
+    def emit(self, record: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        if self._client is None:
+            return
+        if len(self._tasks) >= self.max_in_flight:
+            self._outage.dropped += 1
+            return
+        task = asyncio.get_running_loop().create_task(self.send(record), name="telemetry-post")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def send(self, record: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> bool:
+        """POST now and report success; drops (False) instead of raising."""
+        if self._client is None:
+            return False
+        body = dict(record) if isinstance(record, Mapping) else [dict(r) for r in record]
+        try:
+            resp = await self._client.post("/telemetry", json=body)
+            resp.raise_for_status()
+        except httpx.HTTPStatusError as exc:  # e.g. 422: a bug in the sender, logged once too
+            self._rejected.failed(RuntimeError(f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"))
+            return False
+        except httpx.HTTPError as exc:
+            self._outage.failed(exc)
+            return False
+        self._outage.recovered()
+        self._rejected.recovered()
+        return True
+
+    def emit_verifier_step(
+        self,
+        batched_tokens: int,
+        compute_s: float,
+        num_sessions: int,
+        step_kinds: Mapping[str, int] | None = None,
+        overhead_s: float | None = None,
+        pipeline_stages: int | None = None,
+    ) -> None:
+        record = {
+            "kind": "verifier_step",
+            "batched_tokens": batched_tokens,
+            "compute_s": compute_s,
+            "num_sessions": num_sessions,
+            "step_kinds": dict(step_kinds or {}),
+            "ts": time.time(),
+        }
+        if overhead_s is not None:
+            record["overhead_s"] = overhead_s
+        if pipeline_stages is not None:  # P for the chunk planner's eq. 3 / eq. 6
+            record["pipeline_stages"] = pipeline_stages
+        self.emit(record)
+
+    def emit_device_draft(
+        self,
+        device_id: str,
+        step_s: float,
+        steps: int = 1,
+        *,
+        round_overhead_s: float | None = None,
+        round_overhead_median_s: float | None = None,
+        rounds: int = 0,
+        prefill_token_s: float | None = None,
+        prefill_tokens: int = 0,
+        pd_hit_rate: float | None = None,
+        pd_chances: int = 0,
+        full_accept_rate: float | None = None,
+    ) -> None:
+        record = {"kind": "device_draft", "device_id": device_id, "step_s": step_s, "steps": steps, "ts": time.time()}
+        if round_overhead_s is not None and rounds > 0:
+            record.update(round_overhead_s=round_overhead_s, rounds=rounds)
+            if round_overhead_median_s is not None:
+                record["round_overhead_median_s"] = round_overhead_median_s
+        if prefill_token_s is not None and prefill_tokens > 0:
+            record.update(prefill_token_s=prefill_token_s, prefill_tokens=prefill_tokens)
+        if pd_hit_rate is not None and pd_chances > 0:
+            record.update(pd_hit_rate=pd_hit_rate, pd_chances=pd_chances)
+        if full_accept_rate is not None:
+            record["full_accept_rate"] = full_accept_rate
+        self.emit(record)
+
+    def emit_device_rtt(self, device_id: str, rtt_s: float) -> None:
+        self.emit({"kind": "device_rtt", "device_id": device_id, "rtt_s": rtt_s, "ts": time.time()})
+
+    def emit_device_transfer(self, device_id: str, direction: str, nbytes: int, seconds: float) -> None:
+        self.emit(
+            {
+                "kind": "device_transfer",
+                "device_id": device_id,
+                "direction": direction,
+                "bytes": nbytes,
+                "seconds": seconds,
+                "ts": time.time(),
+            }
+        )
+
+    def emit_request(
+        self,
+        request_id: str,
+        *,
+        device_id: str | None = None,
+        ttft_s: float | None = None,
+        token_times_s: Sequence[float] = (),
+        accept_lengths: Sequence[int] = (),
+        prompt_tokens: int | None = None,
+        endpoint: str | None = None,
+        server_ttft_s: float | None = None,
+        cost: float | None = None,
+        dispatch: str | None = None,
+    ) -> None:
+        """endpoint: which of "device", "cloud", "hat" delivered the first token; server_ttft_s: the server
+        endpoint's own TTFT (the time its first token arrived even when it lost the race; None when it was
+        cancelled first); cost: $ for the request; dispatch: the policy's decision. Left out when None, so a
+        monitor that predates them still accepts the record."""
+        record = {
+            "kind": "request",
+            "request_id": request_id,
+            "device_id": device_id,
+            "ttft_s": ttft_s,
+            "token_times_s": list(token_times_s),
+            "accept_lengths": list(accept_lengths),
+            "prompt_tokens": prompt_tokens,
+            "ts": time.time(),
+        }
+        disco = {"endpoint": endpoint, "server_ttft_s": server_ttft_s, "cost": cost, "dispatch": dispatch}
+        record.update({k: v for k, v in disco.items() if v is not None})
+        self.emit(record)
+
+    async def aclose(self, drain_timeout_s: float = 1.0) -> None:
+        """Give in-flight sends `drain_timeout_s`, cancel the rest, close the client."""
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
