@@ -22,6 +22,7 @@ SPECS = [AdapterSpec("hat"), AdapterSpec("fusion"), AdapterSpec("feature"), Adap
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 @pytest.mark.parametrize("randomized", [False, True])
+@pytest.mark.slow
 def test_every_variant_is_lossless_greedy(tiny_checkpoint, spec, randomized):
     m = 2
     adapter = DraftAdapter(tiny_checkpoint, m, spec)

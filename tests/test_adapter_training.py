@@ -67,6 +67,7 @@ def test_training_lowers_the_distillation_loss(tiny_checkpoint, spec):
 
 
 @pytest.mark.parametrize("build", [training_prompts, general_prompts], ids=lambda f: f.__name__)
+@pytest.mark.slow
 def test_training_prompts_are_deterministic_and_never_held_out(build):
     prompts = build(60, seed=3)
     assert prompts == build(60, seed=3)
@@ -92,6 +93,7 @@ def smollm2():
     return load_checkpoint(resolve_model("smollm2"))
 
 
+@pytest.mark.slow
 def test_the_model_writes_its_own_distinct_questions_the_same_on_every_run(smollm2):
     first = sample_user_prompts(smollm2, 4, seed=5, batch_size=8, max_new_tokens=40)
     assert first == sample_user_prompts(smollm2, 4, seed=5, batch_size=8, max_new_tokens=40)
@@ -120,6 +122,7 @@ def test_debian_descriptions_parse(tmp_path):
     assert debian_packages(tmp_path / "missing") == []
 
 
+@pytest.mark.slow
 def test_training_prompts_are_the_same_in_every_process():
     """The prompts come out of a set; its iteration order follows the per-process string hash seed."""
     import os

@@ -21,6 +21,7 @@ ttls = st.integers(min_value=1, max_value=10**7)
 
 
 @given(subject=subjects, role=roles, ttl=ttls, secret=st.text(min_size=1, max_size=64))
+@pytest.mark.slow
 def test_round_trip(subject: str, role: str, ttl: int, secret: str) -> None:
     claims = auth.verify(secret, auth.issue(secret, subject, role, ttl, NOW), NOW)
     assert claims == auth.Claims(subject, role, int(NOW + ttl))

@@ -173,6 +173,7 @@ def test_the_cli_parses_disco_options_and_refuses_bad_ones(monkeypatch, tmp_path
         assert result.exit_code == 2, (bad, result.output)
 
 
+@pytest.mark.slow
 def test_a_tiny_bench_against_a_real_mesh_reports_every_policy(tmp_path):
     table, json_path, plots = bd.bench_disco(
         constraints=["server"], budgets=[0.5], workload="specbench", rate=4.0, num_requests=3, max_new_tokens=4,

@@ -4,8 +4,13 @@ on a real mesh."""
 
 from __future__ import annotations
 
+import pytest
+
 from loadgen.bench import BenchVariant, run_modes
 from tests.conftest import DEMO_MODEL_DIR
+
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
 
 ADDED_MS = 300.0
 

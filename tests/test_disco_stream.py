@@ -95,6 +95,7 @@ async def test_delivery_is_paced_at_the_reading_rate() -> None:
         assert times[-1] - times[0] >= 5 / 20 - 0.01  # generated at once, delivered 1/r_c apart
 
 
+@pytest.mark.slow
 async def test_a_server_failing_mid_answer_hands_over_to_the_device_and_nothing_is_lost() -> None:
     device = ModeDevice({"device": 5.0}, fail_mode="cloud", fail_after=4, round_delay_s=0.01)
     async with mesh(device) as url:
@@ -159,6 +160,7 @@ def test_settings_are_checked(overrides: dict[str, Any]) -> None:
         load_settings({}, **overrides)
 
 
+@pytest.mark.slow
 async def test_a_finished_endpoint_frees_its_slot_while_paced_delivery_goes_on() -> None:
     device = ModeDevice({})
     async with mesh(device) as url:
@@ -187,6 +189,7 @@ async def test_tokens_generated_before_a_fatal_failure_are_delivered_first() -> 
         assert text == expected_text(3) and len(errors) == 1 and "verifier gone" in errors[0]["message"]
 
 
+@pytest.mark.slow
 async def test_a_seeded_random_baseline_repeats_its_choices() -> None:
     choices = []
     for _ in range(2):
@@ -210,6 +213,7 @@ def test_a_migrations_time_is_a_quantile_of_the_receivers_time_to_first_token() 
     assert history.ttft_estimate_s(False, 50, 0.95) == pytest.approx(2.0)  # the tail is covered
 
 
+@pytest.mark.slow
 async def test_a_hand_over_keeps_the_source_going_until_the_receiver_speaks() -> None:
     # Device-constrained (device tokens cost more): the device wins the race and, with r_c * t_m tokens
     # buffered (t_m 1 s before any receiver was seen), hands over to the cloud; the device's tokens made
@@ -228,6 +232,7 @@ async def test_a_hand_over_keeps_the_source_going_until_the_receiver_speaks() ->
         assert body["tophat"]["cost"]["tokens"]["device"]["decode"] > k  # it went on while the cloud prefilled
 
 
+@pytest.mark.slow
 async def test_a_receiver_too_slow_for_the_buffer_is_called_off_and_nothing_stalls() -> None:
     device = ModeDevice({"cloud": 30.0}, loud_mode="cloud", round_delay_s=0.02)
     async with mesh(device, exchange_rate=1e-3) as url:

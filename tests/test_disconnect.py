@@ -23,6 +23,9 @@ from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
 
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 1024  # ~20 s of decoding on the demo model: far longer than any bound below
 FREED_WITHIN_S = 5.0
 

@@ -85,6 +85,7 @@ def run_trial(p: torch.Tensor, q: torch.Tensor, drafts: np.ndarray, generator: t
 
 
 @pytest.mark.parametrize("case", ["draft_equals_target", "random_draft"])
+@pytest.mark.slow
 def test_two_chunk_stream_with_full_downlink_emits_the_target_distribution(case):
     generator = torch.Generator().manual_seed(5)
     p = torch.stack([random_dist(generator) for _ in range(LAST_POS + 2)])  # [6, V]

@@ -19,6 +19,9 @@ from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
 
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
+
 SPEC = "orin;xavier;xavier"
 
 

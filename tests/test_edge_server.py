@@ -76,6 +76,7 @@ async def serve(checkpoint, device_model, sessions: list[StreamSession], config:
     # a budget that only fits a few tasks a batch: several batches in flight at once
     EdgeConfig(window_s=0.05, memory_budget_bytes=1, spec_len=3),
 ], ids=["edge-sd", "max-batch-l7", "uniform-l1-serial", "small-batches"])
+@pytest.mark.slow
 def test_greedy_output_equals_the_unsplit_model(demo_checkpoint, config):
     device_model = build_device_model(demo_checkpoint, M, None)
     max_new = 20
@@ -127,6 +128,7 @@ def test_pipelined_rounds_draft_the_next_batch_while_one_is_verified(demo_checkp
             assert e["draft_end_s"] - e["draft_s"] >= max(before) - 1e-6
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir):
     """The second token of each answer is the first one a verification decides (accept a draft or sample the
     correction); its marginal over many seeded users must be the target's exact marginal."""

@@ -33,6 +33,7 @@ def run(checkpoint, ids, m, adapter, max_new, params=SamplingParams(), eta=0.6, 
     "m,eta,max_draft,chunk_size",
     [(1, 0.6, 8, None), (2, 0.0, 4, 5), (3, 1.0, 8, 3), (2, 0.3, 1, None), (4, 0.0, 16, 7), (2, 0.6, 0, None)],
 )
+@pytest.mark.slow
 def test_greedy_hat_equals_full_model(tiny_checkpoint, m, eta, max_draft, chunk_size):
     rng = random.Random(m * 10 + max_draft)
     adapter = DraftAdapter(tiny_checkpoint, m)  # initialised from layer m's attention
@@ -175,6 +176,7 @@ def assert_matches(counts: np.ndarray, probs: np.ndarray) -> None:
     assert chisquare(observed, expected_pooled * observed.sum() / expected_pooled.sum()).pvalue > 1e-4
 
 
+@pytest.mark.slow
 def test_sampled_hat_has_the_target_distribution(tiny_llama_dir):
     """Sampled output has the target's distribution, including the tokens that rounds drafted by a
     reused pre-drafted branch decide. With one draft token per round, a branch is adopted when d_1 was
@@ -280,6 +282,7 @@ class LaggyCloud(LocalCloud):
         return deep
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_the_same_text_whatever_the_cloud_latency(demo_checkpoint):
     """Pre-drafting runs only while a verification is in flight, so how much of it happens depends on
     the cloud's timing; the text must not. Drafts are drawn from a stream keyed by (round start,

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
@@ -24,6 +25,9 @@ from tophatctl.demo_model.corpus import held_out_prompts
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
+
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 40
 # A slow link keeps the generations in flight long enough to be cut in the middle.

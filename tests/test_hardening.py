@@ -63,6 +63,7 @@ def split_run(checkpoint, cloud, ids, m, max_new, max_draft=4, **options):
 
 @pytest.mark.parametrize("model_type,m,chunk_size", [("llama", 2, None), ("llama", 1, 3), ("qwen2", 2, 4),
                                                      ("qwen2", 3, None)])
+@pytest.mark.slow
 def test_greedy_through_the_rotated_split_equals_the_unsplit_model(model_type, m, chunk_size, tiny_llama_dir,
                                                                    tiny_qwen2_dir):
     path = tiny_llama_dir if model_type == "llama" else tiny_qwen2_dir

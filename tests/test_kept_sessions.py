@@ -165,6 +165,7 @@ async def test_keep_and_fork_are_refused_outside_hat_and_prefill_only_needs_keep
     assert response.status_code == 400
 
 
+@pytest.mark.slow
 async def test_a_fork_through_two_pipeline_stages_is_exact(pipelined_agent, texts):
     server, http = pipelined_agent
     directive, points = texts
@@ -223,6 +224,7 @@ async def test_kept_sessions_expire_after_their_ttl_since_last_use_and_close_the
     assert kept.expire() == 1 and b.adapter_cache.is_freed and len(kept) == 0
 
 
+@pytest.mark.slow
 async def test_a_fork_of_a_kept_session_the_verifier_lost_is_replayed_and_exact(agent, texts):
     server, _, http = agent
     directive, (point, _) = texts

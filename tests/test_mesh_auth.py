@@ -60,6 +60,7 @@ def rtt(device_id: str) -> dict:
     return {"kind": "device_rtt", "device_id": device_id, "rtt_s": 0.01}
 
 
+@pytest.mark.slow
 def test_verifier_handshake_needs_a_device_token(mesh):
     url = mesh.config.verifier_urls().split(",")[0]
 
@@ -126,6 +127,7 @@ def test_planner_needs_a_token_and_a_device_asks_only_for_itself(mesh):
     assert httpx.get(f"{mesh.config.planner_url}/healthz", timeout=10).status_code == 200
 
 
+@pytest.mark.slow
 def test_the_mesh_still_serves_greedy_exact_text(mesh, demo_checkpoint):
     tokenizer = demo_checkpoint.tokenizer
     for prompt in ("The quick brown fox", "Once upon a time"):

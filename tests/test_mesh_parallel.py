@@ -16,6 +16,9 @@ from tophatctl.mesh_ports import find_port_base
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
 
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 20
 
 

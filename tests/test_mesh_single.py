@@ -47,6 +47,7 @@ def complete(mesh: Mesh, prompt: str, **extra) -> dict:
     return response.json()
 
 
+@pytest.mark.slow
 def test_greedy_text_equals_the_full_model(relay_and_mesh, demo_checkpoint, prompts):
     _, mesh = relay_and_mesh
     tokenizer = demo_checkpoint.tokenizer
@@ -150,6 +151,7 @@ def test_serving_survives_redis_going_away(relay_and_mesh, prompts):
     assert _wait_for(lambda: client.xlen("tophat:verifier:steps") > 0, 15)  # telemetry resumed
 
 
+@pytest.mark.slow
 def test_per_request_switches_reach_the_device(relay_and_mesh, prompts):
     _, mesh = relay_and_mesh
     hat = complete(mesh, prompts[0])

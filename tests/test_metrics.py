@@ -140,6 +140,7 @@ def expected_rounds(deliveries: list[int], speculative: bool) -> list[tuple[int,
     return rounds
 
 
+@pytest.mark.slow
 def test_metrics_match_the_run(mesh_and_relay):
     mesh, relay = mesh_and_relay
     config = mesh.config
@@ -221,6 +222,7 @@ def test_a_bad_frame_is_counted_by_its_code(mesh_and_relay):
 
 
 # -- the verifier's gauges while a session lives, and the device's frame hook ------------------------
+@pytest.mark.slow
 async def test_live_sessions_and_kv_bytes_rise_while_a_session_is_open(tiny_llama_dir):
     from services.device_agent.cloud_client import WebSocketCloud
     from shared.model.checkpoint import load_checkpoint

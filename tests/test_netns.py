@@ -159,11 +159,13 @@ def link() -> NetnsLink:
 
 
 @needs_netns
+@pytest.mark.slow
 def test_uplink_rate_within_15_percent(link: NetnsLink) -> None:
     assert measure_uplink(link) == pytest.approx(RATE_UP, rel=0.15)
 
 
 @needs_netns
+@pytest.mark.slow
 def test_downlink_rate_within_15_percent(link: NetnsLink) -> None:
     assert measure_downlink(link) == pytest.approx(RATE_DOWN, rel=0.15)
 

@@ -276,6 +276,7 @@ async def plain_generate(http: httpx.AsyncClient, url: str, prompt_ids: list[int
             "finish": events[-1]["finish_reason"]}
 
 
+@pytest.mark.slow
 async def test_on_the_real_agent_points_fork_the_outline_kv_and_equal_plain_requests(demo_checkpoint,
                                                                                      monkeypatch) -> None:
     from services.device_agent.app import create_app as device_app

@@ -139,6 +139,7 @@ async def test_prefill_chunks_of_one_session_pipeline_but_a_verify_waits():
 # -- correctness through the stages ----------------------------------------------------------
 
 @pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.slow
 async def test_greedy_generation_equals_the_full_model(verifiers, checkpoint, stages):
     running = verifiers[stages]
     prompts = [[(11 * i + j) % 200 + 1 for j in range(6 + 3 * i)] for i in range(4)]
@@ -282,6 +283,7 @@ async def test_more_stages_than_middle_layers_is_a_startup_error(tiny_llama_dir)
 
 # -- failure (keep last: it kills a worker of the shared P=3 server) ----------------------------
 
+@pytest.mark.slow
 async def test_a_dead_worker_makes_the_verifier_unready_until_the_stages_are_restarted(verifiers, checkpoint):
     running, hidden = verifiers[3], checkpoint.hidden_size
     pipeline = running.server.pipeline

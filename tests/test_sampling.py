@@ -51,6 +51,7 @@ def simulate(target: list[torch.Tensor], draft: list[torch.Tensor], num_draft: i
 
 
 @pytest.mark.parametrize("num_draft", [1, 3])
+@pytest.mark.slow
 def test_random_draft_gives_target_distribution(num_draft):
     generator = torch.Generator().manual_seed(num_draft)
     target = [random_dist(generator, zero_mask=[i % VOCAB]) for i in range(3)]
@@ -61,6 +62,7 @@ def test_random_draft_gives_target_distribution(num_draft):
     assert 0.05 < rate < 0.99  # a random draft is sometimes wrong
 
 
+@pytest.mark.slow
 def test_draft_equal_to_target_is_always_accepted():
     generator = torch.Generator().manual_seed(5)
     target = [random_dist(generator) for _ in range(2)]

@@ -124,6 +124,7 @@ async def test_real_clock_latency_added_and_order_kept_under_concurrency() -> No
     assert time.monotonic() - start < 0.4
 
 
+@pytest.mark.slow
 async def test_delay_line_pipelines_latency_and_keeps_rate_and_order() -> None:
     rate, latency = 400_000.0, 0.1
     received: list[tuple[float, int]] = []

@@ -28,6 +28,9 @@ from tophatctl.mesh_config import MeshConfig, MeshStartError
 from tophatctl.mesh_ports import find_port_base
 from tophatctl.models import resolve_model
 
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 24
 END_OF_TURN = "<|im_end|>"
 

@@ -404,6 +404,7 @@ def expected_deep(tiny_llama_dir, inputs: dict[int, torch.Tensor]) -> dict[int, 
 
 
 @pytestmark_async
+@pytest.mark.slow
 async def test_two_stages_over_lan_sockets_give_the_deep_states_of_one(lan_pipeline, tiny_llama_dir):
     assert lan_pipeline.healthy and lan_pipeline.sender.pacer.profile == LAN
     torch.manual_seed(0)
@@ -414,6 +415,7 @@ async def test_two_stages_over_lan_sockets_give_the_deep_states_of_one(lan_pipel
 
 
 @pytestmark_async
+@pytest.mark.slow
 async def test_a_refused_frame_fails_the_pipeline_without_killing_the_stage_and_a_restart_serves_again(
         lan_pipeline, tiny_llama_dir):
     pipeline = lan_pipeline

@@ -26,6 +26,9 @@ from shared.specdec.stream_engine import (StreamConfig, StreamTimings, hat_async
 from shared.specdec.stream_session import StreamSession
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
+
 M = 2
 PROMPTS = [[1, 15, 27, 99, 4, 8, 16], [3, 300, 301, 5, 7, 9, 11, 2, 44, 45, 46]]
 

@@ -68,6 +68,7 @@ def assert_openai_401(resp: httpx.Response) -> None:
     assert resp.headers["www-authenticate"] == "Bearer"
 
 
+@pytest.mark.slow
 async def test_every_v1_route_needs_a_key_and_the_probes_do_not() -> None:
     dev = FakeDevice("dev-a")
     async with mesh(dev, api_key=f"{KEY}, {OTHER_KEY}") as url, httpx.AsyncClient(timeout=10) as http:
@@ -178,6 +179,7 @@ def test_settings_keys_limits_and_the_open_endpoint_warning(caplog: pytest.LogCa
     assert [r for r in caplog.records if "open to anyone" in r.getMessage() and r.levelno == logging.WARNING]
 
 
+@pytest.mark.slow
 async def test_past_the_burst_a_credential_gets_429_with_retry_after() -> None:
     async with mesh(FakeDevice("dev-a"), rate_limit_rps=0.4, rate_limit_burst=3) as url, \
             httpx.AsyncClient(timeout=10) as http:
@@ -258,6 +260,7 @@ async def test_tophats_own_clients_send_the_key() -> None:
         assert (await probe_server(url, api_key=KEY))["model"] == "tophat-demo"
 
 
+@pytest.mark.slow
 def test_tophat_up_api_key_reaches_the_streamer_of_a_real_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
     """`tophat up --api-key` -> MeshConfig -> the streamer process's TOPHAT_STREAMER_API_KEY (real processes,
     demo model): its OpenAI endpoint refuses a keyless request and serves `tophat chat --api-key`."""

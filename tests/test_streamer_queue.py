@@ -21,6 +21,9 @@ import pytest
 
 from tests.test_token_streamer import FakeDevice, expected_text, mesh
 
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
+
 
 async def post(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int = 4) -> httpx.Response:
     return await http.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens})

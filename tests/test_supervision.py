@@ -29,6 +29,9 @@ from tophatctl.mesh_ports import find_port_base
 from tophatctl.service_process import REPO_ROOT
 from tophatctl.supervisor import RestartPolicy
 
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
+
 ROLES = {"verifier-cloud", "device-agent", "token-streamer", "chunk-planner", "state-monitor", "redis"}
 PROMPT = "Once upon a time"
 MAX_TOKENS = 12

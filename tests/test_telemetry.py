@@ -167,6 +167,7 @@ async def test_client_without_url_is_noop() -> None:
     await client.aclose()
 
 
+@pytest.mark.slow
 async def test_a_write_after_a_long_outage_reconnects_without_waiting_out_the_backoff(server: EmbeddedRedis) -> None:
     """The reconnect loop may be deep in a long backoff sleep when Redis returns; a write arriving then
     must trigger a ping at once, so telemetry resumes with the next record instead of seconds later."""

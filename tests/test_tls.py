@@ -91,6 +91,7 @@ def _http_endpoints(mesh: Mesh) -> dict[str, str]:
             "verifier-cloud": f"https://{cfg.host}:{cfg.verifier_port}/readyz"}
 
 
+@pytest.mark.slow
 def test_every_service_answers_tls_and_refuses_plain_http(tls_mesh, trusting):
     handed_out = {name: url for name, url in tls_mesh.urls().items() if name != "redis"}
     assert all(url.startswith(("https://", "wss://")) for url in handed_out.values()), handed_out
@@ -134,6 +135,7 @@ def test_the_device_reaches_the_verifier_over_wss_only(tls_mesh, trusting):
         assert exc.response.status_code == 401
 
 
+@pytest.mark.slow
 def test_greedy_completion_over_tls_equals_the_full_model(tls_mesh, trusting, demo_checkpoint):
     tokenizer = demo_checkpoint.tokenizer
     prompt = held_out_prompts(1, seed=11)[0][:160]

@@ -326,6 +326,7 @@ async def test_device_error_mid_stream() -> None:
             assert resp.status_code == 502 and resp.json()["error"]["code"] == "cloud_unreachable"
 
 
+@pytest.mark.slow
 async def test_error_shapes_400_and_503() -> None:
     async with mesh(FakeDevice("dev-a"), max_new_tokens_limit=100) as url, httpx.AsyncClient(timeout=10) as http:
         for body in ({"prompt": "x", "n": 2}, {"prompt": "x", "max_tokens": 101}, {"prompt": "x", "stop": [""]},

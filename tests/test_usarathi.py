@@ -178,6 +178,7 @@ async def test_another_sessions_verify_steps_run_between_the_pieces(checkpoint):
 
 # -- pipeline path (P = 2 stage workers) -------------------------------------------------------
 
+@pytest.mark.slow
 async def test_server_chunking_through_pipeline_stages(tiny_llama_dir, checkpoint):
     expected = [generate_full(checkpoint, p, 12).token_ids for p in PROMPTS]
     server = VerifierServer.from_settings(Settings(port=0, split_layers=M, model_dir=str(tiny_llama_dir),

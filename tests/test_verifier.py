@@ -45,6 +45,7 @@ async def generate_over_ws(checkpoint, cloud, prompt, session_id, max_new=16, ch
     return tokens
 
 
+@pytest.mark.slow
 async def test_concurrent_sessions_are_batched_and_exact(checkpoint):
     prompts = [[(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)] for i in range(8)]
     expected = [generate_full(checkpoint, p, 16).token_ids for p in prompts]

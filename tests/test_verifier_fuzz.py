@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import pytest
 import torch
 from websockets.asyncio.client import connect
 
@@ -57,6 +58,7 @@ async def _keep_verifying(ws, sid: int, drafts: torch.Tensor, expected: torch.Te
     return verifies, wrong
 
 
+@pytest.mark.slow
 async def test_ten_thousand_mutated_frames_get_typed_errors_and_change_nothing(tiny_llama_dir):
     checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
     hidden = checkpoint.hidden_size

@@ -17,11 +17,15 @@ from collections import Counter
 
 import msgpack
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loadgen.fuzz_wire import mutate, templates
 from shared import wire
+
+# end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
+pytestmark = pytest.mark.slow
 
 log = logging.getLogger(__name__)
 
