@@ -29,7 +29,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Collection, Generator, Sequence
+from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -309,7 +309,7 @@ def bearer_token(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
     return token if isinstance(token, bytes) else None
 
 
-def claims_of(scope: dict) -> Claims | None:
+def claims_of(scope: Mapping[str, Any]) -> Claims | None:
     """The claims RequireToken admitted this request with; None when authentication is off."""
     return scope.get(SCOPE_KEY)
 

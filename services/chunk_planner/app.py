@@ -175,7 +175,7 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
 
     def for_caller(request: Request, device_id: str) -> None:
         # shared/auth.claims_of is annotated `dict` but only reads the ASGI scope (a MutableMapping)
-        if not auth.may_act_for(auth.claims_of(request.scope), device_id):  # type: ignore[arg-type]
+        if not auth.may_act_for(auth.claims_of(request.scope), device_id):
             raise HTTPException(403, "a device credential may ask only for its own device id")
 
     app.state.ready = False

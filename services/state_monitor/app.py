@@ -39,7 +39,7 @@ def _may_write(request: Request, device_ids: list[str | None]) -> None:
     """403 unless the caller may write for every one of `device_ids` (None: a verifier's or request record),
     before any of the batch is kept: a device writes only for itself, a service for anyone."""
     # shared/auth.claims_of is annotated `dict` but only reads the ASGI scope (a MutableMapping)
-    claims = auth.claims_of(request.scope)  # type: ignore[arg-type]
+    claims = auth.claims_of(request.scope)
     for device_id in device_ids:
         if not auth.may_act_for(claims, device_id):
             log.info("refused a write for device %s by device %s", device_id, claims.subject if claims else None)
