@@ -1,4 +1,4 @@
-"""The one schema for every device <-> cloud WebSocket message (wire version 2).
+"""The one schema for every device <-> cloud WebSocket message (wire version 3).
 
 Why a hand-written schema: frames are untrusted input on the cloud side and the
 hot path on the device side, so every frame is a small msgpack map (no JSON, no
@@ -71,7 +71,8 @@ logger = logging.getLogger(__name__)
 if sys.byteorder != "little":  # the wire is little-endian; we never byte-swap
     raise ImportError("shared.wire assumes a little-endian host")
 
-WIRE_VERSION = 2  # 2: OpenSession carries split_layers and the checkpoint fingerprint
+WIRE_VERSION = 3  # 2: OpenSession carries split_layers and the checkpoint fingerprint; 3: draft trees (VerifyRequest)
+MAX_TREE_ROWS = 1024  # rows of one tree verification (each a node); a frame cannot ask the cloud for more
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 MAX_OVERHEAD_BYTES = 128  # generous bound on non-tensor bytes of a hidden-state frame
 _U64_MAX = 2**64 - 1
@@ -231,6 +232,7 @@ U64, OPT_U64, BOOL, TEXT = "u64", "opt_u64", "bool", "text"
 TENSOR, DTYPE, CODE = "tensor", "dtype", "code"
 FLOAT, TOKENS = "float", "tokens"  # finite float; non-empty tuple of uint32 token ids
 OPT_TOKENS, OPT_PROBS = "opt_tokens", "opt_probs"  # absent, or ids / float32 probabilities in [0, 1] as one bin
+OPT_ROWS = "opt_rows"  # absent, or row indices (uint32, one bin like token ids; not token ids: no privacy concern)
 _REGISTRY: MessageRegistry[int] = MessageRegistry("wire message")
 _TYPES: dict[int, type[Message]] = _REGISTRY.by_tag  # type code -> class: the table decode dispatches on
 
@@ -253,7 +255,7 @@ class Message:
     def __post_init__(self) -> None:
         for name, _key, kind, _has_default in self._spec:
             value = getattr(self, name)
-            if value is None and kind in (OPT_U64, OPT_TOKENS, OPT_PROBS):
+            if value is None and kind in (OPT_U64, OPT_TOKENS, OPT_PROBS, OPT_ROWS):
                 continue
             checked = _check(kind, name, value)
             if checked is not value:
@@ -308,11 +310,12 @@ def _check(kind: str, name: str, value: Any) -> Any:
             raise WireError(ErrorCode.BAD_SHAPE, f"{name} must be a non-empty 1-D float32 tensor")
         if not bool(((value >= 0) & (value <= 1)).all()):  # NaN fails both comparisons
             raise WireError(ErrorCode.BAD_VALUE, f"{name} must hold probabilities in [0, 1]")
-    elif kind in (TOKENS, OPT_TOKENS):
+    elif kind in (TOKENS, OPT_TOKENS, OPT_ROWS):
         if not isinstance(value, (list, tuple)) or not all(_is_int(t) and 0 <= t <= _TOKEN_ID_MAX for t in value):
-            raise WireError(ErrorCode.MALFORMED, f"{name} must be a sequence of uint32 token ids")
+            what = "row indices" if kind == OPT_ROWS else "token ids"
+            raise WireError(ErrorCode.MALFORMED, f"{name} must be a sequence of uint32 {what}")
         if not value:
-            raise WireError(ErrorCode.BAD_SHAPE, f"{name} must hold at least one token id")
+            raise WireError(ErrorCode.BAD_SHAPE, f"{name} must hold at least one entry")
         if type(value) is not tuple:
             value = tuple(value)
     return value
@@ -449,12 +452,40 @@ class DeepHidden(Message):
 
 @_message(0x20)
 class VerifyRequest(Message):
-    """Cloud truncates the session KV to commit_len (rollback), then runs `hidden`."""
+    """Cloud truncates the session KV to commit_len (rollback), then runs `hidden`.
+
+    A draft tree (shared/specdec/tree.py): `parents[i - 1]` is the parent row of row i (row 0, the pending
+    token, is the root; every parent comes before its child), and the cloud runs the rows with tree
+    attention (committed KV + each row's ancestors, positions commit_len + depth). `kept`: the rows of the
+    previous tree the device accepted (absolute cache rows, increasing); before rolling back, the cloud moves
+    them to positions commit_len - len(kept) .. commit_len - 1, so only that path stays in its KV."""
 
     session_id: int = _f("s", U64)
     seq_no: int = _f("q", U64)
     commit_len: int = _f("c", U64)
     hidden: torch.Tensor = _f("h", TENSOR)  # hidden: [K, H] shallow states of K drafts
+    parents: tuple[int, ...] | None = _f("pa", OPT_ROWS, default=None)  # [K - 1]: tree rows' parents
+    kept: tuple[int, ...] | None = _f("kp", OPT_ROWS, default=None)  # previous tree rows to keep, in order
+
+    def __post_init__(self) -> None:
+        Message.__post_init__(self)
+        rows = self.hidden.shape[0]
+        if self.parents is not None:
+            if len(self.parents) != rows - 1 or rows > MAX_TREE_ROWS:
+                raise WireError(
+                    ErrorCode.BAD_SHAPE,
+                    f"a tree of {rows} rows (at most {MAX_TREE_ROWS}) needs {rows - 1} parents, got {len(self.parents)}",
+                )
+            bad = next((i for i, parent in enumerate(self.parents, start=1) if parent >= i), None)
+            if bad is not None:
+                raise WireError(
+                    ErrorCode.BAD_SHAPE, f"tree row {bad}'s parent {self.parents[bad - 1]} does not come before it"
+                )
+        if self.kept is not None:
+            if len(self.kept) > self.commit_len or any(b <= a for a, b in zip(self.kept, self.kept[1:])):
+                raise WireError(ErrorCode.BAD_SHAPE, "kept rows must be increasing and no more than commit_len")
+            if self.kept and self.kept[0] < self.commit_len - len(self.kept):
+                raise WireError(ErrorCode.BAD_SHAPE, "kept rows cannot move to later positions")
 
 
 @_message(0x21)
@@ -626,7 +657,7 @@ def encode(msg: Message, *, wire_dtype: WireDtype | str | None = None) -> bytes:
         if kind == TENSOR:
             wd = wire_dtype or _FROM_TORCH.get(value.dtype, WireDtype.F16)
             value = encode_tensor(value, wd)
-        elif kind in (TOKENS, OPT_TOKENS):
+        elif kind in (TOKENS, OPT_TOKENS, OPT_ROWS):
             value = encode_tokens(value)
         elif kind == OPT_PROBS:
             value = value.numpy().astype("<f4").tobytes()
@@ -688,7 +719,7 @@ def _decode_map(m: dict, expected_hidden_size: int | None, finite_only: bool = F
         value = m[key]
         if kind == TENSOR:
             value = decode_tensor(value, expected_hidden_size, finite_only=finite_only)
-        elif kind in (TOKENS, OPT_TOKENS):
+        elif kind in (TOKENS, OPT_TOKENS, OPT_ROWS):
             value = decode_tokens(value)
         elif kind == OPT_PROBS:
             value = decode_probs(value)

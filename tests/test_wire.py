@@ -212,7 +212,7 @@ def test_text_frame_is_malformed():
 
 
 @pytest.mark.parametrize("version,code", [
-    (1, ErrorCode.BAD_VERSION), (3, ErrorCode.BAD_VERSION), (0, ErrorCode.BAD_VERSION), ("2", ErrorCode.BAD_VERSION),
+    (1, ErrorCode.BAD_VERSION), (2, ErrorCode.BAD_VERSION), (0, ErrorCode.BAD_VERSION), ("3", ErrorCode.BAD_VERSION),
     (True, ErrorCode.BAD_VERSION), (None, ErrorCode.MALFORMED),
 ])
 def test_version(version, code):
@@ -222,7 +222,7 @@ def test_version(version, code):
     else:
         m["v"] = version
     _err(_pack(m), code)
-    assert WIRE_VERSION == 2
+    assert WIRE_VERSION == 3
 
 
 def test_type_field():
