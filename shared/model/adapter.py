@@ -28,10 +28,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from shared.model.checkpoint import Checkpoint
 from shared.model.kv_cache import SessionKV
-from shared.model.layers import attention_forward, packed_positions, rotary_tables
+from shared.model.layers import TreeRows, attention_forward, packed_positions, rotary_tables, trees_on
 from shared.model.split import kv_shape, validate_split
 
 ADAPTER_FILENAME = "draft_adapter.safetensors"
+DRAFT_VOCAB_KEY = "draft_vocab"  # the adapter file's [N] int64 tensor of draft token ids (optional)
 VARIANTS = ("hat", "fusion", "feature")
 
 
@@ -88,7 +89,28 @@ class DraftAdapter(torch.nn.Module):
                     self.fuse.weight[:, :hidden] = eye
         self.rotary_emb: torch.nn.Module = checkpoint.decoder.rotary_emb
         self.num_kv_heads, self.head_dim = kv_shape(checkpoint.config)
+        self.vocab_size = checkpoint.vocab_size
+        # FR-Spec's truncated draft vocabulary: [N] int64 token ids on the CPU, most frequent first; None: all.
+        # A plain attribute, not a buffer: outside the state_dict, saved beside it as "draft_vocab".
+        self.draft_vocab: torch.Tensor | None = None
         self.requires_grad_(False)
+
+    def set_draft_vocab(self, ids: torch.Tensor | Sequence[int] | None) -> None:
+        """Draft only among these token ids (most frequent first), or among all (None)."""
+        if ids is None:
+            self.draft_vocab = None
+            return
+        vocab = torch.as_tensor(ids).detach().cpu()
+        if vocab.dim() != 1 or vocab.numel() == 0 or vocab.dtype.is_floating_point or vocab.dtype == torch.bool:
+            raise AdapterError(
+                f"a draft vocabulary is a non-empty 1-D tensor of token ids, got {vocab.dtype} {tuple(vocab.shape)}"
+            )
+        vocab = vocab.to(torch.int64)
+        if int(vocab.min()) < 0 or int(vocab.max()) >= self.vocab_size:
+            raise AdapterError(f"draft vocabulary ids must lie in 0..{self.vocab_size - 1}")
+        if vocab.unique().numel() != vocab.numel():
+            raise AdapterError("draft vocabulary ids must be unique")
+        self.draft_vocab = vocab.clone()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -131,9 +153,18 @@ class DraftAdapter(torch.nn.Module):
             hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden
 
-    def forward(self, shallow: torch.Tensor, cache: SessionKV, side: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        shallow: torch.Tensor,
+        cache: SessionKV,
+        side: torch.Tensor | None = None,
+        tree: TreeRows | None = None,
+    ) -> torch.Tensor:
         # shallow: [S, H], side: [S, H] (embeddings or previous deep states) -> draft final hidden f_S: [S, H]
-        return self.forward_packed(shallow, [cache], [shallow.shape[0]], side)
+        # tree: the S rows as tree nodes (for "feature", side holds each node's parent's deep state)
+        if tree is None:
+            return self.forward_packed(shallow, [cache], [shallow.shape[0]], side)
+        return self.forward_packed(shallow, [cache], [shallow.shape[0]], side, [tree])
 
     @torch.inference_mode()
     def forward_packed(
@@ -142,18 +173,19 @@ class DraftAdapter(torch.nn.Module):
         caches: Sequence[SessionKV],
         lengths: Sequence[int],
         side: torch.Tensor | None = None,
+        trees: Sequence[TreeRows | None] | None = None,
     ) -> torch.Tensor:
         """Many sessions in one pass (a draft server drafting for many users): each session's rows attend
-        to its own cache only, like LayerRange.forward_packed."""
+        to its own cache only, like LayerRange.forward_packed; trees[i]: session i's rows as tree nodes."""
         # shallow: [T, H], side: [T, H] or None, sum(lengths) == T -> [T, H]
         if sum(lengths) != shallow.shape[0]:
             raise AdapterError(f"lengths {list(lengths)} do not add up to {shallow.shape[0]} packed rows")
         x = self._fused(shallow, side)
-        positions = packed_positions(caches, lengths, x.device)
+        positions = packed_positions(caches, lengths, x.device, trees)
         cos, sin = rotary_tables(self.rotary_emb, positions, x)
-        attn = attention_forward(
-            self.self_attn, self.input_layernorm(x), [c.layer(0) for c in caches], lengths, cos, sin
-        )
+        layer_caches = [c.layer(0) for c in caches]
+        normed = self.input_layernorm(x)
+        attn = attention_forward(self.self_attn, normed, layer_caches, lengths, cos, sin, trees_on(trees, x.device))
         return self._finish(x, attn)
 
     def forward_training(self, shallow: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,6 +210,8 @@ class DraftAdapter(torch.nn.Module):
 
     def save(self, path: Path, extra_metadata: dict | None = None) -> None:
         tensors = {name: t.detach().contiguous().float() for name, t in self.state_dict().items()}
+        if self.draft_vocab is not None:
+            tensors[DRAFT_VOCAB_KEY] = self.draft_vocab.contiguous()  # int64: token ids, not weights
         metadata = {
             "split_layers": str(self.split_layers),
             "format": "tophat-draft-adapter-v2",
@@ -209,6 +243,12 @@ class DraftAdapter(torch.nn.Module):
         spec = AdapterSpec(metadata.get("variant", "hat"), metadata.get("mlp", "false") == "true")
         adapter = cls(checkpoint, split_layers, spec)
         state = load_file(str(path))
+        vocab = state.pop(DRAFT_VOCAB_KEY, None)
+        if vocab is not None:
+            try:
+                adapter.set_draft_vocab(vocab)
+            except AdapterError as exc:
+                raise AdapterError(f"{path}: {exc}") from exc
         try:
             adapter.load_state_dict({k: v.to(adapter.dtype) for k, v in state.items()})
         except RuntimeError as exc:

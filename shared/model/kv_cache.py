@@ -3,9 +3,16 @@
 Rollback after a rejected draft is just moving `length` back: the stale rows
 stay allocated and are overwritten by the next append, so repeated rollbacks
 cost nothing and never copy.
+
+After a token tree was verified, `compact` keeps only the accepted path: its
+rows move down to sit right after the committed prefix (base, base+1, ...).
+They were computed at positions base + depth, which are exactly where they
+land, so their rotary embeddings stay right.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -52,6 +59,15 @@ class LayerKV:
         self.length = new_length
         return self.keys[:, :new_length], self.values[:, :new_length]
 
+    @torch.inference_mode()  # the KV grows inside inference mode, so its tensors are inference tensors
+    def compact(self, base: int, rows: torch.Tensor) -> None:
+        """Move rows (absolute, >= base, increasing; checked by SessionKV.compact) to base, base+1, ..."""
+        # rows: [K] int64 on the cache's device
+        end = base + rows.shape[0]
+        self.keys[:, base:end] = self.keys[:, rows]  # advanced indexing copies first: overlaps are safe
+        self.values[:, base:end] = self.values[:, rows]
+        self.length = end
+
 
 class SessionKV:
     """The KV cache of one session across a contiguous range of layers."""
@@ -87,6 +103,23 @@ class SessionKV:
             raise KVCacheError(f"cannot truncate a cache of length {self.length} to {length}")
         for layer in self._alive():
             layer.length = length
+
+    def compact(self, base: int, rows: Sequence[int]) -> None:
+        """Keep rows < base and then only `rows` (absolute, each >= base, strictly increasing, < length),
+        moved to base, base+1, ...; the length becomes base + len(rows)."""
+        length = self.length
+        if not 0 <= base <= length:
+            raise KVCacheError(f"cannot compact a cache of length {length} from base {base}")
+        kept = [int(row) for row in rows]
+        if any(row < base or row >= length for row in kept):
+            raise KVCacheError(f"rows {kept} outside {base}..{length - 1}")
+        if any(a >= b for a, b in zip(kept, kept[1:])):
+            raise KVCacheError(f"rows {kept} are not strictly increasing")
+        if kept == list(range(base, base + len(kept))):
+            self.truncate(base + len(kept))  # already in place (e.g. the tree's first path): no copy
+            return
+        for layer in self._alive():
+            layer.compact(base, torch.tensor(kept, dtype=torch.int64, device=layer.keys.device))
 
     def fork(self, length: int) -> "SessionKV":
         """An independent copy of the first `length` positions (a speculative branch)."""

@@ -18,7 +18,7 @@ import torch
 
 from shared.model.checkpoint import Checkpoint
 from shared.model.kv_cache import SessionKV
-from shared.model.layers import run_layers
+from shared.model.layers import TreeRows, run_layers
 
 
 class SplitError(ValueError):
@@ -62,15 +62,29 @@ class LayerRange(torch.nn.Module):
         return SessionKV(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward_packed(self, hidden: torch.Tensor, caches: Sequence[SessionKV], lengths: Sequence[int]) -> torch.Tensor:
-        # hidden: [T, H] -> [T, H]
-        return run_layers(self.layers, self.rotary_emb, hidden, caches, lengths)
+    def forward_packed(
+        self,
+        hidden: torch.Tensor,
+        caches: Sequence[SessionKV],
+        lengths: Sequence[int],
+        trees: Sequence[TreeRows | None] | None = None,
+    ) -> torch.Tensor:
+        # hidden: [T, H] -> [T, H]; trees[i]: session i's new rows as tree nodes, None: causal
+        return run_layers(self.layers, self.rotary_emb, hidden, caches, lengths, trees)
 
-    def forward_batch(self, items: Sequence[tuple[SessionKV, torch.Tensor]]) -> list[torch.Tensor]:
+    def forward_batch(
+        self, items: Sequence[tuple[SessionKV, torch.Tensor]], trees: Sequence[TreeRows | None] | None = None
+    ) -> list[torch.Tensor]:
         """One batched pass for many sessions of different lengths: [(cache, hidden [S_i, H])] -> [[S_i, H]]."""
         lengths = [h.shape[0] for _, h in items]
         packed = torch.cat([h for _, h in items]) if len(items) > 1 else items[0][1]
-        out = self.forward_packed(packed, [c for c, _ in items], lengths)
+        caches = [c for c, _ in items]
+        # no trees: the three-argument call of old (a patched forward_packed may take only those)
+        out = (
+            self.forward_packed(packed, caches, lengths)
+            if trees is None
+            else self.forward_packed(packed, caches, lengths, trees)
+        )
         return list(out.split(lengths))
 
 
@@ -94,10 +108,12 @@ class InputSubmodel(LayerRange):
         self.embed_tokens: torch.nn.Embedding = checkpoint.decoder.embed_tokens
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, cache: SessionKV) -> torch.Tensor:
-        # token_ids: [S] (any device) -> shallow hidden: [S, H] on the layers' device
+    def forward(self, token_ids: torch.Tensor, cache: SessionKV, tree: TreeRows | None = None) -> torch.Tensor:
+        # token_ids: [S] (any device) -> shallow hidden: [S, H] on the layers' device; tree: the S rows as tree nodes
         hidden = self.embed_tokens(token_ids.to(self.embed_tokens.weight.device))
-        return self.forward_packed(hidden, [cache], [token_ids.shape[0]])
+        if tree is None:
+            return self.forward_packed(hidden, [cache], [token_ids.shape[0]])
+        return self.forward_packed(hidden, [cache], [token_ids.shape[0]], [tree])
 
 
 class MiddleSubmodel(LayerRange):

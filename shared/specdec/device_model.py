@@ -3,10 +3,11 @@ output submodel of one checkpoint, with the shapes a session needs from them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import Checkpoint
@@ -23,6 +24,11 @@ class DeviceModel:
     eos_token_id: int | None
     vocab_size: int
     context_length: int
+    # the draft head over the adapter's draft_vocab: (that vocab tensor, weight [N, H], bias [N] or None),
+    # gathered once from lm_head and rebuilt only when the vocabulary or the head's device/dtype changes
+    _draft_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, split_layers: int, adapter: DraftAdapter | None) -> "DeviceModel":
@@ -52,7 +58,38 @@ class DeviceModel:
         for part in (self.input, self.adapter, self.output):
             if part is not None:
                 part.to(device)
+        self._draft_head = None
         return self
+
+    def _draft_head_for(self, vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight = cast(torch.Tensor, self.output.lm_head.weight)  # [V, H]
+        cached = self._draft_head
+        if (
+            cached is None
+            or cached[0] is not vocab
+            or cached[1].device != weight.device
+            or cached[1].dtype != weight.dtype
+        ):
+            bias = cast(torch.Tensor | None, getattr(self.output.lm_head, "bias", None))  # [V] or None
+            index = vocab.to(weight.device)
+            sub_bias = bias.detach()[index].clone() if bias is not None else None
+            cached = (vocab, weight.detach()[index].clone(), sub_bias)  # [N, H]: one gather, kept
+            self._draft_head = cached
+        return cached[1], cached[2]
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits to draft from: [S, H] -> [S, V] fp32 on the CPU. Without a draft vocabulary exactly
+        `output(hidden)`; with one (FR-Spec) only its N rows of the LM head are computed, and every other
+        token gets -inf (softmax 0, never the argmax)."""
+        vocab = self.adapter.draft_vocab if self.adapter is not None else None
+        if vocab is None:
+            return self.output(hidden)
+        weight, bias = self._draft_head_for(vocab)  # [N, H], [N] or None
+        sub = F.linear(self.output.norm(hidden), weight, bias).float().cpu()  # [S, N]
+        logits = torch.full((hidden.shape[0], cast(int, self.output.lm_head.out_features)), float("-inf"))  # [S, V]
+        logits[:, vocab] = sub
+        return logits
 
     def compute_states(self, deep: torch.Tensor) -> torch.Tensor:
         """Deep states as the cloud sent them (wire dtype, fp32, CPU) -> this model's device and dtype."""
