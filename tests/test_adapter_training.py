@@ -3,18 +3,36 @@ own, batching does not change them, training lowers eq. 4, and the held-out prom
 
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from shared.model.adapter import AdapterSpec
+from shared.model.adapter import AdapterSpec, DraftAdapter
 from shared.model.split import InputSubmodel
 from tophatctl.adapter_training import dataset
 from tophatctl.adapter_training.dataset import DistillData, extract_states, sample_user_prompts
-from tophatctl.adapter_training.distill import DistillConfig, _batch, train_adapter
-from tophatctl.adapter_training.prompts import (HELD_OUT_CHAT_PROMPTS, debian_packages, general_prompts,
-                                               near_held_out, training_prompts)
+from tophatctl.adapter_training.distill import DistillConfig, batch_tensors, train_adapter
+from tophatctl.adapter_training.evaluate import teacher_forced_agreement
+from tophatctl.adapter_training.prompts import (
+    HELD_OUT_CHAT_PROMPTS,
+    debian_packages,
+    general_prompts,
+    near_held_out,
+    training_prompts,
+)
+from tophatctl.adapter_training.unroll import head_rows, step_mask, step_valid, token_loss, unrolled_forward
+from tophatctl.adapter_training.vocab import (
+    answer_token_counts,
+    choose_size,
+    coverage,
+    coverage_table,
+    draft_vocabulary,
+    rank_tokens,
+)
 
 
 def _random_sequences(checkpoint, count: int, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -44,7 +62,7 @@ def test_extracted_states_are_the_splits_own_whatever_the_batch(tiny_checkpoint)
 
 def test_batch_feeds_previous_deep_states_only_inside_the_answer(tiny_checkpoint):
     data = DistillData(extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 3), max_m=2), 2, 0.0)
-    ids, shallow, deep, prev, mask, answer_start = _batch(data, [0, 1, 2], m=2)
+    ids, shallow, deep, prev, mask, answer_start = batch_tensors(data, [0, 1, 2], m=2)
     for row, seq in enumerate(data.sequences):
         p, n = seq.prompt_len, len(seq.ids)
         assert answer_start[row] == p
@@ -52,16 +70,21 @@ def test_batch_feeds_previous_deep_states_only_inside_the_answer(tiny_checkpoint
         assert torch.count_nonzero(prev[row, :p]) == 0 and torch.count_nonzero(prev[row, n:]) == 0
         torch.testing.assert_close(prev[row, p:n], seq.deep[p - 1 : n - 1].float())
         torch.testing.assert_close(shallow[row, :n], seq.shallow[1].float())
+    *_, prev_deep, _, _ = batch_tensors(data, [0, 1, 2], m=2, prompt_features="deep")  # the what-if
+    for row, seq in enumerate(data.sequences):
+        n = len(seq.ids)
+        assert torch.count_nonzero(prev_deep[row, 0]) == 0
+        torch.testing.assert_close(prev_deep[row, 1:n], seq.deep[: n - 1].float())
 
 
 @pytest.mark.parametrize("spec", [AdapterSpec("hat"), AdapterSpec("feature", mlp=True)], ids=lambda s: s.name)
 def test_training_lowers_the_distillation_loss(tiny_checkpoint, spec):
     data = DistillData(extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 12, seed=1), max_m=2), 2, 0.0)
-    _, short = train_adapter(tiny_checkpoint, data, spec, DistillConfig(split_layers=2, steps=5, batch_size=4),
-                             progress_every=5)
-    _, longer = train_adapter(tiny_checkpoint, data, spec, DistillConfig(split_layers=2, steps=60, batch_size=4),
-                              progress_every=10)
+    cfg = DistillConfig(split_layers=2, steps=5, batch_size=4, unroll_steps=2, bf16=False)
+    _, short = train_adapter(tiny_checkpoint, data, spec, cfg, progress_every=5)
+    _, longer = train_adapter(tiny_checkpoint, data, spec, replace(cfg, steps=30), progress_every=5)
     assert longer["final_loss"] < short["final_loss"]
+    assert longer["draft_vocab"]["coverage"] == 1.0  # a tiny vocabulary: every answer token kept
     with pytest.raises(ValueError, match="m = 1..2"):
         train_adapter(tiny_checkpoint, data, spec, DistillConfig(split_layers=3, steps=1))
 
@@ -107,8 +130,10 @@ def test_the_model_writes_its_own_distinct_questions_the_same_on_every_run(smoll
 def test_self_written_questions_drop_held_out_copies_unfinished_turns_and_repeats(smollm2, monkeypatch):
     tokenizer, eos = smollm2.tokenizer, smollm2.eos_token_id
     fine = "Can you suggest a weekly plan for learning to play the guitar?"
-    rows = [tokenizer.encode(text, add_special_tokens=False) + [eos] for text in
-            (HELD_OUT_CHAT_PROMPTS[5], "What's the capital of France?", fine, fine, "Too short here")]
+    rows = [
+        tokenizer.encode(text, add_special_tokens=False) + [eos]
+        for text in (HELD_OUT_CHAT_PROMPTS[5], "What's the capital of France?", fine, fine, "Too short here")
+    ]
     rows.append(tokenizer.encode("A question that never ends because the budget ran", add_special_tokens=False))
     monkeypatch.setattr(dataset, "_generate", lambda *args, **kwargs: rows)
     assert sample_user_prompts(smollm2, 3, batch_size=len(rows)) == [fine]  # 20 batches tried, one kept
@@ -116,8 +141,10 @@ def test_self_written_questions_drop_held_out_copies_unfinished_turns_and_repeat
 
 def test_debian_descriptions_parse(tmp_path):
     status = tmp_path / "status"
-    status.write_text("Package: foo\nStatus: install ok\nDescription: a foo tool\n it does foo\n .\n and bar\n\n"
-                      "Package: nodesc\nStatus: install ok\n")
+    status.write_text(
+        "Package: foo\nStatus: install ok\nDescription: a foo tool\n it does foo\n .\n and bar\n\n"
+        "Package: nodesc\nStatus: install ok\n"
+    )
     assert debian_packages(status) == [("foo", "a foo tool it does foo and bar")]
     assert debian_packages(tmp_path / "missing") == []
 
@@ -129,8 +156,122 @@ def test_training_prompts_are_the_same_in_every_process():
     import subprocess
     import sys
 
-    code = ("from tophatctl.adapter_training.prompts import training_prompts as t, general_prompts as g;"
-            "print(t(40, seed=3) + g(40, seed=3))")
-    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
-                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    code = (
+        "from tophatctl.adapter_training.prompts import training_prompts as t, general_prompts as g;"
+        "print(t(40, seed=3) + g(40, seed=3))"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
     assert len(outputs) == 1
+
+
+# -- the token loss, the unrolled draft steps, the draft vocabulary ------------------------------------
+
+
+def test_token_loss_is_the_teachers_top_k_over_the_scored_rows(tiny_checkpoint):
+    torch.manual_seed(0)
+    hidden = tiny_checkpoint.hidden_size
+    student, teacher = torch.randn(6, hidden), torch.randn(6, hidden)
+    vocab = torch.tensor([5, 0, 17, 3, 99, 42, 7, 150])
+    rows = head_rows(tiny_checkpoint, vocab)
+    loss = token_loss(tiny_checkpoint, student, teacher, rows, top_k=3)
+    # by hand: the head's rows of the draft vocabulary, the teacher's 3 best of them, renormalised
+    head = tiny_checkpoint.model.lm_head.weight[vocab]  # [8, H]
+    norm = tiny_checkpoint.model.model.norm
+    t_logp = torch.log_softmax(norm(teacher) @ head.T, -1)
+    s_logp = torch.log_softmax(norm(student) @ head.T, -1)
+    want = 0.0
+    for i in range(6):
+        best = t_logp[i].argsort(descending=True)[:3]
+        p = t_logp[i, best].exp() / t_logp[i, best].exp().sum()
+        want -= float((p * s_logp[i, best]).sum()) / 6
+    assert torch.isfinite(loss) and abs(float(loss) - want) < 1e-4
+    # a teacher row outside its top 3 does not move the loss; top_k=0 is the whole distribution
+    assert float(token_loss(tiny_checkpoint, student, teacher, rows, top_k=0)) > 0
+    full = token_loss(tiny_checkpoint, student, teacher, head_rows(tiny_checkpoint, None), top_k=0)
+    assert torch.isfinite(full)
+
+
+def test_token_loss_falls_when_the_student_learns(tiny_checkpoint):
+    torch.manual_seed(1)
+    hidden = tiny_checkpoint.hidden_size
+    teacher = torch.randn(16, hidden)
+    student = torch.randn(16, hidden, requires_grad=True)
+    rows = head_rows(tiny_checkpoint, torch.arange(0, 200, 3))
+    optimizer = torch.optim.Adam([student], lr=0.05)
+    losses = []
+    for _ in range(60):
+        loss = token_loss(tiny_checkpoint, student, teacher, rows, top_k=8)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(map(math.isfinite, losses)) and losses[-1] < 0.8 * losses[0]
+
+
+def test_step_mask_reads_exact_context_then_its_own_earlier_drafts():
+    # step 2 at position s: step 0's keys up to s-2, step 1's at s-1, its own at s
+    mask = step_mask(4, 2).int()
+    assert mask.tolist() == [
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0],
+        [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0],
+        [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1],
+    ]
+    assert torch.equal(step_mask(5, 0), torch.ones(5, 5).tril().bool())
+
+
+def test_unrolled_step_j_is_the_j_th_draft_of_a_round_as_the_device_runs_it(tiny_checkpoint):
+    """Step j at position t+j equals drafting at run time: positions up to t cached with exact previous
+    deep states, then each draft reading the adapter's own output at the position before."""
+    adapter = DraftAdapter(tiny_checkpoint, 2, AdapterSpec("feature", mlp=True)).randomize(3)
+    data = DistillData(extract_states(tiny_checkpoint, [(list(range(3, 23)), 6)], max_m=2), 2, 0.0)
+    ids, shallow, deep, prev, mask, answer_start = batch_tensors(data, [0], m=2)
+    with torch.no_grad():
+        outs = unrolled_forward(adapter, shallow, prev, answer_start, steps=3)
+    assert len(outs) == 3 and not torch.allclose(outs[1][0, 8], outs[0][0, 8])
+    for t in (6, 9, 14):
+        cache = adapter.new_cache()
+        hidden = adapter(shallow[0, : t + 1], cache, prev[0, : t + 1])[-1:]  # the round's first draft reads exact
+        torch.testing.assert_close(outs[0][0, t], hidden[0], atol=1e-4, rtol=1e-4)
+        for j in (1, 2):
+            hidden = adapter(shallow[0, t + j : t + j + 1], cache, hidden)  # reads its own previous output
+            torch.testing.assert_close(outs[j][0, t + j], hidden[0], atol=1e-4, rtol=1e-4)
+    hat = DraftAdapter(tiny_checkpoint, 2, AdapterSpec("hat", mlp=True))
+    assert len(unrolled_forward(hat, shallow, None, answer_start, steps=3)) == 1  # nothing of its own to read
+    assert step_valid(answer_start, 20, 2)[0].nonzero().min() == 8
+
+
+def test_draft_vocabulary_ranks_answer_tokens_and_measures_coverage():
+    seqs = [
+        SimpleNamespace(ids=torch.tensor([9, 9, 1, 1, 1, 2, 2, 3]), prompt_len=2),  # answer 1 1 1 2 2 3
+        SimpleNamespace(ids=torch.tensor([4, 3, 2, 5]), prompt_len=1),
+    ]  # answer 3 2 5
+    counts = answer_token_counts(seqs)
+    assert counts == {1: 3, 2: 3, 3: 2, 5: 1}  # the prompts' 9s and 4 are not counted
+    ranked = rank_tokens(counts, always=[0])
+    assert ranked == [0, 1, 2, 3, 5]  # ties: the smaller id first; the end of turn leads
+    assert coverage(counts, ranked, 3) == 6 / 9 and coverage(counts, ranked, 5) == 1.0
+    assert coverage_table(counts, ranked, (1, 2, 4)) == {"1": 0.0, "2": round(3 / 9, 5), "4": round(8 / 9, 5)}
+    assert choose_size(counts, ranked, 0.85, (1, 2, 4, 8)) == 4
+    ids, report = draft_vocabulary(seqs, 0.6, eos_token_id=0, vocab_size=10, sizes=(2, 3, 4))
+    assert ids.tolist() == [0, 1, 2] and report["size"] == 3 and report["coverage"] == round(6 / 9, 5)
+    assert report["answer_tokens"] == 9 and report["coverage_table"]["4"] == round(8 / 9, 5)
+
+
+def test_teacher_forced_agreement_counts_each_draft_steps_positions(tiny_checkpoint):
+    data = DistillData(extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 4, seed=2), max_m=2), 2, 0.0)
+    adapter = DraftAdapter(tiny_checkpoint, 2, AdapterSpec("feature", mlp=True))
+    result = teacher_forced_agreement(tiny_checkpoint, adapter, data, steps=3)
+    answers = sum(len(s.ids) - s.prompt_len for s in data.sequences)
+    assert result["positions"] == answers and len(result["by_step"]) == 3
+    assert all(0 <= a <= 1 for a in result["by_step"] if a is not None)

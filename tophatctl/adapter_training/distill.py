@@ -1,83 +1,74 @@
-"""Distil a draft adapter Λ (HAT §3.4, eq. 4) and measure its acceptance.
+"""Distil a draft adapter Λ (HAT §3.4, eq. 4, with HASS's and EAGLE-3's changes).
 
-    loss = SmoothL1(f_L, f_S) + w_ce · CE(softmax(H_L(f_L)), H_L(f_S))
+    loss = mean over draft steps j of  w_state · SmoothL1(norm f_L, norm f_S^j) + w_token · CE_topK(H(f_L), H(f_S^j))
 
-f_L is the LLM's deep state (the middle's output, before the norm + head), f_S the adapter's on
-the same shallow states. Only Λ learns. A feature adapter is also trained one step unrolled: the
-second pass reads its own first-pass predictions as the previous deep state, which is what it reads
-while drafting ahead of the cloud.
+f_L is the LLM's deep state (the middle's output, before the norm + head), f_S^j the adapter's at
+draft step j on the same shallow states (tophatctl/adapter_training/unroll.py: step j of a feature
+adapter reads step j-1's outputs, as it does drafting ahead of the cloud). The token term scores
+the head's rows of the truncated draft vocabulary only (vocab.py), which is what the device drafts
+from, against the teacher's top-K there. Only Λ learns.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import statistics
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 
 from shared.model.adapter import AdapterSpec, DraftAdapter
 from shared.model.checkpoint import Checkpoint
-from shared.model.split import MiddleSubmodel
-from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import LocalCloud, generate
-from tophatctl.adapter_training.dataset import DistillData, user_prompt_ids
+from tophatctl.adapter_training.dataset import DistillData
+from tophatctl.adapter_training.unroll import head_rows, state_loss, step_valid, token_loss, unrolled_forward
+from tophatctl.adapter_training.vocab import draft_vocabulary
 
 log = logging.getLogger(__name__)
+
+PROMPT_FEATURES = ("zeros", "deep")
+TOKEN_VOCABS = ("draft", "full")
 
 
 @dataclass(frozen=True)
 class DistillConfig:
     split_layers: int = 2
-    steps: int = 300
+    steps: int = 900
     batch_size: int = 8
     learning_rate: float = 3e-3
-    w_ce: float = 1.0  # HAT uses 0.1; on SmolLM2 1.0 raised top-1 agreement (measured, see the README)
-    ce_positions: int = 256  # positions per step that pay for the full-vocabulary head
+    w_state: float = 1.0  # SmoothL1 on the (normed) deep states; 0: tokens only
+    w_token: float = 1.0  # soft cross-entropy to the teacher's top-K over the scored rows
+    top_k: int = 32  # the teacher's top K rows (HASS); 0: its whole distribution over the rows
+    token_vocab: str = "draft"  # score the draft vocabulary's rows ("draft") or all 49152 ("full")
+    token_positions: int = 512  # answer positions per step and draft step that pay for the head
+    vocab_coverage: float = 0.98  # N: the smallest of 1k..16k covering this much of the answers' tokens
+    unroll_steps: int = 3  # draft steps trained (feature adapters; 1 = teacher forcing only)
+    unroll_detach: bool = False  # step j reads step j-1's outputs without a gradient through them
+    prompt_features: str = "zeros"  # "deep": real deep states at prompt positions (a what-if: not what runs)
     normed_loss: bool = True  # SmoothL1 on the head's input (normed states); False: HAT's raw f_L
     bf16: bool = True  # bfloat16 autocast for the forward passes: twice the matmul rate on this CPU
     seed: int = 0
 
     def __post_init__(self):
-        if self.steps < 1 or self.batch_size < 1 or self.ce_positions < 1:
-            raise ValueError("steps, batch_size and ce_positions must be >= 1")
-        if not self.learning_rate > 0 or self.w_ce < 0:
-            raise ValueError("learning_rate must be > 0 and w_ce >= 0")
+        if min(self.steps, self.batch_size, self.token_positions, self.unroll_steps) < 1:
+            raise ValueError("steps, batch_size, token_positions and unroll_steps must be >= 1")
+        if not self.learning_rate > 0 or min(self.w_state, self.w_token, self.top_k) < 0:
+            raise ValueError("learning_rate must be > 0; w_state, w_token and top_k >= 0")
+        if self.w_state == self.w_token == 0:
+            raise ValueError("w_state and w_token cannot both be 0")
+        if self.prompt_features not in PROMPT_FEATURES or self.token_vocab not in TOKEN_VOCABS:
+            raise ValueError(f"prompt_features is one of {PROMPT_FEATURES}, token_vocab one of {TOKEN_VOCABS}")
+        if not 0 < self.vocab_coverage <= 1:
+            raise ValueError("vocab_coverage must be in (0, 1]")
 
 
-def _head(checkpoint: Checkpoint, f: torch.Tensor) -> torch.Tensor:
-    return checkpoint.model.lm_head(checkpoint.model.model.norm(f))
-
-
-def distillation_loss(checkpoint: Checkpoint, f_student: torch.Tensor, f_teacher: torch.Tensor, w_ce: float,
-                      ce_rows: torch.Tensor | None = None, normed: bool = False) -> torch.Tensor:
-    """Eq. 4 over rows [N, H]; the cross-entropy over `ce_rows` of them (all when None).
-
-    normed: regress the states the head reads (after the final RMSNorm) instead of the raw ones.
-    A model with massive activations (SmolLM2: a few dimensions of f_L reach ~2700 against a mean
-    |f_L| of 22) makes the raw SmoothL1 a fit of those few dimensions, which the norm then divides away."""
-    if normed:
-        norm = checkpoint.model.model.norm
-        loss = F.smooth_l1_loss(norm(f_student), norm(f_teacher))
-    else:
-        loss = F.smooth_l1_loss(f_student, f_teacher)
-    if w_ce > 0:
-        student, teacher = (f_student, f_teacher) if ce_rows is None else (f_student[ce_rows], f_teacher[ce_rows])
-        with torch.no_grad():
-            teacher_probs = torch.softmax(_head(checkpoint, teacher).float(), dim=-1)  # [N, V]
-        student_logp = F.log_softmax(_head(checkpoint, student).float(), dim=-1)
-        loss = loss + w_ce * -(teacher_probs * student_logp).sum(-1).mean()
-    return loss
-
-
-def _batch(data: DistillData, indices: list[int], m: int):
+def batch_tensors(data: DistillData, indices: list[int], m: int, prompt_features: str = "zeros"):
     """Right-padded tensors of a batch: ids [B, S], shallow [B, S, H], deep [B, S, H], loss mask,
-    and each sequence's previous-deep-state input (zeros before the answer)."""
+    each sequence's previous-deep-state input, and where its answer starts. The previous deep
+    state is what runs: the exact one from the answer's first position on, zeros in the prompt
+    (the cloud returns the prompt's last deep state only); prompt_features="deep" fills the prompt
+    with the real ones instead (what a cloud returning every prompt position's state would give)."""
     seqs = [data.sequences[i] for i in indices]
     width = max(len(s.ids) for s in seqs)
     hidden = seqs[0].deep.shape[-1]
@@ -89,28 +80,61 @@ def _batch(data: DistillData, indices: list[int], m: int):
     answer_start = torch.zeros(len(seqs), dtype=torch.long)
     for row, s in enumerate(seqs):
         n, p = len(s.ids), s.prompt_len
+        first = 1 if prompt_features == "deep" else p
         ids[row, :n] = s.ids
         shallow[row, :n] = s.shallow[m - 1].float()
         deep[row, :n] = s.deep.float()
-        prev[row, p:n] = s.deep[p - 1 : n - 1].float()
+        prev[row, first:n] = s.deep[first - 1 : n - 1].float()
         mask[row, p:n] = True
         answer_start[row] = p
     return ids, shallow, deep, prev, mask, answer_start
 
 
-def _side(checkpoint: Checkpoint, adapter: DraftAdapter, ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+def adapter_side(checkpoint: Checkpoint, adapter: DraftAdapter, ids: torch.Tensor, prev: torch.Tensor):
     if adapter.spec.side_input == "embedding":
         return checkpoint.model.model.embed_tokens(ids)
     return prev if adapter.spec.side_input == "feature" else None
 
 
-def train_adapter(checkpoint: Checkpoint, data: DistillData, spec: AdapterSpec, cfg: DistillConfig,
-                  progress_every: int = 25) -> tuple[DraftAdapter, dict]:
+def attach_draft_vocab(adapter: DraftAdapter, ids: torch.Tensor) -> bool:
+    """Store the draft vocabulary on the adapter (saved in its file) where this adapter supports it."""
+    setter = getattr(adapter, "set_draft_vocab", None)
+    if setter is None:
+        log.warning("this DraftAdapter has no set_draft_vocab: the draft vocabulary is not stored")
+        return False
+    setter(ids)
+    return True
+
+
+def step_loss(
+    checkpoint: Checkpoint, out: torch.Tensor, deep: torch.Tensor, valid: torch.Tensor, cfg: DistillConfig, rows
+) -> torch.Tensor:
+    """One draft step's loss over its valid positions; the head only on `token_positions` of them."""
+    where = valid.nonzero(as_tuple=True)
+    student, teacher = out[where], deep[where]  # [N, H]
+    loss = student.new_zeros((), dtype=torch.float32)
+    if cfg.w_state > 0:
+        loss = loss + cfg.w_state * state_loss(checkpoint, student, teacher, cfg.normed_loss)
+    if cfg.w_token > 0:
+        pick = torch.randperm(student.shape[0])[: cfg.token_positions]
+        loss = loss + cfg.w_token * token_loss(checkpoint, student[pick], teacher[pick], rows, cfg.top_k)
+    return loss
+
+
+def train_adapter(
+    checkpoint: Checkpoint, data: DistillData, spec: AdapterSpec, cfg: DistillConfig, progress_every: int = 25
+) -> tuple[DraftAdapter, dict]:
     if not 1 <= cfg.split_layers <= data.max_m:
         raise ValueError(f"the data holds shallow states for m = 1..{data.max_m}, not {cfg.split_layers}")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     adapter = DraftAdapter(checkpoint, cfg.split_layers, spec)
+    vocab_ids, vocab_report = draft_vocabulary(
+        data.sequences, cfg.vocab_coverage, checkpoint.eos_token_id, checkpoint.vocab_size
+    )
+    stored = attach_draft_vocab(adapter, vocab_ids)
+    rows = head_rows(checkpoint, vocab_ids if cfg.token_vocab == "draft" else None)
+    steps = cfg.unroll_steps if spec.side_input == "feature" else 1  # nothing else reads its own outputs
     params = adapter.trainable_parameters()
     for p in params:
         p.requires_grad_(True)
@@ -119,21 +143,17 @@ def train_adapter(checkpoint: Checkpoint, data: DistillData, spec: AdapterSpec, 
     adapter.train()
     losses: list[float] = []
     for step in range(cfg.steps):
-        ids, shallow, deep, prev, mask, answer_start = _batch(
-            data, rng.sample(range(len(data.sequences)), cfg.batch_size), cfg.split_layers)
-        rows = mask.nonzero(as_tuple=True)
-        ce_rows = torch.randperm(len(rows[0]))[: cfg.ce_positions]
+        ids, shallow, deep, prev, mask, answer_start = batch_tensors(
+            data, rng.sample(range(len(data.sequences)), cfg.batch_size), cfg.split_layers, cfg.prompt_features
+        )
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            out = adapter.forward_training(shallow, _side(checkpoint, adapter, ids, prev))  # [B, S, H]
-            loss = distillation_loss(checkpoint, out[rows], deep[rows], cfg.w_ce, ce_rows, cfg.normed_loss)
-            if spec.side_input == "feature":
-                # one step unrolled: after the answer's first position, read the first pass's predictions
-                own = out.detach().float().roll(1, dims=1)
-                later = torch.arange(ids.shape[1])[None, :] > answer_start[:, None]  # [B, S]
-                prev_unrolled = torch.where(later[..., None], own, prev)
-                out2 = adapter.forward_training(shallow, prev_unrolled)
-                loss2 = distillation_loss(checkpoint, out2[rows], deep[rows], cfg.w_ce, ce_rows, cfg.normed_loss)
-                loss = (loss + loss2) / 2
+            outs = unrolled_forward(
+                adapter, shallow, adapter_side(checkpoint, adapter, ids, prev), answer_start, steps, cfg.unroll_detach
+            )
+            loss = sum(
+                step_loss(checkpoint, out, deep, mask & step_valid(answer_start, ids.shape[1], j), cfg, rows)
+                for j, out in enumerate(outs)
+            ) / len(outs)
         for group in optimizer.param_groups:  # warm-up, then linear decay to 10%
             group["lr"] = cfg.learning_rate * min(1.0, (step + 1) / 20) * (1 - 0.9 * step / cfg.steps)
         optimizer.zero_grad(set_to_none=True)
@@ -142,34 +162,22 @@ def train_adapter(checkpoint: Checkpoint, data: DistillData, spec: AdapterSpec, 
         optimizer.step()
         losses.append(loss.item())
         if (step + 1) % progress_every == 0 or step + 1 == cfg.steps:
-            log.info("%s m=%d step %d/%d loss %.4f (%.0f s)", spec.name, cfg.split_layers, step + 1, cfg.steps,
-                     statistics.fmean(losses[-progress_every:]), time.monotonic() - started)
+            log.info(
+                "%s m=%d step %d/%d loss %.4f (%.0f s)",
+                spec.name,
+                cfg.split_layers,
+                step + 1,
+                cfg.steps,
+                statistics.fmean(losses[-progress_every:]),
+                time.monotonic() - started,
+            )
     adapter.eval()
     adapter.requires_grad_(False)
-    report = {"variant": spec.name, "train_seconds": round(time.monotonic() - started, 1),
-              "final_loss": round(statistics.fmean(losses[-progress_every:]), 4), "config": asdict(cfg)}
-    return adapter, report
-
-
-def evaluate_accept_length(checkpoint: Checkpoint, adapter: DraftAdapter, prompts: list[str], eta: float = 0.6,
-                           max_new_tokens: int = 64) -> dict:
-    """Greedy tokens per verification round on chat prompts, its distribution, and the device's
-    drafting cost per round."""
-    m = adapter.split_layers
-    device = DeviceModel.from_checkpoint(checkpoint, m, adapter)
-    cloud = LocalCloud(MiddleSubmodel(checkpoint, m))
-    lengths: list[int] = []
-    draft_seconds = 0.0
-    for index, prompt in enumerate(prompts):
-        session = DeviceSession(device, user_prompt_ids(checkpoint, prompt), draft_config=DraftConfig(eta=eta),
-                                max_new_tokens=max_new_tokens)
-        lengths += asyncio.run(generate(session, cloud, session_id=index + 1)).accept_lengths
-        draft_seconds += sum(seconds for seconds, _ in session.draft_seconds)
-    return {
-        "eta": eta,
-        "prompts": len(prompts),
-        "rounds": len(lengths),
-        "mean_accept_length": round(statistics.fmean(lengths), 3),
-        "distribution": dict(sorted(Counter(lengths).items())),
-        "draft_ms_per_round": round(1e3 * draft_seconds / len(lengths), 2),
+    report = {
+        "variant": spec.name,
+        "train_seconds": round(time.monotonic() - started, 1),
+        "final_loss": round(statistics.fmean(losses[-progress_every:]), 4),
+        "config": asdict(cfg),
+        "draft_vocab": {**vocab_report, "stored_on_adapter": stored},
     }
+    return adapter, report

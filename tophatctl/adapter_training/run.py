@@ -17,9 +17,15 @@ from shared.chat import has_chat_template
 from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec
 from shared.model.checkpoint import Checkpoint, ModelLoadError
 from tophatctl.adapter_training.dataset import DistillData, build_distill_data, sample_user_prompts
-from tophatctl.adapter_training.distill import DistillConfig, evaluate_accept_length, train_adapter
-from tophatctl.adapter_training.prompts import (HELD_OUT_CHAT_PROMPTS, general_prompts, near_held_out,
-                                               teacher_forced_texts, training_prompts)
+from tophatctl.adapter_training.distill import DistillConfig, train_adapter
+from tophatctl.adapter_training.evaluate import evaluate_accept_length, teacher_forced_agreement
+from tophatctl.adapter_training.prompts import (
+    HELD_OUT_CHAT_PROMPTS,
+    general_prompts,
+    near_held_out,
+    teacher_forced_texts,
+    training_prompts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +46,10 @@ class DataConfig:
 
 def _part(checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, texts: list[str]) -> DistillData:
     """One cached slice of the data (built once; a later, larger mix reuses it)."""
-    path = DATA_DIR / (f"{checkpoint.path.name}-{name}-t{len(texts)}-n{cfg.max_new_tokens}"
-                       f"-m{cfg.max_m}-s{cfg.seed}{'-bf16' if cfg.bf16 else ''}.pt")
+    path = DATA_DIR / (
+        f"{checkpoint.path.name}-{name}-t{len(texts)}-n{cfg.max_new_tokens}"
+        f"-m{cfg.max_m}-s{cfg.seed}{'-bf16' if cfg.bf16 else ''}.pt"
+    )
     if path.is_file():
         log.info("reusing distillation data %s", path)
         return DistillData.load(path)
@@ -53,45 +61,119 @@ def _part(checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, text
     data = build_distill_data(checkpoint, prompts, texts, cfg.max_m, cfg.max_new_tokens, bf16=cfg.bf16)
     data.build_seconds = round(time.monotonic() - started, 1)  # writing the prompts counts (self-written ones)
     data.save(path)
-    log.info("distillation data %s: %d sequences, %d tokens, built in %.0f s", path, len(data.sequences),
-             data.num_tokens, data.build_seconds)
+    log.info(
+        "distillation data %s: %d sequences, %d tokens, built in %.0f s",
+        path,
+        len(data.sequences),
+        data.num_tokens,
+        data.build_seconds,
+    )
     return data
 
 
 def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig) -> DistillData:
     if not has_chat_template(checkpoint.tokenizer):
         raise ModelLoadError(f"{checkpoint.path} has no chat template; distilling on its own answers needs one")
-    parts = [_part(checkpoint, f"docs-p{cfg.prompts}", cfg, lambda: training_prompts(cfg.prompts, cfg.seed),
-                   teacher_forced_texts(cfg.texts, cfg.seed))]
+    parts = [
+        _part(
+            checkpoint,
+            f"docs-p{cfg.prompts}",
+            cfg,
+            lambda: training_prompts(cfg.prompts, cfg.seed),
+            teacher_forced_texts(cfg.texts, cfg.seed),
+        )
+    ]
     if cfg.general:
-        parts.append(_part(checkpoint, f"general-p{cfg.general}", cfg,
-                           lambda: general_prompts(cfg.general, cfg.seed), []))
+        parts.append(
+            _part(checkpoint, f"general-p{cfg.general}", cfg, lambda: general_prompts(cfg.general, cfg.seed), [])
+        )
     if cfg.self_written:
-        parts.append(_part(checkpoint, f"self-p{cfg.self_written}", cfg,
-                           lambda: sample_user_prompts(checkpoint, cfg.self_written, cfg.seed, bf16=cfg.bf16), []))
-    return DistillData([s for part in parts for s in part.sequences], cfg.max_m,
-                       round(sum(part.build_seconds for part in parts), 1))
+        parts.append(
+            _part(
+                checkpoint,
+                f"self-p{cfg.self_written}",
+                cfg,
+                lambda: sample_user_prompts(checkpoint, cfg.self_written, cfg.seed, bf16=cfg.bf16),
+                [],
+            )
+        )
+    return DistillData(
+        [s for part in parts for s in part.sequences], cfg.max_m, round(sum(part.build_seconds for part in parts), 1)
+    )
 
 
-def train_and_evaluate(checkpoint: Checkpoint, data: DistillData, spec: AdapterSpec, cfg: DistillConfig,
-                       eval_prompts: int, eval_new_tokens: int):
-    adapter, report = train_adapter(checkpoint, data, spec, cfg)
+def load_or_build_held_out(checkpoint: Checkpoint, max_m: int, max_new_tokens: int = 64) -> DistillData:
+    """The model's own greedy (fp32) answers to the held-out chat prompts, with their states, built
+    by the same code as the training data: for teacher-forced measurement only, never trained on."""
+    path = DATA_DIR / f"{checkpoint.path.name}-heldout-p{len(HELD_OUT_CHAT_PROMPTS)}-n{max_new_tokens}-m{max_m}.pt"
+    if path.is_file():
+        return DistillData.load(path)
+    data = build_distill_data(checkpoint, list(HELD_OUT_CHAT_PROMPTS), [], max_m, max_new_tokens, bf16=False)
+    data.save(path)
+    return data
+
+
+def evaluate(
+    checkpoint: Checkpoint,
+    adapter,
+    cfg: DistillConfig,
+    eval_prompts: int,
+    eval_new_tokens: int,
+    held_out: DistillData | None,
+) -> dict:
+    """The held-out numbers of one adapter: teacher-forced agreement (when `held_out` is given) and
+    the accept length, both with the prompt features it was trained with."""
     started = time.monotonic()
-    report["held_out"] = evaluate_accept_length(checkpoint, adapter, list(HELD_OUT_CHAT_PROMPTS[:eval_prompts]),
-                                                max_new_tokens=eval_new_tokens)
-    report["eval_seconds"] = round(time.monotonic() - started, 1)
-    log.info("%s m=%d: %s", spec.name, cfg.split_layers, report["held_out"])
+    out = {}
+    if held_out is not None:
+        out["teacher_forced"] = teacher_forced_agreement(
+            checkpoint, adapter, held_out, prompt_features=cfg.prompt_features
+        )
+    out["held_out"] = evaluate_accept_length(
+        checkpoint,
+        adapter,
+        list(HELD_OUT_CHAT_PROMPTS[:eval_prompts]),
+        max_new_tokens=eval_new_tokens,
+        prompt_features=cfg.prompt_features,
+    )
+    out["eval_seconds"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def train_and_evaluate(
+    checkpoint: Checkpoint,
+    data: DistillData,
+    spec: AdapterSpec,
+    cfg: DistillConfig,
+    eval_prompts: int,
+    eval_new_tokens: int,
+    held_out: DistillData | None = None,
+):
+    adapter, report = train_adapter(checkpoint, data, spec, cfg)
+    report.update(evaluate(checkpoint, adapter, cfg, eval_prompts, eval_new_tokens, held_out))
+    log.info("%s m=%d: %s %s", spec.name, cfg.split_layers, report.get("teacher_forced"), report["held_out"])
     return adapter, report
 
 
-def train_chat_adapter(checkpoint: Checkpoint, spec: AdapterSpec, cfg: DistillConfig, data_cfg: DataConfig,
-                       out: Path | None, eval_prompts: int = len(HELD_OUT_CHAT_PROMPTS),
-                       eval_new_tokens: int = 64) -> dict:
+def train_chat_adapter(
+    checkpoint: Checkpoint,
+    spec: AdapterSpec,
+    cfg: DistillConfig,
+    data_cfg: DataConfig,
+    out: Path | None,
+    eval_prompts: int = len(HELD_OUT_CHAT_PROMPTS),
+    eval_new_tokens: int = 64,
+) -> dict:
     started = time.monotonic()
     data = load_or_build_data(checkpoint, data_cfg)
-    adapter, report = train_and_evaluate(checkpoint, data, spec, cfg, eval_prompts, eval_new_tokens)
-    report["data"] = {"sequences": len(data.sequences), "tokens": data.num_tokens,
-                      "build_seconds": data.build_seconds, **vars(data_cfg)}
+    held_out = load_or_build_held_out(checkpoint, data.max_m)
+    adapter, report = train_and_evaluate(checkpoint, data, spec, cfg, eval_prompts, eval_new_tokens, held_out)
+    report["data"] = {
+        "sequences": len(data.sequences),
+        "tokens": data.num_tokens,
+        "build_seconds": data.build_seconds,
+        **vars(data_cfg),
+    }
     report["wall_seconds"] = round(time.monotonic() - started + data.build_seconds, 1)
     out = out or checkpoint.path / ADAPTER_FILENAME
     adapter.save(out, extra_metadata=report)
@@ -100,19 +182,27 @@ def train_chat_adapter(checkpoint: Checkpoint, spec: AdapterSpec, cfg: DistillCo
     return report
 
 
-def sweep(checkpoint: Checkpoint, cfg: DistillConfig, data_cfg: DataConfig, specs: list[AdapterSpec],
-          eval_prompts: int, eval_new_tokens: int) -> list[dict]:
+def sweep(
+    checkpoint: Checkpoint,
+    cfg: DistillConfig,
+    data_cfg: DataConfig,
+    specs: list[AdapterSpec],
+    eval_prompts: int,
+    eval_new_tokens: int,
+) -> list[dict]:
     """Each variant on the same data and steps at cfg.split_layers, then the best at m = 1..max_m."""
     data = load_or_build_data(checkpoint, data_cfg)
+    held_out = load_or_build_held_out(checkpoint, data.max_m)
     rows = []
     for spec in specs:
-        _, report = train_and_evaluate(checkpoint, data, spec, cfg, eval_prompts, eval_new_tokens)
+        _, report = train_and_evaluate(checkpoint, data, spec, cfg, eval_prompts, eval_new_tokens, held_out)
         rows.append(report)
     best = max(rows, key=lambda r: r["held_out"]["mean_accept_length"])
     best_spec = AdapterSpec(best["variant"].removesuffix("+mlp"), best["variant"].endswith("+mlp"))
     for m in range(1, data.max_m + 1):
         if m != cfg.split_layers:
-            _, report = train_and_evaluate(checkpoint, data, best_spec, replace(cfg, split_layers=m),
-                                           eval_prompts, eval_new_tokens)
+            _, report = train_and_evaluate(
+                checkpoint, data, best_spec, replace(cfg, split_layers=m), eval_prompts, eval_new_tokens, held_out
+            )
             rows.append(report)
     return rows
