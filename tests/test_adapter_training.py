@@ -275,3 +275,10 @@ def test_teacher_forced_agreement_counts_each_draft_steps_positions(tiny_checkpo
     answers = sum(len(s.ids) - s.prompt_len for s in data.sequences)
     assert result["positions"] == answers and len(result["by_step"]) == 3
     assert all(0 <= a <= 1 for a in result["by_step"] if a is not None)
+
+
+def test_the_draft_vocabulary_counts_chat_answers_not_teacher_forced_passages(smollm2):
+    prompt = dataset.user_prompt_ids(smollm2, "Can you name a few rivers in Europe?")
+    chat = SimpleNamespace(ids=torch.tensor(prompt + [5, 6]), prompt_len=len(prompt))
+    passage = SimpleNamespace(ids=torch.tensor(list(range(100, 140))), prompt_len=8)
+    assert dataset.chat_answers(smollm2, [chat, passage]) == [chat]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shared.chat import chat_prompt_ids
+from shared.chat import chat_prompt_ids, has_chat_template
 from shared.model.checkpoint import Checkpoint
 from tophatctl.adapter_training.prompts import near_held_out
 
@@ -42,8 +42,10 @@ class DistillData:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"sequences": [vars(s) for s in self.sequences], "max_m": self.max_m,
-                    "build_seconds": self.build_seconds}, path)
+        torch.save(
+            {"sequences": [vars(s) for s in self.sequences], "max_m": self.max_m, "build_seconds": self.build_seconds},
+            path,
+        )
 
     @classmethod
     def load(cls, path: Path) -> "DistillData":
@@ -67,21 +69,29 @@ def _user_turn_prefix(checkpoint: Checkpoint) -> list[int]:
 
 
 @torch.inference_mode()
-def _generate(checkpoint: Checkpoint, rows: list[list[int]], max_new_tokens: int, bf16: bool,
-              **sampling) -> list[list[int]]:
+def _generate(
+    checkpoint: Checkpoint, rows: list[list[int]], max_new_tokens: int, bf16: bool, **sampling
+) -> list[list[int]]:
     """One batch through model.generate (left padding); each row's new ids cut after the end-of-turn token."""
     eos = checkpoint.eos_token_id
     width = max(len(ids) for ids in rows)
     input_ids = torch.tensor([[eos] * (width - len(ids)) + ids for ids in rows])  # [B, W]
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        out = checkpoint.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                        pad_token_id=eos, eos_token_id=eos, **sampling)
+        out = checkpoint.model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=eos,
+            eos_token_id=eos,
+            **sampling,
+        )
     return [row[: row.index(eos) + 1] if eos in row else row for row in out[:, width:].tolist()]
 
 
-def generate_answers(checkpoint: Checkpoint, prompts: list[str], max_new_tokens: int, batch_size: int,
-                     bf16: bool = False) -> list[list[int]]:
+def generate_answers(
+    checkpoint: Checkpoint, prompts: list[str], max_new_tokens: int, batch_size: int, bf16: bool = False
+) -> list[list[int]]:
     """Greedy answers, batched; each cut after the end-of-turn token. bf16: the model's bf16 answers
     (~1.5x the rate on this CPU; they are training inputs only, the states are extracted in fp32)."""
     answers: list[list[int]] = []
@@ -93,8 +103,14 @@ def generate_answers(checkpoint: Checkpoint, prompts: list[str], max_new_tokens:
     return answers
 
 
-def sample_user_prompts(checkpoint: Checkpoint, count: int, seed: int = 0, max_new_tokens: int = 48,
-                        batch_size: int = 96, bf16: bool = False) -> list[str]:
+def sample_user_prompts(
+    checkpoint: Checkpoint,
+    count: int,
+    seed: int = 0,
+    max_new_tokens: int = 48,
+    batch_size: int = 96,
+    bf16: bool = False,
+) -> list[str]:
     """`count` distinct user questions written by the chat model itself (as Magpie does): sample
     from the template's text up to the user's words, keep the turns it finished. Never one of, or
     close to, the held-out prompts."""
@@ -109,8 +125,9 @@ def sample_user_prompts(checkpoint: Checkpoint, count: int, seed: int = 0, max_n
             break
         torch.manual_seed(generator_seed)  # each batch its own seed: the same prompts on every run
         generator_seed += 1
-        for row in _generate(checkpoint, [prefix] * batch_size, max_new_tokens, bf16,
-                             do_sample=True, temperature=1.0, top_p=0.95):
+        for row in _generate(
+            checkpoint, [prefix] * batch_size, max_new_tokens, bf16, do_sample=True, temperature=1.0, top_p=0.95
+        ):
             if not row or row[-1] != eos:
                 continue  # ran out of tokens mid-question
             text = checkpoint.tokenizer.decode(row[:-1]).strip()
@@ -121,9 +138,20 @@ def sample_user_prompts(checkpoint: Checkpoint, count: int, seed: int = 0, max_n
     return prompts[:count]
 
 
+def chat_answers(checkpoint: Checkpoint, sequences: list[DistillSequence]) -> list[DistillSequence]:
+    """The sequences whose part after prompt_len is the model's own answer to a chat turn (they start
+    with the template's user-turn prefix), not a teacher-forced passage; all of them for a model
+    without a chat template."""
+    if not has_chat_template(getattr(checkpoint, "tokenizer", None)):
+        return sequences
+    prefix = torch.tensor(_user_turn_prefix(checkpoint))
+    return [s for s in sequences if len(s.ids) > len(prefix) and torch.equal(s.ids[: len(prefix)], prefix)]
+
+
 @torch.inference_mode()
-def extract_states(checkpoint: Checkpoint, sequences: list[tuple[list[int], int]], max_m: int,
-                   batch_size: int = 8) -> list[DistillSequence]:
+def extract_states(
+    checkpoint: Checkpoint, sequences: list[tuple[list[int], int]], max_m: int, batch_size: int = 8
+) -> list[DistillSequence]:
     """Shallow and deep states per position, batched with right padding (causal: padding after a
     sequence cannot change its states, so each equals its unpadded pass)."""
     captured: dict[str, torch.Tensor] = {}
@@ -145,8 +173,16 @@ def extract_states(checkpoint: Checkpoint, sequences: list[tuple[list[int], int]
     return out
 
 
-def build_distill_data(checkpoint: Checkpoint, prompts: list[str], texts: list[str], max_m: int,
-                       max_new_tokens: int, batch_size: int = 96, max_len: int = 256, bf16: bool = True) -> DistillData:
+def build_distill_data(
+    checkpoint: Checkpoint,
+    prompts: list[str],
+    texts: list[str],
+    max_m: int,
+    max_new_tokens: int,
+    batch_size: int = 96,
+    max_len: int = 256,
+    bf16: bool = True,
+) -> DistillData:
     started = time.monotonic()
     pairs: list[tuple[list[int], int]] = []
     answers = generate_answers(checkpoint, prompts, max_new_tokens, batch_size, bf16)

@@ -21,7 +21,7 @@ import torch
 
 from shared.model.adapter import AdapterSpec, DraftAdapter
 from shared.model.checkpoint import Checkpoint
-from tophatctl.adapter_training.dataset import DistillData
+from tophatctl.adapter_training.dataset import DistillData, chat_answers
 from tophatctl.adapter_training.unroll import head_rows, state_loss, step_valid, token_loss, unrolled_forward
 from tophatctl.adapter_training.vocab import draft_vocabulary
 
@@ -61,6 +61,23 @@ class DistillConfig:
             raise ValueError(f"prompt_features is one of {PROMPT_FEATURES}, token_vocab one of {TOKEN_VOCABS}")
         if not 0 < self.vocab_coverage <= 1:
             raise ValueError("vocab_coverage must be in (0, 1]")
+
+
+def distillation_loss(
+    checkpoint: Checkpoint,
+    f_student: torch.Tensor,
+    f_teacher: torch.Tensor,
+    w_ce: float,
+    ce_rows: torch.Tensor | None = None,
+    normed: bool = False,
+) -> torch.Tensor:
+    """HAT's eq. 4 over rows [N, H]: SmoothL1 + w_ce · soft cross-entropy over the whole vocabulary on
+    `ce_rows` of them (all when None). The demo model's trainer (code_corpus.py) uses it as written."""
+    loss = state_loss(checkpoint, f_student, f_teacher, normed)
+    if w_ce > 0:
+        student, teacher = (f_student, f_teacher) if ce_rows is None else (f_student[ce_rows], f_teacher[ce_rows])
+        loss = loss + w_ce * token_loss(checkpoint, student, teacher, head_rows(checkpoint, None))
+    return loss
 
 
 def batch_tensors(data: DistillData, indices: list[int], m: int, prompt_features: str = "zeros"):
@@ -130,10 +147,12 @@ def train_adapter(
     rng = random.Random(cfg.seed)
     adapter = DraftAdapter(checkpoint, cfg.split_layers, spec)
     vocab_ids, vocab_report = draft_vocabulary(
-        data.sequences, cfg.vocab_coverage, checkpoint.eos_token_id, checkpoint.vocab_size
+        chat_answers(checkpoint, data.sequences), cfg.vocab_coverage, checkpoint.eos_token_id, checkpoint.vocab_size
     )
     stored = attach_draft_vocab(adapter, vocab_ids)
     rows = head_rows(checkpoint, vocab_ids if cfg.token_vocab == "draft" else None)
+    if cfg.bf16:  # cast once, not on every autocast matmul
+        rows = tuple(None if t is None else t.to(torch.bfloat16) for t in rows)
     steps = cfg.unroll_steps if spec.side_input == "feature" else 1  # nothing else reads its own outputs
     params = adapter.trainable_parameters()
     for p in params:
