@@ -29,9 +29,11 @@ from tophatctl.adapter_training.vocab import (
     answer_token_counts,
     choose_size,
     coverage,
+    coverage_of,
     coverage_table,
     draft_vocabulary,
     rank_tokens,
+    split_coverage_table,
 )
 
 
@@ -254,18 +256,25 @@ def test_unrolled_step_j_is_the_j_th_draft_of_a_round_as_the_device_runs_it(tiny
 def test_draft_vocabulary_ranks_answer_tokens_and_measures_coverage():
     seqs = [
         SimpleNamespace(ids=torch.tensor([9, 9, 1, 1, 1, 2, 2, 3]), prompt_len=2),  # answer 1 1 1 2 2 3
-        SimpleNamespace(ids=torch.tensor([4, 3, 2, 5]), prompt_len=1),
-    ]  # answer 3 2 5
+        SimpleNamespace(ids=torch.tensor([4, 3, 2, 5]), prompt_len=1),  # answer 3 2 5
+        SimpleNamespace(ids=torch.tensor([8, 1, 6]), prompt_len=1),  # answer 1 6
+    ]
     counts = answer_token_counts(seqs)
-    assert counts == {1: 3, 2: 3, 3: 2, 5: 1}  # the prompts' 9s and 4 are not counted
+    assert counts == {1: 4, 2: 3, 3: 2, 5: 1, 6: 1}  # the prompts' 9s, 4 and 8 are not counted
     ranked = rank_tokens(counts, always=[0])
-    assert ranked == [0, 1, 2, 3, 5]  # ties: the smaller id first; the end of turn leads
-    assert coverage(counts, ranked, 3) == 6 / 9 and coverage(counts, ranked, 5) == 1.0
-    assert coverage_table(counts, ranked, (1, 2, 4)) == {"1": 0.0, "2": round(3 / 9, 5), "4": round(8 / 9, 5)}
-    assert choose_size(counts, ranked, 0.85, (1, 2, 4, 8)) == 4
-    ids, report = draft_vocabulary(seqs, 0.6, eos_token_id=0, vocab_size=10, sizes=(2, 3, 4))
-    assert ids.tolist() == [0, 1, 2] and report["size"] == 3 and report["coverage"] == round(6 / 9, 5)
-    assert report["answer_tokens"] == 9 and report["coverage_table"]["4"] == round(8 / 9, 5)
+    assert ranked == [0, 1, 2, 3, 5, 6]  # ties: the smaller id first; the end of turn leads
+    assert coverage(counts, ranked, 3) == 7 / 11 and coverage(counts, ranked, 6) == 1.0
+    assert coverage_table(counts, ranked, (1, 2, 4)) == {"1": 0.0, "2": round(4 / 11, 5), "4": round(9 / 11, 5)}
+    # out of sample: ranked on sequences 0 + 2 (1 1 1 1 2 2 3 6 -> 1, 2, 3, 6), counted on 1 (3 2 5), and
+    # ranked on 1 (3 2 5 -> 2, 3, 5), counted on 0 + 2; pooled over the 11 tokens
+    split = split_coverage_table(seqs, (1, 2, 3))
+    assert split == {"1": round((0 + 2) / 11, 5), "2": round((1 + 3) / 11, 5), "3": round((2 + 3) / 11, 5)}
+    assert choose_size(split, 0.3, vocab_size=100) == 2 and choose_size(split, 0.9, vocab_size=100) == 3
+    assert choose_size(split, 0.3, vocab_size=2) == 1  # never the whole vocabulary
+    ids, report = draft_vocabulary(seqs, 0.3, eos_token_id=0, vocab_size=10, sizes=(1, 2, 3))
+    assert ids.tolist() == [0, 1] and report["size"] == 2 and report["coverage"] == round(4 / 11, 5)
+    assert report["coverage_out_of_sample"] == split["2"] and report["answer_tokens"] == 11
+    assert coverage_of(seqs[:1], torch.tensor([1, 3])) == 4 / 6
 
 
 def test_teacher_forced_agreement_counts_each_draft_steps_positions(tiny_checkpoint):
@@ -282,3 +291,16 @@ def test_the_draft_vocabulary_counts_chat_answers_not_teacher_forced_passages(sm
     chat = SimpleNamespace(ids=torch.tensor(prompt + [5, 6]), prompt_len=len(prompt))
     passage = SimpleNamespace(ids=torch.tensor(list(range(100, 140))), prompt_len=8)
     assert dataset.chat_answers(smollm2, [chat, passage]) == [chat]
+
+
+def test_unrolled_steps_on_the_rows_that_matter_only_give_the_same_outputs(tiny_checkpoint):
+    adapter = DraftAdapter(tiny_checkpoint, 2, AdapterSpec("feature", mlp=True)).randomize(4)
+    data = DistillData(extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 3, seed=5), max_m=2), 2, 0.0)
+    ids, shallow, deep, prev, mask, answer_start = batch_tensors(data, [0, 1, 2], m=2)
+    lengths = torch.tensor([len(s.ids) for s in data.sequences])
+    with torch.no_grad():
+        dense = unrolled_forward(adapter, shallow, prev, answer_start, steps=3)
+        sparse = unrolled_forward(adapter, shallow, prev, answer_start, steps=3, lengths=lengths)
+    for j in range(3):
+        rows = mask & step_valid(answer_start, ids.shape[1], j)  # the positions each step's loss reads
+        torch.testing.assert_close(sparse[j][rows], dense[j][rows], atol=1e-5, rtol=1e-5)

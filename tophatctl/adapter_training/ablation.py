@@ -46,7 +46,7 @@ class Row:
 FEATURE = AdapterSpec("feature", mlp=True)
 ROWS = (
     Row("feature+mlp old-loss u1", FEATURE, "state+CE(full vocab)", 1),
-    Row("feature+mlp old-loss u2", FEATURE, "state+CE(full vocab)", 2),
+    Row("feature+mlp old-loss u3", FEATURE, "state+CE(full vocab)", 3),
     Row("feature+mlp new-loss u1", FEATURE, "state+top32(draft vocab)", 1),
     Row("feature+mlp new-loss u3", FEATURE, "state+top32(draft vocab)", 3),
     Row("feature+mlp tokens-only u3", FEATURE, "top32(draft vocab)", 3),
@@ -128,17 +128,16 @@ def markdown(rows: list[dict], steps: int) -> str:
         f"held-out chat prompts (teacher-forced agreement on their greedy answers; accept length greedy, "
         f"chain, eta 0.6). Default steps {steps}.",
         "",
-        "| row | variant | loss | unroll | prompt feats | steps | draft vocab N (cover) | TF first draft "
+        "| row | variant | loss | unroll | prompt feats | steps | draft vocab N (held-out cover) | TF first draft "
         "| TF steps 1-4 | accept length | distribution | train s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tf = r.get("teacher_forced", {})
         vocab = r.get("draft_vocab")
-        vocab_cell = f"{vocab['size']} ({vocab['coverage']:.3f})" if vocab else "-"
-        token_vocab = r.get("config", {}).get("token_vocab")
-        if vocab and token_vocab == "full":
-            vocab_cell += " loss: full"
+        vocab_cell = f"{vocab['size']}" if vocab else "all"
+        if "vocab_coverage" in tf:
+            vocab_cell += f" ({tf['vocab_coverage']:.3f})"
         held = r["held_out"]
         lines.append(
             f"| {r['name']} | {r['variant']} | {r['loss']} | {r['unroll'] or '-'} "

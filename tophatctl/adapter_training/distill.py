@@ -162,13 +162,14 @@ def train_adapter(
     adapter.train()
     losses: list[float] = []
     for step in range(cfg.steps):
+        indices = rng.sample(range(len(data.sequences)), cfg.batch_size)
         ids, shallow, deep, prev, mask, answer_start = batch_tensors(
-            data, rng.sample(range(len(data.sequences)), cfg.batch_size), cfg.split_layers, cfg.prompt_features
+            data, indices, cfg.split_layers, cfg.prompt_features
         )
+        lengths = torch.tensor([len(data.sequences[i].ids) for i in indices])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            outs = unrolled_forward(
-                adapter, shallow, adapter_side(checkpoint, adapter, ids, prev), answer_start, steps, cfg.unroll_detach
-            )
+            side = adapter_side(checkpoint, adapter, ids, prev)
+            outs = unrolled_forward(adapter, shallow, side, answer_start, steps, cfg.unroll_detach, lengths)
             loss = sum(
                 step_loss(checkpoint, out, deep, mask & step_valid(answer_start, ids.shape[1], j), cfg, rows)
                 for j, out in enumerate(outs)

@@ -59,9 +59,9 @@ def teacher_forced_agreement(
             data, indices, adapter.split_layers, prompt_features
         )
         side = adapter_side(checkpoint, adapter, ids, prev)
-        outs = unrolled_forward(
-            adapter, shallow.to(adapter.dtype), None if side is None else side.to(adapter.dtype), answer_start, steps
-        )
+        lengths = torch.tensor([len(data.sequences[i].ids) for i in indices])
+        side = None if side is None else side.to(adapter.dtype)
+        outs = unrolled_forward(adapter, shallow.to(adapter.dtype), side, answer_start, steps, lengths=lengths)
         for j in range(steps):
             out = outs[min(j, len(outs) - 1)]  # hat / fusion: every step reads what step 0 read
             valid = mask & step_valid(answer_start, ids.shape[1], j)

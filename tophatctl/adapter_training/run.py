@@ -26,6 +26,7 @@ from tophatctl.adapter_training.prompts import (
     teacher_forced_texts,
     training_prompts,
 )
+from tophatctl.adapter_training.vocab import coverage_of
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,8 @@ def evaluate(
         out["teacher_forced"] = teacher_forced_agreement(
             checkpoint, adapter, held_out, prompt_features=cfg.prompt_features
         )
+        if getattr(adapter, "draft_vocab", None) is not None:  # the draft vocabulary on the held-out answers
+            out["teacher_forced"]["vocab_coverage"] = round(coverage_of(held_out.sequences, adapter.draft_vocab), 5)
     out["held_out"] = evaluate_accept_length(
         checkpoint,
         adapter,

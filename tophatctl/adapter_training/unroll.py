@@ -40,6 +40,22 @@ def step_valid(answer_start: torch.Tensor, seq_len: int, step: int) -> torch.Ten
     return torch.arange(seq_len)[None, :] >= answer_start[:, None] + step
 
 
+def rowwise(rows: torch.Tensor | None, fn, *tensors):
+    """fn over the [B, S] rows marked in `rows` (all when None), [B, S, *] back with zeros elsewhere."""
+    if rows is None:
+        return fn(*tensors)
+    picked = fn(*(None if t is None else t[rows] for t in tensors))  # [T, *]
+    full = picked.new_zeros(*rows.shape, picked.shape[-1])
+    full[rows] = picked
+    return full
+
+
+def _qkv(adapter: DraftAdapter, x_in: torch.Tensor) -> torch.Tensor:
+    x = adapter.input_layernorm(x_in)
+    attn = adapter.self_attn
+    return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+
+
 def unrolled_forward(
     adapter: DraftAdapter,
     shallow: torch.Tensor,
@@ -47,12 +63,16 @@ def unrolled_forward(
     answer_start: torch.Tensor,
     steps: int,
     detach: bool = False,
+    lengths: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Draft steps 0..steps-1 over a batch of whole sequences, with gradients.
 
     shallow: [B, S, H]; side: [B, S, H] (embeddings, or the exact previous deep states for step 0)
-    or None; answer_start: [B]. Returns one [B, S, H] output per step; a feature adapter's step j
-    reads step j-1's outputs (detached with `detach`), the other variants run step 0 only."""
+    or None; answer_start, lengths: [B]. Returns one [B, S, H] output per step; a feature adapter's
+    step j reads step j-1's outputs (detached with `detach`), the other variants run step 0 only.
+    With `lengths`, the position-wise work (projections, MLP) runs on the rows that matter only:
+    step 0 on each sequence's positions, step j >= 1 on its positions >= answer start + j (the only
+    ones a step-j query or a later step's key reads); the other rows of outputs >= 1 are zeros."""
     if adapter.spec.side_input != "feature":
         steps = 1
     batch, seq_len, _ = shallow.shape
@@ -60,16 +80,20 @@ def unrolled_forward(
     head_dim = adapter.head_dim
     cos, sin = adapter.rotary_emb(shallow, torch.arange(seq_len, device=shallow.device)[None, :])  # [1, S, D]
     later = (torch.arange(seq_len)[None, :] > answer_start[:, None])[..., None]  # [B, S, 1]: reads its own
+    real = None if lengths is None else torch.arange(seq_len)[None, :] < lengths[:, None]  # [B, S]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
     prev = side
     for step in range(steps):
-        x_in = adapter._fused(shallow, prev)  # [B, S, H]
-        x = adapter.input_layernorm(x_in)
-        q = attn.q_proj(x).view(batch, seq_len, -1, head_dim).transpose(1, 2)  # [B, Hq, S, D]
-        k = attn.k_proj(x).view(batch, seq_len, -1, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-        v = attn.v_proj(x).view(batch, seq_len, -1, head_dim).transpose(1, 2)
+        rows = real if real is None or step == 0 else real & step_valid(answer_start, seq_len, step)
+        x_in = rowwise(rows, adapter._fused, shallow, prev)  # [B, S, H]
+        q, k, v = rowwise(rows, lambda x: _qkv(adapter, x), x_in).split(
+            [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], dim=-1
+        )
+        q = q.reshape(batch, seq_len, -1, head_dim).transpose(1, 2)  # [B, Hq, S, D]
+        k = k.reshape(batch, seq_len, -1, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        v = v.reshape(batch, seq_len, -1, head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys.append(k)
         values.append(v)
@@ -81,7 +105,8 @@ def unrolled_forward(
             out = F.scaled_dot_product_attention(
                 q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask, scale=attn.scaling, enable_gqa=gqa
             )  # [B, Hq, S, D]
-        hidden = adapter._finish(x_in, attn.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1)))
+        out = out.transpose(1, 2).reshape(batch, seq_len, -1)
+        hidden = rowwise(rows, lambda x, o: adapter._finish(x, attn.o_proj(o)), x_in, out)
         outs.append(hidden)
         if step + 1 < steps:
             assert side is not None  # a feature adapter always has one
