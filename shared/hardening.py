@@ -24,6 +24,7 @@ from typing import overload
 import torch
 
 from shared.model.rotation import check_rotation, secret_rotation
+from shared.specdec.verify_layout import VerifyLayout, verify_on
 
 
 class _Wrapper:
@@ -80,8 +81,10 @@ class RotatingCloud(_Wrapper):
         answer = await self.inner.send_prefill(session_id, start_pos, self.rotate(shallow), is_last)
         return asyncio.ensure_future(self._unrotated(answer))
 
-    async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor:
-        return self.unrotate(await self.inner.verify(session_id, commit_len, self.rotate(shallow)))
+    async def verify(
+        self, session_id: int, commit_len: int, shallow: torch.Tensor, layout: VerifyLayout | None = None
+    ) -> torch.Tensor:
+        return self.unrotate(await verify_on(self.inner, session_id, commit_len, self.rotate(shallow), layout))
 
     async def send_verify(self, session_id: int, commit_len: int, shallow: torch.Tensor):
         answer = await self.inner.send_verify(session_id, commit_len, self.rotate(shallow))
@@ -112,8 +115,10 @@ class NoisyUplink(_Wrapper):
     async def send_prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool):
         return await self.inner.send_prefill(session_id, start_pos, self.noisy(shallow), is_last)
 
-    async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor:
-        return await self.inner.verify(session_id, commit_len, self.noisy(shallow))
+    async def verify(
+        self, session_id: int, commit_len: int, shallow: torch.Tensor, layout: VerifyLayout | None = None
+    ) -> torch.Tensor:
+        return await verify_on(self.inner, session_id, commit_len, self.noisy(shallow), layout)
 
     async def send_verify(self, session_id: int, commit_len: int, shallow: torch.Tensor):
         return await self.inner.send_verify(session_id, commit_len, self.noisy(shallow))

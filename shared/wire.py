@@ -474,7 +474,8 @@ class VerifyRequest(Message):
             if len(self.parents) != rows - 1 or rows > MAX_TREE_ROWS:
                 raise WireError(
                     ErrorCode.BAD_SHAPE,
-                    f"a tree of {rows} rows (at most {MAX_TREE_ROWS}) needs {rows - 1} parents, got {len(self.parents)}",
+                    f"a tree of {rows} rows (at most {MAX_TREE_ROWS}) needs {rows - 1} parents, "
+                    f"got {len(self.parents)}",
                 )
             bad = next((i for i, parent in enumerate(self.parents, start=1) if parent >= i), None)
             if bad is not None:

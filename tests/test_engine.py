@@ -10,7 +10,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from shared.model.adapter import AdapterSpec, DraftAdapter
 from shared.model.split import MiddleSubmodel
@@ -18,6 +17,7 @@ from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfi
 from shared.specdec.engine import LocalCloud, generate
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
+from tests.stat_tools import assert_matches, exact_marginals
 
 
 def run(checkpoint, ids, m, adapter, max_new, params=SamplingParams(), eta=0.6, max_draft=8, chunk_size=None, **options):
@@ -74,6 +74,7 @@ class MiddleAsDraft(torch.nn.Module):
     """A "draft adapter" that is the cloud's middle itself: the draft is the target."""
 
     spec = AdapterSpec()  # reads the shallow state only, like HAT's adapter
+    draft_vocab = None  # drafts over the whole vocabulary
 
     def __init__(self, middle: MiddleSubmodel):
         super().__init__()
@@ -82,8 +83,8 @@ class MiddleAsDraft(torch.nn.Module):
     def new_cache(self):
         return self.middle.new_cache()
 
-    def forward(self, shallow, cache, side=None):
-        return self.middle.forward_batch([(cache, shallow)])[0]  # [S, H]
+    def forward(self, shallow, cache, side=None, tree=None):
+        return self.middle.forward_batch([(cache, shallow)], None if tree is None else [tree])[0]  # [S, H]
 
 
 def recording_drafts(session: DeviceSession) -> list[int]:
@@ -146,34 +147,6 @@ def test_demo_model_greedy_hat_equals_full_with_trained_adapter(demo_checkpoint)
     result = run(demo_checkpoint, prompt, 2, adapter, 48, chunk_size=4)
     assert result.token_ids == expected
     assert result.mean_accept_length > 1.0  # the trained adapter drafts something useful
-
-
-def exact_marginals(checkpoint, ids, params, positions: int) -> list[np.ndarray]:
-    """P(i-th generated token) for i < positions, summed exactly over every prefix the target can make."""
-    from shared.specdec.sampling import logits_to_probs
-
-    prefixes, weights, marginals = [list(ids)], torch.ones(1, dtype=torch.float64), []
-    with torch.inference_mode():
-        for _ in range(positions):
-            logits = torch.cat([checkpoint.model(input_ids=torch.tensor(prefixes[i:i + 512])).logits[:, -1]
-                                for i in range(0, len(prefixes), 512)])  # [prefixes, V]
-            probs = logits_to_probs(logits, params).double()  # [prefixes, V]
-            joint = weights[:, None] * probs  # P(prefix, next token)
-            marginals.append(joint.sum(0).numpy())
-            rows, tokens = joint.nonzero(as_tuple=True)
-            prefixes = [prefixes[r] + [t] for r, t in zip(rows.tolist(), tokens.tolist())]
-            weights = joint[rows, tokens]
-    return marginals
-
-
-def assert_matches(counts: np.ndarray, probs: np.ndarray) -> None:
-    expected = probs * counts.sum()
-    assert counts[expected == 0].sum() == 0, "emitted a token the target gives probability 0"
-    big, rare = expected >= 5, (expected > 0) & (expected < 5)  # pool rare categories for chi-square
-    observed, expected_pooled = counts[big], expected[big]
-    if rare.any():
-        observed, expected_pooled = np.append(observed, counts[rare].sum()), np.append(expected_pooled, expected[rare].sum())
-    assert chisquare(observed, expected_pooled * observed.sum() / expected_pooled.sum()).pvalue > 1e-4
 
 
 @pytest.mark.slow

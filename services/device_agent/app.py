@@ -216,7 +216,7 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
                 agent.model,
                 ids,
                 params,
-                DraftConfig(settings.eta, max_draft),
+                DraftConfig(settings.eta, max_draft, settings.tree_nodes, settings.tree_width, settings.tree_min_prob),
                 max(request.max_new_tokens, 1),  # 0 (prefill only) never reaches a decode step
                 keepable=request.keep or parent is not None,
             )

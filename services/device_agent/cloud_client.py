@@ -29,6 +29,7 @@ from shared.links import LinkProfile
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.separate_rejection import Downlink
+from shared.specdec.verify_layout import VerifyLayout
 
 log = logging.getLogger("services.device_agent.cloud")
 
@@ -177,9 +178,13 @@ class WebSocketCloud(CloudConnection):
 
         return asyncio.ensure_future(answer())
 
-    async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor:
+    async def verify(
+        self, session_id: int, commit_len: int, shallow: torch.Tensor, layout: VerifyLayout | None = None
+    ) -> torch.Tensor:
         seq_no = next(self._seq)
-        reply = await self._request(wire.VerifyRequest(session_id, seq_no, commit_len, shallow), (session_id, seq_no))
+        parents, kept = (None, None) if layout is None else (layout.parents, layout.kept)
+        request = wire.VerifyRequest(session_id, seq_no, commit_len, shallow, parents, kept)
+        reply = await self._request(request, (session_id, seq_no))
         return _deep_hidden(reply)  # [k+1, H]
 
     async def send_verify(self, session_id: int, commit_len: int, shallow: torch.Tensor):

@@ -27,6 +27,7 @@ import torch
 from shared.model.kv_cache import SessionKV
 from shared.specdec.device_session import DeviceSession
 from shared.specdec.engine import ShieldedOffload, prefill_on_cloud, release_session
+from shared.specdec.verify_layout import VerifyLayout, verify_on
 
 log = logging.getLogger("services.device_agent.kept")
 
@@ -217,8 +218,10 @@ class SessionCloud:
     async def send_prefill(self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool):
         return await self.inner.send_prefill(session_id, start_pos, shallow, is_last)
 
-    async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor:
-        return await self.inner.verify(session_id, commit_len, shallow)
+    async def verify(
+        self, session_id: int, commit_len: int, shallow: torch.Tensor, layout: VerifyLayout | None = None
+    ) -> torch.Tensor:
+        return await verify_on(self.inner, session_id, commit_len, shallow, layout)
 
     async def send_verify(self, session_id: int, commit_len: int, shallow: torch.Tensor):
         return await self.inner.send_verify(session_id, commit_len, shallow)

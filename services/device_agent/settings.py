@@ -10,6 +10,7 @@ from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.modes import MODES
 from shared.service_settings import ServiceSettings
 from shared.settings import from_env
+from shared.specdec.draft_config import DraftConfig
 from shared.wire import WireDtype
 
 ENV_PREFIX = "TOPHAT_DEVICE_"
@@ -44,6 +45,11 @@ class Settings(ServiceSettings):
     speculative: bool = True  # False: plain U-shape, one token per cloud round trip
     eta: float = 0.6  # HAT eq. 5 drafting threshold
     max_draft: int = 8
+    # Draft trees (EAGLE-2, shared/specdec/tree_drafting.py): nodes per round (0: a chain stopped by eta), children
+    # per expanded node and nodes expanded per level, and how unlikely a path may get before growing stops.
+    tree_nodes: int = 0
+    tree_width: int = 4
+    tree_min_prob: float = 0.05
     # HAT Table 5 switches: SD = speculative (above), PC = prompt chunking, PD = parallel drafting.
     prompt_chunking: bool = True  # False: the whole prompt in one upload
     overlap_prefill: bool = True  # False: wait for each chunk's answer before the next (U-Sarathi-like)
@@ -137,6 +143,7 @@ class Settings(ServiceSettings):
         speed_schedule(self.speed)
         if not 0 <= self.eta <= 1 or self.max_draft < 0:
             raise ValueError("eta must be in [0, 1] and max_draft >= 0")
+        DraftConfig(self.eta, self.max_draft, self.tree_nodes, self.tree_width, self.tree_min_prob)  # checks the tree
         if self.parallel_candidates < 0 or self.parallel_steps < 0:
             raise ValueError("parallel_candidates and parallel_steps must be >= 0")
         if self.max_sessions < 1 or self.default_chunk_size < 1 or self.max_kept < 1:

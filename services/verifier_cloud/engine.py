@@ -101,7 +101,10 @@ class InProcessEngine:
         """Run one batch through the runner (worker thread): one result per item, and the step's stats."""
         started = time.perf_counter()
         results = self.runner.run(
-            [RunItem(i.session_id, i.kind, i.position, i.hidden, i.token_ids, i.is_last, i.draft) for i in batch.items]
+            [
+                RunItem(i.session_id, i.kind, i.position, i.hidden, i.token_ids, i.is_last, i.draft, i.layout)
+                for i in batch.items
+            ]
         )
         compute_s = time.perf_counter() - started
         ran = [item for item, result in zip(batch.items, results) if result.error is None]

@@ -20,6 +20,7 @@ from services.verifier_cloud.work import EngineError, WorkKind
 from services.verifier_cloud.work_item import Reply, WorkItem
 from shared import wire
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamProtocolError
+from shared.specdec.verify_layout import VerifyLayout
 
 log = logging.getLogger("services.verifier_cloud")
 
@@ -57,6 +58,11 @@ def work_item(message: WorkMessage, reply: Reply) -> WorkItem:
         reply=reply,
         token_ids=torch.tensor(message.token_ids, dtype=torch.long) if isinstance(message, TOKEN_WORK) else None,
         draft=draft,
+        layout=(
+            VerifyLayout(message.parents, message.kept)
+            if isinstance(message, wire.VerifyRequest) and (message.parents or message.kept)
+            else None
+        ),
     )
 
 

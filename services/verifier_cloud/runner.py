@@ -32,6 +32,7 @@ from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
 from shared.specdec.draft_stream import ChunkVerdict, StreamProtocolError, StreamVerifier
 from shared.specdec.sampling import SamplingParams
+from shared.specdec.verify_layout import VerifyLayout, layout_refusal, roll_back, tree_rows
 
 log = logging.getLogger("services.verifier_cloud.runner")
 
@@ -47,6 +48,7 @@ class RunItem(TokenItem):
     token_ids: torch.Tensor | None = None  # [S] int64: token mode (the runner embeds them itself)
     is_last: bool = False  # token items: sample the next token
     draft: StreamedChunk | None = None  # token items of a streamed draft: verify it (token_mode.py)
+    layout: VerifyLayout | None = None  # a verify's draft tree, and the rows it keeps of the last one
 
 
 @dataclass
@@ -189,6 +191,8 @@ class ModelRunner:
                     continue
                 assert caches is not None  # _refusal refuses an unknown session
                 if item.kind is WorkKind.VERIFY:
+                    if item.layout is not None:  # the last tree's accepted path moves down first
+                        roll_back(caches.middle, item.position, item.layout)
                     caches.truncate(item.position)  # roll back rejected draft positions before appending
                 runnable[i] = caches
             if runnable:
@@ -214,7 +218,14 @@ class ModelRunner:
                 caches.token.stream.check(item.draft.chunk)
             except StreamProtocolError as exc:
                 return EngineError(ErrorKind.MALFORMED, str(exc))
-        return check_item(item.kind, item.position, item.num_tokens, caches.length, self.context_length)
+        error = check_item(item.kind, item.position, item.num_tokens, caches.length, self.context_length)
+        if error is None and item.layout is not None:
+            refusal = layout_refusal(item.layout, item.position, item.num_tokens, caches.length)
+            if item.is_token or item.kind is not WorkKind.VERIFY:
+                refusal = "only a hidden-state verify is laid out as a tree"
+            if refusal is not None:
+                return EngineError(ErrorKind.BAD_SHAPE, refusal)
+        return error
 
     def _run_isolated(
         self,
@@ -285,7 +296,10 @@ class ModelRunner:
                 inputs[i] = states  # [S_i, H]
         ready = [x for x in inputs if x is not None]
         assert len(ready) == len(inputs)  # every token row got its shallow states
-        deep = self.layers.forward_batch([(caches.middle, x) for caches, x in zip(entries, ready)])
+        trees = [tree_rows(item.position, item.layout) for item in items]
+        deep = self.layers.forward_batch(
+            [(caches.middle, x) for caches, x in zip(entries, ready)], trees if any(trees) else None
+        )
         outputs: list[torch.Tensor | ChunkVerdict | None] = list(deep)
         for i in token_rows:
             assert token_model is not None  # checked above: token rows need it

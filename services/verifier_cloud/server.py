@@ -222,7 +222,12 @@ class VerifierServer:
                     message.session_id,
                     message.seq_no,
                 )
-            self.sessions.submit(work_item(message, self.link.replier(connection)), connection)
+            item = work_item(message, self.link.replier(connection))
+            if item.layout is not None and self.pipeline is not None:
+                raise wire.WireError(
+                    wire.ErrorCode.MALFORMED, "draft trees need pipeline_stages = 1", message.session_id, message.seq_no
+                )
+            self.sessions.submit(item, connection)
             if self.capture is not None:  # only what was accepted as work: a refused frame raised above
                 if isinstance(message, wire.PrefillChunk):
                     self.capture.record(

@@ -15,6 +15,7 @@ import torch
 
 from services.verifier_cloud.work import EngineError, TokenItem, WorkKind
 from shared.specdec.draft_stream import ChunkVerdict
+from shared.specdec.verify_layout import VerifyLayout
 
 if TYPE_CHECKING:  # token_mode loads the model code; this module stays below it
     from services.verifier_cloud.token_mode import StreamedChunk
@@ -36,6 +37,7 @@ class WorkItem(TokenItem):
     enqueued_at: float = field(default_factory=time.perf_counter)
     token_ids: torch.Tensor | None = None  # [S] int64: token mode (the cloud embeds them itself)
     draft: StreamedChunk | None = None  # a streamed draft chunk to verify; never split
+    layout: VerifyLayout | None = None  # a verify's draft tree and the rows kept of the last one; never split
 
     def __post_init__(self) -> None:
         self.kind = WorkKind(self.kind)

@@ -27,17 +27,20 @@ import torch
 
 from shared.model.adapter import DraftAdapter
 from shared.model.kv_cache import SessionKV
+from shared.model.layers import TreeRows
 from shared.specdec.device_model import DeviceModel
 from shared.specdec.draft import Branch, Draft, branch_for, only_last_corrected
 from shared.specdec.draft_config import DraftConfig, SessionError
 from shared.specdec.drafting import Drafting
 from shared.specdec.sampling import SamplingParams, Verdict, accept, logits_to_probs, sample
+from shared.specdec.tree import accept_tree_greedy, accept_tree_sampled
+from shared.specdec.tree_drafting import TreeDrafting, TreeRound
 
 __all__ = ["Branch", "DeviceModel", "DeviceSession", "Draft", "DraftConfig", "SessionError", "warm_up_device"]
 
 
 @dataclass
-class DeviceSession(Drafting):
+class DeviceSession(Drafting, TreeDrafting):
     """One generation on the device: prefill, draft (Drafting), accept; no I/O."""
 
     model: DeviceModel
@@ -84,6 +87,8 @@ class DeviceSession(Drafting):
         self._last_draft_hidden: torch.Tensor | None = None  # [1, H]: the adapter state they came from
         # [1, H]: the cloud's deep state at the position before the pending token (feature adapters read it)
         self._prev_feature: torch.Tensor | None = None
+        self._tree_round: TreeRound | None = None  # the tree in flight: its frame rows' cache rows
+        self._cloud_kept: tuple[int, ...] | None = None  # the last tree's accepted rows, for the next request
         self.reused_branches = 0
         self.predraft_chances = 0  # rounds with pre-drafted branches whose last draft token was corrected
         self.full_accepts = 0  # verification rounds that accepted every drafted token (L = k + 1)
@@ -133,13 +138,16 @@ class DeviceSession(Drafting):
         shallow: torch.Tensor,
         token_ids: torch.Tensor,
         prev_features: torch.Tensor | None,
+        tree: TreeRows | None = None,
     ) -> torch.Tensor:
-        """The adapter over rows of (token, shallow state, deep state of the position before)."""
+        """The adapter over rows of (token, shallow state, deep state of the position before); `tree`: the
+        rows are tree nodes, whose position before is their parent's."""
         # shallow: [S, H], token_ids: [S], prev_features: [S, H] -> f_S: [S, H]
         adapter = self._draft_adapter()
         if cache is None:
             raise SessionError("no draft adapter cache in this session")
-        return adapter(shallow, cache, self._adapter_side(token_ids, prev_features))
+        side = self._adapter_side(token_ids, prev_features)
+        return adapter(shallow, cache, side) if tree is None else adapter(shallow, cache, side, tree)
 
     def _adapter_side(self, token_ids: torch.Tensor, prev_features: torch.Tensor | None) -> torch.Tensor | None:
         """What the adapter reads besides the shallow state, for these rows (a batched pass packs them)."""
@@ -171,6 +179,8 @@ class DeviceSession(Drafting):
         if deep.shape[0] != len(draft.tokens) + 1:
             raise SessionError(f"verify result has {deep.shape[0]} rows, expected {len(draft.tokens) + 1}")
         deep = self.model.compute_states(deep)
+        if draft.layout is not None and draft.layout.parents is not None:
+            return self._on_tree_result(draft, deep)
         target_logits = self.model.output(deep)  # [k+1, V]
         verdict: Verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
         keep = draft.commit_len + 1 + verdict.num_accepted
@@ -196,15 +206,44 @@ class DeviceSession(Drafting):
         self._prev_feature = deep[verdict.num_accepted : verdict.num_accepted + 1]
         return emitted
 
+    def _on_tree_result(self, draft: Draft, deep: torch.Tensor) -> list[int]:
+        """Accept the longest path the target agrees with, plus its token; keep only that path's KV."""
+        # deep: [N, H], one row per tree node in the frame's order
+        assert draft.layout is not None and draft.layout.parents is not None and self.pending_token is not None
+        tokens, parents = [self.pending_token, *draft.tokens], [-1, *draft.layout.parents]
+        target_logits = self.model.output(deep)  # [N, V]
+        if self.params.is_greedy:
+            verdict = accept_tree_greedy(tokens, parents, target_logits)
+        else:
+            assert draft.probs is not None  # a sampled tree carries q per node
+            target = logits_to_probs(target_logits, self.params)
+            verdict = accept_tree_sampled(tokens, parents, draft.probs, target, self.generator)
+        path = verdict.path
+        self.pending_token = verdict.next_token
+        emitted = self._emit([tokens[row] for row in path] + [verdict.next_token])
+        self.accept_lengths.append(len(emitted))
+        depth = [0]
+        for parent in parents[1:]:
+            depth.append(depth[parent] + 1)
+        self.verdicts.append((max(depth), len(path)))  # a tree's alpha: levels drafted, levels accepted
+        self.keep_tree_path(draft, deep, path)
+        self._prev_feature = deep[path[-1] if path else 0][None]
+        return emitted
+
     def finish_alone(self, draft: Draft) -> list[int]:
         """The cloud is gone for good (its verification of `draft` never came back): emit the draft and
         go on with the draft model alone to the end. Degraded: these tokens are the adapter's, not the
         target model's."""
-        if self.adapter_cache is None or draft.last_hidden is None:
+        is_tree = draft.layout is not None and draft.layout.parents is not None
+        if self.adapter_cache is None or (draft.last_hidden is None and not is_tree):
             raise SessionError("no draft model on this device: it cannot finish without the cloud")
         self.degraded = True
-        emitted = self._emit(draft.tokens)
-        hidden = draft.last_hidden  # [1, H]: the adapter's state at the draft's last position
+        if is_tree:
+            emitted, hidden = [], self.degrade_tree(draft)  # a tree is no sequence: draft on from its root
+        else:
+            assert draft.last_hidden is not None  # checked above
+            emitted = self._emit(draft.tokens)
+            hidden = draft.last_hidden  # [1, H]: the adapter's state at the draft's last position
         while not self.is_finished:
             logits = self.model.output(hidden)[0]  # [V]
             token = sample(logits_to_probs(logits, self.params), self.generator)

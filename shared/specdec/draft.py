@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from shared.model.kv_cache import SessionKV
+    from shared.specdec.verify_layout import VerifyLayout
 
 
 @dataclass
@@ -23,6 +24,9 @@ class Draft:
     # What it takes to draft on from d_k (a pre-drafted branch cut short by the cloud's answer):
     can_continue: bool = False  # stopped by a budget or the caller, not by eta / EOS
     last_hidden: torch.Tensor | None = None  # [1, H]: the adapter's state at d_k's position
+    # Trees (shared/specdec/tree_drafting.py): tokens[i - 1] is row i's token, and the layout says how
+    # the rows hang together and what the cloud keeps of the last tree; None: a chain after commit_len.
+    layout: VerifyLayout | None = None
 
 
 @dataclass

@@ -19,6 +19,7 @@ import torch
 from shared.specdec.draft import Branch, Draft
 from shared.specdec.draft_config import DraftConfig, SessionError
 from shared.specdec.sampling import SamplingParams, logits_to_probs, sample
+from shared.specdec.verify_layout import VerifyLayout
 
 if TYPE_CHECKING:
     from shared.model.kv_cache import SessionKV
@@ -45,6 +46,7 @@ class Drafting:
     _last_draft_logits: torch.Tensor | None
     _last_draft_hidden: torch.Tensor | None
     _prev_feature: torch.Tensor | None
+    _cloud_kept: tuple[int, ...] | None
 
     if TYPE_CHECKING:  # the host's, likewise
 
@@ -61,6 +63,8 @@ class Drafting:
             token_ids: torch.Tensor,
             prev_features: torch.Tensor | None,
         ) -> torch.Tensor: ...
+
+        def draft_tree(self) -> Draft: ...
 
     # -- decode ----------------------------------------------------------------
     def _draft_budget(self) -> int:
@@ -111,7 +115,8 @@ class Drafting:
                     prev = hidden  # drafting ahead, the next position reads the adapter's own prediction
             if ended or len(tokens) >= budget or (should_stop is not None and should_stop()):
                 break
-            last_logits = self.model.output(hidden)[0]  # [V]
+            assert hidden is not None  # the pending token's row, or the adapter state a continued draft starts from
+            last_logits = self.model.draft_logits(hidden)[0]  # [V]: the draft head (a truncated vocabulary)
             last_hidden = hidden
             q = logits_to_probs(last_logits, self.params)
             token = sample(q, self._draft_stream(round_start, input_cache.length))
@@ -132,9 +137,11 @@ class Drafting:
         )
 
     def draft(self) -> Draft:
-        """Draft until confidence < eta (eq. 5) or the budget runs out."""
+        """Draft until confidence < eta (eq. 5) or the budget runs out; a tree when configured for one."""
         if self.pending_token is None or self.is_finished:
             raise SessionError("draft() before prefill or after the session finished")
+        if self.draft_config.uses_tree and self.model.adapter is not None and self._ready_draft is None:
+            return self.draft_tree()
         started = time.perf_counter()
         ready, self._ready_draft = self._ready_draft, None  # pre-drafted during the last verification
         if ready is not None:
@@ -150,7 +157,15 @@ class Drafting:
         )
         self._last_draft_logits, self._last_draft_hidden = last
         self.draft_seconds.append((time.perf_counter() - started, len(shallows)))
-        return self._make_draft(start, tokens, probs, shallows, hidden, ended)
+        draft = self._make_draft(start, tokens, probs, shallows, hidden, ended)
+        kept = self._take_kept()  # the last round was a tree: the cloud moves its accepted path down first
+        if kept is not None:
+            draft.layout = VerifyLayout(None, kept)
+        return draft
+
+    def _take_kept(self) -> tuple[int, ...] | None:
+        kept, self._cloud_kept = self._cloud_kept, None
+        return kept
 
     def _finish_ready_draft(self, ready: Draft, started: float) -> Draft:
         """An adopted branch, drafted on to where draft() would have stopped (the cloud's answer may
@@ -177,6 +192,8 @@ class Drafting:
         true (the verification came back) ends pre-drafting early: it may only use idle time."""
         if not draft.tokens or num_candidates < 1 or steps < 0 or self._last_draft_logits is None:
             return []
+        if draft.layout is not None and draft.layout.parents is not None:
+            return []  # a tree already drafts the alternatives pre-drafting would
         started = time.perf_counter()
         k = len(draft.tokens)
         branch_commit = draft.commit_len + k  # positions of (pending, d_1..d_{k-1})

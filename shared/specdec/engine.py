@@ -21,6 +21,8 @@ from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
 from shared.planners import fixed_chunks  # noqa: F401  (callers import it from here too)
 from shared.specdec.device_session import DeviceSession, SessionError
+from shared.specdec.draft import Draft
+from shared.specdec.verify_layout import VerifyLayout, layout_refusal, roll_back, tree_rows, verify_on
 
 
 class Cloud(Protocol):
@@ -36,7 +38,13 @@ class Cloud(Protocol):
         the answer lets the device compute chunk j+1 while the cloud computes chunk j."""
         ...
 
-    async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor: ...
+    async def verify(
+        self, session_id: int, commit_len: int, shallow: torch.Tensor, layout: VerifyLayout | None = None
+    ) -> torch.Tensor:
+        """Roll back to commit_len (first keeping the last tree's accepted rows, `layout.kept`), run the
+        rows (a draft tree when `layout.parents`), answer their deep states. Callers pass `layout` only
+        for trees, so a cloud without tree support keeps the three-argument form."""
+        ...
 
     async def send_verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> Awaitable[torch.Tensor]:
         """`verify`, returning once the request is sent (so several go up in order without waiting)."""
@@ -79,10 +87,14 @@ class LocalCloud:
         deep = self.middle.forward_batch([(cache, shallow)])[0]  # [S, H]
         return done_future(deep[-1:] if is_last else None)
 
-    async def verify(self, session_id, commit_len, shallow):
+    async def verify(self, session_id, commit_len, shallow, layout=None):
         cache = self._cache(session_id)
-        cache.truncate(commit_len)
-        return self.middle.forward_batch([(cache, shallow)])[0]  # [k+1, H]
+        refusal = layout_refusal(layout, commit_len, shallow.shape[0], cache.length)
+        if refusal is not None:
+            raise ValueError(refusal)
+        roll_back(cache, commit_len, layout)
+        tree = tree_rows(commit_len, layout)
+        return self.middle.forward_batch([(cache, shallow)], None if tree is None else [tree])[0]  # [k+1, H]
 
     async def send_verify(self, session_id, commit_len, shallow):
         return done_future(await self.verify(session_id, commit_len, shallow))
@@ -140,7 +152,7 @@ async def run_session(
                     # Pre-draft only while the verification is in flight: its answer stops the drafting.
                     answered = threading.Event()
                     answer_time: list[float] = []
-                    verifying = asyncio.ensure_future(cloud.verify(session_id, draft.commit_len, draft.shallow))
+                    verifying = asyncio.ensure_future(verify_draft(cloud, session_id, draft))
 
                     def on_answer(
                         _: object, times: list[float] = answer_time, event: threading.Event = answered
@@ -160,7 +172,7 @@ async def run_session(
                     # pre-draft step was finishing, `await verifying` can return before it has run.
                     answered_at = answer_time[0] if answer_time else clock()
                 else:
-                    deep = await cloud.verify(session_id, draft.commit_len, draft.shallow)
+                    deep = await verify_draft(cloud, session_id, draft)
                     answered_at = clock()
             except Exception as exc:  # noqa: BLE001 - only what finish_alone_on accepts is handled
                 if finish_alone_on is None or not finish_alone_on(exc):
@@ -173,6 +185,11 @@ async def run_session(
             session.round_overhead_s.append(clock() - answered_at)
     finally:
         await release_session(cloud, session_id, session, offload_step.last)
+
+
+async def verify_draft(cloud: Cloud, session_id: int, draft: Draft) -> torch.Tensor:
+    """The cloud's deep states for a draft's rows (a tree's layout goes along)."""
+    return await verify_on(cloud, session_id, draft.commit_len, draft.shallow, draft.layout)
 
 
 class ShieldedOffload:

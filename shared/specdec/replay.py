@@ -28,6 +28,7 @@ import torch
 
 from shared.backoff import Backoff
 from shared.specdec.engine import Cloud, done_future
+from shared.specdec.verify_layout import VerifyLayout, verify_on
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +114,23 @@ class ReplayingCloud:
             return done_future(await self._prefill_after_loss(session_id, epoch, is_last, exc))
         return asyncio.ensure_future(self._prefill_answer(session_id, epoch, answer, is_last))
 
-    async def verify(self, session_id: int, commit_len: int, shallow: torch.Tensor) -> torch.Tensor:
+    async def verify(
+        self, session_id: int, commit_len: int, shallow: torch.Tensor, layout: VerifyLayout | None = None
+    ) -> torch.Tensor:
         record = self.sessions[session_id]
+        if layout is not None and layout.kept:  # the last tree's accepted rows move down, as in the cloud's KV
+            base = commit_len - len(layout.kept)
+            record.rows[base:] = [record.rows[row] for row in layout.kept]
         del record.rows[commit_len:]  # the previous round's rejected drafts
         record.rows.extend(shallow.unbind(0))  # shallow: [k+1, H], provisional until the next commit_len
-        return await self._with_recovery(
-            session_id, lambda: self.inner.verify(session_id, commit_len, shallow), keep=commit_len
-        )
+        epoch = record.epoch
+
+        def request() -> Awaitable[torch.Tensor]:
+            # After a recovery the replayed KV holds the committed rows in place: nothing left to move.
+            moved = layout if layout is None or record.epoch == epoch else layout.without_kept()
+            return verify_on(self.inner, session_id, commit_len, shallow, moved)
+
+        return await self._with_recovery(session_id, request, keep=commit_len)
 
     async def close(self, session_id: int) -> None:
         self.sessions.pop(session_id, None)

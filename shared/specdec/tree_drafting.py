@@ -1,0 +1,227 @@
+"""Draft trees on the device (EAGLE-2's dynamic tree, in HAT's split): grow level by level, keep the best
+nodes, send them in one verify frame, and keep only the accepted path afterwards.
+
+Growing: the root is the pending token. Each level expands the frontier (the `tree_width` best nodes
+of the last level) into `tree_width` children each, and runs the next frontier through the input
+layers and the adapter in one pass with tree attention (each row sees the committed KV and its own
+ancestors, at position commit_len + depth). After at most the draft budget's depth, the
+`tree_nodes` best nodes by cumulative draft log-probability are kept (shared/specdec/tree.py's
+`select_nodes`), the few kept leaves not yet run are run, and the frame holds the kept nodes' shallow
+rows in their creation order (a topological order) with their parents.
+
+Greedy trees take each node's top-k children and rank them by draft confidence. Sampled trees must
+keep the target's distribution exactly, which holds when every node's children are its first draws
+without replacement from q and the tree's shape does not depend on which tokens were drawn: so a
+sampled tree expands the first-created nodes and keeps the first `tree_nodes` created, a shape fixed
+before any draw (`accept_tree_sampled` then verifies it; chi-square tests in tests/test_tree_session.py).
+
+`TreeDrafting` is a mixin of `DeviceSession`, like `Drafting`: it reads and advances the session's state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.model.layers import TreeRows, ancestor_mask_from_parents
+from shared.specdec.draft import Draft
+from shared.specdec.sampling import SamplingParams, logits_to_probs
+from shared.specdec.tree import draw_children, reindex, select_nodes, top_children
+from shared.specdec.verify_layout import VerifyLayout
+
+if TYPE_CHECKING:
+    from shared.model.kv_cache import SessionKV
+    from shared.specdec.device_model import DeviceModel
+    from shared.specdec.draft_config import DraftConfig
+
+
+@dataclass
+class GrownTree:
+    """Every node grown this round (node 0: the pending token), before the best are kept."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]  # cumulative draft log-probability (greedy) or minus the creation index (sampled)
+    log_q: list[float]  # cumulative draft log-probability, both ways: when growing stops
+    region_row: list[int | None]  # the node's row in the device caches after commit_len (None: not run)
+    shallow: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> [H]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> [H] adapter state
+    q: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> [V]: what its children were drawn from
+    run_order: list[int] = field(default_factory=list)  # nodes in cache row order
+
+    def row_of(self, node: int) -> int:
+        row = self.region_row[node]
+        if row is None:
+            raise ValueError(f"tree node {node} has not been run")  # a parent always runs before its children
+        return row
+
+    def add(self, token: int, parent: int, log_q: float, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.log_q.append(self.log_q[parent] + log_q)
+        self.scores.append(score)
+        self.region_row.append(None)
+        return len(self.tokens) - 1
+
+
+@dataclass
+class TreeRound:
+    """What the session keeps of a verified tree until its verdict: each frame row's node and cache row."""
+
+    region_rows: list[int]  # frame row -> its row in the device caches (0 = the root, at commit_len)
+    root_hidden: torch.Tensor  # [1, H]: the adapter's state at the root (a degraded finish starts there)
+
+
+class TreeDrafting:
+    """Grow a draft tree and lay it out for the cloud (DeviceSession's)."""
+
+    model: DeviceModel
+    params: SamplingParams
+    draft_config: DraftConfig
+    pending_token: int | None
+    generator: torch.Generator
+    _draft_rng: torch.Generator
+    input_cache: SessionKV
+    adapter_cache: SessionKV | None
+    draft_seconds: list[tuple[float, int]]
+    _prev_feature: torch.Tensor | None
+    _tree_round: TreeRound | None
+    _cloud_kept: tuple[int, ...] | None
+
+    if TYPE_CHECKING:
+
+        @property
+        def commit_len(self) -> int: ...
+
+        def _draft_budget(self) -> int: ...
+
+        def _take_kept(self) -> tuple[int, ...] | None: ...
+
+        def _run_adapter(
+            self,
+            cache: SessionKV | None,
+            shallow: torch.Tensor,
+            token_ids: torch.Tensor,
+            prev_features: torch.Tensor | None,
+            tree: TreeRows | None = None,
+        ) -> torch.Tensor: ...
+
+    def _node_stream(self, round_start: int, node: int) -> torch.Generator:
+        """Fresh draws per (round, node): a seed fixes a sampled tree, whatever ran before it."""
+        key = f"{self.generator.initial_seed()}:tree:{round_start}:{node}".encode()
+        return self._draft_rng.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1)
+
+    def _run_nodes(self, tree: GrownTree, nodes: list[int], base: int) -> None:
+        """The nodes (whose parents have run) through the input layers and the adapter, one pass each."""
+        first = len(tree.run_order)
+        tree.run_order.extend(nodes)
+        for offset, node in enumerate(nodes):
+            tree.region_row[node] = first + offset
+        region_parents = [-1] + [tree.row_of(tree.parents[node]) for node in tree.run_order[1:]]
+        rows = TreeRows.for_rows(base, ancestor_mask_from_parents(region_parents), first)
+        ids = torch.tensor([tree.tokens[node] for node in nodes])
+        shallow = self.model.input(ids, self.input_cache, rows)  # [n, H]
+        prev = torch.cat([tree.hidden[tree.parents[node]][None] for node in nodes])  # [n, H]: parents' states
+        assert self.adapter_cache is not None  # trees are drafted only with an adapter
+        hidden = self._run_adapter(self.adapter_cache, shallow, ids, prev, rows)  # [n, H]
+        for offset, node in enumerate(nodes):
+            tree.shallow[node] = shallow[offset]
+            tree.hidden[node] = hidden[offset]
+
+    def _expand(self, tree: GrownTree, nodes: list[int], round_start: int) -> list[int]:
+        """Children for each node (top-k greedy, or drawn without replacement from q); the new nodes."""
+        width = self.draft_config.tree_width
+        logits = self.model.draft_logits(torch.stack([tree.hidden[node] for node in nodes]))  # [n, V]
+        created = []
+        for node, row in zip(nodes, logits):
+            if self.params.is_greedy:
+                logp = torch.log_softmax(row, -1)  # [V]
+                for token in top_children(logp, width):
+                    created.append(tree.add(token, node, float(logp[token]), tree.log_q[node] + float(logp[token])))
+            else:
+                q = logits_to_probs(row, self.params)  # [V]
+                tree.q[node] = q
+                for token in draw_children(q, width, self._node_stream(round_start, node)):
+                    created.append(tree.add(token, node, math.log(float(q[token])), -float(len(tree.tokens))))
+        eos = self.model.eos_token_id
+        return [node for node in created if tree.tokens[node] != eos]  # nothing follows an end of turn
+
+    def draft_tree(self) -> Draft:
+        """Grow, select and lay out this round's tree (the draft budget caps its depth)."""
+        started = time.perf_counter()
+        assert self.pending_token is not None and self.adapter_cache is not None  # draft() checked
+        base, config = self.commit_len, self.draft_config
+        tree = GrownTree([self.pending_token], [-1], [0.0], [0.0], [None])
+        root = torch.tensor([self.pending_token])
+        shallow = self.model.input(root, self.input_cache)  # [1, H]: the root row, causal like a chain's
+        tree.hidden[0] = self._run_adapter(self.adapter_cache, shallow, root, self._prev_feature)[0]
+        tree.shallow[0], tree.region_row[0], tree.run_order = shallow[0], 0, [0]
+        frontier, depth_budget, steps = [0], self._draft_budget(), 1
+        for depth in range(1, depth_budget + 1):
+            created = self._expand(tree, frontier, base)
+            if depth == depth_budget or not created:
+                break
+            frontier = sorted(created, key=lambda node: -tree.scores[node])[: config.tree_width]
+            if max(math.exp(tree.log_q[node]) for node in frontier) < config.tree_min_prob:
+                break  # no path this unlikely pays for another level of drafting (a tree's eta)
+            frontier.sort()  # creation order: a parent's row comes before its children's
+            self._run_nodes(tree, frontier, base)
+            steps += 1
+        kept = select_nodes(tree.parents, tree.scores, min(config.tree_nodes, len(tree.tokens) - 1))
+        leaves = [node for node in kept if tree.region_row[node] is None]
+        if leaves:
+            self._run_nodes(tree, leaves, base)
+            steps += 1
+        self.draft_seconds.append((time.perf_counter() - started, steps))
+        return self._lay_out(tree, kept, base)
+
+    def _lay_out(self, tree: GrownTree, kept: list[int], base: int) -> Draft:
+        parents = reindex(tree.parents, kept)
+        probs = None
+        if not self.params.is_greedy:
+            vocab = self.model.vocab_size
+            # q per frame row: the distribution its children were drawn from (zeros: a node not expanded)
+            probs = torch.stack([tree.q.get(node, torch.zeros(vocab)) for node in kept])  # [N, V]
+        region_rows = [tree.region_row[node] for node in kept]
+        assert all(row is not None for row in region_rows)  # every kept node was run
+        self._tree_round = TreeRound([int(row) for row in region_rows if row is not None], tree.hidden[0][None])
+        return Draft(
+            commit_len=base,
+            tokens=[tree.tokens[node] for node in kept[1:]],
+            probs=probs,
+            shallow=torch.stack([tree.shallow[node] for node in kept]),  # [N, H]
+            layout=VerifyLayout(tuple(parents[1:]) or None, self._take_kept()),
+        )
+
+    def keep_tree_path(self, draft: Draft, deep: torch.Tensor, path: list[int]) -> None:
+        """After the verdict: both device caches keep the root and the accepted path (frame rows), and the
+        cloud is told which of its rows to keep with the next request."""
+        # deep: [N, H] in frame-row order
+        tree_round, self._tree_round = self._tree_round, None
+        assert tree_round is not None and self.adapter_cache is not None  # a tree draft set it
+        base = draft.commit_len
+        rows = [base + tree_round.region_rows[row] for row in path]
+        self.input_cache.compact(base + 1, rows)
+        if self.model.adapter is not None and self.model.adapter.spec.side_input == "feature" and path:
+            # the accepted rows were drafted from predicted deep states; the cloud's are known now
+            self.adapter_cache.truncate(base + 1)
+            ids = torch.tensor([draft.tokens[row - 1] for row in path])
+            parents = [0, *path[:-1]]
+            self._run_adapter(self.adapter_cache, draft.shallow[path], ids, deep[parents])
+        else:
+            self.adapter_cache.compact(base + 1, rows)
+        in_place = path == list(range(1, len(path) + 1))
+        self._cloud_kept = None if in_place else tuple(base + row for row in path)
+
+    def degrade_tree(self, draft: Draft) -> torch.Tensor:
+        """The cloud is gone mid-tree: back to the root, whose adapter state a lone finish drafts from."""
+        tree_round, self._tree_round = self._tree_round, None
+        assert tree_round is not None and self.adapter_cache is not None
+        self.input_cache.truncate(draft.commit_len + 1)
+        self.adapter_cache.truncate(draft.commit_len + 1)
+        return tree_round.root_hidden
