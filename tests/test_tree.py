@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from shared.specdec.sampling import accept_greedy
+from shared.model.layers import ancestor_mask_from_parents as ancestor_mask
 from shared.specdec.tree import (
     TreeError,
     TreeVerdict,
     accept_tree_greedy,
-    ancestor_mask,
     children,
     depths,
     path_to,

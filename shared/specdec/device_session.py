@@ -31,7 +31,6 @@ from shared.model.layers import TreeRows
 from shared.specdec.device_model import DeviceModel
 from shared.specdec.draft import Branch, Draft, branch_for, only_last_corrected
 from shared.specdec.draft_config import DraftConfig, SessionError
-from shared.specdec.drafting import Drafting
 from shared.specdec.sampling import SamplingParams, Verdict, accept, logits_to_probs, sample
 from shared.specdec.tree import accept_tree_greedy, accept_tree_sampled
 from shared.specdec.tree_drafting import TreeDrafting, TreeRound
@@ -40,7 +39,7 @@ __all__ = ["Branch", "DeviceModel", "DeviceSession", "Draft", "DraftConfig", "Se
 
 
 @dataclass
-class DeviceSession(Drafting, TreeDrafting):
+class DeviceSession(TreeDrafting):
     """One generation on the device: prefill, draft (Drafting), accept; no I/O."""
 
     model: DeviceModel

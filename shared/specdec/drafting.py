@@ -23,6 +23,7 @@ from shared.specdec.verify_layout import VerifyLayout
 
 if TYPE_CHECKING:
     from shared.model.kv_cache import SessionKV
+    from shared.model.layers import TreeRows
     from shared.specdec.device_model import DeviceModel
 
 
@@ -62,6 +63,7 @@ class Drafting:
             shallow: torch.Tensor,
             token_ids: torch.Tensor,
             prev_features: torch.Tensor | None,
+            tree: TreeRows | None = None,
         ) -> torch.Tensor: ...
 
         def draft_tree(self) -> Draft: ...

@@ -104,17 +104,6 @@ def children(parents: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
-    """Tree attention among the tree's rows: mask[i, j] iff j is i or an ancestor of i."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)  # [N, N]
-    for i in range(n):
-        if i > 0:
-            mask[i] = mask[parents[i]]  # the parent's row is complete: it comes first
-        mask[i, i] = True
-    return mask
-
-
 def select_nodes(parents: Sequence[int], scores: Sequence[float] | torch.Tensor, budget: int) -> list[int]:
     """The root plus the `budget` best non-root nodes by score (EAGLE-2's reranking), ancestor-closed,
     in increasing original index (so the kept sub-tree is still topologically ordered).

@@ -24,20 +24,15 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from shared.model.layers import TreeRows, ancestor_mask_from_parents
 from shared.specdec.draft import Draft
-from shared.specdec.sampling import SamplingParams, logits_to_probs
+from shared.specdec.drafting import Drafting
+from shared.specdec.sampling import logits_to_probs
 from shared.specdec.tree import draw_children, reindex, select_nodes, top_children
 from shared.specdec.verify_layout import VerifyLayout
-
-if TYPE_CHECKING:
-    from shared.model.kv_cache import SessionKV
-    from shared.specdec.device_model import DeviceModel
-    from shared.specdec.draft_config import DraftConfig
 
 
 @dataclass
@@ -77,39 +72,10 @@ class TreeRound:
     root_hidden: torch.Tensor  # [1, H]: the adapter's state at the root (a degraded finish starts there)
 
 
-class TreeDrafting:
-    """Grow a draft tree and lay it out for the cloud (DeviceSession's)."""
+class TreeDrafting(Drafting):
+    """Grow a draft tree and lay it out for the cloud (DeviceSession's; the host state is Drafting's)."""
 
-    model: DeviceModel
-    params: SamplingParams
-    draft_config: DraftConfig
-    pending_token: int | None
-    generator: torch.Generator
-    _draft_rng: torch.Generator
-    input_cache: SessionKV
-    adapter_cache: SessionKV | None
-    draft_seconds: list[tuple[float, int]]
-    _prev_feature: torch.Tensor | None
     _tree_round: TreeRound | None
-    _cloud_kept: tuple[int, ...] | None
-
-    if TYPE_CHECKING:
-
-        @property
-        def commit_len(self) -> int: ...
-
-        def _draft_budget(self) -> int: ...
-
-        def _take_kept(self) -> tuple[int, ...] | None: ...
-
-        def _run_adapter(
-            self,
-            cache: SessionKV | None,
-            shallow: torch.Tensor,
-            token_ids: torch.Tensor,
-            prev_features: torch.Tensor | None,
-            tree: TreeRows | None = None,
-        ) -> torch.Tensor: ...
 
     def _node_stream(self, round_start: int, node: int) -> torch.Generator:
         """Fresh draws per (round, node): a seed fixes a sampled tree, whatever ran before it."""
