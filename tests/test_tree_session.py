@@ -52,8 +52,9 @@ def _check_caches_every_round(session: DeviceSession) -> None:
     session.on_verify_result = checked
 
 
-@pytest.mark.parametrize("config", TREES, ids=["w2", "w4-deep", "siblings"])
-@pytest.mark.parametrize("variant", ["hat", "feature"])
+@pytest.mark.parametrize(
+    "config,variant", [(TREES[0], "hat"), (TREES[1], "feature"), (TREES[2], "feature")], ids=["w2", "w4-deep", "siblings"]
+)
 def test_greedy_trees_are_token_identical(tiny_checkpoint, config, variant):
     ids = list(range(3, 17))
     expected = generate_full(tiny_checkpoint, ids, 24).token_ids
@@ -74,7 +75,7 @@ def test_a_tree_accepts_more_than_its_chain(tiny_llama_dir):
     ids = list(range(5, 30))
     rounds = {}
     for name, config in {"chain": DraftConfig(eta=0.0, max_draft=4), "tree": TREES[1]}.items():
-        session = DeviceSession(device, ids, draft_config=config, max_new_tokens=32)
+        session = DeviceSession(device, ids, draft_config=config, max_new_tokens=24)
         result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(checkpoint, 2))))
         rounds[name] = result.num_rounds
     assert rounds["tree"] < rounds["chain"], rounds

@@ -1,0 +1,138 @@
+"""Draft trees against chains, side by side in one run (part of `make bench-core`; printed, never asserted).
+
+For each node budget (0: HAT's chain, stopped by eta) on the same held-out prompts, through the
+in-process middle with an emulated round trip per cloud call: tokens per round (accept length), the
+accepted depth histogram, drafting ms per round, decode ms per token; and the verify pass's cost by
+node count (the middle once over the tree's rows with tree attention, after a 128-token context).
+Greedy outputs are checked token-identical to the chain's.
+
+    python -m loadgen.bench_trees --model smollm2 --nodes 0,16,32,64 --rtt-ms 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from loadgen.bench_core import DelayedCloud, bench_prompts
+from shared.model.checkpoint import load_checkpoint
+from shared.model.layers import TreeRows, ancestor_mask_from_parents
+from shared.model.split import MiddleSubmodel
+from shared.runtime import build_device_model
+from shared.specdec.device_session import DeviceSession, DraftConfig
+from shared.specdec.engine import generate
+from tophatctl.models import resolve_model
+
+
+def tree_verify_ms(middle: MiddleSubmodel, hidden_size: int, nodes: int, width: int, repeats: int = 5) -> float:
+    """Median ms of one middle pass over a (root + `nodes`)-row tree, `width` children per node, breadth first."""
+    cache = middle.new_cache()
+    middle.forward_batch([(cache, torch.randn(128, hidden_size))])
+    parents = [-1] + [(i - 1) // width for i in range(1, nodes + 1)]
+    rows = TreeRows.for_new_tree(128, ancestor_mask_from_parents(parents))
+    samples = []
+    for _ in range(repeats):
+        cache.truncate(128)
+        started = time.perf_counter()
+        middle.forward_batch([(cache, torch.randn(nodes + 1, hidden_size))], [rows])
+        samples.append(time.perf_counter() - started)
+    cache.free()
+    return statistics.median(samples) * 1e3
+
+
+def compare_budgets(checkpoint, device, middle, prompts, budgets, args) -> dict:
+    rows = {}
+    chain_tokens = None
+    for nodes in budgets:
+        config = DraftConfig(args.eta, args.max_draft, nodes, args.tree_width, args.tree_min_prob)
+        lengths: list[int] = []
+        depths: Counter[int] = Counter()
+        draft_s = decode_s = 0.0
+        decoded = 0
+        outputs = []
+        for index, ids in enumerate(prompts):
+            session = DeviceSession(device, ids, draft_config=config, max_new_tokens=args.max_new_tokens)
+            result = asyncio.run(generate(session, DelayedCloud(middle, args.rtt_ms / 1e3), session_id=index + 1))
+            outputs.append(result.token_ids)
+            lengths += result.accept_lengths
+            depths.update(accepted for _, accepted in session.verdicts)
+            draft_s += sum(seconds for seconds, _ in session.draft_seconds)
+            decode_s += result.wall_s - result.ttft_s
+            decoded += len(result.token_ids) - 1
+        if chain_tokens is None:
+            chain_tokens = outputs
+        rows[nodes] = {
+            "identical_to_chain": outputs == chain_tokens,
+            "rounds": len(lengths),
+            "mean_accept_length": round(statistics.fmean(lengths), 3),
+            "accepted_depth_histogram": dict(sorted(depths.items())),
+            "draft_ms_per_round": round(1e3 * draft_s / len(lengths), 1),
+            "decode_ms_per_token": round(1e3 * decode_s / max(decoded, 1), 1),
+            "verify_pass_ms": round(tree_verify_ms(middle, checkpoint.hidden_size, max(nodes, 1), args.tree_width), 2),
+        }
+    return rows
+
+
+def print_rows(rows: dict, args) -> None:
+    chain = rows[min(rows)]
+    print(f"\ndraft trees vs chain, same prompts, same run, emulated round trip {args.rtt_ms:.0f} ms per cloud call "
+          f"(width {args.tree_width}, depth <= {args.max_draft}, grow while a path's draft probability >= "
+          f"{args.tree_min_prob}):")
+    print("  nodes  accept  draft ms/round  verify ms  decode ms/token  vs chain  identical  accepted depths")
+    for nodes, row in rows.items():
+        speedup = chain["decode_ms_per_token"] / row["decode_ms_per_token"]
+        depths = " ".join(f"{d}:{n}" for d, n in row["accepted_depth_histogram"].items())
+        print(f"  {nodes or 'chain':>5}  {row['mean_accept_length']:6.2f}  {row['draft_ms_per_round']:14.1f}  "
+              f"{row['verify_pass_ms']:9.2f}  {row['decode_ms_per_token']:15.1f}  {speedup:7.2f}x  "
+              f"{str(row['identical_to_chain']):>9}  {depths}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", default="0,16,32,64", help="tree node budgets to compare; 0 = chain")
+    parser.add_argument("--tree-width", type=int, default=4)
+    parser.add_argument("--tree-min-prob", type=float, default=0.05)
+    parser.add_argument("--tree-rtt-ms", dest="rtt_ms", type=float, default=50.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--adapter", default=None)
+    parser.add_argument("--split-layers", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--eta", type=float, default=0.6)
+    parser.add_argument("--max-draft", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/trees.json"))
+    add_arguments(parser)
+    args = parser.parse_args()
+    run(args)
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    checkpoint = load_checkpoint(resolve_model(args.model))
+    device = build_device_model(checkpoint, args.split_layers, args.adapter, speculative=True)
+    middle = MiddleSubmodel(checkpoint, args.split_layers)
+    prompts = bench_prompts(checkpoint, args.prompts)
+    budgets = [int(n) for n in args.nodes.split(",")]
+    rows = compare_budgets(checkpoint, device, middle, prompts, budgets, args)
+    print_rows(rows, args)
+    out = getattr(args, "out", None)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"model": args.model, "rtt_ms": args.rtt_ms, "prompts": args.prompts,
+                                   "max_new_tokens": args.max_new_tokens, "budgets": rows}, indent=2) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
