@@ -54,13 +54,22 @@ def _part(checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, text
     if path.is_file():
         log.info("reusing distillation data %s", path)
         return DistillData.load(path)
+    prompts_path = path.with_suffix(".prompts.json")  # the prompts alone: a build cut short restarts after them
+    if prompts_path.is_file():
+        cached = json.loads(prompts_path.read_text())
+        prompts, prompt_seconds = cached["prompts"], cached["seconds"]
+    else:
+        started = time.monotonic()
+        prompts = make_prompts()
+        prompt_seconds = round(time.monotonic() - started, 1)
+        prompts_path.parent.mkdir(parents=True, exist_ok=True)
+        prompts_path.write_text(json.dumps({"prompts": prompts, "seconds": prompt_seconds}))
     started = time.monotonic()
-    prompts = make_prompts()
     leaked = [p for p in prompts if near_held_out(p)]
     if leaked:  # the builders exclude them; this guards the guarantee the numbers rest on
         raise RuntimeError(f"held-out prompts (or near copies) leaked into training: {leaked[:5]}")
     data = build_distill_data(checkpoint, prompts, texts, cfg.max_m, cfg.max_new_tokens, bf16=cfg.bf16)
-    data.build_seconds = round(time.monotonic() - started, 1)  # writing the prompts counts (self-written ones)
+    data.build_seconds = round(prompt_seconds + time.monotonic() - started, 1)  # writing the prompts counts
     data.save(path)
     log.info(
         "distillation data %s: %d sequences, %d tokens, built in %.0f s",
