@@ -182,10 +182,13 @@ def build_distill_data(
     batch_size: int = 96,
     max_len: int = 256,
     bf16: bool = True,
+    answers: list[list[int]] | None = None,
 ) -> DistillData:
+    """answers: the prompts' answers when already generated (else generated here)."""
     started = time.monotonic()
     pairs: list[tuple[list[int], int]] = []
-    answers = generate_answers(checkpoint, prompts, max_new_tokens, batch_size, bf16)
+    if answers is None:
+        answers = generate_answers(checkpoint, prompts, max_new_tokens, batch_size, bf16)
     for prompt, answer in zip(prompts, answers):
         prompt_ids = user_prompt_ids(checkpoint, prompt)
         if answer and len(prompt_ids) < max_len - 8:

@@ -16,7 +16,12 @@ from pathlib import Path
 from shared.chat import has_chat_template
 from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec
 from shared.model.checkpoint import Checkpoint, ModelLoadError
-from tophatctl.adapter_training.dataset import DistillData, build_distill_data, sample_user_prompts
+from tophatctl.adapter_training.dataset import (
+    DistillData,
+    build_distill_data,
+    generate_answers,
+    sample_user_prompts,
+)
 from tophatctl.adapter_training.distill import DistillConfig, train_adapter
 from tophatctl.adapter_training.evaluate import evaluate_accept_length, teacher_forced_agreement
 from tophatctl.adapter_training.prompts import (
@@ -45,6 +50,15 @@ class DataConfig:
     seed: int = 0
 
 
+def _cached_answers(checkpoint: Checkpoint, prompts: list[str], cfg: DataConfig, path: Path, chunk: int = 96):
+    """The prompts' greedy answers, saved after every batch: a build cut short goes on where it stopped."""
+    answers: list[list[int]] = json.loads(path.read_text()) if path.is_file() else []
+    for start in range(len(answers), len(prompts), chunk):
+        answers += generate_answers(checkpoint, prompts[start : start + chunk], cfg.max_new_tokens, chunk, cfg.bf16)
+        path.write_text(json.dumps(answers))
+    return answers
+
+
 def _part(checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, texts: list[str]) -> DistillData:
     """One cached slice of the data (built once; a later, larger mix reuses it)."""
     path = DATA_DIR / (
@@ -68,7 +82,8 @@ def _part(checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, text
     leaked = [p for p in prompts if near_held_out(p)]
     if leaked:  # the builders exclude them; this guards the guarantee the numbers rest on
         raise RuntimeError(f"held-out prompts (or near copies) leaked into training: {leaked[:5]}")
-    data = build_distill_data(checkpoint, prompts, texts, cfg.max_m, cfg.max_new_tokens, bf16=cfg.bf16)
+    answers = _cached_answers(checkpoint, prompts, cfg, path.with_suffix(".answers.json"))
+    data = build_distill_data(checkpoint, prompts, texts, cfg.max_m, cfg.max_new_tokens, bf16=cfg.bf16, answers=answers)
     data.build_seconds = round(prompt_seconds + time.monotonic() - started, 1)  # writing the prompts counts
     data.save(path)
     log.info(
