@@ -15,14 +15,14 @@ from collections import Counter
 
 import torch
 
-from tophatctl.demo_model.corpus import held_out_prompts
-from tophatctl.models import resolve_model
 from shared.chat import has_chat_template
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, DraftConfig
 from shared.specdec.engine import LocalCloud, generate
+from tophatctl.demo_model.corpus import held_out_prompts
+from tophatctl.models import resolve_model
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -113,8 +113,8 @@ def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, thr
     return rates
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, adapter, prompts and drafting every in-process core bench takes (this one, bench_trees)."""
     parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
     parser.add_argument("--adapter", default=None, help="draft adapter file or 'random' (default: the model's own)")
     parser.add_argument("--split-layers", type=int, default=2)
@@ -123,6 +123,11 @@ def main() -> None:
     parser.add_argument("--eta", type=float, default=0.6)
     parser.add_argument("--max-draft", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_model_arguments(parser)
     parser.add_argument("--rtt-ms", type=float, default=20.0, help="emulated device-cloud round trip for the second comparison")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from loadgen.bench_core import DelayedCloud, bench_prompts
+from loadgen.bench_core import DelayedCloud, add_model_arguments, bench_prompts
 from shared.model.checkpoint import load_checkpoint
 from shared.model.layers import TreeRows, ancestor_mask_from_parents
 from shared.model.split import MiddleSubmodel
@@ -103,14 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--adapter", default=None)
-    parser.add_argument("--split-layers", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--eta", type=float, default=0.6)
-    parser.add_argument("--max-draft", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
+    add_model_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results/trees.json"))
     add_arguments(parser)
     args = parser.parse_args()
