@@ -32,7 +32,7 @@ from shared.specdec.device_model import DeviceModel
 from shared.specdec.draft import Branch, Draft, branch_for, only_last_corrected
 from shared.specdec.draft_config import DraftConfig, SessionError
 from shared.specdec.sampling import SamplingParams, Verdict, accept, logits_to_probs, sample
-from shared.specdec.tree import accept_tree_greedy, accept_tree_sampled
+from shared.specdec.tree import accept_tree_greedy, accept_tree_sampled, depths
 from shared.specdec.tree_drafting import TreeDrafting, TreeRound
 
 __all__ = ["Branch", "DeviceModel", "DeviceSession", "Draft", "DraftConfig", "SessionError", "warm_up_device"]
@@ -221,10 +221,7 @@ class DeviceSession(TreeDrafting):
         self.pending_token = verdict.next_token
         emitted = self._emit([tokens[row] for row in path] + [verdict.next_token])
         self.accept_lengths.append(len(emitted))
-        depth = [0]
-        for parent in parents[1:]:
-            depth.append(depth[parent] + 1)
-        self.verdicts.append((max(depth), len(path)))  # a tree's alpha: levels drafted, levels accepted
+        self.verdicts.append((max(depths(parents)), len(path)))  # a tree's alpha: levels drafted, levels accepted
         self.keep_tree_path(draft, deep, path)
         self._prev_feature = deep[path[-1] if path else 0][None]
         return emitted

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from shared.model.kv_cache import SessionKV
 from shared.model.layers import TreeRows, ancestor_mask_from_parents
+from shared.specdec.tree import TreeError, validate_parents
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,10 @@ def layout_refusal(layout: VerifyLayout | None, commit_len: int, num_rows: int, 
     if layout.parents is not None:
         if len(layout.parents) != num_rows - 1:
             return f"a tree of {num_rows} rows needs {num_rows - 1} parents, got {len(layout.parents)}"
-        if any(not 0 <= parent < row for row, parent in enumerate(layout.parents, start=1)):
-            return "every tree row's parent must be an earlier row"
+        try:
+            validate_parents((-1, *layout.parents), num_rows)
+        except TreeError as exc:
+            return str(exc)
     if layout.kept:
         base = commit_len - len(layout.kept)
         kept = layout.kept
