@@ -303,7 +303,7 @@ def _device_problem(device: Mapping[str, Any] | None, stale_after_s: float) -> s
     return "stale" if stale else None
 
 
-def _usable_state(
+def usable_state(
     cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None, inputs: PlannerInputs
 ) -> tuple[int, Callable[[float], float], float, Mapping[str, Any]] | str:
     """(A, g, μ, device) when A is known and both sides have usable telemetry, else the default reason."""
@@ -319,7 +319,7 @@ def _usable_state(
     return bytes_per_token, terms[0], terms[1], device
 
 
-def _positive_field(device: Mapping[str, Any], key: str, missing: str) -> float | str:
+def positive_field(device: Mapping[str, Any], key: str, missing: str) -> float | str:
     """A positive finite device value (bandwidth, step time), or the default reason."""
     value = device.get(key)
     if value is None:
@@ -335,11 +335,11 @@ def plan_from_state(
 
     `cloud` is `GET /state/cloud`, `device` is `GET /state/device/{id}` (None for a 404).
     """
-    state = _usable_state(cloud, device, inputs)
+    state = usable_state(cloud, device, inputs)
     if isinstance(state, str):
         return inputs.default_chunk(prompt_tokens), f"default:{state}"
     bytes_per_token, g, mu, dev = state
-    beta_up = _positive_field(dev, "beta_up", "missing-beta")
+    beta_up = positive_field(dev, "beta_up", "missing-beta")
     if isinstance(beta_up, str):
         return inputs.default_chunk(prompt_tokens), f"default:{beta_up}"
     size = chunk_size_eq3(
@@ -352,13 +352,13 @@ def _eq6_terms(
     cloud: Mapping[str, Any] | None, device: Mapping[str, Any] | None, inputs: PlannerInputs
 ) -> tuple[int, float, float, float, float] | str:
     """(A, β_up, β_down, g(μ), γ) from the monitor's JSON, or the default reason."""
-    state = _usable_state(cloud, device, inputs)
+    state = usable_state(cloud, device, inputs)
     if isinstance(state, str):
         return state
     bytes_per_token, g, mu, dev = state
-    beta_up = _positive_field(dev, "beta_up", "missing-beta")
-    beta_down = _positive_field(dev, "beta_down", "missing-beta")
-    gamma = _positive_field(dev, "gamma", "missing-gamma")
+    beta_up = positive_field(dev, "beta_up", "missing-beta")
+    beta_down = positive_field(dev, "beta_down", "missing-beta")
+    gamma = positive_field(dev, "gamma", "missing-gamma")
     for value in (beta_up, beta_down, gamma):
         if isinstance(value, str):
             return value

@@ -34,11 +34,16 @@ class FakePlanner(httpx.AsyncBaseTransport):
         self.released = asyncio.Event()
         self.released.set()
         self.chunk = 48
+        self.shape = "chain"  # POST /draft-budget's answer
+        self.budget_asks: list[dict] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         params = dict(request.url.params)
         self.calls.append((request.url.path, params))
         await self.released.wait()
+        if request.url.path == "/draft-budget":
+            self.budget_asks.append(json.loads(await request.aread()))
+            return httpx.Response(200, json={"shape": self.shape, "source": "budget"})
         if request.url.path == "/chunk-size":
             return httpx.Response(200, json={"chunk_size": self.chunk, "source": "eq3"})
         rows = int(params["draft_len"])
@@ -153,3 +158,45 @@ async def test_requests_make_no_planner_call_on_their_ttft_path(tiny_llama_check
                 planner.released.set()
                 await asyncio.wait_for(asyncio.shield(agent.plans.refreshing), 5)
     assert agent.plans.plan is not None and agent.plans.plan.fetched_at == clock.now
+
+
+async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_llama_checkpoint) -> None:
+    """With TOPHAT_DEVICE_DRAFT_BUDGETS, hat requests run the planner's shape (a tree, then no drafts at
+    all), the device posts what each shape did, and the greedy answer is the same whatever the shape."""
+    checkpoint = tiny_llama_checkpoint
+    planner, clock = FakePlanner(), Clock()
+    planner.shape = "tree8"
+    async with verifier_on_loopback(checkpoint, 2) as (server, url):
+        settings = device_settings.Settings(model_dir=str(checkpoint.path), split_layers=2, adapter="random",
+                                            verifier_url=url, wire_dtype="f4", chunk_planner_url=PLANNER,
+                                            draft_budgets="none,tree8", bandwidth_probe_interval_s=0,
+                                            rtt_probe_interval_s=0)
+        agent = await asyncio.to_thread(DeviceAgent, settings)
+        agent.plans.http = httpx.AsyncClient(transport=planner)
+        agent.plans.clock = clock
+        app = create_app(settings, agent)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://device",
+                                         timeout=60) as http:
+                async def generate() -> list[int]:
+                    body = {"prompt_ids": list(range(3, 40)), "max_new_tokens": 8}
+                    response = await asyncio.wait_for(http.post("/generate", json=body), 30)
+                    events = [json.loads(line) for line in response.text.splitlines()]
+                    assert events[-1]["type"] == "done", events[-1]
+                    return [t for e in events if e["type"] == "tokens" for t in e["token_ids"]]
+
+                as_tree = await generate()
+                stats = agent.budget.stats
+                assert stats["tree8"].accept.count == 1 and stats["tree8"].rows.value > 1
+                assert stats["none"].accept.count == 0
+                ask = planner.budget_asks[-1]
+                assert ask["default"] == "chain" and {o["name"] for o in ask["options"]} == {"none", "chain", "tree8"}
+                planner.shape = "none"
+                clock.now += settings.plan_refresh_s + 1
+                await asyncio.wait_for(agent.plans.refresh(), 5)
+                without_drafts = await generate()
+                assert stats["none"].accept.count == 1 and stats["none"].rows.value == 1
+                assert stats["none"].accept.value == 1.0
+                assert without_drafts == as_tree
+                tree_posted = {o["name"]: o for o in planner.budget_asks[-1]["options"]}["tree8"]
+                assert tree_posted["accept"] == stats["tree8"].accept.value

@@ -1,4 +1,5 @@
-"""Chunk planner: prefill chunk sizes (HAT §3.3, eq. 3) and parallel-draft steps (§3.5, eq. 6).
+"""Chunk planner: prefill chunk sizes (HAT §3.3, eq. 3), parallel-draft steps (§3.5, eq. 6) and the draft
+budget per round (`POST /draft-budget`, shared/draft_budget.py).
 
 A (hidden-state bytes per token) is the caller's: a device passes `bytes_per_token`
 (its hidden size x its wire dtype's bytes); P is the caller's `stages`, else what the verifier
@@ -45,6 +46,7 @@ from fastapi.responses import JSONResponse, Response
 from services.chunk_planner.monitor_client import NO_MONITOR, MonitorClient, Telemetry, reported_stages
 from services.chunk_planner.settings import Settings, load_settings
 from shared import auth
+from shared.draft_budget import BudgetError, BudgetRequest, budget_from_state
 from shared.edge_sd.plan import (
     InfeasibleBatchingError,
     PlanRequest,
@@ -243,6 +245,25 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
                 else plan_draft_steps_table_from_state(state.cloud, state.device, inputs, draft_len)[0]
             )
         return answer
+
+    @app.post("/draft-budget")
+    async def draft_budget(request: Request) -> JSONResponse:
+        """The draft shape for this device's next requests (shared/draft_budget.py): the posted options
+        (what each shape did on the device) against its link and the verifier's load."""
+        try:
+            ask = BudgetRequest.from_json(await request.json())
+        except (ValueError, BudgetError) as exc:  # not JSON (json.JSONDecodeError is a ValueError) or invalid
+            return _plan_error("invalid_budget_request", str(exc))
+        for_caller(request, ask.device_id)
+        state = await telemetry(ask.device_id)
+        inputs = planner_inputs(settings, ask.bytes_per_token, reported_stages(state))
+        detail: dict[str, Any] = {}
+        if state.failure is not None:
+            shape, source = ask.default, f"default:{state.failure}"
+        else:
+            shape, source, detail = budget_from_state(state.cloud, state.device, inputs, ask.options, ask.default)
+        metrics.decision("draft_budget", source)
+        return JSONResponse({"shape": shape, "source": source, **detail})
 
     @app.post("/edge-sd/plan")
     async def edge_sd_plan(request: Request) -> JSONResponse:

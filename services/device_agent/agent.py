@@ -25,6 +25,7 @@ from services.device_agent.rounds import ROUNDS
 from services.device_agent.settings import Settings
 from shared import auth, latency_stats, wire
 from shared.device_speed import speed_schedule
+from shared.draft_budget import BudgetTracker
 from shared.hardening import with_noise, with_rotation
 from shared.jupiter.plan import load_plan
 from shared.latency_stats import Timeline
@@ -36,6 +37,7 @@ from shared.model.rotation import rotated_fingerprint
 from shared.modes import MODE_TABLE
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
+from shared.specdec.draft_config import DraftConfig
 from shared.specdec.replay import ReplayingCloud
 from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context
@@ -103,6 +105,8 @@ class DeviceAgent:
         self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls, auth=credential)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
+        shapes = settings.budget_shapes()
+        self.budget = BudgetTracker(shapes) if shapes else None  # each draft shape's measurements (draft_budget.py)
         self.plans = (
             PlanCache(
                 self.http,
@@ -115,6 +119,8 @@ class DeviceAgent:
                 default_steps=DEFAULT_PARALLEL_STEPS,
                 refresh_s=settings.plan_refresh_s,
                 timeout_s=settings.planner_timeout_s,
+                budget=self.budget,
+                default_shape=settings.default_shape(),
             )
             if settings.chunk_planner_url
             else None
@@ -220,8 +226,26 @@ class DeviceAgent:
             return Plan.defaults(self.settings.default_chunk_size, DEFAULT_PARALLEL_STEPS)
         return await self.plans.current()
 
-    async def stream(self, request: GenerateRequest, ids: list[int], session: DeviceSession | None, request_id: str):
-        """NDJSON events of one request; `session` is None where the mode builds none (cloud)."""
+    async def draft_config(self, rounds: str, max_draft: int) -> tuple[DraftConfig, str | None]:
+        """A request's draft policy, and the budget shape it uses (None: not budgeted). hat rounds with budgeting
+        on take the shape the planner chose from the link and the verifier's load; the rest the configured one."""
+        s = self.settings
+        if self.budget is None or rounds != "hat" or max_draft == 0:
+            return DraftConfig(s.eta, max_draft, s.tree_nodes, s.tree_width, s.tree_min_prob), None
+        name = (await self.plan()).shape or s.default_shape()
+        shape = self.budget.shapes[name]
+        return DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob), name
+
+    async def stream(
+        self,
+        request: GenerateRequest,
+        ids: list[int],
+        session: DeviceSession | None,
+        request_id: str,
+        shape: str | None = None,
+    ):
+        """NDJSON events of one request; `session` is None where the mode builds none (cloud); `shape` the
+        draft budget's shape it runs (its rounds are measured for the next choices)."""
         spec = MODE_TABLE[request.option("mode", self.settings)]
         started = time.perf_counter()
         timeline = Timeline()  # seconds since `started`, one delivery per round
@@ -279,6 +303,8 @@ class DeviceAgent:
         yield json.dumps(done) + "\n"
         if session is not None:
             self._report_timings(session, request_slowdown)
+            if shape is not None and self.budget is not None:
+                self._observe_budget(shape, session, request_slowdown)
 
     def _count_rounds(self, session: DeviceSession, counted: int) -> int:
         """Count the session's verification rounds from index `counted` on; returns how many are counted now."""
@@ -318,6 +344,15 @@ class DeviceAgent:
                 else None
             ),
         )
+
+    def _observe_budget(self, shape: str, session: DeviceSession, slowdown: float) -> None:
+        rounds = session.accept_lengths
+        if not rounds or not session.round_rows:
+            return
+        draft_s = sum(s for s, _ in session.draft_seconds) / slowdown
+        rows = sum(session.round_rows) / len(session.round_rows)
+        assert self.budget is not None
+        self.budget.observe(shape, rounds, rows, draft_s / len(rounds))
 
     async def aclose(self) -> None:
         if self.edge is not None:

@@ -49,7 +49,7 @@ from shared.jupiter.outline import advertised_chat_format
 from shared.metrics import metrics_response
 from shared.modes import MODE_TABLE, Asked, Offered
 from shared.runtime import encode_prompt
-from shared.specdec.device_session import DraftConfig, SessionError
+from shared.specdec.device_session import SessionError
 from shared.specdec.sampling import SamplingParams
 
 log = logging.getLogger("services.device_agent")
@@ -211,12 +211,13 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             if not spec.uses_device_model and not ids:  # a device session refuses an empty prompt itself
                 return error_response(400, "bad_request", "the prompt is empty")
             max_draft = settings.max_draft if speculative else 0
+            draft_config, shape = await agent.draft_config(spec.rounds, max_draft)
             session = build_session(
                 spec,
                 agent.model,
                 ids,
                 params,
-                DraftConfig(settings.eta, max_draft, settings.tree_nodes, settings.tree_width, settings.tree_min_prob),
+                draft_config,
                 max(request.max_new_tokens, 1),  # 0 (prefill only) never reaches a decode step
                 keepable=request.keep or parent is not None,
             )
@@ -234,6 +235,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             return error_response(400, "bad_request", str(exc))
         agent.active += 1
         request_id = request.request_id or uuid.uuid4().hex
-        return StreamingResponse(agent.stream(request, ids, session, request_id), media_type="application/x-ndjson")
+        return StreamingResponse(
+            agent.stream(request, ids, session, request_id, shape), media_type="application/x-ndjson"
+        )
 
     return app

@@ -3,7 +3,8 @@
 A plan is one snapshot of the planner's view of this device: the eq. 3 chunk size (asked for
 the longest prompt the model takes; a shorter prompt's answer is the same size capped at the
 prompt, exactly as the planner caps it) and eq. 6's λ for every draft length up to
-max_draft + 1 rows (one table, so each round looks up λ for the k + 1 rows it actually sends).
+max_draft + 1 rows (one table, so each round looks up λ for the k + 1 rows it actually sends), and, where
+the device budgets its drafts, the draft shape its hat requests use (`POST /draft-budget`).
 
 Requests read the cached plan; a plan older than `refresh_s` is still used, and one background
 refresh (an owned task, bounded by `timeout_s`) replaces it for the next request. Only when no
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from shared.draft_budget import BudgetRequest, BudgetTracker
 from shared.planners import hidden_bytes_per_token
 from shared.wire import WireDtype, dtype_bytes
 
@@ -38,6 +40,7 @@ class Plan:
     steps_by_rows: tuple[int, ...]  # λ for 0..max_draft+1 rows per verification
     source: str  # the planner's sources, "chunk:<eq3|default:...> steps:<eq6|default:...>"
     fetched_at: float
+    shape: str | None = None  # the draft shape for hat requests (shared/draft_budget.py); None: the configured one
 
     @classmethod
     def defaults(cls, chunk_size: int, steps: int) -> Plan:
@@ -66,6 +69,8 @@ class PlanCache:
         refresh_s: float,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        budget: BudgetTracker | None = None,
+        default_shape: str = "chain",
     ):
         self.http = http
         self.planner_url = planner_url.rstrip("/")
@@ -76,6 +81,8 @@ class PlanCache:
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
         self.clock = clock
+        self.budget = budget  # the shapes' measurements, posted with each refresh (None: no budgeting)
+        self.default_shape = default_shape
         self.default = Plan.defaults(default_chunk_size, default_steps)
         self.plan: Plan | None = None
         self.refreshing: asyncio.Task | None = None  # the one background refresh, owned here
@@ -118,21 +125,34 @@ class PlanCache:
 
     async def _fetch(self) -> Plan:
         base = {"device_id": self.device_id, "bytes_per_token": self.bytes_per_token}
-        chunk, steps = await asyncio.gather(
+        chunk, steps, budget = await asyncio.gather(
             self._get("/chunk-size", {**base, "prompt_tokens": self.max_prompt_tokens}),
             self._get("/parallel-draft-steps", {**base, "draft_len": self.max_rows, "all_lengths": "true"}),
+            self._budget(),
         )
         table = tuple(max(0, int(n)) for n in steps["steps_by_draft_len"])
         if not table:
             raise ValueError("empty steps_by_draft_len")
-        plan = Plan(
-            int(chunk["chunk_size"]), table, f"chunk:{chunk.get('source')} steps:{steps.get('source')}", self.clock()
-        )
+        source = f"chunk:{chunk.get('source')} steps:{steps.get('source')}"
+        shape = None
+        if budget is not None:
+            shape = budget["shape"] if budget["shape"] in (self.budget.shapes if self.budget else {}) else None
+            source += f" budget:{budget.get('source')}"
+        plan = Plan(int(chunk["chunk_size"]), table, source, self.clock(), shape)
         log.debug("plan for %s: %s", self.device_id, plan)
         return plan
 
+    async def _budget(self) -> dict | None:
+        if self.budget is None:
+            return None
+        ask = BudgetRequest(self.device_id, self.bytes_per_token, self.default_shape, self.budget.options())
+        return await self._call("POST", "/draft-budget", json=ask.to_json())
+
     async def _get(self, path: str, params: dict) -> dict:
-        response = await self.http.get(f"{self.planner_url}{path}", params=params, timeout=self.timeout_s)
+        return await self._call("GET", path, params=params)
+
+    async def _call(self, method: str, path: str, **kwargs) -> dict:
+        response = await self.http.request(method, f"{self.planner_url}{path}", timeout=self.timeout_s, **kwargs)
         response.raise_for_status()
         body = response.json()
         if not isinstance(body, dict):

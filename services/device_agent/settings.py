@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.draft_budget import DraftShape
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.modes import MODES
 from shared.service_settings import ServiceSettings
@@ -50,6 +51,9 @@ class Settings(ServiceSettings):
     tree_nodes: int = 0
     tree_width: int = 4
     tree_min_prob: float = 0.05
+    # The draft budget per round from the link and the verifier's load (shared/draft_budget.py): the shapes the
+    # chunk planner chooses among for hat requests, e.g. "none,chain,tree16,tree32"; empty: always the shape above.
+    draft_budgets: str = ""
     # HAT Table 5 switches: SD = speculative (above), PC = prompt chunking, PD = parallel drafting.
     prompt_chunking: bool = True  # False: the whole prompt in one upload
     overlap_prefill: bool = True  # False: wait for each chunk's answer before the next (U-Sarathi-like)
@@ -144,6 +148,7 @@ class Settings(ServiceSettings):
         if not 0 <= self.eta <= 1 or self.max_draft < 0:
             raise ValueError("eta must be in [0, 1] and max_draft >= 0")
         DraftConfig(self.eta, self.max_draft, self.tree_nodes, self.tree_width, self.tree_min_prob)  # checks the tree
+        self.budget_shapes()  # checks the names
         if self.parallel_candidates < 0 or self.parallel_steps < 0:
             raise ValueError("parallel_candidates and parallel_steps must be >= 0")
         if self.max_sessions < 1 or self.default_chunk_size < 1 or self.max_kept < 1:
@@ -186,6 +191,20 @@ class Settings(ServiceSettings):
         if size is None or size <= 0:
             raise ValueError(f"edge_memory_budget must be a size like 2GiB, got {self.edge_memory_budget!r}")
         return int(size)
+
+    def default_shape(self) -> str:
+        """The configured draft shape's name in shared/draft_budget.py's terms."""
+        if not self.speculative or self.max_draft == 0:
+            return "none"
+        return f"tree{self.tree_nodes}" if self.tree_nodes else "chain"
+
+    def budget_shapes(self) -> list[DraftShape]:
+        """The shapes of `draft_budgets`, the configured one included; [] when budgeting is off."""
+        names = [n.strip() for n in self.draft_budgets.split(",") if n.strip()]
+        if not names:
+            return []
+        names += [self.default_shape()] if self.default_shape() not in names else []
+        return [DraftShape.parse(name, self.max_draft) for name in dict.fromkeys(names)]
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -77,6 +77,7 @@ class DeviceSession(TreeDrafting):
         self.pending_token: int | None = None  # last emitted token, not yet run through any layer
         self.accept_lengths: list[int] = []  # tokens emitted per verification round
         self.verdicts: list[tuple[int, int]] = []  # (draft tokens, draft tokens accepted) per verification round
+        self.round_rows: list[int] = []  # rows each verification carried (the root plus its drafts)
         self.draft_seconds: list[tuple[float, int]] = []  # (seconds, device steps) of each draft() call
         # Wall-clock timings the engine records for telemetry (the simulator's latency models):
         self.round_overhead_s: list[float] = []  # per round, outside drafting and the cloud wait
@@ -187,6 +188,7 @@ class DeviceSession(TreeDrafting):
         emitted = self._emit(draft.tokens[: verdict.num_accepted] + [verdict.next_token])
         self.accept_lengths.append(len(emitted))
         self.verdicts.append((len(draft.tokens), verdict.num_accepted))
+        self.round_rows.append(deep.shape[0])
         self.full_accepts += verdict.num_accepted == len(draft.tokens)
         match = None
         if only_last_corrected(len(draft.tokens), verdict.num_accepted) and not self.is_finished:
@@ -222,6 +224,7 @@ class DeviceSession(TreeDrafting):
         emitted = self._emit([tokens[row] for row in path] + [verdict.next_token])
         self.accept_lengths.append(len(emitted))
         self.verdicts.append((max(depths(parents)), len(path)))  # a tree's alpha: levels drafted, levels accepted
+        self.round_rows.append(len(tokens))
         self.keep_tree_path(draft, deep, path)
         self._prev_feature = deep[path[-1] if path else 0][None]
         return emitted

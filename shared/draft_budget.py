@@ -1,0 +1,242 @@
+"""The draft budget of a round: how many draft rows a device sends per verification, from the measured
+link and the cloud's load. Pure functions; the chunk planner serves the choice (`POST /draft-budget`)
+and the device agent keeps the per-shape measurements (`BudgetTracker`).
+
+A device can draft in several shapes: none (a U-shape round: one row, one token), a chain stopped by
+eta (HAT eq. 5), or a tree of N nodes (EAGLE-2). Each shape s has, as measured on this device,
+
+    L_s      tokens a round yields (accept length, >= 1)
+    r_s      rows a round sends (the root plus its drafts)
+    d_s      device seconds of drafting per round
+
+A round of shape s takes
+
+    T_s = RTT + d_s + r_s*A/beta_up + r_s*A/beta_down + g(S * r_s)
+
+where g is the cloud's compute delay at a batched size (HAT eq. 2) and S the sessions sharing a
+verifier step. Why S * r_s and not the rows of this device alone: every row a device adds is computed
+in the same step as every other session's rows, so the whole batch waits for it. Assuming the other
+sessions draft like this one (they run the same policy), maximising this session's L_s / T_s is
+maximising the verifier's goodput. With one session, g(r_s) is nearly flat on a memory-bound cloud
+(one weight read serves every row) and wide trees pay; as S grows, g(S * r_s) climbs into its
+compute-bound part, each extra row costs S rows of compute, and the budget falls to a chain, then to
+no drafts at all: speculation stops burning a busy verifier on rows it will reject.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.ema import DEFAULT_ALPHA, Ema
+from shared.planners import PlannerInputs, positive_field, usable_state
+
+
+class BudgetError(ValueError):
+    """Options or link figures the policy cannot use (empty, non-finite, out of range)."""
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """One way to draft a round. `max_draft` 0 is no drafting; `tree_nodes` 0 a chain."""
+
+    name: str
+    max_draft: int
+    tree_nodes: int = 0
+
+    @classmethod
+    def parse(cls, name: str, chain_max_draft: int) -> DraftShape:
+        """'none', 'chain' or 'tree<N>' (e.g. tree16)."""
+        if name == "none":
+            return cls(name, 0)
+        if name == "chain":
+            return cls(name, chain_max_draft)
+        if name.startswith("tree") and name[4:].isdigit() and int(name[4:]) > 0:
+            return cls(name, chain_max_draft, int(name[4:]))
+        raise BudgetError(f"unknown draft shape {name!r}: use none, chain or tree<N>")
+
+    def prior(self) -> tuple[float, float]:
+        """(accept length, rows) before anything is measured: what no drafting gives, and a
+        cautious guess for drafting (tokens a round yields grow slowly with the rows sent)."""
+        if self.max_draft == 0:
+            return 1.0, 1.0
+        rows = float(self.tree_nodes + 1 if self.tree_nodes else min(self.max_draft, 3) + 1)
+        return 1.0 + 0.25 * math.log2(rows), rows
+
+
+@dataclass(frozen=True)
+class BudgetOption:
+    name: str
+    accept: float  # L: tokens per round
+    rows: float  # r: rows per verification
+    draft_s: float  # d: device drafting seconds per round
+
+    def __post_init__(self):
+        for label, value, low in (("accept", self.accept, 1.0), ("rows", self.rows, 1.0), ("draft_s", self.draft_s, 0)):
+            if not (math.isfinite(value) and value >= low):
+                raise BudgetError(f"option {self.name!r}: {label} must be finite and >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LinkLoad:
+    rtt_s: float  # a one-row round trip (latency and framing)
+    bytes_per_row: float  # A: one hidden state on the wire
+    beta_up: float  # bytes/s
+    beta_down: float
+    sessions: float  # S: sessions in a verifier step (>= 1)
+
+    def __post_init__(self):
+        values = (self.rtt_s, self.bytes_per_row, self.beta_up, self.beta_down, self.sessions)
+        if not all(math.isfinite(v) for v in values):
+            raise BudgetError(f"link and load figures must be finite: {self}")
+        if self.rtt_s < 0 or self.bytes_per_row <= 0 or self.beta_up <= 0 or self.beta_down <= 0:
+            raise BudgetError(f"need rtt_s >= 0 and positive bytes and bandwidths: {self}")
+        if self.sessions < 1:
+            raise BudgetError(f"sessions must be >= 1, got {self.sessions!r}")
+
+
+def round_seconds(option: BudgetOption, link: LinkLoad, g: Callable[[float], float]) -> float:
+    """T_s above: one round of this shape while S sessions share each verifier step."""
+    transfer = option.rows * link.bytes_per_row * (1.0 / link.beta_up + 1.0 / link.beta_down)
+    return link.rtt_s + option.draft_s + transfer + max(0.0, g(link.sessions * option.rows))
+
+
+def choose_budget(
+    options: Iterable[BudgetOption], link: LinkLoad, g: Callable[[float], float]
+) -> tuple[str, dict[str, float]]:
+    """The option with the most tokens per second, and every option's tokens/s. Ties go to the
+    fewer rows (the verifier's time is everyone's)."""
+    options = list(options)
+    if not options:
+        raise BudgetError("no draft shapes to choose from")
+    rates = {o.name: o.accept / max(round_seconds(o, link, g), 1e-9) for o in options}
+    best = max(options, key=lambda o: (round(rates[o.name], 9), -o.rows))
+    return best.name, rates
+
+
+@dataclass
+class ShapeStats:
+    accept: Ema = field(default_factory=lambda: Ema(DEFAULT_ALPHA))
+    rows: Ema = field(default_factory=lambda: Ema(DEFAULT_ALPHA))
+    draft_s: Ema = field(default_factory=lambda: Ema(DEFAULT_ALPHA))
+
+
+class BudgetTracker:
+    """What each shape did on this device, per round (EMA over requests, HAT's a = 0.8): the options the
+    planner chooses among. A shape never run yet offers its prior, with the drafting time of the
+    measured shape scaled by rows (a tree's levels cost about what a chain's steps do)."""
+
+    def __init__(self, shapes: Iterable[DraftShape]):
+        self.shapes = {s.name: s for s in shapes}
+        if not self.shapes:
+            raise BudgetError("a budget tracker needs at least one draft shape")
+        self.stats = {name: ShapeStats() for name in self.shapes}
+
+    def observe(self, name: str, accept_lengths: list[int], rows_per_round: float, draft_s_per_round: float) -> None:
+        """One request's rounds in shape `name` (a request with no rounds says nothing)."""
+        if name not in self.stats or not accept_lengths:
+            return
+        stats = self.stats[name]
+        stats.accept.update(sum(accept_lengths) / len(accept_lengths))
+        stats.rows.update(max(1.0, rows_per_round))
+        stats.draft_s.update(max(0.0, draft_s_per_round))
+
+    def _draft_s_per_row(self) -> float:
+        pairs = [(s.draft_s.value, s.rows.value) for s in self.stats.values() if s.draft_s.value is not None]
+        rates = [d / max(r - 1, 1.0) for d, r in pairs if r is not None and r > 1]
+        return sum(rates) / len(rates) if rates else 0.0
+
+    def options(self) -> list[BudgetOption]:
+        per_row = self._draft_s_per_row()
+        out = []
+        for name, shape in self.shapes.items():
+            stats = self.stats[name]
+            prior_accept, prior_rows = shape.prior()
+            rows = stats.rows.value if stats.rows.value is not None else prior_rows
+            draft_s = stats.draft_s.value if stats.draft_s.value is not None else per_row * (rows - 1)
+            accept = stats.accept.value if stats.accept.value is not None else prior_accept
+            out.append(BudgetOption(name, max(1.0, accept), rows, draft_s))
+        return out
+
+
+def budget_from_state(
+    cloud: Mapping[str, Any] | None,
+    device: Mapping[str, Any] | None,
+    inputs: PlannerInputs,
+    options: list[BudgetOption],
+    default: str,
+) -> tuple[str, str, dict[str, Any]]:
+    """The planner's answer from the state monitor's JSON: (shape, "budget" or "default:<reason>", detail).
+    `default` is the device's configured shape, kept where the telemetry cannot decide."""
+    state = usable_state(cloud, device, inputs)
+    if isinstance(state, str):
+        return default, f"default:{state}", {}
+    bytes_per_token, g, _, dev = state
+    figures = [positive_field(dev, key, "missing-beta") for key in ("beta_up", "beta_down")]
+    rtt = dev.get("rtt_s")
+    if not isinstance(rtt, (int, float)) or isinstance(rtt, bool) or not math.isfinite(rtt) or rtt < 0:
+        figures.append("missing-rtt")
+    for value in figures:
+        if isinstance(value, str):
+            return default, f"default:{value}", {}
+    last = (cloud or {}).get("last")
+    sessions = last.get("num_sessions") if isinstance(last, Mapping) else None
+    sessions = float(sessions) if isinstance(sessions, (int, float)) and not isinstance(sessions, bool) else 1.0
+    sessions = max(1.0, sessions) if math.isfinite(sessions) else 1.0
+    link = LinkLoad(float(rtt), bytes_per_token, float(figures[0]), float(figures[1]), sessions)  # type: ignore[arg-type]
+    name, rates = choose_budget(options, link, g)
+    return name, "budget", {"sessions": sessions, "tokens_per_s": {k: round(v, 4) for k, v in rates.items()}}
+
+
+MAX_OPTIONS = 32
+
+
+@dataclass(frozen=True)
+class BudgetRequest:
+    """`POST /draft-budget`'s body: the device, its A, its configured shape and its measured options."""
+
+    device_id: str
+    bytes_per_token: int | None
+    default: str
+    options: list[BudgetOption]
+
+    @classmethod
+    def from_json(cls, body: Any) -> BudgetRequest:
+        if not isinstance(body, Mapping):
+            raise BudgetError("the body must be a JSON object")
+        device_id, default, raw = body.get("device_id"), body.get("default"), body.get("options")
+        if not isinstance(device_id, str) or not 0 < len(device_id) <= 128:
+            raise BudgetError("device_id must be a string of 1..128 characters")
+        if not isinstance(raw, list) or not 0 < len(raw) <= MAX_OPTIONS:
+            raise BudgetError(f"options must be a list of 1..{MAX_OPTIONS} shapes")
+        options = []
+        for item in raw:
+            if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
+                raise BudgetError("each option needs a name, accept, rows and draft_s")
+            numbers = [item.get(k) for k in ("accept", "rows", "draft_s")]
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
+                raise BudgetError(f"option {item['name']!r}: accept, rows and draft_s must be numbers")
+            options.append(BudgetOption(item["name"][:32], *(float(x) for x in numbers)))  # type: ignore[arg-type]
+        names = [o.name for o in options]
+        if len(set(names)) != len(names):
+            raise BudgetError("option names must be distinct")
+        if default not in names:
+            raise BudgetError("default must name one of the options")
+        bytes_per_token = body.get("bytes_per_token")
+        if bytes_per_token is not None and (
+            not isinstance(bytes_per_token, int)
+            or isinstance(bytes_per_token, bool)
+            or not 0 < bytes_per_token <= 1 << 24
+        ):
+            raise BudgetError("bytes_per_token must be an integer in 1..2**24")
+        return cls(device_id, bytes_per_token, default, options)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device_id": self.device_id,
+            "bytes_per_token": self.bytes_per_token,
+            "default": self.default,
+            "options": [vars(o) for o in self.options],
+        }

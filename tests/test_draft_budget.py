@@ -1,0 +1,170 @@
+"""The draft budget per round (shared/draft_budget.py): the policy, the planner's POST /draft-budget from a
+live state monitor, and the device's per-shape measurements."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shared.draft_budget import (
+    BudgetError,
+    BudgetOption,
+    BudgetRequest,
+    BudgetTracker,
+    DraftShape,
+    LinkLoad,
+    budget_from_state,
+    choose_budget,
+    round_seconds,
+)
+from services.chunk_planner.settings import load_settings
+from shared.planners import PlannerInputs
+from tests.test_chunk_planner import monitor, planner_settings, post, running
+
+# Near what bench_trees measured on SmolLM2 (accept length, rows, draft seconds per round)
+OPTIONS = [
+    BudgetOption("none", 1.0, 1.0, 0.0),
+    BudgetOption("chain", 1.42, 2.6, 0.03),
+    BudgetOption("tree16", 1.98, 17.0, 0.05),
+    BudgetOption("tree32", 2.03, 33.0, 0.06),
+]
+
+
+def cpu_like_g(rows: float) -> float:
+    """A verifier that reads its weights once per step (60 ms) and then pays per row (0.5 ms)."""
+    return 0.06 + 0.0005 * rows
+
+
+def link(sessions: float, rtt_s: float = 0.05) -> LinkLoad:
+    return LinkLoad(rtt_s, 1152, 2.5e6, 5e6, sessions)
+
+
+def test_round_seconds_adds_the_link_the_drafting_and_the_shared_batch() -> None:
+    option = BudgetOption("tree16", 2.0, 17.0, 0.08)
+    expected = 0.05 + 0.08 + 17 * 1152 * (1 / 2.5e6 + 1 / 5e6) + cpu_like_g(4 * 17)
+    assert math.isclose(round_seconds(option, link(4), cpu_like_g), expected)
+
+
+def test_the_budget_falls_as_the_verifiers_load_rises() -> None:
+    chosen = [choose_budget(OPTIONS, link(s), cpu_like_g)[0] for s in (1, 2, 4, 8, 16, 32)]
+    rows = {o.name: o.rows for o in OPTIONS}
+    assert chosen[0] in ("tree16", "tree32")  # idle: the widest tree that pays
+    assert chosen[-1] == "none"  # saturated: every extra row costs every session
+    assert [rows[c] for c in chosen] == sorted((rows[c] for c in chosen), reverse=True)
+
+
+def test_a_flat_cloud_and_a_long_round_trip_favour_trees() -> None:
+    flat = lambda rows: 0.02  # noqa: E731 (a GPU far from its compute bound)
+    assert choose_budget(OPTIONS, link(1, rtt_s=0.2), flat)[0].startswith("tree")
+
+
+def test_ties_go_to_fewer_rows() -> None:
+    same = [BudgetOption("a", 2.0, 9.0, 0.0), BudgetOption("b", 2.0, 3.0, 0.0)]
+    assert choose_budget(same, link(1), lambda rows: 0.0)[0] == "b"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: BudgetOption("x", 0.5, 1, 0),
+        lambda: BudgetOption("x", 1, math.nan, 0),
+        lambda: BudgetOption("x", 1, 1, -1),
+        lambda: LinkLoad(0.05, 1152, 0, 1, 1),
+        lambda: LinkLoad(0.05, 1152, 1, 1, 0.5),
+        lambda: choose_budget([], link(1), cpu_like_g),
+        lambda: DraftShape.parse("tree0", 8),
+        lambda: DraftShape.parse("bush", 8),
+    ],
+)
+def test_bad_figures_are_refused(bad) -> None:
+    with pytest.raises(BudgetError):
+        bad()
+
+
+def test_shapes_parse_to_draft_settings() -> None:
+    assert DraftShape.parse("none", 8) == DraftShape("none", 0)
+    assert DraftShape.parse("chain", 6) == DraftShape("chain", 6)
+    assert DraftShape.parse("tree16", 6) == DraftShape("tree16", 6, 16)
+
+
+def test_the_tracker_offers_priors_then_what_it_measured() -> None:
+    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
+    before = {o.name: o for o in tracker.options()}
+    assert before["none"] == BudgetOption("none", 1.0, 1.0, 0.0)
+    assert before["tree16"].accept > before["chain"].accept > 1.0
+    tracker.observe("chain", [1, 2, 1, 2], rows_per_round=3.0, draft_s_per_round=0.04)
+    tracker.observe("unknown", [5], 3.0, 0.1)  # not a shape of this device: ignored
+    tracker.observe("tree16", [], 17.0, 0.1)  # no rounds: says nothing
+    after = {o.name: o for o in tracker.options()}
+    assert after["chain"] == BudgetOption("chain", 1.5, 3.0, 0.04)
+    assert math.isclose(after["tree16"].draft_s, 0.02 * 16)  # the chain's seconds per drafted row, scaled
+    tracker.observe("chain", [3], 5.0, 0.08)
+    assert math.isclose(tracker.options()[1].accept, 0.8 * 1.5 + 0.2 * 3)
+
+
+def budget_body(**overrides) -> dict:
+    body = BudgetRequest("jetson-1", 1152, "chain", OPTIONS).to_json()
+    return {**body, **overrides}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [],
+        {"device_id": "", "default": "chain", "options": []},
+        budget_body(options=[]),
+        budget_body(default="tree99"),
+        budget_body(options=[{"name": "a", "accept": "2", "rows": 1, "draft_s": 0}]),
+        budget_body(options=[{"name": "a", "accept": 2, "rows": 1, "draft_s": 0}] * 2, default="a"),
+        budget_body(bytes_per_token=True),
+        budget_body(options=[{"name": "chain", "accept": 0.1, "rows": 1, "draft_s": 0}]),
+    ],
+)
+def test_bad_requests_are_refused(body) -> None:
+    with pytest.raises(BudgetError):
+        BudgetRequest.from_json(body)
+
+
+def test_from_state_needs_the_device_link_and_the_cloud_curve() -> None:
+    inputs = PlannerInputs(bytes_per_token=1152)
+    assert budget_from_state(None, None, inputs, OPTIONS, "chain")[:2] == ("chain", "default:no-telemetry")
+    cloud = {"mu": 8, "last": {"num_sessions": 1}, "g": {"buckets": [{"bucket": 6, "mu": 8, "eta": 0.07}]}}
+    fresh = {"last_update": 1.0, "age_s": 0.1, "beta_up": 2.5e6, "beta_down": 5e6}
+    assert budget_from_state(cloud, fresh, inputs, OPTIONS, "chain")[:2] == ("chain", "default:missing-rtt")
+    shape, source, detail = budget_from_state(cloud, {**fresh, "rtt_s": 0.05}, inputs, OPTIONS, "chain")
+    assert source == "budget" and detail["sessions"] == 1 and set(detail["tokens_per_s"]) == {o.name for o in OPTIONS}
+
+
+def steps(rows_per_step: list[int], per_row_s: float) -> list[dict]:
+    return [{"kind": "verifier_step", "batched_tokens": m, "compute_s": 0.06 + per_row_s * m, "num_sessions": s}
+            for m, s in rows_per_step]
+
+
+async def test_the_planner_lowers_the_budget_when_the_verifier_gets_busy() -> None:
+    device = [
+        {"kind": "device_transfer", "device_id": "jetson-1", "direction": "up", "bytes": 8192, "seconds": 0.004},
+        {"kind": "device_transfer", "device_id": "jetson-1", "direction": "down", "bytes": 8192, "seconds": 0.002},
+        {"kind": "device_rtt", "device_id": "jetson-1", "rtt_s": 0.05},
+    ]
+    async with monitor() as (mon, transport):
+        async with running(planner_settings(), transport) as planner:
+            await post(mon, device)
+            curve = [(m, 1) for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)]
+            idle = [{**r, "num_sessions": 1} for r in steps(curve, 0.0005)]
+            await post(mon, idle)
+            answer = (await planner.post("/draft-budget", json=budget_body())).json()
+            assert answer["source"] == "budget" and answer["shape"] in ("tree16", "tree32"), answer
+            await post(mon, [{**idle[-1], "num_sessions": 32}])
+            busy = (await planner.post("/draft-budget", json=budget_body())).json()
+            assert busy["source"] == "budget" and busy["sessions"] == 32 and busy["shape"] == "none", busy
+            refused = await planner.post("/draft-budget", json=budget_body(default="tree99"))
+            assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_budget_request"
+            garbage = await planner.post("/draft-budget", content=b"{not json")
+            assert garbage.status_code == 422
+
+
+async def test_without_a_monitor_the_planner_keeps_the_devices_shape() -> None:
+    async with running(load_settings({})) as planner:
+        answer = (await planner.post("/draft-budget", json=budget_body(default="tree16"))).json()
+        assert answer == {"shape": "tree16", "source": "default:no-monitor"}
