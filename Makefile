@@ -44,6 +44,7 @@ demo: install
 bench-core: install
 	$(BIN)/python -m loadgen.bench_core --model $(MODEL)
 	$(BIN)/python -m loadgen.bench_trees --model $(MODEL)
+	$(BIN)/python -m loadgen.bench_budget --model $(MODEL)
 
 clean:
 	rm -rf $(VENV)

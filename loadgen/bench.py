@@ -7,7 +7,8 @@ Each mode is a configuration of the same product (HAT §4 baselines):
     cloud     whole model in the cloud, token ids, autoregressive  (verifier full model; no privacy)
     token-sd  device drafts, cloud verifies token ids, stop-and-wait (verifier full model; no privacy)
     picospec  token-sd with PicoSpec's asynchronous pipeline       (verifier full model; no privacy)
-    hat       SD + PC + PD                                         (request switches)
+    hat       SD + PC + PD, each round's draft shape (none, chain, tree) from the draft budget
+    hat-chain hat with every round a chain (HAT as published)      (request switch draft_shape)
     hat-async HAT with the asynchronous pipeline (hidden states)   (request switches)
 
 Modes that need a differently configured verifier get their own mesh; the
@@ -65,6 +66,8 @@ def modes_for(workload: str) -> dict[str, BenchVariant]:
         "ushape": BenchVariant("ushape", plain),
         "usarathi": BenchVariant("usarathi", plain, (("TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS", chunk),)),
         **{mode: table_variant(mode) for mode in BENCH_MODES},
+        # hat with every round a chain (HAT as published): the draft budget's shapes against it, in one run
+        "hat-chain": BenchVariant("hat-chain", {"draft_shape": "chain"}),
     }
 
 

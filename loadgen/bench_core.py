@@ -114,7 +114,7 @@ def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, thr
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model, adapter, prompts and drafting every in-process core bench takes (this one, bench_trees)."""
+    """The model, adapter, prompts and drafting every in-process core bench takes (this one, bench_trees, bench_budget)."""
     parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
     parser.add_argument("--adapter", default=None, help="draft adapter file or 'random' (default: the model's own)")
     parser.add_argument("--split-layers", type=int, default=2)

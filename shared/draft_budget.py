@@ -125,8 +125,8 @@ class ShapeStats:
 
 class BudgetTracker:
     """What each shape did on this device, per round (EMA over requests, HAT's a = 0.8): the options the
-    planner chooses among. A shape never run yet offers its prior, with the drafting time of the
-    measured shape scaled by rows (a tree's levels cost about what a chain's steps do)."""
+    planner chooses among. A shape never run yet offers its prior, with the drafting time per step of
+    the measured shapes times its steps (a tree's levels cost about what a chain's steps do)."""
 
     def __init__(self, shapes: Iterable[DraftShape]):
         self.shapes = {s.name: s for s in shapes}
@@ -143,6 +143,13 @@ class BudgetTracker:
         stats.rows.update(max(1.0, rows_per_round))
         stats.draft_s.update(max(0.0, draft_s_per_round))
 
+    def untried(self) -> str | None:
+        """A drafting shape with no measurement yet (no drafts need none: its figures are exact), or None."""
+        for name, shape in self.shapes.items():
+            if shape.max_draft > 0 and self.stats[name].accept.count == 0:
+                return name
+        return None
+
     def _draft_s_per_row(self) -> float:
         pairs = [(s.draft_s.value, s.rows.value) for s in self.stats.values() if s.draft_s.value is not None]
         rates = [d / max(r - 1, 1.0) for d, r in pairs if r is not None and r > 1]
@@ -155,7 +162,9 @@ class BudgetTracker:
             stats = self.stats[name]
             prior_accept, prior_rows = shape.prior()
             rows = stats.rows.value if stats.rows.value is not None else prior_rows
-            draft_s = stats.draft_s.value if stats.draft_s.value is not None else per_row * (rows - 1)
+            # a tree drafts level by level (one adapter pass per level, however wide): its levels, not its rows
+            steps = min(rows - 1, shape.max_draft)
+            draft_s = stats.draft_s.value if stats.draft_s.value is not None else per_row * steps
             accept = stats.accept.value if stats.accept.value is not None else prior_accept
             out.append(BudgetOption(name, max(1.0, accept), rows, draft_s))
         return out

@@ -146,23 +146,26 @@ async def test_requests_make_no_planner_call_on_their_ttft_path(tiny_llama_check
                     assert events[-1]["type"] == "done", events[-1]
                     return events
 
-                await generate()  # the first request fetches the first plan
-                assert len(planner.calls) == 2
-                assert {p["bytes_per_token"] for _, p in planner.calls} == {str(checkpoint.hidden_size * 4)}
+                await generate()  # the first request fetches the first plan: chunk size, PD steps, draft budget
+                assert len(planner.calls) == 3
+                asked = {p["bytes_per_token"] for path, p in planner.calls if path != "/draft-budget"}
+                assert asked == {str(checkpoint.hidden_size * 4)}
+                assert planner.budget_asks[0]["bytes_per_token"] == checkpoint.hidden_size * 4
                 planner.released.clear()  # from now on the planner hangs
                 await generate()  # fresh plan: no call
-                assert len(planner.calls) == 2
+                assert len(planner.calls) == 3
                 clock.now += settings.plan_refresh_s + 1
                 await generate()  # old plan: used as is; the refresh waits in the background
-                assert len(planner.calls) == 4 and agent.plans.refreshing is not None
+                assert len(planner.calls) == 6 and agent.plans.refreshing is not None
                 planner.released.set()
                 await asyncio.wait_for(asyncio.shield(agent.plans.refreshing), 5)
     assert agent.plans.plan is not None and agent.plans.plan.fetched_at == clock.now
 
 
 async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_llama_checkpoint) -> None:
-    """With TOPHAT_DEVICE_DRAFT_BUDGETS, hat requests run the planner's shape (a tree, then no drafts at
-    all), the device posts what each shape did, and the greedy answer is the same whatever the shape."""
+    """With TOPHAT_DEVICE_DRAFT_BUDGETS, hat requests try each drafting shape once, then run the planner's
+    shape (here no drafts at all); the device posts what each shape did, and the greedy answer is the same
+    whatever the shape."""
     checkpoint = tiny_llama_checkpoint
     planner, clock = FakePlanner(), Clock()
     planner.shape = "tree8"
@@ -178,17 +181,19 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://device",
                                          timeout=60) as http:
-                async def generate() -> list[int]:
-                    body = {"prompt_ids": list(range(3, 40)), "max_new_tokens": 8}
+                async def generate(**extra) -> list[int]:
+                    body = {"prompt_ids": list(range(3, 40)), "max_new_tokens": 8, **extra}
                     response = await asyncio.wait_for(http.post("/generate", json=body), 30)
                     events = [json.loads(line) for line in response.text.splitlines()]
                     assert events[-1]["type"] == "done", events[-1]
                     return [t for e in events if e["type"] == "tokens" for t in e["token_ids"]]
 
-                as_tree = await generate()
+                as_tree = await generate()  # shapes never measured are tried first, once each: the tree ...
                 stats = agent.budget.stats
                 assert stats["tree8"].accept.count == 1 and stats["tree8"].rows.value > 1
-                assert stats["none"].accept.count == 0
+                assert stats["none"].accept.count == stats["chain"].accept.count == 0
+                as_chain = await generate()  # ... then the chain (the configured shape, always offered)
+                assert stats["chain"].accept.count == 1 and stats["tree8"].accept.count == 1
                 ask = planner.budget_asks[-1]
                 assert ask["default"] == "chain" and {o["name"] for o in ask["options"]} == {"none", "chain", "tree8"}
                 planner.shape = "none"
@@ -197,6 +202,11 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
                 without_drafts = await generate()
                 assert stats["none"].accept.count == 1 and stats["none"].rows.value == 1
                 assert stats["none"].accept.value == 1.0
-                assert without_drafts == as_tree
+                assert without_drafts == as_tree == as_chain
+                # a request may name its own shape (a bench's fixed rows); not one of the budget's: not measured
+                assert await generate(draft_shape="tree3") == as_tree
+                assert "tree3" not in stats
+                bad = await http.post("/generate", json={"prompt_ids": [3, 4], "draft_shape": "bush"})
+                assert bad.status_code in (400, 422)
                 tree_posted = {o["name"]: o for o in planner.budget_asks[-1]["options"]}["tree8"]
                 assert tree_posted["accept"] == stats["tree8"].accept.value

@@ -90,6 +90,7 @@ def test_shapes_parse_to_draft_settings() -> None:
 
 def test_the_tracker_offers_priors_then_what_it_measured() -> None:
     tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
+    assert tracker.untried() == "chain"  # no drafts needs no measuring
     before = {o.name: o for o in tracker.options()}
     assert before["none"] == BudgetOption("none", 1.0, 1.0, 0.0)
     assert before["tree16"].accept > before["chain"].accept > 1.0
@@ -97,8 +98,9 @@ def test_the_tracker_offers_priors_then_what_it_measured() -> None:
     tracker.observe("unknown", [5], 3.0, 0.1)  # not a shape of this device: ignored
     tracker.observe("tree16", [], 17.0, 0.1)  # no rounds: says nothing
     after = {o.name: o for o in tracker.options()}
+    assert tracker.untried() == "tree16"
     assert after["chain"] == BudgetOption("chain", 1.5, 3.0, 0.04)
-    assert math.isclose(after["tree16"].draft_s, 0.02 * 16)  # the chain's seconds per drafted row, scaled
+    assert math.isclose(after["tree16"].draft_s, 0.02 * 8)  # the chain's seconds per step, times 8 levels
     tracker.observe("chain", [3], 5.0, 0.08)
     assert math.isclose(tracker.options()[1].accept, 0.8 * 1.5 + 0.2 * 3)
 
@@ -168,3 +170,15 @@ async def test_without_a_monitor_the_planner_keeps_the_devices_shape() -> None:
     async with running(load_settings({})) as planner:
         answer = (await planner.post("/draft-budget", json=budget_body(default="tree16"))).json()
         assert answer == {"shape": "tree16", "source": "default:no-monitor"}
+
+
+def test_the_bench_table_chooses_per_load_from_measured_points() -> None:
+    from loadgen.bench_budget import LOADS, budget_table
+
+    figures = {o.name: {"accept": o.accept, "rows": o.rows, "draft_s": o.draft_s} for o in OPTIONS}
+    points = [(mu, cpu_like_g(mu)) for mu in (1, 4, 16, 64, 256, 1024)]
+    table = budget_table(figures, points, link(1))
+    assert [row["sessions"] for row in table] == list(LOADS)
+    assert table[0]["chosen"].startswith("tree") and table[-1]["chosen"] == "none"
+    rows = [figures[row["chosen"]]["rows"] for row in table]
+    assert rows == sorted(rows, reverse=True)

@@ -25,7 +25,7 @@ from services.device_agent.rounds import ROUNDS
 from services.device_agent.settings import Settings
 from shared import auth, latency_stats, wire
 from shared.device_speed import speed_schedule
-from shared.draft_budget import BudgetTracker
+from shared.draft_budget import BudgetTracker, DraftShape
 from shared.hardening import with_noise, with_rotation
 from shared.jupiter.plan import load_plan
 from shared.latency_stats import Timeline
@@ -226,15 +226,25 @@ class DeviceAgent:
             return Plan.defaults(self.settings.default_chunk_size, DEFAULT_PARALLEL_STEPS)
         return await self.plans.current()
 
-    async def draft_config(self, rounds: str, max_draft: int) -> tuple[DraftConfig, str | None]:
-        """A request's draft policy, and the budget shape it uses (None: not budgeted). hat rounds with budgeting
-        on take the shape the planner chose from the link and the verifier's load; the rest the configured one."""
+    async def draft_config(
+        self, rounds: str, max_draft: int, asked: str | None = None
+    ) -> tuple[DraftConfig, str | None]:
+        """A request's draft policy, and the budget shape it uses (None: not budgeted). In hat rounds a shape the
+        request names wins; else, with budgeting on, the shape the planner chose from the link and the verifier's
+        load; else the configured one."""
         s = self.settings
-        if self.budget is None or rounds != "hat" or max_draft == 0:
+        if rounds != "hat" or max_draft == 0 or (asked is None and self.budget is None):
             return DraftConfig(s.eta, max_draft, s.tree_nodes, s.tree_width, s.tree_min_prob), None
-        name = (await self.plan()).shape or s.default_shape()
-        shape = self.budget.shapes[name]
-        return DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob), name
+        if asked is not None:
+            shape = DraftShape.parse(asked, max_draft)
+        else:
+            assert self.budget is not None
+            # a shape never measured here is tried once first: its prior alone would rarely win, and never be measured
+            untried = self.budget.untried()
+            shape = self.budget.shapes[untried or (await self.plan()).shape or s.default_shape()]
+        measured = self.budget is not None and shape.name in self.budget.shapes
+        config = DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob)
+        return config, shape.name if measured else None
 
     async def stream(
         self,
@@ -349,7 +359,7 @@ class DeviceAgent:
         rounds = session.accept_lengths
         if not rounds or not session.round_rows:
             return
-        draft_s = sum(s for s, _ in session.draft_seconds) / slowdown
+        draft_s = sum(s for s, _ in session.draft_seconds) * slowdown  # the wall time a round spends drafting
         rows = sum(session.round_rows) / len(session.round_rows)
         assert self.budget is not None
         self.budget.observe(shape, rounds, rows, draft_s / len(rounds))

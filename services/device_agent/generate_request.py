@@ -41,6 +41,8 @@ class GenerateRequest(BaseModel):
     overlap_prefill: bool | None = None
     parallel_candidates: int | None = Field(None, ge=0, le=16)  # PD
     parallel_steps: int | None = Field(None, ge=0, le=32)
+    # hat: draft this request in this shape (none, chain, tree<N>: shared/draft_budget.py), not the planner's
+    draft_shape: str | None = Field(None, pattern=r"^(none|chain|tree[1-9][0-9]{0,3})$")
     # Kept sessions (mode hat): keep this request's KV when it finishes; start from a kept session's KV
     # (the prompt continues its sequence).
     keep: bool = False

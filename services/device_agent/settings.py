@@ -52,8 +52,8 @@ class Settings(ServiceSettings):
     tree_width: int = 4
     tree_min_prob: float = 0.05
     # The draft budget per round from the link and the verifier's load (shared/draft_budget.py): the shapes the
-    # chunk planner chooses among for hat requests, e.g. "none,chain,tree16,tree32"; empty: always the shape above.
-    draft_budgets: str = ""
+    # chunk planner chooses among for hat requests (tried once each, then chosen); empty: always the shape above.
+    draft_budgets: str = "none,chain,tree8,tree16"
     # HAT Table 5 switches: SD = speculative (above), PC = prompt chunking, PD = parallel drafting.
     prompt_chunking: bool = True  # False: the whole prompt in one upload
     overlap_prefill: bool = True  # False: wait for each chunk's answer before the next (U-Sarathi-like)

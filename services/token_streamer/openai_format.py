@@ -40,6 +40,8 @@ class TophatOptions(BaseModel):
     overlap_prefill: bool | None = None
     parallel_candidates: int | None = Field(default=None, ge=0, le=16)  # PD
     parallel_steps: int | None = Field(default=None, ge=0, le=32)
+    # hat: this request's draft shape (none, chain, tree<N>) instead of the draft budget's choice
+    draft_shape: str | None = Field(default=None, pattern=r"^(none|chain|tree[1-9][0-9]{0,3})$")
     mode: Mode | None = None  # shared/modes.py's table; its TOKEN_MODES put token ids on the wire (no privacy)
     privacy: bool | None = None  # true: refuse the token modes (the request must not leave the device as tokens)
     downlink: Downlink | None = None  # token-sd / picospec: the target row on a rejection (top-K or whole)
