@@ -26,12 +26,20 @@ no drafts at all: speculation stops burning a busy verifier on rows it will reje
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.ema import DEFAULT_ALPHA, Ema
 from shared.planners import PlannerInputs, positive_field, usable_state
+from shared.wire import MAX_TREE_ROWS
+
+MAX_OPTIONS = 32
+MAX_ROWS = MAX_TREE_ROWS  # no frame carries more
+MAX_ACCEPT = MAX_ROWS + 1.0
+MAX_DRAFT_S = 600.0
+DEVICE_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")  # as the planner's GET endpoints take it
 
 
 class BudgetError(ValueError):
@@ -53,7 +61,7 @@ class DraftShape:
             return cls(name, 0)
         if name == "chain":
             return cls(name, chain_max_draft)
-        if name.startswith("tree") and name[4:].isdigit() and int(name[4:]) > 0:
+        if name.startswith("tree") and name[4:].isdigit() and 0 < int(name[4:]) < MAX_ROWS:
             return cls(name, chain_max_draft, int(name[4:]))
         raise BudgetError(f"unknown draft shape {name!r}: use none, chain or tree<N>")
 
@@ -74,9 +82,14 @@ class BudgetOption:
     draft_s: float  # d: device drafting seconds per round
 
     def __post_init__(self):
-        for label, value, low in (("accept", self.accept, 1.0), ("rows", self.rows, 1.0), ("draft_s", self.draft_s, 0)):
-            if not (math.isfinite(value) and value >= low):
-                raise BudgetError(f"option {self.name!r}: {label} must be finite and >= {low}, got {value!r}")
+        bounds = (
+            ("accept", self.accept, 1.0, MAX_ACCEPT),
+            ("rows", self.rows, 1.0, MAX_ROWS),
+            ("draft_s", self.draft_s, 0, MAX_DRAFT_S),
+        )
+        for label, value, low, high in bounds:
+            if not (math.isfinite(value) and low <= value <= high):
+                raise BudgetError(f"option {self.name!r}: {label} must be in [{low}, {high}], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -126,13 +139,14 @@ class ShapeStats:
 class BudgetTracker:
     """What each shape did on this device, per round (EMA over requests, HAT's a = 0.8): the options the
     planner chooses among. A shape never run yet offers its prior, with the drafting time per step of
-    the measured shapes times its steps (a tree's levels cost about what a chain's steps do)."""
+    the measured chains times its steps (a tree's levels cost about what a chain's steps do)."""
 
     def __init__(self, shapes: Iterable[DraftShape]):
         self.shapes = {s.name: s for s in shapes}
         if not self.shapes:
             raise BudgetError("a budget tracker needs at least one draft shape")
         self.stats = {name: ShapeStats() for name in self.shapes}
+        self.tried: set[str] = set()
 
     def observe(self, name: str, accept_lengths: list[int], rows_per_round: float, draft_s_per_round: float) -> None:
         """One request's rounds in shape `name` (a request with no rounds says nothing)."""
@@ -143,20 +157,26 @@ class BudgetTracker:
         stats.rows.update(max(1.0, rows_per_round))
         stats.draft_s.update(max(0.0, draft_s_per_round))
 
-    def untried(self) -> str | None:
-        """A drafting shape with no measurement yet (no drafts need none: its figures are exact), or None."""
+    def next_trial(self) -> str | None:
+        """A drafting shape never handed out yet, marked as handed out (no drafts need no trial: its figures are
+        exact), or None. Each is handed out once, whatever that request then measures."""
         for name, shape in self.shapes.items():
-            if shape.max_draft > 0 and self.stats[name].accept.count == 0:
+            if shape.max_draft > 0 and name not in self.tried:
+                self.tried.add(name)
                 return name
         return None
 
-    def _draft_s_per_row(self) -> float:
-        pairs = [(s.draft_s.value, s.rows.value) for s in self.stats.values() if s.draft_s.value is not None]
-        rates = [d / max(r - 1, 1.0) for d, r in pairs if r is not None and r > 1]
+    def _draft_s_per_step(self) -> float:
+        """Drafting seconds per step, from the chains measured (a chain's steps are its rows but the root)."""
+        rates = []
+        for name, stats in self.stats.items():
+            d, r = stats.draft_s.value, stats.rows.value
+            if self.shapes[name].tree_nodes == 0 and d is not None and r is not None and r > 1:
+                rates.append(d / (r - 1))
         return sum(rates) / len(rates) if rates else 0.0
 
     def options(self) -> list[BudgetOption]:
-        per_row = self._draft_s_per_row()
+        per_step = self._draft_s_per_step()
         out = []
         for name, shape in self.shapes.items():
             stats = self.stats[name]
@@ -164,7 +184,7 @@ class BudgetTracker:
             rows = stats.rows.value if stats.rows.value is not None else prior_rows
             # a tree drafts level by level (one adapter pass per level, however wide): its levels, not its rows
             steps = min(rows - 1, shape.max_draft)
-            draft_s = stats.draft_s.value if stats.draft_s.value is not None else per_row * steps
+            draft_s = stats.draft_s.value if stats.draft_s.value is not None else per_step * steps
             accept = stats.accept.value if stats.accept.value is not None else prior_accept
             out.append(BudgetOption(name, max(1.0, accept), rows, draft_s))
         return out
@@ -183,23 +203,24 @@ def budget_from_state(
     if isinstance(state, str):
         return default, f"default:{state}", {}
     bytes_per_token, g, _, dev = state
-    figures = [positive_field(dev, key, "missing-beta") for key in ("beta_up", "beta_down")]
-    rtt = dev.get("rtt_s")
-    if not isinstance(rtt, (int, float)) or isinstance(rtt, bool) or not math.isfinite(rtt) or rtt < 0:
-        figures.append("missing-rtt")
-    for value in figures:
-        if isinstance(value, str):
-            return default, f"default:{value}", {}
+    beta_up, beta_down = (positive_field(dev, key, "missing-beta") for key in ("beta_up", "beta_down"))
+    if isinstance(beta_up, str) or isinstance(beta_down, str):
+        return default, f"default:{beta_up if isinstance(beta_up, str) else beta_down}", {}
+    rtt = _number(dev.get("rtt_s"))
+    if rtt is None or not math.isfinite(rtt) or rtt < 0:
+        return default, "default:missing-rtt", {}
     last = (cloud or {}).get("last")
-    sessions = last.get("num_sessions") if isinstance(last, Mapping) else None
-    sessions = float(sessions) if isinstance(sessions, (int, float)) and not isinstance(sessions, bool) else 1.0
-    sessions = max(1.0, sessions) if math.isfinite(sessions) else 1.0
-    link = LinkLoad(float(rtt), bytes_per_token, float(figures[0]), float(figures[1]), sessions)  # type: ignore[arg-type]
-    name, rates = choose_budget(options, link, g)
+    sessions = _number(last.get("num_sessions")) if isinstance(last, Mapping) else None
+    sessions = max(1.0, sessions) if sessions is not None and math.isfinite(sessions) else 1.0
+    try:
+        name, rates = choose_budget(options, LinkLoad(rtt, bytes_per_token, beta_up, beta_down, sessions), g)
+    except ValueError as exc:  # a curve that cannot be read at these sizes: keep the device's shape
+        return default, f"default:bad-telemetry ({exc})", {}
     return name, "budget", {"sessions": sessions, "tokens_per_s": {k: round(v, 4) for k, v in rates.items()}}
 
 
-MAX_OPTIONS = 32
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 @dataclass(frozen=True)
@@ -216,18 +237,20 @@ class BudgetRequest:
         if not isinstance(body, Mapping):
             raise BudgetError("the body must be a JSON object")
         device_id, default, raw = body.get("device_id"), body.get("default"), body.get("options")
-        if not isinstance(device_id, str) or not 0 < len(device_id) <= 128:
-            raise BudgetError("device_id must be a string of 1..128 characters")
+        if not isinstance(device_id, str) or not DEVICE_ID.match(device_id):
+            raise BudgetError("device_id must be 1..128 letters, digits, '_', '.' or '-'")
         if not isinstance(raw, list) or not 0 < len(raw) <= MAX_OPTIONS:
             raise BudgetError(f"options must be a list of 1..{MAX_OPTIONS} shapes")
         options = []
         for item in raw:
-            if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
-                raise BudgetError("each option needs a name, accept, rows and draft_s")
-            numbers = [item.get(k) for k in ("accept", "rows", "draft_s")]
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
-                raise BudgetError(f"option {item['name']!r}: accept, rows and draft_s must be numbers")
-            options.append(BudgetOption(item["name"][:32], *(float(x) for x in numbers)))  # type: ignore[arg-type]
+            name = item.get("name") if isinstance(item, Mapping) else None
+            if not isinstance(item, Mapping) or not isinstance(name, str) or not 0 < len(name) <= 32:
+                raise BudgetError("each option needs a name (1..32 characters), accept, rows and draft_s")
+            numbers = [_number(item.get(k)) for k in ("accept", "rows", "draft_s")]
+            if None in numbers:
+                raise BudgetError(f"option {name!r}: accept, rows and draft_s must be numbers")
+            accept, rows, draft_s = (float(x or 0) for x in numbers)
+            options.append(BudgetOption(name, accept, rows, draft_s))
         names = [o.name for o in options]
         if len(set(names)) != len(names):
             raise BudgetError("option names must be distinct")

@@ -204,8 +204,10 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
                 assert stats["none"].accept.value == 1.0
                 assert without_drafts == as_tree == as_chain
                 # a request may name its own shape (a bench's fixed rows); not one of the budget's: not measured
+                counts = {name: s.accept.count for name, s in stats.items()}
                 assert await generate(draft_shape="tree3") == as_tree
-                assert "tree3" not in stats
+                assert await generate(draft_shape="tree8") == as_tree  # a shape of the budget's, named: not measured
+                assert {name: s.accept.count for name, s in stats.items()} == counts
                 bad = await http.post("/generate", json={"prompt_ids": [3, 4], "draft_shape": "bush"})
                 assert bad.status_code in (400, 422)
                 tree_posted = {o["name"]: o for o in planner.budget_asks[-1]["options"]}["tree8"]

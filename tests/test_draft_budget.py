@@ -3,6 +3,7 @@ live state monitor, and the device's per-shape measurements."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -61,7 +62,14 @@ def test_a_flat_cloud_and_a_long_round_trip_favour_trees() -> None:
 
 def test_ties_go_to_fewer_rows() -> None:
     same = [BudgetOption("a", 2.0, 9.0, 0.0), BudgetOption("b", 2.0, 3.0, 0.0)]
-    assert choose_budget(same, link(1), lambda rows: 0.0)[0] == "b"
+    free_link = LinkLoad(0.05, 1, 1e30, 1e30, 1)  # transfers cost nothing: both rounds take the same time
+    assert choose_budget(same, free_link, lambda rows: 0.0)[0] == "b"
+    assert choose_budget(same[::-1], free_link, lambda rows: 0.0)[0] == "b"
+
+
+def test_each_drafting_shape_is_handed_out_once_for_its_trial() -> None:
+    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
+    assert [tracker.next_trial() for _ in range(3)] == ["chain", "tree16", None]  # no drafts needs no trial
 
 
 @pytest.mark.parametrize(
@@ -74,6 +82,9 @@ def test_ties_go_to_fewer_rows() -> None:
         lambda: LinkLoad(0.05, 1152, 1, 1, 0.5),
         lambda: choose_budget([], link(1), cpu_like_g),
         lambda: DraftShape.parse("tree0", 8),
+        lambda: DraftShape.parse("tree1024", 8),
+        lambda: BudgetOption("x", 1, 1025, 0),
+        lambda: BudgetOption("x", 1e308, 1, 0),
         lambda: DraftShape.parse("bush", 8),
     ],
 )
@@ -90,7 +101,6 @@ def test_shapes_parse_to_draft_settings() -> None:
 
 def test_the_tracker_offers_priors_then_what_it_measured() -> None:
     tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
-    assert tracker.untried() == "chain"  # no drafts needs no measuring
     before = {o.name: o for o in tracker.options()}
     assert before["none"] == BudgetOption("none", 1.0, 1.0, 0.0)
     assert before["tree16"].accept > before["chain"].accept > 1.0
@@ -98,9 +108,10 @@ def test_the_tracker_offers_priors_then_what_it_measured() -> None:
     tracker.observe("unknown", [5], 3.0, 0.1)  # not a shape of this device: ignored
     tracker.observe("tree16", [], 17.0, 0.1)  # no rounds: says nothing
     after = {o.name: o for o in tracker.options()}
-    assert tracker.untried() == "tree16"
     assert after["chain"] == BudgetOption("chain", 1.5, 3.0, 0.04)
     assert math.isclose(after["tree16"].draft_s, 0.02 * 8)  # the chain's seconds per step, times 8 levels
+    tracker.observe("tree16", [2], 17.0, 0.5)  # a measured tree does not change the chains' seconds per step
+    assert math.isclose({o.name: o for o in tracker.options()}["tree16"].draft_s, 0.5)
     tracker.observe("chain", [3], 5.0, 0.08)
     assert math.isclose(tracker.options()[1].accept, 0.8 * 1.5 + 0.2 * 3)
 
@@ -120,6 +131,8 @@ def budget_body(**overrides) -> dict:
         budget_body(options=[{"name": "a", "accept": "2", "rows": 1, "draft_s": 0}]),
         budget_body(options=[{"name": "a", "accept": 2, "rows": 1, "draft_s": 0}] * 2, default="a"),
         budget_body(bytes_per_token=True),
+        budget_body(device_id="../admin"),
+        budget_body(options=[{"name": "x" * 33, "accept": 2, "rows": 1, "draft_s": 0}]),
         budget_body(options=[{"name": "chain", "accept": 0.1, "rows": 1, "draft_s": 0}]),
     ],
 )
@@ -182,3 +195,14 @@ def test_the_bench_table_chooses_per_load_from_measured_points() -> None:
     assert table[0]["chosen"].startswith("tree") and table[-1]["chosen"] == "none"
     rows = [figures[row["chosen"]]["rows"] for row in table]
     assert rows == sorted(rows, reverse=True)
+
+
+def test_an_absurd_load_still_gives_a_json_answer() -> None:
+    inputs = PlannerInputs(bytes_per_token=1152)
+    cloud = {"mu": 8, "last": {"num_sessions": 1e300}, "g": {"buckets": [{"bucket": 6, "mu": 8, "eta": 0.07},
+                                                                         {"bucket": 8, "mu": 16, "eta": 0.08}]}}
+    fresh = {"last_update": 1.0, "age_s": 0.1, "beta_up": 2.5e6, "beta_down": 5e6, "rtt_s": 0.05}
+    big = [BudgetOption("none", 1.0, 1.0, 0.0), BudgetOption("wide", 2.0, 1024.0, 0.0)]
+    shape, source, detail = budget_from_state(cloud, fresh, inputs, big, "wide")
+    assert (shape, source) == ("none", "budget")
+    json.dumps(detail, allow_nan=False)  # what the planner's JSONResponse must encode

@@ -105,7 +105,7 @@ class DeviceAgent:
         self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls, auth=credential)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
-        shapes = settings.budget_shapes()
+        shapes = settings.budget_shapes() if settings.chunk_planner_url else []  # the planner chooses among them
         self.budget = BudgetTracker(shapes) if shapes else None  # each draft shape's measurements (draft_budget.py)
         self.plans = (
             PlanCache(
@@ -226,25 +226,24 @@ class DeviceAgent:
             return Plan.defaults(self.settings.default_chunk_size, DEFAULT_PARALLEL_STEPS)
         return await self.plans.current()
 
-    async def draft_config(
-        self, rounds: str, max_draft: int, asked: str | None = None
-    ) -> tuple[DraftConfig, str | None]:
-        """A request's draft policy, and the budget shape it uses (None: not budgeted). In hat rounds a shape the
-        request names wins; else, with budgeting on, the shape the planner chose from the link and the verifier's
-        load; else the configured one."""
+    def draft_config(self, rounds: str, max_draft: int, asked: str | None = None) -> tuple[DraftConfig, str | None]:
+        """A request's draft policy, and the budget shape it is measured for (None: not measured). In hat rounds a
+        shape the request names wins (not measured: a bench's fixed row must not steer the budget); else, with
+        budgeting on, a shape never tried yet, then the cached plan's shape; else the configured one. Never waits
+        for the planner (a request's slot is not taken yet)."""
         s = self.settings
         if rounds != "hat" or max_draft == 0 or (asked is None and self.budget is None):
             return DraftConfig(s.eta, max_draft, s.tree_nodes, s.tree_width, s.tree_min_prob), None
+        measured: str | None = None
         if asked is not None:
             shape = DraftShape.parse(asked, max_draft)
         else:
-            assert self.budget is not None
-            # a shape never measured here is tried once first: its prior alone would rarely win, and never be measured
-            untried = self.budget.untried()
-            shape = self.budget.shapes[untried or (await self.plan()).shape or s.default_shape()]
-        measured = self.budget is not None and shape.name in self.budget.shapes
-        config = DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob)
-        return config, shape.name if measured else None
+            assert self.budget is not None and self.plans is not None  # budgeting needs a planner
+            cached = self.plans.plan.shape if self.plans.plan is not None else None
+            # a shape never tried here goes first, once: its prior alone would rarely win, and never be measured
+            shape = self.budget.shapes[self.budget.next_trial() or cached or s.default_shape()]
+            measured = shape.name
+        return DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob), measured
 
     async def stream(
         self,
@@ -357,9 +356,10 @@ class DeviceAgent:
 
     def _observe_budget(self, shape: str, session: DeviceSession, slowdown: float) -> None:
         rounds = session.accept_lengths
-        if not rounds or not session.round_rows:
+        if not rounds or not session.round_rows or session.degraded:  # a degraded end says nothing of the cloud
             return
-        draft_s = sum(s for s, _ in session.draft_seconds) * slowdown  # the wall time a round spends drafting
+        # the wall time rounds wait on drafting: parallel drafting runs while the verification is in flight
+        draft_s = (sum(s for s, _ in session.draft_seconds) - session.predraft_seconds) * slowdown
         rows = sum(session.round_rows) / len(session.round_rows)
         assert self.budget is not None
         self.budget.observe(shape, rounds, rows, draft_s / len(rounds))

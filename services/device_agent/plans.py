@@ -135,18 +135,26 @@ class PlanCache:
             raise ValueError("empty steps_by_draft_len")
         source = f"chunk:{chunk.get('source')} steps:{steps.get('source')}"
         shape = None
-        if budget is not None:
-            shape = budget["shape"] if budget["shape"] in (self.budget.shapes if self.budget else {}) else None
-            source += f" budget:{budget.get('source')}"
+        if budget is not None and self.budget is not None:
+            shape = budget["shape"] if budget["shape"] in self.budget.shapes else None
+            source += f" budget:{budget['source']}"
         plan = Plan(int(chunk["chunk_size"]), table, source, self.clock(), shape)
         log.debug("plan for %s: %s", self.device_id, plan)
         return plan
 
-    async def _budget(self) -> dict | None:
+    async def _budget(self) -> dict[str, str] | None:
+        """The planner's draft shape (None: no budgeting, or no answer). A planner that cannot answer it (an older
+        one, a refused request) costs only the budget: the chunk size and the PD steps still come."""
         if self.budget is None:
             return None
         ask = BudgetRequest(self.device_id, self.bytes_per_token, self.default_shape, self.budget.options())
-        return await self._call("POST", "/draft-budget", json=ask.to_json())
+        try:
+            answer = await self._call("POST", "/draft-budget", json=ask.to_json())
+        except (httpx.HTTPError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+            log.warning("draft budget unavailable (%s: %s); the configured shape runs", type(exc).__name__, exc)
+            return {"shape": "", "source": f"error:{type(exc).__name__}"}
+        shape, source = answer.get("shape"), answer.get("source")
+        return {"shape": shape if isinstance(shape, str) else "", "source": str(source)}
 
     async def _get(self, path: str, params: dict) -> dict:
         return await self._call("GET", path, params=params)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.draft_budget import DraftShape
+from shared.draft_budget import MAX_OPTIONS, DraftShape
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.modes import MODES
 from shared.service_settings import ServiceSettings
@@ -204,7 +204,10 @@ class Settings(ServiceSettings):
         if not names:
             return []
         names += [self.default_shape()] if self.default_shape() not in names else []
-        return [DraftShape.parse(name, self.max_draft) for name in dict.fromkeys(names)]
+        names = list(dict.fromkeys(names))
+        if len(names) > MAX_OPTIONS:
+            raise ValueError(f"draft_budgets names {len(names)} shapes; at most {MAX_OPTIONS}")
+        return [DraftShape.parse(name, self.max_draft) for name in names]
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

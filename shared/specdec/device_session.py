@@ -79,6 +79,7 @@ class DeviceSession(TreeDrafting):
         self.verdicts: list[tuple[int, int]] = []  # (draft tokens, draft tokens accepted) per verification round
         self.round_rows: list[int] = []  # rows each verification carried (the root plus its drafts)
         self.draft_seconds: list[tuple[float, int]] = []  # (seconds, device steps) of each draft() call
+        self.predraft_seconds = 0.0  # of those, parallel drafting's (while a verification is in flight)
         # Wall-clock timings the engine records for telemetry (the simulator's latency models):
         self.round_overhead_s: list[float] = []  # per round, outside drafting and the cloud wait
         self.prefill_seconds: list[tuple[float, int]] = []  # (compute + send, tokens) per prompt chunk

@@ -42,6 +42,7 @@ class Drafting:
     input_cache: SessionKV
     adapter_cache: SessionKV | None
     draft_seconds: list[tuple[float, int]]
+    predraft_seconds: float
     reused_branches: int
     _ready_draft: Draft | None
     _last_draft_logits: torch.Tensor | None
@@ -230,6 +231,7 @@ class Drafting:
             )
         steps_run = sum(len(b.draft.tokens) + 1 for b in branches)
         self.draft_seconds.append((time.perf_counter() - started, steps_run))
+        self.predraft_seconds += time.perf_counter() - started  # off the round's path: the draft budget leaves it out
         return branches
 
     def _adopt(self, branch: Branch) -> None:
