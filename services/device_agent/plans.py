@@ -140,6 +140,8 @@ class PlanCache:
             source += f" budget:{budget['source']}"
         plan = Plan(int(chunk["chunk_size"]), table, source, self.clock(), shape)
         log.debug("plan for %s: %s", self.device_id, plan)
+        if shape is not None and (self.plan is None or self.plan.shape != shape):
+            log.info("draft budget for %s: %s (%s)", self.device_id, shape, budget and budget["source"])
         return plan
 
     async def _budget(self) -> dict[str, str] | None:
