@@ -37,8 +37,10 @@ LOADS = (1, 2, 4, 8, 16, 32)
 SESSION_ROWS = 8
 
 
-def measure_shapes(device, middle, prompts, shapes: list[DraftShape], args) -> dict[str, dict]:
+def measure_shapes(device, middle, prompts, shapes: list[DraftShape], args) -> tuple[dict[str, dict], float]:
+    """Each shape's figures, and the device's mean per-round time outside drafting and the cloud wait."""
     figures, reference = {}, None
+    overheads: list[float] = []
     for shape in shapes:
         config = DraftConfig(args.eta, shape.max_draft, shape.tree_nodes, args.tree_width, args.tree_min_prob)
         lengths: list[int] = []
@@ -51,6 +53,7 @@ def measure_shapes(device, middle, prompts, shapes: list[DraftShape], args) -> d
             outputs.append(result.token_ids)
             lengths += result.accept_lengths
             rows += session.round_rows
+            overheads += session.round_overhead_s
             draft_s += sum(seconds for seconds, _ in session.draft_seconds)
         reference = reference or outputs
         figures[shape.name] = {
@@ -59,7 +62,7 @@ def measure_shapes(device, middle, prompts, shapes: list[DraftShape], args) -> d
             "rows": round(statistics.fmean(rows), 2),
             "draft_s": round(draft_s / len(lengths), 4),
         }
-    return figures
+    return figures, statistics.fmean(overheads) if overheads else 0.0
 
 
 def measure_g(middle: MiddleSubmodel, hidden_size: int, repeats: int = 3) -> list[tuple[int, float]]:
@@ -93,10 +96,11 @@ def budget_table(figures: dict[str, dict], g_points, link: LinkLoad) -> list[dic
     options = [BudgetOption(name, f["accept"], f["rows"], f["draft_s"]) for name, f in figures.items()]
     table = []
     for sessions in LOADS:
-        at_load = LinkLoad(link.rtt_s, link.bytes_per_row, link.beta_up, link.beta_down, sessions)
+        at_load = LinkLoad(link.rtt_s, link.bytes_per_row, link.beta_up, link.beta_down, sessions, link.overhead_s)
         chosen, rates = choose_budget(options, at_load, g)
         table.append({
             "sessions": sessions,
+            "overhead_s": round(link.overhead_s, 4),
             "chosen": chosen,
             "tokens_per_s": {name: round(rate, 2) for name, rate in rates.items()},
             "round_ms": {o.name: round(1e3 * round_seconds(o, at_load, g), 1) for o in options},
@@ -112,8 +116,8 @@ def print_table(figures: dict[str, dict], g_points, table: list[dict], args) -> 
     print("\ng(mu) on this machine, the middle layers over mu rows (ms): "
           + ", ".join(f"{mu}:{1e3 * s:.0f}" for mu, s in g_points))
     names = list(figures)
-    print(f"\ndraft budget against load (round trip {args.budget_rtt_ms:.0f} ms, link {args.budget_link}; predicted "
-          "tokens/s per session; * = chosen):")
+    print(f"\ndraft budget against load (round trip {args.budget_rtt_ms:.0f} ms, link {args.budget_link}, device "
+          f"overhead {1e3 * table[0]['overhead_s']:.1f} ms/round; predicted tokens/s per session; * = chosen):")
     print("  sessions  " + "  ".join(f"{n:>8s}" for n in names) + "  chosen")
     for row in table:
         cells = [f"{row['tokens_per_s'][n]:7.2f}{'*' if n == row['chosen'] else ' '}" for n in names]
@@ -143,11 +147,11 @@ def run(args) -> dict:
     middle = MiddleSubmodel(checkpoint, args.split_layers)
     prompts = bench_prompts(checkpoint, args.prompts)
     shapes = [DraftShape.parse(name.strip(), args.max_draft) for name in args.shapes.split(",") if name.strip()]
-    figures = measure_shapes(device, middle, prompts, shapes, args)
+    figures, overhead_s = measure_shapes(device, middle, prompts, shapes, args)
     g_points = measure_g(middle, checkpoint.hidden_size)
     profile = scaled_for_hidden(parse_link_spec(args.budget_link), checkpoint.hidden_size)
     link = LinkLoad(args.budget_rtt_ms / 1e3, checkpoint.hidden_size * 2, profile.uplink_bytes_s,
-                    profile.downlink_bytes_s, 1)
+                    profile.downlink_bytes_s, 1, overhead_s)
     table = budget_table(figures, g_points, link)
     print_table(figures, g_points, table, args)
     result = {"model": args.model, "rtt_ms": args.budget_rtt_ms, "link": args.budget_link, "shapes": figures,

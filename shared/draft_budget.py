@@ -11,16 +11,18 @@ eta (HAT eq. 5), or a tree of N nodes (EAGLE-2). Each shape s has, as measured o
 
 A round of shape s takes
 
-    T_s = RTT + d_s + r_s*A/beta_up + r_s*A/beta_down + g(S * r_s)
+    T_s = RTT + o + d_s + r_s*A/beta_up + r_s*A/beta_down + g(S * r_s)
 
-where g is the cloud's compute delay at a batched size (HAT eq. 2) and S the sessions sharing a
-verifier step. Why S * r_s and not the rows of this device alone: every row a device adds is computed
-in the same step as every other session's rows, so the whole batch waits for it. Assuming the other
-sessions draft like this one (they run the same policy), maximising this session's L_s / T_s is
-maximising the verifier's goodput. With one session, g(r_s) is nearly flat on a memory-bound cloud
-(one weight read serves every row) and wide trees pay; as S grows, g(S * r_s) climbs into its
-compute-bound part, each extra row costs S rows of compute, and the budget falls to a chain, then to
-no drafts at all: speculation stops burning a busy verifier on rows it will reject.
+where o is the device's per-round time outside drafting and the cloud wait (the head, the accept rule:
+the same for every shape, so it favours shapes with fewer rounds per token), g the cloud's compute delay
+at a batched size (HAT eq. 2) and S the sessions sharing a verifier step. Why S * r_s and not the rows
+of this device alone: every row a device adds is computed in the same step as every other session's
+rows, so the whole batch waits for it. Assuming the other sessions draft like this one (they run the
+same policy), maximising this session's L_s / T_s is maximising the verifier's goodput. With one
+session, g(r_s) is nearly flat on a memory-bound cloud (one weight read serves every row) and wide trees
+pay; as S grows, g(S * r_s) climbs into its compute-bound part, each extra row costs S rows of compute,
+and the budget falls to a chain, then to no drafts at all: speculation stops burning a busy verifier on
+rows it will reject.
 """
 
 from __future__ import annotations
@@ -99,13 +101,14 @@ class LinkLoad:
     beta_up: float  # bytes/s
     beta_down: float
     sessions: float  # S: sessions in a verifier step (>= 1)
+    overhead_s: float = 0.0  # the device's per-round time outside drafting and the cloud wait (head, accept)
 
     def __post_init__(self):
-        values = (self.rtt_s, self.bytes_per_row, self.beta_up, self.beta_down, self.sessions)
+        values = (self.rtt_s, self.bytes_per_row, self.beta_up, self.beta_down, self.sessions, self.overhead_s)
         if not all(math.isfinite(v) for v in values):
             raise BudgetError(f"link and load figures must be finite: {self}")
-        if self.rtt_s < 0 or self.bytes_per_row <= 0 or self.beta_up <= 0 or self.beta_down <= 0:
-            raise BudgetError(f"need rtt_s >= 0 and positive bytes and bandwidths: {self}")
+        if min(self.rtt_s, self.overhead_s) < 0 or min(self.bytes_per_row, self.beta_up, self.beta_down) <= 0:
+            raise BudgetError(f"need rtt_s, overhead_s >= 0 and positive bytes and bandwidths: {self}")
         if self.sessions < 1:
             raise BudgetError(f"sessions must be >= 1, got {self.sessions!r}")
 
@@ -113,7 +116,7 @@ class LinkLoad:
 def round_seconds(option: BudgetOption, link: LinkLoad, g: Callable[[float], float]) -> float:
     """T_s above: one round of this shape while S sessions share each verifier step."""
     transfer = option.rows * link.bytes_per_row * (1.0 / link.beta_up + 1.0 / link.beta_down)
-    return link.rtt_s + option.draft_s + transfer + max(0.0, g(link.sessions * option.rows))
+    return link.rtt_s + link.overhead_s + option.draft_s + transfer + max(0.0, g(link.sessions * option.rows))
 
 
 def choose_budget(
@@ -212,8 +215,11 @@ def budget_from_state(
     last = (cloud or {}).get("last")
     sessions = _number(last.get("num_sessions")) if isinstance(last, Mapping) else None
     sessions = max(1.0, sessions) if sessions is not None and math.isfinite(sessions) else 1.0
+    overhead = _number(dev.get("round_overhead_s"))
+    overhead = overhead if overhead is not None and math.isfinite(overhead) and overhead >= 0 else 0.0
     try:
-        name, rates = choose_budget(options, LinkLoad(rtt, bytes_per_token, beta_up, beta_down, sessions), g)
+        link = LinkLoad(rtt, bytes_per_token, beta_up, beta_down, sessions, overhead)
+        name, rates = choose_budget(options, link, g)
     except ValueError as exc:  # a curve that cannot be read at these sizes: keep the device's shape
         return default, f"default:bad-telemetry ({exc})", {}
     return name, "budget", {"sessions": sessions, "tokens_per_s": {k: round(v, 4) for k, v in rates.items()}}
