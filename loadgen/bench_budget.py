@@ -22,16 +22,13 @@ from pathlib import Path
 
 import torch
 
-from loadgen.bench_core import DelayedCloud, add_model_arguments, bench_prompts
+from loadgen.bench_core import DelayedCloud, add_model_arguments, load_bench_models
 from shared.compute_delay import ComputeDelayPredictor
 from shared.draft_budget import BudgetOption, DraftShape, LinkLoad, choose_budget, round_seconds
 from shared.links import parse_link_spec, scaled_for_hidden
-from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel
-from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, DraftConfig
 from shared.specdec.engine import generate
-from tophatctl.models import resolve_model
 
 LOADS = (1, 2, 4, 8, 16, 32)
 SESSION_ROWS = 8
@@ -141,11 +138,7 @@ def main() -> None:
 
 
 def run(args) -> dict:
-    torch.set_num_threads(args.threads)
-    checkpoint = load_checkpoint(resolve_model(args.model))
-    device = build_device_model(checkpoint, args.split_layers, args.adapter, speculative=True)
-    middle = MiddleSubmodel(checkpoint, args.split_layers)
-    prompts = bench_prompts(checkpoint, args.prompts)
+    checkpoint, device, middle, prompts = load_bench_models(args)
     shapes = [DraftShape.parse(name.strip(), args.max_draft) for name in args.shapes.split(",") if name.strip()]
     figures, overhead_s = measure_shapes(device, middle, prompts, shapes, args)
     g_points = measure_g(middle, checkpoint.hidden_size)

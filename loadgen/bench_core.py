@@ -125,6 +125,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2)
 
 
+def load_bench_models(args):
+    """(checkpoint, device model with its adapter, middle submodel, held-out prompts) from add_model_arguments'
+    options, with torch's threads set: what every in-process core bench starts from."""
+    torch.set_num_threads(args.threads)
+    checkpoint = load_checkpoint(resolve_model(args.model))
+    device = build_device_model(checkpoint, args.split_layers, args.adapter, speculative=True)
+    middle = MiddleSubmodel(checkpoint, args.split_layers)
+    return checkpoint, device, middle, bench_prompts(checkpoint, args.prompts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_model_arguments(parser)

@@ -21,14 +21,11 @@ from pathlib import Path
 
 import torch
 
-from loadgen.bench_core import DelayedCloud, add_model_arguments, bench_prompts
-from shared.model.checkpoint import load_checkpoint
+from loadgen.bench_core import DelayedCloud, add_model_arguments, load_bench_models
 from shared.model.layers import TreeRows, ancestor_mask_from_parents
 from shared.model.split import MiddleSubmodel
-from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, DraftConfig
 from shared.specdec.engine import generate
-from tophatctl.models import resolve_model
 
 
 def tree_verify_ms(middle: MiddleSubmodel, hidden_size: int, nodes: int, width: int, repeats: int = 5) -> float:
@@ -111,11 +108,7 @@ def main() -> None:
 
 
 def run(args) -> dict:
-    torch.set_num_threads(args.threads)
-    checkpoint = load_checkpoint(resolve_model(args.model))
-    device = build_device_model(checkpoint, args.split_layers, args.adapter, speculative=True)
-    middle = MiddleSubmodel(checkpoint, args.split_layers)
-    prompts = bench_prompts(checkpoint, args.prompts)
+    checkpoint, device, middle, prompts = load_bench_models(args)
     budgets = [int(n) for n in args.nodes.split(",")]
     rows = compare_budgets(checkpoint, device, middle, prompts, budgets, args)
     print_rows(rows, args)

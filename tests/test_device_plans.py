@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -57,6 +58,23 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@asynccontextmanager
+async def planned_agent(checkpoint, planner: FakePlanner, clock: Clock, **overrides):
+    """A device agent on a loopback verifier whose planner is `planner`, and an HTTP client for its API."""
+    async with verifier_on_loopback(checkpoint, 2) as (_, url):
+        settings = device_settings.Settings(model_dir=str(checkpoint.path), split_layers=2, adapter="random",
+                                            verifier_url=url, wire_dtype="f4", chunk_planner_url=PLANNER,
+                                            bandwidth_probe_interval_s=0, rtt_probe_interval_s=0, **overrides)
+        agent = await asyncio.to_thread(DeviceAgent, settings)
+        agent.plans.http = httpx.AsyncClient(transport=planner)
+        agent.plans.clock = clock
+        app = create_app(settings, agent)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://device",
+                                         timeout=60) as http:
+                yield settings, agent, http
 
 
 def cache(planner: FakePlanner, clock: Clock, timeout_s: float = 1.0) -> PlanCache:
@@ -127,38 +145,28 @@ async def test_requests_make_no_planner_call_on_their_ttft_path(tiny_llama_check
     when it hangs; an old plan is refreshed off the request's path."""
     checkpoint = tiny_llama_checkpoint
     planner, clock = FakePlanner(), Clock()
-    async with verifier_on_loopback(checkpoint, 2) as (server, url):
-        settings = device_settings.Settings(model_dir=str(checkpoint.path), split_layers=2, adapter="random",
-                                            verifier_url=url, wire_dtype="f4", chunk_planner_url=PLANNER,
-                                            bandwidth_probe_interval_s=0, rtt_probe_interval_s=0)
-        agent = await asyncio.to_thread(DeviceAgent, settings)
-        agent.plans.http = httpx.AsyncClient(transport=planner)
-        agent.plans.clock = clock
-        app = create_app(settings, agent)
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://device",
-                                         timeout=60) as http:
-                async def generate() -> list[dict]:
-                    body = {"prompt_ids": list(range(3, 103)), "max_new_tokens": 6}
-                    response = await asyncio.wait_for(http.post("/generate", json=body), 30)
-                    assert response.status_code == 200
-                    events = [json.loads(line) for line in response.text.splitlines()]
-                    assert events[-1]["type"] == "done", events[-1]
-                    return events
+    async with planned_agent(checkpoint, planner, clock) as (settings, agent, http):
+        async def generate() -> list[dict]:
+            body = {"prompt_ids": list(range(3, 103)), "max_new_tokens": 6}
+            response = await asyncio.wait_for(http.post("/generate", json=body), 30)
+            assert response.status_code == 200
+            events = [json.loads(line) for line in response.text.splitlines()]
+            assert events[-1]["type"] == "done", events[-1]
+            return events
 
-                await generate()  # the first request fetches the first plan: chunk size, PD steps, draft budget
-                assert len(planner.calls) == 3
-                asked = {p["bytes_per_token"] for path, p in planner.calls if path != "/draft-budget"}
-                assert asked == {str(checkpoint.hidden_size * 4)}
-                assert planner.budget_asks[0]["bytes_per_token"] == checkpoint.hidden_size * 4
-                planner.released.clear()  # from now on the planner hangs
-                await generate()  # fresh plan: no call
-                assert len(planner.calls) == 3
-                clock.now += settings.plan_refresh_s + 1
-                await generate()  # old plan: used as is; the refresh waits in the background
-                assert len(planner.calls) == 6 and agent.plans.refreshing is not None
-                planner.released.set()
-                await asyncio.wait_for(asyncio.shield(agent.plans.refreshing), 5)
+        await generate()  # the first request fetches the first plan: chunk size, PD steps, draft budget
+        assert len(planner.calls) == 3
+        asked = {p["bytes_per_token"] for path, p in planner.calls if path != "/draft-budget"}
+        assert asked == {str(checkpoint.hidden_size * 4)}
+        assert planner.budget_asks[0]["bytes_per_token"] == checkpoint.hidden_size * 4
+        planner.released.clear()  # from now on the planner hangs
+        await generate()  # fresh plan: no call
+        assert len(planner.calls) == 3
+        clock.now += settings.plan_refresh_s + 1
+        await generate()  # old plan: used as is; the refresh waits in the background
+        assert len(planner.calls) == 6 and agent.plans.refreshing is not None
+        planner.released.set()
+        await asyncio.wait_for(asyncio.shield(agent.plans.refreshing), 5)
     assert agent.plans.plan is not None and agent.plans.plan.fetched_at == clock.now
 
 
@@ -169,46 +177,35 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
     checkpoint = tiny_llama_checkpoint
     planner, clock = FakePlanner(), Clock()
     planner.shape = "tree8"
-    async with verifier_on_loopback(checkpoint, 2) as (server, url):
-        settings = device_settings.Settings(model_dir=str(checkpoint.path), split_layers=2, adapter="random",
-                                            verifier_url=url, wire_dtype="f4", chunk_planner_url=PLANNER,
-                                            draft_budgets="none,tree8", bandwidth_probe_interval_s=0,
-                                            rtt_probe_interval_s=0)
-        agent = await asyncio.to_thread(DeviceAgent, settings)
-        agent.plans.http = httpx.AsyncClient(transport=planner)
-        agent.plans.clock = clock
-        app = create_app(settings, agent)
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://device",
-                                         timeout=60) as http:
-                async def generate(**extra) -> list[int]:
-                    body = {"prompt_ids": list(range(3, 40)), "max_new_tokens": 8, **extra}
-                    response = await asyncio.wait_for(http.post("/generate", json=body), 30)
-                    events = [json.loads(line) for line in response.text.splitlines()]
-                    assert events[-1]["type"] == "done", events[-1]
-                    return [t for e in events if e["type"] == "tokens" for t in e["token_ids"]]
+    async with planned_agent(checkpoint, planner, clock, draft_budgets="none,tree8") as (settings, agent, http):
+        async def generate(**extra) -> list[int]:
+            body = {"prompt_ids": list(range(3, 40)), "max_new_tokens": 8, **extra}
+            response = await asyncio.wait_for(http.post("/generate", json=body), 30)
+            events = [json.loads(line) for line in response.text.splitlines()]
+            assert events[-1]["type"] == "done", events[-1]
+            return [t for e in events if e["type"] == "tokens" for t in e["token_ids"]]
 
-                as_tree = await generate()  # shapes never measured are tried first, once each: the tree ...
-                stats = agent.budget.stats
-                assert stats["tree8"].accept.count == 1 and stats["tree8"].rows.value > 1
-                assert stats["none"].accept.count == stats["chain"].accept.count == 0
-                as_chain = await generate()  # ... then the chain (the configured shape, always offered)
-                assert stats["chain"].accept.count == 1 and stats["tree8"].accept.count == 1
-                ask = planner.budget_asks[-1]
-                assert ask["default"] == "chain" and {o["name"] for o in ask["options"]} == {"none", "chain", "tree8"}
-                planner.shape = "none"
-                clock.now += settings.plan_refresh_s + 1
-                await asyncio.wait_for(agent.plans.refresh(), 5)
-                without_drafts = await generate()
-                assert stats["none"].accept.count == 1 and stats["none"].rows.value == 1
-                assert stats["none"].accept.value == 1.0
-                assert without_drafts == as_tree == as_chain
-                # a request may name its own shape (a bench's fixed rows); not one of the budget's: not measured
-                counts = {name: s.accept.count for name, s in stats.items()}
-                assert await generate(draft_shape="tree3") == as_tree
-                assert await generate(draft_shape="tree8") == as_tree  # a shape of the budget's, named: not measured
-                assert {name: s.accept.count for name, s in stats.items()} == counts
-                bad = await http.post("/generate", json={"prompt_ids": [3, 4], "draft_shape": "bush"})
-                assert bad.status_code in (400, 422)
-                tree_posted = {o["name"]: o for o in planner.budget_asks[-1]["options"]}["tree8"]
-                assert tree_posted["accept"] == stats["tree8"].accept.value
+        as_tree = await generate()  # shapes never measured are tried first, once each: the tree ...
+        stats = agent.budget.stats
+        assert stats["tree8"].accept.count == 1 and stats["tree8"].rows.value > 1
+        assert stats["none"].accept.count == stats["chain"].accept.count == 0
+        as_chain = await generate()  # ... then the chain (the configured shape, always offered)
+        assert stats["chain"].accept.count == 1 and stats["tree8"].accept.count == 1
+        ask = planner.budget_asks[-1]
+        assert ask["default"] == "chain" and {o["name"] for o in ask["options"]} == {"none", "chain", "tree8"}
+        planner.shape = "none"
+        clock.now += settings.plan_refresh_s + 1
+        await asyncio.wait_for(agent.plans.refresh(), 5)
+        without_drafts = await generate()
+        assert stats["none"].accept.count == 1 and stats["none"].rows.value == 1
+        assert stats["none"].accept.value == 1.0
+        assert without_drafts == as_tree == as_chain
+        # a request may name its own shape (a bench's fixed rows); not one of the budget's: not measured
+        counts = {name: s.accept.count for name, s in stats.items()}
+        assert await generate(draft_shape="tree3") == as_tree
+        assert await generate(draft_shape="tree8") == as_tree  # a shape of the budget's, named: not measured
+        assert {name: s.accept.count for name, s in stats.items()} == counts
+        bad = await http.post("/generate", json={"prompt_ids": [3, 4], "draft_shape": "bush"})
+        assert bad.status_code in (400, 422)
+        tree_posted = {o["name"]: o for o in planner.budget_asks[-1]["options"]}["tree8"]
+        assert tree_posted["accept"] == stats["tree8"].accept.value
