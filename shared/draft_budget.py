@@ -41,6 +41,7 @@ MAX_OPTIONS = 32
 MAX_ROWS = MAX_TREE_ROWS  # no frame carries more
 MAX_ACCEPT = MAX_ROWS + 1.0
 MAX_DRAFT_S = 600.0
+SWITCH_MARGIN = 0.05  # a device leaves its current shape only for one predicted this much faster
 DEVICE_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")  # as the planner's GET endpoints take it
 
 
@@ -120,15 +121,22 @@ def round_seconds(option: BudgetOption, link: LinkLoad, g: Callable[[float], flo
 
 
 def choose_budget(
-    options: Iterable[BudgetOption], link: LinkLoad, g: Callable[[float], float]
+    options: Iterable[BudgetOption],
+    link: LinkLoad,
+    g: Callable[[float], float],
+    current: str | None = None,
+    margin: float = SWITCH_MARGIN,
 ) -> tuple[str, dict[str, float]]:
     """The option with the most tokens per second, and every option's tokens/s. Ties go to the
-    fewer rows (the verifier's time is everyone's)."""
+    fewer rows (the verifier's time is everyone's). The `current` shape is kept unless another is
+    more than `margin` faster: near-ties would otherwise flip with every noisy measurement."""
     options = list(options)
     if not options:
         raise BudgetError("no draft shapes to choose from")
     rates = {o.name: o.accept / max(round_seconds(o, link, g), 1e-9) for o in options}
     best = max(options, key=lambda o: (round(rates[o.name], 9), -o.rows))
+    if current in rates and rates[best.name] <= rates[current] * (1.0 + margin):
+        return current, rates
     return best.name, rates
 
 
@@ -199,9 +207,11 @@ def budget_from_state(
     inputs: PlannerInputs,
     options: list[BudgetOption],
     default: str,
+    current: str | None = None,
 ) -> tuple[str, str, dict[str, Any]]:
     """The planner's answer from the state monitor's JSON: (shape, "budget" or "default:<reason>", detail).
-    `default` is the device's configured shape, kept where the telemetry cannot decide."""
+    `default` is the device's configured shape, kept where the telemetry cannot decide; `current` the shape
+    it runs now (kept through near-ties)."""
     state = usable_state(cloud, device, inputs)
     if isinstance(state, str):
         return default, f"default:{state}", {}
@@ -219,7 +229,7 @@ def budget_from_state(
     overhead = overhead if overhead is not None and math.isfinite(overhead) and overhead >= 0 else 0.0
     try:
         link = LinkLoad(rtt, bytes_per_token, beta_up, beta_down, sessions, overhead)
-        name, rates = choose_budget(options, link, g)
+        name, rates = choose_budget(options, link, g, current)
     except ValueError as exc:  # a curve that cannot be read at these sizes: keep the device's shape
         return default, f"default:bad-telemetry ({exc})", {}
     return name, "budget", {"sessions": sessions, "tokens_per_s": {k: round(v, 4) for k, v in rates.items()}}
@@ -237,6 +247,7 @@ class BudgetRequest:
     bytes_per_token: int | None
     default: str
     options: list[BudgetOption]
+    current: str | None = None  # the shape the device runs now
 
     @classmethod
     def from_json(cls, body: Any) -> BudgetRequest:
@@ -262,6 +273,9 @@ class BudgetRequest:
             raise BudgetError("option names must be distinct")
         if default not in names:
             raise BudgetError("default must name one of the options")
+        current = body.get("current")
+        if current is not None and current not in names:
+            raise BudgetError("current, when given, must name one of the options")
         bytes_per_token = body.get("bytes_per_token")
         if bytes_per_token is not None and (
             not isinstance(bytes_per_token, int)
@@ -269,7 +283,7 @@ class BudgetRequest:
             or not 0 < bytes_per_token <= 1 << 24
         ):
             raise BudgetError("bytes_per_token must be an integer in 1..2**24")
-        return cls(device_id, bytes_per_token, default, options)
+        return cls(device_id, bytes_per_token, default, options, current)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -277,4 +291,5 @@ class BudgetRequest:
             "bytes_per_token": self.bytes_per_token,
             "default": self.default,
             "options": [vars(o) for o in self.options],
+            "current": self.current,
         }

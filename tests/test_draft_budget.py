@@ -67,6 +67,18 @@ def test_ties_go_to_fewer_rows() -> None:
     assert choose_budget(same[::-1], free_link, lambda rows: 0.0)[0] == "b"
 
 
+def test_the_current_shape_is_kept_through_near_ties() -> None:
+    pair = [BudgetOption("chain", 1.40, 2.0, 0.0), BudgetOption("none", 1.0, 1.0, 0.0)]
+    free_link = LinkLoad(0.0, 1, 1e30, 1e30, 1)
+    flat = lambda rows: 0.1  # noqa: E731
+    assert choose_budget(pair, free_link, flat)[0] == "chain"  # 14 tokens/s against 10
+    near = [BudgetOption("chain", 1.04, 2.0, 0.0), pair[1]]  # 4 % faster: not worth a switch
+    assert choose_budget(near, free_link, flat, current="none")[0] == "none"
+    assert choose_budget(near, free_link, flat, current=None)[0] == "chain"
+    assert choose_budget(pair, free_link, flat, current="none")[0] == "chain"  # 40 % faster: switch
+    assert choose_budget(near, free_link, flat, current="tree9")[0] == "chain"  # not an option: ignored
+
+
 def test_each_drafting_shape_is_handed_out_once_for_its_trial() -> None:
     tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
     assert [tracker.next_trial() for _ in range(3)] == ["chain", "tree16", None]  # no drafts needs no trial
@@ -132,6 +144,7 @@ def budget_body(**overrides) -> dict:
         budget_body(options=[{"name": "a", "accept": 2, "rows": 1, "draft_s": 0}] * 2, default="a"),
         budget_body(bytes_per_token=True),
         budget_body(device_id="../admin"),
+        budget_body(current="tree99"),
         budget_body(options=[{"name": "x" * 33, "accept": 2, "rows": 1, "draft_s": 0}]),
         budget_body(options=[{"name": "chain", "accept": 0.1, "rows": 1, "draft_s": 0}]),
     ],

@@ -261,7 +261,9 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
         if state.failure is not None:
             shape, source = ask.default, f"default:{state.failure}"
         else:
-            shape, source, detail = budget_from_state(state.cloud, state.device, inputs, ask.options, ask.default)
+            shape, source, detail = budget_from_state(
+                state.cloud, state.device, inputs, ask.options, ask.default, ask.current
+            )
         metrics.decision("draft_budget", source)
         return JSONResponse({"shape": shape, "source": source, **detail})
 

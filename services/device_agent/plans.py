@@ -149,7 +149,8 @@ class PlanCache:
         one, a refused request) costs only the budget: the chunk size and the PD steps still come."""
         if self.budget is None:
             return None
-        ask = BudgetRequest(self.device_id, self.bytes_per_token, self.default_shape, self.budget.options())
+        current = self.plan.shape if self.plan is not None else None
+        ask = BudgetRequest(self.device_id, self.bytes_per_token, self.default_shape, self.budget.options(), current)
         try:
             answer = await self._call("POST", "/draft-budget", json=ask.to_json())
         except (httpx.HTTPError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
