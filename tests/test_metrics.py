@@ -115,7 +115,9 @@ def mesh_and_relay():
     # No link probes: every frame on the device's link belongs to a request, so the relay's count is the device's.
     config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=base, device_verifier_url=relay.url,
                         max_draft=MAX_DRAFT, eta=0.0,
-                        device_env={"bandwidth_probe_interval_s": "0", "rtt_probe_interval_s": "0"})
+                        # every round a whole chain (the counts below assume it): no draft budget
+                        device_env={"bandwidth_probe_interval_s": "0", "rtt_probe_interval_s": "0",
+                                    "draft_budgets": ""})
     with Mesh(config) as mesh:
         yield mesh, relay
     relay.stop()

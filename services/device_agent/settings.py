@@ -53,7 +53,8 @@ class Settings(ServiceSettings):
     tree_min_prob: float = 0.05
     # The draft budget per round from the link and the verifier's load (shared/draft_budget.py): the shapes the
     # chunk planner chooses among for hat requests (tried once each, then chosen); empty: always the shape above.
-    draft_budgets: str = "none,chain,tree8,tree16"
+    # Trees (e.g. "none,chain,tree8,tree16") need a verifier with pipeline_stages 1: a staged one refuses them.
+    draft_budgets: str = "none,chain"
     # HAT Table 5 switches: SD = speculative (above), PC = prompt chunking, PD = parallel drafting.
     prompt_chunking: bool = True  # False: the whole prompt in one upload
     overlap_prefill: bool = True  # False: wait for each chunk's answer before the next (U-Sarathi-like)
