@@ -145,7 +145,7 @@ async def test_requests_make_no_planner_call_on_their_ttft_path(tiny_llama_check
     when it hangs; an old plan is refreshed off the request's path."""
     checkpoint = tiny_llama_checkpoint
     planner, clock = FakePlanner(), Clock()
-    async with planned_agent(checkpoint, planner, clock) as (settings, agent, http):
+    async with planned_agent(checkpoint, planner, clock, draft_budgets="none,chain") as (settings, agent, http):
         async def generate() -> list[dict]:
             body = {"prompt_ids": list(range(3, 103)), "max_new_tokens": 6}
             response = await asyncio.wait_for(http.post("/generate", json=body), 30)
