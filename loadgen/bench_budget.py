@@ -18,6 +18,7 @@ import asyncio
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -93,7 +94,7 @@ def budget_table(figures: dict[str, dict], g_points, link: LinkLoad) -> list[dic
     options = [BudgetOption(name, f["accept"], f["rows"], f["draft_s"]) for name, f in figures.items()]
     table = []
     for sessions in LOADS:
-        at_load = LinkLoad(link.rtt_s, link.bytes_per_row, link.beta_up, link.beta_down, sessions, link.overhead_s)
+        at_load = replace(link, sessions=sessions)
         chosen, rates = choose_budget(options, at_load, g)
         table.append({
             "sessions": sessions,

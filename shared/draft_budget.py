@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.ema import DEFAULT_ALPHA, Ema
+from shared.ema import Ema
 from shared.planners import PlannerInputs, positive_field, usable_state
 from shared.wire import MAX_TREE_ROWS
 
@@ -42,6 +42,7 @@ MAX_ROWS = MAX_TREE_ROWS  # no frame carries more
 MAX_ACCEPT = MAX_ROWS + 1.0
 MAX_DRAFT_S = 600.0
 SWITCH_MARGIN = 0.05  # a device leaves its current shape only for one predicted this much faster
+SHAPE_PATTERN = r"^(none|chain|tree[1-9][0-9]{0,3})$"  # what a request may name (DraftShape.parse checks the rest)
 DEVICE_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")  # as the planner's GET endpoints take it
 
 
@@ -142,9 +143,9 @@ def choose_budget(
 
 @dataclass
 class ShapeStats:
-    accept: Ema = field(default_factory=lambda: Ema(DEFAULT_ALPHA))
-    rows: Ema = field(default_factory=lambda: Ema(DEFAULT_ALPHA))
-    draft_s: Ema = field(default_factory=lambda: Ema(DEFAULT_ALPHA))
+    accept: Ema = field(default_factory=Ema)
+    rows: Ema = field(default_factory=Ema)
+    draft_s: Ema = field(default_factory=Ema)
 
 
 class BudgetTracker:

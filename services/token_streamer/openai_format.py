@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.draft_budget import SHAPE_PATTERN
 from shared.modes import Dispatch, Downlink, Mode
 
 DONE = "data: [DONE]\n\n"
@@ -41,7 +42,7 @@ class TophatOptions(BaseModel):
     parallel_candidates: int | None = Field(default=None, ge=0, le=16)  # PD
     parallel_steps: int | None = Field(default=None, ge=0, le=32)
     # hat: this request's draft shape (none, chain, tree<N>) instead of the draft budget's choice
-    draft_shape: str | None = Field(default=None, pattern=r"^(none|chain|tree[1-9][0-9]{0,3})$")
+    draft_shape: str | None = Field(default=None, pattern=SHAPE_PATTERN)
     mode: Mode | None = None  # shared/modes.py's table; its TOKEN_MODES put token ids on the wire (no privacy)
     privacy: bool | None = None  # true: refuse the token modes (the request must not leave the device as tokens)
     downlink: Downlink | None = None  # token-sd / picospec: the target row on a rejection (top-K or whole)
