@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from shared.model.adapter import AdapterError, AdapterSpec, DraftAdapter
 from shared.model.kv_cache import KVCacheError
-from shared.model.layers import TreeError, TreeRows, ancestor_mask_from_parents
+from shared.model.tree_rows import TreeError, TreeRows, ancestor_mask_from_parents
 from shared.model.split import InputSubmodel, LayerRange, MiddleSubmodel
 from shared.specdec.device_model import DeviceModel
 

@@ -44,7 +44,9 @@ def load_model(settings: Settings) -> LoadedModel:
         placement = detect_placement(settings.device, settings.dtype, what="verifier")
     except PlacementError as exc:
         raise SettingsError(f"Settings: {exc}") from exc
-    checkpoint = load_checkpoint(settings.model_dir, dtype=placement.dtype, with_tokenizer=False)
+    checkpoint = load_checkpoint(
+        settings.model_dir, dtype=placement.dtype, with_tokenizer=False, int8_weights=placement.int8_weights
+    )
     middle = MiddleSubmodel(checkpoint, settings.split_layers)
     if settings.hidden_rotation:  # this process's own copy of the weights: re-parameterised in place
         apply_secret_rotation(middle, settings.hidden_rotation)

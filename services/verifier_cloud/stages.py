@@ -241,7 +241,9 @@ def _build(spec: StageSpec) -> StageWorker:
     placement = detect_placement(spec.device, spec.dtype, what=f"stage {spec.index}")
     if placement.device.type == "cuda":
         torch.cuda.set_device(placement.device)  # anything left implicit lands on this stage's GPU, not cuda:0
-    checkpoint = load_checkpoint(spec.model_dir, dtype=placement.dtype, with_tokenizer=False)
+    checkpoint = load_checkpoint(
+        spec.model_dir, dtype=placement.dtype, with_tokenizer=False, int8_weights=placement.int8_weights
+    )
     middle = MiddleSubmodel(checkpoint, spec.split_layers, stage=spec.layers)
     if spec.hidden_rotation:  # every layer of the middle is rotated the same way: a stage is a sub-range
         from shared.model.rotation import apply_secret_rotation

@@ -20,16 +20,19 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from shared.model.attention import AttentionWeights, PassPlan, attention
 from shared.model.checkpoint import Checkpoint
+from shared.model.int8 import dequantize_linears
 from shared.model.kv_cache import SessionKV
-from shared.model.layers import TreeRows, attention_forward, packed_positions, rotary_tables, trees_on
 from shared.model.split import kv_shape, validate_split
+from shared.model.tree_rows import TreeRows
 
 ADAPTER_FILENAME = "draft_adapter.safetensors"
 DRAFT_VOCAB_KEY = "draft_vocab"  # the adapter file's [N] int64 tensor of draft token ids (optional)
@@ -68,10 +71,10 @@ class DraftAdapter(torch.nn.Module):
         self.split_layers = split_layers
         self.spec = spec
         self.input_layernorm = copy.deepcopy(template.input_layernorm)
-        self.self_attn = copy.deepcopy(template.self_attn)
+        self.self_attn: Any = dequantize_linears(copy.deepcopy(template.self_attn))  # an HF *Attention module
         if spec.mlp:
             self.post_attention_layernorm = copy.deepcopy(template.post_attention_layernorm)
-            self.mlp = copy.deepcopy(template.mlp)
+            self.mlp = dequantize_linears(copy.deepcopy(template.mlp))
         if spec.side_input is not None:
             self.fuse = torch.nn.Linear(
                 2 * hidden,
@@ -181,11 +184,10 @@ class DraftAdapter(torch.nn.Module):
         if sum(lengths) != shallow.shape[0]:
             raise AdapterError(f"lengths {list(lengths)} do not add up to {shallow.shape[0]} packed rows")
         x = self._fused(shallow, side)
-        positions = packed_positions(caches, lengths, x.device, trees)
-        cos, sin = rotary_tables(self.rotary_emb, positions, x)
+        plan = PassPlan.build(self.rotary_emb, x, caches, lengths, trees)
         layer_caches = [c.layer(0) for c in caches]
         normed = self.input_layernorm(x)
-        attn = attention_forward(self.self_attn, normed, layer_caches, lengths, cos, sin, trees_on(trees, x.device))
+        attn = attention(AttentionWeights.of_module(self.self_attn), normed, layer_caches, plan)
         return self._finish(x, attn)
 
     def forward_training(self, shallow: torch.Tensor, side: torch.Tensor | None = None) -> torch.Tensor:

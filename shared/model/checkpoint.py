@@ -81,16 +81,27 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, with_tokenizer: bool = True) -> Checkpoint:
-    """Load weights (upcast to `dtype`) and the tokenizer if the directory has one."""
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype = torch.float32, with_tokenizer: bool = True, int8_weights: bool = False
+) -> Checkpoint:
+    """Load weights (upcast to `dtype`) and the tokenizer if the directory has one.
+
+    int8_weights: projections and LM head quantized from float32 to int8, the rest float32
+    (shared/model/int8.py); `dtype` is then ignored."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     read_config(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32 if int8_weights else dtype, attn_implementation="sdpa"
+        )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load weights from {path}: {exc}") from exc
+    if int8_weights:
+        from shared.model.int8 import quantize_model
+
+        quantize_model(model)
     model.eval()
     model.requires_grad_(False)
     tokenizer = None

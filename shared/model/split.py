@@ -18,7 +18,8 @@ import torch
 
 from shared.model.checkpoint import Checkpoint
 from shared.model.kv_cache import SessionKV
-from shared.model.layers import TreeRows, run_layers
+from shared.model.layers import run_layers
+from shared.model.tree_rows import TreeRows
 
 
 class SplitError(ValueError):

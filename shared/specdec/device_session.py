@@ -27,7 +27,7 @@ import torch
 
 from shared.model.adapter import DraftAdapter
 from shared.model.kv_cache import SessionKV
-from shared.model.layers import TreeRows
+from shared.model.tree_rows import TreeRows
 from shared.specdec.device_model import DeviceModel
 from shared.specdec.draft import Branch, Draft, branch_for, only_last_corrected
 from shared.specdec.draft_config import DraftConfig, SessionError

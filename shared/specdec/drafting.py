@@ -23,7 +23,7 @@ from shared.specdec.verify_layout import VerifyLayout
 
 if TYPE_CHECKING:
     from shared.model.kv_cache import SessionKV
-    from shared.model.layers import TreeRows
+    from shared.model.tree_rows import TreeRows
     from shared.specdec.device_model import DeviceModel
 
 

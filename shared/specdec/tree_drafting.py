@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.model.layers import TreeRows, ancestor_mask_from_parents
+from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from shared.specdec.draft import Draft
 from shared.specdec.drafting import Drafting
 from shared.specdec.sampling import logits_to_probs

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.model.kv_cache import SessionKV
-from shared.model.layers import TreeRows, ancestor_mask_from_parents
+from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from shared.specdec.tree import TreeError, validate_parents
 
 
