@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from loadgen.bench_core import DelayedCloud, add_model_arguments, load_bench_models
-from shared.model.layers import TreeRows, ancestor_mask_from_parents
 from shared.model.split import MiddleSubmodel
+from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from shared.specdec.device_session import DeviceSession, DraftConfig
 from shared.specdec.engine import generate
 
