@@ -66,23 +66,24 @@ def test_unknown_device_specs_are_refused(spec):
         place(spec, **TWO_GPUS)
 
 
-@pytest.mark.parametrize("spec", ["fp16", "half", "float64", "int4", "uint8", ""])
+@pytest.mark.parametrize("spec", ["fp16", "half", "float64", "int2", "uint8", ""])
 def test_unknown_dtypes_are_refused(spec):
-    with pytest.raises(UnknownDtypeError, match="auto or one of float32, float16, bfloat16, f32, f16, bf16, int8"):
+    with pytest.raises(UnknownDtypeError, match="auto or one of float32, float16, bfloat16, f32, f16, bf16, int8, int4"):
         place("cpu", spec)
 
 
 @pytest.mark.parametrize("alias,dtype", [("f32", torch.float32), ("bf16", torch.bfloat16), ("F16", torch.float16)])
 def test_short_dtype_names_are_the_long_ones(alias, dtype):
-    assert place("cpu", alias).dtype is dtype and not place("cpu", alias).int8_weights
+    assert place("cpu", alias).dtype is dtype and place("cpu", alias).quantize is None
 
 
-def test_int8_is_int8_weights_with_float32_activations_on_the_cpu_only():
-    placement = place("cpu", "int8")
-    assert placement.int8_weights and placement.dtype is torch.float32 and placement.warnings == ()
-    assert "int8 weights" in str(placement)
-    with pytest.raises(PlacementError, match="int8 weights run on the CPU"):
-        place("cuda", "int8", **TWO_GPUS)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_weights_have_float32_activations_on_the_cpu_only(kind):
+    placement = place("cpu", kind)
+    assert placement.quantize == kind and placement.dtype is torch.float32 and placement.warnings == ()
+    assert f"{kind} weights" in str(placement)
+    with pytest.raises(PlacementError, match=f"{kind} weights run on the CPU"):
+        place("cuda", kind, **TWO_GPUS)
 
 
 def test_errors_are_value_errors_so_settings_validation_reports_them():

@@ -59,7 +59,7 @@ class DeviceAgent:
         self.settings = settings
         self.placement = detect_placement(settings.device, settings.dtype, what=f"device agent {settings.device_id}")
         self.checkpoint = load_checkpoint(
-            settings.model_dir, dtype=self.placement.dtype, int8_weights=self.placement.int8_weights
+            settings.model_dir, dtype=self.placement.dtype, quantize=self.placement.quantize
         )
         self.model = build_device_model(
             self.checkpoint, settings.split_layers, settings.adapter or None, speculative=settings.speculative

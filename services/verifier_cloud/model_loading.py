@@ -45,7 +45,7 @@ def load_model(settings: Settings) -> LoadedModel:
     except PlacementError as exc:
         raise SettingsError(f"Settings: {exc}") from exc
     checkpoint = load_checkpoint(
-        settings.model_dir, dtype=placement.dtype, with_tokenizer=False, int8_weights=placement.int8_weights
+        settings.model_dir, dtype=placement.dtype, with_tokenizer=False, quantize=placement.quantize
     )
     middle = MiddleSubmodel(checkpoint, settings.split_layers)
     if settings.hidden_rotation:  # this process's own copy of the weights: re-parameterised in place

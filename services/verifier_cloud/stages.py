@@ -242,7 +242,7 @@ def _build(spec: StageSpec) -> StageWorker:
     if placement.device.type == "cuda":
         torch.cuda.set_device(placement.device)  # anything left implicit lands on this stage's GPU, not cuda:0
     checkpoint = load_checkpoint(
-        spec.model_dir, dtype=placement.dtype, with_tokenizer=False, int8_weights=placement.int8_weights
+        spec.model_dir, dtype=placement.dtype, with_tokenizer=False, quantize=placement.quantize
     )
     middle = MiddleSubmodel(checkpoint, spec.split_layers, stage=spec.layers)
     if spec.hidden_rotation:  # every layer of the middle is rotated the same way: a stage is a sub-range

@@ -29,8 +29,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from shared.model.attention import AttentionWeights, PassPlan, attention
 from shared.model.checkpoint import Checkpoint
-from shared.model.int8 import dequantize_linears
 from shared.model.kv_cache import SessionKV
+from shared.model.quantized import dequantize_linears
 from shared.model.split import kv_shape, validate_split
 from shared.model.tree_rows import TreeRows
 

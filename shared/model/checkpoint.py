@@ -82,26 +82,26 @@ def read_config(path: Path) -> dict:
 
 
 def load_checkpoint(
-    path: str | Path, dtype: torch.dtype = torch.float32, with_tokenizer: bool = True, int8_weights: bool = False
+    path: str | Path, dtype: torch.dtype = torch.float32, with_tokenizer: bool = True, quantize: str | None = None
 ) -> Checkpoint:
     """Load weights (upcast to `dtype`) and the tokenizer if the directory has one.
 
-    int8_weights: projections and LM head quantized from float32 to int8, the rest float32
-    (shared/model/int8.py); `dtype` is then ignored."""
+    quantize: "int8" or "int4" weights for the projections (the LM head: int8), quantized from float32;
+    the rest stays float32 (shared/model/quantized.py) and `dtype` is ignored."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     read_config(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32 if int8_weights else dtype, attn_implementation="sdpa"
+            path, dtype=torch.float32 if quantize else dtype, attn_implementation="sdpa"
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load weights from {path}: {exc}") from exc
-    if int8_weights:
-        from shared.model.int8 import quantize_model
+    if quantize:
+        from shared.model.quantized import quantize_model
 
-        quantize_model(model)
+        quantize_model(model, quantize)
     model.eval()
     model.requires_grad_(False)
     tokenizer = None

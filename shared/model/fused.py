@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shared.model.attention import AttentionWeights
-from shared.model.int8 import Int8Linear, project
+from shared.model.quantized import Int8Linear, project
 
 
 class FusionError(ValueError):
@@ -72,7 +72,9 @@ def fuse(linears: Sequence[Any]) -> Projection:
     sizes = [weight.shape[0] for weight in weights]
     weight = torch.cat(weights)  # [sum(out), in]
     quantized = parts[0][2] is not None
-    scales = torch.cat([s for _, _, s in parts]) if quantized else None  # type: ignore[misc]
+    # int8 scales are [out]; int4's scales and zeros [groups, out, 2]: both join along their out axis
+    out_axis = 1 if weight.dtype == torch.uint8 else 0
+    scales = torch.cat([s for _, _, s in parts], dim=out_axis) if quantized else None  # type: ignore[misc]
     has_bias = any(bias is not None for _, bias, _ in parts)
     bias_dtype = scales.dtype if scales is not None else weight.dtype
     bias = (
@@ -83,11 +85,14 @@ def fuse(linears: Sequence[Any]) -> Projection:
     start = 0
     for linear, (_, own_bias, _), size in zip(linears, parts, sizes):
         stop = start + size
+        own_scales = None
+        if scales is not None:  # int4's per-module slice would not be contiguous: each module keeps its own
+            own_scales = scales[start:stop] if out_axis == 0 else linear.scales
         _rebind(
             linear,
             weight[start:stop],
             bias[start:stop] if bias is not None and own_bias is not None else None,
-            scales[start:stop] if scales is not None else None,
+            own_scales,
         )
         start = stop
     return Projection(weight, bias, scales)

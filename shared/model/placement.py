@@ -9,8 +9,10 @@ a machine without a GPU; `detect_placement` is the one place that asks torch.
     dtype  auto  -> float32 on the CPU; on CUDA bfloat16 where the GPU has it natively
                     (compute capability >= 8.0: Ampere, Hopper, Jetson Orin), else float16
                     (Volta / Jetson Xavier)
-           int8  -> weight-only int8 (shared/model/int8.py), float32 activations: the CPU's fastest
-                    decode (a quarter of fp32's weight bytes per token); CPU only
+           int8  -> weight-only int8 (shared/model/quantized.py), float32 activations: a quarter of
+                    fp32's weight bytes per token; CPU only
+           int4  -> the decoder's projections in 4 bits (groups of 32, like the GGUF's own Q4_1), the
+                    LM head in int8: the CPU's fastest decode; CPU only
            f32, bf16, f16 name float32, bfloat16, float16
 
 Pipeline stages (`plan_stage_devices`): with CUDA and an unindexed spec
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 DEVICE_SPECS = "auto, cpu, cuda or cuda:N"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
-INT8 = "int8"  # int8 weights, float32 activations
+QUANTIZED = ("int8", "int4")  # weight-only quantization, float32 activations
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
 
@@ -47,7 +49,7 @@ class UnknownDeviceError(PlacementError):
 
 
 class UnknownDtypeError(PlacementError):
-    """Not one of auto, float32, float16, bfloat16 (f32, f16, bf16) or int8."""
+    """Not one of auto, float32, float16, bfloat16 (f32, f16, bf16), int8 or int4."""
 
 
 class CudaUnavailableError(PlacementError):
@@ -63,11 +65,13 @@ class Placement:
     device: torch.device
     dtype: torch.dtype
     warnings: tuple[str, ...] = ()  # allowed but probably not what the operator wants (logged by detect_placement)
-    int8_weights: bool = False  # projections and LM head in int8 (dtype: the activations', float32)
+    quantize: str | None = None  # "int8" | "int4": quantized weights (dtype is then the activations', float32)
 
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.device} int8 weights, {dtype} activations" if self.int8_weights else f"{self.device} {dtype}"
+        return (
+            f"{self.device} {self.quantize} weights, {dtype} activations" if self.quantize else f"{self.device} {dtype}"
+        )
 
 
 def parse_device_spec(spec: str) -> tuple[str, int | None]:
@@ -85,16 +89,18 @@ def parse_dtype_spec(spec: str) -> torch.dtype | None:
     name = DTYPE_ALIASES.get(name, name)
     if name == "auto":
         return None
-    if name == INT8:
+    if name in QUANTIZED:
         return torch.float32
     if name not in DTYPES:
-        choices = ", ".join([*DTYPES, *DTYPE_ALIASES, INT8])
+        choices = ", ".join([*DTYPES, *DTYPE_ALIASES, *QUANTIZED])
         raise UnknownDtypeError(f"dtype must be auto or one of {choices}, got {spec!r}")
     return DTYPES[name]
 
 
-def is_int8_spec(spec: str) -> bool:
-    return isinstance(spec, str) and spec.strip().lower() == INT8
+def quantized_spec(spec: str) -> str | None:
+    """'int8' or 'int4' for a quantized-weights spec, else None."""
+    name = spec.strip().lower() if isinstance(spec, str) else ""
+    return name if name in QUANTIZED else None
 
 
 def resolve_device(spec: str, cuda_available: bool, device_count: int) -> torch.device:
@@ -121,9 +127,9 @@ def resolve_dtype(spec: str, device: torch.device, bf16_supported: bool) -> tupl
         dtype = torch.float32 if not on_cuda else torch.bfloat16 if bf16_supported else torch.float16
         return dtype, ()
     warnings = []
-    if is_int8_spec(spec):
+    if quantized_spec(spec):
         if on_cuda:
-            raise PlacementError(f"int8 weights run on the CPU; on {device} use bfloat16 (or auto)")
+            raise PlacementError(f"{spec} weights run on the CPU; on {device} use bfloat16 (or auto)")
         return dtype, ()
     if not on_cuda and dtype is torch.float16:
         # bfloat16 is faster than float32 on a CPU with AVX-512 BF16 (measured: make bench-engine); float16 is not
@@ -142,7 +148,7 @@ def resolve_placement(
     """The pure rule: settings + machine facts -> where and how the model computes (or a PlacementError)."""
     device = resolve_device(device_spec, cuda_available, device_count)
     dtype, warnings = resolve_dtype(dtype_spec, device, bf16_supported)
-    return Placement(device, dtype, warnings, int8_weights=is_int8_spec(dtype_spec))
+    return Placement(device, dtype, warnings, quantize=quantized_spec(dtype_spec))
 
 
 def plan_stage_devices(device_spec: str, num_stages: int, *, cuda_available: bool, device_count: int) -> list[str]:

@@ -1,0 +1,210 @@
+"""`make bench-engine`: the model runner against its bandwidth floor, transformers and llama.cpp.
+
+Decode reads every weight once per token, so each figure is printed beside its floor: weight
+bytes read per pass / this machine's memory bandwidth (a STREAM-like copy, read + write bytes
+counted, best of several, per thread count). Per dtype (f32, bf16, int8), at 1 and 2 threads:
+unsplit greedy decode tok/s, a verify pass of the middle layers for 1/4/8/16/32 rows after a
+128-token context, and 1 vs 8 concurrent sessions (one packed pass per step). Then held-out
+quality per dtype against fp32. Prints a table and writes JSON; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from loadgen.bench_core import bench_prompts
+from shared.model.checkpoint import Checkpoint, load_checkpoint
+from shared.model.split import LayerRange, MiddleSubmodel, OutputSubmodel
+from tophatctl.models import resolve_model, smollm2_gguf_path
+
+DTYPES = ("f32", "bf16", "int8", "int4")
+LLAMA_PYTHON = Path(".venv-llama/bin/python")
+
+
+def load(model: str, dtype: str) -> Checkpoint:
+    if dtype in ("int8", "int4"):
+        return load_checkpoint(resolve_model(model), quantize=dtype)
+    return load_checkpoint(resolve_model(model), dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+
+
+def copy_bandwidth(threads: int, mib: int = 512, repeats: int = 6) -> float:
+    """Bytes/s of a STREAM copy b[:] = a (read + write counted), the best of `repeats`."""
+    torch.set_num_threads(threads)
+    a = torch.ones(mib * 2**20 // 4)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - started)
+    return 2 * a.nbytes / best
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+
+
+def pass_bytes(checkpoint: Checkpoint, start: int = 0) -> int:
+    """Weight bytes one decode pass reads: layers start.. and, for an unsplit pass, the LM head."""
+    layers = sum(tensor_bytes(layer) for layer in checkpoint.decoder.layers[start:])
+    return layers + (tensor_bytes(checkpoint.model.lm_head) if start == 0 else 0)
+
+
+@torch.inference_mode()
+def decode_rate(checkpoint: Checkpoint, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Aggregate tok/s of greedy decoding len(prompts) sessions together (one packed row each per step),
+    the best of two runs, and each session's tokens."""
+    whole, head = LayerRange(checkpoint, 0, checkpoint.num_layers), OutputSubmodel(checkpoint)
+    embed = checkpoint.decoder.embed_tokens
+    best, tokens = 0.0, []
+    for _ in range(2):
+        caches = [whole.new_cache() for _ in prompts]
+        firsts = [whole.forward_packed(embed(torch.tensor(p)), [c], [len(p)])[-1:] for p, c in zip(prompts, caches)]
+        tokens = [[int(t)] for t in head(torch.cat(firsts)).argmax(-1)]
+        lengths = [1] * len(prompts)
+        started = time.perf_counter()
+        for _ in range(new_tokens):
+            hidden = whole.forward_packed(embed(torch.tensor([t[-1] for t in tokens])), caches, lengths)  # [B, H]
+            for row, token in zip(tokens, head(hidden).argmax(-1)):
+                row.append(int(token))
+        best = max(best, len(prompts) * new_tokens / (time.perf_counter() - started))
+        for cache in caches:
+            cache.free()
+    return best, tokens
+
+
+@torch.inference_mode()
+def transformers_rate(checkpoint: Checkpoint, prompt: list[int], new_tokens: int) -> float:
+    ids = torch.tensor([prompt])
+    options = dict(input_ids=ids, do_sample=False, pad_token_id=0)
+    checkpoint.model.generate(**options, max_new_tokens=2)
+    started = time.perf_counter()
+    checkpoint.model.generate(**options, max_new_tokens=1)
+    prefill = time.perf_counter() - started
+    started = time.perf_counter()
+    checkpoint.model.generate(**options, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1)
+    return new_tokens / (time.perf_counter() - started - prefill)
+
+
+@torch.inference_mode()
+def verify_ms(checkpoint: Checkpoint, split: int, rows: int, context: int = 128, repeats: int = 9) -> float:
+    middle = MiddleSubmodel(checkpoint, split)
+    cache = middle.new_cache()
+    hidden = checkpoint.hidden_size
+    middle.forward_batch([(cache, torch.randn(context, hidden, dtype=middle.dtype))])
+    samples = []
+    for _ in range(repeats):
+        cache.truncate(context)
+        states = torch.randn(rows, hidden, dtype=middle.dtype)
+        started = time.perf_counter()
+        middle.forward_batch([(cache, states)])
+        samples.append(time.perf_counter() - started)
+    cache.free()
+    return statistics.median(samples) * 1e3
+
+
+def llama_rate(threads: int, prompt: list[int], new_tokens: int) -> float | None:
+    if not LLAMA_PYTHON.exists():
+        return None
+    script = Path(__file__).with_name("llama_cpp_decode.py")
+    command = [str(LLAMA_PYTHON), str(script), str(smollm2_gguf_path()), "--threads", str(threads),
+               "--prompt-ids", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["tok_s"])
+
+
+@torch.inference_mode()
+def quality(checkpoint: Checkpoint, texts: list[tuple[list[int], list[int]]]) -> tuple[float, float]:
+    """(perplexity of the fp32 model's greedy answers, share of their positions where this model's argmax,
+    teacher-forced, is fp32's token)."""
+    nll = count = agree = 0.0
+    for prompt, answer in texts:
+        logits = checkpoint.model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1].float()
+        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(answer), reduction="sum"))
+        agree += float((logits.argmax(-1) == torch.tensor(answer)).sum())
+        count += len(answer)
+    return float(torch.exp(torch.tensor(nll / count))), agree / count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--split-layers", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--out", default="bench-results/engine.json")
+    args = parser.parse_args()
+    threads_list = [int(t) for t in args.threads.split(",")]
+    bandwidth = {t: copy_bandwidth(t) for t in threads_list}
+    results: dict = {"bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}, "runs": [], "quality": {}}
+    prompts = bench_prompts(load(args.model, "f32"), 8)
+    prompt = prompts[0]
+    reference_tokens: list[list[int]] = []  # fp32's greedy answers to the held-out prompts
+    for dtype in args.dtypes.split(","):
+        checkpoint = load(args.model, dtype)
+        unsplit, middle = pass_bytes(checkpoint), pass_bytes(checkpoint, args.split_layers)
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            bw = bandwidth[threads]
+            row: dict = {"dtype": dtype, "threads": threads, "weight_mb": unsplit / 1e6}
+            row["decode_tok_s"], tokens = decode_rate(checkpoint, [prompt], args.new_tokens)
+            row["decode_floor_tok_s"] = bw / unsplit
+            row["decode8_tok_s"], _ = decode_rate(checkpoint, prompts[:8], args.new_tokens // 2)
+            row["decode8_floor_tok_s"] = 8 * bw / unsplit
+            row["verify_ms"] = {k: verify_ms(checkpoint, args.split_layers, k) for k in (1, 4, 8, 16, 32)}
+            row["verify_floor_ms"] = middle / bw * 1e3
+            if dtype in ("f32", "bf16"):
+                row["transformers_tok_s"] = transformers_rate(checkpoint, prompt, args.new_tokens)
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+        if dtype == "f32":
+            reference_tokens = [decode_rate(checkpoint, [p], 48)[1][0] for p in prompts]
+        if reference_tokens:
+            own = [decode_rate(checkpoint, [p], 48)[1][0] for p in prompts]
+            ppl, agree = quality(checkpoint, list(zip(prompts, reference_tokens)))
+            same = sum(a == b for a, b in zip(own, reference_tokens))
+            results["quality"][dtype] = {"perplexity": ppl, "argmax_agreement": agree, "same_greedy_answers": same,
+                                         "prompts": len(prompts)}
+        del checkpoint
+    for threads in threads_list:
+        rate = llama_rate(threads, prompt, args.new_tokens)
+        results["runs"].append({"dtype": "llama.cpp Q4_1", "threads": threads, "decode_tok_s": rate})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    llama = {r["threads"]: r["decode_tok_s"] for r in results["runs"] if r["dtype"].startswith("llama")}
+    print("\nbandwidth (STREAM copy): " + ", ".join(f"{t} thread(s) {b:.1f} GB/s"
+                                                   for t, b in results["bandwidth_gb_s"].items()))
+    print("llama.cpp (Q4_1 GGUF) decode: " + ", ".join(
+        f"{t} thread(s) {r:.1f} tok/s" if r else f"{t} thread(s) not installed" for t, r in llama.items()))
+    print("\n| dtype | threads | weights MB | decode tok/s (floor, x llama.cpp) | 8 sessions tok/s (floor) "
+          "| verify ms 1/4/8/16/32 rows (floor) | transformers tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        if r["dtype"].startswith("llama"):
+            continue
+        versus = f", {r['decode_tok_s'] / llama[r['threads']]:.2f}x" if llama.get(r["threads"]) else ""
+        verify = "/".join(f"{ms:.1f}" for ms in r["verify_ms"].values())
+        print(f"| {r['dtype']} | {r['threads']} | {r['weight_mb']:.0f} | {r['decode_tok_s']:.1f} "
+              f"({r['decode_floor_tok_s']:.1f}{versus}) | {r['decode8_tok_s']:.1f} ({r['decode8_floor_tok_s']:.1f}) "
+              f"| {verify} ({r['verify_floor_ms']:.1f}) | {r.get('transformers_tok_s', float('nan')):.1f} |")
+    print("\n| dtype | perplexity on fp32's answers | argmax agreement with fp32 | same greedy answer |")
+    print("|---|---|---|---|")
+    for dtype, q in results["quality"].items():
+        print(f"| {dtype} | {q['perplexity']:.3f} | {q['argmax_agreement']:.1%} | "
+              f"{q['same_greedy_answers']}/{q['prompts']} |")
+
+
+if __name__ == "__main__":
+    main()
