@@ -50,9 +50,10 @@ def fits_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> bool:
 def quantize_groups(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric int4 per group of `group` inputs: weight [out, in] -> (packed uint8 [out, in / 2], scales
     and zeros [in / group, out, 2] bfloat16), dequantized as (q - 8) * scale + zero."""
-    if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % group:
+    if not fits_int4(weight, group):
         raise Int8Error(
-            f"int4 takes a 2-D float weight with inputs a multiple of {group}, got {weight.dtype} {tuple(weight.shape)}"
+            f"int4 takes a 2-D float weight with outputs a multiple of 16 and inputs of {group}, got "
+            f"{weight.dtype} {tuple(weight.shape)}"
         )
     rows, cols = weight.shape
     groups = weight.detach().float().view(rows, cols // group, group)
