@@ -4,8 +4,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
 MODEL ?= smollm2
+# the weights' precision `make demo` runs: int4 (the CPU's fastest decode), int8, bf16 or f32 (make bench-engine)
+DTYPE ?= int4
 
-.PHONY: install test test-fast lint demo bench bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
+.PHONY: install test test-fast lint demo bench bench-engine bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -39,7 +41,19 @@ lint: install
 	$(BIN)/mypy $(LINTED)
 
 demo: install
-	$(BIN)/python -m tophatctl.demo --model $(MODEL)
+	$(BIN)/python -m tophatctl.demo --model $(MODEL) --dtype $(DTYPE)
+
+# the model runner per dtype against this machine's bandwidth floor, transformers and llama.cpp (its own venv,
+# llama-cpp-python built from source: a few minutes the first time); table on stdout, JSON in bench-results/
+LLAMA_VENV := .venv-llama
+LLAMA_STAMP := $(LLAMA_VENV)/.installed
+$(LLAMA_STAMP):
+	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(LLAMA_VENV)/bin/pip install --quiet --no-binary llama-cpp-python llama-cpp-python==0.3.36
+	touch $(LLAMA_STAMP)
+
+bench-engine: install $(LLAMA_STAMP)
+	$(BIN)/python -m loadgen.bench_engine --model $(MODEL) --out bench-results/engine.json
 
 bench-core: install
 	$(BIN)/python -m loadgen.bench_core --model $(MODEL)

@@ -110,6 +110,67 @@ def verify_ms(checkpoint: Checkpoint, split: int, rows: int, context: int = 128,
     return statistics.median(samples) * 1e3
 
 
+BUCKETS = {  # profiler op name -> where the time goes
+    "matmul": ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math"),
+    "kv copies": ("aten::copy_", "aten::index_put_", "aten::index"),
+    "masks": ("aten::tril", "aten::ones", "aten::zeros", "aten::fill_", "aten::arange"),
+}
+
+
+@torch.inference_mode()
+def profile_breakdown(step, repeats: int = 10) -> dict[str, float]:
+    """ms per call of `step` by bucket: each bucket's ops' own CPU time; 'other ops' the rest of the ops;
+    'python' the wall time no op accounts for (dispatch, module calls, our own code)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        wall = time.perf_counter() - started
+    spent = {name: 0.0 for name in [*BUCKETS, "other ops"]}
+    for event in prof.key_averages():
+        bucket = next((b for b, names in BUCKETS.items() if event.key in names), "other ops")
+        spent[bucket] += event.self_cpu_time_total / 1e3 / repeats  # us -> ms per call
+    spent["python"] = max(0.0, wall * 1e3 / repeats - sum(spent.values()))
+    spent["wall (profiled)"] = wall * 1e3 / repeats
+    return spent
+
+
+def profiles(checkpoint: Checkpoint, split: int, adapter: str | None) -> dict[str, dict[str, float]]:
+    """The breakdown of a 1-row verify pass of the middle layers (128-token context) and of a device draft step."""
+    from shared.runtime import build_device_model
+    from shared.specdec.device_session import DeviceSession, DraftConfig
+
+    middle = MiddleSubmodel(checkpoint, split)
+    cache = middle.new_cache()
+    middle.forward_batch([(cache, torch.randn(128, checkpoint.hidden_size, dtype=middle.dtype))])
+    row = torch.randn(1, checkpoint.hidden_size, dtype=middle.dtype)
+
+    def verify() -> None:
+        cache.truncate(128)
+        middle.forward_batch([(cache, row)])
+
+    device = build_device_model(checkpoint, split, adapter, speculative=True)
+    session = DeviceSession(device, list(range(100, 228)), draft_config=DraftConfig(eta=0.0, max_draft=1),
+                            max_new_tokens=4)
+    session.prefill_chunk(128)
+    session.on_prefill_result(torch.zeros(1, checkpoint.hidden_size))
+    session.pending_token = 5
+    start = session.commit_len
+
+    def draft_step() -> None:  # one token through the device's layers, the adapter and the head
+        session.draft()
+        session.input_cache.truncate(start)
+        if session.adapter_cache is not None:
+            session.adapter_cache.truncate(start)
+
+    return {"verify pass (1 row)": profile_breakdown(verify), "device draft step": profile_breakdown(draft_step)}
+
+
 def llama_rate(threads: int, prompt: list[int], new_tokens: int) -> float | None:
     if not LLAMA_PYTHON.exists():
         return None
@@ -141,6 +202,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--out", default="bench-results/engine.json")
+    parser.add_argument("--profile", default="f32,int4", help="dtypes whose verify pass and draft step are profiled")
     args = parser.parse_args()
     threads_list = [int(t) for t in args.threads.split(",")]
     bandwidth = {t: copy_bandwidth(t) for t in threads_list}
@@ -165,6 +227,9 @@ def main() -> None:
                 row["transformers_tok_s"] = transformers_rate(checkpoint, prompt, args.new_tokens)
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
+        if dtype in args.profile.split(","):
+            torch.set_num_threads(1)
+            results.setdefault("profiles", {})[dtype] = profiles(checkpoint, args.split_layers, None)
         if dtype == "f32":
             reference_tokens = [decode_rate(checkpoint, [p], 48)[1][0] for p in prompts]
         if reference_tokens:
@@ -199,6 +264,9 @@ def print_table(results: dict) -> None:
         print(f"| {r['dtype']} | {r['threads']} | {r['weight_mb']:.0f} | {r['decode_tok_s']:.1f} "
               f"({r['decode_floor_tok_s']:.1f}{versus}) | {r['decode8_tok_s']:.1f} ({r['decode8_floor_tok_s']:.1f}) "
               f"| {verify} ({r['verify_floor_ms']:.1f}) | {r.get('transformers_tok_s', float('nan')):.1f} |")
+    for dtype, parts in results.get("profiles", {}).items():
+        for what, spent in parts.items():
+            print(f"\nprofile, {dtype}, 1 thread, {what}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in spent.items()))
     print("\n| dtype | perplexity on fp32's answers | argmax agreement with fp32 | same greedy answer |")
     print("|---|---|---|---|")
     for dtype, q in results["quality"].items():

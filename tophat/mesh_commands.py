@@ -28,6 +28,8 @@ def up(
     link_mode: str = typer.Option("auto", help="auto | netns (tc-shaped veth, root) | inprocess"),
     speed: str = typer.Option("orin", help="device speed per device: orin|xavier|cycle|'1,2,5,10@5'; ';'-separated"),
     pipeline_stages: int = typer.Option(1, help="P: verifier pipeline stages (worker processes)"),
+    dtype: str = typer.Option("auto", "--dtype", help="weights in the verifier and the devices: auto (f32 on a CPU) | "
+                              "f32 | bf16 | int8 | int4 (int8/int4: the CPU's fast decode, make bench-engine)"),
     prompt_chunking: bool = typer.Option(True, "--prompt-chunking/--no-prompt-chunking", help="PC switch"),
     parallel_drafting: bool = typer.Option(True, "--parallel-drafting/--no-parallel-drafting", help="PD switch"),
     state_file: Optional[Path] = typer.Option(None, "--state-file", help="keep a JSON list of every process "
@@ -68,7 +70,7 @@ def up(
     try:  # a config no mesh can run is refused by MeshConfig itself, also a MeshStartError
         config = MeshConfig(model_dir=str(resolve_model_or_exit(model)), num_devices=devices, port_base=port_base,
                             redis_url=redis_url, split_layers=split_layers, speculative=not no_speculation, adapter=adapter,
-                            link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages,
+                            link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages, dtype=dtype,
                             device_env={"prompt_chunking": str(prompt_chunking).lower(),
                                         **({} if parallel_drafting else {"parallel_candidates": "0"})},
                             supervise=True, state_file=state_file, auth=auth,

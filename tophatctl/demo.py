@@ -50,15 +50,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="draft adapter file or 'random' (default: the model's draft_adapter.safetensors)")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--dtype", default="int4",
+                        help="weights in the verifier and the devices: int4 (default: the CPU's fastest decode) | "
+                             "int8 | bf16 | f32 (the answers of the unquantized model)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    config = MeshConfig(model_dir=args.model, adapter=args.adapter, num_devices=args.devices,
+    config = MeshConfig(model_dir=args.model, adapter=args.adapter, num_devices=args.devices, dtype=args.dtype,
                         port_base=find_port_base(args.devices))
-    print(f"starting the mesh ({args.model}, {args.devices} device agents) ...", flush=True)
+    print(f"starting the mesh ({args.model}, {args.devices} device agents, {args.dtype} weights) ...", flush=True)
     try:
         mesh = Mesh(config).start()
     except (MeshStartError, ModelLoadError) as exc:

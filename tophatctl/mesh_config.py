@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.model.placement import PlacementError, parse_dtype_spec
 from tophatctl.mesh_ports import (
     DEVICE_OFFSET,
     MAX_VERIFIERS,
@@ -55,6 +56,9 @@ class MeshConfig:
     speed: str = "orin"
     link_mode: str = "auto"
     pipeline_stages: int = 1
+    # the weights' precision in the verifier and every device agent: auto (float32 on a CPU) | f32 | bf16 | int8 |
+    # int4 (shared/model/placement.py); int8/int4 are the CPU's fast decode (make bench-engine)
+    dtype: str = "auto"
     device_env: dict[str, str] = field(default_factory=dict)  # extra TOPHAT_DEVICE_* settings
     # As a container deployment runs: devices take any free port and a host-name id and announce themselves
     # to the state monitor; the streamer routes to whatever announced (no list of device URLs).
@@ -104,6 +108,10 @@ class MeshConfig:
             raise MeshConfigError(f"link_mode must be one of {', '.join(LINK_MODES)}, got {self.link_mode!r}")
         if self.ready_timeout_s <= 0:
             raise MeshConfigError(f"ready_timeout_s must be positive, got {self.ready_timeout_s}")
+        try:
+            parse_dtype_spec(self.dtype)
+        except PlacementError as exc:
+            raise MeshConfigError(str(exc)) from exc
 
     @property
     def http_scheme(self) -> str:
