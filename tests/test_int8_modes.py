@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from services.device_agent.cloud_client import WebSocketCloud
 from services.device_agent.token_mode import token_decode
@@ -105,3 +106,16 @@ def test_cloud_and_streamed_modes_at_int8_equal_the_unsplit_int8_model(int8_chec
 
     for mode, outputs in asyncio.run(main()).items():
         assert outputs == expected, mode
+
+
+def test_a_truncated_draft_vocabulary_reads_the_quantized_head_and_stays_lossless(int8_checkpoint, expected):
+    adapter = DraftAdapter(int8_checkpoint, M).randomize(5)
+    vocab = list(range(0, int8_checkpoint.vocab_size, 3))
+    adapter.set_draft_vocab(vocab)
+    device = DeviceModel.from_checkpoint(int8_checkpoint, M, adapter)
+    hidden = torch.randn(3, int8_checkpoint.hidden_size)
+    drafted, full = device.draft_logits(hidden), device.output(hidden)
+    torch.testing.assert_close(drafted[:, vocab], full[:, vocab], atol=1e-2, rtol=1e-2)
+    assert torch.isinf(drafted[:, 1]).all()  # outside the draft vocabulary: never drafted
+    session = DeviceSession(device, PROMPTS[0], SamplingParams(), DraftConfig(eta=0.0, max_draft=3), MAX_NEW)
+    assert asyncio.run(generate(session, LocalCloud(MiddleSubmodel(int8_checkpoint, M)))).token_ids == expected[0]

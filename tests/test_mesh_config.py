@@ -18,11 +18,19 @@ from tophatctl.supervisor import RestartPolicy
 
 
 @pytest.mark.parametrize("fields", [{"verifiers": 0}, {"verifiers": 100}, {"num_devices": 0},
-                                    {"link_mode": "tc"}, {"port_base": 65_400}, {"ready_timeout_s": 0}])
+                                    {"link_mode": "tc"}, {"port_base": 65_400}, {"ready_timeout_s": 0},
+                                    {"dtype": "int3"}])
 def test_a_config_no_mesh_can_run_is_refused_when_made(fields):
     with pytest.raises(MeshConfigError) as refused:
         MeshConfig(**fields)
     assert isinstance(refused.value, MeshStartError) and isinstance(refused.value, ValueError)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "bf16", "auto"])
+def test_the_weights_dtype_reaches_the_verifier_and_every_device(dtype):
+    config = MeshConfig(dtype=dtype, num_devices=2)
+    assert verifier_env(config, 0, "127.0.0.1", "models/demo", {})["TOPHAT_VERIFIER_DTYPE"] == dtype
+    assert {device_env(config, i, "models/demo")["TOPHAT_DEVICE_DTYPE"] for i in range(2)} == {dtype}
 
 
 def test_a_config_changed_after_it_was_made_is_checked_again():

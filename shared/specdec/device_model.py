@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import Checkpoint
+from shared.model.quantized import project
 from shared.model.split import InputSubmodel, OutputSubmodel
 
 
@@ -26,7 +26,7 @@ class DeviceModel:
     context_length: int
     # the draft head over the adapter's draft_vocab: (that vocab tensor, weight [N, H], bias [N] or None),
     # gathered once from lm_head and rebuilt only when the vocabulary or the head's device/dtype changes
-    _draft_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
+    _draft_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = field(
         default=None, init=False, repr=False, compare=False
     )
 
@@ -61,8 +61,9 @@ class DeviceModel:
         self._draft_head = None
         return self
 
-    def _draft_head_for(self, vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        weight = cast(torch.Tensor, self.output.lm_head.weight)  # [V, H]
+    def _draft_head_for(self, vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The LM head's rows of the draft vocabulary: (weight [N, H], bias [N] or None, int8 scales [N] or None)."""
+        weight = cast(torch.Tensor, self.output.lm_head.weight)  # [V, H]: float, or int8 rows (Int8Linear)
         cached = self._draft_head
         if (
             cached is None
@@ -73,9 +74,11 @@ class DeviceModel:
             bias = cast(torch.Tensor | None, getattr(self.output.lm_head, "bias", None))  # [V] or None
             index = vocab.to(weight.device)
             sub_bias = bias.detach()[index].clone() if bias is not None else None
-            cached = (vocab, weight.detach()[index].clone(), sub_bias)  # [N, H]: one gather, kept
+            scales = cast(torch.Tensor | None, getattr(self.output.lm_head, "scales", None))  # int8 head: [V]
+            sub_scales = scales[index].clone() if scales is not None else None
+            cached = (vocab, weight.detach()[index].clone(), sub_bias, sub_scales)  # [N, H]: one gather, kept
             self._draft_head = cached
-        return cached[1], cached[2]
+        return cached[1], cached[2], cached[3]
 
     @torch.inference_mode()
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -85,8 +88,8 @@ class DeviceModel:
         vocab = self.adapter.draft_vocab if self.adapter is not None else None
         if vocab is None:
             return self.output(hidden)
-        weight, bias = self._draft_head_for(vocab)  # [N, H], [N] or None
-        sub = F.linear(self.output.norm(hidden), weight, bias).float().cpu()  # [S, N]
+        weight, bias, scales = self._draft_head_for(vocab)  # [N, H], [N] or None, [N] or None
+        sub = project(self.output.norm(hidden), weight, bias, scales).float().cpu()  # [S, N]
         logits = torch.full((hidden.shape[0], cast(int, self.output.lm_head.out_features)), float("-inf"))  # [S, V]
         logits[:, vocab] = sub
         return logits
