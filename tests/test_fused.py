@@ -7,7 +7,7 @@ import torch
 
 from shared.model.checkpoint import load_checkpoint
 from shared.model.fused import FusionError, fuse, fused_layer
-from shared.model.quantized import Int8Linear
+from shared.model.quantized import QuantizedLinear
 
 
 def test_fused_outputs_are_the_separate_outputs_side_by_side_and_the_modules_become_views():
@@ -25,7 +25,7 @@ def test_fused_outputs_are_the_separate_outputs_side_by_side_and_the_modules_bec
 
 def test_int8_projections_fuse_with_their_scales():
     torch.manual_seed(1)
-    linears = [Int8Linear.from_linear(torch.nn.Linear(32, n)) for n in (24, 8)]
+    linears = [QuantizedLinear.from_linear(torch.nn.Linear(32, n)) for n in (24, 8)]
     x = torch.randn(3, 32)
     before = torch.cat([linear(x) for linear in linears], dim=-1)
     fused = fuse(linears)
@@ -38,7 +38,7 @@ def test_int8_projections_fuse_with_their_scales():
     "linears",
     [
         lambda: [torch.nn.Linear(8, 4), torch.nn.Linear(6, 4)],  # different inputs
-        lambda: [torch.nn.Linear(8, 4), Int8Linear.from_linear(torch.nn.Linear(8, 4))],  # different kinds
+        lambda: [torch.nn.Linear(8, 4), QuantizedLinear.from_linear(torch.nn.Linear(8, 4))],  # different kinds
         lambda: [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4, dtype=torch.bfloat16)],  # different dtypes
         lambda: [torch.nn.Conv1d(8, 4, 1)],
     ],

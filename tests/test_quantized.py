@@ -8,8 +8,8 @@ import torch
 from shared.model.checkpoint import load_checkpoint
 from shared.model.quantized import (
     MATMUL_DTYPE,
-    Int8Error,
-    Int8Linear,
+    QuantizationError,
+    QuantizedLinear,
     dequantize_linears,
     is_quantized,
     project,
@@ -29,21 +29,21 @@ def test_rows_round_trip_within_half_a_step():
 
 @pytest.mark.parametrize("bad", [torch.randn(4), torch.randint(0, 9, (4, 4)), torch.randn(2, 3, 4)])
 def test_only_2d_float_weights_quantize(bad):
-    with pytest.raises(Int8Error, match="2-D float"):
+    with pytest.raises(QuantizationError, match="2-D float"):
         quantize_rows(bad)
 
 
 def test_int8_linear_refuses_mismatched_scales():
-    with pytest.raises(Int8Error, match="scales"):
-        Int8Linear(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))
-    with pytest.raises(Int8Error, match="int8"):
-        Int8Linear(torch.zeros(4, 8), torch.ones(4))
+    with pytest.raises(QuantizationError, match="scales"):
+        QuantizedLinear(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))
+    with pytest.raises(QuantizationError, match="int8"):
+        QuantizedLinear(torch.zeros(4, 8), torch.ones(4))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_the_product_is_the_dequantized_matmul_on_bfloat16_inputs_returned_in_the_input_dtype(rows):
     linear = torch.nn.Linear(64, 40, bias=True)
-    int8 = Int8Linear.from_linear(linear)
+    int8 = QuantizedLinear.from_linear(linear)
     x = torch.randn(rows, 64)
     got = int8(x)
     assert got.dtype is torch.float32 and got.shape == (rows, 40)
@@ -56,7 +56,7 @@ def test_the_product_is_the_dequantized_matmul_on_bfloat16_inputs_returned_in_th
 
 def test_a_row_computes_the_same_alone_or_in_a_batch():
     """The verifier packs rows of many sessions: a row's output must not depend on its neighbours."""
-    int8 = Int8Linear.from_linear(torch.nn.Linear(64, 96))
+    int8 = QuantizedLinear.from_linear(torch.nn.Linear(64, 96))
     x = torch.randn(9, 64)
     together = int8(x)
     for i in range(9):
@@ -74,7 +74,7 @@ def test_the_model_is_quantized_in_place_and_everything_else_stays_float32(int8_
     for layer in model.model.layers:
         for parent, names in ((layer.self_attn, "qkvo"), (layer.mlp, ("gate", "up", "down"))):
             for name in names:
-                assert isinstance(getattr(parent, f"{name}_proj"), Int8Linear)
+                assert isinstance(getattr(parent, f"{name}_proj"), QuantizedLinear)
         assert layer.input_layernorm.weight.dtype is torch.float32
     assert model.model.embed_tokens.weight.dtype is torch.float32 and model.dtype is torch.float32
     dense = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
@@ -97,7 +97,7 @@ def test_int4_groups_round_trip_within_half_a_step_and_the_kernel_multiplies_wha
     from shared.model.quantized import INT4_GROUP
 
     linear = torch.nn.Linear(96, 48, bias=False)
-    int4 = Int8Linear.from_linear(linear, bits=4)
+    int4 = QuantizedLinear.from_linear(linear, bits=4)
     assert int4.bits == 4 and int4.in_features == 96 and int4.weight.dtype is torch.uint8
     kept = int4.dequantized()  # [out, in], read back through the kernel
     steps = int4.scales[..., 0].float().T.repeat_interleave(INT4_GROUP, dim=1)  # [out, in]: each input's group step
@@ -113,7 +113,7 @@ def test_int4_holds_weights_already_on_a_sixteen_level_grid_almost_exactly():
     q[:, ::32] = 0.0
     q[:, 1::32] = 15.0  # each group spans the whole grid, as a quantizer's output does
     weight = q * 0.01 + 0.003
-    kept = Int8Linear.from_linear(_linear_with(weight), bits=4).dequantized()
+    kept = QuantizedLinear.from_linear(_linear_with(weight), bits=4).dequantized()
     assert (kept - weight).abs().max() < 0.1 * 0.01  # bf16 scales and zeros: not bit-exact, a tenth of a grid step
 
 
@@ -127,12 +127,12 @@ def _linear_with(weight: torch.Tensor) -> torch.nn.Linear:
 def test_unknown_quantizations_are_refused(tiny_llama_dir):
     from shared.model.quantized import quantize_model
 
-    with pytest.raises(Int8Error, match="int8, int4"):
+    with pytest.raises(QuantizationError, match="int8, int4"):
         quantize_model(load_checkpoint(tiny_llama_dir, with_tokenizer=False).model, "int3")
 
 
 def test_int4_refuses_shapes_its_kernel_cannot_pack_and_the_model_keeps_those_in_int8():
     from shared.model.quantized import quantize_groups
 
-    with pytest.raises(Int8Error, match="multiple of 16"):
+    with pytest.raises(QuantizationError, match="multiple of 16"):
         quantize_groups(torch.randn(40, 64))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shared.model.attention import AttentionWeights
-from shared.model.quantized import Int8Linear, project
+from shared.model.quantized import QuantizedLinear, project
 
 
 class FusionError(ValueError):
@@ -39,16 +39,16 @@ class Projection:
 
 
 def _parts(linear: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    if isinstance(linear, Int8Linear):
+    if isinstance(linear, QuantizedLinear):
         return linear.weight, linear.bias, linear.scales
     if isinstance(linear, torch.nn.Linear):
         return linear.weight, linear.bias, None
-    raise FusionError(f"cannot fuse a {type(linear).__name__}: an nn.Linear or Int8Linear is expected")
+    raise FusionError(f"cannot fuse a {type(linear).__name__}: an nn.Linear or QuantizedLinear is expected")
 
 
 def _rebind(linear: Any, weight: torch.Tensor, bias: torch.Tensor | None, scales: torch.Tensor | None) -> None:
     """Point a module's tensors at slices of the fused ones (same values, no copy kept)."""
-    if isinstance(linear, Int8Linear):
+    if isinstance(linear, QuantizedLinear):
         assert scales is not None  # int8 weights fuse with their scales
         linear.weight, linear.scales = weight, scales  # buffers: plain assignment keeps them registered
         if bias is not None:

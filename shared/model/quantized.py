@@ -26,14 +26,14 @@ MATMUL_DTYPE = torch.bfloat16  # what each quantized matmul takes its input in (
 INT4_GROUP = 32  # inputs per int4 scale and zero
 
 
-class Int8Error(ValueError):
-    """A tensor that cannot be quantized or multiplied as int8 weights."""
+class QuantizationError(ValueError):
+    """A tensor or a quantization kind that cannot be quantized, or multiplied as quantized weights."""
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: weight [out, in] float -> (int8 [out, in], scales [out] float32)."""
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise Int8Error(f"int8 quantization takes a 2-D float weight, got {weight.dtype} {tuple(weight.shape)}")
+        raise QuantizationError(f"int8 quantization takes a 2-D float weight, got {weight.dtype} {tuple(weight.shape)}")
     wide = weight.detach().float()
     scales = wide.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
     quantized = torch.round(wide / scales[:, None]).clamp(-127, 127).to(torch.int8)
@@ -51,7 +51,7 @@ def quantize_groups(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torc
     """Asymmetric int4 per group of `group` inputs: weight [out, in] -> (packed uint8 [out, in / 2], scales
     and zeros [in / group, out, 2] bfloat16), dequantized as (q - 8) * scale + zero."""
     if not fits_int4(weight, group):
-        raise Int8Error(
+        raise QuantizationError(
             f"int4 takes a 2-D float weight with outputs a multiple of 16 and inputs of {group}, got "
             f"{weight.dtype} {tuple(weight.shape)}"
         )
@@ -82,7 +82,7 @@ def project(
     return out if bias is None else out + bias
 
 
-class Int8Linear(torch.nn.Module):
+class QuantizedLinear(torch.nn.Module):
     """An nn.Linear whose weight is int8 rows with per-row scales, or packed int4 rows with per-group
     scales and zeros (buffers: not trainable)."""
 
@@ -95,7 +95,7 @@ class Int8Linear(torch.nn.Module):
         int8 = weight.dtype == torch.int8 and scales.shape == weight.shape[:1]
         int4 = weight.dtype == torch.uint8 and scales.dim() == 3 and scales.shape[1:] == (weight.shape[0], 2)
         if not (int8 or int4):
-            raise Int8Error(
+            raise QuantizationError(
                 f"int8 weight [out, in] with scales [out], or packed int4 [out, in / 2] with scales "
                 f"[groups, out, 2] expected, got {weight.dtype} {tuple(weight.shape)} and {tuple(scales.shape)}"
             )
@@ -107,7 +107,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, bits: int = 8) -> "Int8Linear":
+    def from_linear(cls, linear: torch.nn.Linear, bits: int = 8) -> "QuantizedLinear":
         bias = None if linear.bias is None else linear.bias.detach().clone()
         if bits == 4:
             return cls(*quantize_groups(linear.weight), bias)
@@ -138,7 +138,7 @@ QUANTIZATIONS = {"int8": 8, "int4": 4}
 def quantize_model(model: torch.nn.Module, kind: str = "int8") -> torch.nn.Module:
     """A *ForCausalLM loaded in float32 -> int8 or int4 projections, an int8 LM head; the rest stays float32."""
     if kind not in QUANTIZATIONS:
-        raise Int8Error(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
+        raise QuantizationError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
     decoder: torch.nn.Module = model.model  # type: ignore[assignment]
     for layer in decoder.layers:  # type: ignore[union-attr]
         for parent in (layer.self_attn, layer.mlp):
@@ -146,20 +146,20 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8") -> torch.nn.Modul
                 linear = getattr(parent, name, None)
                 if isinstance(linear, torch.nn.Linear):
                     bits = QUANTIZATIONS[kind] if fits_int4(linear.weight) else 8  # a shape int4 cannot pack: int8
-                    setattr(parent, name, Int8Linear.from_linear(linear, bits))
+                    setattr(parent, name, QuantizedLinear.from_linear(linear, bits))
     head = model.lm_head
     if isinstance(head, torch.nn.Linear):
         # a tied head keeps the embeddings (float32, looked up) and gets its own int8 copy to multiply
-        model.lm_head = Int8Linear.from_linear(head)
+        model.lm_head = QuantizedLinear.from_linear(head)
     return model
 
 
 @torch.no_grad()
 def dequantize_linears(module: torch.nn.Module) -> torch.nn.Module:
-    """Every Int8Linear inside `module` back to a dense float32 nn.Linear (a trainable copy, such as a draft
+    """Every QuantizedLinear inside `module` back to a dense float32 nn.Linear (a trainable copy, such as a draft
     adapter initialised from an int8 layer, must be dense)."""
     for name, child in list(module.named_children()):
-        if isinstance(child, Int8Linear):
+        if isinstance(child, QuantizedLinear):
             dense = torch.nn.Linear(
                 child.in_features,
                 child.out_features,
@@ -177,4 +177,4 @@ def dequantize_linears(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
-    return isinstance(model.lm_head, Int8Linear)
+    return isinstance(model.lm_head, QuantizedLinear)

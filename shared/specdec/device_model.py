@@ -63,7 +63,7 @@ class DeviceModel:
 
     def _draft_head_for(self, vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The LM head's rows of the draft vocabulary: (weight [N, H], bias [N] or None, int8 scales [N] or None)."""
-        weight = cast(torch.Tensor, self.output.lm_head.weight)  # [V, H]: float, or int8 rows (Int8Linear)
+        weight = cast(torch.Tensor, self.output.lm_head.weight)  # [V, H]: float, or int8 rows (QuantizedLinear)
         cached = self._draft_head
         if (
             cached is None

@@ -35,22 +35,22 @@ MAX_NEW = 20
 
 
 @pytest.fixture(scope="module", params=["demo-int8", "qwen2-int8", "demo-int4"])
-def int8_checkpoint(request, tiny_qwen2_dir):
+def quantized_checkpoint(request, tiny_qwen2_dir):
     model, kind = request.param.split("-")
     path = DEMO_MODEL_DIR if model == "demo" else tiny_qwen2_dir
     return load_checkpoint(path, quantize=kind, with_tokenizer=False)
 
 
 @pytest.fixture(scope="module")
-def expected(int8_checkpoint):
-    return [generate_full(int8_checkpoint, p, MAX_NEW).token_ids for p in PROMPTS]
+def expected(quantized_checkpoint):
+    return [generate_full(quantized_checkpoint, p, MAX_NEW).token_ids for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def device(int8_checkpoint):
-    if int8_checkpoint.path == DEMO_MODEL_DIR:  # its trained adapter: drafts get accepted, trees go deep
-        return build_device_model(int8_checkpoint, M, None)
-    return DeviceModel.from_checkpoint(int8_checkpoint, M, DraftAdapter(int8_checkpoint, M).randomize(3))
+def device(quantized_checkpoint):
+    if quantized_checkpoint.path == DEMO_MODEL_DIR:  # its trained adapter: drafts get accepted, trees go deep
+        return build_device_model(quantized_checkpoint, M, None)
+    return DeviceModel.from_checkpoint(quantized_checkpoint, M, DraftAdapter(quantized_checkpoint, M).randomize(3))
 
 
 @pytest.mark.parametrize(
@@ -63,24 +63,24 @@ def device(int8_checkpoint):
     ],
     ids=["chain", "parallel-drafting", "tree", "ushape"],
 )
-def test_hat_rounds_at_int8_equal_the_unsplit_int8_model(int8_checkpoint, device, expected, config, options):
+def test_hat_rounds_equal_the_unsplit_model_at_the_same_quantization(quantized_checkpoint, device, expected, config, options):
     accepted = 0
     for prompt, want in zip(PROMPTS, expected):
         session = DeviceSession(device, prompt, SamplingParams(), config, MAX_NEW)
-        result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(int8_checkpoint, M)), **options))
+        result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(quantized_checkpoint, M)), **options))
         assert result.token_ids == want
         accepted += sum(n - 1 for n in result.accept_lengths)
-    if int8_checkpoint.path == DEMO_MODEL_DIR and config.max_draft:
+    if quantized_checkpoint.path == DEMO_MODEL_DIR and config.max_draft:
         assert accepted > 0  # drafts really were verified and kept
 
 
 @pytest.mark.slow
-def test_cloud_and_streamed_modes_at_int8_equal_the_unsplit_int8_model(int8_checkpoint, device, expected):
+def test_cloud_and_streamed_modes_equal_the_unsplit_model_at_the_same_quantization(quantized_checkpoint, device, expected):
     async def main():
-        token_model = TokenModel(int8_checkpoint, M)
-        async with verifier_on_loopback(int8_checkpoint, M, token_model=token_model, full_model=True) as (_, url):
-            cloud = WebSocketCloud(url, int8_checkpoint.hidden_size, request_timeout_s=30,
-                                   **split_identity(int8_checkpoint, M))
+        token_model = TokenModel(quantized_checkpoint, M)
+        async with verifier_on_loopback(quantized_checkpoint, M, token_model=token_model, full_model=True) as (_, url):
+            cloud = WebSocketCloud(url, quantized_checkpoint.hidden_size, request_timeout_s=30,
+                                   **split_identity(quantized_checkpoint, M))
             got: dict[str, list[list[int]]] = {}
             for index, prompt in enumerate(PROMPTS):
                 tokens = []
@@ -108,14 +108,14 @@ def test_cloud_and_streamed_modes_at_int8_equal_the_unsplit_int8_model(int8_chec
         assert outputs == expected, mode
 
 
-def test_a_truncated_draft_vocabulary_reads_the_quantized_head_and_stays_lossless(int8_checkpoint, expected):
-    adapter = DraftAdapter(int8_checkpoint, M).randomize(5)
-    vocab = list(range(0, int8_checkpoint.vocab_size, 3))
+def test_a_truncated_draft_vocabulary_reads_the_quantized_head_and_stays_lossless(quantized_checkpoint, expected):
+    adapter = DraftAdapter(quantized_checkpoint, M).randomize(5)
+    vocab = list(range(0, quantized_checkpoint.vocab_size, 3))
     adapter.set_draft_vocab(vocab)
-    device = DeviceModel.from_checkpoint(int8_checkpoint, M, adapter)
-    hidden = torch.randn(3, int8_checkpoint.hidden_size)
+    device = DeviceModel.from_checkpoint(quantized_checkpoint, M, adapter)
+    hidden = torch.randn(3, quantized_checkpoint.hidden_size)
     drafted, full = device.draft_logits(hidden), device.output(hidden)
     torch.testing.assert_close(drafted[:, vocab], full[:, vocab], atol=1e-2, rtol=1e-2)
     assert torch.isinf(drafted[:, 1]).all()  # outside the draft vocabulary: never drafted
     session = DeviceSession(device, PROMPTS[0], SamplingParams(), DraftConfig(eta=0.0, max_draft=3), MAX_NEW)
-    assert asyncio.run(generate(session, LocalCloud(MiddleSubmodel(int8_checkpoint, M)))).token_ids == expected[0]
+    assert asyncio.run(generate(session, LocalCloud(MiddleSubmodel(quantized_checkpoint, M)))).token_ids == expected[0]
