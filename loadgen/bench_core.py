@@ -16,8 +16,8 @@ from collections import Counter
 import torch
 
 from shared.chat import has_chat_template
-from shared.model.checkpoint import load_checkpoint
-from shared.model.split import MiddleSubmodel
+from shared.model.checkpoint import Checkpoint, load_checkpoint
+from shared.model.split import LayerRange, MiddleSubmodel, OutputSubmodel
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, DraftConfig
 from shared.specdec.engine import LocalCloud, generate
@@ -83,34 +83,48 @@ def bench_prompts(checkpoint, count: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
+@torch.inference_mode()
+def decode_rate(checkpoint: Checkpoint, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """Aggregate tok/s of greedy decoding len(prompts) sessions together (one packed row each per step),
+    the best of two runs, and each session's tokens."""
+    whole, head = LayerRange(checkpoint, 0, checkpoint.num_layers), OutputSubmodel(checkpoint)
+    embed = checkpoint.decoder.embed_tokens
+    best, tokens = 0.0, []
+    for _ in range(2):
+        caches = [whole.new_cache() for _ in prompts]
+        firsts = [whole.forward_packed(embed(torch.tensor(p)), [c], [len(p)])[-1:] for p, c in zip(prompts, caches)]
+        tokens = [[int(t)] for t in head(torch.cat(firsts)).argmax(-1)]
+        lengths = [1] * len(prompts)
+        started = time.perf_counter()
+        for _ in range(new_tokens):
+            hidden = whole.forward_packed(embed(torch.tensor([t[-1] for t in tokens])), caches, lengths)  # [B, H]
+            for row, token in zip(tokens, head(hidden).argmax(-1)):
+                row.append(int(token))
+        best = max(best, len(prompts) * new_tokens / (time.perf_counter() - started))
+        for cache in caches:
+            cache.free()
+    return best, tokens
+
+
+@torch.inference_mode()
+def transformers_rate(checkpoint: Checkpoint, prompt: list[int], new_tokens: int) -> float:
+    ids = torch.tensor([prompt])
+    options = dict(input_ids=ids, do_sample=False, pad_token_id=0)
+    checkpoint.model.generate(**options, max_new_tokens=2)
+    started = time.perf_counter()
+    checkpoint.model.generate(**options, max_new_tokens=1)
+    prefill = time.perf_counter() - started
+    started = time.perf_counter()
+    checkpoint.model.generate(**options, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1)
+    return new_tokens / (time.perf_counter() - started - prefill)
+
+
 def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, threads: int) -> dict[str, float]:
     """Tokens/s of plain greedy decoding after the prompt, one token per pass: the project's own
     layer runner over all layers, and transformers' generate, on the same prompt and threads."""
-    from shared.model.split import LayerRange, OutputSubmodel
-
     torch.set_num_threads(threads)
-    whole, head = LayerRange(checkpoint, 0, checkpoint.num_layers), OutputSubmodel(checkpoint)
-    embed = checkpoint.model.model.embed_tokens
-    rates = {}
-    for _ in range(2):  # the first round warms both up
-        cache = whole.new_cache()
-        hidden = whole.forward_packed(embed(torch.tensor(prompt_ids)), [cache], [len(prompt_ids)])
-        token = int(head(hidden[-1:])[0].argmax())
-        started = time.perf_counter()
-        for _ in range(new_tokens):
-            hidden = whole.forward_packed(embed(torch.tensor([token])), [cache], [1])
-            token = int(head(hidden)[0].argmax())
-        rates["tophat runner"] = new_tokens / (time.perf_counter() - started)
-        cache.free()
-        ids = torch.tensor([prompt_ids])
-        prefill_started = time.perf_counter()
-        checkpoint.model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
-        prefill_s = time.perf_counter() - prefill_started
-        started = time.perf_counter()
-        checkpoint.model.generate(input_ids=ids, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1,
-                                  do_sample=False, pad_token_id=0)
-        rates["transformers generate"] = new_tokens / (time.perf_counter() - started - prefill_s)
-    return rates
+    return {"tophat runner": decode_rate(checkpoint, [prompt_ids], new_tokens)[0],
+            "transformers generate": transformers_rate(checkpoint, prompt_ids, new_tokens)}
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

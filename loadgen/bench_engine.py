@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from loadgen.bench_core import bench_prompts
+from loadgen.bench_core import bench_prompts, decode_rate, transformers_rate
 from shared.model.checkpoint import Checkpoint, load_checkpoint
-from shared.model.split import LayerRange, MiddleSubmodel, OutputSubmodel
+from shared.model.split import MiddleSubmodel
 from tophatctl.models import resolve_model, smollm2_gguf_path
 
 DTYPES = ("f32", "bf16", "int8", "int4")
@@ -55,42 +55,6 @@ def pass_bytes(checkpoint: Checkpoint, start: int = 0) -> int:
     """Weight bytes one decode pass reads: layers start.. and, for an unsplit pass, the LM head."""
     layers = sum(tensor_bytes(layer) for layer in checkpoint.decoder.layers[start:])
     return layers + (tensor_bytes(checkpoint.model.lm_head) if start == 0 else 0)
-
-
-@torch.inference_mode()
-def decode_rate(checkpoint: Checkpoint, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Aggregate tok/s of greedy decoding len(prompts) sessions together (one packed row each per step),
-    the best of two runs, and each session's tokens."""
-    whole, head = LayerRange(checkpoint, 0, checkpoint.num_layers), OutputSubmodel(checkpoint)
-    embed = checkpoint.decoder.embed_tokens
-    best, tokens = 0.0, []
-    for _ in range(2):
-        caches = [whole.new_cache() for _ in prompts]
-        firsts = [whole.forward_packed(embed(torch.tensor(p)), [c], [len(p)])[-1:] for p, c in zip(prompts, caches)]
-        tokens = [[int(t)] for t in head(torch.cat(firsts)).argmax(-1)]
-        lengths = [1] * len(prompts)
-        started = time.perf_counter()
-        for _ in range(new_tokens):
-            hidden = whole.forward_packed(embed(torch.tensor([t[-1] for t in tokens])), caches, lengths)  # [B, H]
-            for row, token in zip(tokens, head(hidden).argmax(-1)):
-                row.append(int(token))
-        best = max(best, len(prompts) * new_tokens / (time.perf_counter() - started))
-        for cache in caches:
-            cache.free()
-    return best, tokens
-
-
-@torch.inference_mode()
-def transformers_rate(checkpoint: Checkpoint, prompt: list[int], new_tokens: int) -> float:
-    ids = torch.tensor([prompt])
-    options = dict(input_ids=ids, do_sample=False, pad_token_id=0)
-    checkpoint.model.generate(**options, max_new_tokens=2)
-    started = time.perf_counter()
-    checkpoint.model.generate(**options, max_new_tokens=1)
-    prefill = time.perf_counter() - started
-    started = time.perf_counter()
-    checkpoint.model.generate(**options, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1)
-    return new_tokens / (time.perf_counter() - started - prefill)
 
 
 @torch.inference_mode()

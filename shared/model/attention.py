@@ -99,13 +99,14 @@ class PassPlan:
             ]
         )  # [T]
         cos, sin = rotary_emb(like, positions[None, :])  # each [1, T, D]
+        if len(lengths) == 1 and lengths[0] == 1 and trees[0] is None:
+            return cls(lengths, pasts, cos[0], sin[0], None, None)  # a decode row sees its whole cache: no mask
         masks = [
             tree.mask().to(device) if tree is not None else _causal(past, n, device)
             for past, n, tree in zip(pasts, lengths, trees)
         ]  # [n_i, L_i] each
         if len(lengths) == 1:
-            one_row = lengths[0] == 1 and trees[0] is None
-            return cls(lengths, pasts, cos[0], sin[0], None if one_row else masks[0], None)
+            return cls(lengths, pasts, cos[0], sin[0], masks[0], None)
         width, span = max(lengths), max(p + n for p, n in zip(pasts, lengths))
         mask = torch.zeros(len(lengths), 1, width, span, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True  # padding rows see one key, so their (discarded) softmax is finite

@@ -75,11 +75,10 @@ def fuse(linears: Sequence[Any]) -> Projection:
     # int8 scales are [out]; int4's scales and zeros [groups, out, 2]: both join along their out axis
     out_axis = 1 if weight.dtype == torch.uint8 else 0
     scales = torch.cat([s for _, _, s in parts], dim=out_axis) if quantized else None  # type: ignore[misc]
-    has_bias = any(bias is not None for _, bias, _ in parts)
-    bias_dtype = scales.dtype if scales is not None else weight.dtype
-    bias = (
-        torch.cat([b if b is not None else weight.new_zeros(n, dtype=bias_dtype) for (_, b, _), n in zip(parts, sizes)])
-        if has_bias
+    biases = [b for _, b, _ in parts if b is not None]
+    bias = (  # a projection without a bias contributes zeros, in the others' dtype
+        torch.cat([b if b is not None else biases[0].new_zeros(n) for (_, b, _), n in zip(parts, sizes)])
+        if biases
         else None
     )
     start = 0
