@@ -136,3 +136,19 @@ def test_int4_refuses_shapes_its_kernel_cannot_pack_and_the_model_keeps_those_in
 
     with pytest.raises(QuantizationError, match="multiple of 16"):
         quantize_groups(torch.randn(40, 64))
+
+
+def test_a_block_with_a_shape_int4_cannot_pack_stays_int8_whole_so_its_projections_still_fuse():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shared.model.fused import fused_layer
+    from shared.model.quantized import quantize_model
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=1)  # k/v: 8 outputs, not a multiple of 16
+    model = quantize_model(LlamaForCausalLM(config).eval(), "int4")
+    layer = model.model.layers[0]
+    assert {getattr(layer.self_attn, f"{p}_proj").bits for p in "qkvo"} == {8}
+    assert {getattr(layer.mlp, f"{p}_proj").bits for p in ("gate", "up", "down")} == {4}
+    fused = fused_layer(layer)
+    assert fused.qkv.weight.dtype is torch.int8 and fused.gate_up.weight.dtype is torch.uint8

@@ -142,11 +142,16 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8") -> torch.nn.Modul
     decoder: torch.nn.Module = model.model  # type: ignore[assignment]
     for layer in decoder.layers:  # type: ignore[union-attr]
         for parent in (layer.self_attn, layer.mlp):
-            for name in PROJECTIONS:
-                linear = getattr(parent, name, None)
-                if isinstance(linear, torch.nn.Linear):
-                    bits = QUANTIZATIONS[kind] if fits_int4(linear.weight) else 8  # a shape int4 cannot pack: int8
-                    setattr(parent, name, QuantizedLinear.from_linear(linear, bits))
+            linears = {
+                name: getattr(parent, name)
+                for name in PROJECTIONS
+                if isinstance(getattr(parent, name, None), torch.nn.Linear)
+            }
+            # one width per block, so its projections still fuse (fused.py): int8 where int4 cannot pack a shape
+            fits = all(fits_int4(linear.weight) for linear in linears.values())
+            bits = QUANTIZATIONS[kind] if fits else 8
+            for name, linear in linears.items():
+                setattr(parent, name, QuantizedLinear.from_linear(linear, bits))
     head = model.lm_head
     if isinstance(head, torch.nn.Linear):
         # a tied head keeps the embeddings (float32, looked up) and gets its own int8 copy to multiply
