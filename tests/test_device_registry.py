@@ -91,3 +91,22 @@ def test_router_sync_adds_new_devices_and_retires_missing_ones():
     assert [d["url"] for d in router.snapshot()] == ["http://b:1"]
     added, retired = router.sync(["http://a:1", "http://b:1"])  # a announces again
     assert (added, retired) == ([], []) and router.healthy(a) and len(router.devices) == 2
+
+
+def test_retired_devices_leave_the_router_once_no_request_holds_them():
+    router = Router([])
+    for round_ in range(100):  # agents come and go under new addresses (restarts, rescheduled pods)
+        router.sync(["http://stable:1", f"http://churn-{round_}:1"])
+    assert [d.url for d in router.devices] == ["http://stable:1", "http://churn-99:1"]
+    assert [d.index for d in router.devices] == [0, 1]
+    held = router.devices[1]
+    router.acquire(held)  # a stream still runs on it when it stops being announced
+    router.opened(held)
+    router.sync(["http://stable:1", "http://new:1"])
+    assert [d.url for d in router.devices] == ["http://stable:1", "http://churn-99:1", "http://new:1"]
+    router.release(held)
+    router.sync(["http://stable:1", "http://new:1"])
+    assert [d.url for d in router.devices] == ["http://stable:1", "http://new:1"]
+    assert sorted(router.pick().url for _ in range(4)) == ["http://new:1"] * 2 + ["http://stable:1"] * 2
+    router.sync([])
+    assert router.devices == [] and router.pick() is None

@@ -49,7 +49,7 @@ class DeviceState:
     served: int = 0
     failures: int = 0
     last_error: str | None = None
-    retired: bool = False  # discovery no longer lists it: never picked (kept while its streams finish)
+    retired: bool = False  # discovery no longer lists it: never picked (kept only while its streams finish)
 
 
 class Router:
@@ -68,7 +68,8 @@ class Router:
 
     def sync(self, urls: Iterable[str]) -> tuple[list[str], list[str]]:
         """Make the announced devices the routable set: new URLs join, missing ones retire (a stream
-        already on a retired device runs on; it gets no new request). Returns (added, retired) URLs."""
+        already on a retired device runs on; it gets no new request) and leave the router once no request
+        holds them (this call or a later one), so churn does not grow it. Returns (added, retired) URLs."""
         wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
         known = {d.url: d for d in self.devices}
         added = [u for u in wanted if u not in known]
@@ -80,7 +81,18 @@ class Router:
             if gone and not device.retired:
                 retired.append(device.url)
             device.retired = gone
+        self._drop_idle_retired()
         return added, retired
+
+    def _drop_idle_retired(self) -> None:
+        """Forget retired devices no request holds (one that is announced again rejoins as new)."""
+        kept = [d for d in self.devices if not d.retired or d.outstanding or d.opening]
+        if len(kept) == len(self.devices):
+            return
+        for index, device in enumerate(kept):
+            device.index = index
+        self.devices[:] = kept  # in place: others may hold the list
+        self._cursor = self._cursor % len(kept) if kept else 0
 
     def has_free_slot(self, device: DeviceState) -> bool:
         """Healthy, not held off after a 'busy', and below its known session count. A device of
