@@ -4,10 +4,13 @@ Each key owns a bucket of `burst` tokens refilled at `rate_per_s`; a request tak
 token or is told how long until one is there. Pure: time comes from an injectable
 clock, so tests drive it without sleeping. The table of buckets is bounded: a bucket
 that has refilled completely carries no state worth keeping and is the first dropped.
+`address_key` names a client address's bucket: one per IPv4 address, one per IPv6 /64 (a single
+host is routinely handed a whole /64, so per address it could draw on 2^64 buckets).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import time
 from collections import OrderedDict
@@ -90,6 +93,23 @@ class RateLimiter:
             del self._buckets[key]
         while len(self._buckets) >= self.max_keys:
             self._buckets.popitem(last=False)
+
+
+IPV6_PREFIX_BITS = 64  # one subnet (RFC 4291): a host picks any of its 2^64 addresses itself (privacy addresses)
+
+
+def address_key(address: str) -> str:
+    """The bucket name for a client address: the IPv4 address itself (an IPv4-mapped IPv6 address as its
+    IPv4), else the IPv6 address's /64. Anything that is not an IP address (a Unix socket's path) as it is."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # a zone index names a link, not a host
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, IPV6_PREFIX_BITS), strict=False))
+    return str(ip)
 
 
 def retry_after_s(wait_s: float) -> int:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.rate_limit import RateLimiter, TokenBucket, retry_after_s
+from shared.rate_limit import RateLimiter, TokenBucket, address_key, retry_after_s
 
 
 class Clock:
@@ -67,6 +67,20 @@ def test_bad_parameters_are_refused() -> None:
         RateLimiter(1.0, 0)
     with pytest.raises(ValueError):
         TokenBucket(0.0, 1, 0.0)
+
+
+def test_an_ipv6_client_gets_one_bucket_per_64_and_an_ipv4_one_per_address() -> None:
+    same_64 = ["2001:db8:1:2::1", "2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:DB8:1:2:0:0:0:abcd", "2001:db8:1:2::9%eth0"]
+    assert {address_key(a) for a in same_64} == {"2001:db8:1:2::/64"}
+    assert address_key("2001:db8:1:3::1") == "2001:db8:1:3::/64"  # the next /64: another bucket
+    assert address_key("::1") == "::/64"
+    assert address_key("192.0.2.7") == "192.0.2.7" and address_key("192.0.2.8") == "192.0.2.8"
+    assert address_key("::ffff:192.0.2.7") == "192.0.2.7"  # IPv4-mapped: the IPv4 client's own bucket
+    assert address_key("unknown") == "unknown" and address_key("/run/tophat.sock") == "/run/tophat.sock"
+    clock = Clock()
+    limiter = RateLimiter(1.0, 1, clock=clock)
+    assert limiter.acquire(address_key("2001:db8::1")) == 0.0
+    assert limiter.acquire(address_key("2001:db8::2")) > 0  # a new address in the same /64 is no new bucket
 
 
 def test_retry_after_is_whole_seconds_at_least_one() -> None:

@@ -151,9 +151,9 @@ async def test_no_key_ever_reaches_the_logs(caplog: pytest.LogCaptureFixture) ->
 async def talk_with_keys() -> None:
     """Right, wrong, rate-limited and oversized requests, and WebSocket handshakes, all carrying keys."""
     async with logged_streamer(FakeDevice("dev-a"), api_key=f"{KEY},{OTHER_KEY}", rate_limit_rps=0.01,
-                               rate_limit_burst=2) as url:
+                               rate_limit_burst=3) as url:  # OTHER_KEY: the big body, the handshake, the message
         async with httpx.AsyncClient(timeout=10) as http:
-            for key in (KEY, WRONG, KEY, KEY):  # right, wrong, right, then rate-limited
+            for key in (KEY, WRONG, KEY, KEY, KEY):  # right, wrong, right, right, then rate-limited
                 await http.post(f"{url}/v1/completions", json=COMPLETION, headers=bearer(key))
             await http.post(f"{url}/v1/completions", content=b"x" * (2 << 20), headers=bearer(OTHER_KEY))
         await ws_refused(url, bearer(WRONG))
@@ -206,6 +206,22 @@ async def test_past_the_burst_a_credential_gets_429_with_retry_after() -> None:
             await oai.models.list()
             with pytest.raises(openai.RateLimitError):
                 await oai.models.list()
+
+
+async def test_an_open_endpoint_buckets_ipv6_clients_per_64() -> None:
+    """The gate's bucket for a keyless client: a host that rotates through its /64 stays in one bucket."""
+    app = create_app(load_settings({}, rate_limit_rps=0.01, rate_limit_burst=1))
+
+    async def models_from(address: str) -> int:
+        transport = httpx.ASGITransport(app=app, client=(address, 40000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://streamer") as http:
+            return (await http.get("/v1/models")).status_code
+
+    assert await models_from("2001:db8:0:1::1") == 200
+    assert [await models_from(f"2001:db8:0:1::{i:x}") for i in range(2, 6)] == [429] * 4
+    assert await models_from("2001:db8:0:2::1") == 200  # another /64
+    assert await models_from("::ffff:198.51.100.1") == 200 and await models_from("198.51.100.1") == 429
+    assert await models_from("198.51.100.2") == 200  # IPv4: per address
 
 
 async def chunks_of(total: int, size: int = 64 << 10) -> AsyncIterator[bytes]:

@@ -25,17 +25,28 @@ async def client_gone(receive: Receive) -> None:
         pass
 
 
+class TooManyPending(Exception):
+    """A WebSocket client sent more messages ahead of the one being answered than it may."""
+
+    def __init__(self, max_pending: int) -> None:
+        super().__init__(f"more than {max_pending} messages while one was being answered")
+        self.max_pending = max_pending
+
+
 async def unless_gone(
-    work: Awaitable[None], receive: Callable[[], Awaitable[Message]], pending: deque[Message]
+    work: Awaitable[None], receive: Callable[[], Awaitable[Message]], pending: deque[Message], max_pending: int
 ) -> bool:
     """Run `work` while watching a WebSocket's receive channel; False (and `work` cancelled) when the client
-    disconnects first. Messages that arrive meanwhile are kept in `pending`, in order, for after `work`."""
+    disconnects first. Messages that arrive meanwhile are kept in `pending`, in order, for after `work`;
+    TooManyPending (and `work` cancelled) when one would make them more than `max_pending`."""
 
     async def gone() -> None:
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
                 return
+            if len(pending) >= max_pending:
+                raise TooManyPending(max_pending)
             pending.append(message)
 
     task = asyncio.ensure_future(work)
@@ -50,6 +61,8 @@ async def unless_gone(
     if task in done:
         task.result()  # re-raise what `work` raised
         return True
+    if isinstance(overflow := watcher.exception(), TooManyPending):
+        raise overflow
     return False  # the client went away (or its channel failed): `work` was cancelled
 
 

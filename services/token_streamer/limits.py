@@ -6,7 +6,10 @@
     its handshake; else 401 shaped as OpenAI's (`invalid_api_key`). Keys are compared in
     constant time and never logged, not even in part.
   * A token bucket per credential (shared/rate_limit.py): the key, or the client address when
-    the endpoint is open; past it, 429 with `Retry-After` and `rate_limit_exceeded`.
+    the endpoint is open (an IPv6 client's /64); past it, 429 with `Retry-After` and
+    `rate_limit_exceeded`. A chat WebSocket draws on the same bucket for its handshake and then for
+    every message it sends: a message past the limit reaches the app marked with its refusal
+    (`REFUSED`), so the app answers it with an error frame instead of serving it.
   * The body is read here, at most `max_body_bytes` of it, before any parser sees it: a
     Content-Length over the limit is refused without keeping a byte, a chunked body once it
     passes the limit (413); what fits is replayed to the app.
@@ -31,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.token_streamer import openai_format as of
 from shared.auth import OPEN_PATHS, bearer_token, is_loopback, redact_credentials
-from shared.rate_limit import RateLimiter, retry_after_s
+from shared.rate_limit import RateLimiter, address_key, retry_after_s
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ NO_KEY = (
     "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
 )
 BAD_KEY = "Incorrect API key provided."
+REFUSED = "tophat.refusal"  # the key under which a WebSocket message past the rate limit carries its Refusal
 
 
 class Refusal(Exception):
@@ -87,9 +91,11 @@ class Gate:
             await self.app(scope, receive, send)
             return
         try:
-            self._admit(scope)
+            credential = self._admit(scope)
             if scope["type"] == "http":
                 receive = await self._read_body(scope, receive)
+            else:
+                receive = self._metered(credential, receive)
         except Refusal as refusal:
             client = (scope.get("client") or ("?",))[0]
             log.info(
@@ -107,7 +113,7 @@ class Gate:
     def _credential(self, scope: Scope) -> str:
         """Which bucket the request draws on: its key's index (no secret kept), else its address."""
         if not self._keys:
-            return "addr:" + str((scope.get("client") or ("unknown",))[0])
+            return "addr:" + address_key(str((scope.get("client") or ("unknown",))[0]))
         token = bearer_token(scope.get("headers") or [])
         if token is None:
             raise Refusal(401, NO_KEY, "invalid_api_key", "invalid_request_error", {"WWW-Authenticate": "Bearer"})
@@ -119,18 +125,38 @@ class Gate:
             raise Refusal(401, BAD_KEY, "invalid_api_key", "invalid_request_error", {"WWW-Authenticate": "Bearer"})
         return f"key:{match}"
 
-    def _admit(self, scope: Scope) -> None:
-        wait_s = self.limiter.acquire(self._credential(scope))
+    def _admit(self, scope: Scope) -> str:
+        """The request's credential, one token taken from its bucket; Refusal when it has none left."""
+        credential = self._credential(scope)
+        wait_s = self.limiter.acquire(credential)
         if wait_s > 0:
-            seconds = retry_after_s(wait_s)
-            raise Refusal(
-                429,
-                f"Rate limit reached: {self.limiter.rate_per_s:g} requests/s, burst "
-                f"{self.limiter.burst}. Try again in {seconds} s.",
-                "rate_limit_exceeded",
-                of.error_type(429),
-                {"Retry-After": str(seconds)},
-            )
+            raise self._rate_refusal(wait_s)
+        return credential
+
+    def _rate_refusal(self, wait_s: float) -> Refusal:
+        seconds = retry_after_s(wait_s)
+        return Refusal(
+            429,
+            f"Rate limit reached: {self.limiter.rate_per_s:g} requests/s, burst "
+            f"{self.limiter.burst}. Try again in {seconds} s.",
+            "rate_limit_exceeded",
+            of.error_type(429),
+            {"Retry-After": str(seconds)},
+        )
+
+    def _metered(self, credential: str, receive: Receive) -> Receive:
+        """A WebSocket's `receive` where every message the client sends takes a token from its credential's
+        bucket, when it arrives (so messages queued behind a long answer count too)."""
+
+        async def metered() -> Message:
+            message = await receive()
+            if message["type"] == "websocket.receive":
+                wait_s = self.limiter.acquire(credential)
+                if wait_s > 0:  # its text is not kept: it will not be served
+                    return {"type": "websocket.receive", REFUSED: self._rate_refusal(wait_s)}
+            return message
+
+        return metered
 
     def _too_large(self) -> Refusal:
         return Refusal(

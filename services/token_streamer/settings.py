@@ -33,6 +33,8 @@ class Settings(ServiceSettings):
     health_interval_s: float = 5.0  # background device probe period; 0 disables it
     device_down_s: float = 5.0  # a device that failed to connect is skipped this long
     ws_idle_timeout_s: float = 600.0  # a chat WebSocket with no message this long is closed
+    ws_max_pending: int = 8  # messages a chat WebSocket may send ahead of its answer; one more closes it (1008)
+    ready_max_age_s: float = 1.0  # /readyz answers from a device probe round at most this old (no probe per call)
     send_timeout_s: float = 10.0  # one WebSocket send to the client
     max_new_tokens_default: int = 64
     max_new_tokens_limit: int = 1024
@@ -103,6 +105,8 @@ class Settings(ServiceSettings):
         )
         if min(timeouts) <= 0:
             raise ValueError("timeouts and device_down_s must be > 0")
+        if self.ws_max_pending < 0 or self.ready_max_age_s < 0:
+            raise ValueError("ws_max_pending and ready_max_age_s must be >= 0")
         if self.health_interval_s < 0:
             raise ValueError("health_interval_s must be >= 0 (0 disables the probe)")
         if not 1 <= self.max_new_tokens_default <= self.max_new_tokens_limit:
