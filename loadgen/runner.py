@@ -169,7 +169,7 @@ def _apply_stats(rec: RequestRecord, stats: StreamStats) -> None:
 
 
 async def probe_server(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> dict[str, Any]:
-    """Whether the server answers at all, its model id (/v1/models) and device count (/readyz).
+    """Whether the server answers at all, its model id (/v1/models) and ready device count (/readyz).
 
     Only `reachable` matters for going on; the rest is best effort (another server may lack /readyz).
     """
@@ -179,8 +179,8 @@ async def probe_server(url: str, timeout_s: float = 5.0, api_key: str | None = N
             models = await client.get(f"{base_url(url)}/v1/models")
             info["reachable"] = True
             info["model"] = (models.json().get("data") or [{}])[0].get("id")
-            devices = (await client.get(f"{base_url(url)}/readyz")).json().get("devices")
-            info["num_devices"] = len(devices) if isinstance(devices, list) else None
+            ready = (await client.get(f"{base_url(url)}/readyz")).json().get("ready_devices")
+            info["num_devices"] = ready if isinstance(ready, int) and not isinstance(ready, bool) else None
         except (httpx.HTTPError, ValueError, AttributeError, IndexError) as exc:
             info["error"] = f"{type(exc).__name__}: {exc}"
     return info

@@ -78,7 +78,7 @@ def scripted_app(bodies: list[dict[str, Any]]) -> Starlette:
         return JSONResponse({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
 
     async def readyz(_: Request) -> JSONResponse:
-        return JSONResponse({"ready": True, "devices": [{"url": "a"}, {"url": "b"}, {"url": "c"}]})
+        return JSONResponse({"ready": True, "ready_devices": 3})  # the streamer's public /readyz: a count only
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models),
                              Route("/readyz", readyz)])

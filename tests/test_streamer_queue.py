@@ -141,10 +141,10 @@ async def test_queued_request_whose_client_leaves_is_dropped() -> None:
     assert dev.admitted == ["first", "next"]
 
 
-async def test_readyz_reports_the_queue() -> None:
+async def test_stats_reports_the_queue() -> None:
     async with mesh(FakeDevice("dev-a"), queue_max_waiting=7) as url, httpx.AsyncClient(timeout=10) as http:
-        ready = (await http.get(f"{url}/readyz")).json()
-    assert ready["queue"]["waiting"] == 0 and ready["queue"]["max_waiting"] == 7
+        stats = (await http.get(f"{url}/stats")).json()
+    assert stats["queue"]["waiting"] == 0 and stats["queue"]["max_waiting"] == 7
 
 
 async def test_loadgen_records_the_streamers_queue_wait() -> None:

@@ -207,8 +207,8 @@ async def test_streamer_routes_around_a_device_without_a_verifier(mesh, demo_che
         assert not_ready.status_code == 503 and "verifier" in not_ready.json()["error"]["message"]
         streamer_settings = load_settings({}, device_urls=f"{orphan},{mesh.device}", health_interval_s=0.5)
         async with serve(streamer_app(streamer_settings)) as streamer:
-            ready = (await http.get(f"{streamer}/readyz")).json()
-            health = {d["url"]: d["healthy"] for d in ready["devices"]}
+            assert (await http.get(f"{streamer}/readyz")).json() == {"ready": True, "ready_devices": 1}  # probes
+            health = {d["url"]: d["healthy"] for d in (await http.get(f"{streamer}/stats")).json()["devices"]}
             assert health == {orphan: False, mesh.device: True}
             for _ in range(3):
                 answer = await http.post(f"{streamer}/v1/completions",

@@ -56,6 +56,8 @@ class FakeDevice:
         self.admitted: list[str] = []  # prompts of the generations it started, in order
         self.finished = 0   # streams that reached 'done'
         self.active = 0
+        self.ready = True  # what its /readyz says
+        self.probes = 0  # GET /readyz answered
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -79,8 +81,9 @@ class FakeDevice:
                     "max_sessions": self.max_sessions}
 
         @app.get("/readyz")
-        async def readyz() -> dict[str, bool]:
-            return {"ready": True}
+        async def readyz() -> JSONResponse:
+            self.probes += 1
+            return JSONResponse({"ready": self.ready}, status_code=200 if self.ready else 503)
 
         return app
 
@@ -273,10 +276,11 @@ async def test_routing_spreads_load_and_avoids_dead_device() -> None:
             assert (len(a.requests), len(b.requests)) == (2, 2)
             async with httpx.AsyncClient() as http:
                 ready = (await http.get(f"{url}/readyz")).json()
-            assert ready["ready"] is True
-            by_url = {d["url"]: d for d in ready["devices"]}
+                devices = (await http.get(f"{url}/stats")).json()["devices"]
+            assert ready == {"ready": True, "ready_devices": 2}
+            by_url = {d["url"]: d for d in devices}
             assert by_url[dead]["healthy"] is False and by_url[dead]["served"] == 0
-            assert {d["device_id"] for d in ready["devices"]} == {"dev-a", "dev-b", None}
+            assert {d["device_id"] for d in devices} == {"dev-a", "dev-b", None}
 
 
 async def test_client_disconnect_releases_device() -> None:
@@ -289,7 +293,7 @@ async def test_client_disconnect_releases_device() -> None:
                 await anext(events)
             await events.aclose()
         async with asyncio.timeout(5):
-            while dev.active or (await http.get(f"{url}/readyz")).json()["devices"][0]["outstanding"]:
+            while dev.active or (await http.get(f"{url}/stats")).json()["devices"][0]["outstanding"]:
                 await asyncio.sleep(0.05)
     assert dev.finished == 0
 
@@ -349,6 +353,29 @@ async def test_error_shapes_400_and_503() -> None:
         assert (await http.get(f"{url}/readyz")).status_code == 503
         assert (await http.get(f"{url}/healthz")).status_code == 200
     # Busy devices are waited for, not refused: tests/test_streamer_queue.py.
+
+
+async def test_public_readyz_says_ready_and_a_count_from_a_shared_probe_and_stats_has_the_details() -> None:
+    """A flood of /readyz costs one probe round per ready_max_age_s, and tells nobody where the devices are
+    or why one failed: that is /stats', behind the API key."""
+    dev, dead = FakeDevice("dev-a"), dead_url()
+    async with mesh(dev, dead, api_key="k3y", ready_max_age_s=60) as url, httpx.AsyncClient(timeout=10) as http:
+        answers = await asyncio.gather(*(http.get(f"{url}/readyz") for _ in range(10)))
+        answers += [await http.get(f"{url}/readyz") for _ in range(10)]
+        assert {(a.status_code, a.text) for a in answers} == {(200, '{"ready":true,"ready_devices":1}')}
+        assert dev.probes == 1
+        assert (await http.get(f"{url}/stats")).status_code == 401
+        stats = (await http.get(f"{url}/stats", headers={"Authorization": "Bearer k3y"})).json()
+        by_url = {d["url"]: d for d in stats["devices"]}
+        assert by_url[dead]["healthy"] is False and "connect" in by_url[dead]["last_error"].lower()
+    dev = FakeDevice("dev-b")
+    async with mesh(dev, ready_max_age_s=0.2) as url, httpx.AsyncClient(timeout=10) as http:
+        assert (await http.get(f"{url}/readyz")).status_code == 200
+        dev.ready = False
+        await asyncio.sleep(0.3)  # older than ready_max_age_s: the next check probes again
+        not_ready = await http.get(f"{url}/readyz")
+        assert not_ready.status_code == 503 and not_ready.json() == {"ready": False, "ready_devices": 0}
+        assert dev.probes == 2
 
 
 async def test_websocket_chat_keeps_socket_open() -> None:

@@ -245,10 +245,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        ready = await dispatcher.probe_all() > 0
-        queue = {"waiting": admission.waiting, "max_waiting": admission.max_waiting}
+        """Open to anyone, so it says only whether and how many devices are ready; which ones, where and
+        why not is /stats' (behind the API key)."""
+        ready_devices = await dispatcher.ready_devices(s.ready_max_age_s)
         return JSONResponse(
-            {"ready": ready, "queue": queue, "devices": router.snapshot()}, status_code=200 if ready else 503
+            {"ready": ready_devices > 0, "ready_devices": ready_devices}, status_code=200 if ready_devices else 503
         )
 
     @app.get("/metrics")
@@ -257,7 +258,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
-        """The admission queue (length, outcomes, recent waits) and each device's slots; no probing."""
+        """The admission queue (length, outcomes, recent waits) and each device's URL, health, slots and last
+        error; no probing. Not a probe path: with API keys configured it needs one (limits.py)."""
         return {"queue": admission.stats(), "devices": router.snapshot()}
 
     return app

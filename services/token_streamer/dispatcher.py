@@ -63,6 +63,8 @@ class Dispatcher:
         self.first_byte_timeout_s = first_byte_timeout_s
         self.line_timeout_s = line_timeout_s
         self.probe_timeout_s = probe_timeout_s
+        self._ready: tuple[float, int] | None = None  # (monotonic time, ready devices) of ready_devices' last round
+        self._probing = asyncio.Lock()
 
     async def open(self, body: dict[str, Any]) -> DeviceStream:
         """POST /generate on the best device with a free slot, waiting in the admission queue for one.
@@ -196,6 +198,16 @@ class Dispatcher:
         """Probe every device concurrently; the number that are ready."""
         results = await asyncio.gather(*(self.probe(d) for d in self.router.devices if not d.retired))
         return sum(results)
+
+    async def ready_devices(self, max_age_s: float) -> int:
+        """How many devices are ready: from the last round this method ran if it is at most `max_age_s` old
+        (callers meanwhile wait for it and share it), else from a new one. A flood of readiness checks thus
+        costs at most one probe round per `max_age_s`. The health loop's rounds are not reused: the first
+        check after the devices came up (`tophat up` makes it) probes them all, so it finds them all up."""
+        async with self._probing:
+            if self._ready is None or time.monotonic() - self._ready[0] > max_age_s:
+                self._ready = (time.monotonic(), await self.probe_all())
+            return self._ready[1]
 
     async def discover(self, monitor_url: str) -> bool:
         """Route to the devices that announced themselves to the state monitor (GET /devices). False, and
