@@ -119,19 +119,26 @@ def bind_listener(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return socket.create_server((host, port), backlog=4)
 
 
-def connect_link(address: Address, token: bytes, timeout_s: float) -> socket.socket:
-    """Connect to a hop's listener and authenticate, retrying a refused connect until `timeout_s`."""
+def dial(address: Address, timeout_s: float) -> socket.socket:
+    """A TCP connection to `address`, retrying a refused connect until `timeout_s` (the listener may still be
+    starting: a stage loading its layers, a container being replaced)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            sock = socket.create_connection(address, timeout=max(deadline - time.monotonic(), 0.01))
-            break
-        except ConnectionRefusedError:
+            return socket.create_connection(address, timeout=max(deadline - time.monotonic(), 0.01))
+        except (ConnectionRefusedError, socket.gaierror) as exc:  # not up yet; a peer's name not yet resolvable
             if time.monotonic() >= deadline:
-                raise StageLinkError(f"no listener at {address[0]}:{address[1]} within {timeout_s:.0f}s") from None
-            time.sleep(0.05)
+                raise StageLinkError(
+                    f"no listener at {address[0]}:{address[1]} within {timeout_s:.0f}s ({exc})"
+                ) from None
+            time.sleep(0.05 if isinstance(exc, ConnectionRefusedError) else 0.5)
         except OSError as exc:
             raise StageLinkError(f"cannot connect to {address[0]}:{address[1]}: {exc}") from None
+
+
+def connect_link(address: Address, token: bytes, timeout_s: float) -> socket.socket:
+    """Connect to a hop's listener and authenticate, retrying a refused connect until `timeout_s`."""
+    sock = dial(address, timeout_s)
     try:
         sock.sendall(token)
     except OSError as exc:
@@ -240,10 +247,65 @@ def chain_stages(
         listener.close()
 
 
+# -- one framed message each way, outside a hop (a stage's control connection) -----------------------
+
+CREDENTIAL_LENGTH = struct.Struct("<H")
+MAX_CREDENTIAL_BYTES = 8192  # a signed token with its header and claims is a few hundred bytes
+
+
+def send_credential(sock: socket.socket, credential: bytes) -> None:
+    """What a control connection presents first: a length-prefixed credential (a signed token)."""
+    if not 0 < len(credential) <= MAX_CREDENTIAL_BYTES:
+        raise ValueError(f"a credential is 1..{MAX_CREDENTIAL_BYTES} bytes, got {len(credential)}")
+    try:
+        sock.sendall(CREDENTIAL_LENGTH.pack(len(credential)) + credential)
+    except OSError as exc:
+        raise StageLinkError(f"sending the credential failed: {exc}") from None
+
+
+def read_credential(sock: socket.socket, timeout_s: float) -> bytes:
+    """The credential a control connection presents, read within `timeout_s`; StageLinkError otherwise."""
+    sock.settimeout(timeout_s)
+    try:
+        (length,) = CREDENTIAL_LENGTH.unpack(_recv_exactly(sock, CREDENTIAL_LENGTH.size))
+        if not 0 < length <= MAX_CREDENTIAL_BYTES:
+            raise StageLinkError(f"a {length}-byte credential is outside 1..{MAX_CREDENTIAL_BYTES}")
+        return _recv_exactly(sock, length)
+    except OSError as exc:
+        raise StageLinkError(f"reading the credential failed: {exc}") from None
+
+
+def send_message(sock: socket.socket, codec: StageCodec, message: Any) -> None:
+    """One frame, written at once and due at once (a control message: no emulated link, no feeder thread)."""
+    body = codec.encode(message)
+    try:
+        sock.sendall(HEADER.pack(MAGIC, len(body), 0.0) + body)
+    except OSError as exc:
+        raise StageLinkError(f"sending {type(message).__name__} failed: {exc}") from None
+
+
+def read_message(sock: socket.socket, codec: StageCodec, timeout_s: float, max_frame_bytes: int = 1 << 16) -> Any:
+    """One frame's message within `timeout_s`: StageLinkError if none comes, it is malformed or too large."""
+    receiver = LinkReceiver(sock, codec, "control", max_frame_bytes)
+    try:
+        return receiver.get(timeout_s)
+    except queue.Empty:
+        raise StageLinkError(f"no control message within {timeout_s:.0f}s") from None
+
+
 def _address(raw: Any) -> Address:
     if not (isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[0], str) and type(raw[1]) is int):
         raise StageLinkError(f"not a (host, port) address: {raw!r:.80}")
     return raw[0], raw[1]
+
+
+def parse_address(text: str) -> Address:
+    """`host:port` (a bracketed IPv6 host allowed) as an Address; ValueError naming the problem."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {text!r}")
+    return host, int(port)
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:

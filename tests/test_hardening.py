@@ -184,14 +184,14 @@ def test_each_pipeline_stage_is_rotated_from_its_spec(tiny_qwen2_dir):
     """P > 1: every stage worker re-parameterises its own sub-range; chained, they compute the rotated middle."""
     from services.verifier_cloud.stage_specs import plan_stages
     from services.verifier_cloud.settings import Settings
-    from services.verifier_cloud.stages import _build
+    from services.verifier_cloud.stages import build_worker
 
     settings = Settings(model_dir=str(tiny_qwen2_dir), split_layers=2, pipeline_stages=2, device="cpu",
                         hidden_rotation="staged")
     specs = plan_stages(settings, 5)
     assert [s.layers for s in specs] == [(2, 4), (4, 5)] and all(s.hidden_rotation == "staged" for s in specs)
     assert "staged" not in repr(specs[0]) and "staged" not in repr(settings)
-    stages = [_build(spec).runner.layers for spec in specs]
+    stages = [build_worker(spec).runner.layers for spec in specs]
     original = MiddleSubmodel(load_checkpoint(tiny_qwen2_dir, with_tokenizer=False), 2)
     q = secret_rotation("staged", 64)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))  # [S, H]

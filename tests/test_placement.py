@@ -384,10 +384,10 @@ def test_a_verifier_asked_for_a_missing_gpu_refuses_to_start_with_a_settings_err
 
 
 def test_a_stage_worker_loads_its_layers_in_the_dtype_asked_and_answers_on_the_cpu(tiny_llama_dir):
-    from services.verifier_cloud.stages import MicroBatch, StageItem, StageSpec, _build
+    from services.verifier_cloud.stages import MicroBatch, StageItem, StageSpec, build_worker
     from services.verifier_cloud.work import WorkKind
 
-    worker = _build(StageSpec(0, str(tiny_llama_dir), 2, (2, 4), device="cpu", dtype="bfloat16"))
+    worker = build_worker(StageSpec(0, str(tiny_llama_dir), 2, (2, 4), device="cpu", dtype="bfloat16"))
     layers = worker.runner.layers
     assert layers.dtype is torch.bfloat16 and next(layers.parameters()).dtype is torch.bfloat16
     worker.runner.open(7)

@@ -126,3 +126,12 @@ def mesh_secrets(
 
     for path in make_mesh_secrets(out, api_key, parse_hosts(tls_hosts) if tls_hosts else None):
         typer.echo(path)
+
+
+def stage(ctx: typer.Context):
+    """Serve one pipeline stage on its own (a layer range of the middle, listening on host:port) for a verifier
+    whose TOPHAT_VERIFIER_STAGE_ADDRESSES names it. Flags and TOPHAT_STAGE_* settings as
+    `python -m services.verifier_cloud.stage --help`."""
+    from services.verifier_cloud.stage import main
+
+    raise typer.Exit(main(ctx.args))

@@ -1,6 +1,7 @@
 """The main process's end of the stage pipeline: spawn, feed, collect, watch.
 
-`StagePipeline` owns P worker processes (services/verifier_cloud/stages.py),
+`StagePipeline` owns P worker processes (services/verifier_cloud/stages.py), or
+is given the addresses of P stages started on their own (remote_stages.py),
 its two ends of the P+1 TCP hops chaining them (shared/stage_link.py: hop 0
 into stage 0, hop P back from the last stage; the hops between stages belong
 to the stages), and the bookkeeping of micro-batches in flight.
@@ -31,6 +32,7 @@ from collections import deque
 from typing import Any
 
 from services.verifier_cloud.pipeline_results import DoneCallback, FailCallback, PipelineFailed, PipelineStep
+from services.verifier_cloud.remote_stages import RemoteStages, wire_remote_stages
 from services.verifier_cloud.scheduler import SchedulerOutput
 from services.verifier_cloud.stages import (
     STAGE_CODEC,
@@ -66,8 +68,10 @@ class StagePipeline:
         on_done: DoneCallback | None = None,
         on_fail: FailCallback | None = None,
         history: int = 512,
+        remote: RemoteStages | None = None,
     ):
         self.specs = specs
+        self.remote = remote  # stages started on their own, wired by address: nothing to spawn or reap
         self.num_stages = len(specs)
         self.start_timeout_s, self.stage_timeout_s = start_timeout_s, stage_timeout_s
         # set by whoever feeds the pipeline (engine.py)
@@ -89,7 +93,8 @@ class StagePipeline:
         construction and on every restart. The hops themselves are wired in start()."""
         ctx = multiprocessing.get_context("spawn")
         self._token = secrets.token_bytes(TOKEN_BYTES)  # a new run's hops refuse anything of the old one's
-        pipes = [ctx.Pipe() for _ in self.specs]  # addresses only (stage_link.chain_stages); never messages
+        # addresses only (stage_link.chain_stages), never messages; remote stages are reached by address instead
+        pipes = [] if self.remote is not None else [ctx.Pipe() for _ in self.specs]
         self._startups = [parent_end for parent_end, _ in pipes]
         self.processes = [
             ctx.Process(target=run_stage, args=(spec, child_end, self._token), name=f"verifier-stage-{i}", daemon=True)
@@ -120,9 +125,18 @@ class StagePipeline:
             child_end.close()  # the children hold their own copies
         deadline = time.monotonic() + self.start_timeout_s
         try:
-            first, last = await asyncio.to_thread(
-                chain_stages, self._startups, self.specs[0].host, self._token, self.start_timeout_s, self._dead_worker
-            )
+            if self.remote is not None:
+                layers = [spec.layers for spec in self.specs]
+                first, last = await asyncio.to_thread(wire_remote_stages, self.remote, layers, self.start_timeout_s)
+            else:
+                first, last = await asyncio.to_thread(
+                    chain_stages,
+                    self._startups,
+                    self.specs[0].host,
+                    self._token,
+                    self.start_timeout_s,
+                    self._dead_worker,
+                )
         except StageLinkError as exc:
             raise await self._abort(f"wiring the stage hops failed: {self._dead_worker() or exc}") from None
         self.sender = LinkSender(first, STAGE_CODEC, self.specs[0].in_link, "hop 0 (into stage 0)")

@@ -46,6 +46,7 @@ from services.verifier_cloud.scheduler import Scheduler
 from services.verifier_cloud.session import Session
 from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.settings import Settings
+from services.verifier_cloud.stage_specs import remote_stages
 from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_frames import TokenFrames
 from services.verifier_cloud.token_mode import TokenModel
@@ -115,7 +116,9 @@ class VerifierServer:
             self.runner = ModelRunner(middle, context_length, token_model)
             self.engine = InProcessEngine(self.scheduler, self.runner, self._record_step)
         else:
-            self.pipeline = StagePipeline(stages, settings.stage_start_timeout_s, settings.stage_timeout_s)
+            self.pipeline = StagePipeline(
+                stages, settings.stage_start_timeout_s, settings.stage_timeout_s, remote=remote_stages(settings)
+            )
             self.engine = PipelineEngine(self.scheduler, self.pipeline, self._record_step)
         self.sessions = SessionTable(settings, self.scheduler, self.runner, self.pipeline)
         # With P > 1 the KV lives in the stage workers: no KV gauge here.

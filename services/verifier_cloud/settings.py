@@ -9,6 +9,7 @@ from typing import Any
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.service_settings import ServiceSettings
 from shared.settings import from_env
+from shared.stage_link import parse_address
 from shared.stage_plan import parse_stage_layers, parse_stage_links, parse_stage_slowdowns
 from shared.wire import MAX_FRAME_BYTES
 
@@ -73,25 +74,40 @@ class Settings(ServiceSettings):
     stage_slowdowns: str = ""
     stage_links: str = ""
     stage_host: str = "127.0.0.1"
+    # Stages started on their own (`tophat stage`, services/verifier_cloud/remote_stages.py), on this host or
+    # others: their host:port addresses in pipeline order, "jetson-1:7200,jetson-2:7200"; P is their count and
+    # nothing is spawned. stage_return_address: host:port where the last stage reaches this verifier again (the
+    # return hop listens on stage_host at that port; empty: stage_host, a port the kernel picks: one host only).
+    stage_addresses: str = ""
+    stage_return_address: str = ""
     # An audit tool (measured privacy, shared/capture.py): append every hidden-state frame this verifier accepts
     # (PrefillChunk, VerifyRequest; as received, in the wire dtype) to this file, so what a cloud could keep can
     # be attacked offline. Empty: off. When on, the verifier logs a WARNING at start: it stores users' states.
     capture_path: str = ""
 
     def __post_init__(self) -> None:
-        if self.stage_layers.strip() and self.pipeline_stages == 1:
+        if self.pipeline_stages == 1 and (self.stage_layers.strip() or self.stage_addresses.strip()):
+            spec, parse = (
+                (self.stage_layers, parse_stage_layers)
+                if self.stage_layers.strip()
+                else (self.stage_addresses, lambda text: text.split(","))
+            )
             try:
-                count = len(parse_stage_layers(self.stage_layers))
+                count = len(parse(spec))
             except ValueError:
                 return  # validate() reports the spec
-            object.__setattr__(self, "pipeline_stages", count)  # P follows the explicit ranges
+            object.__setattr__(self, "pipeline_stages", count)  # P follows the explicit ranges or addresses
 
     @property
     def stage_workers(self) -> bool:
         """Whether the middle layers run in stage worker processes (else in-process)."""
         return self.pipeline_stages > 1 or any(
-            s.strip() for s in (self.stage_layers, self.stage_slowdowns, self.stage_links)
+            s.strip() for s in (self.stage_layers, self.stage_slowdowns, self.stage_links, self.stage_addresses)
         )
+
+    def remote_stage_addresses(self) -> list[tuple[str, int]]:
+        """The stage_addresses setting as (host, port) pairs; [] when the stages are spawned here."""
+        return [parse_address(a) for a in self.stage_addresses.split(",") if a.strip()]
 
     @property
     def device_session_limit(self) -> int:
@@ -134,6 +150,19 @@ class Settings(ServiceSettings):
                 )
         parse_stage_slowdowns(self.stage_slowdowns, self.pipeline_stages)
         parse_stage_links(self.stage_links, self.pipeline_stages)
+        if self.stage_addresses.strip():
+            addresses = self.remote_stage_addresses()
+            if len(addresses) != self.pipeline_stages:
+                raise ValueError(
+                    f"stage_addresses gives {len(addresses)} stages but pipeline_stages is {self.pipeline_stages}"
+                )
+            if self.stage_slowdowns.strip() or self.stage_links.strip():
+                raise ValueError(
+                    "stage_slowdowns and stage_links emulate spawned stages; stages started on their own run "
+                    "at their own speed over real links (give a stage its --slowdown instead)"
+                )
+        if self.stage_return_address.strip():
+            parse_address(self.stage_return_address)
         if self.full_model and self.hidden_rotation:
             raise ValueError(
                 "full_model (token mode) runs layers [0, m) and the head beside the middle layers: it "

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from services.verifier_cloud.remote_stages import RemoteStages
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageSpec
+from shared import auth
 from shared.model.placement import cuda_facts, plan_stage_devices
 from shared.model.split import SplitError, stage_ranges, validate_split
+from shared.stage_link import parse_address
 from shared.stage_plan import check_layers_cover, parse_stage_layers, parse_stage_links, parse_stage_slowdowns
 
 
@@ -50,3 +53,21 @@ def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | No
         )
         for i, (r, device) in enumerate(zip(ranges, devices))
     ]
+
+
+def remote_stages(settings: Settings) -> RemoteStages | None:
+    """The stages started on their own that `settings` names (stage_addresses), or None: spawn them here."""
+    addresses = settings.remote_stage_addresses()
+    if not addresses:
+        return None
+    bearer = auth.client_auth(settings.auth_secret, "verifier-cloud", "service")
+    if settings.stage_return_address.strip():
+        return_host, return_port = parse_address(settings.stage_return_address)
+    else:
+        return_host, return_port = settings.stage_host, 0
+    return RemoteStages(
+        tuple(addresses),
+        (settings.stage_host, return_port),
+        return_host,
+        (lambda: bearer.token().encode()) if bearer is not None else (lambda: b"open"),
+    )

@@ -233,7 +233,7 @@ class StageWorker:
 # -- the process entry point -------------------------------------------------------------
 
 
-def _build(spec: StageSpec) -> StageWorker:
+def build_worker(spec: StageSpec) -> StageWorker:
     from shared.model.checkpoint import load_checkpoint
     from shared.model.placement import detect_placement
     from shared.model.split import MiddleSubmodel, warm_up_layers
@@ -275,7 +275,7 @@ def run_stage(spec: StageSpec, startup: Any, token: bytes) -> None:
     outbox = LinkSender(out_sock, STAGE_CODEC, spec.out_link, f"hop {spec.index + 1} (from stage {spec.index})")
     try:
         try:
-            worker = _build(spec)
+            worker = build_worker(spec)
         except (ModelLoadError, SplitError, OSError, RuntimeError, ValueError) as exc:
             log.error("stage %d could not load layers %s: %s", spec.index, spec.layers, exc)
             outbox.put(StageFailed(spec.index, f"{type(exc).__name__}: {exc}"))
@@ -287,7 +287,7 @@ def run_stage(spec: StageSpec, startup: Any, token: bytes) -> None:
             spec.slowdown,
             spec.out_link.describe(),
         )
-        _serve(spec, worker, inbox, outbox)
+        serve_messages(spec, worker, inbox, outbox)
     except StageLinkError as exc:  # the downstream hop broke: nobody can hear this stage any more
         log.warning("stage %d: %s; exiting", spec.index, exc)
     finally:
@@ -295,7 +295,7 @@ def run_stage(spec: StageSpec, startup: Any, token: bytes) -> None:
         inbox.close()
 
 
-def _serve(spec: StageSpec, worker: StageWorker, inbox: LinkReceiver, outbox: LinkSender) -> None:
+def serve_messages(spec: StageSpec, worker: StageWorker, inbox: LinkReceiver, outbox: LinkSender) -> None:
     import multiprocessing
 
     parent = multiprocessing.parent_process()

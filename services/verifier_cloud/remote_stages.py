@@ -1,0 +1,201 @@
+"""Pipeline stages started on their own (`tophat stage`), on this host or others, wired by address.
+
+The local pipeline spawns its stages and learns their ports through startup pipes (shared/stage_link.py).
+A stage started on its own instead listens on a known `host:port` and holds a known layer range; the
+verifier is given the stages' addresses and wires the same chain over a control connection per stage:
+
+    for i = P-1 .. 0:  verifier --control--> stage i : credential, Wire(i, layers, next hop, run token)
+                       stage i  --Wired or StageFailed--> verifier; stage i connects to its next hop
+    verifier --hop 0--> stage 0 ... stage P-1 --hop P--> verifier's return listener
+
+Wiring from the last stage back means every stage's downstream is already waiting for it. The control
+connection is authenticated like every other hop of the mesh (a service credential, shared/auth.py: a
+device's credential is refused); the hops themselves present the per-run random token the verifier chose
+and sent over the authenticated control connections, so a restart's hops refuse the old run's peers.
+
+A run ends when a hop breaks or the verifier sends Stop: the stage drops every session's KV and waits to be
+wired again. A verifier restart (its pipeline failed, or it was replaced) rewires the same stages; a stage
+that is not there yet is retried until the start timeout (Swarm and Kubernetes start services in any order).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from services.verifier_cloud.stages import StageFailed
+from shared.stage_codec import StageCodec, StageLinkError
+from shared.stage_link import (
+    TOKEN_BYTES,
+    Address,
+    accept_link,
+    bind_listener,
+    connect_link,
+    dial,
+    read_credential,
+    read_message,
+    send_credential,
+    send_message,
+)
+
+log = logging.getLogger("services.verifier_cloud.remote_stages")
+
+CONTROL_TIMEOUT_S = 10.0  # a stage's wait for the credential and Wire of a control connection it accepted
+
+
+@dataclass
+class Wire:
+    """The verifier to stage `index`: you hold layers [start, stop); send what you compute to (host, port),
+    presenting `run_token` (hex); expect the same token from upstream."""
+
+    index: int
+    start: int
+    stop: int
+    next_host: str
+    next_port: int
+    run_token: str
+
+
+@dataclass
+class Wired:
+    """A stage's yes to Wire: it holds those layers, has dropped any earlier run's KV, and is connecting."""
+
+    index: int
+    start: int
+    stop: int
+    pid: int
+
+
+CONTROL_CODEC = StageCodec((Wire, Wired, StageFailed))
+
+
+@dataclass(frozen=True)
+class RemoteStages:
+    """Where the verifier finds its stages, and where the last one finds the verifier again."""
+
+    addresses: tuple[Address, ...]  # stage i listens at addresses[i]
+    return_bind: Address  # the return hop's listener (port 0: the kernel picks)
+    return_host: str  # the host name the last stage dials for it (the verifier's name on the stages' network)
+    credential: Callable[[], bytes]  # a fresh service credential per wiring
+
+
+# -- the verifier's side --------------------------------------------------------------------------------
+
+
+def wire_remote_stages(
+    remote: RemoteStages, layers: Sequence[tuple[int, int]], timeout_s: float
+) -> tuple[socket.socket, socket.socket]:
+    """(hop 0 into stage 0, hop P back from the last stage), or StageLinkError naming the stage that failed."""
+    if len(layers) != len(remote.addresses):
+        raise StageLinkError(f"{len(layers)} layer ranges for {len(remote.addresses)} stage addresses")
+    deadline = time.monotonic() + timeout_s
+    token = secrets.token_bytes(TOKEN_BYTES)
+    try:
+        listener = bind_listener(*remote.return_bind)
+    except OSError as exc:
+        raise StageLinkError(f"cannot listen for the last stage on {remote.return_bind}: {exc}") from None
+    try:
+        next_hop: Address = (remote.return_host, listener.getsockname()[1])
+        for index in reversed(range(len(layers))):
+            wire = Wire(index, *layers[index], *next_hop, token.hex())
+            _wire_one(remote.addresses[index], wire, remote.credential(), deadline)
+            next_hop = remote.addresses[index]
+        first = connect_link(remote.addresses[0], token, max(deadline - time.monotonic(), 0.1))
+        try:
+            return first, accept_link(listener, token, max(deadline - time.monotonic(), 0.1))
+        except StageLinkError:
+            first.close()
+            raise
+    finally:
+        listener.close()
+
+
+def _wire_one(address: Address, wire: Wire, credential: bytes, deadline: float) -> None:
+    where = f"stage {wire.index} at {address[0]}:{address[1]}"
+    try:
+        sock = dial(address, max(deadline - time.monotonic(), 0.1))
+    except StageLinkError as exc:
+        raise StageLinkError(f"{where}: {exc}") from None
+    try:
+        send_credential(sock, credential)
+        send_message(sock, CONTROL_CODEC, wire)
+        # a stage still loading its layers (or ending an earlier run) answers once it can: wait up to the deadline
+        reply = read_message(sock, CONTROL_CODEC, max(deadline - time.monotonic(), 0.1))
+    except StageLinkError as exc:
+        raise StageLinkError(f"{where}: {exc}") from None
+    finally:
+        sock.close()
+    if isinstance(reply, StageFailed):
+        raise StageLinkError(f"{where} refused: {reply.message}")
+    if not (isinstance(reply, Wired) and (reply.index, reply.start, reply.stop) == (wire.index, wire.start, wire.stop)):
+        raise StageLinkError(f"{where} answered {reply!r:.120} to {wire.index}'s wiring")
+    log.info("%s wired: layers [%d, %d), pid %d", where, reply.start, reply.stop, reply.pid)
+
+
+# -- the stage's side -----------------------------------------------------------------------------------
+
+
+def await_wiring(
+    listener: socket.socket,
+    index: int,
+    layers: tuple[int, int],
+    check_credential: Callable[[bytes], None],
+    poll_s: float = 0.5,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> tuple[Address, bytes] | None:
+    """Accept control connections until one with a good credential wires this stage as it is: (next hop,
+    run token), after answering Wired. Anything else is answered (StageFailed) or dropped, and logged; the
+    stage waits on. None once `should_stop()`."""
+    while not should_stop():
+        listener.settimeout(poll_s)
+        try:
+            sock, peer = listener.accept()
+        except TimeoutError:
+            continue
+        try:
+            wired = _answer_control(sock, index, layers, check_credential)
+        except StageLinkError as exc:
+            log.warning("stage %d: control connection from %s:%d refused: %s", index, *peer[:2], exc)
+            continue
+        finally:
+            sock.close()
+        if wired is not None:
+            return wired
+    return None
+
+
+def _answer_control(
+    sock: socket.socket, index: int, layers: tuple[int, int], check_credential: Callable[[bytes], None]
+) -> tuple[Address, bytes] | None:
+    check_credential(read_credential(sock, CONTROL_TIMEOUT_S))  # StageLinkError (an AuthError, wrapped)
+    wire = read_message(sock, CONTROL_CODEC, CONTROL_TIMEOUT_S)
+    if not isinstance(wire, Wire):
+        raise StageLinkError(f"expected Wire, got {type(wire).__name__}")
+    problem = _wiring_problem(wire, index, layers)
+    if problem is not None:
+        send_message(sock, CONTROL_CODEC, StageFailed(index, problem))
+        raise StageLinkError(problem)
+    send_message(sock, CONTROL_CODEC, Wired(index, *layers, os.getpid()))
+    return (wire.next_host, wire.next_port), bytes.fromhex(wire.run_token)
+
+
+def _wiring_problem(wire: Wire, index: int, layers: tuple[int, int]) -> str | None:
+    if (wire.index, wire.start, wire.stop) != (index, *layers):
+        return (
+            f"this is stage {index} holding layers [{layers[0]}, {layers[1]}), "
+            f"not stage {wire.index} with [{wire.start}, {wire.stop})"
+        )
+    if not 0 < wire.next_port < 65536 or not wire.next_host:
+        return f"bad next hop {wire.next_host!r}:{wire.next_port}"
+    try:
+        token = bytes.fromhex(wire.run_token)
+    except ValueError:
+        token = b""
+    if len(token) != TOKEN_BYTES:
+        return f"the run token must be {TOKEN_BYTES} bytes of hex"
+    return None
