@@ -1,4 +1,5 @@
-"""The device's WebSocket client against a misbehaving verifier (a fake peer: outside the product)."""
+"""The device's WebSocket client against a misbehaving verifier (a fake peer: outside the product); a verifier
+that does not answer in time is a CloudTimeout, which the failover replay does not count as a lost verifier."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 from websockets.asyncio.server import serve
 
 from services.device_agent.cloud_client import CloudUnavailable, WebSocketCloud
+from services.device_agent.cloud_errors import CloudTimeout, cloud_gone, verifier_lost
+from shared.specdec.replay import FailoverExhausted, ReplayingCloud
 
 FRAME_LIMIT = 4096
 
@@ -72,3 +75,38 @@ async def test_several_replicas_are_tried_in_turn() -> None:
     assert accepted == ports
     with pytest.raises(ValueError):
         WebSocketCloud(" , ", 8)
+
+
+async def test_an_overloaded_verifier_times_out_and_is_not_sent_the_context_again() -> None:
+    """A verifier that opens the session and then never answers: the request fails with CloudTimeout on the same
+    connection; the replay does not count it as lost, so the verifier is not sent the session again."""
+    import torch
+
+    from shared import wire
+
+    received: list[str] = []
+
+    async def opens_then_stalls(connection) -> None:
+        async for frame in connection:
+            message = wire.decode(frame)
+            received.append(type(message).__name__)
+            if isinstance(message, wire.OpenSession):
+                await connection.send(wire.encode(wire.SessionOpened(message.session_id)))
+
+    async with serve(opens_then_stalls, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        cloud = WebSocketCloud(f"ws://127.0.0.1:{port}/ws", 8, request_timeout_s=0.3, split_layers=1, fingerprint=1)
+        replaying = ReplayingCloud(cloud, verifier_lost, deadline_s=5, backoff_s=0.01)
+        try:
+            await replaying.open(1)
+            answer = await replaying.send_prefill(1, 0, torch.zeros(3, 8), True)
+            with pytest.raises(CloudTimeout, match="did not answer within 0.3s") as timed_out:
+                async with asyncio.timeout(5):
+                    await answer
+            assert cloud.connected  # the connection is up: the verifier is slow, not gone
+        finally:
+            await cloud.close_connection()
+    assert received == ["OpenSession", "PrefillChunk"]  # no CloseSession, no second OpenSession, no replay
+    assert not verifier_lost(timed_out.value) and cloud_gone(timed_out.value)  # finish_on_device still finishes
+    assert verifier_lost(CloudUnavailable("connection to the verifier closed"))
+    assert cloud_gone(FailoverExhausted(1, "at most 3 recoveries", 3, 1.0, CloudUnavailable("closed")))

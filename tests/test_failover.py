@@ -146,5 +146,5 @@ def test_no_verifier_coming_back_is_a_typed_error_within_the_deadline(demo_check
     with Mesh(config) as mesh:
         results, seconds = run_with_kill(mesh, prompts, "verifier-cloud")
         for result in results:
-            assert result.errors and result.errors[0]["code"] == "CloudUnavailable", result.errors
+            assert result.errors and result.errors[0]["code"] == "FailoverExhausted", result.errors
         assert seconds < 3 + 15  # the deadline, plus a connect timeout and the last backoff

@@ -38,7 +38,7 @@ from shared.modes import MODE_TABLE
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
 from shared.specdec.draft_config import DraftConfig
-from shared.specdec.replay import ReplayingCloud
+from shared.specdec.replay import FailoverExhausted, ReplayingCloud
 from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context
 
@@ -95,7 +95,12 @@ class DeviceAgent:
         hidden_cloud = with_rotation(self.cloud, settings.hidden_rotation, self.checkpoint.hidden_size)
         self.sessions_cloud = with_noise(
             ReplayingCloud(
-                hidden_cloud, verifier_lost, deadline_s=settings.failover_deadline_s, on_replay=self._on_replay
+                hidden_cloud,
+                verifier_lost,
+                deadline_s=settings.failover_deadline_s,
+                max_recoveries=settings.failover_max_recoveries,
+                total_deadline_s=settings.failover_total_s,
+                on_replay=self._on_replay,
             ),
             settings.uplink_noise,
         )
@@ -278,7 +283,7 @@ class DeviceAgent:
                 now = time.perf_counter() - started
                 timeline.deliver(now, len(tokens))
                 yield json.dumps({"type": "tokens", "token_ids": tokens, "text": detok.push(tokens), "t": now}) + "\n"
-        except (CloudUnavailable, CloudError, SessionError) as exc:
+        except (CloudUnavailable, CloudError, SessionError, FailoverExhausted) as exc:
             log.warning("request %s failed: %s", request_id, exc)
             yield json.dumps({"type": "error", "code": type(exc).__name__, "message": str(exc)}) + "\n"
             return

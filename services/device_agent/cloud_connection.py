@@ -17,7 +17,7 @@ from collections.abc import Callable
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from services.device_agent.cloud_errors import CloudError, CloudUnavailable
+from services.device_agent.cloud_errors import CloudError, CloudTimeout, CloudUnavailable
 from shared import wire
 from shared.auth import BearerAuth
 from shared.links import LinkProfile
@@ -174,7 +174,10 @@ class CloudConnection:
                     await self._uplink.put(frame)
                 else:
                     await connection.send(frame)
-        except (ConnectionClosed, TimeoutError, RuntimeError) as exc:
+        except TimeoutError as exc:
+            self._waiting.pop(key, None)
+            raise CloudTimeout(f"the verifier did not take a frame within {self.request_timeout_s}s") from exc
+        except (ConnectionClosed, RuntimeError) as exc:
             self._waiting.pop(key, None)
             raise CloudUnavailable(f"sending to the verifier failed: {type(exc).__name__}") from exc
         if self.on_frame is not None:
@@ -187,7 +190,7 @@ class CloudConnection:
                 return await future
         except TimeoutError as exc:
             self._waiting.pop(key, None)
-            raise CloudUnavailable(f"the verifier did not answer within {self.request_timeout_s}s") from exc
+            raise CloudTimeout(f"the verifier did not answer within {self.request_timeout_s}s") from exc
 
     async def _request(self, message: wire.Message, key: tuple[int, int]) -> wire.Message:
         return await self._wait(await self._send(message, key), key)

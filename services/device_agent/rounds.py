@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from services.device_agent.cloud_client import WebSocketCloud
-from services.device_agent.cloud_errors import verifier_lost
+from services.device_agent.cloud_errors import cloud_gone
 from services.device_agent.edge_server import EdgeDraftServer, EdgeRequest
 from services.device_agent.generate_request import GenerateRequest
 from services.device_agent.kept import KeepableSession, KeptSessions, SessionCloud, prefill_only
@@ -112,7 +112,7 @@ async def hat_rounds(
             overlap_prefill=request.option("overlap_prefill", settings),
             parallel_candidates=pd_candidates,
             parallel_steps=pd_steps,
-            finish_alone_on=verifier_lost if settings.on_cloud_loss == "finish_on_device" else None,
+            finish_alone_on=cloud_gone if settings.on_cloud_loss == "finish_on_device" else None,
         )
     if keepable is not None and request.keep:
         keepable.on_keep = partial(_keep, agent, session_id)

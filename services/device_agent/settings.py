@@ -62,11 +62,15 @@ class Settings(ServiceSettings):
     parallel_candidates: int = 2  # PD: top-k candidates pre-drafted during verification; 0 = off
     parallel_steps: int = 0  # PD: steps per candidate; 0 = ask the chunk planner (HAT eq. 6), fallback 2
     verifier_url: str = "ws://127.0.0.1:8100/ws"  # several replicas: comma-separated, tried in turn
-    # A session whose verifier goes away mid-generation is replayed on a reachable one; past this deadline
-    # the request fails with cloud_unavailable.
+    # A session whose verifier goes away mid-generation is replayed on a reachable one (a timeout is not a
+    # loss: the request fails with CloudTimeout). One recovery is retried for at most failover_deadline_s; a
+    # session is recovered at most failover_max_recoveries times and for failover_total_s in all; past any of
+    # these the request fails with FailoverExhausted.
     failover_deadline_s: float = 30.0
-    # Then: "error" (the request fails with CloudUnavailable) or "finish_on_device" (the draft model finishes
-    # the answer alone; the done event's stats say degraded=true: not the target model's output).
+    failover_max_recoveries: int = 3
+    failover_total_s: float = 60.0
+    # Then: "error" (the request fails as above) or "finish_on_device" (the draft model finishes the answer
+    # alone; the done event's stats say degraded=true: not the target model's output).
     on_cloud_loss: str = "error"
     chunk_planner_url: str = ""  # empty: fixed default_chunk_size
     state_monitor_url: str = ""  # empty: no telemetry
@@ -159,8 +163,13 @@ class Settings(ServiceSettings):
             raise ValueError(f"uplink_noise must be >= 0 (0 = off), got {self.uplink_noise}")
         if self.kept_ttl_s <= 0:
             raise ValueError("kept_ttl_s must be > 0")
-        if min(self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s, self.failover_deadline_s) <= 0:
+        timeouts = (self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s, self.failover_deadline_s)
+        if min(*timeouts, self.failover_total_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.failover_max_recoveries < 0:
+            raise ValueError(
+                f"failover_max_recoveries must be >= 0 (0: no failover), got {self.failover_max_recoveries}"
+            )
         if self.on_cloud_loss not in ("error", "finish_on_device"):
             raise ValueError(f"on_cloud_loss must be error or finish_on_device, got {self.on_cloud_loss!r}")
         if not 0 <= self.port <= 65535:

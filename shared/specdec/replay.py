@@ -8,11 +8,17 @@ says how many of them the session kept). When a request fails because the verifi
 (`is_lost(exc)`), it reopens the session (the inner cloud reconnects, to another replica when it
 has several), replays the kept rows as prefill chunks, and sends the failed request again. The
 user sees a gap, not an error; the tokens are the same, because the replayed cache holds the
-same states. Recovery is retried with backoff until `deadline_s` after the failure; then the
-last failure is raised.
+same states. A recovery is retried with backoff for at most `deadline_s`; a session is recovered
+at most `max_recoveries` times and spends at most `total_deadline_s` recovering, all its
+recoveries together. Past any of these the replay gives up with `FailoverExhausted` (the last
+failure is its cause): a verifier that keeps failing is not sent the whole context again and again.
+What counts as lost is the caller's `is_lost`; the device agent's leaves timeouts out (an
+overloaded verifier still holds the session, and a replay would only add the context to its load).
 
 One recovery per loss: requests of the same session that fail together (pipelined prefill
-chunks) wait for the first one's recovery instead of starting their own.
+chunks) wait for the first one's recovery instead of starting their own. The session's rows are
+logged, and their frames sent, under the session's lock, which a recovery holds while it replays:
+a chunk sent during a recovery goes up after the replayed rows, on the recovered session, once.
 """
 
 from __future__ import annotations
@@ -33,6 +39,17 @@ from shared.specdec.verify_layout import VerifyLayout, verify_on
 log = logging.getLogger(__name__)
 
 
+class FailoverExhausted(ConnectionError):
+    """A session lost its verifier and the replay gave up: too many recoveries, or too long recovering."""
+
+    def __init__(self, session_id: int, reason: str, recoveries: int, recovering_s: float, last: BaseException):
+        super().__init__(
+            f"session {session_id}: failover gave up ({reason}) after {recoveries} recoveries and "
+            f"{recovering_s:.1f} s recovering; last failure: {type(last).__name__}: {last}"
+        )
+        self.session_id, self.recoveries, self.recovering_s = session_id, recoveries, recovering_s
+
+
 class _ForkingCloud(Cloud, Protocol):
     """A `Cloud` that also forks sessions (WebSocketCloud); only a caller that forks asks for it."""
 
@@ -47,6 +64,8 @@ class _SessionLog:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_deep: torch.Tensor | None = None  # the replayed last prefill chunk's answer
     replays: int = 0
+    recovering_s: float = 0.0  # the time spent recovering so far, every recovery together
+    gave_up: FailoverExhausted | None = None  # set once failover gave up: later losses are not recovered either
 
 
 class ReplayingCloud:
@@ -58,16 +77,22 @@ class ReplayingCloud:
         is_lost: Callable[[BaseException], bool],
         *,
         deadline_s: float = 30.0,
+        max_recoveries: int = 3,
+        total_deadline_s: float = 60.0,
         backoff_s: float = 0.25,
         max_backoff_s: float = 4.0,
         chunk_rows: int = 512,
         on_replay: Callable[[int, int, float], None] | None = None,
     ) -> None:
-        if deadline_s <= 0 or backoff_s <= 0 or chunk_rows < 1:
-            raise ValueError("deadline_s and backoff_s must be > 0 and chunk_rows >= 1")
+        if min(deadline_s, total_deadline_s, backoff_s) <= 0 or chunk_rows < 1 or max_recoveries < 0:
+            raise ValueError(
+                "deadline_s, total_deadline_s and backoff_s must be > 0, chunk_rows >= 1 and max_recoveries >= 0"
+            )
         self.inner = inner
         self.is_lost = is_lost
         self.deadline_s = deadline_s
+        self.max_recoveries = max_recoveries
+        self.total_deadline_s = total_deadline_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._backoff = Backoff(backoff_s, max(max_backoff_s, backoff_s))  # a first wait above the cap is kept
@@ -102,28 +127,33 @@ class ReplayingCloud:
         self, session_id: int, start_pos: int, shallow: torch.Tensor, is_last: bool
     ) -> Awaitable[torch.Tensor | None]:
         record = self.sessions[session_id]
-        del record.rows[start_pos:]
-        record.rows.extend(shallow.unbind(0))  # shallow: [S, H]
-        record.prefill_done = record.prefill_done or is_last
-        epoch = record.epoch
-        try:
-            answer = await self.inner.send_prefill(session_id, start_pos, shallow, is_last)
-        except Exception as exc:  # noqa: BLE001 - only a lost verifier is recovered; others re-raised below
-            if not self.is_lost(exc):
-                raise
-            return done_future(await self._prefill_after_loss(session_id, epoch, is_last, exc))
+        lost: Exception | None = None
+        async with record.lock:  # after a recovery in progress, whose replay sends the rows logged before this chunk
+            del record.rows[start_pos:]
+            record.rows.extend(shallow.unbind(0))  # shallow: [S, H]
+            record.prefill_done = record.prefill_done or is_last
+            epoch = record.epoch
+            try:
+                answer = await self.inner.send_prefill(session_id, start_pos, shallow, is_last)
+            except Exception as exc:  # noqa: BLE001 - only a lost verifier is recovered; others re-raised
+                if not self.is_lost(exc):
+                    raise
+                lost = exc
+        if lost is not None:  # recovered outside the lock, which the recovery takes
+            return done_future(await self._prefill_after_loss(session_id, epoch, is_last, lost))
         return asyncio.ensure_future(self._prefill_answer(session_id, epoch, answer, is_last))
 
     async def verify(
         self, session_id: int, commit_len: int, shallow: torch.Tensor, layout: VerifyLayout | None = None
     ) -> torch.Tensor:
         record = self.sessions[session_id]
-        if layout is not None and layout.kept:  # the last tree's accepted rows move down, as in the cloud's KV
-            base = commit_len - len(layout.kept)
-            record.rows[base:] = [record.rows[row] for row in layout.kept]
-        del record.rows[commit_len:]  # the previous round's rejected drafts
-        record.rows.extend(shallow.unbind(0))  # shallow: [k+1, H], provisional until the next commit_len
-        epoch = record.epoch
+        async with record.lock:  # not while a recovery replays these rows
+            if layout is not None and layout.kept:  # the last tree's accepted rows move down, as in the cloud's KV
+                base = commit_len - len(layout.kept)
+                record.rows[base:] = [record.rows[row] for row in layout.kept]
+            del record.rows[commit_len:]  # the previous round's rejected drafts
+            record.rows.extend(shallow.unbind(0))  # shallow: [k+1, H], provisional until the next commit_len
+            epoch = record.epoch
 
         def request() -> Awaitable[torch.Tensor]:
             # After a recovery the replayed KV holds the committed rows in place: nothing left to move.
@@ -150,8 +180,9 @@ class ReplayingCloud:
     async def _prefill_after_loss(
         self, session_id: int, epoch: int, is_last: bool, exc: BaseException
     ) -> torch.Tensor | None:
-        """A prefill chunk was lost: the recovery replays every row sent so far (this chunk's included)."""
-        record = await self._recover(session_id, epoch, len(self.sessions[session_id].rows), exc)
+        """A prefill chunk was lost: the recovery replays every row logged when it starts (this chunk's, and
+        any chunk sent after it on the lost session, included)."""
+        record = await self._recover(session_id, epoch, None, exc)
         return record.last_deep if is_last else None
 
     async def _with_recovery(
@@ -170,33 +201,32 @@ class ReplayingCloud:
                     return None  # the recovery's replay opened the session: opening it again would be refused
 
     async def _recover(self, session_id: int, epoch: int, keep: int | None, exc: BaseException) -> _SessionLog:
-        """Reopen the session and replay its first `keep` rows (None: all), once per loss."""
+        """Reopen the session and replay its first `keep` rows (None: all), once per loss; give up with
+        FailoverExhausted past `max_recoveries`, or past a deadline (this recovery's or the session's total)."""
         record = self.sessions[session_id]
         async with record.lock:
             if record.epoch != epoch:
                 return record  # a request that failed with ours already recovered the session
+            if record.gave_up is not None:
+                raise record.gave_up  # requests that failed with the one that gave up fail with it
+            if record.replays >= self.max_recoveries:
+                raise self._give_up(session_id, record, f"at most {self.max_recoveries} recoveries", exc) from exc
             failed_at = time.monotonic()
+            total_left_s = self.total_deadline_s - record.recovering_s
+            if total_left_s < self.deadline_s:
+                deadline_s, why = total_left_s, f"{self.total_deadline_s:g} s of recovering in all"
+            else:
+                deadline_s, why = self.deadline_s, f"no verifier within {self.deadline_s:g} s"
             log.warning(
                 "session %d lost its verifier (%s); replaying %s rows",
                 session_id,
                 exc,
                 len(record.rows) if keep is None else keep,
             )
-            delay, last_error = self._backoff.after(None), exc
-            while True:
-                try:
-                    await self._replay(session_id, record, keep)
-                    break
-                except Exception as retry_exc:  # noqa: BLE001 - as in send_prefill
-                    if not self.is_lost(retry_exc):
-                        raise
-                    last_error = retry_exc
-                left = self.deadline_s - (time.monotonic() - failed_at)
-                if left <= 0:
-                    log.error("session %d: no verifier within %.1f s", session_id, self.deadline_s)
-                    raise last_error
-                await asyncio.sleep(min(delay, left))  # the last try lands on the deadline
-                delay = self._backoff.after(delay)
+            gave_up_on = await self._replay_until(session_id, record, keep, failed_at + deadline_s, exc)
+            record.recovering_s += time.monotonic() - failed_at
+            if gave_up_on is not None:
+                raise self._give_up(session_id, record, why, gave_up_on) from gave_up_on
             record.epoch += 1
             record.replays += 1
             replayed = len(record.rows) if keep is None else keep
@@ -205,10 +235,36 @@ class ReplayingCloud:
                 self.on_replay(session_id, replayed, time.monotonic() - failed_at)
             return record
 
+    async def _replay_until(
+        self, session_id: int, record: _SessionLog, keep: int | None, deadline: float, exc: BaseException
+    ) -> BaseException | None:
+        """Try the replay, with backoff, until one succeeds (None) or `deadline` (time.monotonic()) passes (the
+        last failure); each try is cut at the deadline too (a replay to a verifier that does not answer would
+        otherwise last as long as its request timeouts)."""
+        delay, last_error = self._backoff.after(None), exc
+        while (left := deadline - time.monotonic()) > 0:
+            attempt = asyncio.timeout(left)
+            try:
+                async with attempt:
+                    await self._replay(session_id, record, keep)
+                return None
+            except Exception as retry_exc:  # noqa: BLE001 - as in send_prefill
+                if not (attempt.expired() or self.is_lost(retry_exc)):
+                    raise
+                last_error = retry_exc
+            await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))  # the last try lands on it
+            delay = self._backoff.after(delay)
+        return last_error
+
+    def _give_up(self, session_id: int, record: _SessionLog, reason: str, last: BaseException) -> FailoverExhausted:
+        log.error("session %d: failover gave up (%s); last failure: %s", session_id, reason, last)
+        record.gave_up = FailoverExhausted(session_id, reason, record.replays, record.recovering_s, last)
+        return record.gave_up
+
     async def _replay(self, session_id: int, record: _SessionLog, keep: int | None) -> None:
-        rows = record.rows if keep is None else record.rows[:keep]
-        # A verifier that timed out but still holds the session must let it go before it is opened again
-        # (a dead one dropped it with the connection; closing is then a no-op).
+        rows = record.rows[:keep]  # a copy (None: all); the log does not change meanwhile (the lock is held)
+        # A verifier that still holds the session (a try cut at the deadline, or a caller whose is_lost counts
+        # timeouts) must let it go before it is opened again (a dead one dropped it; closing is then a no-op).
         await self.inner.close(session_id)
         await self.inner.open(session_id)
         record.last_deep = None
