@@ -5,12 +5,12 @@ The mesh is the one `tophat up` runs (tophatctl/mesh.py), the load is the benchm
 loadgen/runner.py). First a few warm-up requests, one at a time: they load every lazy path (the
 first prefill, the planner's first plan, allocator pools) and, unless `--rate` is given, measure
 how long one request takes, so the soak runs at a rate the box sustains (half of one request at a
-time per device); then `--warmup-s` of the soak's own load. Then the resident memory of every
-process the launcher started is read from /proc/<pid>/status (VmRSS), the load runs for
-`--duration` seconds, and memory is read again; samples in between give each service's peak. The report lists failed requests (the goal is 0,
-and any failure makes the exit status 1) and each service's RSS at start and end with its growth
-(the goal is under 5% after the warm-up; reported, not enforced: a short soak's allocator noise
-is not a leak).
+time per device); then `--warmup-s` of the soak's own load. The resident memory of every process
+the launcher started is read before the warm-up, after it, every few seconds of the `--duration`
+seconds of load and at the end (loadgen/soak_memory.py). The report lists failed requests and
+each service's RSS (start, after the warm-up, end, max, growth); the soak fails (exit status 1)
+when a request failed or a service's RSS grew after the warm-up over both of `--rss-max-growth-pct`
+and `--rss-min-growth-mib` (or it was restarted), naming the service.
 """
 
 from __future__ import annotations
@@ -24,44 +24,15 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from loadgen import arrivals, runner, workloads
 from loadgen.metrics import RequestRecord, e2e_s
+from loadgen.soak_memory import RssLimit, ServiceMemory, rss_kib
 
 log = logging.getLogger(__name__)
 
-RSS_GROWTH_GOAL_PCT = 5.0
 UTILIZATION = 0.5  # the auto rate keeps each device busy about half the time: queues stay short
-
-
-def rss_kib(pid: int) -> int | None:
-    """Resident memory of `pid` in KiB (VmRSS), or None if the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-@dataclass
-class ServiceMemory:
-    """One service's RSS over the soak (KiB). A pid that changed means the process was restarted."""
-    name: str
-    pid: int
-    start_kib: int | None
-    end_kib: int | None = None
-    peak_kib: int | None = None
-    end_pid: int | None = None
-
-    @property
-    def growth_pct(self) -> float | None:
-        if not self.start_kib or self.end_kib is None:
-            return None
-        return 100.0 * (self.end_kib - self.start_kib) / self.start_kib
 
 
 @dataclass
@@ -76,10 +47,15 @@ class SoakReport:
     errors: Counter = field(default_factory=Counter)  # error text -> count, warm-up included
     mean_e2e_s: float | None = None
     memory: list[ServiceMemory] = field(default_factory=list)
+    rss_limit: RssLimit = field(default_factory=RssLimit)
+
+    @property
+    def memory_failures(self) -> list[str]:
+        return [reason for m in self.memory if (reason := m.failure(self.rss_limit)) is not None]
 
     @property
     def ok(self) -> bool:
-        return self.failed == 0 and self.warmup_failed == 0
+        return self.failed == 0 and self.warmup_failed == 0 and not self.memory_failures
 
     def format(self) -> str:
         lines = [f"soak: {self.duration_s:g} s of Poisson load at {self.rate:.3g} req/s "
@@ -88,15 +64,19 @@ class SoakReport:
         if self.mean_e2e_s is not None:
             lines.append(f"mean end-to-end latency: {self.mean_e2e_s * 1e3:.0f} ms")
         lines += [f"  error x{count}: {error}" for error, count in self.errors.most_common(10)]
-        lines.append(f"{'service':18s} {'pid':>8s} {'RSS start':>11s} {'RSS end':>11s} {'peak':>11s} {'growth':>8s}")
+        lines.append(
+            f"{'service':18s} {'pid':>8s} {'RSS start':>11s} {'warmed up':>11s} {'end':>11s} {'max':>11s} "
+            f"{'growth':>18s}  (fails at {self.rss_limit.describe()})"
+        )
         for m in self.memory:
-            growth = "n/a" if m.growth_pct is None else f"{m.growth_pct:+.1f}%"
-            over = m.growth_pct is not None and m.growth_pct >= RSS_GROWTH_GOAL_PCT
-            flag = f"  (goal < {RSS_GROWTH_GOAL_PCT:g}%)" if over else ""
-            restarted = f"  (restarted: pid {m.end_pid} at the end)" if m.end_pid not in (None, m.pid) else ""
-            lines.append(f"{m.name:18s} {m.pid:8d} {_mib(m.start_kib):>11s} {_mib(m.end_kib):>11s} "
-                         f"{_mib(m.peak_kib):>11s} {growth:>8s}{flag}{restarted}")
-        lines.append("PASS: no request failed" if self.ok else "FAIL: requests failed")
+            growth = "n/a" if m.growth_kib is None else f"{m.growth_kib / 1024:+.1f} MiB"
+            pct = "" if m.growth_pct is None else f" {m.growth_pct:+.1f}%"
+            lines.append(
+                f"{m.name:18s} {m.pid:8d} {_mib(m.start_kib):>11s} {_mib(m.baseline_kib):>11s} "
+                f"{_mib(m.end_kib):>11s} {_mib(m.peak_kib):>11s} {growth + pct:>18s}"
+            )
+        failures = (["requests failed"] if self.failed or self.warmup_failed else []) + self.memory_failures
+        lines += [f"FAIL: {reason}" for reason in failures] or ["PASS: no request failed, no service's RSS grew"]
         return "\n".join(lines)
 
 
@@ -119,28 +99,32 @@ def _tally(records: list[RequestRecord], errors: Counter) -> int:
     return len(failed)
 
 
-async def _sample_peaks(processes: Callable[[], dict[str, int]], memory: dict[str, ServiceMemory],
+def _sample(processes: Callable[[], dict[str, int]], memory: dict[str, ServiceMemory]) -> None:
+    now = processes()
+    for name, m in memory.items():
+        m.sample(now.get(name))
+
+
+async def _sample_every(processes: Callable[[], dict[str, int]], memory: dict[str, ServiceMemory],
                         every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
-        for name, pid in processes().items():
-            kib = rss_kib(pid)
-            if name in memory and kib is not None:
-                memory[name].peak_kib = max(memory[name].peak_kib or 0, kib)
+        _sample(processes, memory)
 
 
 async def soak(url: str, processes: Callable[[], dict[str, int]], *, model_dir: str, duration_s: float,
                rate: float | None = None, warmup_requests: int = 4, warmup_s: float = 0.0, max_new_tokens: int = 32,
                num_devices: int = 1,
-               seed: int = 0, request_timeout_s: float = 120.0, sample_every_s: float = 10.0,
-               extra_body: dict[str, Any] | None = None) -> SoakReport:
+               seed: int = 0, request_timeout_s: float = 120.0, sample_every_s: float | None = None,
+               rss_limit: RssLimit | None = None, extra_body: dict[str, Any] | None = None) -> SoakReport:
     """Warm up, read RSS, send Poisson load for `duration_s` through the streamer at `url`, read RSS again.
 
     The warm-up: `warmup_requests` one at a time, then `warmup_s` of the same Poisson load (other prompts), so
     the start sample is taken after the services have met prompts of every length at that concurrency.
 
     `processes` names the pids to watch (read again at each sample, so a restarted service is seen);
-    `rate` None: UTILIZATION * devices / the warm-up's mean end-to-end latency."""
+    `rate` None: UTILIZATION * devices / the warm-up's mean end-to-end latency. `sample_every_s` None: often
+    enough for about 20 RSS samples of the load, at most every 10 s."""
     from tophatctl.models import resolve_model
 
     path = resolve_model(model_dir)
@@ -157,6 +141,7 @@ async def soak(url: str, processes: Callable[[], dict[str, int]], *, model_dir: 
                                             max_new_tokens=max_new_tokens, context_limit=limit, seed=request_seed,
                                             num_devices=num_devices, held_out=held_out).requests
 
+    memory = {name: ServiceMemory(name, pid, rss_kib(pid)) for name, pid in processes().items()}
     errors: Counter = Counter()
     warm = await runner.run_load(requests_for(warmup_requests, seed + 1), [0.0] * warmup_requests,
                                  dataclasses.replace(cfg, max_concurrency=1))
@@ -171,25 +156,24 @@ async def soak(url: str, processes: Callable[[], dict[str, int]], *, model_dir: 
         warm_records += (await runner.run_load(requests_for(len(warm_times), seed + 2), warm_times, cfg)).records
     warmup_failed = _tally(warm_records, errors)
     report = SoakReport(duration_s=duration_s, rate=rate, warmup_requests=len(warm_records),
-                        warmup_failed=warmup_failed, errors=errors)
+                        warmup_failed=warmup_failed, errors=errors, rss_limit=rss_limit or RssLimit())
 
-    memory = {name: ServiceMemory(name, pid, rss_kib(pid)) for name, pid in processes().items()}
+    _sample(processes, memory)
     for m in memory.values():
-        m.peak_kib = m.start_kib
+        m.baseline_kib = m.samples[0] if m.samples else None
     times = arrivals.arrival_times(rate, duration=duration_s, seed=seed)
-    sampler = asyncio.create_task(_sample_peaks(processes, memory, sample_every_s))
+    every_s = sample_every_s if sample_every_s is not None else min(10.0, max(0.5, duration_s / 20))
+    sampler = asyncio.create_task(_sample_every(processes, memory, every_s))
     try:
         run = await runner.run_load(requests_for(len(times), seed), times.tolist(), cfg)
     finally:
         sampler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await sampler
-    now = processes()
-    for name, m in memory.items():
-        m.end_pid = now.get(name)
+    _sample(processes, memory)
+    for m in memory.values():
         m.end_kib = rss_kib(m.end_pid) if m.end_pid is not None else None
-        if m.end_kib is not None:
-            m.peak_kib = max(m.peak_kib or 0, m.end_kib)
+        m.peak_kib = max(m.peak_kib or 0, m.start_kib or 0) or None
     report.memory = list(memory.values())
     report.requests = len(run.records)
     report.failed = _tally(run.records, errors)
@@ -213,9 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=60.0, help="then this long of the soak's own load")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rss-max-growth-pct", type=float, default=RssLimit.max_growth_pct,
+                        help="a service whose RSS grows more than this %% after the warm-up (and more than "
+                        "--rss-min-growth-mib) fails the soak")
+    parser.add_argument("--rss-min-growth-mib", type=float, default=RssLimit.min_growth_mib,
+                        help="growth below this many MiB never fails (allocator noise of a small process)")
     args = parser.parse_args(argv)
     if not (args.duration > 0 and math.isfinite(args.duration)) or args.warmup_requests < 1 or not args.warmup_s >= 0:
         parser.error("--duration must be a finite number > 0, --warmup-requests at least 1, --warmup-s >= 0")
+    try:
+        rss_limit = RssLimit(args.rss_max_growth_pct, args.rss_min_growth_mib)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = MeshConfig(model_dir=args.model, num_devices=args.devices, port_base=find_port_base(args.devices))
     with Mesh(config) as mesh:
@@ -223,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         report = asyncio.run(soak(config.streamer_url, lambda: mesh_processes(mesh), model_dir=args.model,
                                   duration_s=args.duration, rate=args.rate, warmup_requests=args.warmup_requests,
                                   warmup_s=args.warmup_s, max_new_tokens=args.max_new_tokens,
-                                  num_devices=args.devices, seed=args.seed))
+                                  num_devices=args.devices, seed=args.seed, rss_limit=rss_limit))
     print(report.format())
     return 0 if report.ok else 1
 

@@ -10,6 +10,7 @@ service builds its set here and counts where it owns the fact:
     verifier        batched tokens and step time per step, live sessions, KV bytes, bad frames by code
     chunk planner   decisions by plan and source (eq3 / eq6 / default:<reason>)
     state monitor   telemetry records ingested by kind; request records by endpoint and their cost in $ (DiSCo)
+    telemetry       (each sender: verifier, device agent) records sent to the monitor and dropped, by reason
 
 Each instance has its own CollectorRegistry (not the process-global default), so
 several services in one process (tests, the in-process launcher) never collide.
@@ -233,6 +234,35 @@ class VerifierMetrics:
     @never_raises
     def bad_frame(self, code: str) -> None:
         self.bad_frames.labels(code=code).inc()
+
+
+class TelemetryMetrics:
+    """A telemetry sender's (shared/telemetry_client.py): records sent to the state monitor and those dropped, by
+    why. A drop is the planner's model going stale under exactly the load it models: counted, never silent."""
+
+    DROP_REASONS = ("backlog", "unreachable", "rejected")
+
+    def __init__(self, registry: CollectorRegistry):
+        self.sent = Counter(
+            _name("telemetry_records_sent"), "Telemetry records the state monitor accepted", registry=registry
+        )
+        self.dropped = Counter(
+            _name("telemetry_records_dropped"),
+            "Telemetry records dropped: backlog (too many POSTs in flight), unreachable (the monitor did not "
+            "answer), rejected (it answered with an error)",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in self.DROP_REASONS:  # every reason shows, at 0 until it happens
+            self.dropped.labels(reason=reason)
+
+    @never_raises
+    def record_sent(self, count: int) -> None:
+        self.sent.inc(count)
+
+    @never_raises
+    def record_dropped(self, reason: str, count: int) -> None:
+        self.dropped.labels(reason=reason).inc(count)
 
 
 class PlannerMetrics:

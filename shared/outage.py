@@ -16,7 +16,8 @@ class Outage:
         self.down = False
         self.dropped = 0
 
-    def failed(self, exc: BaseException, dropped: bool = True) -> None:
+    def failed(self, exc: BaseException, dropped: int = 1) -> None:
+        """`dropped`: how many records went with the failure (0: none, the caller keeps them)."""
         self.dropped += int(dropped)
         if not self.down:
             self.down = True

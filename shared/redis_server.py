@@ -37,6 +37,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shared.auth import is_loopback
+from shared.lifeline import die_with_parent
 from shared.telemetry import redact_url
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,12 @@ class EmbeddedRedis:
         logfile = open(Path(self._tmpdir) / "stdout.log", "wb")  # noqa: SIM115 - owned by the child
         try:
             self._proc = subprocess.Popen(
-                [exe, str(conf)], stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self._tmpdir
+                [exe, str(conf)],
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self._tmpdir,
+                preexec_fn=die_with_parent(),  # our child: it goes when we do, SIGKILL included
             )
         finally:
             logfile.close()

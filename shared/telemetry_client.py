@@ -11,7 +11,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
+from prometheus_client import CollectorRegistry
 
+from shared.metrics import TelemetryMetrics
 from shared.outage import Outage
 
 log = logging.getLogger("shared.telemetry")
@@ -21,10 +23,14 @@ class TelemetryClient:
     """Fire-and-forget POSTs of telemetry records to the state monitor.
 
     `emit()` (call it from inside the event loop) never blocks and never raises
-    for network trouble: it schedules a send on an owned task set
-    (bounded by `max_in_flight`; beyond that records are dropped). Failures are
-    dropped with one warning per outage. With `base_url=None` it is a no-op,
-    so services can run without a monitor.
+    for network trouble: it schedules a send on an owned task set, bounded by
+    `max_in_flight`; beyond that the records are dropped. Failures are dropped
+    with one warning per outage. Every drop is counted by reason in `metrics`
+    (shared/metrics.py TelemetryMetrics; `count_into` puts them on a service's /metrics).
+    `emit_batched()` keeps records for one POST, sent `batch_interval_s` after the
+    first of them or at once when `batch_max` are waiting: a sender with a record per
+    step (the verifier) takes one slot per batch, not one per step. With
+    `base_url=None` it is a no-op, so services can run without a monitor.
     """
 
     def __init__(
@@ -33,12 +39,18 @@ class TelemetryClient:
         *,
         timeout_s: float = 0.5,
         max_in_flight: int = 64,
+        batch_interval_s: float = 0.25,
+        batch_max: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
         verify: ssl.SSLContext | bool = True,
         auth: httpx.Auth | None = None,
     ) -> None:
+        if max_in_flight < 1 or batch_max < 1 or not batch_interval_s > 0:
+            raise ValueError("max_in_flight and batch_max must be >= 1, batch_interval_s > 0")
         self.base_url = base_url.rstrip("/") if base_url else None
         self.max_in_flight = max_in_flight
+        self.batch_interval_s = batch_interval_s
+        self.batch_max = batch_max  # keep it within the monitor's max_batch (services/state_monitor/settings.py)
         # verify: the context trusting the mesh's CA for an https:// monitor (shared/tls.py client_context)
         # auth: this sender's credential for a monitor that requires one (shared/auth.py BearerAuth)
         self._client = (
@@ -46,40 +58,76 @@ class TelemetryClient:
             if self.base_url
             else None
         )
+        self.metrics = TelemetryMetrics(CollectorRegistry())
         self._tasks: set[asyncio.Task[bool]] = set()
+        self._batch: list[dict[str, Any]] = []
+        self._batch_timer: asyncio.TimerHandle | None = None
+        self._backlog = Outage(f"state monitor at {base_url} (over {max_in_flight} POSTs in flight)")
         self._outage = Outage(f"state monitor at {base_url}")
         self._rejected = Outage(f"state monitor at {base_url} (rejecting records)")
 
+    def count_into(self, registry: CollectorRegistry) -> None:
+        """Count sent and dropped records in `registry` (the service's, served on /metrics) from now on."""
+        self.metrics = TelemetryMetrics(registry)
+
     @property
     def dropped(self) -> int:
-        return self._outage.dropped + self._rejected.dropped
+        """Records dropped so far, for every reason."""
+        return self._backlog.dropped + self._outage.dropped + self._rejected.dropped
 
     def emit(self, record: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         if self._client is None:
             return
         if len(self._tasks) >= self.max_in_flight:
-            self._outage.dropped += 1
+            count = 1 if isinstance(record, Mapping) else len(record)
+            self._backlog.failed(OverflowError("records come faster than it answers"), dropped=count)
+            self.metrics.record_dropped("backlog", count)
             return
+        self._backlog.recovered()
         task = asyncio.get_running_loop().create_task(self.send(record), name="telemetry-post")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def emit_batched(self, record: Mapping[str, Any]) -> None:
+        """Keep `record` for the next batch POST (sent when full or `batch_interval_s` after its first record)."""
+        if self._client is None:
+            return
+        self._batch.append(dict(record))
+        if len(self._batch) >= self.batch_max:
+            self.flush_batch()
+        elif self._batch_timer is None:
+            self._batch_timer = asyncio.get_running_loop().call_later(self.batch_interval_s, self.flush_batch)
+
+    def flush_batch(self) -> None:
+        """Send the records `emit_batched` kept, now (one POST)."""
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None
+        batch, self._batch = self._batch, []
+        if batch:
+            self.emit(batch)
 
     async def send(self, record: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> bool:
         """POST now and report success; drops (False) instead of raising."""
         if self._client is None:
             return False
         body = dict(record) if isinstance(record, Mapping) else [dict(r) for r in record]
+        count = 1 if isinstance(body, dict) else len(body)
         try:
             resp = await self._client.post("/telemetry", json=body)
             resp.raise_for_status()
         except httpx.HTTPStatusError as exc:  # e.g. 422: a bug in the sender, logged once too
-            self._rejected.failed(RuntimeError(f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"))
+            error = RuntimeError(f"HTTP {exc.response.status_code}: {exc.response.text[:200]}")
+            self._rejected.failed(error, dropped=count)
+            self.metrics.record_dropped("rejected", count)
             return False
         except httpx.HTTPError as exc:
-            self._outage.failed(exc)
+            self._outage.failed(exc, dropped=count)
+            self.metrics.record_dropped("unreachable", count)
             return False
         self._outage.recovered()
         self._rejected.recovered()
+        self.metrics.record_sent(count)
         return True
 
     def emit_verifier_step(
@@ -103,7 +151,7 @@ class TelemetryClient:
             record["overhead_s"] = overhead_s
         if pipeline_stages is not None:  # P for the chunk planner's eq. 3 / eq. 6
             record["pipeline_stages"] = pipeline_stages
-        self.emit(record)
+        self.emit_batched(record)  # one per step: batched, or a busy verifier's steps outrun max_in_flight
 
     def emit_device_draft(
         self,
@@ -181,7 +229,8 @@ class TelemetryClient:
         self.emit(record)
 
     async def aclose(self, drain_timeout_s: float = 1.0) -> None:
-        """Give in-flight sends `drain_timeout_s`, cancel the rest, close the client."""
+        """Send the kept batch, give in-flight sends `drain_timeout_s`, cancel the rest, close the client."""
+        self.flush_batch()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=drain_timeout_s)
             for task in pending:

@@ -152,6 +152,29 @@ async def test_validation_and_errors(server: EmbeddedRedis) -> None:
         assert (await client.get("/predict", params={"mu": 8})).json()["g"] is None
 
 
+async def test_a_batch_is_bounded_before_it_is_parsed_and_bad_input_gets_a_typed_error() -> None:
+    async with running(load_settings({}, embedded_redis=False, max_batch=50, max_body_bytes=4096)) as client:
+        ok = await client.post("/telemetry", json=[STEP] * 20)
+        assert ok.status_code == 200 and ok.json()["accepted"] == 20
+        assert (await client.get("/state/cloud")).json()["steps"] == 20
+        big = json.dumps([STEP] * 50)  # within max_batch, over max_body_bytes
+        assert len(big) > 4096
+        refused = await client.post("/telemetry", content=big, headers={"content-type": "application/json"})
+        assert refused.status_code == 413 and "4096 bytes" in refused.json()["detail"]
+
+        async def chunks():  # no Content-Length: refused once the bytes read pass the bound
+            for _ in range(50):
+                yield json.dumps(STEP).encode()
+
+        assert (await client.post("/telemetry", content=chunks())).status_code == 413
+        assert (await client.post("/telemetry", content=b"{not json")).status_code == 400
+        empty = await client.post("/telemetry", json=[])
+        assert empty.status_code == 422 and "empty" in empty.json()["detail"]
+        mixed = await client.post("/telemetry", json=[STEP, {**STEP, "compute_s": -1}])
+        assert mixed.status_code == 422 and mixed.json()["detail"][0]["loc"][0] == 1  # names the bad record
+        assert (await client.get("/state/cloud")).json()["steps"] == 20  # nothing of a refused batch was kept
+
+
 async def test_runs_in_memory_without_redis(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("REDIS_URL", raising=False)
     async with running(load_settings({})) as client:

@@ -148,6 +148,7 @@ async def test_client_posts_records_and_drops_on_failure(caplog: pytest.LogCaptu
     client.emit_device_draft("d1", 0.003)
     client.emit_device_transfer("d1", "up", 4096, 0.002)
     client.emit_request("r1", ttft_s=0.1, token_times_s=[0.02], accept_lengths=[2])
+    client.flush_batch()  # the step record waits for its batch otherwise
     await asyncio.sleep(0.05)
     assert len(received) == 4
 

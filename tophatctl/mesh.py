@@ -3,7 +3,9 @@
 Used by `tophat up`, `make demo`, the benchmarks and the end-to-end tests. Ports are laid out from one
 base (tophatctl/mesh_ports.py); what runs is a MeshConfig (tophatctl/mesh_config.py); the processes
 share one secret and, with TLS, one CA (tophatctl/mesh_credentials.py); with `supervise` a
-Supervisor (tophatctl/supervisor.py) restarts what dies.
+Supervisor (tophatctl/supervisor.py) restarts what dies. Every service is tethered to the launcher
+(shared/lifeline.py): a launcher killed with SIGKILL takes its services with it, ports freed; and a port
+of the layout already in use is refused before anything starts, naming the port and its holder.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import logging
 import os
 import ssl
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from shared.auth import BearerAuth
+from shared.lifeline import Tether
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.redis_server import EmbeddedRedis
 from shared.telemetry import redact_url
@@ -28,8 +30,9 @@ from tophatctl.certs import DevCerts
 from tophatctl.edge_pipeline import configure_mesh
 from tophatctl.mesh_config import MeshConfig, MeshStartError, mesh_model_dir
 from tophatctl.mesh_credentials import MeshCredentials
+from tophatctl.mesh_ports import layout, taken_ports
 from tophatctl.netns import NetnsLink, netns_support, subnet_for_index
-from tophatctl.service_process import ServiceProcess, start_process
+from tophatctl.service_process import ServiceProcess, start_process, tethered_command
 from tophatctl.supervisor import Supervisor, write_state_file
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ class Mesh:
         self.netns_links: list[NetnsLink] = []
         self.discovered_urls: list[str] = []  # discover_devices: the agents' announced URLs
         self.supervisor: Supervisor | None = None  # while supervising
+        self.tether: Tether | None = None  # while running: the services stop when it closes or this process dies
         self.credentials = MeshCredentials(config.auth, config.auth_secret)
         self._netns = False  # devices in network namespaces (decided at start)
         if config.log_dir is None:
@@ -86,12 +90,13 @@ class Mesh:
     def _spawn(self, name: str, module: str, env: dict[str, str], ready_url: str,
                prefix: list[str] | None = None) -> ServiceProcess:
         log_path = self.config.log_dir / f"{name}.log"
+        assert self.tether is not None, "services are spawned by start()"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.tls_env,
-                    **self.config.extra_env, **env}
+                    **self.config.extra_env, **env, **self.tether.child_env()}
         # The mesh's secret over the caller's environment (one secret for the whole mesh), under what this
         # mesh's extra_env or this service's own env sets.
         full_env.update({k: v for k, v in self.auth_env.items() if k not in self.config.extra_env and k not in env})
-        command = [*(prefix or []), sys.executable, "-m", module]
+        command = tethered_command(module, prefix)
         service = ServiceProcess(name, start_process(command, full_env, log_path), ready_url, log_path, command,
                                  full_env)
         self.services.append(service)
@@ -105,6 +110,18 @@ class Mesh:
         if self.redis is not None and self.redis.pid is not None:
             table.append({"role": "redis", "name": "redis", "pid": self.redis.pid, "url": urls["redis"]})
         return table
+
+    def _check_ports_free(self) -> None:
+        """Refuse to start onto a port something else holds: its half of the mesh would be served by a stranger
+        (a mesh left running answers the new one's requests with its own, unreachable devices)."""
+        cfg = self.config
+        ports = layout(cfg.port_base, 0 if cfg.discover_devices else cfg.num_devices, cfg.verifiers)
+        host = "0.0.0.0" if self._netns else cfg.host  # the cloud side binds everywhere with namespaces
+        taken = taken_ports(host, ports)
+        if taken:
+            held = "; ".join(f"port {port} is held by {holder}" for port, holder in taken.items())
+            raise MeshStartError(f"cannot start the mesh on {host}: {held}. Stop what holds it or choose another "
+                                 f"--port-base (this mesh needs ports {', '.join(map(str, ports))})")
 
     @staticmethod
     def _check_alive(service: ServiceProcess) -> None:
@@ -228,6 +245,9 @@ class Mesh:
     def start(self) -> Mesh:
         cfg = self.config
         cfg.check()  # again: callers change a config's fields after making it
+        self._netns = self._use_netns()
+        self._check_ports_free()  # before anything starts: nothing to stop when it fails
+        self.tether = Tether()
         try:
             self.model_dir = mesh_model_dir(cfg)
             model_dir = str(self.model_dir)
@@ -235,7 +255,6 @@ class Mesh:
             if self.redis_url is None:
                 self.redis = EmbeddedRedis().start()
                 self.redis_url = self.redis.url
-            self._netns = self._use_netns()
             if cfg.tls:
                 self._make_certs()
             cloud_side = self._spawn_cloud_side(model_dir, self._edge_env())
@@ -278,6 +297,9 @@ class Mesh:
                 service.process.kill()
                 service.process.wait(timeout=5)
         self.services.clear()
+        if self.tether is not None:  # nothing left to release; a process killed above is released anyway
+            self.tether.close()
+            self.tether = None
         for link in self.netns_links:
             link.teardown()
         self.netns_links.clear()

@@ -8,6 +8,7 @@ Verifier replicas take base+100 .. base+199, so at most 99 of them fit before th
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -57,3 +58,51 @@ def find_port_base(num_devices: int, host: str = "127.0.0.1", num_verifiers: int
                 sock.close()
         return base
     raise RuntimeError("no free port layout found")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not bind `port` on `host` now. SO_REUSEADDR as uvicorn binds: connections a
+    mesh stopped a moment ago left in TIME_WAIT do not hold the port, a listener does."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on `port` (any address), from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            # local address "ADDR:PORT" in hex, state 0A = LISTEN, the inode in the tenth column
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
+
+
+def port_holder(port: int) -> str:
+    """Who listens on `port`, for an error message: "pid N (its command line)" where /proc shows it."""
+    sockets = {f"socket:[{inode}]" for inode in _listening_inodes(port)}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in sockets for fd in (proc / "fd").iterdir()):
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f"pid {proc.name} ({command[:160]})"
+        except OSError:  # gone meanwhile, or another user's: not ours to read
+            continue
+    return "a process this user cannot see"
+
+
+def taken_ports(host: str, ports: list[int]) -> dict[int, str]:
+    """Of `ports`, those already in use on `host`, each with who holds it."""
+    return {port: port_holder(port) for port in ports if port_in_use(host, port)}

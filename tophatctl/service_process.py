@@ -7,21 +7,31 @@ restarts the dead with `start_process`, on the same command line, environment an
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shared.lifeline import tether_fds
 
 # Every service runs as `python -m services.<name>` from the repository root.
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REPLICATED = ("device-agent-", "verifier-cloud-")  # names that end in a replica number
 
 
+def tethered_command(module: str, prefix: list[str] | None = None) -> list[str]:
+    """`python -m module` run so that it stops when its launcher dies (tophatctl/tethered.py)."""
+    return [*(prefix or []), sys.executable, "-m", "tophatctl.tethered", module]
+
+
 def start_process(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
     """Start `command` with stdout and stderr appended to `log_path`, in its own session (so a Ctrl-C at the
-    operator's terminal reaches the mesh's owner, which stops every process in order)."""
+    operator's terminal reaches the mesh's owner, which stops every process in order). An `env` with a
+    launcher's tether (shared/lifeline.py) passes its descriptor on: the session keeps Ctrl-C away, the
+    tether still takes the process down with its launcher."""
     with open(log_path, "ab") as handle:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, pass_fds=tether_fds(env))
 
 
 @dataclass

@@ -70,6 +70,7 @@ class DeviceAgent:
         credential = auth.client_auth(settings.auth_secret, settings.device_id, "device", settings.auth_token)
         self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls, auth=credential)
         self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
+        self.telemetry.count_into(self.metrics.registry)  # its drops show on /metrics
         link = parse_link_spec(settings.link)
         if settings.link_scaled:
             link = scaled_for_hidden(link, self.checkpoint.hidden_size)

@@ -11,6 +11,7 @@ the HTTP surface over them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -22,9 +23,17 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from services.state_monitor.monitor import Monitor
-from services.state_monitor.records import EDGE_SD_KEYS, DeviceAnnouncement, EdgeSdTelemetry, Record, RequestDone
+from services.state_monitor.records import (
+    EDGE_SD_KEYS,
+    RECORDS,
+    DeviceAnnouncement,
+    EdgeSdTelemetry,
+    Record,
+    RequestDone,
+)
 from services.state_monitor.settings import Settings, load_settings
 from shared import auth
 from shared import telemetry as tk
@@ -33,6 +42,8 @@ from shared.metrics import MonitorMetrics, metrics_response
 from shared.redis_server import resolve_redis_url, with_password
 
 log = logging.getLogger(__name__)
+
+BODY_READ_TIMEOUT_S = 10.0  # a sender that takes longer for at most max_body_bytes is gone
 
 
 def _may_write(request: Request, device_ids: list[str | None]) -> None:
@@ -44,6 +55,40 @@ def _may_write(request: Request, device_ids: list[str | None]) -> None:
         if not auth.may_act_for(claims, device_id):
             log.info("refused a write for device %s by device %s", device_id, claims.subject if claims else None)
             raise HTTPException(403, "a device credential may write only for its own device id")
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) as soon as it is over `limit` bytes: never kept whole, never parsed."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"a telemetry body is at most {limit} bytes")
+    body = bytearray()
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise HTTPException(413, f"a telemetry body is at most {limit} bytes")
+    except TimeoutError:
+        raise HTTPException(408, f"the body did not arrive within {BODY_READ_TIMEOUT_S:g} s") from None
+    return bytes(body)
+
+
+def _records(body: bytes, max_batch: int) -> list[Record]:
+    """A POST /telemetry body's records: one JSON record or a non-empty list of at most `max_batch`."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise HTTPException(400, "the body is not JSON") from None
+    items = payload if isinstance(payload, list) else [payload]
+    if not items:
+        raise HTTPException(422, "an empty batch: send at least one record")
+    if len(items) > max_batch:
+        raise HTTPException(413, f"at most {max_batch} records per request")
+    try:
+        return RECORDS.validate_python(items)
+    except ValidationError as exc:  # answered by on_invalid below, as FastAPI's own validation errors are
+        raise RequestValidationError(exc.errors()) from None
 
 
 def _parsed(values: list[str], kind: type[int] | type[float]) -> list[Any]:
@@ -131,11 +176,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
     @app.post("/telemetry")
-    async def post_telemetry(body: Record | list[Record], request: Request) -> dict[str, Any]:
-        records = body if isinstance(body, list) else [body]
+    async def post_telemetry(request: Request) -> dict[str, Any]:
+        """One record or a batch of them (a JSON list; the verifier sends its steps so). The body is bounded
+        before it is parsed (413), the batch's length too, and a bad record is a 422 naming it."""
+        records = _records(await _bounded_body(request, settings.max_body_bytes), settings.max_batch)
         _may_write(request, [getattr(rec, "device_id", None) for rec in records])
-        if len(records) > settings.max_batch:
-            raise HTTPException(413, f"at most {settings.max_batch} records per request")
         persisted = 0
         for rec in records:
             persisted += await monitor.ingest(rec)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from shared import telemetry as tk
 
@@ -111,6 +111,7 @@ class DeviceAnnouncement(BaseModel):
 
 
 Record = Annotated[VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone, Field(discriminator="kind")]
+RECORDS = TypeAdapter(list[Record])  # a POST /telemetry body, one record or a batch, once its size is checked
 
 # Edge SD (paper 001): measured passes for T(b, F) = c1*F*b + c2 (eq. 17) and verdicts for alpha, per list.
 EDGE_SD_KEYS = {name: f"{tk.PREFIX}:edge_sd:{name}" for name in ("draft", "verify", "verdicts")}

@@ -32,6 +32,8 @@ class Settings(ServiceSettings):
     buckets_per_octave: int = 2  # resolution of g(mu) on the log2 scale
     device_stale_s: float = 30.0  # device state older than this is flagged stale
     max_batch: int = 1000  # records per POST /telemetry
+    # bytes of one POST /telemetry, refused (413) before it is parsed: a full batch of big request records fits
+    max_body_bytes: int = 16 * 2**20
     announce_ttl_s: float = 15.0  # a device agent not announced for this long leaves GET /devices
     # DiSCo: how many recent prompt lengths and server TTFTs Redis keeps (tophat:disco:* lists) for the
     # streamer's length threshold (eq. 3) and server-TTFT CDF (eq. 1); GET /disco/history serves them.
@@ -44,8 +46,9 @@ class Settings(ServiceSettings):
         super().validate()  # auth, logging, TLS (shared/service_settings.py)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
-        if min(self.stream_maxlen, self.request_ttl_s, self.max_batch, self.disco_history, self.edge_sd_history) < 1:
-            raise ValueError("stream_maxlen, request_ttl_s, max_batch, disco_history and edge_sd_history must be >= 1")
+        counts = ("stream_maxlen", "request_ttl_s", "max_batch", "max_body_bytes", "disco_history", "edge_sd_history")
+        if min(getattr(self, name) for name in counts) < 1:
+            raise ValueError(f"{', '.join(counts)} must be >= 1")
         if not 0 <= self.alpha < 1:
             raise ValueError(f"alpha must be in [0, 1): {self.alpha}")
         if self.buckets_per_octave < 1:

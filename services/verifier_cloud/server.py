@@ -126,6 +126,7 @@ class VerifierServer:
             sessions=lambda: len(self.scheduler.sessions),
             kv_bytes=self.runner.kv_bytes if self.runner is not None else None,
         )
+        self.telemetry.count_into(self.metrics.registry)  # its drops show on /metrics
         self.http = HttpFront(settings, self.sessions, self.metrics, self.readiness)
         self.link = DeviceLink(settings, hidden_size, self.sessions, self.metrics.bad_frame)
         self.tokens = TokenFrames(self.sessions, token_model)
