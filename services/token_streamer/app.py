@@ -77,6 +77,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s, verify=client_context(s.tls_ca), auth=credential
     )
     metrics = StreamerMetrics(running=lambda: admission.running, waiting=lambda: admission.waiting)
+    telemetry.count_into(metrics.registry)  # its drops show on /metrics
     disco = DiscoController(s, client)
     outlines = OutlineFlow(
         dispatcher, client, wait_timeout_s=s.first_byte_timeout_s + s.line_timeout_s, probe_timeout_s=s.probe_timeout_s
