@@ -128,7 +128,7 @@ WHEELHOUSE := build/wheelhouse
 IMAGE ?= tophat:cpu
 BASE_IMAGE ?= python:3.11-slim-bookworm
 
-.PHONY: wheelhouse image image-cuda image-jetson base-image test-deploy secrets
+.PHONY: wheelhouse image image-cuda image-jetson base-image test-deploy test-swarm secrets
 
 wheelhouse: $(STAMP)
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
@@ -175,4 +175,16 @@ else
 	$(MAKE) image
 endif
 	$(MAKE) secrets
-	$(BIN)/python -m pytest -q -s -m deploy tests/deploy
+	$(BIN)/python -m pytest -q -s -m 'deploy and not swarm' tests/deploy
+
+# The Swarm test: a single-node swarm on loopback, swarm/stack.yml deployed with swarm/one-host.yml, served, scaled,
+# healed, rolled back and removed (tests/deploy/test_swarm.py). CI runs it after test-deploy (same engine and image).
+test-swarm: install
+ifeq ($(CI),true)
+	.ci/docker-up.sh
+	$(MAKE) base-image
+	$(MAKE) image BASE_IMAGE=tophat-base:bookworm
+else
+	$(MAKE) image
+endif
+	$(BIN)/python -m pytest -q -s -m swarm tests/deploy

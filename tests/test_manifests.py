@@ -189,11 +189,15 @@ def test_every_swarm_service_has_healthcheck_restart_update_rollback_and_limits(
         assert {"cpus", "memory"} <= set(resources["reservations"]), name
 
 
-def test_swarm_healthchecks_probe_readyz_on_the_service_port(stack):
+def test_swarm_healthchecks_probe_liveness_on_the_service_port(stack):
+    """Swarm kills a task whose healthcheck fails: a check of readiness (a streamer with no device yet, a verifier
+    restarting its stages) would kill healthy services, so every check asks /healthz. One string each, so that an
+    override file replaces it (`docker stack deploy` appends to a list)."""
     for name, svc in tophat_services(stack).items():
-        probe = " ".join(svc["healthcheck"]["test"])
+        probe = svc["healthcheck"]["test"]
+        assert isinstance(probe, str), f"{name}: a list healthcheck cannot be replaced by an override"
         scheme = "https" if any(k.endswith("_TLS_CERT") for k in svc["environment"]) else "http"
-        assert f"{scheme}://127.0.0.1:{service_port(svc)}/readyz" in probe, name
+        assert f"{scheme}://127.0.0.1:{service_port(svc)}/healthz" in probe and "readyz" not in probe, name
 
 
 def test_device_agents_run_once_on_every_jetson_of_their_speed_class(stack):
@@ -201,14 +205,14 @@ def test_device_agents_run_once_on_every_jetson_of_their_speed_class(stack):
     for name, svc in stack["services"].items():
         constraints = set(svc["deploy"].get("placement", {}).get("constraints", []))
         if not name.startswith("device-agent"):
-            assert "node.labels.tophat.role == gpu-server" in constraints, f"{name} must run on the server"
+            assert "node.labels.tophat.gpu-server == true" in constraints, f"{name} must run on the server"
             assert svc["deploy"].get("mode", "replicated") == "replicated", name
             continue
         env = svc["environment"]
         speed = env["TOPHAT_DEVICE_SPEED"]
         classes.add(speed)
         assert svc["deploy"]["mode"] == "global", name
-        assert constraints == {"node.labels.tophat.role == device", "node.platform.arch == aarch64",
+        assert constraints == {"node.labels.tophat.device == true", "node.platform.arch == ${TOPHAT_DEVICE_ARCH:-aarch64}",
                                f"node.labels.tophat.speed == {speed}"}, name
         assert svc["image"].endswith("/tophat:jetson"), name
         assert env["TOPHAT_DEVICE_DEVICE_ID"] == "{{.Node.Hostname}}", name
@@ -226,7 +230,7 @@ def test_verifier_reserves_the_gpus_and_runs_one_stage_per_gpu(stack):
     assert int(verifier["environment"]["TOPHAT_VERIFIER_PIPELINE_STAGES"]) == gpus
     # the planner's P in HAT eq. 3 is the verifier's stage count
     assert int(stack["services"]["chunk-planner"]["environment"]["TOPHAT_CHUNK_PLANNER_PIPELINE_STAGES"]) == gpus
-    assert "node.platform.arch == x86_64" in deploy["placement"]["constraints"]
+    assert "node.platform.arch == ${TOPHAT_SERVER_ARCH:-x86_64}" in deploy["placement"]["constraints"]
     assert verifier["image"].endswith("/tophat:cuda")
     assert deploy["replicas"] == 1
     # every GPU is reserved: a second copy can never start beside the first
@@ -267,7 +271,7 @@ def test_every_swarm_service_mounts_the_mesh_secret_and_its_tls_files(stack):
         mounted_at.update(mounts)
         if name == "redis":  # requirepass from a config-file secret
             assert mounts == {"/run/secrets/redis.conf": "tophat-redis-conf"}
-            assert "/run/secrets/redis.conf" in svc["command"] and "redis.conf" in " ".join(svc["healthcheck"]["test"])
+            assert "/run/secrets/redis.conf" in svc["command"] and "redis.conf" in svc["healthcheck"]["test"]
             continue
         env = svc["environment"]
         files = settings_files(env)
