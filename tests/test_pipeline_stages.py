@@ -25,6 +25,7 @@ from services.verifier_cloud.scheduler import Scheduler, WorkItem
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings, load_settings
+from services.verifier_cloud.work import ErrorKind
 from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
@@ -265,6 +266,54 @@ async def test_two_micro_batches_are_in_flight_at_once(verifiers, checkpoint):
     # eta_hat is the micro-batch's summed stage compute (its whole trip through the middle layers).
     steps = [step for step in pipeline.recent if step.batch_id > seen_before]
     assert emitted[-len(steps):] == [(step.batched_tokens, step.compute_s) for step in steps]
+
+
+async def test_a_reopened_session_id_never_gets_its_predecessors_result_or_rollback(verifiers, checkpoint):
+    """Session 81 is closed and opened again under its id while its old verify is in flight, and that verify
+    comes back failed INTERNAL from a stage: the old batch's finish must not answer the new session, free its
+    in-flight slot, nor roll its KV back in the stages."""
+    running, hidden = verifiers[2], checkpoint.hidden_size
+    pipeline = running.server.pipeline
+    torch.manual_seed(8)
+    old_prefix, old_draft = torch.randn(4, hidden), torch.randn(2, hidden)
+    new_prefix, new_draft = torch.randn(6, hidden), torch.randn(3, hidden)
+    middle = MiddleSubmodel(checkpoint, M)
+    expected = middle.forward_batch([(middle.new_cache(), torch.cat([new_prefix, new_draft]))])[0]
+
+    async def results_held(count: int) -> None:
+        for _ in range(400):
+            if len(held) >= count:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{count} micro-batch result(s) never came back from the stages")
+
+    async with connect(running.url) as ws:
+        await open_sessions(ws, checkpoint, 81)
+        assert isinstance(await roundtrip(ws, wire.PrefillChunk(81, 1, 0, True, old_prefix)), wire.DeepHidden)
+        # The collector keeps what the last stage sends back: those micro-batches stay in flight for the engine.
+        held, deliver = [], pipeline._deliver
+        pipeline._deliver = held.append
+        try:
+            await ws.send(wire.encode(wire.VerifyRequest(81, 2, 4, old_draft), wire_dtype=F32))
+            await results_held(1)
+            failed = held[0].items[0]  # as if stage 1 had failed it after stage 0 appended it
+            failed.error, failed.hidden = (int(ErrorKind.INTERNAL), "stage 1: injected fault"), None
+            assert isinstance(await roundtrip(ws, wire.CloseSession(81)), wire.SessionClosed)
+            await open_sessions(ws, checkpoint, 81)
+            await ws.send(wire.encode(wire.PrefillChunk(81, 1, 0, True, new_prefix), wire_dtype=F32))
+            await results_held(2)
+        finally:
+            pipeline._deliver = deliver
+        for message in held:
+            deliver(message)
+        reply = wire.decode(await asyncio.wait_for(ws.recv(), 20))
+        assert isinstance(reply, wire.DeepHidden) and reply.seq_no == 1
+        assert torch.allclose(reply.hidden, expected[5:6], atol=1e-4)
+        with pytest.raises(TimeoutError):  # the old verify's error never reaches the new session
+            await asyncio.wait_for(ws.recv(), 0.3)
+        assert [d[81] for d in await pipeline.probe()] == [6, 6]  # not rolled back to the old verify's 4
+        verified = await roundtrip(ws, wire.VerifyRequest(81, 2, 6, new_draft))
+        assert isinstance(verified, wire.VerifyResult) and torch.allclose(verified.hidden, expected[6:], atol=1e-4)
 
 
 # -- configuration -----------------------------------------------------------------------------

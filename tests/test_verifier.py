@@ -249,7 +249,7 @@ async def test_an_open_that_fails_inside_the_runner_leaves_no_half_open_session(
     async with running_verifier(checkpoint) as (server, url):
         real_open = server.runner.open
 
-        def fails_once(session_id, sampling=None):
+        def fails_once(session_id, sampling=None, opened_as=None):
             monkeypatch.setattr(server.runner, "open", real_open)
             raise RuntimeError("allocation failed")
 
@@ -262,3 +262,46 @@ async def test_an_open_that_fails_inside_the_runner_leaves_no_half_open_session(
             assert 5 not in server.scheduler.sessions
             await ws.send(wire.encode(opening))
             assert wire.decode(await asyncio.wait_for(ws.recv(), 10)) == wire.SessionOpened(5)
+
+
+async def test_a_reopened_session_id_never_gets_its_predecessors_result(checkpoint):
+    """P = 1: session 7 is closed and opened again under its id after its old first chunk was scheduled, before
+    the pass ran. The device must see only the new session's replies (the old ChunkAck would answer the new
+    seq 1), and the old chunk must not land in the new session's KV (it starts at position 0 too)."""
+    hidden, f32 = checkpoint.hidden_size, wire.WireDtype.F32
+    torch.manual_seed(5)
+    old_prefix = torch.randn(4, hidden)
+    new_prefix, new_draft = torch.randn(5, hidden), torch.randn(3, hidden)
+    middle = MiddleSubmodel(checkpoint, M)
+    expected = middle.forward_batch([(middle.new_cache(), torch.cat([new_prefix, new_draft]))])[0]
+
+    async def send(ws, message):
+        await ws.send(wire.encode(message, wire_dtype=f32))
+
+    opening = wire.encode(wire.OpenSession(7, hidden, f32, **split_identity(checkpoint, M)))
+    async with running_verifier(checkpoint) as (server, url), connect(url) as ws:
+        assert isinstance(await _roundtrip(ws, opening), wire.SessionOpened)
+        # Hold the engine between scheduling the old chunk and running it until the id is closed and opened again.
+        entered, gate, execute = threading.Event(), threading.Event(), server.engine.execute
+
+        def held_once(batch):
+            if not entered.is_set():
+                entered.set()
+                gate.wait(10)
+            return execute(batch)
+
+        server.engine.execute = held_once
+        await send(ws, wire.PrefillChunk(7, 1, 0, False, old_prefix))
+        assert await asyncio.to_thread(entered.wait, 10), "the engine never took the old chunk"
+        assert isinstance(await _roundtrip(ws, wire.encode(wire.CloseSession(7))), wire.SessionClosed)
+        assert isinstance(await _roundtrip(ws, opening), wire.SessionOpened)
+        await send(ws, wire.PrefillChunk(7, 1, 0, True, new_prefix))
+        await send(ws, wire.VerifyRequest(7, 2, 5, new_draft))
+        gate.set()
+        replies = [wire.decode(await asyncio.wait_for(ws.recv(), 10)) for _ in range(2)]
+        assert [(type(r), r.seq_no) for r in replies] == [(wire.DeepHidden, 1), (wire.VerifyResult, 2)]
+        assert torch.allclose(replies[0].hidden, expected[4:5], atol=1e-4)
+        assert torch.allclose(replies[1].hidden, expected[5:], atol=1e-4)
+        with pytest.raises(TimeoutError):  # and the old result never comes after them either
+            await asyncio.wait_for(ws.recv(), 0.3)
+        assert server.runner.lengths() == {7: 8}

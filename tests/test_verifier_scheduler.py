@@ -58,3 +58,25 @@ def test_idle_sessions_are_those_without_traffic_for_the_ttl():
     assert sched.idle(now=110.0, ttl_s=10.0) == [1]
     assert sched.idle(now=119.0, ttl_s=10.0) == [1, 2]
     assert WorkKind.VERIFY in working.in_flight
+
+
+@pytest.mark.parametrize("prefill_pipelining", [False, True], ids=["P=1", "P>1"])
+def test_a_batch_of_a_closed_session_finishes_without_touching_its_reopened_id(prefill_pipelining):
+    """Session 7 is closed and opened again under its id while its old item is computed: the old batch's
+    finish must not count as the new session's (no reply to it, and its in-flight slot is its own)."""
+    sched = Scheduler(64, max_sessions=4, context_length=512, prefill_pipelining=prefill_pipelining)
+    owner = object()
+    sched.open(Session(7, owner))
+    sched.submit(item(7, 1, "prefill"), owner)
+    old = sched.schedule()
+    sched.close(7)
+    sched.open(Session(7, owner))
+    sched.submit(item(7, 1, "prefill"), owner)
+    sched.submit(item(7, 2, "verify"), owner)
+    new = sched.schedule()
+    assert [i.seq_no for i in new.items] == [1] and not sched.schedule().items  # the verify waits for the prefill
+    sched.finish_batch(old)
+    assert not sched.schedule().items  # the new prefill is still in flight: the old finish freed nothing of it
+    assert not sched.is_current(old.items[0]) and sched.is_current(new.items[0])
+    sched.finish_batch(new)
+    assert [i.seq_no for i in sched.schedule().items] == [2]

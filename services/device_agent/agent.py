@@ -11,9 +11,11 @@ import random
 import statistics
 import time
 from collections import deque
+from contextlib import aclosing
 
 import httpx
 
+from services.device_agent.admission import Admission
 from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud
 from services.device_agent.cloud_errors import verifier_lost
 from services.device_agent.detokenizer import IncrementalDetokenizer
@@ -253,16 +255,26 @@ class DeviceAgent:
             measured = shape.name
         return DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob), measured
 
+    def admit(self, session: DeviceSession | None) -> Admission:
+        """Count a request against `max_sessions` (released by its stream or its response, admission.py)."""
+        self.active += 1
+        return Admission(self._free_slot, session)
+
+    def _free_slot(self) -> None:
+        self.active -= 1
+
     async def stream(
         self,
         request: GenerateRequest,
         ids: list[int],
         session: DeviceSession | None,
         request_id: str,
+        admission: Admission,
         shape: str | None = None,
     ):
         """NDJSON events of one request; `session` is None where the mode builds none (cloud); `shape` the
-        draft budget's shape it runs (its rounds are measured for the next choices)."""
+        draft budget's shape it runs (its rounds are measured for the next choices). However it ends, even
+        at its first event, `admission` is released and the session freed (by its rounds, once they have it)."""
         spec = MODE_TABLE[request.option("mode", self.settings)]
         started = time.perf_counter()
         timeline = Timeline()  # seconds since `started`, one delivery per round
@@ -272,24 +284,27 @@ class DeviceAgent:
         # Counted in both modes, so the speed schedule (HAT's mode switches) sees the same requests.
         request_slowdown = self.speed.slowdown_for(self.requests_served)
         self.requests_served += 1
-        yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
         counted = 0  # of session.verdicts, those in the metrics
         try:
-            rounds = ROUNDS[spec.rounds](self, request, ids, session, session_id, request_slowdown)
-            async for tokens in rounds:
-                if session is not None:  # spec-decode counters, live: this delivery is one round's (or the prefill's)
-                    counted = self._count_rounds(session, counted)
-                else:
-                    delivered += tokens
-                now = time.perf_counter() - started
-                timeline.deliver(now, len(tokens))
-                yield json.dumps({"type": "tokens", "token_ids": tokens, "text": detok.push(tokens), "t": now}) + "\n"
+            yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
+            rounds = await ROUNDS[spec.rounds](self, request, ids, session, session_id, request_slowdown)
+            admission.hand_over_session()  # started at once below: its engine frees the session however it ends
+            async with aclosing(rounds):  # closed here, not whenever the collector finds it (a client gone mid-stream)
+                async for tokens in rounds:
+                    if session is not None:  # spec-decode counters, live: this delivery is one round's (or prefill's)
+                        counted = self._count_rounds(session, counted)
+                    else:
+                        delivered += tokens
+                    now = time.perf_counter() - started
+                    timeline.deliver(now, len(tokens))
+                    text = detok.push(tokens)
+                    yield json.dumps({"type": "tokens", "token_ids": tokens, "text": text, "t": now}) + "\n"
         except (CloudUnavailable, CloudError, SessionError, FailoverExhausted) as exc:
             log.warning("request %s failed: %s", request_id, exc)
             yield json.dumps({"type": "error", "code": type(exc).__name__, "message": str(exc)}) + "\n"
             return
         finally:
-            self.active -= 1
+            admission.release()
             if session is not None:  # rounds verified but not delivered (the client went away) count too
                 self._count_rounds(session, counted)
         if session is not None:

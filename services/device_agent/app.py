@@ -35,8 +35,9 @@ from dataclasses import asdict
 
 import torch
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from services.device_agent.admission import AdmittedStream
 from services.device_agent.agent import DeviceAgent
 from services.device_agent.announce import announce_loop
 from services.device_agent.generate_request import GenerateRequest
@@ -233,10 +234,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             )
         except (SessionError, ValueError) as exc:
             return error_response(400, "bad_request", str(exc))
-        agent.active += 1
+        admission = agent.admit(session)  # given back however the client goes away, even before the first event
         request_id = request.request_id or uuid.uuid4().hex
-        return StreamingResponse(
-            agent.stream(request, ids, session, request_id, shape), media_type="application/x-ndjson"
-        )
+        return AdmittedStream(agent.stream(request, ids, session, request_id, admission, shape), admission)
 
     return app

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -109,7 +109,7 @@ class EdgeDraftServer:
         self.rounds: list[RoundRecord] = []
 
     # -- requests -------------------------------------------------------------------------------------
-    async def generate(self, request: EdgeRequest) -> AsyncIterator[list[int]]:
+    async def generate(self, request: EdgeRequest) -> AsyncGenerator[list[int], None]:
         """The tokens of one request as its rounds make them final."""
         self.waiting.append(request)
         self._arrived.set()

@@ -19,7 +19,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -238,7 +238,7 @@ async def prefill_only(
     chunk_sizes: Sequence[int],
     offload: Callable[..., Awaitable],
     overlap_prefill: bool,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """max_new_tokens 0: prefill the prompt on both sides (to keep it), deliver no token."""
     offload_step = ShieldedOffload(offload)
     try:

@@ -3,12 +3,16 @@
 shared/modes.py's table names both by string (a session kind, a rounds loop); this is the one place
 that maps them to classes and loops. Every loop has the same shape: given the agent, the request, its
 prompt ids, its session (None when the device builds none), a session id and the device's slowdown, it
-yields the tokens each verification round makes final.
+does what must come before the engine (a planner's answer) and returns the engine's iterator of the tokens
+each verification round makes final, not yet started. Started, the engine owns the session: it frees the
+device KV and closes the verifier's session however it ends, so the caller starts it at once and closes it
+(contextlib.aclosing) rather than leave that to the garbage collector; a session whose engine was never
+started is the caller's to free.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from functools import partial
 from typing import Any, Protocol
 
@@ -47,7 +51,9 @@ class AgentParts(Protocol):
     async def plan(self) -> Plan: ...
 
 
-RoundsLoop = Callable[[AgentParts, GenerateRequest, list[int], Any, int, float], AsyncIterator[list[int]]]
+RoundsLoop = Callable[
+    [AgentParts, GenerateRequest, list[int], Any, int, float], Awaitable[AsyncGenerator[list[int], None]]
+]
 
 
 def build_session(
@@ -73,7 +79,7 @@ async def hat_rounds(
     session: DeviceSession,
     session_id: int,
     slowdown: float,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """HAT mode: the tokens each verification round makes final."""
     settings = agent.settings
     speculative = session.draft_config.max_draft > 0 and agent.model.adapter is not None
@@ -116,8 +122,7 @@ async def hat_rounds(
         )
     if keepable is not None and request.keep:
         keepable.on_keep = partial(_keep, agent, session_id)
-    async for tokens in rounds:
-        yield tokens
+    return rounds
 
 
 def _keep(agent: AgentParts, session_id: int, session: KeepableSession):
@@ -154,7 +159,7 @@ async def hat_async_rounds(
     session: StreamSession,
     session_id: int,
     slowdown: float,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """hat-async: hidden-state drafts as a stream, chunked prompt (stream_engine.py)."""
     settings = agent.settings
     chunking = request.option("prompt_chunking", settings)
@@ -163,7 +168,7 @@ async def hat_async_rounds(
     if chunking and not chunk_size:
         assert plan is not None  # fetched above: chunking without the request's own chunk size
         chunk_size = plan.chunk_for(len(session.prompt_ids))
-    async for tokens in hat_async_session(
+    return hat_async_session(
         session,
         agent.async_cloud,
         session_id,
@@ -171,8 +176,7 @@ async def hat_async_rounds(
         _stream_config(agent, request),
         partial(slowed, slowdown=slowdown),
         request.option("overlap_prefill", settings),
-    ):
-        yield tokens
+    )
 
 
 async def token_stream_rounds(
@@ -182,10 +186,10 @@ async def token_stream_rounds(
     session: StreamSession,
     session_id: int,
     slowdown: float,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """token-sd / picospec: token-id drafts as a stream, the whole model verifying (stream_engine.py)."""
     settings = agent.settings
-    async for tokens in token_stream_session(
+    return token_stream_session(
         session,
         agent.cloud,
         session_id,
@@ -193,8 +197,7 @@ async def token_stream_rounds(
         partial(slowed, slowdown=slowdown),
         request.option("downlink", settings),
         request.option("top_k", settings),
-    ):
-        yield tokens
+    )
 
 
 async def edge_rounds(
@@ -204,30 +207,25 @@ async def edge_rounds(
     session: StreamSession,
     session_id: int,
     slowdown: float,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """edge-sd: the agent's edge draft server drafts in batched rounds (its own speed, not this device's)."""
     assert agent.edge is not None  # modes.py refuses edge-sd (needs_edge_server) to an agent without one
-    async for tokens in agent.edge.generate(EdgeRequest(session, session_id, request.snr_db)):
-        yield tokens
+    return agent.edge.generate(EdgeRequest(session, session_id, request.snr_db))
 
 
 async def local_rounds(
     agent: AgentParts, request: GenerateRequest, ids: list[int], session: LocalSession, session_id: int, slowdown: float
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """device: the draft model alone, no cloud."""
-    async for tokens in local_session(session, partial(slowed, slowdown=slowdown)):
-        yield tokens
+    return local_session(session, partial(slowed, slowdown=slowdown))
 
 
 async def cloud_rounds(
     agent: AgentParts, request: GenerateRequest, ids: list[int], session: None, session_id: int, slowdown: float
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """cloud: one token per round trip; the device does no model compute (so no slowdown)."""
     params = SamplingParams(request.temperature, request.top_p, request.seed)
-    async for tokens in token_decode(
-        agent.cloud, session_id, ids, params, request.max_new_tokens, agent.model.eos_token_id
-    ):
-        yield tokens
+    return token_decode(agent.cloud, session_id, ids, params, request.max_new_tokens, agent.model.eos_token_id)
 
 
 SESSION_TYPES: dict[SessionKind, type | None] = {

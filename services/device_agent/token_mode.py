@@ -3,7 +3,7 @@ baseline decoding one token per round trip, and the verdicts of streamed token d
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
 import torch
@@ -34,7 +34,7 @@ async def token_decode(
     params: SamplingParams,
     max_new_tokens: int,
     eos_token_id: int | None,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """Autoregressive decoding with the whole model in the cloud: yields [token] per round trip.
 
     The device only tokenizes and detokenizes; it stops at EOS or `max_new_tokens`,

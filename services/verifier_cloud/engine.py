@@ -4,7 +4,8 @@ P = 1 (`InProcessEngine`): one packed pass at a time through the in-process
 `ModelRunner`, in a worker thread. P > 1 (`PipelineEngine`): up to P
 micro-batches in flight through the stage workers (pipeline.py), each of which
 runs its own `ModelRunner`. Either way a result reaches its item's `reply`
-only while the item's session is still open, and nothing that goes wrong in
+only while the session it was scheduled on is still open (the same session:
+an id closed and opened again is another one), and nothing that goes wrong in
 one step stops the loop: the step's items get INTERNAL errors, the loop logs
 and goes on.
 """
@@ -102,7 +103,9 @@ class InProcessEngine:
         started = time.perf_counter()
         results = self.runner.run(
             [
-                RunItem(i.session_id, i.kind, i.position, i.hidden, i.token_ids, i.is_last, i.draft, i.layout)
+                RunItem(
+                    i.session_id, i.kind, i.position, i.hidden, i.token_ids, i.is_last, i.draft, i.layout, i.session
+                )
                 for i in batch.items
             ]
         )

@@ -49,6 +49,9 @@ class RunItem(TokenItem):
     is_last: bool = False  # token items: sample the next token
     draft: StreamedChunk | None = None  # token items of a streamed draft: verify it (token_mode.py)
     layout: VerifyLayout | None = None  # a verify's draft tree, and the rows it keeps of the last one
+    # The open it was scheduled for (see SessionCaches.opened_as); None: the session id alone says (a stage
+    # gets opens, closes and batches in one ordered stream, so an id there is always the right session).
+    opened_as: object | None = None
 
 
 @dataclass
@@ -65,6 +68,10 @@ class SessionCaches:
 
     middle: SessionKV
     token: TokenSession | None = None  # the lower layers' KV and the sampler (token mode only)
+    # Which open of the id these caches are (the scheduler's session record): the in-process engine schedules
+    # on the event loop and runs in a thread, so an id may be closed and opened again in between; the new
+    # session's caches must not take the old session's item.
+    opened_as: object | None = None
 
     @property
     def length(self) -> int:
@@ -108,16 +115,17 @@ class ModelRunner:
         self._free_after_run: list[SessionCaches] = []
 
     # -- sessions (any thread) ----------------------------------------------------------------
-    def open(self, session_id: int, sampling: SamplingParams | None = None) -> None:
-        """Fresh caches for `session_id` (replacing any it had); `sampling` makes it a token session."""
+    def open(self, session_id: int, sampling: SamplingParams | None = None, opened_as: object | None = None) -> None:
+        """Fresh caches for `session_id` (replacing any it had); `sampling` makes it a token session;
+        `opened_as` names this open (only items scheduled for it run on these caches)."""
         token = None
         if sampling is not None:
             if self.token_model is None:
                 raise EngineError(ErrorKind.MALFORMED, "token mode needs the token model", session_id)
             token = self.token_model.open(sampling)
-        self._release(session_id, SessionCaches(self.layers.new_cache(), token))
+        self._release(session_id, SessionCaches(self.layers.new_cache(), token, opened_as))
 
-    def fork(self, session_id: int, parent_id: int, length: int | None = None) -> None:
+    def fork(self, session_id: int, parent_id: int, length: int | None = None, opened_as: object | None = None) -> None:
         """Caches for `session_id` that copy the first `length` positions (None: all) of `parent_id`'s: a
         prefix computed once goes on in many sessions. The caller makes sure no pass is running the parent."""
         with self._lock:
@@ -131,7 +139,7 @@ class ModelRunner:
             raise EngineError(
                 ErrorKind.BAD_SHAPE, f"fork of {length} positions; the parent holds {parent.length}", session_id
             )
-        self._release(session_id, SessionCaches(parent.middle.fork(length)))
+        self._release(session_id, SessionCaches(parent.middle.fork(length), opened_as=opened_as))
 
     def close(self, session_id: int) -> None:
         self._release(session_id, None)
@@ -210,6 +218,10 @@ class ModelRunner:
     def _refusal(self, item: RunItem, caches: SessionCaches | None) -> EngineError | None:
         if caches is None:
             return EngineError(ErrorKind.UNKNOWN_SESSION, f"unknown session {item.session_id}")
+        if item.opened_as is not None and caches.opened_as is not item.opened_as:
+            return EngineError(
+                ErrorKind.UNKNOWN_SESSION, f"session {item.session_id} was closed since this item was scheduled"
+            )
         if item.is_token != (caches.token is not None):
             return EngineError(ErrorKind.MALFORMED, "token items need a token session, and only take token items")
         if item.draft is not None:

@@ -209,6 +209,7 @@ class Scheduler:
             session = self.sessions[item.session_id]
             self.sessions.move_to_end(item.session_id)
             session.in_flight.append(item.kind)
+            item.session = session
         if not any(self._schedulable(s) for s in self.sessions.values()):
             self.work_ready.clear()
         return SchedulerOutput(items)
@@ -216,9 +217,10 @@ class Scheduler:
     def finish_batch(self, batch: SchedulerOutput) -> None:
         """Call on the event loop once `batch` is computed (or failed): its sessions may run again."""
         for item in batch.items:
-            session = self.sessions.get(item.session_id)
-            if session is None:
-                continue  # closed while in flight
+            if not self.is_current(item):
+                continue  # closed while in flight (and perhaps opened again: the new session's slots are its own)
+            session = item.session
+            assert session is not None  # is_current: the session it was scheduled on is still open
             if session.in_flight:
                 session.in_flight.pop(0)  # batches finish in the order they were scheduled (FIFO stages)
             session.touch()
@@ -226,5 +228,6 @@ class Scheduler:
                 self.work_ready.set()
 
     def is_current(self, item: WorkItem) -> bool:
-        """Whether `item`'s session is still the one it was queued on (a closed session gets no replies)."""
-        return item.session_id in self.sessions
+        """Whether the session `item` was scheduled on is still open: the same session, not only the same id
+        (a session closed and opened again under its id gets none of its predecessor's replies)."""
+        return item.session is not None and self.sessions.get(item.session_id) is item.session

@@ -63,9 +63,9 @@ class SessionTable:
             self.check_device_limit(session)
             self.scheduler.open(session)
             if self.runner is not None and fork_of is not None:
-                self.runner.fork(session.session_id, *fork_of)
+                self.runner.fork(session.session_id, *fork_of, opened_as=session)
             elif self.runner is not None:
-                self.runner.open(session.session_id, session.sampling)
+                self.runner.open(session.session_id, session.sampling, opened_as=session)
             else:
                 assert self.pipeline is not None  # without a runner the KV lives in the pipeline's stages
                 if fork_of is not None:

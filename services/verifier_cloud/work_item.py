@@ -18,6 +18,7 @@ from shared.specdec.draft_stream import ChunkVerdict
 from shared.specdec.verify_layout import VerifyLayout
 
 if TYPE_CHECKING:  # token_mode loads the model code; this module stays below it
+    from services.verifier_cloud.session import Session
     from services.verifier_cloud.token_mode import StreamedChunk
 
 # (item, output, error) -> None. Output: deep states [S, H]; for token items, the sampled ids [1] (or None),
@@ -38,6 +39,9 @@ class WorkItem(TokenItem):
     token_ids: torch.Tensor | None = None  # [S] int64: token mode (the cloud embeds them itself)
     draft: StreamedChunk | None = None  # a streamed draft chunk to verify; never split
     layout: VerifyLayout | None = None  # a verify's draft tree and the rows kept of the last one; never split
+    # The open session it was scheduled on (set by the scheduler): a closed id can be opened again while
+    # this item is computed, and the new session must get none of its result, in-flight slot or rollback.
+    session: Session | None = None
 
     def __post_init__(self) -> None:
         self.kind = WorkKind(self.kind)

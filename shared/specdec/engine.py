@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -119,7 +119,7 @@ async def run_session(
     parallel_candidates: int = 0,
     parallel_steps: int | Callable[[int], int] = 0,
     finish_alone_on: Callable[[BaseException], bool] | None = None,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """Yield the tokens each round makes final, until the session finishes.
 
     `offload(fn, *args)` runs device compute (e.g. `asyncio.to_thread` in the agent,

@@ -10,7 +10,7 @@ small model's, not the target's: DiSCo's premise is a device model good enough f
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import torch
 
@@ -46,7 +46,7 @@ class LocalSession(DeviceSession):
 
 async def local_session(
     session: LocalSession, offload: Callable[..., Awaitable[list[int]]]
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """The tokens of each step (one per step), computed through `offload` (the device's speed)."""
     try:
         yield await offload(session.prefill)

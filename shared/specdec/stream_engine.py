@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -112,7 +112,7 @@ async def run_stream(
     config: StreamConfig,
     offload: Callable[..., Awaitable] = _inline,
     timings: StreamTimings | None = None,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """Yield the tokens each verdict makes final, until the session finishes."""
     timings = timings if timings is not None else StreamTimings()
     max_draft = session.draft_config.max_draft
@@ -220,7 +220,7 @@ async def token_stream_session(
     downlink: Downlink = "full",
     top_k: int = DEFAULT_TOP_K,
     timings: StreamTimings | None = None,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """Token mode (token-sd, picospec): the device drafts alone; the cloud, holding the whole target,
     prefills the prompt's ids, samples the first token and verifies every chunk."""
     offload_step = ShieldedOffload(offload)
@@ -252,7 +252,7 @@ async def hat_async_session(
     offload: Callable[..., Awaitable] = _inline,
     overlap_prefill: bool = True,
     timings: StreamTimings | None = None,
-) -> AsyncIterator[list[int]]:
+) -> AsyncGenerator[list[int], None]:
     """hat-async: HAT's privacy mode (hidden states only, the device samples and judges) with the
     asynchronous pipeline: the device drafts on past an in-flight verification."""
     offload_step = ShieldedOffload(offload)
