@@ -4,8 +4,8 @@ Only the issuer (the state monitor, services/state_monitor/issuer.py) and the op
 `KeyRing`; every other service holds its public half (`KeyRing.jwks()`, served on the issuer's open
 `/credentials/jwks` and read into shared/auth.py's `Trust`). A ring has one active key, which signs, and the
 keys it retired by a rotation, kept for verification until every token they signed has expired (their
-`retire_at`), so a rotation refuses nothing still valid. Keys live in a directory as `<kid>.pem` (PKCS#8,
-0600) plus `ring.json` (which kid is active, when each retired one leaves) so a restarted issuer resumes.
+`retire_at`), so a rotation refuses nothing still valid. A ring lives in one JSON file (0600: which kid is
+active, when each retired one leaves, each key as PKCS#8 PEM), one container secret; a restarted issuer resumes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from jwt.algorithms import OKPAlgorithm
 
 from shared.auth import ALGORITHM, ROLES
 
-RING_FILE = "ring.json"
 KID_BYTES = 8
 
 
@@ -90,35 +89,34 @@ class KeyRing:
         }
         return jwt.encode(claims, self.keys[self.active], algorithm=ALGORITHM, headers={"kid": self.active})
 
-    # -- a directory of PEM files -------------------------------------------------------------------
-    def save(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for kid, key in self.keys.items():
-            pem = key.private_bytes(
+    # -- one file (a single container secret): {"active", "retire_at", "keys": {kid: PKCS#8 PEM}} ----------
+    def save(self, path: Path) -> None:
+        keys = {
+            kid: key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-            write_private(directory / f"{kid}.pem", pem)
-        for stale in directory.glob("*.pem"):
-            if stale.stem not in self.keys:
-                stale.unlink()
-        write_private(directory / RING_FILE, json.dumps({"active": self.active, "retire_at": self.retire_at}).encode())
+            ).decode("ascii")
+            for kid, key in self.keys.items()
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_private(path, json.dumps({"active": self.active, "retire_at": self.retire_at, "keys": keys}).encode())
 
     @classmethod
-    def load(cls, directory: Path) -> KeyRing:
-        """The ring saved in `directory`; ValueError when it holds none or a file is not an Ed25519 key."""
+    def load(cls, path: Path) -> KeyRing:
+        """The ring saved at `path`; ValueError when it is unreadable or a key is not an Ed25519 private key."""
         try:
-            meta = json.loads((directory / RING_FILE).read_text())
-            active, retire_at = str(meta["active"]), {str(k): float(v) for k, v in meta.get("retire_at", {}).items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{directory} holds no signing key ring ({RING_FILE}): {exc}") from exc
-        keys = {}
-        for path in sorted(directory.glob("*.pem")):
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-            if not isinstance(key, Ed25519PrivateKey):
-                raise ValueError(f"{path} is not an Ed25519 private key")
-            keys[path.stem] = key
+            saved = json.loads(path.read_text())
+            active = str(saved["active"])
+            retire_at = {str(k): float(v) for k, v in saved.get("retire_at", {}).items()}
+            keys = {}
+            for kid, pem in saved["keys"].items():
+                key = serialization.load_pem_private_key(pem.encode("ascii"), password=None)
+                if not isinstance(key, Ed25519PrivateKey):
+                    raise ValueError(f"key {kid} is not an Ed25519 private key")
+                keys[str(kid)] = key
+        except (OSError, KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"{path} holds no signing key ring: {exc}") from exc
         if active not in keys:
-            raise ValueError(f"{directory}: the active key {active} is missing")
+            raise ValueError(f"{path}: the active key {active} is missing")
         return cls(keys, active, {k: v for k, v in retire_at.items() if k in keys})
 
 

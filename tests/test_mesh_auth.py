@@ -149,10 +149,10 @@ def test_planner_needs_a_token_and_a_device_asks_only_for_itself(mesh):
 def test_only_the_monitor_holds_the_signing_key_and_a_device_only_its_bootstrap(mesh):
     trust = auth.TokenVerifier(auth.Trust.from_document(mesh.credentials.ring.jwks()))
     for service in mesh.services:
-        secrets = {k: v for k, v in service.env.items() if k.startswith("TOPHAT_") and k.endswith(("_KEY_DIR",
+        secrets = {k: v for k, v in service.env.items() if k.startswith("TOPHAT_") and k.endswith(("_KEY_FILE",
                                                                                                     "_CREDENTIAL"))}
         if service.name == "state-monitor":
-            assert secrets == {"TOPHAT_STATE_MONITOR_AUTH_KEY_DIR": str(mesh.credentials.key_dir)}
+            assert secrets == {"TOPHAT_STATE_MONITOR_AUTH_KEY_FILE": str(mesh.credentials.key_file)}
         elif service.name.startswith("device-agent"):
             assert list(secrets) == ["TOPHAT_DEVICE_AUTH_CREDENTIAL"]
             claims = trust.verify(secrets["TOPHAT_DEVICE_AUTH_CREDENTIAL"], auth.ISSUER)

@@ -25,7 +25,7 @@ from shared.tls import client_context
 from tophatctl.certs import DEFAULT_HOSTS, DevCerts, make_dev_certs
 from tophatctl.mesh_secrets import SERVICE_PREFIXES
 
-KEY_DIR = "auth-keys"
+KEY_FILE = "auth-signing-keys.json"
 SERVICE_CREDENTIAL_TTL_S = 7 * 86_400.0  # renewed by each service at the issuer long before
 BOOTSTRAP_TTL_S = 86_400.0
 OPERATOR_TTL_S = 600.0
@@ -45,7 +45,7 @@ SETTINGS_PREFIX = {
     "services.chunk_planner": "TOPHAT_CHUNK_PLANNER_",
     "services.state_monitor": "TOPHAT_STATE_MONITOR_",
 }
-AUTH_KEYS = ("_AUTH_CREDENTIAL", "_AUTH_KEY_DIR")  # the settings that are secrets
+AUTH_KEYS = ("_AUTH_CREDENTIAL", "_AUTH_KEY_FILE")  # the settings that are secrets
 
 
 class OperatorAuth(httpx.Auth):
@@ -79,7 +79,7 @@ class MeshCredentials:
     def __init__(self, auth_on: bool) -> None:
         self.auth_on = auth_on
         self.ring: KeyRing | None = None
-        self.key_dir: Path | None = None
+        self.key_file: Path | None = None
         self.auth_env: dict[str, str] = {}  # the cloud side's auth settings (devices get theirs from `device_env`)
         self.audiences: dict[str, str] = {}  # the mesh's URLs -> their audience (operator_auth)
         self.certs: DevCerts | None = None
@@ -90,11 +90,11 @@ class MeshCredentials:
         if not self.auth_on:
             return
         self.ring = KeyRing.generate()
-        self.key_dir = out_dir / KEY_DIR
-        self.ring.save(self.key_dir)
+        self.key_file = out_dir / KEY_FILE
+        self.ring.save(self.key_file)
         self.audiences = dict(audiences)
         now = time.time()
-        self.auth_env = {"TOPHAT_STATE_MONITOR_AUTH_KEY_DIR": str(self.key_dir)}
+        self.auth_env = {"TOPHAT_STATE_MONITOR_AUTH_KEY_FILE": str(self.key_file)}
         for prefix, subject in CLOUD_SERVICES.items():
             self.auth_env[f"{prefix}AUTH_ISSUER_URL"] = monitor_url
             self.auth_env[f"{prefix}AUTH_CREDENTIAL"] = self.ring.mint(

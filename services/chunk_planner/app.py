@@ -163,7 +163,10 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
             )
         else:
             log.warning("no state_monitor_url: chunk sizes and draft steps are fixed defaults")
-        refreshing = asyncio.create_task(trust_refresher.run(), name="auth-trust") if trust_refresher else None
+        refreshing = None
+        if trust_refresher is not None:
+            await trust_refresher.refresh()  # ready with the issuer's keys when it is up (bounded by its timeout)
+            refreshing = asyncio.create_task(trust_refresher.run(), name="auth-trust")
         app.state.ready = True
         try:
             yield

@@ -103,8 +103,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     monitor = Monitor(settings, sink)
     registry = DeviceRegistry(settings.announce_ttl_s)
     issuer = (
-        Issuer.from_key_dir(
-            Path(settings.auth_key_dir),
+        Issuer.from_key_file(
+            Path(settings.auth_key_file),
             registry,
             leeway_s=settings.auth_leeway_s,
             device_ttl_s=settings.device_credential_ttl_s,
@@ -134,7 +134,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="tophat state monitor", lifespan=lifespan)
     # Writes need a credential (shared/auth.py), a device's only for its own device id; reads stay open. The
     # monitor is the issuer (issuer.py): it checks tokens with its own keys and revocations, at once.
-    auth.warn_if_open("the state monitor", settings.authenticated, settings.host, "TOPHAT_STATE_MONITOR_AUTH_KEY_DIR")
+    auth.warn_if_open("the state monitor", settings.authenticated, settings.host, "TOPHAT_STATE_MONITOR_AUTH_KEY_FILE")
     if issuer is not None:
         auth.install(app, issuer.verifier, auth.ISSUER, auth.ROLES, guarded=lambda method, path: method == "POST")
         install_routes(app, issuer)

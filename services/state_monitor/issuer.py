@@ -13,7 +13,7 @@ Routes:
   POST /credentials/token    a device's or service's credential: a token for one audience (`audience`, or
                              `device_url` for whichever device is enrolled there), or a renewed credential
   POST /credentials/issue | revoke | rotate    an operator's token (`tophat credentials`)
-Revocations and rotations are saved in the key directory when it is writable.
+Rotations are saved in the key file and revocations beside it (`<key file>.revoked.json`) when writable.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from shared.device_registry import DeviceRegistry, UrlTaken
 
 log = logging.getLogger(__name__)
 
-REVOKED_FILE = "revoked.json"
+REVOKED_SUFFIX = ".revoked.json"
 ANY_DEVICE = "*"  # a fleet bootstrap's subject: it may enroll any id no live device holds
 # Which audiences each role may ask a token for (a device: the services it calls; a service: the devices).
 DEVICE_AUDIENCES = frozenset({auth.ISSUER, auth.VERIFIER, auth.PLANNER})
@@ -71,7 +71,7 @@ class Issuer:
         ring: KeyRing,
         registry: DeviceRegistry,
         *,
-        key_dir: Path | None = None,
+        key_file: Path | None = None,
         leeway_s: float = auth.DEFAULT_LEEWAY_S,
         device_ttl_s: float = 3600.0,
         service_ttl_s: float = 86_400.0,
@@ -79,7 +79,7 @@ class Issuer:
         max_ttl_s: float = 30 * 86_400.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.ring, self.registry, self.key_dir, self.clock = ring, registry, key_dir, clock
+        self.ring, self.registry, self.key_file, self.clock = ring, registry, key_file, clock
         self.device_ttl_s, self.service_ttl_s, self.access_ttl_s, self.max_ttl_s = (
             device_ttl_s,
             service_ttl_s,
@@ -88,15 +88,16 @@ class Issuer:
         )
         self.revoked: set[str] = set()
         self.revoked_tokens: set[str] = set()
-        if key_dir is not None and (key_dir / REVOKED_FILE).exists():
-            saved = json.loads((key_dir / REVOKED_FILE).read_text())
+        self.revoked_file = key_file.with_name(key_file.name + REVOKED_SUFFIX) if key_file is not None else None
+        if self.revoked_file is not None and self.revoked_file.exists():
+            saved = json.loads(self.revoked_file.read_text())
             self.revoked, self.revoked_tokens = set(saved.get("revoked", [])), set(saved.get("revoked_tokens", []))
         self.verifier = auth.TokenVerifier(leeway_s=leeway_s)
         self._publish()
 
     @classmethod
-    def from_key_dir(cls, key_dir: Path, registry: DeviceRegistry, **kwargs: Any) -> Issuer:
-        return cls(KeyRing.load(key_dir), registry, key_dir=key_dir, **kwargs)
+    def from_key_file(cls, key_file: Path, registry: DeviceRegistry, **kwargs: Any) -> Issuer:
+        return cls(KeyRing.load(key_file), registry, key_file=key_file, **kwargs)
 
     def document(self) -> dict[str, Any]:
         """What /credentials/jwks serves (shared/auth.Trust.from_document reads it)."""
@@ -114,14 +115,14 @@ class Issuer:
         )
 
     def _save(self) -> None:
-        if self.key_dir is None:
+        if self.key_file is None or self.revoked_file is None:
             return
         try:
-            self.ring.save(self.key_dir)
+            self.ring.save(self.key_file)
             body = {"revoked": sorted(self.revoked), "revoked_tokens": sorted(self.revoked_tokens)}
-            write_private(self.key_dir / REVOKED_FILE, json.dumps(body).encode())
+            write_private(self.revoked_file, json.dumps(body).encode())
         except OSError as exc:  # a read-only secret mount: kept in memory until a restart
-            log.warning("cannot save the issuer's state in %s: %s (kept in memory only)", self.key_dir, exc)
+            log.warning("cannot save the issuer's state at %s: %s (kept in memory only)", self.key_file, exc)
 
     @staticmethod
     def caller(request: Request, roles: set[str]) -> auth.Claims:

@@ -44,7 +44,7 @@ class Settings(ServiceSettings):
     # and revocations are kept there too (else in memory only, lost on a restart). The tokens' lives: a device's
     # credential, a service's renewed one, an audience token; max_token_ttl_s caps what an operator issues and is
     # how long a rotated-out key keeps verifying.
-    auth_key_dir: str = ""
+    auth_key_file: str = ""
     device_credential_ttl_s: float = 3600.0
     service_credential_ttl_s: float = 86_400.0
     access_token_ttl_s: float = 300.0
@@ -52,7 +52,7 @@ class Settings(ServiceSettings):
 
     @property
     def authenticated(self) -> bool:
-        return bool(self.auth_key_dir)
+        return bool(self.auth_key_file)
 
     def validate(self) -> None:
         super().validate()  # auth, logging, TLS (shared/service_settings.py)
