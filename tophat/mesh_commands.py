@@ -118,6 +118,8 @@ def mesh_secrets(
     api_key: str = typer.Option("", "--api-key", help="also require this key on the OpenAI endpoint"),
     tls_hosts: str = typer.Option("token-streamer,verifier-cloud,chunk-planner,state-monitor,localhost,127.0.0.1",
                                   "--tls-hosts", help="names the services' certificate is valid for; empty: no TLS"),
+    issuer_url: str = typer.Option("", "--issuer-url", help="where services and devices reach the state monitor "
+                                   "(the issuer); default http(s)://state-monitor:8020"),
 ):
     """Fresh secrets for `docker compose up` (mounted as Compose secrets): the issuer's signing key (the state
     monitor's alone), the services' credentials, the devices' bootstrap token (their file alone), Redis's
@@ -126,5 +128,5 @@ def mesh_secrets(
     from tophatctl.certs import parse_hosts
     from tophatctl.mesh_secrets import make_mesh_secrets
 
-    for path in make_mesh_secrets(out, api_key, parse_hosts(tls_hosts) if tls_hosts else None):
+    for path in make_mesh_secrets(out, api_key, parse_hosts(tls_hosts) if tls_hosts else None, issuer_url):
         typer.echo(path)
