@@ -40,7 +40,7 @@ class TelemetryClient:
         self.base_url = base_url.rstrip("/") if base_url else None
         self.max_in_flight = max_in_flight
         # verify: the context trusting the mesh's CA for an https:// monitor (shared/tls.py client_context)
-        # auth: this sender's credential for a monitor that requires one (shared/auth.py BearerAuth)
+        # auth: this sender's token for a monitor that requires one (shared/auth_client.py BrokerAuth)
         self._client = (
             httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport, verify=verify, auth=auth)
             if self.base_url

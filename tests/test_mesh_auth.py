@@ -11,10 +11,13 @@ open, and the mesh, whose services enroll and fetch their own tokens, still serv
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
+import jwt
 import pytest
+from typer.testing import CliRunner
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -22,6 +25,7 @@ from shared import auth
 from shared.auth_keys import KeyRing
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
+from tophat.cli import app
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
@@ -167,14 +171,13 @@ def test_a_revoked_device_is_refused_at_its_next_call(mesh):
     """Revoked at the issuer: the monitor refuses at once, the planner and the verifier once they re-read the
     revocation list (every auth_refresh_s, 1 s), and its enrollment again is refused."""
     victim = "device-5"
-    operator = mesh.operator_auth(role="operator", subject="ops")
     params = {"device_id": victim, "prompt_tokens": 50}
     planner, verifier = f"{mesh.config.planner_url}/chunk-size", mesh.config.verifier_urls().split(",")[0]
     assert httpx.get(planner, params=params, headers=bearer(mesh, victim, "device", auth.PLANNER),
                      timeout=10).status_code == 200
-    revoked = httpx.post(f"{mesh.config.monitor_url}/credentials/revoke", json={"role": "device", "subject": victim},
-                         auth=operator, timeout=10)
-    assert revoked.status_code == 200 and "device:device-5" in revoked.json()["revoked"]
+    revoked = cli(mesh, "revoke", "--device", victim)  # `tophat credentials revoke`, as an operator runs it
+    assert revoked.exit_code == 0, revoked.output
+    assert "device:device-5" in json.loads(revoked.output)["revoked"]
     assert httpx.post(f"{mesh.config.monitor_url}/telemetry", json=rtt(victim),
                       headers=bearer(mesh, victim, "device", auth.ISSUER), timeout=10).status_code == 401
     time.sleep(2.5)  # two refresh periods
@@ -184,6 +187,34 @@ def test_a_revoked_device_is_refused_at_its_next_call(mesh):
     enroll = {"device_id": victim, "url": "http://127.0.0.1:2"}
     assert httpx.post(f"{mesh.config.monitor_url}/credentials/enroll", json=enroll,
                       headers=bearer(mesh, "*", "bootstrap", auth.ISSUER), timeout=10).status_code == 403
+
+
+def cli(mesh: Mesh, *args: str):
+    return CliRunner().invoke(app, ["credentials", *args, "--issuer", mesh.config.monitor_url,
+                                    "--key-file", str(mesh.credentials.key_file)])
+
+
+def test_operator_issues_a_bootstrap_token_and_rotates_the_signing_key(mesh):
+    issued = cli(mesh, "issue", "--role", "bootstrap", "--subject", "device-8", "--ttl-s", "600")
+    assert issued.exit_code == 0, issued.output
+    before = {k["kid"] for k in httpx.get(f"{mesh.config.monitor_url}/credentials/jwks", timeout=10).json()["keys"]}
+    old_token = token(mesh, "device-8", "device", auth.PLANNER)  # signed by the key being rotated out
+    rotated = cli(mesh, "rotate")
+    assert rotated.exit_code == 0, rotated.output
+    active = json.loads(rotated.output)["active"]
+    after = {k["kid"] for k in httpx.get(f"{mesh.config.monitor_url}/credentials/jwks", timeout=10).json()["keys"]}
+    assert after == before | {active} and active not in before  # the old key still verifies
+    enrolled = httpx.post(f"{mesh.config.monitor_url}/credentials/enroll", timeout=10,
+                          json={"device_id": "device-8", "url": "http://127.0.0.1:3"},
+                          headers={"Authorization": f"Bearer {issued.output.strip()}"})
+    assert enrolled.status_code == 200  # the bootstrap token, signed before the rotation, still enrols
+    assert jwt.get_unverified_header(enrolled.json()["token"])["kid"] == active  # new tokens: the new key
+    time.sleep(2.5)  # the planner re-read the key set
+    params = {"device_id": "device-8", "prompt_tokens": 50}
+    assert httpx.get(f"{mesh.config.planner_url}/chunk-size", params=params, timeout=10,
+                     headers={"Authorization": f"Bearer {old_token}"}).status_code == 200
+    refused = cli(mesh, "issue", "--role", "device", "--subject", "x", "--ttl-s", "1e12")
+    assert refused.exit_code == 1 and "422" in refused.output
 
 
 @pytest.mark.slow
