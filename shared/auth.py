@@ -1,50 +1,64 @@
-"""Every hop authenticated: signed, expiring credentials for devices and services.
+"""Every hop authenticated: asymmetric, audience-bound, expiring credentials for devices and services.
 
-A token is `base64url(payload).base64url(mac)`: payload the compact JSON {"sub", "exp", "role"}, mac
-HMAC-SHA256 over the payload's base64url text with the mesh secret (as a JWT's HS256, minus its header:
-one algorithm, so there is none to downgrade to). `issue` and `verify` are pure (the caller gives `now`);
-a refusal is a typed `AuthError` whose `reason` says why. Tokens are compared in constant time and never
-logged, not even in part.
+A token is a JWT (PyJWT) signed with EdDSA (Ed25519) by the one issuer, the state monitor
+(services/state_monitor/issuer.py); nothing else holds a signing key. Its header names the key (`kid`); its
+claims are `sub` (a device id or a service's name), `role`, `aud` (the one service or device it is for),
+`iat`, `nbf`, `exp` and a `jti`. Every service verifies with the issuer's public key set (`Trust`, read from
+the issuer's open `/credentials/jwks` by shared/auth_client.py), which holds several keys during a rotation
+and the revocation list. Decoding pins the algorithm list to EdDSA (no downgrade to `none` or HMAC), requires
+every claim, checks the audience and the time window with a small leeway (`DEFAULT_LEEWAY_S`, for devices
+whose clocks drift). A refusal is a typed `AuthError` whose `reason` says why. Tokens are never logged.
 
-Roles: "device" (a device agent, `sub` = its device id) and "service" (verifier, streamer, planner).
-Where each is checked: the verifier's WebSocket handshake (device), a device agent's /generate and /info
-(service), the state monitor's POSTs (a device only for its own device id), the chunk planner (a device only
-asking for itself). Probes (/healthz, /readyz, /metrics) stay open. With no secret configured everything is
-open, as before, with a warning when the service faces a network.
-
-Services are given the mesh secret and mint their own short-lived tokens (`BearerAuth`, re-minted at half
-life). Simple to run, and the price is that whoever holds the secret can speak as anyone: a device agent may
-instead be given only its own token (TOPHAT_DEVICE_AUTH_TOKEN), which cannot be stretched to another device,
-but then it cannot check its callers itself.
+Roles: "device" (sub = its device id), "service" (verifier, streamer, planner), "bootstrap" (a device's
+first credential: it can only enroll, at the issuer), "operator" (`tophat credentials`). Audiences:
+`VERIFIER`, `PLANNER`, `ISSUER` (the state monitor) and `device_audience(id)` for one device agent. Where each
+is checked: the verifier's WebSocket handshake (device), a device agent's /generate and /info (a service's
+token for that device), the state monitor's POSTs (a device only for its own device id), the chunk planner
+(a device only asking for itself). Probes (/healthz, /readyz, /metrics) stay open. With no issuer configured
+everything is open, as before, with a warning when the service faces a network.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import re
-import time
-from collections.abc import Callable, Collection, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import jwt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 log = logging.getLogger(__name__)
 
-ROLES = ("device", "service")
+ALGORITHM = "EdDSA"
+ROLES = ("device", "service", "bootstrap", "operator")
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # probes and scrapes stay open
-DEFAULT_TTL_S = 600  # a minted token's life; re-minted at half of it
+DEFAULT_LEEWAY_S = 30.0  # clock skew tolerated on exp, nbf and iat
 SCOPE_KEY = "tophat.auth.claims"  # where the middleware leaves a request's claims in its ASGI scope
+REQUIRED_CLAIMS = ("sub", "role", "aud", "exp", "nbf", "iat", "jti")
+# The audiences: the services' names as a token's `aud`, and one per device agent.
+ISSUER = "state-monitor"
+VERIFIER = "verifier"
+PLANNER = "chunk-planner"
+STAGE = "verifier-stage"  # a pipeline stage started on its own (services/verifier_cloud/stage.py)
+DEVICE_AUDIENCE_PREFIX = "device:"
+# The subjects the launcher and deployments give the cloud-side services.
+STREAMER_SUBJECT = "token-streamer"
+VERIFIER_SUBJECT = "verifier-cloud"
+PLANNER_SUBJECT = "chunk-planner"
+
+
+def device_audience(device_id: str) -> str:
+    return f"{DEVICE_AUDIENCE_PREFIX}{device_id}"
 
 
 class AuthError(Exception):
-    """A credential refused. `reason`: missing | malformed | bad_signature | expired | forbidden."""
+    """A credential refused. `reason`: missing | malformed | bad_algorithm | unknown_key | bad_signature |
+    wrong_audience | expired | not_yet_valid | revoked | forbidden."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -59,71 +73,100 @@ class AuthError(Exception):
 class Claims:
     subject: str  # a device id, or a service's name
     role: str  # one of ROLES
+    audience: str
     expires_at: int  # unix seconds
+    token_id: str = ""  # jti
+    issued_at: int = 0
 
 
-def _b64encode(raw: bytes) -> str:
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+def revocation_key(role: str, subject: str) -> str:
+    """How a revoked identity is listed: its role and subject (a device id and a service may share a name)."""
+    return f"{role}:{subject}"
 
 
-def _b64decode(text: str) -> bytes:
-    """Strict: a text that is not the canonical encoding of its bytes is refused (no unused bits, no padding)."""
-    try:
-        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError) as exc:
-        raise AuthError("malformed", "not base64url") from exc
-    if _b64encode(raw) != text:
-        raise AuthError("malformed", "not canonical base64url")
-    return raw
+@dataclass(frozen=True)
+class Trust:
+    """What a verifying service trusts: the issuer's public keys by kid and its revocation list."""
 
+    keys: Mapping[str, Ed25519PublicKey] = field(default_factory=dict)
+    revoked: frozenset[str] = frozenset()  # revocation_key(role, sub)
+    revoked_tokens: frozenset[str] = frozenset()  # jti
 
-def _mac(secret: str | bytes, signed: str) -> bytes:
-    key = secret.encode() if isinstance(secret, str) else secret
-    return hmac.new(key, signed.encode("ascii"), hashlib.sha256).digest()
-
-
-def issue(secret: str | bytes, subject: str, role: str, ttl_s: float, now: float) -> str:
-    if not secret:
-        raise ValueError("an empty secret signs nothing")
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    if not subject or ttl_s <= 0:
-        raise ValueError("a token needs a subject and a positive ttl")
-    payload = json.dumps(
-        {"sub": subject, "exp": int(now + ttl_s), "role": role}, separators=(",", ":"), sort_keys=True
-    ).encode()
-    signed = _b64encode(payload)
-    return f"{signed}.{_b64encode(_mac(secret, signed))}"
-
-
-def verify(secret: str | bytes, token: str | bytes, now: float) -> Claims:
-    """The token's claims, or AuthError: malformed, bad_signature (any change, or another secret), expired."""
-    if isinstance(token, bytes):
+    @classmethod
+    def from_document(cls, document: Mapping[str, Any]) -> Trust:
+        """The issuer's /credentials/jwks answer: {"keys": [JWK], "revoked": [...], "revoked_tokens": [...]};
+        ValueError for anything else (an Ed25519 JWK only)."""
         try:
-            token = token.decode("ascii")
-        except UnicodeDecodeError as exc:
-            raise AuthError("malformed", "not ASCII") from exc
-    signed, dot, mac_text = token.partition(".")
-    if not dot or not signed or not mac_text or "." in mac_text:
-        raise AuthError("malformed", "expected payload.mac")
-    mac = _b64decode(mac_text)
-    if len(mac) != hashlib.sha256().digest_size:
-        raise AuthError("malformed", "the mac is not HMAC-SHA256's length")
-    payload = _b64decode(signed)
-    if not hmac.compare_digest(mac, _mac(secret, signed)):  # before the payload is trusted for anything
-        raise AuthError("bad_signature")
-    try:
-        fields = json.loads(payload)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise AuthError("malformed", "payload is not JSON") from exc
-    if not isinstance(fields, dict):
-        raise AuthError("malformed", "payload is not an object")
-    subject, role, expires_at = fields.get("sub"), fields.get("role"), fields.get("exp")
-    if not isinstance(subject, str) or not subject or role not in ROLES or type(expires_at) is not int:
-        raise AuthError("malformed", "payload lacks sub, role or exp")
-    if now >= expires_at:
-        raise AuthError("expired")
-    return Claims(subject, role, expires_at)
+            keys = {}
+            for jwk in document["keys"]:
+                parsed = jwt.PyJWK(jwk, algorithm=ALGORITHM)
+                if not isinstance(parsed.key, Ed25519PublicKey) or not isinstance(jwk.get("kid"), str):
+                    raise ValueError("not an Ed25519 public key with a kid")
+                keys[jwk["kid"]] = parsed.key
+            revoked = frozenset(str(v) for v in document.get("revoked", []))
+            tokens = frozenset(str(v) for v in document.get("revoked_tokens", []))
+        except (jwt.PyJWTError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not a key set: {exc}") from exc
+        return cls(keys, revoked, tokens)
+
+    def is_revoked(self, claims: Claims) -> bool:
+        return revocation_key(claims.role, claims.subject) in self.revoked or claims.token_id in self.revoked_tokens
+
+
+class TokenVerifier:
+    """Checks tokens against the current `trust` (swapped whole by its refresher or by the issuer itself)."""
+
+    def __init__(self, trust: Trust | None = None, leeway_s: float = DEFAULT_LEEWAY_S) -> None:
+        self.trust = trust or Trust()
+        self.leeway_s = leeway_s
+
+    def verify(self, token: str | bytes, audience: str) -> Claims:
+        """The token's claims, or AuthError (see its reasons); the clock is the system's, with the leeway."""
+        trust = self.trust
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError as exc:
+            raise AuthError("malformed", "not a JWT") from exc
+        if header.get("alg") != ALGORITHM:
+            raise AuthError("bad_algorithm", f"only {ALGORITHM} is accepted")
+        kid = header.get("kid")
+        key = trust.keys.get(kid) if isinstance(kid, str) else None
+        if key is None:
+            raise AuthError("unknown_key", "no trusted key has this token's kid")
+        try:
+            fields = jwt.decode(
+                token,
+                key,
+                algorithms=[ALGORITHM],  # pinned: the header's alg never picks the check
+                audience=audience,
+                leeway=self.leeway_s,
+                options={"require": list(REQUIRED_CLAIMS)},
+            )
+        except jwt.ExpiredSignatureError as exc:
+            raise AuthError("expired") from exc
+        except jwt.ImmatureSignatureError as exc:
+            raise AuthError("not_yet_valid") from exc
+        except jwt.InvalidAudienceError as exc:
+            raise AuthError("wrong_audience", f"this token is not for {audience}") from exc
+        except jwt.InvalidSignatureError as exc:
+            raise AuthError("bad_signature") from exc
+        except jwt.InvalidAlgorithmError as exc:
+            raise AuthError("bad_algorithm") from exc
+        except jwt.PyJWTError as exc:
+            raise AuthError("malformed", type(exc).__name__) from exc
+        claims = _claims(fields)
+        if trust.is_revoked(claims):
+            raise AuthError("revoked")
+        return claims
+
+
+def _claims(fields: Mapping[str, Any]) -> Claims:
+    subject, role, aud, exp, jti, iat = (fields.get(k) for k in ("sub", "role", "aud", "exp", "jti", "iat"))
+    if not isinstance(subject, str) or not subject or role not in ROLES or not isinstance(aud, str):
+        raise AuthError("malformed", "sub, role or aud (one audience) missing")
+    if type(exp) is not int or type(iat) is not int or not isinstance(jti, str):
+        raise AuthError("malformed", "exp, iat or jti of the wrong type")
+    return Claims(subject, role, aud, exp, jti, iat)
 
 
 def bearer(value: str | bytes | None) -> str | bytes | None:
@@ -137,12 +180,12 @@ def bearer(value: str | bytes | None) -> str | bytes | None:
     return text.strip() if text_scheme.lower() == "bearer" and text.strip() else None
 
 
-def authenticate(secret: str, header: str | bytes | None, roles: Collection[str], now: float) -> Claims:
-    """Check an Authorization header's value: AuthError (missing, malformed, ..., forbidden for another role)."""
+def authenticate(verifier: TokenVerifier, header: str | bytes | None, audience: str, roles: Collection[str]) -> Claims:
+    """Check an Authorization header's value for `audience`: AuthError (missing, ..., forbidden for another role)."""
     token = bearer(header)
     if token is None:
         raise AuthError("missing", "Authorization: Bearer <token> required")
-    claims = verify(secret, token, now)
+    claims = verifier.verify(token, audience)
     if claims.role not in roles:
         raise AuthError("forbidden", f"a {claims.role} credential cannot call this")
     return claims
@@ -151,53 +194,13 @@ def authenticate(secret: str, header: str | bytes | None, roles: Collection[str]
 def may_act_for(claims: Claims | None, device_id: str | None) -> bool:
     """Whether the caller may write for `device_id` (None: a verifier's or request record): a service may; a
     device only for itself; anyone when authentication is off (claims None)."""
-    if claims is None or claims.role == "service":
+    if claims is None or claims.role in ("service", "operator"):
         return True
-    return device_id is not None and hmac.compare_digest(device_id.encode(), claims.subject.encode())
-
-
-class BearerAuth(httpx.Auth):
-    """httpx auth: `Authorization: Bearer` on every request, a fresh token minted before the last one expires
-    (or a fixed token given from outside)."""
-
-    def __init__(
-        self,
-        secret: str = "",
-        subject: str = "",
-        role: str = "service",
-        ttl_s: float = DEFAULT_TTL_S,
-        token: str = "",
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        if not (secret or token):
-            raise ValueError("BearerAuth needs a secret to mint with or a token")
-        self._secret, self.subject, self.role, self.ttl_s = secret, subject, role, ttl_s
-        self._fixed, self._clock = token, clock
-        self._token, self._renew_at = "", 0.0
-
-    def __repr__(self) -> str:  # no secret, no token
-        return f"BearerAuth(subject={self.subject!r}, role={self.role!r})"
-
-    def token(self) -> str:
-        if self._fixed:
-            return self._fixed
-        now = self._clock()
-        if now >= self._renew_at:
-            self._token = issue(self._secret, self.subject, self.role, self.ttl_s, now)
-            self._renew_at = now + self.ttl_s / 2
-        return self._token
-
-    def header(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token()}"}
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        request.headers["Authorization"] = f"Bearer {self.token()}"
-        yield request
-
-
-def client_auth(secret: str, subject: str, role: str, token: str = "") -> BearerAuth | None:
-    """What a service's outgoing clients send: None (nothing) when the mesh runs open."""
-    return BearerAuth(secret, subject, role, token=token) if (secret or token) else None
+    return (
+        claims.role == "device"
+        and device_id is not None
+        and hmac.compare_digest(device_id.encode(), claims.subject.encode())
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -234,8 +237,8 @@ def redact_credentials(logger_names: Sequence[str]) -> None:
             logger.addFilter(RedactCredentials())
 
 
-def warn_if_open(service: str, secret: str, host: str, env_var: str) -> None:
-    if not secret and not is_loopback(host):
+def warn_if_open(service: str, authenticated: bool, host: str, env_var: str) -> None:
+    if not authenticated and not is_loopback(host):
         log.warning(
             "%s on %s accepts unauthenticated calls from anyone who can reach it: set %s (tophat up "
             "--auth does) to require signed credentials",
@@ -246,20 +249,22 @@ def warn_if_open(service: str, secret: str, host: str, env_var: str) -> None:
 
 
 class RequireToken:
-    """ASGI middleware: a request to a guarded path needs a valid token of one of `roles`, else 401 (no, bad,
-    expired credential) or 403 (another role); the claims go into the scope (`claims_of`). `guarded(method,
-    path)` picks the paths; OPEN_PATHS are never guarded. The body is not read before the check."""
+    """ASGI middleware: a request to a guarded path needs a valid token for `audience` of one of `roles`, else
+    401 (no, bad, expired, revoked credential, or one for another audience) or 403 (another role); the claims
+    go into the scope (`claims_of`). `guarded(method, path)` picks the paths; OPEN_PATHS are never guarded.
+    The body is not read before the check."""
 
     def __init__(
         self,
         app: Any,
         *,
-        secret: str,
+        verifier: TokenVerifier,
+        audience: str,
         roles: Collection[str],
         guarded: Callable[[str, str], bool] = lambda method, path: True,
-        clock: Callable[[], float] = time.time,
     ) -> None:
-        self.app, self._secret, self.roles, self.guarded, self.clock = app, secret, frozenset(roles), guarded, clock
+        self.app, self.verifier, self.audience = app, verifier, audience
+        self.roles, self.guarded = frozenset(roles), guarded
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if (
@@ -271,27 +276,32 @@ class RequireToken:
             return
         try:
             header = authorization_header(scope.get("headers") or [])
-            claims = authenticate(self._secret, header, self.roles, self.clock())
+            claims = authenticate(self.verifier, header, self.audience, self.roles)
         except AuthError as exc:
             client = (scope.get("client") or ("?",))[0]
             log.info("refused %s %s from %s: %s", scope.get("method"), scope["path"], client, exc.reason)
-            body = json.dumps(
-                {
-                    "error": {
-                        "code": "unauthorized" if exc.status == 401 else "forbidden",
-                        "reason": exc.reason,
-                        "message": str(exc),
-                    }
-                }
-            ).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            if exc.status == 401:
-                headers.append((b"www-authenticate", b"Bearer"))
-            await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+            await send_refusal(send, exc)
             return
         scope[SCOPE_KEY] = claims
         await self.app(scope, receive, send)
+
+
+async def send_refusal(send: Callable, exc: AuthError) -> None:
+    """An ASGI JSON answer for a refused credential: 401 with WWW-Authenticate, or 403."""
+    body = json.dumps(
+        {
+            "error": {
+                "code": "unauthorized" if exc.status == 401 else "forbidden",
+                "reason": exc.reason,
+                "message": str(exc),
+            }
+        }
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if exc.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def authorization_header(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
@@ -315,8 +325,12 @@ def claims_of(scope: Mapping[str, Any]) -> Claims | None:
 
 
 def install(
-    app: Any, secret: str, roles: Collection[str], guarded: Callable[[str, str], bool] = lambda method, path: True
+    app: Any,
+    verifier: TokenVerifier | None,
+    audience: str,
+    roles: Collection[str],
+    guarded: Callable[[str, str], bool] = lambda method, path: True,
 ) -> None:
-    """Guard a FastAPI app when a mesh secret is configured; with none, leave it open."""
-    if secret:
-        app.add_middleware(RequireToken, secret=secret, roles=roles, guarded=guarded)
+    """Guard a FastAPI app when the mesh runs authenticated (a verifier); with none, leave it open."""
+    if verifier is not None:
+        app.add_middleware(RequireToken, verifier=verifier, audience=audience, roles=roles, guarded=guarded)

@@ -6,7 +6,10 @@ Kubernetes DaemonSet), so each agent announces `(device_id, url)` to the state
 monitor every few seconds, and the token streamer asks the monitor which agents
 announced recently. An agent that stops announcing (its container died, its node
 left) drops out after `ttl_s`; one that comes back under a new address replaces
-its old entry.
+its old entry. An address is one live device's: another device announcing it is
+refused (`UrlTaken`) until its holder has been silent for the TTL, so a device
+cannot draw away the prompts the streamer sends to another (the state monitor also
+lets a device credential announce only its own id: services/state_monitor/app.py).
 
 `advertised_url` is how an agent names its own address: an explicit URL wins;
 an agent bound to every interface advertises its address on the route to the state
@@ -24,6 +27,20 @@ from dataclasses import dataclass
 
 DEFAULT_TTL_S = 15.0
 ANY_HOST = ("0.0.0.0", "::", "")
+
+
+def url_origin(url: str) -> str:
+    """scheme://host:port of a URL: how an address is compared (and how the issuer finds a URL's device)."""
+    parts = urllib.parse.urlsplit(url.strip())
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
+
+
+class UrlTaken(ValueError):
+    """Another live device announced this address."""
+
+    def __init__(self, url: str, holder: str) -> None:
+        super().__init__(f"{url} is device {holder}'s address")
+        self.holder = holder
 
 
 @dataclass(frozen=True)
@@ -45,9 +62,15 @@ class DeviceRegistry:
         self._entries: dict[str, Announcement] = {}
 
     def announce(self, device_id: str, url: str, max_sessions: int | None = None) -> Announcement:
+        """Record `device_id` at `url`; UrlTaken when another live device holds that address."""
+        holder = self.holder(url)
+        if holder is not None and holder.device_id != device_id:
+            raise UrlTaken(url, holder.device_id)
         entry = Announcement(device_id, url.rstrip("/"), self._clock(), max_sessions)
-        # One address, one device: an agent restarted under a new id at an old address replaces the old one.
-        for other in [k for k, v in self._entries.items() if v.url == entry.url and k != device_id]:
+        # One address, one device: a silent device's old entry at this address goes (an agent restarted under
+        # a new id at an old address).
+        origin = url_origin(entry.url)
+        for other in [k for k, v in self._entries.items() if url_origin(v.url) == origin and k != device_id]:
             del self._entries[other]
         self._entries[device_id] = entry
         return entry
@@ -57,6 +80,15 @@ class DeviceRegistry:
         for device_id in [k for k, v in self._entries.items() if now - v.seen_at > self.ttl_s]:
             del self._entries[device_id]
         return sorted(self._entries.values(), key=lambda a: a.device_id)
+
+    def get(self, device_id: str) -> Announcement | None:
+        """The device's live entry, if any."""
+        return next((a for a in self.live() if a.device_id == device_id), None)
+
+    def holder(self, url: str) -> Announcement | None:
+        """The live device announced at `url` (compared by scheme, host and port), if any."""
+        origin = url_origin(url)
+        return next((a for a in self.live() if url_origin(a.url) == origin), None)
 
     def age_s(self, entry: Announcement) -> float:
         return max(0.0, self._clock() - entry.seen_at)

@@ -52,7 +52,7 @@ class TelemetryClient:
         self.batch_interval_s = batch_interval_s
         self.batch_max = batch_max  # keep it within the monitor's max_batch (services/state_monitor/settings.py)
         # verify: the context trusting the mesh's CA for an https:// monitor (shared/tls.py client_context)
-        # auth: this sender's credential for a monitor that requires one (shared/auth.py BearerAuth)
+        # auth: this sender's token for a monitor that requires one (shared/auth_client.py BrokerAuth)
         self._client = (
             httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport, verify=verify, auth=auth)
             if self.base_url

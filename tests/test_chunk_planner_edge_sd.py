@@ -15,10 +15,12 @@ import pytest
 from services.chunk_planner.settings import load_settings
 from services.state_monitor.app import create_app as create_monitor
 from shared import auth
+from shared.auth_keys import KeyRing
 from shared.edge_sd.plan import PlanDefaults
 from shared.edge_sd.runtime import RuntimeModel
 from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import SettingsError
+from tests.auth_tools import bearer, jwks_server
 from tests.test_chunk_planner import MONITOR, Hang, running
 from tests.test_edge_sd_plan import body as plan_body
 from tests.test_state_monitor import fast_settings
@@ -141,10 +143,12 @@ async def test_bad_and_infeasible_requests_are_422_and_keep_the_latest() -> None
         assert (await client.get("/edge-sd/plan")).json() == good
 
 
-async def test_plan_needs_a_credential_when_the_mesh_has_a_secret() -> None:
-    secret = "s" * 32
-    async with running(load_settings({}, auth_secret=secret)) as client:
+async def test_plan_needs_a_credential_for_the_planner_when_the_mesh_is_authenticated() -> None:
+    ring = KeyRing.generate()
+    async with jwks_server(ring) as issuer, running(load_settings({}, auth_issuer_url=issuer)) as client:
         assert (await client.post("/edge-sd/plan", json=plan_body())).status_code == 401
-        token = auth.issue(secret, "sbs-1", "device", 60, time.time())
-        resp = await client.post("/edge-sd/plan", json=plan_body(), headers={"authorization": f"Bearer {token}"})
+        elsewhere = bearer(ring, "sbs-1", "device", auth.VERIFIER)
+        assert (await client.post("/edge-sd/plan", json=plan_body(), headers=elsewhere)).status_code == 401
+        own = bearer(ring, "sbs-1", "device", auth.PLANNER)
+        resp = await client.post("/edge-sd/plan", json=plan_body(), headers=own)
         assert resp.status_code == 200

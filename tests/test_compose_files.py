@@ -91,3 +91,12 @@ def test_dockerfile_is_hadolint_clean_and_has_the_three_targets(tmp_path):
     broken = tmp_path / "Dockerfile"
     broken.write_text("FROM debian\nRUN apt-get install -y curl\n")  # unpinned, no update, no cleanup
     assert run(str(VENV_BIN / "hadolint"), str(broken)).returncode != 0
+
+
+def test_only_the_monitor_mounts_the_signing_key_and_devices_only_their_bootstrap_file():
+    services = rendered()["services"]
+    mounts = {name: {s["source"] for s in svc.get("secrets", [])} for name, svc in services.items()}
+    assert [name for name, sources in mounts.items() if "signing-keys.json" in sources] == ["state-monitor"]
+    assert mounts["device-agent"] == {"tophat-device", "ca.pem"}
+    assert services["device-agent"]["environment"]["TOPHAT_SETTINGS_FILE"] == "/run/secrets/tophat-device.env"
+    assert not [name for name, sources in mounts.items() if "tophat-device" in sources and name != "device-agent"]

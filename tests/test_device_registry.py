@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.token_streamer.router import Router
-from shared.device_registry import DeviceRegistry, advertised_url, auto_device_id, route_source_address
+from shared.device_registry import DeviceRegistry, UrlTaken, advertised_url, auto_device_id, route_source_address
 
 
 class Clock:
@@ -30,14 +30,28 @@ def test_an_agent_silent_for_the_ttl_leaves_the_live_set():
     assert [e.device_id for e in registry.live()] == ["a", "b"]
 
 
-def test_a_new_address_or_a_new_id_replaces_the_old_entry():
-    registry = DeviceRegistry(ttl_s=10, clock=Clock())
+def test_a_new_address_replaces_the_old_entry_and_a_silent_devices_address_can_be_taken():
+    clock = Clock()
+    registry = DeviceRegistry(ttl_s=10, clock=clock)
     registry.announce("a", "http://10.0.0.1:8200")
     registry.announce("a", "http://10.0.0.9:8200")  # restarted elsewhere
     registry.announce("c", "http://10.0.0.5:8200")
+    clock.now += 11  # c (and a) silent for the TTL
+    registry.announce("a", "http://10.0.0.9:8200")
     registry.announce("d", "http://10.0.0.5:8200")  # a new agent at c's old address
     assert [(e.device_id, e.url) for e in registry.live()] == [("a", "http://10.0.0.9:8200"),
                                                                ("d", "http://10.0.0.5:8200")]
+
+
+def test_a_device_cannot_claim_a_live_devices_url():
+    registry = DeviceRegistry(ttl_s=10, clock=Clock())
+    registry.announce("c", "http://10.0.0.5:8200")
+    for url in ("http://10.0.0.5:8200", "http://10.0.0.5:8200/", "HTTP://10.0.0.5:8200/generate"):
+        with pytest.raises(UrlTaken) as taken:
+            registry.announce("d", url)
+        assert taken.value.holder == "c"
+    assert [(e.device_id, e.url) for e in registry.live()] == [("c", "http://10.0.0.5:8200")]
+    assert registry.holder("http://10.0.0.5:8200/").device_id == "c" and registry.holder("http://10.0.0.6:1") is None
 
 
 def test_ttl_must_be_positive():

@@ -55,7 +55,9 @@ PREFIX_OF_MODULE = {
     "services.state_monitor": "TOPHAT_STATE_MONITOR_",
 }
 SETTINGS_FILE_VAR = "TOPHAT_SETTINGS_FILE"  # read by shared/settings.py, not a field of any service
-MESH_ENV = "tophat-mesh.env"  # the secret env file every service reads second (tophatctl/mesh_secrets.py)
+MESH_ENV = "tophat-mesh.env"  # the secret env file every cloud-side service reads second (tophatctl/mesh_secrets.py)
+DEVICE_ENV = "tophat-device.env"  # what a device agent reads instead: its bootstrap token
+DEVICE_EXAMPLE = "device-secrets.example.env"
 SECURE_SCHEMES = {"https", "wss"}
 SPEED_CLASSES = {"orin", "xavier"}
 SERVER_SERVICES = {"redis", "state-monitor", "chunk-planner", "verifier-cloud", "token-streamer"}
@@ -118,7 +120,8 @@ def stack() -> dict:
 @pytest.fixture(scope="module")
 def swarm_settings_file() -> dict[str, str]:
     """What the services read from files: the tunables, then the (example) mesh secret env file."""
-    return {**read_env_file(REPO / "swarm" / "tophat.env"), **read_env_file(REPO / "swarm" / "secrets.example.env")}
+    return {**read_env_file(REPO / "swarm" / "tophat.env"), **read_env_file(REPO / "swarm" / "secrets.example.env"),
+            **read_env_file(REPO / "swarm" / DEVICE_EXAMPLE)}
 
 
 def service_port(service: dict) -> int:
@@ -275,7 +278,14 @@ def test_every_swarm_service_mounts_the_mesh_secret_and_its_tls_files(stack):
             continue
         env = svc["environment"]
         files = settings_files(env)
-        assert files[-1] == f"/run/secrets/{MESH_ENV}" and mounts[files[-1]] == "tophat-mesh-secrets", name
+        if name.startswith("device-agent"):  # its bootstrap token only: no service credential, no signing key
+            assert files[-1] == f"/run/secrets/{DEVICE_ENV}" and mounts[files[-1]] == "tophat-device-secrets", name
+            assert not {"tophat-mesh-secrets", "tophat-signing-keys"} & set(mounts.values()), name
+        else:
+            assert files[-1] == f"/run/secrets/{MESH_ENV}" and mounts[files[-1]] == "tophat-mesh-secrets", name
+            assert ("tophat-signing-keys" in mounts.values()) == (name == "state-monitor"), name
+        if name == "state-monitor":
+            assert "/run/secrets/signing-keys.json" in mounts, name
         assert all(uid == "10001" for uid in (s["uid"] for s in svc["secrets"])), name
         tls = tls_paths(env)
         assert all(path in mounts for path in tls.values()), f"{name}: TLS settings name unmounted files {tls}"
@@ -288,12 +298,17 @@ def test_every_swarm_service_mounts_the_mesh_secret_and_its_tls_files(stack):
     assert {mounted_at[p] for p in mounted_at} == set(stack["secrets"])
 
 
-def test_example_secret_files_hold_one_mesh_secret_and_placeholders_only():
-    (swarm_example, k8s_example) = (read_env_file(REPO / d / "secrets.example.env") for d in ("swarm", "k8s"))
-    assert swarm_example == k8s_example
-    secrets = {v for k, v in swarm_example.items() if k.endswith("_AUTH_SECRET")}
-    assert len(secrets) == 1 and {k[: -len("AUTH_SECRET")] for k in swarm_example if k.endswith("_AUTH_SECRET")} == set(LOADERS)
-    assert all(value.startswith("placeholder-") for value in swarm_example.values())
+def test_example_secret_files_give_devices_a_bootstrap_token_only_and_hold_placeholders_only():
+    for name in ("secrets.example.env", DEVICE_EXAMPLE):
+        (swarm_example, k8s_example) = (read_env_file(REPO / d / name) for d in ("swarm", "k8s"))
+        assert swarm_example == k8s_example
+        assert all(value.startswith("placeholder-") for value in swarm_example.values())
+    cloud, device = (read_env_file(REPO / "swarm" / name) for name in ("secrets.example.env", DEVICE_EXAMPLE))
+    assert set(device) == {"TOPHAT_DEVICE_AUTH_ISSUER_URL", "TOPHAT_DEVICE_AUTH_CREDENTIAL"}
+    assert not any(k.startswith("TOPHAT_DEVICE_") for k in cloud)
+    assert [k for k in cloud if k.endswith("_KEY_FILE")] == ["TOPHAT_STATE_MONITOR_AUTH_KEY_FILE"]
+    assert {k.split("_AUTH_")[0] for k in cloud if "_AUTH_ISSUER_URL" in k} == {
+        "TOPHAT_VERIFIER", "TOPHAT_STREAMER", "TOPHAT_CHUNK_PLANNER"}
 
 
 def test_the_settings_file_a_swarm_config_mounts_is_read_under_the_environment(tmp_path):
@@ -368,7 +383,8 @@ def container_env(container: dict, config: dict[str, str]) -> dict[str, str]:
 
 
 # the keys of the Secrets the operator makes (k8s/README.md): they are not in the rendered objects
-SECRET_KEYS = {"tophat-mesh-secrets": [MESH_ENV, "redis.conf"], "tophat-tls": ["tls.crt", "tls.key", "ca.crt"]}
+SECRET_KEYS = {"tophat-mesh-secrets": [MESH_ENV, DEVICE_ENV, "signing-keys.json", "redis.conf"],
+               "tophat-tls": ["tls.crt", "tls.key", "ca.crt"]}
 
 
 def mounted_files(objects: list[dict], pod: dict, container: dict) -> dict[str, tuple[str, str]]:
@@ -391,7 +407,8 @@ def mounted_files(objects: list[dict], pod: dict, container: dict) -> dict[str, 
 @pytest.fixture(scope="module")
 def k8s_files() -> dict[str, str]:
     """What the services read from files: the ConfigMap's tunables, then the (example) mesh secret env file."""
-    return {**read_env_file(K8S / "tophat.env"), **read_env_file(K8S / "secrets.example.env")}
+    return {**read_env_file(K8S / "tophat.env"), **read_env_file(K8S / "secrets.example.env"),
+            **read_env_file(K8S / DEVICE_EXAMPLE)}
 
 
 def test_kustomize_output_passes_strict_kubernetes_validation(rendered, tmp_path):
@@ -504,7 +521,12 @@ def test_k8s_addresses_point_at_services_and_settings_are_real(rendered, k8s_fil
         files = mounted_files(rendered, pod, container)
         (first, second) = settings_files(env)
         assert files[first] == (configmap["metadata"]["name"], "tophat.env"), name
-        assert files[second] == ("tophat-mesh-secrets", MESH_ENV), name
+        if name.startswith("device-agent"):  # its bootstrap token only
+            assert files[second] == ("tophat-mesh-secrets", DEVICE_ENV), name
+            assert {key for _, key in files.values()} & {MESH_ENV, "signing-keys.json"} == set(), name
+        else:
+            assert files[second] == ("tophat-mesh-secrets", MESH_ENV), name
+            assert (("tophat-mesh-secrets", "signing-keys.json") in files.values()) == (name == "state-monitor"), name
         tls = tls_paths(env)
         assert {k.rsplit("_", 1)[-1] for k in tls} == {"CERT", "KEY", "CA"}, name
         assert {files.get(path, (None,))[0] for path in tls.values()} == {"tophat-tls"}, f"{name}: unmounted {tls}"
@@ -566,14 +588,14 @@ def test_a_site_overlay_retargets_images_and_supplies_the_secrets(tmp_path):
     # the overlay k8s/README.md tells users to write: its generated Secrets replace every reference
     overlay = tmp_path / "overlay"
     overlay.mkdir()
-    for name in (MESH_ENV, "redis.conf", "server.pem", "server-key.pem", "ca.pem"):
+    for name in (MESH_ENV, DEVICE_ENV, "signing-keys.json", "redis.conf", "server.pem", "server-key.pem", "ca.pem"):
         (overlay / name).write_text(f"{name} contents\n")
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(K8S, overlay)],
         "secretGenerator": [
             # no hash suffix: the base names these Secrets without generating them, so kustomize cannot rename
-            {"name": "tophat-mesh-secrets", "files": [MESH_ENV, "redis.conf"],
+            {"name": "tophat-mesh-secrets", "files": [MESH_ENV, DEVICE_ENV, "signing-keys.json", "redis.conf"],
              "options": {"disableNameSuffixHash": True}},
             {"name": "tophat-tls", "type": "kubernetes.io/tls", "options": {"disableNameSuffixHash": True},
              "files": ["tls.crt=server.pem", "tls.key=server-key.pem", "ca.crt=ca.pem"]}],

@@ -10,7 +10,7 @@ import pytest
 from cryptography import x509
 
 from tophatctl.mesh_config import MeshConfig, MeshConfigError, MeshStartError
-from tophatctl.mesh_credentials import MeshCredentials
+from tophatctl.mesh_credentials import CLOUD_SERVICES, MeshCredentials
 from tophatctl.mesh_ports import find_port_base, layout
 from tophatctl.mesh_secrets import SERVICE_PREFIXES
 from tophatctl.mesh_settings import announcing_device_env, cloud_urls_env, device_env, verifier_env
@@ -41,13 +41,13 @@ def test_a_config_changed_after_it_was_made_is_checked_again():
 
 
 def test_urls_follow_the_port_layout_and_secrets_stay_out_of_repr():
-    config = MeshConfig(port_base=9000, verifiers=2, tls=True, api_key="key-1", auth_secret="secret-1",
+    config = MeshConfig(port_base=9000, verifiers=2, tls=True, api_key="key-1",
                         hidden_rotation="rotation-1")
     assert config.streamer_url == "https://127.0.0.1:9000" and config.planner_url.endswith(":9010")
     assert config.monitor_url.endswith(":9020") and config.device_url(3) == "https://127.0.0.1:9203"
     assert config.verifier_urls("10.0.0.1") == "wss://10.0.0.1:9100/ws,wss://10.0.0.1:9101/ws"
     assert [config.verifier_name(j) for j in range(2)] == ["verifier-cloud", "verifier-cloud-1"]
-    assert not [secret for secret in ("key-1", "secret-1", "rotation-1") if secret in repr(config)]
+    assert not [secret for secret in ("key-1", "rotation-1") if secret in repr(config)]
     assert layout(9000, num_devices=2, num_verifiers=2) == [9000, 9010, 9020, 9100, 9101, 9200, 9201]
 
 
@@ -69,10 +69,19 @@ def test_each_service_is_told_its_own_settings():
     assert verifier["TOPHAT_VERIFIER_PORT"] == "8101" and verifier["TOPHAT_VERIFIER_FULL_MODEL"] == "true"
 
 
-def test_credentials_give_every_service_one_secret_and_the_same_certificate(tmp_path):
-    assert MeshCredentials(auth=False).auth_env == {} and MeshCredentials(auth=False).operator_auth() is None
-    credentials = MeshCredentials(auth=True)
-    assert len(set(credentials.auth_env.values())) == 1 and len(credentials.auth_env) == len(SERVICE_PREFIXES)
+def test_credentials_give_the_monitor_the_key_and_each_service_its_own_credential(tmp_path):
+    assert MeshCredentials(auth_on=False).auth_env == {} and MeshCredentials(auth_on=False).operator_auth() is None
+    credentials = MeshCredentials(auth_on=False)
+    credentials.make_keys(tmp_path, "http://m", {})
+    assert credentials.auth_env == {} and credentials.device_env("http://m", "d") == {}
+    credentials = MeshCredentials(auth_on=True)
+    credentials.make_keys(tmp_path, "http://127.0.0.1:8765", {"http://127.0.0.1:8200": "device:device-0"})
+    env = credentials.auth_env
+    assert env["TOPHAT_STATE_MONITOR_AUTH_KEY_FILE"] == str(credentials.key_file)
+    assert {k for k in env if k.endswith("_AUTH_CREDENTIAL")} == {f"{p}AUTH_CREDENTIAL" for p in CLOUD_SERVICES}
+    assert len({env[f"{p}AUTH_CREDENTIAL"] for p in CLOUD_SERVICES}) == len(CLOUD_SERVICES)  # one each
+    device = credentials.device_env("http://127.0.0.1:8765", "device-0")
+    assert set(device) == {"TOPHAT_DEVICE_AUTH_ISSUER_URL", "TOPHAT_DEVICE_AUTH_CREDENTIAL"}
     assert credentials.operator_auth() is not None and credentials.client_verify() is True
     certs = credentials.make_certs(tmp_path, "10.1.2.3", ["10.9.0.1", "127.0.0.1"])
     assert {credentials.tls_env[f"{prefix}TLS_CA"] for prefix in SERVICE_PREFIXES} == {str(certs.ca_cert)}

@@ -208,7 +208,8 @@ def test_a_bad_frame_is_counted_by_its_code(mesh_and_relay):
     verifier_url = f"http://127.0.0.1:{mesh.config.verifier_port}"
 
     async def send_garbage() -> wire.ErrorFrame:
-        credential = mesh.operator_auth(role="device", subject="test-device")  # the handshake needs a device's
+        # the handshake needs a device's token for the verifier
+        credential = mesh.operator_auth(role="device", subject="test-device", audience="verifier")
         async with connect(f"ws://127.0.0.1:{mesh.config.verifier_port}/ws", open_timeout=10,
                            additional_headers=credential.header() if credential else None) as ws:
             await ws.send(b"\xc1 not msgpack")

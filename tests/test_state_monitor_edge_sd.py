@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -17,9 +16,11 @@ from services.state_monitor.app import create_app
 from services.state_monitor.records import EDGE_SD_KEYS
 from services.state_monitor.settings import load_settings
 from shared import auth
+from shared.auth_keys import KeyRing
 from shared.edge_sd.plan import EdgeTelemetry
 from shared.redis_server import EmbeddedRedis
 from shared.settings import SettingsError
+from tests.auth_tools import bearer
 from tests.test_state_monitor import fast_settings, running
 
 
@@ -120,15 +121,16 @@ async def test_503_without_redis(server: EmbeddedRedis, monkeypatch: pytest.Monk
         assert resp.status_code == 503 and "not configured" in resp.json()["detail"]
 
 
-async def test_device_credential_writes_only_its_own_node(server: EmbeddedRedis) -> None:
-    secret = "s" * 32
-    app = create_app(fast_settings(server.url, auth_secret=secret))
+async def test_device_credential_writes_only_its_own_node(server: EmbeddedRedis, tmp_path) -> None:
+    ring = KeyRing.generate()
+    ring.save(tmp_path / "keys.json")
+    app = create_app(fast_settings(server.url, auth_key_file=str(tmp_path / "keys.json")))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://monitor") as client:
             body = {"node": "sbs-1", "verdicts": [[2, 1]]}
             assert (await client.post("/edge-sd/telemetry", json=body)).status_code == 401
-            own = {"authorization": f"Bearer {auth.issue(secret, 'sbs-1', 'device', 60, time.time())}"}
-            other = {"authorization": f"Bearer {auth.issue(secret, 'sbs-2', 'device', 60, time.time())}"}
+            own = bearer(ring, "sbs-1", "device", auth.ISSUER)
+            other = bearer(ring, "sbs-2", "device", auth.ISSUER)
             assert (await client.post("/edge-sd/telemetry", json=body, headers=other)).status_code == 403
             assert (await client.post("/edge-sd/telemetry", json=body, headers=own)).status_code == 200
             assert (await client.get("/state/edge-sd")).json()["verdicts"] == [[2, 1]]  # reads stay open

@@ -7,6 +7,7 @@ A real verifier on a real loopback WebSocket (tests/mesh_tools.verifier_on_loopb
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -16,7 +17,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from shared import auth, wire
+from shared.auth_keys import KeyRing
 from shared.model.checkpoint import load_checkpoint
+from tests.auth_tools import bearer, jwks_server, wait_trusted
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2
@@ -108,11 +111,22 @@ async def test_a_thousand_bad_frames_make_a_few_info_lines_and_a_full_count(chec
 
 
 # -- limits per credential: sessions per device, across its connections ---------------------------------
-SECRET = "limits-test-secret"
+RING = KeyRing.generate()
 
 
 def _bearer(device_id: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {auth.issue(SECRET, device_id, 'device', 60, time.time())}"}
+    return bearer(RING, device_id, "device", auth.VERIFIER)
+
+
+@contextlib.asynccontextmanager
+async def authenticated_verifier(checkpoint, **overrides):
+    """The verifier checking devices' tokens against RING's keys (served as an issuer's): yields its ws URL."""
+    credential = RING.mint("verifier-cloud", "service", auth.ISSUER, 600, time.time())
+    async with jwks_server(RING) as issuer, verifier_on_loopback(
+        checkpoint, M, auth_issuer_url=issuer, auth_credential=credential, **overrides
+    ) as (server, url):
+        await wait_trusted(server.trust)
+        yield url
 
 
 async def _open_session(ws, checkpoint, sid: int) -> wire.Message:
@@ -126,7 +140,7 @@ def _refused_as_overloaded(reply: wire.Message) -> bool:
 
 
 async def test_one_device_token_holds_at_most_its_sessions_across_connections(checkpoint):
-    async with verifier_on_loopback(checkpoint, M, auth_secret=SECRET, max_sessions_per_device=3) as (_, url):
+    async with authenticated_verifier(checkpoint, max_sessions_per_device=3) as url:
         async with connect(url, additional_headers=_bearer("dev-a")) as a1, \
                 connect(url, additional_headers=_bearer("dev-a")) as a2, \
                 connect(url, additional_headers=_bearer("dev-b")) as b:
@@ -163,7 +177,7 @@ async def test_the_handshake_debug_log_never_shows_a_token(checkpoint, caplog):
     caplog.set_level(logging.DEBUG, logger="websockets.server")
     headers = _bearer("dev-secretive")
     token = headers["Authorization"].removeprefix("Bearer ")
-    async with verifier_on_loopback(checkpoint, M, auth_secret=SECRET) as (_, url):
+    async with authenticated_verifier(checkpoint) as url:
         async with connect(url, additional_headers=headers) as ws:
             assert isinstance(await _open_session(ws, checkpoint, 1), wire.SessionOpened)
     logged = [r.getMessage() for r in caplog.records] + [caplog.text]

@@ -18,6 +18,7 @@ from tophat.bench_commands import bench
 from tophat.command_support import MODEL_HELP, USER_ERRORS, fail, setup_torch
 from tophat.mesh_commands import certs, mesh_secrets, stage, up
 from tophat.model_commands import adapter_sweep_cmd, build_demo_model_cmd, import_gguf_cmd, train_adapter_cmd
+from tophatctl.credentials_command import app as credentials_app
 from tophatctl.privacy.command import privacy_command
 from tophatctl.profile import plan_command, profile_command
 
@@ -133,6 +134,7 @@ app.command("mesh-secrets")(mesh_secrets)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(
     stage
 )
+app.add_typer(credentials_app, name="credentials")
 app.command()(chat)
 app.command()(bench)
 app.command("loadgen", help="Poisson load generator against the token-streamer (results.json, requests.csv, plots).")(

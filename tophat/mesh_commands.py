@@ -36,8 +36,9 @@ def up(
                                               "(role, pid, url) here, rewritten after each restart"),
     api_key: str = typer.Option("", "--api-key", envvar="TOPHAT_STREAMER_API_KEY", show_default=False,
                                 help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)"),
-    auth: bool = typer.Option(True, "--auth/--no-auth", help="authenticate every internal hop with signed tokens "
-                              "from a random mesh secret made for this run (TOPHAT_*_AUTH_SECRET)"),
+    auth: bool = typer.Option(True, "--auth/--no-auth", help="authenticate every internal hop with signed tokens: a "
+                              "fresh signing key for the state monitor (the issuer), service credentials, a "
+                              "bootstrap token per device (TOPHAT_*_AUTH_*)"),
     tls: bool = typer.Option(False, "--tls", help="TLS on every hop (https, wss) with a development CA made in "
                              "the log directory (see tophat certs)"),
     edge_pipeline: str = typer.Option("", "--edge-pipeline", help="Jupiter: run the model over these edge devices "
@@ -117,14 +118,17 @@ def mesh_secrets(
     api_key: str = typer.Option("", "--api-key", help="also require this key on the OpenAI endpoint"),
     tls_hosts: str = typer.Option("token-streamer,verifier-cloud,chunk-planner,state-monitor,localhost,127.0.0.1",
                                   "--tls-hosts", help="names the services' certificate is valid for; empty: no TLS"),
+    issuer_url: str = typer.Option("", "--issuer-url", help="where services and devices reach the state monitor "
+                                   "(the issuer); default http(s)://state-monitor:8020"),
 ):
-    """Fresh secrets for `docker compose up` (mounted as Compose secrets): the mesh's auth secret, Redis's
+    """Fresh secrets for `docker compose up` (mounted as Compose secrets): the issuer's signing key (the state
+    monitor's alone), the services' credentials, the devices' bootstrap token (their file alone), Redis's
     password, an optional API key, and a development CA + server certificate with the settings that turn
     TLS on; files 0600, owned by the images' user when run as root."""
     from tophatctl.certs import parse_hosts
     from tophatctl.mesh_secrets import make_mesh_secrets
 
-    for path in make_mesh_secrets(out, api_key, parse_hosts(tls_hosts) if tls_hosts else None):
+    for path in make_mesh_secrets(out, api_key, parse_hosts(tls_hosts) if tls_hosts else None, issuer_url):
         typer.echo(path)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.auth import BearerAuth
+from shared import auth
 from shared.lifeline import Tether
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.redis_server import EmbeddedRedis
@@ -29,7 +29,7 @@ from tophatctl import mesh_settings
 from tophatctl.certs import DevCerts
 from tophatctl.edge_pipeline import configure_mesh
 from tophatctl.mesh_config import MeshConfig, MeshStartError, mesh_model_dir
-from tophatctl.mesh_credentials import MeshCredentials
+from tophatctl.mesh_credentials import AUTH_KEYS, SETTINGS_PREFIX, MeshCredentials, OperatorAuth
 from tophatctl.mesh_ports import layout, taken_ports
 from tophatctl.netns import NetnsLink, netns_support, subnet_for_index
 from tophatctl.service_process import ServiceProcess, start_process, tethered_command
@@ -52,7 +52,7 @@ class Mesh:
         self.discovered_urls: list[str] = []  # discover_devices: the agents' announced URLs
         self.supervisor: Supervisor | None = None  # while supervising
         self.tether: Tether | None = None  # while running: the services stop when it closes or this process dies
-        self.credentials = MeshCredentials(config.auth, config.auth_secret)
+        self.credentials = MeshCredentials(config.auth)
         self._netns = False  # devices in network namespaces (decided at start)
         if config.log_dir is None:
             config.log_dir = Path(tempfile.mkdtemp(prefix="tophat-mesh-"))
@@ -76,9 +76,18 @@ class Mesh:
         """httpx's `verify` for this mesh (trusting its CA with TLS)."""
         return self.credentials.client_verify()
 
-    def operator_auth(self, role: str = "service", subject: str = "tophat-operator") -> BearerAuth | None:
+    def operator_auth(
+        self, role: str = "service", subject: str = "tophat-operator", audience: str = ""
+    ) -> OperatorAuth | None:
         """httpx `auth` for calling the mesh's internal endpoints directly; None when it runs open."""
-        return self.credentials.operator_auth(role, subject)
+        return self.credentials.operator_auth(role, subject, audience)
+
+    def _make_keys(self) -> None:
+        cfg = self.config
+        audiences = {cfg.monitor_url: auth.ISSUER, cfg.planner_url: auth.PLANNER,
+                     **{url: auth.VERIFIER for url in cfg.verifier_urls().split(",")},
+                     **{cfg.device_url(i): auth.device_audience(f"device-{i}") for i in range(cfg.num_devices)}}
+        self.credentials.make_keys(cfg.log_dir, cfg.monitor_url, audiences)
 
     def _make_certs(self) -> None:
         # With namespaces, devices are reached (and reach the cloud side) at their veth ends' addresses too.
@@ -93,9 +102,14 @@ class Mesh:
         assert self.tether is not None, "services are spawned by start()"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.tls_env,
                     **self.config.extra_env, **env, **self.tether.child_env()}
-        # The mesh's secret over the caller's environment (one secret for the whole mesh), under what this
-        # mesh's extra_env or this service's own env sets.
-        full_env.update({k: v for k, v in self.auth_env.items() if k not in self.config.extra_env and k not in env})
+        # The mesh's credentials over the caller's environment, under what this mesh's extra_env or this
+        # service's own env sets.
+        # Each process gets only its own service's credentials: a device agent never sees a service's.
+        own = SETTINGS_PREFIX[module]
+        full_env = {k: v for k, v in full_env.items() if not (k.startswith("TOPHAT_") and k.endswith(AUTH_KEYS)
+                                                               and not k.startswith(own))}
+        full_env.update({k: v for k, v in self.auth_env.items()
+                         if k.startswith(own) and k not in self.config.extra_env and k not in env})
         command = tethered_command(module, prefix)
         service = ServiceProcess(name, start_process(command, full_env, log_path), ready_url, log_path, command,
                                  full_env)
@@ -202,8 +216,9 @@ class Mesh:
         return mesh_settings.device_env(self.config, i, model_dir)
 
     def _spawn_announcing_device(self, i: int, model_dir: str) -> ServiceProcess:
-        return self._spawn(f"device-agent-{i}", "services.device_agent",
-                           mesh_settings.announcing_device_env(self.config, i, model_dir), "")
+        env = mesh_settings.announcing_device_env(self.config, i, model_dir)
+        env.update(self.credentials.device_env(env["TOPHAT_DEVICE_STATE_MONITOR_URL"]))  # a fleet bootstrap
+        return self._spawn(f"device-agent-{i}", "services.device_agent", env, "")
 
     def _spawn_device(self, i: int, model_dir: str) -> ServiceProcess:
         from shared.model.checkpoint import read_config  # imports torch: only when a mesh starts a device
@@ -228,6 +243,9 @@ class Mesh:
             cfg.device_hosts[i] = link.ns_ip
             prefix = link.exec_prefix()
         env.update(mesh_settings.cloud_urls_env(cfg, host))
+        # Its own bootstrap token, and the URL it enrolls with: the one the streamer is given for it.
+        env.update(self.credentials.device_env(env["TOPHAT_DEVICE_STATE_MONITOR_URL"], f"device-{i}"))
+        env["TOPHAT_DEVICE_ADVERTISE_URL"] = cfg.device_url(i)
         return self._spawn(f"device-agent-{i}", "services.device_agent", env, f"{cfg.device_url(i)}/readyz", prefix)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -257,6 +275,7 @@ class Mesh:
                 self.redis_url = self.redis.url
             if cfg.tls:
                 self._make_certs()
+            self._make_keys()
             cloud_side = self._spawn_cloud_side(model_dir, self._edge_env())
             if cfg.discover_devices:
                 self._wait_ready(cloud_side)

@@ -64,10 +64,10 @@ class MeshConfig:
     # to the state monitor; the streamer routes to whatever announced (no list of device URLs).
     discover_devices: bool = False
     api_key: str = field(default="", repr=False)  # the OpenAI endpoint's key(s), comma-separated; empty: open
-    # Every hop authenticated (shared/auth.py): one mesh secret in every service's TOPHAT_*_AUTH_SECRET, each
-    # minting its own short-lived tokens; auth_secret empty: a random one per Mesh. auth=False: open, as before.
+    # Every hop authenticated (shared/auth.py): a fresh signing key per Mesh for the state monitor (the issuer),
+    # service credentials for the cloud side, a bootstrap token per device (tophatctl/mesh_credentials.py).
+    # auth=False: open, as before.
     auth: bool = True
-    auth_secret: str = field(default="", repr=False)
     # Secret rotation of the hidden basis (shared/model/rotation.py): the verifiers re-parameterise their middle
     # layers for it, the device agents rotate their uplink with it (TOPHAT_*_HIDDEN_ROTATION). Empty: off.
     hidden_rotation: str = field(default="", repr=False)

@@ -1,8 +1,11 @@
 """The secrets a container deployment mounts (`tophat mesh-secrets`, `make secrets`).
 
-`tophat-mesh.env`: `KEY=VALUE` lines every service reads through `TOPHAT_SETTINGS_FILE` — one random
-mesh secret as each service's `AUTH_SECRET` (shared/auth.py: each service mints its own tokens from it),
-the Redis password for the state monitor, and optionally the OpenAI endpoint's API key.
+`tophat-mesh.env`: `KEY=VALUE` lines the cloud-side services read through `TOPHAT_SETTINGS_FILE` — the issuer's
+URL and a service credential for the verifier and the streamer (shared/auth.py), the state monitor's signing
+key file's mounted path and Redis password, and optionally the OpenAI endpoint's API key.
+`tophat-device.env`: what a device agent reads instead: the issuer's URL and a fleet BOOTSTRAP token, which can
+only enroll a device (services/state_monitor/issuer.py), never a signing key or a service's credential.
+`signing-keys.json`: the Ed25519 signing key ring (shared/auth_keys.py), mounted into the state monitor alone.
 `redis.conf`: `requirepass` for the Redis container (a config file, so the password never sits on a
 command line). With `tls_hosts`, a development CA and a server certificate for those names
 (tophatctl/certs.py) and the settings lines that make the cloud-side services serve TLS and every service
@@ -18,7 +21,14 @@ import secrets
 from pathlib import Path
 
 MESH_ENV = "tophat-mesh.env"
+DEVICE_ENV = "tophat-device.env"
+SIGNING_KEYS = "signing-keys.json"
 REDIS_CONF = "redis.conf"
+MONITOR_PORT = 8020  # where the containers' state monitor (the issuer) listens (docker-compose.yml, swarm/, k8s/)
+# A deployment's credentials' lives: services and devices renew theirs at the issuer long before; the bootstrap
+# token must outlive the fleet's enrolment (revoke it by its id, `tophat credentials revoke`, to end it early).
+SERVICE_CREDENTIAL_TTL_S = 30 * 86_400.0
+BOOTSTRAP_TTL_S = 30 * 86_400.0
 IMAGE_UID = 10001
 # Served with TLS in a container deployment; device agents are reached at addresses no fixed certificate
 # names (their containers' own), so they serve plain HTTP to callers that must hold a token.
@@ -44,16 +54,31 @@ def _write_private(path: Path, text: str) -> None:
         os.chown(path, IMAGE_UID, IMAGE_UID)
 
 
-def make_mesh_secrets(out_dir: Path, api_key: str = "", tls_hosts: list[str] | None = None) -> tuple[Path, Path]:
-    """Write fresh secrets; returns (tophat-mesh.env, redis.conf). Existing files are replaced."""
+def make_mesh_secrets(
+    out_dir: Path, api_key: str = "", tls_hosts: list[str] | None = None, issuer_url: str = ""
+) -> tuple[Path, Path, Path, Path]:
+    """Write fresh secrets; returns (tophat-mesh.env, tophat-device.env, signing-keys.json, redis.conf).
+    `issuer_url`: where services and devices reach the state monitor (default its service name)."""
+    import time
+
+    from shared import auth
+    from shared.auth_keys import KeyRing
     from tophatctl.certs import CA_CERT, SERVER_CERT, SERVER_KEY, make_dev_certs
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    mesh_secret = new_secret()
+    issuer_url = issuer_url or f"{'https' if tls_hosts else 'http'}://state-monitor:{MONITOR_PORT}"
+    ring, now = KeyRing.generate(), time.time()
     redis_password = new_secret()
-    lines = ["# written by `tophat mesh-secrets`: mounted as a secret, never committed"]
-    lines += [f"{prefix}AUTH_SECRET={mesh_secret}" for prefix in SERVICE_PREFIXES]
+    lines = ["# written by `tophat mesh-secrets`: the cloud side's, mounted as a secret, never committed"]
+    lines.append(f"TOPHAT_STATE_MONITOR_AUTH_KEY_FILE={MOUNTED / SIGNING_KEYS}")
+    for prefix, subject in (("TOPHAT_VERIFIER_", auth.VERIFIER_SUBJECT), ("TOPHAT_STREAMER_", auth.STREAMER_SUBJECT)):
+        credential = ring.mint(subject, "service", auth.ISSUER, SERVICE_CREDENTIAL_TTL_S, now)
+        lines += [f"{prefix}AUTH_ISSUER_URL={issuer_url}", f"{prefix}AUTH_CREDENTIAL={credential}"]
+    lines.append(f"TOPHAT_CHUNK_PLANNER_AUTH_ISSUER_URL={issuer_url}")  # it only verifies
     lines.append(f"TOPHAT_STATE_MONITOR_REDIS_PASSWORD={redis_password}")
+    device = ["# written by `tophat mesh-secrets`: the device agents' (a bootstrap token only), never committed",
+              f"TOPHAT_DEVICE_AUTH_ISSUER_URL={issuer_url}",
+              f"TOPHAT_DEVICE_AUTH_CREDENTIAL={ring.mint('*', 'bootstrap', auth.ISSUER, BOOTSTRAP_TTL_S, now)}"]
     if api_key:
         lines.append(f"TOPHAT_STREAMER_API_KEY={api_key}")
     if tls_hosts:
@@ -62,8 +87,14 @@ def make_mesh_secrets(out_dir: Path, api_key: str = "", tls_hosts: list[str] | N
             os.chown(made.server_key, IMAGE_UID, IMAGE_UID)
         lines += [f"{prefix}TLS_CERT={MOUNTED / SERVER_CERT}" for prefix in TLS_SERVERS]
         lines += [f"{prefix}TLS_KEY={MOUNTED / SERVER_KEY}" for prefix in TLS_SERVERS]
-        lines += [f"{prefix}TLS_CA={MOUNTED / CA_CERT}" for prefix in SERVICE_PREFIXES]
-    env_path, conf_path = out_dir / MESH_ENV, out_dir / REDIS_CONF
+        lines += [f"{prefix}TLS_CA={MOUNTED / CA_CERT}" for prefix in SERVICE_PREFIXES if prefix != "TOPHAT_DEVICE_"]
+        device.append(f"TOPHAT_DEVICE_TLS_CA={MOUNTED / CA_CERT}")
+    env_path, device_path = out_dir / MESH_ENV, out_dir / DEVICE_ENV
+    keys_path, conf_path = out_dir / SIGNING_KEYS, out_dir / REDIS_CONF
     _write_private(env_path, "\n".join(lines) + "\n")
+    _write_private(device_path, "\n".join(device) + "\n")
+    ring.save(keys_path)
+    if os.geteuid() == 0:
+        os.chown(keys_path, IMAGE_UID, IMAGE_UID)
     _write_private(conf_path, f"requirepass {redis_password}\n")
-    return env_path, conf_path
+    return env_path, device_path, keys_path, conf_path

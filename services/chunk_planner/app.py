@@ -45,7 +45,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.chunk_planner.monitor_client import NO_MONITOR, MonitorClient, Telemetry, reported_stages
 from services.chunk_planner.settings import Settings, load_settings
-from shared import auth
+from shared import auth, auth_client
 from shared.draft_budget import BudgetError, BudgetRequest, budget_from_state
 from shared.edge_sd.plan import (
     InfeasibleBatchingError,
@@ -145,6 +145,8 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
     metrics = PlannerMetrics()
     edge_sd_defaults = settings.edge_sd_defaults()
     latest_edge_sd_plan: dict[str, Any] | None = None
+    # Callers are checked with the issuer's public keys, re-read by `trust_refresher` (None, None: open).
+    trust, trust_refresher = auth_client.trust_for(settings, client_context(settings.tls_ca))
 
     async def telemetry(device_id: str) -> Telemetry:
         return NO_MONITOR if monitor is None else await monitor.fetch(device_id)
@@ -161,22 +163,30 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
             )
         else:
             log.warning("no state_monitor_url: chunk sizes and draft steps are fixed defaults")
+        refreshing = None
+        if trust_refresher is not None:
+            await trust_refresher.refresh()  # ready with the issuer's keys when it is up (bounded by its timeout)
+            refreshing = asyncio.create_task(trust_refresher.run(), name="auth-trust")
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
+            if refreshing is not None:
+                refreshing.cancel()
+                await asyncio.gather(refreshing, return_exceptions=True)
             if monitor is not None:
                 await monitor.aclose()
                 monitor = None
 
     app = FastAPI(title="tophat chunk planner", lifespan=lifespan)
     # Every answer needs a credential (shared/auth.py); a device's only for its own device id. Probes stay open.
-    auth.warn_if_open("the chunk planner", settings.auth_secret, settings.host, "TOPHAT_CHUNK_PLANNER_AUTH_SECRET")
-    auth.install(app, settings.auth_secret, auth.ROLES)
+    auth.warn_if_open(
+        "the chunk planner", settings.authenticated, settings.host, "TOPHAT_CHUNK_PLANNER_AUTH_ISSUER_URL"
+    )
+    auth.install(app, trust, auth.PLANNER, {"device", "service"})
 
     def for_caller(request: Request, device_id: str) -> None:
-        # shared/auth.claims_of is annotated `dict` but only reads the ASGI scope (a MutableMapping)
         if not auth.may_act_for(auth.claims_of(request.scope), device_id):
             raise HTTPException(403, "a device credential may ask only for its own device id")
 

@@ -16,6 +16,7 @@ from contextlib import aclosing
 import httpx
 
 from services.device_agent.admission import Admission
+from services.device_agent.announce import own_url
 from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud
 from services.device_agent.cloud_errors import verifier_lost
 from services.device_agent.detokenizer import IncrementalDetokenizer
@@ -25,7 +26,7 @@ from services.device_agent.kept import KeepableSession, KeptSessions
 from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.rounds import ROUNDS
 from services.device_agent.settings import Settings
-from shared import auth, latency_stats, wire
+from shared import auth, auth_client, latency_stats, wire
 from shared.device_speed import speed_schedule
 from shared.draft_budget import BudgetTracker, DraftShape
 from shared.hardening import with_noise, with_rotation
@@ -67,10 +68,17 @@ class DeviceAgent:
             self.checkpoint, settings.split_layers, settings.adapter or None, speculative=settings.speculative
         ).to(self.placement.device)
         tls = client_context(settings.tls_ca)  # trusts the mesh's CA for https:// planner and monitor
-        # This device's credential on its calls (verifier handshake, monitor, planner): its own token, or one
-        # minted from the mesh secret for its device id (shared/auth.py); None when the mesh runs open.
-        credential = auth.client_auth(settings.auth_secret, settings.device_id, "device", settings.auth_token)
-        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls, auth=credential)
+        # This device's credentials (shared/auth_client.py): it enrolls with its bootstrap token at the issuer
+        # (its id and URL) and gets a token per service it calls (verifier, monitor, planner); callers of its own
+        # /generate and /info are checked against the issuer's public keys (app.py). None: the mesh runs open.
+        enrollment = (
+            auth_client.Enrollment(settings.device_id, own_url(settings), settings.max_sessions)
+            if settings.authenticated
+            else None
+        )
+        self.broker = auth_client.broker_for(settings, enrollment, tls)
+        monitor_auth = auth_client.BrokerAuth(self.broker, auth.ISSUER) if self.broker is not None else None
+        self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls, auth=monitor_auth)
         self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
         self.telemetry.count_into(self.metrics.registry)  # its drops show on /metrics
         link = parse_link_spec(settings.link)
@@ -89,7 +97,7 @@ class DeviceAgent:
                 split_fingerprint(settings.model_dir, settings.split_layers), settings.hidden_rotation
             ),
             tls_ca=settings.tls_ca,
-            auth=credential,
+            auth=auth_client.BrokerAuth(self.broker, auth.VERIFIER) if self.broker is not None else None,
         )
         # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
         # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
@@ -112,7 +120,16 @@ class DeviceAgent:
         self.requests_served = 0
         self.replays = 0  # sessions moved to another verifier (or the same one, restarted)
         self.active = 0
-        self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls, auth=credential)
+        # The planner's and the monitor's calls (plans, announcements, edge SD), each with its audience's token.
+        http_auth = (
+            auth_client.BrokerAuth(
+                self.broker,
+                audiences={settings.chunk_planner_url: auth.PLANNER, settings.state_monitor_url: auth.ISSUER},
+            )
+            if self.broker is not None
+            else None
+        )
+        self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls, auth=http_auth)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
         shapes = settings.budget_shapes() if settings.chunk_planner_url else []  # the planner chooses among them
@@ -396,3 +413,5 @@ class DeviceAgent:
             await self.plans.aclose()
         await self.http.aclose()
         await self.telemetry.aclose()
+        if self.broker is not None:
+            await self.broker.aclose()

@@ -13,7 +13,18 @@ import logging
 
 import httpx
 
+from services.device_agent.settings import Settings
+from shared.device_registry import advertised_url
+
 log = logging.getLogger("services.device_agent")
+
+
+def own_url(settings: Settings) -> str:
+    """The URL this agent announces and enrolls with: where the streamer reaches it."""
+    url = advertised_url(settings.advertise_url, settings.host, settings.port, route_to=settings.state_monitor_url)
+    if settings.tls_cert and not settings.advertise_url:  # this agent serves only https
+        url = "https://" + url.removeprefix("http://")
+    return url
 
 
 async def announce_loop(

@@ -39,19 +39,19 @@ from fastapi.responses import JSONResponse
 
 from services.device_agent.admission import AdmittedStream
 from services.device_agent.agent import DeviceAgent
-from services.device_agent.announce import announce_loop
+from services.device_agent.announce import announce_loop, own_url
 from services.device_agent.generate_request import GenerateRequest
 from services.device_agent.kept import KeepableSession, UnknownKeptSession
 from services.device_agent.rounds import build_session
 from services.device_agent.settings import Settings
-from shared import auth
-from shared.device_registry import advertised_url
+from shared import auth, auth_client
 from shared.jupiter.outline import advertised_chat_format
 from shared.metrics import metrics_response
 from shared.modes import MODE_TABLE, Asked, Offered
 from shared.runtime import encode_prompt
 from shared.specdec.device_session import SessionError
 from shared.specdec.sampling import SamplingParams
+from shared.tls import client_context
 
 log = logging.getLogger("services.device_agent")
 
@@ -65,6 +65,8 @@ def error_response(status: int, code: str, message: str, **detail) -> JSONRespon
 
 def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
     state: dict[str, DeviceAgent] = {}
+    # Callers of /generate and /info are checked with the issuer's public keys, re-read by `trust_refresher`.
+    trust, trust_refresher = auth_client.trust_for(settings, client_context(settings.tls_ca))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -84,14 +86,12 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe"),
             asyncio.create_task(state["agent"].kept.cleanup_loop(), name="kept-sessions"),
         ]
+        if trust_refresher is not None:
+            probes.append(asyncio.create_task(trust_refresher.run(), name="auth-trust"))
         if state["agent"].edge is not None:
             probes.append(asyncio.create_task(state["agent"].edge.run(), name="edge-sd-rounds"))
         if settings.state_monitor_url and settings.announce_interval_s > 0:
-            url = advertised_url(
-                settings.advertise_url, settings.host, settings.port, route_to=settings.state_monitor_url
-            )
-            if settings.tls_cert and not settings.advertise_url:  # this agent serves only https
-                url = "https://" + url.removeprefix("http://")
+            url = own_url(settings)
             probes.append(
                 asyncio.create_task(
                     announce_loop(
@@ -116,11 +116,12 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             await state["agent"].aclose()
 
     app = FastAPI(title=f"tophat device agent {settings.device_id}", lifespan=lifespan)
-    # /generate and /info answer the streamer only (a service token); the probes stay open.
+    # /generate and /info answer a service only, with a token for this device (its audience); the probes stay
+    # open.
     auth.warn_if_open(
-        f"device agent {settings.device_id}", settings.auth_secret, settings.host, "TOPHAT_DEVICE_AUTH_SECRET"
+        f"device agent {settings.device_id}", settings.authenticated, settings.host, "TOPHAT_DEVICE_AUTH_ISSUER_URL"
     )
-    auth.install(app, settings.auth_secret, {"service"})
+    auth.install(app, trust, auth.device_audience(settings.device_id), {"service"})
 
     @app.get("/healthz")
     async def healthz():

@@ -24,7 +24,7 @@ from services.device_agent.cloud_connection import SESSION_SEQ, CloudConnection,
 from services.device_agent.cloud_errors import CloudError, CloudUnavailable
 from services.device_agent.token_mode import chunk_verdict
 from shared import wire
-from shared.auth import BearerAuth
+from shared.auth_client import BrokerAuth
 from shared.links import LinkProfile
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.sampling import SamplingParams
@@ -54,7 +54,7 @@ class WebSocketCloud(CloudConnection):
         fingerprint: int | None = None,
         on_frame: FrameHook | None = None,
         tls_ca: str = "",
-        auth: BearerAuth | None = None,
+        auth: BrokerAuth | None = None,
     ):
         """`split_layers` (m) and `fingerprint` (`split_fingerprint(checkpoint_dir, m)`) go with every
         OpenSession so a verifier with another split or checkpoint refuses it; without them only

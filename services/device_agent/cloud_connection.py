@@ -19,7 +19,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from services.device_agent.cloud_errors import CloudError, CloudTimeout, CloudUnavailable
 from shared import wire
-from shared.auth import BearerAuth
+from shared.auth_client import BrokerAuth, CredentialUnavailable
 from shared.links import LinkProfile
 from shared.shaper import DelayLine, shapers_for
 from shared.tls import websocket_ssl
@@ -43,7 +43,7 @@ class CloudConnection:
         link: LinkProfile | None,
         on_frame: FrameHook | None,
         tls_ca: str,
-        auth: BearerAuth | None,
+        auth: BrokerAuth | None,
     ):
         self.urls = [u.strip() for u in url.split(",") if u.strip()]
         if not self.urls:
@@ -56,7 +56,7 @@ class CloudConnection:
         self.max_frame_bytes = max_frame_bytes
         self.on_frame = on_frame  # every message's payload bytes, each way (the device's link metrics)
         self.tls_ca = tls_ca  # the CA trusted for wss:// replicas (empty: the system's CAs)
-        self.auth = auth  # this device's credential for the handshake (shared/auth.py); fresh on every connect
+        self.auth = auth  # this device's token for the verifier (shared/auth_client.py); fresh on every connect
         self._connection: ClientConnection | None = None
         self._reader: asyncio.Task | None = None
         self._connect_lock = asyncio.Lock()
@@ -82,6 +82,7 @@ class CloudConnection:
                 index = (self._next_url + attempt) % len(self.urls)
                 self.url = self.urls[index]
                 try:
+                    headers = await self.auth.headers() if self.auth is not None else None
                     self._connection = await connect(
                         self.url,
                         open_timeout=self.connect_timeout_s,
@@ -90,9 +91,9 @@ class CloudConnection:
                         ping_interval=20,
                         ping_timeout=20,
                         ssl=websocket_ssl(self.url, self.tls_ca),  # None for ws://
-                        additional_headers=self.auth.header() if self.auth is not None else None,
+                        additional_headers=headers,
                     )
-                except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
+                except (OSError, TimeoutError, InvalidHandshake, InvalidURI, CredentialUnavailable) as exc:
                     failures.append(f"{self.url}: {exc or type(exc).__name__}")
                     continue
                 self._next_url = index

@@ -123,9 +123,6 @@ class Settings(ServiceSettings):
     # on Orin-class GPUs, float16 on Xavier) | float32 | float16 | bfloat16. wire_dtype is separate.
     device: str = "auto"
     dtype: str = "auto"
-    # Instead of (or beside) the secret: this device's own token, sent on its calls (the verifier, monitor,
-    # planner); it cannot be used for another device, but without the secret /generate stays open.
-    auth_token: str = field(default="", repr=False)
     # Uplink hardening (shared/hardening.py), for the hidden-state modes (hat, hat-async). hidden_rotation: the
     # verifier's secret (its middle layers are re-parameterised for it): shallow states go up as shallow @ Q^T,
     # exact; empty: off. uplink_noise: Gaussian noise of std uplink_noise x each row's RMS on every row sent;

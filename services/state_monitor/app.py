@@ -17,6 +17,7 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Query, Request
@@ -25,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from services.state_monitor.issuer import Issuer, install_routes
 from services.state_monitor.monitor import Monitor
 from services.state_monitor.records import (
     EDGE_SD_KEYS,
@@ -37,7 +39,7 @@ from services.state_monitor.records import (
 from services.state_monitor.settings import Settings, load_settings
 from shared import auth
 from shared import telemetry as tk
-from shared.device_registry import DeviceRegistry
+from shared.device_registry import DeviceRegistry, UrlTaken
 from shared.metrics import MonitorMetrics, metrics_response
 from shared.redis_server import resolve_redis_url, with_password
 
@@ -48,8 +50,8 @@ BODY_READ_TIMEOUT_S = 10.0  # a sender that takes longer for at most max_body_by
 
 def _may_write(request: Request, device_ids: list[str | None]) -> None:
     """403 unless the caller may write for every one of `device_ids` (None: a verifier's or request record),
-    before any of the batch is kept: a device writes only for itself, a service for anyone."""
-    # shared/auth.claims_of is annotated `dict` but only reads the ASGI scope (a MutableMapping)
+    before any of the batch is kept: a device writes only for itself, a service for anyone, a bootstrap token
+    for no one."""
     claims = auth.claims_of(request.scope)
     for device_id in device_ids:
         if not auth.may_act_for(claims, device_id):
@@ -145,6 +147,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     monitor = Monitor(settings, sink)
     registry = DeviceRegistry(settings.announce_ttl_s)
+    issuer = (
+        Issuer.from_key_file(
+            Path(settings.auth_key_file),
+            registry,
+            leeway_s=settings.auth_leeway_s,
+            device_ttl_s=settings.device_credential_ttl_s,
+            service_ttl_s=settings.service_credential_ttl_s,
+            access_ttl_s=settings.access_token_ttl_s,
+            max_ttl_s=settings.max_token_ttl_s,
+        )
+        if settings.authenticated
+        else None
+    )
     metrics = MonitorMetrics()
 
     @asynccontextmanager
@@ -162,9 +177,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await sink.close()
 
     app = FastAPI(title="tophat state monitor", lifespan=lifespan)
-    # Writes need a credential (shared/auth.py), a device's only for its own device id; reads stay open.
-    auth.warn_if_open("the state monitor", settings.auth_secret, settings.host, "TOPHAT_STATE_MONITOR_AUTH_SECRET")
-    auth.install(app, settings.auth_secret, auth.ROLES, guarded=lambda method, path: method == "POST")
+    # Writes need a credential (shared/auth.py), a device's only for its own device id; reads stay open. The
+    # monitor is the issuer (issuer.py): it checks tokens with its own keys and revocations, at once.
+    auth.warn_if_open("the state monitor", settings.authenticated, settings.host, "TOPHAT_STATE_MONITOR_AUTH_KEY_FILE")
+    if issuer is not None:
+        auth.install(app, issuer.verifier, auth.ISSUER, auth.ROLES, guarded=lambda method, path: method == "POST")
+        install_routes(app, issuer)
     app.state.ready = False
     app.state.monitor = monitor
 
@@ -195,7 +213,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         known = {a.device_id: a.url for a in registry.live()}
         if known.get(body.device_id) != body.url:
             log.info("device %s announced at %s", body.device_id, body.url)
-        registry.announce(body.device_id, body.url, body.max_sessions)
+        try:
+            registry.announce(body.device_id, body.url, body.max_sessions)
+        except UrlTaken as exc:
+            log.info("refused device %s's announcement: %s", body.device_id, exc)
+            raise HTTPException(409, str(exc)) from exc
         return {"ttl_s": registry.ttl_s}
 
     @app.get("/devices")

@@ -41,6 +41,20 @@ class Settings(ServiceSettings):
     # Edge SD: how many recent measured passes (draft, verify) and verdicts Redis keeps, each in its own
     # tophat:edge_sd:* list (POST /edge-sd/telemetry); GET /state/edge-sd serves them to the chunk planner.
     edge_sd_history: int = 512
+    # The issuer (services/state_monitor/issuer.py): the directory of its Ed25519 signing keys (shared/auth_keys.py,
+    # made by `tophat mesh-secrets` / `tophat up --auth`); set, every POST needs a credential. Writable: rotations
+    # and revocations are kept there too (else in memory only, lost on a restart). The tokens' lives: a device's
+    # credential, a service's renewed one, an audience token; max_token_ttl_s caps what an operator issues and is
+    # how long a rotated-out key keeps verifying.
+    auth_key_file: str = ""
+    device_credential_ttl_s: float = 3600.0
+    service_credential_ttl_s: float = 86_400.0
+    access_token_ttl_s: float = 300.0
+    max_token_ttl_s: float = 30 * 86_400.0
+
+    @property
+    def authenticated(self) -> bool:
+        return bool(self.auth_key_file)
 
     def validate(self) -> None:
         super().validate()  # auth, logging, TLS (shared/service_settings.py)
@@ -55,6 +69,9 @@ class Settings(ServiceSettings):
             raise ValueError("buckets_per_octave must be >= 1")
         if min(self.redis_timeout_s, self.redis_backoff_initial_s, self.device_stale_s, self.announce_ttl_s) <= 0:
             raise ValueError("timeouts, backoff, device_stale_s and announce_ttl_s must be > 0")
+        ttls = (self.device_credential_ttl_s, self.service_credential_ttl_s, self.access_token_ttl_s)
+        if min(ttls) <= 0 or max(ttls) > self.max_token_ttl_s:
+            raise ValueError("token ttls must be > 0 and <= max_token_ttl_s")
         if self.redis_backoff_max_s < self.redis_backoff_initial_s:
             raise ValueError("redis_backoff_max_s must be >= redis_backoff_initial_s")
 

@@ -40,7 +40,7 @@ from services.token_streamer.router import DeviceError, Router
 from services.token_streamer.run import Run
 from services.token_streamer.settings import Settings, load_settings
 from services.token_streamer.starter import BadRequest, RequestStarter
-from shared import auth
+from shared import auth, auth_client
 from shared.metrics import StreamerMetrics, metrics_response
 from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context
@@ -52,7 +52,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or load_settings()
     s = settings
     router = Router(s.device_url_list, down_s=s.device_down_s)
-    credential = auth.client_auth(s.auth_secret, "token-streamer", "service")  # minted from the mesh secret
+    # Its service credential buys, from the issuer, a token per device agent it calls (that device's audience
+    # only: replayed at another device or the monitor it is refused) and one for the monitor (telemetry).
+    broker = auth_client.broker_for(s, verify=client_context(s.tls_ca))
+    device_auth = (
+        auth_client.BrokerAuth(broker, audiences={s.state_monitor_url: auth.ISSUER}, devices=True) if broker else None
+    )
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(
             connect=s.connect_timeout_s,
@@ -63,8 +68,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         limits=httpx.Limits(max_connections=1000, max_keepalive_connections=64),
         trust_env=False,
         verify=client_context(s.tls_ca),  # https:// device agents: the mesh's CA
-        auth=credential,
-    )  # device agents answer /generate and /info to a service token only
+        auth=device_auth,
+    )  # device agents answer /generate and /info to a service token for them only
     admission = Admission(router, max_waiting=s.queue_max_waiting, timeout_s=s.queue_timeout_s)
     dispatcher = Dispatcher(
         admission,
@@ -74,7 +79,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         probe_timeout_s=s.probe_timeout_s,
     )
     telemetry = TelemetryClient(
-        s.state_monitor_url or None, timeout_s=s.telemetry_timeout_s, verify=client_context(s.tls_ca), auth=credential
+        s.state_monitor_url or None,
+        timeout_s=s.telemetry_timeout_s,
+        verify=client_context(s.tls_ca),
+        auth=auth_client.BrokerAuth(broker, auth.ISSUER) if broker else None,
     )
     metrics = StreamerMetrics(running=lambda: admission.running, waiting=lambda: admission.waiting)
     telemetry.count_into(metrics.registry)  # its drops show on /metrics
@@ -124,6 +132,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
             await telemetry.aclose()
             await client.aclose()
+            if broker is not None:
+                await broker.aclose()
 
     app = FastAPI(title="tophat token streamer", lifespan=lifespan)
     install_gate(app, s)  # API keys, rate per credential, body size: answered before any parsing

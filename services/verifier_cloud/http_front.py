@@ -8,7 +8,6 @@ the WebSocket. Readiness comes from the server (`readiness`), so this module kno
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from http import HTTPStatus
 
@@ -32,9 +31,11 @@ class HttpFront:
         sessions: SessionTable,
         metrics: VerifierMetrics,
         readiness: Callable[[], tuple[bool, str]],
+        trust: auth.TokenVerifier | None = None,
     ) -> None:
-        """`readiness()`: (ready, the /readyz body)."""
+        """`readiness()`: (ready, the /readyz body); `trust`: checks devices' tokens (None: the mesh runs open)."""
         self.settings = settings
+        self.trust = trust
         self.sessions = sessions
         self.metrics = metrics
         self.readiness = readiness
@@ -56,15 +57,14 @@ class HttpFront:
         return self.refuse_unauthenticated(connection, request)
 
     def refuse_unauthenticated(self, connection: ServerConnection, request: Request) -> Response | None:
-        """With a mesh secret, the upgrade needs a device's token (shared/auth.py): else 401 (none, forged,
-        expired) or 403 (a service's), before any session exists. The connection then lives past the token's
-        expiry: it was authenticated when it opened; a reconnect needs a fresh token."""
-        if not self.settings.auth_secret:
+        """With auth on, the upgrade needs a device's token for the verifier (shared/auth.py): else 401 (none,
+        forged, expired, revoked, for another audience) or 403 (a service's), before any session exists. The
+        connection then lives past the token's expiry: it was authenticated when it opened; a reconnect needs
+        a fresh token."""
+        if self.trust is None:
             return None
         try:
-            claims = auth.authenticate(
-                self.settings.auth_secret, request.headers.get("Authorization"), {"device"}, time.time()
-            )
+            claims = auth.authenticate(self.trust, request.headers.get("Authorization"), auth.VERIFIER, {"device"})
         except auth.AuthError as exc:
             log.info("refused a verifier connection from %s: %s", connection.remote_address, exc.reason)
             response = connection.respond(HTTPStatus(exc.status), f"{exc.reason}\n")

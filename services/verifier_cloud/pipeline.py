@@ -127,7 +127,13 @@ class StagePipeline:
         try:
             if self.remote is not None:
                 layers = [spec.layers for spec in self.specs]
-                first, last = await asyncio.to_thread(wire_remote_stages, self.remote, layers, self.start_timeout_s)
+                try:
+                    credential = await asyncio.wait_for(self.remote.credential(), self.start_timeout_s)
+                except TimeoutError:
+                    raise StageLinkError("no credential for the stages within the start timeout") from None
+                first, last = await asyncio.to_thread(
+                    wire_remote_stages, self.remote, layers, credential, self.start_timeout_s
+                )
             else:
                 first, last = await asyncio.to_thread(
                     chain_stages,

@@ -25,7 +25,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from services.verifier_cloud.stages import StageFailed
@@ -81,14 +81,14 @@ class RemoteStages:
     addresses: tuple[Address, ...]  # stage i listens at addresses[i]
     return_bind: Address  # the return hop's listener (port 0: the kernel picks)
     return_host: str  # the host name the last stage dials for it (the verifier's name on the stages' network)
-    credential: Callable[[], bytes]  # a fresh service credential per wiring
+    credential: Callable[[], Awaitable[bytes]]  # a service token for the stages' audience, fresh per wiring
 
 
 # -- the verifier's side --------------------------------------------------------------------------------
 
 
 def wire_remote_stages(
-    remote: RemoteStages, layers: Sequence[tuple[int, int]], timeout_s: float
+    remote: RemoteStages, layers: Sequence[tuple[int, int]], credential: bytes, timeout_s: float
 ) -> tuple[socket.socket, socket.socket]:
     """(hop 0 into stage 0, hop P back from the last stage), or StageLinkError naming the stage that failed."""
     if len(layers) != len(remote.addresses):
@@ -103,7 +103,7 @@ def wire_remote_stages(
         next_hop: Address = (remote.return_host, listener.getsockname()[1])
         for index in reversed(range(len(layers))):
             wire = Wire(index, *layers[index], *next_hop, token.hex())
-            _wire_one(remote.addresses[index], wire, remote.credential(), deadline)
+            _wire_one(remote.addresses[index], wire, credential, deadline)
             next_hop = remote.addresses[index]
         first = connect_link(remote.addresses[0], token, max(deadline - time.monotonic(), 0.1))
         try:

@@ -51,7 +51,7 @@ from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_frames import TokenFrames
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
-from shared import auth, wire
+from shared import auth, auth_client, wire
 from shared.capture import CaptureWriter
 from shared.metrics import VerifierMetrics
 from shared.model.checkpoint import split_fingerprint
@@ -99,12 +99,18 @@ class VerifierServer:
             max_sessions_per_owner=settings.max_sessions_per_connection,
             max_queue=settings.max_queue_per_session,
         )
+        # Its own calls (telemetry to the monitor) carry a token for the monitor, from its service credential;
+        # the devices' handshakes are checked with the issuer's public keys, re-read by `trust_refresher`.
+        self.broker = auth_client.broker_for(settings, verify=client_context(settings.tls_ca))
+        self.trust: auth.TokenVerifier | None
+        self.trust_refresher: auth_client.TrustRefresher | None
+        self.trust, self.trust_refresher = auth_client.trust_for(settings, client_context(settings.tls_ca))
         self.telemetry = TelemetryClient(
             settings.state_monitor_url or None,
             verify=client_context(settings.tls_ca),
-            auth=auth.client_auth(settings.auth_secret, "verifier-cloud", "service"),
+            auth=auth_client.BrokerAuth(self.broker, auth.ISSUER) if self.broker is not None else None,
         )
-        auth.warn_if_open("the verifier", settings.auth_secret, settings.host, "TOPHAT_VERIFIER_AUTH_SECRET")
+        auth.warn_if_open("the verifier", settings.authenticated, settings.host, "TOPHAT_VERIFIER_AUTH_ISSUER_URL")
         self.steps = 0
         self.ready = False
         self.capture: CaptureWriter | None = None  # settings.capture_path: opened while serving (serve_forever)
@@ -117,7 +123,10 @@ class VerifierServer:
             self.engine = InProcessEngine(self.scheduler, self.runner, self._record_step)
         else:
             self.pipeline = StagePipeline(
-                stages, settings.stage_start_timeout_s, settings.stage_timeout_s, remote=remote_stages(settings)
+                stages,
+                settings.stage_start_timeout_s,
+                settings.stage_timeout_s,
+                remote=remote_stages(settings, self.broker),
             )
             self.engine = PipelineEngine(self.scheduler, self.pipeline, self._record_step)
         self.sessions = SessionTable(settings, self.scheduler, self.runner, self.pipeline)
@@ -127,7 +136,7 @@ class VerifierServer:
             kv_bytes=self.runner.kv_bytes if self.runner is not None else None,
         )
         self.telemetry.count_into(self.metrics.registry)  # its drops show on /metrics
-        self.http = HttpFront(settings, self.sessions, self.metrics, self.readiness)
+        self.http = HttpFront(settings, self.sessions, self.metrics, self.readiness, self.trust)
         self.link = DeviceLink(settings, hidden_size, self.sessions, self.metrics.bad_frame)
         self.tokens = TokenFrames(self.sessions, token_model)
 
@@ -365,6 +374,7 @@ class VerifierServer:
             async with asyncio.TaskGroup() as tasks:
                 engine = tasks.create_task(self.engine.run())
                 sweeper = tasks.create_task(self.close_idle_sessions())
+                trust = tasks.create_task(self.trust_refresher.run()) if self.trust_refresher is not None else None
                 # a pipeline (P > 1) comes with a PipelineEngine (__init__)
                 collector = (
                     tasks.create_task(self.engine.supervise(self._sessions_lost))
@@ -389,8 +399,12 @@ class VerifierServer:
                 self.ready = False
                 engine.cancel()
                 sweeper.cancel()
+                if trust is not None:
+                    trust.cancel()
                 if self.pipeline is not None:
                     await self.pipeline.aclose()  # Stop flows down the chain; the collector returns on it
                 if collector is not None:
                     collector.cancel()
             await self.telemetry.aclose()
+            if self.broker is not None:
+                await self.broker.aclose()

@@ -18,11 +18,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import torch
 
 from services.verifier_cloud.remote_stages import await_wiring
 from services.verifier_cloud.stages import STAGE_CODEC, StageSpec, StageWorker, build_worker, serve_messages
 from shared import auth
+from shared.auth_client import JWKS_PATH
 from shared.model.checkpoint import ModelLoadError
 from shared.model.split import SplitError
 from shared.service_settings import ServiceSettings
@@ -30,6 +32,7 @@ from shared.settings import SettingsError, from_env
 from shared.stage_codec import StageLinkError
 from shared.stage_link import LinkReceiver, LinkSender, accept_link, bind_listener, connect_link, parse_address
 from shared.stage_plan import parse_stage_layers
+from shared.tls import client_context
 
 log = logging.getLogger("services.verifier_cloud.stage")
 
@@ -78,21 +81,40 @@ class StageSettings(ServiceSettings):
         )
 
 
-def credential_check(secret: str, clock: Callable[[], float] = time.time) -> Callable[[bytes], None]:
-    """What a control connection must present: a service credential (a device's cannot wire a stage);
-    anything when the mesh runs open (no secret)."""
+class CredentialCheck:
+    """What a control connection must present: a service token for the stages' audience, checked against the
+    issuer's public keys and revocation list, read again (synchronously: the stage is one thread) when older than
+    `refresh_s`, so a revocation lands by the next wiring. A device's token is refused. With no issuer the
+    mesh runs open and anything is accepted."""
 
-    def check(presented: bytes) -> None:
-        if not secret:
+    def __init__(self, settings: StageSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings, self.clock = settings, clock
+        self.verifier = auth.TokenVerifier(leeway_s=settings.auth_leeway_s)
+        self._read_at: float | None = None
+
+    def _refresh(self) -> None:
+        now = self.clock()
+        if self._read_at is not None and now - self._read_at < self.settings.auth_refresh_s:
             return
+        url = self.settings.auth_issuer_url.rstrip("/") + JWKS_PATH
         try:
-            claims = auth.verify(secret, presented, clock())
+            response = httpx.get(url, timeout=5.0, verify=client_context(self.settings.tls_ca), trust_env=False)
+            response.raise_for_status()
+            self.verifier.trust = auth.Trust.from_document(response.json())
+            self._read_at = now
+        except (httpx.HTTPError, ValueError) as exc:  # keep the last keys; none yet: every token is refused
+            log.warning("cannot read the issuer's keys at %s: %s", url, exc)
+
+    def __call__(self, presented: bytes) -> None:
+        if not self.settings.authenticated:
+            return
+        self._refresh()
+        try:
+            claims = self.verifier.verify(presented, auth.STAGE)
         except auth.AuthError as exc:
             raise StageLinkError(f"credential refused: {exc.reason}") from None
         if claims.role != "service":
             raise StageLinkError(f"a {claims.role} credential cannot wire a stage")
-
-    return check
 
 
 def serve_stage(
@@ -172,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     auth.redact_credentials(["services.verifier_cloud.stage"])
     host, port = parse_address(settings.listen)
-    auth.warn_if_open(f"stage {spec.index}", settings.auth_secret, host, "TOPHAT_STAGE_AUTH_SECRET")
+    auth.warn_if_open(f"stage {spec.index}", settings.authenticated, host, "TOPHAT_STAGE_AUTH_ISSUER_URL")
     try:
         listener = bind_listener(host, port)  # before loading: a taken port fails at once, naming itself
     except OSError as exc:
@@ -188,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("stage %d could not load layers %s: %s", spec.index, spec.layers, exc)
             return 2
         log.info("stage %d ready: layers [%d, %d) on %s", spec.index, *spec.layers, settings.listen)
-        serve_stage(spec, worker, listener, credential_check(settings.auth_secret), lambda: False)
+        serve_stage(spec, worker, listener, CredentialCheck(settings), lambda: False)
     except SystemExit:
         pass
     finally:

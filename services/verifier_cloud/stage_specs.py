@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import httpx
+
 from services.verifier_cloud.remote_stages import RemoteStages
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageSpec
 from shared import auth
+from shared.auth_client import TokenBroker
 from shared.model.placement import cuda_facts, plan_stage_devices
 from shared.model.split import SplitError, stage_ranges, validate_split
+from shared.stage_codec import StageLinkError
 from shared.stage_link import parse_address
 from shared.stage_plan import check_layers_cover, parse_stage_layers, parse_stage_links, parse_stage_slowdowns
 
@@ -55,12 +59,21 @@ def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | No
     ]
 
 
-def remote_stages(settings: Settings) -> RemoteStages | None:
-    """The stages started on their own that `settings` names (stage_addresses), or None: spawn them here."""
+def remote_stages(settings: Settings, broker: TokenBroker | None) -> RemoteStages | None:
+    """The stages started on their own that `settings` names (stage_addresses), or None: spawn them here.
+    With a broker (an authenticated mesh) each wiring presents a service token for the stages' audience."""
     addresses = settings.remote_stage_addresses()
     if not addresses:
         return None
-    bearer = auth.client_auth(settings.auth_secret, "verifier-cloud", "service")
+
+    async def credential() -> bytes:
+        if broker is None:
+            return b"open"
+        try:
+            return (await broker.token(auth.STAGE)).encode()
+        except httpx.HTTPError as exc:  # CredentialUnavailable is one
+            raise StageLinkError(f"no token for the stages from the issuer: {exc}") from None
+
     if settings.stage_return_address.strip():
         return_host, return_port = parse_address(settings.stage_return_address)
     else:
@@ -69,5 +82,5 @@ def remote_stages(settings: Settings) -> RemoteStages | None:
         tuple(addresses),
         (settings.stage_host, return_port),
         return_host,
-        (lambda: bearer.token().encode()) if bearer is not None else (lambda: b"open"),
+        credential,
     )

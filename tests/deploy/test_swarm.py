@@ -52,6 +52,8 @@ ONE_HOST = {
 # Swarm secret name -> the file `tophat mesh-secrets` writes for it
 SECRET_FILES = {
     "tophat_mesh_secrets": "tophat-mesh.env",
+    "tophat_device_secrets": "tophat-device.env",
+    "tophat_signing_keys": "signing-keys.json",
     "tophat_redis_conf": "redis.conf",
     "tophat_tls_ca": "ca.pem",
     "tophat_tls_cert": "server.pem",
@@ -68,8 +70,8 @@ def run(*args: str, timeout: float = 120, check: bool = True, env: dict | None =
     return result.stdout
 
 
-def docker(*args: str, timeout: float = 120, check: bool = True) -> str:
-    return run("docker", *args, timeout=timeout, check=check)
+def docker(*args: str, timeout: float = 120, check: bool = True, env: dict | None = None) -> str:
+    return run("docker", *args, timeout=timeout, check=check, env=env)
 
 
 def services() -> dict[str, str]:
@@ -172,7 +174,9 @@ def swarm(tmp_path_factory) -> Iterator[tuple[Path, str]]:
         assert gpus and gpus[0]["DiscreteResourceSpec"]["Value"] >= 8, (
             "the engine must advertise NVIDIA-GPU=8 (node-generic-resources in /etc/docker/daemon.json, as "
             f".ci/docker-up.sh writes it), got {node['Description']['Resources']}")
-        docker("node", "update", "--label-add", "tophat.gpu-server=true", "--label-add", "tophat.device=true", "self")
+        node_id = docker("info", "--format", "{{.Swarm.NodeID}}").strip()
+        docker("node", "update", "--label-add", "tophat.gpu-server=true", "--label-add", "tophat.device=true",
+               "--label-add", "tophat.speed=orin", node_id)
         secrets_dir = tmp_path_factory.mktemp("swarm-secrets")
         api_key = "swarm-ci-key"
         run(str(REPO / ".venv" / "bin" / "tophat"), "mesh-secrets", "--out", str(secrets_dir), "--api-key", api_key,
@@ -190,7 +194,7 @@ def test_the_stack_deploys_serves_scales_heals_rolls_back_and_leaves_nothing(swa
     ca, api_key = swarm
     timings = {}
     started = time.monotonic()
-    docker("stack", "deploy", "--resolve-image", "never", *FILES, STACK, timeout=300)
+    docker("stack", "deploy", "--resolve-image", "never", *FILES, STACK, timeout=300, env=ONE_HOST)
     assert set(services()) == {f"{STACK}_{name}" for name in ("redis", "state-monitor", "chunk-planner",
                                                               "verifier-cloud", "token-streamer",
                                                               "device-agent-orin", "device-agent-xavier")}
