@@ -31,6 +31,9 @@ from services.device_agent.settings import load_settings as device_settings
 from services.state_monitor.settings import load_settings as monitor_settings
 from services.token_streamer.settings import load_settings as streamer_settings
 from services.verifier_cloud.settings import load_settings as verifier_settings
+from services.verifier_cloud.stage import ENV_PREFIX as STAGE_PREFIX
+from services.verifier_cloud.stage import StageSettings
+from shared.settings import from_env
 
 REPO = Path(__file__).resolve().parents[1]
 STACK = REPO / "swarm" / "stack.yml"
@@ -340,6 +343,68 @@ def test_stack_checks_fail_on_a_broken_stack(stack, tmp_path):
     broken["services"]["verifier-cloud"]["environment"]["TOPHAT_VERIFIER_TLS_KEY"] = "/run/secrets/elsewhere.pem"
     with pytest.raises(AssertionError, match="unmounted"):
         test_every_swarm_service_mounts_the_mesh_secret_and_its_tls_files(broken)
+
+
+# ---------------------------------------------------------------------- Swarm: Jupiter's edge pipeline
+
+EDGE = REPO / "swarm" / "edge-pipeline.yml"
+
+
+@pytest.fixture(scope="module")
+def edge() -> dict:
+    return yaml.safe_load(EDGE.read_text())
+
+
+def docker_stack_config(path: Path, tmp_path: Path) -> dict:
+    """`docker stack config` (the CLI's own stack loader, no daemon) of one file, rendered."""
+    candidates = [Path(d) / "docker" for d in os.environ.get("PATH", "").split(os.pathsep)]
+    docker = next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)
+                   and "--compose-file" in run(str(c), "stack", "config", "--help").stdout), None)
+    assert docker, "a docker CLI with `docker stack config` (>= 23) is needed to validate the stack files"
+    result = run(docker, "stack", "config", "-c", str(path),
+                 env={**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def test_edge_pipeline_stack_validates_and_loads(tmp_path):
+    result = run(str(VENV_BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(EDGE))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rendered = docker_stack_config(EDGE, tmp_path)
+    assert {"state-monitor", "verifier-cloud", "device-agent", "token-streamer"} < set(rendered["services"])
+
+
+def test_edge_pipeline_stages_are_placed_by_label_and_wired_in_order(edge, swarm_settings_file):
+    stages = {name: svc for name, svc in edge["services"].items() if name.startswith("edge-stage-")}
+    verifier = edge["services"]["verifier-cloud"]["environment"]
+    addresses = verifier["TOPHAT_VERIFIER_STAGE_ADDRESSES"].split(",")
+    assert len(addresses) == len(stages) >= 2
+    ranges = []
+    for index, address in enumerate(addresses):
+        host, port = address.rsplit(":", 1)
+        svc = stages[host]  # each address names a stage service, in pipeline order
+        env = {**swarm_settings_file, **svc["environment"]}
+        settings = from_env(StageSettings, STAGE_PREFIX, {k: v for k, v in env.items() if k.startswith(STAGE_PREFIX)})
+        assert settings.index == index and settings.listen.endswith(f":{port}"), host
+        assert svc["deploy"]["placement"]["constraints"] == [f"node.labels.tophat.edge-stage == {index}"], host
+        assert svc["command"][-1] == "services.verifier_cloud.stage", host
+        # a stage holds no credential and no key: only the CA, to read the issuer's public keys
+        assert [secret["source"] for secret in svc["secrets"]] == ["tophat-tls-ca"], host
+        assert settings.authenticated and not settings.auth_credential, host
+        ranges.append(settings.layer_range())
+    # the stages' ranges are the verifier's plan, contiguous from m to the model's last layer
+    assert ranges == [tuple(map(int, r.split("-"))) for r in verifier["TOPHAT_VERIFIER_STAGE_LAYERS"].split(",")]
+    assert ranges[0][0] == int(stages["edge-stage-0"]["environment"]["TOPHAT_STAGE_SPLIT_LAYERS"]) == 2
+    assert ranges[-1][1] == 30 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    loaded = verifier_settings({k: v for k, v in {**swarm_settings_file, **verifier}.items()
+                                if k.startswith("TOPHAT_VERIFIER_")})
+    assert loaded.pipeline_stages == len(stages) and loaded.remote_stage_addresses()[-1] == ("edge-stage-2", 7200)
+    # every other service runs on device 0, and only the issuer holds the signing key
+    for name, svc in edge["services"].items():
+        if name not in stages:
+            assert svc["deploy"]["placement"]["constraints"] == ["node.labels.tophat.edge-stage == 0"], name
+        holds_key = any(secret["source"] == "tophat-signing-keys" for secret in svc["secrets"])
+        assert holds_key == (name == "state-monitor"), name
 
 
 # ------------------------------------------------------------------------------------------ Kubernetes
