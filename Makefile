@@ -128,7 +128,7 @@ WHEELHOUSE := build/wheelhouse
 IMAGE ?= tophat:cpu
 BASE_IMAGE ?= python:3.11-slim-bookworm
 
-.PHONY: wheelhouse image image-cuda image-jetson base-image test-deploy test-swarm secrets
+.PHONY: wheelhouse image image-cuda image-jetson base-image container-setup test-deploy test-swarm secrets
 
 wheelhouse: $(STAMP)
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
@@ -163,10 +163,10 @@ image-jetson: wheelhouse
 	docker buildx build --platform linux/arm64 --target jetson --tag tophat:jetson --load .
 	$(PRUNE_OLD_IMAGES)
 
-# The compose test: build the image, `up` with host networking, a streamed answer, the verifier killed and
-# restarted, `down -v`. With CI=true it first installs and starts what it needs (Docker engine, compose plugin,
-# a debootstrapped base image, since no registry is reachable there).
-test-deploy: install
+# The engine and image the container tests run on. With CI=true it first installs and starts what it needs (Docker
+# engine with 8 fake GPUs, compose plugin, a debootstrapped base image, since no registry is reachable there).
+# `make test-deploy test-swarm` in one make builds it once.
+container-setup: install
 ifeq ($(CI),true)
 	.ci/docker-up.sh
 	$(MAKE) base-image
@@ -174,17 +174,13 @@ ifeq ($(CI),true)
 else
 	$(MAKE) image
 endif
+
+# The compose test: `up` with host networking, a streamed answer, the verifier killed and restarted, `down -v`.
+test-deploy: container-setup
 	$(MAKE) secrets
 	$(BIN)/python -m pytest -q -s -m 'deploy and not swarm' tests/deploy
 
 # The Swarm test: a single-node swarm on loopback, swarm/stack.yml deployed with swarm/one-host.yml, served, scaled,
-# healed, rolled back and removed (tests/deploy/test_swarm.py). CI runs it after test-deploy (same engine and image).
-test-swarm: install
-ifeq ($(CI),true)
-	.ci/docker-up.sh
-	$(MAKE) base-image
-	$(MAKE) image BASE_IMAGE=tophat-base:bookworm
-else
-	$(MAKE) image
-endif
+# healed, rolled back and removed (tests/deploy/test_swarm.py).
+test-swarm: container-setup
 	$(BIN)/python -m pytest -q -s -m swarm tests/deploy
