@@ -165,7 +165,7 @@ def accept_link(
             continue
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.01))
-            presented = _recv_exactly(sock, len(token))
+            presented = recv_exactly(sock, len(token))
         except (OSError, StageLinkError):
             presented = b""
         if hmac.compare_digest(presented, token):
@@ -247,68 +247,13 @@ def chain_stages(
         listener.close()
 
 
-# -- one framed message each way, outside a hop (a stage's control connection) -----------------------
-
-CREDENTIAL_LENGTH = struct.Struct("<H")
-MAX_CREDENTIAL_BYTES = 8192  # a signed token with its header and claims is a few hundred bytes
-
-
-def send_credential(sock: socket.socket, credential: bytes) -> None:
-    """What a control connection presents first: a length-prefixed credential (a signed token)."""
-    if not 0 < len(credential) <= MAX_CREDENTIAL_BYTES:
-        raise ValueError(f"a credential is 1..{MAX_CREDENTIAL_BYTES} bytes, got {len(credential)}")
-    try:
-        sock.sendall(CREDENTIAL_LENGTH.pack(len(credential)) + credential)
-    except OSError as exc:
-        raise StageLinkError(f"sending the credential failed: {exc}") from None
-
-
-def read_credential(sock: socket.socket, timeout_s: float) -> bytes:
-    """The credential a control connection presents, read within `timeout_s`; StageLinkError otherwise."""
-    sock.settimeout(timeout_s)
-    try:
-        (length,) = CREDENTIAL_LENGTH.unpack(_recv_exactly(sock, CREDENTIAL_LENGTH.size))
-        if not 0 < length <= MAX_CREDENTIAL_BYTES:
-            raise StageLinkError(f"a {length}-byte credential is outside 1..{MAX_CREDENTIAL_BYTES}")
-        return _recv_exactly(sock, length)
-    except OSError as exc:
-        raise StageLinkError(f"reading the credential failed: {exc}") from None
-
-
-def send_message(sock: socket.socket, codec: StageCodec, message: Any) -> None:
-    """One frame, written at once and due at once (a control message: no emulated link, no feeder thread)."""
-    body = codec.encode(message)
-    try:
-        sock.sendall(HEADER.pack(MAGIC, len(body), 0.0) + body)
-    except OSError as exc:
-        raise StageLinkError(f"sending {type(message).__name__} failed: {exc}") from None
-
-
-def read_message(sock: socket.socket, codec: StageCodec, timeout_s: float, max_frame_bytes: int = 1 << 16) -> Any:
-    """One frame's message within `timeout_s`: StageLinkError if none comes, it is malformed or too large."""
-    receiver = LinkReceiver(sock, codec, "control", max_frame_bytes)
-    try:
-        return receiver.get(timeout_s)
-    except queue.Empty:
-        raise StageLinkError(f"no control message within {timeout_s:.0f}s") from None
-
-
 def _address(raw: Any) -> Address:
     if not (isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[0], str) and type(raw[1]) is int):
         raise StageLinkError(f"not a (host, port) address: {raw!r:.80}")
     return raw[0], raw[1]
 
 
-def parse_address(text: str) -> Address:
-    """`host:port` (a bracketed IPv6 host allowed) as an Address; ValueError naming the problem."""
-    host, sep, port = text.strip().rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port, got {text!r}")
-    return host, int(port)
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+def recv_exactly(sock: socket.socket, size: int) -> bytes:
     data = bytearray()
     while len(data) < size:
         chunk = sock.recv(size - len(data))

@@ -5,6 +5,7 @@
                                   or a fixed speed class (orin, xavier)
     links      "lan;lan;far;lan"  P+1 hop link specs (shared/links.py), hop 0 = main -> stage 0,
                                   hop P = last stage -> main; one spec alone applies to every hop
+    address    "jetson-1:7200"    where a stage started on its own listens (host:port, [v6]:port)
 
 Empty strings mean: equal split, no slowdown, unshaped hops.
 """
@@ -74,3 +75,12 @@ def parse_stage_links(spec: str, num_stages: int) -> list[LinkProfile]:
             "for every hop)"
         )
     return profiles
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """`host:port` (a bracketed IPv6 host allowed) as an Address; ValueError naming the problem."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {text!r}")
+    return host, int(port)

@@ -10,7 +10,6 @@ import logging
 import random
 import statistics
 import time
-from collections import deque
 from contextlib import aclosing
 
 import httpx
@@ -23,6 +22,7 @@ from services.device_agent.detokenizer import IncrementalDetokenizer
 from services.device_agent.edge_server import edge_draft_server
 from services.device_agent.generate_request import GenerateRequest
 from services.device_agent.kept import KeepableSession, KeptSessions
+from services.device_agent.link_probes import LinkProbes
 from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.rounds import ROUNDS
 from services.device_agent.settings import Settings
@@ -47,7 +47,6 @@ from shared.tls import client_context
 
 log = logging.getLogger("services.device_agent")
 
-MIN_BANDWIDTH_SAMPLE_BYTES = 16 * 1024
 DEFAULT_PARALLEL_STEPS = 2  # used when the planner (eq. 6) is unreachable or has no telemetry
 # Readiness follows the verifier connection: a drop is seen at once (the reader ends), a reconnect
 # and split check is tried this often, each bounded; a verifier that refused the split is a
@@ -81,6 +80,13 @@ class DeviceAgent:
         self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls, auth=monitor_auth)
         self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
         self.telemetry.count_into(self.metrics.registry)  # its drops show on /metrics
+        self.probes = LinkProbes(
+            settings.device_id,
+            self.telemetry,
+            lambda: self.active > 0,
+            settings.bandwidth_probe_interval_s,
+            settings.rtt_probe_interval_s,
+        )
         link = parse_link_spec(settings.link)
         if settings.link_scaled:
             link = scaled_for_hidden(link, self.checkpoint.hidden_size)
@@ -89,7 +95,7 @@ class DeviceAgent:
             self.checkpoint.hidden_size,
             wire.WireDtype(settings.wire_dtype),
             settings.request_timeout_s,
-            on_transfer=self._on_transfer,
+            on_transfer=self.probes.on_transfer,
             link=link if link.shaped else None,
             on_frame=self.metrics.frame,
             split_layers=settings.split_layers,
@@ -99,6 +105,7 @@ class DeviceAgent:
             tls_ca=settings.tls_ca,
             auth=auth_client.BrokerAuth(self.broker, auth.VERIFIER) if self.broker is not None else None,
         )
+        self.probes.cloud = self.cloud
         # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
         # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
         # Uplink hardening (shared/hardening.py) for the hidden-state modes: rotation inside the replay (replays are
@@ -152,7 +159,6 @@ class DeviceAgent:
             if settings.chunk_planner_url
             else None
         )
-        self.recent_rtts: deque[float] = deque(maxlen=5)
         # An edge pipeline's first stage cuts prompts by the plan's sub-sequence table (Jupiter §IV-B2).
         self.edge_plan = (
             load_plan(settings.edge_plan, self.checkpoint.num_layers, self.checkpoint.hidden_size)
@@ -164,26 +170,6 @@ class DeviceAgent:
             edge_draft_server(settings, self.checkpoint, self.cloud, self.http) if settings.edge_draft_server else None
         )
         warm_up_device(self.model)
-
-    def _on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
-        # Small frames measure latency, not bandwidth; only bulk transfers feed beta_up/beta_down.
-        if nbytes >= MIN_BANDWIDTH_SAMPLE_BYTES:
-            self.telemetry.emit_device_transfer(self.settings.device_id, direction, nbytes, seconds)
-
-    async def probe_loop(self) -> None:
-        """Probe the link once the verifier answers, then every interval, only while no request runs
-        (a probe shares the link, so it must not sit in front of a user's prefill)."""
-        interval = self.settings.bandwidth_probe_interval_s
-        if interval <= 0:
-            return
-        while True:
-            # Not before the verifier answers (the agent may start before it), and not in front of a request:
-            # then look again shortly instead of a whole interval later.
-            if not self.cloud.ready or self.active:
-                await asyncio.sleep(READINESS_INTERVAL_S)
-                continue
-            await self.probe_bandwidth()
-            await asyncio.sleep(interval)
 
     async def readiness_loop(self) -> None:
         """Keep `cloud.ready` current: reconnect and re-check the split identity while it is not."""
@@ -201,41 +187,6 @@ class DeviceAgent:
                 )
                 was_ready = ready
             await asyncio.sleep(REFUSED_RECHECK_S if self.cloud.split_refused else READINESS_INTERVAL_S)
-
-    async def rtt_probe_loop(self) -> None:
-        """Tiny round trips, busy or not: what a message costs under the load of the moment."""
-        interval = self.settings.rtt_probe_interval_s
-        if interval <= 0:
-            return
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self._report_rtt(await self.cloud.measure_rtt())
-            except (CloudUnavailable, CloudError) as exc:
-                log.info("round-trip probe failed: %s", exc)
-
-    def _report_rtt(self, rtt_s: float) -> None:
-        # The median of the last few: a probe that queued behind a prompt upload on the shared
-        # link measures that upload (which the simulator models itself), not the message cost.
-        self.recent_rtts.append(rtt_s)
-        self.telemetry.emit_device_rtt(self.settings.device_id, statistics.median(self.recent_rtts))
-
-    async def probe_bandwidth(self) -> None:
-        """Measure beta_up / beta_down with bulk probes (HAT §3.2: devices report both)."""
-        try:
-            (up_bytes, up_s), (down_bytes, down_s), rtt_s = await self.cloud.measure_link()
-        except (CloudUnavailable, CloudError) as exc:
-            log.info("bandwidth probe failed: %s", exc)
-            return
-        self._on_transfer("up", up_bytes, up_s)
-        self._on_transfer("down", down_bytes, down_s)
-        self._report_rtt(rtt_s)
-        log.info(
-            "link probe: up %.0f KB/s, down %.0f KB/s, small-message round trip %.1f ms",
-            up_bytes / up_s / 1e3,
-            down_bytes / down_s / 1e3,
-            rtt_s * 1e3,
-        )
 
     def _on_replay(self, session_id: int, rows: int, seconds: float) -> None:
         self.replays += 1

@@ -82,8 +82,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         )
         probes = [
             asyncio.create_task(state["agent"].readiness_loop(), name="verifier-readiness"),
-            asyncio.create_task(state["agent"].probe_loop(), name="bandwidth-probe"),
-            asyncio.create_task(state["agent"].rtt_probe_loop(), name="rtt-probe"),
+            asyncio.create_task(state["agent"].probes.bandwidth_loop(), name="bandwidth-probe"),
+            asyncio.create_task(state["agent"].probes.rtt_loop(), name="rtt-probe"),
             asyncio.create_task(state["agent"].kept.cleanup_loop(), name="kept-sessions"),
         ]
         if trust_refresher is not None:

@@ -22,25 +22,28 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import secrets
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from services.verifier_cloud.stages import StageFailed
 from shared.stage_codec import StageCodec, StageLinkError
 from shared.stage_link import (
+    HEADER,
+    MAGIC,
     TOKEN_BYTES,
     Address,
+    LinkReceiver,
     accept_link,
     bind_listener,
     connect_link,
     dial,
-    read_credential,
-    read_message,
-    send_credential,
-    send_message,
+    recv_exactly,
 )
 
 log = logging.getLogger("services.verifier_cloud.remote_stages")
@@ -82,6 +85,52 @@ class RemoteStages:
     return_bind: Address  # the return hop's listener (port 0: the kernel picks)
     return_host: str  # the host name the last stage dials for it (the verifier's name on the stages' network)
     credential: Callable[[], Awaitable[bytes]]  # a service token for the stages' audience, fresh per wiring
+
+
+# -- the control connection: one framed message each way, outside a hop ----------------------------------
+
+CREDENTIAL_LENGTH = struct.Struct("<H")
+MAX_CREDENTIAL_BYTES = 8192  # a signed token with its header and claims is a few hundred bytes
+
+
+def send_credential(sock: socket.socket, credential: bytes) -> None:
+    """What a control connection presents first: a length-prefixed credential (a signed token)."""
+    if not 0 < len(credential) <= MAX_CREDENTIAL_BYTES:
+        raise ValueError(f"a credential is 1..{MAX_CREDENTIAL_BYTES} bytes, got {len(credential)}")
+    try:
+        sock.sendall(CREDENTIAL_LENGTH.pack(len(credential)) + credential)
+    except OSError as exc:
+        raise StageLinkError(f"sending the credential failed: {exc}") from None
+
+
+def read_credential(sock: socket.socket, timeout_s: float) -> bytes:
+    """The credential a control connection presents, read within `timeout_s`; StageLinkError otherwise."""
+    sock.settimeout(timeout_s)
+    try:
+        (length,) = CREDENTIAL_LENGTH.unpack(recv_exactly(sock, CREDENTIAL_LENGTH.size))
+        if not 0 < length <= MAX_CREDENTIAL_BYTES:
+            raise StageLinkError(f"a {length}-byte credential is outside 1..{MAX_CREDENTIAL_BYTES}")
+        return recv_exactly(sock, length)
+    except OSError as exc:
+        raise StageLinkError(f"reading the credential failed: {exc}") from None
+
+
+def send_message(sock: socket.socket, codec: StageCodec, message: Any) -> None:
+    """One frame, written at once and due at once (a control message: no emulated link, no feeder thread)."""
+    body = codec.encode(message)
+    try:
+        sock.sendall(HEADER.pack(MAGIC, len(body), 0.0) + body)
+    except OSError as exc:
+        raise StageLinkError(f"sending {type(message).__name__} failed: {exc}") from None
+
+
+def read_message(sock: socket.socket, codec: StageCodec, timeout_s: float, max_frame_bytes: int = 1 << 16) -> Any:
+    """One frame's message within `timeout_s`: StageLinkError if none comes, it is malformed or too large."""
+    receiver = LinkReceiver(sock, codec, "control", max_frame_bytes)
+    try:
+        return receiver.get(timeout_s)
+    except queue.Empty:
+        raise StageLinkError(f"no control message within {timeout_s:.0f}s") from None
 
 
 # -- the verifier's side --------------------------------------------------------------------------------

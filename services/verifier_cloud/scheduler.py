@@ -219,8 +219,7 @@ class Scheduler:
         for item in batch.items:
             if not self.is_current(item):
                 continue  # closed while in flight (and perhaps opened again: the new session's slots are its own)
-            session = item.session
-            assert session is not None  # is_current: the session it was scheduled on is still open
+            session = self.sessions[item.session_id]  # is_current: the very session it was scheduled on
             if session.in_flight:
                 session.in_flight.pop(0)  # batches finish in the order they were scheduled (FIFO stages)
             session.touch()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 
 import torch
@@ -321,18 +320,6 @@ class VerifierServer:
             stats.compute_s * 1e3,
         )
 
-    async def close_idle_sessions(self) -> None:
-        """A task: close sessions without traffic for `session_idle_ttl_s`, a few times per TTL."""
-        ttl_s = self.settings.session_idle_ttl_s
-        while True:
-            await asyncio.sleep(min(ttl_s / 3, 10.0))
-            try:
-                for sid in self.scheduler.idle(time.monotonic(), ttl_s):
-                    log.info("session %d idle for %.0fs; closing it and freeing its KV", sid, ttl_s)
-                    self.sessions.close(sid)
-            except Exception:  # noqa: BLE001 - a failed sweep must not end the server; the next one retries
-                log.exception("idle-session sweep failed")
-
     async def serve_forever(self, stop: asyncio.Event, started: asyncio.Future | None = None) -> None:
         try:
             if self.settings.capture_path:
@@ -373,7 +360,7 @@ class VerifierServer:
         ) as server:
             async with asyncio.TaskGroup() as tasks:
                 engine = tasks.create_task(self.engine.run())
-                sweeper = tasks.create_task(self.close_idle_sessions())
+                sweeper = tasks.create_task(self.sessions.close_idle())
                 trust = tasks.create_task(self.trust_refresher.run()) if self.trust_refresher is not None else None
                 # a pipeline (P > 1) comes with a PipelineEngine (__init__)
                 collector = (

@@ -8,6 +8,9 @@ bound on sessions per device over all its connections, by the device's token sub
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 import weakref
 
 from websockets.asyncio.server import ServerConnection
@@ -21,6 +24,8 @@ from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.work import EngineError, ErrorKind
 from services.verifier_cloud.work_item import WorkItem
 from shared import wire
+
+log = logging.getLogger("services.verifier_cloud")
 
 
 class SessionTable:
@@ -100,3 +105,15 @@ class SessionTable:
             self.scheduler.submit(item, connection)
         except EngineError as exc:
             raise to_wire(exc, item.session_id, item.seq_no) from None
+
+    async def close_idle(self) -> None:
+        """A task: close sessions without traffic for `session_idle_ttl_s`, a few times per TTL."""
+        ttl_s = self.settings.session_idle_ttl_s
+        while True:
+            await asyncio.sleep(min(ttl_s / 3, 10.0))
+            try:
+                for sid in self.scheduler.idle(time.monotonic(), ttl_s):
+                    log.info("session %d idle for %.0fs; closing it and freeing its KV", sid, ttl_s)
+                    self.close(sid)
+            except Exception:  # noqa: BLE001 - a failed sweep must not end the server; the next one retries
+                log.exception("idle-session sweep failed")

@@ -9,8 +9,7 @@ from typing import Any
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.service_settings import ServiceSettings
 from shared.settings import from_env
-from shared.stage_link import parse_address
-from shared.stage_plan import parse_stage_layers, parse_stage_links, parse_stage_slowdowns
+from shared.stage_plan import parse_address, parse_stage_layers, parse_stage_links, parse_stage_slowdowns
 from shared.wire import MAX_FRAME_BYTES
 
 ENV_PREFIX = "TOPHAT_VERIFIER_"

@@ -30,8 +30,8 @@ from shared.model.split import SplitError
 from shared.service_settings import ServiceSettings
 from shared.settings import SettingsError, from_env
 from shared.stage_codec import StageLinkError
-from shared.stage_link import LinkReceiver, LinkSender, accept_link, bind_listener, connect_link, parse_address
-from shared.stage_plan import parse_stage_layers
+from shared.stage_link import LinkReceiver, LinkSender, accept_link, bind_listener, connect_link
+from shared.stage_plan import parse_address, parse_stage_layers
 from shared.tls import client_context
 
 log = logging.getLogger("services.verifier_cloud.stage")

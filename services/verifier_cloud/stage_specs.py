@@ -12,8 +12,13 @@ from shared.auth_client import TokenBroker
 from shared.model.placement import cuda_facts, plan_stage_devices
 from shared.model.split import SplitError, stage_ranges, validate_split
 from shared.stage_codec import StageLinkError
-from shared.stage_link import parse_address
-from shared.stage_plan import check_layers_cover, parse_stage_layers, parse_stage_links, parse_stage_slowdowns
+from shared.stage_plan import (
+    check_layers_cover,
+    parse_address,
+    parse_stage_layers,
+    parse_stage_links,
+    parse_stage_slowdowns,
+)
 
 
 def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | None = None) -> list[StageSpec]:

@@ -18,7 +18,6 @@ from shared.specdec.draft_stream import ChunkVerdict
 from shared.specdec.verify_layout import VerifyLayout
 
 if TYPE_CHECKING:  # token_mode loads the model code; this module stays below it
-    from services.verifier_cloud.session import Session
     from services.verifier_cloud.token_mode import StreamedChunk
 
 # (item, output, error) -> None. Output: deep states [S, H]; for token items, the sampled ids [1] (or None),
@@ -41,7 +40,7 @@ class WorkItem(TokenItem):
     layout: VerifyLayout | None = None  # a verify's draft tree and the rows kept of the last one; never split
     # The open session it was scheduled on (set by the scheduler): a closed id can be opened again while
     # this item is computed, and the new session must get none of its result, in-flight slot or rollback.
-    session: Session | None = None
+    session: object | None = None  # compared by identity only (`is`), so any record type will do
 
     def __post_init__(self) -> None:
         self.kind = WorkKind(self.kind)
