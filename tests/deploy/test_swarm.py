@@ -230,15 +230,17 @@ def test_the_stack_deploys_serves_scales_heals_rolls_back_and_leaves_nothing(swa
     timings["kill -> serving again"] = time.monotonic() - killed
 
     # An update to an image that does not exist fails its tasks; update_config's failure_action rolls it back.
-    streamer = f"{STACK}_token-streamer"
+    # The planner: start-first, and its new task fits beside the old on one node (the streamer's published port
+    # is a node resource, so its start-first task could never be placed here, and would stay pending).
+    planner = f"{STACK}_chunk-planner"
     updated = time.monotonic()
-    docker("service", "update", "--detach", "--image", "tophat:does-not-exist", streamer)
+    docker("service", "update", "--detach", "--image", "tophat:does-not-exist", planner)
 
     def rolled_back() -> bool | str:
         state = docker("service", "inspect", "--format", "{{if .UpdateStatus}}{{.UpdateStatus.State}}{{end}}",
-                       streamer).strip()
+                       planner).strip()
         image = docker("service", "inspect", "--format", "{{.Spec.TaskTemplate.ContainerSpec.Image}}",
-                       streamer).strip()
+                       planner).strip()
         return True if state == "rollback_completed" and image.split("@")[0] == IMAGE else f"{state} {image}"
 
     wait_for("the bad update rolled back", rolled_back, 600, every_s=3)
