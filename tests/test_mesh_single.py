@@ -146,9 +146,15 @@ def test_serving_survives_redis_going_away(relay_and_mesh, prompts):
     # The monitor's sink reconnects on its own backoff (or at once, woken by the next record); only
     # what is served after that can reach Redis, so wait for the reconnect before serving again.
     assert _wait_for(lambda: httpx.get(f"{mesh.config.monitor_url}/readyz", timeout=5).json()["redis"]["connected"], 15)
-    complete(mesh, prompts[2])
+    # The verifier sends its steps in batches: a request's steps may go in one POST, and the first write on a
+    # pooled connection from before the restart can fail (that batch is dropped and counted). Telemetry has
+    # resumed when a later request's steps arrive.
     client = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
-    assert _wait_for(lambda: client.xlen("tophat:verifier:steps") > 0, 15)  # telemetry resumed
+    for _ in range(3):
+        complete(mesh, prompts[2])
+        if _wait_for(lambda: client.xlen("tophat:verifier:steps") > 0, 5):
+            break
+    assert client.xlen("tophat:verifier:steps") > 0  # telemetry resumed
 
 
 @pytest.mark.slow
