@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -123,14 +124,18 @@ def all_running_and_healthy(replicas: dict[str, int]) -> bool | str:
     return True if states and all(s == "healthy" for s in states) else f"health {states}"
 
 
+def trusting(ca: Path) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(ca))
+
+
 def ready_devices(ca: Path) -> int:
-    response = httpx.get(f"{STREAMER}/readyz", timeout=5, verify=str(ca))
+    response = httpx.get(f"{STREAMER}/readyz", timeout=5, verify=trusting(ca))
     return int(response.json().get("ready_devices", 0)) if response.status_code in (200, 503) else -1
 
 
 def streamed_chat_answer(ca: Path, api_key: str, timeout: float = 300) -> str:
     client = openai.OpenAI(base_url=f"{STREAMER}/v1", api_key=api_key, timeout=timeout, max_retries=0,
-                           http_client=httpx.Client(verify=str(ca), timeout=timeout))
+                           http_client=httpx.Client(verify=trusting(ca), timeout=timeout))
     stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=MAX_TOKENS,
                                             temperature=0, stream=True)
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
