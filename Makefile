@@ -27,7 +27,7 @@ $(SMOLLM2): | $(STAMP)
 	$(BIN)/tophat import-gguf
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # the inner loop: everything but the end-to-end tests that start real meshes and processes (marked slow)
 test-fast: install

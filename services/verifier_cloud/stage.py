@@ -27,6 +27,7 @@ from shared import auth
 from shared.auth_client import JWKS_PATH
 from shared.model.checkpoint import ModelLoadError
 from shared.model.split import SplitError
+from shared.process_memory import return_freed_memory_to_os
 from shared.service_settings import ServiceSettings
 from shared.settings import SettingsError, from_env
 from shared.stage_codec import StageLinkError
@@ -193,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s stage-{spec.index}[%(process)d] %(name)s: %(message)s",
     )
     auth.redact_credentials(["services.verifier_cloud.stage"])
+    return_freed_memory_to_os()  # a fixed mmap threshold: no heap growth from freed tensors
     host, port = parse_address(settings.listen)
     auth.warn_if_open(f"stage {spec.index}", settings.authenticated, host, "TOPHAT_STAGE_AUTH_ISSUER_URL")
     try:
