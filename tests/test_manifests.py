@@ -140,13 +140,18 @@ def test_stack_matches_the_compose_spec_schema():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def stack_config_cli() -> str | None:
+    """A docker CLI that has `docker stack config` (Debian's docker.io 20.10 CLI has none; a newer one may sit
+    beside it on PATH)."""
+    candidates = [Path(d) / "docker" for d in os.environ.get("PATH", "").split(os.pathsep)]
+    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)
+                 and "--compose-file" in run(str(c), "stack", "config", "--help").stdout), None)
+
+
 def test_stack_loads_with_dockers_swarm_loader(tmp_path):
     # `docker stack config` runs the CLI's own stack loader (the v3 schema `docker stack deploy` checks,
     # interpolation, merges) without a daemon; the socket is pointed nowhere to prove it.
-    # Debian's docker.io 20.10 CLI has no `stack config`; a newer CLI may sit beside it on PATH
-    candidates = [Path(d) / "docker" for d in os.environ.get("PATH", "").split(os.pathsep)]
-    docker = next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)
-                   and "--compose-file" in run(str(c), "stack", "config", "--help").stdout), None)
+    docker = stack_config_cli()
     assert docker, "a docker CLI with `docker stack config` (>= 23) is needed to validate swarm/stack.yml"
     env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"}
     result = run(docker, "stack", "config", "-c", str(STACK), env=env)
@@ -357,9 +362,7 @@ def edge() -> dict:
 
 def docker_stack_config(path: Path, tmp_path: Path) -> dict:
     """`docker stack config` (the CLI's own stack loader, no daemon) of one file, rendered."""
-    candidates = [Path(d) / "docker" for d in os.environ.get("PATH", "").split(os.pathsep)]
-    docker = next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)
-                   and "--compose-file" in run(str(c), "stack", "config", "--help").stdout), None)
+    docker = stack_config_cli()
     assert docker, "a docker CLI with `docker stack config` (>= 23) is needed to validate the stack files"
     result = run(docker, "stack", "config", "-c", str(path),
                  env={**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"})

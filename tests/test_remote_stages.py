@@ -22,15 +22,16 @@ import pytest_asyncio
 import uvicorn
 
 from services.device_agent.cloud_client import WebSocketCloud
+from services.state_monitor.app import create_app as create_monitor_app
+from services.state_monitor.settings import load_settings as monitor_settings
 from services.verifier_cloud.remote_stages import RemoteStages, wire_remote_stages
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import Settings
-from services.state_monitor.app import create_app as create_monitor_app
-from services.state_monitor.settings import load_settings as monitor_settings
 from shared import auth, wire
 from shared.auth_client import BrokerAuth, TokenBroker
 from shared.auth_keys import KeyRing
 from shared.model.checkpoint import load_checkpoint
+from shared.redis_server import free_port
 from shared.specdec.reference import generate_full
 from shared.stage_codec import StageLinkError
 from tests.mesh_tools import split_identity
@@ -42,12 +43,6 @@ RING = KeyRing.generate()  # the issuer's signing keys: only the issuer (a real 
 STRANGER = KeyRing.generate()
 LAYERS = [(2, 3), (3, 4), (4, 5)]  # the tiny model's middle layers, one per stage
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_stage(model_dir: Path, issuer_url: str, index: int, port: int) -> subprocess.Popen:
