@@ -17,7 +17,13 @@ from loadgen.simulate.cli import simulate_command
 from tophat.bench_commands import bench
 from tophat.command_support import MODEL_HELP, USER_ERRORS, fail, setup_torch
 from tophat.mesh_commands import certs, mesh_secrets, stage, up
-from tophat.model_commands import adapter_sweep_cmd, build_demo_model_cmd, import_gguf_cmd, train_adapter_cmd
+from tophat.model_commands import (
+    adapter_sweep_cmd,
+    build_demo_model_cmd,
+    evaluate_adapter_cmd,
+    import_gguf_cmd,
+    train_adapter_cmd,
+)
 from tophatctl.credentials_command import app as credentials_app
 from tophatctl.privacy.command import privacy_command
 from tophatctl.profile import plan_command, profile_command
@@ -126,6 +132,7 @@ def chat(
 app.command("build-demo-model")(build_demo_model_cmd)
 app.command("import-gguf")(import_gguf_cmd)
 app.command("train-adapter")(train_adapter_cmd)
+app.command("evaluate-adapter")(evaluate_adapter_cmd)
 app.command("adapter-sweep")(adapter_sweep_cmd)
 app.command()(generate)
 app.command()(up)

@@ -108,6 +108,21 @@ def train_adapter_cmd(
     vocab_coverage: float = typer.Option(0.98, help="draft vocabulary: smallest N of 1k..16k covering this much"),
     prompt_features: str = typer.Option("zeros", help=PROMPT_FEATURES_HELP),
     out: Optional[Path] = typer.Option(None, help="default: MODEL/draft_adapter.safetensors"),
+    device: str = typer.Option("cpu", help="cpu, or cuda: build the data and train on a GPU (chat models)"),
+    batch_size: int = typer.Option(8, help="sequences per training step"),
+    learning_rate: float = typer.Option(3e-3, help="peak learning rate (warm-up, then linear decay to 10%)"),
+    token_positions: int = typer.Option(512, help="answer positions per step and draft step scored by the head"),
+    time_budget_s: float = typer.Option(0.0, help="> 0: train at most this long (the schedule fits the steps)"),
+    self_written: int = typer.Option(1200, help="user questions the model writes itself (Magpie), then answers"),
+    doc_prompts: int = typer.Option(320, help="chat prompts over stdlib docstrings and Debian package texts"),
+    general_prompts: int = typer.Option(384, help="everyday chat prompts over those texts' common words"),
+    texts: int = typer.Option(160, help="teacher-forced passages of the same texts"),
+    max_m: int = typer.Option(4, help="the data keeps the shallow states after layers 1..max_m"),
+    generate_batch: int = typer.Option(96, help="rows per generate call while building the data"),
+    extract_batch: int = typer.Option(8, help="sequences per state-extraction pass"),
+    cache_states: bool = typer.Option(True, "--cache-states/--no-cache-states", help="save the states under build/"),
+    eval_prompts: int = typer.Option(24, help="held-out prompts for the accept length (0: teacher-forced only)"),
+    data_only: bool = typer.Option(False, "--data-only", help="build (and cache) the data's prompts and answers, then stop"),
 ):
     """Distil a draft adapter from the middle submodel (HAT eq. 4, with a top-K token loss and unrolled
     draft steps). A chat model is distilled on its own answers to prompts built from this machine's
@@ -123,12 +138,47 @@ def train_adapter_cmd(
         model_dir = resolve_model(model)
         checkpoint = load_checkpoint(model_dir)
         if has_chat_template(checkpoint.tokenizer):
-            from tophatctl.adapter_training.run import DataConfig, train_chat_adapter
+            import dataclasses
 
-            cfg = _distill_config(
-                split_layers, steps, unroll_steps, top_k, w_state, w_token, token_vocab, vocab_coverage, prompt_features
+            from tophatctl.adapter_training.run import (
+                DataConfig,
+                load_or_build_data,
+                load_or_build_held_out,
+                train_chat_adapter,
             )
-            report = train_chat_adapter(checkpoint, AdapterSpec(variant, mlp), cfg, DataConfig(), out)
+
+            checkpoint.model.to(device)
+            if checkpoint.model.lm_head.weight.is_cuda:  # TF32 for the fp32 passes (state extraction): ~8x the rate
+                import torch
+
+                torch.set_float32_matmul_precision("high")
+            cfg = dataclasses.replace(
+                _distill_config(
+                    split_layers, steps, unroll_steps, top_k, w_state, w_token, token_vocab, vocab_coverage, prompt_features
+                ),
+                batch_size=batch_size,
+                learning_rate=learning_rate,
+                token_positions=token_positions,
+                time_budget_s=time_budget_s,
+            )
+            data_cfg = DataConfig(
+                prompts=doc_prompts,
+                texts=texts,
+                general=general_prompts,
+                self_written=self_written,
+                max_m=max_m,
+                generate_batch=generate_batch,
+                extract_batch=extract_batch,
+                cache_states=cache_states,
+            )
+            if data_only:  # and the held-out answers, so that trainings started beside each other share them
+                data = load_or_build_data(checkpoint, data_cfg, answers_only=True)
+                load_or_build_held_out(checkpoint, max_m)
+                typer.echo(json.dumps({"build_seconds": data.build_seconds}))
+                return
+            report = train_chat_adapter(
+                checkpoint, AdapterSpec(variant, mlp), cfg, data_cfg, out, eval_prompts=eval_prompts
+            )
         else:
             from tophatctl.adapter_training.code_corpus import AdapterTrainConfig, train_adapter
 
@@ -136,6 +186,27 @@ def train_adapter_cmd(
     except USER_ERRORS as exc:
         fail(str(exc))
     typer.echo(json.dumps(report, indent=2))
+
+
+def evaluate_adapter_cmd(
+    adapter: Path = typer.Argument(..., help="a draft_adapter.safetensors trained by `tophat train-adapter`"),
+    model: str = typer.Option("smollm2", help="smollm2 or a checkpoint directory"),
+    eval_prompts: int = typer.Option(24, help="held-out chat prompts for the accept length"),
+    eval_new_tokens: int = typer.Option(64),
+):
+    """Measure an adapter trained elsewhere (a GPU run) on this machine: held-out teacher-forced agreement
+    and chain accept length; they replace the numbers in its adapter_report.json and metadata."""
+    from shared.model.checkpoint import load_checkpoint
+    from tophatctl.adapter_training.run import evaluate_adapter_file
+    from tophatctl.models import resolve_model
+
+    setup_torch(None)
+    logging.getLogger("tophatctl").setLevel(logging.INFO)
+    try:
+        report = evaluate_adapter_file(load_checkpoint(resolve_model(model)), adapter, eval_prompts, eval_new_tokens)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    typer.echo(json.dumps({k: report.get(k) for k in ("teacher_forced", "held_out")}, indent=2))
 
 
 def adapter_sweep_cmd(

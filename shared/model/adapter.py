@@ -211,7 +211,7 @@ class DraftAdapter(torch.nn.Module):
         return list(self.parameters())
 
     def save(self, path: Path, extra_metadata: dict | None = None) -> None:
-        tensors = {name: t.detach().contiguous().float() for name, t in self.state_dict().items()}
+        tensors = {name: t.detach().cpu().contiguous().float() for name, t in self.state_dict().items()}
         if self.draft_vocab is not None:
             tensors[DRAFT_VOCAB_KEY] = self.draft_vocab.contiguous()  # int64: token ids, not weights
         metadata = {

@@ -53,6 +53,11 @@ class DistillData:
         return cls([DistillSequence(**s) for s in raw["sequences"]], raw["max_m"], raw["build_seconds"])
 
 
+def model_device(checkpoint: Checkpoint) -> torch.device:
+    """Where the checkpoint's weights are (the CPU, or a GPU the training runs on)."""
+    return checkpoint.model.lm_head.weight.device
+
+
 def user_prompt_ids(checkpoint: Checkpoint, prompt: str) -> list[int]:
     """One user turn through the model's chat template, ready for the assistant's answer."""
     return chat_prompt_ids(checkpoint.tokenizer, [{"role": "user", "content": prompt}])
@@ -74,10 +79,11 @@ def _generate(
 ) -> list[list[int]]:
     """One batch through model.generate (left padding); each row's new ids cut after the end-of-turn token."""
     eos = checkpoint.eos_token_id
+    device = model_device(checkpoint)
     width = max(len(ids) for ids in rows)
-    input_ids = torch.tensor([[eos] * (width - len(ids)) + ids for ids in rows])  # [B, W]
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    input_ids = torch.tensor([[eos] * (width - len(ids)) + ids for ids in rows], device=device)  # [B, W]
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         out = checkpoint.model.generate(
             input_ids=input_ids,
             attention_mask=mask,
@@ -153,7 +159,8 @@ def extract_states(
     checkpoint: Checkpoint, sequences: list[tuple[list[int], int]], max_m: int, batch_size: int = 8
 ) -> list[DistillSequence]:
     """Shallow and deep states per position, batched with right padding (causal: padding after a
-    sequence cannot change its states, so each equals its unpadded pass)."""
+    sequence cannot change its states, so each equals its unpadded pass). The states stay where the
+    model is (a GPU keeps the whole data set in its memory); the ids stay on the CPU."""
     captured: dict[str, torch.Tensor] = {}
     hook = checkpoint.model.model.norm.register_forward_hook(lambda _m, inputs, _o: captured.update(deep=inputs[0]))
     out: list[DistillSequence] = []
@@ -162,7 +169,9 @@ def extract_states(
         for start in range(0, len(order), batch_size):
             chunk = [sequences[i] for i in order[start : start + batch_size]]
             width = max(len(ids) for ids, _ in chunk)
-            input_ids = torch.tensor([ids + [0] * (width - len(ids)) for ids, _ in chunk])  # [B, W]
+            input_ids = torch.tensor(
+                [ids + [0] * (width - len(ids)) for ids, _ in chunk], device=model_device(checkpoint)
+            )  # [B, W]
             hidden = checkpoint.model.model(input_ids=input_ids, output_hidden_states=True).hidden_states
             for row, (ids, prompt_len) in enumerate(chunk):
                 n = len(ids)
@@ -183,6 +192,7 @@ def build_distill_data(
     max_len: int = 256,
     bf16: bool = True,
     answers: list[list[int]] | None = None,
+    extract_batch: int = 8,
 ) -> DistillData:
     """answers: the prompts' answers when already generated (else generated here)."""
     started = time.monotonic()
@@ -198,5 +208,5 @@ def build_distill_data(
         if len(ids) > 16:
             pairs.append((ids, 8))  # the first few tokens play the prompt: no deep state before them
     log.info("%d sequences; extracting states", len(pairs))
-    sequences = extract_states(checkpoint, pairs, max_m)
+    sequences = extract_states(checkpoint, pairs, max_m, extract_batch)
     return DistillData(sequences, max_m, round(time.monotonic() - started, 1))

@@ -49,8 +49,11 @@ class DistillConfig:
     normed_loss: bool = True  # SmoothL1 on the head's input (normed states); False: HAT's raw f_L
     bf16: bool = True  # bfloat16 autocast for the forward passes: twice the matmul rate on this CPU
     seed: int = 0
+    time_budget_s: float = 0.0  # > 0: fewer steps than `steps` where the measured step time says so
 
     def __post_init__(self):
+        if self.time_budget_s < 0:
+            raise ValueError("time_budget_s must be >= 0 (0: no budget)")
         if min(self.steps, self.batch_size, self.token_positions, self.unroll_steps) < 1:
             raise ValueError("steps, batch_size, token_positions and unroll_steps must be >= 1")
         if not self.learning_rate > 0 or min(self.w_state, self.w_token, self.top_k) < 0:
@@ -89,10 +92,11 @@ def batch_tensors(data: DistillData, indices: list[int], m: int, prompt_features
     seqs = [data.sequences[i] for i in indices]
     width = max(len(s.ids) for s in seqs)
     hidden = seqs[0].deep.shape[-1]
+    device = seqs[0].deep.device  # where the states are kept: the CPU, or the GPU that trains
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    shallow = torch.zeros(len(seqs), width, hidden)
-    deep = torch.zeros(len(seqs), width, hidden)
-    prev = torch.zeros(len(seqs), width, hidden)
+    shallow = torch.zeros(len(seqs), width, hidden, device=device)
+    deep = torch.zeros(len(seqs), width, hidden, device=device)
+    prev = torch.zeros(len(seqs), width, hidden, device=device)
     mask = torch.zeros(len(seqs), width, dtype=torch.bool)
     answer_start = torch.zeros(len(seqs), dtype=torch.long)
     for row, s in enumerate(seqs):
@@ -104,7 +108,7 @@ def batch_tensors(data: DistillData, indices: list[int], m: int, prompt_features
         prev[row, first:n] = s.deep[first - 1 : n - 1].float()
         mask[row, p:n] = True
         answer_start[row] = p
-    return ids, shallow, deep, prev, mask, answer_start
+    return ids.to(device), shallow, deep, prev, mask.to(device), answer_start.to(device)
 
 
 def adapter_side(checkpoint: Checkpoint, adapter: DraftAdapter, ids: torch.Tensor, prev: torch.Tensor):
@@ -133,9 +137,20 @@ def step_loss(
     if cfg.w_state > 0:
         loss = loss + cfg.w_state * state_loss(checkpoint, student, teacher, cfg.normed_loss)
     if cfg.w_token > 0:
-        pick = torch.randperm(student.shape[0])[: cfg.token_positions]
+        pick = torch.randperm(student.shape[0], device=student.device)[: cfg.token_positions]
         loss = loss + cfg.w_token * token_loss(checkpoint, student[pick], teacher[pick], rows, cfg.top_k)
     return loss
+
+
+BUDGET_PROBE_STEPS = 30  # steps timed before a time budget fixes how many the schedule runs
+
+
+def planned_steps(cfg: DistillConfig, seconds_per_step: float) -> int:
+    """The steps a time budget affords at the measured rate (at least the probe's, at most cfg.steps):
+    the learning-rate schedule then decays over the steps that will run."""
+    if cfg.time_budget_s <= 0 or seconds_per_step <= 0:
+        return cfg.steps
+    return max(BUDGET_PROBE_STEPS, min(cfg.steps, int(cfg.time_budget_s / seconds_per_step)))
 
 
 def train_adapter(
@@ -161,13 +176,17 @@ def train_adapter(
     started = time.monotonic()
     adapter.train()
     losses: list[float] = []
-    for step in range(cfg.steps):
+    planned = cfg.steps
+    step = 0
+    while step < planned:
+        if step == BUDGET_PROBE_STEPS and cfg.time_budget_s > 0:
+            planned = planned_steps(cfg, (time.monotonic() - started) / step)
         indices = rng.sample(range(len(data.sequences)), cfg.batch_size)
         ids, shallow, deep, prev, mask, answer_start = batch_tensors(
             data, indices, cfg.split_layers, cfg.prompt_features
         )
-        lengths = torch.tensor([len(data.sequences[i].ids) for i in indices])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        lengths = torch.tensor([len(data.sequences[i].ids) for i in indices], device=shallow.device)
+        with torch.autocast(shallow.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             side = adapter_side(checkpoint, adapter, ids, prev)
             outs = unrolled_forward(adapter, shallow, side, answer_start, steps, cfg.unroll_detach, lengths)
             loss = sum(
@@ -175,19 +194,20 @@ def train_adapter(
                 for j, out in enumerate(outs)
             ) / len(outs)
         for group in optimizer.param_groups:  # warm-up, then linear decay to 10%
-            group["lr"] = cfg.learning_rate * min(1.0, (step + 1) / 20) * (1 - 0.9 * step / cfg.steps)
+            group["lr"] = cfg.learning_rate * min(1.0, (step + 1) / 20) * (1 - 0.9 * step / planned)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         losses.append(loss.item())
-        if (step + 1) % progress_every == 0 or step + 1 == cfg.steps:
+        step += 1
+        if step % progress_every == 0 or step == planned:
             log.info(
                 "%s m=%d step %d/%d loss %.4f (%.0f s)",
                 spec.name,
                 cfg.split_layers,
-                step + 1,
-                cfg.steps,
+                step,
+                planned,
                 statistics.fmean(losses[-progress_every:]),
                 time.monotonic() - started,
             )
@@ -197,6 +217,8 @@ def train_adapter(
         "variant": spec.name,
         "train_seconds": round(time.monotonic() - started, 1),
         "final_loss": round(statistics.fmean(losses[-progress_every:]), 4),
+        "steps_run": step,
+        "device": str(data.sequences[0].deep.device),
         "config": asdict(cfg),
         "draft_vocab": {**vocab_report, "stored_on_adapter": stored},
     }

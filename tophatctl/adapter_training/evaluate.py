@@ -59,7 +59,7 @@ def teacher_forced_agreement(
             data, indices, adapter.split_layers, prompt_features
         )
         side = adapter_side(checkpoint, adapter, ids, prev)
-        lengths = torch.tensor([len(data.sequences[i].ids) for i in indices])
+        lengths = torch.tensor([len(data.sequences[i].ids) for i in indices], device=shallow.device)
         side = None if side is None else side.to(adapter.dtype)
         outs = unrolled_forward(adapter, shallow.to(adapter.dtype), side, answer_start, steps, lengths=lengths)
         for j in range(steps):
@@ -68,7 +68,7 @@ def teacher_forced_agreement(
             target = scored_logits(checkpoint, deep[valid].to(adapter.dtype), full).argmax(-1)
             drafted = scored_logits(checkpoint, out[valid], rows).argmax(-1)
             if vocab is not None:
-                drafted = vocab[drafted]
+                drafted = vocab.to(drafted.device)[drafted]
             hits[j] += int((drafted == target).sum())
             totals[j] += int(valid.sum())
     by_step = [round(h / t, 4) if t else None for h, t in zip(hits, totals)]

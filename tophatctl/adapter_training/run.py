@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.chat import has_chat_template
-from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec
+from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec, DraftAdapter
 from shared.model.checkpoint import Checkpoint, ModelLoadError
 from tophatctl.adapter_training.dataset import (
     DistillData,
@@ -48,24 +48,31 @@ class DataConfig:
     max_m: int = 4
     bf16: bool = True  # generate (not extract) in bfloat16: ~1.5x the rate; see generate_answers
     seed: int = 0
+    generate_batch: int = 96  # rows per generate call (a GPU takes thousands)
+    extract_batch: int = 8  # sequences per state-extraction pass
+    cache_states: bool = True  # save each part's states under build/ (prompts and answers are always saved)
 
 
-def _cached_answers(checkpoint: Checkpoint, prompts: list[str], cfg: DataConfig, path: Path, chunk: int = 96):
+def _cached_answers(checkpoint: Checkpoint, prompts: list[str], cfg: DataConfig, path: Path):
     """The prompts' greedy answers, saved after every batch: a build cut short goes on where it stopped."""
     answers: list[list[int]] = json.loads(path.read_text()) if path.is_file() else []
+    chunk = cfg.generate_batch
     for start in range(len(answers), len(prompts), chunk):
         answers += generate_answers(checkpoint, prompts[start : start + chunk], cfg.max_new_tokens, chunk, cfg.bf16)
         path.write_text(json.dumps(answers))
     return answers
 
 
-def _part(checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, texts: list[str]) -> DistillData:
-    """One cached slice of the data (built once; a later, larger mix reuses it)."""
+def _part(
+    checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, texts: list[str], answers_only: bool = False
+) -> DistillData:
+    """One cached slice of the data (built once; a later, larger mix reuses it). answers_only: stop once
+    the prompts and answers are saved (no states: an empty slice)."""
     path = DATA_DIR / (
         f"{checkpoint.path.name}-{name}-t{len(texts)}-n{cfg.max_new_tokens}"
         f"-m{cfg.max_m}-s{cfg.seed}{'-bf16' if cfg.bf16 else ''}.pt"
     )
-    if path.is_file():
+    if path.is_file() and cfg.cache_states:
         log.info("reusing distillation data %s", path)
         return DistillData.load(path)
     prompts_path = path.with_suffix(".prompts.json")  # the prompts alone: a build cut short restarts after them
@@ -83,9 +90,22 @@ def _part(checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, text
     if leaked:  # the builders exclude them; this guards the guarantee the numbers rest on
         raise RuntimeError(f"held-out prompts (or near copies) leaked into training: {leaked[:5]}")
     answers = _cached_answers(checkpoint, prompts, cfg, path.with_suffix(".answers.json"))
-    data = build_distill_data(checkpoint, prompts, texts, cfg.max_m, cfg.max_new_tokens, bf16=cfg.bf16, answers=answers)
+    if answers_only:
+        log.info("%s: %d answers, %d tokens", name, len(answers), sum(map(len, answers)))
+        return DistillData([], cfg.max_m, round(prompt_seconds + time.monotonic() - started, 1))
+    data = build_distill_data(
+        checkpoint,
+        prompts,
+        texts,
+        cfg.max_m,
+        cfg.max_new_tokens,
+        bf16=cfg.bf16,
+        answers=answers,
+        extract_batch=cfg.extract_batch,
+    )
     data.build_seconds = round(prompt_seconds + time.monotonic() - started, 1)  # writing the prompts counts
-    data.save(path)
+    if cfg.cache_states:
+        data.save(path)
     log.info(
         "distillation data %s: %d sequences, %d tokens, built in %.0f s",
         path,
@@ -96,7 +116,8 @@ def _part(checkpoint: Checkpoint, name: str, cfg: DataConfig, make_prompts, text
     return data
 
 
-def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig) -> DistillData:
+def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig, answers_only: bool = False) -> DistillData:
+    """answers_only: build and save every part's prompts and answers, and no states (an empty data set)."""
     if not has_chat_template(checkpoint.tokenizer):
         raise ModelLoadError(f"{checkpoint.path} has no chat template; distilling on its own answers needs one")
     parts = [
@@ -106,11 +127,19 @@ def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig) -> DistillData:
             cfg,
             lambda: training_prompts(cfg.prompts, cfg.seed),
             teacher_forced_texts(cfg.texts, cfg.seed),
+            answers_only,
         )
     ]
     if cfg.general:
         parts.append(
-            _part(checkpoint, f"general-p{cfg.general}", cfg, lambda: general_prompts(cfg.general, cfg.seed), [])
+            _part(
+                checkpoint,
+                f"general-p{cfg.general}",
+                cfg,
+                lambda: general_prompts(cfg.general, cfg.seed),
+                [],
+                answers_only,
+            )
         )
     if cfg.self_written:
         parts.append(
@@ -118,8 +147,11 @@ def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig) -> DistillData:
                 checkpoint,
                 f"self-p{cfg.self_written}",
                 cfg,
-                lambda: sample_user_prompts(checkpoint, cfg.self_written, cfg.seed, bf16=cfg.bf16),
+                lambda: sample_user_prompts(
+                    checkpoint, cfg.self_written, cfg.seed, batch_size=cfg.generate_batch, bf16=cfg.bf16
+                ),
                 [],
+                answers_only,
             )
         )
     return DistillData(
@@ -156,13 +188,14 @@ def evaluate(
         )
         if getattr(adapter, "draft_vocab", None) is not None:  # the draft vocabulary on the held-out answers
             out["teacher_forced"]["vocab_coverage"] = round(coverage_of(held_out.sequences, adapter.draft_vocab), 5)
-    out["held_out"] = evaluate_accept_length(
-        checkpoint,
-        adapter,
-        list(HELD_OUT_CHAT_PROMPTS[:eval_prompts]),
-        max_new_tokens=eval_new_tokens,
-        prompt_features=cfg.prompt_features,
-    )
+    if eval_prompts > 0:  # 0: teacher-forced only (a GPU run measures the accept length later, on a CPU)
+        out["held_out"] = evaluate_accept_length(
+            checkpoint,
+            adapter,
+            list(HELD_OUT_CHAT_PROMPTS[:eval_prompts]),
+            max_new_tokens=eval_new_tokens,
+            prompt_features=cfg.prompt_features,
+        )
     out["eval_seconds"] = round(time.monotonic() - started, 1)
     return out
 
@@ -178,7 +211,7 @@ def train_and_evaluate(
 ):
     adapter, report = train_adapter(checkpoint, data, spec, cfg)
     report.update(evaluate(checkpoint, adapter, cfg, eval_prompts, eval_new_tokens, held_out))
-    log.info("%s m=%d: %s %s", spec.name, cfg.split_layers, report.get("teacher_forced"), report["held_out"])
+    log.info("%s m=%d: %s %s", spec.name, cfg.split_layers, report.get("teacher_forced"), report.get("held_out"))
     return adapter, report
 
 
@@ -203,9 +236,28 @@ def train_chat_adapter(
     }
     report["wall_seconds"] = round(time.monotonic() - started + data.build_seconds, 1)
     out = out or checkpoint.path / ADAPTER_FILENAME
+    out.parent.mkdir(parents=True, exist_ok=True)
     adapter.save(out, extra_metadata=report)
     out.with_name("adapter_report.json").write_text(json.dumps(report, indent=2) + "\n")
     log.info("adapter saved to %s", out)
+    return report
+
+
+def evaluate_adapter_file(checkpoint: Checkpoint, path: Path, eval_prompts: int, eval_new_tokens: int = 64) -> dict:
+    """Measure a trained adapter file (trained elsewhere, e.g. on a GPU) on this machine: teacher-forced
+    agreement and accept length on the held-out prompts, with the prompt features it was trained with;
+    the numbers replace those in its adapter_report.json and in the file's own metadata."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        report = json.loads((handle.metadata() or {}).get("training", "{}"))
+    m = int(report.get("config", {}).get("split_layers", 2))
+    cfg = DistillConfig(split_layers=m, prompt_features=report.get("config", {}).get("prompt_features", "zeros"))
+    adapter = DraftAdapter.load(path, checkpoint, m)
+    held_out = load_or_build_held_out(checkpoint, m)
+    report.update(evaluate(checkpoint, adapter, cfg, eval_prompts, eval_new_tokens, held_out))
+    adapter.save(path, extra_metadata=report)
+    path.with_name("adapter_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -37,7 +37,7 @@ def step_mask(seq_len: int, step: int) -> torch.Tensor:
 
 def step_valid(answer_start: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:
     """[B, S] bool: the positions that can be a step-`step` draft (s >= answer start + step)."""
-    return torch.arange(seq_len)[None, :] >= answer_start[:, None] + step
+    return torch.arange(seq_len, device=answer_start.device)[None, :] >= answer_start[:, None] + step
 
 
 def rowwise(rows: torch.Tensor | None, fn, *tensors):
@@ -79,8 +79,9 @@ def unrolled_forward(
     attn = adapter.self_attn
     head_dim = adapter.head_dim
     cos, sin = adapter.rotary_emb(shallow, torch.arange(seq_len, device=shallow.device)[None, :])  # [1, S, D]
-    later = (torch.arange(seq_len)[None, :] > answer_start[:, None])[..., None]  # [B, S, 1]: reads its own
-    real = None if lengths is None else torch.arange(seq_len)[None, :] < lengths[:, None]  # [B, S]
+    positions = torch.arange(seq_len, device=answer_start.device)[None, :]  # [1, S]
+    later = (positions > answer_start[:, None])[..., None]  # [B, S, 1]: reads its own
+    real = None if lengths is None else positions < lengths[:, None]  # [B, S]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
@@ -122,6 +123,7 @@ def head_rows(checkpoint: Checkpoint, vocab_ids: torch.Tensor | None) -> tuple[t
     weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
     if vocab_ids is None:
         return weight, bias
+    vocab_ids = vocab_ids.to(weight.device)
     return weight[vocab_ids], None if bias is None else bias[vocab_ids]
 
 
