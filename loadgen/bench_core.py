@@ -29,6 +29,28 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3 if samples else float("nan")
 
 
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; the CPU computes as it goes)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(step, device: torch.device | str, repeats: int, warmup: int = 1, before=None) -> float:
+    """Median ms of `step()` on `device`, the clock read only once the device is done (`before()`, untimed,
+    runs ahead of each call, e.g. to roll a KV cache back); `warmup` untimed calls first."""
+    samples = []
+    for index in range(warmup + repeats):
+        if before is not None:
+            before()
+        sync(device)
+        started = time.perf_counter()
+        step()
+        sync(device)
+        if index >= warmup:
+            samples.append(time.perf_counter() - started)
+    return _median_ms(samples)
+
+
 def time_verify_passes(middle: MiddleSubmodel, hidden_size: int, context: int, max_k: int, repeats: int) -> dict[int, float]:
     """Median ms of one middle pass over k+1 positions after a `context`-long prefix."""
     cache = middle.new_cache()
@@ -83,21 +105,25 @@ def bench_prompts(checkpoint, count: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-@torch.inference_mode()
-def decode_rate(checkpoint: Checkpoint, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+def decode_rate(
+    checkpoint: Checkpoint, prompts: list[list[int]], new_tokens: int, runs: int = 2
+) -> tuple[float, list[list[int]]]:
     """Aggregate tok/s of greedy decoding len(prompts) sessions together (one packed row each per step),
-    the best of two runs, and each session's tokens."""
+    the best of `runs` runs, and each session's tokens (new_tokens + 1: the prefill's, then one per step),
+    on the device the checkpoint's weights are on."""
     whole, head = LayerRange(checkpoint, 0, checkpoint.num_layers), OutputSubmodel(checkpoint)
-    embed = checkpoint.decoder.embed_tokens
+    embed, device = checkpoint.decoder.embed_tokens, whole.device
     best, tokens = 0.0, []
-    for _ in range(2):
+    for _ in range(runs):
         caches = [whole.new_cache() for _ in prompts]
-        firsts = [whole.forward_packed(embed(torch.tensor(p)), [c], [len(p)])[-1:] for p, c in zip(prompts, caches)]
-        tokens = [[int(t)] for t in head(torch.cat(firsts)).argmax(-1)]
+        firsts = [whole.forward_packed(embed(torch.tensor(p, device=device)), [c], [len(p)])[-1:]
+                  for p, c in zip(prompts, caches)]
+        tokens = [[int(t)] for t in head(torch.cat(firsts)).argmax(-1)]  # the head answers on the CPU: synced
         lengths = [1] * len(prompts)
         started = time.perf_counter()
         for _ in range(new_tokens):
-            hidden = whole.forward_packed(embed(torch.tensor([t[-1] for t in tokens])), caches, lengths)  # [B, H]
+            ids = torch.tensor([t[-1] for t in tokens], device=device)
+            hidden = whole.forward_packed(embed(ids), caches, lengths)  # [B, H]
             for row, token in zip(tokens, head(hidden).argmax(-1)):
                 row.append(int(token))
         best = max(best, len(prompts) * new_tokens / (time.perf_counter() - started))
@@ -107,16 +133,26 @@ def decode_rate(checkpoint: Checkpoint, prompts: list[list[int]], new_tokens: in
 
 
 @torch.inference_mode()
-def transformers_rate(checkpoint: Checkpoint, prompt: list[int], new_tokens: int) -> float:
-    ids = torch.tensor([prompt])
-    options = dict(input_ids=ids, do_sample=False, pad_token_id=0)
-    checkpoint.model.generate(**options, max_new_tokens=2)
-    started = time.perf_counter()
-    checkpoint.model.generate(**options, max_new_tokens=1)
-    prefill = time.perf_counter() - started
-    started = time.perf_counter()
-    checkpoint.model.generate(**options, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1)
-    return new_tokens / (time.perf_counter() - started - prefill)
+def transformers_rate(checkpoint: Checkpoint, prompts: list[list[int]], new_tokens: int) -> float:
+    """Aggregate decode tok/s of transformers' greedy `generate` over len(prompts) sequences in one batch
+    (left-padded, with an attention mask), on the model's device; the prefill's time is taken out."""
+    model = checkpoint.model
+    device = model.device
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    options = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0)
+
+    def seconds(tokens: int) -> float:
+        sync(device)
+        started = time.perf_counter()
+        model.generate(**options, max_new_tokens=tokens, min_new_tokens=tokens)
+        sync(device)
+        return time.perf_counter() - started
+
+    seconds(2)  # warm-up
+    prefill = seconds(1)
+    return len(prompts) * new_tokens / (seconds(new_tokens + 1) - prefill)
 
 
 def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, threads: int) -> dict[str, float]:
@@ -124,7 +160,7 @@ def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, thr
     layer runner over all layers, and transformers' generate, on the same prompt and threads."""
     torch.set_num_threads(threads)
     return {"tophat runner": decode_rate(checkpoint, [prompt_ids], new_tokens)[0],
-            "transformers generate": transformers_rate(checkpoint, prompt_ids, new_tokens)}
+            "transformers generate": transformers_rate(checkpoint, [prompt_ids], new_tokens)}
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

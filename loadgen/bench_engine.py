@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from loadgen.bench_core import bench_prompts, decode_rate, transformers_rate
+from loadgen.bench_core import bench_prompts, decode_rate, timed_ms, transformers_rate
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.split import MiddleSubmodel
 from tophatctl.models import resolve_model, smollm2_gguf_path
@@ -59,19 +58,17 @@ def pass_bytes(checkpoint: Checkpoint, start: int = 0) -> int:
 
 @torch.inference_mode()
 def verify_ms(checkpoint: Checkpoint, split: int, rows: int, context: int = 128, repeats: int = 9) -> float:
+    """Median ms of one pass of the middle layers over `rows` new rows after a `context`-long prefix, on the
+    device the checkpoint's weights are on (synchronized before the clock is read)."""
     middle = MiddleSubmodel(checkpoint, split)
     cache = middle.new_cache()
-    hidden = checkpoint.hidden_size
-    middle.forward_batch([(cache, torch.randn(context, hidden, dtype=middle.dtype))])
-    samples = []
-    for _ in range(repeats):
-        cache.truncate(context)
-        states = torch.randn(rows, hidden, dtype=middle.dtype)
-        started = time.perf_counter()
-        middle.forward_batch([(cache, states)])
-        samples.append(time.perf_counter() - started)
+    hidden, device = checkpoint.hidden_size, middle.device
+    middle.forward_batch([(cache, torch.randn(context, hidden, dtype=middle.dtype, device=device))])
+    states = torch.randn(rows, hidden, dtype=middle.dtype, device=device)
+    ms = timed_ms(lambda: middle.forward_batch([(cache, states)]), device, repeats,
+                  before=lambda: cache.truncate(context))
     cache.free()
-    return statistics.median(samples) * 1e3
+    return ms
 
 
 BUCKETS = {  # profiler op name -> where the time goes
@@ -188,7 +185,7 @@ def main() -> None:
             row["verify_ms"] = {k: verify_ms(checkpoint, args.split_layers, k) for k in (1, 4, 8, 16, 32)}
             row["verify_floor_ms"] = middle / bw * 1e3
             if dtype in ("f32", "bf16"):
-                row["transformers_tok_s"] = transformers_rate(checkpoint, prompt, args.new_tokens)
+                row["transformers_tok_s"] = transformers_rate(checkpoint, [prompt], args.new_tokens)
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
         if dtype in args.profile.split(","):
