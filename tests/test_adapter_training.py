@@ -3,6 +3,7 @@ own, batching does not change them, training lowers eq. 4, and the held-out prom
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import replace
@@ -304,3 +305,44 @@ def test_unrolled_steps_on_the_rows_that_matter_only_give_the_same_outputs(tiny_
     for j in range(3):
         rows = mask & step_valid(answer_start, ids.shape[1], j)  # the positions each step's loss reads
         torch.testing.assert_close(sparse[j][rows], dense[j][rows], atol=1e-5, rtol=1e-5)
+
+
+def test_a_time_budget_fits_the_schedule_to_the_measured_step_time():
+    from tophatctl.adapter_training.distill import BUDGET_PROBE_STEPS, planned_steps
+
+    cfg = DistillConfig(steps=5000, time_budget_s=100.0)
+    assert planned_steps(cfg, 0.05) == BUDGET_PROBE_STEPS + 2000  # 100 s at 50 ms a step, after the probe
+    assert planned_steps(cfg, 0.05, spent=40.0) == BUDGET_PROBE_STEPS + 1200  # what the probe spent is gone
+    assert planned_steps(cfg, 0.001) == 5000  # never more than asked for
+    assert planned_steps(cfg, 200.0) == BUDGET_PROBE_STEPS  # never fewer than the steps already run
+    assert planned_steps(cfg, 0.05, spent=500.0) == BUDGET_PROBE_STEPS
+    assert planned_steps(replace(cfg, time_budget_s=0.0), 0.05) == 5000  # no budget: the steps asked for
+    with pytest.raises(ValueError, match="time_budget_s"):
+        DistillConfig(time_budget_s=-1.0)
+
+
+def test_a_budgeted_training_runs_the_steps_it_planned(tiny_checkpoint):
+    data = DistillData(extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 8, seed=2), max_m=2), 2, 0.0)
+    cfg = DistillConfig(split_layers=2, steps=10_000, batch_size=4, unroll_steps=1, bf16=False, time_budget_s=1e-6)
+    _, report = train_adapter(tiny_checkpoint, data, AdapterSpec("hat"), cfg, progress_every=10)
+    assert report["steps_run"] == 30  # the probe's steps: the budget was spent before it ended
+    assert report["device"] == "cpu"
+
+
+def test_an_adapter_file_is_measured_again_where_it_lands(tiny_checkpoint, tmp_path, monkeypatch):
+    from tophatctl.adapter_training import run
+
+    data = DistillData(extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 8, seed=3), max_m=2), 2, 0.0)
+    cfg = DistillConfig(split_layers=2, steps=3, batch_size=4, unroll_steps=1, bf16=False)
+    adapter, report = train_adapter(tiny_checkpoint, data, AdapterSpec("feature", mlp=True), cfg, progress_every=3)
+    path = tmp_path / "draft_adapter.safetensors"
+    adapter.save(path, extra_metadata=report)
+    held_out = DistillData(extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 3, seed=4), max_m=2), 2, 0.0)
+    monkeypatch.setattr(run, "load_or_build_held_out", lambda checkpoint, m: held_out)
+    measured = run.evaluate_adapter_file(tiny_checkpoint, path, eval_prompts=0)
+    assert measured["teacher_forced"]["sequences"] == 3
+    assert measured["steps_run"] == 3  # the training's own report is kept
+    saved = json.loads((tmp_path / "adapter_report.json").read_text())
+    assert saved["teacher_forced"] == measured["teacher_forced"]
+    again = DraftAdapter.load(path, tiny_checkpoint, 2)  # the re-saved file still loads, with its vocabulary
+    assert torch.equal(again.draft_vocab, adapter.draft_vocab)

@@ -142,15 +142,17 @@ def step_loss(
     return loss
 
 
-BUDGET_PROBE_STEPS = 30  # steps timed before a time budget fixes how many the schedule runs
+BUDGET_WARMUP_STEPS = 5  # steps not timed: the first ones pay for warm-up
+BUDGET_PROBE_STEPS = 30  # steps run before a time budget fixes how many the schedule runs
 
 
-def planned_steps(cfg: DistillConfig, seconds_per_step: float) -> int:
-    """The steps a time budget affords at the measured rate (at least the probe's, at most cfg.steps):
-    the learning-rate schedule then decays over the steps that will run."""
+def planned_steps(cfg: DistillConfig, seconds_per_step: float, spent: float = 0.0) -> int:
+    """The steps a time budget affords: those run so far (the probe's) plus what the rest of the budget
+    buys at the measured rate, at most cfg.steps. The learning-rate schedule decays over these."""
     if cfg.time_budget_s <= 0 or seconds_per_step <= 0:
         return cfg.steps
-    return max(BUDGET_PROBE_STEPS, min(cfg.steps, int(cfg.time_budget_s / seconds_per_step)))
+    more = int(max(0.0, cfg.time_budget_s - spent) / seconds_per_step)
+    return min(cfg.steps, BUDGET_PROBE_STEPS + more)
 
 
 def train_adapter(
@@ -178,9 +180,15 @@ def train_adapter(
     losses: list[float] = []
     planned = cfg.steps
     step = 0
+    probe_started = started
     while step < planned:
+        if step == BUDGET_WARMUP_STEPS:
+            probe_started = time.monotonic()  # the first steps pay for warm-up (a GPU's: several times a step)
         if step == BUDGET_PROBE_STEPS and cfg.time_budget_s > 0:
-            planned = planned_steps(cfg, (time.monotonic() - started) / step)
+            seconds_per_step = (time.monotonic() - probe_started) / (BUDGET_PROBE_STEPS - BUDGET_WARMUP_STEPS)
+            planned = max(step, planned_steps(cfg, seconds_per_step, spent=time.monotonic() - started))
+            if step >= planned:
+                break
         indices = rng.sample(range(len(data.sequences)), cfg.batch_size)
         ids, shallow, deep, prev, mask, answer_start = batch_tensors(
             data, indices, cfg.split_layers, cfg.prompt_features
