@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from loadgen import bench_gpu
+from loadgen import bench_gpu, gpu_checks
 
 SMALL = ["--model", "demo", "--device", "cpu", "--dtype", "f32", "--sessions", "1,2", "--hf-sessions", "1,2",
          "--rows", "1,4", "--new-tokens", "4", "--greedy-prompts", "2", "--greedy-tokens", "12", "--context", "16",
@@ -78,43 +78,43 @@ def test_without_cuda_placement_fails_and_every_stage_says_why(tmp_path):
 
 
 def test_random_weights_keep_the_checkpoint_shape_and_hat_stays_exact():
-    checkpoint, _, info = bench_gpu.place_model("demo", "cpu", "f32", "random")
+    checkpoint, _, info = gpu_checks.place_model("demo", "cpu", "f32", "random")
     assert info["weights"] == "random" and info["weights_source"].startswith("random init")
     assert (checkpoint.num_layers, checkpoint.hidden_size, checkpoint.vocab_size) == (8, 256, 8192)
-    prompts, _ = bench_gpu.prompts_for(checkpoint, 1)
-    result = bench_gpu.greedy_check(checkpoint, 2, None, prompts, 8)
+    prompts, _ = gpu_checks.prompts_for(checkpoint, 1)
+    result = gpu_checks.greedy_check(checkpoint, 2, None, prompts, 8)
     assert result["equal"] == result["prompts"] == 1
 
 
 def test_smollm2_shape_without_its_config(tmp_path, monkeypatch):
     """On a machine with only the committed adapter (the imported weights and config are git-ignored), random
     weights are built in SmolLM2-135M's shape; where the imported config is there, it is the same config."""
-    imported = bench_gpu.MODELS_DIR / "smollm2" / "config.json"
-    monkeypatch.setattr(bench_gpu, "MODELS_DIR", tmp_path)
+    imported = gpu_checks.MODELS_DIR / "smollm2" / "config.json"
+    monkeypatch.setattr(gpu_checks, "MODELS_DIR", tmp_path)
     (tmp_path / "smollm2").mkdir()
-    config = bench_gpu.model_config(tmp_path / "smollm2")
+    config = gpu_checks.model_config(tmp_path / "smollm2")
     shape = (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads)
     assert shape == (30, 576, 9, 3) and config.tie_word_embeddings and config.vocab_size == 49152
     if imported.is_file():
-        expected = bench_gpu.model_config(imported.parent).to_dict()
+        expected = gpu_checks.model_config(imported.parent).to_dict()
         assert config.to_dict() == expected
     with pytest.raises(FileNotFoundError):
-        bench_gpu.model_config(tmp_path)
+        gpu_checks.model_config(tmp_path)
 
 
 def test_same_greedy_allows_only_an_end_of_sequence_cut():
-    assert bench_gpu.same_greedy([1, 2, 3], [1, 2, 3], eos=0)
-    assert bench_gpu.same_greedy([1, 0], [1, 0, 5], eos=0)
-    assert not bench_gpu.same_greedy([1, 2], [1, 2, 3], eos=0)
-    assert not bench_gpu.same_greedy([1, 4, 3], [1, 2, 3], eos=0)
-    assert bench_gpu.first_difference([1, 4, 3], [1, 2, 3]) == 1
-    assert bench_gpu.first_difference([1, 2], [1, 2, 3]) == 2
+    assert gpu_checks.same_greedy([1, 2, 3], [1, 2, 3], eos=0)
+    assert gpu_checks.same_greedy([1, 0], [1, 0, 5], eos=0)
+    assert not gpu_checks.same_greedy([1, 2], [1, 2, 3], eos=0)
+    assert not gpu_checks.same_greedy([1, 4, 3], [1, 2, 3], eos=0)
+    assert gpu_checks.first_difference([1, 4, 3], [1, 2, 3]) == 1
+    assert gpu_checks.first_difference([1, 2], [1, 2, 3]) == 2
 
 
 def test_a_mismatch_is_reported_with_where_and_how_close_the_tie_was(monkeypatch):
     """A reference that differs from HAT's answer (here: altered on purpose) is counted, located, and diagnosed
     with the unsplit model's top-2 margin there and the rank of HAT's token."""
-    checkpoint, _, _ = bench_gpu.place_model("demo", "cpu", "f32", "checkpoint")
+    checkpoint, _, _ = gpu_checks.place_model("demo", "cpu", "f32", "checkpoint")
     decode_rate = bench_gpu.decode_rate
 
     def altered(*args, **kwargs):
@@ -122,9 +122,9 @@ def test_a_mismatch_is_reported_with_where_and_how_close_the_tie_was(monkeypatch
         tokens[0][3] = (tokens[0][3] + 1) % checkpoint.vocab_size
         return rate, tokens
 
-    monkeypatch.setattr(bench_gpu, "decode_rate", altered)
-    prompts, _ = bench_gpu.prompts_for(checkpoint, 1)
-    result = bench_gpu.greedy_check(checkpoint, 2, None, prompts, 8)
+    monkeypatch.setattr(gpu_checks, "decode_rate", altered)
+    prompts, _ = gpu_checks.prompts_for(checkpoint, 1)
+    result = gpu_checks.greedy_check(checkpoint, 2, None, prompts, 8)
     assert result["equal"] == 0 and not result["all_equal"]
     [mismatch] = result["mismatches"]
     assert mismatch["first_difference"] == 3 and mismatch["top2_margin"] >= 0
