@@ -14,7 +14,10 @@ from shared.model.checkpoint import load_checkpoint
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL_DIR = REPO_ROOT / "models" / "demo"
 
-torch.set_num_threads(2)
+# One intra-op thread: the tests' models are tiny, their ops too small to gain from a second thread, and two
+# OpenMP threads that wait on each other at every op cost 2-5x the time (more on a shared machine). The mesh's
+# services run one thread each as well (tophatctl/mesh.py sets OMP_NUM_THREADS=1).
+torch.set_num_threads(1)
 
 
 def _write_random_checkpoint(path: Path, model_type: str) -> Path:
