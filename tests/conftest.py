@@ -66,3 +66,11 @@ def tiny_checkpoint(request, tiny_llama_dir, tiny_qwen2_dir):
 @pytest.fixture(scope="session")
 def demo_checkpoint():
     return load_checkpoint(DEMO_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real model (models/smollm2), loaded once for the modules that read it (nothing writes to it)."""
+    from tophatctl.models import resolve_model
+
+    return load_checkpoint(resolve_model("smollm2"))
