@@ -25,7 +25,7 @@ import httpx
 
 from shared import latency_stats
 from shared.latency_stats import Timeline
-from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
+from tophatctl.demo_model.corpus import held_out_files
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
@@ -35,7 +35,7 @@ def long_prompts(tokenizer, count: int, min_tokens: int, seed: int = 0) -> list[
     """Held-out text cut to just over `min_tokens` tokens each."""
     import random
 
-    _, held_out = split_corpus(iter_corpus_files())
+    held_out = held_out_files()
     rng = random.Random(seed)
     prompts = []
     while len(prompts) < count:

@@ -117,10 +117,9 @@ class HeldOutText:
 
     def __init__(self, tokenizer: Tokenizer, texts: list[str] | None = None) -> None:
         if texts is None:
-            from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
+            from tophatctl.demo_model.corpus import held_out_files
 
-            _, held_out = split_corpus(iter_corpus_files())
-            texts = [f.text for f in held_out]
+            texts = [f.text for f in held_out_files()]
         self.text = _FILE_SEPARATOR.join(texts)
         enc = tokenizer(self.text, return_offsets_mapping=True, add_special_tokens=False, verbose=False)
         self.offsets: list[tuple[int, int]] = [tuple(o) for o in enc["offset_mapping"]]

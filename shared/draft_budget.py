@@ -35,10 +35,12 @@ from typing import Any
 
 from shared.ema import Ema
 from shared.planners import PlannerInputs, positive_field, usable_state
-from shared.wire import MAX_TREE_ROWS
 
 MAX_OPTIONS = 32
-MAX_ROWS = MAX_TREE_ROWS  # no frame carries more
+# shared.wire.MAX_TREE_ROWS (no frame carries more), written out: importing shared.wire loads torch, which the
+# chunk planner and the token streamer (both import this module) otherwise never need, and which costs each of
+# them ~2 s of CPU at start-up; tests/test_draft_budget.py checks that the two agree
+MAX_ROWS = 1024
 MAX_ACCEPT = MAX_ROWS + 1.0
 MAX_DRAFT_S = 600.0
 SWITCH_MARGIN = 0.05  # a device leaves its current shape only for one predicted this much faster

@@ -14,7 +14,10 @@ from shared.model.checkpoint import load_checkpoint
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL_DIR = REPO_ROOT / "models" / "demo"
 
-torch.set_num_threads(2)
+# One intra-op thread: the tests' models are tiny, their ops too small to gain from a second thread, and two
+# OpenMP threads that wait on each other at every op cost 2-5x the time (more on a shared machine). The mesh's
+# services run one thread each as well (tophatctl/mesh.py sets OMP_NUM_THREADS=1).
+torch.set_num_threads(1)
 
 
 def _write_random_checkpoint(path: Path, model_type: str) -> Path:
@@ -63,3 +66,11 @@ def tiny_checkpoint(request, tiny_llama_dir, tiny_qwen2_dir):
 @pytest.fixture(scope="session")
 def demo_checkpoint():
     return load_checkpoint(DEMO_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real model (models/smollm2), loaded once for the modules that read it (nothing writes to it)."""
+    from tophatctl.models import resolve_model
+
+    return load_checkpoint(resolve_model("smollm2"))

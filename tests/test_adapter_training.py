@@ -111,14 +111,6 @@ def test_near_copies_of_held_out_prompts_are_caught():
     assert not near_held_out("Can you help me plan a budget for a small wedding?")
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from shared.model.checkpoint import load_checkpoint
-    from tophatctl.models import resolve_model
-
-    return load_checkpoint(resolve_model("smollm2"))
-
-
 @pytest.mark.slow
 def test_the_model_writes_its_own_distinct_questions_the_same_on_every_run(smollm2):
     first = sample_user_prompts(smollm2, 4, seed=5, batch_size=8, max_new_tokens=40)

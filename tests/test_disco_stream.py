@@ -97,7 +97,7 @@ async def test_delivery_is_paced_at_the_reading_rate() -> None:
 
 @pytest.mark.slow
 async def test_a_server_failing_mid_answer_hands_over_to_the_device_and_nothing_is_lost() -> None:
-    device = ModeDevice({"device": 5.0}, fail_mode="cloud", fail_after=4, round_delay_s=0.01)
+    device = ModeDevice({"device": 2.0}, fail_mode="cloud", fail_after=4, round_delay_s=0.01)
     async with mesh(device) as url:
         response = await complete(url, 12, dispatch="disco", budget=1.0, reading_rate_tps=0, migration=False)
         body = response.json()

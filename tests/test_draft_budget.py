@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
 from shared.draft_budget import (
+    MAX_ROWS,
     BudgetError,
     BudgetOption,
     BudgetRequest,
@@ -21,6 +24,7 @@ from shared.draft_budget import (
 )
 from services.chunk_planner.settings import load_settings
 from shared.planners import PlannerInputs
+from tests.conftest import REPO_ROOT
 from tests.test_chunk_planner import monitor, planner_settings, post, running
 
 # Near what bench_trees measured on SmolLM2 (accept length, rows, draft seconds per round)
@@ -219,3 +223,15 @@ def test_an_absurd_load_still_gives_a_json_answer() -> None:
     shape, source, detail = budget_from_state(cloud, fresh, inputs, big, "wide")
     assert (shape, source) == ("none", "budget")
     json.dumps(detail, allow_nan=False)  # what the planner's JSONResponse must encode
+
+
+def test_the_row_limit_is_the_wires_and_the_planner_and_the_streamer_start_without_torch():
+    """MAX_ROWS is the wire's tree limit written out, so that neither service loads torch (~2 s of each one's
+    start-up in every mesh) for the one constant."""
+    from shared import wire
+
+    assert MAX_ROWS == wire.MAX_TREE_ROWS
+    code = ("import sys, services.chunk_planner.__main__, services.token_streamer.__main__;"
+            "print('torch' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "False", loaded.stderr[-2000:]

@@ -25,6 +25,7 @@ from shared import auth
 from shared.auth_keys import KeyRing
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
+from tests.mesh_tools import wait_until
 from tophat.cli import app
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig
@@ -180,10 +181,13 @@ def test_a_revoked_device_is_refused_at_its_next_call(mesh):
     assert "device:device-5" in json.loads(revoked.output)["revoked"]
     assert httpx.post(f"{mesh.config.monitor_url}/telemetry", json=rtt(victim),
                       headers=bearer(mesh, victim, "device", auth.ISSUER), timeout=10).status_code == 401
-    time.sleep(2.5)  # two refresh periods
-    response = httpx.get(planner, params=params, headers=bearer(mesh, victim, "device", auth.PLANNER), timeout=10)
-    assert response.status_code == 401 and response.json()["error"]["reason"] == "revoked"
-    assert asyncio.run(handshake(verifier, bearer(mesh, victim, "device", auth.VERIFIER))) == 401
+
+    def refused_by_planner_and_verifier() -> bool:
+        response = httpx.get(planner, params=params, headers=bearer(mesh, victim, "device", auth.PLANNER), timeout=10)
+        return (response.status_code == 401 and response.json()["error"]["reason"] == "revoked"
+                and asyncio.run(handshake(verifier, bearer(mesh, victim, "device", auth.VERIFIER))) == 401)
+
+    assert wait_until(refused_by_planner_and_verifier, 2.5)  # within two refresh periods
     enroll = {"device_id": victim, "url": "http://127.0.0.1:2"}
     assert httpx.post(f"{mesh.config.monitor_url}/credentials/enroll", json=enroll,
                       headers=bearer(mesh, "*", "bootstrap", auth.ISSUER), timeout=10).status_code == 403
@@ -209,10 +213,17 @@ def test_operator_issues_a_bootstrap_token_and_rotates_the_signing_key(mesh):
                           headers={"Authorization": f"Bearer {issued.output.strip()}"})
     assert enrolled.status_code == 200  # the bootstrap token, signed before the rotation, still enrols
     assert jwt.get_unverified_header(enrolled.json()["token"])["kid"] == active  # new tokens: the new key
-    time.sleep(2.5)  # the planner re-read the key set
     params = {"device_id": "device-8", "prompt_tokens": 50}
-    assert httpx.get(f"{mesh.config.planner_url}/chunk-size", params=params, timeout=10,
-                     headers={"Authorization": f"Bearer {old_token}"}).status_code == 200
+    new_key = cli(mesh, "issue", "--role", "device", "--subject", "device-8", "--audience", auth.PLANNER)
+    assert new_key.exit_code == 0, new_key.output
+
+    def planner_takes(token: str) -> bool:
+        return httpx.get(f"{mesh.config.planner_url}/chunk-size", params=params, timeout=10,
+                         headers={"Authorization": f"Bearer {token}"}).status_code == 200
+
+    # the planner re-read the key set (within two refresh periods): it takes the new key, and still the old one
+    assert wait_until(lambda: planner_takes(new_key.output.strip()), 2.5)
+    assert planner_takes(old_token)
     refused = cli(mesh, "issue", "--role", "device", "--subject", "x", "--ttl-s", "1e12")
     assert refused.exit_code == 1 and "422" in refused.output
 

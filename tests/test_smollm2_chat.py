@@ -19,25 +19,18 @@ import pytest
 from services.device_agent.__main__ import missing_adapter
 from services.device_agent.settings import Settings as DeviceSettings
 from shared.chat import ChatTemplateError, chat_prompt_ids, plain_chat_text
-from shared.model.checkpoint import load_checkpoint
 from shared.runtime import encode_prompt
 from shared.specdec.device_session import SessionError
 from shared.specdec.reference import generate_full
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig, MeshStartError
 from tophatctl.mesh_ports import find_port_base
-from tophatctl.models import resolve_model
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 24
 END_OF_TURN = "<|im_end|>"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_checkpoint(resolve_model("smollm2"))
 
 
 @pytest.fixture(scope="module")

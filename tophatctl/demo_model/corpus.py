@@ -6,6 +6,7 @@ Files are split into train / held-out by a stable hash of their relative path.
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -24,19 +25,27 @@ class CorpusFile:
 
     @property
     def is_held_out(self) -> bool:
-        return zlib.crc32(self.relative_path.encode()) % HELD_OUT_MODULUS == 0
+        return _held_out_path(self.relative_path)
+
+
+def _held_out_path(relative_path: str) -> bool:
+    return zlib.crc32(relative_path.encode()) % HELD_OUT_MODULUS == 0
 
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def iter_corpus_files(root: Path | None = None) -> list[CorpusFile]:
+def iter_corpus_files(root: Path | None = None, held_out: bool | None = None) -> list[CorpusFile]:
+    """The corpus's files; held_out True or False: only those of that side of the split, chosen by path
+    before any file is read."""
     root = root or stdlib_root()
     files = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
         if any(part in _EXCLUDED_DIRS for part in relative.parts):
+            continue
+        if held_out is not None and _held_out_path(str(relative)) != held_out:
             continue
         try:
             text = path.read_text(encoding="utf-8")
@@ -53,11 +62,18 @@ def split_corpus(files: list[CorpusFile]) -> tuple[list[CorpusFile], list[Corpus
     return train, held_out
 
 
+@functools.cache
+def held_out_files() -> tuple[CorpusFile, ...]:
+    """The held-out files of this interpreter's standard library (split_corpus's second list), read once
+    per process: the benchmarks and tests ask for held-out prompts many times."""
+    return tuple(iter_corpus_files(held_out=True))
+
+
 def held_out_prompts(num_prompts: int, prompt_chars: int = 400, seed: int = 0) -> list[str]:
     """Prompts cut from held-out files at line boundaries (deterministic for a seed)."""
     import random
 
-    _, held_out = split_corpus(iter_corpus_files())
+    held_out = held_out_files()
     rng = random.Random(seed)
     prompts: list[str] = []
     while len(prompts) < num_prompts:
