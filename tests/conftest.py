@@ -74,3 +74,16 @@ def smollm2():
     from tophatctl.models import resolve_model
 
     return load_checkpoint(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def default_demo_mesh():
+    """A mesh as `tophat up` starts it on the demo model (one device agent), started once for the modules that
+    only send it requests and leave it idle (test_disconnect, test_soak): a mesh start is ~15 s of CPU."""
+    from tophatctl.mesh import Mesh
+    from tophatctl.mesh_config import MeshConfig
+    from tophatctl.mesh_ports import find_port_base
+
+    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1))
+    with Mesh(config) as running:
+        yield running

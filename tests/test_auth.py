@@ -48,7 +48,11 @@ def test_round_trip(subject: str, role: str, audience: str) -> None:
 def test_any_single_character_change_is_refused(data: st.DataObject) -> None:
     token = RING.mint("device-1", "device", auth.VERIFIER, 60, time.time())
     i = data.draw(st.integers(0, len(token) - 1))
-    replacement = data.draw(st.sampled_from("AQgw-_.x9").filter(lambda c: c != token[i]))
+    # Drawn without looking at the token (a fresh one each run, random id and signature): a filter on token[i]
+    # would draw a different number of times when Hypothesis replays an example, which it reports as flaky.
+    replacement = data.draw(st.sampled_from("AQgw-_.x9"))
+    if replacement == token[i]:
+        replacement = "Q" if replacement == "A" else "A"
     changed = token[:i] + replacement + token[i + 1 :]
     try:
         claims = verifier().verify(changed, auth.VERIFIER)

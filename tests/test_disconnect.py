@@ -19,9 +19,6 @@ import pytest
 
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import device_sessions, verifier_state, wait_until
-from tophatctl.mesh import Mesh
-from tophatctl.mesh_config import MeshConfig
-from tophatctl.mesh_ports import find_port_base
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
 pytestmark = pytest.mark.slow
@@ -31,10 +28,8 @@ FREED_WITHIN_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1))
-    with Mesh(config) as running:
-        yield running
+def mesh(default_demo_mesh):
+    return default_demo_mesh  # conftest: shared with test_soak
 
 
 def post_and_hold(url: str, body: dict) -> socket.socket:

@@ -9,9 +9,6 @@ import pytest
 
 from loadgen.soak import SoakReport, mesh_processes, rss_kib, soak
 from tests.conftest import DEMO_MODEL_DIR
-from tophatctl.mesh import Mesh
-from tophatctl.mesh_config import MeshConfig
-from tophatctl.mesh_ports import find_port_base
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
 pytestmark = pytest.mark.slow
@@ -20,9 +17,8 @@ SERVICES = {"state-monitor", "chunk-planner", "verifier-cloud", "device-agent-0"
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    with Mesh(MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1))) as running:
-        yield running
+def mesh(default_demo_mesh):
+    return default_demo_mesh  # conftest: shared with test_disconnect
 
 
 def test_rss_is_read_from_proc_and_a_gone_process_has_none():

@@ -31,11 +31,18 @@ pytestmark = pytest.mark.slow
 
 M = 2
 PROMPTS = [[1, 15, 27, 99, 4, 8, 16], [3, 300, 301, 5, 7, 9, 11, 2, 44, 45, 46]]
+MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
 def device_model(demo_checkpoint):
     return build_device_model(demo_checkpoint, M, None)
+
+
+@pytest.fixture(scope="module")
+def unsplit_answers(demo_checkpoint):
+    """The unsplit model's greedy answers to PROMPTS, MAX_NEW tokens each: computed once for every mode and RTT."""
+    return [generate_full(demo_checkpoint, p, MAX_NEW).token_ids for p in PROMPTS]
 
 
 def link(rtt_ms: float) -> LinkProfile | None:
@@ -66,9 +73,8 @@ def configs(mode: str) -> list[StreamConfig]:
 
 @pytest.mark.parametrize("rtt_ms", [0, 20, 60])
 @pytest.mark.parametrize("mode", ["token-sd", "picospec", "hat-async"])
-def test_greedy_output_equals_the_unsplit_model(demo_checkpoint, device_model, mode, rtt_ms):
-    max_new = 24
-    expected = [generate_full(demo_checkpoint, p, max_new).token_ids for p in PROMPTS]
+def test_greedy_output_equals_the_unsplit_model(demo_checkpoint, device_model, unsplit_answers, mode, rtt_ms):
+    max_new, expected = MAX_NEW, unsplit_answers
 
     async def main():
         async with verifier_on_loopback(demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M),

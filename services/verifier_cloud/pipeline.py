@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
 import queue
 import secrets
 import time
@@ -49,6 +48,7 @@ from services.verifier_cloud.stages import (
     Stop,
     run_stage,
     to_numpy,
+    worker_context,
 )
 from shared.stage_codec import StageLinkError
 from shared.stage_link import TOKEN_BYTES, LinkReceiver, LinkSender, chain_stages
@@ -91,7 +91,7 @@ class StagePipeline:
     def _spawn(self) -> None:
         """Fresh (not yet started) worker processes, each with a startup pipe and this run's token: at
         construction and on every restart. The hops themselves are wired in start()."""
-        ctx = multiprocessing.get_context("spawn")
+        ctx = worker_context()  # spawn, or forked from a fork server that has imported torch once
         self._token = secrets.token_bytes(TOKEN_BYTES)  # a new run's hops refuse anything of the old one's
         # addresses only (stage_link.chain_stages), never messages; remote stages are reached by address instead
         pipes = [] if self.remote is not None else [ctx.Pipe() for _ in self.specs]

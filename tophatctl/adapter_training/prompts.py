@@ -10,6 +10,7 @@ import ast
 import functools
 import random
 import re
+from collections import deque
 from pathlib import Path
 
 from tophatctl.demo_model.corpus import iter_corpus_files
@@ -112,6 +113,22 @@ def _clean(text: str, max_chars: int) -> str:
     return cut[: cut.rfind(" ")] if " " in cut else cut
 
 
+# Where a function or class definition can sit: statements hold them, and except clauses and match cases hold
+# statements; an expression never does.
+_HOLDS_DEFINITIONS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _statements(tree: ast.AST):
+    """The tree's statements (and except clauses and match cases) in ast.walk's order, without visiting the
+    expressions ast.walk spends most of its time in: every ancestor of a statement is one of these, so the
+    order among them is the same."""
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _HOLDS_DEFINITIONS))
+        yield node
+
+
 @functools.cache
 def _stdlib_first_paragraphs() -> tuple[tuple[str, str], ...]:
     """(qualified name, raw first docstring paragraph) of public stdlib functions and classes: the
@@ -123,7 +140,7 @@ def _stdlib_first_paragraphs() -> tuple[tuple[str, str], ...]:
         except SyntaxError:
             continue
         module = corpus_file.relative_path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-        for node in ast.walk(tree):
+        for node in _statements(tree):
             if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
