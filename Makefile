@@ -6,6 +6,11 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2
 # the weights' precision `make demo` runs: int4 (the CPU's fastest decode), int8, bf16 or f32 (make bench-engine)
 DTYPE ?= int4
+# make test runs the suite in TEST_WORKERS processes (pytest-xdist), a test file to a worker so its module
+# fixtures start once, then the tests marked `timing` (wall-clock bounds, races of real processes) alone, so
+# that no other test's load moves them; TEST_WORKERS=0 runs the first part in this one process too
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: install test test-fast lint demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
 
@@ -27,11 +32,13 @@ $(SMOLLM2): | $(STAMP)
 	$(BIN)/tophat import-gguf
 
 test: install
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q $(XDIST) -m 'not deploy and not timing' --durations=25
+	$(BIN)/python -m pytest -q -m 'timing and not deploy' --durations=5
 
 # the inner loop: everything but the end-to-end tests that start real meshes and processes (marked slow)
 test-fast: install
-	$(BIN)/python -m pytest -q -m 'not slow and not deploy'
+	$(BIN)/python -m pytest -q $(XDIST) -m 'not slow and not deploy and not timing'
+	$(BIN)/python -m pytest -q -m 'timing and not slow and not deploy'
 
 # ruff (lint + format check) and mypy over the product's code; configured in pyproject.toml
 LINTED := shared services

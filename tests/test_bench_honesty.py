@@ -10,7 +10,8 @@ from loadgen.bench import BenchVariant, run_modes
 from tests.conftest import DEMO_MODEL_DIR
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
-pytestmark = pytest.mark.slow
+# timing: races and fits of real processes' speeds, so make test runs it alone (after the rest)
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 ADDED_MS = 300.0
 

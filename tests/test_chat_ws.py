@@ -32,6 +32,7 @@ async def answer_of(ws: Any) -> dict[str, Any]:
     return {**frame, "text": "".join(texts)}
 
 
+@pytest.mark.timing  # its bounds are wall-clock times: make test runs it alone
 async def test_every_message_draws_on_the_bucket_http_requests_draw_on() -> None:
     dev = FakeDevice("dev-a")
     async with mesh(dev, rate_limit_rps=0.01, rate_limit_burst=4) as url, httpx.AsyncClient(timeout=10) as http:

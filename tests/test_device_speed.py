@@ -42,6 +42,7 @@ def test_device_speed_validation_and_extra_time() -> None:
         DeviceSpeed(0.9)
 
 
+@pytest.mark.timing  # its bounds are wall-clock times: make test runs it alone
 async def test_slowed_stretches_wall_time_without_blocking_the_loop() -> None:
     def work(x: int, *, scale: int) -> int:
         time.sleep(0.05)

@@ -32,7 +32,8 @@ from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
-pytestmark = pytest.mark.slow
+# timing: races and fits of real processes' speeds, so make test runs it alone (after the rest)
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 LINK = "lat=60ms"  # the cloud is a round trip away; the device is not
 SPEED = "10"  # a device 10x slower than this host: still first for a short prompt, and slower to decode

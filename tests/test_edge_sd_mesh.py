@@ -17,7 +17,8 @@ from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
-pytestmark = pytest.mark.slow
+# timing: races and fits of real processes' speeds, so make test runs it alone (after the rest)
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 QUESTIONS = ("def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
              "The standard library's json module ",

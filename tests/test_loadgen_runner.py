@@ -108,6 +108,7 @@ def req(i: int, prompt: str = "ok") -> WorkloadRequest:
     return WorkloadRequest(index=i, prompt=prompt, prompt_tokens=60, max_tokens=16, device_hint=i % 2)
 
 
+@pytest.mark.timing  # its bounds are wall-clock times: make test runs it alone
 @pytest.mark.slow
 async def test_timings_match_the_script_and_failures_are_counted(server) -> None:
     url, _ = server

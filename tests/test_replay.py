@@ -202,6 +202,7 @@ def test_a_verifier_that_keeps_failing_is_given_up_after_max_recoveries(tiny_lla
     assert gave_up.value.recoveries == 3 and isinstance(gave_up.value.__cause__, VerifierLost)
 
 
+@pytest.mark.timing  # its bounds are wall-clock times: make test runs it alone
 def test_the_total_deadline_holds_when_each_recovery_is_within_its_own(tiny_llama_dir):
     from shared.model.checkpoint import load_checkpoint
 

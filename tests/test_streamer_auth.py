@@ -179,6 +179,7 @@ def test_settings_keys_limits_and_the_open_endpoint_warning(caplog: pytest.LogCa
     assert [r for r in caplog.records if "open to anyone" in r.getMessage() and r.levelno == logging.WARNING]
 
 
+@pytest.mark.timing  # its bounds are wall-clock times: make test runs it alone
 @pytest.mark.slow
 async def test_past_the_burst_a_credential_gets_429_with_retry_after() -> None:
     async with mesh(FakeDevice("dev-a"), rate_limit_rps=0.4, rate_limit_burst=3) as url, \

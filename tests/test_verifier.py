@@ -152,6 +152,7 @@ async def test_errors_reach_the_device_as_cloud_errors(checkpoint):
         await cloud.close_connection()
 
 
+@pytest.mark.timing  # its bounds are wall-clock times: make test runs it alone
 async def test_bandwidth_probe_measures_the_emulated_link(checkpoint):
     from shared.links import LinkProfile
 
