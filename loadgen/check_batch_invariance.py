@@ -1,0 +1,59 @@
+"""Is the unsplit model's greedy answer the same whether its rows are computed one per pass or together?
+
+`generate_full` (the reference of every lossless test) decodes one row per pass; the mesh verifies several
+rows in one pass. For each dtype this decodes the held-out chat prompts step by step, scores the same
+tokens again in one pass, and counts the prompts whose argmax differs somewhere, and the exact top-2 ties
+in the logits. Run: `python -m loadgen.check_batch_invariance [--dtypes int4,int8,f32] [--prompts 24]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from shared.model.checkpoint import load_checkpoint
+from shared.specdec.reference import generate_full
+from tophatctl.adapter_training.prompts import HELD_OUT_CHAT_PROMPTS
+from tophatctl.models import resolve_model_or_exit
+
+
+def check(model_dir: str, dtype: str, prompts: list[str], new_tokens: int) -> dict[str, int]:
+    checkpoint = load_checkpoint(model_dir, quantize=None if dtype == "f32" else dtype)
+    tokenizer = checkpoint.tokenizer
+    differing, ties, positions = 0, 0, 0
+    for prompt in prompts:
+        messages = [{"role": "user", "content": prompt}]
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        stepwise = generate_full(checkpoint, ids, new_tokens).token_ids
+        with torch.inference_mode():
+            logits = checkpoint.model(input_ids=torch.tensor([ids + stepwise])).logits[0]  # [P + N, V]
+        scored = logits[len(ids) - 1 : len(ids) - 1 + len(stepwise)]  # [N, V]: the logits each token came from
+        top2 = scored.topk(2).values  # [N, 2]
+        ties += int((top2[:, 0] == top2[:, 1]).sum())
+        positions += len(stepwise)
+        differing += int(scored.argmax(-1).tolist() != stepwise)
+    return {"prompts": len(prompts), "differing_prompts": differing, "tied_positions": ties, "positions": positions}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtypes", default="int4,int8,f32")
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    prompts = list(HELD_OUT_CHAT_PROMPTS[: args.prompts])
+    for dtype in args.dtypes.split(","):
+        result = check(str(resolve_model_or_exit(args.model)), dtype, prompts, args.new_tokens)
+        print(
+            f"{dtype}: stepwise greedy != one-pass argmax on {result['differing_prompts']}/{result['prompts']} "
+            "prompts; "
+            f"exact top-2 logit ties at {result['tied_positions']}/{result['positions']} positions"
+        )
+
+
+if __name__ == "__main__":
+    main()
