@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from shared.model.checkpoint import load_checkpoint
 from shared.specdec.reference import generate_full
+from tophatctl.adapter_training.dataset import user_prompt_ids
 from tophatctl.adapter_training.prompts import HELD_OUT_CHAT_PROMPTS
 from tophatctl.models import resolve_model_or_exit
 
@@ -48,11 +49,9 @@ def per_row_attention() -> Iterator[None]:
 
 def check(model_dir: str, dtype: str, prompts: list[str], new_tokens: int) -> dict[str, int]:
     checkpoint = load_checkpoint(model_dir, quantize=None if dtype == "f32" else dtype)
-    tokenizer = checkpoint.tokenizer
     differing, ties, positions = 0, 0, 0
     for prompt in prompts:
-        messages = [{"role": "user", "content": prompt}]
-        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        ids = user_prompt_ids(checkpoint, prompt)
         stepwise = generate_full(checkpoint, ids, new_tokens).token_ids
         with torch.inference_mode():
             logits = checkpoint.model(input_ids=torch.tensor([ids + stepwise])).logits[0]  # [P + N, V]
