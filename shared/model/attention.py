@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shared.model.invariant_attention import RowLayout, attend_sessions
 from shared.model.kv_cache import LayerKV, SessionKV
 from shared.model.tree_rows import TreeRows, check_trees
 
@@ -65,6 +66,7 @@ class PassPlan:
     sin: torch.Tensor  # [T, D]
     mask: torch.Tensor | None  # one session: [n, L] or None (one causal row); several: [B, 1, Nmax, Lmax]
     scatter: torch.Tensor | None  # several sessions: [T] packed row -> b * Nmax + i
+    invariant: list[RowLayout] | None = None  # batch-invariant attention (int4/int8 models): per session
     _padded: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -84,8 +86,10 @@ class PassPlan:
         caches: Sequence[SessionKV],
         lengths: Sequence[int],
         trees: Sequence[TreeRows | None] | None = None,
+        invariant: bool = False,
     ) -> "PassPlan":
         # like: [T, H], the states entering the pass (device and dtype of the rotary tables)
+        # invariant: every row computed as it would be alone (invariant_attention.py), not in one SDPA call
         if sum(lengths) != like.shape[0]:
             raise ValueError(f"lengths {list(lengths)} do not add up to {like.shape[0]} packed tokens")
         check_trees(caches, lengths, trees)
@@ -99,6 +103,9 @@ class PassPlan:
             ]
         )  # [T]
         cos, sin = rotary_emb(like, positions[None, :])  # each [1, T, D]
+        if invariant:
+            layouts = [RowLayout.build(past, n, tree, device) for past, n, tree in zip(pasts, lengths, trees)]
+            return cls(lengths, pasts, cos[0], sin[0], None, None, layouts)
         if len(lengths) == 1 and lengths[0] == 1 and trees[0] is None:
             return cls(lengths, pasts, cos[0], sin[0], None, None)  # a decode row sees its whole cache: no mask
         masks = [
@@ -138,6 +145,9 @@ def attention(
     queries, keys = turned[: weights.num_q_heads], turned[weights.num_q_heads :]  # [Hq, T, D], [Hkv, T, D]
     values = v.view(total, -1, head_dim).transpose(0, 1)  # [Hkv, T, D]
     gqa = queries.shape[0] != keys.shape[0]
+    if plan.invariant is not None:
+        out = attend_sessions(plan.invariant, queries, keys, values, layer_caches, weights.scaling)  # [Hkv, G, T, D]
+        return weights.project_out(out.reshape(-1, total, head_dim).transpose(0, 1).reshape(total, -1))
     if plan.single:
         all_keys, all_values = layer_caches[0].append(keys, values)  # [Hkv, L, D]
         out = F.scaled_dot_product_attention(

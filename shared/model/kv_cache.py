@@ -32,9 +32,10 @@ class LayerKV:
         capacity: int = 64,
         device: torch.device | str = "cpu",
     ):
-        # keys/values: [Hkv, capacity, D] on the layer's device; rows >= length are garbage
-        self.keys = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.values = torch.empty(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        # keys/values: [Hkv, capacity, D] on the layer's device; rows >= length are stale or zeros, never
+        # NaN (batch-invariant attention reads padding rows and weights them by exactly 0)
+        self.keys = torch.zeros(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.length = 0
 
     @property
@@ -45,7 +46,7 @@ class LayerKV:
         new_capacity = max(needed, 2 * self.capacity)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_empty(old.shape[0], new_capacity, old.shape[2])  # same dtype and device
+            new = old.new_zeros(old.shape[0], new_capacity, old.shape[2])  # same dtype and device
             new[:, : self.length] = old[:, : self.length]
             setattr(self, name, new)
 
@@ -58,6 +59,14 @@ class LayerKV:
         self.values[:, self.length : new_length] = values
         self.length = new_length
         return self.keys[:, :new_length], self.values[:, :new_length]
+
+    def padded(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the first `width` >= length rows, [Hkv, width, D]: the rows past the length are finite."""
+        if width < self.length:
+            raise KVCacheError(f"a padded view of {width} rows is shorter than the cache's {self.length}")
+        if width > self.capacity:
+            self._grow(width)
+        return self.keys[:, :width], self.values[:, :width]
 
     @torch.inference_mode()  # the KV grows inside inference mode, so its tensors are inference tensors
     def compact(self, base: int, rows: torch.Tensor) -> None:
@@ -130,8 +139,8 @@ class SessionKV:
         for layer in self._alive():
             copy = LayerKV.__new__(LayerKV)
             capacity = max(length + 16, 64)
-            copy.keys = layer.keys.new_empty(layer.keys.shape[0], capacity, layer.keys.shape[2])
-            copy.values = layer.values.new_empty(layer.values.shape[0], capacity, layer.values.shape[2])
+            copy.keys = layer.keys.new_zeros(layer.keys.shape[0], capacity, layer.keys.shape[2])
+            copy.values = layer.values.new_zeros(layer.values.shape[0], capacity, layer.values.shape[2])
             copy.keys[:, :length] = layer.keys[:, :length]
             copy.values[:, :length] = layer.values[:, :length]
             copy.length = length

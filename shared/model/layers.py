@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from shared.model.attention import PassPlan, attention
 from shared.model.fused import fused_layer
+from shared.model.invariant_attention import uses_invariant_attention
 from shared.model.kv_cache import LayerKV, SessionKV
 from shared.model.tree_rows import TreeRows
 
@@ -52,7 +53,8 @@ def run_layers(
 ) -> torch.Tensor:
     """Run a contiguous range of decoder layers over packed sessions (trees[i]: session i's tree rows, or None)."""
     # hidden: [T, H]; sum(lengths) == T
-    plan = PassPlan.build(rotary_emb, hidden, caches, lengths, trees)
+    layers = list(layers)
+    plan = PassPlan.build(rotary_emb, hidden, caches, lengths, trees, invariant=uses_invariant_attention(layers))
     for index, layer in enumerate(layers):
         hidden = decoder_layer_forward(layer, hidden, [c.layer(index) for c in caches], plan)
     return hidden

@@ -1,0 +1,261 @@
+"""Batch-invariant attention: every query row comes out in the same bits whatever else shares its pass.
+
+Why: at int4/int8 every quantized matmul rounds its input to bfloat16, so a difference of a few 1e-7 in
+one attention row can become a whole bfloat16 step and, where two logits are close, another greedy
+token. torch's CPU scaled-dot-product kernel gives a row such differences depending on how many rows
+and keys its call holds (it blocks them by the call's shape). The quantized matmuls and the norms are
+batch-invariant already (measured), so with this attention the unsplit model decoding one row per pass
+(`generate_full`, the reference) and the mesh verifying many rows per pass compute the same logits.
+
+How, with only operations whose per-element result was measured not to depend on the call's shape:
+- every row's keys are laid out at their positions 0, 1, ... and padded with masked positions up to a
+  multiple of CHUNK, so a row sees the same values at the same places in any call;
+- scores: keys @ queries^T, one dot product over the head dim per key and query;
+- softmax over each row's padded positions: masked ones are exact zeros in its sums;
+- values: per CHUNK positions (a fixed reduction length) values^T @ probs^T, then the chunks' partial
+  outputs added in a fixed pairwise tree, where padding chunks add exact zeros.
+In both matmuls the query side is the column operand: results were the same for 1 to 600 columns.
+
+Tree rows see their committed prefix and then their own ancestors, which the cache holds in tree order;
+`attend_paths` gathers each row's path after the shared prefix, so it sits where a decode step of that
+path would have it. The cost: more small operations than one SDPA call (README, precision section).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.model.kv_cache import LayerKV
+from shared.model.tree_rows import TreeRows
+
+CHUNK = 32  # positions per partial output: the values matmul's fixed reduction length
+IMPLEMENTATION = "tophat_batch_invariant"  # the HF attn_implementation name the reference model runs under
+
+
+def padded_length(length: int) -> int:
+    """The number of key positions a row of `length` visible keys is computed over: a multiple of CHUNK."""
+    return -(-length // CHUNK) * CHUNK
+
+
+def pairwise_sum(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim`: padded with zero parts to a power of two, then halves added level by level.
+
+    Trailing zero parts change no bit: against a shorter padding they only add zeros to the first half."""
+    count = parts.shape[dim]
+    target = 1 << (count - 1).bit_length()
+    if target != count:
+        shape = list(parts.shape)
+        shape[dim] = target - count
+        parts = torch.cat([parts, parts.new_zeros(shape)], dim=dim)
+    while parts.shape[dim] > 1:
+        first, second = parts.chunk(2, dim=dim)
+        parts = first + second
+    return parts.squeeze(dim)
+
+
+def row_scores(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """[X, N, D] keys and [X, M, D] queries -> [X, M, N] dot products (a transposed view)."""
+    return torch.bmm(keys, queries.mT).mT
+
+
+def chunk_outputs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[X, M, N] probabilities and [X, N, D] values -> [X, N / CHUNK, M, D] partial outputs, one per chunk."""
+    batch, rows, positions = probs.shape
+    chunks, head_dim = positions // CHUNK, values.shape[-1]
+    chunked_probs = probs.reshape(batch, rows, chunks, CHUNK).permute(0, 2, 3, 1).reshape(-1, CHUNK, rows)
+    chunked_values = values.reshape(batch * chunks, CHUNK, head_dim)  # [X chunks, C, D]
+    partial = torch.bmm(chunked_values.mT, chunked_probs)  # [X chunks, D, M]
+    return partial.view(batch, chunks, head_dim, rows).mT
+
+
+def attend(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Rows that see keys at positions 0..N-1 (bias 0) or not (-inf); N a multiple of CHUNK."""
+    # queries: [B, Hkv, G, n, D] (each kv head's G query heads, n rows); keys, values: [B, Hkv, N, D]
+    # bias: broadcastable to [B, Hkv, G, n, N] -> [B, Hkv, G, n, D]
+    if keys.shape[-2] % CHUNK:
+        raise ValueError(f"{keys.shape[-2]} key positions: batch-invariant attention takes a multiple of {CHUNK}")
+    batch, heads, groups, rows, head_dim = queries.shape
+    flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)  # [B Hkv, N, D]
+    flat_queries = queries.reshape(batch * heads, groups * rows, head_dim).mul(scale)
+    scores = row_scores(flat_keys, flat_queries).view(batch, heads, groups, rows, -1)
+    probs = torch.softmax(torch.add(bias, scores), dim=-1)  # [B, Hkv, G, n, N]
+    parts = chunk_outputs(probs.view(batch * heads, groups * rows, -1), flat_values)  # [B Hkv, chunks, G n, D]
+    return pairwise_sum(parts, dim=1).view(queries.shape)
+
+
+def attend_paths(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    shared: int,
+    tails: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Rows that each see cache positions 0..shared-1, then their own rows of the cache (`tails`) in order."""
+    # queries: [Hkv, G, n, D]; keys, values: one session's cache [Hkv, >= shared, D]; shared % CHUNK == 0
+    # tails: [n, Nt] int64 cache rows after the shared ones (Nt % CHUNK == 0; padding: any row, masked by bias)
+    # bias: [n, shared + Nt] 0 / -inf -> [Hkv, G, n, D]
+    if shared % CHUNK or tails.shape[1] % CHUNK:
+        raise ValueError(f"shared {shared} and tail {tails.shape[1]} positions must be multiples of {CHUNK}")
+    heads, groups, rows, head_dim = queries.shape
+    scaled = queries.mul(scale)
+    tail_keys = keys[:, tails.reshape(-1)].view(heads * rows, -1, head_dim)  # [Hkv n, Nt, D]
+    tail_values = values[:, tails.reshape(-1)].view(heads * rows, -1, head_dim)
+    per_row_queries = scaled.transpose(1, 2).reshape(heads * rows, groups, head_dim)  # [Hkv n, G, D]
+    shared_scores = row_scores(keys[:, :shared], scaled.reshape(heads, groups * rows, head_dim))
+    scores = torch.cat(
+        [
+            shared_scores.view(heads, groups, rows, shared),
+            row_scores(tail_keys, per_row_queries).view(heads, rows, groups, -1).transpose(1, 2),
+        ],
+        dim=-1,
+    )  # [Hkv, G, n, shared + Nt]
+    probs = torch.softmax(scores.add_(bias), dim=-1)
+    shared_parts = chunk_outputs(probs[..., :shared].reshape(heads, groups * rows, shared), values[:, :shared])
+    tail_probs = probs[..., shared:].transpose(1, 2).reshape(heads * rows, groups, -1)  # [Hkv n, G, Nt]
+    tail_parts = chunk_outputs(tail_probs, tail_values).view(heads, rows, -1, groups, head_dim)
+    parts = torch.cat(
+        [shared_parts.view(heads, -1, groups, rows, head_dim), tail_parts.permute(0, 2, 3, 1, 4)], dim=1
+    )  # [Hkv, chunks, G, n, D]
+    return pairwise_sum(parts, dim=1)
+
+
+@dataclass(frozen=True, eq=False)
+class RowLayout:
+    """Where one session's new rows of a pass look, built once per pass: a causal chain or tree rows."""
+
+    width: int  # key positions, a multiple of CHUNK
+    bias: torch.Tensor  # [n, width]: 0 where a row sees the position, -inf where not
+    shared: int = 0  # tree rows: the first positions every row sees, read from the cache in place
+    tails: torch.Tensor | None = None  # tree rows: [n, width - shared] cache rows each row sees after those
+
+    @classmethod
+    def build(cls, past: int, rows: int, tree: TreeRows | None, device: torch.device) -> "RowLayout":
+        """`rows` new rows after `past` cached ones, causal (tree None) or as the tree's nodes."""
+        if tree is None:
+            width = padded_length(past + rows)
+            seen = torch.arange(width, device=device)[None, :] <= past + torch.arange(rows, device=device)[:, None]
+            return cls(width, _bias(seen))
+        shared = tree.base // CHUNK * CHUNK
+        committed = torch.arange(shared, tree.base)
+        own = [torch.cat([committed, tree.base + row.nonzero()[:, 0].cpu()]) for row in tree.visible]
+        tail_width = padded_length(max(len(rows_seen) for rows_seen in own))
+        tails = torch.zeros(rows, tail_width, dtype=torch.int64)  # padding reads row 0: masked, any finite row
+        seen = torch.zeros(rows, shared + tail_width, dtype=torch.bool)
+        seen[:, :shared] = True
+        for i, rows_seen in enumerate(own):
+            tails[i, : len(rows_seen)] = rows_seen
+            seen[i, shared : shared + len(rows_seen)] = True
+        return cls(shared + tail_width, _bias(seen).to(device), shared, tails.to(device))
+
+
+def _bias(seen: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
+
+
+def attend_sessions(
+    layouts: Sequence[RowLayout],
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layer_caches: Sequence[LayerKV],
+    scale: float,
+) -> torch.Tensor:
+    """One layer's attention for a packed pass; appends each session's new keys and values to its cache."""
+    # queries: [Hq, T, D]; keys, values: [Hkv, T, D] the new rows, sessions one after another -> [Hkv, G, T, D]
+    heads, total, head_dim = keys.shape
+    grouped = queries.view(heads, -1, total, head_dim)  # [Hkv, G, T, D]: query head h G + g reads kv head h
+    bounds, offset = [], 0
+    for layout in layouts:
+        bounds.append((offset, offset + layout.bias.shape[0]))
+        offset = bounds[-1][1]
+    for cache, (start, stop) in zip(layer_caches, bounds):
+        cache.append(keys[:, start:stop], values[:, start:stop])
+    if len(layouts) > 1 and all(layout.tails is None for layout in layouts):
+        return _attend_chains(layouts, grouped, layer_caches, bounds, scale)
+    outs = []
+    for layout, cache, (start, stop) in zip(layouts, layer_caches, bounds):
+        rows = grouped[:, :, start:stop]  # [Hkv, G, n, D]
+        if layout.tails is None:
+            own_keys, own_values = cache.padded(layout.width)  # [Hkv, width, D]
+            outs.append(attend(rows[None], own_keys[None], own_values[None], layout.bias, scale)[0])
+        else:
+            own_keys, own_values = cache.padded(cache.length)  # tails index rows anywhere in the cache
+            outs.append(attend_paths(rows, own_keys, own_values, layout.shared, layout.tails, layout.bias, scale))
+    return torch.cat(outs, dim=2)
+
+
+def _attend_chains(
+    layouts: Sequence[RowLayout],
+    grouped: torch.Tensor,
+    layer_caches: Sequence[LayerKV],
+    bounds: Sequence[tuple[int, int]],
+    scale: float,
+) -> torch.Tensor:
+    """Several sessions' causal rows in one call: queries and keys padded to the widest session."""
+    heads, groups, _, head_dim = grouped.shape
+    width, rows = max(layout.width for layout in layouts), max(stop - start for start, stop in bounds)
+    padded_queries = grouped.new_zeros(len(layouts), heads, groups, rows, head_dim)
+    padded_keys = grouped.new_zeros(len(layouts), heads, width, head_dim)
+    padded_values = torch.zeros_like(padded_keys)
+    bias = grouped.new_full((len(layouts), 1, 1, rows, width), float("-inf"))
+    bias[..., 0] = 0.0  # padding rows see one position: finite, and discarded
+    for b, (layout, cache, (start, stop)) in enumerate(zip(layouts, layer_caches, bounds)):
+        own_keys, own_values = cache.padded(layout.width)
+        padded_queries[b, :, :, : stop - start] = grouped[:, :, start:stop]
+        padded_keys[b, :, : layout.width], padded_values[b, :, : layout.width] = own_keys, own_values
+        bias[b, 0, 0, : stop - start, : layout.width] = layout.bias
+    out = attend(padded_queries, padded_keys, padded_values, bias, scale)  # [B, Hkv, G, n, D]
+    return torch.cat([out[b, :, :, : stop - start] for b, (start, stop) in enumerate(bounds)], dim=2)
+
+
+def uses_invariant_attention(layers: Sequence[torch.nn.Module]) -> bool:
+    """Whether the HF model these decoder layers belong to runs batch-invariant attention."""
+    config = getattr(getattr(layers[0], "self_attn", None), "config", None) if layers else None
+    return getattr(config, "_attn_implementation", None) == IMPLEMENTATION
+
+
+def use_invariant_attention(model: torch.nn.Module) -> None:
+    """Switch an HF model to batch-invariant attention: the model itself (the unsplit reference, decoding
+    one row per pass) and every runner over its layers (`uses_invariant_attention`) compute the same bits."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(IMPLEMENTATION, hf_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)  # a bool mask (True: seen), or None when causal
+    model.set_attn_implementation(IMPLEMENTATION)  # type: ignore[operator]
+
+
+def hf_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """The HF attention-interface function: HF's cache holds exactly the keys, so they are padded here."""
+    # query: [B, Hq, n, D]; key, value: [B, Hkv, L, D]; attention_mask: bool [B, 1, n, L] or None (causal)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("batch-invariant attention does not implement sliding windows")
+    batch, query_heads, rows, head_dim = query.shape
+    heads, length = key.shape[1], key.shape[2]
+    width = padded_length(length)
+    keys = torch.nn.functional.pad(key, (0, 0, 0, width - length))
+    values = torch.nn.functional.pad(value, (0, 0, 0, width - length))
+    if attention_mask is None:
+        positions = torch.arange(width, device=query.device)
+        seen = positions[None, :] <= length - rows + torch.arange(rows, device=query.device)[:, None]  # [n, W]
+    else:
+        seen = torch.nn.functional.pad(attention_mask[..., :length].bool(), (0, width - length))[:, :, None]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    grouped = query.reshape(batch, heads, query_heads // heads, rows, head_dim)
+    out = attend(grouped, keys, values, _bias(seen), scale)  # [B, Hkv, G, n, D]
+    return out.reshape(batch, query_heads, rows, head_dim).transpose(1, 2), None

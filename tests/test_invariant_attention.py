@@ -1,0 +1,148 @@
+"""Batch-invariant attention: a row's bits do not depend on the other rows, sessions or padding of its call.
+
+The reference for every row is `decode_row`: the row alone, against exactly the keys a decode step of its
+path would hold, in a fresh contiguous tensor. Equality is exact (torch.equal), not approximate.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.model.invariant_attention import CHUNK, attend, attend_paths, padded_length, pairwise_sum
+
+HEAD_DIM = 64
+SCALE = HEAD_DIM**-0.5
+
+
+def decode_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One row alone: query [Hkv, G, D] against keys/values [Hkv, l, D] -> [Hkv, G, D]."""
+    length = keys.shape[1]
+    width = padded_length(length)
+    padded_keys = torch.zeros(keys.shape[0], width, HEAD_DIM)
+    padded_values = torch.zeros_like(padded_keys)
+    padded_keys[:, :length], padded_values[:, :length] = keys, values
+    bias = torch.full((1, width), float("-inf"))
+    bias[:, :length] = 0.0
+    return attend(query[None, :, :, None], padded_keys[None], padded_values[None], bias, SCALE)[0, :, :, 0]
+
+
+def causal_bias(past: int, rows: int, width: int) -> torch.Tensor:
+    seen = torch.arange(width)[None, :] <= past + torch.arange(rows)[:, None]  # [n, N]
+    return torch.zeros(rows, width).masked_fill(~seen, float("-inf"))
+
+
+def cache_with(kv_heads: int, length: int, capacity: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values in a larger buffer (as the KV cache holds them: strided views, zeros after length)."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.zeros(kv_heads, capacity, HEAD_DIM)
+    values = torch.zeros_like(keys)
+    keys[:, :length] = torch.randn(kv_heads, length, HEAD_DIM, generator=generator)
+    values[:, :length] = torch.randn(kv_heads, length, HEAD_DIM, generator=generator)
+    return keys, values
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    past=st.integers(0, 200),
+    rows=st.integers(1, 40),
+    groups=st.sampled_from([1, 3]),
+    extra_chunks=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_chain_rows_equal_each_row_decoded_alone(past, rows, groups, extra_chunks, seed):
+    length = past + rows
+    width = padded_length(length) + extra_chunks * CHUNK
+    keys, values = cache_with(3, length, width + 2 * CHUNK, seed)
+    queries = torch.randn(3, groups, rows, HEAD_DIM, generator=torch.Generator().manual_seed(seed + 1))
+    bias = causal_bias(past, rows, width)
+    out = attend(queries[None], keys[None, :, :width], values[None, :, :width], bias, SCALE)[0]
+    for i in range(rows):
+        seen = past + i + 1
+        assert torch.equal(out[:, :, i], decode_row(queries[:, :, i], keys[:, :seen], values[:, :seen])), i
+
+
+def test_sessions_batched_equal_each_session_alone():
+    lengths, rows = [37, 5, 90], [4, 1, 7]
+    width = padded_length(max(lengths))
+    keys = torch.zeros(len(lengths), 3, width, HEAD_DIM)
+    values = torch.zeros_like(keys)
+    bias = torch.full((len(lengths), 1, 1, max(rows), width), float("-inf"))
+    queries = torch.randn(len(lengths), 3, 3, max(rows), HEAD_DIM)  # [B, Hkv, G, n, D]
+    for b, (length, n) in enumerate(zip(lengths, rows)):
+        keys[b, :, :length], values[b, :, :length] = torch.randn(2, 3, length, HEAD_DIM)
+        bias[b, 0, 0, :n] = causal_bias(length - n, n, width)
+        bias[b, 0, 0, n:, 0] = 0.0  # padding rows see one key: finite, discarded
+    out = attend(queries, keys, values, bias, SCALE)
+    for b, (length, n) in enumerate(zip(lengths, rows)):
+        for i in range(n):
+            seen = length - n + i + 1
+            alone = decode_row(queries[b, :, :, i], keys[b, :, :seen], values[b, :, :seen])
+            assert torch.equal(out[b, :, :, i], alone), (b, i)
+
+
+def test_close_to_scaled_dot_product_attention():
+    keys, values = cache_with(3, 150, 160, seed=3)
+    queries = torch.randn(3, 3, 12, HEAD_DIM)
+    out = attend(queries[None], keys[None], values[None], causal_bias(138, 12, 160), SCALE)
+    mask = torch.ones(12, 150, dtype=torch.bool).tril(diagonal=138)
+    expected = F.scaled_dot_product_attention(
+        queries.reshape(9, 12, HEAD_DIM)[None], keys[None, :, :150], values[None, :, :150], attn_mask=mask, scale=SCALE,
+        enable_gqa=True,
+    )[0]  # fmt: skip
+    torch.testing.assert_close(out.reshape(9, 12, HEAD_DIM), expected, atol=1e-5, rtol=1e-5)
+
+
+def tree_paths(parents: list[int]) -> list[list[int]]:
+    paths: list[list[int]] = []
+    for parent in parents:
+        paths.append((paths[parent] if parent >= 0 else []) + [len(paths)])
+    return paths
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    base=st.integers(0, 150),
+    parents=st.lists(st.integers(-1, 30), min_size=1, max_size=16).map(
+        lambda raw: [min(p, i - 1) if i else -1 for i, p in enumerate(raw)]
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_tree_rows_equal_their_path_decoded_alone(base, parents, seed):
+    rows = len(parents)
+    paths = tree_paths(parents)
+    keys, values = cache_with(3, base + rows, padded_length(base + rows) + CHUNK, seed)
+    queries = torch.randn(3, 3, rows, HEAD_DIM, generator=torch.Generator().manual_seed(seed + 7))
+    shared = base // CHUNK * CHUNK
+    tail_width = padded_length(base - shared + max(len(path) for path in paths))
+    tails = torch.zeros(rows, tail_width, dtype=torch.int64)
+    bias = torch.full((rows, shared + tail_width), float("-inf"))
+    bias[:, :shared] = 0.0
+    for i, path in enumerate(paths):
+        own = list(range(shared, base)) + [base + j for j in path]
+        tails[i, : len(own)] = torch.tensor(own)
+        bias[i, shared : shared + len(own)] = 0.0
+    out = attend_paths(queries, keys, values, shared, tails, bias, SCALE)
+    for i, path in enumerate(paths):
+        seen = list(range(base)) + [base + j for j in path]
+        alone = decode_row(queries[:, :, i], keys[:, seen], values[:, seen])
+        assert torch.equal(out[:, :, i], alone), (i, path)
+
+
+@given(parts=st.integers(1, 9), zeros=st.integers(0, 9), seed=st.integers(0, 2**16))
+def test_pairwise_sum_ignores_trailing_zero_parts(parts, zeros, seed):
+    values = torch.randn(parts, 5, generator=torch.Generator().manual_seed(seed))
+    padded = torch.cat([values, torch.zeros(zeros, 5)])
+    assert torch.equal(pairwise_sum(values, dim=0), pairwise_sum(padded, dim=0))
+
+
+def test_key_positions_must_come_in_whole_chunks():
+    keys = torch.zeros(3, CHUNK + 1, HEAD_DIM)
+    try:
+        attend(torch.zeros(1, 3, 1, 1, HEAD_DIM), keys[None], keys[None], torch.zeros(1, CHUNK + 1), SCALE)
+    except ValueError as exc:
+        assert "multiple of" in str(exc)
+    else:
+        raise AssertionError("a key length that is not a whole number of chunks was accepted")
