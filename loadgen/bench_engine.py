@@ -28,8 +28,14 @@ LLAMA_PYTHON = Path(".venv-llama/bin/python")
 
 
 def load(model: str, dtype: str) -> Checkpoint:
-    if dtype in ("int8", "int4"):
-        return load_checkpoint(resolve_model(model), quantize=dtype)
+    """f32 | bf16 | int8 | int4, or int8+sdpa | int4+sdpa: quantized, but attention in one SDPA call per pass
+    (faster, not batch-invariant, so not lossless where two logits are close: README, precision)."""
+    kind, _, attention = dtype.partition("+")
+    if kind in ("int8", "int4"):
+        checkpoint = load_checkpoint(resolve_model(model), quantize=kind)
+        if attention == "sdpa":
+            checkpoint.model.set_attn_implementation("sdpa")  # type: ignore[operator]
+        return checkpoint
     return load_checkpoint(resolve_model(model), dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 

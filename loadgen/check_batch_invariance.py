@@ -5,18 +5,15 @@ rows in one pass. For each dtype this decodes the held-out chat prompts step by 
 tokens again in one pass, and counts the prompts whose argmax differs somewhere, and the exact top-2 ties
 in the logits. Run: `python -m loadgen.check_batch_invariance [--dtypes int4,int8,f32] [--prompts 24]`.
 
-`--per-row-attention` computes every query row of a pass as a decode row would be (alone, against the keys
-up to its position, no mask), which is what exactness at int4/int8 would need of the runner's attention.
+Quantized models run batch-invariant attention (shared/model/invariant_attention.py); `--attention sdpa`
+switches them back to one scaled-dot-product call per pass, to show the gap that closes.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from shared.model.checkpoint import load_checkpoint
 from shared.specdec.reference import generate_full
@@ -25,30 +22,10 @@ from tophatctl.adapter_training.prompts import HELD_OUT_CHAT_PROMPTS
 from tophatctl.models import resolve_model_or_exit
 
 
-@contextlib.contextmanager
-def per_row_attention() -> Iterator[None]:
-    """Every scaled-dot-product attention call row by row, each as its own decode step (causal, no padding)."""
-    original = F.scaled_dot_product_attention
-
-    def rows(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        # query: [B, Hq, n, D] new rows at the end of key/value: [B, Hkv, L, D]
-        n, length = query.shape[-2], key.shape[-2]
-        outs = [
-            original(query[..., i : i + 1, :], key[..., : length - n + i + 1, :], value[..., : length - n + i + 1, :],
-                     scale=scale, enable_gqa=enable_gqa)
-            for i in range(n)
-        ]  # fmt: skip
-        return torch.cat(outs, dim=-2)
-
-    F.scaled_dot_product_attention = rows
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
-
-
-def check(model_dir: str, dtype: str, prompts: list[str], new_tokens: int) -> dict[str, int]:
+def check(model_dir: str, dtype: str, prompts: list[str], new_tokens: int, attention: str) -> dict[str, int]:
     checkpoint = load_checkpoint(model_dir, quantize=None if dtype == "f32" else dtype)
+    if attention == "sdpa":
+        checkpoint.model.set_attn_implementation("sdpa")  # type: ignore[operator]
     differing, ties, positions = 0, 0, 0
     for prompt in prompts:
         ids = user_prompt_ids(checkpoint, prompt)
@@ -70,19 +47,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--per-row-attention", action="store_true")
+    parser.add_argument("--attention", choices=("invariant", "sdpa"), default="invariant")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts = list(HELD_OUT_CHAT_PROMPTS[: args.prompts])
     for dtype in args.dtypes.split(","):
-        with per_row_attention() if args.per_row_attention else contextlib.nullcontext():
-            result = check(str(resolve_model_or_exit(args.model)), dtype, prompts, args.new_tokens)
+        result = check(str(resolve_model_or_exit(args.model)), dtype, prompts, args.new_tokens, args.attention)
+        attention = args.attention if dtype != "f32" else "sdpa"
         print(
-            f"{dtype}: stepwise greedy != one-pass argmax on {result['differing_prompts']}/{result['prompts']} "
-            "prompts; "
+            f"{dtype} ({attention} attention): stepwise greedy != one-pass argmax on "
+            f"{result['differing_prompts']}/{result['prompts']} prompts; "
             f"exact top-2 logit ties at {result['tied_positions']}/{result['positions']} positions"
         )
-
 
 if __name__ == "__main__":
     main()

@@ -1,17 +1,32 @@
 """Batch-invariant attention: a row's bits do not depend on the other rows, sessions or padding of its call.
 
 The reference for every row is `decode_row`: the row alone, against exactly the keys a decode step of its
-path would hold, in a fresh contiguous tensor. Equality is exact (torch.equal), not approximate.
+path would hold, in a fresh contiguous tensor. Equality is exact (torch.equal), not approximate. Then the
+same in the runner, on a quantized model (which runs this attention): a packed pass of several sessions,
+one of them tree rows, gives each session the bits it gets alone.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.model.invariant_attention import CHUNK, attend, attend_paths, padded_length, pairwise_sum
+from shared.model.checkpoint import load_checkpoint
+from shared.model.invariant_attention import (
+    CHUNK,
+    attend,
+    attend_paths,
+    padded_length,
+    pairwise_sum,
+    uses_invariant_attention,
+)
+from shared.model.kv_cache import KVCacheError, LayerKV
+from shared.model.split import LayerRange
+from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
+from tests.conftest import DEMO_MODEL_DIR
 
 HEAD_DIM = 64
 SCALE = HEAD_DIM**-0.5
@@ -135,7 +150,7 @@ def test_tree_rows_equal_their_path_decoded_alone(base, parents, seed):
 def test_pairwise_sum_ignores_trailing_zero_parts(parts, zeros, seed):
     values = torch.randn(parts, 5, generator=torch.Generator().manual_seed(seed))
     padded = torch.cat([values, torch.zeros(zeros, 5)])
-    assert torch.equal(pairwise_sum(values, dim=0), pairwise_sum(padded, dim=0))
+    assert torch.equal(pairwise_sum(values), pairwise_sum(padded))
 
 
 def test_key_positions_must_come_in_whole_chunks():
@@ -146,3 +161,56 @@ def test_key_positions_must_come_in_whole_chunks():
         assert "multiple of" in str(exc)
     else:
         raise AssertionError("a key length that is not a whole number of chunks was accepted")
+
+
+# -- in the runner: a quantized model's layers, several sessions in one packed pass ------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized_layers():
+    checkpoint = load_checkpoint(DEMO_MODEL_DIR, quantize="int4", with_tokenizer=False)
+    assert uses_invariant_attention(list(checkpoint.decoder.layers))
+    return LayerRange(checkpoint, 0, checkpoint.num_layers), checkpoint.hidden_size
+
+
+def prefilled(layers: LayerRange, prefix: torch.Tensor):
+    cache = layers.new_cache()
+    layers.forward_batch([(cache, prefix)])
+    return cache
+
+
+def one_row_per_pass(layers: LayerRange, prefix: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The decode-step reference: `rows` after `prefix`, one row per pass -> [n, H]."""
+    cache = prefilled(layers, prefix)
+    return torch.cat([layers.forward_batch([(cache, rows[i : i + 1])])[0] for i in range(rows.shape[0])])
+
+
+@pytest.mark.parametrize("with_tree", [False, True], ids=["chains", "chains-and-a-tree"])
+def test_a_packed_pass_gives_every_row_the_bits_of_one_row_per_pass(quantized_layers, with_tree):
+    layers, hidden = quantized_layers
+    generator = torch.Generator().manual_seed(11)
+    prefixes = [torch.randn(length, hidden, generator=generator) for length in (40, 7, 70)]
+    rows = [torch.randn(n, hidden, generator=generator) for n in (1, 5, 6)]
+    parents = [-1, 0, 0, 1, 2, 4]  # the third session's rows as a tree, when it is one
+    tree = TreeRows.for_new_tree(70, ancestor_mask_from_parents(parents)) if with_tree else None
+    packed = layers.forward_batch([(prefilled(layers, p), r) for p, r in zip(prefixes, rows)], [None, None, tree])
+    for prefix, own, together in zip(prefixes[:2], rows[:2], packed[:2]):
+        assert torch.equal(together, one_row_per_pass(layers, prefix, own))
+    for node in range(len(parents)):
+        path = [node]
+        while tree is not None and parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        if tree is None:
+            path = list(range(node + 1))
+        assert torch.equal(packed[2][node], one_row_per_pass(layers, prefixes[2], rows[2][path])[-1]), node
+
+
+def test_a_padded_cache_view_is_finite_past_its_length():
+    cache = LayerKV(3, HEAD_DIM, torch.float32, capacity=8)
+    cache.append(torch.randn(3, 5, HEAD_DIM), torch.randn(3, 5, HEAD_DIM))
+    keys, values = cache.padded(2 * CHUNK)  # grows past its capacity
+    assert keys.shape == values.shape == (3, 2 * CHUNK, HEAD_DIM)
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    assert torch.equal(keys[:, 5:], torch.zeros(3, 2 * CHUNK - 5, HEAD_DIM))
+    with pytest.raises(KVCacheError):
+        cache.padded(4)

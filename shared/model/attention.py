@@ -147,7 +147,7 @@ def attention(
     gqa = queries.shape[0] != keys.shape[0]
     if plan.invariant is not None:
         out = attend_sessions(plan.invariant, queries, keys, values, layer_caches, weights.scaling)  # [Hkv, G, T, D]
-        return weights.project_out(out.reshape(-1, total, head_dim).transpose(0, 1).reshape(total, -1))
+        return weights.project_out(out.permute(2, 0, 1, 3).reshape(total, -1))
     if plan.single:
         all_keys, all_values = layer_caches[0].append(keys, values)  # [Hkv, L, D]
         out = F.scaled_dot_product_attention(

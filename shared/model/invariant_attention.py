@@ -40,35 +40,37 @@ def padded_length(length: int) -> int:
     return -(-length // CHUNK) * CHUNK
 
 
-def pairwise_sum(parts: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim`: padded with zero parts to a power of two, then halves added level by level.
-
-    Trailing zero parts change no bit: against a shorter padding they only add zeros to the first half."""
-    count = parts.shape[dim]
-    target = 1 << (count - 1).bit_length()
-    if target != count:
-        shape = list(parts.shape)
-        shape[dim] = target - count
-        parts = torch.cat([parts, parts.new_zeros(shape)], dim=dim)
-    while parts.shape[dim] > 1:
-        first, second = parts.chunk(2, dim=dim)
-        parts = first + second
-    return parts.squeeze(dim)
+def pairwise_sum(parts: torch.Tensor) -> torch.Tensor:
+    """[C, ...] -> [...]: padded with zero parts to a power of two, then the second half added onto the first,
+    level by level. Trailing zero parts change no bit: against a shorter padding they only add zeros."""
+    padded = parts.new_zeros((1 << (parts.shape[0] - 1).bit_length(), *parts.shape[1:]))
+    padded[: parts.shape[0]] = parts
+    return _halve_in_place(padded)
 
 
-def row_scores(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """[X, N, D] keys and [X, M, D] queries -> [X, M, N] dot products (a transposed view)."""
-    return torch.bmm(keys, queries.mT).mT
+def _halve_in_place(parts: torch.Tensor) -> torch.Tensor:
+    """[P, ...] with P a power of two -> [...]: `pairwise_sum`'s tree, in place."""
+    count = parts.shape[0]
+    while count > 1:
+        count //= 2
+        parts[:count] += parts[count : 2 * count]
+    return parts[0]
 
 
-def chunk_outputs(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[X, M, N] probabilities and [X, N, D] values -> [X, N / CHUNK, M, D] partial outputs, one per chunk."""
+def _scores_t(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """[X, N, D] keys and [X, M, D] queries -> [X, N, M] dot products: the queries are the matmul's columns,
+    and a column's dot products were measured not to depend on how many columns or keys the call holds."""
+    return torch.bmm(keys, queries.mT)
+
+
+def _chunk_products(probs: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+    """[X, M, N] probabilities and [X, N, D] values -> out [N / CHUNK, X, D, M]: values^T @ probs^T per chunk,
+    a fixed reduction length of CHUNK positions (the query rows again the columns)."""
     batch, rows, positions = probs.shape
     chunks, head_dim = positions // CHUNK, values.shape[-1]
-    chunked_probs = probs.reshape(batch, rows, chunks, CHUNK).permute(0, 2, 3, 1).reshape(-1, CHUNK, rows)
-    chunked_values = values.reshape(batch * chunks, CHUNK, head_dim)  # [X chunks, C, D]
-    partial = torch.bmm(chunked_values.mT, chunked_probs)  # [X chunks, D, M]
-    return partial.view(batch, chunks, head_dim, rows).mT
+    chunk_probs = probs.view(batch, rows, chunks, CHUNK).permute(2, 0, 3, 1).reshape(-1, CHUNK, rows)
+    chunk_values = values.reshape(batch, chunks, CHUNK, head_dim).transpose(0, 1).reshape(-1, CHUNK, head_dim)
+    torch.bmm(chunk_values.mT, chunk_probs, out=out.view(-1, head_dim, rows))
 
 
 def attend(
@@ -80,12 +82,17 @@ def attend(
     if keys.shape[-2] % CHUNK:
         raise ValueError(f"{keys.shape[-2]} key positions: batch-invariant attention takes a multiple of {CHUNK}")
     batch, heads, groups, rows, head_dim = queries.shape
-    flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)  # [B Hkv, N, D]
-    flat_queries = queries.reshape(batch * heads, groups * rows, head_dim).mul(scale)
-    scores = row_scores(flat_keys, flat_queries).view(batch, heads, groups, rows, -1)
-    probs = torch.softmax(torch.add(bias, scores), dim=-1)  # [B, Hkv, G, n, N]
-    parts = chunk_outputs(probs.view(batch * heads, groups * rows, -1), flat_values)  # [B Hkv, chunks, G n, D]
-    return pairwise_sum(parts, dim=1).view(queries.shape)
+    width, flat, columns = keys.shape[-2], batch * heads, groups * rows
+    scores_t = _scores_t(keys.flatten(0, 1), queries.reshape(flat, columns, head_dim))  # [X, N, M]
+    logits = queries.new_empty(batch, heads, groups, rows, width)  # rows contiguous, as softmax reads them
+    # bias + scale * scores: with a bias of 0 or -inf, fused or not, every element rounds once
+    torch.add(bias, scores_t.mT.view(logits.shape), alpha=scale, out=logits)
+    probs = torch.softmax(logits.view(flat, columns, width), dim=-1)  # [X, M, N]
+    chunks = width // CHUNK
+    parts = queries.new_zeros(1 << (chunks - 1).bit_length(), flat, head_dim, columns)  # [P, X, D, M]
+    _chunk_products(probs, values.flatten(0, 1), parts[:chunks])
+    out = _halve_in_place(parts).view(batch, heads, head_dim, groups, rows)
+    return out.permute(0, 1, 3, 4, 2)  # a view: callers copy once into the layout they need
 
 
 def attend_paths(
@@ -104,26 +111,28 @@ def attend_paths(
     if shared % CHUNK or tails.shape[1] % CHUNK:
         raise ValueError(f"shared {shared} and tail {tails.shape[1]} positions must be multiples of {CHUNK}")
     heads, groups, rows, head_dim = queries.shape
-    scaled = queries.mul(scale)
-    tail_keys = keys[:, tails.reshape(-1)].view(heads * rows, -1, head_dim)  # [Hkv n, Nt, D]
-    tail_values = values[:, tails.reshape(-1)].view(heads * rows, -1, head_dim)
-    per_row_queries = scaled.transpose(1, 2).reshape(heads * rows, groups, head_dim)  # [Hkv n, G, D]
-    shared_scores = row_scores(keys[:, :shared], scaled.reshape(heads, groups * rows, head_dim))
-    scores = torch.cat(
-        [
-            shared_scores.view(heads, groups, rows, shared),
-            row_scores(tail_keys, per_row_queries).view(heads, rows, groups, -1).transpose(1, 2),
-        ],
-        dim=-1,
-    )  # [Hkv, G, n, shared + Nt]
-    probs = torch.softmax(scores.add_(bias), dim=-1)
-    shared_parts = chunk_outputs(probs[..., :shared].reshape(heads, groups * rows, shared), values[:, :shared])
-    tail_probs = probs[..., shared:].transpose(1, 2).reshape(heads * rows, groups, -1)  # [Hkv n, G, Nt]
-    tail_parts = chunk_outputs(tail_probs, tail_values).view(heads, rows, -1, groups, head_dim)
-    parts = torch.cat(
-        [shared_parts.view(heads, -1, groups, rows, head_dim), tail_parts.permute(0, 2, 3, 1, 4)], dim=1
-    )  # [Hkv, chunks, G, n, D]
-    return pairwise_sum(parts, dim=1)
+    tail_width = tails.shape[1]
+    tail_keys = keys[:, tails.reshape(-1)].view(heads * rows, tail_width, head_dim)  # [Hkv n, Nt, D]
+    tail_values = values[:, tails.reshape(-1)].view(heads * rows, tail_width, head_dim)
+    row_queries = queries.transpose(1, 2).reshape(heads * rows, groups, head_dim)  # [Hkv n, G, D]
+    tail_scores = _scores_t(tail_keys, row_queries).view(heads, rows, tail_width, groups).permute(0, 3, 1, 2)
+    shared_scores = _scores_t(keys[:, :shared], queries.reshape(heads, groups * rows, head_dim))  # [Hkv, shared, G n]
+    scores = torch.cat([shared_scores.mT.view(heads, groups, rows, shared), tail_scores], dim=-1)
+    scores = torch.add(bias, scores, alpha=scale)  # [Hkv, G, n, shared + Nt], as `attend` scales and masks
+    probs = torch.softmax(scores, dim=-1)
+    shared_chunks, tail_chunks = shared // CHUNK, tail_width // CHUNK
+    parts = queries.new_zeros(1 << (shared_chunks + tail_chunks - 1).bit_length(), heads, head_dim, groups, rows)
+    if shared_chunks:
+        shared_out = parts.new_empty(shared_chunks, heads, head_dim, groups * rows)
+        _chunk_products(probs[..., :shared].reshape(heads, groups * rows, shared), values[:, :shared], shared_out)
+        parts[:shared_chunks] = shared_out.view(shared_chunks, heads, head_dim, groups, rows)
+    tail_out = parts.new_empty(tail_chunks, heads * rows, head_dim, groups)
+    tail_probs = probs[..., shared:].permute(0, 2, 1, 3).reshape(heads * rows, groups, tail_width)  # [Hkv n, G, Nt]
+    _chunk_products(tail_probs, tail_values, tail_out)
+    parts[shared_chunks : shared_chunks + tail_chunks] = tail_out.view(
+        tail_chunks, heads, rows, head_dim, groups
+    ).permute(0, 1, 3, 4, 2)
+    return _halve_in_place(parts).permute(0, 2, 3, 1)  # [Hkv, G, n, D]
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,7 +197,7 @@ def attend_sessions(
         else:
             own_keys, own_values = cache.padded(cache.length)  # tails index rows anywhere in the cache
             outs.append(attend_paths(rows, own_keys, own_values, layout.shared, layout.tails, layout.bias, scale))
-    return torch.cat(outs, dim=2)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _attend_chains(
