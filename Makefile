@@ -54,9 +54,13 @@ demo: install
 # llama-cpp-python built from source: a few minutes the first time); table on stdout, JSON in bench-results/
 LLAMA_VENV := .venv-llama
 LLAMA_STAMP := $(LLAMA_VENV)/.installed
+# built for this CPU, less AMX on x86: a VM can report AMX tiles it does not enable, and ggml's AMX path then dies of
+# SIGILL (an Intel Xeon box, 2026-11-26)
+LLAMA_NO_AMX := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
 $(LLAMA_STAMP):
 	test -x $(LLAMA_VENV)/bin/python || $(PY) -m venv $(LLAMA_VENV)
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(LLAMA_VENV)/bin/pip install --quiet --no-binary llama-cpp-python llama-cpp-python==0.3.36
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="-DCMAKE_C_FLAGS='$(LLAMA_NO_AMX)' -DCMAKE_CXX_FLAGS='$(LLAMA_NO_AMX)'" \
+		$(LLAMA_VENV)/bin/pip install --quiet --no-cache-dir --force-reinstall --no-binary llama-cpp-python llama-cpp-python==0.3.36
 	touch $(LLAMA_STAMP)
 
 bench-engine: install $(LLAMA_STAMP)

@@ -7,6 +7,9 @@ layout. One session attends straight against its own cache (no copy). Several ar
 [B, Hq, Nmax, D] queries against [B, Hkv, Lmax, D] keys, with a per-session bool mask: causal
 after the session's cached rows, or its draft tree's visibility (`TreeRows`), so tree
 verification and plain rows share the one call.
+
+A quantized model's plan is batch-invariant instead (`invariant`: one `RowLayout` per session):
+its rows go through shared/model/invariant_attention.py, which computes each as it would be alone.
 """
 
 from __future__ import annotations
