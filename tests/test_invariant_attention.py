@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 from shared.model.checkpoint import load_checkpoint
 from shared.model.invariant_attention import (
     CHUNK,
+    ROW_BLOCK,
     attend,
     attend_paths,
+    causal_blocks,
     padded_length,
     pairwise_sum,
     uses_invariant_attention,
@@ -77,6 +79,29 @@ def test_chain_rows_equal_each_row_decoded_alone(past, rows, groups, extra_chunk
     for i in range(rows):
         seen = past + i + 1
         assert torch.equal(out[:, :, i], decode_row(queries[:, :, i], keys[:, :seen], values[:, :seen])), i
+
+
+def test_causal_blocks_give_the_rows_of_one_call():
+    past, rows = 20, 2 * ROW_BLOCK + 22
+    keys, values = cache_with(3, past + rows, padded_length(past + rows), seed=5)
+    queries = torch.randn(1, 3, 3, rows, HEAD_DIM)
+    whole = attend(queries, keys[None], values[None], causal_bias(past, rows, padded_length(past + rows)), SCALE)
+    blocks = causal_blocks(past, rows)
+    assert [(b.start, b.stop) for b in blocks] == [(0, ROW_BLOCK), (ROW_BLOCK, 2 * ROW_BLOCK), (2 * ROW_BLOCK, rows)]
+    assert blocks[0].width == padded_length(past + ROW_BLOCK) < blocks[-1].width
+    for block in blocks:
+        out = attend(
+            queries[..., block.start : block.stop, :],
+            keys[None, :, : block.width],
+            values[None, :, : block.width],
+            block.bias,
+            SCALE,
+        )
+        assert torch.equal(out, whole[..., block.start : block.stop, :])
+    for i in (0, ROW_BLOCK, rows - 1):
+        assert torch.equal(
+            whole[0, :, :, i], decode_row(queries[0, :, :, i], keys[:, : past + i + 1], values[:, : past + i + 1])
+        )
 
 
 def test_sessions_batched_equal_each_session_alone():

@@ -32,6 +32,7 @@ from shared.model.kv_cache import LayerKV
 from shared.model.tree_rows import TreeRows
 
 CHUNK = 32  # positions per partial output: the values matmul's fixed reduction length
+ROW_BLOCK = 64  # causal rows per call (`causal_blocks`)
 IMPLEMENTATION = "tophat_batch_invariant"  # the HF attn_implementation name the reference model runs under
 
 
@@ -136,11 +137,36 @@ def attend_paths(
 
 
 @dataclass(frozen=True, eq=False)
+class RowBlock:
+    """Rows start..stop-1 of a session's pass, computed in one call over the first `width` key positions."""
+
+    start: int
+    stop: int
+    width: int  # a multiple of CHUNK: what the block's last row sees, padded
+    bias: torch.Tensor  # [stop - start, width]: 0 where a row sees the position, -inf where not
+
+
+def causal_blocks(past: int, rows: int, device: torch.device | str = "cpu") -> tuple[RowBlock, ...]:
+    """Rows past, past+1, ... that each see every position up to their own, ROW_BLOCK rows per call: a block
+    reads only the positions its last row sees, so a long prefill holds a bounded slice of probabilities and
+    does about half the work of one call over every position. Rows do not depend on their call: no bit changes."""
+    blocks = []
+    for start in range(0, rows, ROW_BLOCK):
+        stop = min(start + ROW_BLOCK, rows)
+        width = padded_length(past + stop)
+        positions = torch.arange(width, device=device)[None, :]
+        blocks.append(
+            RowBlock(start, stop, width, _bias(positions <= past + torch.arange(start, stop, device=device)[:, None]))
+        )
+    return tuple(blocks)
+
+
+@dataclass(frozen=True, eq=False)
 class RowLayout:
     """Where one session's new rows of a pass look, built once per pass: a causal chain or tree rows."""
 
-    width: int  # key positions, a multiple of CHUNK
-    bias: torch.Tensor  # [n, width]: 0 where a row sees the position, -inf where not
+    rows: int
+    blocks: tuple[RowBlock, ...]  # a chain: `causal_blocks`; tree rows: one block over shared + tail positions
     shared: int = 0  # tree rows: the first positions every row sees, read from the cache in place
     tails: torch.Tensor | None = None  # tree rows: [n, width - shared] cache rows each row sees after those
 
@@ -148,9 +174,7 @@ class RowLayout:
     def build(cls, past: int, rows: int, tree: TreeRows | None, device: torch.device) -> "RowLayout":
         """`rows` new rows after `past` cached ones, causal (tree None) or as the tree's nodes."""
         if tree is None:
-            width = padded_length(past + rows)
-            seen = torch.arange(width, device=device)[None, :] <= past + torch.arange(rows, device=device)[:, None]
-            return cls(width, _bias(seen))
+            return cls(rows, causal_blocks(past, rows, device))
         shared = tree.base // CHUNK * CHUNK
         committed = torch.arange(shared, tree.base)
         own = [torch.cat([committed, tree.base + row.nonzero()[:, 0].cpu()]) for row in tree.visible]
@@ -161,7 +185,8 @@ class RowLayout:
         for i, rows_seen in enumerate(own):
             tails[i, : len(rows_seen)] = rows_seen
             seen[i, shared : shared + len(rows_seen)] = True
-        return cls(shared + tail_width, _bias(seen).to(device), shared, tails.to(device))
+        block = RowBlock(0, rows, shared + tail_width, _bias(seen).to(device))
+        return cls(rows, (block,), shared, tails.to(device))
 
 
 def _bias(seen: torch.Tensor) -> torch.Tensor:
@@ -182,21 +207,26 @@ def attend_sessions(
     grouped = queries.view(heads, -1, total, head_dim)  # [Hkv, G, T, D]: query head h G + g reads kv head h
     bounds, offset = [], 0
     for layout in layouts:
-        bounds.append((offset, offset + layout.bias.shape[0]))
+        bounds.append((offset, offset + layout.rows))
         offset = bounds[-1][1]
     for cache, (start, stop) in zip(layer_caches, bounds):
         cache.append(keys[:, start:stop], values[:, start:stop])
-    if len(layouts) > 1 and all(layout.tails is None for layout in layouts):
+    if len(layouts) > 1 and all(layout.tails is None and len(layout.blocks) == 1 for layout in layouts):
         return _attend_chains(layouts, grouped, layer_caches, bounds, scale)
     outs = []
     for layout, cache, (start, stop) in zip(layouts, layer_caches, bounds):
         rows = grouped[:, :, start:stop]  # [Hkv, G, n, D]
         if layout.tails is None:
-            own_keys, own_values = cache.padded(layout.width)  # [Hkv, width, D]
-            outs.append(attend(rows[None], own_keys[None], own_values[None], layout.bias, scale)[0])
+            own_keys, own_values = cache.padded(layout.blocks[-1].width)  # [Hkv, width, D]
+            for block in layout.blocks:
+                block_rows = rows[None, :, :, block.start : block.stop]
+                width = block.width
+                out = attend(block_rows, own_keys[None, :, :width], own_values[None, :, :width], block.bias, scale)
+                outs.append(out[0])
         else:
             own_keys, own_values = cache.padded(cache.length)  # tails index rows anywhere in the cache
-            outs.append(attend_paths(rows, own_keys, own_values, layout.shared, layout.tails, layout.bias, scale))
+            bias = layout.blocks[0].bias
+            outs.append(attend_paths(rows, own_keys, own_values, layout.shared, layout.tails, bias, scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -209,17 +239,18 @@ def _attend_chains(
 ) -> torch.Tensor:
     """Several sessions' causal rows in one call: queries and keys padded to the widest session."""
     heads, groups, _, head_dim = grouped.shape
-    width, rows = max(layout.width for layout in layouts), max(stop - start for start, stop in bounds)
+    width, rows = max(layout.blocks[0].width for layout in layouts), max(stop - start for start, stop in bounds)
     padded_queries = grouped.new_zeros(len(layouts), heads, groups, rows, head_dim)
     padded_keys = grouped.new_zeros(len(layouts), heads, width, head_dim)
     padded_values = torch.zeros_like(padded_keys)
     bias = grouped.new_full((len(layouts), 1, 1, rows, width), float("-inf"))
     bias[..., 0] = 0.0  # padding rows see one position: finite, and discarded
     for b, (layout, cache, (start, stop)) in enumerate(zip(layouts, layer_caches, bounds)):
-        own_keys, own_values = cache.padded(layout.width)
+        block = layout.blocks[0]
+        own_keys, own_values = cache.padded(block.width)
         padded_queries[b, :, :, : stop - start] = grouped[:, :, start:stop]
-        padded_keys[b, :, : layout.width], padded_values[b, :, : layout.width] = own_keys, own_values
-        bias[b, 0, 0, : stop - start, : layout.width] = layout.bias
+        padded_keys[b, :, : block.width], padded_values[b, :, : block.width] = own_keys, own_values
+        bias[b, 0, 0, : stop - start, : block.width] = block.bias
     out = attend(padded_queries, padded_keys, padded_values, bias, scale)  # [B, Hkv, G, n, D]
     return torch.cat([out[b, :, :, : stop - start] for b, (start, stop) in enumerate(bounds)], dim=2)
 
@@ -259,12 +290,15 @@ def hf_attention(
     width = padded_length(length)
     keys = torch.nn.functional.pad(key, (0, 0, 0, width - length))
     values = torch.nn.functional.pad(value, (0, 0, 0, width - length))
-    if attention_mask is None:
-        positions = torch.arange(width, device=query.device)
-        seen = positions[None, :] <= length - rows + torch.arange(rows, device=query.device)[:, None]  # [n, W]
-    else:
-        seen = torch.nn.functional.pad(attention_mask[..., :length].bool(), (0, width - length))[:, :, None]
     scale = scaling if scaling is not None else head_dim**-0.5
     grouped = query.reshape(batch, heads, query_heads // heads, rows, head_dim)
-    out = attend(grouped, keys, values, _bias(seen), scale)  # [B, Hkv, G, n, D]
+    if attention_mask is None:  # causal: the new rows are the last of the cache
+        outs = [
+            attend(grouped[..., b.start : b.stop, :], keys[..., : b.width, :], values[..., : b.width, :], b.bias, scale)
+            for b in causal_blocks(length - rows, rows, query.device)
+        ]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)  # [B, Hkv, G, n, D]
+    else:
+        seen = torch.nn.functional.pad(attention_mask[..., :length].bool(), (0, width - length))[:, :, None]
+        out = attend(grouped, keys, values, _bias(seen), scale)
     return out.reshape(batch, query_heads, rows, head_dim).transpose(1, 2), None
