@@ -230,6 +230,15 @@ def test_a_packed_pass_gives_every_row_the_bits_of_one_row_per_pass(quantized_la
         assert torch.equal(packed[2][node], one_row_per_pass(layers, prefixes[2], rows[2][path])[-1]), node
 
 
+def test_a_session_without_new_rows_is_left_as_it_is(quantized_layers):
+    layers, hidden = quantized_layers
+    idle, busy = prefilled(layers, torch.randn(5, hidden)), layers.new_cache()
+    rows = torch.randn(3, hidden)
+    out = layers.forward_batch([(idle, torch.zeros(0, hidden)), (busy, rows)])
+    assert out[0].shape == (0, hidden) and idle.length == 5
+    assert torch.equal(out[1], layers.forward_batch([(layers.new_cache(), rows)])[0])
+
+
 def test_a_padded_cache_view_is_finite_past_its_length():
     cache = LayerKV(3, HEAD_DIM, torch.float32, capacity=8)
     cache.append(torch.randn(3, 5, HEAD_DIM), torch.randn(3, 5, HEAD_DIM))

@@ -213,9 +213,11 @@ def attend_sessions(
         cache.append(keys[:, start:stop], values[:, start:stop])
     if len(layouts) > 1 and all(layout.tails is None and len(layout.blocks) == 1 for layout in layouts):
         return _attend_chains(layouts, grouped, layer_caches, bounds, scale)
-    outs = []
+    outs = [grouped[:, :, :0]]  # a session may come with no new rows
     for layout, cache, (start, stop) in zip(layouts, layer_caches, bounds):
         rows = grouped[:, :, start:stop]  # [Hkv, G, n, D]
+        if not layout.rows:
+            continue
         if layout.tails is None:
             own_keys, own_values = cache.padded(layout.blocks[-1].width)  # [Hkv, width, D]
             for block in layout.blocks:
@@ -227,7 +229,7 @@ def attend_sessions(
             own_keys, own_values = cache.padded(cache.length)  # tails index rows anywhere in the cache
             bias = layout.blocks[0].bias
             outs.append(attend_paths(rows, own_keys, own_values, layout.shared, layout.tails, bias, scale))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return outs[1] if len(outs) == 2 else torch.cat(outs, dim=2)
 
 
 def _attend_chains(
