@@ -8,7 +8,7 @@ layout. One session attends straight against its own cache (no copy). Several ar
 after the session's cached rows, or its draft tree's visibility (`TreeRows`), so tree
 verification and plain rows share the one call.
 
-A quantized model's plan is batch-invariant instead (`invariant`: one `RowLayout` per session):
+A quantized model's plan is batch-invariant instead (`invariant`, an `InvariantPlan`):
 its rows go through shared/model/invariant_attention.py, which computes each as it would be alone.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shared.model.invariant_attention import RowLayout, attend_sessions
+from shared.model.invariant_attention import InvariantPlan, attend_sessions
 from shared.model.kv_cache import LayerKV, SessionKV
 from shared.model.tree_rows import TreeRows, check_trees
 
@@ -69,7 +69,7 @@ class PassPlan:
     sin: torch.Tensor  # [T, D]
     mask: torch.Tensor | None  # one session: [n, L] or None (one causal row); several: [B, 1, Nmax, Lmax]
     scatter: torch.Tensor | None  # several sessions: [T] packed row -> b * Nmax + i
-    invariant: list[RowLayout] | None = None  # batch-invariant attention (int4/int8 models): per session
+    invariant: InvariantPlan | None = None  # batch-invariant attention (int4/int8 models)
     _padded: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -107,8 +107,8 @@ class PassPlan:
         )  # [T]
         cos, sin = rotary_emb(like, positions[None, :])  # each [1, T, D]
         if invariant:
-            layouts = [RowLayout.build(past, n, tree, device) for past, n, tree in zip(pasts, lengths, trees)]
-            return cls(lengths, pasts, cos[0], sin[0], None, None, layouts)
+            invariant_plan = InvariantPlan.build(pasts, lengths, trees, device)
+            return cls(lengths, pasts, cos[0], sin[0], None, None, invariant_plan)
         if len(lengths) == 1 and lengths[0] == 1 and trees[0] is None:
             return cls(lengths, pasts, cos[0], sin[0], None, None)  # a decode row sees its whole cache: no mask
         masks = [

@@ -23,6 +23,7 @@ path would have it. The cost: more small operations than one SDPA call (README, 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -193,8 +194,45 @@ def _bias(seen: torch.Tensor) -> torch.Tensor:
     return torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
 
 
+def attend_blocks(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: Sequence[RowBlock], scale: float
+) -> torch.Tensor:
+    """`attend` block by block: queries [B, Hkv, G, n, D], keys/values [B, Hkv, >= last width, D]."""
+    outs = [
+        attend(queries[..., b.start : b.stop, :], keys[..., : b.width, :], values[..., : b.width, :], b.bias, scale)
+        for b in blocks
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+@dataclass(frozen=True, eq=False)
+class InvariantPlan:
+    """A packed pass's batch-invariant layout, built once and read by every layer."""
+
+    layouts: tuple[RowLayout, ...]  # per session
+    bounds: tuple[tuple[int, int], ...]  # per session: its rows in the packed pass
+    batch_bias: torch.Tensor | None  # several sessions' chains of one block each: [B, 1, 1, nmax, Wmax], one call
+
+    @classmethod
+    def build(
+        cls, pasts: Sequence[int], lengths: Sequence[int], trees: Sequence[TreeRows | None], device: torch.device
+    ) -> "InvariantPlan":
+        layouts = tuple(RowLayout.build(past, n, tree, device) for past, n, tree in zip(pasts, lengths, trees))
+        ends = list(itertools.accumulate(lengths))
+        bounds = tuple(zip([0, *ends[:-1]], ends))
+        batch_bias = None
+        if len(layouts) > 1 and all(layout.tails is None and len(layout.blocks) == 1 for layout in layouts):
+            width, rows = max(layout.blocks[0].width for layout in layouts), max(lengths)
+            batch_bias = torch.full((len(layouts), 1, 1, rows, width), float("-inf"), device=device)
+            batch_bias[..., 0] = 0.0  # padding rows see one position: finite, and discarded
+            for b, layout in enumerate(layouts):
+                block = layout.blocks[0]
+                batch_bias[b, 0, 0, : layout.rows, : block.width] = block.bias
+        return cls(layouts, bounds, batch_bias)
+
+
 def attend_sessions(
-    layouts: Sequence[RowLayout],
+    plan: InvariantPlan,
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -205,26 +243,18 @@ def attend_sessions(
     # queries: [Hq, T, D]; keys, values: [Hkv, T, D] the new rows, sessions one after another -> [Hkv, G, T, D]
     heads, total, head_dim = keys.shape
     grouped = queries.view(heads, -1, total, head_dim)  # [Hkv, G, T, D]: query head h G + g reads kv head h
-    bounds, offset = [], 0
-    for layout in layouts:
-        bounds.append((offset, offset + layout.rows))
-        offset = bounds[-1][1]
-    for cache, (start, stop) in zip(layer_caches, bounds):
+    for cache, (start, stop) in zip(layer_caches, plan.bounds):
         cache.append(keys[:, start:stop], values[:, start:stop])
-    if len(layouts) > 1 and all(layout.tails is None and len(layout.blocks) == 1 for layout in layouts):
-        return _attend_chains(layouts, grouped, layer_caches, bounds, scale)
+    if plan.batch_bias is not None:
+        return _attend_chains(plan, grouped, layer_caches, scale)
     outs = [grouped[:, :, :0]]  # a session may come with no new rows
-    for layout, cache, (start, stop) in zip(layouts, layer_caches, bounds):
+    for layout, cache, (start, stop) in zip(plan.layouts, layer_caches, plan.bounds):
         rows = grouped[:, :, start:stop]  # [Hkv, G, n, D]
         if not layout.rows:
             continue
         if layout.tails is None:
             own_keys, own_values = cache.padded(layout.blocks[-1].width)  # [Hkv, width, D]
-            for block in layout.blocks:
-                block_rows = rows[None, :, :, block.start : block.stop]
-                width = block.width
-                out = attend(block_rows, own_keys[None, :, :width], own_values[None, :, :width], block.bias, scale)
-                outs.append(out[0])
+            outs.append(attend_blocks(rows[None], own_keys[None], own_values[None], layout.blocks, scale)[0])
         else:
             own_keys, own_values = cache.padded(cache.length)  # tails index rows anywhere in the cache
             bias = layout.blocks[0].bias
@@ -233,28 +263,22 @@ def attend_sessions(
 
 
 def _attend_chains(
-    layouts: Sequence[RowLayout],
-    grouped: torch.Tensor,
-    layer_caches: Sequence[LayerKV],
-    bounds: Sequence[tuple[int, int]],
-    scale: float,
+    plan: InvariantPlan, grouped: torch.Tensor, layer_caches: Sequence[LayerKV], scale: float
 ) -> torch.Tensor:
     """Several sessions' causal rows in one call: queries and keys padded to the widest session."""
+    assert plan.batch_bias is not None  # built with the plan when its sessions fit one call
     heads, groups, _, head_dim = grouped.shape
-    width, rows = max(layout.blocks[0].width for layout in layouts), max(stop - start for start, stop in bounds)
-    padded_queries = grouped.new_zeros(len(layouts), heads, groups, rows, head_dim)
-    padded_keys = grouped.new_zeros(len(layouts), heads, width, head_dim)
+    sessions, _, _, rows, width = plan.batch_bias.shape
+    padded_queries = grouped.new_zeros(sessions, heads, groups, rows, head_dim)
+    padded_keys = grouped.new_zeros(sessions, heads, width, head_dim)
     padded_values = torch.zeros_like(padded_keys)
-    bias = grouped.new_full((len(layouts), 1, 1, rows, width), float("-inf"))
-    bias[..., 0] = 0.0  # padding rows see one position: finite, and discarded
-    for b, (layout, cache, (start, stop)) in enumerate(zip(layouts, layer_caches, bounds)):
-        block = layout.blocks[0]
-        own_keys, own_values = cache.padded(block.width)
+    for b, (layout, cache, (start, stop)) in enumerate(zip(plan.layouts, layer_caches, plan.bounds)):
+        own_width = layout.blocks[0].width
+        own_keys, own_values = cache.padded(own_width)
         padded_queries[b, :, :, : stop - start] = grouped[:, :, start:stop]
-        padded_keys[b, :, : block.width], padded_values[b, :, : block.width] = own_keys, own_values
-        bias[b, 0, 0, : stop - start, : block.width] = block.bias
-    out = attend(padded_queries, padded_keys, padded_values, bias, scale)  # [B, Hkv, G, n, D]
-    return torch.cat([out[b, :, :, : stop - start] for b, (start, stop) in enumerate(bounds)], dim=2)
+        padded_keys[b, :, :own_width], padded_values[b, :, :own_width] = own_keys, own_values
+    out = attend(padded_queries, padded_keys, padded_values, plan.batch_bias, scale)  # [B, Hkv, G, n, D]
+    return torch.cat([out[b, :, :, : stop - start] for b, (start, stop) in enumerate(plan.bounds)], dim=2)
 
 
 def uses_invariant_attention(layers: Sequence[torch.nn.Module]) -> bool:
@@ -295,11 +319,7 @@ def hf_attention(
     scale = scaling if scaling is not None else head_dim**-0.5
     grouped = query.reshape(batch, heads, query_heads // heads, rows, head_dim)
     if attention_mask is None:  # causal: the new rows are the last of the cache
-        outs = [
-            attend(grouped[..., b.start : b.stop, :], keys[..., : b.width, :], values[..., : b.width, :], b.bias, scale)
-            for b in causal_blocks(length - rows, rows, query.device)
-        ]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)  # [B, Hkv, G, n, D]
+        out = attend_blocks(grouped, keys, values, causal_blocks(length - rows, rows, query.device), scale)
     else:
         seen = torch.nn.functional.pad(attention_mask[..., :length].bool(), (0, width - length))[:, :, None]
         out = attend(grouped, keys, values, _bias(seen), scale)
