@@ -15,6 +15,7 @@ from shared.specdec.sampling import (
     logits_to_probs,
     residual_distribution,
     sample,
+    sample_logits,
 )
 from tests.stat_tools import assert_samples_follow
 
@@ -113,3 +114,21 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-20.0, 20.0, width=32), min_size=2, max_size=40),
+    st.sampled_from([0.0, 0.7, 1.0]),
+    st.sampled_from([1.0, 0.9]),
+    st.integers(0, 2**31 - 1),
+)
+def test_sample_logits_draws_what_sampling_the_probabilities_draws(values, temperature, top_p, seed):
+    """Greedy takes the argmax without building the one-hot (ties included: the first index); sampled draws
+    consume the generator exactly as `sample(logits_to_probs(...))` does."""
+    logits = torch.tensor(values)
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    expected = sample(logits_to_probs(logits, params), torch.Generator().manual_seed(seed))
+    assert sample_logits(logits, params, torch.Generator().manual_seed(seed)) == expected
+    if params.is_greedy:
+        assert expected == int(torch.argmax(logits))

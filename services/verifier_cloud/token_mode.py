@@ -27,7 +27,7 @@ from shared.model.checkpoint import Checkpoint
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange, OutputSubmodel, validate_split
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamVerifier
-from shared.specdec.sampling import SamplingParams, logits_to_probs, sample
+from shared.specdec.sampling import SamplingParams, logits_to_probs, sample_logits
 from shared.specdec.separate_rejection import Downlink
 from shared.wire import ErrorCode, WireError
 
@@ -103,7 +103,7 @@ class TokenModel:
     def next_token(self, session: TokenSession, deep_last: torch.Tensor) -> int:
         """Sample the token after the last position from its deep state [1, H]."""
         logits = self.output(deep_last)[0]  # [V] fp32
-        return sample(logits_to_probs(logits, session.params), session.generator)
+        return sample_logits(logits, session.params, session.generator)
 
     @torch.inference_mode()
     def verify_chunk(self, session: TokenSession, deep: torch.Tensor, streamed: StreamedChunk) -> ChunkVerdict:

@@ -31,7 +31,7 @@ from shared.model.tree_rows import TreeRows
 from shared.specdec.device_model import DeviceModel
 from shared.specdec.draft import Branch, Draft, branch_for, only_last_corrected
 from shared.specdec.draft_config import DraftConfig, SessionError
-from shared.specdec.sampling import SamplingParams, Verdict, accept, logits_to_probs, sample
+from shared.specdec.sampling import SamplingParams, Verdict, accept, logits_to_probs, sample_logits
 from shared.specdec.tree import accept_tree_greedy, accept_tree_sampled, depths
 from shared.specdec.tree_drafting import TreeDrafting, TreeRound
 
@@ -166,7 +166,7 @@ class DeviceSession(TreeDrafting):
         deep_last = self.model.compute_states(deep_last)
         logits = self.model.output(deep_last[-1:])[0]  # [V]
         self._prev_feature = deep_last[-1:]
-        token = sample(logits_to_probs(logits, self.params), self.generator)
+        token = sample_logits(logits, self.params, self.generator)
         self.pending_token = token
         return self._emit([token])
 
@@ -246,7 +246,7 @@ class DeviceSession(TreeDrafting):
             hidden = draft.last_hidden  # [1, H]: the adapter's state at the draft's last position
         while not self.is_finished:
             logits = self.model.output(hidden)[0]  # [V]
-            token = sample(logits_to_probs(logits, self.params), self.generator)
+            token = sample_logits(logits, self.params, self.generator)
             emitted += self._emit([token])
             if self.is_finished:
                 break

@@ -18,7 +18,7 @@ import torch
 
 from shared.specdec.draft import Branch, Draft
 from shared.specdec.draft_config import DraftConfig, SessionError
-from shared.specdec.sampling import SamplingParams, logits_to_probs, sample
+from shared.specdec.sampling import SamplingParams, logits_to_probs, sample, sample_logits
 from shared.specdec.verify_layout import VerifyLayout
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class Drafting:
         position's previous deep state is `prev_feature`) or, to continue a draft, from `hidden`
         (the adapter's state at the caches' last position).
 
-        Returns (tokens, q rows, shallow rows, (logits of the last drafting step, the adapter state
+        Returns (tokens, q rows (none when greedy), shallow rows, (logits of the last drafting step, the adapter state
         they came from), the adapter's state at the last row, whether eta / EOS ended it)."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -121,11 +121,15 @@ class Drafting:
             assert hidden is not None  # the pending token's row, or the adapter state a continued draft starts from
             last_logits = self.model.draft_logits(hidden)[0]  # [V]: the draft head (a truncated vocabulary)
             last_hidden = hidden
-            q = logits_to_probs(last_logits, self.params)
-            token = sample(q, self._draft_stream(round_start, input_cache.length))
-            confidence = torch.softmax(last_logits, -1)[token] if self.params.is_greedy else q[token]
+            if self.params.is_greedy:  # no q to keep: a greedy draft carries none (_make_draft)
+                token = sample_logits(last_logits, self.params, None)
+                confidence = torch.softmax(last_logits, -1)[token]
+            else:
+                q = logits_to_probs(last_logits, self.params)
+                token = sample(q, self._draft_stream(round_start, input_cache.length))
+                confidence = q[token]
+                probs.append(q)
             tokens.append(token)
-            probs.append(q)
             ended = float(confidence) < self.draft_config.eta or token == self.model.eos_token_id
         return tokens, probs, shallows, (last_logits, last_hidden), hidden, ended
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 import torch
 
 from shared.specdec.device_session import DeviceSession, SessionError
-from shared.specdec.sampling import logits_to_probs, sample
+from shared.specdec.sampling import sample_logits
 
 
 class LocalSession(DeviceSession):
@@ -40,7 +40,7 @@ class LocalSession(DeviceSession):
 
     def _sample_next(self) -> list[int]:
         logits = self.model.output(self._local_hidden)[0]  # [V]
-        token = sample(logits_to_probs(logits, self.params), self.generator)
+        token = sample_logits(logits, self.params, self.generator)
         return self._emit([token])
 
 

@@ -9,7 +9,7 @@ import torch
 
 from shared.model.checkpoint import Checkpoint
 from shared.specdec.engine import GenerationResult
-from shared.specdec.sampling import SamplingParams, logits_to_probs, sample
+from shared.specdec.sampling import SamplingParams, sample_logits
 
 _DEFAULT_PARAMS = SamplingParams()  # frozen: one shared default
 
@@ -27,7 +27,7 @@ def generate_full(
     tokens: list[int] = []
     times: list[float] = []
     while True:
-        token = sample(logits_to_probs(out.logits[0, -1], params), generator)
+        token = sample_logits(out.logits[0, -1], params, generator)
         tokens.append(token)
         times.append(time.perf_counter() - started)
         if len(tokens) >= max_new_tokens or token == checkpoint.eos_token_id:

@@ -52,6 +52,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def sample_logits(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """`sample(logits_to_probs(logits, params), generator)` without building a [V] one-hot when greedy: the
+    one-hot's only outcome is the argmax."""
+    # logits: [V]
+    if params.is_greedy:
+        return int(logits.float().argmax(-1))
+    return sample(logits_to_probs(logits, params), generator)
+
+
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)); falls back to p when the residual has no mass (p == q)."""
     residual = (p - q).clamp_min(0)
