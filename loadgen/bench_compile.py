@@ -15,8 +15,7 @@ import time
 import torch
 
 import shared.model.layers as layers
-from loadgen.bench_core import decode_rate
-from loadgen.bench_engine import load
+from loadgen.bench_core import decode_rate, load_model
 
 
 def main() -> None:
@@ -26,7 +25,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    checkpoint = load(args.model, args.dtype)
+    checkpoint = load_model(args.model, args.dtype)
     prompts = [list(range(100, 160))]
     eager = decode_rate(checkpoint, prompts, 48)[0]  # best of two runs: the first warms up
 

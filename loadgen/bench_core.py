@@ -163,6 +163,18 @@ def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, thr
             "transformers generate": transformers_rate(checkpoint, [prompt_ids], new_tokens)}
 
 
+def load_model(model: str, dtype: str = "f32") -> Checkpoint:
+    """f32 | bf16 | int8 | int4, or int8+sdpa | int4+sdpa: quantized, but attention in one SDPA call per pass
+    (faster, not batch-invariant, so not lossless where two logits are close: README, precision)."""
+    kind, _, attention = dtype.partition("+")
+    if kind in ("int8", "int4"):
+        checkpoint = load_checkpoint(resolve_model(model), quantize=kind)
+        if attention == "sdpa":
+            checkpoint.model.set_attn_implementation("sdpa")  # type: ignore[operator]
+        return checkpoint
+    return load_checkpoint(resolve_model(model), dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, adapter, prompts and drafting every in-process core bench takes (this one, bench_trees, bench_budget)."""
     parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
@@ -173,13 +185,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eta", type=float, default=0.6)
     parser.add_argument("--max-draft", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="f32", help="f32 | bf16 | int8 | int4 weights (load_model)")
 
 
 def load_bench_models(args):
     """(checkpoint, device model with its adapter, middle submodel, held-out prompts) from add_model_arguments'
     options, with torch's threads set: what every in-process core bench starts from."""
     torch.set_num_threads(args.threads)
-    checkpoint = load_checkpoint(resolve_model(args.model))
+    checkpoint = load_model(args.model, args.dtype)
     device = build_device_model(checkpoint, args.split_layers, args.adapter, speculative=True)
     middle = MiddleSubmodel(checkpoint, args.split_layers)
     return checkpoint, device, middle, bench_prompts(checkpoint, args.prompts)
@@ -192,7 +205,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    checkpoint = load_checkpoint(resolve_model(args.model))
+    checkpoint = load_model(args.model, args.dtype)
     m = args.split_layers
     hat_device = build_device_model(checkpoint, m, args.adapter, speculative=True)
     ushape_device = build_device_model(checkpoint, m, None, speculative=False)
@@ -200,7 +213,8 @@ def main() -> None:
     prompts = bench_prompts(checkpoint, args.prompts)
 
     print(f"model {args.model}: {checkpoint.num_layers} layers, hidden {checkpoint.hidden_size}, m={m}, "
-          f"eta={args.eta}, max draft {args.max_draft}, {args.prompts} held-out prompts, torch threads {args.threads}")
+          f"{args.dtype} weights, eta={args.eta}, max draft {args.max_draft}, {args.prompts} held-out prompts, "
+          f"torch threads {args.threads}")
     print("\nunsplit greedy decode, same prompt, tokens/s (anchor from issue 10: llama.cpp on this GGUF, 62 on 1 "
           "thread, 83 on 2):")
     for threads in (1, args.threads):

@@ -18,25 +18,13 @@ from pathlib import Path
 
 import torch
 
-from loadgen.bench_core import bench_prompts, decode_rate, timed_ms, transformers_rate
-from shared.model.checkpoint import Checkpoint, load_checkpoint
+from loadgen.bench_core import bench_prompts, decode_rate, load_model, timed_ms, transformers_rate
+from shared.model.checkpoint import Checkpoint
 from shared.model.split import MiddleSubmodel
-from tophatctl.models import resolve_model, smollm2_gguf_path
+from tophatctl.models import smollm2_gguf_path
 
 DTYPES = ("f32", "bf16", "int8", "int4")
 LLAMA_PYTHON = Path(".venv-llama/bin/python")
-
-
-def load(model: str, dtype: str) -> Checkpoint:
-    """f32 | bf16 | int8 | int4, or int8+sdpa | int4+sdpa: quantized, but attention in one SDPA call per pass
-    (faster, not batch-invariant, so not lossless where two logits are close: README, precision)."""
-    kind, _, attention = dtype.partition("+")
-    if kind in ("int8", "int4"):
-        checkpoint = load_checkpoint(resolve_model(model), quantize=kind)
-        if attention == "sdpa":
-            checkpoint.model.set_attn_implementation("sdpa")  # type: ignore[operator]
-        return checkpoint
-    return load_checkpoint(resolve_model(model), dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
 def copy_bandwidth(threads: int, mib: int = 512, repeats: int = 6) -> float:
@@ -182,11 +170,11 @@ def main() -> None:
     threads_list = [int(t) for t in args.threads.split(",")]
     bandwidth = {t: copy_bandwidth(t) for t in threads_list}
     results: dict = {"bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}, "runs": [], "quality": {}}
-    prompts = bench_prompts(load(args.model, "f32"), 8)
+    prompts = bench_prompts(load_model(args.model, "f32"), 8)
     prompt = prompts[0]
     reference_tokens: list[list[int]] = []  # fp32's greedy answers to the held-out prompts
     for dtype in args.dtypes.split(","):
-        checkpoint = load(args.model, dtype)
+        checkpoint = load_model(args.model, dtype)
         unsplit, middle = pass_bytes(checkpoint), pass_bytes(checkpoint, args.split_layers)
         for threads in threads_list:
             torch.set_num_threads(threads)
