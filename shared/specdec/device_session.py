@@ -31,8 +31,14 @@ from shared.model.tree_rows import TreeRows
 from shared.specdec.device_model import DeviceModel
 from shared.specdec.draft import Branch, Draft, branch_for, only_last_corrected
 from shared.specdec.draft_config import DraftConfig, SessionError
-from shared.specdec.sampling import SamplingParams, Verdict, accept, logits_to_probs, sample_logits
-from shared.specdec.tree import accept_tree_greedy, accept_tree_sampled, depths
+from shared.specdec.sampling import (
+    SamplingParams,
+    accept,
+    accept_greedy_lazily,
+    logits_to_probs,
+    sample_logits,
+)
+from shared.specdec.tree import accept_tree_greedy_lazily, accept_tree_sampled, depths
 from shared.specdec.tree_drafting import TreeDrafting, TreeRound
 
 __all__ = ["Branch", "DeviceModel", "DeviceSession", "Draft", "DraftConfig", "SessionError", "warm_up_device"]
@@ -182,8 +188,11 @@ class DeviceSession(TreeDrafting):
         deep = self.model.compute_states(deep)
         if draft.layout is not None and draft.layout.parents is not None:
             return self._on_tree_result(draft, deep)
-        target_logits = self.model.output(deep)  # [k+1, V]
-        verdict: Verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
+        if self.params.is_greedy:  # the head runs row by row, and only up to the first disagreement
+            verdict = accept_greedy_lazily(draft.tokens, lambda row: self._target_argmax(deep, row))
+        else:
+            target_logits = self.model.output(deep)  # [k+1, V]
+            verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
         keep = draft.commit_len + 1 + verdict.num_accepted
         self.pending_token = verdict.next_token
         emitted = self._emit(draft.tokens[: verdict.num_accepted] + [verdict.next_token])
@@ -208,17 +217,22 @@ class DeviceSession(TreeDrafting):
         self._prev_feature = deep[verdict.num_accepted : verdict.num_accepted + 1]
         return emitted
 
+    def _target_argmax(self, deep: torch.Tensor, row: int) -> int:
+        """The target's greedy token after row `row` of a verified chain or tree (deep: one row per position sent):
+        the head on that row alone, which gives the bits it gives in a batch (the int8 head's rows are
+        batch-invariant: tests/test_quantized_exactness.py)."""
+        return int(self.model.output(deep[row : row + 1]).argmax())
+
     def _on_tree_result(self, draft: Draft, deep: torch.Tensor) -> list[int]:
         """Accept the longest path the target agrees with, plus its token; keep only that path's KV."""
         # deep: [N, H], one row per tree node in the frame's order
         assert draft.layout is not None and draft.layout.parents is not None and self.pending_token is not None
         tokens, parents = [self.pending_token, *draft.tokens], [-1, *draft.layout.parents]
-        target_logits = self.model.output(deep)  # [N, V]
-        if self.params.is_greedy:
-            verdict = accept_tree_greedy(tokens, parents, target_logits)
+        if self.params.is_greedy:  # the head runs on the nodes the walk reaches, not on the whole tree
+            verdict = accept_tree_greedy_lazily(tokens, parents, lambda node: self._target_argmax(deep, node))
         else:
             assert draft.probs is not None  # a sampled tree carries q per node
-            target = logits_to_probs(target_logits, self.params)
+            target = logits_to_probs(self.model.output(deep), self.params)  # [N, V]
             verdict = accept_tree_sampled(tokens, parents, draft.probs, target, self.generator)
         path = verdict.path
         self.pending_token = verdict.next_token
