@@ -20,13 +20,14 @@ prefill and the verdict. The names callers import stay importable from here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from shared.model.adapter import DraftAdapter
 from shared.model.kv_cache import SessionKV
+from shared.model.quantized import is_quantized
 from shared.model.tree_rows import TreeRows
 from shared.specdec.device_model import DeviceModel
 from shared.specdec.draft import Branch, Draft, branch_for, only_last_corrected
@@ -188,8 +189,8 @@ class DeviceSession(TreeDrafting):
         deep = self.model.compute_states(deep)
         if draft.layout is not None and draft.layout.parents is not None:
             return self._on_tree_result(draft, deep)
-        if self.params.is_greedy:  # the head runs row by row, and only up to the first disagreement
-            verdict = accept_greedy_lazily(draft.tokens, lambda row: self._target_argmax(deep, row))
+        if self.params.is_greedy:  # a quantized head runs only on the rows up to the first disagreement
+            verdict = accept_greedy_lazily(draft.tokens, self._target_tokens(deep))
         else:
             target_logits = self.model.output(deep)  # [k+1, V]
             verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
@@ -217,19 +218,23 @@ class DeviceSession(TreeDrafting):
         self._prev_feature = deep[verdict.num_accepted : verdict.num_accepted + 1]
         return emitted
 
-    def _target_argmax(self, deep: torch.Tensor, row: int) -> int:
-        """The target's greedy token after row `row` of a verified chain or tree (deep: one row per position sent):
-        the head on that row alone, which gives the bits it gives in a batch (the int8 head's rows are
-        batch-invariant: tests/test_quantized_exactness.py)."""
-        return int(self.model.output(deep[row : row + 1]).argmax())
+    def _target_tokens(self, deep: torch.Tensor) -> Callable[[int], int]:
+        """Row -> the target's greedy token after that row of a verified chain or tree (deep: a row per position
+        sent). A quantized head costs about as much per row in a batch as alone, so its rows are computed only
+        when a verdict asks (alone, a row gets the bits a batch gives it: tests/test_quantized_exactness.py). A
+        dense head reads its weights once for any number of rows, so it takes them all at once."""
+        if is_quantized(self.model.output):
+            return lambda row: int(self.model.output(deep[row : row + 1]).argmax())
+        tokens = self.model.output(deep).argmax(-1).tolist()  # [rows]
+        return tokens.__getitem__
 
     def _on_tree_result(self, draft: Draft, deep: torch.Tensor) -> list[int]:
         """Accept the longest path the target agrees with, plus its token; keep only that path's KV."""
         # deep: [N, H], one row per tree node in the frame's order
         assert draft.layout is not None and draft.layout.parents is not None and self.pending_token is not None
         tokens, parents = [self.pending_token, *draft.tokens], [-1, *draft.layout.parents]
-        if self.params.is_greedy:  # the head runs on the nodes the walk reaches, not on the whole tree
-            verdict = accept_tree_greedy_lazily(tokens, parents, lambda node: self._target_argmax(deep, node))
+        if self.params.is_greedy:  # a quantized head runs only on the nodes the walk reaches
+            verdict = accept_tree_greedy_lazily(tokens, parents, self._target_tokens(deep))
         else:
             assert draft.probs is not None  # a sampled tree carries q per node
             target = logits_to_probs(self.model.output(deep), self.params)  # [N, V]
