@@ -15,10 +15,11 @@ def _rows_the_head_computes(checkpoint) -> tuple[int, list[int], int]:
     """(draft tokens sent, rows per head call while the verdict is made, tokens accepted) for one chain round
     whose deep states are noise (so the target most likely disagrees with the first draft)."""
     device = DeviceModel.from_checkpoint(checkpoint, 2, DraftAdapter(checkpoint, 2).randomize(0))
+    device.eos_token_id = None  # a random checkpoint's drafts may hit its EOS: the round must carry 4 drafts
     session = DeviceSession(device, list(range(3, 20)), draft_config=DraftConfig(eta=0.0, max_draft=4),
                             max_new_tokens=16)
     session.prefill_chunk(17)
-    session.on_prefill_result(torch.randn(1, checkpoint.hidden_size))
+    session.on_prefill_result(torch.randn(1, checkpoint.hidden_size, generator=torch.Generator().manual_seed(0)))
     draft = session.draft()
     calls: list[int] = []
     head = device.output.forward
