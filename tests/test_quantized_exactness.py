@@ -99,18 +99,6 @@ def test_the_split_runner_verifies_chains_and_trees_with_the_unsplit_logits(quan
         assert torch.equal(tree_logits[on_path], expected[17:23])
 
 
-def test_the_head_gives_a_row_alone_the_bits_it_gives_it_in_a_batch(quantized):
-    """A device's greedy verdict runs the head row by row, up to the first disagreement
-    (DeviceSession._target_argmax): that must be the batch's logits."""
-    checkpoint = quantized[0]
-    head = SplitModel.from_checkpoint(checkpoint, M).output
-    states = torch.randn(9, checkpoint.hidden_size, generator=torch.Generator().manual_seed(5)) * 3  # [9, H]
-    with torch.inference_mode():
-        batched = head(states)
-        for row in range(states.shape[0]):
-            assert torch.equal(head(states[row : row + 1])[0], batched[row])
-
-
 @pytest.mark.parametrize(
     "config",
     [DraftConfig(eta=0.0, max_draft=4), DraftConfig(max_draft=4, tree_nodes=12, tree_width=3)],

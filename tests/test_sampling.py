@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from shared.specdec.sampling import (
     SamplingParams,
     accept_greedy,
-    accept_greedy_lazily,
     accept_sampled,
     logits_to_probs,
     residual_distribution,
@@ -133,18 +132,3 @@ def test_sample_logits_draws_what_sampling_the_probabilities_draws(values, tempe
     assert sample_logits(logits, params, torch.Generator().manual_seed(seed)) == expected
     if params.is_greedy:
         assert expected == int(torch.argmax(logits))
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=0, max_size=6), st.lists(st.integers(0, 3), min_size=7, max_size=7))
-def test_lazy_greedy_acceptance_asks_for_rows_only_up_to_the_first_disagreement(drafts, wanted):
-    logits = torch.nn.functional.one_hot(torch.tensor(wanted[: len(drafts) + 1]), 4).float()  # [k+1, V]
-    asked: list[int] = []
-
-    def argmax(row: int) -> int:
-        asked.append(row)
-        return wanted[row]
-
-    verdict = accept_greedy_lazily(drafts, argmax)
-    assert verdict == accept_greedy(drafts, logits)
-    assert asked == list(range(verdict.num_accepted + 1))  # rows after the first disagreement never computed

@@ -14,7 +14,6 @@ from shared.specdec.tree import (
     TreeError,
     TreeVerdict,
     accept_tree_greedy,
-    accept_tree_greedy_lazily,
     children,
     depths,
     path_to,
@@ -248,24 +247,6 @@ def test_greedy_follows_the_second_then_third_child():
     wanted[0] = 7
     verdict = accept_tree_greedy(tokens, parents, one_hot_logits(wanted))
     assert verdict == TreeVerdict([], 7) and verdict.emitted(tokens) == [7] and verdict.num_accepted == 0
-
-
-def test_lazy_greedy_walk_asks_only_for_the_nodes_it_reaches():
-    parents = [-1, 0, 0, 0, 2, 2, 2, 4, 6, 6]
-    tokens = [9, 4, 5, 6, 1, 2, 3, 0, 7, 8]
-    wanted = [5, 0, 3, 0, 0, 0, 8, 0, 0, 2]
-    rng = random.Random(3)
-    for _ in range(50):
-        asked: list[int] = []
-
-        def argmax(node: int) -> int:
-            asked.append(node)
-            return wanted[node]
-
-        verdict = accept_tree_greedy_lazily(tokens, parents, argmax)
-        assert verdict == accept_tree_greedy(tokens, parents, one_hot_logits(wanted))
-        assert asked == [0, *verdict.path]  # the root, then each accepted node once: no other row computed
-        wanted = [rng.randrange(10) for _ in wanted]
 
 
 def test_greedy_emits_the_path_tokens_then_the_next_token():

@@ -20,26 +20,19 @@ prefill and the verdict. The names callers import stay importable from here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from shared.model.adapter import DraftAdapter
 from shared.model.kv_cache import SessionKV
-from shared.model.quantized import is_quantized
 from shared.model.tree_rows import TreeRows
 from shared.specdec.device_model import DeviceModel
 from shared.specdec.draft import Branch, Draft, branch_for, only_last_corrected
 from shared.specdec.draft_config import DraftConfig, SessionError
-from shared.specdec.sampling import (
-    SamplingParams,
-    accept,
-    accept_greedy_lazily,
-    logits_to_probs,
-    sample_logits,
-)
-from shared.specdec.tree import accept_tree_greedy_lazily, accept_tree_sampled, depths
+from shared.specdec.sampling import SamplingParams, Verdict, accept, logits_to_probs, sample_logits
+from shared.specdec.tree import accept_tree_greedy, accept_tree_sampled, depths
 from shared.specdec.tree_drafting import TreeDrafting, TreeRound
 
 __all__ = ["Branch", "DeviceModel", "DeviceSession", "Draft", "DraftConfig", "SessionError", "warm_up_device"]
@@ -189,11 +182,8 @@ class DeviceSession(TreeDrafting):
         deep = self.model.compute_states(deep)
         if draft.layout is not None and draft.layout.parents is not None:
             return self._on_tree_result(draft, deep)
-        if self.params.is_greedy:  # a quantized head runs only on the rows up to the first disagreement
-            verdict = accept_greedy_lazily(draft.tokens, self._target_tokens(deep))
-        else:
-            target_logits = self.model.output(deep)  # [k+1, V]
-            verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
+        target_logits = self.model.output(deep)  # [k+1, V]
+        verdict: Verdict = accept(draft.tokens, draft.probs, target_logits, self.params, self.generator)
         keep = draft.commit_len + 1 + verdict.num_accepted
         self.pending_token = verdict.next_token
         emitted = self._emit(draft.tokens[: verdict.num_accepted] + [verdict.next_token])
@@ -218,26 +208,17 @@ class DeviceSession(TreeDrafting):
         self._prev_feature = deep[verdict.num_accepted : verdict.num_accepted + 1]
         return emitted
 
-    def _target_tokens(self, deep: torch.Tensor) -> Callable[[int], int]:
-        """Row -> the target's greedy token after that row of a verified chain or tree (deep: a row per position
-        sent). A quantized head costs about as much per row in a batch as alone, so its rows are computed only
-        when a verdict asks (alone, a row gets the bits a batch gives it: tests/test_quantized_exactness.py). A
-        dense head reads its weights once for any number of rows, so it takes them all at once."""
-        if is_quantized(self.model.output):
-            return lambda row: int(self.model.output(deep[row : row + 1]).argmax())
-        tokens = self.model.output(deep).argmax(-1).tolist()  # [rows]
-        return tokens.__getitem__
-
     def _on_tree_result(self, draft: Draft, deep: torch.Tensor) -> list[int]:
         """Accept the longest path the target agrees with, plus its token; keep only that path's KV."""
         # deep: [N, H], one row per tree node in the frame's order
         assert draft.layout is not None and draft.layout.parents is not None and self.pending_token is not None
         tokens, parents = [self.pending_token, *draft.tokens], [-1, *draft.layout.parents]
-        if self.params.is_greedy:  # a quantized head runs only on the nodes the walk reaches
-            verdict = accept_tree_greedy_lazily(tokens, parents, self._target_tokens(deep))
+        target_logits = self.model.output(deep)  # [N, V]
+        if self.params.is_greedy:
+            verdict = accept_tree_greedy(tokens, parents, target_logits)
         else:
             assert draft.probs is not None  # a sampled tree carries q per node
-            target = logits_to_probs(self.model.output(deep), self.params)  # [N, V]
+            target = logits_to_probs(target_logits, self.params)
             verdict = accept_tree_sampled(tokens, parents, draft.probs, target, self.generator)
         path = verdict.path
         self.pending_token = verdict.next_token

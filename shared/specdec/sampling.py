@@ -9,7 +9,6 @@ Its output has exactly the target distribution p, whatever q is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,17 +77,11 @@ class Verdict:
 def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> Verdict:
     """Longest prefix where the draft equals the target's argmax, plus the target's next token."""
     # target_logits: [k+1, V], row i predicts the token after draft position i-1
-    return accept_greedy_lazily(draft_tokens, lambda row: int(target_logits[row].argmax()))
-
-
-def accept_greedy_lazily(draft_tokens: list[int], target_argmax: Callable[[int], int]) -> Verdict:
-    """`accept_greedy` asking for row i's argmax only once every draft before it agreed, so the rows after the
-    first disagreement are never computed (a device's LM head costs about as much per row in a batch as alone)."""
-    for row, token in enumerate(draft_tokens):
-        target = target_argmax(row)
-        if target != token:
-            return Verdict(row, target)
-    return Verdict(len(draft_tokens), target_argmax(len(draft_tokens)))
+    target_tokens = target_logits.argmax(-1).tolist()
+    num_accepted = 0
+    while num_accepted < len(draft_tokens) and draft_tokens[num_accepted] == target_tokens[num_accepted]:
+        num_accepted += 1
+    return Verdict(num_accepted, target_tokens[num_accepted])
 
 
 def accepted_prefix_length(

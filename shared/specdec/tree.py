@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -233,20 +233,12 @@ def accept_tree_greedy(tokens: Sequence[int], parents: Sequence[int], target_log
     """From the root, follow the child carrying the target's argmax; stop where none does. The next
     token is the argmax at the last accepted node: a correction, or a bonus past a leaf."""
     # target_logits: [N, V]
-    _check(tokens, parents, target_logits)
-    return accept_tree_greedy_lazily(tokens, parents, lambda node: int(target_logits[node].argmax()))
-
-
-def accept_tree_greedy_lazily(
-    tokens: Sequence[int], parents: Sequence[int], target_argmax: Callable[[int], int]
-) -> TreeVerdict:
-    """`accept_tree_greedy` asking for a node's argmax only when the walk reaches it: the target's head runs
-    on the accepted path and the node after it, not on every node of the tree."""
-    kids = _check(tokens, parents)
+    kids = _check(tokens, parents, target_logits)
+    target_tokens = target_logits.argmax(-1).tolist()
     path: list[int] = []
     node = 0
     while True:
-        wanted = target_argmax(node)
+        wanted = target_tokens[node]
         match = next((child for child in kids[node] if tokens[child] == wanted), None)
         if match is None:
             return TreeVerdict(path, wanted)
