@@ -213,10 +213,10 @@ def main() -> None:
 
 
 def print_table(results: dict) -> None:
-    llama = {r["threads"]: r["decode_tok_s"] for r in results["runs"] if r["dtype"].startswith("llama")}
     print("\nbandwidth (STREAM copy): " + ", ".join(f"{t} thread(s) {b:.1f} GB/s"
                                                    for t, b in results["bandwidth_gb_s"].items()))
     llama_runs = [r for r in results["runs"] if r["dtype"].startswith("llama")]
+    llama = {r["threads"]: r["decode_tok_s"] for r in llama_runs}
     print("llama.cpp (Q4_1 GGUF) decode: " + ", ".join(
         f"{r['threads']} thread(s) {r['decode_tok_s']:.1f} tok/s, {r['weight_mb']:.0f} MB per token, "
         f"{r['decode_floor_tok_s'] / r['decode_tok_s']:.1f}x its floor of {r['decode_floor_tok_s']:.1f} tok/s"
