@@ -300,7 +300,7 @@ def test_unrolled_steps_on_the_rows_that_matter_only_give_the_same_outputs(tiny_
 
 
 def test_a_time_budget_fits_the_schedule_to_the_measured_step_time():
-    from tophatctl.adapter_training.distill import BUDGET_PROBE_STEPS, planned_steps
+    from tophatctl.adapter_training.distill import BUDGET_PROBE_STEPS, is_budget_probe, planned_steps
 
     cfg = DistillConfig(steps=5000, time_budget_s=100.0)
     assert planned_steps(cfg, 0.05) == BUDGET_PROBE_STEPS + 2000  # 100 s at 50 ms a step, after the probe
@@ -309,6 +309,12 @@ def test_a_time_budget_fits_the_schedule_to_the_measured_step_time():
     assert planned_steps(cfg, 200.0) == BUDGET_PROBE_STEPS  # never fewer than the steps already run
     assert planned_steps(cfg, 0.05, spent=500.0) == BUDGET_PROBE_STEPS
     assert planned_steps(replace(cfg, time_budget_s=0.0), 0.05) == 5000  # no budget: the steps asked for
+    # later plans count the steps already run and the time already spent
+    assert planned_steps(cfg, 0.05, spent=20.0, done=960) == 960 + 1600
+    assert planned_steps(cfg, 0.01, spent=20.0, done=960) == 5000
+    assert planned_steps(cfg, 0.05, spent=60.0, done=960) == 960 + 800
+    # it plans again at each doubling, so a slow start (a GPU's) does not fix the schedule
+    assert [s for s in range(2000) if is_budget_probe(s)] == [30, 60, 120, 240, 480, 960, 1920]
     with pytest.raises(ValueError, match="time_budget_s"):
         DistillConfig(time_budget_s=-1.0)
 
@@ -329,7 +335,9 @@ def test_an_adapter_file_is_measured_again_where_it_lands(tiny_checkpoint, tmp_p
     adapter, report = train_adapter(tiny_checkpoint, data, AdapterSpec("feature", mlp=True), cfg, progress_every=3)
     path = tmp_path / "draft_adapter.safetensors"
     adapter.save(path, extra_metadata=report)
-    held_out = DistillData(extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 3, seed=4), max_m=2), 2, 0.0)
+    held_out = DistillData(
+        extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 3, seed=4), max_m=2), 2, 0.0
+    )
     monkeypatch.setattr(run, "load_or_build_held_out", lambda checkpoint, m: held_out)
     measured = run.evaluate_adapter_file(tiny_checkpoint, path, eval_prompts=0)
     assert measured["teacher_forced"]["sequences"] == 3

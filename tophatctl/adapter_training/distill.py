@@ -143,16 +143,28 @@ def step_loss(
 
 
 BUDGET_WARMUP_STEPS = 5  # steps not timed: the first ones pay for warm-up
-BUDGET_PROBE_STEPS = 30  # steps run before a time budget fixes how many the schedule runs
+BUDGET_PROBE_STEPS = 30  # steps run before a time budget first fixes how many the schedule runs
 
 
-def planned_steps(cfg: DistillConfig, seconds_per_step: float, spent: float = 0.0) -> int:
-    """The steps a time budget affords: those run so far (the probe's) plus what the rest of the budget
-    buys at the measured rate, at most cfg.steps. The learning-rate schedule decays over these."""
+def is_budget_probe(step: int) -> bool:
+    """Where a time budget plans again: at step 30, then at each doubling (60, 120, 240, ...), from the
+    rate since the last plan. A GPU's early steps can run at half its later rate (an H100: 8 steps/s up to
+    step ~100, then 19), so one early plan would leave most of the budget unspent."""
+    if step < BUDGET_PROBE_STEPS or step % BUDGET_PROBE_STEPS:
+        return False
+    doublings = step // BUDGET_PROBE_STEPS
+    return doublings & (doublings - 1) == 0
+
+
+def planned_steps(
+    cfg: DistillConfig, seconds_per_step: float, spent: float = 0.0, done: int = BUDGET_PROBE_STEPS
+) -> int:
+    """The steps a time budget affords: the `done` steps run so far plus what the rest of the budget buys
+    at the measured rate, at most cfg.steps. The learning-rate schedule decays over these."""
     if cfg.time_budget_s <= 0 or seconds_per_step <= 0:
         return cfg.steps
     more = int(max(0.0, cfg.time_budget_s - spent) / seconds_per_step)
-    return min(cfg.steps, BUDGET_PROBE_STEPS + more)
+    return min(cfg.steps, done + more)
 
 
 def train_adapter(
@@ -180,13 +192,15 @@ def train_adapter(
     losses: list[float] = []
     planned = cfg.steps
     step = 0
-    probe_started = started
+    probe_started, probe_step = started, 0
     while step < planned:
-        if step == BUDGET_WARMUP_STEPS:
-            probe_started = time.monotonic()  # the first steps pay for warm-up (a GPU's: several times a step)
-        if step == BUDGET_PROBE_STEPS and cfg.time_budget_s > 0:
-            seconds_per_step = (time.monotonic() - probe_started) / (BUDGET_PROBE_STEPS - BUDGET_WARMUP_STEPS)
-            planned = max(step, planned_steps(cfg, seconds_per_step, spent=time.monotonic() - started))
+        if step == BUDGET_WARMUP_STEPS:  # the first steps pay for warm-up (a GPU's: several times a step)
+            probe_started, probe_step = time.monotonic(), step
+        if cfg.time_budget_s > 0 and is_budget_probe(step):
+            now = time.monotonic()
+            seconds_per_step = (now - probe_started) / (step - probe_step)
+            planned = max(step, planned_steps(cfg, seconds_per_step, spent=now - started, done=step))
+            probe_started, probe_step = now, step
             if step >= planned:
                 break
         indices = rng.sample(range(len(data.sequences)), cfg.batch_size)
