@@ -8,9 +8,11 @@ Verifier replicas take base+100 .. base+199, so at most 99 of them fit before th
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import socket
+import tempfile
 from pathlib import Path
 
 STREAMER_OFFSET = 0
@@ -33,30 +35,65 @@ def ephemeral_port_floor() -> int:
 
 def layout(base: int, num_devices: int, num_verifiers: int = 1) -> list[int]:
     """Every port a mesh with this base binds (the embedded Redis aside: it takes any free port)."""
-    return ([base + STREAMER_OFFSET, base + PLANNER_OFFSET, base + MONITOR_OFFSET]
-            + [base + VERIFIER_OFFSET + j for j in range(num_verifiers)]
-            + [base + DEVICE_OFFSET + i for i in range(num_devices)])
+    return (
+        [base + STREAMER_OFFSET, base + PLANNER_OFFSET, base + MONITOR_OFFSET]
+        + [base + VERIFIER_OFFSET + j for j in range(num_verifiers)]
+        + [base + DEVICE_OFFSET + i for i in range(num_devices)]
+    )
+
+
+# Ports find_port_base handed out, held by this process until it exits (see reserve_ports).
+_RESERVED_PORT_LOCKS: list[int] = []
+
+
+def reserve_ports(ports: list[int], lock_dir: Path | None = None) -> bool:
+    """Claim `ports` for this process's lifetime with one flock each, or claim none and return False.
+    A free port is only free until someone binds it: two test workers that each found the same ports free
+    would start their meshes on them and one would die of EADDRINUSE. The locks make the choice exclusive
+    among the processes that pick ports here, whatever their order."""
+    folder = lock_dir or Path(tempfile.gettempdir()) / "tophat-port-locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    taken: list[int] = []
+    for port in ports:
+        fd = os.open(folder / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            for held in taken:
+                os.close(held)
+            return False
+        taken.append(fd)
+    _RESERVED_PORT_LOCKS.extend(taken)
+    return True
+
+
+def layout_is_free(ports: list[int], host: str) -> bool:
+    sockets = []
+    try:
+        for port in ports:
+            sock = socket.socket()
+            sockets.append(sock)
+            sock.bind((host, port))
+    except OSError:
+        return False
+    finally:
+        for sock in sockets:
+            sock.close()
+    return True
 
 
 def find_port_base(num_devices: int, host: str = "127.0.0.1", num_verifiers: int = 1) -> int:
-    """A base whose whole port layout is free right now (for tests and parallel meshes)."""
+    """A base whose whole port layout is free right now and reserved for this process (for tests and
+    parallel meshes): another process that picks its ports here gets another layout."""
     # Stay below the kernel's ephemeral range: services' own outgoing connections take ports
     # from it, and one of them could land in our layout between this check and the bind.
     low_ephemeral = ephemeral_port_floor()
     for _ in range(200):
         base = random.randrange(10_000, max(10_010, low_ephemeral - 300 - num_devices), 10)
-        try:
-            sockets = []
-            for port in layout(base, num_devices, num_verifiers):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind((host, port))
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-        return base
+        ports = layout(base, num_devices, num_verifiers)
+        if layout_is_free(ports, host) and reserve_ports(ports):
+            return base
     raise RuntimeError("no free port layout found")
 
 
