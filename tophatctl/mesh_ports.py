@@ -68,21 +68,6 @@ def reserve_ports(ports: list[int], lock_dir: Path | None = None) -> bool:
     return True
 
 
-def layout_is_free(ports: list[int], host: str) -> bool:
-    sockets = []
-    try:
-        for port in ports:
-            sock = socket.socket()
-            sockets.append(sock)
-            sock.bind((host, port))
-    except OSError:
-        return False
-    finally:
-        for sock in sockets:
-            sock.close()
-    return True
-
-
 def find_port_base(num_devices: int, host: str = "127.0.0.1", num_verifiers: int = 1) -> int:
     """A base whose whole port layout is free right now and reserved for this process (for tests and
     parallel meshes): another process that picks its ports here gets another layout."""
@@ -92,7 +77,7 @@ def find_port_base(num_devices: int, host: str = "127.0.0.1", num_verifiers: int
     for _ in range(200):
         base = random.randrange(10_000, max(10_010, low_ephemeral - 300 - num_devices), 10)
         ports = layout(base, num_devices, num_verifiers)
-        if layout_is_free(ports, host) and reserve_ports(ports):
+        if not any(port_in_use(host, port) for port in ports) and reserve_ports(ports):
             return base
     raise RuntimeError("no free port layout found")
 
