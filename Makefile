@@ -12,11 +12,16 @@ DTYPE ?= int4
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install test test-fast lint demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
+.PHONY: install native test test-fast lint demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
-install: $(STAMP) $(SMOLLM2)
+install: $(STAMP) $(SMOLLM2) native
+
+# the runner's int4/int8 layers in C++ (shared/model/native_layers.py): built once per source under build/native,
+# about 40 s; where it is not built the Python runner computes the same bits, slower
+native: | $(STAMP)
+	$(BIN)/python -c 'from shared.model.native_layers import build; print("native layers:", build())'
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -11,6 +11,7 @@ quality per dtype against fp32. Prints a table and writes JSON; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import time
@@ -20,6 +21,7 @@ import torch
 
 from loadgen.bench_core import bench_prompts, decode_rate, load_model, timed_ms, transformers_rate
 from shared.model.checkpoint import Checkpoint
+from shared.model.native_layers import python_runner
 from shared.model.split import MiddleSubmodel
 from tophatctl.models import smollm2_gguf_path
 
@@ -175,32 +177,35 @@ def main() -> None:
     reference_tokens: list[list[int]] = []  # fp32's greedy answers to the held-out prompts
     for dtype in args.dtypes.split(","):
         checkpoint = load_model(args.model, dtype)
-        unsplit, middle = pass_bytes(checkpoint), pass_bytes(checkpoint, args.split_layers)
-        for threads in threads_list:
-            torch.set_num_threads(threads)
-            bw = bandwidth[threads]
-            row: dict = {"dtype": dtype, "threads": threads, "weight_mb": unsplit / 1e6}
-            row["decode_tok_s"], tokens = decode_rate(checkpoint, [prompt], args.new_tokens)
-            row["decode_floor_tok_s"] = bw / unsplit
-            row["decode8_tok_s"], _ = decode_rate(checkpoint, prompts[:8], args.new_tokens // 2)
-            row["decode8_floor_tok_s"] = 8 * bw / unsplit
-            row["verify_ms"] = {k: verify_ms(checkpoint, args.split_layers, k) for k in (1, 4, 8, 16, 32)}
-            row["verify_floor_ms"] = middle / bw * 1e3
-            if dtype in ("f32", "bf16"):
-                row["transformers_tok_s"] = transformers_rate(checkpoint, [prompt], args.new_tokens)
-            results["runs"].append(row)
-            print(json.dumps(row), flush=True)
-        if dtype in args.profile.split(","):
-            torch.set_num_threads(1)
-            results.setdefault("profiles", {})[dtype] = profiles(checkpoint, args.split_layers, None)
-        if dtype == "f32":
-            reference_tokens = [decode_rate(checkpoint, [p], 48)[1][0] for p in prompts]
-        if reference_tokens:
-            own = [decode_rate(checkpoint, [p], 48)[1][0] for p in prompts]
-            ppl, agree = quality(checkpoint, list(zip(prompts, reference_tokens)))
-            same = sum(a == b for a, b in zip(own, reference_tokens))
-            results["quality"][dtype] = {"perplexity": ppl, "argmax_agreement": agree, "same_greedy_answers": same,
-                                         "prompts": len(prompts)}
+        # "+python": the same weights on the Python runner, the C++ layers switched off (the same bits, slower)
+        runner = python_runner() if dtype.endswith("+python") else contextlib.nullcontext()
+        with runner:
+            unsplit, middle = pass_bytes(checkpoint), pass_bytes(checkpoint, args.split_layers)
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                bw = bandwidth[threads]
+                row: dict = {"dtype": dtype, "threads": threads, "weight_mb": unsplit / 1e6}
+                row["decode_tok_s"], tokens = decode_rate(checkpoint, [prompt], args.new_tokens)
+                row["decode_floor_tok_s"] = bw / unsplit
+                row["decode8_tok_s"], _ = decode_rate(checkpoint, prompts[:8], args.new_tokens // 2)
+                row["decode8_floor_tok_s"] = 8 * bw / unsplit
+                row["verify_ms"] = {k: verify_ms(checkpoint, args.split_layers, k) for k in (1, 4, 8, 16, 32)}
+                row["verify_floor_ms"] = middle / bw * 1e3
+                if dtype in ("f32", "bf16"):
+                    row["transformers_tok_s"] = transformers_rate(checkpoint, [prompt], args.new_tokens)
+                results["runs"].append(row)
+                print(json.dumps(row), flush=True)
+            if dtype in args.profile.split(","):
+                torch.set_num_threads(1)
+                results.setdefault("profiles", {})[dtype] = profiles(checkpoint, args.split_layers, None)
+            if dtype == "f32":
+                reference_tokens = [decode_rate(checkpoint, [p], 48)[1][0] for p in prompts]
+            if reference_tokens:
+                own = [decode_rate(checkpoint, [p], 48)[1][0] for p in prompts]
+                ppl, agree = quality(checkpoint, list(zip(prompts, reference_tokens)))
+                same = sum(a == b for a, b in zip(own, reference_tokens))
+                results["quality"][dtype] = {"perplexity": ppl, "argmax_agreement": agree, "same_greedy_answers": same,
+                                             "prompts": len(prompts)}
         del checkpoint
     llama_bytes = gguf_pass_bytes(smollm2_gguf_path())
     for threads in threads_list:

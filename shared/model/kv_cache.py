@@ -113,6 +113,19 @@ class SessionKV:
         for layer in self._alive():
             layer.length = length
 
+    def reserve(self, width: int) -> None:
+        """Room for `width` rows in every layer, the length unchanged (a native pass writes the rows itself)."""
+        for layer in self._alive():
+            if width > layer.capacity:
+                layer.padded(width)
+
+    def advance(self, rows: int) -> None:
+        """Count `rows` more positions, which a native pass has written into every layer's reserved room."""
+        for layer in self._alive():
+            if layer.length + rows > layer.capacity:
+                raise KVCacheError(f"cannot advance {layer.length} by {rows} rows past a capacity of {layer.capacity}")
+            layer.length += rows
+
     def compact(self, base: int, rows: Sequence[int]) -> None:
         """Keep rows < base and then only `rows` (absolute, each >= base, strictly increasing, < length),
         moved to base, base+1, ...; the length becomes base + len(rows)."""

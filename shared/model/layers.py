@@ -21,6 +21,7 @@ from shared.model.attention import PassPlan, attention
 from shared.model.fused import fused_layer
 from shared.model.invariant_attention import uses_invariant_attention
 from shared.model.kv_cache import LayerKV, SessionKV
+from shared.model.native_layers import run_native
 from shared.model.tree_rows import TreeRows
 
 
@@ -55,6 +56,9 @@ def run_layers(
     # hidden: [T, H]; sum(lengths) == T
     layers = list(layers)
     plan = PassPlan.build(rotary_emb, hidden, caches, lengths, trees, invariant=uses_invariant_attention(layers))
+    native = run_native(layers, plan, hidden, caches)  # the same bits, in C++, where it is built and applies
+    if native is not None:
+        return native
     for index, layer in enumerate(layers):
         hidden = decoder_layer_forward(layer, hidden, [c.layer(index) for c in caches], plan)
     return hidden

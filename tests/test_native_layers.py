@@ -1,0 +1,156 @@
+"""The C++ layers (shared/model/native_layers.py) against the Python runner: the same bits, or not used at all.
+
+`make install` builds the extension, so these tests expect it built. Every comparison is exact (torch.equal):
+the C++ file calls the same ATen operations as the Python runner, so nothing may differ, in outputs or caches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.model import native_layers
+from shared.model.attention import PassPlan
+from shared.model.checkpoint import load_checkpoint
+from shared.model.invariant_attention import uses_invariant_attention
+from shared.model.kv_cache import KVCacheError, SessionKV
+from shared.model.native_layers import native_module, python_runner, run_native
+from shared.model.split import LayerRange
+from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
+from tests.conftest import DEMO_MODEL_DIR
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized(request):
+    checkpoint = load_checkpoint(DEMO_MODEL_DIR, quantize=request.param, with_tokenizer=False)
+    return LayerRange(checkpoint, 0, checkpoint.num_layers), checkpoint.hidden_size
+
+
+def prefilled_pair(layers: LayerRange, prefix: torch.Tensor) -> tuple[SessionKV, SessionKV]:
+    """Two caches holding the same prefix, one filled by each runner."""
+    native_cache, python_cache = layers.new_cache(), layers.new_cache()
+    if not prefix.shape[0]:
+        return native_cache, python_cache
+    layers.forward_batch([(native_cache, prefix)])
+    with python_runner():
+        layers.forward_batch([(python_cache, prefix)])
+    return native_cache, python_cache
+
+
+def assert_same_caches(one: SessionKV, other: SessionKV) -> None:
+    assert one.length == other.length
+    for index in range(len(one.layers or [])):
+        a, b = one.layer(index), other.layer(index)
+        assert torch.equal(a.keys[:, : a.length], b.keys[:, : b.length])
+        assert torch.equal(a.values[:, : a.length], b.values[:, : b.length])
+
+
+def test_make_install_built_the_extension_and_it_loads():
+    assert native_layers.library_path().exists(), "make install builds it (make native)"
+    assert native_module() is not None
+
+
+@pytest.mark.parametrize(
+    "prefixes, new_rows",
+    [
+        ([5], [1]),  # a decode step
+        ([0], [70]),  # a prefill of two causal blocks
+        ([31], [1]),  # the row that fills a 32-position chunk
+        ([40, 7, 100], [1, 5, 0]),  # packed sessions, one without new rows
+        ([3, 64], [66, 2]),  # a long chunk beside a short one
+    ],
+)
+def test_a_native_pass_gives_the_python_runners_bits(quantized, prefixes, new_rows):
+    layers, hidden = quantized
+    generator = torch.Generator().manual_seed(sum(prefixes) + sum(new_rows))
+    pairs = [prefilled_pair(layers, torch.randn(n, hidden, generator=generator)) for n in prefixes]
+    rows = [torch.randn(n, hidden, generator=generator) for n in new_rows]
+    native_out = layers.forward_batch([(native, r) for (native, _), r in zip(pairs, rows)])
+    with python_runner():
+        python_out = layers.forward_batch([(python, r) for (_, python), r in zip(pairs, rows)])
+    for a, b in zip(native_out, python_out):
+        assert torch.equal(a, b)
+    for native, python in pairs:
+        assert_same_caches(native, python)
+
+
+@torch.inference_mode()
+def test_the_runner_takes_the_native_path_where_it_applies(quantized):
+    layers, hidden = quantized
+    cache = layers.new_cache()
+    modules = list(layers.layers)
+    out = run_native(modules, plan_for(layers, [cache], [3], hidden), torch.randn(3, hidden), [cache])
+    assert out is not None and out.shape == (3, hidden) and cache.length == 3
+
+
+def plan_for(layers: LayerRange, caches, lengths, hidden: int, trees=None):
+    modules = list(layers.layers)
+    like = torch.zeros(sum(lengths), hidden)
+    return PassPlan.build(layers.rotary_emb, like, caches, lengths, trees, invariant=uses_invariant_attention(modules))
+
+
+@torch.inference_mode()
+def test_tree_rows_dense_weights_and_the_switches_keep_the_python_runner(quantized, monkeypatch):
+    layers, hidden = quantized
+    modules = list(layers.layers)
+    cache = layers.new_cache()
+    layers.forward_batch([(cache, torch.randn(4, hidden))])
+    tree = TreeRows.for_new_tree(4, ancestor_mask_from_parents([-1, 0, 0]))
+    rows = torch.randn(3, hidden)
+    assert run_native(modules, plan_for(layers, [cache], [3], hidden, [tree]), rows, [cache]) is None
+    assert cache.length == 4  # untouched
+    with python_runner():
+        assert run_native(modules, plan_for(layers, [cache], [3], hidden), rows, [cache]) is None
+    monkeypatch.setenv(native_layers.SWITCH_ENV, "off")
+    assert native_module() is None
+    assert run_native(modules, plan_for(layers, [cache], [3], hidden), rows, [cache]) is None
+
+    dense = load_checkpoint(DEMO_MODEL_DIR, with_tokenizer=False)
+    monkeypatch.delenv(native_layers.SWITCH_ENV)
+    dense_layers = LayerRange(dense, 0, dense.num_layers)
+    dense_cache = dense_layers.new_cache()
+    plan = plan_for(dense_layers, [dense_cache], [2], hidden)
+    assert run_native(list(dense_layers.layers), plan, torch.randn(2, hidden), [dense_cache]) is None
+
+
+@torch.inference_mode()
+def test_bad_arguments_to_the_extension_raise_instead_of_crashing(quantized):
+    layers, hidden = quantized
+    module = native_module()
+    assert module is not None
+    cache = layers.new_cache()
+    plan = plan_for(layers, [cache], [2], hidden)
+    modules = list(layers.layers)
+    assert run_native(modules, plan, torch.randn(2, hidden), [cache]) is not None
+    handles = [native_layers.native_layer(module, layer) for layer in modules]
+    session = module.SessionRows(0, 2, 0, [torch.zeros(2, 32)], [0], [2], [32])
+    keys = [cache.layer(i).keys for i in range(len(modules))]
+    values = [cache.layer(i).values for i in range(len(modules))]
+    with pytest.raises(RuntimeError, match="one key and one value cache"):
+        module.run_layers(handles, torch.randn(2, hidden), keys[:-1], values, [session], plan.cos, plan.sin)
+    with pytest.raises(RuntimeError, match="add up to the packed rows"):
+        module.run_layers(handles, torch.randn(3, hidden), keys, values, [session], plan.cos, plan.sin)
+    with pytest.raises(RuntimeError, match="one start, stop and width"):
+        bad = module.SessionRows(0, 2, 0, [torch.zeros(2, 32)], [0], [2], [])
+        module.run_layers(handles, torch.randn(2, hidden), keys, values, [bad], plan.cos, plan.sin)
+
+
+def test_a_changed_source_is_a_new_build_directory(tmp_path, monkeypatch):
+    before = native_layers.build_dir()
+    changed = tmp_path / "layers.cpp"
+    changed.write_bytes(native_layers.SOURCE.read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(native_layers, "SOURCE", changed)
+    assert native_layers.build_dir() != before
+    assert not native_layers.library_path().exists()
+    monkeypatch.setenv(native_layers.BUILD_ROOT_ENV, str(tmp_path))
+    assert native_layers.build_dir().parent == tmp_path
+
+
+def test_a_cache_reserves_room_and_advances_into_it():
+    cache = SessionKV(2, 3, 8)
+    cache.reserve(100)
+    assert all(layer.capacity >= 100 and layer.length == 0 for layer in cache.layers or [])
+    cache.advance(100)
+    assert cache.length == 100
+    with pytest.raises(KVCacheError):
+        cache.advance(cache.layer(0).capacity)
