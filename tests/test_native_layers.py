@@ -74,6 +74,23 @@ def test_a_native_pass_gives_the_python_runners_bits(quantized, prefixes, new_ro
         assert_same_caches(native, python)
 
 
+@pytest.mark.parametrize("base", [20, 70], ids=["tree-within-the-first-chunk", "tree-after-whole-chunks"])
+def test_tree_rows_beside_chains_give_the_python_runners_bits(quantized, base):
+    layers, hidden = quantized
+    generator = torch.Generator().manual_seed(base)
+    pairs = [prefilled_pair(layers, torch.randn(n, hidden, generator=generator)) for n in (40, base, 7)]
+    parents = [-1, 0, 0, 1, 2, 4, 4]
+    trees = [None, TreeRows.for_new_tree(base, ancestor_mask_from_parents(parents)), None]
+    rows = [torch.randn(n, hidden, generator=generator) for n in (1, len(parents), 3)]
+    native_out = layers.forward_batch([(native, r) for (native, _), r in zip(pairs, rows)], trees)
+    with python_runner():
+        python_out = layers.forward_batch([(python, r) for (_, python), r in zip(pairs, rows)], trees)
+    for a, b in zip(native_out, python_out):
+        assert torch.equal(a, b)
+    for native, python in pairs:
+        assert_same_caches(native, python)
+
+
 @torch.inference_mode()
 def test_the_runner_takes_the_native_path_where_it_applies(quantized):
     layers, hidden = quantized
@@ -81,6 +98,9 @@ def test_the_runner_takes_the_native_path_where_it_applies(quantized):
     modules = list(layers.layers)
     out = run_native(modules, plan_for(layers, [cache], [3], hidden), torch.randn(3, hidden), [cache])
     assert out is not None and out.shape == (3, hidden) and cache.length == 3
+    tree = TreeRows.for_new_tree(3, ancestor_mask_from_parents([-1, 0, 0]))
+    out = run_native(modules, plan_for(layers, [cache], [3], hidden, [tree]), torch.randn(3, hidden), [cache])
+    assert out is not None and cache.length == 6
 
 
 def plan_for(layers: LayerRange, caches, lengths, hidden: int, trees=None):
@@ -90,17 +110,15 @@ def plan_for(layers: LayerRange, caches, lengths, hidden: int, trees=None):
 
 
 @torch.inference_mode()
-def test_tree_rows_dense_weights_and_the_switches_keep_the_python_runner(quantized, monkeypatch):
+def test_dense_weights_and_the_switches_keep_the_python_runner(quantized, monkeypatch):
     layers, hidden = quantized
     modules = list(layers.layers)
     cache = layers.new_cache()
     layers.forward_batch([(cache, torch.randn(4, hidden))])
-    tree = TreeRows.for_new_tree(4, ancestor_mask_from_parents([-1, 0, 0]))
     rows = torch.randn(3, hidden)
-    assert run_native(modules, plan_for(layers, [cache], [3], hidden, [tree]), rows, [cache]) is None
-    assert cache.length == 4  # untouched
     with python_runner():
         assert run_native(modules, plan_for(layers, [cache], [3], hidden), rows, [cache]) is None
+    assert cache.length == 4  # untouched
     monkeypatch.setenv(native_layers.SWITCH_ENV, "off")
     assert native_module() is None
     assert run_native(modules, plan_for(layers, [cache], [3], hidden), rows, [cache]) is None

@@ -5,8 +5,8 @@ and dispatch between the kernels. The C++ file calls the same ATen operations in
 layers.py / attention.py / invariant_attention.py, so its results are the same bits (tests check it);
 only the interpreter between them goes.
 
-It covers what decode and chain verification run: packed sessions' causal rows through int4/int8
-layers with batch-invariant attention, on the CPU in float32. Tree rows, dense weights and other
+It covers what decode and verification run: packed sessions' causal rows and draft-tree rows through
+int4/int8 layers with batch-invariant attention, on the CPU in float32. Dense weights and other
 devices stay on the Python runner, which is also the fallback where the extension was not built
 (`make install` builds it; the container images have no compiler and run the Python runner).
 
@@ -158,16 +158,14 @@ def run_native(
         return None
     if any(cache.layer(0).keys.dtype != torch.float32 for cache in caches if layers):
         return None
-    if any(layout.tails is not None for layout in invariant.layouts):
-        return None  # tree rows: the Python runner's path gather
     handles = [native_layer(module, layer) for layer in layers]
     if any(handle is None for handle in handles):
         return None
     sessions = []
     for layout, cache, past, (start, stop) in zip(invariant.layouts, caches, plan.pasts, invariant.bounds):
         blocks = layout.blocks
-        if blocks:
-            cache.reserve(max(past + layout.rows, blocks[-1].width))
+        if blocks:  # a chain's blocks read up to their padded width; tree rows gather rows below the new length
+            cache.reserve(past + layout.rows if layout.tails is not None else max(past + layout.rows, blocks[-1].width))
         sessions.append(
             module.SessionRows(
                 start,
@@ -177,6 +175,8 @@ def run_native(
                 [block.start for block in blocks],
                 [block.stop for block in blocks],
                 [block.width for block in blocks],
+                layout.shared,
+                layout.tails,
             )
         )
     count = len(layers)

@@ -1,4 +1,4 @@
-// The runner's decoder layers for one session's causal rows at int4/int8, in C++.
+// The runner's int4/int8 decoder layers over packed sessions (causal chains and tree rows), in C++.
 //
 // Why: at int4 a decode token is about half matmul and half small operations (norms, rotary, casts,
 // views, attention's pieces), each paying 2-3 us of Python and dispatch. These functions call the very
@@ -6,8 +6,8 @@
 // invariant_attention.py do for this case, so every result is the same bits; only the interpreter
 // between them is gone (about 0.9 us per operation instead of 2.6, measured here).
 //
-// The Python runner stays the reference and the fallback (trees, several sessions, dense weights, or a
-// machine where this file was not built); tests/test_native_layers.py checks the two bit for bit.
+// The Python runner stays the reference and the fallback (dense weights, other devices, or a machine where
+// this file was not built); tests/test_native_layers.py checks the two bit for bit.
 
 #include <torch/extension.h>
 
@@ -71,6 +71,18 @@ int64_t next_power_of_two(int64_t n) {  // 1 << (n - 1).bit_length()
   return p;
 }
 
+// invariant_attention._chunk_products: probs [X, M, N] and values [X, N, D] -> out [N / CHUNK, X, D, M], the
+// values^T @ probs^T of each CHUNK positions
+void chunk_products(const at::Tensor& probs, const at::Tensor& values, const at::Tensor& out) {
+  const int64_t batch = probs.size(0), rows = probs.size(1), chunks = probs.size(2) / kChunk;
+  const int64_t head_dim = values.size(-1);
+  at::Tensor chunk_probs = probs.view({batch, rows, chunks, kChunk}).permute({2, 0, 3, 1}).reshape({-1, kChunk, rows});
+  at::Tensor chunk_values =
+      values.reshape({batch, chunks, kChunk, head_dim}).transpose(0, 1).reshape({-1, kChunk, head_dim});
+  at::Tensor target = out.view({-1, head_dim, rows});
+  at::bmm_out(target, chunk_values.mT(), chunk_probs);
+}
+
 // invariant_attention.attend for one block: queries [B, Hkv, G, n, D], keys/values [B, Hkv, N, D],
 // bias broadcastable to [B, Hkv, G, n, N] -> a [B, Hkv, G, n, D] view
 at::Tensor attend(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& bias,
@@ -84,15 +96,43 @@ at::Tensor attend(const at::Tensor& queries, const at::Tensor& keys, const at::T
   at::Tensor probs = at::softmax(logits.view({flat, columns, width}), -1);  // [X, M, N]
   const int64_t chunks = width / kChunk;
   at::Tensor parts = queries.new_zeros({next_power_of_two(chunks), flat, head_dim, columns});  // [P, X, D, M]
-  // _chunk_products into parts[:chunks]
-  at::Tensor chunk_probs =
-      probs.view({flat, columns, chunks, kChunk}).permute({2, 0, 3, 1}).reshape({-1, kChunk, columns});
-  at::Tensor chunk_values =
-      values.flatten(0, 1).reshape({flat, chunks, kChunk, head_dim}).transpose(0, 1).reshape({-1, kChunk, head_dim});
-  at::Tensor target = parts.slice(0, 0, chunks).view({-1, head_dim, columns});
-  at::bmm_out(target, chunk_values.mT(), chunk_probs);
+  chunk_products(probs, values.flatten(0, 1), parts.slice(0, 0, chunks));
   at::Tensor out = halve_in_place(parts).view({batch, heads, head_dim, groups, rows});
   return out.permute({0, 1, 3, 4, 2});
+}
+
+// invariant_attention.attend_paths: tree rows that see cache positions 0..shared-1, then their own rows of the
+// cache (`tails`, [n, Nt]) in order. queries [Hkv, G, n, D]; keys/values: the session's cache [Hkv, L, D];
+// bias [n, shared + Nt] -> [Hkv, G, n, D]
+at::Tensor attend_paths(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values, int64_t shared,
+                        const at::Tensor& tails, const at::Tensor& bias, double scale) {
+  TORCH_CHECK(shared % kChunk == 0 && tails.size(1) % kChunk == 0, "shared and tail positions in whole chunks");
+  const int64_t heads = queries.size(0), groups = queries.size(1), rows = queries.size(2), head_dim = queries.size(3);
+  const int64_t tail_width = tails.size(1);
+  at::Tensor flat_tails = tails.reshape({-1});
+  at::Tensor tail_keys = keys.index_select(1, flat_tails).view({heads * rows, tail_width, head_dim});  // [Hkv n, Nt, D]
+  at::Tensor tail_values = values.index_select(1, flat_tails).view({heads * rows, tail_width, head_dim});
+  at::Tensor row_queries = queries.transpose(1, 2).reshape({heads * rows, groups, head_dim});  // [Hkv n, G, D]
+  at::Tensor tail_scores =
+      at::bmm(tail_keys, row_queries.mT()).view({heads, rows, tail_width, groups}).permute({0, 3, 1, 2});
+  at::Tensor shared_scores =
+      at::bmm(keys.slice(1, 0, shared), queries.reshape({heads, groups * rows, head_dim}).mT());  // [Hkv, shared, G n]
+  at::Tensor scores = at::cat({shared_scores.mT().view({heads, groups, rows, shared}), tail_scores}, -1);
+  at::Tensor probs = at::softmax(at::add(bias, scores, scale), -1);  // [Hkv, G, n, shared + Nt]
+  const int64_t shared_chunks = shared / kChunk, tail_chunks = tail_width / kChunk;
+  at::Tensor parts = queries.new_zeros({next_power_of_two(shared_chunks + tail_chunks), heads, head_dim, groups, rows});
+  if (shared_chunks > 0) {
+    at::Tensor shared_out = parts.new_empty({shared_chunks, heads, head_dim, groups * rows});
+    chunk_products(probs.slice(-1, 0, shared).reshape({heads, groups * rows, shared}), values.slice(1, 0, shared),
+                   shared_out);
+    parts.slice(0, 0, shared_chunks).copy_(shared_out.view({shared_chunks, heads, head_dim, groups, rows}));
+  }
+  at::Tensor tail_out = parts.new_empty({tail_chunks, heads * rows, head_dim, groups});
+  at::Tensor tail_probs = probs.slice(-1, shared).permute({0, 2, 1, 3}).reshape({heads * rows, groups, tail_width});
+  chunk_products(tail_probs, tail_values, tail_out);
+  parts.slice(0, shared_chunks, shared_chunks + tail_chunks)
+      .copy_(tail_out.view({tail_chunks, heads, rows, head_dim, groups}).permute({0, 1, 3, 4, 2}));
+  return halve_in_place(parts).permute({0, 2, 3, 1});
 }
 
 // One session's rows of a packed pass: rows start..stop-1, after `past` cached rows, attended block by
@@ -101,6 +141,8 @@ struct SessionRows {
   int64_t start, stop, past;
   std::vector<at::Tensor> biases;  // [block rows, width] each: 0 where seen, -inf where not
   std::vector<int64_t> block_starts, block_stops, widths;
+  int64_t shared = 0;                // tree rows: the first positions every row sees
+  std::optional<at::Tensor> tails;   // tree rows: [n, Nt] the cache rows each sees after those; none for a chain
 };
 
 // One layer over packed sessions' causal rows (layers.decoder_layer_forward with attention.attention on an
@@ -126,6 +168,13 @@ at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at:
     if (n == 0) continue;
     keys_of[s].slice(1, rows.past, rows.past + n).copy_(keys.slice(1, rows.start, rows.stop));
     values_of[s].slice(1, rows.past, rows.past + n).copy_(values.slice(1, rows.start, rows.stop));
+    if (rows.tails.has_value()) {  // tails index rows anywhere in the cache, up to its new length
+      const int64_t length = rows.past + n;
+      outs.push_back(attend_paths(grouped.slice(2, rows.start, rows.stop), keys_of[s].slice(1, 0, length),
+                                  values_of[s].slice(1, 0, length), rows.shared, *rows.tails, rows.biases[0],
+                                  layer.scaling));
+      continue;
+    }
     at::Tensor own_keys = keys_of[s].unsqueeze(0), own_values = values_of[s].unsqueeze(0);
     at::Tensor queries = grouped.slice(2, rows.start, rows.stop).unsqueeze(0);  // [1, Hkv, G, n, D]
     std::vector<at::Tensor> blocks;
@@ -185,7 +234,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }));
   py::class_<SessionRows>(m, "SessionRows")
       .def(py::init<int64_t, int64_t, int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                    std::vector<int64_t>>());
+                    std::vector<int64_t>, int64_t, std::optional<at::Tensor>>(),
+           py::arg("start"), py::arg("stop"), py::arg("past"), py::arg("biases"), py::arg("block_starts"),
+           py::arg("block_stops"), py::arg("widths"), py::arg("shared") = 0, py::arg("tails") = py::none());
   // the GIL is released for the pass, as torch's own kernels release it: the caller's event loop runs meanwhile
   m.def("run_layers", &run_layers, "decoder layers over packed sessions' causal rows, batch-invariant attention",
         py::call_guard<py::gil_scoped_release>());
