@@ -85,6 +85,7 @@ def native_module() -> ModuleType | None:
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
                 _loaded = module
+                log.info("native layers loaded from %s", path)
             except ImportError as error:
                 log.warning("native layers at %s do not load (%s): the Python runner serves", path, error)
         else:
