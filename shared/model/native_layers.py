@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -67,30 +68,39 @@ def build() -> Path:
 
 _loaded: ModuleType | None = None
 _load_tried = False
+_load_lock = threading.Lock()
 _disabled = 0  # python_runner() depth
 
 
 def native_module() -> ModuleType | None:
     """The built extension, loaded once; None where it was not built, could not load, or is switched off."""
-    global _loaded, _load_tried
     if os.environ.get(SWITCH_ENV, "").lower() == "off":
         return None
     if not _load_tried:
-        _load_tried = True
-        path = library_path()
-        if path.exists():
-            try:
-                spec = importlib.util.spec_from_file_location(MODULE, path)
-                assert spec is not None and spec.loader is not None  # a file path always gives both
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                _loaded = module
-                log.info("native layers loaded from %s", path)
-            except ImportError as error:
-                log.warning("native layers at %s do not load (%s): the Python runner serves", path, error)
-        else:
-            log.info("native layers not built (%s): the Python runner serves", path)
+        with _load_lock:  # pipeline stages may run their first passes in threads at once: one load
+            _load_once()
     return _loaded
+
+
+def _load_once() -> None:
+    """Load the build (under _load_lock); marked tried only when done, so no thread sees a half-done load."""
+    global _loaded, _load_tried
+    if _load_tried:
+        return
+    path = library_path()
+    if path.exists():
+        try:
+            spec = importlib.util.spec_from_file_location(MODULE, path)
+            assert spec is not None and spec.loader is not None  # a file path always gives both
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _loaded = module
+            log.info("native layers loaded from %s", path)
+        except ImportError as error:
+            log.warning("native layers at %s do not load (%s): the Python runner serves", path, error)
+    else:
+        log.info("native layers not built (%s): the Python runner serves", path)
+    _load_tried = True
 
 
 @contextlib.contextmanager
