@@ -172,3 +172,14 @@ def test_a_cache_reserves_room_and_advances_into_it():
     assert cache.length == 100
     with pytest.raises(KVCacheError):
         cache.advance(cache.layer(0).capacity)
+
+
+def test_a_build_that_does_not_load_leaves_the_python_runner(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(native_layers.BUILD_ROOT_ENV, str(tmp_path))
+    native_layers.build_dir().mkdir(parents=True)
+    native_layers.library_path().write_bytes(b"not a shared library")
+    monkeypatch.setattr(native_layers, "_loaded", None)
+    monkeypatch.setattr(native_layers, "_load_tried", False)
+    with caplog.at_level("WARNING", logger=native_layers.__name__):
+        assert native_module() is None
+    assert "do not load" in caplog.text
