@@ -172,8 +172,7 @@ async def soak(url: str, processes: Callable[[], dict[str, int]], *, model_dir: 
             await sampler
     _sample(processes, memory)
     for m in memory.values():
-        m.end_kib = rss_kib(m.end_pid) if m.end_pid is not None else None
-        m.peak_kib = max(m.peak_kib or 0, m.start_kib or 0) or None
+        m.finish(rss_kib(m.end_pid) if m.end_pid is not None else None)
     report.memory = list(memory.values())
     report.requests = len(run.records)
     report.failed = _tally(run.records, errors)

@@ -83,6 +83,14 @@ class ServiceMemory:
             self.samples.append(kib)
             self.peak_kib = max(self.peak_kib or 0, kib)
 
+    def finish(self, end_kib: int | None) -> None:
+        """Record the end reading (taken after the last sample) and the peak over the start, the samples and the
+        end: the end may be the highest reading (CI once saw it 4 KiB above the samples' peak). A restarted
+        service's end is another process's RSS, so it does not count toward the peak."""
+        self.end_kib = end_kib
+        own_end = end_kib if not self.lost else None
+        self.peak_kib = max(self.peak_kib or 0, self.start_kib or 0, own_end or 0) or None
+
     @property
     def growth_kib(self) -> float | None:
         return rss_growth_kib(self.samples)

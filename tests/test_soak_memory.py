@@ -64,6 +64,15 @@ def test_sampling_a_live_process_records_it_and_its_peak():
     assert len(m.samples) == 2 and m.peak_kib == max(m.samples) and not m.lost
 
 
+def test_the_end_reading_counts_toward_the_peak_unless_the_service_was_restarted():
+    m = ServiceMemory("this", 1, 900, samples=[1000, 1004], peak_kib=1004)
+    m.finish(1008)  # read after the last sample, and higher
+    assert m.end_kib == 1008 and m.peak_kib == 1008 >= max(m.start_kib, m.end_kib)
+    restarted = ServiceMemory("that", 1, 900, samples=[1000], peak_kib=1000, lost=True, end_pid=2)
+    restarted.finish(5000)  # another process's RSS
+    assert restarted.end_kib == 5000 and restarted.peak_kib == 1000
+
+
 def test_a_memory_failure_fails_the_report_and_is_printed():
     report = SoakReport(duration_s=60, rate=1, warmup_requests=1, warmup_failed=0,
                         memory=[memory("verifier-cloud", [BASE + i * 4 * MIB for i in range(30)]),
