@@ -183,3 +183,15 @@ def test_a_build_that_does_not_load_leaves_the_python_runner(tmp_path, monkeypat
     with caplog.at_level("WARNING", logger=native_layers.__name__):
         assert native_module() is None
     assert "do not load" in caplog.text
+
+
+@torch.inference_mode()
+def test_a_layer_with_another_activation_keeps_the_python_runner():
+    checkpoint = load_checkpoint(DEMO_MODEL_DIR, quantize="int4", with_tokenizer=False)
+    layers = LayerRange(checkpoint, 0, checkpoint.num_layers)
+    layers.layers[-1].mlp.act_fn = torch.nn.GELU()  # not the at::silu the C++ file calls
+    cache, hidden = layers.new_cache(), checkpoint.hidden_size
+    rows = torch.randn(2, hidden)
+    for _ in range(2):  # found unfit once, then remembered
+        assert run_native(list(layers.layers), plan_for(layers, [cache], [2], hidden), rows, [cache]) is None
+    assert cache.length == 0

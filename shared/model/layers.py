@@ -5,6 +5,9 @@ layer ranges through `run_layers`: per pass it plans positions, rotary tables an
 attention layout once (`PassPlan`), then runs each layer with its projections fused (q/k/v and
 gate/up, `fused_layer`), in the checkpoint's precision (fp32, bf16, or int8 weights).
 
+An int4/int8 pass on the CPU runs the same operations in C++ where that was built (`native_layers.py`:
+the same bits, without the Python between the kernels); this file stays its reference and fallback.
+
 The HF modules supply the norms, the activation and the rotary embedding, so any Llama-family
 checkpoint works; this file owns the order of operations.
 """

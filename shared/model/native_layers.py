@@ -114,7 +114,7 @@ def python_runner() -> Iterator[None]:
         _disabled -= 1
 
 
-_HANDLES: weakref.WeakKeyDictionary[FusedLayer, Any] = weakref.WeakKeyDictionary()
+_HANDLES: weakref.WeakKeyDictionary[FusedLayer, Any | None] = weakref.WeakKeyDictionary()
 
 
 def _projection_parts(projection: Projection) -> list[torch.Tensor | None]:
@@ -132,9 +132,8 @@ def _is_silu(act_fn: Any) -> bool:
 def native_layer(module: ModuleType, layer: Any) -> Any | None:
     """The C++ handle of one decoder layer, or None if it is not one the C++ file computes."""
     fused = fused_layer(layer)
-    handle = _HANDLES.get(fused)
-    if handle is not None:
-        return handle
+    if fused in _HANDLES:
+        return _HANDLES[fused]  # a handle, or None: a layer found unfit once is not probed again
     projections = (fused.qkv, fused.o, fused.gate_up, fused.down)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if (
@@ -142,6 +141,7 @@ def native_layer(module: ModuleType, layer: Any) -> Any | None:
         or not _is_silu(layer.mlp.act_fn)
         or any(getattr(norm, "variance_epsilon", None) is None for norm in norms)
     ):
+        _HANDLES[fused] = None
         return None
     handle = module.Layer(
         norms[0].weight,
