@@ -60,12 +60,16 @@ class LayerKV:
         self.length = new_length
         return self.keys[:, :new_length], self.values[:, :new_length]
 
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows, the length unchanged (grown rows are zeros)."""
+        if rows > self.capacity:
+            self._grow(rows)
+
     def padded(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the first `width` >= length rows, [Hkv, width, D]: the rows past the length are finite."""
         if width < self.length:
             raise KVCacheError(f"a padded view of {width} rows is shorter than the cache's {self.length}")
-        if width > self.capacity:
-            self._grow(width)
+        self.reserve(width)
         return self.keys[:, :width], self.values[:, :width]
 
     @torch.inference_mode()  # the KV grows inside inference mode, so its tensors are inference tensors
@@ -116,8 +120,7 @@ class SessionKV:
     def reserve(self, width: int) -> None:
         """Room for `width` rows in every layer, the length unchanged (a native pass writes the rows itself)."""
         for layer in self._alive():
-            if width > layer.capacity:
-                layer.padded(width)
+            layer.reserve(width)
 
     def advance(self, rows: int) -> None:
         """Count `rows` more positions, which a native pass has written into every layer's reserved room."""

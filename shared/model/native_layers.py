@@ -33,6 +33,7 @@ import torch
 
 from shared.model.attention import PassPlan
 from shared.model.fused import FusedLayer, Projection, fused_layer
+from shared.model.invariant_attention import CHUNK
 from shared.model.kv_cache import SessionKV
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ def _load_once() -> None:
             assert spec is not None and spec.loader is not None  # a file path always gives both
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
+            if module.CHUNK != CHUNK:
+                raise ImportError(f"its attention chunk is {module.CHUNK} positions, the Python runner's {CHUNK}")
             _loaded = module
             log.info("native layers loaded from %s", path)
         except ImportError as error:

@@ -237,6 +237,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, int64_t, std::optional<at::Tensor>>(),
            py::arg("start"), py::arg("stop"), py::arg("past"), py::arg("biases"), py::arg("block_starts"),
            py::arg("block_stops"), py::arg("widths"), py::arg("shared") = 0, py::arg("tails") = py::none());
+  m.attr("CHUNK") = kChunk;  // checked against invariant_attention.CHUNK when the build is loaded
   // the GIL is released for the pass, as torch's own kernels release it: the caller's event loop runs meanwhile
   m.def("run_layers", &run_layers, "decoder layers over packed sessions' causal rows, batch-invariant attention",
         py::call_guard<py::gil_scoped_release>());
