@@ -1,7 +1,8 @@
 """The C++ layers (shared/model/native_layers.py) against the Python runner: the same bits, or not used at all.
 
 `make install` builds the extension, so these tests expect it built. Every comparison is exact (torch.equal):
-the C++ file calls the same ATen operations as the Python runner, so nothing may differ, in outputs or caches.
+the C++ file computes what the Python runner's ATen operations do, element for element and with the same
+reductions, so nothing may differ, in outputs or caches.
 """
 
 from __future__ import annotations
@@ -151,6 +152,14 @@ def test_bad_arguments_to_the_extension_raise_instead_of_crashing(quantized):
     with pytest.raises(RuntimeError, match="one start, stop and width"):
         bad = module.SessionRows(0, 2, 0, [torch.zeros(2, 32)], [0], [2], [])
         module.run_layers(handles, torch.randn(2, hidden), keys, values, [bad], plan.cos, plan.sin)
+    with pytest.raises(RuntimeError, match="the layers' width"):
+        module.run_layers(handles, torch.randn(2, hidden + 1), keys, values, [session], plan.cos, plan.sin)
+    with pytest.raises(RuntimeError, match="room for its session's past and new rows"):
+        past = module.SessionRows(0, 2, keys[0].shape[1] - 1, [torch.zeros(2, 32)], [0], [2], [32])
+        module.run_layers(handles, torch.randn(2, hidden), keys, values, [past], plan.cos, plan.sin)
+    with pytest.raises(RuntimeError, match="float caches"):
+        halves = [k.bfloat16() for k in keys]
+        module.run_layers(handles, torch.randn(2, hidden), halves, values, [session], plan.cos, plan.sin)
 
 
 def test_a_changed_source_is_a_new_build_directory(tmp_path, monkeypatch):

@@ -1,17 +1,18 @@
 """The runner's quantized decoder layers in C++ (shared/model/native/layers.cpp), where it is built.
 
 At int4 a decode token is about half matmul and half small operations, each paying 2-3 us of Python
-and dispatch between the kernels. The C++ file calls the same ATen operations in the same order as
-layers.py / attention.py / invariant_attention.py, so its results are the same bits (tests check it);
-only the interpreter between them goes.
+and dispatch between the kernels. The C++ file keeps ATen's calls where the result depends on the kernel
+(matmuls, reductions, softmax, SiLU) and runs the elementwise steps between them as loops of the same
+float operations, so its results are the bits of layers.py / attention.py / invariant_attention.py
+(tests check it); the interpreter and most dispatches between the kernels go.
 
 It covers what decode and verification run: packed sessions' causal rows and draft-tree rows through
 int4/int8 layers with batch-invariant attention, on the CPU in float32. Dense weights and other
 devices stay on the Python runner, which is also the fallback where the extension was not built
 (`make install` builds it; the container images have no compiler and run the Python runner).
 
-The build is keyed by a hash of the source, torch's version and Python's, so a stale library is never
-loaded: a changed source without a new build means the Python runner until `make install` runs.
+The build is keyed by a hash of the source, its compiler flags, torch's version and Python's, so a stale
+library is never loaded: a changed source without a new build means the Python runner until `make install`.
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ SOURCE = Path(__file__).with_name("native") / "layers.cpp"
 MODULE = "tophat_native_layers"
 BUILD_ROOT_ENV = "TOPHAT_NATIVE_DIR"  # where builds live (default: the checkout's build/native)
 SWITCH_ENV = "TOPHAT_NATIVE_LAYERS"  # "off": always the Python runner
+# no contraction of a * b + c into one fused multiply-add: the Python runner's ATen kernels round each product
+CFLAGS = ["-O2", "-ffp-contract=off"]
 
 
 def build_dir() -> Path:
     """This source's build directory: one per (source, torch, Python), so a stale build is never found."""
     root = Path(os.environ.get(BUILD_ROOT_ENV) or Path(__file__).resolve().parents[2] / "build" / "native")
     key = hashlib.sha256(SOURCE.read_bytes() if SOURCE.exists() else b"")
-    key.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
+    key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
     return root / key.hexdigest()[:16]
 
 
@@ -63,7 +66,7 @@ def build() -> Path:
         from torch.utils.cpp_extension import load
 
         target.parent.mkdir(parents=True, exist_ok=True)
-        load(MODULE, [str(SOURCE)], build_directory=str(target.parent), extra_cflags=["-O2"], verbose=False)
+        load(MODULE, [str(SOURCE)], build_directory=str(target.parent), extra_cflags=CFLAGS, verbose=False)
     return target
 
 

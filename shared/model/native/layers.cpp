@@ -1,16 +1,20 @@
 // The runner's int4/int8 decoder layers over packed sessions (causal chains and tree rows), in C++.
 //
 // Why: at int4 a decode token is about half matmul and half small operations (norms, rotary, casts,
-// views, attention's pieces), each paying 2-3 us of Python and dispatch. These functions call the very
-// same ATen operations, in the same order, as shared/model/layers.py, attention.py and
-// invariant_attention.py do for this case, so every result is the same bits; only the interpreter
-// between them is gone (about 0.9 us per operation instead of 2.6, measured here).
+// views, attention's pieces), each paying Python and dispatch around a few microseconds of work. Here the
+// kernels whose results depend on their implementation stay ATen's own calls: the packed matmuls, the
+// attention's bmm and softmax, RMSNorm's sum, SiLU. The elementwise steps between them (squares, RMSNorm's
+// scaling, rotary, the bfloat16 roundings, residual adds, the cache writes) are plain loops computing the
+// same IEEE float operations per element, built without fused multiply-adds. So every result is the bits
+// of shared/model/layers.py, attention.py and invariant_attention.py for this case.
 //
 // The Python runner stays the reference and the fallback (dense weights, other devices, or a machine where
 // this file was not built); tests/test_native_layers.py checks the two bit for bit.
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -20,19 +24,31 @@ constexpr int64_t kChunk = 32;  // invariant_attention.CHUNK
 
 struct Projection {
   at::Tensor weight;                 // int8 [out, in] or packed int4 [out, in / 2]
-  at::Tensor scales;                 // int8: [out]; int4: [in / group, out, 2]
-  std::optional<at::Tensor> bias;    // [out]
+  at::Tensor scales;                 // bfloat16; int8: [out]; int4: [in / group, out, 2]
+  std::optional<at::Tensor> bias;    // float [out]
 
-  // quantized.project: the input rounded to the scales' dtype, the packed kernel, back to x's dtype
-  at::Tensor operator()(const at::Tensor& x) const {
-    // x: [T, in] -> [T, out]
+  // quantized.project's packed kernel on an input already rounded to bfloat16: x [T, in] -> bf16 [T, out]
+  at::Tensor matmul(const at::Tensor& x) const {
     const int64_t in = x.size(-1);
-    at::Tensor flat = x.reshape({-1, in}).to(scales.scalar_type());
-    at::Tensor out = weight.scalar_type() == at::kChar
-                         ? at::_weight_int8pack_mm(flat, weight, scales)
-                         : at::_weight_int4pack_mm_for_cpu(flat, weight, in / scales.size(0), scales);
-    out = out.view({x.size(0), weight.size(0)}).to(x.scalar_type());
-    return bias.has_value() ? out + *bias : out;
+    return weight.scalar_type() == at::kChar ? at::_weight_int8pack_mm(x, weight, scales)
+                                             : at::_weight_int4pack_mm_for_cpu(x, weight, in / scales.size(0), scales);
+  }
+};
+
+// project()'s float result, read element by element from the kernel's bfloat16 output: widened, then the bias
+struct Product {
+  const c10::BFloat16* data;
+  int64_t width;
+  const float* bias;  // null: no bias (adding 0 would turn -0 into +0)
+
+  Product(const at::Tensor& out, const Projection& projection)
+      : data(out.data_ptr<c10::BFloat16>()),
+        width(out.size(1)),
+        bias(projection.bias.has_value() ? projection.bias->data_ptr<float>() : nullptr) {}
+
+  float operator()(int64_t row, int64_t column) const {
+    const float value = static_cast<float>(data[row * width + column]);
+    return bias != nullptr ? value + bias[column] : value;
   }
 };
 
@@ -44,15 +60,39 @@ struct Layer {
   double scaling;
 };
 
-// layers.rms_norm: normalised in float32, rounded to x's dtype, then scaled
-at::Tensor rms_norm(const at::Tensor& gain, const at::Tensor& x, double eps) {
-  return gain * at::rms_norm(x.to(at::kFloat), {x.size(-1)}, std::nullopt, eps).to(x.scalar_type());
+// Work tensors of one pass, made once and reused by every layer: hidden [T, H], the MLP's width I
+struct Scratch {
+  at::Tensor squares, sums, normed;  // float [T, H], float [T], bf16 [T, H]
+  at::Tensor queries, attended_in;   // float [Hq, T, D], bf16 [T, Hq D]
+  at::Tensor gate, mlp_in;           // float [T, I], bf16 [T, I]
+};
+
+// layers.rms_norm, then the projection's rounding to bfloat16, in one sweep: gain * (x * rsqrt(mean(x^2) + eps))
+// rounded. The mean's sum is ATen's own (its summation order is the kernel's), the rest is elementwise IEEE
+// float, so the bits are F.rms_norm's.
+void rms_norm_to_bf16(const at::Tensor& gain, const at::Tensor& x, double eps, Scratch& scratch) {
+  // x: [T, H] float -> scratch.normed: [T, H] bf16
+  const int64_t rows = x.size(0), width = x.size(1);
+  const float* in = x.data_ptr<float>();
+  float* squares = scratch.squares.data_ptr<float>();
+  for (int64_t i = 0; i < rows * width; ++i) squares[i] = in[i] * in[i];
+  at::sum_out(scratch.sums, scratch.squares, {-1});
+  const float* sums = scratch.sums.data_ptr<float>();
+  const float* g = gain.data_ptr<float>();
+  c10::BFloat16* out = scratch.normed.data_ptr<c10::BFloat16>();
+  for (int64_t t = 0; t < rows; ++t) {
+    const float scale = 1.0f / std::sqrt(sums[t] / static_cast<float>(width) + static_cast<float>(eps));
+    for (int64_t h = 0; h < width; ++h) out[t * width + h] = c10::BFloat16(g[h] * (in[t * width + h] * scale));
+  }
 }
 
-// attention.rotate: HF's formula on [heads, T, D]
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  return x * cos + at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin;
+// attention.rotate (HF's formula) of one element of a head: x * cos + rotate_half(x) * sin, as two rounded
+// products and a sum (the build turns off contraction into fused multiply-adds)
+inline float rotated(const Product& qkv, int64_t row, int64_t head_start, int64_t d, int64_t half, const float* cos,
+                     const float* sin) {
+  const float x = qkv(row, head_start + d);
+  const float partner = d < half ? -qkv(row, head_start + d + half) : qkv(row, head_start + d - half);
+  return x * cos[d] + partner * sin[d];
 }
 
 // invariant_attention._halve_in_place: the fixed pairwise tree over [P, ...], P a power of two
@@ -151,23 +191,42 @@ struct SessionRows {
 // keys/values: this layer's cache of each session, holding at least its last block's width rows.
 at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at::Tensor* keys_of,
                          const at::Tensor* values_of, const std::vector<SessionRows>& sessions, const at::Tensor& cos,
-                         const at::Tensor& sin) {
-  // hidden: [T, H]
-  const int64_t total = hidden.size(0), head_dim = layer.head_dim;
-  const int64_t q_size = layer.num_q_heads * head_dim, kv_size = layer.num_kv_heads * head_dim;
-  at::Tensor normed = rms_norm(layer.input_norm, hidden, layer.input_eps);
-  std::vector<at::Tensor> qkv = layer.qkv(normed).split_with_sizes({q_size + kv_size, kv_size}, -1);
-  at::Tensor turned = rotate(qkv[0].view({total, -1, head_dim}).transpose(0, 1), cos, sin);  // [Hq + Hkv, T, D]
-  at::Tensor keys = turned.slice(0, layer.num_q_heads);                                      // [Hkv, T, D]
-  at::Tensor values = qkv[1].view({total, -1, head_dim}).transpose(0, 1);                    // [Hkv, T, D]
-  at::Tensor grouped = turned.slice(0, 0, layer.num_q_heads).view({layer.num_kv_heads, -1, total, head_dim});
+                         const at::Tensor& sin, Scratch& scratch) {
+  // hidden: [T, H] float, contiguous
+  const int64_t total = hidden.size(0), width = hidden.size(1), head_dim = layer.head_dim, half = head_dim / 2;
+  const int64_t q_heads = layer.num_q_heads, kv_heads = layer.num_kv_heads;
+  rms_norm_to_bf16(layer.input_norm, hidden, layer.input_eps, scratch);
+  const at::Tensor qkv_out = layer.qkv.matmul(scratch.normed);  // bf16 [T, (Hq + 2 Hkv) D]
+  const Product qkv(qkv_out, layer.qkv);
+  const float* cos_rows = cos.data_ptr<float>();  // [T, D]
+  const float* sin_rows = sin.data_ptr<float>();
+  float* queries = scratch.queries.data_ptr<float>();  // [Hq, T, D]
+  for (int64_t h = 0; h < q_heads; ++h) {
+    for (int64_t t = 0; t < total; ++t) {
+      float* row = queries + (h * total + t) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d)
+        row[d] = rotated(qkv, t, h * head_dim, d, half, cos_rows + t * head_dim, sin_rows + t * head_dim);
+    }
+  }
+  at::Tensor grouped = scratch.queries.view({kv_heads, q_heads / kv_heads, total, head_dim});  // [Hkv, G, T, D]
   std::vector<at::Tensor> outs;  // [Hkv, G, n, D] per session with rows
   for (size_t s = 0; s < sessions.size(); ++s) {
     const SessionRows& rows = sessions[s];
     const int64_t n = rows.stop - rows.start;
     if (n == 0) continue;
-    keys_of[s].slice(1, rows.past, rows.past + n).copy_(keys.slice(1, rows.start, rows.stop));
-    values_of[s].slice(1, rows.past, rows.past + n).copy_(values.slice(1, rows.start, rows.stop));
+    // this session's new keys (rotated) and values, written into its cache after the `past` rows it holds
+    auto keys = keys_of[s].accessor<float, 3>();      // [Hkv, capacity, D]
+    auto values = values_of[s].accessor<float, 3>();
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t key_start = (q_heads + h) * head_dim, value_start = (q_heads + kv_heads + h) * head_dim;
+      for (int64_t t = rows.start; t < rows.stop; ++t) {
+        const int64_t slot = rows.past + t - rows.start;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          keys[h][slot][d] = rotated(qkv, t, key_start, d, half, cos_rows + t * head_dim, sin_rows + t * head_dim);
+          values[h][slot][d] = qkv(t, value_start + d);
+        }
+      }
+    }
     if (rows.tails.has_value()) {  // tails index rows anywhere in the cache, up to its new length
       const int64_t length = rows.past + n;
       outs.push_back(attend_paths(grouped.slice(2, rows.start, rows.stop), keys_of[s].slice(1, 0, length),
@@ -176,20 +235,52 @@ at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at:
       continue;
     }
     at::Tensor own_keys = keys_of[s].unsqueeze(0), own_values = values_of[s].unsqueeze(0);
-    at::Tensor queries = grouped.slice(2, rows.start, rows.stop).unsqueeze(0);  // [1, Hkv, G, n, D]
+    at::Tensor session_queries = grouped.slice(2, rows.start, rows.stop).unsqueeze(0);  // [1, Hkv, G, n, D]
     std::vector<at::Tensor> blocks;
     for (size_t b = 0; b < rows.biases.size(); ++b) {
-      const int64_t width = rows.widths[b];
-      blocks.push_back(attend(queries.slice(-2, rows.block_starts[b], rows.block_stops[b]),
-                              own_keys.slice(-2, 0, width), own_values.slice(-2, 0, width), rows.biases[b],
-                              layer.scaling));
+      const int64_t block_width = rows.widths[b];
+      blocks.push_back(attend(session_queries.slice(-2, rows.block_starts[b], rows.block_stops[b]),
+                              own_keys.slice(-2, 0, block_width), own_values.slice(-2, 0, block_width),
+                              rows.biases[b], layer.scaling));
     }
     outs.push_back((blocks.size() == 1 ? blocks[0] : at::cat(blocks, -2)).select(0, 0));
   }
-  at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs, 2);  // [Hkv, G, T, D]
-  at::Tensor attended = hidden + layer.o(out.permute({2, 0, 1, 3}).reshape({total, -1}));
-  std::vector<at::Tensor> gate_up = layer.gate_up(rms_norm(layer.post_norm, attended, layer.post_eps)).chunk(2, -1);
-  return attended + layer.down(at::silu(gate_up[0]) * gate_up[1]);
+  // the heads side by side per row, rounded for the output projection: [Hkv, G, T, D] -> bf16 [T, Hq D]
+  const at::Tensor attended_heads = outs.size() == 1 ? outs[0] : at::cat(outs, 2);
+  const auto heads = attended_heads.accessor<float, 4>();
+  const int64_t groups = q_heads / kv_heads;
+  c10::BFloat16* attended_in = scratch.attended_in.data_ptr<c10::BFloat16>();
+  for (int64_t t = 0; t < total; ++t)
+    for (int64_t h = 0; h < q_heads; ++h)
+      for (int64_t d = 0; d < head_dim; ++d)
+        attended_in[(t * q_heads + h) * head_dim + d] = c10::BFloat16(heads[h / groups][h % groups][t][d]);
+  const at::Tensor o_out = layer.o.matmul(scratch.attended_in);
+  const Product o(o_out, layer.o);
+  at::Tensor attended = at::empty_like(hidden);  // hidden + attention
+  const float* before = hidden.data_ptr<float>();
+  float* after = attended.data_ptr<float>();
+  for (int64_t t = 0; t < total; ++t)
+    for (int64_t h = 0; h < width; ++h) after[t * width + h] = before[t * width + h] + o(t, h);
+  // the MLP: silu(gate) * up, rounded for the down projection; silu is ATen's (its exp is the kernel's)
+  rms_norm_to_bf16(layer.post_norm, attended, layer.post_eps, scratch);
+  const at::Tensor gate_up_out = layer.gate_up.matmul(scratch.normed);
+  const Product gate_up(gate_up_out, layer.gate_up);
+  const int64_t inner = scratch.gate.size(1);
+  float* gate = scratch.gate.data_ptr<float>();
+  for (int64_t t = 0; t < total; ++t)
+    for (int64_t j = 0; j < inner; ++j) gate[t * inner + j] = gate_up(t, j);
+  at::silu_(scratch.gate);
+  c10::BFloat16* mlp_in = scratch.mlp_in.data_ptr<c10::BFloat16>();
+  for (int64_t t = 0; t < total; ++t)
+    for (int64_t j = 0; j < inner; ++j) mlp_in[t * inner + j] = c10::BFloat16(gate[t * inner + j] * gate_up(t, inner + j));
+  const at::Tensor down_out = layer.down.matmul(scratch.mlp_in);
+  const Product down(down_out, layer.down);
+  at::Tensor out = at::empty_like(hidden);
+  const float* residual = after;
+  float* result = out.data_ptr<float>();
+  for (int64_t t = 0; t < total; ++t)
+    for (int64_t h = 0; h < width; ++h) result[t * width + h] = residual[t * width + h] + down(t, h);
+  return out;
 }
 
 // The layers in order over a packed pass. keys/values: layer-major, keys[l * sessions + s].
@@ -209,8 +300,39 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<Layer>>& layers, at::Ten
     rows = session.stop;
   }
   TORCH_CHECK(rows == hidden.size(0), "the sessions' rows add up to the packed rows");
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2, "hidden: [T, H] float");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "float cos and sin");
+  for (const at::Tensor& cache : keys) TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 3, "float caches");
+  for (const at::Tensor& cache : values) TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 3, "float caches");
+  if (layers.empty()) return hidden;
+  const Layer& first = *layers.front();
+  const int64_t width = hidden.size(1), q_width = first.num_q_heads * first.head_dim;
+  const int64_t inner = first.down.weight.size(1) * (first.down.weight.scalar_type() == at::kChar ? 1 : 2);
+  const at::TensorOptions floats = hidden.options(), halves = floats.dtype(at::kBFloat16);
+  Scratch scratch{at::empty({rows, width}, floats),   at::empty({rows}, floats),
+                  at::empty({rows, width}, halves),   at::empty({first.num_q_heads, rows, first.head_dim}, floats),
+                  at::empty({rows, q_width}, halves), at::empty({rows, inner}, floats),
+                  at::empty({rows, inner}, halves)};
+  TORCH_CHECK(width == first.input_norm.size(0), "hidden: [T, H] with H the layers' width");
   for (size_t l = 0; l < layers.size(); ++l) {
-    hidden = layer_forward(*layers[l], hidden, &keys[l * count], &values[l * count], sessions, cos, sin);
+    for (size_t s = 0; s < count; ++s) {  // the pass writes each session's new rows in place: room checked here
+      const SessionRows& session = sessions[s];
+      int64_t needed = session.past + session.stop - session.start;
+      for (int64_t block_width : session.widths) needed = std::max(needed, block_width);
+      for (const at::Tensor* cache : {&keys[l * count + s], &values[l * count + s]}) {
+        TORCH_CHECK(cache->size(0) == layers[l]->num_kv_heads && cache->size(2) == layers[l]->head_dim &&
+                        cache->size(1) >= needed,
+                    "each cache [Hkv, capacity, D] with room for its session's past and new rows");
+      }
+    }
+  }
+  hidden = hidden.contiguous();
+  const at::Tensor cos_rows = cos.contiguous(), sin_rows = sin.contiguous();
+  TORCH_CHECK(cos_rows.size(0) == rows && cos_rows.size(1) == first.head_dim && sin_rows.sizes() == cos_rows.sizes(),
+              "cos and sin: [T, D]");
+  for (size_t l = 0; l < layers.size(); ++l) {
+    hidden = layer_forward(*layers[l], hidden, &keys[l * count], &values[l * count], sessions, cos_rows, sin_rows,
+                           scratch);
   }
   return hidden;
 }
@@ -223,9 +345,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<std::optional<at::Tensor>> projections, int64_t num_q_heads, int64_t num_kv_heads,
                        int64_t head_dim, double scaling) {
              TORCH_CHECK(projections.size() == 12, "qkv, o, gate_up, down: weight, scales, bias each");
+             TORCH_CHECK(input_norm.scalar_type() == at::kFloat && post_norm.scalar_type() == at::kFloat,
+                         "float RMSNorm gains");
              auto projection = [&](size_t i) {
                TORCH_CHECK(projections[3 * i].has_value() && projections[3 * i + 1].has_value(),
                            "a quantized weight and its scales");
+               TORCH_CHECK(projections[3 * i + 1]->scalar_type() == at::kBFloat16, "bfloat16 scales");
+               TORCH_CHECK(!projections[3 * i + 2].has_value() || projections[3 * i + 2]->scalar_type() == at::kFloat,
+                           "a float bias");
                return Projection{*projections[3 * i], *projections[3 * i + 1], projections[3 * i + 2]};
              };
              return std::make_shared<Layer>(Layer{input_norm, post_norm, input_eps, post_eps, projection(0),
