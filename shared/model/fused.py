@@ -124,14 +124,28 @@ class FusedLayer:
         object.__setattr__(self, "attention", weights)
 
     def is_current(self) -> bool:
-        """Whether the HF modules still compute with this fusion's tensors."""
-        attn, mlp = self.layer.self_attn, self.layer.mlp
+        """Whether the HF modules still compute with this fusion's tensors (checked on every pass: it reads
+        the modules' own dicts, as nn.Module.__getattr__ would, without its cost of about 1.5 us a lookup)."""
+        attn, mlp = _member(self.layer, "self_attn"), _member(self.layer, "mlp")
         return (
-            attn.q_proj.weight.data_ptr() == self.qkv.weight.data_ptr()
-            and mlp.gate_proj.weight.data_ptr() == self.gate_up.weight.data_ptr()
-            and attn.o_proj.weight.data_ptr() == self.o.weight.data_ptr()
-            and mlp.down_proj.weight.data_ptr() == self.down.weight.data_ptr()
+            _member(_member(attn, "q_proj"), "weight").data_ptr() == self.qkv.weight.data_ptr()
+            and _member(_member(mlp, "gate_proj"), "weight").data_ptr() == self.gate_up.weight.data_ptr()
+            and _member(_member(attn, "o_proj"), "weight").data_ptr() == self.o.weight.data_ptr()
+            and _member(_member(mlp, "down_proj"), "weight").data_ptr() == self.down.weight.data_ptr()
         )
+
+
+def _member(module: Any, name: str) -> Any:
+    """module.<name> for a submodule, parameter or buffer: the dicts nn.Module.__getattr__ searches, in its
+    order, after the instance's own attributes."""
+    found = module.__dict__.get(name)
+    if found is not None:
+        return found
+    for store in ("_parameters", "_buffers", "_modules"):
+        found = module.__dict__[store].get(name)
+        if found is not None:
+            return found
+    return getattr(module, name)  # anything else (a property): the ordinary lookup and its error
 
 
 _FUSED: weakref.WeakKeyDictionary[torch.nn.Module, FusedLayer] = weakref.WeakKeyDictionary()

@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import sys
 import threading
 import weakref
@@ -34,7 +35,6 @@ import torch
 
 from shared.model.attention import PassPlan
 from shared.model.fused import FusedLayer, Projection, fused_layer
-from shared.model.invariant_attention import CHUNK
 from shared.model.kv_cache import SessionKV
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,33 @@ SOURCE = Path(__file__).with_name("native") / "layers.cpp"
 MODULE = "tophat_native_layers"
 BUILD_ROOT_ENV = "TOPHAT_NATIVE_DIR"  # where builds live (default: the checkout's build/native)
 SWITCH_ENV = "TOPHAT_NATIVE_LAYERS"  # "off": always the Python runner
-# no contraction of a * b + c into one fused multiply-add: the Python runner's ATen kernels round each product
-CFLAGS = ["-O2", "-ffp-contract=off"]
+# -march=native: the attention loops vectorize with this CPU's widest registers, lane by lane, which changes
+# no bit; no contraction of a * b + c into one fused multiply-add, so each product rounds as ATen's kernels do
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 
 
 def build_dir() -> Path:
     """This source's build directory: one per (source, torch, Python), so a stale build is never found."""
     root = Path(os.environ.get(BUILD_ROOT_ENV) or Path(__file__).resolve().parents[2] / "build" / "native")
-    key = hashlib.sha256(SOURCE.read_bytes() if SOURCE.exists() else b"")
-    key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
+    key = hashlib.sha256()
+    for path in sources():
+        key.update(path.name.encode() + path.read_bytes())
+    key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS} {cpu_flags()}".encode())
     return root / key.hexdigest()[:16]
+
+
+def sources() -> list[Path]:
+    """The C++ file and the headers it includes (all of native/), in a fixed order."""
+    return sorted(SOURCE.parent.glob("*.h")) + ([SOURCE] if SOURCE.exists() else [])
+
+
+def cpu_flags() -> str:
+    """This CPU's feature flags (the build targets the machine it is made on, -march=native)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def library_path() -> Path:
@@ -98,8 +115,6 @@ def _load_once() -> None:
             assert spec is not None and spec.loader is not None  # a file path always gives both
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            if module.CHUNK != CHUNK:
-                raise ImportError(f"its attention chunk is {module.CHUNK} positions, the Python runner's {CHUNK}")
             _loaded = module
             log.info("native layers loaded from %s", path)
         except ImportError as error:
@@ -118,6 +133,16 @@ def python_runner() -> Iterator[None]:
         yield
     finally:
         _disabled -= 1
+
+
+def native_attention(*tensors: torch.Tensor) -> ModuleType | None:
+    """The extension, for batch-invariant attention over these tensors (float32 on the CPU), or None.
+
+    python_runner() does not switch it off: the reference model, the Python runner and the C++ layers in
+    one process must all attend with the same kernel to compute the same bits."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    return native_module()
 
 
 _HANDLES: weakref.WeakKeyDictionary[FusedLayer, Any | None] = weakref.WeakKeyDictionary()

@@ -13,6 +13,8 @@
 
 #include <torch/extension.h>
 
+#include "attention.h"
+
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -20,7 +22,6 @@
 
 namespace {
 
-constexpr int64_t kChunk = 32;  // invariant_attention.CHUNK
 
 struct Projection {
   at::Tensor weight;                 // int8 [out, in] or packed int4 [out, in / 2]
@@ -95,86 +96,6 @@ inline float rotated(const Product& qkv, int64_t row, int64_t head_start, int64_
   return x * cos[d] + partner * sin[d];
 }
 
-// invariant_attention._halve_in_place: the fixed pairwise tree over [P, ...], P a power of two
-at::Tensor halve_in_place(at::Tensor parts) {
-  int64_t count = parts.size(0);
-  while (count > 1) {
-    count /= 2;
-    parts.slice(0, 0, count).add_(parts.slice(0, count, 2 * count));
-  }
-  return parts.select(0, 0);
-}
-
-int64_t next_power_of_two(int64_t n) {  // 1 << (n - 1).bit_length()
-  int64_t p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
-
-// invariant_attention._chunk_products: probs [X, M, N] and values [X, N, D] -> out [N / CHUNK, X, D, M], the
-// values^T @ probs^T of each CHUNK positions
-void chunk_products(const at::Tensor& probs, const at::Tensor& values, const at::Tensor& out) {
-  const int64_t batch = probs.size(0), rows = probs.size(1), chunks = probs.size(2) / kChunk;
-  const int64_t head_dim = values.size(-1);
-  at::Tensor chunk_probs = probs.view({batch, rows, chunks, kChunk}).permute({2, 0, 3, 1}).reshape({-1, kChunk, rows});
-  at::Tensor chunk_values =
-      values.reshape({batch, chunks, kChunk, head_dim}).transpose(0, 1).reshape({-1, kChunk, head_dim});
-  at::Tensor target = out.view({-1, head_dim, rows});
-  at::bmm_out(target, chunk_values.mT(), chunk_probs);
-}
-
-// invariant_attention.attend for one block: queries [B, Hkv, G, n, D], keys/values [B, Hkv, N, D],
-// bias broadcastable to [B, Hkv, G, n, N] -> a [B, Hkv, G, n, D] view
-at::Tensor attend(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& bias,
-                  double scale) {
-  const int64_t batch = queries.size(0), heads = queries.size(1), groups = queries.size(2), rows = queries.size(3),
-                head_dim = queries.size(4);
-  const int64_t width = keys.size(-2), flat = batch * heads, columns = groups * rows;
-  at::Tensor scores_t = at::bmm(keys.flatten(0, 1), queries.reshape({flat, columns, head_dim}).mT());  // [X, N, M]
-  at::Tensor logits = queries.new_empty({batch, heads, groups, rows, width});
-  at::add_out(logits, bias, scores_t.mT().view(logits.sizes()), scale);
-  at::Tensor probs = at::softmax(logits.view({flat, columns, width}), -1);  // [X, M, N]
-  const int64_t chunks = width / kChunk;
-  at::Tensor parts = queries.new_zeros({next_power_of_two(chunks), flat, head_dim, columns});  // [P, X, D, M]
-  chunk_products(probs, values.flatten(0, 1), parts.slice(0, 0, chunks));
-  at::Tensor out = halve_in_place(parts).view({batch, heads, head_dim, groups, rows});
-  return out.permute({0, 1, 3, 4, 2});
-}
-
-// invariant_attention.attend_paths: tree rows that see cache positions 0..shared-1, then their own rows of the
-// cache (`tails`, [n, Nt]) in order. queries [Hkv, G, n, D]; keys/values: the session's cache [Hkv, L, D];
-// bias [n, shared + Nt] -> [Hkv, G, n, D]
-at::Tensor attend_paths(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor& values, int64_t shared,
-                        const at::Tensor& tails, const at::Tensor& bias, double scale) {
-  TORCH_CHECK(shared % kChunk == 0 && tails.size(1) % kChunk == 0, "shared and tail positions in whole chunks");
-  const int64_t heads = queries.size(0), groups = queries.size(1), rows = queries.size(2), head_dim = queries.size(3);
-  const int64_t tail_width = tails.size(1);
-  at::Tensor flat_tails = tails.reshape({-1});
-  at::Tensor tail_keys = keys.index_select(1, flat_tails).view({heads * rows, tail_width, head_dim});  // [Hkv n, Nt, D]
-  at::Tensor tail_values = values.index_select(1, flat_tails).view({heads * rows, tail_width, head_dim});
-  at::Tensor row_queries = queries.transpose(1, 2).reshape({heads * rows, groups, head_dim});  // [Hkv n, G, D]
-  at::Tensor tail_scores =
-      at::bmm(tail_keys, row_queries.mT()).view({heads, rows, tail_width, groups}).permute({0, 3, 1, 2});
-  at::Tensor shared_scores =
-      at::bmm(keys.slice(1, 0, shared), queries.reshape({heads, groups * rows, head_dim}).mT());  // [Hkv, shared, G n]
-  at::Tensor scores = at::cat({shared_scores.mT().view({heads, groups, rows, shared}), tail_scores}, -1);
-  at::Tensor probs = at::softmax(at::add(bias, scores, scale), -1);  // [Hkv, G, n, shared + Nt]
-  const int64_t shared_chunks = shared / kChunk, tail_chunks = tail_width / kChunk;
-  at::Tensor parts = queries.new_zeros({next_power_of_two(shared_chunks + tail_chunks), heads, head_dim, groups, rows});
-  if (shared_chunks > 0) {
-    at::Tensor shared_out = parts.new_empty({shared_chunks, heads, head_dim, groups * rows});
-    chunk_products(probs.slice(-1, 0, shared).reshape({heads, groups * rows, shared}), values.slice(1, 0, shared),
-                   shared_out);
-    parts.slice(0, 0, shared_chunks).copy_(shared_out.view({shared_chunks, heads, head_dim, groups, rows}));
-  }
-  at::Tensor tail_out = parts.new_empty({tail_chunks, heads * rows, head_dim, groups});
-  at::Tensor tail_probs = probs.slice(-1, shared).permute({0, 2, 1, 3}).reshape({heads * rows, groups, tail_width});
-  chunk_products(tail_probs, tail_values, tail_out);
-  parts.slice(0, shared_chunks, shared_chunks + tail_chunks)
-      .copy_(tail_out.view({tail_chunks, heads, rows, head_dim, groups}).permute({0, 1, 3, 4, 2}));
-  return halve_in_place(parts).permute({0, 2, 3, 1});
-}
-
 // One session's rows of a packed pass: rows start..stop-1, after `past` cached rows, attended block by
 // block (invariant_attention.causal_blocks: each block's rows over the first `width` positions, with a bias)
 struct SessionRows {
@@ -229,7 +150,7 @@ at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at:
     }
     if (rows.tails.has_value()) {  // tails index rows anywhere in the cache, up to its new length
       const int64_t length = rows.past + n;
-      outs.push_back(attend_paths(grouped.slice(2, rows.start, rows.stop), keys_of[s].slice(1, 0, length),
+      outs.push_back(invariant::attend_paths(grouped.slice(2, rows.start, rows.stop), keys_of[s].slice(1, 0, length),
                                   values_of[s].slice(1, 0, length), rows.shared, *rows.tails, rows.biases[0],
                                   layer.scaling));
       continue;
@@ -239,7 +160,7 @@ at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at:
     std::vector<at::Tensor> blocks;
     for (size_t b = 0; b < rows.biases.size(); ++b) {
       const int64_t block_width = rows.widths[b];
-      blocks.push_back(attend(session_queries.slice(-2, rows.block_starts[b], rows.block_stops[b]),
+      blocks.push_back(invariant::attend(session_queries.slice(-2, rows.block_starts[b], rows.block_stops[b]),
                               own_keys.slice(-2, 0, block_width), own_values.slice(-2, 0, block_width),
                               rows.biases[b], layer.scaling));
     }
@@ -364,7 +285,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, int64_t, std::optional<at::Tensor>>(),
            py::arg("start"), py::arg("stop"), py::arg("past"), py::arg("biases"), py::arg("block_starts"),
            py::arg("block_stops"), py::arg("widths"), py::arg("shared") = 0, py::arg("tails") = py::none());
-  m.attr("CHUNK") = kChunk;  // checked against invariant_attention.CHUNK when the build is loaded
+  m.def("attend", &invariant::attend, "invariant_attention.attend: rows over keys at positions 0..N-1 with a bias",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attend_paths", &invariant::attend_paths,
+        "invariant_attention.attend_paths: rows over a shared prefix, then their own cache rows",
+        py::call_guard<py::gil_scoped_release>());
   // the GIL is released for the pass, as torch's own kernels release it: the caller's event loop runs meanwhile
   m.def("run_layers", &run_layers, "decoder layers over packed sessions' causal rows, batch-invariant attention",
         py::call_guard<py::gil_scoped_release>());
