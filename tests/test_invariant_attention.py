@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.model import native_layers
 from shared.model.checkpoint import load_checkpoint
 from shared.model.invariant_attention import (
     CHUNK,
@@ -32,6 +33,18 @@ from tests.conftest import DEMO_MODEL_DIR
 
 HEAD_DIM = 64
 SCALE = HEAD_DIM**-0.5
+
+
+@pytest.fixture(scope="module", autouse=True, params=["native", "torch"])
+def implementation(request):
+    """Every test twice: with the C++ kernels (native/attention.h, where `make install` built them) and with
+    the torch version that serves where they are not built (switched off here)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "torch":
+            patch.setenv(native_layers.SWITCH_ENV, "off")
+        else:
+            assert native_layers.native_module() is not None, "make install builds the extension"
+        yield request.param
 
 
 def decode_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

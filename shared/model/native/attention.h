@@ -7,7 +7,7 @@
 // about as much as its matmuls' memory traffic. Here, per row and in a fixed order:
 //   score_j = sum over d, in order, of q[d] * k_j[d]        (each pair alone, whatever tile it sits in)
 //   logit_j = score_j * scale + bias_j                       (bias 0, or -inf for a position not seen)
-//   e_j = exp(logit_j - max logit) (exp_nonpositive), total = sum over j in order of e_j
+//   e_j = exp(logit_j - max logit) (exp_nonpositive), total = sum of e_j, per lane j % 16, then across lanes
 //   out[d] = (sum over j in order of e_j * v_j[d]) / total
 // A masked position gives e_j = 0 and adds exact zeros, so padding, wherever a call puts it, changes no bit.
 // invariant_attention.attend / attend_paths call these wherever the extension is built, so the reference
@@ -15,6 +15,7 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 namespace invariant {
 
 constexpr int64_t kTile = 16;  // keys per transposed tile: one vector register of floats on AVX-512
+typedef float Lanes __attribute__((vector_size(kTile * sizeof(float))));
 
 // scores [rows, count] of `rows` query rows (each head_dim floats, at queries[r]) against `count` key rows
 // (each head_dim floats, key_stride apart), each dot product summed over d in order
@@ -34,7 +36,6 @@ inline void dot_scores(const std::vector<const float*>& queries, const float* ke
                        int64_t head_dim, float* scores) {
   // lanes as a vector type: the sums stay one per key and in d order (a loop over an array may instead be
   // vectorized along d, which reorders nothing here but runs the sums one lane at a time)
-  typedef float Lanes __attribute__((vector_size(kTile * sizeof(float))));
   const int64_t rows = static_cast<int64_t>(queries.size());
   std::vector<Lanes> tile(head_dim);  // [D] x kTile: the tile's keys, transposed (zeros past the last)
   for (int64_t start = 0; start < count; start += kTile) {
@@ -44,7 +45,15 @@ inline void dot_scores(const std::vector<const float*>& queries, const float* ke
       const float* key = keys + (start + j) * key_stride;
       for (int64_t d = 0; d < head_dim; ++d) tile[d][j] = key[d];
     }
-    for (int64_t r = 0; r < rows; ++r) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {  // four rows at once: four independent chains of additions in flight
+      Lanes sums[4] = {};
+      for (int64_t d = 0; d < head_dim; ++d)
+        for (int64_t k = 0; k < 4; ++k) sums[k] += queries[r + k][d] * tile[d];
+      for (int64_t k = 0; k < 4; ++k)
+        for (int64_t j = 0; j < width; ++j) scores[(r + k) * count + start + j] = sums[k][j];
+    }
+    for (; r < rows; ++r) {
       Lanes sums = {};
       const float* query = queries[r];
       for (int64_t d = 0; d < head_dim; ++d) sums += query[d] * tile[d];
@@ -75,23 +84,67 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+inline Lanes load_lanes(const float* from, int64_t count, float past = 0.0f) {  // `past` after `count` floats
+  Lanes lanes;
+  if (count >= kTile) {
+    std::memcpy(&lanes, from, sizeof lanes);  // one vector load
+    return lanes;
+  }
+  for (int64_t lane = 0; lane < kTile; ++lane) lanes[lane] = lane < count ? from[lane] : past;
+  return lanes;
+}
+
+// sum_j weights[j] * values[j][d] over j in order, d in [0, head_dim): the row's accumulators stay in
+// registers for the head dims a model has (V vectors of kTile floats); any other head dim takes `generic`
+template <int V>
+inline void weighted_sum(const float* weights, const std::vector<const float*>& values, float* out) {
+  Lanes sums[V] = {};
+  for (size_t j = 0; j < values.size(); ++j) {
+    const float weight = weights[j];
+    if (weight == 0.0f) continue;  // it would add exact zeros
+    for (int v = 0; v < V; ++v) sums[v] += weight * load_lanes(values[j] + v * kTile, kTile);
+  }
+  std::memcpy(out, sums, sizeof sums);
+}
+
+inline void weighted_sum_generic(const float* weights, const std::vector<const float*>& values, int64_t head_dim,
+                                 float* out) {
+  std::fill(out, out + head_dim, 0.0f);
+  for (size_t j = 0; j < values.size(); ++j) {
+    if (weights[j] == 0.0f) continue;
+    for (int64_t d = 0; d < head_dim; ++d) out[d] += weights[j] * values[j][d];
+  }
+}
+
 // One row's softmax-weighted values: logits [count] (scaled and biased; overwritten with the weights),
-// value rows `values[j]` -> out [D]
+// value rows `values[j]` -> out [D]. The max and the weights' total are taken per lane (position j in lane
+// j % kTile, zeros past the end) and then across lanes in a fixed order: a position's lane is the same in
+// any call, and a masked position adds zero, so padding still changes no bit.
 inline void weigh_values(float* logits, const std::vector<const float*>& values, int64_t head_dim, float* out) {
   const int64_t count = static_cast<int64_t>(values.size());
   constexpr float kNever = -std::numeric_limits<float>::infinity();
+  Lanes tops = kNever - Lanes{};
+  for (int64_t j = 0; j < count; j += kTile) {
+    const Lanes chunk = load_lanes(logits + j, count - j, kNever);
+    tops = tops > chunk ? tops : chunk;
+  }
   float top = kNever;
-  for (int64_t j = 0; j < count; ++j) top = std::max(top, logits[j]);
-  std::fill(out, out + head_dim, 0.0f);
-  if (top == kNever) return;  // a row that sees nothing (padding rows of a batch): zeros
+  for (int64_t lane = 0; lane < kTile; ++lane) top = std::max(top, tops[lane]);
+  if (top == kNever) {  // a row that sees nothing (padding rows of a batch): zeros
+    std::fill(out, out + head_dim, 0.0f);
+    return;
+  }
   for (int64_t j = 0; j < count; ++j) logits[j] = logits[j] == kNever ? 0.0f : exp_nonpositive(logits[j] - top);
+  Lanes totals = {};
+  for (int64_t j = 0; j < count; j += kTile) totals += load_lanes(logits + j, count - j);
   float total = 0.0f;
-  for (int64_t j = 0; j < count; ++j) {
-    const float weight = logits[j];
-    total += weight;
-    if (weight == 0.0f) continue;  // it would add exact zeros
-    const float* value = values[j];
-    for (int64_t d = 0; d < head_dim; ++d) out[d] += weight * value[d];
+  for (int64_t lane = 0; lane < kTile; ++lane) total += totals[lane];
+  if (head_dim == 4 * kTile) {
+    weighted_sum<4>(logits, values, out);
+  } else if (head_dim == 8 * kTile) {
+    weighted_sum<8>(logits, values, out);
+  } else {
+    weighted_sum_generic(logits, values, head_dim, out);
   }
   for (int64_t d = 0; d < head_dim; ++d) out[d] /= total;
 }
@@ -101,6 +154,9 @@ inline void scale_and_bias(float* logits, const float* scores, int64_t count, fl
                            int64_t bias_stride) {
   for (int64_t j = 0; j < count; ++j) logits[j] = scores[j] * scale + bias[j * bias_stride];
 }
+
+// kv heads per thread at least: about 32k (row, key) pairs, so a decode step's attention stays on one thread
+inline int64_t grain_for(int64_t pairs_per_head) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, pairs_per_head)); }
 
 inline void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, ": float on the CPU");
@@ -126,13 +182,16 @@ inline at::Tensor attend(const at::Tensor& queries_in, const at::Tensor& keys, c
   at::Tensor out = at::empty({batch, heads, groups, rows, head_dim}, queries.options());
   const float* q = queries.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  std::vector<float> scores(groups * rows * count);
-  std::vector<const float*> query_rows(groups * rows), value_rows(count);
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < heads; ++h) {
+  // kv heads split between threads where there is enough work: each row is computed by one thread, by the
+  // same code, so the split changes no bit
+  at::parallel_for(0, batch * heads, grain_for(groups * rows * count), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(groups * rows * count);
+    std::vector<const float*> query_rows(groups * rows), value_rows(count);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / heads, h = unit % heads;
       const float* k = keys.data_ptr<float>() + b * keys.stride(0) + h * keys.stride(1);
       const float* v = values.data_ptr<float>() + b * values.stride(0) + h * values.stride(1);
-      const int64_t first = (b * heads + h) * groups * rows;  // this kv head's query rows, [G, n] in order
+      const int64_t first = unit * groups * rows;  // this kv head's query rows, [G, n] in order
       for (int64_t r = 0; r < groups * rows; ++r) query_rows[r] = q + (first + r) * head_dim;
       for (int64_t j = 0; j < count; ++j) value_rows[j] = v + j * values.stride(2);
       dot_scores(query_rows, k, keys.stride(2), count, head_dim, scores.data());
@@ -146,7 +205,7 @@ inline at::Tensor attend(const at::Tensor& queries_in, const at::Tensor& keys, c
         }
       }
     }
-  }
+  });
   return out;
 }
 
