@@ -18,10 +18,10 @@ SMOLLM2 := models/smollm2/model.safetensors
 
 install: $(STAMP) $(SMOLLM2) native
 
-# the runner's int4/int8 layers in C++ (shared/model/native_layers.py): built once per source under build/native,
-# about 40 s; where it is not built the Python runner computes the same bits, slower
+# the runner's int4/int8 layers and batch-invariant attention in C++ (shared/model/native_build.py): built once
+# per source, flags and CPU under build/native, about 50 s; where it is not built, torch computes it all, slower
 native: | $(STAMP)
-	$(BIN)/python -c 'from shared.model.native_layers import build; print("native layers:", build())'
+	$(BIN)/python -c 'from shared.model.native_build import build; print("native layers:", build())'
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

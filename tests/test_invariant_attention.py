@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.model import native_layers
+from shared.model import native_build
 from shared.model.checkpoint import load_checkpoint
 from shared.model.invariant_attention import (
     CHUNK,
@@ -41,9 +41,9 @@ def implementation(request):
     the torch version that serves where they are not built (switched off here)."""
     with pytest.MonkeyPatch.context() as patch:
         if request.param == "torch":
-            patch.setenv(native_layers.SWITCH_ENV, "off")
+            patch.setenv(native_build.SWITCH_ENV, "off")
         else:
-            assert native_layers.native_module() is not None, "make install builds the extension"
+            assert native_build.native_module() is not None, "make install builds the extension"
         yield request.param
 
 

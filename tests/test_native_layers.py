@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model import invariant_attention, native_layers
+from shared.model import native_build, native_layers
 from shared.model.attention import PassPlan
 from shared.model.checkpoint import load_checkpoint
-from shared.model.invariant_attention import RowLayout, padded_length, uses_invariant_attention
+from shared.model.invariant_attention import uses_invariant_attention
 from shared.model.kv_cache import KVCacheError, SessionKV
-from shared.model.native_layers import native_module, python_runner, run_native
+from shared.model.native_build import native_module
+from shared.model.native_layers import python_runner, run_native
 from shared.model.split import LayerRange
 from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from tests.conftest import DEMO_MODEL_DIR
@@ -44,11 +45,6 @@ def assert_same_caches(one: SessionKV, other: SessionKV) -> None:
         a, b = one.layer(index), other.layer(index)
         assert torch.equal(a.keys[:, : a.length], b.keys[:, : b.length])
         assert torch.equal(a.values[:, : a.length], b.values[:, : b.length])
-
-
-def test_make_install_built_the_extension_and_it_loads():
-    assert native_layers.library_path().exists(), "make install builds it (make native)"
-    assert native_module() is not None
 
 
 @pytest.mark.parametrize(
@@ -120,12 +116,12 @@ def test_dense_weights_and_the_switches_keep_the_python_runner(quantized, monkey
     with python_runner():
         assert run_native(modules, plan_for(layers, [cache], [3], hidden), rows, [cache]) is None
     assert cache.length == 4  # untouched
-    monkeypatch.setenv(native_layers.SWITCH_ENV, "off")
+    monkeypatch.setenv(native_build.SWITCH_ENV, "off")
     assert native_module() is None
     assert run_native(modules, plan_for(layers, [cache], [3], hidden), rows, [cache]) is None
 
     dense = load_checkpoint(DEMO_MODEL_DIR, with_tokenizer=False)
-    monkeypatch.delenv(native_layers.SWITCH_ENV)
+    monkeypatch.delenv(native_build.SWITCH_ENV)
     dense_layers = LayerRange(dense, 0, dense.num_layers)
     dense_cache = dense_layers.new_cache()
     plan = plan_for(dense_layers, [dense_cache], [2], hidden)
@@ -162,17 +158,6 @@ def test_bad_arguments_to_the_extension_raise_instead_of_crashing(quantized):
         module.run_layers(handles, torch.randn(2, hidden), halves, values, [session], plan.cos, plan.sin)
 
 
-def test_a_changed_source_is_a_new_build_directory(tmp_path, monkeypatch):
-    before = native_layers.build_dir()
-    changed = tmp_path / "layers.cpp"
-    changed.write_bytes(native_layers.SOURCE.read_bytes() + b"\n// changed\n")
-    monkeypatch.setattr(native_layers, "SOURCE", changed)
-    assert native_layers.build_dir() != before
-    assert not native_layers.library_path().exists()
-    monkeypatch.setenv(native_layers.BUILD_ROOT_ENV, str(tmp_path))
-    assert native_layers.build_dir().parent == tmp_path
-
-
 def test_a_cache_reserves_room_and_advances_into_it():
     cache = SessionKV(2, 3, 8)
     cache.reserve(100)
@@ -181,17 +166,6 @@ def test_a_cache_reserves_room_and_advances_into_it():
     assert cache.length == 100
     with pytest.raises(KVCacheError):
         cache.advance(cache.layer(0).capacity)
-
-
-def test_a_build_that_does_not_load_leaves_the_python_runner(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv(native_layers.BUILD_ROOT_ENV, str(tmp_path))
-    native_layers.build_dir().mkdir(parents=True)
-    native_layers.library_path().write_bytes(b"not a shared library")
-    monkeypatch.setattr(native_layers, "_loaded", None)
-    monkeypatch.setattr(native_layers, "_load_tried", False)
-    with caplog.at_level("WARNING", logger=native_layers.__name__):
-        assert native_module() is None
-    assert "do not load" in caplog.text
 
 
 @torch.inference_mode()
@@ -204,51 +178,3 @@ def test_a_layer_with_another_activation_keeps_the_python_runner():
     for _ in range(2):  # found unfit once, then remembered
         assert run_native(list(layers.layers), plan_for(layers, [cache], [2], hidden), rows, [cache]) is None
     assert cache.length == 0
-
-
-def torch_attention(monkeypatch, function, *args):
-    """invariant_attention's torch version of `function` (the C++ kernels switched off for the call)."""
-    with monkeypatch.context() as patch:
-        patch.setenv(native_layers.SWITCH_ENV, "off")
-        return function(*args)
-
-
-@pytest.mark.parametrize("past, rows", [(0, 1), (37, 1), (5, 40), (100, 3)])
-def test_the_native_attention_is_close_to_the_torch_version(monkeypatch, past, rows):
-    generator = torch.Generator().manual_seed(past + rows)
-    width = padded_length(past + rows)
-    queries = torch.randn(2, 3, 3, rows, 64, generator=generator)  # [B, Hkv, G, n, D]
-    keys, values = (torch.randn(2, 3, width, 64, generator=generator) * 3 for _ in range(2))
-    seen = torch.arange(width)[None, :] <= past + torch.arange(rows)[:, None]
-    bias = torch.zeros(rows, width).masked_fill(~seen, float("-inf"))
-    module = native_module()
-    native = module.attend(queries, keys, values, bias, 0.125)
-    reference = torch_attention(monkeypatch, invariant_attention.attend, queries, keys, values, bias, 0.125)
-    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)  # other sum orders, another exp
-    assert torch.equal(invariant_attention.attend(queries, keys, values, bias, 0.125), native)  # the dispatch
-
-
-def test_the_native_tree_attention_is_close_to_the_torch_version(monkeypatch):
-    generator = torch.Generator().manual_seed(7)
-    length, parents = 70, [-1, 0, 0, 1, 2]
-    keys, values = (torch.randn(3, length, 64, generator=generator) for _ in range(2))
-    tree = TreeRows.for_new_tree(length - len(parents), ancestor_mask_from_parents(parents))
-    layout = RowLayout.build(length - len(parents), len(parents), tree, "cpu")
-    queries = torch.randn(3, 3, len(parents), 64, generator=generator)
-    args = (queries, keys, values, layout.shared, layout.tails, layout.blocks[0].bias, 0.125)
-    native = native_module().attend_paths(*args)
-    torch.testing.assert_close(native, torch_attention(monkeypatch, invariant_attention.attend_paths, *args))
-
-
-def test_bad_arguments_to_the_native_attention_raise_instead_of_crashing():
-    module = native_module()
-    queries, keys, bias = torch.randn(1, 3, 3, 1, 64), torch.randn(1, 3, 32, 64), torch.zeros(1, 32)
-    with pytest.raises(RuntimeError, match="float on the CPU"):
-        module.attend(queries.double(), keys, keys, bias, 0.125)
-    with pytest.raises(RuntimeError, match="matching the queries"):
-        module.attend(queries, torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32), bias, 0.125)
-    tails = torch.tensor([[0] * 31 + [40]])
-    with pytest.raises(RuntimeError, match="tail rows index the cache"):
-        module.attend_paths(queries[0], keys[0], keys[0], 0, tails, torch.zeros(1, 32), 0.125)
-    with pytest.raises(RuntimeError, match="the shared positions lie in the cache"):
-        module.attend_paths(queries[0], keys[0], keys[0], 64, tails[:, :0], torch.zeros(1, 64), 0.125)

@@ -26,11 +26,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from shared.model.kv_cache import LayerKV
+from shared.model.native_build import native_attention
 from shared.model.tree_rows import TreeRows
 
 CHUNK = 32  # positions per partial output: the values matmul's fixed reduction length
@@ -60,13 +60,6 @@ def _halve_in_place(parts: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
-def _native(*tensors: torch.Tensor) -> Any:
-    """The C++ kernels (shared/model/native/attention.h) where they are built and apply, else None."""
-    from shared.model.native_layers import native_attention  # it imports this module's users
-
-    return native_attention(*tensors)
-
-
 def _scores_t(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     """[X, N, D] keys and [X, M, D] queries -> [X, N, M] dot products: the queries are the matmul's columns,
     and a column's dot products were measured not to depend on how many columns or keys the call holds."""
@@ -91,7 +84,7 @@ def attend(
     # bias: broadcastable to [B, Hkv, G, n, N] -> [B, Hkv, G, n, D]
     if keys.shape[-2] % CHUNK:
         raise ValueError(f"{keys.shape[-2]} key positions: batch-invariant attention takes a multiple of {CHUNK}")
-    native = _native(queries, keys, values)
+    native = native_attention(queries, keys, values)  # the C++ kernels (native/attention.h), where built
     if native is not None:
         return native.attend(queries, keys, values, bias, scale)
     batch, heads, groups, rows, head_dim = queries.shape
@@ -123,7 +116,7 @@ def attend_paths(
     # bias: [n, shared + Nt] 0 / -inf -> [Hkv, G, n, D]
     if shared % CHUNK or tails.shape[1] % CHUNK:
         raise ValueError(f"shared {shared} and tail {tails.shape[1]} positions must be multiples of {CHUNK}")
-    native = _native(queries, keys, values)
+    native = native_attention(queries, keys, values)  # the C++ kernels (native/attention.h), where built
     if native is not None:
         return native.attend_paths(queries, keys, values, shared, tails, bias, scale)
     heads, groups, rows, head_dim = queries.shape

@@ -11,23 +11,14 @@ int4/int8 layers with batch-invariant attention, on the CPU in float32. Dense we
 devices stay on the Python runner, which is also the fallback where the extension was not built
 (`make install` builds it; the container images have no compiler and run the Python runner).
 
-The build is keyed by a hash of the source, its compiler flags, torch's version and Python's, so a stale
-library is never loaded: a changed source without a new build means the Python runner until `make install`.
+native_build.py builds and loads the extension.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
-import logging
-import os
-import platform
-import sys
-import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -36,92 +27,9 @@ import torch
 from shared.model.attention import PassPlan
 from shared.model.fused import FusedLayer, Projection, fused_layer
 from shared.model.kv_cache import SessionKV
+from shared.model.native_build import native_module
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("native") / "layers.cpp"
-MODULE = "tophat_native_layers"
-BUILD_ROOT_ENV = "TOPHAT_NATIVE_DIR"  # where builds live (default: the checkout's build/native)
-SWITCH_ENV = "TOPHAT_NATIVE_LAYERS"  # "off": always the Python runner
-# -march=native: the attention loops vectorize with this CPU's widest registers, lane by lane, which changes
-# no bit; no contraction of a * b + c into one fused multiply-add, so each product rounds as ATen's kernels do
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
-
-
-def build_dir() -> Path:
-    """This source's build directory: one per (source, torch, Python), so a stale build is never found."""
-    root = Path(os.environ.get(BUILD_ROOT_ENV) or Path(__file__).resolve().parents[2] / "build" / "native")
-    key = hashlib.sha256()
-    for path in sources():
-        key.update(path.name.encode() + path.read_bytes())
-    key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS} {cpu_flags()}".encode())
-    return root / key.hexdigest()[:16]
-
-
-def sources() -> list[Path]:
-    """The C++ file and the headers it includes (all of native/), in a fixed order."""
-    return sorted(SOURCE.parent.glob("*.h")) + ([SOURCE] if SOURCE.exists() else [])
-
-
-def cpu_flags() -> str:
-    """This CPU's feature flags (the build targets the machine it is made on, -march=native)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
-def library_path() -> Path:
-    return build_dir() / f"{MODULE}.so"
-
-
-def build() -> Path:
-    """Compile the extension into `build_dir()` (about 40 s on 2 cores) unless it is there already."""
-    target = library_path()
-    if not target.exists():
-        from torch.utils.cpp_extension import load
-
-        target.parent.mkdir(parents=True, exist_ok=True)
-        load(MODULE, [str(SOURCE)], build_directory=str(target.parent), extra_cflags=CFLAGS, verbose=False)
-    return target
-
-
-_loaded: ModuleType | None = None
-_load_tried = False
-_load_lock = threading.Lock()
 _disabled = 0  # python_runner() depth
-
-
-def native_module() -> ModuleType | None:
-    """The built extension, loaded once; None where it was not built, could not load, or is switched off."""
-    if os.environ.get(SWITCH_ENV, "").lower() == "off":
-        return None
-    if not _load_tried:
-        with _load_lock:  # pipeline stages may run their first passes in threads at once: one load
-            _load_once()
-    return _loaded
-
-
-def _load_once() -> None:
-    """Load the build (under _load_lock); marked tried only when done, so no thread sees a half-done load."""
-    global _loaded, _load_tried
-    if _load_tried:
-        return
-    path = library_path()
-    if path.exists():
-        try:
-            spec = importlib.util.spec_from_file_location(MODULE, path)
-            assert spec is not None and spec.loader is not None  # a file path always gives both
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            _loaded = module
-            log.info("native layers loaded from %s", path)
-        except ImportError as error:
-            log.warning("native layers at %s do not load (%s): the Python runner serves", path, error)
-    else:
-        log.info("native layers not built (%s): the Python runner serves", path)
-    _load_tried = True
 
 
 @contextlib.contextmanager
@@ -133,16 +41,6 @@ def python_runner() -> Iterator[None]:
         yield
     finally:
         _disabled -= 1
-
-
-def native_attention(*tensors: torch.Tensor) -> ModuleType | None:
-    """The extension, for batch-invariant attention over these tensors (float32 on the CPU), or None.
-
-    python_runner() does not switch it off: the reference model, the Python runner and the C++ layers in
-    one process must all attend with the same kernel to compute the same bits."""
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
-        return None
-    return native_module()
 
 
 _HANDLES: weakref.WeakKeyDictionary[FusedLayer, Any | None] = weakref.WeakKeyDictionary()

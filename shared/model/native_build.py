@@ -1,0 +1,118 @@
+"""The C++ extension (shared/model/native/): its build, keyed to what it was built from, and its loading.
+
+`make install` builds it (`make native`, about 50 s with g++): torch.utils.cpp_extension into
+build/native/<key>, where the key hashes the sources, the compiler flags, this CPU's feature flags (it is
+built with -march=native), torch's version and Python's, so a stale or foreign build is never loaded. At
+run time the .so is imported from that path; no compiler is needed. Where it is missing, does not load, or
+TOPHAT_NATIVE_LAYERS=off, everything runs in torch (native_layers.py, invariant_attention.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native") / "layers.cpp"  # it includes the headers beside it
+MODULE = "tophat_native_layers"
+BUILD_ROOT_ENV = "TOPHAT_NATIVE_DIR"  # where builds live (default: the checkout's build/native)
+SWITCH_ENV = "TOPHAT_NATIVE_LAYERS"  # "off": never loaded, everything in torch
+# -march=native: the attention loops vectorize with this CPU's widest registers, lane by lane, which changes
+# no bit; no contraction of a * b + c into one fused multiply-add, so each product rounds as ATen's kernels do
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+
+
+def build_dir() -> Path:
+    """This source's build directory: one per (source, torch, Python), so a stale build is never found."""
+    root = Path(os.environ.get(BUILD_ROOT_ENV) or Path(__file__).resolve().parents[2] / "build" / "native")
+    key = hashlib.sha256()
+    for path in sources():
+        key.update(path.name.encode() + path.read_bytes())
+    key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS} {cpu_flags()}".encode())
+    return root / key.hexdigest()[:16]
+
+
+def sources() -> list[Path]:
+    """The C++ file and the headers it includes (all of native/), in a fixed order."""
+    return sorted(SOURCE.parent.glob("*.h")) + ([SOURCE] if SOURCE.exists() else [])
+
+
+def cpu_flags() -> str:
+    """This CPU's feature flags (the build targets the machine it is made on, -march=native)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def library_path() -> Path:
+    return build_dir() / f"{MODULE}.so"
+
+
+def build() -> Path:
+    """Compile the extension into `build_dir()` (about 40 s on 2 cores) unless it is there already."""
+    target = library_path()
+    if not target.exists():
+        from torch.utils.cpp_extension import load
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        load(MODULE, [str(SOURCE)], build_directory=str(target.parent), extra_cflags=CFLAGS, verbose=False)
+    return target
+
+
+_loaded: ModuleType | None = None
+_load_tried = False
+_load_lock = threading.Lock()
+
+
+def native_module() -> ModuleType | None:
+    """The built extension, loaded once; None where it was not built, could not load, or is switched off."""
+    if os.environ.get(SWITCH_ENV, "").lower() == "off":
+        return None
+    if not _load_tried:
+        with _load_lock:  # pipeline stages may run their first passes in threads at once: one load
+            _load_once()
+    return _loaded
+
+
+def _load_once() -> None:
+    """Load the build (under _load_lock); marked tried only when done, so no thread sees a half-done load."""
+    global _loaded, _load_tried
+    if _load_tried:
+        return
+    path = library_path()
+    if path.exists():
+        try:
+            spec = importlib.util.spec_from_file_location(MODULE, path)
+            assert spec is not None and spec.loader is not None  # a file path always gives both
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _loaded = module
+            log.info("native layers loaded from %s", path)
+        except ImportError as error:
+            log.warning("native layers at %s do not load (%s): the Python runner serves", path, error)
+    else:
+        log.info("native layers not built (%s): the Python runner serves", path)
+    _load_tried = True
+
+
+def native_attention(*tensors: torch.Tensor) -> ModuleType | None:
+    """The extension, for batch-invariant attention over these tensors (float32 on the CPU), or None.
+
+    native_layers.python_runner() does not switch it off: the reference model, the Python runner and the
+    C++ layers in one process must all attend with the same kernel to compute the same bits."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    return native_module()

@@ -1,0 +1,88 @@
+"""The C++ extension's build and loading (shared/model/native_build.py), and its batch-invariant attention
+(native/attention.h) against invariant_attention's torch version: close, not equal (another order of sums,
+another exp); each one's own invariance is tested in test_invariant_attention.py, both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.model import invariant_attention, native_build
+from shared.model.invariant_attention import RowLayout, padded_length
+from shared.model.native_build import native_module
+from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
+
+
+def test_make_install_built_the_extension_and_it_loads():
+    assert native_build.library_path().exists(), "make install builds it (make native)"
+    assert native_module() is not None
+
+
+def test_a_changed_source_is_a_new_build_directory(tmp_path, monkeypatch):
+    before = native_build.build_dir()
+    changed = tmp_path / "layers.cpp"
+    changed.write_bytes(native_build.SOURCE.read_bytes() + b"\n// changed\n")
+    monkeypatch.setattr(native_build, "SOURCE", changed)
+    assert native_build.build_dir() != before
+    assert not native_build.library_path().exists()
+    monkeypatch.setenv(native_build.BUILD_ROOT_ENV, str(tmp_path))
+    assert native_build.build_dir().parent == tmp_path
+
+
+def test_a_build_that_does_not_load_leaves_torch_to_compute(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(native_build.BUILD_ROOT_ENV, str(tmp_path))
+    native_build.build_dir().mkdir(parents=True)
+    native_build.library_path().write_bytes(b"not a shared library")
+    monkeypatch.setattr(native_build, "_loaded", None)
+    monkeypatch.setattr(native_build, "_load_tried", False)
+    with caplog.at_level("WARNING", logger=native_build.__name__):
+        assert native_module() is None
+    assert "do not load" in caplog.text
+
+
+def torch_attention(monkeypatch, function, *args):
+    """invariant_attention's torch version of `function` (the C++ kernels switched off for the call)."""
+    with monkeypatch.context() as patch:
+        patch.setenv(native_build.SWITCH_ENV, "off")
+        return function(*args)
+
+
+@pytest.mark.parametrize("past, rows", [(0, 1), (37, 1), (5, 40), (100, 3)])
+def test_the_native_attention_is_close_to_the_torch_version(monkeypatch, past, rows):
+    generator = torch.Generator().manual_seed(past + rows)
+    width = padded_length(past + rows)
+    queries = torch.randn(2, 3, 3, rows, 64, generator=generator)  # [B, Hkv, G, n, D]
+    keys, values = (torch.randn(2, 3, width, 64, generator=generator) * 3 for _ in range(2))
+    seen = torch.arange(width)[None, :] <= past + torch.arange(rows)[:, None]
+    bias = torch.zeros(rows, width).masked_fill(~seen, float("-inf"))
+    module = native_module()
+    native = module.attend(queries, keys, values, bias, 0.125)
+    reference = torch_attention(monkeypatch, invariant_attention.attend, queries, keys, values, bias, 0.125)
+    torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)  # other sum orders, another exp
+    assert torch.equal(invariant_attention.attend(queries, keys, values, bias, 0.125), native)  # the dispatch
+
+
+def test_the_native_tree_attention_is_close_to_the_torch_version(monkeypatch):
+    generator = torch.Generator().manual_seed(7)
+    length, parents = 70, [-1, 0, 0, 1, 2]
+    keys, values = (torch.randn(3, length, 64, generator=generator) for _ in range(2))
+    tree = TreeRows.for_new_tree(length - len(parents), ancestor_mask_from_parents(parents))
+    layout = RowLayout.build(length - len(parents), len(parents), tree, "cpu")
+    queries = torch.randn(3, 3, len(parents), 64, generator=generator)
+    args = (queries, keys, values, layout.shared, layout.tails, layout.blocks[0].bias, 0.125)
+    native = native_module().attend_paths(*args)
+    torch.testing.assert_close(native, torch_attention(monkeypatch, invariant_attention.attend_paths, *args))
+
+
+def test_bad_arguments_to_the_native_attention_raise_instead_of_crashing():
+    module = native_module()
+    queries, keys, bias = torch.randn(1, 3, 3, 1, 64), torch.randn(1, 3, 32, 64), torch.zeros(1, 32)
+    with pytest.raises(RuntimeError, match="float on the CPU"):
+        module.attend(queries.double(), keys, keys, bias, 0.125)
+    with pytest.raises(RuntimeError, match="matching the queries"):
+        module.attend(queries, torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32), bias, 0.125)
+    tails = torch.tensor([[0] * 31 + [40]])
+    with pytest.raises(RuntimeError, match="tail rows index the cache"):
+        module.attend_paths(queries[0], keys[0], keys[0], 0, tails, torch.zeros(1, 32), 0.125)
+    with pytest.raises(RuntimeError, match="the shared positions lie in the cache"):
+        module.attend_paths(queries[0], keys[0], keys[0], 64, tails[:, :0], torch.zeros(1, 64), 0.125)
