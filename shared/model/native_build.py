@@ -30,7 +30,9 @@ BUILD_ROOT_ENV = "TOPHAT_NATIVE_DIR"  # where builds live (default: the checkout
 SWITCH_ENV = "TOPHAT_NATIVE_LAYERS"  # "off": never loaded, everything in torch
 # -march=native: the attention loops vectorize with this CPU's widest registers, lane by lane, which changes
 # no bit; no contraction of a * b + c into one fused multiply-add, so each product rounds as ATen's kernels do
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for splits work between torch's OpenMP threads only in code built with it (its
+# libgomp is the one torch loaded: same soname)
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 
 def build_dir() -> Path:
@@ -68,7 +70,14 @@ def build() -> Path:
         from torch.utils.cpp_extension import load
 
         target.parent.mkdir(parents=True, exist_ok=True)
-        load(MODULE, [str(SOURCE)], build_directory=str(target.parent), extra_cflags=CFLAGS, verbose=False)
+        load(
+            MODULE,
+            [str(SOURCE)],
+            build_directory=str(target.parent),
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     return target
 
 
