@@ -10,6 +10,7 @@ import torch
 from shared.model import invariant_attention, native_build
 from shared.model.invariant_attention import RowLayout, padded_length
 from shared.model.native_build import native_module
+from shared.model.quantized import project
 from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 
 
@@ -86,3 +87,40 @@ def test_bad_arguments_to_the_native_attention_raise_instead_of_crashing():
         module.attend_paths(queries[0], keys[0], keys[0], 0, tails, torch.zeros(1, 32), 0.125)
     with pytest.raises(RuntimeError, match="the shared positions lie in the cache"):
         module.attend_paths(queries[0], keys[0], keys[0], 64, tails[:, :0], torch.zeros(1, 64), 0.125)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 49152 // 64, 576), (5, 13, 40), (3, 4, 16)])
+def test_the_native_int8_product_is_close_to_the_exact_one_and_each_row_its_own(rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+    scales = (torch.rand(out_features, generator=generator) / 50).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator)
+    module = native_module()
+    out = module.int8_matmul(x, weight, scales)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    # the float64 product (ATen's own kernel is no reference here: it crashes on shapes like 13 x 40)
+    reference = (x.bfloat16().double() @ weight.double().T) * scales.double()
+    torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-3)  # rounded to bfloat16
+    for row in range(rows):  # a row alone gives the bits it gets among the others: batch-invariant
+        assert torch.equal(module.int8_matmul(x[row : row + 1], weight, scales), out[row : row + 1])
+
+
+def test_quantized_int8_products_go_through_the_native_kernel_where_it_is_built(monkeypatch):
+    weight, scales = torch.randint(-128, 128, (8, 32), dtype=torch.int8), torch.rand(8).bfloat16()
+    x = torch.randn(2, 32)
+    assert torch.equal(project(x, weight, None, scales), native_module().int8_matmul(x, weight, scales).float())
+    monkeypatch.setenv(native_build.SWITCH_ENV, "off")
+    assert torch.equal(
+        project(x, weight, None, scales), torch._weight_int8pack_mm(x.bfloat16(), weight, scales).float()
+    )
+
+
+def test_bad_arguments_to_the_native_int8_product_raise_instead_of_crashing():
+    module = native_module()
+    weight, scales = torch.randint(-128, 128, (8, 32), dtype=torch.int8), torch.rand(8).bfloat16()
+    with pytest.raises(RuntimeError, match="with the weight's K"):
+        module.int8_matmul(torch.randn(2, 31), weight, scales)
+    with pytest.raises(RuntimeError, match="scales: bfloat16"):
+        module.int8_matmul(torch.randn(2, 32), weight, scales.float())
+    with pytest.raises(RuntimeError, match="weight: int8"):
+        module.int8_matmul(torch.randn(2, 32), weight.float(), scales)

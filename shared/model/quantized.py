@@ -6,7 +6,9 @@ bfloat16 on its way in.
 Decode on a CPU reads every weight once per token, so its speed is the bytes it reads: int8
 weights are a quarter of fp32's, int4 an eighth. torch's own `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu` (the kernels gpt-fast uses) multiply bfloat16 activations by the
-packed rows without dequantizing a copy (int8's float32-input path is ten times slower). SmolLM2's
+packed rows without dequantizing a copy (int8's float32-input path is ten times slower); where the
+C++ extension is built, int8 products use its own kernel instead (native/int8_matmul.h: the same
+rounding of input and output, its own fixed order of sums, faster on the LM head). SmolLM2's
 decoder weights come from a Q4_1 GGUF (groups of 32, 16 levels each), so int4 in groups of 32
 holds them almost exactly; its embeddings are finer, so the head stays int8. Keeping the rest in
 float32 is also the faster choice on this CPU: a one-row attention is 17 us in float32 against 94 us
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model.invariant_attention import use_invariant_attention
+from shared.model.native_build import native_module
 
 MATMUL_DTYPE = torch.bfloat16  # what each quantized matmul takes its input in (and keeps its scales in)
 INT4_GROUP = 32  # inputs per int4 scale and zero
@@ -77,7 +80,8 @@ def project(
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1]).to(scales.dtype)
     if weight.dtype == torch.int8:
-        out = torch._weight_int8pack_mm(flat, weight, scales)
+        native = native_module() if flat.device.type == "cpu" else None  # native/int8_matmul.h, where built
+        out = native.int8_matmul(flat, weight, scales) if native else torch._weight_int8pack_mm(flat, weight, scales)
     else:  # int4: scales [in / group, out, 2]
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weight, x.shape[-1] // scales.shape[0], scales)
     out = out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)

@@ -2,8 +2,9 @@
 //
 // Why: at int4 a decode token is about half matmul and half small operations (norms, rotary, casts,
 // views, attention's pieces), each paying Python and dispatch around a few microseconds of work. Here the
-// kernels whose results depend on their implementation stay ATen's own calls: the packed matmuls, the
-// attention's bmm and softmax, RMSNorm's sum, SiLU. The elementwise steps between them (squares, RMSNorm's
+// kernels whose results depend on their implementation stay ATen's own calls: the packed int4 matmul,
+// RMSNorm's sum, SiLU (the int8 product and the attention are this extension's own, int8_matmul.h and
+// attention.h, which the reference model calls too). The elementwise steps between them (squares, RMSNorm's
 // scaling, rotary, the bfloat16 roundings, residual adds, the cache writes) are plain loops computing the
 // same IEEE float operations per element, built without fused multiply-adds. So every result is the bits
 // of shared/model/layers.py, attention.py and invariant_attention.py for this case.
@@ -14,6 +15,7 @@
 #include <torch/extension.h>
 
 #include "attention.h"
+#include "int8_matmul.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,7 +33,7 @@ struct Projection {
   // quantized.project's packed kernel on an input already rounded to bfloat16: x [T, in] -> bf16 [T, out]
   at::Tensor matmul(const at::Tensor& x) const {
     const int64_t in = x.size(-1);
-    return weight.scalar_type() == at::kChar ? at::_weight_int8pack_mm(x, weight, scales)
+    return weight.scalar_type() == at::kChar ? int8mm::matmul(x, weight, scales)
                                              : at::_weight_int4pack_mm_for_cpu(x, weight, in / scales.size(0), scales);
   }
 };
@@ -285,6 +287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, int64_t, std::optional<at::Tensor>>(),
            py::arg("start"), py::arg("stop"), py::arg("past"), py::arg("biases"), py::arg("block_starts"),
            py::arg("block_stops"), py::arg("widths"), py::arg("shared") = 0, py::arg("tails") = py::none());
+  m.def("int8_matmul", &int8mm::matmul, "quantized.project's int8 product: bf16(scale * x_bf16 . w), [M, N]",
+        py::call_guard<py::gil_scoped_release>());
   m.def("attend", &invariant::attend, "invariant_attention.attend: rows over keys at positions 0..N-1 with a bias",
         py::call_guard<py::gil_scoped_release>());
   m.def("attend_paths", &invariant::attend_paths,

@@ -1,0 +1,147 @@
+// int8 weight rows times activations, for quantized.project and the C++ layers alike.
+//
+// Why: a decode step reads SmolLM2's 28 MB int8 LM head from memory, and ATen's `_weight_int8pack_mm` does so
+// at about 5 GB/s on one thread of this box (5.4 ms). Here each output is one pass over its weight row, 16
+// lanes wide, four rows in flight with their next bytes prefetched, the rows split between threads:
+//
+//   out[m, n] = bf16(scale[n] * sum_k bf16(x[m, k]) * w[n, k])
+//
+// the sum taken per lane (k in lane k % 16, in k order, each product rounded and then added) and then over
+// the 16 lanes in a fixed pairwise tree. An output depends on its own row and column only, never on how
+// many rows or threads the call has: batch-invariant, as the quantized path must be. Wherever the extension
+// is built every int8 product in the process comes from here (the reference model's QuantizedLinear, the
+// Python runner and the C++ layers), so they agree bit for bit; elsewhere ATen's kernel serves them all.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "attention.h"  // invariant::Lanes, kTile
+
+namespace int8mm {
+
+using invariant::kTile;
+using invariant::Lanes;
+typedef int8_t Bytes __attribute__((vector_size(kTile)));
+
+constexpr int kRows = 4;             // weight rows per pass over an activation row
+constexpr int64_t kPrefetch = 1024;  // bytes ahead in each row
+
+// 16 weights widened to floats (the same values on every path)
+inline Lanes widen(const int8_t* from) {
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from))));
+  Lanes lanes;
+  std::memcpy(&lanes, &wide, sizeof lanes);
+  return lanes;
+#else
+  Bytes bytes;
+  std::memcpy(&bytes, from, sizeof bytes);
+  return __builtin_convertvector(bytes, Lanes);
+#endif
+}
+
+inline float lane_sum(const Lanes& lanes) {  // the fixed pairwise tree: halves added, then quarters, ...
+  float parts[kTile];
+  std::memcpy(parts, &lanes, sizeof parts);
+  for (int64_t width = kTile / 2; width >= 1; width /= 2)
+    for (int64_t i = 0; i < width; ++i) parts[i] += parts[i + width];
+  return parts[0];
+}
+
+// weight rows as int8 bytes, read straight from the weight (one activation row: each weight is used once)
+struct ByteRows {
+  const int8_t* rows;
+  int64_t in;
+  Lanes lanes(int r, int64_t k) const {
+    __builtin_prefetch(rows + r * in + k + kPrefetch);  // a hint: never faults, even past the end
+    return widen(rows + r * in + k);
+  }
+  float at(int r, int64_t k) const { return static_cast<float>(rows[r * in + k]); }
+};
+
+// weight rows already widened to floats (many activation rows: each weight widened once, not once per row)
+struct FloatRows {
+  const float* rows;
+  int64_t in;
+  Lanes lanes(int r, int64_t k) const {
+    Lanes out;
+    std::memcpy(&out, rows + r * in + k, sizeof out);
+    return out;
+  }
+  float at(int r, int64_t k) const { return rows[r * in + k]; }
+};
+
+// sum_k x[k] * w[r][k] for R weight rows, k < in, per lane (a product rounded, then added) then over the lanes;
+// the same values whichever form the rows come in
+template <int R, typename Rows>
+inline void dot_rows(const float* x, const Rows& weights, int64_t in, float* sums) {
+  Lanes acc[R] = {};
+  const int64_t whole = in - in % kTile;
+  for (int64_t k = 0; k < whole; k += kTile) {
+    Lanes xs;
+    std::memcpy(&xs, x + k, sizeof xs);
+    for (int r = 0; r < R; ++r) acc[r] += xs * weights.lanes(r, k);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t k = whole; k < in; ++k) acc[r][k % kTile] += x[k] * weights.at(r, k);
+    sums[r] = lane_sum(acc[r]);
+  }
+}
+
+// x [M, K] (any float dtype; rounded to bfloat16 first), weight int8 [N, K], scales bfloat16 [N] -> bf16 [M, N]
+inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "weight: int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 1 && scales.size(0) == weight.size(0),
+              "scales: bfloat16 [N]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "x: [M, K] with the weight's K");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(), "tensors on the CPU");
+  const at::Tensor rounded = x.to(at::kBFloat16).to(at::kFloat).contiguous();  // [M, K]
+  const at::Tensor rows_of = weight.contiguous();
+  const at::Tensor scale_of = scales.to(at::kFloat).contiguous();
+  const int64_t batch = x.size(0), out_features = weight.size(0), in = weight.size(1);
+  at::Tensor out = at::empty({batch, out_features}, x.options().dtype(at::kBFloat16));
+  const float* xs = rounded.data_ptr<float>();
+  const int8_t* w = rows_of.data_ptr<int8_t>();
+  const float* s = scale_of.data_ptr<float>();
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const int64_t blocks = (out_features + kRows - 1) / kRows;
+  at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(batch > 1 ? kRows * in : 0);  // [kRows, K]: this block's rows as floats
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n = block * kRows, rows = std::min<int64_t>(kRows, out_features - n);
+      if (batch > 1) {
+        for (int64_t i = 0; i < rows * in; ++i) widened[i] = static_cast<float>(w[n * in + i]);
+      }
+      for (int64_t m = 0; m < batch; ++m) {
+        float sums[kRows];
+        const float* row = xs + m * in;
+        if (batch > 1) {
+          const FloatRows block_rows{widened.data(), in};
+          if (rows == kRows) {
+            dot_rows<kRows>(row, block_rows, in, sums);
+          } else {
+            for (int64_t r = 0; r < rows; ++r) dot_rows<1>(row, FloatRows{widened.data() + r * in, in}, in, &sums[r]);
+          }
+        } else if (rows == kRows) {
+          dot_rows<kRows>(row, ByteRows{w + n * in, in}, in, sums);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) dot_rows<1>(row, ByteRows{w + (n + r) * in, in}, in, &sums[r]);
+        }
+        for (int64_t r = 0; r < rows; ++r) o[m * out_features + n + r] = c10::BFloat16(s[n + r] * sums[r]);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace int8mm
