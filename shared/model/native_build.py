@@ -33,15 +33,16 @@ SWITCH_ENV = "TOPHAT_NATIVE_LAYERS"  # "off": never loaded, everything in torch
 # -fopenmp: at::parallel_for splits work between torch's OpenMP threads only in code built with it (its
 # libgomp is the one torch loaded: same soname)
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def build_dir() -> Path:
-    """This source's build directory: one per (source, torch, Python), so a stale build is never found."""
+    """This build's directory: one per (sources, flags, CPU, torch, Python), so a stale build is never found."""
     root = Path(os.environ.get(BUILD_ROOT_ENV) or Path(__file__).resolve().parents[2] / "build" / "native")
     key = hashlib.sha256()
     for path in sources():
         key.update(path.name.encode() + path.read_bytes())
-    key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS} {cpu_flags()}".encode())
+    key.update(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS} {LDFLAGS} {cpu_flags()}".encode())
     return root / key.hexdigest()[:16]
 
 
@@ -64,7 +65,7 @@ def library_path() -> Path:
 
 
 def build() -> Path:
-    """Compile the extension into `build_dir()` (about 40 s on 2 cores) unless it is there already."""
+    """Compile the extension into `build_dir()` (about 50 s on 2 cores) unless it is there already."""
     target = library_path()
     if not target.exists():
         from torch.utils.cpp_extension import load
@@ -75,7 +76,7 @@ def build() -> Path:
             [str(SOURCE)],
             build_directory=str(target.parent),
             extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=LDFLAGS,
             verbose=False,
         )
     return target
@@ -111,9 +112,9 @@ def _load_once() -> None:
             _loaded = module
             log.info("native layers loaded from %s", path)
         except ImportError as error:
-            log.warning("native layers at %s do not load (%s): the Python runner serves", path, error)
+            log.warning("native layers at %s do not load (%s): torch computes everything", path, error)
     else:
-        log.info("native layers not built (%s): the Python runner serves", path)
+        log.info("native layers not built (%s): torch computes everything", path)
     _load_tried = True
 
 
