@@ -214,6 +214,7 @@ def test_a_migrations_time_is_a_quantile_of_the_receivers_time_to_first_token() 
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # a race of wall-clock rounds (device 20 ms, cloud 150 ms): make test runs it alone
 async def test_a_hand_over_keeps_the_source_going_until_the_receiver_speaks() -> None:
     # Device-constrained (device tokens cost more): the device wins the race and, with r_c * t_m tokens
     # buffered (t_m 1 s before any receiver was seen), hands over to the cloud; the device's tokens made

@@ -10,11 +10,12 @@ batch-invariant already (measured), so with this attention the unsplit model dec
 How, with only operations whose per-element result was measured not to depend on the call's shape:
 - every row's keys are laid out at their positions 0, 1, ... and padded with masked positions up to a
   multiple of CHUNK, so a row sees the same values at the same places in any call;
-- scores: keys @ queries^T, one dot product over the head dim per key and query;
+- scores: each key and query's elementwise products summed over the head dim in a fixed tree;
 - softmax over each row's padded positions: masked ones are exact zeros in its sums;
-- values: per CHUNK positions (a fixed reduction length) values^T @ probs^T, then the chunks' partial
-  outputs added in a fixed pairwise tree, where padding chunks add exact zeros.
-In both matmuls the query side is the column operand: results were the same for 1 to 600 columns.
+- values: per CHUNK positions, the products of probabilities and values summed in a fixed tree, then the
+  chunks' partial outputs added in a fixed pairwise tree, where padding chunks add exact zeros.
+Both sums are elementwise additions, never a BLAS call: MKL's float32 matmuls gave a column other bits
+with other columns beside it on an AMD EPYC box (2026-11-27), though not on the Intel boxes before.
 
 Tree rows see their committed prefix and then their own ancestors, which the cache holds in tree order;
 `attend_paths` gathers each row's path after the shared prefix, so it sits where a decode step of that
@@ -60,20 +61,55 @@ def _halve_in_place(parts: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
+PRODUCT_ELEMENTS = 1 << 18  # floats per elementwise product tensor (1 MB, within a core's L2): longer inputs go in slices
+
+
+def _halve_last(parts: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` (a power of two long) in a fixed tree, in place: the second half added onto the first,
+    level by level. Elementwise additions only, so each sum's bits depend on its own terms and nothing else."""
+    while parts.shape[dim] > 1:
+        half = parts.shape[dim] // 2
+        parts = parts.narrow(dim, 0, half).add_(parts.narrow(dim, half, half))
+    return parts.squeeze(dim)
+
+
+def _padded_to_power_of_two(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    length = tensor.shape[dim]
+    extra = (1 << (length - 1).bit_length()) - length
+    if not extra:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(*tensor.shape[:dim], extra, *tensor.shape[dim + 1 :])], dim=dim)
+
+
 def _scores_t(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """[X, N, D] keys and [X, M, D] queries -> [X, N, M] dot products: the queries are the matmul's columns,
-    and a column's dot products were measured not to depend on how many columns or keys the call holds."""
-    return torch.bmm(keys, queries.mT)
+    """[X, N, D] keys and [X, M, D] queries -> [X, N, M] dot products, each the products of its own pair
+    summed over d in a fixed tree (no BLAS call: a BLAS kernel may block, and so round, by the call's shape,
+    as MKL does on AMD CPUs)."""
+    batch, positions, head_dim = keys.shape
+    keys = _padded_to_power_of_two(keys, 2)
+    queries = _padded_to_power_of_two(queries, 2)
+    rows = queries.shape[1]
+    step = max(1, PRODUCT_ELEMENTS // max(1, batch * rows * keys.shape[2]))
+    scores = keys.new_empty(batch, positions, rows)
+    for start in range(0, positions, step):
+        products = keys[:, start : start + step, None, :] * queries[:, None, :, :]  # [X, n, M, D]
+        scores[:, start : start + step] = _halve_last(products, 3)
+    return scores
 
 
 def _chunk_products(probs: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
-    """[X, M, N] probabilities and [X, N, D] values -> out [N / CHUNK, X, D, M]: values^T @ probs^T per chunk,
-    a fixed reduction length of CHUNK positions (the query rows again the columns)."""
+    """[X, M, N] probabilities and [X, N, D] values -> out [N / CHUNK, X, D, M]: per chunk of CHUNK positions,
+    the products of each probability and value row summed over the chunk in a fixed tree."""
     batch, rows, positions = probs.shape
-    chunks, head_dim = positions // CHUNK, values.shape[-1]
-    chunk_probs = probs.view(batch, rows, chunks, CHUNK).permute(2, 0, 3, 1).reshape(-1, CHUNK, rows)
-    chunk_values = values.reshape(batch, chunks, CHUNK, head_dim).transpose(0, 1).reshape(-1, CHUNK, head_dim)
-    torch.bmm(chunk_values.mT, chunk_probs, out=out.view(-1, head_dim, rows))
+    head_dim = values.shape[-1]
+    per_chunk = batch * rows * CHUNK * head_dim
+    step = max(1, PRODUCT_ELEMENTS // per_chunk) * CHUNK
+    for start in range(0, positions, step):
+        stop = min(start + step, positions)
+        chunks = (stop - start) // CHUNK
+        products = probs[:, :, start:stop, None] * values[:, None, start:stop, :]  # [X, M, n, D]
+        sums = _halve_last(products.view(batch, rows, chunks, CHUNK, head_dim), 3)  # [X, M, chunks, D]
+        out[start // CHUNK : stop // CHUNK] = sums.permute(2, 0, 3, 1)
 
 
 def attend(
