@@ -61,7 +61,7 @@ def _halve_in_place(parts: torch.Tensor) -> torch.Tensor:
     return parts[0]
 
 
-PRODUCT_ELEMENTS = 1 << 18  # floats per elementwise product tensor (1 MB, within a core's L2): longer inputs go in slices
+PRODUCT_ELEMENTS = 1 << 18  # floats per elementwise product (1 MB, within a core's L2): longer inputs in slices
 
 
 def _halve_last(parts: torch.Tensor, dim: int) -> torch.Tensor:
