@@ -124,3 +124,72 @@ def test_bad_arguments_to_the_native_int8_product_raise_instead_of_crashing():
         module.int8_matmul(torch.randn(2, 32), weight, scales.float())
     with pytest.raises(RuntimeError, match="weight: int8"):
         module.int8_matmul(torch.randn(2, 32), weight.float(), scales)
+
+
+def test_the_native_int8_product_sums_a_16_row_block_as_it_sums_one_row():
+    # rows 0-31 go through the 16-row reduction, a weight of one row through lane_sum: the same tree, bit for bit
+    generator = torch.Generator().manual_seed(16)
+    weight = torch.randint(-128, 128, (33, 576), dtype=torch.int8, generator=generator)
+    scales = (torch.rand(33, generator=generator) / 50).bfloat16()
+    x = torch.randn(3, 576, generator=generator)
+    module = native_module()
+    out = module.int8_matmul(x, weight, scales)
+    for row in range(33):
+        assert torch.equal(module.int8_matmul(x, weight[row : row + 1], scales[row : row + 1]), out[:, row : row + 1])
+
+
+def packed_int4(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes 0..15, scales and zeros in bfloat16, packed as quantize_groups packs them; and the float64 weight."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=generator)
+    groups = in_features // 32
+    scale = (torch.rand(groups, out_features, generator=generator) / 50).bfloat16()
+    zero = (torch.randn(groups, out_features, generator=generator) / 20).bfloat16()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    dense = (codes.double() - 8).view(out_features, groups, 32) * scale.double().T[..., None] + zero.double().T[..., None]
+    return packed, torch.stack([scale, zero], dim=-1), dense.view(out_features, in_features)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 576, 576), (6, 192, 1536), (9, 128, 64)])
+def test_the_native_int4_product_is_close_to_the_exact_one_and_each_row_its_own(rows, out_features, in_features):
+    packed, scales, dense = packed_int4(out_features, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    module = native_module()
+    out = module.int4_matmul(x, packed, scales)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    reference = x.bfloat16().double() @ dense.T  # (q - 8) * scale + zero, as quantize_groups describes it
+    torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-3)  # rounded to bfloat16
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales)
+    torch.testing.assert_close(out.double(), aten.double(), rtol=1e-2, atol=1e-3)
+    for row in range(rows):  # a row alone gives the bits it gets among the others: batch-invariant
+        assert torch.equal(module.int4_matmul(x[row : row + 1], packed, scales), out[row : row + 1])
+    assert torch.equal(module.int4_matmul(x.repeat(5, 1), packed, scales), out.repeat(5, 1))  # 4 rows at a time too
+
+
+def test_an_int4_weight_that_is_not_whole_64_row_blocks_goes_to_aten():
+    packed, scales, _ = packed_int4(80, 64, seed=3)  # a 64-row block and a 16-row tail, packed otherwise
+    x = torch.randn(2, 64)
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales)
+    assert torch.equal(native_module().int4_matmul(x, packed, scales), aten)
+
+
+def test_quantized_int4_products_go_through_the_native_kernel_where_it_is_built(monkeypatch):
+    packed, scales, _ = packed_int4(64, 64, seed=4)
+    x = torch.randn(2, 64)
+    assert torch.equal(project(x, packed, None, scales), native_module().int4_matmul(x, packed, scales).float())
+    monkeypatch.setenv(native_build.SWITCH_ENV, "off")
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales)
+    assert torch.equal(project(x, packed, None, scales), aten.float())
+
+
+def test_bad_arguments_to_the_native_int4_product_raise_instead_of_crashing():
+    module = native_module()
+    packed, scales, _ = packed_int4(64, 64, seed=5)
+    with pytest.raises(RuntimeError, match="with the weight's K"):
+        module.int4_matmul(torch.randn(2, 63), packed, scales)
+    with pytest.raises(RuntimeError, match="scales: bfloat16"):
+        module.int4_matmul(torch.randn(2, 64), packed, scales.float())
+    with pytest.raises(RuntimeError, match="weight: packed int4"):
+        module.int4_matmul(torch.randn(2, 64), packed.to(torch.int8), scales)
+    with pytest.raises(RuntimeError, match="scales: bfloat16"):
+        module.int4_matmul(torch.randn(2, 64), packed, scales[:, :32])

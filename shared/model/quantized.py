@@ -7,8 +7,8 @@ Decode on a CPU reads every weight once per token, so its speed is the bytes it 
 weights are a quarter of fp32's, int4 an eighth. torch's own `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu` (the kernels gpt-fast uses) multiply bfloat16 activations by the
 packed rows without dequantizing a copy (int8's float32-input path is ten times slower); where the
-C++ extension is built, int8 products use its own kernel instead (native/int8_matmul.h: the same
-rounding of input and output, its own fixed order of sums, faster on the LM head). SmolLM2's
+C++ extension is built, both use its own kernels instead (native/int8_matmul.h, int4_matmul.h: the same
+rounding of input and output, their own fixed order of sums, faster from memory). SmolLM2's
 decoder weights come from a Q4_1 GGUF (groups of 32, 16 levels each), so int4 in groups of 32
 holds them almost exactly; its embeddings are finer, so the head stays int8. Keeping the rest in
 float32 is also the faster choice on this CPU: a one-row attention is 17 us in float32 against 94 us
@@ -79,10 +79,12 @@ def project(
     if scales is None:
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1]).to(scales.dtype)
+    native = native_module() if flat.device.type == "cpu" else None  # native/int8_matmul.h, int4_matmul.h
     if weight.dtype == torch.int8:
-        native = native_module() if flat.device.type == "cpu" else None  # native/int8_matmul.h, where built
         out = native.int8_matmul(flat, weight, scales) if native else torch._weight_int8pack_mm(flat, weight, scales)
-    else:  # int4: scales [in / group, out, 2]
+    elif native:  # int4: scales [in / group, out, 2]
+        out = native.int4_matmul(flat, weight, scales)
+    else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weight, x.shape[-1] // scales.shape[0], scales)
     out = out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     return out if bias is None else out + bias

@@ -33,8 +33,8 @@ using invariant::kTile;
 using invariant::Lanes;
 typedef int8_t Bytes __attribute__((vector_size(kTile)));
 
-constexpr int kRows = 4;             // weight rows per pass over an activation row
-constexpr int64_t kPrefetch = 1024;  // bytes ahead in each row
+constexpr int kRows = 16;            // weight rows per pass over an activation row
+constexpr int64_t kPrefetch = 4096;  // bytes ahead in each row
 
 // 16 weights widened to floats (the same values on every path)
 inline Lanes widen(const int8_t* from) {
@@ -56,6 +56,36 @@ inline float lane_sum(const Lanes& lanes) {  // the fixed pairwise tree: halves 
   for (int64_t width = kTile / 2; width >= 1; width /= 2)
     for (int64_t i = 0; i < width; ++i) parts[i] += parts[i + width];
   return parts[0];
+}
+
+// lane_sum of 16 accumulators at once, sums[r] of acc[r]: the same tree (lanes j and j + 8, then j and j + 4,
+// j and j + 2, then the last two), every add pairing the same two partial sums, so each sum has lane_sum's bits
+inline void lane_sums16(const Lanes* acc, float* sums) {
+#if defined(__AVX512F__)
+  __m512 v[16];
+  std::memcpy(v, acc, sizeof v);
+  __m512 halves[8];  // rows 2i, 2i + 1: 8 lanes each
+  for (int i = 0; i < 8; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  __m512 quarters[4];  // rows 4i + c in 128-bit quarter c: 4 lanes each
+  for (int i = 0; i < 4; ++i)
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+  __m512d pairs[2];  // quarter c: rows 8i + c, 8i + 4 + c, 2 lanes each
+  for (int i = 0; i < 2; ++i) {
+    const __m512d a = _mm512_castps_pd(quarters[2 * i]), b = _mm512_castps_pd(quarters[2 * i + 1]);
+    pairs[i] = _mm512_castps_pd(
+        _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b))));
+  }
+  const __m512 a = _mm512_castpd_ps(pairs[0]), b = _mm512_castpd_ps(pairs[1]);
+  // lane 4c + s holds row c + 4s
+  const __m512 last = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  _mm512_storeu_ps(sums, _mm512_permutexvar_ps(order, last));
+#else
+  for (int r = 0; r < 16; ++r) sums[r] = lane_sum(acc[r]);
+#endif
 }
 
 // weight rows as int8 bytes, read straight from the weight (one activation row: each weight is used once)
@@ -92,9 +122,12 @@ inline void dot_rows(const float* x, const Rows& weights, int64_t in, float* sum
     std::memcpy(&xs, x + k, sizeof xs);
     for (int r = 0; r < R; ++r) acc[r] += xs * weights.lanes(r, k);
   }
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0; r < R; ++r)
     for (int64_t k = whole; k < in; ++k) acc[r][k % kTile] += x[k] * weights.at(r, k);
-    sums[r] = lane_sum(acc[r]);
+  if constexpr (R == 16) {
+    lane_sums16(acc, sums);
+  } else {
+    for (int r = 0; r < R; ++r) sums[r] = lane_sum(acc[r]);
   }
 }
 

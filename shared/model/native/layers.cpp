@@ -2,8 +2,8 @@
 //
 // Why: at int4 a decode token is about half matmul and half small operations (norms, rotary, casts,
 // views, attention's pieces), each paying Python and dispatch around a few microseconds of work. Here the
-// kernels whose results depend on their implementation stay ATen's own calls: the packed int4 matmul,
-// RMSNorm's sum, SiLU (the int8 product and the attention are this extension's own, int8_matmul.h and
+// kernels whose results depend on their implementation stay ATen's own calls: RMSNorm's sum, SiLU (the int4
+// and int8 products and the attention are this extension's own, int4_matmul.h, int8_matmul.h and
 // attention.h, which the reference model calls too). The elementwise steps between them (squares, RMSNorm's
 // scaling, rotary, the bfloat16 roundings, residual adds, the cache writes) are plain loops computing the
 // same IEEE float operations per element, built without fused multiply-adds. So every result is the bits
@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include "attention.h"
+#include "int4_matmul.h"
 #include "int8_matmul.h"
 
 #include <algorithm>
@@ -32,9 +33,7 @@ struct Projection {
 
   // quantized.project's packed kernel on an input already rounded to bfloat16: x [T, in] -> bf16 [T, out]
   at::Tensor matmul(const at::Tensor& x) const {
-    const int64_t in = x.size(-1);
-    return weight.scalar_type() == at::kChar ? int8mm::matmul(x, weight, scales)
-                                             : at::_weight_int4pack_mm_for_cpu(x, weight, in / scales.size(0), scales);
+    return weight.scalar_type() == at::kChar ? int8mm::matmul(x, weight, scales) : int4mm::matmul(x, weight, scales);
   }
 };
 
@@ -288,6 +287,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("start"), py::arg("stop"), py::arg("past"), py::arg("biases"), py::arg("block_starts"),
            py::arg("block_stops"), py::arg("widths"), py::arg("shared") = 0, py::arg("tails") = py::none());
   m.def("int8_matmul", &int8mm::matmul, "quantized.project's int8 product: bf16(scale * x_bf16 . w), [M, N]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("int4_matmul", &int4mm::matmul,
+        "quantized.project's int4 product: bf16(sum over groups of scale * (x_bf16 . (q - 8)) + zero * sum x_bf16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("attend", &invariant::attend, "invariant_attention.attend: rows over keys at positions 0..N-1 with a bias",
         py::call_guard<py::gil_scoped_release>());
