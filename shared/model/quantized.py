@@ -78,14 +78,19 @@ def project(
     # x: [..., in], weight: [out, in] -> [..., out]
     if scales is None:
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1]).to(scales.dtype)
+    flat = x.reshape(-1, x.shape[-1])
     native = native_module() if flat.device.type == "cpu" else None  # native/int8_matmul.h, int4_matmul.h
-    if weight.dtype == torch.int8:
-        out = native.int8_matmul(flat, weight, scales) if native else torch._weight_int8pack_mm(flat, weight, scales)
-    elif native:  # int4: scales [in / group, out, 2]
-        out = native.int4_matmul(flat, weight, scales)
-    else:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weight, x.shape[-1] // scales.shape[0], scales)
+    if native:  # they round the input to bfloat16 themselves
+        out = (
+            native.int8_matmul(flat, weight, scales)
+            if weight.dtype == torch.int8
+            else native.int4_matmul(flat, weight, scales)
+        )
+    elif weight.dtype == torch.int8:
+        out = torch._weight_int8pack_mm(flat.to(scales.dtype), weight, scales)
+    else:  # int4: scales [in / group, out, 2]
+        groups = scales.shape[0]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(scales.dtype), weight, x.shape[-1] // groups, scales)
     out = out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     return out if bias is None else out + bias
 

@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "bf16_rows.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -132,13 +134,14 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at
               "scales: bfloat16 [groups, N, 2]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == 2 * weight.size(1), "x: [M, K] with the weight's K");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(), "tensors on the CPU");
-  const at::Tensor rounded = x.to(at::kBFloat16);
-  if (!takes(weight, scales)) return at::_weight_int4pack_mm_for_cpu(rounded, weight, x.size(1) / scales.size(0), scales);
-  const at::Tensor xs_tensor = rounded.to(at::kFloat).contiguous();  // [M, K]
+  TORCH_CHECK(x.is_floating_point(), "x: a float dtype");
+  if (!takes(weight, scales))
+    return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, x.size(1) / scales.size(0), scales);
+  const std::vector<float> rounded = bf16rows::rounded(x);  // [M, K]
   const at::Tensor packed_tensor = weight.contiguous(), pairs_tensor = scales.contiguous();
   const int64_t batch = x.size(0), out_features = weight.size(0), in = x.size(1);
   at::Tensor out = at::empty({batch, out_features}, x.options().dtype(at::kBFloat16));
-  const float* xs = xs_tensor.data_ptr<float>();
+  const float* xs = rounded.data();
   const std::vector<float> sums = group_sums(xs, batch, in);
   const uint8_t* packed = packed_tensor.data_ptr<uint8_t>();
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(pairs_tensor.data_ptr<c10::BFloat16>());
