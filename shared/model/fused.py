@@ -138,14 +138,15 @@ class FusedLayer:
 def _member(module: Any, name: str) -> Any:
     """module.<name> for a submodule, parameter or buffer: the dicts nn.Module.__getattr__ searches, in its
     order, after the instance's own attributes."""
-    found = module.__dict__.get(name)
-    if found is not None:
-        return found
-    for store in ("_parameters", "_buffers", "_modules"):
-        found = module.__dict__[store].get(name)
-        if found is not None:
-            return found
-    return getattr(module, name)  # anything else (a property): the ordinary lookup and its error
+    members = module.__dict__
+    found = members.get(name)
+    if found is None:
+        found = members["_parameters"].get(name)
+    if found is None:
+        found = members["_buffers"].get(name)
+    if found is None:
+        found = members["_modules"].get(name)
+    return found if found is not None else getattr(module, name)  # else (a property): the ordinary lookup
 
 
 _FUSED: weakref.WeakKeyDictionary[torch.nn.Module, FusedLayer] = weakref.WeakKeyDictionary()

@@ -44,6 +44,7 @@ def python_runner() -> Iterator[None]:
 
 
 _HANDLES: weakref.WeakKeyDictionary[FusedLayer, Any | None] = weakref.WeakKeyDictionary()
+_UNKNOWN = object()
 
 
 def _projection_parts(projection: Projection) -> list[torch.Tensor | None]:
@@ -61,8 +62,9 @@ def _is_silu(act_fn: Any) -> bool:
 def native_layer(module: ModuleType, layer: Any) -> Any | None:
     """The C++ handle of one decoder layer, or None if it is not one the C++ file computes."""
     fused = fused_layer(layer)
-    if fused in _HANDLES:
-        return _HANDLES[fused]  # a handle, or None: a layer found unfit once is not probed again
+    known = _HANDLES.get(fused, _UNKNOWN)
+    if known is not _UNKNOWN:
+        return known  # a handle, or None: a layer found unfit once is not probed again
     projections = (fused.qkv, fused.o, fused.gate_up, fused.down)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if (
