@@ -25,10 +25,42 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace invariant {
 
 constexpr int64_t kTile = 16;  // keys per transposed tile: one vector register of floats on AVX-512
 typedef float Lanes __attribute__((vector_size(kTile * sizeof(float))));
+
+#if defined(__AVX512F__)
+// 16 rows of 16 floats (`stride` apart) -> out[i]: element i of each row, row j in lane j. Moves, no arithmetic.
+inline void transpose16(const float* rows, int64_t stride, Lanes* out) {
+  __m512 r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(rows + j * stride);
+  for (int j = 0; j < 16; j += 2) {  // per 128-bit quarter q: rows j, j + 1 at elements 4q, 4q + 1 / 4q + 2, 4q + 3
+    t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {  // r[j + e], quarter q: rows j..j+3 at element 4q + e
+    const __m512d a = _mm512_castps_pd(t[j]), b = _mm512_castps_pd(t[j + 1]);
+    const __m512d c = _mm512_castps_pd(t[j + 2]), d = _mm512_castps_pd(t[j + 3]);
+    r[j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[j + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[j + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int e = 0; e < 4; ++e) {  // element 4q + e: quarter q of r[e], r[4 + e], r[8 + e], r[12 + e], in order
+    const __m512 low_a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x44), high_a = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xEE);
+    const __m512 low_b = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x44);
+    const __m512 high_b = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xEE);
+    const __m512 columns[4] = {_mm512_shuffle_f32x4(low_a, low_b, 0x88), _mm512_shuffle_f32x4(low_a, low_b, 0xDD),
+                               _mm512_shuffle_f32x4(high_a, high_b, 0x88), _mm512_shuffle_f32x4(high_a, high_b, 0xDD)};
+    for (int q = 0; q < 4; ++q) std::memcpy(&out[4 * q + e], &columns[q], sizeof(Lanes));
+  }
+}
+#endif
 
 // scores [rows, count] of `rows` query rows (each head_dim floats, at queries[r]) against `count` key rows
 // (each head_dim floats, key_stride apart), each dot product summed over d in order
@@ -41,9 +73,15 @@ inline void dot_scores(const std::vector<const float*>& queries, const float* ke
   for (int64_t start = 0; start < count; start += kTile) {
     const int64_t width = std::min(kTile, count - start);
     if (width < kTile) std::fill(tile.begin(), tile.end(), Lanes{});
+    int64_t done = 0;  // head dims transposed 16 at a time in registers (a full tile), the rest one by one
+#if defined(__AVX512F__)
+    if (width == kTile) {
+      for (; done + kTile <= head_dim; done += kTile) transpose16(keys + start * key_stride + done, key_stride, &tile[done]);
+    }
+#endif
     for (int64_t j = 0; j < width; ++j) {
       const float* key = keys + (start + j) * key_stride;
-      for (int64_t d = 0; d < head_dim; ++d) tile[d][j] = key[d];
+      for (int64_t d = done; d < head_dim; ++d) tile[d][j] = key[d];
     }
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {  // four rows at once: four independent chains of additions in flight
