@@ -56,14 +56,7 @@ inline Lanes widen(const int8_t* from) {
 
 inline Lanes fused(const Lanes& a, const Lanes& b, const Lanes& c) {  // a * b + c, one rounding per lane
 #if defined(__AVX512F__)
-  __m512 x, y, z;
-  std::memcpy(&x, &a, sizeof x);
-  std::memcpy(&y, &b, sizeof y);
-  std::memcpy(&z, &c, sizeof z);
-  const __m512 r = _mm512_fmadd_ps(x, y, z);
-  Lanes out;
-  std::memcpy(&out, &r, sizeof out);
-  return out;
+  return _mm512_fmadd_ps(a, b, c);  // Lanes and __m512 are the same vector type to GCC
 #else
   Lanes out;
   for (int64_t i = 0; i < kTile; ++i) out[i] = std::fma(a[i], b[i], c[i]);
