@@ -52,21 +52,12 @@ def pairwise_sum(parts: torch.Tensor) -> torch.Tensor:
     return _halve_in_place(padded)
 
 
-def _halve_in_place(parts: torch.Tensor) -> torch.Tensor:
-    """[P, ...] with P a power of two -> [...]: `pairwise_sum`'s tree, in place."""
-    count = parts.shape[0]
-    while count > 1:
-        count //= 2
-        parts[:count] += parts[count : 2 * count]
-    return parts[0]
-
-
 PRODUCT_ELEMENTS = 1 << 18  # floats per elementwise product (1 MB, within a core's L2): longer inputs in slices
 
 
-def _halve_last(parts: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over `dim` (a power of two long) in a fixed tree, in place: the second half added onto the first,
-    level by level. Elementwise additions only, so each sum's bits depend on its own terms and nothing else."""
+def _halve_in_place(parts: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Sum over `dim` (a power of two long) in `pairwise_sum`'s tree, in place: the second half added onto the
+    first, level by level. Elementwise additions only, so each sum's bits depend on its own terms alone."""
     while parts.shape[dim] > 1:
         half = parts.shape[dim] // 2
         parts = parts.narrow(dim, 0, half).add_(parts.narrow(dim, half, half))
@@ -93,7 +84,7 @@ def _scores_t(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     scores = keys.new_empty(batch, positions, rows)
     for start in range(0, positions, step):
         products = keys[:, start : start + step, None, :] * queries[:, None, :, :]  # [X, n, M, D]
-        scores[:, start : start + step] = _halve_last(products, 3)
+        scores[:, start : start + step] = _halve_in_place(products, 3)
     return scores
 
 
@@ -108,7 +99,7 @@ def _chunk_products(probs: torch.Tensor, values: torch.Tensor, out: torch.Tensor
         stop = min(start + step, positions)
         chunks = (stop - start) // CHUNK
         products = probs[:, :, start:stop, None] * values[:, None, start:stop, :]  # [X, M, n, D]
-        sums = _halve_last(products.view(batch, rows, chunks, CHUNK, head_dim), 3)  # [X, M, chunks, D]
+        sums = _halve_in_place(products.view(batch, rows, chunks, CHUNK, head_dim), 3)  # [X, M, chunks, D]
         out[start // CHUNK : stop // CHUNK] = sums.permute(2, 0, 3, 1)
 
 
