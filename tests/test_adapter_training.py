@@ -3,6 +3,7 @@ own, batching does not change them, training lowers eq. 4, and the held-out prom
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shared.model.adapter import AdapterSpec, DraftAdapter
+from shared.model.adapter import AdapterError, AdapterSpec, DraftAdapter
 from shared.model.split import InputSubmodel
 from tophatctl.adapter_training import dataset
 from tophatctl.adapter_training.dataset import DistillData, extract_states, sample_user_prompts
@@ -346,3 +347,60 @@ def test_an_adapter_file_is_measured_again_where_it_lands(tiny_checkpoint, tmp_p
     assert saved["teacher_forced"] == measured["teacher_forced"]
     again = DraftAdapter.load(path, tiny_checkpoint, 2)  # the re-saved file still loads, with its vocabulary
     assert torch.equal(again.draft_vocab, adapter.draft_vocab)
+
+
+def test_training_goes_on_from_an_adapter_file_with_its_draft_vocabulary(tiny_checkpoint, tmp_path):
+    data = DistillData(extract_states(tiny_checkpoint, _random_sequences(tiny_checkpoint, 8, seed=5), max_m=2), 2, 0.0)
+    spec = AdapterSpec("feature", mlp=True)
+    cfg = DistillConfig(split_layers=2, steps=6, batch_size=4, unroll_steps=2, bf16=False)
+    first, report = train_adapter(tiny_checkpoint, data, spec, cfg, progress_every=3)
+    first.set_draft_vocab(first.draft_vocab[: max(2, first.draft_vocab.numel() // 2)])  # unlike this data's own
+    path = tmp_path / "first.safetensors"
+    first.save(path, extra_metadata=report)
+
+    again, again_report = train_adapter(
+        tiny_checkpoint, data, spec, replace(cfg, steps=1, learning_rate=1e-12, init_adapter=str(path)), 1
+    )
+    assert torch.equal(again.draft_vocab, first.draft_vocab)  # kept, not chosen again from the data
+    for name, weight in first.state_dict().items():  # one step at a vanishing rate: the file's weights
+        assert torch.allclose(again.state_dict()[name], weight, atol=1e-6), name
+    assert again_report["draft_vocab"]["initial_adapter"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert again_report["config"]["init_adapter"] == str(path)
+
+    moved, _ = train_adapter(tiny_checkpoint, data, spec, replace(cfg, steps=4, init_adapter=str(path)), 2)
+    assert any(not torch.equal(moved.state_dict()[k], w) for k, w in first.state_dict().items())
+    with pytest.raises(AdapterError, match="feature\\+mlp adapter"):
+        train_adapter(tiny_checkpoint, data, AdapterSpec("feature"), replace(cfg, init_adapter=str(path)))
+    with pytest.raises(AdapterError, match="not found"):
+        train_adapter(tiny_checkpoint, data, spec, replace(cfg, init_adapter=str(tmp_path / "none.safetensors")))
+
+
+def test_another_data_seed_samples_its_questions_from_other_generator_seeds(monkeypatch):
+    seeds = []
+
+    def fake_generate(checkpoint, rows, *args, **kwargs):
+        seeds.append(torch.initial_seed())
+        return []  # nothing finished: every batch is tried
+
+    monkeypatch.setattr(dataset, "_generate", fake_generate)
+    monkeypatch.setattr(dataset, "_user_turn_prefix", lambda checkpoint: [1])
+    fake = SimpleNamespace(eos_token_id=0)
+    sample_user_prompts(fake, 4, seed=0, batch_size=4)
+    first = set(seeds)
+    seeds.clear()
+    sample_user_prompts(fake, 4, seed=1, batch_size=4)
+    assert len(first) == len(seeds) == 40 and not first & set(seeds)
+    assert min(first) == 0  # seed 0 keeps the generator seeds (and prompts) it always had
+
+
+def test_data_of_self_written_questions_alone_needs_no_docs_part(monkeypatch):
+    from tophatctl.adapter_training import run
+
+    made = []
+    monkeypatch.setattr(run, "has_chat_template", lambda tokenizer: True)
+    monkeypatch.setattr(run, "_part", lambda checkpoint, name, *args: made.append(name) or DistillData([], 2, 1.0))
+    cfg = run.DataConfig(prompts=0, texts=0, general=0, self_written=8, seed=3)
+    assert run.load_or_build_data(SimpleNamespace(tokenizer=None), cfg).build_seconds == 1.0
+    assert made == ["self-p8"]
+    with pytest.raises(ValueError, match="all four counts are 0"):
+        run.load_or_build_data(SimpleNamespace(tokenizer=None), replace(cfg, self_written=0))

@@ -123,6 +123,10 @@ def train_adapter_cmd(
     cache_states: bool = typer.Option(True, "--cache-states/--no-cache-states", help="save the states under build/"),
     eval_prompts: int = typer.Option(24, help="held-out prompts for the accept length (0: teacher-forced only)"),
     data_only: bool = typer.Option(False, "--data-only", help="build (and cache) the data's prompts and answers, then stop"),
+    data_seed: int = typer.Option(0, help="the data's prompts (another seed: other prompts, and other answers)"),
+    init_adapter: Optional[Path] = typer.Option(
+        None, help="go on training this adapter file (same variant and split; its draft vocabulary is kept)"
+    ),
 ):
     """Distil a draft adapter from the middle submodel (HAT eq. 4, with a top-K token loss and unrolled
     draft steps). A chat model is distilled on its own answers to prompts built from this machine's
@@ -160,6 +164,7 @@ def train_adapter_cmd(
                 learning_rate=learning_rate,
                 token_positions=token_positions,
                 time_budget_s=time_budget_s,
+                init_adapter=str(init_adapter or ""),
             )
             data_cfg = DataConfig(
                 prompts=doc_prompts,
@@ -170,6 +175,7 @@ def train_adapter_cmd(
                 generate_batch=generate_batch,
                 extract_batch=extract_batch,
                 cache_states=cache_states,
+                seed=data_seed,
             )
             if data_only:  # and the held-out answers, so that trainings started beside each other share them
                 data = load_or_build_data(checkpoint, data_cfg, answers_only=True)

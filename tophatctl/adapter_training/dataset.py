@@ -109,6 +109,9 @@ def generate_answers(
     return answers
 
 
+MAGPIE_SEED_STRIDE = 100_003  # batches per data seed before two seeds' generator seeds could meet
+
+
 def sample_user_prompts(
     checkpoint: Checkpoint,
     count: int,
@@ -122,7 +125,7 @@ def sample_user_prompts(
     close to, the held-out prompts."""
     eos = checkpoint.eos_token_id
     prefix = _user_turn_prefix(checkpoint)
-    generator_seed = seed
+    generator_seed = seed * MAGPIE_SEED_STRIDE  # seed 1's batches share no generator seed with seed 0's
     prompts: list[str] = []
     seen: set[str] = set()
     started = time.monotonic()

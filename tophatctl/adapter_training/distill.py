@@ -11,19 +11,21 @@ from, against the teacher's top-K there. Only Λ learns.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from shared.model.adapter import AdapterSpec, DraftAdapter
+from shared.model.adapter import AdapterError, AdapterSpec, DraftAdapter
 from shared.model.checkpoint import Checkpoint
 from tophatctl.adapter_training.dataset import DistillData, chat_answers
 from tophatctl.adapter_training.unroll import head_rows, state_loss, step_valid, token_loss, unrolled_forward
-from tophatctl.adapter_training.vocab import draft_vocabulary
+from tophatctl.adapter_training.vocab import coverage_of, draft_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class DistillConfig:
     bf16: bool = True  # bfloat16 autocast for the forward passes: twice the matmul rate on this CPU
     seed: int = 0
     time_budget_s: float = 0.0  # > 0: fewer steps than `steps` where the measured step time says so
+    init_adapter: str = ""  # an adapter file to go on training (its variant, split and draft vocabulary kept)
 
     def __post_init__(self):
         if self.time_budget_s < 0:
@@ -142,6 +145,26 @@ def step_loss(
     return loss
 
 
+def initial_adapter(checkpoint: Checkpoint, data: DistillData, spec: AdapterSpec, cfg: DistillConfig):
+    """The adapter in cfg.init_adapter, to train on: it must be of `spec` at this split, and it keeps its
+    own draft vocabulary (its head rows are what it learned to score); the report measures that
+    vocabulary's coverage of this data and names the file by its sha256."""
+    path = Path(cfg.init_adapter)
+    adapter = DraftAdapter.load(path, checkpoint, cfg.split_layers)  # on the checkpoint's device, as a new one
+    if adapter.spec != spec:
+        raise AdapterError(f"{path} is a {adapter.spec.name} adapter; this training is for {spec.name}")
+    if adapter.draft_vocab is None:
+        vocab_ids, report = draft_vocabulary(
+            chat_answers(checkpoint, data.sequences), cfg.vocab_coverage, checkpoint.eos_token_id, checkpoint.vocab_size
+        )
+    else:
+        vocab_ids = adapter.draft_vocab
+        answers = chat_answers(checkpoint, data.sequences)
+        report = {"size": int(vocab_ids.numel()), "coverage": round(coverage_of(answers, vocab_ids), 5)}
+    report["initial_adapter"] = {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return adapter, vocab_ids, report
+
+
 BUDGET_WARMUP_STEPS = 5  # steps not timed: the first ones pay for warm-up
 BUDGET_PROBE_STEPS = 30  # steps run before a time budget first fixes how many the schedule runs
 
@@ -174,10 +197,16 @@ def train_adapter(
         raise ValueError(f"the data holds shallow states for m = 1..{data.max_m}, not {cfg.split_layers}")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    adapter = DraftAdapter(checkpoint, cfg.split_layers, spec)
-    vocab_ids, vocab_report = draft_vocabulary(
-        chat_answers(checkpoint, data.sequences), cfg.vocab_coverage, checkpoint.eos_token_id, checkpoint.vocab_size
-    )
+    if cfg.init_adapter:
+        adapter, vocab_ids, vocab_report = initial_adapter(checkpoint, data, spec, cfg)
+    else:
+        adapter = DraftAdapter(checkpoint, cfg.split_layers, spec)
+        vocab_ids, vocab_report = draft_vocabulary(
+            chat_answers(checkpoint, data.sequences),
+            cfg.vocab_coverage,
+            checkpoint.eos_token_id,
+            checkpoint.vocab_size,
+        )
     stored = attach_draft_vocab(adapter, vocab_ids)
     rows = head_rows(checkpoint, vocab_ids if cfg.token_vocab == "draft" else None)
     if cfg.bf16:  # cast once, not on every autocast matmul

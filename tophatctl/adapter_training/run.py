@@ -120,16 +120,20 @@ def load_or_build_data(checkpoint: Checkpoint, cfg: DataConfig, answers_only: bo
     """answers_only: build and save every part's prompts and answers, and no states (an empty data set)."""
     if not has_chat_template(checkpoint.tokenizer):
         raise ModelLoadError(f"{checkpoint.path} has no chat template; distilling on its own answers needs one")
-    parts = [
-        _part(
-            checkpoint,
-            f"docs-p{cfg.prompts}",
-            cfg,
-            lambda: training_prompts(cfg.prompts, cfg.seed),
-            teacher_forced_texts(cfg.texts, cfg.seed),
-            answers_only,
+    if not cfg.prompts + cfg.texts + cfg.general + cfg.self_written:
+        raise ValueError("the data needs some prompts or texts: all four counts are 0")
+    parts = []
+    if cfg.prompts or cfg.texts:
+        parts.append(
+            _part(
+                checkpoint,
+                f"docs-p{cfg.prompts}",
+                cfg,
+                lambda: training_prompts(cfg.prompts, cfg.seed),
+                teacher_forced_texts(cfg.texts, cfg.seed),
+                answers_only,
+            )
         )
-    ]
     if cfg.general:
         parts.append(
             _part(
