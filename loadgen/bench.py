@@ -112,7 +112,7 @@ def loadgen_options(url: str, workload: str, rate: float, num_requests: int, max
 
 def run_modes(modes: dict[str, BenchVariant], *, workload: str, rates: list[float], num_requests: int,
               max_new_tokens: int, seed: int, out: Path, devices: int, link: str,
-              model_dir: str) -> dict[tuple[str, float], dict]:
+              model_dir: str, dtype: str = "auto") -> dict[tuple[str, float], dict]:
     """Run every mode at every rate; returns results.json contents keyed by (mode, rate)."""
     from loadgen.load_run import run_load_test
     from tophatctl.mesh import Mesh
@@ -125,7 +125,7 @@ def run_modes(modes: dict[str, BenchVariant], *, workload: str, rates: list[floa
         groups.setdefault(mode.mesh_key(), []).append(mode)
     for env, group in groups.items():
         config = MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link,
-                            extra_env=dict(env))
+                            dtype=dtype, extra_env=dict(env))
         with Mesh(config) as mesh:
             for mode in group:
                 for rate in rates:

@@ -49,10 +49,17 @@ class ModeBench:
     out: Path
     ablation: bool = False
     baseline: str = ""  # the mode ratios are taken against; default ushape, or the first mode
+    dtype: str = "auto"  # every mesh's verifier and devices (the mesh's own default: auto)
 
     def __post_init__(self) -> None:
+        from shared.model.placement import parse_dtype_spec
+
         if not self.workloads or not self.rates or not self.runs:
             raise ValueError("a bench needs at least one workload, rate and link")
+        try:
+            parse_dtype_spec(self.dtype)
+        except ValueError as exc:
+            raise ValueError(f"--dtype: {exc}") from exc
         if not self.ablation:
             for workload in self.workloads:
                 available = modes_for(workload)
@@ -63,7 +70,7 @@ class ModeBench:
     @classmethod
     def from_options(cls, *, workload: str, rates: str | None, modes: str, link_profile: str | None, rtt_ms: str,
                      ablation: bool, baseline: str, devices: int, num_requests: int, max_new_tokens: int, seed: int,
-                     out: Path) -> ModeBench:
+                     out: Path, dtype: str = "auto") -> ModeBench:
         """The bench from `tophat bench`'s option strings (ValueError naming the bad one)."""
         link = link_profile or "none"
         rate_list = parse_rates(rates or DEFAULT_RATES)
@@ -75,7 +82,7 @@ class ModeBench:
             raise ValueError(f"--rtt-ms: {exc}") from exc
         return cls(workloads=workloads, rates=tuple(rate_list), modes=tuple(modes.split(",")), link=link, runs=runs,
                    devices=devices, num_requests=num_requests, max_new_tokens=max_new_tokens, seed=seed, out=out,
-                   ablation=ablation, baseline=baseline)
+                   ablation=ablation, baseline=baseline, dtype=dtype)
 
 
 def check_draft_adapter(model_dir: str) -> None:
@@ -104,7 +111,7 @@ def run_mode_bench(bench: ModeBench, model_dir: str) -> Iterator[str]:
             run_out = out / tag if rtt is not None else out
             results = run_modes(chosen, workload=workload, rates=list(bench.rates), num_requests=bench.num_requests,
                                 max_new_tokens=bench.max_new_tokens, seed=bench.seed, out=run_out,
-                                devices=bench.devices, link=link, model_dir=model_dir)
+                                devices=bench.devices, link=link, model_dir=model_dir, dtype=bench.dtype)
             table = format_table(results, base, title)
             save_table(out, tag, table, results)
             plot_modes(run_out, workload, results, tag)

@@ -31,7 +31,8 @@ def test_the_ablation_runs_both_workloads_whatever_the_modes():
 @pytest.mark.parametrize("bad, message", [({"modes": "ushape,warp"}, "unknown modes"),
                                           ({"rates": "1,-2"}, "--rates"),
                                           ({"rtt_ms": "fast"}, "--rtt-ms"),
-                                          ({"rtt_ms": "-5"}, "--rtt-ms")])
+                                          ({"rtt_ms": "-5"}, "--rtt-ms"),
+                                          ({"dtype": "int3"}, "--dtype")])
 def test_a_bad_option_is_a_value_error_naming_it(bad, message):
     with pytest.raises(ValueError, match=message):
         ModeBench.from_options(**{**OPTIONS, **bad})
@@ -45,3 +46,23 @@ def test_edge_and_disco_options():
     with pytest.raises(ValueError, match="one --rates"):
         disco_bench_options("1,2", None, "0.5", "server", "")
     assert split_list(" a, ,b ") == ["a", "b"]
+
+
+def test_the_dtype_reaches_every_mesh_the_bench_starts(monkeypatch):
+    import tophatctl.mesh
+    from loadgen.bench import modes_for, run_modes
+
+    started = []
+
+    class NoMesh:
+        def __init__(self, config):
+            started.append(config)
+            raise RuntimeError("no mesh in this test")
+
+    monkeypatch.setattr(tophatctl.mesh, "Mesh", NoMesh)
+    bench = ModeBench.from_options(**{**OPTIONS, "dtype": "int4"})
+    assert bench.dtype == "int4" and ModeBench.from_options(**OPTIONS).dtype == "auto"
+    with pytest.raises(RuntimeError, match="no mesh"):
+        run_modes({"hat": modes_for("specbench")["hat"]}, workload="specbench", rates=[1.0], num_requests=1, max_new_tokens=1, seed=0,
+                  out=Path("out"), devices=1, link="none", model_dir="models/demo", dtype=bench.dtype)
+    assert [config.dtype for config in started] == ["int4"]

@@ -36,6 +36,8 @@ def bench(
     num_requests: int = typer.Option(16, help="requests per mode and rate"),
     max_new_tokens: int = typer.Option(32),
     seed: int = typer.Option(0),
+    dtype: str = typer.Option("auto", help="every mesh's verifier and device agents: auto (f32 on a CPU), int4, int8, "
+                              "bf16, f32 (not with --disco or --sim-check)"),
     model: str = typer.Option("smollm2", help=MODEL_HELP),
     out: Path = typer.Option(Path("bench-results"), help="results, tables and plots go here"),
     ablation: bool = typer.Option(False, "--ablation", help="HAT Table 5 (SD/PC/PD on and off), both workloads"),
@@ -104,7 +106,8 @@ def bench(
     try:
         plan = ModeBench.from_options(workload=workload, rates=rates, modes=modes, link_profile=link_profile,
                                       rtt_ms=rtt_ms, ablation=ablation, baseline=baseline, devices=devices,
-                                      num_requests=num_requests, max_new_tokens=max_new_tokens, seed=seed, out=out)
+                                      num_requests=num_requests, max_new_tokens=max_new_tokens, seed=seed, out=out,
+                                      dtype=dtype)
         served = served_model_dir(model)
         check_draft_adapter(served)
     except BENCH_ERRORS as exc:
