@@ -44,6 +44,7 @@ MAX_ROWS = 1024
 MAX_ACCEPT = MAX_ROWS + 1.0
 MAX_DRAFT_S = 600.0
 SWITCH_MARGIN = 0.05  # a device leaves its current shape only for one predicted this much faster
+TRIAL_SHARE = 0.8  # a shape never run gets its trial request only if predicted this share of the best's tokens/s
 SHAPE_PATTERN = r"^(none|chain|tree[1-9][0-9]{0,3})$"  # what a request may name (DraftShape.parse checks the rest)
 DEVICE_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")  # as the planner's GET endpoints take it
 
@@ -171,11 +172,18 @@ class BudgetTracker:
         stats.rows.update(max(1.0, rows_per_round))
         stats.draft_s.update(max(0.0, draft_s_per_round))
 
-    def next_trial(self) -> str | None:
-        """A drafting shape never handed out yet, marked as handed out (no drafts need no trial: its figures are
-        exact), or None. Each is handed out once, whatever that request then measures."""
+    def next_trial(self, predicted: Mapping[str, float] | None = None) -> str | None:
+        """A drafting shape never handed out yet, marked as handed out, or None (no drafts need no trial: its
+        figures are exact). Each is handed out once, whatever that request then measures, and only when the
+        planner's last answer (`predicted`: tokens/s per shape, from its prior where it never ran) puts it
+        within TRIAL_SHARE of the best: a trial is a whole request, and on a verifier under load a tree's runs
+        several times slower than a round without drafts. Without a prediction nothing is tried; a shape the
+        planner chooses runs, and is measured, all the same."""
+        if not predicted:
+            return None
+        best = max(predicted.values())
         for name, shape in self.shapes.items():
-            if shape.max_draft > 0 and name not in self.tried:
+            if shape.max_draft > 0 and name not in self.tried and predicted.get(name, 0.0) >= TRIAL_SHARE * best:
                 self.tried.add(name)
                 return name
         return None
@@ -202,6 +210,18 @@ class BudgetTracker:
             accept = stats.accept.value if stats.accept.value is not None else prior_accept
             out.append(BudgetOption(name, max(1.0, accept), rows, draft_s))
         return out
+
+
+def predicted_rates(rates: Any, shapes: Mapping[str, Any]) -> dict[str, float]:
+    """The planner's tokens/s for this device's shapes: finite and >= 0 only; anything else is no prediction."""
+    if not isinstance(rates, Mapping):
+        return {}
+    out = {}
+    for name, rate in rates.items():
+        if name in shapes and isinstance(rate, (int, float)) and not isinstance(rate, bool):
+            if math.isfinite(rate) and rate >= 0:
+                out[name] = float(rate)
+    return out
 
 
 def budget_from_state(

@@ -36,6 +36,7 @@ class FakePlanner(httpx.AsyncBaseTransport):
         self.released.set()
         self.chunk = 48
         self.shape = "chain"  # POST /draft-budget's answer
+        self.tokens_per_s: dict[str, float] = {}  # and its predictions (none: no trials)
         self.budget_asks: list[dict] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -44,7 +45,7 @@ class FakePlanner(httpx.AsyncBaseTransport):
         await self.released.wait()
         if request.url.path == "/draft-budget":
             self.budget_asks.append(json.loads(await request.aread()))
-            return httpx.Response(200, json={"shape": self.shape, "source": "budget"})
+            return httpx.Response(200, json={"shape": self.shape, "source": "budget", "tokens_per_s": self.tokens_per_s})
         if request.url.path == "/chunk-size":
             return httpx.Response(200, json={"chunk_size": self.chunk, "source": "eq3"})
         rows = int(params["draft_len"])
@@ -177,6 +178,7 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
     checkpoint = tiny_llama_checkpoint
     planner, clock = FakePlanner(), Clock()
     planner.shape = "tree8"
+    planner.tokens_per_s = {"none": 9.0, "chain": 10.0, "tree8": 10.5}  # both within TRIAL_SHARE of the best
     async with planned_agent(checkpoint, planner, clock, draft_budgets="none,tree8") as (settings, agent, http):
         async def generate(**extra) -> list[int]:
             body = {"prompt_ids": list(range(3, 40)), "max_new_tokens": 8, **extra}
@@ -185,6 +187,7 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
             assert events[-1]["type"] == "done", events[-1]
             return [t for e in events if e["type"] == "tokens" for t in e["token_ids"]]
 
+        await asyncio.wait_for(agent.plans.refresh(), 5)  # the planner's predictions, before the first request
         as_tree = await generate()  # shapes never measured are tried first, once each: the tree ...
         stats = agent.budget.stats
         assert stats["tree8"].accept.count == 1 and stats["tree8"].rows.value > 1
@@ -209,3 +212,31 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
         assert bad.status_code in (400, 422)
         tree_posted = {o["name"]: o for o in planner.budget_asks[-1]["options"]}["tree8"]
         assert tree_posted["accept"] == stats["tree8"].accept.value
+
+
+async def test_a_shape_predicted_far_slower_gets_no_trial_request(tiny_llama_checkpoint) -> None:
+    """A trial is a whole request: a shape the planner predicts well below the best (a tree on a busy CPU
+    verifier) is not tried, and the planner's choice runs and is measured instead; without a prediction nothing
+    is tried."""
+    planner, clock = FakePlanner(), Clock()
+    planner.shape = "none"
+    async with planned_agent(tiny_llama_checkpoint, planner, clock, draft_budgets="none,chain,tree8") as (
+        settings, agent, http
+    ):
+        async def generate() -> None:
+            body = {"prompt_ids": list(range(3, 20)), "max_new_tokens": 4}
+            response = await asyncio.wait_for(http.post("/generate", json=body), 30)
+            assert json.loads(response.text.splitlines()[-1])["type"] == "done"
+
+        stats = agent.budget.stats
+        await asyncio.wait_for(agent.plans.refresh(), 5)
+        await generate()  # the plan has no predictions: no trial, the planner's shape
+        assert stats["none"].accept.count == 1 and not agent.budget.tried
+        planner.tokens_per_s = {"none": 20.0, "chain": 17.0, "tree8": 6.0}  # chain at 0.85 of the best, tree8 0.3
+        clock.now += settings.plan_refresh_s + 1
+        await asyncio.wait_for(agent.plans.refresh(), 5)
+        assert agent.plans.plan.predicted == planner.tokens_per_s
+        await generate()
+        await generate()
+        assert stats["chain"].accept.count == 1 and stats["tree8"].accept.count == 0
+        assert stats["none"].accept.count == 2 and agent.budget.tried == {"chain"}

@@ -12,6 +12,7 @@ import pytest
 
 from shared.draft_budget import (
     MAX_ROWS,
+    TRIAL_SHARE,
     BudgetError,
     BudgetOption,
     BudgetRequest,
@@ -20,6 +21,7 @@ from shared.draft_budget import (
     LinkLoad,
     budget_from_state,
     choose_budget,
+    predicted_rates,
     round_seconds,
 )
 from services.chunk_planner.settings import load_settings
@@ -85,7 +87,25 @@ def test_the_current_shape_is_kept_through_near_ties() -> None:
 
 def test_each_drafting_shape_is_handed_out_once_for_its_trial() -> None:
     tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
-    assert [tracker.next_trial() for _ in range(3)] == ["chain", "tree16", None]  # no drafts needs no trial
+    near = {"none": 10.0, "chain": 11.0, "tree16": 12.0}
+    assert [tracker.next_trial(near) for _ in range(3)] == ["chain", "tree16", None]  # no drafts needs no trial
+
+
+def test_only_shapes_predicted_near_the_best_get_a_trial() -> None:
+    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree8", "tree16")])
+    assert tracker.next_trial(None) is None and tracker.next_trial({}) is None and not tracker.tried
+    busy = {"none": 40.0, "chain": 0.85 * 40.0, "tree8": TRIAL_SHARE * 40.0 - 0.01}  # tree16: no prediction
+    assert [tracker.next_trial(busy) for _ in range(2)] == ["chain", None]
+    idle = {"none": 10.0, "chain": 11.0, "tree8": 12.0, "tree16": 11.5}  # later, the load gone: tried then
+    assert [tracker.next_trial(idle) for _ in range(3)] == ["tree8", "tree16", None]
+
+
+def test_predicted_rates_keep_finite_rates_of_known_shapes_only() -> None:
+    shapes = {"none": 1, "chain": 1}
+    raw = {"none": 3, "chain": math.inf, "tree8": 4.0, 5: 1.0}
+    assert predicted_rates(raw, shapes) == {"none": 3.0}
+    assert predicted_rates({"none": -1.0, "chain": True}, shapes) == {}
+    assert predicted_rates([1.0], shapes) == predicted_rates(None, shapes) == {}
 
 
 @pytest.mark.parametrize(

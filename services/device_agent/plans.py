@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
-from shared.draft_budget import BudgetRequest, BudgetTracker
+from shared.draft_budget import BudgetRequest, BudgetTracker, predicted_rates
 from shared.planners import hidden_bytes_per_token
 from shared.wire import WireDtype, dtype_bytes
 
@@ -41,6 +42,7 @@ class Plan:
     source: str  # the planner's sources, "chunk:<eq3|default:...> steps:<eq6|default:...>"
     fetched_at: float
     shape: str | None = None  # the draft shape for hat requests (shared/draft_budget.py); None: the configured one
+    predicted: Mapping[str, float] = field(default_factory=dict)  # the planner's tokens/s per shape (trials)
 
     @classmethod
     def defaults(cls, chunk_size: int, steps: int) -> Plan:
@@ -134,17 +136,18 @@ class PlanCache:
         if not table:
             raise ValueError("empty steps_by_draft_len")
         source = f"chunk:{chunk.get('source')} steps:{steps.get('source')}"
-        shape = None
+        shape, predicted = None, {}
         if budget is not None and self.budget is not None:
             shape = budget["shape"] if budget["shape"] in self.budget.shapes else None
+            predicted = predicted_rates(budget.get("tokens_per_s"), self.budget.shapes)
             source += f" budget:{budget['source']}"
-        plan = Plan(int(chunk["chunk_size"]), table, source, self.clock(), shape)
+        plan = Plan(int(chunk["chunk_size"]), table, source, self.clock(), shape, predicted)
         log.debug("plan for %s: %s", self.device_id, plan)
         if shape is not None and (self.plan is None or self.plan.shape != shape):
             log.info("draft budget for %s: %s (%s)", self.device_id, shape, budget and budget["source"])
         return plan
 
-    async def _budget(self) -> dict[str, str] | None:
+    async def _budget(self) -> dict[str, Any] | None:
         """The planner's draft shape (None: no budgeting, or no answer). A planner that cannot answer it (an older
         one, a refused request) costs only the budget: the chunk size and the PD steps still come."""
         if self.budget is None:
@@ -157,7 +160,8 @@ class PlanCache:
             log.warning("draft budget unavailable (%s: %s); the configured shape runs", type(exc).__name__, exc)
             return {"shape": "", "source": f"error:{type(exc).__name__}"}
         shape, source = answer.get("shape"), answer.get("source")
-        return {"shape": shape if isinstance(shape, str) else "", "source": str(source)}
+        rates = answer.get("tokens_per_s")
+        return {"shape": shape if isinstance(shape, str) else "", "source": str(source), "tokens_per_s": rates}
 
     async def _get(self, path: str, params: dict) -> dict:
         return await self._call("GET", path, params=params)
