@@ -197,18 +197,8 @@ class BudgetTracker:
                 rates.append(d / (r - 1))
         return sum(rates) / len(rates) if rates else 0.0
 
-    def _accept_gain(self) -> float:
-        """How the measured chains' extra tokens per round compare with their prior's (1: nothing measured):
-        an adapter that drafts better than the cautious prior does so in every shape."""
-        gains = []
-        for name, stats in self.stats.items():
-            shape, accept = self.shapes[name], stats.accept.value
-            if shape.tree_nodes == 0 and shape.max_draft > 0 and accept is not None:
-                gains.append(max(0.0, accept - 1.0) / (shape.prior()[0] - 1.0))
-        return sum(gains) / len(gains) if gains else 1.0
-
     def options(self) -> list[BudgetOption]:
-        per_step, gain = self._draft_s_per_step(), self._accept_gain()
+        per_step = self._draft_s_per_step()
         out = []
         for name, shape in self.shapes.items():
             stats = self.stats[name]
@@ -217,8 +207,8 @@ class BudgetTracker:
             # a tree drafts level by level (one adapter pass per level, however wide): its levels, not its rows
             steps = min(rows - 1, shape.max_draft)
             draft_s = stats.draft_s.value if stats.draft_s.value is not None else per_step * steps
-            accept = stats.accept.value if stats.accept.value is not None else 1.0 + (prior_accept - 1.0) * gain
-            out.append(BudgetOption(name, min(max(1.0, accept), MAX_ACCEPT), rows, draft_s))
+            accept = stats.accept.value if stats.accept.value is not None else prior_accept
+            out.append(BudgetOption(name, max(1.0, accept), rows, draft_s))
         return out
 
 

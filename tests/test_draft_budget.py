@@ -152,21 +152,6 @@ def test_the_tracker_offers_priors_then_what_it_measured() -> None:
     assert math.isclose(tracker.options()[1].accept, 0.8 * 1.5 + 0.2 * 3)
 
 
-def test_a_shape_never_run_has_its_prior_scaled_by_what_the_chains_did_over_theirs() -> None:
-    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree8", "tree16")])
-    chain_prior, tree_prior = DraftShape.parse("chain", 8).prior()[0], DraftShape.parse("tree16", 8).prior()[0]
-    tracker.observe("chain", [2, 2], rows_per_round=3.0, draft_s_per_round=0.04)  # 1 extra token a round
-    gain = (2.0 - 1.0) / (chain_prior - 1.0)  # the prior said 0.5
-    options = {o.name: o for o in tracker.options()}
-    assert math.isclose(options["tree16"].accept, 1.0 + (tree_prior - 1.0) * gain)
-    assert options["none"].accept == 1.0 and options["chain"].accept == 2.0
-    tracker.observe("tree8", [4], rows_per_round=9.0, draft_s_per_round=0.1)
-    assert {o.name: o for o in tracker.options()}["tree8"].accept == 4.0  # measured: its own figure
-    poor = BudgetTracker([DraftShape.parse(n, 8) for n in ("chain", "tree16")])
-    poor.observe("chain", [1, 1], rows_per_round=2.0, draft_s_per_round=0.01)  # nothing accepted: no gain
-    assert {o.name: o for o in poor.options()}["tree16"].accept == 1.0
-
-
 def budget_body(**overrides) -> dict:
     body = BudgetRequest("jetson-1", 1152, "chain", OPTIONS).to_json()
     return {**body, **overrides}
