@@ -217,10 +217,10 @@ class DeviceAgent:
             shape = DraftShape.parse(asked, max_draft)
         else:
             assert self.budget is not None and self.plans is not None  # budgeting needs a planner
-            cached = self.plans.plan.shape if self.plans.plan is not None else None
+            plan = self.plans.plan
+            cached, predicted = (plan.shape, plan.predicted) if plan is not None else (None, None)
             # a shape never tried here and predicted near the best goes first, once: its prior alone would rarely
             # win, and never be measured
-            predicted = self.plans.plan.predicted if self.plans.plan is not None else None
             shape = self.budget.shapes[self.budget.next_trial(predicted) or cached or s.default_shape()]
             measured = shape.name
         return DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob), measured

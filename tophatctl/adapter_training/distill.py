@@ -145,24 +145,14 @@ def step_loss(
     return loss
 
 
-def initial_adapter(checkpoint: Checkpoint, data: DistillData, spec: AdapterSpec, cfg: DistillConfig):
-    """The adapter in cfg.init_adapter, to train on: it must be of `spec` at this split, and it keeps its
-    own draft vocabulary (its head rows are what it learned to score); the report measures that
-    vocabulary's coverage of this data and names the file by its sha256."""
+def initial_adapter(checkpoint: Checkpoint, spec: AdapterSpec, cfg: DistillConfig) -> tuple[DraftAdapter, dict]:
+    """The adapter in cfg.init_adapter, to train on (it must be of `spec` at this split), and the file named
+    by its sha256 for the report."""
     path = Path(cfg.init_adapter)
     adapter = DraftAdapter.load(path, checkpoint, cfg.split_layers)  # on the checkpoint's device, as a new one
     if adapter.spec != spec:
         raise AdapterError(f"{path} is a {adapter.spec.name} adapter; this training is for {spec.name}")
-    if adapter.draft_vocab is None:
-        vocab_ids, report = draft_vocabulary(
-            chat_answers(checkpoint, data.sequences), cfg.vocab_coverage, checkpoint.eos_token_id, checkpoint.vocab_size
-        )
-    else:
-        vocab_ids = adapter.draft_vocab
-        answers = chat_answers(checkpoint, data.sequences)
-        report = {"size": int(vocab_ids.numel()), "coverage": round(coverage_of(answers, vocab_ids), 5)}
-    report["initial_adapter"] = {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-    return adapter, vocab_ids, report
+    return adapter, {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
 BUDGET_WARMUP_STEPS = 5  # steps not timed: the first ones pay for warm-up
@@ -197,16 +187,19 @@ def train_adapter(
         raise ValueError(f"the data holds shallow states for m = 1..{data.max_m}, not {cfg.split_layers}")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
+    initial = None
     if cfg.init_adapter:
-        adapter, vocab_ids, vocab_report = initial_adapter(checkpoint, data, spec, cfg)
+        adapter, initial = initial_adapter(checkpoint, spec, cfg)
     else:
         adapter = DraftAdapter(checkpoint, cfg.split_layers, spec)
-        vocab_ids, vocab_report = draft_vocabulary(
-            chat_answers(checkpoint, data.sequences),
-            cfg.vocab_coverage,
-            checkpoint.eos_token_id,
-            checkpoint.vocab_size,
-        )
+    answers = chat_answers(checkpoint, data.sequences)
+    if adapter.draft_vocab is not None:  # a trained adapter keeps its own: its head rows are what it learned to score
+        vocab_ids = adapter.draft_vocab
+        vocab_report = {"size": int(vocab_ids.numel()), "coverage": round(coverage_of(answers, vocab_ids), 5)}
+    else:
+        vocab_ids, vocab_report = draft_vocabulary(answers, cfg.vocab_coverage, checkpoint.eos_token_id, checkpoint.vocab_size)
+    if initial is not None:
+        vocab_report["initial_adapter"] = initial
     stored = attach_draft_vocab(adapter, vocab_ids)
     rows = head_rows(checkpoint, vocab_ids if cfg.token_vocab == "draft" else None)
     if cfg.bf16:  # cast once, not on every autocast matmul
