@@ -197,7 +197,8 @@ def train_adapter(
         vocab_ids = adapter.draft_vocab
         vocab_report = {"size": int(vocab_ids.numel()), "coverage": round(coverage_of(answers, vocab_ids), 5)}
     else:
-        vocab_ids, vocab_report = draft_vocabulary(answers, cfg.vocab_coverage, checkpoint.eos_token_id, checkpoint.vocab_size)
+        eos, vocab_size = checkpoint.eos_token_id, checkpoint.vocab_size
+        vocab_ids, vocab_report = draft_vocabulary(answers, cfg.vocab_coverage, eos, vocab_size)
     if initial is not None:
         vocab_report["initial_adapter"] = initial
     stored = attach_draft_vocab(adapter, vocab_ids)
