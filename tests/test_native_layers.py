@@ -17,6 +17,7 @@ from shared.model.invariant_attention import uses_invariant_attention
 from shared.model.kv_cache import KVCacheError, SessionKV
 from shared.model.native_build import native_module
 from shared.model.native_layers import python_runner, run_native
+from shared.model.quantized import QuantizedLinear
 from shared.model.split import LayerRange
 from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from tests.conftest import DEMO_MODEL_DIR
@@ -98,6 +99,31 @@ def test_the_runner_takes_the_native_path_where_it_applies(quantized):
     tree = TreeRows.for_new_tree(3, ancestor_mask_from_parents([-1, 0, 0]))
     out = run_native(modules, plan_for(layers, [cache], [3], hidden, [tree]), torch.randn(3, hidden), [cache])
     assert out is not None and cache.length == 6
+
+
+@torch.inference_mode()
+def test_a_ranges_handles_are_made_once_and_again_after_a_weight_is_replaced():
+    checkpoint = load_checkpoint(DEMO_MODEL_DIR, quantize="int4", with_tokenizer=False)
+    layers, hidden = LayerRange(checkpoint, 0, checkpoint.num_layers), checkpoint.hidden_size
+    module, modules = native_module(), list(layers.layers)
+    first = native_layers.range_handles(module, modules)
+    assert first is not None and native_layers.range_handles(module, modules) is first
+    assert native_layers.range_handles(module, modules[1:]) is not first  # another range, its own handles
+    # the last layer's down projection re-quantized from other values: the next pass must compute with it
+    down = modules[-1].mlp.down_proj
+    modules[-1].mlp.down_proj = QuantizedLinear.from_linear(torch.nn.Linear(down.in_features, down.out_features), bits=4)
+    again = native_layers.range_handles(module, modules)
+    assert again is not None and again is not first and again[:-1] == first[:-1] and again[-1] is not first[-1]
+    rows = torch.randn(3, hidden)
+    native_cache, python_cache = layers.new_cache(), layers.new_cache()
+    out = run_native(modules, plan_for(layers, [native_cache], [3], hidden), rows, [native_cache])
+    with python_runner():
+        expected = layers.forward_batch([(python_cache, rows)])[0]
+    assert out is not None and torch.equal(out, expected)
+    # a module moved off its tensors (here: a buffer replaced in its dict, as .to() does) is noticed too
+    modules[0].self_attn.o_proj._buffers["weight"] = modules[0].self_attn.o_proj.weight.clone()
+    third = native_layers.range_handles(module, modules)
+    assert third is not None and third[0] is not again[0] and third[1:] == again[1:]
 
 
 def plan_for(layers: LayerRange, caches, lengths, hidden: int, trees=None):

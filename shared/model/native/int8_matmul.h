@@ -107,7 +107,9 @@ struct ByteRows {
   const int8_t* rows;
   int64_t in;
   Lanes lanes(int r, int64_t k) const {
-    __builtin_prefetch(rows + r * in + k + kPrefetch);  // a hint: never faults, even past the end
+    // a hint, which never faults, even past the end: one per 64-byte line (one per 16 bytes made the head's pass
+    // compute-bound, 30 GB/s with its weights in cache; 0.97 against 0.78 ms from memory, one AMD EPYC core)
+    if (k % 64 == 0) __builtin_prefetch(rows + r * in + k + kPrefetch);
     return widen(rows + r * in + k);
   }
   float at(int r, int64_t k) const { return static_cast<float>(rows[r * in + k]); }

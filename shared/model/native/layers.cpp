@@ -259,6 +259,51 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<Layer>>& layers, at::Ten
   return hidden;
 }
 
+// module.<name> as nn.Module.__getattr__ finds a registered parameter, buffer or submodule, read from its dicts
+// (a borrowed reference), or null where it is none of those
+PyObject* registered(PyObject* module, PyObject* name) {
+  static PyObject* const kinds[3] = {PyUnicode_InternFromString("_parameters"), PyUnicode_InternFromString("_buffers"),
+                                     PyUnicode_InternFromString("_modules")};
+  if (module == nullptr) return nullptr;
+  PyObject* attributes = PyObject_GenericGetDict(module, nullptr);  // a new reference, or null (error set)
+  if (attributes == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  PyObject* found = nullptr;
+  for (PyObject* kind : kinds) {
+    PyObject* members = PyDict_GetItemWithError(attributes, kind);
+    found = members != nullptr && PyDict_Check(members) ? PyDict_GetItemWithError(members, name) : nullptr;
+    if (found != nullptr && found != Py_None) break;
+    found = nullptr;
+  }
+  PyErr_Clear();
+  Py_DECREF(attributes);  // the module's own dict: what it holds stays alive with the module
+  return found;
+}
+
+// Whether each decoder layer's q_proj, gate_proj, o_proj and down_proj weights (in that order) still start at
+// `addresses` (what fused.FusedLayer.is_current checks, for a whole layer range in one call). A pass makes this
+// check before every use of its cached handles; in Python it cost about 0.3 ms of a decode step, run cold (the
+// weights the step streams push the modules out of the caches).
+bool weights_at(const std::vector<py::handle>& layers, const std::vector<int64_t>& addresses) {
+  static PyObject* const names[7] = {
+      PyUnicode_InternFromString("self_attn"), PyUnicode_InternFromString("mlp"),
+      PyUnicode_InternFromString("q_proj"),    PyUnicode_InternFromString("gate_proj"),
+      PyUnicode_InternFromString("o_proj"),    PyUnicode_InternFromString("down_proj"),
+      PyUnicode_InternFromString("weight")};
+  constexpr int kParent[4] = {0, 1, 0, 1}, kLinear[4] = {2, 3, 4, 5};
+  if (addresses.size() != 4 * layers.size()) return false;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    for (int p = 0; p < 4; ++p) {
+      PyObject* weight = registered(registered(registered(layers[l].ptr(), names[kParent[p]]), names[kLinear[p]]), names[6]);
+      if (weight == nullptr || !THPVariable_Check(weight)) return false;
+      if (reinterpret_cast<int64_t>(THPVariable_Unpack(weight).data_ptr()) != addresses[4 * l + p]) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -296,6 +341,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_paths", &invariant::attend_paths,
         "invariant_attention.attend_paths: rows over a shared prefix, then their own cache rows",
         py::call_guard<py::gil_scoped_release>());
+  m.def("weights_at", &weights_at,
+        "whether each layer's q_proj, gate_proj, o_proj, down_proj weights start at these addresses (4 per layer)");
   // the GIL is released for the pass, as torch's own kernels release it: the caller's event loop runs meanwhile
   m.def("run_layers", &run_layers, "decoder layers over packed sessions' causal rows, batch-invariant attention",
         py::call_guard<py::gil_scoped_release>());
