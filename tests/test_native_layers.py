@@ -18,7 +18,7 @@ from shared.model.kv_cache import KVCacheError, SessionKV
 from shared.model.native_build import native_module
 from shared.model.native_layers import python_runner, run_native
 from shared.model.quantized import QuantizedLinear
-from shared.model.split import LayerRange
+from shared.model.split import LayerRange, OutputSubmodel
 from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from tests.conftest import DEMO_MODEL_DIR
 
@@ -27,6 +27,13 @@ from tests.conftest import DEMO_MODEL_DIR
 def quantized(request):
     checkpoint = load_checkpoint(DEMO_MODEL_DIR, quantize=request.param, with_tokenizer=False)
     return LayerRange(checkpoint, 0, checkpoint.num_layers), checkpoint.hidden_size
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized_head(request):
+    """The final norm and int8 LM head of a quantized checkpoint (int4 layers keep an int8 head)."""
+    checkpoint = load_checkpoint(DEMO_MODEL_DIR, quantize=request.param, with_tokenizer=False)
+    return OutputSubmodel(checkpoint), checkpoint.hidden_size
 
 
 def prefilled_pair(layers: LayerRange, prefix: torch.Tensor) -> tuple[SessionKV, SessionKV]:
@@ -204,3 +211,37 @@ def test_a_layer_with_another_activation_keeps_the_python_runner():
     for _ in range(2):  # found unfit once, then remembered
         assert run_native(list(layers.layers), plan_for(layers, [cache], [2], hidden), rows, [cache]) is None
     assert cache.length == 0
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_the_native_head_gives_the_python_heads_bits(quantized_head, rows):
+    head, hidden = quantized_head
+    x = torch.randn(rows, hidden) * 4
+    native = native_layers.run_native_head(head.norm, head.lm_head, x)
+    with python_runner():
+        assert native_layers.run_native_head(head.norm, head.lm_head, x) is None
+        expected = head(x)
+    assert native is not None and native.dtype == torch.float32 and torch.equal(native, expected)
+    assert torch.equal(head(x), expected)  # the submodel takes the native path
+
+
+class HalfNorm(torch.nn.Module):
+    """An RMSNorm look-alike (a gain and an epsilon) that computes something else: the probe must refuse it."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+
+@torch.inference_mode()
+def test_the_native_head_is_used_only_where_it_computes_the_same_bits(quantized_head):
+    head, hidden = quantized_head
+    x = torch.randn(2, hidden)
+    assert native_layers.run_native_head(HalfNorm(head.norm), head.lm_head, x) is None
+    assert native_layers.run_native_head(head.norm, torch.nn.Linear(hidden, 7), x) is None  # a dense head
+    assert native_layers.run_native_head(head.norm, head.lm_head, x.double()) is None
+    assert native_layers.run_native_head(head.norm, head.lm_head, x) is not None

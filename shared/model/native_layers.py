@@ -29,6 +29,7 @@ from shared.model.attention import PassPlan
 from shared.model.fused import FusedLayer, Projection, fused_layer
 from shared.model.kv_cache import SessionKV
 from shared.model.native_build import native_module
+from shared.model.quantized import QuantizedLinear
 
 _disabled = 0  # python_runner() depth
 
@@ -160,3 +161,30 @@ def run_native(
     for cache, n in zip(caches, plan.lengths):
         cache.advance(n)
     return out
+
+
+# per LM head (weakly): the norm and weight a probe found the C++ head to compute bit for bit, or found it not to
+_HEADS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.nn.Module, torch.Tensor, bool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def run_native_head(norm: torch.nn.Module, lm_head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """split.OutputSubmodel's pass (final norm, int8 LM head, float logits) in C++, or None where it does not
+    apply: the C++ file assumes an HF RMSNorm, so one probe row per norm and head checks it gives their bits."""
+    # hidden: [T, H] -> logits [T, V] float
+    module = None if _disabled else native_module()
+    if module is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or hidden.dim() != 2:
+        return None
+    if not isinstance(lm_head, QuantizedLinear) or lm_head.bits != 8 or lm_head.bias is not None:
+        return None
+    gain, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not isinstance(gain, torch.Tensor) or gain.dtype != torch.float32 or eps is None:
+        return None
+    known = _HEADS.get(lm_head)
+    if known is None or known[0] is not norm or known[1] is not lm_head.weight:
+        probe = torch.randn(2, hidden.shape[1], generator=torch.Generator().manual_seed(0))
+        native = module.head_forward(probe, gain, float(eps), lm_head.weight, lm_head.scales)
+        known = (norm, lm_head.weight, bool(torch.equal(native, lm_head(norm(probe)).float())))
+        _HEADS[lm_head] = known
+    return module.head_forward(hidden, gain, float(eps), lm_head.weight, lm_head.scales) if known[2] else None

@@ -19,6 +19,7 @@ import torch
 from shared.model.checkpoint import Checkpoint
 from shared.model.kv_cache import SessionKV
 from shared.model.layers import run_layers
+from shared.model.native_layers import run_native_head
 from shared.model.tree_rows import TreeRows
 
 
@@ -140,7 +141,8 @@ class OutputSubmodel(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, H] -> logits: [S, V] fp32 (stable softmax) on the CPU, where sampling's generators live
-        return self.lm_head(self.norm(hidden)).float().cpu()
+        native = run_native_head(self.norm, self.lm_head, hidden)  # the same bits, in C++, where it applies
+        return native if native is not None else self.lm_head(self.norm(hidden)).float().cpu()
 
 
 @dataclass

@@ -259,6 +259,26 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<Layer>>& layers, at::Ten
   return hidden;
 }
 
+// split.OutputSubmodel's pass over float rows: the final RMSNorm (an HF RMSNorm's bits, as the layers' norms),
+// rounded to bfloat16 for the int8 LM head as quantized.project rounds it, the head's product, widened to float.
+// In Python its norm and the calls around the product cost a decode step about 0.15 ms, run cold.
+at::Tensor head_forward(const at::Tensor& hidden, const at::Tensor& gain, double eps, const at::Tensor& weight,
+                        const at::Tensor& scales) {
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.device().is_cpu(),
+              "hidden: [T, H] float on the CPU");
+  TORCH_CHECK(gain.scalar_type() == at::kFloat && gain.dim() == 1 && gain.size(0) == hidden.size(1),
+              "a float RMSNorm gain [H]");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2 && weight.size(1) == hidden.size(1),
+              "an int8 head [V, H]");
+  const at::Tensor rows = hidden.contiguous();
+  const int64_t count = rows.size(0), width = rows.size(1);
+  const at::TensorOptions floats = rows.options();
+  Scratch scratch{at::empty({count, width}, floats), at::empty({count}, floats),
+                  at::empty({count, width}, floats.dtype(at::kBFloat16))};
+  rms_norm_to_bf16(gain.contiguous(), rows, eps, scratch);
+  return int8mm::matmul(scratch.normed, weight, scales).to(at::kFloat);
+}
+
 // module.<name> as nn.Module.__getattr__ finds a registered parameter, buffer or submodule, read from its dicts
 // (a borrowed reference), or null where it is none of those
 PyObject* registered(PyObject* module, PyObject* name) {
@@ -340,6 +360,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("attend_paths", &invariant::attend_paths,
         "invariant_attention.attend_paths: rows over a shared prefix, then their own cache rows",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("head_forward", &head_forward, "OutputSubmodel's RMSNorm and int8 LM head: logits [T, V] float",
         py::call_guard<py::gil_scoped_release>());
   m.def("weights_at", &weights_at,
         "whether each layer's q_proj, gate_proj, o_proj, down_proj weights start at these addresses (4 per layer)");
