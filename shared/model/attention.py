@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from shared.model.invariant_attention import InvariantPlan, attend_sessions
 from shared.model.kv_cache import LayerKV, SessionKV
+from shared.model.rotary_table import ROTARY_TABLES
 from shared.model.tree_rows import TreeRows, check_trees
 
 
@@ -105,18 +106,20 @@ class PassPlan:
                 for past, n, tree in zip(pasts, lengths, trees)
             ]
         )  # [T]
-        cos, sin = rotary_emb(like, positions[None, :])  # each [1, T, D]
+        # every position is below its session's past + n (a tree's nodes sit at past + their depth)
+        limit = max((past + n for past, n in zip(pasts, lengths)), default=0)
+        cos, sin = ROTARY_TABLES.rows(rotary_emb, like, positions, limit)  # each [T, D]
         if invariant:
             invariant_plan = InvariantPlan.build(pasts, lengths, trees, device)
-            return cls(lengths, pasts, cos[0], sin[0], None, None, invariant_plan)
+            return cls(lengths, pasts, cos, sin, None, None, invariant_plan)
         if len(lengths) == 1 and lengths[0] == 1 and trees[0] is None:
-            return cls(lengths, pasts, cos[0], sin[0], None, None)  # a decode row sees its whole cache: no mask
+            return cls(lengths, pasts, cos, sin, None, None)  # a decode row sees its whole cache: no mask
         masks = [
             tree.mask().to(device) if tree is not None else _causal(past, n, device)
             for past, n, tree in zip(pasts, lengths, trees)
         ]  # [n_i, L_i] each
         if len(lengths) == 1:
-            return cls(lengths, pasts, cos[0], sin[0], masks[0], None)
+            return cls(lengths, pasts, cos, sin, masks[0], None)
         width, span = max(lengths), max(p + n for p, n in zip(pasts, lengths))
         mask = torch.zeros(len(lengths), 1, width, span, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True  # padding rows see one key, so their (discarded) softmax is finite
@@ -125,7 +128,7 @@ class PassPlan:
             mask[b, 0, :n] = False
             mask[b, 0, :n, : own.shape[1]] = own
             scatter.append(torch.arange(b * width, b * width + n, device=device))
-        return cls(lengths, pasts, cos[0], sin[0], mask, torch.cat(scatter))
+        return cls(lengths, pasts, cos, sin, mask, torch.cat(scatter))
 
     def padded_kv(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, Hkv, Lmax, D] key and value buffers, zeroed once per pass: every layer writes the same rows."""
