@@ -136,12 +136,12 @@ def gguf_pass_bytes(path: Path) -> int:
     return sum(int(tensor.n_bytes) for tensor in GGUFReader(str(path)).tensors)
 
 
-def llama_rate(threads: int, prompt: list[int], new_tokens: int) -> float | None:
+def llama_rate(threads: int, prompt: list[int], new_tokens: int, runs: int) -> float | None:
     if not LLAMA_PYTHON.exists():
         return None
     script = Path(__file__).with_name("llama_cpp_decode.py")
     command = [str(LLAMA_PYTHON), str(script), str(smollm2_gguf_path()), "--threads", str(threads),
-               "--prompt-ids", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens)]
+               "--prompt-ids", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens), "--repeats", str(runs + 1)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     return float(json.loads(done.stdout.strip().splitlines()[-1])["tok_s"])
 
@@ -168,6 +168,9 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--out", default="bench-results/engine.json")
     parser.add_argument("--profile", default="f32,int4", help="dtypes whose verify pass and draft step are profiled")
+    parser.add_argument("--runs", type=int, default=5,
+                        help="decode runs of --new-tokens per figure, the best reported (llama.cpp's alike, after "
+                             "a warm-up): one run is a third of a second, and this box's speed drifts within seconds")
     args = parser.parse_args()
     threads_list = [int(t) for t in args.threads.split(",")]
     bandwidth = {t: copy_bandwidth(t) for t in threads_list}
@@ -185,7 +188,7 @@ def main() -> None:
                 torch.set_num_threads(threads)
                 bw = bandwidth[threads]
                 row: dict = {"dtype": dtype, "threads": threads, "weight_mb": unsplit / 1e6}
-                row["decode_tok_s"], tokens = decode_rate(checkpoint, [prompt], args.new_tokens)
+                row["decode_tok_s"], tokens = decode_rate(checkpoint, [prompt], args.new_tokens, args.runs)
                 row["decode_floor_tok_s"] = bw / unsplit
                 row["decode8_tok_s"], _ = decode_rate(checkpoint, prompts[:8], args.new_tokens // 2)
                 row["decode8_floor_tok_s"] = 8 * bw / unsplit
@@ -209,7 +212,7 @@ def main() -> None:
         del checkpoint
     llama_bytes = gguf_pass_bytes(smollm2_gguf_path())
     for threads in threads_list:
-        rate = llama_rate(threads, prompt, args.new_tokens)
+        rate = llama_rate(threads, prompt, args.new_tokens, args.runs)
         results["runs"].append({"dtype": "llama.cpp Q4_1", "threads": threads, "decode_tok_s": rate,
                                 "weight_mb": llama_bytes / 1e6, "decode_floor_tok_s": bandwidth[threads] / llama_bytes})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
