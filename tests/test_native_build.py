@@ -166,6 +166,18 @@ def test_the_native_int4_product_is_close_to_the_exact_one_and_each_row_its_own(
     assert torch.equal(module.int4_matmul(x.repeat(5, 1), packed, scales), out.repeat(5, 1))  # 4 rows at a time too
 
 
+def test_the_native_int4_product_adds_each_pair_of_inputs_second_first():
+    """The kernel's sum order, pinned where it shows: products 2^24, 0 | 1, -2^24 give 1 when each pair adds its
+    second input first (2^24, then 2^24 - 2^24 + 1), and 0 in plain input order (2^24 + 1 rounds back to 2^24)."""
+    codes = torch.full((64, 32), 8, dtype=torch.int32)  # q - 8 = 0: no product
+    codes[:, [0, 2, 3]] = 12  # q - 8 = 4
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scales = torch.stack([torch.ones(1, 64), torch.zeros(1, 64)], dim=-1).bfloat16()  # scale 1, zero 0
+    x = torch.zeros(1, 32)
+    x[0, :4] = torch.tensor([2.0**22, 0.0, 0.25, -(2.0**22)])  # products 2^24, 0, 1, -2^24: exact
+    assert torch.equal(native_module().int4_matmul(x, packed, scales), torch.ones(1, 64, dtype=torch.bfloat16))
+
+
 def test_an_int4_weight_that_is_not_whole_64_row_blocks_goes_to_aten():
     packed, scales, _ = packed_int4(80, 64, seed=3)  # a 64-row block and a 16-row tail, packed otherwise
     x = torch.randn(2, 64)

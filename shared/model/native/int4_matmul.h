@@ -3,19 +3,28 @@
 // Why: a decode token at int4 reads 66 MB of packed weights and scales. ATen's `_weight_int4pack_mm_for_cpu`
 // turns them into products at about 10 GB/s on one thread of an AVX-512 box whose core reads 40 GB/s, so its
 // decode is bound by the unpacking, not by memory. Here a 64-row block is one stream of 32 bytes per input k
-// (ATen's layout: byte j holds row j in its low nibble, row j + 32 in its high), each nibble turned into
-// its float code - 8 by one table lookup (a vector permute), and the dequantization moved out of the inner
-// loop: per output row n and group g of 32 inputs,
+// (ATen's layout: byte j holds row j in its low nibble, row j + 32 in its high), and the dequantization is
+// moved out of the inner loop: per output row n and group g of 32 inputs,
 //
-//   t = sum over k in g, in order, of fma(x_bf16[k], q[n, k] - 8, .)          (exact codes; one rounding each)
+//   t = sum over the pairs (k, k + 1) of g, in order, of x_bf16[k + 1] (q[n, k + 1] - 8), then x_bf16[k] (q[n, k] - 8)
+//       (each product exact in float: 8 and 4 significant bits; each add rounded once)
 //   acc = fma(zero[g, n], xsum[g], fma(scale[g, n], t, acc))                  (groups in order)
 //   out[m, n] = bf16(acc)                                                      (xsum[g]: x_bf16 summed over g)
 //
 // which is the sum of x * ((q - 8) * scale + zero), the weight quantize_groups describes, in a fixed order of
-// its own. An output depends on its own row and column only, never on the call's rows or threads: batch-
-// invariant, as the quantized path must be. Wherever the extension is built every int4 product in the process
-// comes from here (the reference model's QuantizedLinear, the Python runner and the C++ layers), so they agree
-// bit for bit; elsewhere, and for a weight whose rows are not whole 64-row blocks, ATen's kernel serves.
+// its own. The pair order is AVX512-BF16's `vdpbf16ps`, which adds two inputs' products per lane and
+// instruction: where the CPU has it (and VBMI's byte permute, which lays a pair's two nibbles side by side),
+// a pair of inputs costs 4 of those, 2 byte and 4 word permutes (the nibbles' bfloat16 codes, by table) and
+// 2 shifts for 64 rows, against 8 fused multiply-adds and 12 unpacking steps one input at a time, which made
+// the one-row product compute-bound (31-36 GB/s with its weights in cache, 47-57 with pairs; on one AMD EPYC
+// core). Elsewhere the same order runs as fused multiply-adds, a float code per nibble by permute (AVX-512) or
+// one element at a time: the same bits, except that `vdpbf16ps` flushes subnormal inputs and sums to zero
+// (an activation below 1e-38).
+//
+// An output depends on its own row and column only, never on the call's rows or threads: batch-invariant, as
+// the quantized path must be. Wherever the extension is built every int4 product in the process comes from
+// here (the reference model's QuantizedLinear, the Python runner and the C++ layers), so they agree bit for
+// bit; elsewhere, and for a weight whose rows are not whole 64-row blocks, ATen's kernel serves.
 
 #pragma once
 
@@ -56,7 +65,8 @@ inline std::vector<float> group_sums(const float* x, int64_t batch, int64_t in) 
 }
 
 #if defined(__AVX512F__)
-// M activation rows against one 64-row block: out[m][0..63] (floats, before the bfloat16 rounding)
+// M activation rows against one 64-row block: out[m][0..63] (floats, before the bfloat16 rounding), one input at
+// a time (a CPU without AVX512-BF16)
 template <int M>
 inline void block_rows(const float* x, const float* xsum, int64_t in, const uint8_t* packed, const uint32_t* pairs,
                        int64_t out_features, float (*out)[kBlock]) {
@@ -71,7 +81,8 @@ inline void block_rows(const float* x, const float* xsum, int64_t in, const uint
     __m512 t[M][4];
     for (int m = 0; m < M; ++m)
       for (int c = 0; c < 4; ++c) t[m][c] = _mm512_setzero_ps();
-    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+    for (int64_t input = g * kGroup; input < (g + 1) * kGroup; ++input) {
+      const int64_t k = input ^ 1;  // k + 1, then k: the pair order
       const uint8_t* bytes = packed + k * (kBlock / 2);
       _mm_prefetch(reinterpret_cast<const char*>(bytes) + 4096, _MM_HINT_T0);
       const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
@@ -101,6 +112,84 @@ inline void block_rows(const float* x, const float* xsum, int64_t in, const uint
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define INT4MM_PAIRS 1
+// vdpbf16ps's operands, built once: the bfloat16 codes q - 8 of q = 0..15, twice (a word permute reads five
+// index bits; the fifth is the high nibble's lowest), and the byte picks that put a pair's bytes side by side:
+// lane j's low word gets byte j of input k, its high word byte j of input k + 1 (rows j, j + 32 in their nibbles)
+struct PairTables {
+  alignas(64) uint16_t codes[32];
+  alignas(64) uint8_t first_rows[64];  // bytes 0-15 of both inputs: rows 0-15 and 32-47
+  alignas(64) uint8_t second_rows[64];  // bytes 16-31: rows 16-31 and 48-63
+};
+
+inline const PairTables& pair_tables() {
+  static const PairTables tables = [] {
+    PairTables t{};
+    for (int e = 0; e < 32; ++e) {
+      const float code = static_cast<float>(e % 16 - 8);
+      uint32_t bits;
+      std::memcpy(&bits, &code, sizeof bits);
+      t.codes[e] = static_cast<uint16_t>(bits >> 16);  // exact: a small integer's float has a zero low half
+    }
+    for (int j = 0; j < 16; ++j) {
+      t.first_rows[4 * j] = j, t.first_rows[4 * j + 2] = 32 + j;
+      t.second_rows[4 * j] = 16 + j, t.second_rows[4 * j + 2] = 48 + j;
+    }
+    return t;
+  }();
+  return tables;
+}
+
+// M activation rows against one 64-row block, a pair of inputs at a time (xpairs: each row's bfloat16 inputs
+// k, k + 1 as one 32-bit word, k in the low half)
+template <int M>
+inline void block_rows_pairs(const uint32_t* xpairs, const float* xsum, int64_t in, const uint8_t* packed,
+                             const uint32_t* pairs, int64_t out_features, float (*out)[kBlock]) {
+  const PairTables& tables = pair_tables();
+  const __m512i codes = _mm512_load_si512(tables.codes);
+  const __m512i first_rows = _mm512_load_si512(tables.first_rows), second_rows = _mm512_load_si512(tables.second_rows);
+  const __mmask64 low_bytes = 0x5555555555555555ULL;  // bytes 0 and 2 of each lane; the others zeroed
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
+  const int64_t groups = in / kGroup, pairs_in = in / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(pairs + (g + 2) * out_features + c * 16), _MM_HINT_T0);
+    __m512 t[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < 4; ++c) t[m][c] = _mm512_setzero_ps();
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += 2) {
+      const uint8_t* bytes = packed + k * (kBlock / 2);  // inputs k and k + 1: 64 bytes, one line
+      _mm_prefetch(reinterpret_cast<const char*>(bytes) + 4096, _MM_HINT_T0);
+      const __m512i both = _mm512_loadu_si512(bytes);
+      const __m512i first = _mm512_maskz_permutexvar_epi8(low_bytes, first_rows, both);
+      const __m512i second = _mm512_maskz_permutexvar_epi8(low_bytes, second_rows, both);
+      // rows 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles): lane j holds its row's two codes
+      const __m512i w[4] = {_mm512_permutexvar_epi16(first, codes), _mm512_permutexvar_epi16(second, codes),
+                            _mm512_permutexvar_epi16(_mm512_srli_epi16(first, 4), codes),
+                            _mm512_permutexvar_epi16(_mm512_srli_epi16(second, 4), codes)};
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xk = (__m512bh)_mm512_set1_epi32(static_cast<int>(xpairs[m * pairs_in + k / 2]));
+        for (int c = 0; c < 4; ++c) t[m][c] = _mm512_dpbf16_ps(t[m][c], xk, (__m512bh)w[c]);
+      }
+    }
+    for (int c = 0; c < 4; ++c) {
+      const __m512i pair = _mm512_loadu_si512(pairs + g * out_features + c * 16);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+      for (int m = 0; m < M; ++m) {
+        acc[m][c] = _mm512_fmadd_ps(scale, t[m][c], acc[m][c]);
+        acc[m][c] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * groups + g]), acc[m][c]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out[m] + c * 16, acc[m][c]);
+}
+#endif
+
 // the same sums one element at a time (a machine without AVX-512): the same fused operations in the same order
 inline void block_rows_scalar(const float* x, const float* xsum, int64_t in, const uint8_t* packed,
                               const uint32_t* pairs, int64_t out_features, float* out) {
@@ -110,7 +199,8 @@ inline void block_rows_scalar(const float* x, const float* xsum, int64_t in, con
     float acc = 0.0f;
     for (int64_t g = 0; g < groups; ++g) {
       float t = 0.0f;
-      for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+      for (int64_t input = g * kGroup; input < (g + 1) * kGroup; ++input) {
+        const int64_t k = input ^ 1;  // k + 1, then k: the pair order
         const int code = (packed[k * (kBlock / 2) + byte] >> shift) & 0xF;
         t = std::fma(x[k], static_cast<float>(code - 8), t);
       }
@@ -143,6 +233,15 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at
   at::Tensor out = at::empty({batch, out_features}, x.options().dtype(at::kBFloat16));
   const float* xs = rounded.data();
   const std::vector<float> sums = group_sums(xs, batch, in);
+#if defined(INT4MM_PAIRS)
+  std::vector<uint32_t> xpairs(batch * in / 2);  // [M, K / 2]: inputs 2i, 2i + 1 as bfloat16, 2i in the low half
+  for (int64_t i = 0; i < batch * in / 2; ++i) {
+    uint32_t even, odd;  // the rounded inputs' float bits: a bfloat16 is their high half, exactly
+    std::memcpy(&even, xs + 2 * i, sizeof even);
+    std::memcpy(&odd, xs + 2 * i + 1, sizeof odd);
+    xpairs[i] = (even >> 16) | (odd & 0xFFFF0000u);
+  }
+#endif
   const uint8_t* packed = packed_tensor.data_ptr<uint8_t>();
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(pairs_tensor.data_ptr<c10::BFloat16>());
   c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
@@ -156,7 +255,15 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at
         const int64_t count = std::min<int64_t>(kRowsAtOnce, batch - m);
         const float* x_rows = xs + m * in;
         const float* x_sums = sums.data() + m * groups;
-#if defined(__AVX512F__)
+#if defined(INT4MM_PAIRS)
+        const uint32_t* x_pairs = xpairs.data() + m * (in / 2);
+        switch (count) {
+          case 4: block_rows_pairs<4>(x_pairs, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
+          case 3: block_rows_pairs<3>(x_pairs, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
+          case 2: block_rows_pairs<2>(x_pairs, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
+          default: block_rows_pairs<1>(x_pairs, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
+        }
+#elif defined(__AVX512F__)
         switch (count) {
           case 4: block_rows<4>(x_rows, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
           case 3: block_rows<3>(x_rows, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
