@@ -65,13 +65,30 @@ inline std::vector<float> group_sums(const float* x, int64_t batch, int64_t in) 
 }
 
 #if defined(__AVX512F__)
+// acc += scale * t + zero * xsum for one group of M rows' sums t over a 64-row block (group_pairs: the group's
+// (scale, zero) bfloat16 pairs of the block's rows; xsum: each row's group sums, `groups` apart)
+template <int M>
+inline void add_group(const __m512 (&t)[M][4], const uint32_t* group_pairs, const float* xsum, int64_t groups,
+                      __m512 (&acc)[M][4]) {
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < 4; ++c) {
+    // 16 rows' (scale, zero) pairs: a bfloat16 is a float's high half
+    const __m512i pair = _mm512_loadu_si512(group_pairs + c * 16);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+    for (int m = 0; m < M; ++m) {
+      acc[m][c] = _mm512_fmadd_ps(scale, t[m][c], acc[m][c]);
+      acc[m][c] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * groups]), acc[m][c]);
+    }
+  }
+}
+
 // M activation rows against one 64-row block: out[m][0..63] (floats, before the bfloat16 rounding), one input at
 // a time (a CPU without AVX512-BF16)
 template <int M>
 inline void block_rows(const float* x, const float* xsum, int64_t in, const uint8_t* packed, const uint32_t* pairs,
                        int64_t out_features, float (*out)[kBlock]) {
   const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[M][4];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -96,16 +113,7 @@ inline void block_rows(const float* x, const float* xsum, int64_t in, const uint
         for (int c = 0; c < 4; ++c) t[m][c] = _mm512_fmadd_ps(xk, w[c], t[m][c]);
       }
     }
-    for (int c = 0; c < 4; ++c) {
-      // 16 rows' (scale, zero) bfloat16 pairs: a bfloat16 is a float's high half
-      const __m512i pair = _mm512_loadu_si512(pairs + g * out_features + c * 16);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-      for (int m = 0; m < M; ++m) {
-        acc[m][c] = _mm512_fmadd_ps(scale, t[m][c], acc[m][c]);
-        acc[m][c] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * groups + g]), acc[m][c]);
-      }
-    }
+    add_group<M>(t, pairs + g * out_features, xsum + g, groups, acc);
   }
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out[m] + c * 16, acc[m][c]);
@@ -150,7 +158,6 @@ inline void block_rows_pairs(const uint32_t* xpairs, const float* xsum, int64_t 
   const __m512i codes = _mm512_load_si512(tables.codes);
   const __m512i first_rows = _mm512_load_si512(tables.first_rows), second_rows = _mm512_load_si512(tables.second_rows);
   const __mmask64 low_bytes = 0x5555555555555555ULL;  // bytes 0 and 2 of each lane; the others zeroed
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[M][4];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -175,15 +182,7 @@ inline void block_rows_pairs(const uint32_t* xpairs, const float* xsum, int64_t 
         for (int c = 0; c < 4; ++c) t[m][c] = _mm512_dpbf16_ps(t[m][c], xk, (__m512bh)w[c]);
       }
     }
-    for (int c = 0; c < 4; ++c) {
-      const __m512i pair = _mm512_loadu_si512(pairs + g * out_features + c * 16);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
-      for (int m = 0; m < M; ++m) {
-        acc[m][c] = _mm512_fmadd_ps(scale, t[m][c], acc[m][c]);
-        acc[m][c] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * groups + g]), acc[m][c]);
-      }
-    }
+    add_group<M>(t, pairs + g * out_features, xsum + g, groups, acc);
   }
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out[m] + c * 16, acc[m][c]);
