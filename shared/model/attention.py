@@ -106,9 +106,9 @@ class PassPlan:
                 for past, n, tree in zip(pasts, lengths, trees)
             ]
         )  # [T]
-        # every position is below its session's past + n (a tree's nodes sit at past + their depth)
-        limit = max((past + n for past, n in zip(pasts, lengths)), default=0)
-        cos, sin = ROTARY_TABLES.rows(rotary_emb, like, positions, limit)  # each [T, D]
+        # the pass's keys: every session's past + n (also above every position: a tree's nodes sit at past + depth)
+        span = max((past + n for past, n in zip(pasts, lengths)), default=0)
+        cos, sin = ROTARY_TABLES.rows(rotary_emb, like, positions, span)  # each [T, D]
         if invariant:
             invariant_plan = InvariantPlan.build(pasts, lengths, trees, device)
             return cls(lengths, pasts, cos, sin, None, None, invariant_plan)
@@ -120,7 +120,7 @@ class PassPlan:
         ]  # [n_i, L_i] each
         if len(lengths) == 1:
             return cls(lengths, pasts, cos, sin, masks[0], None)
-        width, span = max(lengths), max(p + n for p, n in zip(pasts, lengths))
+        width = max(lengths)
         mask = torch.zeros(len(lengths), 1, width, span, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True  # padding rows see one key, so their (discarded) softmax is finite
         scatter = []

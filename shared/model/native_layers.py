@@ -115,7 +115,7 @@ def range_handles(module: ModuleType, layers: Sequence[torch.nn.Module]) -> list
     if known is not None and module.weights_at(layers, known.addresses):
         return known.handles
     handles = [native_layer(module, layer) for layer in layers]
-    fusions = [fused_layer(layer) for layer in layers]
+    fusions = [fused_layer(layer) for layer in layers]  # native_layer's own, cached: made or checked just now
     addresses = [p.weight.data_ptr() for f in fusions for p in (f.qkv, f.gate_up, f.o, f.down)]
     made = _RangeHandles(None if any(handle is None for handle in handles) else handles, addresses)
     _RANGES.setdefault(layers[0], {})[key] = made
