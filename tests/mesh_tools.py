@@ -10,12 +10,12 @@ import copy
 import json
 import threading
 import time
+from http import HTTPStatus
 
 import httpx
-
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
 
 class CapturingRelay:
@@ -42,18 +42,30 @@ class CapturingRelay:
         finally:
             await sink.close()
 
-    async def _handle(self, device_side) -> None:
+    async def _open_upstream(self, device_side, request):
+        """Connect to the cloud before the device's handshake completes: while the cloud is down the device
+        gets a 503 and sends nothing, as it would facing the verifier itself. (Accepting first would let
+        the device send a frame the relay never passes on, and its byte count would disagree with ours.)"""
         # The device's credential goes on to the verifier (a mesh with a secret refuses a handshake without one).
-        credential = device_side.request.headers.get("Authorization") if device_side.request else None
-        async with connect(self.upstream, max_size=None, compression=None, open_timeout=10,
-                           additional_headers={"Authorization": credential} if credential else None) as cloud_side:
+        credential = request.headers.get("Authorization")
+        try:
+            device_side.cloud_side = await connect(
+                self.upstream, max_size=None, compression=None, open_timeout=10,
+                additional_headers={"Authorization": credential} if credential else None)
+        except (OSError, TimeoutError, InvalidHandshake) as exc:
+            return device_side.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"upstream unavailable: {exc}\n")
+        return None
+
+    async def _handle(self, device_side) -> None:
+        async with device_side.cloud_side as cloud_side:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._pipe(device_side, cloud_side, record=self.frames))
                 tasks.create_task(self._pipe(cloud_side, device_side, record=self.replies))
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        async with serve(self._handle, "127.0.0.1", 0, max_size=None, compression=None) as server:
+        async with serve(self._handle, "127.0.0.1", 0, max_size=None, compression=None,
+                         process_request=self._open_upstream) as server:
             self.port = server.sockets[0].getsockname()[1]
             self._ready.set()
             await self._stop.wait()
