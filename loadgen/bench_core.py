@@ -14,6 +14,7 @@ import time
 from collections import Counter
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from shared.chat import has_chat_template
 from shared.model.checkpoint import Checkpoint, load_checkpoint
@@ -132,11 +133,24 @@ def decode_rate(
     return best, tokens
 
 
+class _TokenClock(BaseStreamer):
+    """The time at which generate hands out each batch of ids: the prompt first, then one token per step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 @torch.inference_mode()
 def transformers_rate(checkpoint: Checkpoint, prompts: list[list[int]], new_tokens: int) -> float:
     """Aggregate decode tok/s of transformers' greedy `generate` over len(prompts) sequences in one batch
-    (left-padded, with an attention mask), on the model's device; the prefill's time is taken out (the fastest
-    of three timings each)."""
+    (left-padded, with an attention mask), on the model's device: the clock runs from the prefill's token to
+    the last of new_tokens more, as generate hands them out (the fastest of three runs)."""
     model = checkpoint.model
     device = model.device
     width = max(len(p) for p in prompts)
@@ -144,17 +158,16 @@ def transformers_rate(checkpoint: Checkpoint, prompts: list[list[int]], new_toke
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     options = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0)
 
-    def seconds(tokens: int) -> float:
-        sync(device)
-        started = time.perf_counter()
-        model.generate(**options, max_new_tokens=tokens, min_new_tokens=tokens)
-        sync(device)
-        return time.perf_counter() - started
+    def decode_seconds() -> float:
+        # Timed inside one run, not as a full run less a prefill-only run: two runs' pauses differ, and the
+        # difference of two short runs came out negative on a busy CPU (CI saw -704 tok/s).
+        clock = _TokenClock()
+        model.generate(**options, max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1, streamer=clock)
+        assert len(clock.times) == new_tokens + 2, "generate handed out a token count other than asked"
+        return clock.times[-1] - clock.times[1]  # each put copies the tokens to the host: the step has finished
 
-    seconds(2)  # warm-up
-    # the fastest of three each: one pause in a single prefill timing could exceed a short run's decode time
-    prefill = min(seconds(1) for _ in range(3))
-    return len(prompts) * new_tokens / (min(seconds(new_tokens + 1) for _ in range(3)) - prefill)
+    decode_seconds()  # warm-up
+    return len(prompts) * new_tokens / min(decode_seconds() for _ in range(3))
 
 
 def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, threads: int) -> dict[str, float]:
