@@ -123,6 +123,11 @@ class FusedLayer:
         weights = AttentionWeights(project_qkv, self.o, self.q_size // self.head_dim, self.head_dim, self.scaling)
         object.__setattr__(self, "attention", weights)
 
+    def weight_addresses(self) -> list[int]:
+        """The fused weights' addresses in is_current's order (q/k/v, gate/up, o, down): what the HF modules'
+        q_proj, gate_proj, o_proj and down_proj weights start at while the fusion is current."""
+        return [projection.weight.data_ptr() for projection in (self.qkv, self.gate_up, self.o, self.down)]
+
     def is_current(self) -> bool:
         """Whether the HF modules still compute with this fusion's tensors (checked on every pass: it reads
         the modules' own dicts, as nn.Module.__getattr__ would, without its cost of about 1.5 us a lookup)."""

@@ -94,7 +94,7 @@ def native_layer(module: ModuleType, layer: Any) -> Any | None:
 @dataclass(frozen=True)
 class _RangeHandles:
     """A layer range's C++ handles (None: a layer the C++ file does not compute) and the weights they were made
-    from: each layer's q/k/v, gate/up, o and down fusions' addresses, in FusedLayer.is_current's order."""
+    from: each layer's FusedLayer.weight_addresses (the order weights_at checks them in)."""
 
     handles: list[Any] | None
     addresses: list[int]
@@ -115,8 +115,8 @@ def range_handles(module: ModuleType, layers: Sequence[torch.nn.Module]) -> list
     if known is not None and module.weights_at(layers, known.addresses):
         return known.handles
     handles = [native_layer(module, layer) for layer in layers]
-    fusions = [fused_layer(layer) for layer in layers]  # native_layer's own, cached: made or checked just now
-    addresses = [p.weight.data_ptr() for f in fusions for p in (f.qkv, f.gate_up, f.o, f.down)]
+    # native_layer's own fusions, cached: made or checked just now
+    addresses = [address for layer in layers for address in fused_layer(layer).weight_addresses()]
     made = _RangeHandles(None if any(handle is None for handle in handles) else handles, addresses)
     _RANGES.setdefault(layers[0], {})[key] = made
     return made.handles
