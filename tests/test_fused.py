@@ -30,7 +30,7 @@ def test_int8_projections_fuse_with_their_scales():
     before = torch.cat([linear(x) for linear in linears], dim=-1)
     fused = fuse(linears)
     assert fused.scales is not None and fused.weight.dtype is torch.int8
-    torch.testing.assert_close(fused(x), before, atol=1e-2, rtol=1e-2)
+    assert torch.equal(fused(x), before)  # each output its own row's sums, whatever the neighbours
     assert linears[0].weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
@@ -38,7 +38,7 @@ def test_int8_projections_fuse_with_their_scales():
     "linears",
     [
         lambda: [torch.nn.Linear(8, 4), torch.nn.Linear(6, 4)],  # different inputs
-        lambda: [torch.nn.Linear(8, 4), QuantizedLinear.from_linear(torch.nn.Linear(8, 4))],  # different kinds
+        lambda: [torch.nn.Linear(32, 4), QuantizedLinear.from_linear(torch.nn.Linear(32, 4))],  # different kinds
         lambda: [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4, dtype=torch.bfloat16)],  # different dtypes
         lambda: [torch.nn.Conv1d(8, 4, 1)],
     ],

@@ -89,49 +89,57 @@ def test_bad_arguments_to_the_native_attention_raise_instead_of_crashing():
         module.attend_paths(queries[0], keys[0], keys[0], 64, tails[:, :0], torch.zeros(1, 64), 0.125)
 
 
-@pytest.mark.parametrize("rows, out_features, in_features", [(1, 49152 // 64, 576), (5, 13, 40), (3, 4, 16)])
-def test_the_native_int8_product_is_close_to_the_exact_one_and_each_row_its_own(rows, out_features, in_features):
-    generator = torch.Generator().manual_seed(rows + out_features)
-    weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
-    scales = (torch.rand(out_features, generator=generator) / 50).bfloat16()
-    x = torch.randn(rows, in_features, generator=generator)
+def q8_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 codes, a float scale per group of 32 inputs (fp16 values, as Q8_0 keeps them); and the float64 weight."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+    scales = (torch.rand(out_features, in_features // 32, generator=generator) / 50).half().float()
+    dense = weight.double().view(out_features, -1, 32) * scales.double()[..., None]
+    return weight, scales, dense.view(out_features, in_features)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 49152 // 64, 576), (5, 13, 64), (3, 4, 32)])
+def test_the_native_int8_product_is_the_exact_one_in_float32_and_each_row_its_own(rows, out_features, in_features):
+    weight, scales, dense = q8_weight(out_features, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     module = native_module()
     out = module.int8_matmul(x, weight, scales)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    # the float64 product (ATen's own kernel is no reference here: it crashes on shapes like 13 x 40)
-    reference = (x.bfloat16().double() @ weight.double().T) * scales.double()
-    torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-3)  # rounded to bfloat16
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    reference = x.double() @ dense.T  # float32 inputs multiplied as they are, no rounding of the output
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
     for row in range(rows):  # a row alone gives the bits it gets among the others: batch-invariant
         assert torch.equal(module.int8_matmul(x[row : row + 1], weight, scales), out[row : row + 1])
 
 
 def test_quantized_int8_products_go_through_the_native_kernel_where_it_is_built(monkeypatch):
-    weight, scales = torch.randint(-128, 128, (8, 32), dtype=torch.int8), torch.rand(8).bfloat16()
-    x = torch.randn(2, 32)
-    assert torch.equal(project(x, weight, None, scales), native_module().int8_matmul(x, weight, scales).float())
-    monkeypatch.setenv(native_build.SWITCH_ENV, "off")
-    assert torch.equal(
-        project(x, weight, None, scales), torch._weight_int8pack_mm(x.bfloat16(), weight, scales).float()
-    )
+    weight, scales, dense = q8_weight(8, 64, seed=1)
+    x = torch.randn(2, 64)
+    assert torch.equal(project(x, weight, None, scales), native_module().int8_matmul(x, weight, scales))
+    monkeypatch.setenv(native_build.SWITCH_ENV, "off")  # torch: the dequantized weight, in float32
+    torch.testing.assert_close(project(x, weight, None, scales).double(), x.double() @ dense.T, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_arguments_to_the_native_int8_product_raise_instead_of_crashing():
     module = native_module()
-    weight, scales = torch.randint(-128, 128, (8, 32), dtype=torch.int8), torch.rand(8).bfloat16()
+    weight, scales, _ = q8_weight(8, 32, seed=2)
     with pytest.raises(RuntimeError, match="with the weight's K"):
         module.int8_matmul(torch.randn(2, 31), weight, scales)
-    with pytest.raises(RuntimeError, match="scales: bfloat16"):
-        module.int8_matmul(torch.randn(2, 32), weight, scales.float())
+    with pytest.raises(RuntimeError, match="scales: float"):
+        module.int8_matmul(torch.randn(2, 32), weight, scales.bfloat16())
+    with pytest.raises(RuntimeError, match="scales: float"):
+        module.int8_matmul(torch.randn(2, 32), weight, scales[:4])
     with pytest.raises(RuntimeError, match="weight: int8"):
         module.int8_matmul(torch.randn(2, 32), weight.float(), scales)
+    with pytest.raises(RuntimeError, match="a multiple of 32"):
+        module.int8_matmul(torch.randn(2, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        module.int8_matmul(torch.randn(2, 32).double(), weight, scales)
 
 
 def test_the_native_int8_product_sums_a_16_row_block_as_it_sums_one_row():
     # rows 0-31 go through the 16-row reduction, a weight of one row through lane_sum: the same tree, bit for bit
-    generator = torch.Generator().manual_seed(16)
-    weight = torch.randint(-128, 128, (33, 576), dtype=torch.int8, generator=generator)
-    scales = (torch.rand(33, generator=generator) / 50).bfloat16()
-    x = torch.randn(3, 576, generator=generator)
+    weight, scales, _ = q8_weight(33, 576, seed=16)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(16))
     module = native_module()
     out = module.int8_matmul(x, weight, scales)
     for row in range(33):
@@ -139,59 +147,62 @@ def test_the_native_int8_product_sums_a_16_row_block_as_it_sums_one_row():
 
 
 def packed_int4(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes 0..15, scales and zeros in bfloat16, packed as quantize_groups packs them; and the float64 weight."""
+    """Codes 0..15, fp16 scales and mins (Q4_1's), packed as quantize_q4 packs them; and the float64 weight."""
     generator = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=generator)
     groups = in_features // 32
-    scale = (torch.rand(groups, out_features, generator=generator) / 50).bfloat16()
-    zero = (torch.randn(groups, out_features, generator=generator) / 20).bfloat16()
+    scale = (torch.rand(groups, out_features, generator=generator) / 50).half()
+    low = (torch.randn(groups, out_features, generator=generator) / 20).half()
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    dense = (codes.double() - 8).view(out_features, groups, 32) * scale.double().T[..., None] + zero.double().T[..., None]
-    return packed, torch.stack([scale, zero], dim=-1), dense.view(out_features, in_features)
+    dense = codes.double().view(out_features, groups, 32) * scale.double().T[..., None] + low.double().T[..., None]
+    return packed, torch.stack([scale, low], dim=-1), dense.view(out_features, in_features)
 
 
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 576, 576), (6, 192, 1536), (9, 128, 64)])
-def test_the_native_int4_product_is_close_to_the_exact_one_and_each_row_its_own(rows, out_features, in_features):
+def test_the_native_int4_product_is_the_exact_one_in_float32_and_each_row_its_own(rows, out_features, in_features):
     packed, scales, dense = packed_int4(out_features, in_features, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     module = native_module()
     out = module.int4_matmul(x, packed, scales)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    reference = x.bfloat16().double() @ dense.T  # (q - 8) * scale + zero, as quantize_groups describes it
-    torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-3)  # rounded to bfloat16
-    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales)
-    torch.testing.assert_close(out.double(), aten.double(), rtol=1e-2, atol=1e-3)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    reference = x.double() @ dense.T  # q * scale + min, float32 inputs as they are, no rounding of the output
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
     for row in range(rows):  # a row alone gives the bits it gets among the others: batch-invariant
         assert torch.equal(module.int4_matmul(x[row : row + 1], packed, scales), out[row : row + 1])
     assert torch.equal(module.int4_matmul(x.repeat(5, 1), packed, scales), out.repeat(5, 1))  # 4 rows at a time too
+    halves = x.bfloat16()  # bfloat16 inputs: their own path (AVX512-BF16 pairs where the CPU has them), as exact
+    torch.testing.assert_close(
+        module.int4_matmul(halves, packed, scales).double(), halves.double() @ dense.T, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_the_native_int4_product_adds_each_pair_of_inputs_second_first():
     """The kernel's sum order, pinned where it shows: products 2^24, 0 | 1, -2^24 give 1 when each pair adds its
     second input first (2^24, then 2^24 - 2^24 + 1), and 0 in plain input order (2^24 + 1 rounds back to 2^24)."""
-    codes = torch.full((64, 32), 8, dtype=torch.int32)  # q - 8 = 0: no product
-    codes[:, [0, 2, 3]] = 12  # q - 8 = 4
+    codes = torch.zeros((64, 32), dtype=torch.int32)  # q = 0: no product
+    codes[:, [0, 2, 3]] = 4
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    scales = torch.stack([torch.ones(1, 64), torch.zeros(1, 64)], dim=-1).bfloat16()  # scale 1, zero 0
+    scales = torch.stack([torch.ones(1, 64), torch.zeros(1, 64)], dim=-1).half()  # scale 1, min 0
     x = torch.zeros(1, 32)
     x[0, :4] = torch.tensor([2.0**22, 0.0, 0.25, -(2.0**22)])  # products 2^24, 0, 1, -2^24: exact
-    assert torch.equal(native_module().int4_matmul(x, packed, scales), torch.ones(1, 64, dtype=torch.bfloat16))
+    assert torch.equal(native_module().int4_matmul(x, packed, scales), torch.ones(1, 64))
+    assert torch.equal(native_module().int4_matmul(x.bfloat16(), packed, scales), torch.ones(1, 64))
 
 
-def test_an_int4_weight_that_is_not_whole_64_row_blocks_goes_to_aten():
-    packed, scales, _ = packed_int4(80, 64, seed=3)  # a 64-row block and a 16-row tail, packed otherwise
+def test_an_int4_weight_that_is_not_whole_64_row_blocks_goes_to_aten_in_float32():
+    packed, scales, dense = packed_int4(80, 64, seed=3)  # a 64-row block and a 16-row tail, packed otherwise
     x = torch.randn(2, 64)
-    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales)
-    assert torch.equal(native_module().int4_matmul(x, packed, scales), aten)
+    out = native_module().int4_matmul(x, packed, scales)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), x.double() @ dense.T, rtol=1e-5, atol=1e-5)
 
 
 def test_quantized_int4_products_go_through_the_native_kernel_where_it_is_built(monkeypatch):
-    packed, scales, _ = packed_int4(64, 64, seed=4)
+    packed, scales, dense = packed_int4(64, 64, seed=4)
     x = torch.randn(2, 64)
-    assert torch.equal(project(x, packed, None, scales), native_module().int4_matmul(x, packed, scales).float())
-    monkeypatch.setenv(native_build.SWITCH_ENV, "off")
-    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32, scales)
-    assert torch.equal(project(x, packed, None, scales), aten.float())
+    assert torch.equal(project(x, packed, None, scales), native_module().int4_matmul(x, packed, scales))
+    monkeypatch.setenv(native_build.SWITCH_ENV, "off")  # torch: the dequantized weight, in float32
+    torch.testing.assert_close(project(x, packed, None, scales).double(), x.double() @ dense.T, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_arguments_to_the_native_int4_product_raise_instead_of_crashing():
@@ -199,9 +210,11 @@ def test_bad_arguments_to_the_native_int4_product_raise_instead_of_crashing():
     packed, scales, _ = packed_int4(64, 64, seed=5)
     with pytest.raises(RuntimeError, match="with the weight's K"):
         module.int4_matmul(torch.randn(2, 63), packed, scales)
-    with pytest.raises(RuntimeError, match="scales: bfloat16"):
+    with pytest.raises(RuntimeError, match="scales: float16"):
         module.int4_matmul(torch.randn(2, 64), packed, scales.float())
     with pytest.raises(RuntimeError, match="weight: packed int4"):
         module.int4_matmul(torch.randn(2, 64), packed.to(torch.int8), scales)
-    with pytest.raises(RuntimeError, match="scales: bfloat16"):
+    with pytest.raises(RuntimeError, match="scales: float16"):
         module.int4_matmul(torch.randn(2, 64), packed, scales[:, :32])
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        module.int4_matmul(torch.randn(2, 64).double(), packed, scales)

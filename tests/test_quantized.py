@@ -1,4 +1,4 @@
-"""shared/model/quantized.py: per-row int8 weights, the matmul, the in-place quantized model."""
+"""shared/model/quantized.py: Q8_0 / Q4_1 blocks, the float32 products, the in-place quantized model."""
 
 from __future__ import annotations
 
@@ -7,60 +7,103 @@ import torch
 
 from shared.model.checkpoint import load_checkpoint
 from shared.model.quantized import (
-    MATMUL_DTYPE,
+    GROUP,
     QuantizationError,
     QuantizedLinear,
+    dequantize,
     dequantize_linears,
+    int4_codes,
     is_quantized,
     project,
-    quantize_rows,
+    quantize_q4,
+    quantize_q8,
 )
 
 
-def test_rows_round_trip_within_half_a_step():
+def test_q8_groups_round_trip_within_half_a_step():
     weight = torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different scales
-    weight[5] = 0.0  # an all-zero row must not divide by zero
-    quantized, scales = quantize_rows(weight)
-    assert quantized.dtype is torch.int8 and int(quantized.abs().max()) <= 127
-    restored = quantized.float() * scales[:, None]
-    assert torch.all((restored - weight).abs() <= scales[:, None] / 2 + 1e-7)
-    assert torch.equal(restored[5], torch.zeros(64))
+    weight[5, :32] = 0.0  # an all-zero group must not divide by zero
+    codes, scales = quantize_q8(weight)
+    assert codes.dtype is torch.int8 and int(codes.abs().max()) <= 127 and scales.shape == (48, 64 // GROUP)
+    assert torch.equal(scales, scales.half().float())  # fp16 values, as Q8_0 stores them
+    restored = dequantize(codes, scales)
+    steps = scales.repeat_interleave(GROUP, dim=1)
+    assert torch.all((restored - weight).abs() <= steps / 2 + 1e-7)
+    assert torch.equal(restored[5, :32], torch.zeros(32))
 
 
-@pytest.mark.parametrize("bad", [torch.randn(4), torch.randint(0, 9, (4, 4)), torch.randn(2, 3, 4)])
+def test_q4_groups_round_trip_within_half_a_step_and_unpack_to_their_codes():
+    weight = torch.randn(128, 96)
+    weight[3, :32] = 0.25  # a constant group: scale 0, every weight its min
+    packed, scales = quantize_q4(weight)
+    assert packed.dtype is torch.uint8 and scales.dtype is torch.float16 and scales.shape == (3, 128, 2)
+    restored = dequantize(packed, scales)
+    steps = scales[..., 0].float().T.repeat_interleave(GROUP, dim=1)  # [out, in]: each input's group step
+    assert torch.all((restored - weight).abs() <= steps / 2 + 1e-3 * weight.abs().max())
+    assert torch.equal(restored[3, :32], torch.full((32,), 0.25))
+    codes = torch.randint(0, 16, (128, 64), dtype=torch.int32)
+    assert torch.equal(int4_codes(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)).int(), codes)
+
+
+def test_weights_already_in_q4_1_and_q8_0_blocks_are_kept_bit_for_bit():
+    """A GGUF's Q4_1 group holds q * d + m (q in 0..15, fp16 d and m), the min at q = 0 and the max at 15; a
+    Q8_0 group q * d with max |q| = 127: requantized from those values, they are the same weights exactly."""
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 16, (64, 128), generator=generator).float()
+    q[:, ::32], q[:, 1::32] = 0.0, 15.0
+    d = (torch.rand(64, 4, 1, generator=generator) / 40).half().float()
+    m = (-8 * d - torch.rand(64, 4, 1, generator=generator) / 100).half().float()
+    weight = (q.view(64, 4, 32) * d + m).view(64, 128)
+    assert torch.equal(dequantize(*quantize_q4(weight)), weight)
+    signed = torch.randint(-127, 128, (64, 128), generator=generator).float()
+    signed[:, ::32] = 127.0
+    scale = (torch.rand(64, 4, 1, generator=generator) / 40).half().float()
+    weight = (signed.view(64, 4, 32) * scale).view(64, 128)
+    assert torch.equal(dequantize(*quantize_q8(weight)), weight)
+
+
+@pytest.mark.parametrize("bad", [torch.randn(4), torch.randint(0, 9, (4, 32)), torch.randn(2, 3, 32)])
 def test_only_2d_float_weights_quantize(bad):
     with pytest.raises(QuantizationError, match="2-D float"):
-        quantize_rows(bad)
+        quantize_q8(bad)
 
 
-def test_int8_linear_refuses_mismatched_scales():
+def test_a_group_beyond_float16_is_refused():
+    with pytest.raises(QuantizationError, match="float16"):
+        quantize_q8(torch.full((4, 32), 1e9))
+
+
+def test_quantized_linear_refuses_mismatched_scales():
     with pytest.raises(QuantizationError, match="scales"):
-        QuantizedLinear(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))
+        QuantizedLinear(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1))
+    with pytest.raises(QuantizationError, match="scales"):
+        QuantizedLinear(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2).half())
     with pytest.raises(QuantizationError, match="int8"):
-        QuantizedLinear(torch.zeros(4, 8), torch.ones(4))
+        QuantizedLinear(torch.zeros(4, 64), torch.ones(4, 2))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 3, 17])
-def test_the_product_is_the_dequantized_matmul_on_bfloat16_inputs_returned_in_the_input_dtype(rows):
-    linear = torch.nn.Linear(64, 40, bias=True)
-    int8 = QuantizedLinear.from_linear(linear)
+def test_the_product_sums_and_returns_float32_with_no_bfloat16_rounding(bits, rows):
+    linear = torch.nn.Linear(64, 128, bias=True)
+    quantized = QuantizedLinear.from_linear(linear, bits)
     x = torch.randn(rows, 64)
-    got = int8(x)
-    assert got.dtype is torch.float32 and got.shape == (rows, 40)
-    dequantized = int8.weight.float() * int8.scales.float()[:, None]
-    expected = x.to(MATMUL_DTYPE).float() @ dequantized.T + linear.bias
-    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)  # bf16 output rounding
-    torch.testing.assert_close(got, linear(x), atol=0.1, rtol=0.05)  # and near the float layer
-    assert torch.equal(project(x, int8.weight, int8.bias, int8.scales), got)
+    got = quantized(x)
+    assert got.dtype is torch.float32 and got.shape == (rows, 128)
+    expected = x.double() @ quantized.dequantized().double().T + linear.bias.double()
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)  # float32 sums of the exact products
+    assert not torch.equal(got, got.bfloat16().float())  # an output rounded to bfloat16 would equal its rounding
+    assert torch.equal(project(x, quantized.weight, quantized.bias, quantized.scales), got)
 
 
-def test_a_row_computes_the_same_alone_or_in_a_batch():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_row_computes_the_same_alone_or_in_a_batch(bits):
     """The verifier packs rows of many sessions: a row's output must not depend on its neighbours."""
-    int8 = QuantizedLinear.from_linear(torch.nn.Linear(64, 96))
+    quantized = QuantizedLinear.from_linear(torch.nn.Linear(64, 128), bits)
     x = torch.randn(9, 64)
-    together = int8(x)
+    together = quantized(x)
     for i in range(9):
-        assert torch.equal(int8(x[i : i + 1])[0], together[i])
+        assert torch.equal(quantized(x[i : i + 1])[0], together[i])
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +124,7 @@ def test_the_model_is_quantized_in_place_and_everything_else_stays_float32(int8_
     ids = torch.tensor([[3, 50, 7, 120, 9]])
     with torch.inference_mode():
         got, want = model(input_ids=ids).logits, dense.model(input_ids=ids).logits
+    assert got.dtype is torch.float32
     assert (got - want).abs().max() < 0.05 * want.abs().max()  # close to the float model, not equal
 
 
@@ -90,38 +134,7 @@ def test_dequantized_copies_are_dense_and_trainable(int8_llama):
     attn = dequantize_linears(copy.deepcopy(int8_llama.decoder.layers[1].self_attn))
     source = int8_llama.decoder.layers[1].self_attn.q_proj
     assert type(attn.q_proj) is torch.nn.Linear and attn.q_proj.weight.dtype is torch.float32
-    torch.testing.assert_close(attn.q_proj.weight, source.weight.float() * source.scales.float()[:, None])
-
-
-def test_int4_groups_round_trip_within_half_a_step_and_the_kernel_multiplies_what_was_kept():
-    from shared.model.quantized import INT4_GROUP
-
-    linear = torch.nn.Linear(96, 48, bias=False)
-    int4 = QuantizedLinear.from_linear(linear, bits=4)
-    assert int4.bits == 4 and int4.in_features == 96 and int4.weight.dtype is torch.uint8
-    kept = int4.dequantized()  # [out, in], read back through the kernel
-    steps = int4.scales[..., 0].float().T.repeat_interleave(INT4_GROUP, dim=1)  # [out, in]: each input's group step
-    assert torch.all((kept - linear.weight).abs() <= steps / 2 + 2e-2 * linear.weight.abs().max())
-    x = torch.randn(5, 96)
-    torch.testing.assert_close(int4(x), x.to(MATMUL_DTYPE).float() @ kept.T, atol=3e-2, rtol=3e-2)
-
-
-def test_int4_holds_weights_already_on_a_sixteen_level_grid_almost_exactly():
-    """A Q4_1 GGUF's weights (SmolLM2's): every group of 32 holds d * q + m with q in 0..15."""
-    torch.manual_seed(2)
-    q = torch.randint(0, 16, (32, 64)).float()
-    q[:, ::32] = 0.0
-    q[:, 1::32] = 15.0  # each group spans the whole grid, as a quantizer's output does
-    weight = q * 0.01 + 0.003
-    kept = QuantizedLinear.from_linear(_linear_with(weight), bits=4).dequantized()
-    assert (kept - weight).abs().max() < 0.1 * 0.01  # bf16 scales and zeros: not bit-exact, a tenth of a grid step
-
-
-def _linear_with(weight: torch.Tensor) -> torch.nn.Linear:
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-    return linear
+    assert torch.equal(attn.q_proj.weight, dequantize(source.weight, source.scales))
 
 
 def test_unknown_quantizations_are_refused(tiny_llama_dir):
@@ -131,11 +144,9 @@ def test_unknown_quantizations_are_refused(tiny_llama_dir):
         quantize_model(load_checkpoint(tiny_llama_dir, with_tokenizer=False).model, "int3")
 
 
-def test_int4_refuses_shapes_its_kernel_cannot_pack_and_the_model_keeps_those_in_int8():
-    from shared.model.quantized import quantize_groups
-
-    with pytest.raises(QuantizationError, match="multiple of 16"):
-        quantize_groups(torch.randn(40, 64))
+def test_int4_refuses_shapes_its_kernel_cannot_pack():
+    with pytest.raises(QuantizationError, match="multiple of 64"):
+        quantize_q4(torch.randn(40, 64))
 
 
 def test_a_block_with_a_shape_int4_cannot_pack_stays_int8_whole_so_its_projections_still_fuse():
@@ -144,8 +155,8 @@ def test_a_block_with_a_shape_int4_cannot_pack_stays_int8_whole_so_its_projectio
     from shared.model.fused import fused_layer
     from shared.model.quantized import quantize_model
 
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                         num_attention_heads=8, num_key_value_heads=1)  # k/v: 8 outputs, not a multiple of 16
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=1)  # k/v: 8 outputs, not a multiple of 64
     model = quantize_model(LlamaForCausalLM(config).eval(), "int4")
     layer = model.model.layers[0]
     assert {getattr(layer.self_attn, f"{p}_proj").bits for p in "qkvo"} == {8}

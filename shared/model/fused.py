@@ -28,11 +28,11 @@ class FusionError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Projection:
-    """y = x @ weight.T (+ bias), the weight dense or int8 rows with per-row scales."""
+    """y = x @ weight.T (+ bias), the weight dense or quantized blocks with their scales."""
 
     weight: torch.Tensor  # [out, in]
     bias: torch.Tensor | None = None  # [out]
-    scales: torch.Tensor | None = None  # [out]: int8 weights only
+    scales: torch.Tensor | None = None  # int8: [out, in / 32]; int4: [in / 32, out, 2]; dense: None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias, self.scales)
@@ -72,7 +72,7 @@ def fuse(linears: Sequence[Any]) -> Projection:
     sizes = [weight.shape[0] for weight in weights]
     weight = torch.cat(weights)  # [sum(out), in]
     quantized = parts[0][2] is not None
-    # int8 scales are [out]; int4's scales and zeros [groups, out, 2]: both join along their out axis
+    # int8 scales are [out, groups]; int4's scales and mins [groups, out, 2]: both join along their out axis
     out_axis = 1 if weight.dtype == torch.uint8 else 0
     scales = torch.cat([s for _, _, s in parts], dim=out_axis) if quantized else None  # type: ignore[misc]
     biases = [b for _, b, _ in parts if b is not None]

@@ -1,25 +1,25 @@
-"""Weight-only quantization: int8 (one scale per output row) or int4 (groups of 32 inputs, a scale
-and a zero each) for the decoder's projections, int8 for the LM head; everything else (embeddings,
-norms, the residual stream, KV and attention) stays float32, and each matmul's input is rounded to
-bfloat16 on its way in.
+"""Weight-only quantization in the block formats SmolLM2's GGUF ships: int4 in groups of 32 inputs with an
+fp16 scale and min each (Q4_1) for the decoder's projections, int8 in groups of 32 with one scale each (Q8_0) for
+the LM head; everything else (embeddings, norms, the residual stream, KV and attention) stays float32.
 
-Decode on a CPU reads every weight once per token, so its speed is the bytes it reads: int8
-weights are a quarter of fp32's, int4 an eighth. torch's own `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu` (the kernels gpt-fast uses) multiply bfloat16 activations by the
-packed rows without dequantizing a copy (int8's float32-input path is ten times slower); where the
-C++ extension is built, both use its own kernels instead (native/int8_matmul.h, int4_matmul.h: the same
-rounding of input and output, their own fixed order of sums, faster from memory). SmolLM2's
-decoder weights come from a Q4_1 GGUF (groups of 32, 16 levels each), so int4 in groups of 32
-holds them almost exactly; its embeddings are finer, so the head stays int8. Keeping the rest in
-float32 is also the faster choice on this CPU: a one-row attention is 17 us in float32 against 94 us
-in bfloat16.
+Blocks from the checkpoint's own values: the f32 SmolLM2 checkpoint is the exact dequantization of the GGUF's
+Q4_1 and Q8_0 tensors, and Q4_1's recipe (min and max of each group, scale (max - min) / 15 and min kept as fp16)
+and Q8_0's (scale max |w| / 127 as fp16) applied to those values give back the file's own blocks: every
+dequantized weight equals the checkpoint's (tests/test_quantized.py checks every tensor). A checkpoint that did
+not come from such blocks (the demo model) is quantized by the same recipes, which then lose precision.
 
-`quantize_model` replaces the modules in place, so the HF model itself computes with the same
-int8 weights as every split submodel: the unsplit reference and the split halves stay one
-model at one precision.
+Every product sums and returns float32 and takes its input as ACTIVATIONS. Decode on a CPU reads every weight
+once per token, so its speed is the bytes it reads: int4 weights are an eighth of fp32's. Where the C++
+extension is built, both products are its own kernels (native/int4_matmul.h, int8_matmul.h: batch-invariant,
+fixed order of sums); elsewhere torch multiplies by the dequantized weights (float32's speed, same model).
+
+`quantize_model` replaces the modules in place, so the HF model itself computes with the same weights as every
+split submodel: the unsplit reference and the split halves stay one model at one precision.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -27,77 +27,126 @@ import torch.nn.functional as F
 from shared.model.invariant_attention import use_invariant_attention
 from shared.model.native_build import native_module
 
-MATMUL_DTYPE = torch.bfloat16  # what each quantized matmul takes its input in (and keeps its scales in)
-INT4_GROUP = 32  # inputs per int4 scale and zero
+GROUP = 32  # inputs per scale (and per min at int4): the GGUF blocks' size
+INT4_ROW_BLOCK = 64  # the int4 kernels' rows per packed block: a weight's outputs come in whole blocks
+# What each quantized product takes its input in. Float32, by measurement (make bench-engine, docs/benchmarks/):
+# rounding the inputs to bfloat16 let AVX512-BF16 multiply two inputs per instruction, but changed greedy chat
+# answers against f32 on held-out prompts beyond the quality gate; float32 inputs keep int4 the f32 model's
+# answers at a decode speed still above llama.cpp's.
+ACTIVATIONS = torch.float32
 
 
 class QuantizationError(ValueError):
     """A tensor or a quantization kind that cannot be quantized, or multiplied as quantized weights."""
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: weight [out, in] float -> (int8 [out, in], scales [out] float32)."""
-    if weight.dim() != 2 or not weight.is_floating_point():
-        raise QuantizationError(f"int8 quantization takes a 2-D float weight, got {weight.dtype} {tuple(weight.shape)}")
-    wide = weight.detach().float()
-    scales = wide.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [out]
-    quantized = torch.round(wide / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return quantized, scales
-
-
-def fits_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> bool:
-    """Whether the int4 kernel takes this weight (its packing wants outputs in 16s, inputs in groups)."""
-    return (
-        weight.dim() == 2 and weight.is_floating_point() and weight.shape[0] % 16 == 0 and weight.shape[1] % group == 0
-    )
-
-
-def quantize_groups(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 per group of `group` inputs: weight [out, in] -> (packed uint8 [out, in / 2], scales
-    and zeros [in / group, out, 2] bfloat16), dequantized as (q - 8) * scale + zero."""
-    if not fits_int4(weight, group):
+def _groups(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """weight [out, in] float -> [out, in / GROUP, GROUP] float32, or QuantizationError where it does not fit."""
+    if not fits(weight, bits):
+        outputs = f"outputs a multiple of {INT4_ROW_BLOCK} and " if bits == 4 else ""
         raise QuantizationError(
-            f"int4 takes a 2-D float weight with outputs a multiple of 16 and inputs of {group}, got "
+            f"int{bits} takes a 2-D float weight with {outputs}inputs a multiple of {GROUP}, got "
             f"{weight.dtype} {tuple(weight.shape)}"
         )
     rows, cols = weight.shape
-    groups = weight.detach().float().view(rows, cols // group, group)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, in / group]
-    scale = ((high - low) / 15).clamp(min=1e-8).to(MATMUL_DTYPE)
-    zero = (low + 8 * scale.float()).to(MATMUL_DTYPE)  # rounded first: the codes are chosen against what is kept
-    codes = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None] + 8).clamp(0, 15)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(rows, cols).to(torch.int32), 1)
-    return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    return weight.detach().float().view(rows, cols // GROUP, GROUP)
+
+
+def _fp16(values: torch.Tensor, what: str) -> torch.Tensor:
+    half = values.to(torch.float16)
+    if not torch.isfinite(half).all():
+        raise QuantizationError(f"a group's {what} is beyond float16's range")
+    return half
+
+
+def fits(weight: torch.Tensor, bits: int) -> bool:
+    """Whether the int4 or int8 kernels take this weight (int4's packing wants outputs in whole 64-row blocks)."""
+    rows_fit = bits == 8 or weight.shape[0] % INT4_ROW_BLOCK == 0
+    return weight.dim() == 2 and weight.is_floating_point() and rows_fit and weight.shape[1] % GROUP == 0
+
+
+def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0: weight [out, in] -> (int8 [out, in], scales [out, in / 32] float32 holding fp16 values), the weight
+    being q * scale; the scale of a group is max |w| / 127 in fp16."""
+    groups = _groups(weight, 8)
+    scales = _fp16(groups.abs().amax(dim=-1) / 127, "scale").float()  # [out, in / 32]
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(groups / safe[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.view(weight.shape), scales
+
+
+def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1: weight [out, in] -> (packed uint8 [out, in / 2] in ATen's CPU int4 layout, scales and mins
+    [in / 32, out, 2] fp16), the weight being q * scale + min with q in 0..15; a group's min is its smallest
+    weight and its scale (max - min) / 15, both in fp16."""
+    groups = _groups(weight, 4)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, in / 32]
+    scale, minimum = _fp16((high - low) / 15, "scale"), _fp16(low, "min")
+    step = torch.where(scale > 0, scale.float(), torch.ones_like(low))
+    codes = torch.round((groups - minimum.float()[..., None]) / step[..., None]).clamp(0, 15)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(weight.shape).to(torch.int32), 1)
+    return packed, torch.stack([scale, minimum], dim=-1).transpose(0, 1).contiguous()
+
+
+def int4_codes(packed: torch.Tensor) -> torch.Tensor:
+    """ATen's packed int4 rows [out, in / 2] -> codes [out, in] uint8 (each 64-row block holds, per input, 32
+    bytes: row j in byte j's low nibble, row j + 32 in its high one)."""
+    rows, half = packed.shape
+    blocks = packed.view(torch.uint8).reshape(rows // INT4_ROW_BLOCK, 2 * half, INT4_ROW_BLOCK // 2)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [blocks, in, 64]
+    return both.transpose(1, 2).reshape(rows, 2 * half)
+
+
+def dequantize(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [out, in] a quantized one stands for: q * scale (int8) or q * scale + min (int4)."""
+    if weight.dtype == torch.int8:
+        rows, cols = weight.shape
+        return (weight.float().view(rows, -1, GROUP) * scales[..., None]).view(rows, cols)
+    codes = int4_codes(weight).float()
+    rows, cols = codes.shape
+    wide = scales.float().transpose(0, 1)  # [out, in / 32, 2]
+    return (codes.view(rows, -1, GROUP) * wide[..., :1] + wide[..., 1:]).view(rows, cols)
+
+
+# (weight, scales) ids -> the dequantized float32 weight, for torch where the C++ kernels are not built: made once,
+# dropped with the weight (a tensor cannot key a WeakKeyDictionary: its == is elementwise)
+_DENSE: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _dense(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    key = (id(weight), id(scales))
+    dense = _DENSE.get(key)
+    if dense is None:
+        dense = _DENSE[key] = dequantize(weight, scales)
+        weakref.finalize(weight, _DENSE.pop, key, None)
+    return dense
 
 
 def project(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scales: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias): a dense weight, or int8 rows with their scales (x rounded to the scales'
-    dtype for the product, which comes back in x's dtype)."""
+    """x @ weight.T (+ bias): a dense weight, or quantized blocks with their scales (the product summed and
+    returned in float32, then in x's dtype)."""
     # x: [..., in], weight: [out, in] -> [..., out]
     if scales is None:
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1])
+    flat = x.reshape(-1, x.shape[-1]).to(ACTIVATIONS)
     native = native_module() if flat.device.type == "cpu" else None  # native/int8_matmul.h, int4_matmul.h
-    if native:  # they round the input to bfloat16 themselves
+    if native:
         out = (
             native.int8_matmul(flat, weight, scales)
             if weight.dtype == torch.int8
             else native.int4_matmul(flat, weight, scales)
         )
-    elif weight.dtype == torch.int8:
-        out = torch._weight_int8pack_mm(flat.to(scales.dtype), weight, scales)
-    else:  # int4: scales [in / group, out, 2]
-        groups = scales.shape[0]
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(scales.dtype), weight, x.shape[-1] // groups, scales)
-    out = out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    else:
+        out = F.linear(flat.float(), _dense(weight, scales))
+    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     return out if bias is None else out + bias
 
 
 class QuantizedLinear(torch.nn.Module):
-    """An nn.Linear whose weight is int8 rows with per-row scales, or packed int4 rows with per-group
-    scales and zeros (buffers: not trainable)."""
+    """An nn.Linear whose weight is int8 with a float scale per group of 32 inputs (Q8_0), or packed int4 with an
+    fp16 scale and min per group (Q4_1) (buffers: not trainable)."""
 
     weight: torch.Tensor
     scales: torch.Tensor
@@ -105,12 +154,25 @@ class QuantizedLinear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        int8 = weight.dtype == torch.int8 and scales.shape == weight.shape[:1]
-        int4 = weight.dtype == torch.uint8 and scales.dim() == 3 and scales.shape[1:] == (weight.shape[0], 2)
+        int8 = (
+            weight.dtype == torch.int8
+            and weight.dim() == 2
+            and scales.dtype == torch.float32
+            and scales.shape == (weight.shape[0], weight.shape[1] // GROUP)
+            and weight.shape[1] % GROUP == 0
+        )
+        int4 = (
+            weight.dtype == torch.uint8
+            and weight.dim() == 2
+            and scales.dtype == torch.float16
+            and scales.shape == (2 * weight.shape[1] // GROUP, weight.shape[0], 2)
+            and weight.shape[0] % INT4_ROW_BLOCK == 0
+        )
         if not (int8 or int4):
             raise QuantizationError(
-                f"int8 weight [out, in] with scales [out], or packed int4 [out, in / 2] with scales "
-                f"[groups, out, 2] expected, got {weight.dtype} {tuple(weight.shape)} and {tuple(scales.shape)}"
+                f"int8 weight [out, in] with float32 scales [out, in / {GROUP}], or packed int4 [out, in / 2] with "
+                f"fp16 scales and mins [in / {GROUP}, out, 2] expected, got {weight.dtype} {tuple(weight.shape)} "
+                f"and {scales.dtype} {tuple(scales.shape)}"
             )
         self.in_features = weight.shape[1] * (1 if int8 else 2)
         self.out_features = weight.shape[0]
@@ -122,17 +184,11 @@ class QuantizedLinear(torch.nn.Module):
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, bits: int = 8) -> "QuantizedLinear":
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        if bits == 4:
-            return cls(*quantize_groups(linear.weight), bias)
-        weight, scales = quantize_rows(linear.weight)
-        return cls(weight, scales.to(MATMUL_DTYPE), bias)
+        return cls(*(quantize_q4 if bits == 4 else quantize_q8)(linear.weight), bias)
 
     def dequantized(self) -> torch.Tensor:
         """[out, in] float32: the weight this module multiplies by."""
-        if self.bits == 8:
-            return self.weight.float() * self.scales.float()[:, None]
-        eye = torch.eye(self.in_features, dtype=self.scales.dtype)
-        return project(eye, self.weight, None, self.scales).float().T  # each input's column, through the kernel
+        return dequantize(self.weight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias, self.scales)
@@ -149,7 +205,8 @@ QUANTIZATIONS = {"int8": 8, "int4": 4}
 
 @torch.no_grad()
 def quantize_model(model: torch.nn.Module, kind: str = "int8") -> torch.nn.Module:
-    """A *ForCausalLM loaded in float32 -> int8 or int4 projections, an int8 LM head; the rest stays float32."""
+    """A *ForCausalLM loaded in float32 -> int8 (Q8_0) or int4 (Q4_1) projections, an int8 (Q8_0) LM head; the rest,
+    and any projection whose shape the kernels do not take, stays float32."""
     if kind not in QUANTIZATIONS:
         raise QuantizationError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
     decoder: torch.nn.Module = model.model  # type: ignore[assignment]
@@ -160,17 +217,19 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8") -> torch.nn.Modul
                 for name in PROJECTIONS
                 if isinstance(getattr(parent, name, None), torch.nn.Linear)
             }
-            # one width per block, so its projections still fuse (fused.py): int8 where int4 cannot pack a shape
-            fits = all(fits_int4(linear.weight) for linear in linears.values())
-            bits = QUANTIZATIONS[kind] if fits else 8
+            # one kind per block, so its projections still fuse (fused.py): int8 where int4 cannot pack a shape
+            widths = [
+                bits for bits in (QUANTIZATIONS[kind], 8) if all(fits(lin.weight, bits) for lin in linears.values())
+            ]
             for name, linear in linears.items():
-                setattr(parent, name, QuantizedLinear.from_linear(linear, bits))
+                if widths:
+                    setattr(parent, name, QuantizedLinear.from_linear(linear, widths[0]))
     head = model.lm_head
-    if isinstance(head, torch.nn.Linear):
+    if isinstance(head, torch.nn.Linear) and fits(head.weight, 8):
         # a tied head keeps the embeddings (float32, looked up) and gets its own int8 copy to multiply
         model.lm_head = QuantizedLinear.from_linear(head)
-    # bfloat16 inputs make every quantized matmul magnify attention's batch-shape-dependent last bits; with
-    # batch-invariant attention, decoding one row per pass and verifying many give the same tokens
+    # the quantized kernels sum in their own fixed order whatever the batch; with batch-invariant attention too,
+    # decoding one row per pass and verifying many give the same bits, so the same tokens
     use_invariant_attention(model)
     return model
 

@@ -1,30 +1,25 @@
 // int4 weight rows (ATen's packed CPU layout) times activations, for quantized.project and the C++ layers alike.
 //
-// Why: a decode token at int4 reads 66 MB of packed weights and scales. ATen's `_weight_int4pack_mm_for_cpu`
-// turns them into products at about 10 GB/s on one thread of an AVX-512 box whose core reads 40 GB/s, so its
-// decode is bound by the unpacking, not by memory. Here a 64-row block is one stream of 32 bytes per input k
-// (ATen's layout: byte j holds row j in its low nibble, row j + 32 in its high), and the dequantization is
-// moved out of the inner loop: per output row n and group g of 32 inputs,
+// The weights are a GGUF Q4_1 tensor's own blocks: per output row n and group g of 32 inputs, codes q in 0..15,
+// an fp16 scale d and an fp16 min m, the weight being q * d + m (exactly the f32 checkpoint's value, both
+// products exact in float). Why this kernel: a decode token reads ~66 MB of packed weights, and ATen's
+// `_weight_int4pack_mm_for_cpu` turns them into products at about 10 GB/s on one thread, bound by its unpacking.
+// Here a 64-row block is one stream of 32 bytes per input k (ATen's layout: byte j holds row j in its low nibble,
+// row j + 32 in its high) and the dequantization leaves the inner loop:
 //
-//   t = sum over the pairs (k, k + 1) of g, in order, of x_bf16[k + 1] (q[n, k + 1] - 8), then x_bf16[k] (q[n, k] - 8)
-//       (each product exact in float: 8 and 4 significant bits; each add rounded once)
-//   acc = fma(zero[g, n], xsum[g], fma(scale[g, n], t, acc))                  (groups in order)
-//   out[m, n] = bf16(acc)                                                      (xsum[g]: x_bf16 summed over g)
+//   t = sum over the pairs (k, k + 1) of g, in order, of x[k + 1] q[n, k + 1], then x[k] q[n, k]  (fused, float)
+//   acc = fma(m[g, n], xsum[g], fma(d[g, n], t, acc))                          (groups in order)
+//   out[m, n] = acc                                                            (float32: no rounding of the sum)
 //
-// which is the sum of x * ((q - 8) * scale + zero), the weight quantize_groups describes, in a fixed order of
-// its own. The pair order is AVX512-BF16's `vdpbf16ps`, which adds two inputs' products per lane and
-// instruction: where the CPU has it (and VBMI's byte permute, which lays a pair's two nibbles side by side),
-// a pair of inputs costs 4 of those, 2 byte and 4 word permutes (the nibbles' bfloat16 codes, by table) and
-// 2 shifts for 64 rows, against 8 fused multiply-adds and 12 unpacking steps one input at a time, which made
-// the one-row product compute-bound (31-36 GB/s with its weights in cache, 47-57 with pairs; on one AMD EPYC
-// core). Elsewhere the same order runs as fused multiply-adds, a float code per nibble by permute (AVX-512) or
-// one element at a time: the same bits, except that `vdpbf16ps` flushes subnormal inputs and sums to zero
-// (an activation below 1e-38).
+// xsum[g] is x summed over g. Float32 activations are multiplied as they are (fused multiply-adds, a float code
+// per nibble by permute). Bfloat16 activations take AVX512-BF16's `vdpbf16ps` where the CPU has it (and VBMI's
+// byte permute, which lays a pair's two nibbles side by side): a pair of inputs costs 4 of those, 2 byte and 4
+// word permutes and 2 shifts for 64 rows. quantized.ACTIVATIONS says which the runner passes, and why.
 //
 // An output depends on its own row and column only, never on the call's rows or threads: batch-invariant, as
 // the quantized path must be. Wherever the extension is built every int4 product in the process comes from
 // here (the reference model's QuantizedLinear, the Python runner and the C++ layers), so they agree bit for
-// bit; elsewhere, and for a weight whose rows are not whole 64-row blocks, ATen's kernel serves.
+// bit; a weight whose rows are not whole 64-row blocks goes to ATen's kernel in float32.
 
 #pragma once
 
@@ -45,14 +40,14 @@
 namespace int4mm {
 
 constexpr int64_t kBlock = 64;  // rows per packed block (ATen's BLOCK_N): 32 bytes per input k
-constexpr int64_t kGroup = 32;  // inputs per scale and zero (quantized.INT4_GROUP)
+constexpr int64_t kGroup = 32;  // inputs per scale and min (quantized.GROUP)
 constexpr int kRowsAtOnce = 4;  // activation rows sharing one unpacking of the weights
 
 inline bool takes(const at::Tensor& weight, const at::Tensor& scales) {
   return weight.size(0) % kBlock == 0 && scales.size(0) * kGroup == weight.size(1) * 2;
 }
 
-// per activation row, each group's sum of its bfloat16-rounded inputs, in k order
+// per activation row, each group's sum of its inputs, in k order
 inline std::vector<float> group_sums(const float* x, int64_t batch, int64_t in) {
   std::vector<float> sums(batch * (in / kGroup));
   for (int64_t m = 0; m < batch; ++m)
@@ -65,17 +60,16 @@ inline std::vector<float> group_sums(const float* x, int64_t batch, int64_t in) 
 }
 
 #if defined(__AVX512F__)
-// acc += scale * t + zero * xsum for one group of M rows' sums t over a 64-row block (group_pairs: the group's
-// (scale, zero) bfloat16 pairs of the block's rows; xsum: each row's group sums, `groups` apart)
+// acc += scale * t + min * xsum for one group of M rows' sums t over a 64-row block (group_pairs: the group's
+// (scale, min) fp16 pairs of the block's rows, the scale in the low half; xsum: each row's group sums, `groups` apart)
 template <int M>
 inline void add_group(const __m512 (&t)[M][4], const uint32_t* group_pairs, const float* xsum, int64_t groups,
                       __m512 (&acc)[M][4]) {
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int c = 0; c < 4; ++c) {
-    // 16 rows' (scale, zero) pairs: a bfloat16 is a float's high half
+    // 16 rows' (scale, min) pairs, each half an fp16 widened exactly
     const __m512i pair = _mm512_loadu_si512(group_pairs + c * 16);
-    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pair, high_half));
+    const __m512 scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(pair));
+    const __m512 zero = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(pair, 16)));
     for (int m = 0; m < M; ++m) {
       acc[m][c] = _mm512_fmadd_ps(scale, t[m][c], acc[m][c]);
       acc[m][c] = _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[m * groups]), acc[m][c]);
@@ -83,12 +77,11 @@ inline void add_group(const __m512 (&t)[M][4], const uint32_t* group_pairs, cons
   }
 }
 
-// M activation rows against one 64-row block: out[m][0..63] (floats, before the bfloat16 rounding), one input at
-// a time (a CPU without AVX512-BF16)
+// M float activation rows against one 64-row block: out[m][0..63], one input at a time
 template <int M>
 inline void block_rows(const float* x, const float* xsum, int64_t in, const uint8_t* packed, const uint32_t* pairs,
                        int64_t out_features, float (*out)[kBlock]) {
-  const __m512 codes = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 acc[M][4];
   for (int m = 0; m < M; ++m)
     for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
@@ -122,7 +115,7 @@ inline void block_rows(const float* x, const float* xsum, int64_t in, const uint
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define INT4MM_PAIRS 1
-// vdpbf16ps's operands, built once: the bfloat16 codes q - 8 of q = 0..15, twice (a word permute reads five
+// vdpbf16ps's operands, built once: the bfloat16 codes of q = 0..15, twice (a word permute reads five
 // index bits; the fifth is the high nibble's lowest), and the byte picks that put a pair's bytes side by side:
 // lane j's low word gets byte j of input k, its high word byte j of input k + 1 (rows j, j + 32 in their nibbles)
 struct PairTables {
@@ -135,7 +128,7 @@ inline const PairTables& pair_tables() {
   static const PairTables tables = [] {
     PairTables t{};
     for (int e = 0; e < 32; ++e) {
-      const float code = static_cast<float>(e % 16 - 8);
+      const float code = static_cast<float>(e % 16);
       uint32_t bits;
       std::memcpy(&bits, &code, sizeof bits);
       t.codes[e] = static_cast<uint16_t>(bits >> 16);  // exact: a small integer's float has a zero low half
@@ -201,49 +194,56 @@ inline void block_rows_scalar(const float* x, const float* xsum, int64_t in, con
       for (int64_t input = g * kGroup; input < (g + 1) * kGroup; ++input) {
         const int64_t k = input ^ 1;  // k + 1, then k: the pair order
         const int code = (packed[k * (kBlock / 2) + byte] >> shift) & 0xF;
-        t = std::fma(x[k], static_cast<float>(code - 8), t);
+        t = std::fma(x[k], static_cast<float>(code), t);
       }
       const uint32_t pair = pairs[g * out_features + row];
-      float scale, zero;
-      const uint32_t scale_bits = pair << 16, zero_bits = pair & 0xFFFF0000u;
-      std::memcpy(&scale, &scale_bits, sizeof scale);
-      std::memcpy(&zero, &zero_bits, sizeof zero);
+      const float scale = static_cast<float>(c10::Half(static_cast<uint16_t>(pair & 0xFFFFu), c10::Half::from_bits()));
+      const float zero = static_cast<float>(c10::Half(static_cast<uint16_t>(pair >> 16), c10::Half::from_bits()));
       acc = std::fma(zero, xsum[g], std::fma(scale, t, acc));
     }
     out[row] = acc;
   }
 }
 
-// x [M, K] (any float dtype; rounded to bfloat16 first), weight packed by _convert_weight_to_int4pack_for_cpu
-// [N, K / 2], scales and zeros bfloat16 [K / 32, N, 2] -> bf16 [M, N]
+// ATen's kernel for a weight the blocks here do not cover: its codes are q - 8, so its zero is min + 8 * scale
+inline at::Tensor aten_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  const at::Tensor wide = scales.to(at::kFloat);  // [groups, N, 2]
+  const at::Tensor scale = wide.select(2, 0), low = wide.select(2, 1);
+  const at::Tensor aten_scales = at::stack({scale, low + 8 * scale}, 2).contiguous();
+  return at::_weight_int4pack_mm_for_cpu(x.to(at::kFloat).contiguous(), weight, x.size(1) / scales.size(0), aten_scales);
+}
+
+// x [M, K] float32 (multiplied as it is) or bfloat16, weight packed by _convert_weight_to_int4pack_for_cpu
+// [N, K / 2], scales and mins fp16 [K / 32, N, 2] -> float [M, N]
 inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, "weight: packed int4, uint8 [N, K / 2]");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(1) == weight.size(0) &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(1) == weight.size(0) &&
                   scales.size(2) == 2,
-              "scales: bfloat16 [groups, N, 2]");
+              "scales: float16 [groups, N, 2]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == 2 * weight.size(1), "x: [M, K] with the weight's K");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(), "tensors on the CPU");
-  TORCH_CHECK(x.is_floating_point(), "x: a float dtype");
-  if (!takes(weight, scales))
-    return at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, x.size(1) / scales.size(0), scales);
-  const std::vector<float> rounded = bf16rows::rounded(x);  // [M, K]
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
+  TORCH_CHECK(scales.size(0) * kGroup == x.size(1), "scales: one group per 32 inputs");
+  if (!takes(weight, scales)) return aten_matmul(x, weight, scales);
+  const bool bf16_inputs = x.scalar_type() == at::kBFloat16;
+  const std::vector<float> widened = bf16rows::widened(x);  // [M, K]
   const at::Tensor packed_tensor = weight.contiguous(), pairs_tensor = scales.contiguous();
   const int64_t batch = x.size(0), out_features = weight.size(0), in = x.size(1);
-  at::Tensor out = at::empty({batch, out_features}, x.options().dtype(at::kBFloat16));
-  const float* xs = rounded.data();
+  at::Tensor out = at::empty({batch, out_features}, x.options().dtype(at::kFloat));
+  const float* xs = widened.data();
   const std::vector<float> sums = group_sums(xs, batch, in);
 #if defined(INT4MM_PAIRS)
-  std::vector<uint32_t> xpairs(batch * in / 2);  // [M, K / 2]: inputs 2i, 2i + 1 as bfloat16, 2i in the low half
-  for (int64_t i = 0; i < batch * in / 2; ++i) {
-    uint32_t even, odd;  // the rounded inputs' float bits: a bfloat16 is their high half, exactly
+  std::vector<uint32_t> xpairs(bf16_inputs ? batch * in / 2 : 0);  // [M, K / 2]: inputs 2i, 2i + 1 as bfloat16
+  for (int64_t i = 0; i < static_cast<int64_t>(xpairs.size()); ++i) {
+    uint32_t even, odd;  // a bfloat16 widened is its float's high half, exactly
     std::memcpy(&even, xs + 2 * i, sizeof even);
     std::memcpy(&odd, xs + 2 * i + 1, sizeof odd);
     xpairs[i] = (even >> 16) | (odd & 0xFFFF0000u);
   }
 #endif
   const uint8_t* packed = packed_tensor.data_ptr<uint8_t>();
-  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(pairs_tensor.data_ptr<c10::BFloat16>());
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(pairs_tensor.data_ptr<c10::Half>());
+  float* o = out.data_ptr<float>();
   const int64_t groups = in / kGroup, blocks = out_features / kBlock;
   at::parallel_for(0, blocks, 2, [&](int64_t begin, int64_t end) {
     float rows[kRowsAtOnce][kBlock];
@@ -255,26 +255,31 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at
         const float* x_rows = xs + m * in;
         const float* x_sums = sums.data() + m * groups;
 #if defined(INT4MM_PAIRS)
-        const uint32_t* x_pairs = xpairs.data() + m * (in / 2);
-        switch (count) {
+        if (bf16_inputs) {
+          const uint32_t* x_pairs = xpairs.data() + m * (in / 2);
+          switch (count) {
           case 4: block_rows_pairs<4>(x_pairs, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
           case 3: block_rows_pairs<3>(x_pairs, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
           case 2: block_rows_pairs<2>(x_pairs, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
           default: block_rows_pairs<1>(x_pairs, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
-        }
-#elif defined(__AVX512F__)
-        switch (count) {
+          }
+        } else
+#endif
+#if defined(__AVX512F__)
+        {
+          switch (count) {
           case 4: block_rows<4>(x_rows, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
           case 3: block_rows<3>(x_rows, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
           case 2: block_rows<2>(x_rows, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
           default: block_rows<1>(x_rows, x_sums, in, block_bytes, block_pairs, out_features, rows); break;
+          }
         }
 #else
         for (int64_t r = 0; r < count; ++r)
           block_rows_scalar(x_rows + r * in, x_sums + r * groups, in, block_bytes, block_pairs, out_features, rows[r]);
 #endif
         for (int64_t r = 0; r < count; ++r)
-          for (int64_t n = 0; n < kBlock; ++n) o[(m + r) * out_features + block * kBlock + n] = c10::BFloat16(rows[r][n]);
+          for (int64_t n = 0; n < kBlock; ++n) o[(m + r) * out_features + block * kBlock + n] = rows[r][n];
       }
     }
   });

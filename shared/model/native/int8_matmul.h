@@ -1,18 +1,19 @@
-// int8 weight rows times activations, for quantized.project and the C++ layers alike.
+// int8 weight rows in groups of 32 inputs, a float scale each (a GGUF Q8_0 tensor's own blocks: its fp16 scales
+// are exact as floats), times activations, for quantized.project and the C++ layers alike.
 //
-// Why: a decode step reads SmolLM2's 28 MB int8 LM head from memory, and ATen's `_weight_int8pack_mm` does so
-// at about 5 GB/s on one thread of an Intel box (5.4 ms). Here each output is one pass over its weight row,
-// 16 lanes wide, 16 rows in flight with their bytes 4 KB ahead prefetched and their lane sums reduced
-// together (lane_sums16), the rows split between threads:
+// Why: a decode step reads SmolLM2's 30 MB int8 LM head from memory, and ATen has no grouped int8 product (its
+// `_weight_int8pack_mm` takes one scale per row). Here each output is one pass over its weight row, 16 lanes
+// wide, 16 rows in flight with their bytes 4 KB ahead prefetched and their lane sums reduced together
+// (lane_sums16), the rows split between threads:
 //
-//   out[m, n] = bf16(scale[n] * sum_k bf16(x[m, k]) * w[n, k])
+//   out[m, n] = sum over groups g of scale[n, g] * (sum over k in g of x[m, k] * w[n, k])    (float32)
 //
-// the sum taken per lane (k in lane k % 16, in k order, each product and its add one fused multiply-add) and
-// then over the 16 lanes in a fixed pairwise tree. (Fused, since 2026-11-27: a separate multiply and add made
-// the head's pass compute-bound on an AMD EPYC core, 1.42 against 0.97 ms.) An output depends on its own row and column only, never on how
-// many rows or threads the call has: batch-invariant, as the quantized path must be. Wherever the extension
-// is built every int8 product in the process comes from here (the reference model's QuantizedLinear, the
-// Python runner and the C++ layers), so they agree bit for bit; elsewhere ATen's kernel serves them all.
+// each group's sum taken per lane (k in lane k % 16: the first 16 inputs' products, then the second 16's as fused
+// multiply-adds), its scale fused into the lane's running sum, and at the end the 16 lanes added in a fixed
+// pairwise tree. An output depends on its own row and column only, never on how many rows or threads the call
+// has: batch-invariant, as the quantized path must be. Wherever the extension is built every int8 product in the
+// process comes from here (the reference model's QuantizedLinear, the Python runner and the C++ layers), so they
+// agree bit for bit; elsewhere quantized.project computes from the dequantized weights.
 
 #pragma once
 
@@ -39,6 +40,7 @@ typedef int8_t Bytes __attribute__((vector_size(kTile)));
 
 constexpr int kRows = 16;            // weight rows per pass over an activation row
 constexpr int64_t kPrefetch = 4096;  // bytes ahead in each row
+constexpr int64_t kGroup = 32;     // inputs per scale (quantized.GROUP): two tiles
 
 // 16 weights widened to floats (the same values on every path)
 inline Lanes widen(const int8_t* from) {
@@ -112,7 +114,6 @@ struct ByteRows {
     if (k % 64 == 0) __builtin_prefetch(rows + r * in + k + kPrefetch);
     return widen(rows + r * in + k);
   }
-  float at(int r, int64_t k) const { return static_cast<float>(rows[r * in + k]); }
 };
 
 // weight rows already widened to floats (many activation rows: each weight widened once, not once per row)
@@ -124,22 +125,25 @@ struct FloatRows {
     std::memcpy(&out, rows + r * in + k, sizeof out);
     return out;
   }
-  float at(int r, int64_t k) const { return rows[r * in + k]; }
 };
 
-// sum_k x[k] * w[r][k] for R weight rows, k < in, per lane (fused multiply-adds) then over the lanes;
-// the same values whichever form the rows come in
+// sum over groups of scale * (x . w over the group) for R weight rows (scales: each row's `in / kGroup` scales,
+// row after row), per lane then over the lanes; the same values whichever form the rows come in
 template <int R, typename Rows>
-inline void dot_rows(const float* x, const Rows& weights, int64_t in, float* sums) {
+inline void dot_rows(const float* x, const Rows& weights, const float* scales, int64_t in, float* sums) {
   Lanes acc[R] = {};
-  const int64_t whole = in - in % kTile;
-  for (int64_t k = 0; k < whole; k += kTile) {
-    Lanes xs;
-    std::memcpy(&xs, x + k, sizeof xs);
-    for (int r = 0; r < R; ++r) acc[r] = fused(xs, weights.lanes(r, k), acc[r]);
+  const int64_t groups = in / kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k = g * kGroup;
+    Lanes first, second;
+    std::memcpy(&first, x + k, sizeof first);
+    std::memcpy(&second, x + k + kTile, sizeof second);
+    for (int r = 0; r < R; ++r) {
+      const Lanes group = fused(second, weights.lanes(r, k + kTile), first * weights.lanes(r, k));
+      const Lanes scale = Lanes{} + scales[r * groups + g];
+      acc[r] = fused(scale, group, acc[r]);
+    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int64_t k = whole; k < in; ++k) acc[r][k % kTile] = std::fma(x[k], weights.at(r, k), acc[r][k % kTile]);
   if constexpr (R == 16) {
     lane_sums16(acc, sums);
   } else {
@@ -147,47 +151,52 @@ inline void dot_rows(const float* x, const Rows& weights, int64_t in, float* sum
   }
 }
 
-// x [M, K] (any float dtype; rounded to bfloat16 first), weight int8 [N, K], scales bfloat16 [N] -> bf16 [M, N]
+// x [M, K] float32 (multiplied as it is) or bfloat16, weight int8 [N, K], scales float [N, K / 32] -> float [M, N]
 inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "weight: int8 [N, K]");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 1 && scales.size(0) == weight.size(0),
-              "scales: bfloat16 [N]");
+  TORCH_CHECK(weight.size(1) % kGroup == 0, "weight: K a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == weight.size(0) &&
+                  scales.size(1) * kGroup == weight.size(1),
+              "scales: float [N, K / 32]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "x: [M, K] with the weight's K");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(), "tensors on the CPU");
-  TORCH_CHECK(x.is_floating_point(), "x: a float dtype");
-  const std::vector<float> rounded = bf16rows::rounded(x);  // [M, K]
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
+  const std::vector<float> widened = bf16rows::widened(x);  // [M, K]
   const at::Tensor rows_of = weight.contiguous();
   const at::Tensor scale_of = scales.contiguous();
-  const int64_t batch = x.size(0), out_features = weight.size(0), in = weight.size(1);
-  at::Tensor out = at::empty({batch, out_features}, x.options().dtype(at::kBFloat16));
-  const float* xs = rounded.data();
+  const int64_t batch = x.size(0), out_features = weight.size(0), in = weight.size(1), groups = in / kGroup;
+  at::Tensor out = at::empty({batch, out_features}, x.options().dtype(at::kFloat));
+  const float* xs = widened.data();
   const int8_t* w = rows_of.data_ptr<int8_t>();
-  const c10::BFloat16* s = scale_of.data_ptr<c10::BFloat16>();
-  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  const float* s = scale_of.data_ptr<float>();
+  float* o = out.data_ptr<float>();
   const int64_t blocks = (out_features + kRows - 1) / kRows;
   at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened(batch > 1 ? kRows * in : 0);  // [kRows, K]: this block's rows as floats
+    std::vector<float> widened_rows(batch > 1 ? kRows * in : 0);  // [kRows, K]: this block's rows as floats
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n = block * kRows, rows = std::min<int64_t>(kRows, out_features - n);
+      const float* block_scales = s + n * groups;
       if (batch > 1) {
-        for (int64_t i = 0; i < rows * in; ++i) widened[i] = static_cast<float>(w[n * in + i]);
+        for (int64_t i = 0; i < rows * in; ++i) widened_rows[i] = static_cast<float>(w[n * in + i]);
       }
       for (int64_t m = 0; m < batch; ++m) {
         float sums[kRows];
         const float* row = xs + m * in;
         if (batch > 1) {
-          const FloatRows block_rows{widened.data(), in};
+          const FloatRows block_rows{widened_rows.data(), in};
           if (rows == kRows) {
-            dot_rows<kRows>(row, block_rows, in, sums);
+            dot_rows<kRows>(row, block_rows, block_scales, in, sums);
           } else {
-            for (int64_t r = 0; r < rows; ++r) dot_rows<1>(row, FloatRows{widened.data() + r * in, in}, in, &sums[r]);
+            for (int64_t r = 0; r < rows; ++r)
+              dot_rows<1>(row, FloatRows{widened_rows.data() + r * in, in}, block_scales + r * groups, in, &sums[r]);
           }
         } else if (rows == kRows) {
-          dot_rows<kRows>(row, ByteRows{w + n * in, in}, in, sums);
+          dot_rows<kRows>(row, ByteRows{w + n * in, in}, block_scales, in, sums);
         } else {
-          for (int64_t r = 0; r < rows; ++r) dot_rows<1>(row, ByteRows{w + (n + r) * in, in}, in, &sums[r]);
+          for (int64_t r = 0; r < rows; ++r)
+            dot_rows<1>(row, ByteRows{w + (n + r) * in, in}, block_scales + r * groups, in, &sums[r]);
         }
-        for (int64_t r = 0; r < rows; ++r) o[m * out_features + n + r] = c10::BFloat16(static_cast<float>(s[n + r]) * sums[r]);
+        for (int64_t r = 0; r < rows; ++r) o[m * out_features + n + r] = sums[r];
       }
     }
   });

@@ -5,7 +5,7 @@
 // kernels whose results depend on their implementation stay ATen's own calls: RMSNorm's sum, SiLU (the int4
 // and int8 products and the attention are this extension's own, int4_matmul.h, int8_matmul.h and
 // attention.h, which the reference model calls too). The elementwise steps between them (squares, RMSNorm's
-// scaling, rotary, the bfloat16 roundings, residual adds, the cache writes) are plain loops computing the
+// scaling, rotary, residual adds, the cache writes) are plain loops computing the
 // same IEEE float operations per element, built without fused multiply-adds. So every result is the bits
 // of shared/model/layers.py, attention.py and invariant_attention.py for this case.
 //
@@ -28,28 +28,28 @@ namespace {
 
 struct Projection {
   at::Tensor weight;                 // int8 [out, in] or packed int4 [out, in / 2]
-  at::Tensor scales;                 // bfloat16; int8: [out]; int4: [in / group, out, 2]
+  at::Tensor scales;                 // int8: float [out, in / group]; int4: fp16 [in / group, out, 2]
   std::optional<at::Tensor> bias;    // float [out]
 
-  // quantized.project's packed kernel on an input already rounded to bfloat16: x [T, in] -> bf16 [T, out]
+  // quantized.project's packed kernel: x [T, in] float -> float [T, out]
   at::Tensor matmul(const at::Tensor& x) const {
     return weight.scalar_type() == at::kChar ? int8mm::matmul(x, weight, scales) : int4mm::matmul(x, weight, scales);
   }
 };
 
-// project()'s float result, read element by element from the kernel's bfloat16 output: widened, then the bias
+// project()'s result, read element by element from the kernel's float output, then the bias
 struct Product {
-  const c10::BFloat16* data;
+  const float* data;
   int64_t width;
   const float* bias;  // null: no bias (adding 0 would turn -0 into +0)
 
   Product(const at::Tensor& out, const Projection& projection)
-      : data(out.data_ptr<c10::BFloat16>()),
+      : data(out.data_ptr<float>()),
         width(out.size(1)),
         bias(projection.bias.has_value() ? projection.bias->data_ptr<float>() : nullptr) {}
 
   float operator()(int64_t row, int64_t column) const {
-    const float value = static_cast<float>(data[row * width + column]);
+    const float value = data[row * width + column];
     return bias != nullptr ? value + bias[column] : value;
   }
 };
@@ -64,16 +64,15 @@ struct Layer {
 
 // Work tensors of one pass, made once and reused by every layer: hidden [T, H], the MLP's width I
 struct Scratch {
-  at::Tensor squares, sums, normed;  // float [T, H], float [T], bf16 [T, H]
-  at::Tensor queries, attended_in;   // float [Hq, T, D], bf16 [T, Hq D]
-  at::Tensor gate, mlp_in;           // float [T, I], bf16 [T, I]
+  at::Tensor squares, sums, normed;  // float [T, H], float [T], float [T, H]
+  at::Tensor queries, attended_in;   // float [Hq, T, D], float [T, Hq D]
+  at::Tensor gate, mlp_in;           // float [T, I], float [T, I]
 };
 
-// layers.rms_norm, then the projection's rounding to bfloat16, in one sweep: gain * (x * rsqrt(mean(x^2) + eps))
-// rounded. The mean's sum is ATen's own (its summation order is the kernel's), the rest is elementwise IEEE
-// float, so the bits are F.rms_norm's.
-void rms_norm_to_bf16(const at::Tensor& gain, const at::Tensor& x, double eps, Scratch& scratch) {
-  // x: [T, H] float -> scratch.normed: [T, H] bf16
+// layers.rms_norm in one sweep: gain * (x * rsqrt(mean(x^2) + eps)). The mean's sum is ATen's own (its
+// summation order is the kernel's), the rest is elementwise IEEE float, so the bits are F.rms_norm's.
+void rms_norm(const at::Tensor& gain, const at::Tensor& x, double eps, Scratch& scratch) {
+  // x: [T, H] float -> scratch.normed: [T, H] float
   const int64_t rows = x.size(0), width = x.size(1);
   const float* in = x.data_ptr<float>();
   float* squares = scratch.squares.data_ptr<float>();
@@ -81,10 +80,10 @@ void rms_norm_to_bf16(const at::Tensor& gain, const at::Tensor& x, double eps, S
   at::sum_out(scratch.sums, scratch.squares, {-1});
   const float* sums = scratch.sums.data_ptr<float>();
   const float* g = gain.data_ptr<float>();
-  c10::BFloat16* out = scratch.normed.data_ptr<c10::BFloat16>();
+  float* out = scratch.normed.data_ptr<float>();
   for (int64_t t = 0; t < rows; ++t) {
     const float scale = 1.0f / std::sqrt(sums[t] / static_cast<float>(width) + static_cast<float>(eps));
-    for (int64_t h = 0; h < width; ++h) out[t * width + h] = c10::BFloat16(g[h] * (in[t * width + h] * scale));
+    for (int64_t h = 0; h < width; ++h) out[t * width + h] = g[h] * (in[t * width + h] * scale);
   }
 }
 
@@ -117,8 +116,8 @@ at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at:
   // hidden: [T, H] float, contiguous
   const int64_t total = hidden.size(0), width = hidden.size(1), head_dim = layer.head_dim, half = head_dim / 2;
   const int64_t q_heads = layer.num_q_heads, kv_heads = layer.num_kv_heads;
-  rms_norm_to_bf16(layer.input_norm, hidden, layer.input_eps, scratch);
-  const at::Tensor qkv_out = layer.qkv.matmul(scratch.normed);  // bf16 [T, (Hq + 2 Hkv) D]
+  rms_norm(layer.input_norm, hidden, layer.input_eps, scratch);
+  const at::Tensor qkv_out = layer.qkv.matmul(scratch.normed);  // [T, (Hq + 2 Hkv) D]
   const Product qkv(qkv_out, layer.qkv);
   const float* cos_rows = cos.data_ptr<float>();  // [T, D]
   const float* sin_rows = sin.data_ptr<float>();
@@ -167,15 +166,15 @@ at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at:
     }
     outs.push_back((blocks.size() == 1 ? blocks[0] : at::cat(blocks, -2)).select(0, 0));
   }
-  // the heads side by side per row, rounded for the output projection: [Hkv, G, T, D] -> bf16 [T, Hq D]
+  // the heads side by side per row, for the output projection: [Hkv, G, T, D] -> [T, Hq D]
   const at::Tensor attended_heads = outs.size() == 1 ? outs[0] : at::cat(outs, 2);
   const auto heads = attended_heads.accessor<float, 4>();
   const int64_t groups = q_heads / kv_heads;
-  c10::BFloat16* attended_in = scratch.attended_in.data_ptr<c10::BFloat16>();
+  float* attended_in = scratch.attended_in.data_ptr<float>();
   for (int64_t t = 0; t < total; ++t)
     for (int64_t h = 0; h < q_heads; ++h)
       for (int64_t d = 0; d < head_dim; ++d)
-        attended_in[(t * q_heads + h) * head_dim + d] = c10::BFloat16(heads[h / groups][h % groups][t][d]);
+        attended_in[(t * q_heads + h) * head_dim + d] = heads[h / groups][h % groups][t][d];
   const at::Tensor o_out = layer.o.matmul(scratch.attended_in);
   const Product o(o_out, layer.o);
   at::Tensor attended = at::empty_like(hidden);  // hidden + attention
@@ -183,8 +182,8 @@ at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at:
   float* after = attended.data_ptr<float>();
   for (int64_t t = 0; t < total; ++t)
     for (int64_t h = 0; h < width; ++h) after[t * width + h] = before[t * width + h] + o(t, h);
-  // the MLP: silu(gate) * up, rounded for the down projection; silu is ATen's (its exp is the kernel's)
-  rms_norm_to_bf16(layer.post_norm, attended, layer.post_eps, scratch);
+  // the MLP: silu(gate) * up into the down projection; silu is ATen's (its exp is the kernel's)
+  rms_norm(layer.post_norm, attended, layer.post_eps, scratch);
   const at::Tensor gate_up_out = layer.gate_up.matmul(scratch.normed);
   const Product gate_up(gate_up_out, layer.gate_up);
   const int64_t inner = scratch.gate.size(1);
@@ -192,9 +191,9 @@ at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at:
   for (int64_t t = 0; t < total; ++t)
     for (int64_t j = 0; j < inner; ++j) gate[t * inner + j] = gate_up(t, j);
   at::silu_(scratch.gate);
-  c10::BFloat16* mlp_in = scratch.mlp_in.data_ptr<c10::BFloat16>();
+  float* mlp_in = scratch.mlp_in.data_ptr<float>();
   for (int64_t t = 0; t < total; ++t)
-    for (int64_t j = 0; j < inner; ++j) mlp_in[t * inner + j] = c10::BFloat16(gate[t * inner + j] * gate_up(t, inner + j));
+    for (int64_t j = 0; j < inner; ++j) mlp_in[t * inner + j] = gate[t * inner + j] * gate_up(t, inner + j);
   const at::Tensor down_out = layer.down.matmul(scratch.mlp_in);
   const Product down(down_out, layer.down);
   at::Tensor out = at::empty_like(hidden);
@@ -230,11 +229,11 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<Layer>>& layers, at::Ten
   const Layer& first = *layers.front();
   const int64_t width = hidden.size(1), q_width = first.num_q_heads * first.head_dim;
   const int64_t inner = first.down.weight.size(1) * (first.down.weight.scalar_type() == at::kChar ? 1 : 2);
-  const at::TensorOptions floats = hidden.options(), halves = floats.dtype(at::kBFloat16);
+  const at::TensorOptions floats = hidden.options();
   Scratch scratch{at::empty({rows, width}, floats),   at::empty({rows}, floats),
-                  at::empty({rows, width}, halves),   at::empty({first.num_q_heads, rows, first.head_dim}, floats),
-                  at::empty({rows, q_width}, halves), at::empty({rows, inner}, floats),
-                  at::empty({rows, inner}, halves)};
+                  at::empty({rows, width}, floats),   at::empty({first.num_q_heads, rows, first.head_dim}, floats),
+                  at::empty({rows, q_width}, floats), at::empty({rows, inner}, floats),
+                  at::empty({rows, inner}, floats)};
   TORCH_CHECK(width == first.input_norm.size(0), "hidden: [T, H] with H the layers' width");
   for (size_t l = 0; l < layers.size(); ++l) {
     for (size_t s = 0; s < count; ++s) {  // the pass writes each session's new rows in place: room checked here
@@ -259,8 +258,8 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<Layer>>& layers, at::Ten
   return hidden;
 }
 
-// split.OutputSubmodel's pass over float rows: the final RMSNorm (an HF RMSNorm's bits, as the layers' norms),
-// rounded to bfloat16 for the int8 LM head as quantized.project rounds it, the head's product, widened to float.
+// split.OutputSubmodel's pass over float rows: the final RMSNorm (an HF RMSNorm's bits, as the layers' norms), then
+// the int8 LM head's product: float logits.
 // In Python its norm and the calls around the product cost a decode step about 0.15 ms, run cold.
 at::Tensor head_forward(const at::Tensor& hidden, const at::Tensor& gain, double eps, const at::Tensor& weight,
                         const at::Tensor& scales) {
@@ -274,9 +273,9 @@ at::Tensor head_forward(const at::Tensor& hidden, const at::Tensor& gain, double
   const int64_t count = rows.size(0), width = rows.size(1);
   const at::TensorOptions floats = rows.options();
   Scratch scratch{at::empty({count, width}, floats), at::empty({count}, floats),
-                  at::empty({count, width}, floats.dtype(at::kBFloat16))};
-  rms_norm_to_bf16(gain.contiguous(), rows, eps, scratch);
-  return int8mm::matmul(scratch.normed, weight, scales).to(at::kFloat);
+                  at::empty({count, width}, floats)};
+  rms_norm(gain.contiguous(), rows, eps, scratch);
+  return int8mm::matmul(scratch.normed, weight, scales);
 }
 
 // module.<name> as nn.Module.__getattr__ finds a registered parameter, buffer or submodule, read from its dicts
@@ -337,7 +336,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              auto projection = [&](size_t i) {
                TORCH_CHECK(projections[3 * i].has_value() && projections[3 * i + 1].has_value(),
                            "a quantized weight and its scales");
-               TORCH_CHECK(projections[3 * i + 1]->scalar_type() == at::kBFloat16, "bfloat16 scales");
+               const bool int8 = projections[3 * i]->scalar_type() == at::kChar;
+               TORCH_CHECK(projections[3 * i + 1]->scalar_type() == (int8 ? at::kFloat : at::kHalf),
+                           "int8 weights with float scales, int4 with fp16 scales and mins");
                TORCH_CHECK(!projections[3 * i + 2].has_value() || projections[3 * i + 2]->scalar_type() == at::kFloat,
                            "a float bias");
                return Projection{*projections[3 * i], *projections[3 * i + 1], projections[3 * i + 2]};
@@ -351,10 +352,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<int64_t>, int64_t, std::optional<at::Tensor>>(),
            py::arg("start"), py::arg("stop"), py::arg("past"), py::arg("biases"), py::arg("block_starts"),
            py::arg("block_stops"), py::arg("widths"), py::arg("shared") = 0, py::arg("tails") = py::none());
-  m.def("int8_matmul", &int8mm::matmul, "quantized.project's int8 product: bf16(scale * x_bf16 . w), [M, N]",
+  m.def("int8_matmul", &int8mm::matmul, "quantized.project's int8 product: sum over groups of scale * (x . w), float [M, N]",
         py::call_guard<py::gil_scoped_release>());
   m.def("int4_matmul", &int4mm::matmul,
-        "quantized.project's int4 product: bf16(sum over groups of scale * (x_bf16 . (q - 8)) + zero * sum x_bf16)",
+        "quantized.project's int4 product: sum over groups of scale * (x . q) + min * sum x, float [M, N]",
         py::call_guard<py::gil_scoped_release>());
   m.def("attend", &invariant::attend, "invariant_attention.attend: rows over keys at positions 0..N-1 with a bias",
         py::call_guard<py::gil_scoped_release>());
