@@ -12,7 +12,7 @@ DTYPE ?= int4
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install native test test-fast lint demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
+.PHONY: install native test test-fast lint docs demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -44,6 +44,10 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q $(XDIST) -m 'not slow and not deploy and not timing'
 	$(BIN)/python -m pytest -q -m 'timing and not slow and not deploy'
+
+# the generated pages, docs/usage/cli.md and docs/configuration.md, from the typer app and the settings classes
+docs: | $(STAMP)
+	$(BIN)/python -m tophat.docs_gen
 
 # ruff (lint + format check) and mypy over the product's code; configured in pyproject.toml
 LINTED := shared services
