@@ -65,3 +65,11 @@ def test_readme_is_for_users():
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "dated results belong in docs/benchmarks/"
     assert not re.search(r"\bsession \d+|\bissue \d+|\b[0-9a-f]{7,40}\b", text)
     assert "shared/papers" not in text and "../" not in text  # nothing outside the repository
+
+
+def test_readme_modes_table_lists_every_mode():
+    from shared.modes import MODE_TABLE
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip().strip("`") for line in text.splitlines() if line.startswith("| `")}
+    assert set(MODE_TABLE) <= rows, f"modes missing from README.md's table: {set(MODE_TABLE) - rows}"

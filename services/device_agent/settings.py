@@ -53,7 +53,7 @@ class Settings(ServiceSettings):
     tree_min_prob: float = 0.05
     # The draft budget per round from the link and the verifier's load (shared/draft_budget.py): the shapes the
     # chunk planner chooses among for hat requests (tried once each, then chosen); empty: always the shape above.
-    # Off by default: through the mesh at low load it does not beat a fixed chain yet (README). Trees (e.g.
+    # Off by default: through the mesh at low load it does not beat a fixed chain yet (docs/benchmarks/). Trees (e.g.
     # "none,chain,tree8,tree16") need a verifier with pipeline_stages 1: a staged one refuses them.
     draft_budgets: str = ""
     # HAT Table 5 switches: SD = speculative (above), PC = prompt chunking, PD = parallel drafting.
