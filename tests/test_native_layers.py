@@ -161,6 +161,28 @@ def test_dense_weights_and_the_switches_keep_the_python_runner(quantized, monkey
     assert run_native(list(dense_layers.layers), plan, torch.randn(2, hidden), [dense_cache]) is None
 
 
+def test_without_a_compiler_the_build_is_skipped_in_one_line_and_torch_computes(
+    quantized, tmp_path, monkeypatch, caplog
+):
+    layers, hidden = quantized
+    monkeypatch.setenv(native_build.BUILD_ROOT_ENV, str(tmp_path))  # no build there
+    monkeypatch.setenv("CXX", "g++")
+    monkeypatch.setattr(native_build.shutil, "which", lambda name: None)  # and no compiler on PATH
+    monkeypatch.setattr(native_build, "_loaded", None)
+    monkeypatch.setattr(native_build, "_load_tried", False)
+    with caplog.at_level("WARNING", logger=native_build.__name__):
+        assert native_build.build() is None
+    assert [r.getMessage() for r in caplog.records] == [native_build.no_compiler_message()]
+    assert "no C++ compiler (g++ is not on PATH" in native_build.no_compiler_message()
+    assert native_build.build_summary() == native_build.no_compiler_message()  # make native's one line
+    assert not native_build.library_path().exists() and native_module() is None
+    cache = layers.new_cache()
+    rows = torch.randn(3, hidden)
+    assert run_native(list(layers.layers), plan_for(layers, [cache], [3], hidden), rows, [cache]) is None
+    out = layers.forward_batch([(cache, rows)])  # the Python runner and torch's attention
+    assert cache.length == 3 and out[0].shape == (3, hidden) and torch.isfinite(out[0]).all()
+
+
 @torch.inference_mode()
 def test_bad_arguments_to_the_extension_raise_instead_of_crashing(quantized):
     layers, hidden = quantized

@@ -15,7 +15,7 @@ Two documented bases (`base` in the JSON; missing keys take the base's value):
   6 ms and runs the input layers at 45 us per prompt token (2k tokens: 0.09 s, §2.3);
   accept lengths have mean 2.08 (HAT Table 4: 2.06). Where the paper gives no number
   (gamma, latency), the value is our estimate.
-* ``demo``: the committed demo model on this box (README `make bench-core`): hidden 256,
+* ``demo``: the committed demo model on this box (docs/benchmarks/, `make bench-core`): hidden 256,
   8 layers, m = 2, draft step 2.25 ms, verify pass 3.2-4.2 ms, accept lengths as measured
   (mean 1.63); links are the `mid` profile scaled to hidden 256; ~10 ms per round of
   device-side head/sampling/bookkeeping (bench-core: ushape 15.8 ms/token in-process against
@@ -294,7 +294,7 @@ def paper_calibration() -> Calibration:
 
 
 def demo_calibration() -> Calibration:
-    """The committed demo model on this box (README bench-core numbers; links `mid`, scaled)."""
+    """The committed demo model on this box (docs/benchmarks/ bench-core numbers; links `mid`, scaled)."""
     mid = scaled_for_hidden(PROFILES["mid"], 256)
     total = 48.9 + 46.3 + 1.3 + 1.3 + 1.0 + 1.3
     return Calibration(

@@ -20,8 +20,8 @@ class Settings(ServiceSettings):
     host: str = "127.0.0.1"
     port: int = 8010
     default_chunk_size: int = 128  # HAT compares against server-side chunks of 128/256 (U-Sarathi)
-    min_chunk_size: int = 16
-    max_chunk_size: int = 1024
+    min_chunk_size: int = 16  # the smallest chunk eq. 3 may answer
+    max_chunk_size: int = 1024  # the largest chunk eq. 3 may answer (never more than the prompt)
     # Where eq. 3 / eq. 6 telemetry comes from (GET /state/cloud, /state/device/{id});
     # empty: always the defaults, source "default:no-monitor".
     state_monitor_url: str = ""
@@ -33,7 +33,7 @@ class Settings(ServiceSettings):
     hidden_size: int = 0
     wire_dtype_bytes: int = 2  # fp16 / bf16 hidden states on the wire
     default_parallel_draft_steps: int = 2  # eq. 6 fallback
-    max_parallel_draft_steps: int = 16
+    max_parallel_draft_steps: int = 16  # upper bound on eq. 6 answers
     # Edge SD (POST /edge-sd/plan): what the plan uses where the monitor's GET /state/edge-sd cannot say
     # (source "default:<reason>"). Defaults: the paper's Table II — T(b, F) = c1*F*b + c2 (eq. 17) of its
     # SBS drafting LLaMA-1.1B (RTX 3080) and MBS verifying LLaMA-7B (RTX 4500), l_max = 10 — and alpha = 0.8

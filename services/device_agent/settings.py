@@ -41,11 +41,11 @@ class Settings(ServiceSettings):
     stream_group: int = 2
     stream_window: int = 8
     stream_eta_gate: bool = True  # pipelined runs stop drafting ahead at a draft below eta (stream_engine.py)
-    downlink: str = "full"
-    top_k: int = 10
+    downlink: str = "full"  # full | topk: on a sampled rejection the cloud sends the whole row, or its top_k
+    top_k: int = 10  # K of the topk downlink
     speculative: bool = True  # False: plain U-shape, one token per cloud round trip
     eta: float = 0.6  # HAT eq. 5 drafting threshold
-    max_draft: int = 8
+    max_draft: int = 8  # most draft tokens per round (a tree's depth); 0: no speculation
     # Draft trees (EAGLE-2, shared/specdec/tree_drafting.py): nodes per round (0: a chain stopped by eta), children
     # per expanded node and nodes expanded per level, and how unlikely a path may get before growing stops.
     tree_nodes: int = 0
@@ -53,7 +53,7 @@ class Settings(ServiceSettings):
     tree_min_prob: float = 0.05
     # The draft budget per round from the link and the verifier's load (shared/draft_budget.py): the shapes the
     # chunk planner chooses among for hat requests (tried once each, then chosen); empty: always the shape above.
-    # Off by default: through the mesh at low load it does not beat a fixed chain yet (README). Trees (e.g.
+    # Off by default: through the mesh at low load it does not beat a fixed chain yet (docs/benchmarks/). Trees (e.g.
     # "none,chain,tree8,tree16") need a verifier with pipeline_stages 1: a staged one refuses them.
     draft_budgets: str = ""
     # HAT Table 5 switches: SD = speculative (above), PC = prompt chunking, PD = parallel drafting.
@@ -74,7 +74,7 @@ class Settings(ServiceSettings):
     on_cloud_loss: str = "error"
     chunk_planner_url: str = ""  # empty: fixed default_chunk_size
     state_monitor_url: str = ""  # empty: no telemetry
-    default_chunk_size: int = 128
+    default_chunk_size: int = 128  # prefill chunk when no chunk planner answers
     # Jupiter's edge pipeline (tophatctl/edge_pipeline.py): a stored plan whose sub-sequence table cuts every
     # chunked prompt (the planner's chunk size is not asked); empty: not an edge pipeline's first stage.
     edge_plan: str = ""
@@ -113,7 +113,7 @@ class Settings(ServiceSettings):
     kept_ttl_s: float = 120.0
     max_kept: int = 16
     request_timeout_s: float = 60.0  # one cloud round trip
-    planner_timeout_s: float = 1.0
+    planner_timeout_s: float = 1.0  # one call to the chunk planner
     # The planner's answers are cached; a request uses the cached plan and one older than this is
     # refreshed in the background for the next request (only the very first request waits for one).
     plan_refresh_s: float = 2.0

@@ -26,8 +26,8 @@ class Settings(ServiceSettings):
     stream_maxlen: int = 10_000  # XADD MAXLEN ~ for every stream
     request_ttl_s: int = 86_400  # tophat:request:{id} hashes expire after this
     redis_timeout_s: float = 0.5  # bound on every Redis call
-    redis_backoff_initial_s: float = 0.25
-    redis_backoff_max_s: float = 5.0
+    redis_backoff_initial_s: float = 0.25  # first wait before reconnecting to a lost Redis, doubling
+    redis_backoff_max_s: float = 5.0  # the longest wait between reconnection attempts
     alpha: float = 0.8  # HAT eq. 1-2 moving-average weight
     buckets_per_octave: int = 2  # resolution of g(mu) on the log2 scale
     device_stale_s: float = 30.0  # device state older than this is flagged stale

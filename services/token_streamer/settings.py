@@ -36,8 +36,8 @@ class Settings(ServiceSettings):
     ws_max_pending: int = 8  # messages a chat WebSocket may send ahead of its answer; one more closes it (1008)
     ready_max_age_s: float = 1.0  # /readyz answers from a device probe round at most this old (no probe per call)
     send_timeout_s: float = 10.0  # one WebSocket send to the client
-    max_new_tokens_default: int = 64
-    max_new_tokens_limit: int = 1024
+    max_new_tokens_default: int = 64  # max_tokens of a request that gives none
+    max_new_tokens_limit: int = 1024  # the largest max_tokens accepted (more: 400)
     max_prompt_chars: int = 200_000  # longer prompts are rejected with 400
     # Requests beyond the devices' free sessions wait in a FCFS queue of at most queue_max_waiting
     # (more get 429 with Retry-After); one still waiting after queue_timeout_s gets 503 queue_timeout.

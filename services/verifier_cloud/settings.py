@@ -23,7 +23,7 @@ class Settings(ServiceSettings):
     split_layers: int = 2  # m: the device keeps layers [0, m); the cloud runs [m, n)
     max_frame_bytes: int = MAX_FRAME_BYTES  # also the transport limit: a larger frame closes the connection (1009)
     max_batch_tokens: int = 4096  # packed tokens per batched forward pass
-    max_sessions: int = 256
+    max_sessions: int = 256  # sessions open at once over every connection (one more: OVERLOADED)
     # Per-device bounds: one connection (a device agent) holds at most this many sessions, so it cannot lock
     # other devices out; a session queues at most this many items (more: OVERLOADED for the item); a session
     # without requests or replies for the TTL is closed and its KV freed (the device then gets UNKNOWN_SESSION).
@@ -32,10 +32,10 @@ class Settings(ServiceSettings):
     # more connections buys nothing; 0: the same as max_sessions_per_connection. With auth off there is no
     # identity to count by: the bound is then per connection.
     max_sessions_per_device: int = 0
-    max_queue_per_session: int = 256
-    session_idle_ttl_s: float = 300.0
+    max_queue_per_session: int = 256  # items one session may queue (more: OVERLOADED for the item)
+    session_idle_ttl_s: float = 300.0  # a session without requests or replies this long is closed, its KV freed
     idle_timeout_s: float = 600.0  # a device silent this long is disconnected and its KV freed
-    send_timeout_s: float = 10.0
+    send_timeout_s: float = 10.0  # one WebSocket send to a device agent
     state_monitor_url: str = ""  # empty: no telemetry
     torch_threads: int = 1  # per process: the server with P = 1, each stage worker with P > 1
     # Where and how the middle layers compute (shared/model/placement.py). device: auto (CUDA when present,

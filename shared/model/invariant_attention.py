@@ -19,7 +19,7 @@ with other columns beside it on an AMD EPYC box (2026-11-27), though not on the 
 
 Tree rows see their committed prefix and then their own ancestors, which the cache holds in tree order;
 `attend_paths` gathers each row's path after the shared prefix, so it sits where a decode step of that
-path would have it. The cost: more small operations than one SDPA call (README, precision section).
+path would have it. The cost: more small operations than one SDPA call (docs/design/engine.md, precision).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 build/native/<key>, where the key hashes the sources, the compiler flags, this CPU's feature flags (it is
 built with -march=native), torch's version and Python's, so a stale or foreign build is never loaded. At
 run time the .so is imported from that path; no compiler is needed. Where it is missing, does not load, or
-TOPHAT_NATIVE_LAYERS=off, everything runs in torch (native_layers.py, invariant_attention.py).
+TOPHAT_NATIVE_LAYERS=off, everything runs in torch (native_layers.py, invariant_attention.py). Where no C++
+compiler is found (the one torch's builder calls: $CXX, else c++), the build is skipped with one line saying
+so, and `make install` goes on: the runner then computes in torch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import importlib.util
 import logging
 import os
 import platform
+import shlex
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -64,10 +68,28 @@ def library_path() -> Path:
     return build_dir() / f"{MODULE}.so"
 
 
-def build() -> Path:
-    """Compile the extension into `build_dir()` (about 50 s on 2 cores) unless it is there already."""
+def compiler() -> str | None:
+    """The C++ compiler torch.utils.cpp_extension would call ($CXX, else c++), where it is on PATH; else None."""
+    command = shlex.split(os.environ.get("CXX", "c++")) or ["c++"]
+    return shutil.which(command[0])
+
+
+def no_compiler_message() -> str:
+    name = (shlex.split(os.environ.get("CXX", "c++")) or ["c++"])[0]
+    return (
+        f"native layers: skipped, no C++ compiler ({name} is not on PATH; install g++ or set CXX): "
+        "torch computes the int4/int8 layers, slower"
+    )
+
+
+def build() -> Path | None:
+    """Compile the extension into `build_dir()` (about 50 s on 2 cores) unless it is there already; None, with
+    one warning, where there is no C++ compiler to build it with."""
     target = library_path()
     if not target.exists():
+        if compiler() is None:
+            log.warning(no_compiler_message())
+            return None
         from torch.utils.cpp_extension import load
 
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -80,6 +102,13 @@ def build() -> Path:
             verbose=False,
         )
     return target
+
+
+def build_summary() -> str:
+    """`make native`'s one line: where the build is, or why there is none."""
+    if not library_path().exists() and compiler() is None:
+        return no_compiler_message()  # printed, not also logged
+    return f"native layers: {build()}"
 
 
 _loaded: ModuleType | None = None
