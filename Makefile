@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .DEFAULT_GOAL := help
-.PHONY: help install native test test-fast lint docs demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak clean
+.PHONY: help install native test test-fast lint docs demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak test-aiperf clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -153,6 +153,21 @@ bench-sim: install ## the simulator against the real mesh, then at HAT's scale
 SOAK_S ?= 600
 soak: install ## Poisson load for SOAK_S seconds: failed requests and memory growth
 	$(BIN)/python -m loadgen.soak --model $(MODEL) --duration $(SOAK_S)
+
+# NVIDIA's aiperf (an outside OpenAI load tool, its own venv: it pins its own transformers and pydantic) against a
+# real mesh (`tophat up` on loopback): its streaming chat profile, 8 requests with max_completion_tokens,
+# include_usage and ignore_eos; fails unless 0 requests failed, TTFT and ITL are reported and every answer has the
+# asked length (loadgen/aiperf_check.py, artifacts in bench-results/aiperf). About 75 s on 2 busy CPU cores
+# (mesh start ~15 s, aiperf ~50 s) plus aiperf's install the first time, so not part of `make test`.
+AIPERF_VENV := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+$(AIPERF_STAMP):
+	test -x $(AIPERF_VENV)/bin/python || $(PY) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet aiperf==0.13.0
+	touch $(AIPERF_STAMP)
+
+test-aiperf: install $(AIPERF_STAMP)
+	$(BIN)/python -m loadgen.aiperf_check --model $(MODEL) --aiperf $(AIPERF_VENV)/bin/aiperf --out bench-results/aiperf
 
 # ---- containers ------------------------------------------------------------------------------------------
 # Every wheel an image needs, gathered on the host (torch 2.13.0 is this machine's CPU build; the model's wheel

@@ -180,3 +180,24 @@ def test_completions_stay_raw_text(mesh, smollm2):
     assert reply.usage.prompt_tokens == len(ids)  # no template around it
     assert reply.choices[0].text == smollm2.tokenizer.decode(generate_full(smollm2, ids, 6).token_ids,
                                                              skip_special_tokens=True)
+
+
+def test_ignore_eos_seed_and_text_parts_through_the_openai_client(mesh):
+    """vLLM's ignore_eos runs past the end of turn to the token budget (the greedy answer first, then on);
+    the same seed samples the same answer; text parts are one message."""
+    client = openai_client(mesh)
+    question = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                             {"type": "text", "text": "of France?"}]}]
+
+    def ask(**fields):
+        return client.chat.completions.create(model="smollm2", messages=question, **fields)
+
+    ended = ask(max_completion_tokens=MAX_TOKENS, temperature=0)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < MAX_TOKENS
+    past = ask(max_completion_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    assert past.choices[0].finish_reason == "length" and past.usage.completion_tokens == MAX_TOKENS
+    assert past.choices[0].message.content.startswith(ended.choices[0].message.content)
+    sampled = [ask(max_tokens=12, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}).choices[0]
+               for seed in (1234, 1234, 1, 2)]
+    assert sampled[0].message.content == sampled[1].message.content  # same seed, same tokens
+    assert len({c.message.content for c in sampled}) > 1  # other seeds: other samples

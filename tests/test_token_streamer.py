@@ -68,7 +68,8 @@ class FakeDevice:
             self.requests.append(body)
             if self.busy or self.active >= self.max_sessions:
                 return JSONResponse({"error": {"code": "busy", "message": "no free session"}}, status_code=503)
-            prompt = body["prompt"] if "prompt" in body else plain_chat_text(body["messages"])
+            prompt = (body["prompt"] if "prompt" in body else str(body["prompt_ids"]) if "prompt_ids" in body
+                      else plain_chat_text(body["messages"]))
             if prompt == "user: bad\nassistant:":
                 return JSONResponse({"error": {"code": "prompt_too_long", "message": "too long"}}, status_code=400)
             self.active += 1  # taken here, not in the stream, so two requests cannot both pass the check

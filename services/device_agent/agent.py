@@ -298,7 +298,7 @@ class DeviceAgent:
             "cached_tokens": session.cached_tokens if isinstance(session, KeepableSession) else 0,
         }
         eos = self.model.eos_token_id
-        finish = "stop" if generated and generated[-1] == eos else "length"
+        finish = "stop" if generated and generated[-1] == eos and not request.ignore_eos else "length"
         done = {"type": "done", "finish_reason": finish, "stats": stats}
         if isinstance(session, KeepableSession) and session.kept is not None:
             done["kept"] = {"handle": session.kept.handle, "length": session.kept.length}

@@ -223,6 +223,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
                 max(request.max_new_tokens, 1),  # 0 (prefill only) never reaches a decode step
                 keepable=request.keep or parent is not None,
             )
+            if session is not None:
+                session.ignore_eos = request.ignore_eos
             if isinstance(session, KeepableSession):
                 session.prefill_only = request.max_new_tokens == 0
                 if parent is not None:

@@ -27,6 +27,7 @@ class GenerateRequest(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_new_tokens, past the end-of-sequence token
     request_id: str | None = None
     mode: Mode | None = None  # None: the agent's `mode` setting (shared/modes.py)
     privacy: bool | None = None  # true: refuse the token modes

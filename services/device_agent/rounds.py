@@ -225,7 +225,8 @@ async def cloud_rounds(
 ) -> AsyncGenerator[list[int], None]:
     """cloud: one token per round trip; the device does no model compute (so no slowdown)."""
     params = SamplingParams(request.temperature, request.top_p, request.seed)
-    return token_decode(agent.cloud, session_id, ids, params, request.max_new_tokens, agent.model.eos_token_id)
+    eos = None if request.ignore_eos else agent.model.eos_token_id
+    return token_decode(agent.cloud, session_id, ids, params, request.max_new_tokens, eos)
 
 
 SESSION_TYPES: dict[SessionKind, type | None] = {

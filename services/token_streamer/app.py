@@ -230,7 +230,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: of.CompletionRequest) -> Any:
-        return await respond(request, req, req.max_tokens, chat=False)
+        return await respond(request, req, req.requested_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: of.ChatRequest) -> Any:

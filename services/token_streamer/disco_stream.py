@@ -286,7 +286,7 @@ class DiscoStream:
         ):
             return
         eos = getattr(self.device, "eos_token_id", None)
-        if eos is not None and self.generated and self.generated[-1] == eos:
+        if eos is not None and self.generated and self.generated[-1] == eos and not self.body.get("ignore_eos"):
             return  # the answer is over
         source = self.active.endpoint
         target = migration_target(self.ledger.cost, source, "device" if source != "device" else self.server_endpoint)

@@ -2,20 +2,25 @@
 
 Kept apart from the app so the HTTP layer only moves events around, and so the
 exact JSON shapes (which real OpenAI client libraries parse) live in one place.
-Unknown request fields are accepted and ignored, as clients send many optional
-knobs (user, presence_penalty, ...) that a demo model has no use for.
+Unknown request fields are accepted and ignored, as vLLM does, because clients send
+many optional knobs (user, presence_penalty, ...) that this server has no use for; the
+ignored names are logged (a warning the first time a set of names is seen, then debug).
+docs/api-compat.md lists what each field does here.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, field_validator, model_validator
 
 from shared.draft_budget import SHAPE_PATTERN
 from shared.modes import Dispatch, Downlink, Mode
+
+log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -23,9 +28,40 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 
 
-class StreamOptions(BaseModel):
+_WARNED_IGNORED: set[frozenset[str]] = set()  # sets of ignored names already warned about (bounded below)
+_WARNED_MAX = 256
+
+
+def log_ignored(where: str, names: set[str]) -> None:
+    """vLLM's warning for accepted-but-ignored fields; once per distinct set, so a client that always
+    sends the same extras does not log a line per request."""
+    key = frozenset(names)
+    if key in _WARNED_IGNORED or len(_WARNED_IGNORED) >= _WARNED_MAX:
+        log.debug("the following fields of %s were present in the request but ignored: %s", where, sorted(names))
+        return
+    _WARNED_IGNORED.add(key)
+    log.warning("the following fields of %s were present in the request but ignored: %s", where, sorted(names))
+
+
+class Lenient(BaseModel):
+    """An OpenAI request object: unknown fields are accepted, ignored and logged (as vLLM does)."""
+
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        result = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields)
+            ignored = {str(k) for k in data if k not in known}
+            if ignored:
+                log_ignored(cls.__name__, ignored)
+        return result
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False  # continuous_usage_stats (vLLM) is ignored: usage comes once, at the end
 
 
 class TophatOptions(BaseModel):
@@ -66,10 +102,9 @@ class TophatOptions(BaseModel):
     added_delay_ms: float | None = Field(default=None, ge=0, le=60_000)
 
 
-class SamplingRequest(BaseModel):
-    """Parameters shared by both endpoints (OpenAI names and defaults)."""
+class SamplingRequest(Lenient):
+    """Parameters shared by both endpoints (OpenAI names and defaults, vLLM's ignore_eos)."""
 
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: Temperature = 1.0
@@ -77,16 +112,17 @@ class SamplingRequest(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = 1
     stop: str | list[str] | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate to max_tokens past the end-of-sequence token
     tophat: TophatOptions | None = None  # non-OpenAI extension; OpenAI clients pass it via extra_body
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+    def _only_one_choice(cls, n: int | None) -> int:
+        if n is not None and n != 1:
+            raise ValueError(f"n={n} is not supported: this server returns one choice per request (n must be 1)")
+        return 1
 
     @field_validator("stop")
     @classmethod
@@ -104,38 +140,82 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def requested_tokens(self) -> int | None:
+        """The most tokens to generate, as asked (None: the server's default)."""
+        return self.max_tokens
+
+    @property
+    def tokens_param(self) -> str:
+        """The field `requested_tokens` came from, for an error's `param`."""
+        return "max_tokens"
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str]
+    # OpenAI's four forms, one prompt each: text, [text], token ids, [token ids]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and len(prompt) != 1:
+    def _one_prompt(cls, prompt: Any) -> Any:
+        flat_ids = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+        if isinstance(prompt, list) and not flat_ids and len(prompt) != 1:
             raise ValueError("exactly one prompt per request is supported")
         return prompt
 
     @property
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def _one(self) -> str | list[int]:
+        """The one prompt: its text or its token ids."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        first = self.prompt[0]
+        return [i for i in self.prompt if isinstance(i, int)] if isinstance(first, int) else first
+
+    @property
+    def prompt_text(self) -> str | None:
+        """The prompt as text, or None when it came as token ids (`prompt_ids`)."""
+        return self._one if isinstance(self._one, str) else None
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt as token ids, or None when it came as text."""
+        return None if isinstance(self._one, str) else list(self._one)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content; only text is served (a text-only model), anything else is a 400."""
+
+    model_config = ConfigDict(extra="ignore")  # a non-text part's payload (image_url, ...) is refused, not logged
+    type: str
+    text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: str | list[ContentPart] | None) -> str | list[ContentPart] | None:
+        for part in content if isinstance(content, list) else []:
+            if part.type != "text":
+                raise ValueError(
+                    f"content part type {part.type!r} is not supported: this model takes text only "
+                    "(parts of type 'text')"
+                )
+            if part.text is None:
+                raise ValueError("a content part of type 'text' needs its 'text'")
+        return content
 
     @property
     def text(self) -> str:
+        """The content as one string: text parts joined by newlines, as vLLM joins them."""
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text or "" for p in self.content)
 
 
 class ChatRequest(SamplingRequest):
@@ -144,7 +224,12 @@ class ChatRequest(SamplingRequest):
 
     @property
     def requested_tokens(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        """vLLM's rule: max_completion_tokens wins over max_tokens when both are given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def turns(self) -> list[dict[str, str]]:
@@ -164,7 +249,8 @@ def validation_error(errors: Any) -> tuple[str, str | None]:
     for err in list(errors)[:3]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = param or (loc[0] if loc else None)
-        parts.append(f"{'.'.join(loc)}: {err.get('msg')}" if loc else str(err.get("msg")))
+        msg = str(err.get("msg")).removeprefix("Value error, ")  # our own validators' messages, as written
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
     return "; ".join(parts) or "invalid request", param
 
 

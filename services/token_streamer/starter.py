@@ -39,11 +39,20 @@ class BadRequest(Exception):
 
 
 def prompt_of(req: of.SamplingRequest) -> dict[str, Any]:
-    """What the device is asked for: a completion's raw text, or a chat's turns (templated on the device)."""
+    """What the device is asked for: a completion's raw text or token ids, or a chat's turns (templated
+    on the device)."""
     if isinstance(req, of.ChatRequest):
         return {"messages": req.turns}
     assert isinstance(req, of.CompletionRequest)  # the two endpoints' requests are the only kinds
-    return {"prompt": req.prompt_text}
+    ids = req.prompt_ids
+    return {"prompt": req.prompt_text} if ids is None else {"prompt_ids": ids}
+
+
+def prompt_size(prompt: dict[str, Any]) -> int:
+    """The prompt's length against max_prompt_chars: characters, or token ids (each at least one character)."""
+    if "messages" in prompt:
+        return sum(len(m["content"]) for m in prompt["messages"])
+    return len(prompt["prompt"] if "prompt" in prompt else prompt["prompt_ids"])
 
 
 @dataclass(frozen=True)
@@ -62,14 +71,15 @@ class RequestStarter:
         s = self.settings
         started = time.perf_counter()
         prompt = prompt_of(req)
-        chars = len(prompt["prompt"]) if "prompt" in prompt else sum(len(m["content"]) for m in prompt["messages"])
+        chars = prompt_size(prompt)
         if chars > s.max_prompt_chars:
             raise BadRequest(
-                f"prompt is longer than {s.max_prompt_chars} characters", "prompt" if "prompt" in prompt else "messages"
+                f"prompt is longer than {s.max_prompt_chars} characters",
+                "messages" if "messages" in prompt else "prompt",
             )
         max_new = max_tokens if max_tokens is not None else s.max_new_tokens_default
         if max_new > s.max_new_tokens_limit:
-            raise BadRequest(f"max_tokens must be <= {s.max_new_tokens_limit}", "max_tokens")
+            raise BadRequest(f"{req.tokens_param} must be <= {s.max_new_tokens_limit}", req.tokens_param)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         body = {
             **prompt,
@@ -78,6 +88,7 @@ class RequestStarter:
             "top_p": req.top_p,
             "seed": req.seed,
             "request_id": request_id,
+            **({"ignore_eos": True} if req.ignore_eos else {}),  # only when asked (the agent's default: false)
         }
         options = req.tophat.model_dump(exclude_none=True) if req.tophat is not None else {}
         delay_ms = options.pop("added_delay_ms", 0.0)

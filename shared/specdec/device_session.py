@@ -94,13 +94,14 @@ class DeviceSession(TreeDrafting):
         self.predraft_chances = 0  # rounds with pre-drafted branches whose last draft token was corrected
         self.full_accepts = 0  # verification rounds that accepted every drafted token (L = k + 1)
         self.degraded = False  # finished on the device alone after losing the cloud (finish_alone)
+        self.ignore_eos = False  # true: only max_new_tokens ends the answer (vLLM's ignore_eos)
 
     # -- state -----------------------------------------------------------------
     @property
     def is_finished(self) -> bool:
         if len(self.generated) >= self.max_new_tokens:
             return True
-        return bool(self.generated) and self.generated[-1] == self.model.eos_token_id
+        return not self.ignore_eos and bool(self.generated) and self.generated[-1] == self.model.eos_token_id
 
     @property
     def commit_len(self) -> int:

@@ -164,7 +164,7 @@ class StreamSession(DeviceSession):
         self.q_of[position] = float(q[token])
         if not self.params.is_greedy:
             self.q_rows[position] = q
-        self.stopped = token == self.model.eos_token_id
+        self.stopped = token == self.model.eos_token_id and not self.ignore_eos
         return DraftedToken(token, confidence)
 
     def advance_to_end(self) -> None:
