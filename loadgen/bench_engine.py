@@ -4,8 +4,9 @@ Decode reads every weight once per token, so each figure is printed beside its f
 bytes read per pass / this machine's memory bandwidth (a STREAM-like copy, read + write bytes
 counted, best of several, per thread count). Per dtype (f32, bf16, int8), at 1 and 2 threads:
 unsplit greedy decode tok/s, a verify pass of the middle layers for 1/4/8/16/32 rows after a
-128-token context, and 1 vs 8 concurrent sessions (one packed pass per step). Then held-out
-quality per dtype against fp32. Prints a table and writes JSON; asserts nothing.
+128-token context, and 1 vs 8 concurrent sessions (one packed pass per step). Then the quality table
+(loadgen/engine_quality.py): each dtype and llama.cpp's Q4_1 against f32 on held-out text and chat answers,
+and the quality gate. Prints the tables and writes JSON; asserts nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from loadgen.bench_core import bench_prompts, decode_rate, load_model, timed_ms, transformers_rate
+from loadgen.engine_quality import print_quality, quality_table
 from shared.model.checkpoint import Checkpoint
 from shared.model.native_layers import python_runner
 from shared.model.split import MiddleSubmodel
@@ -146,19 +148,6 @@ def llama_rate(threads: int, prompt: list[int], new_tokens: int, runs: int) -> f
     return float(json.loads(done.stdout.strip().splitlines()[-1])["tok_s"])
 
 
-@torch.inference_mode()
-def quality(checkpoint: Checkpoint, texts: list[tuple[list[int], list[int]]]) -> tuple[float, float]:
-    """(perplexity of the fp32 model's greedy answers, share of their positions where this model's argmax,
-    teacher-forced, is fp32's token)."""
-    nll = count = agree = 0.0
-    for prompt, answer in texts:
-        logits = checkpoint.model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1].float()
-        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(answer), reduction="sum"))
-        agree += float((logits.argmax(-1) == torch.tensor(answer)).sum())
-        count += len(answer)
-    return float(torch.exp(torch.tensor(nll / count))), agree / count
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -168,16 +157,18 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--out", default="bench-results/engine.json")
     parser.add_argument("--profile", default="f32,int4", help="dtypes whose verify pass and draft step are profiled")
+    parser.add_argument("--quality-positions", type=int, default=20_000,
+                        help="teacher-forced positions of held-out text in the quality table (0: no table)")
+    parser.add_argument("--quality-prompts", type=int, default=64, help="held-out chat prompts answered greedily")
     parser.add_argument("--runs", type=int, default=5,
                         help="decode runs of --new-tokens per figure, the best reported (llama.cpp's alike, after "
                              "a warm-up): one run is a third of a second, and this box's speed drifts within seconds")
     args = parser.parse_args()
     threads_list = [int(t) for t in args.threads.split(",")]
     bandwidth = {t: copy_bandwidth(t) for t in threads_list}
-    results: dict = {"bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}, "runs": [], "quality": {}}
+    results: dict = {"bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}, "runs": []}
     prompts = bench_prompts(load_model(args.model, "f32"), 8)
     prompt = prompts[0]
-    reference_tokens: list[list[int]] = []  # fp32's greedy answers to the held-out prompts
     for dtype in args.dtypes.split(","):
         checkpoint = load_model(args.model, dtype)
         # "+python": the same weights on the Python runner, the C++ layers switched off (the same bits, slower)
@@ -201,20 +192,19 @@ def main() -> None:
             if dtype in args.profile.split(","):
                 torch.set_num_threads(1)
                 results.setdefault("profiles", {})[dtype] = profiles(checkpoint, args.split_layers, None)
-            if dtype == "f32":
-                reference_tokens = [decode_rate(checkpoint, [p], 48)[1][0] for p in prompts]
-            if reference_tokens:
-                own = [decode_rate(checkpoint, [p], 48)[1][0] for p in prompts]
-                ppl, agree = quality(checkpoint, list(zip(prompts, reference_tokens)))
-                same = sum(a == b for a, b in zip(own, reference_tokens))
-                results["quality"][dtype] = {"perplexity": ppl, "argmax_agreement": agree, "same_greedy_answers": same,
-                                             "prompts": len(prompts)}
         del checkpoint
     llama_bytes = gguf_pass_bytes(smollm2_gguf_path())
     for threads in threads_list:
         rate = llama_rate(threads, prompt, args.new_tokens, args.runs)
         results["runs"].append({"dtype": "llama.cpp Q4_1", "threads": threads, "decode_tok_s": rate,
                                 "weight_mb": llama_bytes / 1e6, "decode_floor_tok_s": bandwidth[threads] / llama_bytes})
+    if args.quality_positions:
+        torch.set_num_threads(max(threads_list))
+        engines = {dtype: load_model(args.model, dtype) for dtype in ("f32", "bf16", "int8", "int4")}
+        llama = (smollm2_gguf_path(), LLAMA_PYTHON) if LLAMA_PYTHON.exists() and args.model == "smollm2" else None
+        results["quality"] = quality_table(engines, lambda ck, p, n: decode_rate(ck, [p], n, runs=1)[1][0],
+                                           args.quality_positions, args.quality_prompts, llama=llama)
+        del engines
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print_table(results)
@@ -244,11 +234,14 @@ def print_table(results: dict) -> None:
     for dtype, parts in results.get("profiles", {}).items():
         for what, spent in parts.items():
             print(f"\nprofile, {dtype}, 1 thread, {what}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in spent.items()))
-    print("\n| dtype | perplexity on fp32's answers | argmax agreement with fp32 | same greedy answer |")
-    print("|---|---|---|---|")
-    for dtype, q in results["quality"].items():
-        print(f"| {dtype} | {q['perplexity']:.3f} | {q['argmax_agreement']:.1%} | "
-              f"{q['same_greedy_answers']}/{q['prompts']} |")
+    if results.get("quality"):
+        print_quality(results["quality"])
+        passing = [r for r in results["runs"] if r["threads"] == 1 and results["quality"].get(r["dtype"], {}).get(
+            "passes_gate")]
+        if passing:
+            best = max(passing, key=lambda r: r["decode_tok_s"])
+            print(f"\nfastest dtype through the quality gate (1 thread): {best['dtype']}, "
+                  f"{best['decode_tok_s']:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -18,15 +18,17 @@ import time
 from pathlib import Path
 
 
-def greedy(llm, prompt: list[int], new_tokens: int) -> list[int]:
+def greedy(llm, prompt: list[int], new_tokens: int) -> tuple[list[int], float]:
+    """The greedy answer and the seconds its decode steps took (the prompt's pass not counted)."""
     llm.reset()
     llm.eval(prompt)
     tokens = []
+    started = time.perf_counter()
     for _ in range(new_tokens):
         token = int(llm.scores[llm.n_tokens - 1].argmax())  # greedy on the last position's logits
         tokens.append(token)
         llm.eval([token])
-    return tokens
+    return tokens, time.perf_counter() - started
 
 
 def main() -> None:
@@ -54,17 +56,19 @@ def main() -> None:
             np.save(Path(args.logits_dir) / f"{i}.npy", np.asarray(llm.scores[: len(window)], dtype=np.float32))
         print(json.dumps({"windows": len(windows)}))
         return
-    llm = Llama(model_path=args.gguf, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024, verbose=False)
+    # logits_all: llama-cpp-python 0.3 leaves `scores` zero without it (its greedy answer would be token 0 forever);
+    # a decode step asks for its one row's logits either way
+    llm = Llama(model_path=args.gguf, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024,
+                logits_all=True, verbose=False)
     if args.prompts_file:
         prompts = json.loads(Path(args.prompts_file).read_text())
-        print(json.dumps({"answers": [greedy(llm, prompt, args.new_tokens) for prompt in prompts]}))
+        print(json.dumps({"answers": [greedy(llm, prompt, args.new_tokens)[0] for prompt in prompts]}))
         return
     prompt = [int(t) for t in args.prompt_ids.split(",")]
     rates, tokens = [], []
     for _ in range(args.repeats):  # the first warms up; the best of the rest is reported, as ours is
-        started = time.perf_counter()
-        tokens = greedy(llm, prompt, args.new_tokens)
-        rates.append(args.new_tokens / (time.perf_counter() - started))
+        tokens, seconds = greedy(llm, prompt, args.new_tokens)
+        rates.append(args.new_tokens / seconds)
     print(json.dumps({"tok_s": max(rates[1:] or rates), "token_ids": tokens}))
 
 

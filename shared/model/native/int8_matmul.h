@@ -66,6 +66,24 @@ inline Lanes fused(const Lanes& a, const Lanes& b, const Lanes& c) {  // a * b +
 #endif
 }
 
+inline Lanes product(const Lanes& a, const Lanes& b) {  // a * b, one rounding per lane
+#if defined(__AVX512F__)
+  return _mm512_mul_ps(a, b);
+#else
+  return a * b;
+#endif
+}
+
+inline Lanes splat(float value) {  // every lane `value`
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(value);
+#else
+  Lanes out;
+  for (int64_t i = 0; i < kTile; ++i) out[i] = value;
+  return out;
+#endif
+}
+
 inline float lane_sum(const Lanes& lanes) {  // the fixed pairwise tree: halves added, then quarters, ...
   float parts[kTile];
   std::memcpy(parts, &lanes, sizeof parts);
@@ -139,9 +157,8 @@ inline void dot_rows(const float* x, const Rows& weights, const float* scales, i
     std::memcpy(&first, x + k, sizeof first);
     std::memcpy(&second, x + k + kTile, sizeof second);
     for (int r = 0; r < R; ++r) {
-      const Lanes group = fused(second, weights.lanes(r, k + kTile), first * weights.lanes(r, k));
-      const Lanes scale = Lanes{} + scales[r * groups + g];
-      acc[r] = fused(scale, group, acc[r]);
+      const Lanes group = fused(second, weights.lanes(r, k + kTile), product(first, weights.lanes(r, k)));
+      acc[r] = fused(splat(scales[r * groups + g]), group, acc[r]);
     }
   }
   if constexpr (R == 16) {
