@@ -1,5 +1,6 @@
 """`tophat bench`: the serving modes, DiSCo, Jupiter's edge pipeline or Edge SD measured on real
-meshes. This module reads the options and prints; what each bench does is loadgen/bench_command.py."""
+meshes. This module reads the options and prints; what each bench does is loadgen/bench_command.py,
+imported inside the command, so `tophat --help` does not load it."""
 
 from __future__ import annotations
 
@@ -9,20 +10,7 @@ from typing import Optional
 
 import typer
 
-from loadgen.bench_command import (
-    BENCH_ERRORS,
-    ModeBench,
-    check_draft_adapter,
-    disco_bench_options,
-    disco_report,
-    edge_sd_report,
-    jupiter_report,
-    parse_buckets,
-    run_mode_bench,
-    sim_check_report,
-)
 from tophat.command_support import MODEL_HELP, fail
-from tophatctl.models import resolve_model_or_exit
 
 
 def bench(
@@ -72,6 +60,19 @@ def bench(
                                       "--edge-sd-modes", help="--edge-sd: the modes to run"),
 ):
     """Every mode against the same arrival trace, back to back; one table with ratios vs ushape."""
+    from loadgen.bench_command import (  # imports torch: only when a bench runs
+        BENCH_ERRORS,
+        ModeBench,
+        check_draft_adapter,
+        disco_bench_options,
+        disco_report,
+        edge_sd_report,
+        jupiter_report,
+        parse_buckets,
+        run_mode_bench,
+        sim_check_report,
+    )
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("loadgen").setLevel(logging.INFO)
     if edge_sd:
@@ -122,4 +123,6 @@ def bench(
 
 def served_model_dir(model: str) -> str:
     """--model as the checkpoint directory the bench's meshes load (a usage error if there is none)."""
+    from tophatctl.models import resolve_model_or_exit
+
     return str(resolve_model_or_exit(model))

@@ -15,7 +15,7 @@ import typer
 from loadgen.cli import loadgen_command
 from loadgen.simulate.cli import simulate_command
 from tophat.bench_commands import bench
-from tophat.command_support import MODEL_HELP, USER_ERRORS, fail, setup_torch
+from tophat.command_support import MODEL_HELP, fail, setup_torch, user_errors
 from tophat.mesh_commands import certs, mesh_secrets, stage, up
 from tophat.model_commands import (
     adapter_sweep_cmd,
@@ -89,7 +89,7 @@ def generate(
             session = DeviceSession(device, ids, params, DraftConfig(eta=eta, max_draft=max_draft), max_new_tokens)
             cloud = LocalCloud(MiddleSubmodel(checkpoint, split_layers))
             result = asyncio.run(run_generate(session, cloud, chunk_size=chunk_size))
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     text = decode_tokens(checkpoint, result.token_ids)
     summary = {

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from tophat.command_support import USER_ERRORS, fail, setup_torch
+from tophat.command_support import fail, setup_torch, user_errors
 
 
 def build_demo_model_cmd(
@@ -52,7 +52,7 @@ def import_gguf_cmd(
     logging.getLogger("tophatctl").setLevel(logging.INFO)
     try:
         report = import_gguf(gguf or smollm2_gguf_path(), out)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     typer.echo(json.dumps(report, indent=2))
 
@@ -189,7 +189,7 @@ def train_adapter_cmd(
             from tophatctl.adapter_training.code_corpus import AdapterTrainConfig, train_adapter
 
             report = train_adapter(model_dir, AdapterTrainConfig(split_layers=split_layers, steps=steps), out)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     typer.echo(json.dumps(report, indent=2))
 
@@ -210,7 +210,7 @@ def evaluate_adapter_cmd(
     logging.getLogger("tophatctl").setLevel(logging.INFO)
     try:
         report = evaluate_adapter_file(load_checkpoint(resolve_model(model)), adapter, eval_prompts, eval_new_tokens)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     typer.echo(json.dumps({k: report.get(k) for k in ("teacher_forced", "held_out")}, indent=2))
 
@@ -260,7 +260,7 @@ def adapter_sweep_cmd(
             typer.echo(markdown(json.loads(out.read_text()), steps))
             return
         rows = sweep(checkpoint, cfg, DataConfig(), specs, eval_prompts, eval_new_tokens)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     out = out or Path("bench-results/adapter-sweep.json")
     out.parent.mkdir(parents=True, exist_ok=True)
