@@ -58,7 +58,9 @@ def generate(
     split_layers: int = typer.Option(2, "--split-layers", help="m: decoder layers on the device"),
     eta: float = typer.Option(0.6, help="drafting threshold (HAT eq. 5)"),
     max_draft: int = typer.Option(8, help="max draft tokens per round"),
-    adapter: Optional[str] = typer.Option(None, help="adapter file, or 'random'; default MODEL/draft_adapter.safetensors"),
+    adapter: Optional[str] = typer.Option(
+        None, help="adapter file, or 'random'; default MODEL/draft_adapter.safetensors"
+    ),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0),
     seed: Optional[int] = typer.Option(None),
@@ -119,8 +121,13 @@ def chat(
     prompt: Optional[str] = typer.Option(None, help="one-shot prompt (default: interactive)"),
     max_tokens: int = typer.Option(64),
     temperature: float = typer.Option(0.0),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", show_envvar=True,
-                                          help="sent as Authorization: Bearer (the key `tophat up --api-key` set)"),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        envvar="OPENAI_API_KEY",
+        show_envvar=True,
+        help="sent as Authorization: Bearer (the key `tophat up --api-key` set)",
+    ),
 ):
     """Chat with the mesh, streaming tokens; prints TTFT, TBT and accept length after each answer."""
     from tophatctl.chat_client import run_chat
@@ -138,9 +145,7 @@ app.command()(generate)
 app.command()(up)
 app.command()(certs)
 app.command("mesh-secrets")(mesh_secrets)
-app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(
-    stage
-)
+app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(stage)
 app.add_typer(credentials_app, name="credentials")
 app.command()(chat)
 app.command()(bench)
@@ -152,8 +157,11 @@ app.command("simulate", help="Discrete-event simulation of the serving modes at 
 )
 app.command("profile", help="Profile per-layer time t(S, c) and memory for Jupiter's planner.")(profile_command)
 app.command("plan", help="Plan an edge pipeline (Jupiter): DP layer partition + sub-sequence table.")(plan_command)
-app.command("privacy", help="What the cloud can recover from the hidden states it is sent, per split depth, "
-            "attack and defence (tophatctl/privacy/).")(privacy_command)
+app.command(
+    "privacy",
+    help="What the cloud can recover from the hidden states it is sent, per split depth, "
+    "attack and defence (tophatctl/privacy/).",
+)(privacy_command)
 
 
 if __name__ == "__main__":

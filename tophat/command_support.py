@@ -22,7 +22,9 @@ def user_errors() -> tuple[type[Exception], ...]:
     return (ModelLoadError, AdapterError, SplitError, SessionError, ValueError)
 
 
-MODEL_HELP = "smollm2 (SmolLM2-135M-Instruct, imported by `make install`) | demo (the small stdlib model) | a checkpoint dir"
+MODEL_HELP = (
+    "smollm2 (SmolLM2-135M-Instruct, imported by `make install`) | demo (the small stdlib model) | a checkpoint dir"
+)
 
 
 def fail(message: str) -> NoReturn:

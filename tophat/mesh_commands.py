@@ -15,44 +15,84 @@ from tophat.command_support import MODEL_HELP, fail
 
 def up(
     devices: int = typer.Option(1, "--devices", help="number of device agents"),
-    verifiers: int = typer.Option(1, "--verifiers", help="verifier replicas; a session whose verifier dies "
-                                  "is replayed on another"),
+    verifiers: int = typer.Option(
+        1, "--verifiers", help="verifier replicas; a session whose verifier dies is replayed on another"
+    ),
     model: str = typer.Option("smollm2", help=MODEL_HELP),
     redis_url: Optional[str] = typer.Option(None, help="external Redis (default: embedded redis-server)"),
     port_base: int = typer.Option(8000, help="token-streamer port; the others are laid out from it"),
     split_layers: int = typer.Option(2, "--split-layers"),
     no_speculation: bool = typer.Option(False, "--no-speculation", help="plain U-shape (no draft adapter)"),
     adapter: str = typer.Option("", help="adapter file or 'random' (default: MODEL/draft_adapter.safetensors)"),
-    link: str = typer.Option("none", help="link profile per device: near|mid|far|none or 'up=5MB,down=10MB,lat=5ms'; "
-                             "';'-separated to vary by device"),
+    link: str = typer.Option(
+        "none",
+        help="link profile per device: near|mid|far|none or 'up=5MB,down=10MB,lat=5ms'; "
+        "';'-separated to vary by device",
+    ),
     link_mode: str = typer.Option("auto", help="auto | netns (tc-shaped veth, root) | inprocess"),
     speed: str = typer.Option("orin", help="device speed per device: orin|xavier|cycle|'1,2,5,10@5'; ';'-separated"),
     pipeline_stages: int = typer.Option(1, help="P: verifier pipeline stages (worker processes)"),
-    dtype: str = typer.Option("auto", "--dtype", help="weights in the verifier and the devices: auto (f32 on a CPU) | "
-                              "f32 | bf16 | int8 | int4 (int8/int4: the CPU's fast decode, make bench-engine)"),
+    dtype: str = typer.Option(
+        "auto",
+        "--dtype",
+        help="weights in the verifier and the devices: auto (f32 on a CPU) | "
+        "f32 | bf16 | int8 | int4 (int8/int4: the CPU's fast decode, make bench-engine)",
+    ),
     prompt_chunking: bool = typer.Option(True, "--prompt-chunking/--no-prompt-chunking", help="PC switch"),
     parallel_drafting: bool = typer.Option(True, "--parallel-drafting/--no-parallel-drafting", help="PD switch"),
-    state_file: Optional[Path] = typer.Option(None, "--state-file", help="keep a JSON list of every process "
-                                              "(role, pid, url) here, rewritten after each restart"),
-    api_key: str = typer.Option("", "--api-key", envvar="TOPHAT_STREAMER_API_KEY", show_default=False,
-                                help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)"),
-    auth: bool = typer.Option(True, "--auth/--no-auth", help="authenticate every internal hop with signed tokens: a "
-                              "fresh signing key for the state monitor (the issuer), service credentials, a "
-                              "bootstrap token per device (TOPHAT_*_AUTH_*)"),
-    tls: bool = typer.Option(False, "--tls", help="TLS on every hop (https, wss) with a development CA made in "
-                             "the log directory (see tophat certs)"),
-    edge_pipeline: str = typer.Option("", "--edge-pipeline", help="Jupiter: run the model over these edge devices "
-                                      "as pipeline stages, e.g. 'orin;xavier;xavier' (speed classes, optional "
-                                      "':512MiB' memory budgets); one device agent (stage 0) drafts"),
-    lan: str = typer.Option("lan", "--lan", help="with --edge-pipeline: the link between neighbouring devices "
-                            "(a shared/links.py profile or spec; 'lan' = 100 Mbit/s)"),
-    edge_plan: str = typer.Option("", "--edge-plan", help="with --edge-pipeline: a stored plan (tophat plan --out); "
-                                  "default: planned at start from the model's stored profile (tophat profile)"),
-    edge_plan_kind: str = typer.Option("jupiter", "--edge-plan-kind", help="jupiter (DP partition + DP "
-                                       "sub-sequences) | equal | serial (the baselines)"),
-    edge_draft_server: bool = typer.Option(False, "--edge-draft-server", help="Edge SD: device agent 0 drafts for "
-                                           "every user in planned, pipelined batches (mode edge-sd); the verifier "
-                                           "holds the whole target (TOPHAT_DEVICE_EDGE_* tune it)"),
+    state_file: Optional[Path] = typer.Option(
+        None,
+        "--state-file",
+        help="keep a JSON list of every process (role, pid, url) here, rewritten after each restart",
+    ),
+    api_key: str = typer.Option(
+        "",
+        "--api-key",
+        envvar="TOPHAT_STREAMER_API_KEY",
+        show_default=False,
+        help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)",
+    ),
+    auth: bool = typer.Option(
+        True,
+        "--auth/--no-auth",
+        help="authenticate every internal hop with signed tokens: a "
+        "fresh signing key for the state monitor (the issuer), service credentials, a "
+        "bootstrap token per device (TOPHAT_*_AUTH_*)",
+    ),
+    tls: bool = typer.Option(
+        False,
+        "--tls",
+        help="TLS on every hop (https, wss) with a development CA made in the log directory (see tophat certs)",
+    ),
+    edge_pipeline: str = typer.Option(
+        "",
+        "--edge-pipeline",
+        help="Jupiter: run the model over these edge devices "
+        "as pipeline stages, e.g. 'orin;xavier;xavier' (speed classes, optional "
+        "':512MiB' memory budgets); one device agent (stage 0) drafts",
+    ),
+    lan: str = typer.Option(
+        "lan",
+        "--lan",
+        help="with --edge-pipeline: the link between neighbouring devices "
+        "(a shared/links.py profile or spec; 'lan' = 100 Mbit/s)",
+    ),
+    edge_plan: str = typer.Option(
+        "",
+        "--edge-plan",
+        help="with --edge-pipeline: a stored plan (tophat plan --out); "
+        "default: planned at start from the model's stored profile (tophat profile)",
+    ),
+    edge_plan_kind: str = typer.Option(
+        "jupiter", "--edge-plan-kind", help="jupiter (DP partition + DP sub-sequences) | equal | serial (the baselines)"
+    ),
+    edge_draft_server: bool = typer.Option(
+        False,
+        "--edge-draft-server",
+        help="Edge SD: device agent 0 drafts for "
+        "every user in planned, pipelined batches (mode edge-sd); the verifier "
+        "holds the whole target (TOPHAT_DEVICE_EDGE_* tune it)",
+    ),
 ):
     """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
     (or SIGTERM) stops every process."""
@@ -69,14 +109,35 @@ def up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:  # a config no mesh can run is refused by MeshConfig itself, also a MeshStartError
-        config = MeshConfig(model_dir=str(resolve_model_or_exit(model)), num_devices=devices, port_base=port_base,
-                            redis_url=redis_url, split_layers=split_layers, speculative=not no_speculation, adapter=adapter,
-                            link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages, dtype=dtype,
-                            device_env={"prompt_chunking": str(prompt_chunking).lower(),
-                                        **({} if parallel_drafting else {"parallel_candidates": "0"})},
-                            supervise=True, state_file=state_file, auth=auth,
-                            api_key=api_key, verifiers=verifiers, tls=tls, edge_pipeline=edge_pipeline, lan=lan,
-                            edge_plan=edge_plan, edge_plan_kind=edge_plan_kind, edge_draft_server=edge_draft_server)
+        config = MeshConfig(
+            model_dir=str(resolve_model_or_exit(model)),
+            num_devices=devices,
+            port_base=port_base,
+            redis_url=redis_url,
+            split_layers=split_layers,
+            speculative=not no_speculation,
+            adapter=adapter,
+            link=link,
+            link_mode=link_mode,
+            speed=speed,
+            pipeline_stages=pipeline_stages,
+            dtype=dtype,
+            device_env={
+                "prompt_chunking": str(prompt_chunking).lower(),
+                **({} if parallel_drafting else {"parallel_candidates": "0"}),
+            },
+            supervise=True,
+            state_file=state_file,
+            auth=auth,
+            api_key=api_key,
+            verifiers=verifiers,
+            tls=tls,
+            edge_pipeline=edge_pipeline,
+            lan=lan,
+            edge_plan=edge_plan,
+            edge_plan_kind=edge_plan_kind,
+            edge_draft_server=edge_draft_server,
+        )
         mesh = Mesh(config)
         mesh.start()
     except MeshStartError as exc:
@@ -97,8 +158,11 @@ def up(
 
 def certs(
     out: Path = typer.Option(..., "--out", help="directory for ca.pem, ca-key.pem, server.pem, server-key.pem"),
-    hosts: str = typer.Option("127.0.0.1,localhost,::1", help="comma-separated names and addresses the "
-                              "server certificate is valid for (every host a service is reached by)"),
+    hosts: str = typer.Option(
+        "127.0.0.1,localhost,::1",
+        help="comma-separated names and addresses the "
+        "server certificate is valid for (every host a service is reached by)",
+    ),
     days: int = typer.Option(365, help="validity in days"),
 ):
     """Make a development CA and a server certificate it signs (keys 0600), for TOPHAT_*_TLS_CERT / _TLS_KEY
@@ -116,10 +180,16 @@ def certs(
 def mesh_secrets(
     out: Path = typer.Option(Path("build/secrets"), "--out", help="directory for tophat-mesh.env and redis.conf"),
     api_key: str = typer.Option("", "--api-key", help="also require this key on the OpenAI endpoint"),
-    tls_hosts: str = typer.Option("token-streamer,verifier-cloud,chunk-planner,state-monitor,localhost,127.0.0.1",
-                                  "--tls-hosts", help="names the services' certificate is valid for; empty: no TLS"),
-    issuer_url: str = typer.Option("", "--issuer-url", help="where services and devices reach the state monitor "
-                                   "(the issuer); default http(s)://state-monitor:8020"),
+    tls_hosts: str = typer.Option(
+        "token-streamer,verifier-cloud,chunk-planner,state-monitor,localhost,127.0.0.1",
+        "--tls-hosts",
+        help="names the services' certificate is valid for; empty: no TLS",
+    ),
+    issuer_url: str = typer.Option(
+        "",
+        "--issuer-url",
+        help="where services and devices reach the state monitor (the issuer); default http(s)://state-monitor:8020",
+    ),
 ):
     """Fresh secrets for `docker compose up` (mounted as Compose secrets): the issuer's signing key (the state
     monitor's alone), the services' credentials, the devices' bootstrap token (their file alone), Redis's

@@ -122,7 +122,9 @@ def train_adapter_cmd(
     extract_batch: int = typer.Option(8, help="sequences per state-extraction pass"),
     cache_states: bool = typer.Option(True, "--cache-states/--no-cache-states", help="save the states under build/"),
     eval_prompts: int = typer.Option(24, help="held-out prompts for the accept length (0: teacher-forced only)"),
-    data_only: bool = typer.Option(False, "--data-only", help="build (and cache) the data's prompts and answers, then stop"),
+    data_only: bool = typer.Option(
+        False, "--data-only", help="build (and cache) the data's prompts and answers, then stop"
+    ),
     data_seed: int = typer.Option(0, help="the data's prompts (another seed: other prompts, and other answers)"),
     init_adapter: Optional[Path] = typer.Option(
         None, help="go on training this adapter file (same variant and split; its draft vocabulary is kept)"
@@ -158,7 +160,15 @@ def train_adapter_cmd(
                 torch.set_float32_matmul_precision("high")
             cfg = dataclasses.replace(
                 _distill_config(
-                    split_layers, steps, unroll_steps, top_k, w_state, w_token, token_vocab, vocab_coverage, prompt_features
+                    split_layers,
+                    steps,
+                    unroll_steps,
+                    top_k,
+                    w_state,
+                    w_token,
+                    token_vocab,
+                    vocab_coverage,
+                    prompt_features,
                 ),
                 batch_size=batch_size,
                 learning_rate=learning_rate,
