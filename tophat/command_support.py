@@ -22,6 +22,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     return (ModelLoadError, AdapterError, SplitError, SessionError, ValueError)
 
 
+SPLIT_LAYERS_HELP = "m: decoder layers on the device"
 MODEL_HELP = (
     "smollm2 (SmolLM2-135M-Instruct, imported by `make install`) | demo (the small stdlib model) | a checkpoint dir"
 )

@@ -1,4 +1,4 @@
-"""`tophat up | certs | mesh-secrets`: running the mesh on this machine (tophatctl/mesh.py) and
+"""`tophat serve | certs | mesh-secrets`: running the mesh on this machine (tophatctl/mesh.py) and
 making what a deployment needs to run it securely (tophatctl/certs.py, tophatctl/mesh_secrets.py).
 The library is imported inside each command, so `tophat --help` does not load it."""
 
@@ -10,18 +10,37 @@ from typing import Optional
 
 import typer
 
-from tophat.command_support import MODEL_HELP, fail
+from tophat.command_support import MODEL_HELP, SPLIT_LAYERS_HELP, fail
+from tophat.config_file import config_option
 
 
-def up(
-    devices: int = typer.Option(1, "--devices", help="number of device agents"),
+def serve(
+    config_file: Optional[Path] = config_option(),
+    devices: int = typer.Option(
+        1, "--devices", envvar="TOPHAT_DEVICES", show_envvar=True, help="number of device agents"
+    ),
     verifiers: int = typer.Option(
         1, "--verifiers", help="verifier replicas; a session whose verifier dies is replayed on another"
     ),
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    model: str = typer.Option("smollm2", envvar="TOPHAT_MODEL", show_envvar=True, help=MODEL_HELP),
     redis_url: Optional[str] = typer.Option(None, help="external Redis (default: embedded redis-server)"),
-    port_base: int = typer.Option(8000, help="token-streamer port; the others are laid out from it"),
-    split_layers: int = typer.Option(2, "--split-layers"),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        envvar="TOPHAT_HOST",
+        show_envvar=True,
+        help="address every service binds: loopback only by default; 0.0.0.0 (or ::) exposes "
+        "the mesh on every interface (keep --auth, add --api-key and --tls)",
+    ),
+    port_base: int = typer.Option(
+        8000,
+        "--port",
+        "--port-base",
+        envvar="TOPHAT_PORT",
+        show_envvar=True,
+        help="token-streamer port; the others are laid out from it",
+    ),
+    split_layers: int = typer.Option(2, "--split-layers", help=SPLIT_LAYERS_HELP),
     no_speculation: bool = typer.Option(False, "--no-speculation", help="plain U-shape (no draft adapter)"),
     adapter: str = typer.Option("", help="adapter file or 'random' (default: MODEL/draft_adapter.safetensors)"),
     link: str = typer.Option(
@@ -35,6 +54,8 @@ def up(
     dtype: str = typer.Option(
         "auto",
         "--dtype",
+        envvar="TOPHAT_DTYPE",
+        show_envvar=True,
         help="weights in the verifier and the devices: auto (f32 on a CPU) | "
         "f32 | bf16 | int8 | int4 (int8/int4: the CPU's fast decode, make bench-engine)",
     ),
@@ -49,6 +70,7 @@ def up(
         "",
         "--api-key",
         envvar="TOPHAT_STREAMER_API_KEY",
+        show_envvar=True,
         show_default=False,
         help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)",
     ),
@@ -94,14 +116,15 @@ def up(
         "holds the whole target (TOPHAT_DEVICE_EDGE_* tune it)",
     ),
 ):
-    """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
-    (or SIGTERM) stops every process."""
+    """Start the whole mesh on this machine (listening on loopback unless --host); a process that dies is
+    restarted (with backoff); Ctrl-C (or SIGTERM) stops every process. `tophat up` is the same command (its
+    former name). Every option can come from --config FILE; the main ones from TOPHAT_* variables too."""
     import signal
     import threading
 
     # looked up at call time (tests replace tophatctl.mesh.Mesh)
     from tophatctl.mesh import Mesh
-    from tophatctl.mesh_config import MeshConfig, MeshStartError
+    from tophatctl.mesh_config import MeshConfig, MeshStartError, serve_hosts
     from tophatctl.models import resolve_model_or_exit
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -110,6 +133,7 @@ def up(
         signal.signal(sig, lambda *_: stop.set())
     try:  # a config no mesh can run is refused by MeshConfig itself, also a MeshStartError
         config = MeshConfig(
+            **serve_hosts(host),
             model_dir=str(resolve_model_or_exit(model)),
             num_devices=devices,
             port_base=port_base,
@@ -145,6 +169,11 @@ def up(
     try:
         for name, url in mesh.urls().items():
             typer.echo(f"{name:16s} {url}")
+        if config.bind_host:
+            typer.echo(
+                f"listening on {config.bind_host} (every interface): reach the token streamer at this "
+                f"machine's address, port {config.port_base}"
+            )
         key_hint = " --api-key KEY" if api_key else ""
         ca_hint = f"SSL_CERT_FILE={mesh.certs.ca_cert} " if mesh.certs is not None else ""  # httpx trusts it
         typer.echo(f"logs in {config.log_dir}; chat with: {ca_hint}tophat chat --url {config.streamer_url}{key_hint}")
