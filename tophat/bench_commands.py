@@ -21,6 +21,7 @@ def bench(
     modes: str = typer.Option("ushape,usarathi,cloud,hat", help="modes to compare"),
     link_profile: Optional[str] = typer.Option(
         None,
+        "--link",
         "--link-profile",
         help="link of every device (near|mid|far|none|spec; default none, --disco: far,lat=50ms,jitter=25ms)",
     ),
