@@ -1,6 +1,6 @@
 """`make test-aiperf`: NVIDIA's aiperf, an outside load tool, against a real mesh's OpenAI endpoint.
 
-A mesh is started with `tophat up` on loopback (free ports), and once its streamer is ready aiperf
+A mesh is started with `tophat serve` on loopback (free ports), and once its streamer is ready aiperf
 runs its streaming chat profile against it: synthetic prompts, `max_completion_tokens`,
 `stream_options.include_usage`, and vLLM's `ignore_eos` (so every answer is exactly the asked
 length). The check passes when every request succeeded, TTFT and inter-token latency are reported,
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def start_mesh(model: str, port_base: int, log_path: Path) -> subprocess.Popen[bytes]:
-    """`tophat up` in its own process group (stopped with SIGTERM, as Ctrl-C would)."""
-    command = [sys.executable, "-m", "tophat", "up", "--model", model, "--port-base", str(port_base)]
+    """`tophat serve` in its own process group (stopped with SIGTERM, as Ctrl-C would)."""
+    command = [sys.executable, "-m", "tophat", "serve", "--model", model, "--port", str(port_base)]
     log.info("starting the mesh: %s (log: %s)", " ".join(command), log_path)
     with log_path.open("wb") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,6 +1,6 @@
 """`make soak`: a long Poisson load through the streamer of a real mesh, watching failures and memory.
 
-The mesh is the one `tophat up` runs (tophatctl/mesh.py), the load is the benchmark's own
+The mesh is the one `tophat serve` runs (tophatctl/mesh.py), the load is the benchmark's own
 (loadgen/arrivals.py Poisson arrivals of SpecBench-shaped prompts, sent open loop by
 loadgen/runner.py). First a few warm-up requests, one at a time: they load every lazy path (the
 first prefill, the planner's first plan, allocator pools) and, unless `--rate` is given, measure

@@ -240,7 +240,7 @@ def redact_credentials(logger_names: Sequence[str]) -> None:
 def warn_if_open(service: str, authenticated: bool, host: str, env_var: str) -> None:
     if not authenticated and not is_loopback(host):
         log.warning(
-            "%s on %s accepts unauthenticated calls from anyone who can reach it: set %s (tophat up "
+            "%s on %s accepts unauthenticated calls from anyone who can reach it: set %s (tophat serve "
             "--auth does) to require signed credentials",
             service,
             host,

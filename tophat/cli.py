@@ -15,8 +15,8 @@ import typer
 from loadgen.cli import loadgen_command
 from loadgen.simulate.cli import simulate_command
 from tophat.bench_commands import bench
-from tophat.command_support import MODEL_HELP, USER_ERRORS, fail, setup_torch
-from tophat.mesh_commands import certs, mesh_secrets, stage, up
+from tophat.command_support import MODEL_HELP, SPLIT_LAYERS_HELP, fail, setup_torch, user_errors
+from tophat.mesh_commands import certs, mesh_secrets, serve, stage
 from tophat.model_commands import (
     adapter_sweep_cmd,
     build_demo_model_cmd,
@@ -29,6 +29,29 @@ from tophatctl.privacy.command import privacy_command
 from tophatctl.profile import plan_command, profile_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Tophat: device-cloud collaborative LLM inference.")
+DISTRIBUTION = "tophat"  # pyproject.toml's [project] name
+
+
+def show_version(value: bool) -> None:
+    """--version: the installed distribution's version, then exit."""
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        typer.echo(f"tophat {version(DISTRIBUTION)}")
+    except PackageNotFoundError:
+        fail(f"the {DISTRIBUTION} distribution is not installed (make install), so it has no version")
+    raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=show_version, help="print the version and exit"
+    ),
+) -> None:
+    pass
 
 
 class LocalDecoding(str, Enum):
@@ -55,10 +78,12 @@ def generate(
     prompt_ids: Optional[str] = typer.Option(None, help="comma-separated token ids"),
     max_new_tokens: int = typer.Option(64),
     mode: LocalDecoding = typer.Option(LocalDecoding.hat),
-    split_layers: int = typer.Option(2, "--split-layers", help="m: decoder layers on the device"),
+    split_layers: int = typer.Option(2, "--split-layers", help=SPLIT_LAYERS_HELP),
     eta: float = typer.Option(0.6, help="drafting threshold (HAT eq. 5)"),
     max_draft: int = typer.Option(8, help="max draft tokens per round"),
-    adapter: Optional[str] = typer.Option(None, help="adapter file, or 'random'; default MODEL/draft_adapter.safetensors"),
+    adapter: Optional[str] = typer.Option(
+        None, help="adapter file, or 'random'; default MODEL/draft_adapter.safetensors"
+    ),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     top_p: float = typer.Option(1.0),
     seed: Optional[int] = typer.Option(None),
@@ -89,7 +114,7 @@ def generate(
             session = DeviceSession(device, ids, params, DraftConfig(eta=eta, max_draft=max_draft), max_new_tokens)
             cloud = LocalCloud(MiddleSubmodel(checkpoint, split_layers))
             result = asyncio.run(run_generate(session, cloud, chunk_size=chunk_size))
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     text = decode_tokens(checkpoint, result.token_ids)
     summary = {
@@ -117,10 +142,15 @@ def generate(
 def chat(
     url: str = typer.Option("http://127.0.0.1:8000", help="token-streamer base URL"),
     prompt: Optional[str] = typer.Option(None, help="one-shot prompt (default: interactive)"),
-    max_tokens: int = typer.Option(64),
+    max_tokens: int = typer.Option(64, "--max-new-tokens", "--max-tokens", help="tokens to generate per answer"),
     temperature: float = typer.Option(0.0),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", show_envvar=True,
-                                          help="sent as Authorization: Bearer (the key `tophat up --api-key` set)"),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        envvar="OPENAI_API_KEY",
+        show_envvar=True,
+        help="sent as Authorization: Bearer (the key `tophat serve --api-key` set)",
+    ),
 ):
     """Chat with the mesh, streaming tokens; prints TTFT, TBT and accept length after each answer."""
     from tophatctl.chat_client import run_chat
@@ -135,12 +165,11 @@ app.command("train-adapter")(train_adapter_cmd)
 app.command("evaluate-adapter")(evaluate_adapter_cmd)
 app.command("adapter-sweep")(adapter_sweep_cmd)
 app.command()(generate)
-app.command()(up)
+app.command()(serve)
+app.command("up", hidden=True)(serve)  # serve's former name, kept for scripts
 app.command()(certs)
 app.command("mesh-secrets")(mesh_secrets)
-app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(
-    stage
-)
+app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(stage)
 app.add_typer(credentials_app, name="credentials")
 app.command()(chat)
 app.command()(bench)
@@ -152,8 +181,11 @@ app.command("simulate", help="Discrete-event simulation of the serving modes at 
 )
 app.command("profile", help="Profile per-layer time t(S, c) and memory for Jupiter's planner.")(profile_command)
 app.command("plan", help="Plan an edge pipeline (Jupiter): DP layer partition + sub-sequence table.")(plan_command)
-app.command("privacy", help="What the cloud can recover from the hidden states it is sent, per split depth, "
-            "attack and defence (tophatctl/privacy/).")(privacy_command)
+app.command(
+    "privacy",
+    help="What the cloud can recover from the hidden states it is sent, per split depth, "
+    "attack and defence (tophatctl/privacy/).",
+)(privacy_command)
 
 
 if __name__ == "__main__":

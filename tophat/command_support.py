@@ -1,5 +1,6 @@
 """What every `tophat` command shares: the usage-error exit, the errors that are the user's to fix,
-and the process setup of the commands that run a model here."""
+and the process setup of the commands that run a model here. Nothing heavy at import time: every
+command module imports this, and `tophat --help` must not load torch or transformers."""
 
 from __future__ import annotations
 
@@ -8,15 +9,23 @@ from typing import NoReturn
 
 import typer
 
-from shared.model.adapter import AdapterError
-from shared.model.checkpoint import ModelLoadError
-from shared.model.split import SplitError
-from shared.specdec.device_session import SessionError
 
-# A bad model, adapter, split or option: a one-line message and exit status 2, not a traceback.
-USER_ERRORS = (ModelLoadError, AdapterError, SplitError, SessionError, ValueError)
+def user_errors() -> tuple[type[Exception], ...]:
+    """A bad model, adapter, split or option: the errors a command turns into a one-line message and exit
+    status 2, not a traceback (`except user_errors() as exc`). Imported when called: the modules that define
+    them import torch and transformers, which `tophat --help` must not load."""
+    from shared.model.adapter import AdapterError
+    from shared.model.checkpoint import ModelLoadError
+    from shared.model.split import SplitError
+    from shared.specdec.device_session import SessionError
 
-MODEL_HELP = "smollm2 (SmolLM2-135M-Instruct, imported by `make install`) | demo (the small stdlib model) | a checkpoint dir"
+    return (ModelLoadError, AdapterError, SplitError, SessionError, ValueError)
+
+
+SPLIT_LAYERS_HELP = "m: decoder layers on the device"
+MODEL_HELP = (
+    "smollm2 (SmolLM2-135M-Instruct, imported by `make install`) | demo (the small stdlib model) | a checkpoint dir"
+)
 
 
 def fail(message: str) -> NoReturn:

@@ -69,6 +69,11 @@ def param_row(param: Any, ctx: Any) -> list[str]:
     return [names, kind, shown_default(param), meaning]
 
 
+def shown_commands(group: Any, ctx: Any) -> list[str]:
+    """The group's commands as its --help lists them: not the hidden ones (a former name kept as an alias)."""
+    return [name for name in group.list_commands(ctx) if not group.get_command(ctx, name).hidden]
+
+
 def command_section(path: str, command: Any, level: int) -> list[str]:
     ctx = command.context_class(command, info_name=path)
     lines = [f"{'#' * level} `{path}`", ""]
@@ -80,7 +85,7 @@ def command_section(path: str, command: Any, level: int) -> list[str]:
     if params:
         lines += table(["option", "type", "default", "meaning"], [param_row(p, ctx) for p in params]) + [""]
     if hasattr(command, "list_commands"):
-        for name in command.list_commands(ctx):
+        for name in shown_commands(command, ctx):
             lines += command_section(f"{path} {name}", command.get_command(ctx, name), level + 1)
     return lines
 
@@ -92,7 +97,7 @@ def cli_page() -> str:
 
     root = typer.main.get_command(app)
     ctx = root.context_class(root, info_name="tophat")
-    names = root.list_commands(ctx)
+    names = shown_commands(root, ctx)
     lines = [
         GENERATED,
         "",
@@ -222,7 +227,7 @@ def configuration_page() -> str:
         "environment: a later file overrides an earlier one, and a variable set in the environment wins over every",
         "file. That is how a Compose/Swarm config or a Kubernetes ConfigMap sets them (`tophat.env`,",
         "`k8s/tophat.env`).",
-        "`tophat up` sets the variables each process needs; these tables are for running a service on its own.",
+        "`tophat serve` sets the variables each process needs; these tables are for running a service on its own.",
         "",
         "Booleans take `1/true/yes/on` and `0/false/no/off`. `*_DEVICE` takes `auto | cpu | cuda[:N]` and `*_DTYPE`",
         "`auto | f32 | f16 | bf16 | int8 | int4` (and the torch names `float32`, `float16`, `bfloat16`): `auto` is",

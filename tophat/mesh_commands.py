@@ -1,4 +1,4 @@
-"""`tophat up | certs | mesh-secrets`: running the mesh on this machine (tophatctl/mesh.py) and
+"""`tophat serve | certs | mesh-secrets`: running the mesh on this machine (tophatctl/mesh.py) and
 making what a deployment needs to run it securely (tophatctl/certs.py, tophatctl/mesh_secrets.py).
 The library is imported inside each command, so `tophat --help` does not load it."""
 
@@ -10,58 +10,121 @@ from typing import Optional
 
 import typer
 
-from tophat.command_support import MODEL_HELP, fail
+from tophat.command_support import MODEL_HELP, SPLIT_LAYERS_HELP, fail
+from tophat.config_file import config_option
 
 
-def up(
-    devices: int = typer.Option(1, "--devices", help="number of device agents"),
-    verifiers: int = typer.Option(1, "--verifiers", help="verifier replicas; a session whose verifier dies "
-                                  "is replayed on another"),
-    model: str = typer.Option("smollm2", help=MODEL_HELP),
+def serve(
+    config_file: Optional[Path] = config_option(),
+    devices: int = typer.Option(
+        1, "--devices", envvar="TOPHAT_DEVICES", show_envvar=True, help="number of device agents"
+    ),
+    verifiers: int = typer.Option(
+        1, "--verifiers", help="verifier replicas; a session whose verifier dies is replayed on another"
+    ),
+    model: str = typer.Option("smollm2", envvar="TOPHAT_MODEL", show_envvar=True, help=MODEL_HELP),
     redis_url: Optional[str] = typer.Option(None, help="external Redis (default: embedded redis-server)"),
-    port_base: int = typer.Option(8000, help="token-streamer port; the others are laid out from it"),
-    split_layers: int = typer.Option(2, "--split-layers"),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        envvar="TOPHAT_HOST",
+        show_envvar=True,
+        help="address every service binds: loopback only by default; 0.0.0.0 (or ::) exposes "
+        "the mesh on every interface (keep --auth, add --api-key and --tls)",
+    ),
+    port_base: int = typer.Option(
+        8000,
+        "--port",
+        "--port-base",
+        envvar="TOPHAT_PORT",
+        show_envvar=True,
+        help="token-streamer port; the others are laid out from it",
+    ),
+    split_layers: int = typer.Option(2, "--split-layers", help=SPLIT_LAYERS_HELP),
     no_speculation: bool = typer.Option(False, "--no-speculation", help="plain U-shape (no draft adapter)"),
     adapter: str = typer.Option("", help="adapter file or 'random' (default: MODEL/draft_adapter.safetensors)"),
-    link: str = typer.Option("none", help="link profile per device: near|mid|far|none or 'up=5MB,down=10MB,lat=5ms'; "
-                             "';'-separated to vary by device"),
+    link: str = typer.Option(
+        "none",
+        help="link profile per device: near|mid|far|none or 'up=5MB,down=10MB,lat=5ms'; "
+        "';'-separated to vary by device",
+    ),
     link_mode: str = typer.Option("auto", help="auto | netns (tc-shaped veth, root) | inprocess"),
     speed: str = typer.Option("orin", help="device speed per device: orin|xavier|cycle|'1,2,5,10@5'; ';'-separated"),
     pipeline_stages: int = typer.Option(1, help="P: verifier pipeline stages (worker processes)"),
-    dtype: str = typer.Option("auto", "--dtype", help="weights in the verifier and the devices: auto (f32 on a CPU) | "
-                              "f32 | bf16 | int8 | int4 (int8/int4: the CPU's fast decode, make bench-engine)"),
+    dtype: str = typer.Option(
+        "auto",
+        "--dtype",
+        envvar="TOPHAT_DTYPE",
+        show_envvar=True,
+        help="weights in the verifier and the devices: auto (f32 on a CPU) | "
+        "f32 | bf16 | int8 | int4 (int8/int4: the CPU's fast decode, make bench-engine)",
+    ),
     prompt_chunking: bool = typer.Option(True, "--prompt-chunking/--no-prompt-chunking", help="PC switch"),
     parallel_drafting: bool = typer.Option(True, "--parallel-drafting/--no-parallel-drafting", help="PD switch"),
-    state_file: Optional[Path] = typer.Option(None, "--state-file", help="keep a JSON list of every process "
-                                              "(role, pid, url) here, rewritten after each restart"),
-    api_key: str = typer.Option("", "--api-key", envvar="TOPHAT_STREAMER_API_KEY", show_default=False,
-                                help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)"),
-    auth: bool = typer.Option(True, "--auth/--no-auth", help="authenticate every internal hop with signed tokens: a "
-                              "fresh signing key for the state monitor (the issuer), service credentials, a "
-                              "bootstrap token per device (TOPHAT_*_AUTH_*)"),
-    tls: bool = typer.Option(False, "--tls", help="TLS on every hop (https, wss) with a development CA made in "
-                             "the log directory (see tophat certs)"),
-    edge_pipeline: str = typer.Option("", "--edge-pipeline", help="Jupiter: run the model over these edge devices "
-                                      "as pipeline stages, e.g. 'orin;xavier;xavier' (speed classes, optional "
-                                      "':512MiB' memory budgets); one device agent (stage 0) drafts"),
-    lan: str = typer.Option("lan", "--lan", help="with --edge-pipeline: the link between neighbouring devices "
-                            "(a shared/links.py profile or spec; 'lan' = 100 Mbit/s)"),
-    edge_plan: str = typer.Option("", "--edge-plan", help="with --edge-pipeline: a stored plan (tophat plan --out); "
-                                  "default: planned at start from the model's stored profile (tophat profile)"),
-    edge_plan_kind: str = typer.Option("jupiter", "--edge-plan-kind", help="jupiter (DP partition + DP "
-                                       "sub-sequences) | equal | serial (the baselines)"),
-    edge_draft_server: bool = typer.Option(False, "--edge-draft-server", help="Edge SD: device agent 0 drafts for "
-                                           "every user in planned, pipelined batches (mode edge-sd); the verifier "
-                                           "holds the whole target (TOPHAT_DEVICE_EDGE_* tune it)"),
+    state_file: Optional[Path] = typer.Option(
+        None,
+        "--state-file",
+        help="keep a JSON list of every process (role, pid, url) here, rewritten after each restart",
+    ),
+    api_key: str = typer.Option(
+        "",
+        "--api-key",
+        envvar="TOPHAT_STREAMER_API_KEY",
+        show_envvar=True,
+        show_default=False,
+        help="require Authorization: Bearer KEY on the OpenAI endpoint (comma-separated keys)",
+    ),
+    auth: bool = typer.Option(
+        True,
+        "--auth/--no-auth",
+        help="authenticate every internal hop with signed tokens: a "
+        "fresh signing key for the state monitor (the issuer), service credentials, a "
+        "bootstrap token per device (TOPHAT_*_AUTH_*)",
+    ),
+    tls: bool = typer.Option(
+        False,
+        "--tls",
+        help="TLS on every hop (https, wss) with a development CA made in the log directory (see tophat certs)",
+    ),
+    edge_pipeline: str = typer.Option(
+        "",
+        "--edge-pipeline",
+        help="Jupiter: run the model over these edge devices "
+        "as pipeline stages, e.g. 'orin;xavier;xavier' (speed classes, optional "
+        "':512MiB' memory budgets); one device agent (stage 0) drafts",
+    ),
+    lan: str = typer.Option(
+        "lan",
+        "--lan",
+        help="with --edge-pipeline: the link between neighbouring devices "
+        "(a shared/links.py profile or spec; 'lan' = 100 Mbit/s)",
+    ),
+    edge_plan: str = typer.Option(
+        "",
+        "--edge-plan",
+        help="with --edge-pipeline: a stored plan (tophat plan --out); "
+        "default: planned at start from the model's stored profile (tophat profile)",
+    ),
+    edge_plan_kind: str = typer.Option(
+        "jupiter", "--edge-plan-kind", help="jupiter (DP partition + DP sub-sequences) | equal | serial (the baselines)"
+    ),
+    edge_draft_server: bool = typer.Option(
+        False,
+        "--edge-draft-server",
+        help="Edge SD: device agent 0 drafts for "
+        "every user in planned, pipelined batches (mode edge-sd); the verifier "
+        "holds the whole target (TOPHAT_DEVICE_EDGE_* tune it)",
+    ),
 ):
-    """Start the whole mesh on localhost; a process that dies is restarted (with backoff); Ctrl-C
-    (or SIGTERM) stops every process."""
+    """Start the whole mesh on this machine (listening on loopback unless --host); a process that dies is
+    restarted (with backoff); Ctrl-C (or SIGTERM) stops every process. `tophat up` is the same command (its
+    former name). Every option can come from --config FILE; the main ones from TOPHAT_* variables too."""
     import signal
     import threading
 
     # looked up at call time (tests replace tophatctl.mesh.Mesh)
     from tophatctl.mesh import Mesh
-    from tophatctl.mesh_config import MeshConfig, MeshStartError
+    from tophatctl.mesh_config import MeshConfig, MeshStartError, serve_hosts
     from tophatctl.models import resolve_model_or_exit
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -69,14 +132,36 @@ def up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:  # a config no mesh can run is refused by MeshConfig itself, also a MeshStartError
-        config = MeshConfig(model_dir=str(resolve_model_or_exit(model)), num_devices=devices, port_base=port_base,
-                            redis_url=redis_url, split_layers=split_layers, speculative=not no_speculation, adapter=adapter,
-                            link=link, link_mode=link_mode, speed=speed, pipeline_stages=pipeline_stages, dtype=dtype,
-                            device_env={"prompt_chunking": str(prompt_chunking).lower(),
-                                        **({} if parallel_drafting else {"parallel_candidates": "0"})},
-                            supervise=True, state_file=state_file, auth=auth,
-                            api_key=api_key, verifiers=verifiers, tls=tls, edge_pipeline=edge_pipeline, lan=lan,
-                            edge_plan=edge_plan, edge_plan_kind=edge_plan_kind, edge_draft_server=edge_draft_server)
+        config = MeshConfig(
+            **serve_hosts(host),
+            model_dir=str(resolve_model_or_exit(model)),
+            num_devices=devices,
+            port_base=port_base,
+            redis_url=redis_url,
+            split_layers=split_layers,
+            speculative=not no_speculation,
+            adapter=adapter,
+            link=link,
+            link_mode=link_mode,
+            speed=speed,
+            pipeline_stages=pipeline_stages,
+            dtype=dtype,
+            device_env={
+                "prompt_chunking": str(prompt_chunking).lower(),
+                **({} if parallel_drafting else {"parallel_candidates": "0"}),
+            },
+            supervise=True,
+            state_file=state_file,
+            auth=auth,
+            api_key=api_key,
+            verifiers=verifiers,
+            tls=tls,
+            edge_pipeline=edge_pipeline,
+            lan=lan,
+            edge_plan=edge_plan,
+            edge_plan_kind=edge_plan_kind,
+            edge_draft_server=edge_draft_server,
+        )
         mesh = Mesh(config)
         mesh.start()
     except MeshStartError as exc:
@@ -84,6 +169,11 @@ def up(
     try:
         for name, url in mesh.urls().items():
             typer.echo(f"{name:16s} {url}")
+        if config.bind_host:
+            typer.echo(
+                f"listening on {config.bind_host} (every interface): reach the token streamer at this "
+                f"machine's address, port {config.port_base}"
+            )
         key_hint = " --api-key KEY" if api_key else ""
         ca_hint = f"SSL_CERT_FILE={mesh.certs.ca_cert} " if mesh.certs is not None else ""  # httpx trusts it
         typer.echo(f"logs in {config.log_dir}; chat with: {ca_hint}tophat chat --url {config.streamer_url}{key_hint}")
@@ -97,8 +187,11 @@ def up(
 
 def certs(
     out: Path = typer.Option(..., "--out", help="directory for ca.pem, ca-key.pem, server.pem, server-key.pem"),
-    hosts: str = typer.Option("127.0.0.1,localhost,::1", help="comma-separated names and addresses the "
-                              "server certificate is valid for (every host a service is reached by)"),
+    hosts: str = typer.Option(
+        "127.0.0.1,localhost,::1",
+        help="comma-separated names and addresses the "
+        "server certificate is valid for (every host a service is reached by)",
+    ),
     days: int = typer.Option(365, help="validity in days"),
 ):
     """Make a development CA and a server certificate it signs (keys 0600), for TOPHAT_*_TLS_CERT / _TLS_KEY
@@ -116,10 +209,16 @@ def certs(
 def mesh_secrets(
     out: Path = typer.Option(Path("build/secrets"), "--out", help="directory for tophat-mesh.env and redis.conf"),
     api_key: str = typer.Option("", "--api-key", help="also require this key on the OpenAI endpoint"),
-    tls_hosts: str = typer.Option("token-streamer,verifier-cloud,chunk-planner,state-monitor,localhost,127.0.0.1",
-                                  "--tls-hosts", help="names the services' certificate is valid for; empty: no TLS"),
-    issuer_url: str = typer.Option("", "--issuer-url", help="where services and devices reach the state monitor "
-                                   "(the issuer); default http(s)://state-monitor:8020"),
+    tls_hosts: str = typer.Option(
+        "token-streamer,verifier-cloud,chunk-planner,state-monitor,localhost,127.0.0.1",
+        "--tls-hosts",
+        help="names the services' certificate is valid for; empty: no TLS",
+    ),
+    issuer_url: str = typer.Option(
+        "",
+        "--issuer-url",
+        help="where services and devices reach the state monitor (the issuer); default http(s)://state-monitor:8020",
+    ),
 ):
     """Fresh secrets for `docker compose up` (mounted as Compose secrets): the issuer's signing key (the state
     monitor's alone), the services' credentials, the devices' bootstrap token (their file alone), Redis's

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from tophat.command_support import USER_ERRORS, fail, setup_torch
+from tophat.command_support import fail, setup_torch, user_errors
 
 
 def build_demo_model_cmd(
@@ -52,7 +52,7 @@ def import_gguf_cmd(
     logging.getLogger("tophatctl").setLevel(logging.INFO)
     try:
         report = import_gguf(gguf or smollm2_gguf_path(), out)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     typer.echo(json.dumps(report, indent=2))
 
@@ -122,7 +122,9 @@ def train_adapter_cmd(
     extract_batch: int = typer.Option(8, help="sequences per state-extraction pass"),
     cache_states: bool = typer.Option(True, "--cache-states/--no-cache-states", help="save the states under build/"),
     eval_prompts: int = typer.Option(24, help="held-out prompts for the accept length (0: teacher-forced only)"),
-    data_only: bool = typer.Option(False, "--data-only", help="build (and cache) the data's prompts and answers, then stop"),
+    data_only: bool = typer.Option(
+        False, "--data-only", help="build (and cache) the data's prompts and answers, then stop"
+    ),
     data_seed: int = typer.Option(0, help="the data's prompts (another seed: other prompts, and other answers)"),
     init_adapter: Optional[Path] = typer.Option(
         None, help="go on training this adapter file (same variant and split; its draft vocabulary is kept)"
@@ -158,7 +160,15 @@ def train_adapter_cmd(
                 torch.set_float32_matmul_precision("high")
             cfg = dataclasses.replace(
                 _distill_config(
-                    split_layers, steps, unroll_steps, top_k, w_state, w_token, token_vocab, vocab_coverage, prompt_features
+                    split_layers,
+                    steps,
+                    unroll_steps,
+                    top_k,
+                    w_state,
+                    w_token,
+                    token_vocab,
+                    vocab_coverage,
+                    prompt_features,
                 ),
                 batch_size=batch_size,
                 learning_rate=learning_rate,
@@ -189,7 +199,7 @@ def train_adapter_cmd(
             from tophatctl.adapter_training.code_corpus import AdapterTrainConfig, train_adapter
 
             report = train_adapter(model_dir, AdapterTrainConfig(split_layers=split_layers, steps=steps), out)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     typer.echo(json.dumps(report, indent=2))
 
@@ -210,7 +220,7 @@ def evaluate_adapter_cmd(
     logging.getLogger("tophatctl").setLevel(logging.INFO)
     try:
         report = evaluate_adapter_file(load_checkpoint(resolve_model(model)), adapter, eval_prompts, eval_new_tokens)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     typer.echo(json.dumps({k: report.get(k) for k in ("teacher_forced", "held_out")}, indent=2))
 
@@ -260,7 +270,7 @@ def adapter_sweep_cmd(
             typer.echo(markdown(json.loads(out.read_text()), steps))
             return
         rows = sweep(checkpoint, cfg, DataConfig(), specs, eval_prompts, eval_new_tokens)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         fail(str(exc))
     out = out or Path("bench-results/adapter-sweep.json")
     out.parent.mkdir(parents=True, exist_ok=True)

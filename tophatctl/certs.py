@@ -1,4 +1,4 @@
-"""A development CA and one server certificate for the whole mesh (`tophat certs`, `tophat up --tls`).
+"""A development CA and one server certificate for the whole mesh (`tophat certs`, `tophat serve --tls`).
 
 For trying TLS on one machine or a lab network, not for production: the CA's key sits on disk beside
 the certificates. Every service presents the same server certificate, whose subject alternative names

@@ -2,7 +2,7 @@
 
 Each command calls the issuer's operator endpoints (services/state_monitor/issuer.py) with a short-lived
 operator token, minted from the signing key ring the operator made (`tophat mesh-secrets`' signing-keys.json,
-or `tophat up`'s log directory) or given as `--operator-token` (a token `issue --role operator` printed).
+or `tophat serve`'s log directory) or given as `--operator-token` (a token `issue --role operator` printed).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`tophat up --edge-pipeline SPEC`: one model over several edge devices as pipeline stages (Jupiter).
+"""`tophat serve --edge-pipeline SPEC`: one model over several edge devices as pipeline stages (Jupiter).
 
 The layer partition (shared/jupiter/partition.py) gives device i the layers [a_i, b_i); device 0's
 range starts at 0. Jupiter's processes on that partition:

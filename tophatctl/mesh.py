@@ -1,6 +1,6 @@
 """Start the whole mesh as separate processes on localhost, and stop it cleanly.
 
-Used by `tophat up`, `make demo`, the benchmarks and the end-to-end tests. Ports are laid out from one
+Used by `tophat serve`, `make demo`, the benchmarks and the end-to-end tests. Ports are laid out from one
 base (tophatctl/mesh_ports.py); what runs is a MeshConfig (tophatctl/mesh_config.py); the processes
 share one secret and, with TLS, one CA (tophatctl/mesh_credentials.py); with `supervise` a
 Supervisor (tophatctl/supervisor.py) restarts what dies. Every service is tethered to the launcher
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import ssl
 import subprocess
 import tempfile
@@ -28,7 +29,7 @@ from shared.telemetry import redact_url
 from tophatctl import mesh_settings
 from tophatctl.certs import DevCerts
 from tophatctl.edge_pipeline import configure_mesh
-from tophatctl.mesh_config import MeshConfig, MeshStartError, mesh_model_dir
+from tophatctl.mesh_config import WILDCARD_HOSTS, MeshConfig, MeshStartError, mesh_model_dir
 from tophatctl.mesh_credentials import AUTH_KEYS, SETTINGS_PREFIX, MeshCredentials, OperatorAuth
 from tophatctl.mesh_ports import layout, taken_ports
 from tophatctl.netns import NetnsLink, netns_support, subnet_for_index
@@ -93,7 +94,9 @@ class Mesh:
         # With namespaces, devices are reached (and reach the cloud side) at their veth ends' addresses too.
         veth_ends = ([ip for i in range(self.config.num_devices) for ip in subnet_for_index(i)]
                      if self._netns else [])
-        self.credentials.make_certs(self.config.log_dir / "tls", self.config.host, veth_ends)
+        # Bound to every interface, it is reached by this machine's name too.
+        own_name = [socket.gethostname()] if self.config.bind_host in WILDCARD_HOSTS else []
+        self.credentials.make_certs(self.config.log_dir / "tls", self.config.host, [*veth_ends, *own_name])
 
     # -- processes --------------------------------------------------------------------
     def _spawn(self, name: str, module: str, env: dict[str, str], ready_url: str,
@@ -130,7 +133,7 @@ class Mesh:
         (a mesh left running answers the new one's requests with its own, unreachable devices)."""
         cfg = self.config
         ports = layout(cfg.port_base, 0 if cfg.discover_devices else cfg.num_devices, cfg.verifiers)
-        host = "0.0.0.0" if self._netns else cfg.host  # the cloud side binds everywhere with namespaces
+        host = "0.0.0.0" if self._netns else cfg.bind  # the cloud side binds everywhere with namespaces
         taken = taken_ports(host, ports)
         if taken:
             held = "; ".join(f"port {port} is held by {holder}" for port, holder in taken.items())
@@ -185,7 +188,7 @@ class Mesh:
         """The state monitor, the chunk planner and every verifier replica."""
         cfg = self.config
         # Devices in namespaces reach the cloud-side services through the veth, so those bind everywhere.
-        bind = "0.0.0.0" if self._netns else cfg.host
+        bind = "0.0.0.0" if self._netns else cfg.bind
         monitor = self._spawn("state-monitor", "services.state_monitor",
                               mesh_settings.state_monitor_env(cfg, bind, self.redis_url), f"{cfg.monitor_url}/readyz")
         planner = self._spawn("chunk-planner", "services.chunk_planner", mesh_settings.chunk_planner_env(cfg, bind),

@@ -1,6 +1,6 @@
 """What a local mesh runs: its model, devices, links, ports, security and supervision, checked when made.
 
-`MeshConfig` is the one description `tophat up`, `make demo`, the benchmarks and the end-to-end tests
+`MeshConfig` is the one description `tophat serve`, `make demo`, the benchmarks and the end-to-end tests
 hand to `Mesh` (tophatctl/mesh.py). `mesh_model_dir` checks its model before any process starts.
 """
 
@@ -20,6 +20,7 @@ from tophatctl.mesh_ports import (
 )
 
 LINK_MODES = ("auto", "inprocess", "netns")
+WILDCARD_HOSTS = ("0.0.0.0", "::")  # bind addresses meaning every interface
 MAX_PORT = 65535
 
 
@@ -44,7 +45,10 @@ class MeshConfig:
     eta: float = 0.6
     log_dir: Path | None = None  # None: a temp dir per run
     ready_timeout_s: float = 120.0
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address the mesh's processes are reached at (and bind, unless bind_host)
+    # Where every service listens, when not at `host` (`tophat serve --host 0.0.0.0`: every interface, still
+    # reached over loopback here); empty: `host`. See serve_hosts.
+    bind_host: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
     device_verifier_url: str | None = None  # where devices connect (default: the verifier); tests put a proxy here
     verifiers: int = 1  # replicas of the verifier (ports base+100+j); devices fail over between them
@@ -71,7 +75,7 @@ class MeshConfig:
     # Secret rotation of the hidden basis (shared/model/rotation.py): the verifiers re-parameterise their middle
     # layers for it, the device agents rotate their uplink with it (TOPHAT_*_HIDDEN_ROTATION). Empty: off.
     hidden_rotation: str = field(default="", repr=False)
-    # `tophat up`: restart a process that dies (tophatctl/supervisor.py) and keep a JSON list of every
+    # `tophat serve`: restart a process that dies (tophatctl/supervisor.py) and keep a JSON list of every
     # process (role, pid, url) in state_file, rewritten after each restart.
     supervise: bool = False
     state_file: Path | None = None
@@ -112,6 +116,11 @@ class MeshConfig:
             parse_dtype_spec(self.dtype)
         except PlacementError as exc:
             raise MeshConfigError(str(exc)) from exc
+
+    @property
+    def bind(self) -> str:
+        """The address the mesh's services listen on."""
+        return self.bind_host or self.host
 
     @property
     def http_scheme(self) -> str:
@@ -155,6 +164,18 @@ class MeshConfig:
     def per_device(self, spec: str, index: int) -> str:
         parts = [p.strip() for p in spec.split(";") if p.strip()] or ["none"]
         return parts[index % len(parts)]
+
+
+def serve_hosts(address: str) -> dict[str, str]:
+    """`tophat serve --host ADDRESS` as MeshConfig's host and bind_host: a wildcard (0.0.0.0, ::) binds every
+    interface and the processes reach each other over loopback; any other address is bound and reached both.
+    A literal IPv6 address other than :: is refused (the mesh's URLs are built from it unbracketed)."""
+    if address in WILDCARD_HOSTS:
+        return {"host": "127.0.0.1", "bind_host": address}
+    if ":" in address:
+        raise MeshConfigError(f"--host {address}: an IPv6 address other than :: is not supported; "
+                              "use a host name, an IPv4 address, 0.0.0.0 or ::")
+    return {"host": address, "bind_host": ""}
 
 
 def mesh_model_dir(config: MeshConfig) -> Path:

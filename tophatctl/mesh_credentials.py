@@ -6,7 +6,7 @@ service gets a service credential for the issuer (`TOPHAT_*_AUTH_CREDENTIAL`) an
 each device agent a BOOTSTRAP token only (its own id's; a fleet one when devices pick their ids), with
 which it enrolls. No service but the monitor sees a signing key. With TLS every service serves the same
 certificate and trusts the same CA (tophatctl/certs.py). The operator's own calls into the mesh (tests,
-`tophat up`'s output) use `client_verify` and `operator_auth`.
+`tophat serve`'s output) use `client_verify` and `operator_auth`.
 """
 
 from __future__ import annotations

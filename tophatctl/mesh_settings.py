@@ -12,6 +12,12 @@ from tophatctl.mesh_ports import MONITOR_OFFSET, PLANNER_OFFSET, STREAMER_OFFSET
 ANNOUNCE_INTERVAL_S = 0.5  # discovery mode: how often a device agent tells the state monitor it is there
 
 
+def bind_env(config: MeshConfig, prefix: str) -> dict[str, str]:
+    """A service's HOST setting when the mesh listens elsewhere than its default (loopback): `tophat serve --host`.
+    Unset otherwise, so a TOPHAT_*_HOST in the caller's environment still applies, as before."""
+    return {f"{prefix}HOST": config.bind_host} if config.bind_host else {}
+
+
 def state_monitor_env(config: MeshConfig, bind: str, redis_url: str) -> dict[str, str]:
     return {
         "TOPHAT_STATE_MONITOR_PORT": str(config.port_base + MONITOR_OFFSET),
@@ -52,12 +58,14 @@ def streamer_env(config: MeshConfig, device_urls: str, model_name: str) -> dict[
         "TOPHAT_STREAMER_DEVICE_URLS": device_urls,
         "TOPHAT_STREAMER_STATE_MONITOR_URL": config.monitor_url,
         "TOPHAT_STREAMER_MODEL_NAME": model_name,  # what /v1/models lists: smollm2, demo, ...
+        **bind_env(config, "TOPHAT_STREAMER_"),
         **({"TOPHAT_STREAMER_API_KEY": config.api_key} if config.api_key else {}),
     }
 
 
 def device_env(config: MeshConfig, index: int, model_dir: str) -> dict[str, str]:
-    """Device agent `index`'s settings, but for where it listens and how it reaches the cloud side."""
+    """Device agent `index`'s settings, but for its port and id and how it reaches the cloud side (a device in a
+    network namespace is then told to listen on every address of its namespace)."""
     return {
         "TOPHAT_DEVICE_MODEL_DIR": model_dir,
         "TOPHAT_DEVICE_SPLIT_LAYERS": str(config.split_layers),
@@ -69,6 +77,7 @@ def device_env(config: MeshConfig, index: int, model_dir: str) -> dict[str, str]
         "TOPHAT_DEVICE_LINK": config.per_device(config.link, index),
         "TOPHAT_DEVICE_SPEED": config.per_device(config.speed, index),
         **({"TOPHAT_DEVICE_HIDDEN_ROTATION": config.hidden_rotation} if config.hidden_rotation else {}),
+        **bind_env(config, "TOPHAT_DEVICE_"),
         **{f"TOPHAT_DEVICE_{k.upper()}": v for k, v in config.device_env.items()},
     }
 

@@ -5,7 +5,7 @@
 
 Mount with `app.command("profile")(profile_command)` and `app.command("plan")(plan_command)`.
 Outputs go under build/ (git-ignored) unless --out says otherwise: profiles in build/profiles/
-(where `tophat up --edge-pipeline` looks), plans in build/jupiter/.
+(where `tophat serve --edge-pipeline` looks), plans in build/jupiter/.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run_profile(model: str, lengths: list[int], prefixes: list[int], repeats: in
     from shared.jupiter.profile import measure_profile
     from tophatctl.models import resolve_model
 
-    from tophatctl.edge_pipeline import default_profile_path  # where `tophat up --edge-pipeline` looks
+    from tophatctl.edge_pipeline import default_profile_path  # where `tophat serve --edge-pipeline` looks
 
     model_dir = resolve_model(model)
     profile = measure_profile(model_dir, lengths, prefixes, repeats)
@@ -103,7 +103,7 @@ def profile_command(
     prefixes: str = typer.Option(",".join(map(str, DEFAULT_PREFIXES)), help="KV prefix lengths c before them"),
     repeats: int = typer.Option(DEFAULT_REPEATS, min=1, help="timed passes per (S, c); the median counts"),
     out: Optional[Path] = typer.Option(None, help="profile JSON (default build/profiles/MODEL.json, where "
-                                       "`tophat up --edge-pipeline` looks for it)"),
+                                       "`tophat serve --edge-pipeline` looks for it)"),
     threads: int = typer.Option(1, min=1, help="torch threads: 1 by default, as each edge stage is its own "
                                 "process sharing this host's few cores (more threads contend and time noisily)"),
 ):
@@ -131,7 +131,8 @@ def plan_command(
     profile: Path = typer.Option(..., "--profile", help="a profile JSON from `tophat profile`"),
     lan: str = typer.Option(DEFAULT_LAN, help="LAN between neighbours: '100mbit,lat=1ms' or a link spec"),
     kind: str = typer.Option("jupiter", help=" | ".join(PLAN_KINDS)),
-    draft_layers: int = typer.Option(2, "--draft-layers", min=0, help="m: layers the first device must keep"),
+    draft_layers: int = typer.Option(2, "--split-layers", "--draft-layers", min=0,
+                                     help="m: layers the first device must keep (it drafts from layer m)"),
     max_len: int = typer.Option(2048, "--max-len", min=1, help="longest prompt planned (and KV sized) for"),
     reference_length: int = typer.Option(DEFAULT_REFERENCE_LENGTH, help="S at which stage costs are compared"),
     k_max: int = typer.Option(DEFAULT_K_MAX, "--k-max", min=1, help="most sub-sequences per prompt"),

@@ -1,6 +1,6 @@
 """Keep a running mesh running: restart what dies, with backoff, and say where everything is.
 
-`tophat up` owns one `Supervisor` (through `Mesh.start()` / `Mesh.stop()`). A thread polls the
+`tophat serve` owns one `Supervisor` (through `Mesh.start()` / `Mesh.stop()`). A thread polls the
 mesh's processes; one that exited is logged with its exit code and started again after a delay
 (the project's exponential backoff, shared/backoff.py: 0.5 s doubling up to 10 s, back to 0.5 s for
 a process that had stayed up 30 s, as compose's restart policy does), with the same command line,

@@ -1,6 +1,6 @@
 """`python -m tophatctl.tethered MODULE [ARGS]`: run `python -m MODULE [ARGS]`, stopping it when its launcher dies.
 
-The local mesh starts every service this way (tophatctl/service_process.py), so a `tophat up` or a
+The local mesh starts every service this way (tophatctl/service_process.py), so a `tophat serve` or a
 benchmark killed with SIGKILL leaves no service behind holding its port: the watch on the launcher's
 tether (shared/lifeline.py) starts before the module, so it covers a model still loading too.
 """

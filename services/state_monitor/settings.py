@@ -42,7 +42,7 @@ class Settings(ServiceSettings):
     # tophat:edge_sd:* list (POST /edge-sd/telemetry); GET /state/edge-sd serves them to the chunk planner.
     edge_sd_history: int = 512
     # The issuer (services/state_monitor/issuer.py): the directory of its Ed25519 signing keys (shared/auth_keys.py,
-    # made by `tophat mesh-secrets` / `tophat up --auth`); set, every POST needs a credential. Writable: rotations
+    # made by `tophat mesh-secrets` / `tophat serve --auth`); set, every POST needs a credential. Writable: rotations
     # and revocations are kept there too (else in memory only, lost on a restart). The tokens' lives: a device's
     # credential, a service's renewed one, an audience token; max_token_ttl_s caps what an operator issues and is
     # how long a rotated-out key keeps verifying.

@@ -203,7 +203,7 @@ class Dispatcher:
         """How many devices are ready: from the last round this method ran if it is at most `max_age_s` old
         (callers meanwhile wait for it and share it), else from a new one. A flood of readiness checks thus
         costs at most one probe round per `max_age_s`. The health loop's rounds are not reused: the first
-        check after the devices came up (`tophat up` makes it) probes them all, so it finds them all up."""
+        check after the devices came up (`tophat serve` makes it) probes them all, so it finds them all up."""
         async with self._probing:
             if self._ready is None or time.monotonic() - self._ready[0] > max_age_s:
                 self._ready = (time.monotonic(), await self.probe_all())

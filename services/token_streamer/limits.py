@@ -257,7 +257,7 @@ def install(app: Any, settings: Any) -> None:
     if not keys and not is_loopback(settings.host):
         log.warning(
             "the OpenAI endpoint on %s is open to anyone who can reach it: set TOPHAT_STREAMER_API_KEY "
-            "(tophat up --api-key) to require Authorization: Bearer",
+            "(tophat serve --api-key) to require Authorization: Bearer",
             settings.host,
         )
     redact_credentials(SERVER_LOGGERS)

@@ -1,0 +1,132 @@
+"""The `tophat` command line as a whole (issue 46, "One CLI"): `tophat --help` is fast because importing the app
+loads neither torch nor transformers (every command imports what it runs inside its body)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter in the repository root (its modules first on the path), as `tophat` runs."""
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+
+
+def test_importing_the_app_loads_no_model_library():
+    code = "import sys, tophat.cli; print(','.join(m for m in ('torch', 'transformers') if m in sys.modules))"
+    assert run_python("-c", code).stdout.strip() == ""
+
+
+def test_help_is_fast():
+    start = time.monotonic()
+    result = run_python("-m", "tophat", "--help")
+    elapsed = time.monotonic() - start
+    assert "serve" in result.stdout or "up" in result.stdout
+    assert elapsed < 1.5, f"`tophat --help` took {elapsed:.2f} s"
+
+
+def test_version_is_the_distributions():
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    from tophat.cli import app
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"tophat {version('tophat')}"
+
+
+# ---- tophat serve: its options from --config, TOPHAT_* variables and the command line ---------------------------
+
+
+def serve_config(monkeypatch, args: list[str], env: dict[str, str] | None = None):
+    """The MeshConfig `tophat serve ARGS` would start (no mesh: the fake Mesh refuses to start), and the result."""
+    from typer.testing import CliRunner
+
+    import tophatctl.mesh
+    from tophat.cli import app
+    from tophatctl.mesh_config import MeshStartError
+
+    seen = []
+
+    class NoMesh:
+        def __init__(self, config):
+            seen.append(config)
+            raise MeshStartError("no mesh in this test")
+
+    monkeypatch.setattr(tophatctl.mesh, "Mesh", NoMesh)
+    result = CliRunner().invoke(app, ["serve", "--model", "demo", *args], env=env)
+    return (seen[0] if seen else None), result
+
+
+def test_serve_reads_toml_and_yaml_and_the_command_line_wins(monkeypatch, tmp_path):
+    toml = tmp_path / "mesh.toml"
+    toml.write_text('devices = 3\nport-base = 9100\nlink_mode = "inprocess"\n')
+    yaml = tmp_path / "mesh.yaml"
+    yaml.write_text("devices: 3\nport: 9100\nlink-mode: inprocess\n")
+    for path in (toml, yaml):
+        config, result = serve_config(monkeypatch, ["--config", str(path)])
+        assert (config.num_devices, config.port_base, config.link_mode) == (3, 9100, "inprocess"), result.output
+        config, _ = serve_config(monkeypatch, ["--config", str(path), "--devices", "2"])
+        assert (config.num_devices, config.port_base) == (2, 9100)  # the flag over the file, the file over defaults
+
+
+def test_serve_config_refuses_an_unknown_key(monkeypatch, tmp_path):
+    path = tmp_path / "mesh.toml"
+    path.write_text("devices = 2\nmax_devices = 4\n")
+    config, result = serve_config(monkeypatch, ["--config", str(path)])
+    assert config is None and result.exit_code == 2
+    assert "unknown key 'max_devices'" in result.output
+
+
+def test_serve_config_refuses_other_formats(monkeypatch, tmp_path):
+    path = tmp_path / "mesh.json"
+    path.write_text("{}")
+    config, result = serve_config(monkeypatch, ["--config", str(path)])
+    assert config is None and result.exit_code == 2 and "TOML" in result.output
+
+
+def test_serve_env_vars_and_host(monkeypatch, tmp_path):
+    config, _ = serve_config(monkeypatch, [], env={"TOPHAT_DEVICES": "2", "TOPHAT_PORT": "9200"})
+    assert (config.num_devices, config.port_base) == (2, 9200)
+    assert (config.host, config.bind) == ("127.0.0.1", "127.0.0.1")  # loopback by default
+    config, _ = serve_config(monkeypatch, ["--host", "0.0.0.0"])
+    assert (config.host, config.bind) == ("127.0.0.1", "0.0.0.0")  # every interface, reached over loopback
+    config, _ = serve_config(monkeypatch, ["--host", "10.1.2.3"])
+    assert (config.host, config.bind) == ("10.1.2.3", "10.1.2.3")
+    config, result = serve_config(monkeypatch, ["--host", "fe80::1"])
+    assert config is None and result.exit_code == 2 and "IPv6" in result.output
+
+
+def test_serve_help_names_its_env_vars_and_up_is_an_alias():
+    from typer.testing import CliRunner
+
+    from tophat.cli import app
+
+    runner = CliRunner()
+    text = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
+    for name in ("TOPHAT_MODEL", "TOPHAT_DTYPE", "TOPHAT_HOST", "TOPHAT_PORT", "TOPHAT_DEVICES"):
+        assert name in text
+    assert "0.0.0.0" in text
+    assert runner.invoke(app, ["up", "--help"]).exit_code == 0
+    import typer.main
+
+    root = typer.main.get_command(app)
+    ctx = root.context_class(root)
+    assert root.get_command(ctx, "up").hidden and not root.get_command(ctx, "serve").hidden
+
+
+def test_the_services_bind_the_serve_host():
+    from tophatctl.mesh_config import MeshConfig, serve_hosts
+    from tophatctl.mesh_settings import device_env, streamer_env
+
+    exposed = MeshConfig(model_dir="demo", **serve_hosts("0.0.0.0"))
+    assert streamer_env(exposed, "", "demo")["TOPHAT_STREAMER_HOST"] == "0.0.0.0"
+    assert device_env(exposed, 0, "/m")["TOPHAT_DEVICE_HOST"] == "0.0.0.0"
+    assert exposed.streamer_url.startswith("http://127.0.0.1:")
+    local = MeshConfig(model_dir="demo")
+    assert "TOPHAT_STREAMER_HOST" not in streamer_env(local, "", "demo")  # the services' own default (loopback)
