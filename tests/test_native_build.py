@@ -91,6 +91,16 @@ def test_bad_arguments_to_the_native_attention_raise_instead_of_crashing():
         module.attend_paths(queries[0], keys[0], keys[0], 64, tails[:, :0], torch.zeros(1, 64), 0.125)
 
 
+def int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels multiply for float32 rows x [M, K] (native/int16_rows.h): per group of 32, codes
+    round(x * 32767 / max |x|) times max |x| / 32767, each step in float32 as the C++ takes it."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    largest = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.tensor(32767.0) / largest, torch.zeros_like(largest))
+    codes = torch.round(groups * inverse).clamp(-32767, 32767)
+    return (codes.double() * (largest / torch.tensor(32767.0)).double()).view(x.shape)
+
+
 def q8_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int8 codes, a float scale per group of 32 inputs (fp16 values, as Q8_0 keeps them); and the float64 weight."""
     generator = torch.Generator().manual_seed(seed)
@@ -101,14 +111,16 @@ def q8_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.Ten
 
 
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 49152 // 64, 576), (5, 13, 64), (3, 4, 32)])
-def test_the_native_int8_product_is_the_exact_one_in_float32_and_each_row_its_own(rows, out_features, in_features):
+def test_the_native_int8_product_is_the_int16_rows_exact_one_and_each_row_its_own(rows, out_features, in_features):
     weight, scales, dense = q8_weight(out_features, in_features, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     module = native_module()
     out = module.int8_matmul(x, weight, scales)
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
-    reference = x.double() @ dense.T  # float32 inputs multiplied as they are, no rounding of the output
+    reference = int16_rows(x) @ dense.T  # exact integer sums per group, float32 steps, no rounding of the output
     torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), x.double() @ dense.T, rtol=1e-3, atol=1e-3)  # and the float32 rows'
+
     for row in range(rows):  # a row alone gives the bits it gets among the others: batch-invariant
         assert torch.equal(module.int8_matmul(x[row : row + 1], weight, scales), out[row : row + 1])
 
@@ -161,34 +173,46 @@ def packed_int4(out_features: int, in_features: int, seed: int) -> tuple[torch.T
 
 
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 576, 576), (6, 192, 1536), (9, 128, 64)])
-def test_the_native_int4_product_is_the_exact_one_in_float32_and_each_row_its_own(rows, out_features, in_features):
+def test_the_native_int4_product_is_the_int16_rows_exact_one_and_each_row_its_own(rows, out_features, in_features):
     packed, scales, dense = packed_int4(out_features, in_features, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     module = native_module()
     out = module.int4_matmul(x, packed, scales)
     assert out.dtype == torch.float32 and out.shape == (rows, out_features)
-    reference = x.double() @ dense.T  # q * scale + min, float32 inputs as they are, no rounding of the output
+    reference = int16_rows(x) @ dense.T  # q * scale + min against the int16 rows, no rounding of the output
     torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), x.double() @ dense.T, rtol=1e-3, atol=1e-3)
     for row in range(rows):  # a row alone gives the bits it gets among the others: batch-invariant
         assert torch.equal(module.int4_matmul(x[row : row + 1], packed, scales), out[row : row + 1])
     assert torch.equal(module.int4_matmul(x.repeat(5, 1), packed, scales), out.repeat(5, 1))  # 4 rows at a time too
-    halves = x.bfloat16()  # bfloat16 inputs: their own path (AVX512-BF16 pairs where the CPU has them), as exact
-    torch.testing.assert_close(
-        module.int4_matmul(halves, packed, scales).double(), halves.double() @ dense.T, rtol=1e-5, atol=1e-5
-    )
+    halves = x.bfloat16()  # bfloat16 rows: widened, then the same int16 rows
+    assert torch.equal(module.int4_matmul(halves, packed, scales), module.int4_matmul(halves.float(), packed, scales))
 
 
-def test_the_native_int4_product_adds_each_pair_of_inputs_second_first():
-    """The kernel's sum order, pinned where it shows: products 2^24, 0 | 1, -2^24 give 1 when each pair adds its
-    second input first (2^24, then 2^24 - 2^24 + 1), and 0 in plain input order (2^24 + 1 rounds back to 2^24)."""
-    codes = torch.zeros((64, 32), dtype=torch.int32)  # q = 0: no product
-    codes[:, [0, 2, 3]] = 4
+def test_the_products_sums_are_exact_integers_whatever_the_order():
+    """A group's products (here 32767 * 15, 1 and -32767 * 15) add up as integers: exactly 1, then scaled."""
+    codes = torch.zeros((64, 32), dtype=torch.int32)
+    codes[:, [0, 1, 2]] = torch.tensor([15, 1, 15], dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scales = torch.stack([torch.ones(1, 64), torch.zeros(1, 64)], dim=-1).half()  # scale 1, min 0
     x = torch.zeros(1, 32)
-    x[0, :4] = torch.tensor([2.0**22, 0.0, 0.25, -(2.0**22)])  # products 2^24, 0, 1, -2^24: exact
-    assert torch.equal(native_module().int4_matmul(x, packed, scales), torch.ones(1, 64))
-    assert torch.equal(native_module().int4_matmul(x.bfloat16(), packed, scales), torch.ones(1, 64))
+    x[0, :3] = torch.tensor([32767.0, 1.0, -32767.0])  # codes themselves: the group's largest is 32767
+    assert torch.equal(native_module().int4_matmul(x, packed, scales), torch.full((1, 64), 1.0))
+    weight = torch.zeros(16, 32, dtype=torch.int8)
+    weight[:, :3] = torch.tensor([127, 1, 127], dtype=torch.int8)
+    assert torch.equal(native_module().int8_matmul(x, weight, torch.ones(16, 1)), torch.full((1, 16), 1.0))
+
+
+def test_a_row_that_is_not_finite_gives_nan_in_its_own_outputs_only():
+    packed, scales, _ = packed_int4(64, 64, seed=6)
+    x = torch.randn(2, 64)
+    clean = native_module().int4_matmul(x, packed, scales)
+    for bad in (float("nan"), float("inf")):
+        x[0, 5] = bad
+        out = native_module().int4_matmul(x, packed, scales)
+        assert out[0].isnan().all() and torch.equal(out[1], clean[1])
+        head = native_module().int8_matmul(x, torch.ones(8, 64, dtype=torch.int8), torch.ones(8, 2))
+        assert head[0].isnan().all() and head[1].isfinite().all()
 
 
 def test_an_int4_weight_that_is_not_whole_64_row_blocks_goes_to_aten_in_float32():
@@ -203,7 +227,7 @@ def test_quantized_int4_products_go_through_the_native_kernel_where_it_is_built(
     packed, scales, dense = packed_int4(64, 64, seed=4)
     x = torch.randn(2, 64)
     assert torch.equal(project(x, packed, None, scales), native_module().int4_matmul(x, packed, scales))
-    monkeypatch.setenv(native_build.SWITCH_ENV, "off")  # torch: the dequantized weight, in float32
+    monkeypatch.setenv(native_build.SWITCH_ENV, "off")  # torch: the dequantized weight, float32 rows as they are
     torch.testing.assert_close(project(x, packed, None, scales).double(), x.double() @ dense.T, rtol=1e-5, atol=1e-6)
 
 

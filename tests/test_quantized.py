@@ -91,7 +91,8 @@ def test_the_product_sums_and_returns_float32_with_no_bfloat16_rounding(bits, ro
     got = quantized(x)
     assert got.dtype is torch.float32 and got.shape == (rows, 128)
     expected = x.double() @ quantized.dequantized().double().T + linear.bias.double()
-    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)  # float32 sums of the exact products
+    # the C++ kernels multiply int16 rows (a group's inputs to 1 / 65534 of its largest), torch the float32 rows
+    torch.testing.assert_close(got.double(), expected, atol=2e-4, rtol=2e-4)
     assert not torch.equal(got, got.bfloat16().float())  # an output rounded to bfloat16 would equal its rounding
     assert torch.equal(project(x, quantized.weight, quantized.bias, quantized.scales), got)
 

@@ -8,10 +8,13 @@ and Q8_0's (scale max |w| / 127 as fp16) applied to those values give back the f
 dequantized weight equals the checkpoint's (tests/test_quantized.py checks every tensor). A checkpoint that did
 not come from such blocks (the demo model) is quantized by the same recipes, which then lose precision.
 
-Every product sums and returns float32 and takes its input as ACTIVATIONS. Decode on a CPU reads every weight
-once per token, so its speed is the bytes it reads: int4 weights are an eighth of fp32's. Where the C++
-extension is built, both products are its own kernels (native/int4_matmul.h, int8_matmul.h: batch-invariant,
-fixed order of sums); elsewhere torch multiplies by the dequantized weights (float32's speed, same model).
+Every product takes float32 rows and returns float32; nothing is rounded to bfloat16. Decode on a CPU reads
+every weight once per token, so its speed is the bytes it reads: int4 weights are an eighth of fp32's. Where
+the C++ extension is built, both products are its own kernels (native/int4_matmul.h, int8_matmul.h): they
+quantize each group of 32 inputs to int16 codes with its own scale (max |x| / 32767: an input within 1 / 65534
+of its group's largest), so that a group's dot product is an exact integer sum (two 16-bit products per 32-bit
+lane), then scale in float32. Elsewhere torch multiplies the float32 rows by the dequantized weights (float32's
+speed, the same model). Why int16 and not bfloat16 or 8-bit rows: see ACTIVATIONS.
 
 `quantize_model` replaces the modules in place, so the HF model itself computes with the same weights as every
 split submodel: the unsplit reference and the split halves stay one model at one precision.
@@ -29,10 +32,12 @@ from shared.model.native_build import native_module
 
 GROUP = 32  # inputs per scale (and per min at int4): the GGUF blocks' size
 INT4_ROW_BLOCK = 64  # the int4 kernels' rows per packed block: a weight's outputs come in whole blocks
-# What each quantized product takes its input in. Float32, by measurement (make bench-engine, docs/benchmarks/):
-# rounding the inputs to bfloat16 let AVX512-BF16 multiply two inputs per instruction, but changed greedy chat
-# answers against f32 on held-out prompts beyond the quality gate; float32 inputs keep int4 the f32 model's
-# answers at a decode speed still above llama.cpp's.
+# What each quantized product takes its rows in; the C++ kernels then make them int16 per group of 32. Chosen by
+# measurement (make bench-engine's quality table against f32, docs/benchmarks/): rows rounded to bfloat16 (the
+# AVX512-BF16 kernel of before) changed greedy chat answers against f32's beyond the quality gate; float32 rows
+# multiplied as floats pass it, at half the int4 kernel's speed; int16 codes pass it (their error is a few
+# hundred times smaller than bfloat16's) at the bfloat16 kernel's speed, the products being exact integer sums.
+# 8-bit rows (llama.cpp's Q8) would be coarser than bfloat16.
 ACTIVATIONS = torch.float32
 
 
