@@ -6,8 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # the model every demo and benchmark runs: smollm2 (the default), demo, or a checkpoint directory
 MODEL ?= smollm2
-# the weights' precision `make demo` runs: int4 (the CPU's fastest decode), int8, bf16 or f32 (make bench-engine)
-DTYPE ?= int4
+# the weights' precision `make demo` runs: auto (what `tophat serve` runs: int4 on a CPU), int4, int8, bf16 or f32
+DTYPE ?= auto
 # make test runs the suite in TEST_WORKERS processes (pytest-xdist), a test file to a worker so its module
 # fixtures start once, then the tests marked `timing` (wall-clock bounds, races of real processes) alone, so
 # that no other test's load moves them; TEST_WORKERS=0 runs the first part in this one process too

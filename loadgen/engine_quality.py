@@ -127,11 +127,11 @@ def quality_table(
     asked = chat_prompts(reference, prompts)
     answers = {name: [answer(engines[name], p, new_tokens) for p in asked] for name in names}
     if llama:
-        spec = Path(tempfile.mkdtemp(prefix="llama-prompts-"), "prompts.json")
-        spec.write_text(json.dumps(asked))
-        answers["llama.cpp Q4_1"] = llama_command(*llama, "--prompts-file", str(spec), "--new-tokens",
-                                                  str(new_tokens))["answers"]
-        spec.unlink()
+        with tempfile.TemporaryDirectory(prefix="llama-prompts-") as folder:
+            spec = Path(folder, "prompts.json")
+            spec.write_text(json.dumps(asked))
+            answers["llama.cpp Q4_1"] = llama_command(*llama, "--prompts-file", str(spec), "--new-tokens",
+                                                      str(new_tokens))["answers"]
         scores["llama.cpp Q4_1"] = llama_scores
     eos = reference.eos_token_id
     table = {}

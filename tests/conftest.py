@@ -4,6 +4,7 @@ demo model."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,13 @@ DEMO_MODEL_DIR = REPO_ROOT / "models" / "demo"
 # OpenMP threads that wait on each other at every op cost 2-5x the time (more on a shared machine). The mesh's
 # services run one thread each as well (tophatctl/mesh.py sets OMP_NUM_THREADS=1).
 torch.set_num_threads(1)
+
+# The services' dtype when nothing names one: the suite compares meshes and services against the f32 reference
+# model (and the demo model's weights are on no 4-bit grid), so it runs them at f32 unless a test names a dtype;
+# the product's own default on a CPU, int4 (shared/model/placement.py), is tested where it is named
+# (test_placement.py, test_quantized_exactness.py, test_default_dtype.py).
+for _service in ("VERIFIER", "DEVICE", "STAGE"):
+    os.environ.setdefault(f"TOPHAT_{_service}_DTYPE", "f32")
 
 
 def _write_random_checkpoint(path: Path, model_type: str) -> Path:

@@ -23,10 +23,11 @@ def place(device: str, dtype: str = "auto", bf16: bool = True, **facts):
 # -- the resolver ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec", ["auto", "cpu", "CPU", " auto "])
-def test_without_cuda_auto_and_cpu_resolve_to_cpu_float32(spec):
+def test_without_cuda_auto_and_cpu_resolve_to_the_cpu_default_int4_weights(spec):
     placement = place(spec)
     assert placement.device == torch.device("cpu") and placement.dtype is torch.float32
-    assert placement.warnings == ()
+    assert placement.quantize == "int4" and placement.warnings == ()
+    assert place(spec, "f32").quantize is None  # an explicit dtype is what it says
 
 
 def test_auto_picks_the_first_gpu_and_bfloat16_where_supported():
@@ -111,7 +112,7 @@ def test_detect_placement_on_this_machine_matches_the_pure_rule():
     placement = detect_placement("auto", "auto")
     assert placement.device.type == ("cuda" if available else "cpu")
     if not available:
-        assert placement.dtype is torch.float32
+        assert placement.dtype is torch.float32 and placement.quantize == "int4"
         with pytest.raises(CudaUnavailableError):
             detect_placement("cuda", "auto")
 

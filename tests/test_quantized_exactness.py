@@ -1,9 +1,9 @@
 """SmolLM2 at int4 and int8, on real chat prompts: the split runner's logits are the unsplit model's, bit for bit.
 
-Quantized matmuls round their inputs to bfloat16, so attention whose last bits depended on how many rows
-a pass holds used to change greedy answers where two logits are close (12 of 24 held-out chat prompts at
-int4). Quantized models run batch-invariant attention (shared/model/invariant_attention.py) in HF's
-forward and in the runner alike, so:
+Quantized matmuls once rounded their inputs to bfloat16, so attention whose last bits depended on how many
+rows a pass holds changed greedy answers where two logits are close (12 of 24 held-out chat prompts at int4);
+any rounding of their inputs (int16 rows now) can still turn a near tie. Quantized models run batch-invariant
+attention (shared/model/invariant_attention.py) in HF's forward and in the runner alike, so:
 - the unsplit model scoring a whole answer in one pass gives the logits it gave decoding it row by row;
 - the split halves (device layers, cloud layers, head) verifying many rows per pass, as a chain or as
   tree nodes, give those same logits;

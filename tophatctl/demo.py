@@ -50,9 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="draft adapter file or 'random' (default: the model's draft_adapter.safetensors)")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--dtype", default="int4",
-                        help="weights in the verifier and the devices: int4 (default: the CPU's fastest decode) | "
-                             "int8 | bf16 | f32 (the answers of the unquantized model)")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights in the verifier and the devices: auto (the default of `tophat serve`: int4 on "
+                             "a CPU, the fastest dtype through make bench-engine's quality gate) | int4 | int8 | bf16 "
+                             "| f32")
     return parser.parse_args(argv)
 
 

@@ -35,6 +35,12 @@ def chunk_planner_env(config: MeshConfig, bind: str) -> dict[str, str]:
     }
 
 
+def dtype_env(config: MeshConfig, prefix: str) -> dict[str, str]:
+    """A named dtype for a service; none for "auto", so a service keeps its own environment's choice (else its
+    default: int4 on a CPU, placement.CPU_DEFAULT)."""
+    return {} if config.dtype.strip().lower() == "auto" else {f"{prefix}DTYPE": config.dtype}
+
+
 def verifier_env(config: MeshConfig, replica: int, bind: str, model_dir: str,
                  edge_env: dict[str, str]) -> dict[str, str]:
     """Verifier replica `replica`'s settings; `edge_env` adds an edge pipeline's or edge draft server's."""
@@ -44,7 +50,7 @@ def verifier_env(config: MeshConfig, replica: int, bind: str, model_dir: str,
         "TOPHAT_VERIFIER_PIPELINE_STAGES": str(config.pipeline_stages),
         "TOPHAT_VERIFIER_MODEL_DIR": model_dir,
         "TOPHAT_VERIFIER_SPLIT_LAYERS": str(config.split_layers),
-        "TOPHAT_VERIFIER_DTYPE": config.dtype,
+        **dtype_env(config, "TOPHAT_VERIFIER_"),
         "TOPHAT_VERIFIER_STATE_MONITOR_URL": config.monitor_url,
         **({"TOPHAT_VERIFIER_HIDDEN_ROTATION": config.hidden_rotation} if config.hidden_rotation else {}),
         **edge_env,
@@ -69,7 +75,7 @@ def device_env(config: MeshConfig, index: int, model_dir: str) -> dict[str, str]
     return {
         "TOPHAT_DEVICE_MODEL_DIR": model_dir,
         "TOPHAT_DEVICE_SPLIT_LAYERS": str(config.split_layers),
-        "TOPHAT_DEVICE_DTYPE": config.dtype,
+        **dtype_env(config, "TOPHAT_DEVICE_"),
         "TOPHAT_DEVICE_ADAPTER": config.adapter,
         "TOPHAT_DEVICE_SPECULATIVE": str(config.speculative).lower(),
         "TOPHAT_DEVICE_MAX_DRAFT": str(config.max_draft),

@@ -164,7 +164,7 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at
   TORCH_CHECK(x.dim() == 2 && x.size(1) == 2 * weight.size(1), "x: [M, K] with the weight's K");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(), "tensors on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
-  TORCH_CHECK(scales.size(0) * kGroup == x.size(1), "scales: one group per 32 inputs");
+  TORCH_CHECK(x.size(1) > 0 && scales.size(0) * kGroup == x.size(1), "scales: one group per 32 inputs, K > 0");
   if (!takes(weight, scales)) return aten_matmul(x, weight, scales);
   const int16rows::Rows rows_in = int16rows::quantized(x);
   const at::Tensor packed_tensor = weight.contiguous(), pairs_tensor = scales.contiguous();

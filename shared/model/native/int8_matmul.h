@@ -117,7 +117,7 @@ inline void dot_rows(const int16_t* x, const float* x_scales, const int8_t* rows
 // x [M, K] float32 or bfloat16, weight int8 [N, K], scales float [N, K / 32] -> float [M, N]
 inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "weight: int8 [N, K]");
-  TORCH_CHECK(weight.size(1) % kGroup == 0, "weight: K a multiple of 32");
+  TORCH_CHECK(weight.size(1) > 0 && weight.size(1) % kGroup == 0, "weight: K a positive multiple of 32");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == weight.size(0) &&
                   scales.size(1) * kGroup == weight.size(1),
               "scales: float [N, K / 32]");

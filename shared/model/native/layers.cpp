@@ -204,6 +204,31 @@ at::Tensor layer_forward(const Layer& layer, const at::Tensor& hidden, const at:
   return out;
 }
 
+// A layer's shapes, checked once when its handle is made: every loop of layer_forward relies on them.
+void check_layer(const Layer& layer) {
+  TORCH_CHECK(layer.num_q_heads > 0 && layer.num_kv_heads > 0 && layer.num_q_heads % layer.num_kv_heads == 0,
+              "head counts: positive, the query heads a multiple of the key/value heads");
+  TORCH_CHECK(layer.head_dim > 0 && layer.head_dim % 2 == 0, "head_dim: positive and even (rotary halves)");
+  TORCH_CHECK(layer.input_norm.dim() == 1 && layer.post_norm.sizes() == layer.input_norm.sizes(),
+              "RMSNorm gains [H], both the same");
+  const int64_t width = layer.input_norm.size(0);
+  auto inputs = [](const Projection& p) { return p.weight.size(1) * (p.weight.scalar_type() == at::kChar ? 1 : 2); };
+  const int64_t q_width = layer.num_q_heads * layer.head_dim, kv_width = layer.num_kv_heads * layer.head_dim;
+  TORCH_CHECK(layer.qkv.weight.size(0) == q_width + 2 * kv_width && inputs(layer.qkv) == width,
+              "qkv: [(Hq + 2 Hkv) D, H]");
+  TORCH_CHECK(layer.o.weight.size(0) == width && inputs(layer.o) == q_width, "o: [H, Hq D]");
+  TORCH_CHECK(inputs(layer.gate_up) == width && layer.gate_up.weight.size(0) % 2 == 0 &&
+                  inputs(layer.down) == layer.gate_up.weight.size(0) / 2 && layer.down.weight.size(0) == width,
+              "gate_up: [2 I, H], down: [H, I]");
+  for (const Projection* p : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
+    TORCH_CHECK(p->weight.dim() == 2 && p->weight.device().is_cpu() && p->scales.device().is_cpu(),
+                "quantized weights and scales on the CPU");
+    TORCH_CHECK(!p->bias.has_value() || (p->bias->dim() == 1 && p->bias->size(0) == p->weight.size(0) &&
+                                         p->bias->device().is_cpu()),
+                "a bias [out] on the CPU");
+  }
+}
+
 // The layers in order over a packed pass. keys/values: layer-major, keys[l * sessions + s].
 at::Tensor run_layers(const std::vector<std::shared_ptr<Layer>>& layers, at::Tensor hidden,
                       const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
@@ -215,9 +240,25 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<Layer>>& layers, at::Ten
   for (const SessionRows& session : sessions) {
     const size_t blocks = session.biases.size();
     TORCH_CHECK(session.start == rows && session.stop >= session.start, "sessions' rows are packed in order");
-    TORCH_CHECK(session.stop == session.start || (blocks > 0 && session.block_starts.size() == blocks &&
-                                                  session.block_stops.size() == blocks && session.widths.size() == blocks),
+    TORCH_CHECK(session.past >= 0, "a session's past rows are not negative");
+    const int64_t n = session.stop - session.start;
+    TORCH_CHECK(n == 0 || (blocks > 0 && session.block_starts.size() == blocks &&
+                           session.block_stops.size() == blocks && session.widths.size() == blocks),
                 "one start, stop and width per block bias");
+    if (n > 0 && !session.tails.has_value()) {
+      // a chain's blocks cover its rows in order, each block seeing at least its own rows' positions
+      int64_t covered = 0;
+      for (size_t b = 0; b < blocks; ++b) {
+        TORCH_CHECK(session.block_starts[b] == covered && session.block_stops[b] > covered &&
+                        session.block_stops[b] <= n,
+                    "a chain's attention blocks cover its rows in order, each at least one row");
+        TORCH_CHECK(session.widths[b] >= session.past + session.block_stops[b],
+                    "a block's width reaches its last row's position");
+        covered = session.block_stops[b];
+      }
+      TORCH_CHECK(covered == n, "a chain's attention blocks cover all its rows");
+    }
+    TORCH_CHECK(session.shared >= 0, "tree rows' shared positions are not negative");
     rows = session.stop;
   }
   TORCH_CHECK(rows == hidden.size(0), "the sessions' rows add up to the packed rows");
@@ -226,6 +267,9 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<Layer>>& layers, at::Ten
   for (const at::Tensor& cache : keys) TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 3, "float caches");
   for (const at::Tensor& cache : values) TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 3, "float caches");
   if (layers.empty()) return hidden;
+  TORCH_CHECK(hidden.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "tensors on the CPU");
+  for (const at::Tensor& cache : keys) TORCH_CHECK(cache.device().is_cpu(), "caches on the CPU");
+  for (const at::Tensor& cache : values) TORCH_CHECK(cache.device().is_cpu(), "caches on the CPU");
   const Layer& first = *layers.front();
   const int64_t width = hidden.size(1), q_width = first.num_q_heads * first.head_dim;
   const int64_t inner = first.down.weight.size(1) * (first.down.weight.scalar_type() == at::kChar ? 1 : 2);
@@ -343,9 +387,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                            "a float bias");
                return Projection{*projections[3 * i], *projections[3 * i + 1], projections[3 * i + 2]};
              };
-             return std::make_shared<Layer>(Layer{input_norm, post_norm, input_eps, post_eps, projection(0),
-                                                  projection(1), projection(2), projection(3), num_q_heads,
-                                                  num_kv_heads, head_dim, scaling});
+             Layer layer{input_norm,    post_norm,     input_eps,     post_eps,    projection(0), projection(1),
+                         projection(2), projection(3), num_q_heads, num_kv_heads, head_dim,      scaling};
+             check_layer(layer);
+             return std::make_shared<Layer>(layer);
            }));
   py::class_<SessionRows>(m, "SessionRows")
       .def(py::init<int64_t, int64_t, int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
