@@ -13,8 +13,8 @@ from shared.model.quantized import QuantizedLinear, dequantize, quantize_model
 from tophatctl.models import resolve_model, smollm2_gguf_path
 
 
-@pytest.fixture(scope="module")
-def smollm2_copy():
+@pytest.fixture
+def smollm2_copy():  # each test quantizes its own copy in place
     return load_checkpoint(resolve_model("smollm2"), with_tokenizer=False)
 
 
@@ -60,7 +60,7 @@ def test_every_quantized_tensor_is_the_f32_checkpoints_exactly_with_the_files_ow
         if name == "lm_head":  # tied: the embeddings' Q8_0 blocks
             assert module.bits == 8 and torch.equal(weight, reference["model.embed_tokens.weight"])
             scales, _ = file_blocks["token_embd.weight"]
-            assert torch.equal(module.scales, scales.float())
+            assert torch.equal(module.scales[..., 0], scales.float()) and not module.scales[..., 1].any()
         else:
             assert module.bits == 4 and torch.equal(weight, reference[f"{name}.weight"]), name
             scales, mins = file_blocks[_gguf_name(name)]
@@ -70,3 +70,12 @@ def test_every_quantized_tensor_is_the_f32_checkpoints_exactly_with_the_files_ow
             assert torch.equal(ours[..., 0], scales[order]) and torch.equal(ours[..., 1], mins[order]), name
         checked += 1
     assert checked == 7 * smollm2_copy.num_layers + 1
+
+
+def test_at_int8_every_projection_keeps_its_4_bit_grid_so_the_model_is_the_same(smollm2_copy):
+    reference = {name: tensor.clone() for name, tensor in smollm2_copy.model.state_dict().items()}
+    model = quantize_model(smollm2_copy.model, "int8")
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            key = "model.embed_tokens.weight" if name == "lm_head" else f"{name}.weight"
+            assert module.bits == 8 and torch.equal(dequantize(module.weight, module.scales), reference[key]), name

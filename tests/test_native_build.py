@@ -102,11 +102,16 @@ def int16_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def q8_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int8 codes, a float scale per group of 32 inputs (fp16 values, as Q8_0 keeps them); and the float64 weight."""
+    """int8 codes, a float scale and min per group of 32 inputs (fp16 values, as GGUF blocks keep them; half the
+    groups with min 0, as Q8_0's); and the float64 weight."""
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
-    scales = (torch.rand(out_features, in_features // 32, generator=generator) / 50).half().float()
-    dense = weight.double().view(out_features, -1, 32) * scales.double()[..., None]
+    groups = in_features // 32
+    scale = (torch.rand(out_features, groups, generator=generator) / 50).half().float()
+    low = (torch.randn(out_features, groups, generator=generator) / 20).half().float()
+    low[:, ::2] = 0.0
+    scales = torch.stack([scale, low], dim=-1)
+    dense = weight.double().view(out_features, -1, 32) * scale.double()[..., None] + low.double()[..., None]
     return weight, scales, dense.view(out_features, in_features)
 
 
@@ -128,9 +133,11 @@ def test_the_native_int8_product_is_the_int16_rows_exact_one_and_each_row_its_ow
 def test_quantized_int8_products_go_through_the_native_kernel_where_it_is_built(monkeypatch):
     weight, scales, dense = q8_weight(8, 64, seed=1)
     x = torch.randn(2, 64)
-    assert torch.equal(project(x, weight, None, scales), native_module().int8_matmul(x, weight, scales))
-    monkeypatch.setenv(native_build.SWITCH_ENV, "off")  # torch: the dequantized weight, in float32
-    torch.testing.assert_close(project(x, weight, None, scales).double(), x.double() @ dense.T, rtol=1e-5, atol=1e-6)
+    native = native_module().int8_matmul(x, weight, scales)
+    assert torch.equal(project(x, weight, None, scales), native)
+    monkeypatch.setenv(native_build.SWITCH_ENV, "off")  # torch_product: the same int16 rows and exact group sums
+    torch.testing.assert_close(project(x, weight, None, scales).double(), int16_rows(x) @ dense.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(project(x, weight, None, scales), native, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments_to_the_native_int8_product_raise_instead_of_crashing():
@@ -142,10 +149,12 @@ def test_bad_arguments_to_the_native_int8_product_raise_instead_of_crashing():
         module.int8_matmul(torch.randn(2, 32), weight, scales.bfloat16())
     with pytest.raises(RuntimeError, match="scales: float"):
         module.int8_matmul(torch.randn(2, 32), weight, scales[:4])
+    with pytest.raises(RuntimeError, match="scales: float"):
+        module.int8_matmul(torch.randn(2, 32), weight, scales[..., 0])
     with pytest.raises(RuntimeError, match="weight: int8"):
         module.int8_matmul(torch.randn(2, 32), weight.float(), scales)
-    with pytest.raises(RuntimeError, match="a multiple of 32"):
-        module.int8_matmul(torch.randn(2, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1))
+    with pytest.raises(RuntimeError, match="a positive multiple of 32"):
+        module.int8_matmul(torch.randn(2, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8, 1, 2))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         module.int8_matmul(torch.randn(2, 32).double(), weight, scales)
 
@@ -200,7 +209,8 @@ def test_the_products_sums_are_exact_integers_whatever_the_order():
     assert torch.equal(native_module().int4_matmul(x, packed, scales), torch.full((1, 64), 1.0))
     weight = torch.zeros(16, 32, dtype=torch.int8)
     weight[:, :3] = torch.tensor([127, 1, 127], dtype=torch.int8)
-    assert torch.equal(native_module().int8_matmul(x, weight, torch.ones(16, 1)), torch.full((1, 16), 1.0))
+    scales = torch.stack([torch.ones(16, 1), torch.zeros(16, 1)], dim=-1)  # scale 1, min 0
+    assert torch.equal(native_module().int8_matmul(x, weight, scales), torch.full((1, 16), 1.0))
 
 
 def test_a_row_that_is_not_finite_gives_nan_in_its_own_outputs_only():
@@ -211,7 +221,7 @@ def test_a_row_that_is_not_finite_gives_nan_in_its_own_outputs_only():
         x[0, 5] = bad
         out = native_module().int4_matmul(x, packed, scales)
         assert out[0].isnan().all() and torch.equal(out[1], clean[1])
-        head = native_module().int8_matmul(x, torch.ones(8, 64, dtype=torch.int8), torch.ones(8, 2))
+        head = native_module().int8_matmul(x, torch.ones(8, 64, dtype=torch.int8), torch.ones(8, 2, 2))
         assert head[0].isnan().all() and head[1].isfinite().all()
 
 
@@ -226,9 +236,11 @@ def test_an_int4_weight_that_is_not_whole_64_row_blocks_goes_to_aten_in_float32(
 def test_quantized_int4_products_go_through_the_native_kernel_where_it_is_built(monkeypatch):
     packed, scales, dense = packed_int4(64, 64, seed=4)
     x = torch.randn(2, 64)
-    assert torch.equal(project(x, packed, None, scales), native_module().int4_matmul(x, packed, scales))
-    monkeypatch.setenv(native_build.SWITCH_ENV, "off")  # torch: the dequantized weight, float32 rows as they are
-    torch.testing.assert_close(project(x, packed, None, scales).double(), x.double() @ dense.T, rtol=1e-5, atol=1e-6)
+    native = native_module().int4_matmul(x, packed, scales)
+    assert torch.equal(project(x, packed, None, scales), native)
+    monkeypatch.setenv(native_build.SWITCH_ENV, "off")  # torch_product: the same int16 rows and exact group sums
+    torch.testing.assert_close(project(x, packed, None, scales).double(), int16_rows(x) @ dense.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(project(x, packed, None, scales), native, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments_to_the_native_int4_product_raise_instead_of_crashing():

@@ -13,6 +13,7 @@ import torch
 from shared.model import native_build, native_layers
 from shared.model.attention import PassPlan
 from shared.model.checkpoint import load_checkpoint
+from shared.model.fused import fused_layer
 from shared.model.invariant_attention import uses_invariant_attention
 from shared.model.kv_cache import KVCacheError, SessionKV
 from shared.model.native_build import native_module
@@ -206,8 +207,21 @@ def test_bad_arguments_to_the_extension_raise_instead_of_crashing(quantized):
     with pytest.raises(RuntimeError, match="the layers' width"):
         module.run_layers(handles, torch.randn(2, hidden + 1), keys, values, [session], plan.cos, plan.sin)
     with pytest.raises(RuntimeError, match="room for its session's past and new rows"):
-        past = module.SessionRows(0, 2, keys[0].shape[1] - 1, [torch.zeros(2, 32)], [0], [2], [32])
+        late = keys[0].shape[1] - 1
+        past = module.SessionRows(0, 2, late, [torch.zeros(2, late + 2)], [0], [2], [late + 2])
         module.run_layers(handles, torch.randn(2, hidden), keys, values, [past], plan.cos, plan.sin)
+    with pytest.raises(RuntimeError, match="a block's width reaches its last row"):
+        short = module.SessionRows(0, 2, 40, [torch.zeros(2, 32)], [0], [2], [32])
+        module.run_layers(handles, torch.randn(2, hidden), keys, values, [short], plan.cos, plan.sin)
+    with pytest.raises(RuntimeError, match="past rows are not negative"):  # was an out-of-bounds write
+        negative = module.SessionRows(0, 2, -5, [torch.zeros(2, 32)], [0], [2], [32])
+        module.run_layers(handles, torch.randn(2, hidden), keys, values, [negative], plan.cos, plan.sin)
+    with pytest.raises(RuntimeError, match="cover its rows in order"):  # a block over 1 of 2 rows: reads past it
+        partial = module.SessionRows(0, 2, 0, [torch.zeros(1, 32)], [1], [2], [32])
+        module.run_layers(handles, torch.randn(2, hidden), keys, values, [partial], plan.cos, plan.sin)
+    with pytest.raises(RuntimeError, match="cover all its rows"):
+        uncovered = module.SessionRows(0, 2, 0, [torch.zeros(1, 32)], [0], [1], [32])
+        module.run_layers(handles, torch.randn(2, hidden), keys, values, [uncovered], plan.cos, plan.sin)
     with pytest.raises(RuntimeError, match="float caches"):
         halves = [k.bfloat16() for k in keys]
         module.run_layers(handles, torch.randn(2, hidden), halves, values, [session], plan.cos, plan.sin)
@@ -267,3 +281,18 @@ def test_the_native_head_is_used_only_where_it_computes_the_same_bits(quantized_
     assert native_layers.run_native_head(head.norm, torch.nn.Linear(hidden, 7), x) is None  # a dense head
     assert native_layers.run_native_head(head.norm, head.lm_head, x.double()) is None
     assert native_layers.run_native_head(head.norm, head.lm_head, x) is not None
+
+
+def test_a_layer_with_impossible_heads_is_refused_when_made():
+    """0 key/value heads was a division by zero (SIGFPE) in the first pass; now the handle is refused."""
+    checkpoint = load_checkpoint(DEMO_MODEL_DIR, quantize="int4", with_tokenizer=False)
+    layer = checkpoint.decoder.layers[0]
+    module = native_module()
+    fused = fused_layer(layer)
+    parts = [part for p in (fused.qkv, fused.o, fused.gate_up, fused.down) for part in (p.weight, p.scales, p.bias)]
+    norms = (layer.input_layernorm.weight, 1e-5, layer.post_attention_layernorm.weight, 1e-5)
+    heads = fused.q_size // fused.head_dim
+    for q_heads, kv_heads, head_dim in ((heads, 0, fused.head_dim), (0, 1, fused.head_dim), (heads, 3, fused.head_dim),
+                                        (heads, fused.kv_size // fused.head_dim, fused.head_dim + 2)):
+        with pytest.raises(RuntimeError, match="head|qkv"):
+            module.Layer(*norms, parts, q_heads, kv_heads, head_dim, 0.125)

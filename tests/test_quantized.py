@@ -24,10 +24,11 @@ def test_q8_groups_round_trip_within_half_a_step():
     weight = torch.randn(48, 64) * torch.logspace(-3, 1, 48)[:, None]  # rows of very different scales
     weight[5, :32] = 0.0  # an all-zero group must not divide by zero
     codes, scales = quantize_q8(weight)
-    assert codes.dtype is torch.int8 and int(codes.abs().max()) <= 127 and scales.shape == (48, 64 // GROUP)
-    assert torch.equal(scales, scales.half().float())  # fp16 values, as Q8_0 stores them
+    assert codes.dtype is torch.int8 and int(codes.abs().max()) <= 127 and scales.shape == (48, 64 // GROUP, 2)
+    assert torch.equal(scales, scales.half().float())  # fp16 values, as GGUF blocks store them
+    assert torch.equal(scales[..., 1], torch.zeros(48, 2))  # random weights: Q8_0 groups, min 0
     restored = dequantize(codes, scales)
-    steps = scales.repeat_interleave(GROUP, dim=1)
+    steps = scales[..., 0].repeat_interleave(GROUP, dim=1)
     assert torch.all((restored - weight).abs() <= steps / 2 + 1e-7)
     assert torch.equal(restored[5, :32], torch.zeros(32))
 
@@ -55,6 +56,7 @@ def test_weights_already_in_q4_1_and_q8_0_blocks_are_kept_bit_for_bit():
     m = (-8 * d - torch.rand(64, 4, 1, generator=generator) / 100).half().float()
     weight = (q.view(64, 4, 32) * d + m).view(64, 128)
     assert torch.equal(dequantize(*quantize_q4(weight)), weight)
+    assert torch.equal(dequantize(*quantize_q8(weight)), weight)  # int8 keeps a 4-bit grid's group on that grid
     signed = torch.randint(-127, 128, (64, 128), generator=generator).float()
     signed[:, ::32] = 127.0
     scale = (torch.rand(64, 4, 1, generator=generator) / 40).half().float()
@@ -75,11 +77,11 @@ def test_a_group_beyond_float16_is_refused():
 
 def test_quantized_linear_refuses_mismatched_scales():
     with pytest.raises(QuantizationError, match="scales"):
-        QuantizedLinear(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 1))
+        QuantizedLinear(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2))
     with pytest.raises(QuantizationError, match="scales"):
-        QuantizedLinear(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2).half())
+        QuantizedLinear(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2, 2).half())
     with pytest.raises(QuantizationError, match="int8"):
-        QuantizedLinear(torch.zeros(4, 64), torch.ones(4, 2))
+        QuantizedLinear(torch.zeros(4, 64), torch.ones(4, 2, 2))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -97,10 +99,18 @@ def test_the_product_sums_and_returns_float32_with_no_bfloat16_rounding(bits, ro
     assert torch.equal(project(x, quantized.weight, quantized.bias, quantized.scales), got)
 
 
+@pytest.mark.parametrize("native", ["on", "off"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_row_computes_the_same_alone_or_in_a_batch(bits):
-    """The verifier packs rows of many sessions: a row's output must not depend on its neighbours."""
+def test_a_row_computes_the_same_alone_or_in_a_batch(bits, native, monkeypatch):
+    """The verifier packs rows of many sessions: a row's output must not depend on its neighbours, with the C++
+    kernels and with torch_product where they are not built (the container images)."""
+    from shared.model import native_build
+
+    if native == "off":
+        monkeypatch.setenv(native_build.SWITCH_ENV, "off")
     quantized = QuantizedLinear.from_linear(torch.nn.Linear(64, 128), bits)
+    if bits == 8:
+        quantized.weight.fill_(127)  # a group's integer sum past 2^24: exact in torch_product only in float64
     x = torch.randn(9, 64)
     together = quantized(x)
     for i in range(9):

@@ -1,20 +1,23 @@
-"""Weight-only quantization in the block formats SmolLM2's GGUF ships: int4 in groups of 32 inputs with an
-fp16 scale and min each (Q4_1) for the decoder's projections, int8 in groups of 32 with one scale each (Q8_0) for
-the LM head; everything else (embeddings, norms, the residual stream, KV and attention) stays float32.
+"""Weight-only quantization in the block formats SmolLM2's GGUF ships, in groups of 32 inputs with a scale and a
+min each: int4 (Q4_1: codes 0..15, fp16 scale and min) for the decoder's projections and int8 for the LM head
+(Q8_0: codes -127..127, fp16 scale, min 0); `int8` puts the projections in int8 too, each group on the 4-bit grid
+it already lies on where it does (a Q4_1 block's) and Q8_0's elsewhere. Everything else (embeddings, norms, the
+residual stream, KV and attention) stays float32.
 
 Blocks from the checkpoint's own values: the f32 SmolLM2 checkpoint is the exact dequantization of the GGUF's
 Q4_1 and Q8_0 tensors, and Q4_1's recipe (min and max of each group, scale (max - min) / 15 and min kept as fp16)
 and Q8_0's (scale max |w| / 127 as fp16) applied to those values give back the file's own blocks: every
-dequantized weight equals the checkpoint's (tests/test_quantized.py checks every tensor). A checkpoint that did
-not come from such blocks (the demo model) is quantized by the same recipes, which then lose precision.
+dequantized weight equals the checkpoint's (tests/test_gguf_blocks.py checks every tensor against the file). A
+checkpoint that did not come from such blocks (the demo model) is quantized by the same recipes, which then
+lose precision.
 
 Every product takes float32 rows and returns float32; nothing is rounded to bfloat16. Decode on a CPU reads
-every weight once per token, so its speed is the bytes it reads: int4 weights are an eighth of fp32's. Where
-the C++ extension is built, both products are its own kernels (native/int4_matmul.h, int8_matmul.h): they
-quantize each group of 32 inputs to int16 codes with its own scale (max |x| / 32767: an input within 1 / 65534
-of its group's largest), so that a group's dot product is an exact integer sum (two 16-bit products per 32-bit
-lane), then scale in float32. Elsewhere torch multiplies the float32 rows by the dequantized weights (float32's
-speed, the same model). Why int16 and not bfloat16 or 8-bit rows: see ACTIVATIONS.
+every weight once per token, so its speed is the bytes it reads: int4 weights are an eighth of fp32's. Each
+product makes each group of 32 inputs int16 codes with its own scale (max |x| / 32767: an input within 1 / 65534
+of its group's largest), so that a group's dot product is an exact integer sum, then scales in float32. Where
+the C++ extension is built the products are its kernels (native/int4_matmul.h, int8_matmul.h: two 16-bit
+products per 32-bit lane); elsewhere `torch_product` computes the same sums with torch ops (slower). Why int16
+rows and not bfloat16 or 8-bit ones: see ACTIVATIONS.
 
 `quantize_model` replaces the modules in place, so the HF model itself computes with the same weights as every
 split submodel: the unsplit reference and the split halves stay one model at one precision.
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 from shared.model.invariant_attention import use_invariant_attention
 from shared.model.native_build import native_module
 
-GROUP = 32  # inputs per scale (and per min at int4): the GGUF blocks' size
+GROUP = 32  # inputs per scale and min: the GGUF blocks' size
+LEVELS = 32767.0  # the largest |code| of an activation row's int16 codes (native/int16_rows.h)
 INT4_ROW_BLOCK = 64  # the int4 kernels' rows per packed block: a weight's outputs come in whole blocks
 # What each quantized product takes its rows in; the C++ kernels then make them int16 per group of 32. Chosen by
 # measurement (make bench-engine's quality table against f32, docs/benchmarks/): rows rounded to bfloat16 (the
@@ -70,25 +74,35 @@ def fits(weight: torch.Tensor, bits: int) -> bool:
     return weight.dim() == 2 and weight.is_floating_point() and rows_fit and weight.shape[1] % GROUP == 0
 
 
+def _q4_1(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1's recipe on groups [out, G, 32] -> (codes 0..15 float, scales fp16 [out, G], mins fp16 [out, G])."""
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale, minimum = _fp16((high - low) / 15, "scale"), _fp16(low, "min")
+    step = torch.where(scale > 0, scale.float(), torch.ones_like(low))
+    codes = torch.round((groups - minimum.float()[..., None]) / step[..., None]).clamp(0, 15)
+    return codes, scale, minimum
+
+
 def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0: weight [out, in] -> (int8 [out, in], scales [out, in / 32] float32 holding fp16 values), the weight
-    being q * scale; the scale of a group is max |w| / 127 in fp16."""
+    """int8 groups: weight [out, in] -> (int8 [out, in], scales and mins [out, in / 32, 2] float32 holding fp16
+    values), the weight being q * scale + min. A group whose weights lie on a 4-bit grid (a GGUF's Q4_1 block)
+    keeps that grid exactly (codes 0..15, its scale and min); any other is Q8_0 (scale max |w| / 127, min 0)."""
     groups = _groups(weight, 8)
-    scales = _fp16(groups.abs().amax(dim=-1) / 127, "scale").float()  # [out, in / 32]
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(groups / safe[..., None]).clamp(-127, 127).to(torch.int8)
-    return codes.view(weight.shape), scales
+    grid_codes, grid_scale, grid_min = _q4_1(groups)
+    on_grid = (grid_codes * grid_scale.float()[..., None] + grid_min.float()[..., None] == groups).all(dim=-1)
+    scale = _fp16(groups.abs().amax(dim=-1) / 127, "scale").float()  # [out, in / 32]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(groups / safe[..., None]).clamp(-127, 127)
+    codes = torch.where(on_grid[..., None], grid_codes, codes).to(torch.int8)
+    scales = torch.stack([torch.where(on_grid, grid_scale.float(), scale), torch.where(on_grid, grid_min.float(), 0.0)])
+    return codes.view(weight.shape), scales.permute(1, 2, 0).contiguous()
 
 
 def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_1: weight [out, in] -> (packed uint8 [out, in / 2] in ATen's CPU int4 layout, scales and mins
     [in / 32, out, 2] fp16), the weight being q * scale + min with q in 0..15; a group's min is its smallest
     weight and its scale (max - min) / 15, both in fp16."""
-    groups = _groups(weight, 4)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, in / 32]
-    scale, minimum = _fp16((high - low) / 15, "scale"), _fp16(low, "min")
-    step = torch.where(scale > 0, scale.float(), torch.ones_like(low))
-    codes = torch.round((groups - minimum.float()[..., None]) / step[..., None]).clamp(0, 15)
+    codes, scale, minimum = _q4_1(_groups(weight, 4))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(weight.shape).to(torch.int32), 1)
     return packed, torch.stack([scale, minimum], dim=-1).transpose(0, 1).contiguous()
 
@@ -103,28 +117,58 @@ def int4_codes(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 weight [out, in] a quantized one stands for: q * scale (int8) or q * scale + min (int4)."""
+    """The float32 weight [out, in] a quantized one stands for: q * scale + min."""
     if weight.dtype == torch.int8:
         rows, cols = weight.shape
-        return (weight.float().view(rows, -1, GROUP) * scales[..., None]).view(rows, cols)
+        return (weight.float().view(rows, -1, GROUP) * scales[..., :1] + scales[..., 1:]).view(rows, cols)
     codes = int4_codes(weight).float()
     rows, cols = codes.shape
     wide = scales.float().transpose(0, 1)  # [out, in / 32, 2]
     return (codes.view(rows, -1, GROUP) * wide[..., :1] + wide[..., 1:]).view(rows, cols)
 
 
-# (weight, scales) ids -> the dequantized float32 weight, for torch where the C++ kernels are not built: made once,
+# weight id -> its codes as floats [out, in / 32, 32], for torch where the C++ kernels are not built: made once,
 # dropped with the weight (a tensor cannot key a WeakKeyDictionary: its == is elementwise)
-_DENSE: dict[tuple[int, int], torch.Tensor] = {}
+_CODES: dict[int, torch.Tensor] = {}
 
 
-def _dense(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    key = (id(weight), id(scales))
-    dense = _DENSE.get(key)
-    if dense is None:
-        dense = _DENSE[key] = dequantize(weight, scales)
-        weakref.finalize(weight, _DENSE.pop, key, None)
-    return dense
+def _float_codes(weight: torch.Tensor) -> torch.Tensor:
+    codes = _CODES.get(id(weight))
+    if codes is None:
+        # a group's int8 dot product reaches 32 * 127 * 32767 > 2^24, exact only in float64; int4's stays below
+        whole = weight.double() if weight.dtype == torch.int8 else int4_codes(weight).float()
+        codes = _CODES[id(weight)] = whole.view(whole.shape[0], -1, GROUP)
+        weakref.finalize(weight, _CODES.pop, id(weight), None)
+    return codes
+
+
+def int16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """native/int16_rows.h in torch: rows x [M, K] float32 -> (codes [M, K / 32, 32] float32, scales [M, K / 32],
+    scale * sum of codes [M, K / 32]); a group that is not finite gets codes 0 and a NaN scale."""
+    groups = x.float().view(x.shape[0], -1, GROUP)
+    finite = torch.isfinite(groups).all(dim=-1, keepdim=True)
+    largest = torch.where(finite, groups.abs(), 0.0).amax(dim=-1, keepdim=True)
+    inverse = torch.where(finite & (largest > 0), LEVELS / largest, 0.0)
+    codes = torch.round(torch.where(finite, groups, 0.0) * inverse).clamp(-LEVELS, LEVELS)
+    scales = torch.where(finite, largest / LEVELS, torch.nan)[..., 0]
+    return codes, scales, scales * codes.sum(dim=-1)
+
+
+def torch_product(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The C++ kernels' product in torch ops, for where they are not built: x [M, K] float32 -> [M, N] float32.
+    The same int16 rows; each group's dot product a matmul of integer codes whose every partial sum is exact (below
+    2^24 in float32 at int4, float64 at int8), so the same in any order; then the scales, elementwise. Every step
+    is exact or elementwise, so a row's output does not depend on the other rows of its call (batch-invariant, as
+    the kernels are)."""
+    codes, row_scales, row_sums = int16_rows(x)  # [M, G, 32], [M, G], [M, G]
+    weights = _float_codes(weight)  # [N, G, 32]
+    if weight.dtype == torch.int8:
+        step, low = scales[..., 0], scales[..., 1]  # [N, G]
+    else:
+        step, low = scales[..., 0].float().T, scales[..., 1].float().T
+    dots = torch.bmm(codes.transpose(0, 1).to(weights.dtype), weights.permute(1, 2, 0)).permute(1, 2, 0).float()
+    terms = step[None] * row_scales[:, None] * dots + low[None] * row_sums[:, None]  # [M, N, G]
+    return terms.sum(dim=-1)
 
 
 def project(
@@ -144,14 +188,14 @@ def project(
             else native.int4_matmul(flat, weight, scales)
         )
     else:
-        out = F.linear(flat.float(), _dense(weight, scales))
+        out = torch_product(flat, weight, scales)
     out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     return out if bias is None else out + bias
 
 
 class QuantizedLinear(torch.nn.Module):
-    """An nn.Linear whose weight is int8 with a float scale per group of 32 inputs (Q8_0), or packed int4 with an
-    fp16 scale and min per group (Q4_1) (buffers: not trainable)."""
+    """An nn.Linear whose weight is int8 or packed int4 in groups of 32 inputs with a scale and a min each (Q8_0 /
+    Q4_1 blocks; buffers: not trainable)."""
 
     weight: torch.Tensor
     scales: torch.Tensor
@@ -163,7 +207,7 @@ class QuantizedLinear(torch.nn.Module):
             weight.dtype == torch.int8
             and weight.dim() == 2
             and scales.dtype == torch.float32
-            and scales.shape == (weight.shape[0], weight.shape[1] // GROUP)
+            and scales.shape == (weight.shape[0], weight.shape[1] // GROUP, 2)
             and weight.shape[1] % GROUP == 0
         )
         int4 = (
@@ -175,8 +219,9 @@ class QuantizedLinear(torch.nn.Module):
         )
         if not (int8 or int4):
             raise QuantizationError(
-                f"int8 weight [out, in] with float32 scales [out, in / {GROUP}], or packed int4 [out, in / 2] with "
-                f"fp16 scales and mins [in / {GROUP}, out, 2] expected, got {weight.dtype} {tuple(weight.shape)} "
+                f"int8 weight [out, in] with float32 scales and mins [out, in / {GROUP}, 2], or packed int4 "
+                f"[out, in / 2] with fp16 scales and mins [in / {GROUP}, out, 2] expected, got {weight.dtype} "
+                f"{tuple(weight.shape)} "
                 f"and {scales.dtype} {tuple(scales.shape)}"
             )
         self.in_features = weight.shape[1] * (1 if int8 else 2)

@@ -1,5 +1,6 @@
-// int8 weight rows in groups of 32 inputs, a float scale each (a GGUF Q8_0 tensor's own blocks: its fp16 scales
-// are exact as floats), times activations, for quantized.project and the C++ layers alike.
+// int8 weight rows in groups of 32 inputs with a float scale and min each (a GGUF Q8_0 tensor's own blocks, min 0,
+// or a Q4_1 block's 4-bit grid: their fp16 values are exact as floats), times activations, for quantized.project
+// and the C++ layers alike.
 //
 // Why: a decode step reads SmolLM2's 28 MB int8 LM head from memory, and ATen has no grouped int8 product (its
 // `_weight_int8pack_mm` takes one scale per row, at about 7 GB/s on one thread here). The activations come as
@@ -7,7 +8,8 @@
 //
 //   p[g, l] = c[2l] w[n, 2l] + c[2l + 1] w[n, 2l + 1]        (lane l of 16, over the group's 32 inputs: exact)
 //   acc[l] = fma(p[g, l], d[n, g] s[g], acc[l])              (groups in order)
-//   out[m, n] = the 16 lanes of acc added in a fixed pairwise tree (float32)
+//   low = fma(min[n, g], s[g] sum(c over g), low)             (groups in order; 0 for a Q8_0 group)
+//   out[m, n] = the 16 lanes of acc added in a fixed pairwise tree, plus low (float32)
 //
 // one `vpmaddwd` per group and row (32 products), 16 rows in flight with their bytes 4 KB ahead prefetched and
 // their lane sums reduced together (lane_sums16), the rows split between threads. An output depends on its own
@@ -78,12 +80,14 @@ inline void lane_sums16(const Lanes* acc, float* sums) {
 #endif
 }
 
-// sum over groups of d * s * (c . w over the group) for R weight rows (rows: R rows of `in` int8 weights;
-// scales: each row's `in / kGroup` scales, row after row; x: the codes, x_scales: the groups' scales)
+// sum over groups of d * s * (c . w over the group) + min * s * sum(c) for R weight rows (rows: R rows of `in`
+// int8 weights; scales: each row's `in / kGroup` (scale, min) pairs, row after row; x: the codes, x_scales and
+// x_sums: the groups' scales and scaled code sums)
 template <int R>
-inline void dot_rows(const int16_t* x, const float* x_scales, const int8_t* rows, const float* scales, int64_t in,
-                     float* sums) {
+inline void dot_rows(const int16_t* x, const float* x_scales, const float* x_sums, const int8_t* rows,
+                     const float* scales, int64_t in, float* sums) {
   Lanes acc[R] = {};
+  float low[R] = {};
   const int64_t groups = in / kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t k = g * kGroup;
@@ -93,7 +97,9 @@ inline void dot_rows(const int16_t* x, const float* x_scales, const int8_t* rows
     for (int r = 0; r < R; ++r) {
       const int8_t* weights = rows + r * in + k;
       if (g % 2 == 0) __builtin_prefetch(weights + kPrefetch);  // a hint, never a fault: one per 64-byte line
-      const float step = scales[r * groups + g] * x_scales[g];
+      const float* pair = scales + 2 * (r * groups + g);
+      const float step = pair[0] * x_scales[g];
+      low[r] = std::fma(pair[1], x_sums[g], low[r]);
 #if defined(__AVX512BW__)
       const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights)));
       const __m512 products = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes, wide));
@@ -112,15 +118,16 @@ inline void dot_rows(const int16_t* x, const float* x_scales, const int8_t* rows
   } else {
     for (int r = 0; r < R; ++r) sums[r] = lane_sum(acc[r]);
   }
+  for (int r = 0; r < R; ++r) sums[r] += low[r];
 }
 
-// x [M, K] float32 or bfloat16, weight int8 [N, K], scales float [N, K / 32] -> float [M, N]
+// x [M, K] float32 or bfloat16, weight int8 [N, K], scales and mins float [N, K / 32, 2] -> float [M, N]
 inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "weight: int8 [N, K]");
   TORCH_CHECK(weight.size(1) > 0 && weight.size(1) % kGroup == 0, "weight: K a positive multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == weight.size(0) &&
-                  scales.size(1) * kGroup == weight.size(1),
-              "scales: float [N, K / 32]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.size(0) == weight.size(0) &&
+                  scales.size(1) * kGroup == weight.size(1) && scales.size(2) == 2,
+              "scales: float [N, K / 32, 2]");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == weight.size(1), "x: [M, K] with the weight's K");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && scales.device().is_cpu(), "tensors on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
@@ -140,11 +147,12 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at
         float sums[kRows];
         const int16_t* codes = rows_in.codes.data() + m * in;
         const float* code_scales = rows_in.scales.data() + m * groups;
+        const float* code_sums = rows_in.sums.data() + m * groups;
         if (rows == kRows) {
-          dot_rows<kRows>(codes, code_scales, w + n * in, s + n * groups, in, sums);
+          dot_rows<kRows>(codes, code_scales, code_sums, w + n * in, s + 2 * n * groups, in, sums);
         } else {
           for (int64_t r = 0; r < rows; ++r)
-            dot_rows<1>(codes, code_scales, w + (n + r) * in, s + (n + r) * groups, in, &sums[r]);
+            dot_rows<1>(codes, code_scales, code_sums, w + (n + r) * in, s + 2 * (n + r) * groups, in, &sums[r]);
         }
         for (int64_t r = 0; r < rows; ++r) o[m * out_features + n + r] = sums[r];
       }

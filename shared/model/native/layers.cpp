@@ -266,7 +266,7 @@ at::Tensor run_layers(const std::vector<std::shared_ptr<Layer>>& layers, at::Ten
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "float cos and sin");
   for (const at::Tensor& cache : keys) TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 3, "float caches");
   for (const at::Tensor& cache : values) TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 3, "float caches");
-  if (layers.empty()) return hidden;
+  if (layers.empty() || rows == 0) return hidden;  // nothing to compute (and no attention output to join)
   TORCH_CHECK(hidden.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "tensors on the CPU");
   for (const at::Tensor& cache : keys) TORCH_CHECK(cache.device().is_cpu(), "caches on the CPU");
   for (const at::Tensor& cache : values) TORCH_CHECK(cache.device().is_cpu(), "caches on the CPU");
