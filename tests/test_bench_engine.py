@@ -29,3 +29,25 @@ def test_table_puts_every_engine_against_its_own_floor(capsys):
     out = capsys.readouterr().out
     assert "2.1x its floor of 103.5 tok/s" in out  # llama.cpp: 103.5 / 50
     assert "| int4 | 1 | 95 | 30.0 (105.0, 3.5x floor, 0.60x) |" in out
+
+
+def test_the_quality_scores_count_agreement_kl_and_perplexity_against_the_reference():
+    import math
+
+    import torch
+
+    from loadgen.engine_quality import Scores, until_eos
+
+    window = [3, 1, 2, 0]
+    reference = torch.tensor([[0.0, 2.0, 1.0, 0.0], [0.0, 0.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0], [0.0] * 4])
+    same = Scores()
+    same.add(reference, reference.clone(), window)
+    assert same.summary()["same_top"] == 1.0 and same.summary()["mean_kl"] == 0.0 and same.positions == 3
+    nll = -sum(float(reference[i].double().log_softmax(-1)[window[i + 1]]) for i in range(3)) / 3
+    assert math.isclose(same.summary()["perplexity"], math.exp(nll), rel_tol=1e-9)
+    other = Scores()
+    flipped = reference.clone()
+    flipped[0] = torch.tensor([0.0, 1.0, 2.0, 0.0])  # another top token at the first position
+    other.add(reference, flipped, window)
+    assert math.isclose(other.summary()["same_top"], 2 / 3) and other.summary()["mean_kl"] > 0
+    assert until_eos([5, 6, 2, 7], eos=2) == [5, 6, 2] and until_eos([5, 6], eos=2) == [5, 6]
