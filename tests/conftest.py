@@ -20,12 +20,11 @@ DEMO_MODEL_DIR = REPO_ROOT / "models" / "demo"
 # services run one thread each as well (tophatctl/mesh.py sets OMP_NUM_THREADS=1).
 torch.set_num_threads(1)
 
-# The services' dtype when nothing names one: the suite compares meshes and services against the f32 reference
-# model (and the demo model's weights are on no 4-bit grid), so it runs them at f32 unless a test names a dtype;
-# the product's own default on a CPU, int4 (shared/model/placement.py), is tested where it is named
-# (test_placement.py, test_quantized_exactness.py, test_default_dtype.py).
-for _service in ("VERIFIER", "DEVICE", "STAGE"):
-    os.environ.setdefault(f"TOPHAT_{_service}_DTYPE", "f32")
+# What `auto` means on a CPU, for the suite and every service it starts: the tests compare meshes and services
+# against the f32 reference model (and the demo model's weights lie on no 4-bit grid), so `auto` is f32 here; the
+# product's own default, int4 (shared/model/placement.py), is tested where a test removes this or names int4
+# (test_placement.py, test_default_dtype.py, test_quantized_exactness.py, test_quantized_modes.py).
+os.environ.setdefault("TOPHAT_CPU_DTYPE", "f32")
 
 
 def _write_random_checkpoint(path: Path, model_type: str) -> Path:

@@ -26,8 +26,7 @@ def test_serve_demo_and_the_services_default_to_auto_which_is_int4_on_a_cpu(monk
     serve = get_command(app).commands["serve"]  # type: ignore[attr-defined]
     assert next(p.default for p in serve.params if p.name == "dtype") == "auto"
     assert parse_args([]).dtype == "auto" and MeshConfig().dtype == "auto"
-    for name in ("TOPHAT_VERIFIER_DTYPE", "TOPHAT_DEVICE_DTYPE"):
-        monkeypatch.delenv(name, raising=False)  # the suite names f32 (conftest.py); a user's shell names none
+    monkeypatch.delenv("TOPHAT_CPU_DTYPE", raising=False)  # the suite's f32 (conftest.py); a user's shell: none
     assert VerifierSettings().dtype == DeviceSettings().dtype == "auto"
     config = MeshConfig()
     assert "TOPHAT_VERIFIER_DTYPE" not in verifier_env(config, 0, "127.0.0.1", "models/demo", {})

@@ -107,7 +107,8 @@ def test_explicit_dtypes_are_kept_and_emulated_bfloat16_warns():
     assert emulated.dtype is torch.bfloat16 and "no native bfloat16" in emulated.warnings[0]
 
 
-def test_detect_placement_on_this_machine_matches_the_pure_rule():
+def test_detect_placement_on_this_machine_matches_the_pure_rule(monkeypatch):
+    monkeypatch.delenv("TOPHAT_CPU_DTYPE", raising=False)  # the suite's f32 for `auto` (conftest.py)
     available = torch.cuda.is_available()
     placement = detect_placement("auto", "auto")
     assert placement.device.type == ("cuda" if available else "cpu")
@@ -409,3 +410,12 @@ def test_device_model_takes_the_clouds_states_in_its_own_dtype(tiny_llama_dir):
     states = model.compute_states(torch.randn(2, 64, dtype=torch.float16))  # as decoded from an f2 frame
     assert states.dtype is torch.bfloat16 and states.device == model.device
     assert model.output(states).dtype is torch.float32 and model.output(states).device.type == "cpu"
+
+
+def test_tophat_cpu_dtype_names_what_auto_is_on_a_cpu(monkeypatch):
+    monkeypatch.setenv("TOPHAT_CPU_DTYPE", "int8")
+    assert detect_placement("cpu", "auto").quantize == "int8"
+    assert detect_placement("cpu", "f32").quantize is None  # a named dtype is what it names
+    monkeypatch.setenv("TOPHAT_CPU_DTYPE", "auto")
+    with pytest.raises(UnknownDtypeError, match="TOPHAT_CPU_DTYPE"):
+        detect_placement("cpu", "auto")

@@ -6,8 +6,9 @@ a machine without a GPU; `detect_placement` is the one place that asks torch.
 
     device auto  -> cuda:0 when CUDA is available, else cpu
     device cuda  -> cuda:0 (an explicit device, so every process names the same GPU)
-    dtype  auto  -> CPU_DEFAULT (int4) on the CPU; on CUDA bfloat16 where the GPU has it natively
-                    (compute capability >= 8.0: Ampere, Hopper, Jetson Orin), else float16
+    dtype  auto  -> CPU_DEFAULT (int4; $TOPHAT_CPU_DTYPE names another) on the CPU; on CUDA bfloat16
+                    where the GPU has it natively (compute capability >= 8.0: Ampere, Hopper, Jetson Orin),
+                    else float16
                     (Volta / Jetson Xavier)
            int8  -> weight-only int8 in groups of 32 (Q8_0, shared/model/quantized.py), float32
                     activations; CPU only
@@ -26,6 +27,7 @@ boundaries (received states to the compute device/dtype, replies to the CPU).
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -36,6 +38,17 @@ log = logging.getLogger(__name__)
 # What `auto` runs on a CPU: the fastest dtype whose answers pass make bench-engine's quality gate against f32
 # (same top token >= 99.3 %, mean KL <= 1e-4, >= 58 of 64 held-out chat answers identical; docs/benchmarks/)
 CPU_DEFAULT = "int4"
+# Names another dtype for `auto` on a CPU, for every process that inherits it (the test suite's f32 references)
+CPU_DEFAULT_ENV = "TOPHAT_CPU_DTYPE"
+
+
+def cpu_default() -> str:
+    """What `auto` means on a CPU in this process: $TOPHAT_CPU_DTYPE if set, else CPU_DEFAULT."""
+    spec = os.environ.get(CPU_DEFAULT_ENV, "").strip() or CPU_DEFAULT
+    if parse_dtype_spec(spec) is None:
+        raise UnknownDtypeError(f"{CPU_DEFAULT_ENV} must name a dtype, not {spec!r}")
+    return spec
+
 
 DEVICE_SPECS = "auto, cpu, cuda or cuda:N"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -147,12 +160,19 @@ def resolve_dtype(spec: str, device: torch.device, bf16_supported: bool) -> tupl
 
 
 def resolve_placement(
-    device_spec: str, dtype_spec: str, *, cuda_available: bool, device_count: int, bf16_supported: bool
+    device_spec: str,
+    dtype_spec: str,
+    *,
+    cuda_available: bool,
+    device_count: int,
+    bf16_supported: bool,
+    cpu_auto: str = CPU_DEFAULT,
 ) -> Placement:
-    """The pure rule: settings + machine facts -> where and how the model computes (or a PlacementError)."""
+    """The pure rule: settings + machine facts -> where and how the model computes (or a PlacementError);
+    `cpu_auto`: what `auto` is on a CPU."""
     device = resolve_device(device_spec, cuda_available, device_count)
     if parse_dtype_spec(dtype_spec) is None and device.type == "cpu":
-        dtype_spec = CPU_DEFAULT
+        dtype_spec = cpu_auto
     dtype, warnings = resolve_dtype(dtype_spec, device, bf16_supported)
     return Placement(device, dtype, warnings, quantize=quantized_spec(dtype_spec))
 
@@ -184,7 +204,12 @@ def detect_placement(device_spec: str, dtype_spec: str, *, what: str = "model") 
     # Capability is asked only once a GPU is chosen: it initialises CUDA in this process.
     bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
     placement = resolve_placement(
-        device_spec, dtype_spec, cuda_available=available, device_count=count, bf16_supported=bf16
+        device_spec,
+        dtype_spec,
+        cuda_available=available,
+        device_count=count,
+        bf16_supported=bf16,
+        cpu_auto=cpu_default(),
     )
     for warning in placement.warnings:
         log.warning("%s placement: %s", what, warning)
