@@ -11,8 +11,9 @@ crash leaves the old state or the new, never half of one. Its top level is the k
 every cloud-side service holds the Redis password, and none but the monitor may hold a signing key.
 
 `lineage`: every kid this state's ring ever made active. A state whose lineage does not hold the key file's
-active kid belongs to another key ring (the operator ran `tophat mesh-secrets` again): the key file wins, the
-revocations are kept and the enrollments (bound to tokens the old ring signed) are dropped.
+active kid belongs to another key ring (the operator ran `tophat mesh-secrets` again, or a local mesh made fresh
+keys in the same directory): the key file wins and the state starts afresh (every token the old ring signed,
+revoked or bound, is refused as an unknown key anyway).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class IssuerState:
 
 
 def load_state(key_file: Path, state_file: Path | None) -> IssuerState:
-    """The state saved in `state_file` when it descends from `key_file`'s ring, else the key file's ring (with the
-    saved revocations, and any a former version kept beside the key file)."""
+    """The state saved in `state_file` when it descends from `key_file`'s ring, else the key file's ring afresh
+    (and the revocations a former version kept beside the key file, in either case)."""
     ring = KeyRing.load(key_file)
     state = IssuerState(ring, lineage=[ring.active])
     saved: dict[str, Any] = {}
@@ -72,15 +73,14 @@ def load_state(key_file: Path, state_file: Path | None) -> IssuerState:
         if ring.active in lineage:
             state = IssuerState(KeyRing.from_dict(saved), lineage=lineage)
             state.enrolled = {str(k): str(v) for k, v in saved.get("enrolled", {}).items()}
-        else:
+            state.revoked = {str(v) for v in saved.get("revoked", [])}
+            state.revoked_tokens = {str(v) for v in saved.get("revoked_tokens", [])}
+        else:  # what it revoked and bound was signed by a ring no one trusts now
             log.warning(
-                "%s was made for another signing key ring than %s: starting from the key file (revocations kept, "
-                "enrollments dropped)",
+                "%s was made for another signing key ring than %s's: starting afresh from the key file",
                 state_file,
                 key_file,
             )
-        state.revoked = {str(v) for v in saved.get("revoked", [])}
-        state.revoked_tokens = {str(v) for v in saved.get("revoked_tokens", [])}
     legacy = key_file.with_name(key_file.name + LEGACY_REVOKED_SUFFIX)
     if legacy.exists():
         try:
