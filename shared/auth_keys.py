@@ -90,21 +90,19 @@ class KeyRing:
         return jwt.encode(claims, self.keys[self.active], algorithm=ALGORITHM, headers={"kid": self.active})
 
     # -- one file (a single container secret): {"active", "retire_at", "keys": {kid: PKCS#8 PEM}} ----------
-    def save(self, path: Path) -> None:
+    def to_dict(self) -> dict[str, Any]:
         keys = {
             kid: key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
             ).decode("ascii")
             for kid, key in self.keys.items()
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_private(path, json.dumps({"active": self.active, "retire_at": self.retire_at, "keys": keys}).encode())
+        return {"active": self.active, "retire_at": dict(self.retire_at), "keys": keys}
 
     @classmethod
-    def load(cls, path: Path) -> KeyRing:
-        """The ring saved at `path`; ValueError when it is unreadable or a key is not an Ed25519 private key."""
+    def from_dict(cls, saved: Mapping[str, Any]) -> KeyRing:
+        """The ring `to_dict` wrote (other fields beside it are ignored); ValueError when it is none."""
         try:
-            saved = json.loads(path.read_text())
             active = str(saved["active"])
             retire_at = {str(k): float(v) for k, v in saved.get("retire_at", {}).items()}
             keys = {}
@@ -113,11 +111,23 @@ class KeyRing:
                 if not isinstance(key, Ed25519PrivateKey):
                     raise ValueError(f"key {kid} is not an Ed25519 private key")
                 keys[str(kid)] = key
-        except (OSError, KeyError, TypeError, AttributeError, ValueError) as exc:
-            raise ValueError(f"{path} holds no signing key ring: {exc}") from exc
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"no signing key ring: {exc}") from exc
         if active not in keys:
-            raise ValueError(f"{path}: the active key {active} is missing")
+            raise ValueError(f"the active key {active} is missing")
         return cls(keys, active, {k: v for k, v in retire_at.items() if k in keys})
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_private(path, json.dumps(self.to_dict()).encode())
+
+    @classmethod
+    def load(cls, path: Path) -> KeyRing:
+        """The ring saved at `path`; ValueError when it is unreadable or a key is not an Ed25519 private key."""
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path} holds no signing key ring: {exc}") from exc
 
 
 def write_private(path: Path, data: bytes) -> None:

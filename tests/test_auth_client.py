@@ -58,7 +58,7 @@ async def test_a_device_enrolls_once_then_renews_with_its_own_credential(issuer)
 async def test_a_revoked_device_gets_no_more_tokens(issuer):
     ring, transport = issuer
     clock = Clock()
-    bootstrap = ring.mint("*", "bootstrap", auth.ISSUER, 3600, clock.now)
+    bootstrap = ring.mint("device-2", "bootstrap", auth.ISSUER, 3600, clock.now)
     broker = TokenBroker("http://monitor", bootstrap, enrollment=Enrollment("device-2", "http://10.0.0.2:8200"),
                          transport=transport, clock=clock)
     await broker.token(auth.PLANNER)

@@ -50,7 +50,7 @@ def test_every_service_is_healthchecked_restarted_and_ordered(overrides):
     for name, first in order.items():
         assert first in services[name]["depends_on"], name
     device = services["device-agent"]["environment"]
-    assert device["TOPHAT_DEVICE_DEVICE_ID"] == "auto"  # one id per --scale replica
+    assert device["TOPHAT_DEVICE_DEVICE_ID"] == "device-1"  # its own bootstrap token's id (mesh-secrets --device)
     assert "TOPHAT_STREAMER_DEVICE_URLS" not in services["token-streamer"]["environment"]  # discovered
     (volume,) = services["redis"]["volumes"]
     assert (volume["type"], volume["source"], volume["target"]) == ("volume", "redis-data", "/opt/tophat/redis")

@@ -30,10 +30,10 @@ def test_secrets_are_private_fresh_and_load_into_every_service(tmp_path):
     trust = auth.TokenVerifier(auth.Trust.from_document(ring.jwks()))
     assert trust.verify(streamer(environ).auth_credential, auth.ISSUER).role == "service"
     assert trust.verify(verifier(environ).auth_credential, auth.ISSUER).subject == "verifier-cloud"
-    # A device reads its own file: the issuer and a fleet bootstrap token, nothing that signs or serves.
+    # A device reads its own file: the issuer and its own id's bootstrap token, nothing that signs or serves.
     on_device = device({SETTINGS_FILE_VAR: str(device_path)})
     claims = trust.verify(on_device.auth_credential, auth.ISSUER)
-    assert (claims.role, claims.subject) == ("bootstrap", "*")
+    assert (claims.role, claims.subject) == ("bootstrap", "device-1")
     assert on_device.auth_issuer_url == "http://state-monitor:8020"
     assert "PRIVATE" not in device_path.read_text() and "service" not in device_path.read_text()
     password = monitor(environ).redis_password
@@ -63,3 +63,22 @@ def test_tls_lines_point_at_the_mounted_certificates(tmp_path):
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert "verifier-cloud" in names.get_values_for_type(x509.DNSName)
     assert stat.S_IMODE(os.stat(tmp_path / "server-key.pem").st_mode) == 0o600
+
+
+def test_one_bootstrap_token_per_device_id_and_each_device_uses_its_own(tmp_path):
+    import pytest
+
+    from services.device_agent.settings import load_settings as device
+    from shared.auth_client import own_bootstrap
+
+    _, device_path, keys_path, _ = make_mesh_secrets(tmp_path, device_ids=["jetson-07", "jetson-08"])
+    trust = auth.TokenVerifier(auth.Trust.from_document(KeyRing.load(keys_path).jwks()))
+    credential = device({SETTINGS_FILE_VAR: str(device_path)}).auth_credential
+    for device_id in ("jetson-07", "jetson-08"):
+        claims = trust.verify(own_bootstrap(credential, device_id), auth.ISSUER)
+        assert (claims.role, claims.subject) == ("bootstrap", device_id)
+    with pytest.raises(ValueError, match="jetson-09"):
+        own_bootstrap(credential, "jetson-09")
+    for bad in ([], ["*"], ["a b"]):  # none, a fleet's, no id
+        with pytest.raises(ValueError):
+            make_mesh_secrets(tmp_path / "bad", device_ids=bad)

@@ -73,14 +73,16 @@ async def test_a_bootstrap_token_enrolls_its_own_device_and_nothing_else(monitor
 
 
 async def test_a_stolen_bootstrap_token_cannot_take_over_an_enrolled_device(monitor, ring):
-    fleet = minted(ring, "*", "bootstrap")  # a fleet's: any id that no live device holds
-    assert (await enroll(monitor, fleet, "device-1", DEVICE_URL)).status_code == 200
-    taken = await enroll(monitor, fleet, "device-1", "http://10.6.6.6:8200")  # the thief, as device-1
+    fleet = minted(ring, "*", "bootstrap")  # a fleet's, which once enrolled any id: it enrolls nothing now
+    assert (await enroll(monitor, fleet, "device-1", DEVICE_URL)).status_code == 403
+    own = minted(ring, "device-1", "bootstrap")
+    assert (await enroll(monitor, own, "device-1", DEVICE_URL)).status_code == 200
+    taken = await enroll(monitor, own, "device-1", "http://10.6.6.6:8200")  # a thief with the same token
     assert taken.status_code == 409 and "live" in taken.text
-    assert (await enroll(monitor, minted(ring, "device-1", "bootstrap"), "device-1",
-                         "http://10.6.6.6:8200")).status_code == 409  # even device-1's own bootstrap
-    stolen_url = await enroll(monitor, fleet, "device-6", DEVICE_URL)  # a new id at the live device's URL
-    assert stolen_url.status_code == 409 and "device-1" in stolen_url.text
+    second = await enroll(monitor, minted(ring, "device-1", "bootstrap"), "device-1", "http://10.6.6.6:8200")
+    assert second.status_code == 409 and "another bootstrap" in second.text  # another token for the id
+    stolen_url = await enroll(monitor, minted(ring, "device-6", "bootstrap"), "device-6", DEVICE_URL)
+    assert stolen_url.status_code == 409 and "device-1" in stolen_url.text  # a new id at the live device's URL
     devices = (await monitor.get("/devices")).json()["devices"]
     assert [(d["device_id"], d["url"]) for d in devices] == [("device-1", DEVICE_URL)]
 
@@ -111,7 +113,8 @@ async def test_audience_tokens_per_role(monitor, ring):
 
 
 async def test_a_revoked_device_is_refused_at_its_next_call_and_cannot_enroll_again(monitor, ring):
-    enrolled = await enroll(monitor, minted(ring, "*", "bootstrap"), "device-1", DEVICE_URL)
+    bootstrap = minted(ring, "device-1", "bootstrap")
+    enrolled = await enroll(monitor, bootstrap, "device-1", DEVICE_URL)
     device = bearer(enrolled.json()["token"])
     operator = minted(ring, "ops", "operator")
     assert (await monitor.post("/credentials/revoke", json={"role": "device", "subject": "device-1"},
@@ -121,11 +124,13 @@ async def test_a_revoked_device_is_refused_at_its_next_call_and_cannot_enroll_ag
     refused = await monitor.post("/credentials/token", json={"audience": auth.ISSUER}, headers=device)
     assert refused.status_code == 401 and refused.json()["error"]["reason"] == "revoked"
     assert "device:device-1" in (await monitor.get("/credentials/jwks")).json()["revoked"]
-    assert (await enroll(monitor, minted(ring, "*", "bootstrap"), "device-1", "http://10.0.0.8:1")).status_code == 403
+    for again in (bootstrap, minted(ring, "device-1", "bootstrap")):  # its bootstrap is revoked with it
+        refused = await enroll(monitor, again, "device-1", "http://10.0.0.8:1")
+        assert refused.status_code == 401 and refused.json()["error"]["reason"] == "revoked"
 
 
 async def test_a_bootstrap_token_is_revoked_by_its_id(monitor, ring):
-    token = ring.mint("*", "bootstrap", auth.ISSUER, 600, time.time())
+    token = ring.mint("device-3", "bootstrap", auth.ISSUER, 600, time.time())
     operator = minted(ring, "ops", "operator")
     assert (await monitor.post("/credentials/revoke", json={"token_id": claims_of(token)["jti"]},
                                headers=operator)).status_code == 200
@@ -143,7 +148,8 @@ async def test_rotation_keeps_the_old_key_until_its_tokens_expired(monitor, ring
     renewed = await monitor.post("/credentials/token", json={"audience": auth.ISSUER}, headers=old)
     assert renewed.status_code == 200  # the old key's token still works
     assert jwt.get_unverified_header(renewed.json()["token"])["kid"] == rotated.json()["active"]
-    assert KeyRing.load(tmp_path / "keys.json").active == rotated.json()["active"]  # a restarted issuer resumes
+    assert KeyRing.load(tmp_path / "keys.json").active == ring.active  # the key file is only read
+    assert KeyRing.load(tmp_path / "issuer-state.json").active == rotated.json()["active"]  # the state is saved
 
 
 async def test_operator_issue_is_capped_and_operator_only(monitor, ring):
@@ -155,3 +161,5 @@ async def test_operator_issue_is_capped_and_operator_only(monitor, ring):
                                headers=minted(ring, "token-streamer", "service"))).status_code == 403
     assert (await monitor.post("/credentials/issue", json={**body, "ttl_s": 10**9},
                                headers=operator)).status_code == 422
+    fleet = {**body, "subject": "*"}  # a bootstrap for any id is no longer made
+    assert (await monitor.post("/credentials/issue", json=fleet, headers=operator)).status_code == 422

@@ -219,15 +219,24 @@ def mesh_secrets(
         "--issuer-url",
         help="where services and devices reach the state monitor (the issuer); default http(s)://state-monitor:8020",
     ),
+    device: list[str] = typer.Option(
+        ["device-1"],
+        "--device",
+        help="a device agent's id, one bootstrap token each (repeat it; Swarm and k8s: the nodes' host names)",
+    ),
 ):
     """Fresh secrets for `docker compose up` (mounted as Compose secrets): the issuer's signing key (the state
-    monitor's alone), the services' credentials, the devices' bootstrap token (their file alone), Redis's
+    monitor's alone), the services' credentials, one bootstrap token per device id (their file alone), Redis's
     password, an optional API key, and a development CA + server certificate with the settings that turn
     TLS on; files 0600, owned by the images' user when run as root."""
     from tophatctl.certs import parse_hosts
     from tophatctl.mesh_secrets import make_mesh_secrets
 
-    for path in make_mesh_secrets(out, api_key, parse_hosts(tls_hosts) if tls_hosts else None, issuer_url):
+    try:
+        made = make_mesh_secrets(out, api_key, parse_hosts(tls_hosts) if tls_hosts else None, issuer_url, device)
+    except ValueError as exc:
+        fail(str(exc))
+    for path in made:
         typer.echo(path)
 
 

@@ -58,8 +58,8 @@ def _call(issuer: str, path: str, body: dict[str, Any] | None, key_file: Optiona
 
 ISSUER = typer.Option("http://127.0.0.1:8765", "--issuer", envvar="TOPHAT_ISSUER_URL",
                       help="the state monitor's URL")
-KEY_FILE = typer.Option(None, "--key-file", help="the signing key ring (signing-keys.json) to mint the operator's "
-                        "token with")
+KEY_FILE = typer.Option(None, "--key-file", help="the signing key ring (signing-keys.json; after a rotation the "
+                        "issuer's issuer-state.json) to mint the operator's token with")
 OPERATOR_TOKEN = typer.Option("", "--operator-token", envvar="TOPHAT_OPERATOR_TOKEN", show_default=False,
                               help="an operator token instead of --key-file")
 CA = typer.Option(None, "--ca", help="the CA certificate an https issuer's certificate is from")
@@ -68,7 +68,8 @@ CA = typer.Option(None, "--ca", help="the CA certificate an https issuer's certi
 @app.command("issue")
 def issue(
     role: Role = typer.Option(..., "--role"),
-    subject: str = typer.Option("*", "--subject", help="a device id, a service's name; a bootstrap's '*': any id"),
+    subject: str = typer.Option(..., "--subject", help="a device id (a bootstrap's: the one id it enrols, now "
+                                "bound to this token), a service's name"),
     audience: str = typer.Option("state-monitor", "--audience", help="what the token is for (the issuer: a "
                                  "credential to enrol or renew with)"),
     ttl_s: float = typer.Option(86_400.0, "--ttl-s"),
@@ -82,7 +83,8 @@ def issue(
 
 @app.command("revoke")
 def revoke(
-    device: str = typer.Option("", "--device", help="a device id: its every token is refused from its next call"),
+    device: str = typer.Option("", "--device", help="a device id: its every token, its bootstrap's too, is refused "
+                               "from its next call"),
     service: str = typer.Option("", "--service", help="a service's name"),
     token_id: str = typer.Option("", "--token-id", help="one token's jti (e.g. a leaked bootstrap token)"),
     issuer: str = ISSUER, key_file: Optional[Path] = KEY_FILE, operator_token: str = OPERATOR_TOKEN,

@@ -220,7 +220,9 @@ class Mesh:
 
     def _spawn_announcing_device(self, i: int, model_dir: str) -> ServiceProcess:
         env = mesh_settings.announcing_device_env(self.config, i, model_dir)
-        env.update(self.credentials.device_env(env["TOPHAT_DEVICE_STATE_MONITOR_URL"]))  # a fleet bootstrap
+        if self.credentials.auth_on:  # a bootstrap token names one id: the device's, not a host name's "auto"
+            env["TOPHAT_DEVICE_DEVICE_ID"] = f"device-{i}"
+            env.update(self.credentials.device_env(env["TOPHAT_DEVICE_STATE_MONITOR_URL"], f"device-{i}"))
         return self._spawn(f"device-agent-{i}", "services.device_agent", env, "")
 
     def _spawn_device(self, i: int, model_dir: str) -> ServiceProcess:

@@ -3,8 +3,8 @@
 With auth, the launcher acts as the operator: it makes the mesh's Ed25519 signing key ring (shared/auth_keys.py)
 in its log directory and hands the directory to the state monitor alone (the issuer); each cloud-side
 service gets a service credential for the issuer (`TOPHAT_*_AUTH_CREDENTIAL`) and the issuer's URL, and
-each device agent a BOOTSTRAP token only (its own id's; a fleet one when devices pick their ids), with
-which it enrolls. No service but the monitor sees a signing key. With TLS every service serves the same
+each device agent a BOOTSTRAP token only (its own id's: the issuer refuses a fleet's `*`), with which it
+enrolls. No service but the monitor sees a signing key. With TLS every service serves the same
 certificate and trusts the same CA (tophatctl/certs.py). The operator's own calls into the mesh (tests,
 `tophat serve`'s output) use `client_verify` and `operator_auth`.
 """
@@ -29,7 +29,6 @@ KEY_FILE = "auth-signing-keys.json"
 SERVICE_CREDENTIAL_TTL_S = 7 * 86_400.0  # renewed by each service at the issuer long before
 BOOTSTRAP_TTL_S = 86_400.0
 OPERATOR_TTL_S = 600.0
-FLEET = "*"  # a bootstrap token for any device id no live device holds (services/state_monitor/issuer.py)
 # The cloud-side services' prefixes, subjects and whether they call out with a credential.
 CLOUD_SERVICES = {
     "TOPHAT_VERIFIER_": auth.VERIFIER_SUBJECT,
@@ -101,8 +100,8 @@ class MeshCredentials:
                 subject, "service", auth.ISSUER, SERVICE_CREDENTIAL_TTL_S, now
             )
 
-    def device_env(self, monitor_url: str, device_id: str = FLEET) -> dict[str, str]:
-        """A device agent's auth settings: the issuer's URL and a bootstrap token (for `device_id`, or any)."""
+    def device_env(self, monitor_url: str, device_id: str) -> dict[str, str]:
+        """A device agent's auth settings: the issuer's URL and a bootstrap token for `device_id` alone."""
         if self.ring is None:
             return {}
         bootstrap = self.ring.mint(device_id, "bootstrap", auth.ISSUER, BOOTSTRAP_TTL_S, time.time())

@@ -3,8 +3,12 @@
 `tophat-mesh.env`: `KEY=VALUE` lines the cloud-side services read through `TOPHAT_SETTINGS_FILE` — the issuer's
 URL and a service credential for the verifier and the streamer (shared/auth.py), the state monitor's signing
 key file's mounted path and Redis password, and optionally the OpenAI endpoint's API key.
-`tophat-device.env`: what a device agent reads instead: the issuer's URL and a fleet BOOTSTRAP token, which can
-only enroll a device (services/state_monitor/issuer.py), never a signing key or a service's credential.
+`tophat-device.env`: what a device agent reads instead: the issuer's URL and one BOOTSTRAP token per device id
+(`device_ids`; each device uses the one naming its id, shared/auth_client.own_bootstrap). A bootstrap token
+enrolls only its own id, binds it at the first enrollment and ends when the device is revoked
+(services/state_monitor/issuer.py); it is never a signing key or a service's credential. Every device that
+mounts the file holds every listed id's token: to keep one device from holding another's, give each device a
+copy holding its own token only.
 `signing-keys.json`: the Ed25519 signing key ring (shared/auth_keys.py), mounted into the state monitor alone.
 `redis.conf`: `requirepass` for the Redis container (a config file, so the password never sits on a
 command line). With `tls_hosts`, a development CA and a server certificate for those names
@@ -17,6 +21,7 @@ their host owner and mode.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -29,14 +34,20 @@ MONITOR_PORT = 8020  # where the containers' state monitor (the issuer) listens 
 # token must outlive the fleet's enrolment (revoke it by its id, `tophat credentials revoke`, to end it early).
 SERVICE_CREDENTIAL_TTL_S = 30 * 86_400.0
 BOOTSTRAP_TTL_S = 30 * 86_400.0
+DEFAULT_DEVICE_IDS = ("device-1",)  # docker-compose.yml's one device agent
 IMAGE_UID = 10001
 # Served with TLS in a container deployment; device agents are reached at addresses no fixed certificate
 # names (their containers' own), so they serve plain HTTP to callers that must hold a token.
 TLS_SERVERS = ("TOPHAT_VERIFIER_", "TOPHAT_STREAMER_", "TOPHAT_CHUNK_PLANNER_", "TOPHAT_STATE_MONITOR_")
 MOUNTED = Path("/run/secrets")
 # Every service's settings prefix: each takes the mesh secret and the CA under its own (and reads only its own).
-SERVICE_PREFIXES = ("TOPHAT_VERIFIER_", "TOPHAT_DEVICE_", "TOPHAT_STREAMER_", "TOPHAT_CHUNK_PLANNER_",
-                    "TOPHAT_STATE_MONITOR_")
+SERVICE_PREFIXES = (
+    "TOPHAT_VERIFIER_",
+    "TOPHAT_DEVICE_",
+    "TOPHAT_STREAMER_",
+    "TOPHAT_CHUNK_PLANNER_",
+    "TOPHAT_STATE_MONITOR_",
+)
 SECRET_BYTES = 32  # 256 bits of randomness per secret
 
 
@@ -54,17 +65,37 @@ def _write_private(path: Path, text: str) -> None:
         os.chown(path, IMAGE_UID, IMAGE_UID)
 
 
+def check_device_ids(device_ids: list[str] | tuple[str, ...]) -> list[str]:
+    """The ids, each once; ValueError for none, '*' (a fleet's token, which enrolls nothing) or one the state
+    monitor would refuse."""
+    from services.state_monitor.records import IDENT_PATTERN
+
+    ids = list(dict.fromkeys(device_ids))
+    if not ids:
+        raise ValueError("give at least one device id")
+    for device_id in ids:
+        if not re.fullmatch(IDENT_PATTERN, device_id):
+            raise ValueError(f"{device_id!r} is no device id (letters, digits, '.', '_', '-')")
+    return ids
+
+
 def make_mesh_secrets(
-    out_dir: Path, api_key: str = "", tls_hosts: list[str] | None = None, issuer_url: str = ""
+    out_dir: Path,
+    api_key: str = "",
+    tls_hosts: list[str] | None = None,
+    issuer_url: str = "",
+    device_ids: list[str] | tuple[str, ...] = DEFAULT_DEVICE_IDS,
 ) -> tuple[Path, Path, Path, Path]:
     """Write fresh secrets; returns (tophat-mesh.env, tophat-device.env, signing-keys.json, redis.conf).
-    `issuer_url`: where services and devices reach the state monitor (default its service name)."""
+    `issuer_url`: where services and devices reach the state monitor (default its service name); `device_ids`:
+    the devices' ids (Swarm's and k8s's: their nodes' host names), one bootstrap token each."""
     import time
 
     from shared import auth
     from shared.auth_keys import KeyRing
     from tophatctl.certs import CA_CERT, SERVER_CERT, SERVER_KEY, make_dev_certs
 
+    ids = check_device_ids(device_ids)
     out_dir.mkdir(parents=True, exist_ok=True)
     issuer_url = issuer_url or f"{'https' if tls_hosts else 'http'}://state-monitor:{MONITOR_PORT}"
     ring, now = KeyRing.generate(), time.time()
@@ -76,9 +107,13 @@ def make_mesh_secrets(
         lines += [f"{prefix}AUTH_ISSUER_URL={issuer_url}", f"{prefix}AUTH_CREDENTIAL={credential}"]
     lines.append(f"TOPHAT_CHUNK_PLANNER_AUTH_ISSUER_URL={issuer_url}")  # it only verifies
     lines.append(f"TOPHAT_STATE_MONITOR_REDIS_PASSWORD={redis_password}")
-    device = ["# written by `tophat mesh-secrets`: the device agents' (a bootstrap token only), never committed",
-              f"TOPHAT_DEVICE_AUTH_ISSUER_URL={issuer_url}",
-              f"TOPHAT_DEVICE_AUTH_CREDENTIAL={ring.mint('*', 'bootstrap', auth.ISSUER, BOOTSTRAP_TTL_S, now)}"]
+    bootstraps = " ".join(ring.mint(i, "bootstrap", auth.ISSUER, BOOTSTRAP_TTL_S, now) for i in ids)
+    device = [
+        f"# written by `tophat mesh-secrets`: the device agents' (a bootstrap token for each of {', '.join(ids)}"
+        "; each device uses its own id's), never committed",
+        f"TOPHAT_DEVICE_AUTH_ISSUER_URL={issuer_url}",
+        f"TOPHAT_DEVICE_AUTH_CREDENTIAL={bootstraps}",
+    ]
     if api_key:
         lines.append(f"TOPHAT_STREAMER_API_KEY={api_key}")
     if tls_hosts:

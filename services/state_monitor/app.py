@@ -151,6 +151,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         Issuer.from_key_file(
             Path(settings.auth_key_file),
             registry,
+            state_dir=Path(settings.auth_state_dir) if settings.auth_state_dir else None,
             leeway_s=settings.auth_leeway_s,
             device_ttl_s=settings.device_credential_ttl_s,
             service_ttl_s=settings.service_credential_ttl_s,

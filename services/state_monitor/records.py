@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from shared import telemetry as tk
 
-Ident = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
+IDENT_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
+Ident = Annotated[str, Field(min_length=1, max_length=128, pattern=IDENT_PATTERN)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 

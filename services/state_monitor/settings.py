@@ -42,11 +42,14 @@ class Settings(ServiceSettings):
     # tophat:edge_sd:* list (POST /edge-sd/telemetry); GET /state/edge-sd serves them to the chunk planner.
     edge_sd_history: int = 512
     # The issuer (services/state_monitor/issuer.py): the directory of its Ed25519 signing keys (shared/auth_keys.py,
-    # made by `tophat mesh-secrets` / `tophat serve --auth`); set, every POST needs a credential. Writable: rotations
-    # and revocations are kept there too (else in memory only, lost on a restart). The tokens' lives: a device's
-    # credential, a service's renewed one, an audience token; max_token_ttl_s caps what an operator issues and is
-    # how long a rotated-out key keeps verifying.
+    # made by `tophat mesh-secrets` / `tophat serve --auth`); set, every POST needs a credential. It is only read.
+    # auth_state_dir: a writable directory (a volume the monitor alone mounts) where the issuer saves what it
+    # changes, before answering: rotations, revocations, which bootstrap token holds each enrolled device id
+    # (issuer-state.json); empty: the key file's directory. Not writable: revoke, rotate, issue and enroll answer 503.
+    # The tokens' lives: a device's credential, a service's renewed one, an audience token; max_token_ttl_s caps
+    # what an operator issues and is how long a rotated-out key keeps verifying.
     auth_key_file: str = ""
+    auth_state_dir: str = ""
     device_credential_ttl_s: float = 3600.0
     service_credential_ttl_s: float = 86_400.0
     access_token_ttl_s: float = 300.0
