@@ -47,13 +47,12 @@ class HttpFront:
         metrics: VerifierMetrics,
         readiness: Callable[[], tuple[bool, str]],
         trust: auth.TokenVerifier | None = None,
-        watch: CredentialWatch | None = None,
     ) -> None:
-        """`readiness()`: (ready, the /readyz body); `trust`: checks devices' tokens (None: the mesh runs open);
-        `watch`: where each admitted connection's claims go, to be checked while it stays open."""
+        """`readiness()`: (ready, the /readyz body); `trust`: checks devices' tokens (None: the mesh runs open).
+        `watch` checks each admitted connection's token while it stays open; its owner (the server) runs it."""
         self.settings = settings
         self.trust = trust
-        self.watch = watch
+        self.watch = CredentialWatch(trust, close_for_credential) if trust is not None else None
         self.sessions = sessions
         self.metrics = metrics
         self.readiness = readiness

@@ -35,14 +35,13 @@ from typing import Any
 
 from services.verifier_cloud.stages import StageFailed
 from shared.stage_codec import StageCodec, StageLinkError
+from shared.stage_handshake import HANDSHAKE_TIMEOUT_S, accept_first
 from shared.stage_link import (
-    HANDSHAKE_TIMEOUT_S,
     HEADER,
     MAGIC,
     TOKEN_BYTES,
     Address,
     LinkReceiver,
-    accept_first,
     accept_link,
     bind_listener,
     connect_link,

@@ -37,7 +37,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from services.verifier_cloud.device_link import DeviceLink
 from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
 from services.verifier_cloud.frames import TOKEN_WORK, to_wire, work_item
-from services.verifier_cloud.http_front import WS_PATH, HttpFront, close_for_credential
+from services.verifier_cloud.http_front import WS_PATH, HttpFront
 from services.verifier_cloud.model_loading import load_model
 from services.verifier_cloud.pipeline import StagePipeline
 from services.verifier_cloud.runner import ModelRunner
@@ -52,7 +52,6 @@ from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
 from shared import auth, auth_client, wire
 from shared.capture import CaptureWriter
-from shared.credential_watch import CredentialWatch
 from shared.metrics import VerifierMetrics
 from shared.model.checkpoint import split_fingerprint
 from shared.model.rotation import rotated_fingerprint
@@ -136,9 +135,7 @@ class VerifierServer:
             kv_bytes=self.runner.kv_bytes if self.runner is not None else None,
         )
         self.telemetry.count_into(self.metrics.registry)  # its drops show on /metrics
-        # Every admitted connection's token is checked again while it is open: revoked or expired, it is closed.
-        self.watch = CredentialWatch(self.trust, close_for_credential) if self.trust is not None else None
-        self.http = HttpFront(settings, self.sessions, self.metrics, self.readiness, self.trust, self.watch)
+        self.http = HttpFront(settings, self.sessions, self.metrics, self.readiness, self.trust)
         self.link = DeviceLink(settings, hidden_size, self.sessions, self.metrics.bad_frame)
         self.tokens = TokenFrames(self.sessions, token_model)
 
@@ -365,7 +362,7 @@ class VerifierServer:
                 engine = tasks.create_task(self.engine.run())
                 sweeper = tasks.create_task(self.sessions.close_idle())
                 trust = tasks.create_task(self.trust_refresher.run()) if self.trust_refresher is not None else None
-                watch = tasks.create_task(self.watch.run()) if self.watch is not None else None
+                watch = tasks.create_task(self.http.watch.run()) if self.http.watch is not None else None
                 # a pipeline (P > 1) comes with a PipelineEngine (__init__)
                 collector = (
                     tasks.create_task(self.engine.supervise(self._sessions_lost))

@@ -31,7 +31,8 @@ from shared.process_memory import return_freed_memory_to_os
 from shared.service_settings import ServiceSettings
 from shared.settings import SettingsError, from_env
 from shared.stage_codec import StageLinkError
-from shared.stage_link import HANDSHAKE_TIMEOUT_S, LinkReceiver, LinkSender, accept_link, bind_listener, connect_link
+from shared.stage_handshake import HANDSHAKE_TIMEOUT_S
+from shared.stage_link import LinkReceiver, LinkSender, accept_link, bind_listener, connect_link
 from shared.stage_plan import parse_address, parse_stage_layers
 from shared.tls import client_context
 
