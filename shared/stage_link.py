@@ -34,6 +34,9 @@ once).
 Connections are authenticated with a per-pipeline random token the parent
 hands its children at spawn: a connector sends it first; an acceptor drops
 any connection that does not, so a stray local client cannot take a hop.
+An acceptor reads every connection's token at once, each within its own
+`handshake_timeout_s` (shared/stage_handshake.py): a connection that stays
+silent costs only itself.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from typing import Any
 
 from shared.links import UNSHAPED, LinkProfile
 from shared.stage_codec import StageCodec, StageLinkError
+from shared.stage_handshake import HANDSHAKE_TIMEOUT_S, Address, accept_first
 
 log = logging.getLogger("shared.stage_link")
 
@@ -64,8 +68,7 @@ MAX_HOLD_S = 120.0  # a stamp further ahead than this is refused: a peer cannot 
 TOKEN_BYTES = 16
 _RECV_CHUNK = 1 << 20
 _CHECK_EVERY_S = 0.2  # how often a wait at startup checks whether it should give up
-
-Address = tuple[str, int]
+LISTEN_BACKLOG = 16
 
 
 # -- the emulated link's schedule (pure) ----------------------------------------------------
@@ -116,7 +119,7 @@ class LinkPacer:
 
 def bind_listener(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A listening socket for one hop's downstream end (port 0: the kernel picks; read getsockname())."""
-    return socket.create_server((host, port), backlog=4)
+    return socket.create_server((host, port), backlog=LISTEN_BACKLOG)
 
 
 def dial(address: Address, timeout_s: float) -> socket.socket:
@@ -150,31 +153,27 @@ def connect_link(address: Address, token: bytes, timeout_s: float) -> socket.soc
 
 
 def accept_link(
-    listener: socket.socket, token: bytes, timeout_s: float, check: Callable[[], str | None] | None = None
+    listener: socket.socket,
+    token: bytes,
+    timeout_s: float,
+    check: Callable[[], str | None] | None = None,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
 ) -> socket.socket:
-    """Accept the hop's one connection that presents `token` within `timeout_s`; others are dropped.
-    `check` (between short waits) returns a reason to give up early, e.g. the peer process died."""
-    deadline = time.monotonic() + timeout_s
-    while (remaining := deadline - time.monotonic()) > 0:
-        if check is not None and (reason := check()) is not None:
-            raise StageLinkError(reason)
-        listener.settimeout(min(remaining, _CHECK_EVERY_S))
-        try:
-            sock, peer = listener.accept()
-        except TimeoutError:
-            continue
-        try:
-            sock.settimeout(max(deadline - time.monotonic(), 0.01))
-            presented = recv_exactly(sock, len(token))
-        except (OSError, StageLinkError):
-            presented = b""
+    """Accept the hop's one connection that presents `token` within `timeout_s`; others are dropped, each
+    given `handshake_timeout_s` to present it (concurrently: `accept_first`). `check` (between short waits)
+    returns a reason to give up early, e.g. the peer process died."""
+
+    def admit(sock: socket.socket, presented: bytes, peer: Address) -> socket.socket | None:
         if hmac.compare_digest(presented, token):
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
         log.warning("stage link: dropped a connection from %s:%d without the pipeline's token", *peer[:2])
-        sock.close()
-    raise StageLinkError(f"no stage connected to {listener.getsockname()} within {timeout_s:.0f}s")
+        return None
+
+    sock = accept_first(listener, lambda buffer: len(token) - len(buffer), admit, timeout_s, handshake_timeout_s, check)
+    if sock is None:
+        raise StageLinkError(f"no stage connected to {listener.getsockname()} within {timeout_s:.0f}s")
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 # -- bootstrap: wiring a chain of stage processes on one host ---------------------------------

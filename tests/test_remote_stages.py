@@ -204,3 +204,28 @@ async def test_a_stage_on_a_taken_port_fails_at_once_naming_it(caplog):
         port = taken.getsockname()[1]
         assert main(["--layers", "2-5", "--listen", f"127.0.0.1:{port}"]) == 2
     assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
+
+
+async def test_a_silent_connection_to_a_stages_port_does_not_delay_its_wiring(tiny_llama_dir):
+    """Issue 47: anyone who can reach a stage's port could hold a connection open without a word, and the stage
+    gave it the whole control timeout before reading the verifier's. Now every connection is read at once, each
+    within its own handshake deadline: the verifier wires the stage while silent connections are held open."""
+    port = free_port()
+    stage = start_stage(tiny_llama_dir, "", 0, port)  # an open mesh: the credential is not what is tested here
+    layers, address = [LAYERS[0]], ("127.0.0.1", port)
+    try:
+        first, last = await asyncio.to_thread(wire_remote_stages, remote([port]), layers, b"open", 60.0)  # loaded
+        first.close()  # the run ends: the stage waits to be wired again
+        last.close()
+        silent = [socket.create_connection(address, timeout=5) for _ in range(3)]
+        await asyncio.sleep(0.3)  # the stage has accepted them (and, before, read the first one's credential for 10 s)
+        started = time.monotonic()
+        first, last = await asyncio.to_thread(wire_remote_stages, remote([port]), layers, b"open", 8.0)
+        took_s = time.monotonic() - started
+        first.close()
+        last.close()
+        assert took_s < 3.0, f"wiring took {took_s:.1f}s with silent connections held open"
+        for sock in silent:
+            sock.close()
+    finally:
+        stop_stage(stage)

@@ -433,3 +433,27 @@ async def test_a_refused_frame_fails_the_pipeline_without_killing_the_stage_and_
     inputs = {3: torch.randn(5, 64)}
     got = await run_through(pipeline, inputs)
     assert torch.allclose(torch.from_numpy(got[3]), expected_deep(tiny_llama_dir, inputs)[3], atol=1e-5)
+
+
+def test_a_silent_connection_costs_only_itself_and_the_right_peer_wires_at_once():
+    """Issue 47: a hop's acceptor gave each connection the whole remaining deadline to present its token, one at a
+    time, so one silent connection held the wiring until it timed out. Now each has its own short handshake
+    deadline and all are read at once."""
+    listener = bind_listener("127.0.0.1")
+    address = listener.getsockname()[:2]
+    silent = [socket.create_connection(address, timeout=5) for _ in range(3)]
+    trickle = socket.create_connection(address, timeout=5)
+    trickle.sendall(b"t" * 5)  # a part of a token, never the rest
+    good = connect_link(address, b"t" * 16, timeout_s=5)
+    started = time.monotonic()
+    accepted = accept_link(listener, b"t" * 16, timeout_s=8, handshake_timeout_s=5)
+    assert time.monotonic() - started < 1.0
+    good.sendall(b"ping")
+    assert accepted.recv(4) == b"ping"
+    # a connection that stays silent past its own handshake deadline is dropped, and the listener still serves
+    late = socket.create_connection(address, timeout=5)
+    with pytest.raises(StageLinkError, match="within"):
+        accept_link(listener, b"t" * 16, timeout_s=0.6, handshake_timeout_s=0.2)
+    assert late.recv(1) == b""  # closed by the acceptor
+    for sock in (*silent, trickle, good, accepted, late, listener):
+        sock.close()

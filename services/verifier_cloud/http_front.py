@@ -1,5 +1,8 @@
 """What the verifier's one port answers over plain HTTP: /healthz, /readyz, /metrics, and the check
 of a WebSocket upgrade on /ws (with a mesh secret, a device's token) before any session exists.
+A connection it admits is handed to the credential watch (shared/credential_watch.py), which closes it
+(`close_for_credential`: code 1008, reason "credential revoked" / "credential expired") once its token is
+revoked or expires: the handshake is not the last check.
 
 websockets calls `process_request` for every handshake; an answer ends it there, None goes on to
 the WebSocket. Readiness comes from the server (`readiness`), so this module knows no engine.
@@ -12,16 +15,28 @@ from collections.abc import Callable
 from http import HTTPStatus
 
 from websockets.asyncio.server import ServerConnection
+from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
 from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.settings import Settings
 from shared import auth
+from shared.credential_watch import CredentialWatch
 from shared.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, exposition
 
 log = logging.getLogger("services.verifier_cloud")
 
 WS_PATH = "/ws"
+CREDENTIAL_CLOSE_CODE = CloseCode.POLICY_VIOLATION  # 1008; the reason says which: "credential revoked" / "...expired"
+
+
+def credential_close_reason(reason: str) -> str:
+    return f"credential {reason}"
+
+
+async def close_for_credential(connection: ServerConnection, reason: str) -> None:
+    """End a device's connection whose credential no longer holds (its sessions are freed as it ends)."""
+    await connection.close(CREDENTIAL_CLOSE_CODE, credential_close_reason(reason))
 
 
 class HttpFront:
@@ -33,9 +48,11 @@ class HttpFront:
         readiness: Callable[[], tuple[bool, str]],
         trust: auth.TokenVerifier | None = None,
     ) -> None:
-        """`readiness()`: (ready, the /readyz body); `trust`: checks devices' tokens (None: the mesh runs open)."""
+        """`readiness()`: (ready, the /readyz body); `trust`: checks devices' tokens (None: the mesh runs open).
+        `watch` checks each admitted connection's token while it stays open; its owner (the server) runs it."""
         self.settings = settings
         self.trust = trust
+        self.watch = CredentialWatch(trust, close_for_credential) if trust is not None else None
         self.sessions = sessions
         self.metrics = metrics
         self.readiness = readiness
@@ -59,8 +76,7 @@ class HttpFront:
     def refuse_unauthenticated(self, connection: ServerConnection, request: Request) -> Response | None:
         """With auth on, the upgrade needs a device's token for the verifier (shared/auth.py): else 401 (none,
         forged, expired, revoked, for another audience) or 403 (a service's), before any session exists. The
-        connection then lives past the token's expiry: it was authenticated when it opened; a reconnect needs
-        a fresh token."""
+        connection then lives until its token is revoked or expires (`watch`), or it ends."""
         if self.trust is None:
             return None
         try:
@@ -72,4 +88,6 @@ class HttpFront:
                 response.headers["WWW-Authenticate"] = "Bearer"
             return response
         self.sessions.device_of[connection] = claims.subject
+        if self.watch is not None:
+            self.watch.admit(connection, claims)
         return None

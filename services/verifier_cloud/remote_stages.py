@@ -8,7 +8,9 @@ verifier is given the stages' addresses and wires the same chain over a control 
                        stage i  --Wired or StageFailed--> verifier; stage i connects to its next hop
     verifier --hop 0--> stage 0 ... stage P-1 --hop P--> verifier's return listener
 
-Wiring from the last stage back means every stage's downstream is already waiting for it. The control
+Wiring from the last stage back means every stage's downstream is already waiting for it. A stage reads
+every control connection it accepts at once, each within its own `handshake_timeout_s` (shared/stage_link.py's
+`accept_first`), so a connection that stays silent does not hold the verifier's out. The control
 connection is authenticated like every other hop of the mesh (a service credential, shared/auth.py: a
 device's credential is refused); the hops themselves present the per-run random token the verifier chose
 and sent over the authenticated control connections, so a restart's hops refuse the old run's peers.
@@ -33,6 +35,7 @@ from typing import Any
 
 from services.verifier_cloud.stages import StageFailed
 from shared.stage_codec import StageCodec, StageLinkError
+from shared.stage_handshake import HANDSHAKE_TIMEOUT_S, accept_first
 from shared.stage_link import (
     HEADER,
     MAGIC,
@@ -43,12 +46,9 @@ from shared.stage_link import (
     bind_listener,
     connect_link,
     dial,
-    recv_exactly,
 )
 
 log = logging.getLogger("services.verifier_cloud.remote_stages")
-
-CONTROL_TIMEOUT_S = 10.0  # a stage's wait for the credential and Wire of a control connection it accepted
 
 
 @dataclass
@@ -85,12 +85,14 @@ class RemoteStages:
     return_bind: Address  # the return hop's listener (port 0: the kernel picks)
     return_host: str  # the host name the last stage dials for it (the verifier's name on the stages' network)
     credential: Callable[[], Awaitable[bytes]]  # a service token for the stages' audience, fresh per wiring
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S  # what a connection to the return listener has to present
 
 
 # -- the control connection: one framed message each way, outside a hop ----------------------------------
 
 CREDENTIAL_LENGTH = struct.Struct("<H")
 MAX_CREDENTIAL_BYTES = 8192  # a signed token with its header and claims is a few hundred bytes
+MAX_CONTROL_FRAME_BYTES = 1 << 16  # a control message (Wire, Wired, StageFailed) is tiny
 
 
 def send_credential(sock: socket.socket, credential: bytes) -> None:
@@ -103,18 +105,6 @@ def send_credential(sock: socket.socket, credential: bytes) -> None:
         raise StageLinkError(f"sending the credential failed: {exc}") from None
 
 
-def read_credential(sock: socket.socket, timeout_s: float) -> bytes:
-    """The credential a control connection presents, read within `timeout_s`; StageLinkError otherwise."""
-    sock.settimeout(timeout_s)
-    try:
-        (length,) = CREDENTIAL_LENGTH.unpack(recv_exactly(sock, CREDENTIAL_LENGTH.size))
-        if not 0 < length <= MAX_CREDENTIAL_BYTES:
-            raise StageLinkError(f"a {length}-byte credential is outside 1..{MAX_CREDENTIAL_BYTES}")
-        return recv_exactly(sock, length)
-    except OSError as exc:
-        raise StageLinkError(f"reading the credential failed: {exc}") from None
-
-
 def send_message(sock: socket.socket, codec: StageCodec, message: Any) -> None:
     """One frame, written at once and due at once (a control message: no emulated link, no feeder thread)."""
     body = codec.encode(message)
@@ -124,7 +114,9 @@ def send_message(sock: socket.socket, codec: StageCodec, message: Any) -> None:
         raise StageLinkError(f"sending {type(message).__name__} failed: {exc}") from None
 
 
-def read_message(sock: socket.socket, codec: StageCodec, timeout_s: float, max_frame_bytes: int = 1 << 16) -> Any:
+def read_message(
+    sock: socket.socket, codec: StageCodec, timeout_s: float, max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES
+) -> Any:
     """One frame's message within `timeout_s`: StageLinkError if none comes, it is malformed or too large."""
     receiver = LinkReceiver(sock, codec, "control", max_frame_bytes)
     try:
@@ -156,7 +148,10 @@ def wire_remote_stages(
             next_hop = remote.addresses[index]
         first = connect_link(remote.addresses[0], token, max(deadline - time.monotonic(), 0.1))
         try:
-            return first, accept_link(listener, token, max(deadline - time.monotonic(), 0.1))
+            last = accept_link(
+                listener, token, max(deadline - time.monotonic(), 0.1), handshake_timeout_s=remote.handshake_timeout_s
+            )
+            return first, last
         except StageLinkError:
             first.close()
             raise
@@ -189,40 +184,64 @@ def _wire_one(address: Address, wire: Wire, credential: bytes, deadline: float) 
 # -- the stage's side -----------------------------------------------------------------------------------
 
 
+def control_missing(presented: bytes, max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES) -> int:
+    """How many more bytes a control connection's handshake needs: its length-prefixed credential, then one
+    frame (the Wire); 0 once both are whole. StageLinkError for a credential or frame length out of bounds."""
+    if len(presented) < CREDENTIAL_LENGTH.size:
+        return CREDENTIAL_LENGTH.size - len(presented)
+    (length,) = CREDENTIAL_LENGTH.unpack_from(presented)
+    if not 0 < length <= MAX_CREDENTIAL_BYTES:
+        raise StageLinkError(f"a {length}-byte credential is outside 1..{MAX_CREDENTIAL_BYTES}")
+    header_at = CREDENTIAL_LENGTH.size + length
+    if len(presented) < header_at + HEADER.size:
+        return header_at + HEADER.size - len(presented)
+    magic, body, _ = HEADER.unpack_from(presented, header_at)
+    if magic != MAGIC or body > max_frame_bytes:
+        raise StageLinkError(f"not a control frame (magic {magic!r}, {body} bytes)")
+    return header_at + HEADER.size + body - len(presented)
+
+
 def await_wiring(
     listener: socket.socket,
     index: int,
     layers: tuple[int, int],
     check_credential: Callable[[bytes], None],
-    poll_s: float = 0.5,
     should_stop: Callable[[], bool] = lambda: False,
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
 ) -> tuple[Address, bytes] | None:
     """Accept control connections until one with a good credential wires this stage as it is: (next hop,
-    run token), after answering Wired. Anything else is answered (StageFailed) or dropped, and logged; the
-    stage waits on. None once `should_stop()`."""
-    while not should_stop():
-        listener.settimeout(poll_s)
+    run token), after answering Wired. Every connection is read at the same time, each within its own
+    `handshake_timeout_s`; anything else is answered (StageFailed) or dropped, and logged; the stage waits on.
+    None once `should_stop()`."""
+
+    def admit(sock: socket.socket, presented: bytes, peer: Address) -> tuple[Address, bytes] | None:
         try:
-            sock, peer = listener.accept()
-        except TimeoutError:
-            continue
-        try:
-            wired = _answer_control(sock, index, layers, check_credential)
+            return _answer_control(sock, presented, index, layers, check_credential)
         except StageLinkError as exc:
             log.warning("stage %d: control connection from %s:%d refused: %s", index, *peer[:2], exc)
-            continue
+            return None
         finally:
             sock.close()
-        if wired is not None:
-            return wired
-    return None
+
+    try:
+        return accept_first(
+            listener, control_missing, admit, None, handshake_timeout_s, lambda: "stopping" if should_stop() else None
+        )
+    except StageLinkError:  # only `should_stop`
+        return None
 
 
 def _answer_control(
-    sock: socket.socket, index: int, layers: tuple[int, int], check_credential: Callable[[bytes], None]
+    sock: socket.socket,
+    presented: bytes,
+    index: int,
+    layers: tuple[int, int],
+    check_credential: Callable[[bytes], None],
 ) -> tuple[Address, bytes] | None:
-    check_credential(read_credential(sock, CONTROL_TIMEOUT_S))  # StageLinkError (an AuthError, wrapped)
-    wire = read_message(sock, CONTROL_CODEC, CONTROL_TIMEOUT_S)
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)  # the answer's send
+    header_at = CREDENTIAL_LENGTH.size + CREDENTIAL_LENGTH.unpack_from(presented)[0]
+    check_credential(presented[CREDENTIAL_LENGTH.size : header_at])  # StageLinkError (an AuthError, wrapped)
+    wire = CONTROL_CODEC.decode(presented[header_at + HEADER.size :])
     if not isinstance(wire, Wire):
         raise StageLinkError(f"expected Wire, got {type(wire).__name__}")
     problem = _wiring_problem(wire, index, layers)

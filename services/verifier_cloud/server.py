@@ -362,6 +362,7 @@ class VerifierServer:
                 engine = tasks.create_task(self.engine.run())
                 sweeper = tasks.create_task(self.sessions.close_idle())
                 trust = tasks.create_task(self.trust_refresher.run()) if self.trust_refresher is not None else None
+                watch = tasks.create_task(self.http.watch.run()) if self.http.watch is not None else None
                 # a pipeline (P > 1) comes with a PipelineEngine (__init__)
                 collector = (
                     tasks.create_task(self.engine.supervise(self._sessions_lost))
@@ -388,6 +389,8 @@ class VerifierServer:
                 sweeper.cancel()
                 if trust is not None:
                     trust.cancel()
+                if watch is not None:
+                    watch.cancel()
                 if self.pipeline is not None:
                     await self.pipeline.aclose()  # Stop flows down the chain; the collector returns on it
                 if collector is not None:

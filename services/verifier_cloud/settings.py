@@ -79,6 +79,10 @@ class Settings(ServiceSettings):
     # return hop listens on stage_host at that port; empty: stage_host, a port the kernel picks: one host only).
     stage_addresses: str = ""
     stage_return_address: str = ""
+    # What each connection to the return hop's listener has to present its run token in (a stage's own
+    # listener: TOPHAT_STAGE_HANDSHAKE_TIMEOUT_S); connections are read concurrently, so a silent one costs
+    # only itself, never the wiring.
+    stage_handshake_timeout_s: float = 5.0
     # An audit tool (measured privacy, shared/capture.py): append every hidden-state frame this verifier accepts
     # (PrefillChunk, VerifyRequest; as received, in the wire dtype) to this file, so what a cloud could keep can
     # be attacked offline. Empty: off. When on, the verifier logs a WARNING at start: it stores users' states.
@@ -129,6 +133,7 @@ class Settings(ServiceSettings):
                 self.stage_start_timeout_s,
                 self.stage_timeout_s,
                 self.session_idle_ttl_s,
+                self.stage_handshake_timeout_s,
             )
             <= 0
         ):

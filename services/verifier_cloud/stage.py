@@ -31,6 +31,7 @@ from shared.process_memory import return_freed_memory_to_os
 from shared.service_settings import ServiceSettings
 from shared.settings import SettingsError, from_env
 from shared.stage_codec import StageLinkError
+from shared.stage_handshake import HANDSHAKE_TIMEOUT_S
 from shared.stage_link import LinkReceiver, LinkSender, accept_link, bind_listener, connect_link
 from shared.stage_plan import parse_address, parse_stage_layers
 from shared.tls import client_context
@@ -53,11 +54,14 @@ class StageSettings(ServiceSettings):
     torch_threads: int = 1
     slowdown: float = 1.0  # an emulated slower device (shared/device_speed.py); 1 on real hardware
     hidden_rotation: str = ""  # the verifier's secret rotation (shared/model/rotation.py), if it uses one
+    # What each connection to `listen` (a control connection, the upstream hop) has to present its credential or
+    # run token in; connections are read concurrently, so a silent one costs only itself, never the wiring.
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
 
     def validate(self) -> None:
         super().validate()
-        if self.index < 0 or self.torch_threads < 1 or self.slowdown < 1.0:
-            raise ValueError("index must be >= 0, torch_threads >= 1 and slowdown >= 1")
+        if self.index < 0 or self.torch_threads < 1 or self.slowdown < 1.0 or self.handshake_timeout_s <= 0:
+            raise ValueError("index must be >= 0, torch_threads >= 1, slowdown >= 1 and handshake_timeout_s > 0")
         self.layer_range()
         parse_address(self.listen)
 
@@ -124,10 +128,13 @@ def serve_stage(
     listener: socket.socket,
     check_credential: Callable[[bytes], None],
     should_stop: Callable[[], bool],
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
 ) -> None:
     """Run after run: wait to be wired, join the chain, serve until the run ends, drop its KV."""
     while not should_stop():
-        wiring = await_wiring(listener, spec.index, spec.layers, check_credential, should_stop=should_stop)
+        wiring = await_wiring(
+            listener, spec.index, spec.layers, check_credential, should_stop, handshake_timeout_s=handshake_timeout_s
+        )
         if wiring is None:
             return
         next_hop, token = wiring
@@ -137,7 +144,9 @@ def serve_stage(
             log.warning("stage %d: next hop %s:%d unreachable: %s", spec.index, *next_hop, exc)
             continue
         try:
-            upstream = accept_link(listener, token, HOP_TIMEOUT_S, lambda: "stopping" if should_stop() else None)
+            upstream = accept_link(
+                listener, token, HOP_TIMEOUT_S, lambda: "stopping" if should_stop() else None, handshake_timeout_s
+            )
         except StageLinkError as exc:
             log.warning("stage %d: no upstream hop: %s", spec.index, exc)
             downstream.close()
@@ -212,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("stage %d could not load layers %s: %s", spec.index, spec.layers, exc)
             return 2
         log.info("stage %d ready: layers [%d, %d) on %s", spec.index, *spec.layers, settings.listen)
-        serve_stage(spec, worker, listener, CredentialCheck(settings), lambda: False)
+        serve_stage(spec, worker, listener, CredentialCheck(settings), lambda: False, settings.handshake_timeout_s)
     except SystemExit:
         pass
     finally:

@@ -88,4 +88,5 @@ def remote_stages(settings: Settings, broker: TokenBroker | None) -> RemoteStage
         (settings.stage_host, return_port),
         return_host,
         credential,
+        settings.stage_handshake_timeout_s,
     )
