@@ -121,6 +121,8 @@ class ErrorCode(enum.IntEnum):
     OVERLOADED = 11
     SPLIT_MISMATCH = 12  # the device's split point or checkpoint is not the verifier's: its states would be wrong
     BAD_VALUE = 13  # a hidden state holds NaN or +-Inf (refused where the frame is decoded with finite_only)
+    KV_BUDGET = 14  # the KV this would take passes the verifier's KV budget in bytes (the device's or the total)
+    QUEUE_BUDGET = 15  # the frame would pass the verifier's budget of queued bytes (the device's or the total)
 
 
 class WireError(CodecError):

@@ -130,9 +130,13 @@ class Scheduler:
         session.touch()
         self.work_ready.set()
 
+    def wake(self) -> None:
+        """Something that kept sessions from running changed (a fork's copy ended): look again."""
+        self.work_ready.set()
+
     # -- one step ----------------------------------------------------------------
     def _schedulable(self, session: Session) -> bool:
-        if not session.queue:
+        if not session.queue or session.is_held:  # a fork copying its KV (session.py)
             return False
         if not session.in_flight:
             return True
@@ -159,6 +163,7 @@ class Scheduler:
         size = self._head_tokens(session)
         # An item that cannot fit the context runs whole, so it is refused before any piece touches the KV.
         if size == head.num_tokens or head.position + head.num_tokens > self.context_length:
+            session.dequeued(head)
             return session.queue.popleft()
         return head.split_front(size, lambda piece, out, error: self._piece_done(session, head, error))
 
@@ -168,6 +173,7 @@ class Scheduler:
             return
         for index, queued in enumerate(session.queue):
             if queued is rest:
+                session.dequeued(rest)
                 del session.queue[index]
                 break
         else:
