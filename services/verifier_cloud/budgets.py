@@ -152,20 +152,18 @@ class Budgets:
         """Whether `item` may be queued on `session`: refusals for a frame that can never run (BAD_SHAPE,
         MALFORMED), KV growth past a budget (KV_BUDGET), queued rows past one (QUEUE_BUDGET)."""
         position, rows = item.position, item.num_tokens
-        error = None
+        refusal: tuple[ErrorKind, str] | None = None
         if item.kind is WorkKind.PREFILL and position > session.kv_end:
-            error = EngineError(
-                ErrorKind.MALFORMED, f"chunk starts at {position}, session holds at most {session.kv_end}"
-            )
+            refusal = ErrorKind.MALFORMED, f"chunk starts at {position}, session holds at most {session.kv_end}"
         elif item.kind is WorkKind.VERIFY and not 0 <= position <= session.kv_end:
-            error = EngineError(
-                ErrorKind.MALFORMED, f"commit_len {position} beyond the {session.kv_end} positions the session may hold"
+            refusal = (
+                ErrorKind.MALFORMED,
+                f"commit_len {position} beyond the {session.kv_end} positions the session may hold",
             )
         elif position + rows > self.context_length:
-            error = EngineError(ErrorKind.BAD_SHAPE, f"session would exceed the context length {self.context_length}")
-        if error is not None:
-            error.session_id, error.seq_no = item.session_id, item.seq_no
-            raise error
+            refusal = ErrorKind.BAD_SHAPE, f"session would exceed the context length {self.context_length}"
+        if refusal is not None:  # raised unnamed: an error held in a local would keep this frame (and its rows)
+            raise EngineError(*refusal, item.session_id, item.seq_no)  # alive in a cycle until the next gc
         end = position + rows
         reach = padded_length(end)  # attention reserves rows up to the padded width (invariant_attention.py)
         capacity = session.kv_capacity if reach <= session.kv_capacity else grown_capacity(reach)
