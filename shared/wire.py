@@ -415,7 +415,8 @@ class ForkSession(Message):
     session of the same connection with nothing queued or running: a prefix computed once (a kept prompt)
     goes on in many sessions without being sent or computed again. The child inherits the parent's privacy
     and wire dtype. Refused with UNKNOWN_SESSION (no such parent on this connection), OVERLOADED (the parent
-    is busy, or no room) or BAD_SHAPE (`length` beyond the parent's positions; with stage workers the main
+    is busy, or no room), KV_BUDGET (the copy would pass the device's KV budget in bytes) or BAD_SHAPE
+    (`length` beyond the parent's positions; with stage workers the main
     process does not know the lengths, so there a stage refuses it and the child's first item comes back
     UNKNOWN_SESSION, which the device's replay answers); answered SessionOpened."""
 

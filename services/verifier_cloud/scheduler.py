@@ -34,7 +34,9 @@ no KV (runner.py does, in this process or in each stage worker), and it knows
 no wire types: refusals are `EngineError`s (work.py) that the server maps to
 error frames. Bounds per device: at most `max_sessions_per_owner` sessions per
 connection and `max_queue` queued items per session (more is OVERLOADED), and
-`idle()` names sessions without traffic for the idle TTL.
+`idle()` names sessions without traffic for the idle TTL. Budgets in bytes (KV, queued rows) are checked
+before an item reaches `submit` (budgets.py, through session_table.py); a session held by a fork's copy
+(`Session.is_held`) is not scheduled.
 """
 
 from __future__ import annotations

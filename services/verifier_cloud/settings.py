@@ -38,14 +38,15 @@ class Settings(ServiceSettings):
     # QUEUE_BUDGET) naming the budget and the numbers, and nothing taken. KV is charged at the capacity a session's
     # caches may reach (an upper bound of what they allocate; token sessions with their layers [0, m) too; with
     # stage workers at 4 bytes an element). A device is a token subject, or a connection with auth off.
-    kv_bytes_total: int = 32 * 2**30  # the KV of every session together
+    # This one: the KV of every session together (32 GiB).
+    kv_bytes_total: int = 32 * 2**30
     # One device's sessions; 0: its fair share, kv_bytes_total * (its session limit / max_sessions): 8 GiB by
     # default, so the device with the most sessions it may hold fills no more of the KV than of the sessions.
     kv_bytes_per_device: int = 0
-    queued_bytes_total: int = 2**30  # rows of queued frames (prefill chunks, verifies) over every session
+    queued_bytes_total: int = 2**30  # rows of queued frames (prefill chunks, verifies) of every session (1 GiB)
     queued_bytes_per_device: int = 0  # ... of one device's sessions; 0: the same fair share (256 MiB by default)
     # A device that does not read its replies: once the bytes written to its connection and not yet taken by the
-    # socket pass this, the connection is closed (and its sessions freed), whatever send_timeout_s says.
+    # socket pass this (64 MiB), the connection is closed (and its sessions freed), whatever send_timeout_s says.
     send_buffer_bytes: int = 4 * MAX_FRAME_BYTES
     session_idle_ttl_s: float = 300.0  # a session without requests or replies this long is closed, its KV freed
     idle_timeout_s: float = 600.0  # a device silent this long is disconnected and its KV freed
