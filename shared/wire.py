@@ -121,6 +121,8 @@ class ErrorCode(enum.IntEnum):
     OVERLOADED = 11
     SPLIT_MISMATCH = 12  # the device's split point or checkpoint is not the verifier's: its states would be wrong
     BAD_VALUE = 13  # a hidden state holds NaN or +-Inf (refused where the frame is decoded with finite_only)
+    KV_BUDGET = 14  # the KV this would take passes the verifier's KV budget in bytes (the device's or the total)
+    QUEUE_BUDGET = 15  # the frame would pass the verifier's budget of queued bytes (the device's or the total)
 
 
 class WireError(CodecError):
@@ -413,7 +415,8 @@ class ForkSession(Message):
     session of the same connection with nothing queued or running: a prefix computed once (a kept prompt)
     goes on in many sessions without being sent or computed again. The child inherits the parent's privacy
     and wire dtype. Refused with UNKNOWN_SESSION (no such parent on this connection), OVERLOADED (the parent
-    is busy, or no room) or BAD_SHAPE (`length` beyond the parent's positions; with stage workers the main
+    is busy, or no room), KV_BUDGET (the copy would pass the device's KV budget in bytes) or BAD_SHAPE
+    (`length` beyond the parent's positions; with stage workers the main
     process does not know the lengths, so there a stage refuses it and the child's first item comes back
     UNKNOWN_SESSION, which the device's replay answers); answered SessionOpened."""
 

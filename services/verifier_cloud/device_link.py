@@ -5,7 +5,8 @@ Each frame is decoded and checked (size, hidden size, finite values) and handed 
 a refused frame, or a bug met by one, is answered with a typed ErrorFrame (frames.py's BadFrameLog counts
 them) and the connection and every other session keep working. When the connection ends, every session
 it opened is closed and its KV freed. Sends are bounded by `send_timeout_s`; replies from the engine's
-synchronous callbacks go out as owned tasks, in the session's wire dtype.
+synchronous callbacks go out as owned tasks, in the session's wire dtype. The bytes written to a connection
+and not yet taken by its socket are bounded by `send_buffer_bytes`: a device that stops reading is closed.
 """
 
 from __future__ import annotations
@@ -45,11 +46,32 @@ class DeviceLink:
 
     async def send(self, connection: ServerConnection, message: wire.Message, wire_dtype=None) -> None:
         frame = wire.encode(message, wire_dtype=wire_dtype)
+        if not self.room_for(connection, len(frame)):
+            return
         try:
             async with asyncio.timeout(self.settings.send_timeout_s):
                 await connection.send(frame)
         except (ConnectionClosed, TimeoutError) as exc:
             log.info("could not reply to a device (%s); dropping the frame", type(exc).__name__)
+
+    def room_for(self, connection: ServerConnection, size: int) -> bool:
+        """Whether a frame of `size` bytes may join what is already written to the connection and not yet
+        taken by its socket. A device that stops reading would otherwise have every reply pile up here
+        (send_timeout_s bounds the wait, not the bytes): past `send_buffer_bytes` it is cut off, and its
+        sessions are freed as the frame loop ends."""
+        transport = connection.transport
+        unsent = transport.get_write_buffer_size() if transport is not None else 0
+        if unsent == 0 or unsent + size <= self.settings.send_buffer_bytes:
+            return True
+        if not transport.is_closing():
+            log.warning(
+                "device %s does not read its replies: %d bytes unsent, send_buffer_bytes is %d; closing it",
+                connection.remote_address,
+                unsent + size,
+                self.settings.send_buffer_bytes,
+            )
+            transport.abort()  # no closing handshake: it would queue behind the bytes the peer does not read
+        return False
 
     def send_soon(self, connection, message: wire.Message, wire_dtype=None) -> None:
         """Send from synchronous code (engine callbacks): an owned task, bounded by send_timeout_s."""

@@ -128,6 +128,17 @@ class ModelRunner:
     def fork(self, session_id: int, parent_id: int, length: int | None = None, opened_as: object | None = None) -> None:
         """Caches for `session_id` that copy the first `length` positions (None: all) of `parent_id`'s: a
         prefix computed once goes on in many sessions. The caller makes sure no pass is running the parent."""
+        self.install(session_id, self.fork_copy(session_id, parent_id, length, opened_as))
+
+    def install(self, session_id: int, caches: SessionCaches) -> None:
+        """Make `caches` (a `fork_copy`) the session's, replacing any it had."""
+        self._release(session_id, caches)
+
+    def fork_copy(
+        self, session_id: int, parent_id: int, length: int | None = None, opened_as: object | None = None
+    ) -> SessionCaches:
+        """`fork`'s copy, not yet installed: any thread (the server copies off its event loop), while the
+        caller keeps every pass off the parent."""
         with self._lock:
             parent = self.sessions.get(parent_id)
         if parent is None:
@@ -139,7 +150,7 @@ class ModelRunner:
             raise EngineError(
                 ErrorKind.BAD_SHAPE, f"fork of {length} positions; the parent holds {parent.length}", session_id
             )
-        self._release(session_id, SessionCaches(parent.middle.fork(length), opened_as=opened_as))
+        return SessionCaches(parent.middle.fork(length), opened_as=opened_as)
 
     def close(self, session_id: int) -> None:
         self._release(session_id, None)

@@ -34,7 +34,9 @@ no KV (runner.py does, in this process or in each stage worker), and it knows
 no wire types: refusals are `EngineError`s (work.py) that the server maps to
 error frames. Bounds per device: at most `max_sessions_per_owner` sessions per
 connection and `max_queue` queued items per session (more is OVERLOADED), and
-`idle()` names sessions without traffic for the idle TTL.
+`idle()` names sessions without traffic for the idle TTL. Budgets in bytes (KV, queued rows) are checked
+before an item reaches `submit` (budgets.py, through session_table.py); a session held by a fork's copy
+(`Session.is_held`) is not scheduled.
 """
 
 from __future__ import annotations
@@ -130,9 +132,13 @@ class Scheduler:
         session.touch()
         self.work_ready.set()
 
+    def wake(self) -> None:
+        """Something that kept sessions from running changed (a fork's copy ended): look again."""
+        self.work_ready.set()
+
     # -- one step ----------------------------------------------------------------
     def _schedulable(self, session: Session) -> bool:
-        if not session.queue:
+        if not session.queue or session.is_held:  # a fork copying its KV (session.py)
             return False
         if not session.in_flight:
             return True
@@ -159,6 +165,7 @@ class Scheduler:
         size = self._head_tokens(session)
         # An item that cannot fit the context runs whole, so it is refused before any piece touches the KV.
         if size == head.num_tokens or head.position + head.num_tokens > self.context_length:
+            session.dequeued(head)
             return session.queue.popleft()
         return head.split_front(size, lambda piece, out, error: self._piece_done(session, head, error))
 
@@ -168,6 +175,7 @@ class Scheduler:
             return
         for index, queued in enumerate(session.queue):
             if queued is rest:
+                session.dequeued(rest)
                 del session.queue[index]
                 break
         else:

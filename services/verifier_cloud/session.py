@@ -29,6 +29,15 @@ class Session:
     wire_dtype: Any = None  # how replies encode hidden states (the server's wire dtype; opaque here)
     queue: "deque[WorkItem]" = field(default_factory=deque)
     in_flight: list[WorkKind] = field(default_factory=list)  # kinds of its items being computed, oldest first
+    # What budgets.py charges it (see there): the capacity its KV may reach, in positions; an upper bound of its
+    # length when its next item runs (no frame starting past it can ever run); the bytes its queued items hold.
+    kv_capacity: int = 0
+    kv_end: int = 0
+    queued_bytes: int = 0
+    # A fork copies in a worker thread: while it runs, the child (`opening`) and the parent (`copies` > 0, one
+    # per copy reading it) are not scheduled, so no pass changes a KV being copied or runs on one not there yet.
+    opening: bool = False
+    copies: int = 0
     opened_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)  # last request or reply (idle TTL)
 
@@ -41,8 +50,17 @@ class Session:
         """Work queued or being computed: such a session is never idle, however long the work takes."""
         return bool(self.queue or self.in_flight)
 
+    @property
+    def is_held(self) -> bool:
+        """A fork's copy is reading or filling its KV: none of its items may run yet."""
+        return self.opening or self.copies > 0
+
+    def dequeued(self, item: "WorkItem") -> None:
+        """`item` left the queue (to run, or dropped): its bytes are no longer charged to the queue."""
+        self.queued_bytes -= item.queued_bytes
+
     def touch(self, now: float | None = None) -> None:
         self.last_active = time.monotonic() if now is None else now
 
     def idle_for(self, now: float) -> float:
-        return 0.0 if self.is_busy else now - self.last_active
+        return 0.0 if self.is_busy or self.is_held else now - self.last_active

@@ -15,6 +15,7 @@ import weakref
 
 from websockets.asyncio.server import ServerConnection
 
+from services.verifier_cloud.budgets import Budgets
 from services.verifier_cloud.frames import to_wire
 from services.verifier_cloud.pipeline import StagePipeline
 from services.verifier_cloud.runner import ModelRunner
@@ -30,15 +31,28 @@ log = logging.getLogger("services.verifier_cloud")
 
 class SessionTable:
     def __init__(
-        self, settings: Settings, scheduler: Scheduler, runner: ModelRunner | None, pipeline: StagePipeline | None
+        self,
+        settings: Settings,
+        scheduler: Scheduler,
+        runner: ModelRunner | None,
+        pipeline: StagePipeline | None,
+        kv_bytes_per_position: tuple[int, int | None] = (0, None),
     ) -> None:
-        """`runner` for the in-process path (P = 1), else `pipeline` (P > 1 stage workers)."""
+        """`runner` for the in-process path (P = 1), else `pipeline` (P > 1 stage workers);
+        `kv_bytes_per_position`: (a session's, a token session's or None) KV bytes per position (budgets.py)."""
         self.settings = settings
         self.scheduler = scheduler
         self.runner = runner
         self.pipeline = pipeline
         # Whom each connection's sessions count toward: its device token's subject, kept at the handshake
         self.device_of: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
+        self.budgets = Budgets(
+            settings,
+            scheduler.context_length,
+            *kv_bytes_per_position,
+            device_of=self.device,
+            sessions=lambda: scheduler.sessions.values(),
+        )
 
     def get(self, session_id: int, connection: ServerConnection, seq_no: int | None = None) -> Session:
         try:
@@ -62,19 +76,27 @@ class SessionTable:
                 session.session_id,
             )
 
-    def open(self, session: Session, fork_of: tuple[int, int | None] | None = None) -> wire.Message:
-        """`fork_of` (parent_id, length): the new session's KV copies that prefix of the parent's."""
+    def open(self, session: Session, fork_of: tuple[Session, int | None] | None = None) -> wire.Message | None:
+        """Open `session`, its KV charged to its device's budget (budgets.py). `fork_of` (parent, length):
+        its KV copies that prefix (None: all) of the parent's. With the in-process runner the copy runs in a
+        worker thread: this returns None and the caller awaits `copy_fork` for the answer."""
         try:
             self.check_device_limit(session)
+            if fork_of is None:
+                self.budgets.open(session)
+            else:
+                self.budgets.fork(session, fork_of[0], fork_of[1])
             self.scheduler.open(session)
-            if self.runner is not None and fork_of is not None:
-                self.runner.fork(session.session_id, *fork_of, opened_as=session)
-            elif self.runner is not None:
+            if fork_of is not None and self.runner is not None:
+                session.opening = True  # nothing runs on it, nor on the parent, until the copy is in
+                fork_of[0].copies += 1
+                return None
+            if self.runner is not None:
                 self.runner.open(session.session_id, session.sampling, opened_as=session)
             else:
                 assert self.pipeline is not None  # without a runner the KV lives in the pipeline's stages
-                if fork_of is not None:
-                    self.pipeline.fork_session(session.session_id, *fork_of)
+                if fork_of is not None:  # the stage workers copy, in their own processes
+                    self.pipeline.fork_session(session.session_id, fork_of[0].session_id, fork_of[1])
                 else:
                     self.pipeline.open_session(session.session_id)
         except Exception as exc:  # noqa: BLE001 - whatever refused it, no half-open session stays behind
@@ -84,6 +106,33 @@ class SessionTable:
                 raise to_wire(exc, session.session_id) from None
             raise
         return wire.SessionOpened(session.session_id)
+
+    async def copy_fork(self, session: Session, parent: Session, length: int | None) -> wire.Message | None:
+        """The copy of a fork `open` admitted, in a worker thread (an event loop that copied a full-context
+        KV would keep every other device waiting): SessionOpened, or the error as a frame; None when the
+        session was closed meanwhile (nobody to answer). While it runs neither session is scheduled."""
+        assert self.runner is not None  # `open` leaves a copy to await only on the in-process path
+        sid = session.session_id
+        try:
+            caches = await asyncio.to_thread(self.runner.fork_copy, sid, parent.session_id, length, opened_as=session)
+        except EngineError as exc:
+            if self.scheduler.sessions.get(sid) is session:
+                self.scheduler.close(sid)
+            return to_wire(exc, sid).to_frame()
+        except Exception as exc:  # noqa: BLE001 - a failed copy fails this fork, never the connection
+            log.exception("session %d: fork of session %d failed", sid, parent.session_id)
+            if self.scheduler.sessions.get(sid) is session:
+                self.scheduler.close(sid)
+            return wire.WireError(wire.ErrorCode.INTERNAL, f"fork failed: {type(exc).__name__}", sid).to_frame()
+        finally:
+            parent.copies -= 1
+            session.opening = False
+            self.scheduler.wake()
+        if self.scheduler.sessions.get(sid) is not session:  # closed (perhaps reopened) while it copied
+            caches.free()
+            return None
+        self.runner.install(sid, caches)
+        return wire.SessionOpened(sid)
 
     def close(self, session_id: int) -> None:
         if self.scheduler.close(session_id) is None:
@@ -101,8 +150,12 @@ class SessionTable:
         return closed
 
     def submit(self, item: WorkItem, connection: ServerConnection) -> None:
+        """Queue `item`, unless it can never run or would pass a budget (budgets.py) or the queue's bound."""
         try:
+            session = self.scheduler.get(item.session_id, connection, item.seq_no)
+            admission = self.budgets.admit(item, session)
             self.scheduler.submit(item, connection)
+            admission.apply(session, item)
         except EngineError as exc:
             raise to_wire(exc, item.session_id, item.seq_no) from None
 

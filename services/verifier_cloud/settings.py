@@ -33,6 +33,21 @@ class Settings(ServiceSettings):
     # identity to count by: the bound is then per connection.
     max_sessions_per_device: int = 0
     max_queue_per_session: int = 256  # items one session may queue (more: OVERLOADED for the item)
+    # Memory budgets in bytes (budgets.py), checked where memory is taken: opening or forking a session, and
+    # admitting a frame whose rows would grow its KV or wait in its queue. Over one: a typed refusal (KV_BUDGET,
+    # QUEUE_BUDGET) naming the budget and the numbers, and nothing taken. KV is charged at the capacity a session's
+    # caches may reach (an upper bound of what they allocate; token sessions with their layers [0, m) too; with
+    # stage workers at 4 bytes an element). A device is a token subject, or a connection with auth off.
+    # This one: the KV of every session together (32 GiB).
+    kv_bytes_total: int = 32 * 2**30
+    # One device's sessions; 0: its fair share, kv_bytes_total * (its session limit / max_sessions): 8 GiB by
+    # default, so the device with the most sessions it may hold fills no more of the KV than of the sessions.
+    kv_bytes_per_device: int = 0
+    queued_bytes_total: int = 2**30  # rows of queued frames (prefill chunks, verifies) of every session (1 GiB)
+    queued_bytes_per_device: int = 0  # ... of one device's sessions; 0: the same fair share (256 MiB by default)
+    # A device that does not read its replies: once the bytes written to its connection and not yet taken by the
+    # socket pass this (64 MiB), the connection is closed (and its sessions freed), whatever send_timeout_s says.
+    send_buffer_bytes: int = 4 * MAX_FRAME_BYTES
     session_idle_ttl_s: float = 300.0  # a session without requests or replies this long is closed, its KV freed
     idle_timeout_s: float = 600.0  # a device silent this long is disconnected and its KV freed
     send_timeout_s: float = 10.0  # one WebSocket send to a device agent
@@ -116,6 +131,19 @@ class Settings(ServiceSettings):
     def device_session_limit(self) -> int:
         return self.max_sessions_per_device or self.max_sessions_per_connection
 
+    def _fair_share(self, total: int) -> int:
+        return max(1, total * min(self.device_session_limit, self.max_sessions) // self.max_sessions)
+
+    @property
+    def device_kv_bytes(self) -> int:
+        """One device's KV budget: kv_bytes_per_device, or (0) its fair share of kv_bytes_total."""
+        return self.kv_bytes_per_device or self._fair_share(self.kv_bytes_total)
+
+    @property
+    def device_queued_bytes(self) -> int:
+        """One device's budget of queued bytes: queued_bytes_per_device, or (0) its share of the total."""
+        return self.queued_bytes_per_device or self._fair_share(self.queued_bytes_total)
+
     def validate(self) -> None:
         super().validate()  # auth, logging, TLS (shared/service_settings.py)
         if self.split_layers < 1:
@@ -124,6 +152,12 @@ class Settings(ServiceSettings):
             raise ValueError("max_frame_bytes, max_batch_tokens and max_sessions are too small")
         if self.max_sessions_per_connection < 1 or self.max_queue_per_session < 1:
             raise ValueError("max_sessions_per_connection and max_queue_per_session must be >= 1")
+        if min(self.kv_bytes_total, self.queued_bytes_total) < 1:
+            raise ValueError("kv_bytes_total and queued_bytes_total must be >= 1")
+        if min(self.kv_bytes_per_device, self.queued_bytes_per_device) < 0:
+            raise ValueError("kv_bytes_per_device and queued_bytes_per_device must be >= 0 (0 = a fair share)")
+        if self.send_buffer_bytes < 1024:
+            raise ValueError("send_buffer_bytes must be >= 1024")
         if self.max_sessions_per_device < 0:
             raise ValueError("max_sessions_per_device must be >= 0 (0 = max_sessions_per_connection)")
         if (

@@ -46,6 +46,7 @@ class TokenFrames:
         except ValueError as exc:  # the schema checks the same ranges; this keeps the two in step
             raise wire.WireError(wire.ErrorCode.MALFORMED, str(exc), sid) from None
         opened = self.sessions.open(Session(sid, connection, privacy=False, sampling=params))
+        assert opened is not None  # only a fork's open answers later
         log.debug("token session %d opened (temperature %g, top_p %g)", sid, params.temperature, params.top_p)
         return opened
 

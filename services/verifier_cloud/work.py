@@ -42,6 +42,8 @@ class ErrorKind(enum.IntEnum):
     UNKNOWN_SESSION = 7
     INTERNAL = 10
     OVERLOADED = 11
+    KV_BUDGET = 14  # the KV it would take passes a KV budget in bytes (budgets.py)
+    QUEUE_BUDGET = 15  # its queued bytes would pass a queue budget (budgets.py)
 
 
 class EngineError(Exception):

@@ -41,6 +41,7 @@ class WorkItem(TokenItem):
     # The open session it was scheduled on (set by the scheduler): a closed id can be opened again while
     # this item is computed, and the new session must get none of its result, in-flight slot or rollback.
     session: object | None = None  # compared by identity only (`is`), so any record type will do
+    queued_bytes: int = 0  # what its queue budget was charged when it was admitted (budgets.py)
 
     def __post_init__(self) -> None:
         self.kind = WorkKind(self.kind)

@@ -8,6 +8,14 @@ After a token tree was verified, `compact` keeps only the accepted path: its
 rows move down to sit right after the committed prefix (base, base+1, ...).
 They were computed at positions base + depth, which are exactly where they
 land, so their rotary embeddings stay right.
+
+Capacity depends only on how far a cache was asked to reach, never on the
+order of the requests: a fresh cache holds MIN_CAPACITY rows, a fork
+`fork_capacity(length)`, and growing to `needed` rows gives
+`grown_capacity(needed)` (the next power of two times MIN_CAPACITY: doubling,
+amortised O(1) per row). So whoever admits work can bound a cache's bytes from
+the positions it will reach (services/verifier_cloud/budgets.py) without
+knowing which items succeed.
 """
 
 from __future__ import annotations
@@ -15,6 +23,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+MIN_CAPACITY = 64  # rows of a fresh cache
+
+
+def grown_capacity(needed: int) -> int:
+    """The capacity a cache grows to when it must hold `needed` rows: MIN_CAPACITY * 2**k >= needed."""
+    capacity = MIN_CAPACITY
+    while capacity < needed:
+        capacity *= 2
+    return capacity
+
+
+def fork_capacity(length: int) -> int:
+    """The capacity of a fork of `length` positions: the prefix and a little room to go on."""
+    return max(length + 16, MIN_CAPACITY)
 
 
 class KVCacheError(ValueError):
@@ -29,7 +52,7 @@ class LayerKV:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
-        capacity: int = 64,
+        capacity: int = MIN_CAPACITY,
         device: torch.device | str = "cpu",
     ):
         # keys/values: [Hkv, capacity, D] on the layer's device; rows >= length are stale or zeros, never
@@ -43,7 +66,7 @@ class LayerKV:
         return self.keys.shape[1]
 
     def _grow(self, needed: int) -> None:
-        new_capacity = max(needed, 2 * self.capacity)
+        new_capacity = grown_capacity(needed)
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_zeros(old.shape[0], new_capacity, old.shape[2])  # same dtype and device
@@ -154,7 +177,7 @@ class SessionKV:
         branch.layers = []
         for layer in self._alive():
             copy = LayerKV.__new__(LayerKV)
-            capacity = max(length + 16, 64)
+            capacity = fork_capacity(length)
             copy.keys = layer.keys.new_zeros(layer.keys.shape[0], capacity, layer.keys.shape[2])
             copy.values = layer.values.new_zeros(layer.values.shape[0], capacity, layer.values.shape[2])
             copy.keys[:, :length] = layer.keys[:, :length]
