@@ -26,13 +26,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings
+from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 from services.verifier_cloud.work_item import WorkItem
+from shared.model.checkpoint import read_config
 from shared.model.invariant_attention import padded_length
-from shared.model.kv_cache import MIN_CAPACITY, fork_capacity, grown_capacity
+from shared.model.kv_cache import MIN_CAPACITY, SessionKV, fork_capacity, grown_capacity
+from shared.model.split import MiddleSubmodel
 
 
 def mib(nbytes: int) -> str:
@@ -181,3 +185,26 @@ class Budgets:
             exc.seq_no = item.seq_no
             raise
         return Admission(max(session.kv_end, end), capacity, queued)
+
+
+def kv_bytes_per_position(
+    settings: Settings, middle: MiddleSubmodel | None, token_model: TokenModel | None
+) -> tuple[int, int | None]:
+    """KV bytes one position takes in every layer this verifier holds: (a session's, a token session's or
+    None without token mode). With stage workers (no `middle` here) from the config, at 4 bytes an element."""
+    if middle is not None:
+        per_position = bytes_per_position(middle.new_cache())
+        lower = token_model.lower.new_cache() if token_model is not None else None
+        return per_position, None if lower is None else per_position + bytes_per_position(lower)
+    config = read_config(Path(settings.model_dir))
+    layers = config["num_hidden_layers"] - settings.split_layers
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return layers * 2 * kv_heads * head_dim * 4, None
+
+
+def bytes_per_position(cache: SessionKV) -> int:
+    """KV bytes per position of a fresh cache (every layer, keys and values)."""
+    per_position = cache.nbytes() // MIN_CAPACITY
+    cache.free()
+    return per_position

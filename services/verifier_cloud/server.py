@@ -30,13 +30,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from pathlib import Path
 
 import torch
 from websockets.asyncio.server import ServerConnection, serve
 
+from services.verifier_cloud.budgets import kv_bytes_per_position
 from services.verifier_cloud.device_link import DeviceLink
 from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
+from services.verifier_cloud.forks import fork
 from services.verifier_cloud.frames import TOKEN_WORK, to_wire, work_item
 from services.verifier_cloud.http_front import WS_PATH, HttpFront
 from services.verifier_cloud.model_loading import load_model
@@ -54,8 +55,7 @@ from services.verifier_cloud.work import EngineError, ErrorKind
 from shared import auth, auth_client, wire
 from shared.capture import CaptureWriter
 from shared.metrics import VerifierMetrics
-from shared.model.checkpoint import read_config, split_fingerprint
-from shared.model.kv_cache import MIN_CAPACITY, SessionKV
+from shared.model.checkpoint import split_fingerprint
 from shared.model.rotation import rotated_fingerprint
 from shared.model.split import MiddleSubmodel
 from shared.settings import SettingsError
@@ -65,29 +65,6 @@ from shared.tls import client_context, server_context
 log = logging.getLogger("services.verifier_cloud")
 
 MAX_PROBE_ROWS = 4096  # a probe reply is padding; cap it so a probe cannot ask for a huge frame
-
-
-def kv_bytes_per_position(
-    settings: Settings, middle: MiddleSubmodel | None, token_model: TokenModel | None
-) -> tuple[int, int | None]:
-    """KV bytes one position takes in every layer this verifier holds: (a session's, a token session's or
-    None without token mode). With stage workers (no `middle` here) from the config, at 4 bytes an element."""
-    if middle is not None:
-        per_position = bytes_per_position(middle.new_cache())
-        lower = token_model.lower.new_cache() if token_model is not None else None
-        return per_position, None if lower is None else per_position + bytes_per_position(lower)
-    config = read_config(Path(settings.model_dir))
-    layers = config["num_hidden_layers"] - settings.split_layers
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return layers * 2 * kv_heads * head_dim * 4, None
-
-
-def bytes_per_position(cache: SessionKV) -> int:
-    """KV bytes per position of a fresh cache (every layer, keys and values)."""
-    per_position = cache.nbytes() // MIN_CAPACITY
-    cache.free()
-    return per_position
 
 
 class VerifierServer:
@@ -156,7 +133,7 @@ class VerifierServer:
         self.sessions = SessionTable(
             settings, self.scheduler, self.runner, self.pipeline, kv_bytes_per_position(settings, middle, token_model)
         )
-        self.forks: set[asyncio.Task] = set()  # forks copying in worker threads (`_fork`)
+        self.forks: set[asyncio.Task] = set()  # forks copying in worker threads (forks.py)
         # With P > 1 the KV lives in the stage workers: no KV gauge here.
         self.metrics = VerifierMetrics(
             sessions=lambda: len(self.scheduler.sessions),
@@ -244,7 +221,7 @@ class VerifierServer:
                 )
             )
         if isinstance(message, wire.ForkSession):
-            return self._fork(connection, message)
+            return fork(self, connection, message)
         if isinstance(message, wire.OpenTokenSession):
             return self.tokens.open(connection, message, self.is_ready)
         if isinstance(message, TOKEN_WORK):
@@ -284,46 +261,6 @@ class VerifierServer:
             getattr(message, "session_id", None),
             getattr(message, "seq_no", None),
         )
-
-    def _fork(self, connection: ServerConnection, message: wire.ForkSession) -> wire.Message | None:
-        """A session whose KV copies a parent's prefix (a kept prompt goes on without being computed again);
-        None while the copy runs in a worker thread (its answer follows, `_finish_fork`)."""
-        sid = message.session_id
-        try:
-            parent = self.scheduler.get(message.parent_id, connection)
-        except EngineError:
-            raise wire.WireError(
-                wire.ErrorCode.UNKNOWN_SESSION, f"unknown parent session {message.parent_id}", sid
-            ) from None
-        if parent.is_busy or parent.is_token:  # a busy parent's KV may be changing under the copy
-            raise wire.WireError(
-                wire.ErrorCode.OVERLOADED if parent.is_busy else wire.ErrorCode.MALFORMED,
-                f"parent session {message.parent_id} is {'busy' if parent.is_busy else 'a token-mode session'}",
-                sid,
-            )
-        if not self.is_ready:
-            raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", sid)
-        parent.touch()  # forking a kept prefix is using it: the idle sweep leaves it be
-        if parent.opening:  # a fork whose own copy is not in yet
-            raise wire.WireError(
-                wire.ErrorCode.OVERLOADED, f"parent session {message.parent_id} is still being opened", sid
-            )
-        session = Session(sid, connection, privacy=parent.privacy, wire_dtype=parent.wire_dtype)
-        opened = self.sessions.open(session, fork_of=(parent, message.length))
-        if opened is not None:  # stage workers (P > 1) copy in their own processes
-            return opened
-        # In-process: the copy runs in a worker thread, and SessionOpened (or the error) follows it.
-        task = asyncio.create_task(self._finish_fork(connection, session, parent, message.length))
-        self.forks.add(task)
-        task.add_done_callback(self.forks.discard)
-        return None
-
-    async def _finish_fork(
-        self, connection: ServerConnection, session: Session, parent: Session, length: int | None
-    ) -> None:
-        reply = await self.sessions.copy_fork(session, parent, length)
-        if reply is not None:
-            await self.link.send(connection, reply)
 
     def _sessions_lost(self, reason: str) -> None:
         """The stage workers died and every session's KV with them: answer each session's queued
