@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 COMPOSE = REPO / "docker-compose.yml"
 OVERRIDES = [REPO / "docker-compose.host.yml", REPO / "docker-compose.gpu.yml"]
-MESH = {"redis", "state-monitor", "chunk-planner", "verifier-cloud", "device-agent", "token-streamer"}
+MESH = {"redis", "state-monitor", "chunk-planner", "verifier-cloud", "device-agent", "device-agent-2", "token-streamer"}
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess:
@@ -46,11 +46,12 @@ def test_every_service_is_healthchecked_restarted_and_ordered(overrides):
         for dependency in svc.get("depends_on", {}).values():
             assert dependency["condition"] == "service_healthy", name
     order = {"state-monitor": "redis", "chunk-planner": "state-monitor", "verifier-cloud": "state-monitor",
-             "device-agent": "verifier-cloud", "token-streamer": "device-agent"}
+             "device-agent": "verifier-cloud", "device-agent-2": "verifier-cloud", "token-streamer": "device-agent"}
     for name, first in order.items():
         assert first in services[name]["depends_on"], name
     device = services["device-agent"]["environment"]
     assert device["TOPHAT_DEVICE_DEVICE_ID"] == "device-1"  # its own bootstrap token's id (mesh-secrets --device)
+    assert services["device-agent-2"]["environment"]["TOPHAT_DEVICE_DEVICE_ID"] == "device-2"
     assert "TOPHAT_STREAMER_DEVICE_URLS" not in services["token-streamer"]["environment"]  # discovered
     (volume,) = services["redis"]["volumes"]
     assert (volume["type"], volume["source"], volume["target"]) == ("volume", "redis-data", "/opt/tophat/redis")
@@ -66,6 +67,7 @@ def test_host_networking_keeps_everything_on_loopback():
             if "://" in str(value):
                 assert "127.0.0.1" in value, (name, key, value)
     assert services["device-agent"]["environment"]["TOPHAT_DEVICE_PORT"] == "0"
+    assert services["device-agent-2"]["environment"]["TOPHAT_DEVICE_PORT"] == "0"
 
 
 def test_compose_settings_are_real_and_load():
@@ -99,4 +101,5 @@ def test_only_the_monitor_mounts_the_signing_key_and_devices_only_their_bootstra
     assert [name for name, sources in mounts.items() if "signing-keys.json" in sources] == ["state-monitor"]
     assert mounts["device-agent"] == {"tophat-device", "ca.pem"}
     assert services["device-agent"]["environment"]["TOPHAT_SETTINGS_FILE"] == "/run/secrets/tophat-device.env"
-    assert not [name for name, sources in mounts.items() if "tophat-device" in sources and name != "device-agent"]
+    assert mounts["device-agent-2"] == {"tophat-device", "ca.pem"}
+    assert not [name for name, sources in mounts.items() if "tophat-device" in sources and not name.startswith("device-")]

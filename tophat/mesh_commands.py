@@ -220,7 +220,7 @@ def mesh_secrets(
         help="where services and devices reach the state monitor (the issuer); default http(s)://state-monitor:8020",
     ),
     device: list[str] = typer.Option(
-        ["device-1"],
+        ["device-1", "device-2"],
         "--device",
         help="a device agent's id, one bootstrap token each (repeat it; Swarm and k8s: the nodes' host names)",
     ),

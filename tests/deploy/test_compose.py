@@ -1,8 +1,8 @@
 """`docker compose up` for real (`make test-deploy`; marked `deploy`, so `make test` leaves it out).
 
 The image `tophat:cpu` (`make image`) runs every service in its own container, each on the host's
-network (docker-compose.host.yml), so all traffic stays on 127.0.0.1. Two device agents come from
-`--scale device-agent=2` and announce themselves. The secrets come from `make secrets`: every internal hop
+network (docker-compose.host.yml), so all traffic stays on 127.0.0.1. Two device agents (`device-agent` and
+`device-agent-2`, each with its own bootstrap token's id) announce themselves. The secrets come from `make secrets`: every internal hop
 needs a token, Redis a password, and the cloud-side services speak only TLS (a development CA's
 certificate, trusted here). The official `openai` client streams a greedy chat
 answer that must equal the unsplit model's (computed here, on the host, from the same wheel); the
@@ -111,7 +111,7 @@ def stack():
     compose("down", "-v", "--remove-orphans", timeout=180, check=False)  # leftovers of an interrupted run
     started = time.monotonic()
     try:
-        compose("up", "-d", "--scale", "device-agent=2", "--wait", "--wait-timeout", "600", timeout=660)
+        compose("up", "-d", "--wait", "--wait-timeout", "600", timeout=660)
         print(f"\ncompose up (2 device agents) healthy in {time.monotonic() - started:.1f} s")
         yield
     except AssertionError:
@@ -124,7 +124,7 @@ def stack():
 def test_compose_mesh_serves_restarts_and_leaves_nothing(stack, expected_answer):
     status = {c["Service"]: c for c in map(json.loads, compose("ps", "--format", "json").stdout.splitlines())}
     assert set(status) == {"redis", "state-monitor", "chunk-planner", "verifier-cloud", "device-agent",
-                           "token-streamer"}
+                           "device-agent-2", "token-streamer"}
     devices = httpx.get(f"{MONITOR}/devices", timeout=10, verify=trusted()).json()["devices"]
     assert len(devices) == 2 and len({d["device_id"] for d in devices}) == 2, devices
 

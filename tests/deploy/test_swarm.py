@@ -184,8 +184,11 @@ def swarm(tmp_path_factory) -> Iterator[tuple[Path, str]]:
                "--label-add", "tophat.speed=orin", node_id)
         secrets_dir = tmp_path_factory.mktemp("swarm-secrets")
         api_key = "swarm-ci-key"
+        # one bootstrap token per agent the test runs: swarm/one-host.yml names each {{.Node.Hostname}}-{{.Task.Slot}}
+        hostname = docker("info", "--format", "{{.Name}}").strip()
+        devices = [arg for slot in (1, 2, 3) for arg in ("--device", f"{hostname}-{slot}")]
         run(str(REPO / ".venv" / "bin" / "tophat"), "mesh-secrets", "--out", str(secrets_dir), "--api-key", api_key,
-            "--tls-hosts", TLS_HOSTS)
+            "--tls-hosts", TLS_HOSTS, *devices)
         for name, file in SECRET_FILES.items():
             docker("secret", "rm", name, check=False)
             docker("secret", "create", name, str(secrets_dir / file))
