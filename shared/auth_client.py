@@ -197,9 +197,13 @@ class BrokerAuth(httpx.Auth):
     def __repr__(self) -> str:
         return f"BrokerAuth({self.broker!r}, audience={self.audience!r})"
 
+    async def token(self) -> str:
+        """The token for this auth's one fixed audience (new once the last one has lived half its life)."""
+        assert self.audience, "token() and headers() are for one fixed audience"
+        return await self.broker.token(self.audience)
+
     async def headers(self) -> dict[str, str]:
-        assert self.audience, "headers() is for one fixed audience"
-        return {"Authorization": f"Bearer {await self.broker.token(self.audience)}"}
+        return {"Authorization": f"Bearer {await self.token()}"}
 
     async def _token(self, url: str) -> str | None:
         audience = self.audience or self.audiences.get(url_origin(url))

@@ -6,7 +6,8 @@ checks every admitted credential every `interval_s` against the verifier's curre
 revocation list, swapped in by shared/auth_client.py's `TrustRefresher` every `auth_refresh_s`) and the clock
 (its `exp`, with the verifier's leeway, as the handshake checked it), and closes a connection that fails with
 its typed reason ("revoked" or "expired", shared/auth.py's `AuthError` reasons) through the owner's `close`.
-A revocation therefore reaches an open connection within auth_refresh_s + interval_s.
+A revocation therefore reaches an open connection within auth_refresh_s + interval_s. A connection renewed
+with a fresh token for the same subject (`renew`, the verifier's Reauthenticate) is held to the new claims.
 
 Each close runs as an owned task, bounded by `close_timeout_s`; `run` cancels the ones still running when it
 is cancelled. Nothing here knows WebSockets: `close(connection, reason)` is the owner's.
@@ -58,6 +59,14 @@ class CredentialWatch:
 
     def admit(self, connection: Any, claims: Claims) -> None:
         self._open[connection] = claims
+
+    def renew(self, connection: Any, claims: Claims) -> bool:
+        """Hold an admitted connection to new `claims` (a fresh token for the same subject, checked by the
+        caller); False when it is no longer admitted (its credential failed and it is being closed)."""
+        if connection not in self._open:
+            return False
+        self.admit(connection, claims)
+        return True
 
     def forget(self, connection: Any) -> None:
         self._open.pop(connection, None)

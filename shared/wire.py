@@ -24,6 +24,8 @@ Type-code table (one byte each: every code < 128 is a msgpack positive fixint):
     0x01 OpenSession   d->c    0x02 SessionOpened c->d
     0x03 CloseSession  d->c    0x04 SessionClosed c->d
     0x05 ForkSession   d->c    (reply SessionOpened: a new session whose KV is a copy of a parent's prefix)
+    0x06 Reauthenticate d->c   (no reply: a fresh token for the open connection; refused: ErrorFrame
+                               CREDENTIAL, then close 1008)
     0x10 PrefillChunk  d->c    0x11 ChunkAck      c->d   0x12 DeepHidden c->d
     0x20 VerifyRequest d->c    0x21 VerifyResult  c->d
     0x30 BandwidthProbe d->c   0x31 ProbeReply    c->d   (link measurement, no model data)
@@ -79,6 +81,7 @@ _U64_MAX = 2**64 - 1
 _TOKEN_ID_MAX = 2**32 - 1  # ids travel as uint32
 TOKEN_MODE_CODES = range(0x40, 0x60)  # message types that carry token ids (privacy mode refuses them)
 _MAX_ERROR_TEXT = 512
+MAX_CREDENTIAL_CHARS = 4096  # a Reauthenticate's token (a JWT: a few hundred printable ASCII characters)
 # Our frames are structurally tiny (a map of <= ~8 keys, 2-element shapes); capping
 # container sizes stops a 16 MiB frame of 1-byte nils from inflating into ~128 MB of
 # Python objects before validation even starts.
@@ -123,6 +126,7 @@ class ErrorCode(enum.IntEnum):
     BAD_VALUE = 13  # a hidden state holds NaN or +-Inf (refused where the frame is decoded with finite_only)
     KV_BUDGET = 14  # the KV this would take passes the verifier's KV budget in bytes (the device's or the total)
     QUEUE_BUDGET = 15  # the frame would pass the verifier's budget of queued bytes (the device's or the total)
+    CREDENTIAL = 16  # a Reauthenticate's token is refused (another device's, expired, revoked...): the connection ends
 
 
 class WireError(CodecError):
@@ -235,6 +239,7 @@ TENSOR, DTYPE, CODE = "tensor", "dtype", "code"
 FLOAT, TOKENS = "float", "tokens"  # finite float; non-empty tuple of uint32 token ids
 OPT_TOKENS, OPT_PROBS = "opt_tokens", "opt_probs"  # absent, or ids / float32 probabilities in [0, 1] as one bin
 OPT_ROWS = "opt_rows"  # absent, or row indices (uint32, one bin like token ids; not token ids: no privacy concern)
+CREDENTIAL = "credential"  # a bearer token: 1..MAX_CREDENTIAL_CHARS printable ASCII, no spaces (never prompt text)
 _REGISTRY: MessageRegistry[int] = MessageRegistry("wire message")
 _TYPES: dict[int, type[Message]] = _REGISTRY.by_tag  # type code -> class: the table decode dispatches on
 
@@ -290,6 +295,11 @@ def _check(kind: str, name: str, value: Any) -> Any:
     elif kind == TEXT:
         if not isinstance(value, str):
             raise WireError(ErrorCode.MALFORMED, f"{name} must be a string")
+    elif kind == CREDENTIAL:
+        if not isinstance(value, str) or not value or not (value.isascii() and value.isprintable()) or " " in value:
+            raise WireError(ErrorCode.MALFORMED, f"{name} must be a non-empty token of printable ASCII, no spaces")
+        if len(value) > MAX_CREDENTIAL_CHARS:
+            raise WireError(ErrorCode.OVERSIZED, f"{name} is {len(value)} characters, over {MAX_CREDENTIAL_CHARS}")
     elif kind == DTYPE:
         return _as_dtype(value)
     elif kind == CODE:
@@ -423,6 +433,20 @@ class ForkSession(Message):
     session_id: int = _f("s", U64)
     parent_id: int = _f("ps", U64)
     length: int | None = _f("n", OPT_U64, default=None)
+
+
+@_message(0x06)
+class Reauthenticate(Message):
+    """A fresh access token for the open connection (the one it connected with would expire): the verifier checks
+    it as the handshake checked the first (audience, role, and the connection's own device) and keeps the
+    connection open under it. No reply; a refused token is answered with ErrorFrame CREDENTIAL and the
+    connection is closed (1008). With auth off it is accepted and ignored. The token is a credential, never
+    prompt text, so `assert_privacy_safe` lets it through."""
+
+    token: str = _f("k", CREDENTIAL)
+
+    def __repr__(self) -> str:  # never a token in a log line
+        return f"Reauthenticate(token=<{len(self.token)} chars>)"
 
 
 @_message(0x10)
@@ -744,8 +768,10 @@ def assert_privacy_safe(frame: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES)
     sid, seq = getattr(msg, "session_id", None), getattr(msg, "seq_no", None)
     if msg.carries_token_ids:
         raise WireError(ErrorCode.PRIVACY_VIOLATION, f"{type(msg).__name__} carries token ids", sid, seq)
-    for name, _key, _kind, _opt in msg._spec:
+    for name, _key, kind, _opt in msg._spec:
         value = getattr(msg, name)
+        if kind == CREDENTIAL:  # a bearer token, not prompt data
+            continue
         if isinstance(value, str) and not (isinstance(msg, ErrorFrame) and name == "message"):
             raise WireError(ErrorCode.PRIVACY_VIOLATION, f"text in field {name}", sid, seq)
     return msg

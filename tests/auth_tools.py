@@ -13,15 +13,19 @@ from shared.auth_keys import KeyRing
 
 
 @contextlib.asynccontextmanager
-async def jwks_server(ring: KeyRing, revoked: set[str] | None = None) -> AsyncIterator[str]:
+async def jwks_server(
+    ring: KeyRing, revoked: set[str] | None = None, revoked_tokens: set[str] | None = None
+) -> AsyncIterator[str]:
     """A loopback HTTP server answering every GET with the ring's public key set (as the issuer's
     /credentials/jwks does): yields its base URL, to be a service's auth_issuer_url. `revoked`: the revocation
-    list it serves (auth.revocation_key(role, sub) entries), read at each answer, so a test revokes by adding."""
+    list it serves (auth.revocation_key(role, sub) entries), read at each answer, so a test revokes by adding;
+    `revoked_tokens`: likewise, single tokens by their jti."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            body = json.dumps({**ring.jwks(), "revoked": sorted(revoked or ())}).encode()
+            listed = {"revoked": sorted(revoked or ()), "revoked_tokens": sorted(revoked_tokens or ())}
+            body = json.dumps({**ring.jwks(), **listed}).encode()
             head = f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             writer.write(head.encode() + b"connection: close\r\n\r\n" + body)
             await writer.drain()

@@ -61,6 +61,8 @@ ALL_MESSAGES = [
     wire.ProbeReply(0, 3, _h(128)),
     wire.ForkSession(8, 7),  # the parent's whole length
     wire.ForkSession(2**64 - 1, 7, length=37),
+    wire.Reauthenticate("eyJhbGciOiJFZERTQSJ9.eyJzdWIiOiJkZXYtYSJ9.c2ln"),  # a credential, not prompt text
+    wire.Reauthenticate("x" * wire.MAX_CREDENTIAL_CHARS),
 ]
 
 TOKEN_MESSAGES = [
@@ -451,3 +453,24 @@ def test_a_fork_without_its_parent_is_malformed():
     m = _raw(wire.ForkSession(8, 7))
     del m["ps"]
     _err(_pack(m), ErrorCode.MALFORMED)
+
+
+@pytest.mark.parametrize("token, code", [
+    ("", ErrorCode.MALFORMED),
+    ("Bearer a.b.c", ErrorCode.MALFORMED),  # a header value, not a token
+    ("a.b.c\n", ErrorCode.MALFORMED),
+    ("\u00e9.b.c", ErrorCode.MALFORMED),
+    (b"a.b.c", ErrorCode.MALFORMED),
+    (7, ErrorCode.MALFORMED),
+    ("x" * (wire.MAX_CREDENTIAL_CHARS + 1), ErrorCode.OVERSIZED),
+])
+def test_a_malformed_reauthenticate_token_is_a_typed_error(token, code):
+    with pytest.raises(WireError) as info:
+        wire.Reauthenticate(token)
+    assert info.value.code == code
+    # decoded, the same: a token over the bound is already past the unpacker's string limit (MALFORMED)
+    _err(_pack({"v": wire.WIRE_VERSION, "t": wire.Reauthenticate.type, "k": token}), ErrorCode.MALFORMED)
+
+
+def test_a_reauthenticate_never_shows_its_token():
+    assert "secret" not in repr(wire.Reauthenticate("secret.token.sig"))

@@ -123,7 +123,7 @@ _TENSORS = st.fixed_dictionaries({
 _ANY = st.one_of(_SCALARS, _TENSORS, st.lists(_INTS, max_size=3))
 _OF_KIND = {
     wire.U64: st.integers(0, 2**64 - 1), wire.OPT_U64: st.integers(0, 2**64 - 1), wire.BOOL: st.booleans(),
-    wire.TEXT: st.text(max_size=8), wire.DTYPE: st.sampled_from([wd.value for wd in wire.WireDtype]),
+    wire.TEXT: st.text(max_size=8), wire.CREDENTIAL: st.text(max_size=8), wire.DTYPE: st.sampled_from([wd.value for wd in wire.WireDtype]),
     wire.CODE: st.integers(0, 16), wire.TENSOR: _TENSORS, wire.FLOAT: st.floats(-2, 2),
     wire.TOKENS: st.binary(max_size=16), wire.OPT_TOKENS: st.binary(max_size=16), wire.OPT_ROWS: st.binary(max_size=16),
     wire.OPT_PROBS: st.one_of(st.binary(max_size=16), st.lists(st.floats(-1, 2, width=32), min_size=1, max_size=4)

@@ -3,7 +3,8 @@
 One connection per device agent, shared by all its sessions; `url` may list several verifier replicas and a
 connection goes to the first that answers. Replies are matched to requests by (session_id, seq_no); a reader
 task owns the receive side. If the connection drops, every waiting request fails with `CloudUnavailable` and
-the next request reconnects. Every wait is bounded by `request_timeout_s`.
+the next request reconnects. Every wait is bounded by `request_timeout_s`. With auth on, a connection sends
+the verifier a fresh token at half the life of the one in force (reauth.py), so it outlives its first token.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from services.device_agent.cloud_errors import CloudError, CloudTimeout, CloudUnavailable
+from services.device_agent.reauth import keep_fresh
 from shared import wire
 from shared.auth_client import BrokerAuth, CredentialUnavailable
 from shared.links import LinkProfile
@@ -82,7 +84,8 @@ class CloudConnection:
                 index = (self._next_url + attempt) % len(self.urls)
                 self.url = self.urls[index]
                 try:
-                    headers = await self.auth.headers() if self.auth is not None else None
+                    token = await self.auth.token() if self.auth is not None else None
+                    headers = {"Authorization": f"Bearer {token}"} if token is not None else None
                     self._connection = await connect(
                         self.url,
                         open_timeout=self.connect_timeout_s,
@@ -104,11 +107,28 @@ class CloudConnection:
                 connection = self._connection
                 self._uplink = DelayLine(self._shapers[0], connection.send)
                 self._downlink = DelayLine(self._shapers[1], self._deliver_frame)
-            self._reader = asyncio.create_task(self._read_loop(self._connection))
+            renewal = self._keep_fresh(self._connection, token)
+            self._reader = asyncio.create_task(self._read_loop(self._connection, renewal))
             log.info("connected to verifier %s", self.url)
             return self._connection
 
-    async def _read_loop(self, connection: ClientConnection) -> None:
+    def _keep_fresh(self, connection: ClientConnection, token: str | None) -> asyncio.Task | None:
+        """The task renewing `connection`'s token (reauth.py), owned by its read loop; None with auth off."""
+        if token is None or self.auth is None:
+            return None
+
+        async def send(frame: bytes) -> None:
+            if self._uplink is not None:
+                await self._uplink.put(frame)
+            else:
+                await connection.send(frame)
+            if self.on_frame is not None:
+                self.on_frame("up", len(frame))
+
+        renewal = keep_fresh(token, self.auth.token, send, timeout_s=self.request_timeout_s)
+        return asyncio.create_task(renewal, name="verifier-token-renewal")
+
+    async def _read_loop(self, connection: ClientConnection, renewal: asyncio.Task | None = None) -> None:
         try:
             async for frame in connection:
                 if self._downlink is not None:
@@ -118,6 +138,8 @@ class CloudConnection:
         except ConnectionClosed:
             pass
         finally:
+            if renewal is not None:  # the connection's token dies with it
+                renewal.cancel()
             if self._downlink is not None:
                 await self._downlink.aclose()
             if self._uplink is not None:

@@ -29,7 +29,17 @@ from shared.specdec.draft_stream import ChunkVerdict
 
 log = logging.getLogger("services.verifier_cloud")
 
-# (connection, a decoded frame) -> the reply frame, or None when the answer comes later (queued work)
+
+class EndConnection(Exception):
+    """Raised by a handler: answer the frame with `reply`, then close the connection (`code`, `reason`)."""
+
+    def __init__(self, reply: wire.ErrorFrame, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.reply, self.code, self.reason = reply, code, reason
+
+
+# (connection, a decoded frame) -> the reply frame, or None when the answer comes later (queued work);
+# EndConnection: the frame is answered and the connection closed
 MessageHandler = Callable[[ServerConnection, wire.Message], wire.Message | None]
 
 
@@ -73,6 +83,20 @@ class DeviceLink:
             transport.abort()  # no closing handshake: it would queue behind the bytes the peer does not read
         return False
 
+    async def close(self, connection: ServerConnection, code: int, reason: str) -> None:
+        """Close a connection (its closing handshake bounded by send_timeout_s; past it, the socket is cut)."""
+        try:
+            async with asyncio.timeout(self.settings.send_timeout_s):
+                await connection.close(code, reason)
+        except TimeoutError:
+            log.info(
+                "device %s did not answer its close within %.0fs",
+                connection.remote_address,
+                self.settings.send_timeout_s,
+            )
+            if connection.transport is not None:
+                connection.transport.abort()
+
     def send_soon(self, connection, message: wire.Message, wire_dtype=None) -> None:
         """Send from synchronous code (engine callbacks): an owned task, bounded by send_timeout_s."""
         task = asyncio.create_task(self.send(connection, message, wire_dtype))
@@ -112,6 +136,10 @@ class DeviceLink:
                         finite_only=True,
                     )
                     reply = on_message(connection, message)
+                except EndConnection as end:
+                    await self.send(connection, end.reply)
+                    await self.close(connection, end.code, end.reason)
+                    return
                 except wire.WireError as exc:
                     bad_frames.bad_frame(exc)
                     reply = exc.to_frame()

@@ -2,7 +2,8 @@
 of a WebSocket upgrade on /ws (with a mesh secret, a device's token) before any session exists.
 A connection it admits is handed to the credential watch (shared/credential_watch.py), which closes it
 (`close_for_credential`: code 1008, reason "credential revoked" / "credential expired") once its token is
-revoked or expires: the handshake is not the last check.
+revoked or expires: the handshake is not the last check. A device renews it on the open connection
+(`reauthenticate`: a wire Reauthenticate with a fresh token, checked as the handshake checks the first).
 
 websockets calls `process_request` for every handshake; an answer ends it there, None goes on to
 the WebSocket. Readiness comes from the server (`readiness`), so this module knows no engine.
@@ -18,9 +19,10 @@ from websockets.asyncio.server import ServerConnection
 from websockets.frames import CloseCode
 from websockets.http11 import Request, Response
 
+from services.verifier_cloud.device_link import EndConnection
 from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.settings import Settings
-from shared import auth
+from shared import auth, wire
 from shared.credential_watch import CredentialWatch
 from shared.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, exposition
 
@@ -91,3 +93,22 @@ class HttpFront:
         if self.watch is not None:
             self.watch.admit(connection, claims)
         return None
+
+    def reauthenticate(self, connection: ServerConnection, message: wire.Reauthenticate) -> None:
+        """A fresh token for an open connection, checked as the handshake checks the first (audience, role) and
+        for the connection's own device: the watch then holds the connection to the new token's expiry.
+        Refused (another device's token, expired, revoked, forged...): EndConnection (an ErrorFrame CREDENTIAL,
+        then close 1008 "credential <reason>"). With auth off there is nothing to renew: accepted and ignored."""
+        if self.trust is None or self.watch is None:
+            return
+        try:
+            claims = auth.authenticate(self.trust, f"Bearer {message.token}", auth.VERIFIER, {"device"})
+            admitted = self.sessions.device_of.get(connection)
+            if claims.subject != admitted:
+                raise auth.AuthError("forbidden", "a token for another device than the connection's")
+        except auth.AuthError as exc:
+            log.info("refused a new token from %s on its connection: %s", connection.remote_address, exc)
+            refusal = wire.ErrorFrame(wire.ErrorCode.CREDENTIAL, f"token refused: {exc.reason}")
+            raise EndConnection(refusal, CREDENTIAL_CLOSE_CODE, credential_close_reason(exc.reason)) from None
+        if not self.watch.renew(connection, claims):
+            log.info("a new token from %s came as its connection was closing; ignored", connection.remote_address)

@@ -222,6 +222,8 @@ class VerifierServer:
             )
         if isinstance(message, wire.ForkSession):
             return fork(self, connection, message)
+        if isinstance(message, wire.Reauthenticate):
+            return self.http.reauthenticate(connection, message)
         if isinstance(message, wire.OpenTokenSession):
             return self.tokens.open(connection, message, self.is_ready)
         if isinstance(message, TOKEN_WORK):
