@@ -26,6 +26,7 @@ from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2
 RING = KeyRing.generate()
+OTHER_RING = KeyRing.generate()  # an issuer the verifier does not trust
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ REFUSED = {
     "another device's": lambda revoked: (_token("dev-b"), "forbidden"),
     "expired": lambda revoked: (_token("dev-a", ttl_s=10, now=time.time() - 100), "expired"),
     "revoked": _revoked_case,
-    "forged": lambda revoked: (KeyRing.generate().mint("dev-a", "device", auth.VERIFIER, 60, time.time()), "unknown_key"),
+    "forged": lambda revoked: (OTHER_RING.mint("dev-a", "device", auth.VERIFIER, 60, time.time()), "unknown_key"),
     "a service's": lambda revoked: (RING.mint("dev-a", "service", auth.VERIFIER, 60, time.time()), "forbidden"),
 }
 

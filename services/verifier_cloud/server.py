@@ -223,7 +223,8 @@ class VerifierServer:
         if isinstance(message, wire.ForkSession):
             return fork(self, connection, message)
         if isinstance(message, wire.Reauthenticate):
-            return self.http.reauthenticate(connection, message)
+            self.http.reauthenticate(connection, message)  # no reply; a refusal ends the connection
+            return None
         if isinstance(message, wire.OpenTokenSession):
             return self.tokens.open(connection, message, self.is_ready)
         if isinstance(message, TOKEN_WORK):
