@@ -91,6 +91,15 @@ def split_identity(checkpoint, split_layers: int = 2) -> dict:
     return {"split_layers": split_layers, "fingerprint": split_fingerprint(checkpoint.path, split_layers)}
 
 
+async def open_session(ws, checkpoint, session_id: int, split_layers: int = 2):
+    """OpenSession for `checkpoint` split at m on an open verifier socket, and the verifier's answer."""
+    from shared import wire
+
+    identity = split_identity(checkpoint, split_layers)
+    await ws.send(wire.encode(wire.OpenSession(session_id, checkpoint.hidden_size, **identity)))
+    return wire.decode(await asyncio.wait_for(ws.recv(), 10))
+
+
 @contextlib.asynccontextmanager
 async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=None, **overrides):
     """The real VerifierServer in this event loop on a free loopback port: yields (server, ws url)."""

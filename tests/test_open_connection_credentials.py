@@ -18,7 +18,7 @@ from shared import auth, wire
 from shared.auth_keys import KeyRing
 from shared.model.checkpoint import load_checkpoint
 from tests.auth_tools import jwks_server, wait_trusted
-from tests.mesh_tools import split_identity, verifier_on_loopback
+from tests.mesh_tools import open_session, verifier_on_loopback
 
 M = 2
 RING = KeyRing.generate()
@@ -45,11 +45,6 @@ async def verifier_trusting(checkpoint, revoked: set[str], **overrides):
         yield server, url
 
 
-async def _open(ws, checkpoint, sid: int) -> wire.Message:
-    await ws.send(wire.encode(wire.OpenSession(sid, checkpoint.hidden_size, **split_identity(checkpoint, M))))
-    return wire.decode(await asyncio.wait_for(ws.recv(), 10))
-
-
 async def _closed_after(ws, timeout_s: float) -> tuple[float, ConnectionClosed]:
     """(seconds until the verifier closed `ws`, how): fails if it stays open `timeout_s`."""
     started = time.monotonic()
@@ -63,8 +58,8 @@ async def test_a_revoked_devices_open_socket_is_closed_within_2s(checkpoint):
     async with verifier_trusting(checkpoint, revoked) as (server, url):
         async with connect(url, additional_headers=_headers("dev-a")) as victim, \
                 connect(url, additional_headers=_headers("dev-b")) as bystander:
-            assert isinstance(await _open(victim, checkpoint, 1), wire.SessionOpened)
-            assert isinstance(await _open(bystander, checkpoint, 2), wire.SessionOpened)
+            assert isinstance(await open_session(victim, checkpoint, 1), wire.SessionOpened)
+            assert isinstance(await open_session(bystander, checkpoint, 2), wire.SessionOpened)
             revoked.add(auth.revocation_key("device", "dev-a"))  # at the issuer, as `tophat credentials revoke`
             took_s, closed = await _closed_after(victim, 10.0)
             assert took_s < WITHIN_S, f"closed {took_s:.2f}s after the revocation"
@@ -76,7 +71,7 @@ async def test_a_revoked_devices_open_socket_is_closed_within_2s(checkpoint):
                 await asyncio.sleep(0.02)
             assert 1 not in server.scheduler.sessions
             # another device's connection and sessions are untouched
-            assert isinstance(await _open(bystander, checkpoint, 3), wire.SessionOpened)
+            assert isinstance(await open_session(bystander, checkpoint, 3), wire.SessionOpened)
             assert 2 in server.scheduler.sessions
 
 
@@ -88,10 +83,10 @@ async def test_an_expired_credentials_open_socket_is_closed_within_2s(checkpoint
         ).expires_at
         async with connect(url, additional_headers=headers) as ws, \
                 connect(url, additional_headers=_headers("dev-d")) as fresh:
-            assert isinstance(await _open(ws, checkpoint, 1), wire.SessionOpened)
+            assert isinstance(await open_session(ws, checkpoint, 1), wire.SessionOpened)
             _, closed = await _closed_after(ws, 10.0)
             late_s = time.time() - expires_at
             assert 0 <= late_s < WITHIN_S, f"closed {late_s:.2f}s after the token expired"
             assert closed.rcvd is not None
             assert (closed.rcvd.code, closed.rcvd.reason) == (CREDENTIAL_CLOSE_CODE, "credential expired")
-            assert isinstance(await _open(fresh, checkpoint, 2), wire.SessionOpened)
+            assert isinstance(await open_session(fresh, checkpoint, 2), wire.SessionOpened)

@@ -22,7 +22,7 @@ from shared.auth_client import CredentialUnavailable, unverified_claims
 from shared.auth_keys import KeyRing
 from shared.model.checkpoint import load_checkpoint
 from tests.auth_tools import jwks_server, wait_trusted
-from tests.mesh_tools import split_identity, verifier_on_loopback
+from tests.mesh_tools import open_session, split_identity, verifier_on_loopback
 
 M = 2
 RING = KeyRing.generate()
@@ -49,20 +49,15 @@ async def verifier_trusting(checkpoint, revoked_tokens: set[str] | None = None):
         yield server, url
 
 
-async def _open(ws, checkpoint, sid: int) -> wire.Message:
-    await ws.send(wire.encode(wire.OpenSession(sid, checkpoint.hidden_size, **split_identity(checkpoint, M))))
-    return wire.decode(await asyncio.wait_for(ws.recv(), 10))
-
-
 async def test_a_connection_that_reauthenticates_outlives_its_first_token(checkpoint):
     async with verifier_trusting(checkpoint) as (_, url):
         first = _token("dev-a", ttl_s=2)
         expires_at = unverified_claims(first)["exp"]
         async with connect(url, additional_headers={"Authorization": f"Bearer {first}"}) as ws:
-            assert isinstance(await _open(ws, checkpoint, 1), wire.SessionOpened)
+            assert isinstance(await open_session(ws, checkpoint, 1), wire.SessionOpened)
             await ws.send(wire.encode(wire.Reauthenticate(_token("dev-a", ttl_s=60))))  # no reply when accepted
             await asyncio.sleep(max(0.0, expires_at - time.time()) + 1.0)  # past the first token's expiry
-            assert isinstance(await _open(ws, checkpoint, 2), wire.SessionOpened)
+            assert isinstance(await open_session(ws, checkpoint, 2), wire.SessionOpened)
 
 
 def _revoked_case(revoked: set[str]) -> tuple[str, str]:
@@ -93,7 +88,7 @@ async def test_a_refused_new_token_ends_the_connection_with_1008(checkpoint, cas
         async with connect(url, additional_headers=headers) as ws, connect(
             url, additional_headers={"Authorization": f"Bearer {_token('dev-c')}"}
         ) as bystander:
-            assert isinstance(await _open(ws, checkpoint, 1), wire.SessionOpened)
+            assert isinstance(await open_session(ws, checkpoint, 1), wire.SessionOpened)
             await ws.send(wire.encode(wire.Reauthenticate(token)))
             refusal = wire.decode(await asyncio.wait_for(ws.recv(), 10))
             assert isinstance(refusal, wire.ErrorFrame) and refusal.code == wire.ErrorCode.CREDENTIAL, refusal
@@ -107,13 +102,13 @@ async def test_a_refused_new_token_ends_the_connection_with_1008(checkpoint, cas
                     break
                 await asyncio.sleep(0.02)
             assert 1 not in server.scheduler.sessions
-            assert isinstance(await _open(bystander, checkpoint, 2), wire.SessionOpened)  # others go on
+            assert isinstance(await open_session(bystander, checkpoint, 2), wire.SessionOpened)  # others go on
 
 
 async def test_with_auth_off_a_reauthenticate_is_ignored(checkpoint):
     async with verifier_on_loopback(checkpoint, M) as (_, url), connect(url) as ws:
         await ws.send(wire.encode(wire.Reauthenticate("not.a.token")))
-        assert isinstance(await _open(ws, checkpoint, 1), wire.SessionOpened)  # no reply came before this one
+        assert isinstance(await open_session(ws, checkpoint, 1), wire.SessionOpened)  # no reply came before this one
 
 
 class _Tokens:

@@ -1,8 +1,8 @@
 """Batch-invariant attention: every query row comes out in the same bits whatever else shares its pass.
 
-Why: at int4/int8 every quantized matmul rounds its input to bfloat16, so a difference of a few 1e-7 in
-one attention row can become a whole bfloat16 step and, where two logits are close, another greedy
-token. torch's CPU scaled-dot-product kernel gives a row such differences depending on how many rows
+Why: at int4/int8 every quantized matmul rounds its input (to int16 codes per group of 32, quantized.py), so a
+difference of a few 1e-7 in one attention row can cross a rounding step and, where two logits are close, give
+another greedy token. torch's CPU scaled-dot-product kernel gives a row such differences depending on how many rows
 and keys its call holds (it blocks them by the call's shape). The quantized matmuls and the norms are
 batch-invariant already (measured), so with this attention the unsplit model decoding one row per pass
 (`generate_full`, the reference) and the mesh verifying many rows per pass compute the same logits.

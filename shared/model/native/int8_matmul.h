@@ -15,7 +15,7 @@
 // their lane sums reduced together (lane_sums16), the rows split between threads. An output depends on its own
 // row and column only, never on how many rows or threads the call has: batch-invariant, as the quantized path
 // must be. Wherever the extension is built every int8 product in the process comes from here; elsewhere
-// quantized.project computes from the dequantized weights.
+// quantized.torch_product computes the same sums in torch ops.
 
 #pragma once
 
