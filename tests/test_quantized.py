@@ -15,6 +15,7 @@ from shared.model.quantized import (
     int4_codes,
     is_quantized,
     project,
+    quantize_linears,
     quantize_q4,
     quantize_q8,
 )
@@ -174,3 +175,18 @@ def test_a_block_with_a_shape_int4_cannot_pack_stays_int8_whole_so_its_projectio
     assert {getattr(layer.mlp, f"{p}_proj").bits for p in ("gate", "up", "down")} == {4}
     fused = fused_layer(layer)
     assert fused.qkv.weight.dtype is torch.int8 and fused.gate_up.weight.dtype is torch.uint8
+
+
+def test_quantize_linears_swaps_every_nested_linear_that_fits_and_keeps_the_rest():
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(
+        torch.nn.Linear(64, 32), torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 96, bias=False))
+    )
+    odd = torch.nn.Linear(30, 8)  # 30 inputs: not whole groups of 32, stays float
+    block.append(odd)
+    x = torch.randn(3, 64)
+    expected = block[1](block[0](x))
+    quantize_linears(block, 8)
+    assert isinstance(block[0], QuantizedLinear) and isinstance(block[1][1], QuantizedLinear)
+    assert isinstance(block[1][0], torch.nn.LayerNorm) and block[2] is odd
+    torch.testing.assert_close(block[1](block[0](x)), expected, atol=0.05, rtol=0.05)  # Q8_0 blocks: close, not equal

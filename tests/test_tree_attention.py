@@ -6,15 +6,19 @@ compacting to one path the cache must be that chain's cache; sessions without a 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from shared.model.adapter import AdapterError, AdapterSpec, DraftAdapter
 from shared.model.kv_cache import KVCacheError
-from shared.model.tree_rows import TreeError, TreeRows, ancestor_mask_from_parents
+from shared.model.native_build import native_module
+from shared.model.quantized import dequantize, quantize_q8
 from shared.model.split import InputSubmodel, LayerRange, MiddleSubmodel
-from shared.specdec.device_model import DeviceModel
+from shared.model.tree_rows import TreeError, TreeRows, ancestor_mask_from_parents
+from shared.specdec.device_model import DeviceModel, q8_blocks_if_exact
 
 ATOL = 1e-5
 PREFIX = 7
@@ -246,3 +250,31 @@ def test_draft_logits_are_the_head_on_the_subset_and_minus_inf_elsewhere(tiny_ch
     adapter.set_draft_vocab([1, 2])
     assert torch.isneginf(model.draft_logits(hidden)[:, 0]).all()  # a new vocabulary: a new head
     assert DeviceModel.from_checkpoint(tiny_checkpoint, 2, None).draft_logits(hidden).equal(full)
+
+
+def test_a_float_head_on_the_q8_grid_drafts_through_the_int8_kernel_and_any_other_stays_float():
+    torch.manual_seed(3)
+    rows = torch.randn(40, 64)  # [N, H]
+    on_grid = dequantize(*quantize_q8(rows))  # a GGUF model's head: Q8_0 blocks, dequantized
+    codes, scales = q8_blocks_if_exact(on_grid)
+    assert codes.dtype == torch.int8 and scales is not None
+    assert torch.equal(dequantize(codes, scales), on_grid)  # the same weights, a quarter of the bytes
+    kept, none = q8_blocks_if_exact(rows)  # off the grid: quantizing would change the draft head
+    assert kept is rows and none is None
+
+
+@pytest.mark.skipif(not native_module(), reason="the int8 kernel is the C++ extension's (make native)")
+def test_draft_logits_of_a_q8_head_match_the_float_head(tiny_checkpoint):
+    checkpoint = copy.deepcopy(tiny_checkpoint)  # its head is rewritten below; the fixture is shared
+    adapter = DraftAdapter(checkpoint, 2)
+    model = DeviceModel.from_checkpoint(checkpoint, 2, adapter)
+    with torch.no_grad():
+        head = model.output.lm_head.weight
+        head.copy_(dequantize(*quantize_q8(head.float())).to(head.dtype))
+    vocab = torch.tensor([9, 0, 57, 210, 33])
+    adapter.set_draft_vocab(vocab)
+    hidden = states(3, checkpoint.hidden_size, 5)
+    logits = model.draft_logits(hidden)  # [3, V]
+    assert model._draft_head is not None and model._draft_head[2].dtype == torch.int8
+    full = model.output(hidden)  # [3, V]
+    torch.testing.assert_close(logits[:, vocab], full[:, vocab], atol=1e-3, rtol=1e-4)  # int16 activation rows

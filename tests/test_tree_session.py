@@ -214,3 +214,28 @@ def test_a_tree_drafted_by_the_target_itself_is_accepted_to_full_depth(tiny_chec
     assert any(layout is not None and layout.kept for _, _, layout in cloud.layouts)  # paths not in place moved
     if params.is_greedy:
         assert result.token_ids == generate_full(tiny_checkpoint, [3, 4, 5], 33).token_ids
+
+
+def test_a_greedy_tree_expands_only_paths_likely_enough_and_stays_token_identical(tiny_checkpoint):
+    """Each expanded node costs a row through the input layers, the adapter and the draft head: a greedy tree
+    grows only nodes whose path's draft probability reaches tree_min_prob, and its output does not move."""
+    import math
+
+    ids = list(range(3, 17))
+    expected = generate_full(tiny_checkpoint, ids, 24).token_ids
+    probabilities = {}
+    for bar in (0.0, 0.02):  # the tiny model's paths: ~1e-8 .. ~0.07
+        config = DraftConfig(max_draft=6, tree_nodes=24, tree_width=4, tree_min_prob=bar)
+        session = DeviceSession(_identity_adapter_device(tiny_checkpoint), ids, draft_config=config, max_new_tokens=24)
+        expand, expanded = session._expand, []
+
+        def recorded(tree, nodes, round_start, expand=expand, expanded=expanded):
+            expanded.extend(math.exp(tree.log_q[node]) for node in nodes if node != 0)
+            return expand(tree, nodes, round_start)
+
+        session._expand = recorded
+        result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(tiny_checkpoint, 2)), chunk_size=5))
+        assert result.token_ids == expected
+        probabilities[bar] = expanded
+    assert min(probabilities[0.0]) < 0.02  # without the bar, unlikely paths are grown too
+    assert probabilities[0.02] and min(probabilities[0.02]) >= 0.02

@@ -50,7 +50,7 @@ class Settings(ServiceSettings):
     # per expanded node and nodes expanded per level, and how unlikely a path may get before growing stops.
     tree_nodes: int = 0
     tree_width: int = 4
-    tree_min_prob: float = 0.05
+    tree_min_prob: float = 0.15
     # The draft budget per round from the link and the verifier's load (shared/draft_budget.py): the shapes the
     # chunk planner chooses among for hat requests (tried once each, then chosen); empty: always the shape above.
     # Off by default: through the mesh at low load it does not beat a fixed chain yet (docs/benchmarks/). Trees (e.g.

@@ -285,6 +285,18 @@ def quantize_model(model: torch.nn.Module, kind: str = "int8") -> torch.nn.Modul
 
 
 @torch.no_grad()
+def quantize_linears(module: torch.nn.Module, bits: int = 8) -> torch.nn.Module:
+    """Every nn.Linear under `module` whose weight the kernels take -> a QuantizedLinear of `bits` (in place)."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.Linear):
+            if fits(child.weight, bits):
+                setattr(module, name, QuantizedLinear.from_linear(child, bits))
+        else:
+            quantize_linears(child, bits)
+    return module
+
+
+@torch.no_grad()
 def dequantize_linears(module: torch.nn.Module) -> torch.nn.Module:
     """Every QuantizedLinear inside `module` back to a dense float32 nn.Linear (a trainable copy, such as a draft
     adapter initialised from an int8 layer, must be dense)."""

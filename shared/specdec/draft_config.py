@@ -17,7 +17,7 @@ class DraftConfig:
     max_draft: int = 8  # hard cap on draft tokens per round (a tree's depth); 0 turns speculation off (U-shape)
     tree_nodes: int = 0  # draft nodes per round in a tree (EAGLE-2); 0: a chain, stopped by eta
     tree_width: int = 4  # children per expanded node, and nodes expanded per level
-    tree_min_prob: float = 0.05  # grow while some frontier path's draft probability reaches this
+    tree_min_prob: float = 0.15  # grow a node (greedy) or a level (sampled) while its path probability reaches this
 
     @property
     def uses_tree(self) -> bool:

@@ -82,8 +82,9 @@ class TreeDrafting(Drafting):
         key = f"{self.generator.initial_seed()}:tree:{round_start}:{node}".encode()
         return self._draft_rng.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) >> 1)
 
-    def _run_nodes(self, tree: GrownTree, nodes: list[int], base: int) -> None:
-        """The nodes (whose parents have run) through the input layers and the adapter, one pass each."""
+    def _run_nodes(self, tree: GrownTree, nodes: list[int], base: int, adapter: bool = True) -> None:
+        """The nodes (whose parents have run) through the input layers and, unless they are leaves that will
+        never be expanded (`adapter=False`), the adapter: one pass each."""
         first = len(tree.run_order)
         tree.run_order.extend(nodes)
         for offset, node in enumerate(nodes):
@@ -92,11 +93,14 @@ class TreeDrafting(Drafting):
         rows = TreeRows.for_rows(base, ancestor_mask_from_parents(region_parents), first)
         ids = torch.tensor([tree.tokens[node] for node in nodes])
         shallow = self.model.input(ids, self.input_cache, rows)  # [n, H]
+        for offset, node in enumerate(nodes):
+            tree.shallow[node] = shallow[offset]
+        if not adapter:
+            return
         prev = torch.cat([tree.hidden[tree.parents[node]][None] for node in nodes])  # [n, H]: parents' states
         assert self.adapter_cache is not None  # trees are drafted only with an adapter
         hidden = self._run_adapter(self.adapter_cache, shallow, ids, prev, rows)  # [n, H]
         for offset, node in enumerate(nodes):
-            tree.shallow[node] = shallow[offset]
             tree.hidden[node] = hidden[offset]
 
     def _expand(self, tree: GrownTree, nodes: list[int], round_start: int) -> list[int]:
@@ -132,19 +136,39 @@ class TreeDrafting(Drafting):
             created = self._expand(tree, frontier, base)
             if depth == depth_budget or not created:
                 break
-            frontier = sorted(created, key=lambda node: -tree.scores[node])[: config.tree_width]
-            if max(math.exp(tree.log_q[node]) for node in frontier) < config.tree_min_prob:
-                break  # no path this unlikely pays for another level of drafting (a tree's eta)
+            frontier = self._frontier(tree, created)
+            if not frontier:
+                break  # no path likely enough to pay for another level of drafting (a tree's eta)
             frontier.sort()  # creation order: a parent's row comes before its children's
             self._run_nodes(tree, frontier, base)
             steps += 1
         kept = select_nodes(tree.parents, tree.scores, min(config.tree_nodes, len(tree.tokens) - 1))
         leaves = [node for node in kept if tree.region_row[node] is None]
         if leaves:
-            self._run_nodes(tree, leaves, base)
+            # a leaf's adapter row would only draft its children; a feature adapter recomputes the accepted
+            # path's rows from the cloud's deep states anyway (keep_tree_path), so leaves skip the adapter
+            self._run_nodes(tree, leaves, base, adapter=not self._recomputes_adapter_path())
             steps += 1
         self.draft_seconds.append((time.perf_counter() - started, steps))
         return self._lay_out(tree, kept, base)
+
+    def _frontier(self, tree: GrownTree, created: list[int]) -> list[int]:
+        """The next level to run and expand: the `tree_width` best new nodes. A greedy tree keeps only those
+        whose path's draft probability reaches `tree_min_prob` (each row costs a pass through the input
+        layers, the adapter and the draft head, and a path this unlikely rarely repays it). A sampled
+        tree's shape may not depend on its draws, so it expands all of them or, when even the likeliest
+        path is under the bar, none."""
+        config = self.draft_config
+        best = sorted(created, key=lambda node: -tree.scores[node])[: config.tree_width]
+        if self.params.is_greedy:
+            best = [node for node in best if math.exp(tree.log_q[node]) >= config.tree_min_prob]
+        elif best and max(math.exp(tree.log_q[node]) for node in best) < config.tree_min_prob:
+            best = []
+        return best
+
+    def _recomputes_adapter_path(self) -> bool:
+        adapter = self.model.adapter
+        return adapter is not None and adapter.spec.side_input == "feature"
 
     def _lay_out(self, tree: GrownTree, kept: list[int], base: int) -> Draft:
         parents = reindex(tree.parents, kept)
@@ -173,7 +197,7 @@ class TreeDrafting(Drafting):
         base = draft.commit_len
         rows = [base + tree_round.region_rows[row] for row in path]
         self.input_cache.compact(base + 1, rows)
-        if self.model.adapter is not None and self.model.adapter.spec.side_input == "feature" and path:
+        if self._recomputes_adapter_path() and path:
             # the accepted rows were drafted from predicted deep states; the cloud's are known now
             self.adapter_cache.truncate(base + 1)
             ids = torch.tensor([draft.tokens[row - 1] for row in path])
