@@ -102,33 +102,33 @@ bench-hat: install ## HAT's prompt chunking, speculation and parallel drafting, 
 
 # HAT against its baselines on one mesh, same arrival trace; leaves tables, CSVs and plots in bench-results/
 bench: install ## HAT against U-shape, U-Sarathi and cloud on one mesh (tables, CSVs, plots)
-	$(BIN)/tophat bench --model $(MODEL) --workload specbench --rates 0.25,0.5,1 --modes ushape,usarathi,cloud,hat \
-		--link-profile mid --devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
+	$(BIN)/tophat bench serve --model $(MODEL) --workload specbench --rates 0.25,0.5,1 --modes ushape,usarathi,cloud,hat \
+		--link mid --devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 
 # PicoSpec (issue 13): cloud, token-sd, picospec, hat and hat-async per emulated round trip, measured beside
 # PicoSpec's expected-time model; then the same modes through a whole mesh and the streamer (loadgen's JSON keys)
 bench-picospec: install ## PicoSpec's modes per round trip, in process and through a mesh
 	$(BIN)/python -m loadgen.bench_picospec --model $(MODEL) --rtt-ms 20,50,100 --out bench-results/picospec.json
 	$(BIN)/python -m loadgen.bench_topk_tv --model $(MODEL) --out bench-results/topk-tv.json
-	$(BIN)/tophat bench --model $(MODEL) --modes cloud,token-sd,picospec,hat,hat-async --rtt-ms 20,50,100 \
+	$(BIN)/tophat bench serve --model $(MODEL) --modes cloud,token-sd,picospec,hat,hat-async --rtt-ms 20,50,100 \
 		--baseline token-sd --rates 0.25 --devices 1 --num-requests 8 --max-new-tokens 48 --out bench-results/picospec-mesh
 
 bench-ablation: install ## HAT Table 5's ablation
-	$(BIN)/tophat bench --model $(MODEL) --ablation --rates 0.25 --link-profile mid --devices 2 --num-requests 12 \
+	$(BIN)/tophat bench ablation --model $(MODEL) --rates 0.25 --link mid --devices 2 --num-requests 12 \
 		--max-new-tokens 32 --out bench-results
 
 # DiSCo (issue 14): device-only, cloud-only, then random and disco per budget, same trace, one mesh per cost regime;
 # DISCO_CONSTRAINT=server|device|both. Table in bench-results/disco.txt, JSON beside it, TTFT-vs-cost PNGs.
 DISCO_CONSTRAINT ?= server
 bench-disco: install ## DiSCo against device-only, cloud-only and random dispatch per budget
-	$(BIN)/tophat bench --disco --model $(MODEL) --budget 0.1,0.25,0.5,0.75 --constraint $(DISCO_CONSTRAINT) \
-		--rates 2 --devices 1 --num-requests 40 --max-new-tokens 32 --reading-rate 5 --out bench-results/disco.json
+	$(BIN)/tophat bench disco --model $(MODEL) --budget 0.1,0.25,0.5,0.75 --constraint $(DISCO_CONSTRAINT) \
+		--rate 2 --devices 1 --num-requests 40 --max-new-tokens 32 --reading-rate 5 --out bench-results/disco.json
 
 # Jupiter (issue 15): serial / equal-split / jupiter / jupiter-outline on an edge pipeline of EDGE_PIPELINE devices,
 # one request at a time. Tables in bench-results/jupiter.txt, JSON beside it.
 EDGE_PIPELINE ?= orin;xavier;xavier
 bench-jupiter: install ## Jupiter's partition against equal-split and serial pipelines
-	$(BIN)/tophat bench --edge-pipeline "$(EDGE_PIPELINE)" --lan lan --model $(MODEL) --max-new-tokens 32 \
+	$(BIN)/tophat bench jupiter --edge-pipeline "$(EDGE_PIPELINE)" --lan lan --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/jupiter.json
 
 # What the cloud can recover from the hidden states it is sent, per split depth, attack and defence (~40 min)
@@ -138,12 +138,12 @@ privacy: install ## what the cloud can recover from hidden states (~40 min)
 # Edge SD: the draft server and its four baselines, K = 8 users a round, the paper's channel, a 2 MHz uplink
 # (each user's share of the paper's 25 MHz for K = 100), the draft server 4x slower than this host
 bench-edge-sd: install ## Edge SD's draft server against its baselines
-	$(BIN)/tophat bench --edge-sd --tasks 8 --rounds 2 --model $(MODEL) --max-new-tokens 32 \
+	$(BIN)/tophat bench edge-sd --tasks 8 --rounds 2 --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/edge-sd.json
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
 bench-sim: install ## the simulator against the real mesh, then at HAT's scale
-	$(BIN)/tophat bench --model $(MODEL) --sim-check --workload specbench --rates 0.25,0.5 --modes ushape,hat --link-profile mid \
+	$(BIN)/tophat bench sim-check --model $(MODEL) --workload specbench --rates 0.25,0.5 --modes ushape,hat --link mid \
 		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
 		--out bench-results/simulate-30

@@ -130,3 +130,70 @@ def test_the_services_bind_the_serve_host():
     assert exposed.streamer_url.startswith("http://127.0.0.1:")
     local = MeshConfig(model_dir="demo")
     assert "TOPHAT_STREAMER_HOST" not in streamer_env(local, "", "demo")  # the services' own default (loopback)
+
+
+# ---- tophat bench KIND: one subcommand per bench, each with only its own options -------------------------------
+
+
+def bench_help(*kind: str) -> str:
+    from typer.testing import CliRunner
+
+    from tophat.cli import app
+
+    result = CliRunner().invoke(app, ["bench", *kind, "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_the_old_mode_flags_are_gone():
+    from typer.testing import CliRunner
+
+    from tophat.cli import app
+
+    for flag in ("--disco", "--edge-pipeline", "--edge-sd", "--ablation", "--sim-check", "--link-profile"):
+        result = CliRunner().invoke(app, ["bench", flag])
+        assert result.exit_code == 2, (flag, result.output)
+        assert flag not in bench_help("serve")
+
+
+MESH_BENCH = {"--model", "--out", "--max-new-tokens", "--seed", "--help"}
+LOAD = {"--rates", "--link", "--devices", "--num-requests"}
+BENCH_OPTIONS = {  # each bench's options, exactly: its own and none of another bench's
+    "serve": MESH_BENCH | LOAD | {"--workload", "--modes", "--rtt-ms", "--baseline", "--dtype"},
+    "ablation": MESH_BENCH | LOAD | {"--rtt-ms", "--dtype"},
+    "sim-check": MESH_BENCH | LOAD | {"--workload", "--modes"},
+    "disco": MESH_BENCH | {"--rate", "--link", "--devices", "--num-requests", "--workload", "--budget", "--constraint",
+                           "--speed", "--reading-rate", "--migration", "--no-migration"},
+    "jupiter": MESH_BENCH | {"--edge-pipeline", "--lan", "--buckets", "--per-bucket", "--modes"},
+    "edge-sd": MESH_BENCH | {"--tasks", "--rounds", "--bandwidth-mhz", "--sbs-slowdown", "--modes"},
+}
+
+
+def test_each_bench_lists_its_own_options_and_not_the_others():
+    import re
+
+    kinds = re.findall(r"^│ ([a-z][a-z-]+) ", bench_help(), flags=re.MULTILINE)
+    assert set(BENCH_OPTIONS) <= set(kinds), kinds
+    for kind, options in BENCH_OPTIONS.items():
+        assert set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", bench_help(kind))) == options, kind
+
+
+def test_bench_serve_passes_its_options_to_the_mode_bench(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import loadgen.bench_command as bench_command
+    from tophat.cli import app
+
+    seen = []
+    monkeypatch.setattr(bench_command, "check_draft_adapter", lambda model_dir: None)
+    monkeypatch.setattr(bench_command, "run_mode_bench", lambda plan, served: seen.append(plan) or iter(["TABLE"]))
+    args = ["--model", "demo", "--link", "mid", "--rtt-ms", "20", "--modes", "ushape,hat", "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, ["bench", "serve", *args])
+    assert result.exit_code == 0, result.output
+    assert "TABLE" in result.output
+    assert seen[0].runs == ((20.0, "mid,lat=10ms"),) and seen[0].modes == ("ushape", "hat") and not seen[0].ablation
+    result = CliRunner().invoke(app, ["bench", "ablation", "--model", "demo", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert seen[1].ablation and seen[1].workloads == ("specbench", "cnndm")
+    result = CliRunner().invoke(app, ["bench", "serve", "--model", "demo", "--modes", "warp"])
+    assert result.exit_code == 2 and "unknown modes" in result.output

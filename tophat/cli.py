@@ -1,7 +1,7 @@
 """`tophat`: the command line. The typer app, the commands that only run a model here (`generate`,
-`chat`), and every other command mounted from the module that holds it (model_commands,
-mesh_commands, bench_commands here; `loadgen`, `simulate`, `profile`, `plan` and `privacy` from the
-library packages). Commands import what they run inside their body, so `tophat --help` stays fast."""
+`chat`), and every other command mounted from the module that holds it (model_commands and
+mesh_commands here, the `bench` subcommands from bench_app; `loadgen`, `simulate`, `profile`, `plan` and
+`privacy` from the library packages). Commands import what they run inside their body, so `tophat --help` stays fast."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import typer
 
 from loadgen.cli import loadgen_command
 from loadgen.simulate.cli import simulate_command
-from tophat.bench_commands import bench
+from tophat.bench_app import bench_app
 from tophat.command_support import MODEL_HELP, SPLIT_LAYERS_HELP, fail, setup_torch, user_errors
 from tophat.mesh_commands import certs, mesh_secrets, serve, stage
 from tophat.model_commands import (
@@ -172,7 +172,7 @@ app.command("mesh-secrets")(mesh_secrets)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(stage)
 app.add_typer(credentials_app, name="credentials")
 app.command()(chat)
-app.command()(bench)
+app.add_typer(bench_app, name="bench")
 app.command("loadgen", help="Poisson load generator against the token-streamer (results.json, requests.csv, plots).")(
     loadgen_command
 )
