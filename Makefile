@@ -65,7 +65,7 @@ lint: install ## ruff and mypy over shared/ and services/
 	$(BIN)/mypy $(LINTED)
 
 demo: install ## start the mesh, stream SmolLM2's answers to a few questions, stop (MODEL=, DTYPE=)
-	$(BIN)/python -m tophatctl.demo --model $(MODEL) --dtype $(DTYPE)
+	$(BIN)/tophat demo --model $(MODEL) --dtype $(DTYPE)
 
 # the model runner per dtype against this machine's bandwidth floor, transformers and llama.cpp (its own venv,
 # llama-cpp-python built from source: a few minutes the first time); table on stdout, JSON in bench-results/
@@ -81,24 +81,24 @@ $(LLAMA_STAMP):
 	touch $(LLAMA_STAMP)
 
 bench-engine: install $(LLAMA_STAMP) ## the model runner per dtype against its bandwidth floor, transformers, llama.cpp
-	$(BIN)/python -m loadgen.bench_engine --model $(MODEL) --out bench-results/engine.json
+	$(BIN)/tophat bench engine --model $(MODEL) --out bench-results/engine.json
 
 # The same runner on an NVIDIA GPU in bfloat16 (loadgen/bench_gpu.py, ~90 s on an H100): HAT's greedy output against
 # the unsplit model's, decode tok/s for 1/8/32 sessions, verify ms per row count, transformers beside it, CUDA graphs
 bench-gpu: install ## the runner on an NVIDIA GPU in bf16
-	$(BIN)/python -m loadgen.bench_gpu --model $(MODEL) --out bench-results/gpu.json
+	$(BIN)/tophat bench gpu --model $(MODEL) --out bench-results/gpu.json
 
 bench-core: install ## the model core: decode, draft, verify, trees, draft budget
-	$(BIN)/python -m loadgen.bench_core --model $(MODEL)
-	$(BIN)/python -m loadgen.bench_trees --model $(MODEL)
-	$(BIN)/python -m loadgen.bench_budget --model $(MODEL)
+	$(BIN)/tophat bench core --model $(MODEL)
+	$(BIN)/tophat bench trees --model $(MODEL)
+	$(BIN)/tophat bench budget --model $(MODEL)
 
 clean: ## remove .venv, build/ (native layers, wheelhouse, secrets, caches), bench-results/, test caches
 	rm -rf $(VENV) build bench-results .pytest_cache .hypothesis
 	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
 
 bench-hat: install ## HAT's prompt chunking, speculation and parallel drafting, one at a time
-	$(BIN)/python -m loadgen.bench_hat --model $(MODEL)
+	$(BIN)/tophat bench hat --model $(MODEL)
 
 # HAT against its baselines on one mesh, same arrival trace; leaves tables, CSVs and plots in bench-results/
 bench: install ## HAT against U-shape, U-Sarathi and cloud on one mesh (tables, CSVs, plots)
@@ -108,8 +108,8 @@ bench: install ## HAT against U-shape, U-Sarathi and cloud on one mesh (tables, 
 # PicoSpec (issue 13): cloud, token-sd, picospec, hat and hat-async per emulated round trip, measured beside
 # PicoSpec's expected-time model; then the same modes through a whole mesh and the streamer (loadgen's JSON keys)
 bench-picospec: install ## PicoSpec's modes per round trip, in process and through a mesh
-	$(BIN)/python -m loadgen.bench_picospec --model $(MODEL) --rtt-ms 20,50,100 --out bench-results/picospec.json
-	$(BIN)/python -m loadgen.bench_topk_tv --model $(MODEL) --out bench-results/topk-tv.json
+	$(BIN)/tophat bench picospec --model $(MODEL) --rtt-ms 20,50,100 --out bench-results/picospec.json
+	$(BIN)/tophat bench topk-tv --model $(MODEL) --out bench-results/topk-tv.json
 	$(BIN)/tophat bench serve --model $(MODEL) --modes cloud,token-sd,picospec,hat,hat-async --rtt-ms 20,50,100 \
 		--baseline token-sd --rates 0.25 --devices 1 --num-requests 8 --max-new-tokens 48 --out bench-results/picospec-mesh
 
@@ -152,10 +152,10 @@ bench-sim: install ## the simulator against the real mesh, then at HAT's scale
 # exit status 1 otherwise) and each service's RSS at start and end (goal: < 5% growth)
 SOAK_S ?= 600
 soak: install ## Poisson load for SOAK_S seconds: failed requests and memory growth
-	$(BIN)/python -m loadgen.soak --model $(MODEL) --duration $(SOAK_S)
+	$(BIN)/tophat bench soak --model $(MODEL) --duration $(SOAK_S)
 
 # NVIDIA's aiperf (an outside OpenAI load tool, its own venv: it pins its own transformers and pydantic) against a
-# real mesh (`tophat up` on loopback): its streaming chat profile, 8 requests with max_completion_tokens,
+# real mesh (`tophat serve` on loopback): its streaming chat profile, 8 requests with max_completion_tokens,
 # include_usage and ignore_eos; fails unless 0 requests failed, TTFT and ITL are reported and every answer has the
 # asked length (loadgen/aiperf_check.py, artifacts in bench-results/aiperf). About 75 s on 2 busy CPU cores
 # (mesh start ~15 s, aiperf ~50 s) plus aiperf's install the first time, so not part of `make test`.
@@ -167,7 +167,7 @@ $(AIPERF_STAMP):
 	touch $(AIPERF_STAMP)
 
 test-aiperf: install $(AIPERF_STAMP)
-	$(BIN)/python -m loadgen.aiperf_check --model $(MODEL) --aiperf $(AIPERF_VENV)/bin/aiperf --out bench-results/aiperf
+	$(BIN)/tophat bench aiperf --model $(MODEL) --aiperf $(AIPERF_VENV)/bin/aiperf --out bench-results/aiperf
 
 # ---- containers ------------------------------------------------------------------------------------------
 # Every wheel an image needs, gathered on the host (torch 2.13.0 is this machine's CPU build; the model's wheel

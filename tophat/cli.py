@@ -5,6 +5,7 @@ mesh_commands here, the `bench` subcommands from bench_app; `loadgen`, `simulate
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from enum import Enum
@@ -158,6 +159,26 @@ def chat(
     raise typer.Exit(asyncio.run(run_chat(url, prompt, max_tokens, temperature, api_key=api_key)))
 
 
+def demo(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    adapter: str = typer.Option(
+        "", help="draft adapter file or 'random' (default: the model's draft_adapter.safetensors)"
+    ),
+    devices: int = typer.Option(2, help="device agents"),
+    max_new_tokens: int = typer.Option(96, help="tokens to generate per answer"),
+    dtype: str = typer.Option(
+        "auto",
+        help="weights in the verifier and the devices: auto (the default of `tophat serve`: int4 on a CPU) | int4 | "
+        "int8 | bf16 | f32",
+    ),
+):
+    """Start the mesh, stream its answers to a few prompts through the chat client, stop."""
+    args = argparse.Namespace(**locals())
+    from tophatctl.demo import main as run_demo
+
+    raise typer.Exit(run_demo(args))
+
+
 # Registered in one place, in the order `tophat --help` lists them.
 app.command("build-demo-model")(build_demo_model_cmd)
 app.command("import-gguf")(import_gguf_cmd)
@@ -172,6 +193,7 @@ app.command("mesh-secrets")(mesh_secrets)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(stage)
 app.add_typer(credentials_app, name="credentials")
 app.command()(chat)
+app.command()(demo)
 app.add_typer(bench_app, name="bench")
 app.command("loadgen", help="Poisson load generator against the token-streamer (results.json, requests.csv, plots).")(
     loadgen_command
