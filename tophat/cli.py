@@ -143,7 +143,7 @@ def generate(
 def chat(
     url: str = typer.Option("http://127.0.0.1:8000", help="token-streamer base URL"),
     prompt: Optional[str] = typer.Option(None, help="one-shot prompt (default: interactive)"),
-    max_tokens: int = typer.Option(64, "--max-new-tokens", "--max-tokens", help="tokens to generate per answer"),
+    max_new_tokens: int = typer.Option(64, help="tokens to generate per answer"),
     temperature: float = typer.Option(0.0),
     api_key: Optional[str] = typer.Option(
         None,
@@ -156,7 +156,7 @@ def chat(
     """Chat with the mesh, streaming tokens; prints TTFT, TBT and accept length after each answer."""
     from tophatctl.chat_client import run_chat
 
-    raise typer.Exit(asyncio.run(run_chat(url, prompt, max_tokens, temperature, api_key=api_key)))
+    raise typer.Exit(asyncio.run(run_chat(url, prompt, max_new_tokens, temperature, api_key=api_key)))
 
 
 def demo(
