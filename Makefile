@@ -65,7 +65,7 @@ lint: install ## ruff and mypy over shared/ and services/
 	$(BIN)/mypy $(LINTED)
 
 demo: install ## start the mesh, stream SmolLM2's answers to a few questions, stop (MODEL=, DTYPE=)
-	$(BIN)/python -m tophatctl.demo --model $(MODEL) --dtype $(DTYPE)
+	$(BIN)/tophat demo --model $(MODEL) --dtype $(DTYPE)
 
 # the model runner per dtype against this machine's bandwidth floor, transformers and llama.cpp (its own venv,
 # llama-cpp-python built from source: a few minutes the first time); table on stdout, JSON in bench-results/
@@ -81,54 +81,54 @@ $(LLAMA_STAMP):
 	touch $(LLAMA_STAMP)
 
 bench-engine: install $(LLAMA_STAMP) ## the model runner per dtype against its bandwidth floor, transformers, llama.cpp
-	$(BIN)/python -m loadgen.bench_engine --model $(MODEL) --out bench-results/engine.json
+	$(BIN)/tophat bench engine --model $(MODEL) --out bench-results/engine.json
 
 # The same runner on an NVIDIA GPU in bfloat16 (loadgen/bench_gpu.py, ~90 s on an H100): HAT's greedy output against
 # the unsplit model's, decode tok/s for 1/8/32 sessions, verify ms per row count, transformers beside it, CUDA graphs
 bench-gpu: install ## the runner on an NVIDIA GPU in bf16
-	$(BIN)/python -m loadgen.bench_gpu --model $(MODEL) --out bench-results/gpu.json
+	$(BIN)/tophat bench gpu --model $(MODEL) --out bench-results/gpu.json
 
 bench-core: install ## the model core: decode, draft, verify, trees, draft budget
-	$(BIN)/python -m loadgen.bench_core --model $(MODEL)
-	$(BIN)/python -m loadgen.bench_trees --model $(MODEL)
-	$(BIN)/python -m loadgen.bench_budget --model $(MODEL)
+	$(BIN)/tophat bench core --model $(MODEL)
+	$(BIN)/tophat bench trees --model $(MODEL)
+	$(BIN)/tophat bench budget --model $(MODEL)
 
 clean: ## remove .venv, build/ (native layers, wheelhouse, secrets, caches), bench-results/, test caches
 	rm -rf $(VENV) build bench-results .pytest_cache .hypothesis
 	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
 
 bench-hat: install ## HAT's prompt chunking, speculation and parallel drafting, one at a time
-	$(BIN)/python -m loadgen.bench_hat --model $(MODEL)
+	$(BIN)/tophat bench hat --model $(MODEL)
 
 # HAT against its baselines on one mesh, same arrival trace; leaves tables, CSVs and plots in bench-results/
 bench: install ## HAT against U-shape, U-Sarathi and cloud on one mesh (tables, CSVs, plots)
-	$(BIN)/tophat bench --model $(MODEL) --workload specbench --rates 0.25,0.5,1 --modes ushape,usarathi,cloud,hat \
-		--link-profile mid --devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
+	$(BIN)/tophat bench serve --model $(MODEL) --workload specbench --rates 0.25,0.5,1 --modes ushape,usarathi,cloud,hat \
+		--link mid --devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 
 # PicoSpec (issue 13): cloud, token-sd, picospec, hat and hat-async per emulated round trip, measured beside
 # PicoSpec's expected-time model; then the same modes through a whole mesh and the streamer (loadgen's JSON keys)
 bench-picospec: install ## PicoSpec's modes per round trip, in process and through a mesh
-	$(BIN)/python -m loadgen.bench_picospec --model $(MODEL) --rtt-ms 20,50,100 --out bench-results/picospec.json
-	$(BIN)/python -m loadgen.bench_topk_tv --model $(MODEL) --out bench-results/topk-tv.json
-	$(BIN)/tophat bench --model $(MODEL) --modes cloud,token-sd,picospec,hat,hat-async --rtt-ms 20,50,100 \
+	$(BIN)/tophat bench picospec --model $(MODEL) --rtt-ms 20,50,100 --out bench-results/picospec.json
+	$(BIN)/tophat bench topk-tv --model $(MODEL) --out bench-results/topk-tv.json
+	$(BIN)/tophat bench serve --model $(MODEL) --modes cloud,token-sd,picospec,hat,hat-async --rtt-ms 20,50,100 \
 		--baseline token-sd --rates 0.25 --devices 1 --num-requests 8 --max-new-tokens 48 --out bench-results/picospec-mesh
 
 bench-ablation: install ## HAT Table 5's ablation
-	$(BIN)/tophat bench --model $(MODEL) --ablation --rates 0.25 --link-profile mid --devices 2 --num-requests 12 \
+	$(BIN)/tophat bench ablation --model $(MODEL) --rates 0.25 --link mid --devices 2 --num-requests 12 \
 		--max-new-tokens 32 --out bench-results
 
 # DiSCo (issue 14): device-only, cloud-only, then random and disco per budget, same trace, one mesh per cost regime;
 # DISCO_CONSTRAINT=server|device|both. Table in bench-results/disco.txt, JSON beside it, TTFT-vs-cost PNGs.
 DISCO_CONSTRAINT ?= server
 bench-disco: install ## DiSCo against device-only, cloud-only and random dispatch per budget
-	$(BIN)/tophat bench --disco --model $(MODEL) --budget 0.1,0.25,0.5,0.75 --constraint $(DISCO_CONSTRAINT) \
-		--rates 2 --devices 1 --num-requests 40 --max-new-tokens 32 --reading-rate 5 --out bench-results/disco.json
+	$(BIN)/tophat bench disco --model $(MODEL) --budget 0.1,0.25,0.5,0.75 --constraint $(DISCO_CONSTRAINT) \
+		--rate 2 --devices 1 --num-requests 40 --max-new-tokens 32 --reading-rate 5 --out bench-results/disco.json
 
 # Jupiter (issue 15): serial / equal-split / jupiter / jupiter-outline on an edge pipeline of EDGE_PIPELINE devices,
 # one request at a time. Tables in bench-results/jupiter.txt, JSON beside it.
 EDGE_PIPELINE ?= orin;xavier;xavier
 bench-jupiter: install ## Jupiter's partition against equal-split and serial pipelines
-	$(BIN)/tophat bench --edge-pipeline "$(EDGE_PIPELINE)" --lan lan --model $(MODEL) --max-new-tokens 32 \
+	$(BIN)/tophat bench jupiter --edge-pipeline "$(EDGE_PIPELINE)" --lan lan --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/jupiter.json
 
 # What the cloud can recover from the hidden states it is sent, per split depth, attack and defence (~40 min)
@@ -138,12 +138,12 @@ privacy: install ## what the cloud can recover from hidden states (~40 min)
 # Edge SD: the draft server and its four baselines, K = 8 users a round, the paper's channel, a 2 MHz uplink
 # (each user's share of the paper's 25 MHz for K = 100), the draft server 4x slower than this host
 bench-edge-sd: install ## Edge SD's draft server against its baselines
-	$(BIN)/tophat bench --edge-sd --tasks 8 --rounds 2 --model $(MODEL) --max-new-tokens 32 \
+	$(BIN)/tophat bench edge-sd --tasks 8 --rounds 2 --model $(MODEL) --max-new-tokens 32 \
 		--out bench-results/edge-sd.json
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
 bench-sim: install ## the simulator against the real mesh, then at HAT's scale
-	$(BIN)/tophat bench --model $(MODEL) --sim-check --workload specbench --rates 0.25,0.5 --modes ushape,hat --link-profile mid \
+	$(BIN)/tophat bench sim-check --model $(MODEL) --workload specbench --rates 0.25,0.5 --modes ushape,hat --link mid \
 		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
 		--out bench-results/simulate-30
@@ -152,10 +152,10 @@ bench-sim: install ## the simulator against the real mesh, then at HAT's scale
 # exit status 1 otherwise) and each service's RSS at start and end (goal: < 5% growth)
 SOAK_S ?= 600
 soak: install ## Poisson load for SOAK_S seconds: failed requests and memory growth
-	$(BIN)/python -m loadgen.soak --model $(MODEL) --duration $(SOAK_S)
+	$(BIN)/tophat bench soak --model $(MODEL) --duration $(SOAK_S)
 
 # NVIDIA's aiperf (an outside OpenAI load tool, its own venv: it pins its own transformers and pydantic) against a
-# real mesh (`tophat up` on loopback): its streaming chat profile, 8 requests with max_completion_tokens,
+# real mesh (`tophat serve` on loopback): its streaming chat profile, 8 requests with max_completion_tokens,
 # include_usage and ignore_eos; fails unless 0 requests failed, TTFT and ITL are reported and every answer has the
 # asked length (loadgen/aiperf_check.py, artifacts in bench-results/aiperf). About 75 s on 2 busy CPU cores
 # (mesh start ~15 s, aiperf ~50 s) plus aiperf's install the first time, so not part of `make test`.
@@ -167,7 +167,7 @@ $(AIPERF_STAMP):
 	touch $(AIPERF_STAMP)
 
 test-aiperf: install $(AIPERF_STAMP)
-	$(BIN)/python -m loadgen.aiperf_check --model $(MODEL) --aiperf $(AIPERF_VENV)/bin/aiperf --out bench-results/aiperf
+	$(BIN)/tophat bench aiperf --model $(MODEL) --aiperf $(AIPERF_VENV)/bin/aiperf --out bench-results/aiperf
 
 # ---- containers ------------------------------------------------------------------------------------------
 # Every wheel an image needs, gathered on the host (torch 2.13.0 is this machine's CPU build; the model's wheel

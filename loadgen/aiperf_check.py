@@ -129,19 +129,7 @@ def summary(report: dict[str, Any]) -> str:
     return "\n".join(f"{name:<26}{value} {unit}".rstrip() for name, value, unit in rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--aiperf", default=".venv-aiperf/bin/aiperf", help="the aiperf executable")
-    parser.add_argument("--model", default="smollm2", help="the mesh's model: smollm2, demo or a checkpoint dir")
-    parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=2)
-    parser.add_argument("--input-tokens", type=int, default=64)
-    parser.add_argument("--output-tokens", type=int, default=24)
-    parser.add_argument("--request-timeout-s", type=float, default=120.0)
-    parser.add_argument("--aiperf-timeout-s", type=float, default=600.0, help="the whole aiperf run")
-    parser.add_argument("--ready-timeout-s", type=float, default=300.0)
-    parser.add_argument("--out", type=Path, default=Path("bench-results/aiperf"))
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per readiness probe
 
@@ -179,6 +167,3 @@ def main(argv: list[str] | None = None) -> int:
     print("aiperf check:", "FAILED" if problems else "passed", f"(artifacts in {args.out})")
     return 1 if problems else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`tophat bench`: HAT against its baselines on the same mesh, load and arrival trace.
+"""`tophat bench serve` (and `bench ablation`): HAT against its baselines on the same mesh, load and arrival trace.
 
 Each mode is a configuration of the same product (HAT §4 baselines):
 
@@ -17,7 +17,7 @@ seed), back to back, and one table prints TTFT / TBT mean and P99, accept
 length and ratios against `ushape` measured in this run.
 
 `tophat bench`'s flow over these (options, workloads, RTTs) is loadgen/bench_command.py; the real
-mesh against the simulator (`--sim-check`) is loadgen/bench_sim_check.py.
+mesh against the simulator (`tophat bench sim-check`) is loadgen/bench_sim_check.py.
 """
 
 from __future__ import annotations

@@ -8,22 +8,20 @@
 3. For S = 1 .. 32 sessions sharing each verifier step, every shape's predicted round time and tokens/s
    with the chosen budget, at a given round trip and link: where the budget falls as the load rises.
 
-    python -m loadgen.bench_budget --model smollm2 --shapes none,chain,tree8,tree16 --budget-rtt-ms 50
+    tophat bench budget --model smollm2 --shapes none,chain,tree8,tree16 --rtt-ms 50
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from loadgen.bench_core import DelayedCloud, add_model_arguments, load_bench_models
+from loadgen.bench_core import DelayedCloud, load_bench_models
 from shared.compute_delay import ComputeDelayPredictor
 from shared.draft_budget import BudgetOption, DraftShape, LinkLoad, choose_budget, round_seconds
 from shared.links import parse_link_spec, scaled_for_hidden
@@ -114,7 +112,7 @@ def print_table(figures: dict[str, dict], g_points, table: list[dict], args) -> 
     print("\ng(mu) on this machine, the middle layers over mu rows (ms): "
           + ", ".join(f"{mu}:{1e3 * s:.0f}" for mu, s in g_points))
     names = list(figures)
-    print(f"\ndraft budget against load (round trip {args.budget_rtt_ms:.0f} ms, link {args.budget_link}, device "
+    print(f"\ndraft budget against load (round trip {args.rtt_ms:.0f} ms, link {args.link}, device "
           f"overhead {1e3 * table[0]['overhead_s']:.1f} ms/round; predicted tokens/s per session; * = chosen):")
     print("  sessions  " + "  ".join(f"{n:>8s}" for n in names) + "  chosen")
     for row in table:
@@ -122,33 +120,17 @@ def print_table(figures: dict[str, dict], g_points, table: list[dict], args) -> 
         print(f"  {row['sessions']:8d}  " + "  ".join(cells) + f"  {row['chosen']}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", default="none,chain,tree8,tree16", help="draft shapes (shared/draft_budget.py)")
-    parser.add_argument("--budget-rtt-ms", type=float, default=50.0)
-    parser.add_argument("--budget-link", default="mid", help="the link's bandwidths (shared/links.py names)")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_model_arguments(parser)
-    parser.add_argument("--tree-width", type=int, default=4)
-    parser.add_argument("--tree-min-prob", type=float, default=0.05)
-    parser.add_argument("--out", type=Path, default=Path("bench-results/budget.json"))
-    add_arguments(parser)
-    run(parser.parse_args())
-
-
 def run(args) -> dict:
     checkpoint, device, middle, prompts = load_bench_models(args)
     shapes = [DraftShape.parse(name.strip(), args.max_draft) for name in args.shapes.split(",") if name.strip()]
     figures, overhead_s = measure_shapes(device, middle, prompts, shapes, args)
     g_points = measure_g(middle, checkpoint.hidden_size)
-    profile = scaled_for_hidden(parse_link_spec(args.budget_link), checkpoint.hidden_size)
-    link = LinkLoad(args.budget_rtt_ms / 1e3, checkpoint.hidden_size * 2, profile.uplink_bytes_s,
+    profile = scaled_for_hidden(parse_link_spec(args.link), checkpoint.hidden_size)
+    link = LinkLoad(args.rtt_ms / 1e3, checkpoint.hidden_size * 2, profile.uplink_bytes_s,
                     profile.downlink_bytes_s, 1, overhead_s)
     table = budget_table(figures, g_points, link)
     print_table(figures, g_points, table, args)
-    result = {"model": args.model, "rtt_ms": args.budget_rtt_ms, "link": args.budget_link, "shapes": figures,
+    result = {"model": args.model, "rtt_ms": args.rtt_ms, "link": args.link, "shapes": figures,
               "g_ms": {mu: round(1e3 * s, 2) for mu, s in g_points}, "by_load": table}
     out = getattr(args, "out", None)
     if out is not None:
@@ -156,6 +138,3 @@ def run(args) -> dict:
         out.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
-
-if __name__ == "__main__":
-    main()

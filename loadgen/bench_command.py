@@ -1,9 +1,9 @@
 """What `tophat bench` does, apart from reading its options and printing: build each bench's
 configuration from the options, run it, write its files and return the text to show.
 
-The command (tophat/bench_command.py) chooses one of four benches: the serving modes against one
-arrival trace (the default, `ModeBench`), `--sim-check` (loadgen/bench_sim_check.py), `--disco`
-(loadgen/bench_disco.py), `--edge-pipeline` (loadgen/bench_jupiter.py) and `--edge-sd`
+The commands (tophat/bench_commands.py): `bench serve` and `bench ablation`, the serving modes against
+one arrival trace (`ModeBench`), `bench sim-check` (loadgen/bench_sim_check.py), `bench disco`
+(loadgen/bench_disco.py), `bench jupiter` (loadgen/bench_jupiter.py) and `bench edge-sd`
 (loadgen/bench_edge_sd.py). A bad option raises ValueError, a mesh that cannot start
 MeshStartError (BENCH_ERRORS): the command turns either into a usage error. Heavy modules (the
 launcher, torch, matplotlib) are imported by the function that needs them, so the command line
@@ -68,11 +68,11 @@ class ModeBench:
                     raise ValueError(f"unknown modes {unknown}; choose from {', '.join(available)}")
 
     @classmethod
-    def from_options(cls, *, workload: str, rates: str | None, modes: str, link_profile: str | None, rtt_ms: str,
-                     ablation: bool, baseline: str, devices: int, num_requests: int, max_new_tokens: int, seed: int,
-                     out: Path, dtype: str = "auto") -> ModeBench:
-        """The bench from `tophat bench`'s option strings (ValueError naming the bad one)."""
-        link = link_profile or "none"
+    def from_options(cls, *, workload: str, rates: str | None, modes: str, link: str | None, devices: int,
+                     num_requests: int, max_new_tokens: int, seed: int, out: Path, rtt_ms: str = "",
+                     ablation: bool = False, baseline: str = "", dtype: str = "auto") -> ModeBench:
+        """The bench from `tophat bench serve`'s option strings (ValueError naming the bad one)."""
+        link = link or "none"
         rate_list = parse_rates(rates or DEFAULT_RATES)
         workloads = ABLATION_WORKLOADS if ablation else tuple(w.strip() for w in workload.split(","))
         try:
@@ -119,7 +119,7 @@ def run_mode_bench(bench: ModeBench, model_dir: str) -> Iterator[str]:
 
 
 def sim_check_report(bench: ModeBench, model_dir: str) -> str:
-    """`--sim-check`: the first workload's modes on the real mesh (its link, no emulated RTT) and in
+    """`bench sim-check`: the first workload's modes on the real mesh (its link, no emulated RTT) and in
     the simulator calibrated from it; the report is also written to OUT/sim-check.txt."""
     from loadgen.bench_sim_check import sim_vs_real
 
@@ -133,7 +133,7 @@ def sim_check_report(bench: ModeBench, model_dir: str) -> str:
 
 def edge_sd_report(*, tasks: int, rounds: int, bandwidth_mhz: float, sbs_slowdown: float, modes: str,
                    max_new_tokens: int, seed: int, model_dir: str, out: Path) -> str:
-    """`--edge-sd`: the draft server against each baseline on one trace; results JSON (OUT, or
+    """`bench edge-sd`: the draft server against each baseline on one trace; results JSON (OUT, or
     OUT/edge-sd.json) and the table beside it. Returns the table."""
     from loadgen.bench_edge_sd import EdgeSDBenchConfig, format_edge_sd_table, run_edge_sd_bench
 
@@ -159,7 +159,7 @@ def parse_buckets(edge_pipeline: str, buckets: str) -> list[int]:
 
 def jupiter_report(*, edge_pipeline: str, lan: str, buckets: list[int], per_bucket: int, modes: str,
                    max_new_tokens: int, seed: int, model_dir: str, out: Path) -> str:
-    """`--edge-pipeline`: serial, equal-split and Jupiter on one edge pipeline; results JSON (OUT, or
+    """`bench jupiter`: serial, equal-split and Jupiter on one edge pipeline; results JSON (OUT, or
     OUT/jupiter.json), the table and the outline answers beside it. Returns what to show."""
     from loadgen.bench_jupiter import (
         JupiterBenchConfig,
@@ -178,27 +178,26 @@ def jupiter_report(*, edge_pipeline: str, lan: str, buckets: list[int], per_buck
     return f"{text}\n\nresults in {target}"
 
 
-def disco_bench_options(rates: str | None, link_profile: str | None, budget: str, constraint: str,
-                        speed: str) -> dict:
-    """`tophat bench --disco`'s parsed options (ValueError for a bad one)."""
+def disco_bench_options(rate: float | None, link: str | None, budget: str, constraint: str, speed: str) -> dict:
+    """`tophat bench disco`'s parsed options (ValueError for a bad one)."""
     from loadgen.bench_disco import DEFAULT_LINK, DEFAULT_RATE, DEFAULT_SPEED, parse_budgets, parse_constraint
     from shared.device_speed import speed_schedule
     from shared.links import parse_link_spec
 
-    rate_list = parse_rates(rates) if rates else [DEFAULT_RATE]
-    if len(rate_list) != 1:
-        raise ValueError("--disco takes one --rates value (every policy replays the same trace)")
-    link = link_profile or DEFAULT_LINK
+    rate = DEFAULT_RATE if rate is None else rate
+    if rate <= 0:
+        raise ValueError(f"--rate must be > 0, got {rate}")
+    link = link or DEFAULT_LINK
     parse_link_spec(link)
     speed = speed or DEFAULT_SPEED
     speed_schedule(speed)
-    return {"rate": rate_list[0], "link": link, "budgets": parse_budgets(budget),
+    return {"rate": rate, "link": link, "budgets": parse_budgets(budget),
             "constraints": parse_constraint(constraint), "speed": speed}
 
 
 def disco_report(options: dict, *, workload: str, devices: int, num_requests: int, max_new_tokens: int, seed: int,
                  out: Path, model_dir: str, reading_rate: float, migration: bool) -> str:
-    """`--disco`: DiSCo against device-only, cloud-only and random per budget (loadgen/bench_disco.py),
+    """`bench disco`: DiSCo against device-only, cloud-only and random per budget (loadgen/bench_disco.py),
     with `options` from disco_bench_options. Returns the table and where the results went."""
     # the module, not its function: a test replaces bench_disco.bench_disco to check the options
     from loadgen import bench_disco as disco

@@ -1,7 +1,7 @@
 """Does torch.compile pay for the runner? Unsplit greedy decode tok/s, eager against each layer's norm + MLP
 compiled by inductor (the part without KV bookkeeping), same process, same prompt, with the compile time.
 
-    python -m loadgen.bench_compile --dtype int4 --threads 1
+    tophat bench compile --dtype int4 --threads 1
 
 Measured on this box it did not pay (docs/design/engine.md), so the runner stays eager; this is how to
 check again on another machine or torch.
@@ -18,12 +18,7 @@ import shared.model.layers as layers
 from loadgen.bench_core import decode_rate, load_model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtype", default="int4")
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     checkpoint = load_model(args.model, args.dtype)
     prompts = [list(range(100, 160))]
@@ -52,6 +47,3 @@ def main() -> None:
     print(f"{args.dtype}, {args.threads} thread(s): eager {eager:.1f} tok/s, compiled norm+MLP {rate:.1f} tok/s "
           f"({rate / eager:.2f}x), compile + two runs {first:.1f} s")
 
-
-if __name__ == "__main__":
-    main()

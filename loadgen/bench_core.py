@@ -190,22 +190,10 @@ def load_model(model: str, dtype: str = "f32") -> Checkpoint:
     return load_checkpoint(resolve_model(model), dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model, adapter, prompts and drafting every in-process core bench takes (this one, bench_trees, bench_budget)."""
-    parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
-    parser.add_argument("--adapter", default=None, help="draft adapter file or 'random' (default: the model's own)")
-    parser.add_argument("--split-layers", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--eta", type=float, default=0.6)
-    parser.add_argument("--max-draft", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="f32", help="f32 | bf16 | int8 | int4 weights (load_model)")
-
-
 def load_bench_models(args):
-    """(checkpoint, device model with its adapter, middle submodel, held-out prompts) from add_model_arguments'
-    options, with torch's threads set: what every in-process core bench starts from."""
+    """(checkpoint, device model with its adapter, middle submodel, held-out prompts) from the options of
+    `tophat bench core`, `trees` or `budget`, with torch's threads set: what every in-process core bench starts
+    from."""
     torch.set_num_threads(args.threads)
     checkpoint = load_model(args.model, args.dtype)
     device = build_device_model(checkpoint, args.split_layers, args.adapter, speculative=True)
@@ -213,11 +201,7 @@ def load_bench_models(args):
     return checkpoint, device, middle, bench_prompts(checkpoint, args.prompts)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_model_arguments(parser)
-    parser.add_argument("--rtt-ms", type=float, default=20.0, help="emulated device-cloud round trip for the second comparison")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
 
     checkpoint = load_model(args.model, args.dtype)
@@ -279,6 +263,3 @@ def main() -> None:
         print(f"  decode speedup hat / ushape: {decode_s('ushape', rtt_ms) / decode_s('hat', rtt_ms):.2f}x "
               "(outputs token-identical)")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""`tophat bench --disco`: DiSCo against device-only, cloud-only and a random split (DiSCo §5).
+"""`tophat bench disco`: DiSCo against device-only, cloud-only and a random split (DiSCo §5).
 
 One mesh per cost regime; on it the load generator's trace (same arrivals, same prompts, same
 seed) is replayed once per policy, each a `tophat.dispatch` of the token streamer:

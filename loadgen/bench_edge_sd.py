@@ -1,4 +1,4 @@
-"""`tophat bench --edge-sd`: Edge SD's draft server against its baselines (paper 001 §IV).
+"""`tophat bench edge-sd`: Edge SD's draft server against its baselines (paper 001 §IV).
 
 Edge SD serves K users' tasks at once: every round here sends K requests together (one user each, its
 uplink SNR from the paper's channel model) to a mesh whose device agent is the draft server

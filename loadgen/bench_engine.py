@@ -148,22 +148,7 @@ def llama_rate(threads: int, prompt: list[int], new_tokens: int, runs: int) -> f
     return float(json.loads(done.stdout.strip().splitlines()[-1])["tok_s"])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--split-layers", type=int, default=2)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--dtypes", default=",".join(DTYPES))
-    parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--out", default="bench-results/engine.json")
-    parser.add_argument("--profile", default="f32,int4", help="dtypes whose verify pass and draft step are profiled")
-    parser.add_argument("--quality-positions", type=int, default=20_000,
-                        help="teacher-forced positions of held-out text in the quality table (0: no table)")
-    parser.add_argument("--quality-prompts", type=int, default=64, help="held-out chat prompts answered greedily")
-    parser.add_argument("--runs", type=int, default=5,
-                        help="decode runs of --new-tokens per figure, the best reported (llama.cpp's alike, after "
-                             "a warm-up): one run is a third of a second, and this box's speed drifts within seconds")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     threads_list = [int(t) for t in args.threads.split(",")]
     bandwidth = {t: copy_bandwidth(t) for t in threads_list}
     results: dict = {"bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}, "runs": []}
@@ -243,6 +228,3 @@ def print_table(results: dict) -> None:
             print(f"\nfastest dtype through the quality gate (1 thread): {best['dtype']}, "
                   f"{best['decode_tok_s']:.1f} tok/s")
 
-
-if __name__ == "__main__":
-    main()

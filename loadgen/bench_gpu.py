@@ -17,8 +17,8 @@ it measured. No stage starts once --time-budget-s has passed.
                 a bf16 near-tie (a mismatch's top-2 logit margin is recorded) from a bug
   cuda_graphs   a 1-row verify pass and a 1-row unsplit decode step replayed from a torch.cuda.CUDAGraph vs eager
 
-    python -m loadgen.bench_gpu --model smollm2 --device cuda --dtype bf16 --out bench-results/gpu.json
-    python -m loadgen.bench_gpu --model demo --device cpu --dtype f32 --sessions 1,2 --rows 1,4 --new-tokens 8
+    tophat bench gpu --model smollm2 --device cuda --dtype bf16 --out bench-results/gpu.json
+    tophat bench gpu --model demo --device cpu --dtype f32 --sessions 1,2 --rows 1,4 --new-tokens 8
 
 Weights (--weights): `checkpoint` loads the model directory's safetensors; `random` initialises the same
 architecture (its config.json, or SmolLM2-135M's below when only the committed adapter is there) from a fixed
@@ -52,31 +52,6 @@ STAGES = ("placement", "greedy", "decode", "verify", "transformers", "greedy_dem
 
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
-    parser.add_argument("--weights", default="auto", choices=("auto", "checkpoint", "random"))
-    parser.add_argument("--adapter", default=None, help="draft adapter file or 'random' (default: the model's own)")
-    parser.add_argument("--split-layers", type=int, default=2)
-    parser.add_argument("--device", default="cuda", help="auto, cpu, cuda or cuda:N (shared/model/placement.py)")
-    parser.add_argument("--dtype", default="bf16", help="auto, f32, bf16, f16 (int8/int4: CPU only)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="decode steps per tok/s measurement")
-    parser.add_argument("--sessions", type=int_list, default=[1, 8, 32], help="concurrent sessions for decode tok/s")
-    parser.add_argument("--hf-sessions", type=int_list, default=[1, 8], help="batch sizes for transformers' generate")
-    parser.add_argument("--rows", type=int_list, default=[1, 4, 8, 16, 32], help="rows per verify pass")
-    parser.add_argument("--context", type=int, default=128, help="cached positions before a verify pass")
-    parser.add_argument("--repeats", type=int, default=9, help="timed repeats per verify / graph measurement")
-    parser.add_argument("--greedy-prompts", type=int, default=8)
-    parser.add_argument("--greedy-tokens", type=int, default=48)
-    parser.add_argument("--eta", type=float, default=0.6)
-    parser.add_argument("--max-draft", type=int, default=8)
-    parser.add_argument("--stages", default=",".join(STAGES), help="which stages to run (placement always runs)")
-    parser.add_argument("--time-budget-s", type=float, default=80.0, help="start no stage (or row) after this")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
-    parser.add_argument("--out", default="bench-results/gpu.json")
-    return parser.parse_args(argv)
 
 
 class Run:
@@ -272,9 +247,8 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(args: argparse.Namespace) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = parse_args(argv)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -286,6 +260,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table(results, args), flush=True)
     return results
 
-
-if __name__ == "__main__":
-    sys.exit(0 if main()["stages"]["placement"]["status"] == "ok" else 1)

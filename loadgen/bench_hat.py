@@ -1,4 +1,4 @@
-"""`tophat bench-hat`: HAT's adaptive machinery on a real mesh, ratios printed side by side.
+"""`tophat bench hat`: HAT's adaptive machinery on a real mesh, ratios printed side by side.
 
 Runs on one mesh (real processes, real WebSockets, emulated links) and switches
 features per request, so every comparison shares the machine, model, links and
@@ -126,17 +126,7 @@ def bench_chunk_sizes(mesh: Mesh, long: list[str], short: list[str], max_new: in
               f"TBT of decoding devices {_mean(decode, 'tbt') * 1e3:7.2f} ms")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
-    parser.add_argument("--adapter", default="", help="draft adapter file or 'random' (default: the model's own)")
-    parser.add_argument("--link", default="far", help="link profile of every device (HAT's slow group by default)")
-    parser.add_argument("--link-mode", default="auto")
-    parser.add_argument("--devices", type=int, default=3)
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
 
     from shared.model.checkpoint import load_checkpoint
     from tophatctl.demo_model.corpus import held_out_prompts
@@ -155,6 +145,3 @@ def main() -> None:
         bench_decoding(mesh, short[:4], args.max_new_tokens)
         bench_chunk_sizes(mesh, long, short, args.max_new_tokens)
 
-
-if __name__ == "__main__":
-    main()

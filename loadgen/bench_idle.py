@@ -2,7 +2,7 @@
 slept between passes (as a verifier waiting for the next round does), after it spun, and after it read a
 device-sized working set. Printed side by side in one run, never asserted.
 
-    python -m loadgen.bench_idle --dtype int4 --gap-ms 25
+    tophat bench idle --dtype int4 --gap-ms 25
 """
 
 from __future__ import annotations
@@ -29,16 +29,7 @@ def _wait(mode: str, gap_s: float, working_set: torch.Tensor) -> None:
         working_set.sum()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtype", default="int4")
-    parser.add_argument("--split-layers", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=3, help="rows per verify pass (k + 1)")
-    parser.add_argument("--gap-ms", type=float, default=25.0, help="time between passes (sleep, spin)")
-    parser.add_argument("--passes", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     checkpoint = load_model(args.model, args.dtype)
     middle = MiddleSubmodel(checkpoint, args.split_layers)
@@ -61,6 +52,3 @@ def main() -> None:
                 mean, median = sum(spent) / len(spent) * 1e3, spent[len(spent) // 2] * 1e3
                 print(f"  round {round_index + 1}, {mode:12s}: mean {mean:6.1f} ms, median {median:6.1f} ms")
 
-
-if __name__ == "__main__":
-    main()

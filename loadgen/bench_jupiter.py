@@ -1,4 +1,4 @@
-"""`tophat bench --edge-pipeline SPEC`: Jupiter's edge pipeline against its baselines (Jupiter §VI).
+"""`tophat bench jupiter --edge-pipeline SPEC`: Jupiter's edge pipeline against its baselines (Jupiter §VI).
 
 Jupiter serves one request at a time on a LAN of edge devices (single-sequence inference), so
 every prompt is sent alone and timed at the client (TTFT: request -> first token; E2EL: request ->

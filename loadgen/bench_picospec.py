@@ -11,7 +11,7 @@ TTFT, tokens per verification, bytes up and down per verification (after the pro
 token modes PicoSpec's expected-time model (eqs. 2, 9) fed with this run's measured T_draft, T_verify,
 T_RTT and acceptance: modelled tokens/s beside the measured.
 
-    python -m loadgen.bench_picospec --model smollm2 --rtt-ms 20,50,100 --out bench-results/picospec.json
+    tophat bench picospec --model smollm2 --rtt-ms 20,50,100 --out bench-results/picospec.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -216,33 +215,18 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(args: argparse.Namespace) -> None:
     from loadgen.bench_core import bench_prompts
     from shared.model.checkpoint import load_checkpoint
     from shared.runtime import build_device_model
     from tophatctl.models import resolve_model
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--rtt-ms", default="20,50,100")
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--eta", type=float, default=0.6)
-    parser.add_argument("--max-draft", type=int, default=8)
-    parser.add_argument("--group", type=int, default=2)
-    parser.add_argument("--window", type=int, default=8)
-    parser.add_argument("--no-eta-gate", action="store_true", help="async modes draft ahead past low-confidence drafts")
-    parser.add_argument("--downlink", choices=("topk", "full"), default="full")
-    parser.add_argument("--top-k", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("bench-results/picospec.json"))
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # the device's steps and the verifier's each get one core of the two
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - set(MODES)
     if unknown:
-        parser.error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+        raise ValueError(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     checkpoint = load_checkpoint(resolve_model(args.model))
     model = build_device_model(checkpoint, 2, None)
     prompts_ids = bench_prompts(checkpoint, args.prompts)  # held-out chat prompts (stdlib code for the demo model)
@@ -261,6 +245,3 @@ def main(argv: list[str] | None = None) -> None:
     args.out.with_suffix(".txt").write_text(table + "\n")
     print(table)  # noqa: T201 - a benchmark's report
 
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""`tophat bench --sim-check`: the real mesh against `tophat simulate` calibrated from that same mesh.
+"""`tophat bench sim-check`: the real mesh against `tophat simulate` calibrated from that same mesh.
 
 Each mode runs on the real mesh; while the mesh is still up, the simulator is calibrated from its
 telemetry (g(mu), gamma, beta as measured under this load) and the run's own accept lengths, replays

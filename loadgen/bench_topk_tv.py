@@ -28,7 +28,7 @@ weighted by its rejection probability, sum max(0, q - p) = TV(p, q)); `token`: t
 emitted token's distribution (rejection probability x residual TV); bytes of one rejection's
 downlink (`separate_rejection.downlink_bytes`) against the whole row.
 
-    python -m loadgen.bench_topk_tv --model smollm2 --prompts 8 --positions 32 --out bench-results/topk-tv.json
+    tophat bench topk-tv --model smollm2 --prompts 8 --positions 32 --out bench-results/topk-tv.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 import torch
 
@@ -139,17 +138,7 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
-    parser.add_argument("--adapter", default=None, help="draft adapter file or 'random' (default: the model's own)")
-    parser.add_argument("--split-layers", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--positions", type=int, default=32, help="drafted positions per prompt")
-    parser.add_argument("--temperatures", default=",".join(map(str, DEFAULT_TEMPERATURES)))
-    parser.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)))
-    parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     report = run(args.model, args.prompts, args.positions,
                  tuple(float(t) for t in args.temperatures.split(",")), tuple(int(k) for k in args.ks.split(",")),
                  args.adapter, args.split_layers)
@@ -159,6 +148,3 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")
 
-
-if __name__ == "__main__":
-    main()

@@ -6,22 +6,20 @@ accepted depth histogram, drafting ms per round, decode ms per token; and the ve
 node count (the middle once over the tree's rows with tree attention, after a 128-token context).
 Greedy outputs are checked token-identical to the chain's.
 
-    python -m loadgen.bench_trees --model smollm2 --nodes 0,16,32,64 --rtt-ms 50
+    tophat bench trees --model smollm2 --nodes 0,16,32,64 --rtt-ms 50
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 
-from loadgen.bench_core import DelayedCloud, add_model_arguments, load_bench_models
+from loadgen.bench_core import DelayedCloud, load_bench_models
 from shared.model.split import MiddleSubmodel
 from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from shared.specdec.device_session import DeviceSession, DraftConfig
@@ -91,22 +89,6 @@ def print_rows(rows: dict, args) -> None:
               f"{str(row['identical_to_chain']):>9}  {depths}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", default="0,16,32,64", help="tree node budgets to compare; 0 = chain")
-    parser.add_argument("--tree-width", type=int, default=4)
-    parser.add_argument("--tree-min-prob", type=float, default=0.05)
-    parser.add_argument("--tree-rtt-ms", dest="rtt_ms", type=float, default=50.0)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_model_arguments(parser)
-    parser.add_argument("--out", type=Path, default=Path("bench-results/trees.json"))
-    add_arguments(parser)
-    args = parser.parse_args()
-    run(args)
-
-
 def run(args) -> dict:
     checkpoint, device, middle, prompts = load_bench_models(args)
     budgets = [int(n) for n in args.nodes.split(",")]
@@ -119,6 +101,3 @@ def run(args) -> dict:
                                    "max_new_tokens": args.max_new_tokens, "budgets": rows}, indent=2) + "\n")
     return rows
 
-
-if __name__ == "__main__":
-    main()

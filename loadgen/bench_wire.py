@@ -1,4 +1,4 @@
-"""Encode+decode throughput of hidden-state frames: `python -m loadgen.bench_wire`.
+"""Encode+decode throughput of hidden-state frames: `tophat bench wire`.
 
 Prints GB/s of tensor payload per full encode -> decode cycle (target >= 1 GB/s
 so serialization never rivals the network). Prints only; timings are not asserted.
@@ -52,6 +52,3 @@ def main() -> None:
         size = len(encode(msg, wire_dtype=wd))
         print(f"{label:44} {gbps:6.2f} {enc_us:8.1f} {dec_us:8.1f} {size:8d}")
 
-
-if __name__ == "__main__":
-    main()

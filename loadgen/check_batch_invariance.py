@@ -3,7 +3,7 @@
 `generate_full` (the reference of every lossless test) decodes one row per pass; the mesh verifies several
 rows in one pass. For each dtype this decodes the held-out chat prompts step by step, scores the same
 tokens again in one pass, and counts the prompts whose argmax differs somewhere, and the exact top-2 ties
-in the logits. Run: `python -m loadgen.check_batch_invariance [--dtypes int4,int8,f32] [--prompts 24]`.
+in the logits. Run: `tophat bench batch-invariance [--dtypes int4,int8,f32] [--prompts 24]`.
 
 Quantized models run batch-invariant attention (shared/model/invariant_attention.py); `--attention sdpa`
 switches them back to one scaled-dot-product call per pass, to show the gap that closes.
@@ -40,15 +40,7 @@ def check(model_dir: str, dtype: str, prompts: list[str], new_tokens: int, atten
     return {"prompts": len(prompts), "differing_prompts": differing, "tied_positions": ties, "positions": positions}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtypes", default="int4,int8,f32")
-    parser.add_argument("--prompts", type=int, default=24)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--attention", choices=("invariant", "sdpa"), default="invariant")
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     prompts = list(HELD_OUT_CHAT_PROMPTS[: args.prompts])
     for dtype in args.dtypes.split(","):
@@ -59,6 +51,3 @@ def main(argv: list[str] | None = None) -> None:
             f"{result['differing_prompts']}/{result['prompts']} prompts; "
             f"exact top-2 logit ties at {result['tied_positions']}/{result['positions']} positions"
         )
-
-if __name__ == "__main__":
-    main()

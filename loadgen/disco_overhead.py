@@ -1,4 +1,4 @@
-"""DiSCo scheduler overhead: `python -m loadgen.disco_overhead [--json]`.
+"""DiSCo scheduler overhead: `tophat bench disco-overhead [--json]`.
 
 Builds dispatch policies from log-normal synthetic prompt lengths and server TTFTs of 1K, 10K
 and 100K samples (the scale of DiSCo's §5 overhead study, 0.1-15 ms) for both constraints, and
@@ -65,20 +65,8 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000],
-                        help="history sizes (samples per distribution)")
-    parser.add_argument("--decisions", type=int, default=100_000, help="decide() calls timed per policy")
-    parser.add_argument("--budget", type=float, default=0.5)
-    parser.add_argument("--alpha", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> list[dict]:
     rows = measure(args.sizes, args.decisions, args.budget, args.alpha, args.seed)
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    print(json.dumps(rows, indent=2) if args.as_json else format_table(rows))
     return rows
 
-
-if __name__ == "__main__":
-    main()

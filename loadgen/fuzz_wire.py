@@ -7,8 +7,8 @@ reply, so replies line up with frames without any matching. Frames that still de
 would address a protected session are not sent: the fuzz must leave those sessions alone,
 so the caller can check afterwards that they verify exactly as before.
 
-`python -m loadgen.fuzz_wire` starts a verifier on a free loopback port (SmolLM2 by default,
-`--model-dir demo` for the small model), opens a session, runs the fuzz on the same connection and prints the counts:
+`tophat bench fuzz-wire` starts a verifier on a free loopback port (SmolLM2 by default,
+`--model demo` for the small model), opens a session, runs the fuzz on the same connection and prints the counts:
 frames sent, typed errors, connections dropped (must be 0).
 """
 
@@ -215,7 +215,7 @@ async def _main(args: argparse.Namespace) -> FuzzCounts:
 
     from tophatctl.models import resolve_model
 
-    settings = Settings(port=0, model_dir=str(resolve_model(args.model_dir)), split_layers=args.split_layers, log_level="warning")
+    settings = Settings(port=0, model_dir=str(resolve_model(args.model)), split_layers=args.split_layers, log_level="warning")
     server = VerifierServer.from_settings(settings)
     stop = asyncio.Event()
     started = asyncio.get_running_loop().create_future()
@@ -241,13 +241,7 @@ async def _main(args: argparse.Namespace) -> FuzzCounts:
         await asyncio.wait_for(task, 30)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", default="smollm2", help="smollm2 | demo | a checkpoint directory")
-    parser.add_argument("--split-layers", type=int, default=2)
-    parser.add_argument("--frames", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     counts = asyncio.run(_main(args))
     print(f"frames sent: {counts.frames_sent} in {counts.elapsed_s:.1f} s "
@@ -262,6 +256,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrong reply: {line}")
     return 0 if counts.connections_dropped == 0 and not counts.wrong_replies else 1
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

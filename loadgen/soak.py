@@ -182,32 +182,14 @@ async def soak(url: str, processes: Callable[[], dict[str, int]], *, model_dir: 
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(args: argparse.Namespace) -> int:
     from tophatctl.mesh import Mesh
     from tophatctl.mesh_config import MeshConfig
     from tophatctl.mesh_ports import find_port_base
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="smollm2 | demo | a checkpoint directory")
-    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load after the warm-up")
-    parser.add_argument("--rate", type=float, default=None, help="requests/s (default: measured in the warm-up)")
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--warmup-requests", type=int, default=4, help="sent one at a time; they time the auto rate")
-    parser.add_argument("--warmup-s", type=float, default=60.0, help="then this long of the soak's own load")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rss-max-growth-pct", type=float, default=RssLimit.max_growth_pct,
-                        help="a service whose RSS grows more than this %% after the warm-up (and more than "
-                        "--rss-min-growth-mib) fails the soak")
-    parser.add_argument("--rss-min-growth-mib", type=float, default=RssLimit.min_growth_mib,
-                        help="growth below this many MiB never fails (allocator noise of a small process)")
-    args = parser.parse_args(argv)
     if not (args.duration > 0 and math.isfinite(args.duration)) or args.warmup_requests < 1 or not args.warmup_s >= 0:
-        parser.error("--duration must be a finite number > 0, --warmup-requests at least 1, --warmup-s >= 0")
-    try:
-        rss_limit = RssLimit(args.rss_max_growth_pct, args.rss_min_growth_mib)
-    except ValueError as exc:
-        parser.error(str(exc))
+        raise ValueError("--duration must be a finite number > 0, --warmup-requests at least 1, --warmup-s >= 0")
+    rss_limit = RssLimit(args.rss_max_growth_pct, args.rss_min_growth_mib)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = MeshConfig(model_dir=args.model, num_devices=args.devices, port_base=find_port_base(args.devices))
     with Mesh(config) as mesh:
@@ -219,6 +201,3 @@ def main(argv: list[str] | None = None) -> int:
     print(report.format())
     return 0 if report.ok else 1
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""`tophat bench`'s option handling (loadgen/bench_command.py), without a mesh."""
+"""`tophat bench serve`, `ablation`, `disco` and `jupiter` options (loadgen/bench_command.py), without a mesh."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from loadgen.bench_command import ModeBench, disco_bench_options, parse_buckets, split_list
 
-OPTIONS = dict(workload="specbench", rates=None, modes="ushape,hat", link_profile=None, rtt_ms="", ablation=False,
+OPTIONS = dict(workload="specbench", rates=None, modes="ushape,hat", link=None, rtt_ms="", ablation=False,
                baseline="", devices=2, num_requests=4, max_new_tokens=8, seed=0, out=Path("out"))
 
 
@@ -19,7 +19,7 @@ def test_defaults_are_the_documented_ones():
 
 
 def test_each_rtt_is_a_run_with_half_of_it_as_one_way_latency():
-    bench = ModeBench.from_options(**{**OPTIONS, "link_profile": "mid,lat=3ms", "rtt_ms": "20,50"})
+    bench = ModeBench.from_options(**{**OPTIONS, "link": "mid,lat=3ms", "rtt_ms": "20,50"})
     assert bench.runs == ((20.0, "mid,lat=10ms"), (50.0, "mid,lat=25ms"))
 
 
@@ -43,8 +43,9 @@ def test_edge_and_disco_options():
     with pytest.raises(ValueError, match="--buckets"):
         parse_buckets("orin;xavier", "0")
     assert disco_bench_options(None, None, "0.5", "server", "")["rate"] == 2.0
-    with pytest.raises(ValueError, match="one --rates"):
-        disco_bench_options("1,2", None, "0.5", "server", "")
+    assert disco_bench_options(1.5, None, "0.5", "server", "")["rate"] == 1.5
+    with pytest.raises(ValueError, match="--rate"):
+        disco_bench_options(0.0, None, "0.5", "server", "")
     assert split_list(" a, ,b ") == ["a", "b"]
 
 

@@ -1,4 +1,4 @@
-"""`tophat bench --disco` (loadgen/bench_disco.py): aggregation, ratios, Pareto front, the CLI, one tiny real run."""
+"""`tophat bench disco` (loadgen/bench_disco.py): aggregation, ratios, Pareto front, the CLI, one tiny real run."""
 
 from __future__ import annotations
 
@@ -159,17 +159,17 @@ def test_the_cli_parses_disco_options_and_refuses_bad_ones(monkeypatch, tmp_path
 
     monkeypatch.setattr(bd, "bench_disco", fake_bench)
     runner = CliRunner()
-    result = runner.invoke(cli.app, ["bench", "--disco", "--model", "demo", "--budget", "0.1,0.75",
-                                     "--constraint", "both", "--reading-rate", "4", "--rates", "1.5",
+    result = runner.invoke(cli.app, ["bench", "disco", "--model", "demo", "--budget", "0.1,0.75",
+                                     "--constraint", "both", "--reading-rate", "4", "--rate", "1.5",
                                      "--out", str(tmp_path / "d.json"), "--no-migration"])
     assert result.exit_code == 0, result.output
     assert "TABLE" in result.output
     assert seen["budgets"] == [0.1, 0.75] and seen["constraints"] == ["server", "device"]
     assert seen["rate"] == 1.5 and seen["reading_rate_tps"] == 4.0 and seen["migration"] is False
     assert seen["link"] == bd.DEFAULT_LINK and seen["speed"] == bd.DEFAULT_SPEED
-    for bad in (["--budget", "2"], ["--constraint", "x"], ["--rates", "1,2"], ["--speed", "0.5"],
-                ["--link-profile", "lat=5"]):
-        result = runner.invoke(cli.app, ["bench", "--disco", "--model", "demo", *bad])
+    for bad in (["--budget", "2"], ["--constraint", "x"], ["--rate", "0"], ["--speed", "0.5"],
+                ["--link", "lat=5"], ["--rates", "1"]):
+        result = runner.invoke(cli.app, ["bench", "disco", "--model", "demo", *bad])
         assert result.exit_code == 2, (bad, result.output)
 
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
-
-from loadgen import bench_topk_tv
 
 
-def test_topk_tv_report_on_the_demo_model(tmp_path, monkeypatch):
+def test_topk_tv_report_on_the_demo_model(tmp_path):
+    from typer.testing import CliRunner
+
+    from tophat.cli import app
+
     out = tmp_path / "topk-tv.json"
-    monkeypatch.setattr(sys, "argv", ["bench_topk_tv", "--model", "demo", "--prompts", "1", "--positions", "4",
+    result = CliRunner().invoke(app, ["bench", "topk-tv", "--model", "demo", "--prompts", "1", "--positions", "4",
                                       "--temperatures", "1.0", "--ks", "1,5,50", "--out", str(out)])
-    bench_topk_tv.main()
+    assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
 
     assert report["model"] == "demo" and report["prompts"] == 1 and report["positions_per_prompt"] == 4

@@ -10,10 +10,20 @@ from shared.model.checkpoint import load_checkpoint
 from shared.model.placement import CPU_DEFAULT, detect_placement
 from shared.specdec.reference import generate_full
 from tophatctl.adapter_training.dataset import user_prompt_ids
-from tophatctl.demo import CHAT_PROMPTS, parse_args
+from tophatctl.demo import CHAT_PROMPTS
 from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_settings import device_env, verifier_env
 from tophatctl.models import resolve_model
+
+
+def demo_default_dtype() -> str:
+    """`tophat demo`'s --dtype when none is given."""
+    import typer.main
+
+    from tophat.cli import app
+
+    demo = typer.main.get_command(app).commands["demo"]
+    return next(param.default for param in demo.params if param.name == "dtype")
 
 
 def test_serve_demo_and_the_services_default_to_auto_which_is_int4_on_a_cpu(monkeypatch):
@@ -25,7 +35,7 @@ def test_serve_demo_and_the_services_default_to_auto_which_is_int4_on_a_cpu(monk
 
     serve = get_command(app).commands["serve"]  # type: ignore[attr-defined]
     assert next(p.default for p in serve.params if p.name == "dtype") == "auto"
-    assert parse_args([]).dtype == "auto" and MeshConfig().dtype == "auto"
+    assert demo_default_dtype() == "auto" and MeshConfig().dtype == "auto"
     monkeypatch.delenv("TOPHAT_CPU_DTYPE", raising=False)  # the suite's f32 (conftest.py); a user's shell: none
     assert VerifierSettings().dtype == DeviceSettings().dtype == "auto"
     config = MeshConfig()

@@ -18,9 +18,14 @@ def test_measure_returns_a_row_per_constraint_and_size() -> None:
     assert device["w_tail_s"] > 0   # a device-constrained plan was really built from the TTFTs
 
 
-def test_main_prints_json_or_a_table(capsys) -> None:
-    rows = disco_overhead.main(["--sizes", "40", "--decisions", "100", "--json"])
-    assert json.loads(capsys.readouterr().out) == rows
-    disco_overhead.main(["--sizes", "40", "--decisions", "100"])
-    table = capsys.readouterr().out.splitlines()
+def test_the_command_prints_json_or_a_table() -> None:
+    from typer.testing import CliRunner
+
+    from tophat.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "disco-overhead", "--sizes", "40", "--decisions", "100", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [row["samples"] for row in json.loads(result.output)] == [40, 40]
+    result = CliRunner().invoke(app, ["bench", "disco-overhead", "--sizes", "40", "--decisions", "100"])
+    table = result.output.splitlines()
     assert table[0].split()[:2] == ["constraint", "samples"] and len(table) == 3

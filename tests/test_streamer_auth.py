@@ -308,6 +308,6 @@ def test_tophat_up_api_key_reaches_the_streamer_of_a_real_mesh(monkeypatch: pyte
         url = running.config.streamer_url
         assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
         assert_openai_401(httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=10))
-        chat = CliRunner().invoke(cli.app, ["chat", "--url", url, "--prompt", "hi", "--max-tokens", "4",
+        chat = CliRunner().invoke(cli.app, ["chat", "--url", url, "--prompt", "hi", "--max-new-tokens", "4",
                                             "--api-key", KEY])
         assert chat.exit_code == 0 and "TTFT" in chat.output, chat.output

@@ -1,10 +1,11 @@
 """`tophat`: the command line. The typer app, the commands that only run a model here (`generate`,
-`chat`), and every other command mounted from the module that holds it (model_commands,
-mesh_commands, bench_commands here; `loadgen`, `simulate`, `profile`, `plan` and `privacy` from the
-library packages). Commands import what they run inside their body, so `tophat --help` stays fast."""
+`chat`), and every other command mounted from the module that holds it (model_commands and
+mesh_commands here, the `bench` subcommands from bench_app; `loadgen`, `simulate`, `profile`, `plan` and
+`privacy` from the library packages). Commands import what they run inside their body, so `tophat --help` stays fast."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from enum import Enum
@@ -14,7 +15,7 @@ import typer
 
 from loadgen.cli import loadgen_command
 from loadgen.simulate.cli import simulate_command
-from tophat.bench_commands import bench
+from tophat.bench_app import bench_app
 from tophat.command_support import MODEL_HELP, SPLIT_LAYERS_HELP, fail, setup_torch, user_errors
 from tophat.mesh_commands import certs, mesh_secrets, serve, stage
 from tophat.model_commands import (
@@ -142,7 +143,7 @@ def generate(
 def chat(
     url: str = typer.Option("http://127.0.0.1:8000", help="token-streamer base URL"),
     prompt: Optional[str] = typer.Option(None, help="one-shot prompt (default: interactive)"),
-    max_tokens: int = typer.Option(64, "--max-new-tokens", "--max-tokens", help="tokens to generate per answer"),
+    max_new_tokens: int = typer.Option(64, help="tokens to generate per answer"),
     temperature: float = typer.Option(0.0),
     api_key: Optional[str] = typer.Option(
         None,
@@ -155,7 +156,27 @@ def chat(
     """Chat with the mesh, streaming tokens; prints TTFT, TBT and accept length after each answer."""
     from tophatctl.chat_client import run_chat
 
-    raise typer.Exit(asyncio.run(run_chat(url, prompt, max_tokens, temperature, api_key=api_key)))
+    raise typer.Exit(asyncio.run(run_chat(url, prompt, max_new_tokens, temperature, api_key=api_key)))
+
+
+def demo(
+    model: str = typer.Option("smollm2", help=MODEL_HELP),
+    adapter: str = typer.Option(
+        "", help="draft adapter file or 'random' (default: the model's draft_adapter.safetensors)"
+    ),
+    devices: int = typer.Option(2, help="device agents"),
+    max_new_tokens: int = typer.Option(96, help="tokens to generate per answer"),
+    dtype: str = typer.Option(
+        "auto",
+        help="weights in the verifier and the devices: auto (the default of `tophat serve`: int4 on a CPU) | int4 | "
+        "int8 | bf16 | f32",
+    ),
+):
+    """Start the mesh, stream its answers to a few prompts through the chat client, stop."""
+    args = argparse.Namespace(**locals())
+    from tophatctl.demo import main as run_demo
+
+    raise typer.Exit(run_demo(args))
 
 
 # Registered in one place, in the order `tophat --help` lists them.
@@ -172,7 +193,8 @@ app.command("mesh-secrets")(mesh_secrets)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})(stage)
 app.add_typer(credentials_app, name="credentials")
 app.command()(chat)
-app.command()(bench)
+app.command()(demo)
+app.add_typer(bench_app, name="bench")
 app.command("loadgen", help="Poisson load generator against the token-streamer (results.json, requests.csv, plots).")(
     loadgen_command
 )

@@ -108,11 +108,23 @@ def cli_page() -> str:
         "`.venv/bin/tophat`.",
         "",
     ]
-    lines += [f"- [`tophat {name}`](#tophat-{name}): {first_sentence(root.get_command(ctx, name))}" for name in names]
+    lines += contents(root, ctx, "tophat", 0)
     lines.append("")
     for name in names:
         lines += command_section(f"tophat {name}", root.get_command(ctx, name), 2)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def contents(group: Any, ctx: Any, path: str, depth: int) -> list[str]:
+    """The table of contents: a line per command, a group's commands indented under it."""
+    lines = []
+    for name in shown_commands(group, ctx):
+        command, full = group.get_command(ctx, name), f"{path} {name}"
+        anchor = full.replace(" ", "-")
+        lines.append(f"{'  ' * depth}- [`{full}`](#{anchor}): {first_sentence(command)}")
+        if hasattr(command, "list_commands"):
+            lines += contents(command, command.context_class(command, info_name=full), full, depth + 1)
+    return lines
 
 
 def first_sentence(command: Any) -> str:

@@ -1,4 +1,4 @@
-"""`make demo`: start the mesh, stream answers to a few prompts through the chat client, stop.
+"""`tophat demo` (`make demo`): start the mesh, stream answers to a few prompts through the chat client, stop.
 
 `--model smollm2` (the default, SmolLM2-135M-Instruct) is asked what a user would ask; its
 chat template is applied on the device. `--model demo` (a small Llama trained on Python's
@@ -14,12 +14,11 @@ import logging
 import sys
 from pathlib import Path
 
+from shared.model.checkpoint import ModelLoadError
 from tophatctl.chat_client import run_chat
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig, MeshStartError
 from tophatctl.mesh_ports import find_port_base
-from shared.model.checkpoint import ModelLoadError
-from tophatctl.models import DEFAULT_MODEL
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -43,22 +42,8 @@ def has_chat_template(model_dir: Path) -> bool:
         return False
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m tophatctl.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="smollm2 | demo | a checkpoint directory")
-    parser.add_argument("--adapter", default="",
-                        help="draft adapter file or 'random' (default: the model's draft_adapter.safetensors)")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--dtype", default="auto",
-                        help="weights in the verifier and the devices: auto (the default of `tophat serve`: int4 on "
-                             "a CPU, the fastest dtype through make bench-engine's quality gate) | int4 | int8 | bf16 "
-                             "| f32")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> int:
+    """`tophat demo`'s run with its options (model, adapter, devices, max_new_tokens, dtype); the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = MeshConfig(model_dir=args.model, adapter=args.adapter, num_devices=args.devices, dtype=args.dtype,
                         port_base=find_port_base(args.devices))
@@ -76,12 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:16s} {url}")
         for prompt in prompts:
             print("\n>>> " + prompt.replace("\n", "\n... "), flush=True)
-            status |= asyncio.run(run_chat(config.streamer_url, prompt, max_tokens=args.max_tokens, temperature=0.0))
+            answer = run_chat(config.streamer_url, prompt, max_tokens=args.max_new_tokens, temperature=0.0)
+            status |= asyncio.run(answer)
     finally:
         mesh.stop()
         print("\nmesh stopped")
     return status
 
-
-if __name__ == "__main__":
-    sys.exit(main())
