@@ -8,14 +8,18 @@ import re
 import tomllib
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from services.state_monitor.app import create_app as monitor_app
+from services.state_monitor.settings import load_settings as monitor_settings
 from services.token_streamer.app import create_app
 from services.token_streamer.console import read_assets
 from services.token_streamer.settings import load_settings
 from shared.console_history import ConsoleHistory
 from shared.console_mesh import device_rows, g_points, interpolate, mesh_view, verifier_rows
+from shared.modes import MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_ASSET_BYTES = 300_000
@@ -131,8 +135,20 @@ def test_assets_are_small_referenced_and_shipped_in_the_package():
 
 
 def test_the_page_offers_the_modes_the_api_takes():
-    from shared.modes import MODES
-
     page = read_assets()["index.html"].decode()
     offered = set(re.findall(r"<option>([a-z-]+)</option>", page))
     assert offered and offered <= set(MODES)
+
+
+async def test_the_monitor_keeps_where_the_verifier_runs():
+    """A verifier step says its torch device (runs_on); the monitor's cloud state, which the console reads, has it."""
+    app = monitor_app(monitor_settings({}))
+    step = {"kind": "verifier_step", "batched_tokens": 8, "compute_s": 0.01, "num_sessions": 2, "runs_on": "cuda:0"}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://monitor") as client:
+            assert (await client.post("/telemetry", json=step)).status_code == 200
+            bad = {**step, "runs_on": "cuda:0; rm -rf /"}
+            assert (await client.post("/telemetry", json=bad)).status_code == 422
+            cloud = (await client.get("/state/cloud")).json()
+    [row] = verifier_rows(cloud, cloud["updated_at"])
+    assert row["runs_on"] == "cuda:0" and row["sessions"] == 2 and row["rows_per_step"] == 8.0

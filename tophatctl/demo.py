@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  logs in {config.log_dir}")
         for name, url in mesh.urls().items():
             print(f"  {name:16s} {url}")
+        print(f"  {'web console':16s} {config.streamer_url}/   (chat, devices, verifier, live plots)")
         for prompt in prompts:
             print("\n>>> " + prompt.replace("\n", "\n... "), flush=True)
             status |= asyncio.run(run_chat(config.streamer_url, prompt, max_tokens=args.max_tokens, temperature=0.0))
