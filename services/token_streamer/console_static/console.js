@@ -119,6 +119,8 @@
   }
 
   async function refresh() {
+    if (state.refreshing) return;  // a slow answer is not piled on: the next tick asks again
+    state.refreshing = true;
     try {
       const [mesh, history] = await Promise.all([getJson("/console/mesh"), getJson(`/console/history?since=${Math.min(state.sinceRequests, state.sinceLoad)}`)]);
       renderDevices(mesh.devices);
@@ -137,6 +139,8 @@
       if (error.auth) return askKey(sessionStorage.getItem(KEY) ? "That key was refused." : "");
       $("status").textContent = `not reachable: ${error.message}`;
       $("status").className = "error";
+    } finally {
+      state.refreshing = false;
     }
   }
 
