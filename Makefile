@@ -15,7 +15,7 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .DEFAULT_GOAL := help
-.PHONY: help install native test test-fast lint docs demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak test-aiperf clean
+.PHONY: help install native test test-fast test-browser lint docs demo bench bench-engine bench-gpu bench-ablation bench-core bench-hat bench-picospec bench-sim bench-disco bench-jupiter bench-edge-sd privacy soak test-aiperf clean
 
 SMOLLM2 := models/smollm2/model.safetensors
 
@@ -45,13 +45,22 @@ $(SMOLLM2): | $(STAMP)
 	$(BIN)/tophat import-gguf
 
 test: install ## the test suite, as CI runs it (TEST_WORKERS processes)
-	$(BIN)/python -m pytest -q $(XDIST) -m 'not deploy and not timing' --durations=25
-	$(BIN)/python -m pytest -q -m 'timing and not deploy' --durations=5
+	$(BIN)/python -m pytest -q $(XDIST) -m 'not deploy and not timing and not browser' --durations=25
+	$(BIN)/python -m pytest -q -m 'timing and not deploy and not browser' --durations=5
+
+# The web console in a real browser (tests/test_console_browser.py, ~30 s): headless Chromium over the DevTools
+# Protocol against a local mesh. Debian's chromium is installed first where it is missing and apt can (as root).
+test-browser: install ## the web console in headless Chromium against a real mesh
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+		else echo "error: test-browser needs chromium (apt-get install chromium, as root)"; exit 1; fi; }
+	$(BIN)/python -m pytest -q -m browser tests/test_console_browser.py
 
 # the inner loop: everything but the end-to-end tests that start real meshes and processes (marked slow)
 test-fast: install ## all but the end-to-end tests that start real meshes
-	$(BIN)/python -m pytest -q $(XDIST) -m 'not slow and not deploy and not timing'
-	$(BIN)/python -m pytest -q -m 'timing and not slow and not deploy'
+	$(BIN)/python -m pytest -q $(XDIST) -m 'not slow and not deploy and not timing and not browser'
+	$(BIN)/python -m pytest -q -m 'timing and not slow and not deploy and not browser'
 
 # the generated pages, docs/usage/cli.md and docs/configuration.md, from the typer app and the settings classes
 docs: | $(STAMP) ## regenerate docs/usage/cli.md and docs/configuration.md

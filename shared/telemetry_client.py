@@ -138,6 +138,7 @@ class TelemetryClient:
         step_kinds: Mapping[str, int] | None = None,
         overhead_s: float | None = None,
         pipeline_stages: int | None = None,
+        runs_on: str | None = None,
     ) -> None:
         record = {
             "kind": "verifier_step",
@@ -151,6 +152,8 @@ class TelemetryClient:
             record["overhead_s"] = overhead_s
         if pipeline_stages is not None:  # P for the chunk planner's eq. 3 / eq. 6
             record["pipeline_stages"] = pipeline_stages
+        if runs_on is not None:  # the torch device it computes on (the web console's verifier row)
+            record["runs_on"] = runs_on
         self.emit_batched(record)  # one per step: batched, or a busy verifier's steps outrun max_in_flight
 
     def emit_device_draft(

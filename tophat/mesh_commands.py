@@ -169,6 +169,7 @@ def serve(
     try:
         for name, url in mesh.urls().items():
             typer.echo(f"{name:16s} {url}")
+        typer.echo(f"{'web console':16s} {config.streamer_url}/")
         if config.bind_host:
             typer.echo(
                 f"listening on {config.bind_host} (every interface): reach the token streamer at this "

@@ -59,6 +59,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"  logs in {config.log_dir}")
         for name, url in mesh.urls().items():
             print(f"  {name:16s} {url}")
+        print(f"  {'web console':16s} {config.streamer_url}/   (chat, devices, verifier, live plots)")
         for prompt in prompts:
             print("\n>>> " + prompt.replace("\n", "\n... "), flush=True)
             answer = run_chat(config.streamer_url, prompt, max_tokens=args.max_new_tokens, temperature=0.0)

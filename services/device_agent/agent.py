@@ -225,6 +225,14 @@ class DeviceAgent:
             measured = shape.name
         return DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob), measured
 
+    def current_shape(self) -> tuple[str, str]:
+        """The draft shape this agent's hat requests run now, and who chose it: the draft budget ("budget", the
+        cached plan's) or the configuration ("configured"); /info reports it for the web console."""
+        plan = self.plans.plan if self.budget is not None and self.plans is not None else None
+        if plan is not None and plan.shape:
+            return plan.shape, "budget"
+        return self.settings.default_shape(), "configured"
+
     def admit(self, session: DeviceSession | None) -> Admission:
         """Count a request against `max_sessions` (released by its stream or its response, admission.py)."""
         self.active += 1

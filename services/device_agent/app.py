@@ -143,6 +143,7 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
     @app.get("/info")
     async def info():
         agent = state["agent"]
+        shape, shape_source = agent.current_shape()
         return {
             "device_id": settings.device_id,
             "model": agent.checkpoint.path.name,
@@ -155,6 +156,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             "speed": settings.speed,
             "eos_token_id": agent.model.eos_token_id,
             "kept_sessions": len(agent.kept),
+            "draft_shape": shape,  # what hat requests draft now (the web console's mesh table)
+            "draft_shape_source": shape_source,
             # the template's text between turns: the streamer's outline requests (shared/jupiter/outline.py)
             "chat_format": advertised_chat_format(agent.checkpoint.tokenizer),
         }

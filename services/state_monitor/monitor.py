@@ -69,6 +69,7 @@ class Monitor:
                 num_sessions=rec.num_sessions,
                 step_kinds=rec.step_kinds,
                 **({"pipeline_stages": rec.pipeline_stages} if rec.pipeline_stages else {}),
+                **({"runs_on": rec.runs_on} if rec.runs_on else {}),
             )
             return await self._write(
                 events=[(tk.VERIFIER_STEPS, raw)], states=[(tk.VERIFIER_STATE, self._cloud_hash(), None)]

@@ -32,6 +32,9 @@ class VerifierStep(_Record):
     step_kinds: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     overhead_s: Seconds | None = Field(default=None, description="step wall time beyond compute_s")
     pipeline_stages: int | None = Field(default=None, ge=1, le=1024, description="P: the verifier's stages")
+    runs_on: Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9_.:\- ]+$")] | None = Field(
+        default=None, description="the torch device the verifier computes on (cpu, cuda:0, ...)"
+    )
 
 
 class DeviceDraft(_Record):

@@ -31,6 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.token_streamer import openai_format as of
 from services.token_streamer.admission import Admission
 from services.token_streamer.chat_ws import serve_chat_ws
+from services.token_streamer.console import Console
+from services.token_streamer.console import install as install_console
 from services.token_streamer.disco import DiscoController
 from services.token_streamer.dispatcher import Dispatcher
 from services.token_streamer.lifecycle import QUEUE_WAIT_HEADER, OwnedStreamingResponse, client_gone
@@ -90,7 +92,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     outlines = OutlineFlow(
         dispatcher, client, wait_timeout_s=s.first_byte_timeout_s + s.line_timeout_s, probe_timeout_s=s.probe_timeout_s
     )
-    starter = RequestStarter(s, dispatcher, outlines, disco, telemetry, metrics)
+    console = Console(s, router, client) if s.console else None
+    starter = RequestStarter(s, dispatcher, outlines, disco, telemetry, metrics, console.history if console else None)
     started_at = int(time.time())
 
     async def health_loop() -> None:
@@ -272,5 +275,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """The admission queue (length, outcomes, recent waits) and each device's URL, health, slots and last
         error; no probing. Not a probe path: with API keys configured it needs one (limits.py)."""
         return {"queue": admission.stats(), "devices": router.snapshot()}
+
+    if console is not None:  # the web console: GET / and its data (console.py)
+        install_console(app, console)
 
     return app

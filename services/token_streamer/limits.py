@@ -2,7 +2,8 @@
 
 `Gate` is a pure ASGI middleware, so it answers before FastAPI parses anything:
   * API keys as vLLM takes them: with keys configured, every route but the probes
-    (/healthz, /readyz, /metrics) needs `Authorization: Bearer <key>`, the chat WebSocket on
+    (/healthz, /readyz, /metrics) and the web console's page and assets (console.py: no data in them)
+    needs `Authorization: Bearer <key>`, the chat WebSocket on
     its handshake; else 401 shaped as OpenAI's (`invalid_api_key`). Keys are compared in
     constant time and never logged, not even in part.
   * A token bucket per credential (shared/rate_limit.py): the key, or the client address when
@@ -33,6 +34,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.token_streamer import openai_format as of
+from services.token_streamer.console import is_public
 from shared.auth import OPEN_PATHS, bearer_token, is_loopback, redact_credentials
 from shared.rate_limit import RateLimiter, address_key, retry_after_s
 
@@ -87,7 +89,8 @@ class Gate:
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:  # probes, scrapes: keyless
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS or is_public(scope["path"]):
+            # probes, scrapes and the console's page and assets (no data in them): keyless
             await self.app(scope, receive, send)
             return
         try:

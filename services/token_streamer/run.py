@@ -17,6 +17,7 @@ from services.token_streamer.disco_stream import DiscoStream
 from services.token_streamer.outline import OutlineStream
 from services.token_streamer.router import DeviceError, DeviceState
 from shared import latency_stats
+from shared.console_history import ConsoleHistory
 from shared.latency_stats import Timeline
 from shared.metrics import StreamerMetrics
 from shared.telemetry_client import TelemetryClient
@@ -33,6 +34,7 @@ class Run:
         request_id: str,
         telemetry: TelemetryClient,
         metrics: StreamerMetrics | None = None,
+        history: ConsoleHistory | None = None,
     ) -> None:
         self.stream = stream
         self.scanner = of.StopScanner(stops)
@@ -40,6 +42,7 @@ class Run:
         self.request_id = request_id
         self.telemetry = telemetry
         self.metrics = metrics
+        self.history = history  # the web console's plots (console.py)
         self.finish_reason = "length"
         self.timeline = Timeline(started)  # one delivery per NDJSON 'tokens' line, perf_counter times
         self.device_stats: dict[str, Any] | None = None
@@ -115,10 +118,15 @@ class Run:
             return rounds[1:]
         return list(rounds)
 
+    @property
+    def mean_accept_length(self) -> float | None:
+        stats = self.device_stats or {}
+        return stats.get("mean_accept_length", latency_stats.mean_accept_length(self.accept_lengths))
+
     def tophat(self) -> dict[str, Any]:
         stats = self.device_stats or {}
         accepts = self.accept_lengths
-        mean_accept = stats.get("mean_accept_length", latency_stats.mean_accept_length(accepts))
+        mean_accept = self.mean_accept_length
         disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else {}
         return {
             **disco,
@@ -146,6 +154,16 @@ class Run:
         await self.stream.aclose()
         if self.metrics is not None:  # TTFT, ITL and e2e as the user saw them, from arrival here
             self.metrics.request_done(self.ttft_s, self.token_times_s, time.perf_counter() - self.started)
+        if self.history is not None:
+            mode = (self.device_stats or {}).get("mode")
+            self.history.request_done(
+                time.time(),
+                self.device.device_id,
+                self.ttft_s,
+                latency_stats.mean_tbt_s(self.timeline),
+                self.mean_accept_length,
+                mode if isinstance(mode, str) else None,
+            )
         disco = self.stream.summary() if isinstance(self.stream, DiscoStream) else None
         self.telemetry.emit_request(
             self.request_id,

@@ -81,6 +81,11 @@ class Settings(ServiceSettings):
     # {"outline": bool} overrides it; questions the router declines (code, math, short answers) and
     # agents without keep/fork are answered sequentially either way.
     outline: bool = False
+    # The web console (console.py): its page at GET / and the JSON it polls (behind the API key); the mesh's
+    # state is gathered at most once per console_refresh_s, and its plots keep console_history_s of points.
+    console: bool = True
+    console_refresh_s: float = 1.0
+    console_history_s: float = 600.0
 
     def validate(self) -> None:
         super().validate()  # auth, logging, TLS (shared/service_settings.py)
@@ -102,6 +107,8 @@ class Settings(ServiceSettings):
             self.telemetry_timeout_s,
             self.queue_timeout_s,
             self.discovery_interval_s,
+            self.console_refresh_s,
+            self.console_history_s,
         )
         if min(timeouts) <= 0:
             raise ValueError("timeouts and device_down_s must be > 0")

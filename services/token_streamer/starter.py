@@ -22,6 +22,7 @@ from services.token_streamer.dispatcher import Dispatcher
 from services.token_streamer.outline import OutlineFlow, OutlineStream
 from services.token_streamer.run import Run
 from services.token_streamer.settings import Settings
+from shared.console_history import ConsoleHistory
 from shared.metrics import StreamerMetrics
 from shared.modes import KEPT_SESSIONS_MODE
 from shared.telemetry_client import TelemetryClient
@@ -65,6 +66,7 @@ class RequestStarter:
     disco: DiscoController
     telemetry: TelemetryClient
     metrics: StreamerMetrics | None
+    history: ConsoleHistory | None = None  # the web console's plots (console.py)
 
     async def start(self, req: of.SamplingRequest, max_tokens: int | None, chat: bool) -> tuple[Run, of.ChunkFactory]:
         """Validate, dispatch to a device and wait for its start line (errors raise before any byte is sent)."""
@@ -129,7 +131,7 @@ class RequestStarter:
                 raise
         assert stream.device is not None  # a DiscoStream's is set by start()
         log.debug("request %s -> %s", request_id, stream.device.url)
-        run = Run(stream, req.stop_list, started, request_id, self.telemetry, self.metrics)
+        run = Run(stream, req.stop_list, started, request_id, self.telemetry, self.metrics, self.history)
         if outline_stats is not None:
             run.extra["outline"] = outline_stats
         return run, of.ChunkFactory(chat, request_id, s.model_name)

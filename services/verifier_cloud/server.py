@@ -113,6 +113,8 @@ class VerifierServer:
         )
         auth.warn_if_open("the verifier", settings.authenticated, settings.host, "TOPHAT_VERIFIER_AUTH_ISSUER_URL")
         self.steps = 0
+        first = next(middle.parameters(), None) if middle is not None else None  # where the step records say it runs
+        self.runs_on = str(first.device) if first is not None else f"{settings.device} x{settings.pipeline_stages}"
         self.ready = False
         self.capture: CaptureWriter | None = None  # settings.capture_path: opened while serving (serve_forever)
         self.runner: ModelRunner | None = None  # P = 1: the in-process runner and its KV
@@ -296,6 +298,7 @@ class VerifierServer:
             kinds,
             overhead_s,
             pipeline_stages=self.settings.pipeline_stages,
+            runs_on=self.runs_on,
         )
         log.debug(
             "step %d: %d tokens, %d sessions, %.1f ms",
