@@ -26,7 +26,7 @@ install: $(STAMP) $(SMOLLM2) native ## .venv with torch and the pinned dependenc
 
 # the runner's int4/int8 layers and batch-invariant attention in C++ (shared/model/native_build.py): built once
 # per source, flags and CPU under build/native, about 50 s; where it is not built, torch computes it all, slower
-native: | $(STAMP) ## build the C++ int4/int8 layers (skipped, in one line, without a C++ compiler)
+native: | $(STAMP) ## build the C++ int4/int8 layers (skipped, in one line, without a C++ compiler or Python.h)
 	$(BIN)/python -c 'from shared.model.native_build import build_summary; print(build_summary())'
 
 $(STAMP): pyproject.toml
