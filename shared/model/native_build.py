@@ -5,8 +5,10 @@ build/native/<key>, where the key hashes the sources, the compiler flags, this C
 built with -march=native), torch's version and Python's, so a stale or foreign build is never loaded. At
 run time the .so is imported from that path; no compiler is needed. Where it is missing, does not load, or
 TOPHAT_NATIVE_LAYERS=off, everything runs in torch (native_layers.py, invariant_attention.py). Where no C++
-compiler is found (the one torch's builder calls: $CXX, else c++), the build is skipped with one line saying
-so, and `make install` goes on: the runner then computes in torch.
+compiler is found (the one torch's builder calls: $CXX, else c++), or Python's headers are not installed (the
+extension includes Python.h; Debian's python3-dev), the build is skipped with one line saying so, and
+`make install` goes on: the runner then computes in torch. The ninja torch's builder runs is a dependency (the
+ninja wheel); `make test-install` checks both ways in clean containers.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import platform
 import shlex
 import shutil
 import sys
+import sysconfig
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -82,32 +86,74 @@ def no_compiler_message() -> str:
     )
 
 
+def python_header() -> Path:
+    """Where Python.h should be: the extension includes it (through torch/extension.h). Debian's python3 has
+    it only with python3-dev; python.org's, pyenv's and the python images' builds always do."""
+    return Path(sysconfig.get_paths()["include"]) / "Python.h"
+
+
+def no_headers_message() -> str:
+    return (
+        f"native layers: skipped, no Python headers ({python_header()} is missing; install python3-dev): "
+        "torch computes the int4/int8 layers, slower"
+    )
+
+
+def missing() -> str | None:
+    """Why the extension cannot be built here (`make native`'s one line), or None where it can."""
+    if compiler() is None:
+        return no_compiler_message()
+    if not python_header().is_file():
+        return no_headers_message()
+    return None
+
+
+@contextlib.contextmanager
+def ninja_on_path() -> Iterator[None]:
+    """torch's builder runs `ninja` from PATH. The ninja wheel (a dependency) puts it in the venv, whose bin/
+    is not on PATH where the venv's python runs unactivated (as make runs it): its directory goes first."""
+    import ninja
+
+    saved = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([saved] if saved else [])])
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = saved
+
+
 def build() -> Path | None:
     """Compile the extension into `build_dir()` (about 50 s on 2 cores) unless it is there already; None, with
-    one warning, where there is no C++ compiler to build it with."""
+    one warning, where there is no C++ compiler or no Python headers to build it with."""
     target = library_path()
     if not target.exists():
-        if compiler() is None:
-            log.warning(no_compiler_message())
+        reason = missing()
+        if reason is not None:
+            log.warning(reason)
             return None
         from torch.utils.cpp_extension import load
 
         target.parent.mkdir(parents=True, exist_ok=True)
-        load(
-            MODULE,
-            [str(SOURCE)],
-            build_directory=str(target.parent),
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
-            verbose=False,
-        )
+        with ninja_on_path():
+            load(
+                MODULE,
+                [str(SOURCE)],
+                build_directory=str(target.parent),
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                verbose=False,
+            )
     return target
 
 
 def build_summary() -> str:
     """`make native`'s one line: where the build is, or why there is none."""
-    if not library_path().exists() and compiler() is None:
-        return no_compiler_message()  # printed, not also logged
+    reason = None if library_path().exists() else missing()
+    if reason is not None:
+        return reason  # printed, not also logged
     return f"native layers: {build()}"
 
 
