@@ -154,11 +154,15 @@ bench-edge-sd: install ## Edge SD's draft server against its baselines
 		--out bench-results/edge-sd.json
 
 # the simulator against the real mesh it was calibrated from (<= 4 devices), then at HAT's scale
-bench-sim: install ## the simulator against the real mesh, then at HAT's scale
+bench-sim: install ## the simulator against the real mesh, then at HAT's scale (CPU-calibrated and on the H100's curve)
 	$(BIN)/tophat bench sim-check --model $(MODEL) --workload specbench --rates 0.25,0.5 --modes ushape,hat --link mid \
 		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
 		--out bench-results/simulate-30
+	$(BIN)/tophat simulate --gpu-profile h100 --devices 30 --rates 4,6,9 --modes ushape,cloud,hat,hat-budget \
+		--target 0.6 --out bench-results/simulate-30-gpu
+	$(BIN)/tophat simulate --gpu-profile h100 --gpu-passes graph --devices 30 --rates 4,6,9 \
+		--modes ushape,cloud,hat,hat-budget --target 0.6 --out bench-results/simulate-30-gpu-graph
 
 # Poisson load through the streamer of a real mesh for SOAK_S seconds (after a warm-up): failed requests (goal 0,
 # exit status 1 otherwise) and each service's RSS at start and end (goal: < 5% growth)

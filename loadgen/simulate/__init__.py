@@ -6,7 +6,8 @@ traces through a model of the mesh whose timings come from the real mesh's telem
 (g(mu), gamma, beta_up/down), checked against real runs at <= 4 devices, then scaled up.
 
 Modules: events (clock, FIFO resources), calibration (+ fit: from the state monitor),
-cloud (continuous batching over P stages), modes, session (one request's event chain),
+cloud (continuous batching over P stages; replicas), gpu_profile (g(mu) from a
+GPU's measured passes), budget (the draft budget per round), modes, session (one request's event chain),
 run (a run / a grid, loadgen metrics), report (tables, sim vs real), cli. Import what you use
 from those modules: this package re-exports nothing, so none of them imports the others through it.
 """

@@ -37,10 +37,10 @@ def simulate_command(
     calibration: Optional[Path] = typer.Option(None, help="calibration JSON (see loadgen/simulate/calibration.py)"),
     state_monitor_url: Optional[str] = typer.Option(None, help="or: calibrate from a running state monitor"),
     devices: int = typer.Option(30, min=1, help="simulated devices (HAT: 30; 20 slow / 10 fast when expanded)"),
-    stages: int = typer.Option(4, min=1, help="cloud pipeline stages P"),
+    stages: Optional[int] = typer.Option(None, min=1, help="cloud pipeline stages P (default 4; 1 with --gpu-profile)"),
     rates: str = typer.Option("4,6,9", help="request rates (req/s), comma-separated; inf = all at t=0"),
     modes: str = typer.Option("ushape,usarathi,cloud,hat",
-                              help="ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd]"),
+                              help="ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd], hat-budget"),
     workload: str = typer.Option("specbench", help="prompt lengths: specbench or cnndm (HAT Table 3)"),
     num_requests: int = typer.Option(200, "--num-requests", "-n", min=1, help="requests per run"),
     seed: int = typer.Option(0, help="seed for arrivals, prompts and speculation draws"),
@@ -53,6 +53,19 @@ def simulate_command(
     out: Optional[Path] = typer.Option(None, help="write simulation.json (and calibration.json) here"),
     compare_real: Optional[list[Path]] = typer.Option(None, help="loadgen results.json to compare with (repeatable)"),
     real_mode: Optional[str] = typer.Option(None, help="mode of the --compare-real runs (default: hat)"),
+    gpu_profile: Optional[str] = typer.Option(
+        None, help="the cloud on a GPU: a `tophat bench gpu` JSON, or h100 (docs/benchmarks/gpu-h100.json); g(mu) "
+                   "from its verify pass per row count, the model's shape from it, accept lengths from "
+                   "--adapter-report, links scaled to its hidden size (loadgen/simulate/gpu_profile.py)"),
+    gpu_passes: str = typer.Option("eager", help="with --gpu-profile: eager (as measured per row count) or graph "
+                                                 "(the eager curve scaled to the 1-row CUDA-graph replay)"),
+    replicas: Optional[int] = typer.Option(None, min=1, help="verifier replicas, each session pinned to one "
+                                                             "(default 8 with --gpu-profile: an 8-GPU server; else 1)"),
+    adapter_report: Optional[str] = typer.Option(
+        None, help="with --gpu-profile: accept lengths from this adapter report's held-out chain rounds "
+                   "(default models/smollm2/adapter_report.json)"),
+    target: Optional[float] = typer.Option(None, help="say whether hat's mean TBT is <= this x the baseline's "
+                                                      "at every rate (e.g. 0.6)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="log every run"),
 ) -> None:
     """Simulate the serving modes (HAT testbed scale) from latency models fitted to the real mesh."""
@@ -60,8 +73,16 @@ def simulate_command(
 
     from loadgen.simulate.calibration import Calibration
     from loadgen.simulate.fit import from_telemetry
+    from loadgen.simulate.gpu_profile import (
+        DEFAULT_ADAPTER_REPORT,
+        DEFAULT_REPLICAS,
+        describe_decode,
+        gpu_calibration,
+        load_adapter_accept,
+        load_gpu_profile,
+    )
     from loadgen.simulate.modes import parse_modes
-    from loadgen.simulate.report import compare_with_real, grid_tables
+    from loadgen.simulate.report import compare_with_real, grid_tables, ratio_summary
     from loadgen.simulate.run import SimConfig, simulate_grid
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -75,20 +96,31 @@ def simulate_command(
             cal = from_telemetry(state_monitor_url)
         else:
             cal = Calibration()
+        if gpu_profile:
+            profile = load_gpu_profile(gpu_profile)
+            accept = load_adapter_accept(adapter_report or DEFAULT_ADAPTER_REPORT)
+            cal = gpu_calibration(profile, accept, gpu_passes, cal)
+            cal.notes.append(describe_decode(profile))
         if mode_cycle:
             cal = dataclasses.replace(cal, mode_cycle=_floats(mode_cycle, "--mode-cycle"))
-        config = SimConfig(devices=devices, stages=stages, workload=workload, num_requests=num_requests, seed=seed,
-                           burstiness=burstiness, routing=routing, heterogeneous=heterogeneous,
+        default_replicas = DEFAULT_REPLICAS if gpu_profile else 1
+        config = SimConfig(devices=devices, stages=stages or (1 if gpu_profile else 4),
+                           replicas=replicas or default_replicas, workload=workload, num_requests=num_requests,
+                           seed=seed, burstiness=burstiness, routing=routing, heterogeneous=heterogeneous,
                            max_new_tokens=max_new_tokens)
         mode_list = parse_modes(modes, workload)
         grid = simulate_grid(cal, mode_list, _floats(rates, "--rates"), config)
     except (OSError, ValueError) as exc:
         _fail(str(exc))
     source = calibration or state_monitor_url or "built-in paper-scale defaults"
-    typer.echo(f"calibration: {source}")
+    typer.echo(f"calibration: {source}" + (f", cloud on {gpu_profile} ({gpu_passes} passes, "
+                                           f"{config.replicas} replicas)" if gpu_profile else ""))
     for note in cal.notes:
         typer.echo(f"  {note}")
     typer.echo(grid_tables(grid, baseline))
+    if len(mode_list) > 1:
+        typer.echo("")
+        typer.echo(ratio_summary(grid, baseline, "hat", target))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "simulation.json").write_text(json.dumps(grid, indent=1, default=str) + "\n")

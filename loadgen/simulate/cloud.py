@@ -155,17 +155,68 @@ class Cloud:
             item.done()
         self._kick()
 
+    def for_session(self, session_id: int) -> Cloud:
+        """The verifier that serves this session (one here; see ReplicatedCloud)."""
+        return self
+
+    def last_sessions(self) -> int:
+        """Sessions in the last step (what the state monitor reports as the cloud's num_sessions)."""
+        return self.steps[-1].sessions if self.steps else 1
+
     # -- stats ---------------------------------------------------------------------------
     def summary(self) -> dict[str, float | int | None]:
         """Per-step load and compute (HAT Fig. 8 reports the per-GPU delay: g(mu)/P)."""
-        n = len(self.steps)
-        if n == 0:
-            return {"steps": 0, "mean_batched_tokens": None, "mean_stage_ms": None, "std_stage_ms": None,
-                    "max_in_flight": 0, "busy_fraction": None}
-        stage_ms = [s.compute_s / self.stages * 1e3 for s in self.steps]
-        mean = sum(stage_ms) / n
-        span = max(s.end for s in self.steps) - min(s.start for s in self.steps)
-        return {"steps": n, "mean_batched_tokens": sum(s.tokens for s in self.steps) / n,
-                "mean_stage_ms": mean, "std_stage_ms": math.sqrt(sum((x - mean) ** 2 for x in stage_ms) / n),
-                "max_in_flight": self.max_in_flight,
-                "busy_fraction": (sum(stage_ms) / 1e3 / span) if span > 0 else None}
+        return summarize([self])
+
+
+class ReplicatedCloud:
+    """`replicas` verifiers side by side (a server's GPUs each serving a replica of the middle layers): a
+    session is pinned to the replica with the fewest open sessions when it first submits (its KV cache
+    lives there) and stays there; each replica batches its own sessions over its own P stages."""
+
+    def __init__(self, replicas: list[Cloud]) -> None:
+        if not replicas:
+            raise ValueError("need at least one replica")
+        self.replicas = replicas
+        self.pinned: dict[int, Cloud] = {}
+        self.open = [0] * len(replicas)
+
+    def for_session(self, session_id: int) -> Cloud:
+        if session_id not in self.pinned:
+            index = min(range(len(self.replicas)), key=lambda i: (self.open[i], i))
+            self.open[index] += 1
+            self.pinned[session_id] = self.replicas[index]
+        return self.pinned[session_id]
+
+    def submit(self, session_id: int, tokens: int, done: Callable[[], None], prefill: bool = False) -> None:
+        self.for_session(session_id).submit(session_id, tokens, done, prefill)
+
+    def close(self, session_id: int) -> None:
+        cloud = self.pinned.pop(session_id, None)
+        if cloud is not None:
+            self.open[self.replicas.index(cloud)] -= 1
+            cloud.close(session_id)
+
+    def summary(self) -> dict[str, float | int | None]:
+        return summarize(self.replicas)
+
+
+def summarize(clouds: list[Cloud]) -> dict[str, float | int | None]:
+    """Per-step load and compute over every replica's steps; busy_fraction is the replicas' mean."""
+    steps = [s for c in clouds for s in c.steps]
+    n = len(steps)
+    if n == 0:
+        return {"steps": 0, "mean_batched_tokens": None, "mean_stage_ms": None, "std_stage_ms": None,
+                "max_in_flight": 0, "busy_fraction": None, "replicas": len(clouds)}
+    stage_ms = [s.compute_s / c.stages * 1e3 for c in clouds for s in c.steps]
+    mean = sum(stage_ms) / n
+    busy = []
+    for c in clouds:
+        if c.steps:
+            span = max(s.end for s in c.steps) - min(s.start for s in c.steps)
+            busy.append(sum(s.compute_s for s in c.steps) / c.stages / span if span > 0 else None)
+    known = [b for b in busy if b is not None]
+    return {"steps": n, "mean_batched_tokens": sum(s.tokens for s in steps) / n,
+            "mean_stage_ms": mean, "std_stage_ms": math.sqrt(sum((x - mean) ** 2 for x in stage_ms) / n),
+            "max_in_flight": max(c.max_in_flight for c in clouds),
+            "busy_fraction": sum(known) / len(known) if known else None, "replicas": len(clouds)}

@@ -17,6 +17,9 @@ so `--modes a,b,c` can list them):
                     (no round trips: a plain cloud LLM service)
     hat             SD + PC + PD; ``hat-sd``, ``hat-pc``, ``hat-sd-pc``, ``hat-sd-pd`` ... pick
                     switches (PD needs SD: it pre-drafts the next draft)
+    hat-budget      hat with the draft budget: before each round shared.draft_budget's choose_budget
+                    picks no drafts (a U-shape round) or the chain (loadgen/simulate/budget.py);
+                    ``budget`` is also a switch (``hat-sd-budget``; it needs SD)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from shared.modes import MODE_TABLE
 
 SARATHI_CHUNK = {"specbench": 128, "cnndm": 256}
 HAT_SWITCHES = ("sd", "pc", "pd")
+OPTIONAL_SWITCHES = ("budget",)
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,13 @@ class SimMode:
     server_chunk: int | None = None  # U-Sarathi: server-side chunks of this many tokens
     token_upload: bool = False       # cloud: token ids on the wire, whole model in the cloud
     cloud_stream: bool = False       # cloud: decode in the cloud without a round trip per token
+    draft_budget: bool = False       # SD rounds shaped by the draft budget (none or chain, per round)
 
     def __post_init__(self) -> None:
         if self.parallel_drafting and not self.speculative:
             raise ValueError(f"mode {self.name!r}: parallel drafting needs speculative decoding (sd)")
+        if self.draft_budget and not self.speculative:
+            raise ValueError(f"mode {self.name!r}: the draft budget needs speculative decoding (sd)")
         if self.server_chunk is not None and self.server_chunk < 1:
             raise ValueError(f"mode {self.name!r}: server chunk must be >= 1")
 
@@ -69,12 +76,16 @@ def parse_mode(spec: str, workload: str = "specbench") -> SimMode:
         return SimMode(name, server_chunk=chunk, token_upload=token_upload("hat"))
     if name == "hat" or name.startswith("hat-"):
         parts = name.split("-")[1:] or list(HAT_SWITCHES)
-        bad = [p for p in parts if p not in HAT_SWITCHES]
+        if parts == ["budget"]:
+            parts = [*HAT_SWITCHES, "budget"]
+        bad = [p for p in parts if p not in HAT_SWITCHES + OPTIONAL_SWITCHES]
         if bad:
-            raise ValueError(f"unknown HAT switch(es) {bad} in {spec!r}; use {', '.join(HAT_SWITCHES)}")
+            raise ValueError(f"unknown HAT switch(es) {bad} in {spec!r}; use "
+                             f"{', '.join(HAT_SWITCHES + OPTIONAL_SWITCHES)}")
         return SimMode(name, speculative="sd" in parts, client_chunking="pc" in parts, parallel_drafting="pd" in parts,
-                       token_upload=token_upload("hat"))
-    raise ValueError(f"unknown mode {spec!r}; use ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd]")
+                       token_upload=token_upload("hat"), draft_budget="budget" in parts)
+    raise ValueError(f"unknown mode {spec!r}; use ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd][-budget], "
+                     "hat-budget")
 
 
 def parse_modes(text: str, workload: str = "specbench") -> list[SimMode]:

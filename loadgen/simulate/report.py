@@ -66,6 +66,41 @@ def grid_tables(grid: Mapping[str, Any], baseline: str = "ushape") -> str:
     return "\n\n".join(out)
 
 
+def _budget_share(run: Mapping[str, Any]) -> str:
+    rounds = run.get("budget_rounds")
+    if not rounds:
+        return "-"
+    total = sum(rounds.values())
+    return ", ".join(f"{name} {count / total:.0%}" for name, count in rounds.items()) if total else "-"
+
+
+def ratio_summary(grid: Mapping[str, Any], baseline: str = "ushape", mode: str = "hat",
+                  target: float | None = None) -> str:
+    """Every rate on one table: each mode's mean TTFT and TBT, its ratios to `baseline`, the budget's
+    choices; then whether `mode`'s mean TBT is within `target` x the baseline's at every rate."""
+    header = ["rate", "mode", "TTFT mean", "TBT mean", f"TTFT/{baseline}", f"TBT/{baseline}", "budget rounds"]
+    rows, ratios = [], []
+    for rate in grid["rates"]:
+        runs = [r for r in grid["runs"] if _rate_key(r["request_rate"]) == _rate_key(rate)]
+        base = next((r for r in runs if r["mode"] == baseline), {})
+        for r in runs:
+            cells = [f"{_rate_key(rate):g}", r["mode"], _ms(r.get("mean_ttft_ms")), _ms(r.get("mean_tbt_ms"))]
+            for metric in ("ttft", "tbt"):
+                ours, theirs = r.get(f"mean_{metric}_ms"), base.get(f"mean_{metric}_ms")
+                ratio = ours / theirs if ours is not None and theirs else None
+                cells.append("-" if ratio is None else f"{ratio:.2f}x")
+                if metric == "tbt" and r["mode"] == mode:
+                    ratios.append(ratio)
+            rows.append(cells + [_budget_share(r)])
+    out = _table(header, rows)
+    if target is not None and ratios:
+        met = all(x is not None and x <= target for x in ratios)
+        worst = max((x for x in ratios if x is not None), default=None)
+        out += (f"\n{mode} mean TBT <= {target:g}x {baseline}'s at every rate: {'yes' if met else 'no'}"
+                + ("" if worst is None else f" (worst {worst:.2f}x)"))
+    return out
+
+
 # -- sim vs real ---------------------------------------------------------------------------
 
 def _load(item: Any) -> dict[str, Any]:

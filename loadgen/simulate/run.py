@@ -31,7 +31,7 @@ from loadgen.arrivals import arrival_times
 from loadgen.metrics import RequestRecord, build_results
 from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, WORKLOAD_STREAM, fit_lengths
 from loadgen.simulate.calibration import Calibration
-from loadgen.simulate.cloud import Cloud
+from loadgen.simulate.cloud import Cloud, ReplicatedCloud
 from loadgen.simulate.events import EventLoop
 from loadgen.simulate.modes import SimMode, parse_mode
 from loadgen.simulate.session import Context, Device, RequestProcess, SimRequest
@@ -52,14 +52,15 @@ class SimConfig:
     routing: str = "least-loaded"
     heterogeneous: bool = True
     max_new_tokens: int | None = None  # None: the calibration's (128)
+    replicas: int = 1  # verifiers side by side (GPUs each serving the middle layers), sessions pinned to one
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if self.workload not in BUILTIN:
             raise ValueError(f"workload must be one of {', '.join(BUILTIN)}, got {self.workload!r}")
-        if self.devices < 1 or self.stages < 1 or self.num_requests < 1:
-            raise ValueError("devices, stages and num_requests must be >= 1")
+        if self.devices < 1 or self.stages < 1 or self.num_requests < 1 or self.replicas < 1:
+            raise ValueError("devices, stages, num_requests and replicas must be >= 1")
 
 
 @dataclass
@@ -68,7 +69,7 @@ class SimRun:
 
     results: dict[str, Any]
     records: list[RequestRecord]
-    cloud: Cloud
+    cloud: Cloud | ReplicatedCloud
     devices: list[Device]
     events: int = 0
     wall_s: float = 0.0
@@ -116,9 +117,10 @@ def run_simulation(cal: Calibration, mode: SimMode | str, rate: float, config: S
                                   seed=config.seed, max_new_tokens=max_new, context_limit=cal.context_limit,
                                   num_devices=config.devices)
     loop = EventLoop()
-    cloud = Cloud(loop, cal.g, config.stages, cal.max_batch_tokens,
-                  cal.compute_scale if mode.token_upload else 1.0, cal.alpha, cal.chunk_pipelining,
-                  cal.step_overhead_s)
+    clouds = [Cloud(loop, cal.g, config.stages, cal.max_batch_tokens,
+                    cal.compute_scale if mode.token_upload else 1.0, cal.alpha, cal.chunk_pipelining,
+                    cal.step_overhead_s) for _ in range(config.replicas)]
+    cloud: Cloud | ReplicatedCloud = clouds[0] if config.replicas == 1 else ReplicatedCloud(clouds)
     devices = [Device.build(loop, i, p) for i, p in enumerate(cal.expand_devices(config.devices, config.heterogeneous))]
     ctx = Context(loop, cloud, cal, mode, config.stages, config.seed)
     router = Router(devices, config.routing)
@@ -147,7 +149,13 @@ def run_simulation(cal: Calibration, mode: SimMode | str, rate: float, config: S
                "num_devices": config.devices, "stages": config.stages, "workload": config.workload,
                "num_prompts": len(requests), "seed": config.seed, "burstiness": config.burstiness,
                "routing": config.routing, "max_new_tokens": max_new,
-               **build_results(records), "cloud": cloud.summary()}
+               "replicas": config.replicas, **build_results(records), "cloud": cloud.summary()}
+    if mode.draft_budget:
+        shapes: dict[str, int] = {}
+        for proc in processes:
+            for name, count in proc.shape_rounds.items():
+                shapes[name] = shapes.get(name, 0) + count
+        results["budget_rounds"] = dict(sorted(shapes.items()))
     log.info("simulated %s @ %s req/s: %d requests, %d events in %.2f s", mode.name, rate, len(records),
              loop.events, wall)
     return SimRun(results, records, cloud, devices, loop.events, wall, processes)

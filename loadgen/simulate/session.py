@@ -43,6 +43,7 @@ import numpy as np
 from loadgen.metrics import RequestRecord
 from shared.latency_stats import mean_accept_length
 from shared.planners import chunk_size_eq3, fixed_chunks, parallel_draft_steps_eq6
+from loadgen.simulate.budget import choose_shape
 from loadgen.simulate.calibration import Calibration, DeviceProfile
 from loadgen.simulate.cloud import Cloud
 from loadgen.simulate.events import EventLoop, FifoServer, Link
@@ -100,6 +101,7 @@ class RequestProcess:
     def __init__(self, ctx: Context, req: SimRequest, device: Device, slowdown: float = 1.0) -> None:
         self.ctx, self.req, self.dev = ctx, req, device
         self.sid = next(ctx._session_ids)
+        self.cloud = ctx.cloud.for_session(self.sid)  # the verifier (replica) this session is pinned to
         speed = device.profile.slowdown * slowdown
         self.gamma = device.profile.gamma_s * speed
         self.token_s = device.profile.prefill_token_s * speed
@@ -114,6 +116,8 @@ class RequestProcess:
         self.chunks: list[int] = []
         self.ready_draft: int | None = None  # PD: length of an adopted pre-drafted draft
         self.cloud_made = 0  # cloud mode: tokens produced in the cloud so far
+        self.shape: str | None = None  # the draft budget's last choice
+        self.shape_rounds: dict[str, int] = {}  # rounds per budget shape
         self.rng_accept = np.random.default_rng([ctx.seed, _ACCEPT_STREAM, req.index])
         self.rng_pd = np.random.default_rng([ctx.seed, _PD_STREAM, req.index])
         self.rng_overhead = np.random.default_rng([ctx.seed, _OVERHEAD_STREAM, req.index])
@@ -160,11 +164,11 @@ class RequestProcess:
             return [S]
         if cal.pc_chunk is not None:
             size = cal.pc_chunk
-        elif self.ctx.cloud.mu_ema is None:  # the planner's default:no-telemetry
+        elif self.cloud.mu_ema is None:  # the planner's default:no-telemetry
             size = cal.default_chunk
         else:
             beta = self.dev.profile.beta_up if math.isfinite(self.dev.profile.beta_up) else _BIG
-            size = chunk_size_eq3(self.A, beta, self.ctx.cal.g, self.ctx.cloud.mu_ema, self.ctx.stages,
+            size = chunk_size_eq3(self.A, beta, self.ctx.cal.g, self.cloud.mu_ema, self.ctx.stages,
                                   cal.min_chunk, cal.max_chunk, S)
         return fixed_chunks(S, size)
 
@@ -178,7 +182,7 @@ class RequestProcess:
     def _begin_prefill(self) -> None:
         if self.ctx.mode.token_upload:
             S = self.req.prompt_tokens
-            self.dev.uplink.send(S * self.ctx.cal.token_bytes + self.o, self.ctx.cloud.submit, self.sid, S,
+            self.dev.uplink.send(S * self.ctx.cal.token_bytes + self.o, self.cloud.submit, self.sid, S,
                                  self._cloud_token)
             return
         self.chunks = self.chunk_plan()
@@ -197,9 +201,9 @@ class RequestProcess:
         pieces = fixed_chunks(self.chunks[j], self.ctx.mode.server_chunk)  # U-Sarathi: server-side chunks
         for i, size in enumerate(pieces):
             if i < len(pieces) - 1:
-                self.ctx.cloud.submit(self.sid, size, lambda: None, prefill=True)
+                self.cloud.submit(self.sid, size, lambda: None, prefill=True)
             else:
-                self.ctx.cloud.submit(self.sid, size, self._prefill_answer if last else self._chunk_ack, prefill=True)
+                self.cloud.submit(self.sid, size, self._prefill_answer if last else self._chunk_ack, prefill=True)
 
     def _chunk_ack(self) -> None:
         self.dev.downlink.send(self.o, lambda: None)
@@ -221,7 +225,11 @@ class RequestProcess:
             self._finish()
             return
         mode, cal = self.ctx.mode, self.ctx.cal
-        if mode.speculative:
+        if mode.speculative and self.ready_draft is None and mode.draft_budget:
+            self.shape = choose_shape(cal, self.dev.profile, self.gamma, self.cloud.last_sessions(), self.cloud.g_of,
+                                      self.shape)
+            self.shape_rounds[self.shape] = self.shape_rounds.get(self.shape, 0) + 1
+        if mode.speculative and not (mode.draft_budget and self.ready_draft is None and self.shape == "none"):
             natural = self._draw_accept()
             full = cal.full_accept_rate is not None and self.rng_full.random() < cal.full_accept_rate
             # all accepted: the draft was natural - 1 long (+1 bonus); else it ran to the rejected token
@@ -243,8 +251,8 @@ class RequestProcess:
         else:
             up = prof.beta_up if math.isfinite(prof.beta_up) else _BIG
             down = prof.beta_down if math.isfinite(prof.beta_down) else _BIG
-            mu = self.ctx.cloud.mu_ema or float(k + 1)
-            lam = parallel_draft_steps_eq6(k + 1, self.A, up, down, self.ctx.cloud.g_of(mu),
+            mu = self.cloud.mu_ema or float(k + 1)
+            lam = parallel_draft_steps_eq6(k + 1, self.A, up, down, self.cloud.g_of(mu),
                                            max(self.gamma, 1e-12), cal.max_draft)
         return max(0, min(lam, cal.max_draft, remaining - k - 1))
 
@@ -267,7 +275,7 @@ class RequestProcess:
         def verified() -> None:
             self.dev.downlink.send((k + 1) * self.A + self.o, join)
 
-        self.dev.uplink.send((k + 1) * self.A + self.o, self.ctx.cloud.submit, self.sid, k + 1, verified)
+        self.dev.uplink.send((k + 1) * self.A + self.o, self.cloud.submit, self.sid, k + 1, verified)
 
     def _end_round(self, k: int, L: int, lam: int | None) -> None:
         self._deliver(L)
@@ -284,7 +292,7 @@ class RequestProcess:
         last = self.cloud_made >= self.req.max_tokens
         self.dev.downlink.send(self.ctx.cal.token_bytes + self.o, self._cloud_arrived, last)
         if not last and self.ctx.mode.cloud_stream:
-            self.ctx.cloud.submit(self.sid, 1, self._cloud_token)
+            self.cloud.submit(self.sid, 1, self._cloud_token)
 
     def _cloud_arrived(self, last: bool) -> None:
         self._deliver(1)
@@ -294,4 +302,4 @@ class RequestProcess:
             self._finish()
         elif not self.ctx.mode.cloud_stream:  # send the token back up for the next step
             tb = self.ctx.cal.token_bytes + self.o
-            self.dev.uplink.send(tb, self.ctx.cloud.submit, self.sid, 1, self._cloud_token)
+            self.dev.uplink.send(tb, self.cloud.submit, self.sid, 1, self._cloud_token)

@@ -1,0 +1,68 @@
+"""The draft budget in the simulator: each round's shape chosen by shared.draft_budget.choose_budget.
+
+The device asks the chunk planner before every request, and the planner answers with the shape that
+makes the most tokens per second given the device's link, the verifier's load and the device's own
+measured options (shared/draft_budget.py). Here the same pure function is called before every round
+(the real device asks per request; per round is what it converges to under a steady load), with:
+
+* options `none` (a U-shape round: one row, one token, one input-layers step) and `chain` (the
+  calibration's accept lengths, the rows and drafting seconds this simulator charges a chain round on
+  this device): what a device's BudgetTracker converges to once both shapes have run. Trees are not
+  simulated (no tree accept distributions in the calibration);
+* the link as the planner reads it: a one-row round trip (2 x one-way latency + a row each way), the
+  bytes per row, the device's bandwidths, and S = the sessions of the verifier's last step;
+* g = the cloud's g(mu) in this deployment; overhead = the calibration's device time per round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from loadgen.simulate.calibration import Calibration, DeviceProfile
+from shared.draft_budget import BudgetOption, LinkLoad, choose_budget
+
+SHAPES = ("none", "chain")
+
+
+def chain_figures(cal: Calibration) -> tuple[float, float]:
+    """(mean accept length, mean rows) of a chain round: rows = drafted tokens + 1, drafts run to the
+    rejected token (k = min(L, K)) or, with a measured full-accept rate, stop one short when all pass."""
+    K, full = cal.max_draft, cal.full_accept_rate or 0.0
+    rows = 0.0
+    for i, p in enumerate(cal.accept_dist):
+        natural = i + 1
+        k_run, k_full = min(natural, K), min(natural - 1, K)
+        rows += p * ((1 - full) * (k_run + 1) + full * (k_full + 1))
+    return cal.mean_accept_length, max(1.0, rows)
+
+
+def budget_options(cal: Calibration, gamma_s: float) -> list[BudgetOption]:
+    """`none` and `chain` as this simulator charges them on a device whose draft step takes `gamma_s`."""
+    accept, rows = chain_figures(cal)
+    return [
+        BudgetOption("none", 1.0, 1.0, gamma_s * cal.nosd_step_factor),
+        BudgetOption("chain", max(1.0, accept), rows, gamma_s * rows),
+    ]
+
+
+def link_load(cal: Calibration, profile: DeviceProfile, sessions: int) -> LinkLoad:
+    """What the planner knows of this device's link and the verifier's load."""
+    row = cal.bytes_per_token + cal.frame_overhead_bytes
+    rtt = 2 * profile.latency_s + sum(row / b for b in (profile.beta_up, profile.beta_down) if b != float("inf"))
+    big = 1e30  # an unlimited link, for the budget's finite-only figures
+    up = profile.beta_up if profile.beta_up != float("inf") else big
+    down = profile.beta_down if profile.beta_down != float("inf") else big
+    return LinkLoad(rtt, float(cal.bytes_per_token), up, down, float(max(1, sessions)), cal.round_overhead_s)
+
+
+def choose_shape(
+    cal: Calibration,
+    profile: DeviceProfile,
+    gamma_s: float,
+    sessions: int,
+    g: Callable[[float], float],
+    current: str | None = None,
+) -> str:
+    """The budget's shape for the next round ('none' or 'chain')."""
+    name, _ = choose_budget(budget_options(cal, gamma_s), link_load(cal, profile, sessions), g, current)
+    return name
