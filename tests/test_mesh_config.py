@@ -70,6 +70,18 @@ def test_each_service_is_told_its_own_settings():
     assert verifier["TOPHAT_VERIFIER_PORT"] == "8101" and verifier["TOPHAT_VERIFIER_FULL_MODEL"] == "true"
 
 
+def test_devices_budget_over_trees_only_where_the_verifier_takes_them():
+    from services.device_agent.settings import load_settings
+
+    single, staged = MeshConfig(), MeshConfig(pipeline_stages=2)
+    shapes = {
+        stages: [s.name for s in load_settings(device_env(config, 0, "/m")).budget_shapes()]
+        for stages, config in ((1, single), (2, staged))
+    }
+    assert shapes[1] == ["none", "chain", "tree16"]  # the budget is on by default, trees included
+    assert shapes[2] == ["none", "chain"]  # a staged verifier refuses trees
+
+
 def test_credentials_give_the_monitor_the_key_and_each_service_its_own_credential(tmp_path):
     assert MeshCredentials(auth_on=False).auth_env == {} and MeshCredentials(auth_on=False).operator_auth() is None
     credentials = MeshCredentials(auth_on=False)

@@ -83,6 +83,8 @@ def device_env(config: MeshConfig, index: int, model_dir: str) -> dict[str, str]
         "TOPHAT_DEVICE_LINK": config.per_device(config.link, index),
         "TOPHAT_DEVICE_SPEED": config.per_device(config.speed, index),
         **({"TOPHAT_DEVICE_HIDDEN_ROTATION": config.hidden_rotation} if config.hidden_rotation else {}),
+        # a staged verifier refuses draft trees: the budget then chooses among the shapes it takes
+        **({"TOPHAT_DEVICE_DRAFT_BUDGETS": "none,chain"} if config.pipeline_stages > 1 else {}),
         **bind_env(config, "TOPHAT_DEVICE_"),
         **{f"TOPHAT_DEVICE_{k.upper()}": v for k, v in config.device_env.items()},
     }

@@ -53,9 +53,9 @@ class Settings(ServiceSettings):
     tree_min_prob: float = 0.15
     # The draft budget per round from the link and the verifier's load (shared/draft_budget.py): the shapes the
     # chunk planner chooses among for hat requests (tried once each, then chosen); empty: always the shape above.
-    # Off by default: through the mesh at low load it does not beat a fixed chain yet (docs/benchmarks/). Trees (e.g.
-    # "none,chain,tree8,tree16") need a verifier with pipeline_stages 1: a staged one refuses them.
-    draft_budgets: str = ""
+    # On a loaded verifier it falls to none (U-shape rounds), so HAT never costs more than U-shape. Trees need a
+    # verifier with pipeline_stages 1: a staged one refuses them (`tophat serve --pipeline-stages` drops them).
+    draft_budgets: str = "none,chain,tree16"
     # HAT Table 5 switches: SD = speculative (above), PC = prompt chunking, PD = parallel drafting.
     prompt_chunking: bool = True  # False: the whole prompt in one upload
     overlap_prefill: bool = True  # False: wait for each chunk's answer before the next (U-Sarathi-like)
