@@ -172,17 +172,20 @@ class BudgetTracker:
         stats.rows.update(max(1.0, rows_per_round))
         stats.draft_s.update(max(0.0, draft_s_per_round))
 
-    def next_trial(self, predicted: Mapping[str, float] | None = None) -> str | None:
-        """A drafting shape never handed out yet, marked as handed out, or None (no drafts need no trial: its
-        figures are exact). Each is handed out once, whatever that request then measures, and only when the
-        planner's last answer (`predicted`: tokens/s per shape, from its prior where it never ran) puts it
-        within TRIAL_SHARE of the best: a trial is a whole request, and on a verifier under load a tree's runs
-        several times slower than a round without drafts. Without a prediction nothing is tried; a shape the
-        planner chooses runs, and is measured, all the same."""
+    def next_trial(self, predicted: Mapping[str, float] | None = None, running: str | None = None) -> str | None:
+        """A drafting shape never handed out yet, other than the one the request `running` it runs, marked as
+        handed out, or None (no drafts need no trial: its figures are exact). Each is handed out once (the
+        device runs it for one round of a request: agent.draft_config), whatever that round then measures, and
+        only when the planner's last answer (`predicted`: tokens/s per shape, from its prior where it never
+        ran) puts it within TRIAL_SHARE of the best: on a verifier under load a tree's round runs several times
+        slower than a round without drafts. Without a prediction nothing is tried; a shape the planner chooses
+        runs, and is measured, all the same."""
         if not predicted:
             return None
         best = max(predicted.values())
         for name, shape in self.shapes.items():
+            if name == running:
+                continue
             if shape.max_draft > 0 and name not in self.tried and predicted.get(name, 0.0) >= TRIAL_SHARE * best:
                 self.tried.add(name)
                 return name

@@ -172,8 +172,9 @@ async def test_requests_make_no_planner_call_on_their_ttft_path(tiny_llama_check
 
 
 async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_llama_checkpoint) -> None:
-    """With TOPHAT_DEVICE_DRAFT_BUDGETS, hat requests try each drafting shape once, then run the planner's
-    shape (here no drafts at all); the device posts what each shape did, and the greedy answer is the same
+    """With TOPHAT_DEVICE_DRAFT_BUDGETS, hat requests run the planner's shape, and a drafting shape never
+    measured yet runs for one round of one request (a trial costs a round, not a request); then the planner's
+    choice (here no drafts at all); the device posts what each shape did, and the greedy answer is the same
     whatever the shape."""
     checkpoint = tiny_llama_checkpoint
     planner, clock = FakePlanner(), Clock()
@@ -188,12 +189,13 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
             return [t for e in events if e["type"] == "tokens" for t in e["token_ids"]]
 
         await asyncio.wait_for(agent.plans.refresh(), 5)  # the planner's predictions, before the first request
-        as_tree = await generate()  # shapes never measured are tried first, once each: the tree ...
+        as_tree = await generate()  # the planner's tree, and one round of the chain (never measured)
         stats = agent.budget.stats
-        assert stats["tree8"].accept.count == 1 and stats["tree8"].rows.value > 1
-        assert stats["none"].accept.count == stats["chain"].accept.count == 0
-        as_chain = await generate()  # ... then the chain (the configured shape, always offered)
-        assert stats["chain"].accept.count == 1 and stats["tree8"].accept.count == 1
+        assert stats["tree8"].accept.count == 1 and stats["tree8"].rows.value > 2
+        assert stats["chain"].accept.count == 1 and 1 < stats["chain"].rows.value <= settings.max_draft + 1
+        assert stats["none"].accept.count == 0
+        as_chain = await generate()  # nothing left to try: the tree's rounds only
+        assert stats["chain"].accept.count == 1 and stats["tree8"].accept.count == 2
         ask = planner.budget_asks[-1]
         assert ask["default"] == "chain" and {o["name"] for o in ask["options"]} == {"none", "chain", "tree8"}
         planner.shape = "none"
@@ -214,10 +216,10 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
         assert tree_posted["accept"] == stats["tree8"].accept.value
 
 
-async def test_a_shape_predicted_far_slower_gets_no_trial_request(tiny_llama_checkpoint) -> None:
-    """A trial is a whole request: a shape the planner predicts well below the best (a tree on a busy CPU
-    verifier) is not tried, and the planner's choice runs and is measured instead; without a prediction nothing
-    is tried."""
+async def test_a_shape_predicted_far_slower_gets_no_trial_round(tiny_llama_checkpoint) -> None:
+    """A trial costs a round: a shape the planner predicts well below the best (a tree on a busy CPU verifier) is
+    not tried at all, one near it runs one round inside a request of the planner's choice; without a
+    prediction nothing is tried."""
     planner, clock = FakePlanner(), Clock()
     planner.shape = "none"
     async with planned_agent(tiny_llama_checkpoint, planner, clock, draft_budgets="none,chain,tree8") as (
@@ -236,7 +238,7 @@ async def test_a_shape_predicted_far_slower_gets_no_trial_request(tiny_llama_che
         clock.now += settings.plan_refresh_s + 1
         await asyncio.wait_for(agent.plans.refresh(), 5)
         assert agent.plans.plan.predicted == planner.tokens_per_s
-        await generate()
+        await generate()  # the planner's shape, with one round of the chain
         await generate()
         assert stats["chain"].accept.count == 1 and stats["tree8"].accept.count == 0
-        assert stats["none"].accept.count == 2 and agent.budget.tried == {"chain"}
+        assert stats["none"].accept.count == 3 and agent.budget.tried == {"chain"}

@@ -239,3 +239,26 @@ def test_a_greedy_tree_expands_only_paths_likely_enough_and_stays_token_identica
         probabilities[bar] = expanded
     assert min(probabilities[0.0]) < 0.02  # without the bar, unlikely paths are grown too
     assert probabilities[0.02] and min(probabilities[0.02]) >= 0.02
+
+
+def test_a_trial_round_drafts_one_round_in_its_shape_then_the_session_s_own(tiny_checkpoint):
+    from shared.specdec.trial_round import TrialRound
+
+    ids = list(range(3, 17))
+    expected = generate_full(tiny_checkpoint, ids, 24).token_ids
+    chain, tree = DraftConfig(max_draft=4), DraftConfig(max_draft=4, tree_nodes=8, tree_width=2, tree_min_prob=0.0)
+    session = DeviceSession(_identity_adapter_device(tiny_checkpoint), ids, draft_config=chain, max_new_tokens=24)
+    session.trial = TrialRound("tree8", tree)
+    draft, shapes = session.draft, []
+
+    def recorded():
+        made = draft()
+        shapes.append("tree" if made.layout is not None and made.layout.parents is not None else "chain")
+        return made
+
+    session.draft = recorded
+    result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(tiny_checkpoint, 2)), chunk_size=5))
+    assert result.token_ids == expected
+    assert shapes[0] == "tree" and set(shapes[1:]) == {"chain"} and session.draft_config is chain
+    accept, rows, draft_s = session.trial.measured(session.accept_lengths, session.round_rows)
+    assert (accept, rows) == (session.accept_lengths[0], session.round_rows[0]) and rows > 2 and draft_s > 0

@@ -42,6 +42,7 @@ from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
 from shared.specdec.draft_config import DraftConfig
 from shared.specdec.replay import FailoverExhausted, ReplayingCloud
+from shared.specdec.trial_round import TrialRound
 from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context
 
@@ -204,26 +205,32 @@ class DeviceAgent:
             return Plan.defaults(self.settings.default_chunk_size, DEFAULT_PARALLEL_STEPS)
         return await self.plans.current()
 
-    def draft_config(self, rounds: str, max_draft: int, asked: str | None = None) -> tuple[DraftConfig, str | None]:
-        """A request's draft policy, and the budget shape it is measured for (None: not measured). In hat rounds a
-        shape the request names wins (not measured: a bench's fixed row must not steer the budget); else, with
-        budgeting on, a shape never tried yet, then the cached plan's shape; else the configured one. Never waits
-        for the planner (a request's slot is not taken yet)."""
+    def draft_config(
+        self, rounds: str, max_draft: int, asked: str | None = None
+    ) -> tuple[DraftConfig, str | None, TrialRound | None]:
+        """A request's draft policy, the budget shape it is measured for (None: not measured) and a trial round
+        for its session (None: none). In hat rounds a shape the request names wins (not measured: a bench's
+        fixed row must not steer the budget); else, with budgeting on, the cached plan's shape, and one round of
+        a shape never tried yet; else the configured one. Never waits for the planner (a request's slot is not
+        taken yet)."""
         s = self.settings
         if rounds != "hat" or max_draft == 0 or (asked is None and self.budget is None):
-            return DraftConfig(s.eta, max_draft, s.tree_nodes, s.tree_width, s.tree_min_prob), None
-        measured: str | None = None
+            return DraftConfig(s.eta, max_draft, s.tree_nodes, s.tree_width, s.tree_min_prob), None, None
         if asked is not None:
-            shape = DraftShape.parse(asked, max_draft)
-        else:
-            assert self.budget is not None and self.plans is not None  # budgeting needs a planner
-            plan = self.plans.plan
-            cached, predicted = (plan.shape, plan.predicted) if plan is not None else (None, None)
-            # a shape never tried here and predicted near the best goes first, once: its prior alone would rarely
-            # win, and never be measured
-            shape = self.budget.shapes[self.budget.next_trial(predicted) or cached or s.default_shape()]
-            measured = shape.name
-        return DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob), measured
+            return self._shape_config(DraftShape.parse(asked, max_draft)), None, None
+        assert self.budget is not None and self.plans is not None  # budgeting needs a planner
+        plan = self.plans.plan
+        cached, predicted = (plan.shape, plan.predicted) if plan is not None else (None, None)
+        shape = self.budget.shapes[cached or s.default_shape()]
+        # a shape never tried here and predicted near the best runs one round, once: its prior alone would rarely
+        # win, and never be measured
+        tried = self.budget.next_trial(predicted, running=shape.name)
+        trial = TrialRound(tried, self._shape_config(self.budget.shapes[tried])) if tried is not None else None
+        return self._shape_config(shape), shape.name, trial
+
+    def _shape_config(self, shape: DraftShape) -> DraftConfig:
+        s = self.settings
+        return DraftConfig(s.eta, shape.max_draft, shape.tree_nodes, s.tree_width, s.tree_min_prob)
 
     def current_shape(self) -> tuple[str, str]:
         """The draft shape this agent's hat requests run now, and who chose it: the draft budget ("budget", the
@@ -356,14 +363,21 @@ class DeviceAgent:
         )
 
     def _observe_budget(self, shape: str, session: DeviceSession, slowdown: float) -> None:
-        rounds = session.accept_lengths
-        if not rounds or not session.round_rows or session.degraded:  # a degraded end says nothing of the cloud
+        rounds, rows = list(session.accept_lengths), list(session.round_rows)
+        if not rounds or not rows or session.degraded:  # a degraded end says nothing of the cloud
             return
         # the wall time rounds wait on drafting: parallel drafting runs while the verification is in flight
         draft_s = (sum(s for s, _ in session.draft_seconds) - session.predraft_seconds) * slowdown
-        rows = sum(session.round_rows) / len(session.round_rows)
         assert self.budget is not None
-        self.budget.observe(shape, rounds, rows, draft_s / len(rounds))
+        trial = session.trial
+        measured = trial.measured(rounds, rows) if trial is not None else None
+        if trial is not None and measured is not None and trial.index is not None:
+            accept, trial_rows, trial_draft_s = measured
+            self.budget.observe(trial.name, [accept], trial_rows, trial_draft_s * slowdown)
+            del rounds[trial.index], rows[trial.index]
+            draft_s -= trial_draft_s * slowdown
+        if rounds and rows:
+            self.budget.observe(shape, rounds, sum(rows) / len(rows), max(0.0, draft_s) / len(rounds))
 
     async def aclose(self) -> None:
         if self.edge is not None:

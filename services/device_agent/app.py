@@ -216,7 +216,7 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             if not spec.uses_device_model and not ids:  # a device session refuses an empty prompt itself
                 return error_response(400, "bad_request", "the prompt is empty")
             max_draft = settings.max_draft if speculative else 0
-            draft_config, shape = agent.draft_config(spec.rounds, max_draft, request.draft_shape)
+            draft_config, shape, trial = agent.draft_config(spec.rounds, max_draft, request.draft_shape)
             session = build_session(
                 spec,
                 agent.model,
@@ -228,6 +228,7 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             )
             if session is not None:
                 session.ignore_eos = request.ignore_eos
+                session.trial = trial
             if isinstance(session, KeepableSession):
                 session.prefill_only = request.max_new_tokens == 0
                 if parent is not None:

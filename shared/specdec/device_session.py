@@ -34,6 +34,7 @@ from shared.specdec.draft_config import DraftConfig, SessionError
 from shared.specdec.sampling import SamplingParams, Verdict, accept, logits_to_probs, sample_logits
 from shared.specdec.tree import accept_tree_greedy, accept_tree_sampled, depths
 from shared.specdec.tree_drafting import TreeDrafting, TreeRound
+from shared.specdec.trial_round import TrialRound
 
 __all__ = ["Branch", "DeviceModel", "DeviceSession", "Draft", "DraftConfig", "SessionError", "warm_up_device"]
 
@@ -95,6 +96,7 @@ class DeviceSession(TreeDrafting):
         self.full_accepts = 0  # verification rounds that accepted every drafted token (L = k + 1)
         self.degraded = False  # finished on the device alone after losing the cloud (finish_alone)
         self.ignore_eos = False  # true: only max_new_tokens ends the answer (vLLM's ignore_eos)
+        self.trial: TrialRound | None = None  # one round in a shape the draft budget has not measured yet
 
     # -- state -----------------------------------------------------------------
     @property
@@ -191,6 +193,7 @@ class DeviceSession(TreeDrafting):
         self.accept_lengths.append(len(emitted))
         self.verdicts.append((len(draft.tokens), verdict.num_accepted))
         self.round_rows.append(deep.shape[0])
+        self._end_trial()
         self.full_accepts += verdict.num_accepted == len(draft.tokens)
         match = None
         if only_last_corrected(len(draft.tokens), verdict.num_accepted) and not self.is_finished:
@@ -208,6 +211,13 @@ class DeviceSession(TreeDrafting):
                 self._refresh_adapter(draft, deep, verdict.num_accepted)
         self._prev_feature = deep[verdict.num_accepted : verdict.num_accepted + 1]
         return emitted
+
+    def _end_trial(self) -> None:
+        """The trial round got its verdict: note which round it was, and draft in the session's own policy again."""
+        trial = self.trial
+        if trial is not None and trial.restore is not None:
+            trial.index = len(self.accept_lengths) - 1
+            self.draft_config, trial.restore = trial.restore, None
 
     def _on_tree_result(self, draft: Draft, deep: torch.Tensor) -> list[int]:
         """Accept the longest path the target agrees with, plus its token; keep only that path's KV."""
@@ -227,6 +237,7 @@ class DeviceSession(TreeDrafting):
         self.accept_lengths.append(len(emitted))
         self.verdicts.append((max(depths(parents)), len(path)))  # a tree's alpha: levels drafted, levels accepted
         self.round_rows.append(len(tokens))
+        self._end_trial()
         self.keep_tree_path(draft, deep, path)
         self._prev_feature = deep[path[-1] if path else 0][None]
         return emitted

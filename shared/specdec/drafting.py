@@ -25,12 +25,14 @@ if TYPE_CHECKING:
     from shared.model.kv_cache import SessionKV
     from shared.model.tree_rows import TreeRows
     from shared.specdec.device_model import DeviceModel
+    from shared.specdec.trial_round import TrialRound
 
 
 class Drafting:
     """Draft, continue an adopted branch's draft, pre-draft branches, adopt one (DeviceSession's)."""
 
     # The host's state this mixin reads and advances (DeviceSession sets all of it): declarations only.
+    trial: TrialRound | None
     model: DeviceModel
     params: SamplingParams
     draft_config: DraftConfig
@@ -144,9 +146,19 @@ class Drafting:
         )
 
     def draft(self) -> Draft:
-        """Draft until confidence < eta (eq. 5) or the budget runs out; a tree when configured for one."""
+        """Draft until confidence < eta (eq. 5) or the budget runs out; a tree when configured for one. A
+        pending trial (`self.trial`) drafts this round in its shape instead; the verdict restores the policy."""
         if self.pending_token is None or self.is_finished:
             raise SessionError("draft() before prefill or after the session finished")
+        trial = self.trial
+        if trial is None or trial.running or trial.done or self._ready_draft is not None:
+            return self._draft_round()
+        trial.restore, self.draft_config = self.draft_config, trial.config
+        made = self._draft_round()
+        trial.draft_s = self.draft_seconds[-1][0] if self.draft_seconds else 0.0
+        return made
+
+    def _draft_round(self) -> Draft:
         if self.draft_config.uses_tree and self.model.adapter is not None and self._ready_draft is None:
             return self.draft_tree()
         started = time.perf_counter()
