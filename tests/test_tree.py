@@ -19,7 +19,6 @@ from shared.specdec.tree import (
     path_to,
     reindex,
     select_nodes,
-    top_children,
     validate_parents,
 )
 
@@ -192,14 +191,6 @@ def test_reindex_rejects_a_kept_set_that_is_not_a_sub_tree(kept, message):
 
 
 # --- greedy verification ------------------------------------------------------------------------
-
-
-def test_top_children_are_the_k_most_likely_most_likely_first():
-    logits = torch.tensor([0.1, 3.0, -1.0, 2.0, 2.5])
-    assert top_children(logits, 3) == [1, 4, 3]
-    assert top_children(logits, 9) == [1, 4, 3, 0, 2]
-    assert top_children(logits.softmax(-1), 2) == [1, 4]
-    assert top_children(logits, 0) == []
 
 
 def chain(k: int) -> list[int]:

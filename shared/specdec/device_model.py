@@ -86,14 +86,28 @@ class DeviceModel:
         """Logits to draft from: [S, H] -> [S, V] fp32 on the CPU. Without a draft vocabulary exactly
         `output(hidden)`; with one (FR-Spec) only its N rows of the LM head are computed, and every other
         token gets -inf (softmax 0, never the argmax)."""
-        vocab = self.adapter.draft_vocab if self.adapter is not None else None
+        sub, vocab = self._vocab_logits(hidden)  # [S, N]
         if vocab is None:
-            return self.output(hidden)
-        weight, bias, scales = self._draft_head_for(vocab)  # [N, H], [N] or None, [N] or None
-        sub = project(self.output.norm(hidden), weight, bias, scales).float().cpu()  # [S, N]
+            return sub
         logits = torch.full((hidden.shape[0], cast(int, self.output.lm_head.out_features)), float("-inf"))  # [S, V]
         logits[:, vocab] = sub
         return logits
+
+    @torch.inference_mode()
+    def draft_log_probs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probabilities over the draft vocabulary only, and its token ids: ([S, N] fp32 on the CPU, [N]), or
+        over the whole vocabulary ([S, V], None) without one. What `draft_logits` gives, log-softmaxed, with
+        the -inf columns left out: a greedy tree level ranks its children here, N columns instead of V."""
+        sub, vocab = self._vocab_logits(hidden)
+        return torch.log_softmax(sub, dim=-1), vocab
+
+    def _vocab_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # hidden: [S, H] -> ([S, N] fp32 CPU logits of the draft vocabulary, its ids [N]), or ([S, V], None)
+        vocab = self.adapter.draft_vocab if self.adapter is not None else None
+        if vocab is None:
+            return self.output(hidden), None
+        weight, bias, scales = self._draft_head_for(vocab)  # [N, H], [N] or None, [N] or None
+        return project(self.output.norm(hidden), weight, bias, scales).float().cpu(), vocab  # [S, N]
 
     def compute_states(self, deep: torch.Tensor) -> torch.Tensor:
         """Deep states as the cloud sent them (wire dtype, fp32, CPU) -> this model's device and dtype."""

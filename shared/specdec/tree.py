@@ -150,13 +150,6 @@ def reindex(parents: Sequence[int], kept: Sequence[int]) -> list[int]:
     return out
 
 
-def top_children(logits_or_probs: torch.Tensor, k: int) -> list[int]:
-    """The k most likely tokens, most likely first: a node's children in a greedy tree."""
-    # logits_or_probs: [V]
-    k = max(0, min(k, logits_or_probs.shape[-1]))
-    return logits_or_probs.topk(k).indices.tolist()
-
-
 def draw_children(q: torch.Tensor, k: int, generator: torch.Generator | None) -> list[int]:
     """k distinct tokens drawn one after another without replacement from q, in draw order (fewer
     when q has fewer than k tokens of nonzero probability)."""

@@ -31,7 +31,7 @@ from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from shared.specdec.draft import Draft
 from shared.specdec.drafting import Drafting
 from shared.specdec.sampling import logits_to_probs
-from shared.specdec.tree import draw_children, reindex, select_nodes, top_children
+from shared.specdec.tree import draw_children, reindex, select_nodes
 from shared.specdec.verify_layout import VerifyLayout
 
 
@@ -106,14 +106,17 @@ class TreeDrafting(Drafting):
     def _expand(self, tree: GrownTree, nodes: list[int], round_start: int) -> list[int]:
         """Children for each node (top-k greedy, or drawn without replacement from q); the new nodes."""
         width = self.draft_config.tree_width
-        logits = self.model.draft_logits(torch.stack([tree.hidden[node] for node in nodes]))  # [n, V]
+        hidden = torch.stack([tree.hidden[node] for node in nodes])  # [n, H]
         created = []
-        for node, row in zip(nodes, logits):
-            if self.params.is_greedy:
-                logp = torch.log_softmax(row, -1)  # [V]
-                for token in top_children(logp, width):
-                    created.append(tree.add(token, node, float(logp[token]), tree.log_q[node] + float(logp[token])))
-            else:
+        if self.params.is_greedy:
+            logp, vocab = self.model.draft_log_probs(hidden)  # [n, N]: the draft vocabulary's columns only
+            best = logp.topk(min(width, logp.shape[-1]), dim=-1)  # each node's children, most likely first
+            for node, values, columns in zip(nodes, best.values.tolist(), best.indices.tolist()):
+                tokens = vocab[columns].tolist() if vocab is not None else columns
+                for token, value in zip(tokens, values):
+                    created.append(tree.add(token, node, value, tree.log_q[node] + value))
+        else:
+            for node, row in zip(nodes, self.model.draft_logits(hidden)):  # [V] each
                 q = logits_to_probs(row, self.params)  # [V]
                 tree.q[node] = q
                 for token in draw_children(q, width, self._node_stream(round_start, node)):
