@@ -70,6 +70,7 @@ def time_verify_passes(middle: MiddleSubmodel, hidden_size: int, context: int, m
 
 def time_draft_steps(device, prompt_ids: list[int], steps: int) -> float:
     session = DeviceSession(device, prompt_ids, draft_config=DraftConfig(eta=0.0, max_draft=steps), max_new_tokens=steps + 2)
+    session.ignore_eos = True  # the zero deep state below may well read as an end of turn: draft all the same
     session.prefill_chunk(len(prompt_ids))
     session.on_prefill_result(torch.zeros(1, device.hidden_size))  # a deep state for a feature adapter to read
     session.pending_token = prompt_ids[-1]
