@@ -121,6 +121,15 @@ async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=No
         yield server, url
 
 
+def loopback_agent_settings(ws_url: str, **overrides):
+    """A device agent's settings for the demo model against the verifier at `ws_url`, its probes off."""
+    from services.device_agent.settings import Settings
+    from tests.conftest import DEMO_MODEL_DIR
+
+    return Settings(model_dir=str(DEMO_MODEL_DIR), split_layers=2, verifier_url=ws_url,
+                    bandwidth_probe_interval_s=0, rtt_probe_interval_s=0, **overrides)
+
+
 @contextlib.asynccontextmanager
 async def serving_verifier(server, start_timeout_s: float, stop_timeout_s: float = 30.0):
     """Run a built VerifierServer in this event loop until the block ends: yields its ws URL."""

@@ -30,6 +30,7 @@ from shared import auth, auth_client, latency_stats, wire
 from shared.device_speed import speed_schedule
 from shared.draft_budget import BudgetTracker, DraftShape
 from shared.hardening import with_noise, with_rotation
+from shared.heartbeat import with_heartbeats
 from shared.jupiter.plan import load_plan
 from shared.latency_stats import Timeline
 from shared.links import parse_link_spec, scaled_for_hidden
@@ -274,8 +275,13 @@ class DeviceAgent:
             yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
             rounds = await ROUNDS[spec.rounds](self, request, ids, session, session_id, request_slowdown)
             admission.hand_over_session()  # started at once below: its engine frees the session however it ends
-            async with aclosing(rounds):  # closed here, not whenever the collector finds it (a client gone mid-stream)
-                async for tokens in rounds:
+            # closed here, not whenever the collector finds it (a client gone mid-stream); closing the heartbeats
+            # closes the rounds (in the task that runs them)
+            async with aclosing(with_heartbeats(rounds, self.settings.heartbeat_s)) as beats:
+                async for tokens in beats:
+                    if tokens is None:  # still waiting (e.g. in the verifier's queue): alive, not dead
+                        yield json.dumps({"type": "heartbeat", "t": time.perf_counter() - started}) + "\n"
+                        continue
                     if session is not None:  # spec-decode counters, live: this delivery is one round's (or prefill's)
                         counted = self._count_rounds(session, counted)
                     else:

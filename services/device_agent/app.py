@@ -4,6 +4,7 @@
                     where the tokenizer lives; shared/chat.py) -> application/x-ndjson, one event per line:
         {"type":"start", "request_id", "prompt_tokens"}
         {"type":"tokens", "token_ids", "text", "t"}           (one per verification round)
+        {"type":"heartbeat", "t"}     (after heartbeat_s without a line: waiting, e.g. in the verifier's queue)
         {"type":"done", "finish_reason", "stats"[, "kept": {"handle", "length"}]} | {"type":"error", "code", "message"}
     DELETE /kept/{handle}  free a kept session (404 if unknown)
     GET /info, /healthz, /readyz

@@ -113,6 +113,9 @@ class Settings(ServiceSettings):
     kept_ttl_s: float = 120.0
     max_kept: int = 16
     request_timeout_s: float = 60.0  # one cloud round trip
+    # A running request's NDJSON stream gets a heartbeat line after this long without a line (waiting in the
+    # verifier's queue): the streamer's line timeout then catches a dead device, not a busy one.
+    heartbeat_s: float = 5.0
     planner_timeout_s: float = 1.0  # one call to the chunk planner
     # The planner's answers are cached; a request uses the cached plan and one older than this is
     # refreshed in the background for the next request (only the very first request waits for one).
@@ -161,6 +164,8 @@ class Settings(ServiceSettings):
         if self.kept_ttl_s <= 0:
             raise ValueError("kept_ttl_s must be > 0")
         timeouts = (self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s, self.failover_deadline_s)
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if min(*timeouts, self.failover_total_s) <= 0:
             raise ValueError("timeouts must be > 0")
         if self.failover_max_recoveries < 0:

@@ -21,6 +21,8 @@ from services.token_streamer.router import DeviceError, DeviceState
 
 log = logging.getLogger(__name__)
 
+HEARTBEAT = "heartbeat"  # a device's "still working on it" line (services/device_agent/agent.py)
+
 
 class DeviceStream:
     """An open /generate response from one device; yields its NDJSON events.
@@ -54,8 +56,13 @@ class DeviceStream:
         else:  # tolerate agents that skip the start line
             self._pending = first
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """tokens/done/error events; raises DeviceError on timeout, disconnect or garbage."""
+    async def events(self, heartbeats: bool = False) -> AsyncIterator[dict[str, Any]]:
+        """tokens/done/error events; raises DeviceError on timeout, disconnect or garbage.
+
+        A device whose request is waiting (e.g. in the verifier's queue) sends a `heartbeat` line every few
+        seconds: like any line it restarts the line timeout, so only a silent device times out. Heartbeats
+        are yielded only to a reader that asks for them (`heartbeats`: a DiSCo leg, whose request has an
+        idle timeout of its own); every other reader sees tokens, done and error alone."""
         if self._pending is not None:
             event, self._pending = self._pending, None
             yield event
@@ -80,6 +87,8 @@ class DeviceStream:
             if not line.strip():
                 continue
             event = parse_event_line(line)
+            if event.get("type") == HEARTBEAT and not heartbeats:
+                continue
             yield event
             if event.get("type") in ("done", "error"):
                 return

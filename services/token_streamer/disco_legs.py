@@ -1,7 +1,8 @@
 """The legs of one request under a DiSCo dispatch (disco_stream.py): a leg is one endpoint's generation, a
 /generate stream on the request's device agent. Every leg is read into the request's one inbox as
-(leg, kind, payload): "event" (a stream event), "failed" (its DeviceError) or "open_failed" (the same, before
-its first event); a closed leg stops at once and its stream is closed in an owned task."""
+(leg, kind, payload): "event" (a stream event), "alive" (its heartbeat: waiting, not dead), "failed" (its
+DeviceError) or "open_failed" (the same, before its first event); a closed leg stops at once and its stream is
+closed in an owned task."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.token_streamer.device_stream import DeviceStream
+from services.token_streamer.device_stream import HEARTBEAT, DeviceStream
 from services.token_streamer.dispatcher import Dispatcher
 from services.token_streamer.router import DeviceError, DeviceState
 from shared.disco.cost import Endpoint
@@ -74,8 +75,9 @@ class Legs:
     async def _read(self, leg: Leg) -> None:
         assert leg.stream is not None  # set by adopt / _open_and_read before reading
         try:
-            async for event in leg.stream.events():
-                await self.inbox.put((leg, "event", event))
+            async for event in leg.stream.events(heartbeats=True):
+                # a heartbeat only says the leg is alive (waiting): it wakes the request's idle timeout
+                await self.inbox.put((leg, "alive" if event.get("type") == HEARTBEAT else "event", event))
         except DeviceError as exc:
             await self.inbox.put((leg, "failed", exc))
 

@@ -190,6 +190,8 @@ class DiscoStream:
                 self._open_beside(Leg("device", 0))
             return
         assert leg is not None
+        if kind == "alive":  # a leg waiting (its heartbeat): nothing to do, but the request is not idle
+            return
         if kind == "event":
             event_type = payload.get("type")
             if event_type == "tokens":
