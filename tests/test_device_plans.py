@@ -242,3 +242,27 @@ async def test_a_shape_predicted_far_slower_gets_no_trial_round(tiny_llama_check
         await generate()
         assert stats["chain"].accept.count == 1 and stats["tree8"].accept.count == 0
         assert stats["none"].accept.count == 3 and agent.budget.tried == {"chain"}
+
+
+async def test_a_seeded_sampled_request_drafts_in_the_configured_shape_whatever_the_budget(
+    tiny_llama_checkpoint,
+) -> None:
+    """Which tokens a seeded sample picks depends on the drafts: so that the same seed gives the same answer
+    whatever the verifier's load, such a request runs the configured shape, with no trial round, unmeasured."""
+    planner, clock = FakePlanner(), Clock()
+    planner.shape = "tree8"
+    planner.tokens_per_s = {"none": 9.0, "chain": 10.0, "tree8": 10.5}
+    async with planned_agent(tiny_llama_checkpoint, planner, clock, draft_budgets="none,tree8") as (
+        settings, agent, http
+    ):
+        async def generate() -> list[int]:
+            body = {"prompt_ids": list(range(3, 30)), "max_new_tokens": 8, "temperature": 0.9, "seed": 7}
+            response = await asyncio.wait_for(http.post("/generate", json=body), 30)
+            events = [json.loads(line) for line in response.text.splitlines()]
+            assert events[-1]["type"] == "done", events[-1]
+            return [t for e in events if e["type"] == "tokens" for t in e["token_ids"]]
+
+        await asyncio.wait_for(agent.plans.refresh(), 5)
+        first, second = await generate(), await generate()
+        assert first == second
+        assert not agent.budget.tried and all(s.accept.count == 0 for s in agent.budget.stats.values())

@@ -43,6 +43,7 @@ from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
 from shared.specdec.draft_config import DraftConfig
 from shared.specdec.replay import FailoverExhausted, ReplayingCloud
+from shared.specdec.sampling import SamplingParams
 from shared.specdec.trial_round import TrialRound
 from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context
@@ -207,15 +208,18 @@ class DeviceAgent:
         return await self.plans.current()
 
     def draft_config(
-        self, rounds: str, max_draft: int, asked: str | None = None
+        self, rounds: str, max_draft: int, asked: str | None = None, params: SamplingParams | None = None
     ) -> tuple[DraftConfig, str | None, TrialRound | None]:
         """A request's draft policy, the budget shape it is measured for (None: not measured) and a trial round
         for its session (None: none). In hat rounds a shape the request names wins (not measured: a bench's
         fixed row must not steer the budget); else, with budgeting on, the cached plan's shape, and one round of
-        a shape never tried yet; else the configured one. Never waits for the planner (a request's slot is not
-        taken yet)."""
+        a shape never tried yet; else the configured one. A seeded sampled request always drafts in the
+        configured shape: which tokens its draws pick depends on the drafts, and the same seed must give the
+        same answer whatever the verifier's load. Never waits for the planner (a request's slot is not taken
+        yet)."""
         s = self.settings
-        if rounds != "hat" or max_draft == 0 or (asked is None and self.budget is None):
+        seeded = params is not None and params.seed is not None and not params.is_greedy
+        if rounds != "hat" or max_draft == 0 or (asked is None and (self.budget is None or seeded)):
             return DraftConfig(s.eta, max_draft, s.tree_nodes, s.tree_width, s.tree_min_prob), None, None
         if asked is not None:
             return self._shape_config(DraftShape.parse(asked, max_draft)), None, None

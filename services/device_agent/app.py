@@ -217,7 +217,7 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
             if not spec.uses_device_model and not ids:  # a device session refuses an empty prompt itself
                 return error_response(400, "bad_request", "the prompt is empty")
             max_draft = settings.max_draft if speculative else 0
-            draft_config, shape, trial = agent.draft_config(spec.rounds, max_draft, request.draft_shape)
+            draft_config, shape, trial = agent.draft_config(spec.rounds, max_draft, request.draft_shape, params)
             session = build_session(
                 spec,
                 agent.model,
