@@ -212,11 +212,10 @@ class DeviceAgent:
     ) -> tuple[DraftConfig, str | None, TrialRound | None]:
         """A request's draft policy, the budget shape it is measured for (None: not measured) and a trial round
         for its session (None: none). In hat rounds a shape the request names wins (not measured: a bench's
-        fixed row must not steer the budget); else, with budgeting on, the cached plan's shape, and one round of
-        a shape never tried yet; else the configured one. A seeded sampled request always drafts in the
-        configured shape: which tokens its draws pick depends on the drafts, and the same seed must give the
-        same answer whatever the verifier's load. Never waits for the planner (a request's slot is not taken
-        yet)."""
+        fixed row must not steer the budget); else, with budgeting on, the cached plan's shape, with one round
+        of a shape never tried (its prior alone would rarely win, and never be measured); else the configured
+        one, which a seeded sampled request always runs (its draws' tokens depend on the drafts: the same seed
+        must give the same answer whatever the load). Never waits for the planner."""
         s = self.settings
         seeded = params is not None and params.seed is not None and not params.is_greedy
         if rounds != "hat" or max_draft == 0 or (asked is None and (self.budget is None or seeded)):
@@ -227,8 +226,6 @@ class DeviceAgent:
         plan = self.plans.plan
         cached, predicted = (plan.shape, plan.predicted) if plan is not None else (None, None)
         shape = self.budget.shapes[cached or s.default_shape()]
-        # a shape never tried here and predicted near the best runs one round, once: its prior alone would rarely
-        # win, and never be measured
         tried = self.budget.next_trial(predicted, running=shape.name)
         trial = TrialRound(tried, self._shape_config(self.budget.shapes[tried])) if tried is not None else None
         return self._shape_config(shape), shape.name, trial
