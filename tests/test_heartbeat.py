@@ -23,7 +23,10 @@ from shared.heartbeat import with_heartbeats
 from tests.mesh_tools import loopback_agent_settings, verifier_on_loopback
 from tests.test_token_streamer import WORDS, FakeDevice, create_app, expected_text, load_settings, mesh, serve
 
-SHORT = {"line_timeout_s": 0.5, "first_byte_timeout_s": 0.5}  # the streamer gives up on a device this soon
+# the streamer gives up on a silent device this soon (a line), with room for a loaded CI box to answer at all
+# (the first byte); DiSCo's idle timeout is their sum, 2.5 s: a queue wait of QUEUED_S outlasts both
+SHORT = {"line_timeout_s": 0.5, "first_byte_timeout_s": 2.0}
+QUEUED_S = 3.0
 
 
 # -- with_heartbeats --------------------------------------------------------------------------------------
@@ -122,7 +125,7 @@ async def complete(url: str, tophat: dict[str, Any], stream: bool = False) -> ht
 
 @pytest.mark.parametrize("tophat", [{}, {"dispatch": "cloud", "reading_rate_tps": 0}], ids=["plain", "disco-cloud"])
 async def test_a_request_waiting_longer_than_the_line_timeout_completes(tophat: dict[str, Any]) -> None:
-    async with mesh(QueuedDevice(queued_s=1.6, beat_s=0.1), **SHORT) as url:  # > line and DiSCo idle timeouts
+    async with mesh(QueuedDevice(queued_s=QUEUED_S, beat_s=0.1), **SHORT) as url:
         response = await complete(url, tophat)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == expected_text(4)
@@ -134,7 +137,7 @@ async def test_a_request_waiting_longer_than_the_line_timeout_completes(tophat: 
 
 @pytest.mark.parametrize("tophat", [{}, {"dispatch": "cloud", "reading_rate_tps": 0}], ids=["plain", "disco-cloud"])
 async def test_a_silent_device_still_times_out(tophat: dict[str, Any]) -> None:
-    async with mesh(QueuedDevice(queued_s=1.6, beat_s=None), **SHORT) as url:
+    async with mesh(QueuedDevice(queued_s=QUEUED_S, beat_s=None), **SHORT) as url:
         response = await complete(url, tophat)
         assert response.status_code == 502
         assert "device_timeout" in response.text
