@@ -144,7 +144,7 @@ def test_compose_mesh_serves_restarts_and_leaves_nothing(stack, expected_answer)
     wait_serving(120)
     assert streamed_chat_answer() == expected_answer, logs()
     chat = subprocess.run([str(REPO / ".venv" / "bin" / "tophat"), "chat", "--url", STREAMER, "--prompt",
-                           QUESTION[0]["content"], "--max-tokens", str(MAX_TOKENS), "--temperature", "0"],
+                           QUESTION[0]["content"], "--max-new-tokens", str(MAX_TOKENS), "--temperature", "0"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "SSL_CERT_FILE": str(CA)})
     assert chat.returncode == 0 and expected_answer in chat.stdout, chat.stdout + chat.stderr
 
