@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 
+from shared.specdec.draft_config import DraftConfig
 from tophat.command_support import MODEL_HELP, SPLIT_LAYERS_HELP, fail
 
 MODEL = typer.Option("smollm2", help=MODEL_HELP)
@@ -19,12 +20,14 @@ ADAPTER = typer.Option(None, help="draft adapter file or 'random' (default: the 
 SPLIT_LAYERS = typer.Option(2, help=SPLIT_LAYERS_HELP)
 PROMPTS = typer.Option(8, help="held-out chat prompts")
 MAX_NEW_TOKENS = typer.Option(64, help="tokens to generate per prompt")
-ETA = typer.Option(0.6, help="drafting threshold (HAT eq. 5)")
-MAX_DRAFT = typer.Option(8, help="max draft tokens per round")
+ETA = typer.Option(DraftConfig.eta, help="drafting threshold (HAT eq. 5)")
+MAX_DRAFT = typer.Option(DraftConfig.max_draft, help="max draft tokens per round")
 THREADS = typer.Option(2, help="torch threads")
 DTYPE = typer.Option("f32", help="the weights: f32 | bf16 | int8 | int4")
-TREE_WIDTH = typer.Option(4, help="children per tree node at most")
-TREE_MIN_PROB = typer.Option(0.15, help="grow a tree node while its path's draft probability reaches this")
+TREE_WIDTH = typer.Option(DraftConfig.tree_width, help="children per tree node at most")
+TREE_MIN_PROB = typer.Option(
+    DraftConfig.tree_min_prob, help="grow a tree node while its path's draft probability reaches this"
+)
 RTT_MS = typer.Option(50.0, help="emulated device-cloud round trip per cloud call (ms)")
 NEW_TOKENS = typer.Option(64, help="decode steps per tok/s measurement")
 TREES_JSON_OUT = typer.Option(Path("bench-results/trees.json"), help="results JSON")

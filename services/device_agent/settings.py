@@ -44,13 +44,13 @@ class Settings(ServiceSettings):
     downlink: str = "full"  # full | topk: on a sampled rejection the cloud sends the whole row, or its top_k
     top_k: int = 10  # K of the topk downlink
     speculative: bool = True  # False: plain U-shape, one token per cloud round trip
-    eta: float = 0.6  # HAT eq. 5 drafting threshold
-    max_draft: int = 8  # most draft tokens per round (a tree's depth); 0: no speculation
+    eta: float = DraftConfig.eta  # HAT eq. 5 drafting threshold
+    max_draft: int = DraftConfig.max_draft  # most draft tokens per round (a tree's depth); 0: no speculation
     # Draft trees (EAGLE-2, shared/specdec/tree_drafting.py): nodes per round (0: a chain stopped by eta), children
     # per expanded node and nodes expanded per level, and how unlikely a path may get before growing stops.
     tree_nodes: int = 0
-    tree_width: int = 4
-    tree_min_prob: float = 0.15
+    tree_width: int = DraftConfig.tree_width
+    tree_min_prob: float = DraftConfig.tree_min_prob
     # The draft budget per round from the link and the verifier's load (shared/draft_budget.py): the shapes the
     # chunk planner chooses among for hat requests (tried once each, then chosen); empty: always the shape above.
     # On a loaded verifier it falls to none (U-shape rounds), so HAT never costs more than U-shape. Trees need a
