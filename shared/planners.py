@@ -277,8 +277,11 @@ def _cloud_terms(cloud: Mapping[str, Any] | None) -> tuple[Callable[[float], flo
     if cloud is None:
         return "no-telemetry"
     predictor = predictor_from_cloud_state(cloud)
-    mu = _finite(cloud.get("mu"))
-    if predictor is None or mu is None:
+    if predictor is None:
+        return "no-telemetry"
+    # g measured (the verifier's startup passes) but no step served yet: nothing is batched, mu = 0
+    mu = _finite(cloud.get("mu")) if cloud.get("mu") is not None else 0.0
+    if mu is None:
         return "no-telemetry"
     if mu < 0:
         return "bad-telemetry"

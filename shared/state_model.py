@@ -51,6 +51,12 @@ class CloudState:
         self.last = {"mu_hat": mu_hat, "eta_hat": eta_hat, **extra}
         self.updated_at = now
 
+    def observe_calibration(self, rows: float, seconds: float, now: float) -> None:
+        """A timed pass at the verifier's start: a point of g, but no load (mu) and no served step."""
+        if rows >= 1:
+            self.g.observe(rows, seconds, now)
+            self.updated_at = now
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "alpha": self.alpha,

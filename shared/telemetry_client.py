@@ -139,6 +139,7 @@ class TelemetryClient:
         overhead_s: float | None = None,
         pipeline_stages: int | None = None,
         runs_on: str | None = None,
+        calibration: bool = False,
     ) -> None:
         record = {
             "kind": "verifier_step",
@@ -154,6 +155,8 @@ class TelemetryClient:
             record["pipeline_stages"] = pipeline_stages
         if runs_on is not None:  # the torch device it computes on (the web console's verifier row)
             record["runs_on"] = runs_on
+        if calibration:  # a timed pass at startup: a g(mu) sample, not load (mu) nor a served step
+            record["calibration"] = True
         self.emit_batched(record)  # one per step: batched, or a busy verifier's steps outrun max_in_flight
 
     def emit_device_draft(

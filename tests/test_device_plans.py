@@ -13,7 +13,7 @@ import pytest
 from services.device_agent import settings as device_settings
 from services.device_agent.agent import DeviceAgent
 from services.device_agent.app import create_app
-from services.device_agent.plans import PlanCache, wire_bytes_per_token
+from services.device_agent.plans import PROVISIONAL_REFRESH_S, PlanCache, wire_bytes_per_token
 from shared.wire import WireDtype
 from tests.mesh_tools import verifier_on_loopback
 
@@ -35,6 +35,7 @@ class FakePlanner(httpx.AsyncBaseTransport):
         self.released = asyncio.Event()
         self.released.set()
         self.chunk = 48
+        self.chunk_source = "eq3"
         self.shape = "chain"  # POST /draft-budget's answer
         self.tokens_per_s: dict[str, float] = {}  # and its predictions (none: no trials)
         self.budget_asks: list[dict] = []
@@ -47,7 +48,7 @@ class FakePlanner(httpx.AsyncBaseTransport):
             self.budget_asks.append(json.loads(await request.aread()))
             return httpx.Response(200, json={"shape": self.shape, "source": "budget", "tokens_per_s": self.tokens_per_s})
         if request.url.path == "/chunk-size":
-            return httpx.Response(200, json={"chunk_size": self.chunk, "source": "eq3"})
+            return httpx.Response(200, json={"chunk_size": self.chunk, "source": self.chunk_source})
         rows = int(params["draft_len"])
         return httpx.Response(200, json={"steps": rows, "source": "eq6",
                                          "steps_by_draft_len": [n // 2 for n in range(rows + 1)]})
@@ -106,6 +107,26 @@ async def test_cached_plan_is_used_and_refreshed_in_the_background() -> None:
     planner.released.set()
     await asyncio.wait_for(asyncio.shield(plans.refreshing), 2.0)
     assert len(planner.calls) == 4 and (await plans.current()).chunk_for(1000) == 96
+    await plans.aclose()
+
+
+async def test_a_plan_the_planner_answered_by_default_is_asked_again_soon() -> None:
+    """Before the monitor has this device's telemetry the planner answers `default:...`: such a plan is asked
+    again after PROVISIONAL_REFRESH_S, not after the whole refresh interval; an answer from telemetry keeps
+    the interval."""
+    planner, clock = FakePlanner(), Clock()
+    planner.chunk_source = "default:no-telemetry"
+    plans = cache(planner, clock)
+    first = await plans.current()
+    assert first.provisional
+    clock.now += PROVISIONAL_REFRESH_S
+    planner.chunk_source = "eq3"
+    assert await plans.current() is first and plans.refreshing is not None
+    await asyncio.wait_for(asyncio.shield(plans.refreshing), 2.0)
+    measured = await plans.current()
+    assert measured is not first and not measured.provisional
+    clock.now += PROVISIONAL_REFRESH_S
+    assert await plans.current() is measured and plans.refreshing is None
     await plans.aclose()
 
 

@@ -292,3 +292,19 @@ def test_defaults_are_clamped() -> None:
     inputs = PlannerInputs(bytes_per_token=A, min_chunk_size=32, max_chunk_size=64, default_chunk_size=8,
                            default_draft_steps=9, max_draft_steps=4)
     assert inputs.default_chunk(1000) == 32 and inputs.default_chunk(10) == 10 and inputs.default_steps() == 4
+
+
+def test_a_verifier_that_only_calibrated_plans_as_idle():
+    """The verifier's startup passes give g but serve no step: the planners answer from g at mu = 0 instead of
+    falling back to the defaults until the first request has run."""
+    calibrated = CloudState()
+    for i, (m, eta) in enumerate(SAMPLES):
+        calibrated.observe_calibration(m, eta, now=float(i))
+    assert calibrated.mu.value is None and calibrated.g.observed_buckets > 0
+    cloud = {"mu": None, "alpha": calibrated.alpha, "g": {"buckets": calibrated.g.table(), "line": None},
+             "updated_at": calibrated.updated_at}
+    g = predictor_from_cloud_state(cloud)
+    assert g is not None
+    size, source = plan_from_state(cloud, device_json(), INPUTS, 5000)
+    assert source == "eq3"
+    assert size == chunk_size_eq3(A, 8e5, lambda m: g.predict(m) or 0.0, 0.0, 1, 16, 1024, 5000)

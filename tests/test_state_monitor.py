@@ -96,6 +96,21 @@ async def test_keys_appear_and_state_is_served(server: EmbeddedRedis) -> None:
     r.close()
 
 
+async def test_calibration_passes_give_g_but_no_load(server: EmbeddedRedis) -> None:
+    """The verifier's startup passes: g gets their points, mu stays unknown (no step was served), and they are
+    not in the step stream the console and the simulator read as served steps."""
+    calibration = [{**STEP, "batched_tokens": rows, "compute_s": 0.001 * rows, "num_sessions": 0, "step_kinds": {},
+                    "calibration": True} for rows in (1, 4, 16, 64)]
+    async with running(fast_settings(server.url)) as client:
+        assert (await client.post("/telemetry", json=calibration)).json()["accepted"] == 4
+        cloud = (await client.get("/state/cloud")).json()
+        assert cloud["mu"] is None and cloud["steps"] == 0
+        assert cloud["predict"]["64"] == pytest.approx(0.064)
+        await client.post("/telemetry", json=[STEP])
+        assert (await client.get("/state/cloud")).json()["mu"] == pytest.approx(64)
+    assert redis.Redis.from_url(server.url).xlen(tk.VERIFIER_STEPS) == 1
+
+
 async def test_streams_capped_through_api(server: EmbeddedRedis) -> None:
     async with running(fast_settings(server.url, stream_maxlen=10)) as client:
         for _ in range(3):

@@ -80,3 +80,49 @@ def test_a_batch_of_a_closed_session_finishes_without_touching_its_reopened_id(p
     assert not sched.is_current(old.items[0]) and sched.is_current(new.items[0])
     sched.finish_batch(new)
     assert [i.seq_no for i in sched.schedule().items] == [2]
+
+
+def test_prefills_take_turns_in_arrival_order_while_verifies_run_every_step():
+    """With one prefill per step the older prompt's chunks run alone, the younger's wait for them; a verify
+    never waits, and the younger prompt runs when the older has no chunk ready (the verifier never idles)."""
+    sched = Scheduler(1024, max_sessions=8, context_length=512, prefill_sessions_per_step=1)
+    owner = object()
+    younger, older, decoding = (sched.open(Session(sid, owner)) for sid in (1, 2, 3))
+    sched.submit(item(2, 1, "prefill"), owner)
+    older.prefill_since = 10.0
+    sched.submit(item(1, 1, "prefill"), owner)
+    younger.prefill_since = 20.0
+    sched.submit(item(3, 1, "verify"), owner)
+    first = sched.schedule()
+    assert sorted(i.session_id for i in first.items) == [2, 3]
+    sched.finish_batch(first)
+    sched.submit(item(2, 2, "prefill"), owner)  # the older prompt's next chunk came: still its turn
+    second = sched.schedule()
+    assert [i.session_id for i in second.items] == [2]
+    sched.finish_batch(second)
+    third = sched.schedule()  # nothing of the older one is ready: the younger runs
+    assert [i.session_id for i in third.items] == [1]
+
+
+def test_without_a_bound_prefills_of_every_session_share_a_step():
+    sched = Scheduler(1024, max_sessions=8, context_length=512)
+    owner = object()
+    for sid in (1, 2):
+        sched.open(Session(sid, owner))
+        sched.submit(item(sid, 1, "prefill"), owner)
+    assert sorted(i.session_id for i in sched.schedule().items) == [1, 2]
+
+
+def test_a_new_turn_prefills_after_its_decode_get_a_fresh_place_in_line():
+    sched = Scheduler(1024, max_sessions=8, context_length=512, prefill_sessions_per_step=1)
+    owner = object()
+    session = sched.open(Session(1, owner))
+    sched.submit(item(1, 1, "prefill"), owner)
+    first_turn = session.prefill_since
+    sched.finish_batch(sched.schedule())
+    sched.submit(item(1, 2, "verify"), owner)
+    assert session.prefill_since is None
+    sched.finish_batch(sched.schedule())
+    session.touch(first_turn + 50.0)
+    sched.submit(item(1, 3, "prefill"), owner)
+    assert session.prefill_since is not None and session.prefill_since > first_turn

@@ -29,6 +29,10 @@ from shared.wire import WireDtype, dtype_bytes
 
 log = logging.getLogger(__name__)
 
+# A plan some of whose answers are the planner's defaults (its telemetry was not there yet) is asked again this
+# soon, not after the whole refresh interval: the first requests of a fresh mesh must not run on guesses for long.
+PROVISIONAL_REFRESH_S = 0.5
+
 
 def wire_bytes_per_token(hidden_size: int, wire_dtype: WireDtype) -> int:
     """A in eq. 3 / eq. 6: one hidden state on this device's wire."""
@@ -48,6 +52,11 @@ class Plan:
     def defaults(cls, chunk_size: int, steps: int) -> Plan:
         """The plan without a planner: fixed chunk size and pre-draft steps, never fresh."""
         return cls(chunk_size, (steps,), "default:no-planner", float("-inf"))
+
+    @property
+    def provisional(self) -> bool:
+        """Some answer is a default for want of telemetry: ask again soon."""
+        return "default:" in self.source
 
     def chunk_for(self, prompt_tokens: int) -> int:
         return max(1, min(self.chunk_size, prompt_tokens))
@@ -96,7 +105,8 @@ class PlanCache:
         if self.plan is None:
             await asyncio.shield(self.refresh())  # a cancelled request leaves the shared fetch running
             return self.plan or self.default
-        if self.clock() - self.plan.fetched_at >= self.refresh_s:
+        refresh_s = min(self.refresh_s, PROVISIONAL_REFRESH_S) if self.plan.provisional else self.refresh_s
+        if self.clock() - self.plan.fetched_at >= refresh_s:
             self.refresh()
         return self.plan
 
@@ -143,8 +153,8 @@ class PlanCache:
             source += f" budget:{budget['source']}"
         plan = Plan(int(chunk["chunk_size"]), table, source, self.clock(), shape, predicted)
         log.debug("plan for %s: %s", self.device_id, plan)
-        if shape is not None and (self.plan is None or self.plan.shape != shape):
-            log.info("draft budget for %s: %s (%s)", self.device_id, shape, budget and budget["source"])
+        if self.plan is None or self.plan.source != source or self.plan.shape != shape:
+            log.info("plan for %s: chunk %s, draft shape %s (%s)", self.device_id, chunk["chunk_size"], shape, source)
         return plan
 
     async def _budget(self) -> dict[str, Any] | None:

@@ -60,6 +60,9 @@ class Monitor:
     async def ingest(self, rec: VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone) -> bool:
         now = time.time()
         raw = {**rec.model_dump(), "ts": rec.ts if rec.ts is not None else now}
+        if isinstance(rec, VerifierStep) and rec.calibration:
+            self.cloud.observe_calibration(rec.batched_tokens, rec.compute_s, now)
+            return await self._write(events=[], states=[(tk.VERIFIER_STATE, self._cloud_hash(), None)])
         if isinstance(rec, VerifierStep):
             self.cloud.observe_step(
                 rec.batched_tokens,

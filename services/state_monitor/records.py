@@ -35,6 +35,7 @@ class VerifierStep(_Record):
     runs_on: Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9_.:\- ]+$")] | None = Field(
         default=None, description="the torch device the verifier computes on (cpu, cuda:0, ...)"
     )
+    calibration: bool = Field(default=False, description="a timed pass at startup: a g(mu) sample only, not load")
 
 
 class DeviceDraft(_Record):

@@ -3,7 +3,7 @@ with the token-mode ends), or only the config and a plan of stage workers that l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.verifier_cloud.settings import Settings
@@ -13,7 +13,7 @@ from services.verifier_cloud.token_mode import TokenModel
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config
 from shared.model.placement import PlacementError, detect_placement
 from shared.model.rotation import apply_secret_rotation
-from shared.model.split import MiddleSubmodel, warm_up_layers
+from shared.model.split import MiddleSubmodel, calibrate_layers, warm_up_layers
 from shared.settings import SettingsError
 
 
@@ -26,6 +26,7 @@ class LoadedModel:
     hidden_size: int
     stages: list[StageSpec] | None = None
     token_model: TokenModel | None = None
+    calibration: list[tuple[int, float]] = field(default_factory=list)  # (rows, seconds) of timed passes
 
 
 def load_model(settings: Settings) -> LoadedModel:
@@ -57,5 +58,9 @@ def load_model(settings: Settings) -> LoadedModel:
         token_model.to(placement.device)
     warm_up_layers(middle, checkpoint.hidden_size)
     return LoadedModel(
-        middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size, token_model=token_model
+        middle,
+        checkpoint.config.max_position_embeddings,
+        checkpoint.hidden_size,
+        token_model=token_model,
+        calibration=calibrate_layers(middle, checkpoint.hidden_size),
     )

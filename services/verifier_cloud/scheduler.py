@@ -72,6 +72,7 @@ class Scheduler:
         prefill_pipelining: bool = False,
         max_sessions_per_owner: int | None = None,
         max_queue: int | None = None,
+        prefill_sessions_per_step: int = 0,
     ):
         self.max_batch_tokens = max_batch_tokens
         self.max_sessions = max_sessions
@@ -80,6 +81,7 @@ class Scheduler:
         self.context_length = context_length
         self.server_chunk_tokens = server_chunk_tokens  # > 0: U-Sarathi pieces of long prefills
         self.prefill_pipelining = prefill_pipelining
+        self.prefill_sessions_per_step = prefill_sessions_per_step  # 0: no bound
         self.sessions: OrderedDict[int, Session] = OrderedDict()
         self.work_ready = asyncio.Event()  # set while some session may have schedulable work
 
@@ -130,6 +132,10 @@ class Scheduler:
             )
         session.queue.append(item)
         session.touch()
+        if item.kind is not WorkKind.PREFILL:
+            session.prefill_since = None  # its prompt is in: a later prefill is a new turn's
+        elif session.prefill_since is None:
+            session.prefill_since = session.last_active
         self.work_ready.set()
 
     def wake(self) -> None:
@@ -204,8 +210,11 @@ class Scheduler:
         budget = self.max_batch_tokens
         if parts > 1:
             budget = min(budget, -(-self.ready_tokens() // parts))
+        prefills = self._prefill_turn()
         for session in self.sessions.values():
             if not self._schedulable(session):
+                continue
+            if prefills is not None and session.queue[0].kind is WorkKind.PREFILL and session not in prefills:
                 continue
             size = self._head_tokens(session)
             if items and size > budget:
@@ -221,6 +230,16 @@ class Scheduler:
         if not any(self._schedulable(s) for s in self.sessions.values()):
             self.work_ready.clear()
         return SchedulerOutput(items)
+
+    def _prefill_turn(self) -> list[Session] | None:
+        """The sessions whose prefill may run this step: the oldest `prefill_sessions_per_step` with a prefill
+        ready (None: no bound). Verifies are never held back; a prefill whose next chunk has not arrived yet
+        leaves its turn to the next oldest, so the verifier never idles for the order."""
+        if not self.prefill_sessions_per_step:
+            return None
+        ready = [s for s in self.sessions.values() if self._schedulable(s) and s.queue[0].kind is WorkKind.PREFILL]
+        ready.sort(key=lambda s: s.prefill_since or s.opened_at)
+        return ready[: self.prefill_sessions_per_step]
 
     def finish_batch(self, batch: SchedulerOutput) -> None:
         """Call on the event loop once `batch` is computed (or failed): its sessions may run again."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 from websockets.asyncio.server import ServerConnection, serve
@@ -76,9 +77,11 @@ class VerifierServer:
         hidden_size: int,
         stages: list[StageSpec] | None = None,
         token_model: TokenModel | None = None,
+        calibration: Sequence[tuple[int, float]] = (),
     ):
         """`middle` for the in-process path (P = 1); `stages` (and middle=None) for P > 1 worker processes.
-        `token_model` (P = 1 only) turns token mode on; `from_settings` builds it when `full_model` is set."""
+        `token_model` (P = 1 only) turns token mode on; `from_settings` builds it when `full_model` is set.
+        `calibration`: (rows, seconds) of timed passes, sent to the monitor as g(mu) samples once serving."""
         if (middle is None) == (stages is None):
             raise ValueError("give exactly one of middle (in-process) or stages (worker processes)")
         if token_model is not None and middle is None:
@@ -91,11 +94,13 @@ class VerifierServer:
             split_fingerprint(settings.model_dir, settings.split_layers), settings.hidden_rotation
         )
         self.token_model = token_model
+        self.calibration = list(calibration)
         self.scheduler = Scheduler(
             settings.max_batch_tokens,
             settings.max_sessions,
             context_length,
             server_chunk_tokens=settings.server_chunk_tokens,
+            prefill_sessions_per_step=settings.prefill_sessions_per_step,
             prefill_pipelining=stages is not None and settings.prefill_pipelining,
             max_sessions_per_owner=settings.max_sessions_per_connection,
             max_queue=settings.max_queue_per_session,
@@ -160,6 +165,7 @@ class VerifierServer:
             loaded.hidden_size,
             stages=loaded.stages,
             token_model=loaded.token_model,
+            calibration=loaded.calibration,
         )
 
     @property
@@ -369,6 +375,8 @@ class VerifierServer:
                     "on" if self.token_model is not None else "off",
                     self.settings.server_chunk_tokens or "off",
                 )
+                for rows, seconds in self.calibration:
+                    self.telemetry.emit_verifier_step(rows, seconds, 0, calibration=True, runs_on=self.runs_on)
                 if started is not None:
                     started.set_result(port)
                 await stop.wait()

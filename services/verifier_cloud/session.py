@@ -39,6 +39,8 @@ class Session:
     opening: bool = False
     copies: int = 0
     opened_at: float = field(default_factory=time.monotonic)
+    # When its prompt's first prefill item came (None: not prefilling): the order prompts take their turns in.
+    prefill_since: float | None = None
     last_active: float = field(default_factory=time.monotonic)  # last request or reply (idle TTL)
 
     @property

@@ -77,6 +77,10 @@ class Settings(ServiceSettings):
     # U-Sarathi (HAT's baseline): compute prefill items longer than this in pieces of this many tokens, one piece
     # per scheduler step, interleaved with other sessions' work. 0 = off (an item runs whole).
     server_chunk_tokens: int = 0
+    # Prefills of how many sessions one step may hold, oldest session first (0: no bound). On a verifier whose
+    # pass costs grow with its rows (a CPU), two prompts sharing every pass both finish late; taking them in
+    # arrival order finishes the first at its own pace and the second no later. A GPU below saturation may batch more.
+    prefill_sessions_per_step: int = 1
     # The stages' own plan (shared/stage_plan.py), each optional. stage_layers: explicit contiguous [start, stop)
     # ranges of the middle layers, "2-5,5-12,12-30", replacing the equal split; P is their count (pipeline_stages
     # left at 1 follows it, any other value must agree). stage_slowdowns: each stage's emulated slowdown, "1,3,3"
@@ -180,6 +184,8 @@ class Settings(ServiceSettings):
         parse_dtype_spec(self.dtype)
         if self.server_chunk_tokens < 0:
             raise ValueError("server_chunk_tokens must be >= 0 (0 = off)")
+        if self.prefill_sessions_per_step < 0:
+            raise ValueError("prefill_sessions_per_step must be >= 0 (0 = no bound)")
         if self.stage_layers.strip():
             ranges = parse_stage_layers(self.stage_layers, self.split_layers)
             if len(ranges) != self.pipeline_stages:

@@ -11,6 +11,7 @@ split halves compute exactly what the whole model computes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from shared.model.kv_cache import SessionKV
 from shared.model.layers import run_layers
 from shared.model.native_layers import run_native_head
 from shared.model.tree_rows import TreeRows
+
+CALIBRATION_ROWS = (1, 4, 16, 64)  # a verify's rows up to a prefill chunk's: where the planners read g
 
 
 class SplitError(ValueError):
@@ -99,6 +102,26 @@ def warm_up_layers(layers: LayerRange, hidden_size: int, sizes: Sequence[int] = 
             layers.forward_batch([(cache, torch.zeros(size, hidden_size, dtype=layers.dtype, device=layers.device))])
     finally:
         cache.free()
+
+
+def calibrate_layers(
+    layers: LayerRange, hidden_size: int, sizes: Sequence[int] = CALIBRATION_ROWS
+) -> list[tuple[int, float]]:
+    """(rows, seconds) of one timed pass per size on a throwaway cache, after `warm_up_layers`: the
+    verifier's g(mu) before its first request, so the planners answer from a measured curve from the start."""
+    cache = layers.new_cache()
+    timed = []
+    try:
+        for size in sizes:
+            hidden = torch.zeros(size, hidden_size, dtype=layers.dtype, device=layers.device)
+            start = time.perf_counter()
+            out = layers.forward_batch([(cache, hidden)])
+            out[0].cpu()  # on a GPU the copy waits for the pass, as the runner's replies do
+            timed.append((size, time.perf_counter() - start))
+            cache.truncate(0)
+    finally:
+        cache.free()
+    return timed
 
 
 class InputSubmodel(LayerRange):
