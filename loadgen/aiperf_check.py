@@ -166,4 +166,3 @@ def main(args: argparse.Namespace) -> int:
         print(f"FAIL: {problem}", file=sys.stderr)
     print("aiperf check:", "FAILED" if problems else "passed", f"(artifacts in {args.out})")
     return 1 if problems else 0
-

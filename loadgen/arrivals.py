@@ -25,8 +25,9 @@ def _rng(seed: int) -> np.random.Generator:
     return np.random.default_rng([seed, _ARRIVAL_STREAM])
 
 
-def arrival_times(rate: float, burstiness: float = 1.0, num_requests: int | None = None,
-                  duration: float | None = None, seed: int = 0) -> np.ndarray:
+def arrival_times(
+    rate: float, burstiness: float = 1.0, num_requests: int | None = None, duration: float | None = None, seed: int = 0
+) -> np.ndarray:
     """Arrival offsets in seconds from the start of the run (sorted, first one 0).
 
     Give exactly one of `num_requests` (that many arrivals) or `duration` (every

@@ -96,23 +96,64 @@ def ablation_modes() -> dict[str, BenchVariant]:
     return {name: BenchVariant(name, options) for name, options in rows.items()}
 
 
-def loadgen_options(url: str, workload: str, rate: float, num_requests: int, max_new_tokens: int, seed: int,
-                    out: Path, request_options: dict, redis_url: str | None, model_dir: str) -> dict[str, Any]:
+def loadgen_options(
+    url: str,
+    workload: str,
+    rate: float,
+    num_requests: int,
+    max_new_tokens: int,
+    seed: int,
+    out: Path,
+    request_options: dict,
+    redis_url: str | None,
+    model_dir: str,
+) -> dict[str, Any]:
     """The option set of one `tophat loadgen` run."""
     return {
-        "url": url, "workload": workload, "rate": rate, "burstiness": 1.0, "num_requests": num_requests,
-        "duration": None, "max_new_tokens": max_new_tokens, "seed": seed, "out": out,
-        "tokenizer": Path(model_dir), "context_limit": None, "length_dist": "gamma", "max_concurrency": None,
-        "request_timeout": 600.0, "temperature": 0.0, "model": None, "num_devices": None,
-        "send_device_hint": False, "body_extra": {"tophat": request_options} if request_options else {},
-        "slo_ttft_ms": None, "slo_tpot_ms": None, "slo_e2el_ms": None, "prefill_sla_ms": None,
-        "decode_sla_ms": None, "redis_url": redis_url, "state_monitor_url": None, "progress": False,
+        "url": url,
+        "workload": workload,
+        "rate": rate,
+        "burstiness": 1.0,
+        "num_requests": num_requests,
+        "duration": None,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "out": out,
+        "tokenizer": Path(model_dir),
+        "context_limit": None,
+        "length_dist": "gamma",
+        "max_concurrency": None,
+        "request_timeout": 600.0,
+        "temperature": 0.0,
+        "model": None,
+        "num_devices": None,
+        "send_device_hint": False,
+        "body_extra": {"tophat": request_options} if request_options else {},
+        "slo_ttft_ms": None,
+        "slo_tpot_ms": None,
+        "slo_e2el_ms": None,
+        "prefill_sla_ms": None,
+        "decode_sla_ms": None,
+        "redis_url": redis_url,
+        "state_monitor_url": None,
+        "progress": False,
     }
 
 
-def run_modes(modes: dict[str, BenchVariant], *, workload: str, rates: list[float], num_requests: int,
-              max_new_tokens: int, seed: int, out: Path, devices: int, link: str,
-              model_dir: str, dtype: str = "auto") -> dict[tuple[str, float], dict]:
+def run_modes(
+    modes: dict[str, BenchVariant],
+    *,
+    workload: str,
+    rates: list[float],
+    num_requests: int,
+    max_new_tokens: int,
+    seed: int,
+    out: Path,
+    devices: int,
+    link: str,
+    model_dir: str,
+    dtype: str = "auto",
+) -> dict[tuple[str, float], dict]:
     """Run every mode at every rate; returns results.json contents keyed by (mode, rate)."""
     from loadgen.load_run import run_load_test
     from tophatctl.mesh import Mesh
@@ -124,37 +165,60 @@ def run_modes(modes: dict[str, BenchVariant], *, workload: str, rates: list[floa
     for mode in modes.values():
         groups.setdefault(mode.mesh_key(), []).append(mode)
     for env, group in groups.items():
-        config = MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link,
-                            dtype=dtype, extra_env=dict(env))
+        config = MeshConfig(
+            model_dir=model_dir,
+            num_devices=devices,
+            port_base=find_port_base(devices),
+            link=link,
+            dtype=dtype,
+            extra_env=dict(env),
+        )
         with Mesh(config) as mesh:
             for mode in group:
                 for rate in rates:
                     run_dir = out / workload / mode.name / f"rate-{rate:g}"
                     log.info("mode %s, %s @ %g req/s", mode.name, workload, rate)
-                    options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens,
-                                              seed, run_dir, mode.request_options, mesh.redis_url, model_dir)
+                    options = loadgen_options(
+                        config.streamer_url,
+                        workload,
+                        rate,
+                        num_requests,
+                        max_new_tokens,
+                        seed,
+                        run_dir,
+                        mode.request_options,
+                        mesh.redis_url,
+                        model_dir,
+                    )
                     results[(mode.name, rate)] = asyncio.run(run_load_test(options))
     return results
 
 
 def format_table(results: dict[tuple[str, float], dict], baseline: str, title: str) -> str:
-    lines = [title, f"{'mode':12s} {'rate':>5s} {'done':>5s} {'TTFT mean':>10s} {'TTFT p99':>9s} {'TBT mean':>9s} "
-             f"{'TBT p99':>8s} {'tok/s':>6s} {'accept':>7s} {'TTFT/base':>10s} {'TBT/base':>9s}"]
+    lines = [
+        title,
+        f"{'mode':12s} {'rate':>5s} {'done':>5s} {'TTFT mean':>10s} {'TTFT p99':>9s} {'TBT mean':>9s} "
+        f"{'TBT p99':>8s} {'tok/s':>6s} {'accept':>7s} {'TTFT/base':>10s} {'TBT/base':>9s}",
+    ]
     for (mode, rate), r in results.items():
         base = results.get((baseline, rate))
-        ratio = lambda key: (f"{r[key] / base[key]:.2f}x" if base and base.get(key) else "-")  # noqa: E731
-        lines.append(f"{mode:12s} {rate:5g} {r['completed']:5d} {r['mean_ttft_ms']:9.1f}ms {r['p99_ttft_ms']:7.1f}ms "
-                     f"{r['mean_tbt_ms']:7.2f}ms {r['p99_tbt_ms']:6.1f}ms "
-                     f"{1e3 / r['mean_tbt_ms'] if r['mean_tbt_ms'] else 0:6.1f} {r.get('mean_accept_length') or 0:7.2f} "
-                     f"{ratio('mean_ttft_ms'):>10s} {ratio('mean_tbt_ms'):>9s}")
+        ratio = lambda key: f"{r[key] / base[key]:.2f}x" if base and base.get(key) else "-"  # noqa: E731
+        lines.append(
+            f"{mode:12s} {rate:5g} {r['completed']:5d} {r['mean_ttft_ms']:9.1f}ms {r['p99_ttft_ms']:7.1f}ms "
+            f"{r['mean_tbt_ms']:7.2f}ms {r['p99_tbt_ms']:6.1f}ms "
+            f"{1e3 / r['mean_tbt_ms'] if r['mean_tbt_ms'] else 0:6.1f} {r.get('mean_accept_length') or 0:7.2f} "
+            f"{ratio('mean_ttft_ms'):>10s} {ratio('mean_tbt_ms'):>9s}"
+        )
     return "\n".join(lines)
 
 
 def save_table(out: Path, name: str, table: str, results: dict[tuple[str, float], dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.txt").write_text(table + "\n")
-    summary = {f"{mode}@{rate:g}": {"mode": mode, **{k: v for k, v in r.items() if not isinstance(v, (list, dict))}}
-               for (mode, rate), r in results.items()}
+    summary = {
+        f"{mode}@{rate:g}": {"mode": mode, **{k: v for k, v in r.items() if not isinstance(v, (list, dict))}}
+        for (mode, rate), r in results.items()
+    }
     (out / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
 
 

@@ -94,13 +94,15 @@ def budget_table(figures: dict[str, dict], g_points, link: LinkLoad) -> list[dic
     for sessions in LOADS:
         at_load = replace(link, sessions=sessions)
         chosen, rates = choose_budget(options, at_load, g)
-        table.append({
-            "sessions": sessions,
-            "overhead_s": round(link.overhead_s, 4),
-            "chosen": chosen,
-            "tokens_per_s": {name: round(rate, 2) for name, rate in rates.items()},
-            "round_ms": {o.name: round(1e3 * round_seconds(o, at_load, g), 1) for o in options},
-        })
+        table.append(
+            {
+                "sessions": sessions,
+                "overhead_s": round(link.overhead_s, 4),
+                "chosen": chosen,
+                "tokens_per_s": {name: round(rate, 2) for name, rate in rates.items()},
+                "round_ms": {o.name: round(1e3 * round_seconds(o, at_load, g), 1) for o in options},
+            }
+        )
     return table
 
 
@@ -109,11 +111,15 @@ def print_table(figures: dict[str, dict], g_points, table: list[dict], args) -> 
     print("  shape    accept  rows/round  draft ms/round  identical")
     for name, f in figures.items():
         print(f"  {name:7s}  {f['accept']:6.2f}  {f['rows']:10.2f}  {1e3 * f['draft_s']:14.1f}  {f['identical']}")
-    print("\ng(mu) on this machine, the middle layers over mu rows (ms): "
-          + ", ".join(f"{mu}:{1e3 * s:.0f}" for mu, s in g_points))
+    print(
+        "\ng(mu) on this machine, the middle layers over mu rows (ms): "
+        + ", ".join(f"{mu}:{1e3 * s:.0f}" for mu, s in g_points)
+    )
     names = list(figures)
-    print(f"\ndraft budget against load (round trip {args.rtt_ms:.0f} ms, link {args.link}, device "
-          f"overhead {1e3 * table[0]['overhead_s']:.1f} ms/round; predicted tokens/s per session; * = chosen):")
+    print(
+        f"\ndraft budget against load (round trip {args.rtt_ms:.0f} ms, link {args.link}, device "
+        f"overhead {1e3 * table[0]['overhead_s']:.1f} ms/round; predicted tokens/s per session; * = chosen):"
+    )
     print("  sessions  " + "  ".join(f"{n:>8s}" for n in names) + "  chosen")
     for row in table:
         cells = [f"{row['tokens_per_s'][n]:7.2f}{'*' if n == row['chosen'] else ' '}" for n in names]
@@ -126,15 +132,21 @@ def run(args) -> dict:
     figures, overhead_s = measure_shapes(device, middle, prompts, shapes, args)
     g_points = measure_g(middle, checkpoint.hidden_size)
     profile = scaled_for_hidden(parse_link_spec(args.link), checkpoint.hidden_size)
-    link = LinkLoad(args.rtt_ms / 1e3, checkpoint.hidden_size * 2, profile.uplink_bytes_s,
-                    profile.downlink_bytes_s, 1, overhead_s)
+    link = LinkLoad(
+        args.rtt_ms / 1e3, checkpoint.hidden_size * 2, profile.uplink_bytes_s, profile.downlink_bytes_s, 1, overhead_s
+    )
     table = budget_table(figures, g_points, link)
     print_table(figures, g_points, table, args)
-    result = {"model": args.model, "rtt_ms": args.rtt_ms, "link": args.link, "shapes": figures,
-              "g_ms": {mu: round(1e3 * s, 2) for mu, s in g_points}, "by_load": table}
+    result = {
+        "model": args.model,
+        "rtt_ms": args.rtt_ms,
+        "link": args.link,
+        "shapes": figures,
+        "g_ms": {mu: round(1e3 * s, 2) for mu, s in g_points},
+        "by_load": table,
+    }
     out = getattr(args, "out", None)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
     return result
-

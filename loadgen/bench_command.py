@@ -68,9 +68,23 @@ class ModeBench:
                     raise ValueError(f"unknown modes {unknown}; choose from {', '.join(available)}")
 
     @classmethod
-    def from_options(cls, *, workload: str, rates: str | None, modes: str, link: str | None, devices: int,
-                     num_requests: int, max_new_tokens: int, seed: int, out: Path, rtt_ms: str = "",
-                     ablation: bool = False, baseline: str = "", dtype: str = "auto") -> ModeBench:
+    def from_options(
+        cls,
+        *,
+        workload: str,
+        rates: str | None,
+        modes: str,
+        link: str | None,
+        devices: int,
+        num_requests: int,
+        max_new_tokens: int,
+        seed: int,
+        out: Path,
+        rtt_ms: str = "",
+        ablation: bool = False,
+        baseline: str = "",
+        dtype: str = "auto",
+    ) -> ModeBench:
         """The bench from `tophat bench serve`'s option strings (ValueError naming the bad one)."""
         link = link or "none"
         rate_list = parse_rates(rates or DEFAULT_RATES)
@@ -80,9 +94,21 @@ class ModeBench:
             runs = tuple((rtt, link_with_rtt(link, rtt)) for rtt in rtts)
         except ValueError as exc:
             raise ValueError(f"--rtt-ms: {exc}") from exc
-        return cls(workloads=workloads, rates=tuple(rate_list), modes=tuple(modes.split(",")), link=link, runs=runs,
-                   devices=devices, num_requests=num_requests, max_new_tokens=max_new_tokens, seed=seed, out=out,
-                   ablation=ablation, baseline=baseline, dtype=dtype)
+        return cls(
+            workloads=workloads,
+            rates=tuple(rate_list),
+            modes=tuple(modes.split(",")),
+            link=link,
+            runs=runs,
+            devices=devices,
+            num_requests=num_requests,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            out=out,
+            ablation=ablation,
+            baseline=baseline,
+            dtype=dtype,
+        )
 
 
 def check_draft_adapter(model_dir: str) -> None:
@@ -109,9 +135,19 @@ def run_mode_bench(bench: ModeBench, model_dir: str) -> Iterator[str]:
             kind = "ablation" if bench.ablation else "bench"
             tag = f"{kind}-{workload}" + (f"-rtt{rtt:g}" if rtt is not None else "")
             run_out = out / tag if rtt is not None else out
-            results = run_modes(chosen, workload=workload, rates=list(bench.rates), num_requests=bench.num_requests,
-                                max_new_tokens=bench.max_new_tokens, seed=bench.seed, out=run_out,
-                                devices=bench.devices, link=link, model_dir=model_dir, dtype=bench.dtype)
+            results = run_modes(
+                chosen,
+                workload=workload,
+                rates=list(bench.rates),
+                num_requests=bench.num_requests,
+                max_new_tokens=bench.max_new_tokens,
+                seed=bench.seed,
+                out=run_out,
+                devices=bench.devices,
+                link=link,
+                model_dir=model_dir,
+                dtype=bench.dtype,
+            )
             table = format_table(results, base, title)
             save_table(out, tag, table, results)
             plot_modes(run_out, workload, results, tag)
@@ -123,24 +159,51 @@ def sim_check_report(bench: ModeBench, model_dir: str) -> str:
     the simulator calibrated from it; the report is also written to OUT/sim-check.txt."""
     from loadgen.bench_sim_check import sim_vs_real
 
-    text = sim_vs_real(workload=bench.workloads[0], rates=list(bench.rates), num_requests=bench.num_requests,
-                       max_new_tokens=bench.max_new_tokens, seed=bench.seed, out=bench.out, devices=bench.devices,
-                       link=bench.link, model_dir=model_dir, modes=list(bench.modes))
+    text = sim_vs_real(
+        workload=bench.workloads[0],
+        rates=list(bench.rates),
+        num_requests=bench.num_requests,
+        max_new_tokens=bench.max_new_tokens,
+        seed=bench.seed,
+        out=bench.out,
+        devices=bench.devices,
+        link=bench.link,
+        model_dir=model_dir,
+        modes=list(bench.modes),
+    )
     bench.out.mkdir(parents=True, exist_ok=True)
     (bench.out / "sim-check.txt").write_text(text)
     return text
 
 
-def edge_sd_report(*, tasks: int, rounds: int, bandwidth_mhz: float, sbs_slowdown: float, modes: str,
-                   max_new_tokens: int, seed: int, model_dir: str, out: Path) -> str:
+def edge_sd_report(
+    *,
+    tasks: int,
+    rounds: int,
+    bandwidth_mhz: float,
+    sbs_slowdown: float,
+    modes: str,
+    max_new_tokens: int,
+    seed: int,
+    model_dir: str,
+    out: Path,
+) -> str:
     """`bench edge-sd`: the draft server against each baseline on one trace; results JSON (OUT, or
     OUT/edge-sd.json) and the table beside it. Returns the table."""
     from loadgen.bench_edge_sd import EdgeSDBenchConfig, format_edge_sd_table, run_edge_sd_bench
 
     target = out if out.suffix == ".json" else out / "edge-sd.json"
-    cfg = EdgeSDBenchConfig(model=model_dir, tasks=tasks, rounds=rounds, bandwidth_mhz=bandwidth_mhz,
-                            sbs_slowdown=sbs_slowdown, max_output=max_new_tokens, seed=seed, out=target,
-                            modes=split_list(modes))
+    cfg = EdgeSDBenchConfig(
+        model=model_dir,
+        tasks=tasks,
+        rounds=rounds,
+        bandwidth_mhz=bandwidth_mhz,
+        sbs_slowdown=sbs_slowdown,
+        max_output=max_new_tokens,
+        seed=seed,
+        out=target,
+        modes=split_list(modes),
+    )
     table = format_edge_sd_table(run_edge_sd_bench(cfg))
     target.with_suffix(".txt").write_text(table + "\n")
     return table
@@ -157,8 +220,18 @@ def parse_buckets(edge_pipeline: str, buckets: str) -> list[int]:
     return bucket_list
 
 
-def jupiter_report(*, edge_pipeline: str, lan: str, buckets: list[int], per_bucket: int, modes: str,
-                   max_new_tokens: int, seed: int, model_dir: str, out: Path) -> str:
+def jupiter_report(
+    *,
+    edge_pipeline: str,
+    lan: str,
+    buckets: list[int],
+    per_bucket: int,
+    modes: str,
+    max_new_tokens: int,
+    seed: int,
+    model_dir: str,
+    out: Path,
+) -> str:
     """`bench jupiter`: serial, equal-split and Jupiter on one edge pipeline; results JSON (OUT, or
     OUT/jupiter.json), the table and the outline answers beside it. Returns what to show."""
     from loadgen.bench_jupiter import (
@@ -169,9 +242,17 @@ def jupiter_report(*, edge_pipeline: str, lan: str, buckets: list[int], per_buck
     )
 
     target = out if out.suffix == ".json" else out / "jupiter.json"
-    cfg = JupiterBenchConfig(model=model_dir, edge_pipeline=edge_pipeline, lan=lan, buckets=buckets,
-                             per_bucket=per_bucket, max_tokens=max_new_tokens, seed=seed, out=target,
-                             modes=split_list(modes))
+    cfg = JupiterBenchConfig(
+        model=model_dir,
+        edge_pipeline=edge_pipeline,
+        lan=lan,
+        buckets=buckets,
+        per_bucket=per_bucket,
+        max_tokens=max_new_tokens,
+        seed=seed,
+        out=target,
+        modes=split_list(modes),
+    )
     results = run_jupiter_bench(cfg)
     text = format_jupiter_table(results) + "\n\n" + format_outline_answers(results)
     target.with_suffix(".txt").write_text(text + "\n")
@@ -191,21 +272,45 @@ def disco_bench_options(rate: float | None, link: str | None, budget: str, const
     parse_link_spec(link)
     speed = speed or DEFAULT_SPEED
     speed_schedule(speed)
-    return {"rate": rate, "link": link, "budgets": parse_budgets(budget),
-            "constraints": parse_constraint(constraint), "speed": speed}
+    return {
+        "rate": rate,
+        "link": link,
+        "budgets": parse_budgets(budget),
+        "constraints": parse_constraint(constraint),
+        "speed": speed,
+    }
 
 
-def disco_report(options: dict, *, workload: str, devices: int, num_requests: int, max_new_tokens: int, seed: int,
-                 out: Path, model_dir: str, reading_rate: float, migration: bool) -> str:
+def disco_report(
+    options: dict,
+    *,
+    workload: str,
+    devices: int,
+    num_requests: int,
+    max_new_tokens: int,
+    seed: int,
+    out: Path,
+    model_dir: str,
+    reading_rate: float,
+    migration: bool,
+) -> str:
     """`bench disco`: DiSCo against device-only, cloud-only and random per budget (loadgen/bench_disco.py),
     with `options` from disco_bench_options. Returns the table and where the results went."""
     # the module, not its function: a test replaces bench_disco.bench_disco to check the options
     from loadgen import bench_disco as disco
 
-    table, json_path, plots = disco.bench_disco(workload=workload, num_requests=num_requests,
-                                                max_new_tokens=max_new_tokens, seed=seed, out=out, devices=devices,
-                                                model_dir=model_dir, reading_rate_tps=reading_rate,
-                                                migration=migration, **options)
+    table, json_path, plots = disco.bench_disco(
+        workload=workload,
+        num_requests=num_requests,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        out=out,
+        devices=devices,
+        model_dir=model_dir,
+        reading_rate_tps=reading_rate,
+        migration=migration,
+        **options,
+    )
     return f"\n{table}\n\nresults in {json_path}; plots: {', '.join(str(p) for p in plots)}"
 
 

@@ -44,6 +44,7 @@ def main(args: argparse.Namespace) -> None:
         first = time.perf_counter() - started
     finally:
         layers.decoder_layer_forward = original
-    print(f"{args.dtype}, {args.threads} thread(s): eager {eager:.1f} tok/s, compiled norm+MLP {rate:.1f} tok/s "
-          f"({rate / eager:.2f}x), compile + two runs {first:.1f} s")
-
+    print(
+        f"{args.dtype}, {args.threads} thread(s): eager {eager:.1f} tok/s, compiled norm+MLP {rate:.1f} tok/s "
+        f"({rate / eager:.2f}x), compile + two runs {first:.1f} s"
+    )

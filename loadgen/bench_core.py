@@ -52,7 +52,9 @@ def timed_ms(step, device: torch.device | str, repeats: int, warmup: int = 1, be
     return _median_ms(samples)
 
 
-def time_verify_passes(middle: MiddleSubmodel, hidden_size: int, context: int, max_k: int, repeats: int) -> dict[int, float]:
+def time_verify_passes(
+    middle: MiddleSubmodel, hidden_size: int, context: int, max_k: int, repeats: int
+) -> dict[int, float]:
     """Median ms of one middle pass over k+1 positions after a `context`-long prefix."""
     cache = middle.new_cache()
     middle.forward_batch([(cache, torch.randn(context, hidden_size))])
@@ -69,7 +71,9 @@ def time_verify_passes(middle: MiddleSubmodel, hidden_size: int, context: int, m
 
 
 def time_draft_steps(device, prompt_ids: list[int], steps: int) -> float:
-    session = DeviceSession(device, prompt_ids, draft_config=DraftConfig(eta=0.0, max_draft=steps), max_new_tokens=steps + 2)
+    session = DeviceSession(
+        device, prompt_ids, draft_config=DraftConfig(eta=0.0, max_draft=steps), max_new_tokens=steps + 2
+    )
     session.ignore_eos = True  # the zero deep state below may well read as an end of turn: draft all the same
     session.prefill_chunk(len(prompt_ids))
     session.on_prefill_result(torch.zeros(1, device.hidden_size))  # a deep state for a feature adapter to read
@@ -118,8 +122,10 @@ def decode_rate(
     best, tokens = 0.0, []
     for _ in range(runs):
         caches = [whole.new_cache() for _ in prompts]
-        firsts = [whole.forward_packed(embed(torch.tensor(p, device=device)), [c], [len(p)])[-1:]
-                  for p, c in zip(prompts, caches)]
+        firsts = [
+            whole.forward_packed(embed(torch.tensor(p, device=device)), [c], [len(p)])[-1:]
+            for p, c in zip(prompts, caches)
+        ]
         tokens = [[int(t)] for t in head(torch.cat(firsts)).argmax(-1)]  # the head answers on the CPU: synced
         lengths = [1] * len(prompts)
         started = time.perf_counter()
@@ -175,8 +181,10 @@ def unsplit_decode_rates(checkpoint, prompt_ids: list[int], new_tokens: int, thr
     """Tokens/s of plain greedy decoding after the prompt, one token per pass: the project's own
     layer runner over all layers, and transformers' generate, on the same prompt and threads."""
     torch.set_num_threads(threads)
-    return {"tophat runner": decode_rate(checkpoint, [prompt_ids], new_tokens)[0],
-            "transformers generate": transformers_rate(checkpoint, [prompt_ids], new_tokens)}
+    return {
+        "tophat runner": decode_rate(checkpoint, [prompt_ids], new_tokens)[0],
+        "transformers generate": transformers_rate(checkpoint, [prompt_ids], new_tokens),
+    }
 
 
 def load_model(model: str, dtype: str = "f32") -> Checkpoint:
@@ -212,11 +220,15 @@ def main(args: argparse.Namespace) -> None:
     middle = MiddleSubmodel(checkpoint, m)
     prompts = bench_prompts(checkpoint, args.prompts)
 
-    print(f"model {args.model}: {checkpoint.num_layers} layers, hidden {checkpoint.hidden_size}, m={m}, "
-          f"{args.dtype} weights, eta={args.eta}, max draft {args.max_draft}, {args.prompts} held-out prompts, "
-          f"torch threads {args.threads}")
-    print("\nunsplit greedy decode, same prompt, tokens/s (anchor from issue 10: llama.cpp on this GGUF, 62 on 1 "
-          "thread, 83 on 2):")
+    print(
+        f"model {args.model}: {checkpoint.num_layers} layers, hidden {checkpoint.hidden_size}, m={m}, "
+        f"{args.dtype} weights, eta={args.eta}, max draft {args.max_draft}, {args.prompts} held-out prompts, "
+        f"torch threads {args.threads}"
+    )
+    print(
+        "\nunsplit greedy decode, same prompt, tokens/s (anchor from issue 10: llama.cpp on this GGUF, 62 on 1 "
+        "thread, 83 on 2):"
+    )
     for threads in (1, args.threads):
         rates = unsplit_decode_rates(checkpoint, prompts[0], 64, threads)
         print(f"  {threads} thread(s): " + ", ".join(f"{name} {rate:5.1f}" for name, rate in rates.items()))
@@ -233,8 +245,9 @@ def main(args: argparse.Namespace) -> None:
             runs[(mode, rtt_ms)] = []
         for index, ids in enumerate(prompts):
             for mode, device in (("ushape", ushape_device), ("hat", hat_device)):
-                session = DeviceSession(device, ids, draft_config=DraftConfig(args.eta, args.max_draft),
-                                        max_new_tokens=args.max_new_tokens)
+                session = DeviceSession(
+                    device, ids, draft_config=DraftConfig(args.eta, args.max_draft), max_new_tokens=args.max_new_tokens
+                )
                 cloud = DelayedCloud(middle, rtt_ms / 1e3)
                 runs[(mode, rtt_ms)].append(asyncio.run(generate(session, cloud, session_id=index + 1)))
     results = {"ushape": runs[("ushape", 0.0)], "hat": runs[("hat", 0.0)]}
@@ -260,7 +273,10 @@ def main(args: argparse.Namespace) -> None:
         print(f"\ndecode (after the first token), same prompts, same run, {label}:")
         for mode in ("ushape", "hat"):
             ttft = statistics.mean(r.ttft_s for r in runs[(mode, rtt_ms)]) * 1e3
-            print(f"  {mode:7s}: {decode_s(mode, rtt_ms) / tokens(mode, rtt_ms) * 1e3:6.2f} ms/token, TTFT {ttft:6.1f} ms")
-        print(f"  decode speedup hat / ushape: {decode_s('ushape', rtt_ms) / decode_s('hat', rtt_ms):.2f}x "
-              "(outputs token-identical)")
-
+            print(
+                f"  {mode:7s}: {decode_s(mode, rtt_ms) / tokens(mode, rtt_ms) * 1e3:6.2f} ms/token, TTFT {ttft:6.1f} ms"
+            )
+        print(
+            f"  decode speedup hat / ushape: {decode_s('ushape', rtt_ms) / decode_s('hat', rtt_ms):.2f}x "
+            "(outputs token-identical)"
+        )

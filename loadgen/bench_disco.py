@@ -94,8 +94,11 @@ def request_options(policy: Policy, reading_rate_tps: float, migration: bool = T
 def mesh_env(constraint: str) -> dict[str, str]:
     """Mesh-wide settings: the whole model in the verifier (cloud-only needs it), a fresh history,
     and for the device-constrained regime an exchange rate that makes device energy dominate."""
-    env = {"TOPHAT_VERIFIER_FULL_MODEL": "true", "TOPHAT_STREAMER_DISCO_REFRESH_S": f"{HISTORY_REFRESH_S:g}",
-           "TOPHAT_STREAMER_DISCO_SEED": "0"}  # the random baseline's choices repeat from run to run
+    env = {
+        "TOPHAT_VERIFIER_FULL_MODEL": "true",
+        "TOPHAT_STREAMER_DISCO_REFRESH_S": f"{HISTORY_REFRESH_S:g}",
+        "TOPHAT_STREAMER_DISCO_SEED": "0",
+    }  # the random baseline's choices repeat from run to run
     if constraint == "device":
         env["TOPHAT_STREAMER_EXCHANGE_RATE"] = f"{DEVICE_EXCHANGE_RATE:g}"
     return env
@@ -106,9 +109,15 @@ def mesh_config(constraint: str, *, model_dir: str, devices: int, link: str, spe
     from tophatctl.mesh_config import MeshConfig
     from tophatctl.mesh_ports import find_port_base
 
-    return MeshConfig(model_dir=model_dir, num_devices=devices, port_base=find_port_base(devices), link=link,
-                      speed=speed, extra_env=mesh_env(constraint),
-                      device_env={"max_sessions": str(DEVICE_SESSIONS)})  # the launcher adds TOPHAT_DEVICE_
+    return MeshConfig(
+        model_dir=model_dir,
+        num_devices=devices,
+        port_base=find_port_base(devices),
+        link=link,
+        speed=speed,
+        extra_env=mesh_env(constraint),
+        device_env={"max_sessions": str(DEVICE_SESSIONS)},
+    )  # the launcher adds TOPHAT_DEVICE_
 
 
 def output_paths(out: Path) -> tuple[Path, Path]:
@@ -126,9 +135,19 @@ def save_streamer_stats(path: Path, records: Sequence[RequestRecord]) -> None:
     with path.open("w") as handle:
         for r in records:
             ttft = ttft_s(r)
-            handle.write(json.dumps({"index": r.index, "prompt_tokens": r.prompt_tokens, "error": r.error,
-                                     "ttft_ms": None if ttft is None else ttft * 1e3, "tophat": r.tophat},
-                                    default=str) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "index": r.index,
+                        "prompt_tokens": r.prompt_tokens,
+                        "error": r.error,
+                        "ttft_ms": None if ttft is None else ttft * 1e3,
+                        "tophat": r.tophat,
+                    },
+                    default=str,
+                )
+                + "\n"
+            )
 
 
 def _history_sizes(monitor_url: str) -> dict[str, int] | None:
@@ -143,9 +162,23 @@ def _history_sizes(monitor_url: str) -> dict[str, int] | None:
         return None
 
 
-def run_disco(*, constraint: str, budgets: Sequence[float], workload: str, rate: float, num_requests: int,
-              max_new_tokens: int, seed: int, runs_dir: Path, devices: int, link: str, speed: str, model_dir: str,
-              reading_rate_tps: float, migration: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_disco(
+    *,
+    constraint: str,
+    budgets: Sequence[float],
+    workload: str,
+    rate: float,
+    num_requests: int,
+    max_new_tokens: int,
+    seed: int,
+    runs_dir: Path,
+    devices: int,
+    link: str,
+    speed: str,
+    model_dir: str,
+    reading_rate_tps: float,
+    migration: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every policy on one mesh of this cost regime, back to back: (entries, notes about the run)."""
     from loadgen.bench import loadgen_options
     from loadgen.load_run import run_load_test
@@ -162,43 +195,104 @@ def run_disco(*, constraint: str, budgets: Sequence[float], workload: str, rate:
             log.info("%s-constrained: %s, %s @ %g req/s", constraint, policy.label, workload, rate)
             records: list[RequestRecord] = []
             run_dir = runs_dir / constraint / policy.label
-            options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens, seed,
-                                      run_dir, request_options(policy, reading_rate_tps, migration), mesh.redis_url,
-                                      model_dir)
+            options = loadgen_options(
+                config.streamer_url,
+                workload,
+                rate,
+                num_requests,
+                max_new_tokens,
+                seed,
+                run_dir,
+                request_options(policy, reading_rate_tps, migration),
+                mesh.redis_url,
+                model_dir,
+            )
             asyncio.run(run_load_test(options, records))
             save_streamer_stats(run_dir / "tophat.jsonl", records)
-            entries.append(aggregate(records, mode=policy.mode, budget=policy.budget, constraint=constraint,
-                                     reading_rate_tps=reading_rate_tps))
+            entries.append(
+                aggregate(
+                    records,
+                    mode=policy.mode,
+                    budget=policy.budget,
+                    constraint=constraint,
+                    reading_rate_tps=reading_rate_tps,
+                )
+            )
     return entries, notes
 
 
-def bench_disco(*, constraints: Sequence[str], budgets: Sequence[float], workload: str, rate: float,
-                num_requests: int, max_new_tokens: int, seed: int, out: Path, devices: int, link: str, speed: str,
-                model_dir: str, reading_rate_tps: float, migration: bool = True) -> tuple[str, Path, list[Path]]:
+def bench_disco(
+    *,
+    constraints: Sequence[str],
+    budgets: Sequence[float],
+    workload: str,
+    rate: float,
+    num_requests: int,
+    max_new_tokens: int,
+    seed: int,
+    out: Path,
+    devices: int,
+    link: str,
+    speed: str,
+    model_dir: str,
+    reading_rate_tps: float,
+    migration: bool = True,
+) -> tuple[str, Path, list[Path]]:
     """Run every regime, write the JSON, the table and the plots: (table, JSON path, PNG paths)."""
     json_path, runs_dir = output_paths(out)
     entries: list[dict[str, Any]] = []
     meshes = []
     for constraint in constraints:
-        got, notes = run_disco(constraint=constraint, budgets=budgets, workload=workload, rate=rate,
-                               num_requests=num_requests, max_new_tokens=max_new_tokens, seed=seed, runs_dir=runs_dir,
-                               devices=devices, link=link, speed=speed, model_dir=model_dir,
-                               reading_rate_tps=reading_rate_tps, migration=migration)
+        got, notes = run_disco(
+            constraint=constraint,
+            budgets=budgets,
+            workload=workload,
+            rate=rate,
+            num_requests=num_requests,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            runs_dir=runs_dir,
+            devices=devices,
+            link=link,
+            speed=speed,
+            model_dir=model_dir,
+            reading_rate_tps=reading_rate_tps,
+            migration=migration,
+        )
         entries += got
         meshes.append(notes)
-    title = (f"DiSCo bench: {workload} @ {rate:g} req/s, {num_requests} requests/policy, max_tokens {max_new_tokens}, "
-             f"r_c {reading_rate_tps:g} tok/s, link {link}, device speed {speed}, {devices} device(s)")
+    title = (
+        f"DiSCo bench: {workload} @ {rate:g} req/s, {num_requests} requests/policy, max_tokens {max_new_tokens}, "
+        f"r_c {reading_rate_tps:g} tok/s, link {link}, device speed {speed}, {devices} device(s)"
+    )
     table = format_tables(entries, title)
     compared = {(c["constraint"], c["budget"]): c for c in compare(entries)}
     saved = [compared.get((e["constraint"], e["budget"]), e) if e["mode"] == "disco" else e for e in entries]
-    config = {"workload": workload, "rate": rate, "num_requests": num_requests, "max_new_tokens": max_new_tokens,
-              "seed": seed, "devices": devices, "link": link, "speed": speed, "model": model_dir,
-              "reading_rate_tps": reading_rate_tps, "budgets": list(budgets), "migration": migration,
-              "device_exchange_rate": DEVICE_EXCHANGE_RATE, "meshes": meshes}
+    config = {
+        "workload": workload,
+        "rate": rate,
+        "num_requests": num_requests,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "devices": devices,
+        "link": link,
+        "speed": speed,
+        "model": model_dir,
+        "reading_rate_tps": reading_rate_tps,
+        "budgets": list(budgets),
+        "migration": migration,
+        "device_exchange_rate": DEVICE_EXCHANGE_RATE,
+        "meshes": meshes,
+    }
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps({"config": config, "entries": saved}, indent=2, default=str) + "\n")
     json_path.with_suffix(".txt").write_text(table + "\n")
-    plots = [plot_cost_ttft([e for e in entries if e["constraint"] == c],
-                            json_path.with_name(f"{json_path.stem}-{c}.png"), f"{c}-constrained - {title}")
-             for c in constraints]
+    plots = [
+        plot_cost_ttft(
+            [e for e in entries if e["constraint"] == c],
+            json_path.with_name(f"{json_path.stem}-{c}.png"),
+            f"{c}-constrained - {title}",
+        )
+        for c in constraints
+    ]
     return table, json_path, plots

@@ -98,6 +98,7 @@ class Sample:
 
 # -- the trace (pure) -----------------------------------------------------------------------------
 
+
 def user_snrs_db(count: int, rng: np.random.Generator) -> list[float]:
     """p g / σ² in dB for `count` users placed uniformly in the cell with Rayleigh fading (paper §IV)."""
     distance = np.maximum(MIN_DISTANCE_M, CELL_RADIUS_M * np.sqrt(rng.uniform(size=count)))  # uniform in the disk
@@ -120,8 +121,9 @@ def memory_budget_bytes(config: dict[str, Any], cfg: EdgeSDBenchConfig, split_la
     """Γ_s: the draft model's weights (eq. 9) and the KV (eq. 10) of `tasks_per_batch_memory` longest tasks."""
     from shared.edge_sd.runtime import split_model_shapes
 
-    draft, _ = split_model_shapes(config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"],
-                                  split_layers)
+    draft, _ = split_model_shapes(
+        config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"], split_layers
+    )
     longest = cfg.max_input + cfg.max_output + 8  # re-encoded prompts can come out a few tokens longer
     return draft.weight_bytes + cfg.tasks_per_batch_memory * draft.kv_bytes_per_token * longest
 
@@ -152,6 +154,7 @@ def sequential_inference_s(stages: Sequence[dict[str, Any]]) -> float | None:
 
 # -- the live part --------------------------------------------------------------------------------
 
+
 def with_prompts(rounds: list[list[Task]], model_dir: Path, seed: int) -> list[list[Task]]:
     """Held-out text cut to each task's input length (re-encoded: lengths can move by a token)."""
     from loadgen.workloads import HeldOutText, load_tokenizer
@@ -165,22 +168,32 @@ def with_prompts(rounds: list[list[Task]], model_dir: Path, seed: int) -> list[l
     return out
 
 
-async def _run_round(base_url: str, device_url: str, mode: str, index: int, tasks: list[Task],
-                     timeout_s: float) -> tuple[list[Sample], dict[str, Any]]:
+async def _run_round(
+    base_url: str, device_url: str, mode: str, index: int, tasks: list[Task], timeout_s: float
+) -> tuple[list[Sample], dict[str, Any]]:
     import httpx
 
     from loadgen.bench_jupiter import timed_request
 
     async with httpx.AsyncClient(timeout=timeout_s) as client:
+
         async def one(task: Task):
-            body = {"model": "tophat", "prompt": task.prompt, "max_tokens": task.output_tokens, "temperature": 0,
-                    "stream": True, "tophat": {"snr_db": task.snr_db}}
+            body = {
+                "model": "tophat",
+                "prompt": task.prompt,
+                "max_tokens": task.output_tokens,
+                "temperature": 0,
+                "stream": True,
+                "tophat": {"snr_db": task.snr_db},
+            }
             return await timed_request(client, f"{base_url}/v1/completions", body, timeout_s)
 
         results = await asyncio.gather(*(one(t) for t in tasks))
         rounds = (await client.get(f"{device_url}/edge-sd/rounds", timeout=10)).json()["rounds"]
-    samples = [Sample(mode, index, k, ttft * 1e3, e2el * 1e3, stats.get("completion_tokens"), text)
-               for k, (ttft, e2el, text, stats) in enumerate(results)]
+    samples = [
+        Sample(mode, index, k, ttft * 1e3, e2el * 1e3, stats.get("completion_tokens"), text)
+        for k, (ttft, e2el, text, stats) in enumerate(results)
+    ]
     return samples, rounds[-1]
 
 
@@ -199,23 +212,41 @@ def run_edge_sd_bench(cfg: EdgeSDBenchConfig) -> dict[str, Any]:
     samples: list[Sample] = []
     round_records: list[dict[str, Any]] = []
     for mode in cfg.modes:
-        env = {"edge_bandwidth_mhz": str(cfg.bandwidth_mhz), "edge_memory_budget": str(memory_budget),
-               "speed": f"{cfg.sbs_slowdown:g}",
-               "edge_max_tasks": str(cfg.tasks), "edge_window_s": "0.2", **MODE_SETTINGS[mode]}
-        config = MeshConfig(model_dir=str(model_dir), port_base=find_port_base(1), edge_draft_server=True,
-                            auth=False, link_mode="inprocess", device_env=env)
+        env = {
+            "edge_bandwidth_mhz": str(cfg.bandwidth_mhz),
+            "edge_memory_budget": str(memory_budget),
+            "speed": f"{cfg.sbs_slowdown:g}",
+            "edge_max_tasks": str(cfg.tasks),
+            "edge_window_s": "0.2",
+            **MODE_SETTINGS[mode],
+        }
+        config = MeshConfig(
+            model_dir=str(model_dir),
+            port_base=find_port_base(1),
+            edge_draft_server=True,
+            auth=False,
+            link_mode="inprocess",
+            device_env=env,
+        )
         with Mesh(config) as mesh:
             for index, tasks in enumerate(rounds):
-                got, record = asyncio.run(_run_round(config.streamer_url, mesh.config.device_url(0), mode, index,
-                                                     tasks, cfg.timeout_s))
-                log.info("%s round %d: mean E2EL %.0f ms, batches %s, l %s", mode, index,
-                         statistics.fmean(s.e2el_ms for s in got), record["plan"]["batches"],
-                         record["plan"]["spec_len"])
+                got, record = asyncio.run(
+                    _run_round(config.streamer_url, mesh.config.device_url(0), mode, index, tasks, cfg.timeout_s)
+                )
+                log.info(
+                    "%s round %d: mean E2EL %.0f ms, batches %s, l %s",
+                    mode,
+                    index,
+                    statistics.fmean(s.e2el_ms for s in got),
+                    record["plan"]["batches"],
+                    record["plan"]["spec_len"],
+                )
                 if index == 0:
                     continue  # warm-up: the planner had no telemetry yet
                 samples += got
-                round_records.append({"mode": mode, "round": index,
-                                      **summarise_round(record, pipelined=mode != "no-pipeline")})
+                round_records.append(
+                    {"mode": mode, "round": index, **summarise_round(record, pipelined=mode != "no-pipeline")}
+                )
     results = build_edge_sd_results(samples, round_records, cfg)
     if cfg.out is not None:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
@@ -225,6 +256,7 @@ def run_edge_sd_bench(cfg: EdgeSDBenchConfig) -> dict[str, Any]:
 
 # -- pure: aggregation and tables -------------------------------------------------------------------
 
+
 def summarise_round(record: dict[str, Any], pipelined: bool = True) -> dict[str, Any]:
     """One round for the results: its plan, stage means and T_inf measured vs predicted from its measured
     stage times by the schedule it ran (eq. 20's pipeline, or one stage after another without it)."""
@@ -232,25 +264,32 @@ def summarise_round(record: dict[str, Any], pipelined: bool = True) -> dict[str,
     predicted = (predicted_inference_s if pipelined else sequential_inference_s)(record["stages"])
     decode = [s for s in record["stages"] if s["step"] > 1 and "verify_s" in s]
     prefill = [s for s in record["stages"] if s["step"] == 1 and "verify_s" in s]
-    return {"batches": plan["batches"], "spec_len": plan["spec_len"], "shares": plan["shares"],
-            "alpha": plan.get("alpha"), "draft_runtime": plan.get("draft_runtime"),
-            "verify_runtime": plan.get("verify_runtime"),
-            "mean_draft_step_ms": _mean([s["draft_s"] * 1e3 for s in decode]),
-            "mean_verify_step_ms": _mean([s["verify_s"] * 1e3 for s in decode]),
-            "prefill_draft_ms": sum(s["draft_s"] for s in prefill) * 1e3,
-            "prefill_verify_ms": sum(s["verify_s"] for s in prefill) * 1e3,
-            "sources": plan["sources"], "upload_ms": record["upload_s"] * 1e3,
-            "inference_ms": record["inference_s"] * 1e3,
-            "predicted_inference_ms": None if predicted is None else predicted * 1e3,
-            "planned_inference_ms": plan["predicted"]["inference_s"] * 1e3}
+    return {
+        "batches": plan["batches"],
+        "spec_len": plan["spec_len"],
+        "shares": plan["shares"],
+        "alpha": plan.get("alpha"),
+        "draft_runtime": plan.get("draft_runtime"),
+        "verify_runtime": plan.get("verify_runtime"),
+        "mean_draft_step_ms": _mean([s["draft_s"] * 1e3 for s in decode]),
+        "mean_verify_step_ms": _mean([s["verify_s"] * 1e3 for s in decode]),
+        "prefill_draft_ms": sum(s["draft_s"] for s in prefill) * 1e3,
+        "prefill_verify_ms": sum(s["verify_s"] for s in prefill) * 1e3,
+        "sources": plan["sources"],
+        "upload_ms": record["upload_s"] * 1e3,
+        "inference_ms": record["inference_s"] * 1e3,
+        "predicted_inference_ms": None if predicted is None else predicted * 1e3,
+        "planned_inference_ms": plan["predicted"]["inference_s"] * 1e3,
+    }
 
 
 def _mean(xs: Sequence[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def build_edge_sd_results(samples: Sequence[Sample], rounds: Sequence[dict[str, Any]],
-                          cfg: EdgeSDBenchConfig) -> dict[str, Any]:
+def build_edge_sd_results(
+    samples: Sequence[Sample], rounds: Sequence[dict[str, Any]], cfg: EdgeSDBenchConfig
+) -> dict[str, Any]:
     entries = []
     for mode in cfg.modes:
         mine = [s for s in samples if s.mode == mode]
@@ -259,17 +298,27 @@ def build_edge_sd_results(samples: Sequence[Sample], rounds: Sequence[dict[str, 
         per_round = {}
         for s in mine:
             per_round.setdefault(s.round, []).append(s.e2el_ms)
-        entries.append({"mode": mode, "requests": len(mine), "mean_ttft_ms": _mean([s.ttft_ms for s in mine]),
-                        "mean_e2el_ms": _mean([s.e2el_ms for s in mine]),
-                        "mean_round_latency_ms": _mean([max(v) for v in per_round.values()]),
-                        "rounds": [r for r in rounds if r["mode"] == mode]})
+        entries.append(
+            {
+                "mode": mode,
+                "requests": len(mine),
+                "mean_ttft_ms": _mean([s.ttft_ms for s in mine]),
+                "mean_e2el_ms": _mean([s.e2el_ms for s in mine]),
+                "mean_round_latency_ms": _mean([max(v) for v in per_round.values()]),
+                "rounds": [r for r in rounds if r["mode"] == mode],
+            }
+        )
     texts = {}
     for s in samples:
         texts.setdefault((s.round, s.task), set()).add(s.text)
     config = {k: v for k, v in vars(cfg).items() if k != "out"}
     config["modes"] = list(cfg.modes)
-    return {"bench": "edge-sd", "config": config, "results": entries,
-            "answers_identical_across_modes": all(len(v) == 1 for v in texts.values()) if texts else None}
+    return {
+        "bench": "edge-sd",
+        "config": config,
+        "results": entries,
+        "answers_identical_across_modes": all(len(v) == 1 for v in texts.values()) if texts else None,
+    }
 
 
 def _gain(base: float | None, ours: float | None) -> str:
@@ -278,27 +327,37 @@ def _gain(base: float | None, ours: float | None) -> str:
     return f"{(1 - ours / base) * 100:+.1f}%"
 
 
-PAPER_GAINS = {"uniform-bandwidth": "up to 44.9%", "max-batch": "up to 21.4%", "no-pipeline": "~31%",
-               "fixed-length": "(Fig. 8)"}
+PAPER_GAINS = {
+    "uniform-bandwidth": "up to 44.9%",
+    "max-batch": "up to 21.4%",
+    "no-pipeline": "~31%",
+    "fixed-length": "(Fig. 8)",
+}
 
 
 def format_edge_sd_table(results: dict[str, Any]) -> str:
     rows = {e["mode"]: e for e in results["results"]}
     ours = rows.get("edge-sd", {})
-    lines = ["mode               mean TTFT ms  mean E2EL ms  round ms  edge-sd's gain (E2EL)  paper",
-             "-----------------  ------------  ------------  --------  ---------------------  -----------"]
+    lines = [
+        "mode               mean TTFT ms  mean E2EL ms  round ms  edge-sd's gain (E2EL)  paper",
+        "-----------------  ------------  ------------  --------  ---------------------  -----------",
+    ]
     for mode, e in rows.items():
         gain = "" if mode == "edge-sd" else _gain(e["mean_e2el_ms"], ours.get("mean_e2el_ms"))
-        lines.append(f"{mode:<17}  {e['mean_ttft_ms']:>12.0f}  {e['mean_e2el_ms']:>12.0f}  "
-                     f"{e['mean_round_latency_ms']:>8.0f}  {gain:>21}  {PAPER_GAINS.get(mode, '')}")
+        lines.append(
+            f"{mode:<17}  {e['mean_ttft_ms']:>12.0f}  {e['mean_e2el_ms']:>12.0f}  "
+            f"{e['mean_round_latency_ms']:>8.0f}  {gain:>21}  {PAPER_GAINS.get(mode, '')}"
+        )
     lines.append("")
     lines.append("round  mode               batches  l  upload ms  inference ms  predicted from its stages  planned")
     for e in results["results"]:
         for r in e["rounds"]:
             predicted = r["predicted_inference_ms"]
-            lines.append(f"{r['round']:>5}  {e['mode']:<17}  {len(r['batches']):>7}  {r['spec_len']:>1}  "
-                         f"{r['upload_ms']:>9.0f}  {r['inference_ms']:>12.0f}  "
-                         f"{'-' if predicted is None else f'{predicted:.0f}':>25}  {r['planned_inference_ms']:>7.0f}")
+            lines.append(
+                f"{r['round']:>5}  {e['mode']:<17}  {len(r['batches']):>7}  {r['spec_len']:>1}  "
+                f"{r['upload_ms']:>9.0f}  {r['inference_ms']:>12.0f}  "
+                f"{'-' if predicted is None else f'{predicted:.0f}':>25}  {r['planned_inference_ms']:>7.0f}"
+            )
     same = results.get("answers_identical_across_modes")
     lines.append(f"\nanswers identical across modes (greedy): {same}")
     return "\n".join(lines)

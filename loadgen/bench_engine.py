@@ -63,8 +63,9 @@ def verify_ms(checkpoint: Checkpoint, split: int, rows: int, context: int = 128,
     hidden, device = checkpoint.hidden_size, middle.device
     middle.forward_batch([(cache, torch.randn(context, hidden, dtype=middle.dtype, device=device))])
     states = torch.randn(rows, hidden, dtype=middle.dtype, device=device)
-    ms = timed_ms(lambda: middle.forward_batch([(cache, states)]), device, repeats,
-                  before=lambda: cache.truncate(context))
+    ms = timed_ms(
+        lambda: middle.forward_batch([(cache, states)]), device, repeats, before=lambda: cache.truncate(context)
+    )
     cache.free()
     return ms
 
@@ -114,8 +115,9 @@ def profiles(checkpoint: Checkpoint, split: int, adapter: str | None) -> dict[st
         middle.forward_batch([(cache, row)])
 
     device = build_device_model(checkpoint, split, adapter, speculative=True)
-    session = DeviceSession(device, list(range(100, 228)), draft_config=DraftConfig(eta=0.0, max_draft=1),
-                            max_new_tokens=4)
+    session = DeviceSession(
+        device, list(range(100, 228)), draft_config=DraftConfig(eta=0.0, max_draft=1), max_new_tokens=4
+    )
     session.prefill_chunk(128)
     session.on_prefill_result(torch.zeros(1, checkpoint.hidden_size))
     session.pending_token = 5
@@ -142,8 +144,19 @@ def llama_rate(threads: int, prompt: list[int], new_tokens: int, runs: int) -> f
     if not LLAMA_PYTHON.exists():
         return None
     script = Path(__file__).with_name("llama_cpp_decode.py")
-    command = [str(LLAMA_PYTHON), str(script), str(smollm2_gguf_path()), "--threads", str(threads),
-               "--prompt-ids", ",".join(map(str, prompt)), "--new-tokens", str(new_tokens), "--repeats", str(runs + 1)]
+    command = [
+        str(LLAMA_PYTHON),
+        str(script),
+        str(smollm2_gguf_path()),
+        "--threads",
+        str(threads),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--new-tokens",
+        str(new_tokens),
+        "--repeats",
+        str(runs + 1),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
     return float(json.loads(done.stdout.strip().splitlines()[-1])["tok_s"])
 
@@ -181,14 +194,26 @@ def main(args: argparse.Namespace) -> None:
     llama_bytes = gguf_pass_bytes(smollm2_gguf_path())
     for threads in threads_list:
         rate = llama_rate(threads, prompt, args.new_tokens, args.runs)
-        results["runs"].append({"dtype": "llama.cpp Q4_1", "threads": threads, "decode_tok_s": rate,
-                                "weight_mb": llama_bytes / 1e6, "decode_floor_tok_s": bandwidth[threads] / llama_bytes})
+        results["runs"].append(
+            {
+                "dtype": "llama.cpp Q4_1",
+                "threads": threads,
+                "decode_tok_s": rate,
+                "weight_mb": llama_bytes / 1e6,
+                "decode_floor_tok_s": bandwidth[threads] / llama_bytes,
+            }
+        )
     if args.quality_positions:
         torch.set_num_threads(max(threads_list))
         engines = {dtype: load_model(args.model, dtype) for dtype in ("f32", "bf16", "int8", "int4")}
         llama = (smollm2_gguf_path(), LLAMA_PYTHON) if LLAMA_PYTHON.exists() and args.model == "smollm2" else None
-        results["quality"] = quality_table(engines, lambda ck, p, n: decode_rate(ck, [p], n, runs=1)[1][0],
-                                           args.quality_positions, args.quality_prompts, llama=llama)
+        results["quality"] = quality_table(
+            engines,
+            lambda ck, p, n: decode_rate(ck, [p], n, runs=1)[1][0],
+            args.quality_positions,
+            args.quality_prompts,
+            llama=llama,
+        )
         del engines
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
@@ -196,16 +221,26 @@ def main(args: argparse.Namespace) -> None:
 
 
 def print_table(results: dict) -> None:
-    print("\nbandwidth (STREAM copy): " + ", ".join(f"{t} thread(s) {b:.1f} GB/s"
-                                                   for t, b in results["bandwidth_gb_s"].items()))
+    print(
+        "\nbandwidth (STREAM copy): "
+        + ", ".join(f"{t} thread(s) {b:.1f} GB/s" for t, b in results["bandwidth_gb_s"].items())
+    )
     llama_runs = [r for r in results["runs"] if r["dtype"].startswith("llama")]
     llama = {r["threads"]: r["decode_tok_s"] for r in llama_runs}
-    print("llama.cpp (Q4_1 GGUF) decode: " + ", ".join(
-        f"{r['threads']} thread(s) {r['decode_tok_s']:.1f} tok/s, {r['weight_mb']:.0f} MB per token, "
-        f"{r['decode_floor_tok_s'] / r['decode_tok_s']:.1f}x its floor of {r['decode_floor_tok_s']:.1f} tok/s"
-        if r["decode_tok_s"] else f"{r['threads']} thread(s) not installed" for r in llama_runs))
-    print("\n| dtype | threads | weights MB | decode tok/s (floor, x floor, x llama.cpp) | 8 sessions tok/s (floor) "
-          "| verify ms 1/4/8/16/32 rows (floor) | transformers tok/s |")
+    print(
+        "llama.cpp (Q4_1 GGUF) decode: "
+        + ", ".join(
+            f"{r['threads']} thread(s) {r['decode_tok_s']:.1f} tok/s, {r['weight_mb']:.0f} MB per token, "
+            f"{r['decode_floor_tok_s'] / r['decode_tok_s']:.1f}x its floor of {r['decode_floor_tok_s']:.1f} tok/s"
+            if r["decode_tok_s"]
+            else f"{r['threads']} thread(s) not installed"
+            for r in llama_runs
+        )
+    )
+    print(
+        "\n| dtype | threads | weights MB | decode tok/s (floor, x floor, x llama.cpp) | 8 sessions tok/s (floor) "
+        "| verify ms 1/4/8/16/32 rows (floor) | transformers tok/s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in results["runs"]:
         if r["dtype"].startswith("llama"):
@@ -213,18 +248,24 @@ def print_table(results: dict) -> None:
         versus = f", {r['decode_tok_s'] / llama[r['threads']]:.2f}x" if llama.get(r["threads"]) else ""
         versus = f", {r['decode_floor_tok_s'] / r['decode_tok_s']:.1f}x floor" + versus
         verify = "/".join(f"{ms:.1f}" for ms in r["verify_ms"].values())
-        print(f"| {r['dtype']} | {r['threads']} | {r['weight_mb']:.0f} | {r['decode_tok_s']:.1f} "
-              f"({r['decode_floor_tok_s']:.1f}{versus}) | {r['decode8_tok_s']:.1f} ({r['decode8_floor_tok_s']:.1f}) "
-              f"| {verify} ({r['verify_floor_ms']:.1f}) | {r.get('transformers_tok_s', float('nan')):.1f} |")
+        print(
+            f"| {r['dtype']} | {r['threads']} | {r['weight_mb']:.0f} | {r['decode_tok_s']:.1f} "
+            f"({r['decode_floor_tok_s']:.1f}{versus}) | {r['decode8_tok_s']:.1f} ({r['decode8_floor_tok_s']:.1f}) "
+            f"| {verify} ({r['verify_floor_ms']:.1f}) | {r.get('transformers_tok_s', float('nan')):.1f} |"
+        )
     for dtype, parts in results.get("profiles", {}).items():
         for what, spent in parts.items():
             print(f"\nprofile, {dtype}, 1 thread, {what}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in spent.items()))
     if results.get("quality"):
         print_quality(results["quality"])
-        passing = [r for r in results["runs"] if r["threads"] == 1 and results["quality"].get(r["dtype"], {}).get(
-            "passes_gate")]
+        passing = [
+            r
+            for r in results["runs"]
+            if r["threads"] == 1 and results["quality"].get(r["dtype"], {}).get("passes_gate")
+        ]
         if passing:
             best = max(passing, key=lambda r: r["decode_tok_s"])
-            print(f"\nfastest dtype through the quality gate (1 thread): {best['dtype']}, "
-                  f"{best['decode_tok_s']:.1f} tok/s")
-
+            print(
+                f"\nfastest dtype through the quality gate (1 thread): {best['dtype']}, "
+                f"{best['decode_tok_s']:.1f} tok/s"
+            )

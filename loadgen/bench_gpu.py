@@ -61,8 +61,12 @@ class Run:
         self.args = args
         self.started = time.perf_counter()
         self.out = Path(args.out)
-        self.results: dict[str, Any] = {"argv": sys.argv[1:], "time_budget_s": args.time_budget_s,
-                                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "stages": {}}
+        self.results: dict[str, Any] = {
+            "argv": sys.argv[1:],
+            "time_budget_s": args.time_budget_s,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "stages": {},
+        }
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -118,9 +122,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bench.results["meta"] = info
 
     def greedy(record: dict[str, Any]) -> None:
-        record.update(greedy_check(held["checkpoint"], args.split_layers, args.adapter,
-                                   held["prompts"][: args.greedy_prompts], args.greedy_tokens, args.eta,
-                                   args.max_draft))
+        record.update(
+            greedy_check(
+                held["checkpoint"],
+                args.split_layers,
+                args.adapter,
+                held["prompts"][: args.greedy_prompts],
+                args.greedy_tokens,
+                args.eta,
+                args.max_draft,
+            )
+        )
 
     def decode(record: dict[str, Any]) -> None:
         record["new_tokens"] = args.new_tokens
@@ -160,8 +172,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint, _, info = place_model("demo", args.device, args.dtype, "checkpoint")
         record.update(placement=info["placement"], weights_source=info["weights_source"])
         prompts, record["prompts_source"] = prompts_for(checkpoint, args.greedy_prompts)
-        record.update(greedy_check(checkpoint, args.split_layers, None, prompts, args.greedy_tokens, args.eta,
-                                   args.max_draft))
+        record.update(
+            greedy_check(checkpoint, args.split_layers, None, prompts, args.greedy_tokens, args.eta, args.max_draft)
+        )
         del checkpoint
 
     def greedy_f32(record: dict[str, Any]) -> None:
@@ -171,16 +184,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint, _, info = place_model(args.model, args.device, "f32", args.weights)
         record.update(placement=info["placement"], weights_source=info["weights_source"])
         prompts, record["prompts_source"] = prompts_for(checkpoint, args.greedy_prompts)
-        record.update(greedy_check(checkpoint, args.split_layers, args.adapter, prompts, args.greedy_tokens, args.eta,
-                                   args.max_draft))
+        record.update(
+            greedy_check(
+                checkpoint, args.split_layers, args.adapter, prompts, args.greedy_tokens, args.eta, args.max_draft
+            )
+        )
         del checkpoint
 
     def graphs(record: dict[str, Any]) -> None:
         record.update(cuda_graphs(held["checkpoint"], args.split_layers, args.context, max(args.repeats, 20)))
 
     bench.stage("placement", placement)
-    for name, body in (("greedy", greedy), ("decode", decode), ("verify", verify), ("transformers", reference),
-                       ("greedy_demo", greedy_demo), ("greedy_f32", greedy_f32), ("cuda_graphs", graphs)):
+    for name, body in (
+        ("greedy", greedy),
+        ("decode", decode),
+        ("verify", verify),
+        ("transformers", reference),
+        ("greedy_demo", greedy_demo),
+        ("greedy_f32", greedy_f32),
+        ("cuda_graphs", graphs),
+    ):
         bench.stage(name, body, held.get("checkpoint"))
     bench.results["finished"] = True
     bench.save()
@@ -213,31 +236,43 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
     def greedy_row(stage: dict[str, Any]) -> str:
         if "equal" not in stage:
             return stage.get("same_as") or stage.get("status", "not run") + (
-                f" ({stage['error']})" if "error" in stage else "")
-        return (f"{stage['equal']}/{stage['prompts']} equal, mean accept length "
-                f"{_fmt(stage['mean_accept_length'], 2)}, HAT in process {_fmt(stage['hat_in_process_tok_s'])} tok/s")
+                f" ({stage['error']})" if "error" in stage else ""
+            )
+        return (
+            f"{stage['equal']}/{stage['prompts']} equal, mean accept length "
+            f"{_fmt(stage['mean_accept_length'], 2)}, HAT in process {_fmt(stage['hat_in_process_tok_s'])} tok/s"
+        )
 
     greedy = stages.get("greedy", {})
-    lines.append(f"| greedy HAT == unsplit ({greedy.get('prompts', args.greedy_prompts)} prompts x "
-                 f"{args.greedy_tokens} tokens) | {greedy_row(greedy)} |")
+    lines.append(
+        f"| greedy HAT == unsplit ({greedy.get('prompts', args.greedy_prompts)} prompts x "
+        f"{args.greedy_tokens} tokens) | {greedy_row(greedy)} |"
+    )
     lines.append(f"| same, demo model (trained weights + adapter) | {greedy_row(stages.get('greedy_demo', {}))} |")
     lines.append(f"| same, float32 on the same device | {greedy_row(stages.get('greedy_f32', {}))} |")
     sessions = " / ".join(map(str, args.sessions))
-    lines.append(f"| unsplit decode tok/s, {sessions} sessions | "
-                 f"{_row(stages.get('decode', {}), 'tok_s', args.sessions)} |")
+    lines.append(
+        f"| unsplit decode tok/s, {sessions} sessions | {_row(stages.get('decode', {}), 'tok_s', args.sessions)} |"
+    )
     hf = " / ".join(map(str, args.hf_sessions))
-    lines.append(f"| transformers generate tok/s, {hf} sequences | "
-                 f"{_row(stages.get('transformers', {}), 'tok_s', args.hf_sessions)} |")
+    lines.append(
+        f"| transformers generate tok/s, {hf} sequences | "
+        f"{_row(stages.get('transformers', {}), 'tok_s', args.hf_sessions)} |"
+    )
     verify = stages.get("verify", {})
     rows = " / ".join(map(str, args.rows))
-    lines.append(f"| verify pass ms ({verify.get('middle_layers', '?')} layers, {args.context} cached), {rows} rows | "
-                 f"{_row(verify, 'ms', args.rows, 2)} |")
+    lines.append(
+        f"| verify pass ms ({verify.get('middle_layers', '?')} layers, {args.context} cached), {rows} rows | "
+        f"{_row(verify, 'ms', args.rows, 2)} |"
+    )
     graphs = stages.get("cuda_graphs", {})
     for name, label in (("verify_1row", "1-row verify pass"), ("decode_step_1row", "1-row unsplit decode step")):
         part = graphs.get(name)
         if isinstance(part, dict) and "graph_ms" in part:
-            value = (f"eager {_fmt(part['eager_ms'], 2)} ms, graph {_fmt(part['graph_ms'], 2)} ms "
-                     f"({_fmt(part['speedup'], 2)}x), same output: {part['same_output']}")
+            value = (
+                f"eager {_fmt(part['eager_ms'], 2)} ms, graph {_fmt(part['graph_ms'], 2)} ms "
+                f"({_fmt(part['speedup'], 2)}x), same output: {part['same_output']}"
+            )
         elif isinstance(part, dict):
             value = part.get("error", "?")
         else:
@@ -259,4 +294,3 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     print()
     print(table(results, args), flush=True)
     return results
-

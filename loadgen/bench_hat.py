@@ -68,8 +68,11 @@ def generate(device_url: str, prompt: str, max_new_tokens: int, **switches) -> d
     ttft = latency_stats.ttft_s(timeline)
     if ttft is None:
         raise RuntimeError(f"{device_url} streamed no token")
-    return {"ttft": ttft, "tbt": latency_stats.mean_tbt_s(timeline) or 0.0,
-            "accept": stats.get("mean_accept_length", 0.0)}
+    return {
+        "ttft": ttft,
+        "tbt": latency_stats.mean_tbt_s(timeline) or 0.0,
+        "accept": stats.get("mean_accept_length", 0.0),
+    }
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -98,32 +101,46 @@ def bench_decoding(mesh: Mesh, prompts: list[str], max_new: int) -> None:
         "SD": {"speculative": True, "parallel_candidates": 0},
         "SD+PD": {"speculative": True},
     }
-    rows = {name: [generate(url, p, max_new, prompt_chunking=True, **sw) for p in prompts] for name, sw in modes.items()}
+    rows = {
+        name: [generate(url, p, max_new, prompt_chunking=True, **sw) for p in prompts] for name, sw in modes.items()
+    }
     base = _mean(rows["neither (U-shape)"], "tbt")
     print(f"\n2. decoding, {len(prompts)} prompts x {max_new} tokens:")
     for name, r in rows.items():
-        print(f"   {name:18s} TBT {_mean(r, 'tbt') * 1e3:7.2f} ms  accept length {_mean(r, 'accept'):.2f}  "
-              f"ratio vs U-shape {_mean(r, 'tbt') / base:.2f}x")
+        print(
+            f"   {name:18s} TBT {_mean(r, 'tbt') * 1e3:7.2f} ms  accept length {_mean(r, 'accept'):.2f}  "
+            f"ratio vs U-shape {_mean(r, 'tbt') / base:.2f}x"
+        )
 
 
 def bench_chunk_sizes(mesh: Mesh, long: list[str], short: list[str], max_new: int) -> None:
     print(f"\n3. one device prefills a long prompt while {mesh.config.num_devices - 1} others decode:")
     info = httpx.get(f"{mesh.config.device_url(0)}/info", timeout=5).json()
-    planned = httpx.get(f"{mesh.config.planner_url}/chunk-size", timeout=5,
-                        params={"device_id": "device-0", "prompt_tokens": 1024,
-                                "bytes_per_token": info["bytes_per_token"]}).json()
+    planned = httpx.get(
+        f"{mesh.config.planner_url}/chunk-size",
+        timeout=5,
+        params={"device_id": "device-0", "prompt_tokens": 1024, "bytes_per_token": info["bytes_per_token"]},
+    ).json()
     print(f"   planner's answer for device-0, 1024-token prompt: {planned}")
-    for label, switches in (("eq. 3 (planner)", {}), ("fixed 128", {"chunk_size": 128}), ("fixed 256", {"chunk_size": 256})):
+    for label, switches in (
+        ("eq. 3 (planner)", {}),
+        ("fixed 128", {"chunk_size": 128}),
+        ("fixed 256", {"chunk_size": 256}),
+    ):
         prefill, decode = [], []
         for prompt in long:
             with concurrent.futures.ThreadPoolExecutor(mesh.config.num_devices) as pool:
-                others = [pool.submit(generate, mesh.config.device_url(i), short[i % len(short)], max_new)
-                          for i in range(1, mesh.config.num_devices)]
+                others = [
+                    pool.submit(generate, mesh.config.device_url(i), short[i % len(short)], max_new)
+                    for i in range(1, mesh.config.num_devices)
+                ]
                 time.sleep(0.3)  # the others are decoding when the long prompt arrives
                 prefill.append(generate(mesh.config.device_url(0), prompt, 4, **switches))
                 decode += [f.result() for f in others]
-        print(f"   {label:16s} TTFT of prefilling device {_mean(prefill, 'ttft') * 1e3:8.1f} ms   "
-              f"TBT of decoding devices {_mean(decode, 'tbt') * 1e3:7.2f} ms")
+        print(
+            f"   {label:16s} TTFT of prefilling device {_mean(prefill, 'ttft') * 1e3:8.1f} ms   "
+            f"TBT of decoding devices {_mean(decode, 'tbt') * 1e3:7.2f} ms"
+        )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -135,13 +152,18 @@ def main(args: argparse.Namespace) -> None:
     tokenizer = load_checkpoint(resolve_model(args.model)).tokenizer
     long = long_prompts(tokenizer, 2, args.prompt_tokens)
     short = [p[:200] for p in held_out_prompts(6, seed=3)]
-    config = MeshConfig(model_dir=args.model, adapter=args.adapter, num_devices=args.devices, port_base=find_port_base(args.devices),
-                        link=args.link, link_mode=args.link_mode,
-                        auth=False)  # this bench calls the device agents itself, where the streamer would
+    config = MeshConfig(
+        model_dir=args.model,
+        adapter=args.adapter,
+        num_devices=args.devices,
+        port_base=find_port_base(args.devices),
+        link=args.link,
+        link_mode=args.link_mode,
+        auth=False,
+    )  # this bench calls the device agents itself, where the streamer would
     with Mesh(config) as mesh:
         mode = "netns + tc" if mesh.netns_links else "in-process shaper"
         print(f"mesh: {args.devices} devices, link {args.link} via {mode}, model {args.model}")
         bench_prompt_chunking(mesh, long, args.repeats)
         bench_decoding(mesh, short[:4], args.max_new_tokens)
         bench_chunk_sizes(mesh, long, short, args.max_new_tokens)
-

@@ -51,4 +51,3 @@ def main(args: argparse.Namespace) -> None:
                 spent.sort()
                 mean, median = sum(spent) / len(spent) * 1e3, spent[len(spent) // 2] * 1e3
                 print(f"  round {round_index + 1}, {mode:12s}: mean {mean:6.1f} ms, median {median:6.1f} ms")
-

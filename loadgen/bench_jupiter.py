@@ -75,6 +75,7 @@ class Sample:
 
 # -- the live part -------------------------------------------------------------------------------
 
+
 async def timed_request(client, url: str, body: dict[str, Any], timeout_s: float) -> tuple[float, float, str, dict]:
     """(ttft_s, e2el_s, text, tophat stats) of one streamed request, timed by the load generator's sender."""
     from loadgen.metrics import RequestRecord
@@ -84,26 +85,38 @@ async def timed_request(client, url: str, body: dict[str, Any], timeout_s: float
     await send_request(client, url, body, record, time.perf_counter(), timeout_s)
     if record.error is not None:
         raise RuntimeError(f"request failed: {record.error}")
-    stats = {**(record.tophat or {}), "completion_tokens": record.completion_tokens,
-             "prompt_tokens": record.prompt_tokens}
+    stats = {
+        **(record.tophat or {}),
+        "completion_tokens": record.completion_tokens,
+        "prompt_tokens": record.prompt_tokens,
+    }
     first = record.chunk_times_s[0] if record.chunk_times_s else record.end_s
     return first, record.end_s, "".join(record.chunk_texts), stats
 
 
-async def _run_prompts(base_url: str, mode: str, prompts: list[tuple[int, str, int]], cfg: JupiterBenchConfig,
-                       tophat: dict[str, Any]) -> list[Sample]:
+async def _run_prompts(
+    base_url: str, mode: str, prompts: list[tuple[int, str, int]], cfg: JupiterBenchConfig, tophat: dict[str, Any]
+) -> list[Sample]:
     import httpx
 
     samples = []
     async with httpx.AsyncClient(timeout=cfg.timeout_s) as client:
         for bucket, prompt, tokens in prompts:
-            body = {"model": "tophat", "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": 0,
-                    "stream": True, "tophat": tophat}
+            body = {
+                "model": "tophat",
+                "prompt": prompt,
+                "max_tokens": cfg.max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "tophat": tophat,
+            }
             ttft, e2el, text, stats = await timed_request(client, f"{base_url}/v1/completions", body, cfg.timeout_s)
-            samples.append(Sample(mode, bucket, tokens, ttft * 1e3, e2el * 1e3, stats.get("completion_tokens"),
-                                  text, stats))
-            log.info("%s bucket %d (%d tokens): TTFT %.0f ms, E2EL %.0f ms", mode, bucket, tokens, ttft * 1e3,
-                     e2el * 1e3)
+            samples.append(
+                Sample(mode, bucket, tokens, ttft * 1e3, e2el * 1e3, stats.get("completion_tokens"), text, stats)
+            )
+            log.info(
+                "%s bucket %d (%d tokens): TTFT %.0f ms, E2EL %.0f ms", mode, bucket, tokens, ttft * 1e3, e2el * 1e3
+            )
     return samples
 
 
@@ -113,13 +126,29 @@ async def _run_questions(base_url: str, mode: str, cfg: JupiterBenchConfig, outl
     samples = []
     async with httpx.AsyncClient(timeout=cfg.timeout_s) as client:
         for question in cfg.outline_questions:
-            body = {"model": "tophat", "messages": [{"role": "user", "content": question}],
-                    "max_tokens": cfg.outline_max_tokens, "temperature": 0, "stream": True,
-                    "tophat": {"outline": outline}}
-            ttft, e2el, text, stats = await timed_request(client, f"{base_url}/v1/chat/completions", body,
-                                                          cfg.timeout_s)
-            samples.append(Sample(mode, None, stats.get("prompt_tokens"), ttft * 1e3, e2el * 1e3,
-                                  stats.get("completion_tokens"), text, stats))
+            body = {
+                "model": "tophat",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": cfg.outline_max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "tophat": {"outline": outline},
+            }
+            ttft, e2el, text, stats = await timed_request(
+                client, f"{base_url}/v1/chat/completions", body, cfg.timeout_s
+            )
+            samples.append(
+                Sample(
+                    mode,
+                    None,
+                    stats.get("prompt_tokens"),
+                    ttft * 1e3,
+                    e2el * 1e3,
+                    stats.get("completion_tokens"),
+                    text,
+                    stats,
+                )
+            )
             log.info("%s %r: E2EL %.0f ms, outline %s", mode, question[:40], e2el * 1e3, stats.get("outline"))
     return samples
 
@@ -149,15 +178,25 @@ def run_jupiter_bench(cfg: JupiterBenchConfig) -> dict[str, Any]:
         wants_outline = mode == "jupiter" and "jupiter-outline" in cfg.modes
         if mode not in cfg.modes and not wants_outline:
             continue
-        config = MeshConfig(model_dir=str(model_dir), port_base=find_port_base(1), edge_pipeline=cfg.edge_pipeline,
-                            lan=cfg.lan, edge_plan_kind=PLAN_KIND[mode], auth=False, link_mode="inprocess",
-                            device_env={"max_sessions": str(DEVICE_SESSIONS)})
+        config = MeshConfig(
+            model_dir=str(model_dir),
+            port_base=find_port_base(1),
+            edge_pipeline=cfg.edge_pipeline,
+            lan=cfg.lan,
+            edge_plan_kind=PLAN_KIND[mode],
+            auth=False,
+            link_mode="inprocess",
+            device_env={"max_sessions": str(DEVICE_SESSIONS)},
+        )
         with Mesh(config) as mesh:
             plan = mesh.edge_plan
-            plans[mode] = {"kind": plan.kind, "stage_layers": [list(r) for r in plan.stage_layers],
-                           "predicted_bottleneck_ms": plan.predicted_bottleneck_s * 1e3,
-                           "sub_sequences": {b: plan.chunk_sizes(b) for b in cfg.buckets},
-                           "predicted_ttft_ms": {b: s * 1e3 for b, s in plan.predicted_ttft if b in cfg.buckets}}
+            plans[mode] = {
+                "kind": plan.kind,
+                "stage_layers": [list(r) for r in plan.stage_layers],
+                "predicted_bottleneck_ms": plan.predicted_bottleneck_s * 1e3,
+                "sub_sequences": {b: plan.chunk_sizes(b) for b in cfg.buckets},
+                "predicted_ttft_ms": {b: s * 1e3 for b, s in plan.predicted_ttft if b in cfg.buckets},
+            }
             tophat = {"prompt_chunking": mode != "serial"}
             if mode in cfg.modes:
                 samples += asyncio.run(_run_prompts(config.streamer_url, mode, prompts, cfg, tophat))
@@ -173,6 +212,7 @@ def run_jupiter_bench(cfg: JupiterBenchConfig) -> dict[str, Any]:
 
 # -- pure: aggregation and tables -------------------------------------------------------------------
 
+
 def _mean(xs: Sequence[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
@@ -185,26 +225,55 @@ def build_jupiter_results(samples: Sequence[Sample], plans: dict[str, Any], cfg:
             mine = [s for s in samples if s.mode == mode and s.bucket == bucket]
             if not mine:
                 continue
-            entries.append({"mode": mode, "bucket": bucket, "n": len(mine),
-                            "prompt_tokens": _mean([s.prompt_tokens for s in mine if s.prompt_tokens is not None]),
-                            "mean_ttft_ms": _mean([s.ttft_ms for s in mine]),
-                            "mean_e2el_ms": _mean([s.e2el_ms for s in mine]),
-                            "completion_tokens": _mean([s.completion_tokens or 0 for s in mine]),
-                            "sub_sequences": plans.get(mode, {}).get("sub_sequences", {}).get(bucket)})
-    outline = [{"mode": s.mode, "question": q, "e2el_ms": s.e2el_ms, "ttft_ms": s.ttft_ms,
-                "completion_tokens": s.completion_tokens, "outline": s.stats.get("outline"), "text": s.text}
-               for s, q in _with_questions(samples, cfg)]
+            entries.append(
+                {
+                    "mode": mode,
+                    "bucket": bucket,
+                    "n": len(mine),
+                    "prompt_tokens": _mean([s.prompt_tokens for s in mine if s.prompt_tokens is not None]),
+                    "mean_ttft_ms": _mean([s.ttft_ms for s in mine]),
+                    "mean_e2el_ms": _mean([s.e2el_ms for s in mine]),
+                    "completion_tokens": _mean([s.completion_tokens or 0 for s in mine]),
+                    "sub_sequences": plans.get(mode, {}).get("sub_sequences", {}).get(bucket),
+                }
+            )
+    outline = [
+        {
+            "mode": s.mode,
+            "question": q,
+            "e2el_ms": s.e2el_ms,
+            "ttft_ms": s.ttft_ms,
+            "completion_tokens": s.completion_tokens,
+            "outline": s.stats.get("outline"),
+            "text": s.text,
+        }
+        for s, q in _with_questions(samples, cfg)
+    ]
     for mode in ("jupiter-sequential", "jupiter-outline"):
         mine = [o for o in outline if o["mode"] == mode]
         if mine:
-            entries.append({"mode": mode, "bucket": None, "n": len(mine),
-                            "mean_ttft_ms": _mean([o["ttft_ms"] for o in mine]),
-                            "mean_e2el_ms": _mean([o["e2el_ms"] for o in mine]),
-                            "completion_tokens": _mean([o["completion_tokens"] or 0 for o in mine])})
+            entries.append(
+                {
+                    "mode": mode,
+                    "bucket": None,
+                    "n": len(mine),
+                    "mean_ttft_ms": _mean([o["ttft_ms"] for o in mine]),
+                    "mean_e2el_ms": _mean([o["e2el_ms"] for o in mine]),
+                    "completion_tokens": _mean([o["completion_tokens"] or 0 for o in mine]),
+                }
+            )
     identical = _identical_answers(samples)
-    return {"bench": "jupiter", "edge_pipeline": cfg.edge_pipeline, "lan": cfg.lan, "model": cfg.model,
-            "max_tokens": cfg.max_tokens, "plans": plans, "results": entries, "outline": outline,
-            "answers_identical_across_modes": identical}
+    return {
+        "bench": "jupiter",
+        "edge_pipeline": cfg.edge_pipeline,
+        "lan": cfg.lan,
+        "model": cfg.model,
+        "max_tokens": cfg.max_tokens,
+        "plans": plans,
+        "results": entries,
+        "outline": outline,
+        "answers_identical_across_modes": identical,
+    }
 
 
 def _with_questions(samples: Sequence[Sample], cfg: JupiterBenchConfig) -> list[tuple[Sample, str]]:
@@ -232,31 +301,44 @@ def format_jupiter_table(results: dict[str, Any]) -> str:
     """TTFT and E2EL per bucket for the three pipeline modes with ratios, then outline vs sequential."""
     rows = {(e["mode"], e["bucket"]): e for e in results["results"]}
     buckets = sorted({e["bucket"] for e in results["results"] if e["bucket"] is not None})
-    lines = [f"Jupiter bench: edge pipeline {results['edge_pipeline']}, LAN {results['lan']}, model "
-             f"{results['model']}, max_tokens {results['max_tokens']}, one request at a time"]
+    lines = [
+        f"Jupiter bench: edge pipeline {results['edge_pipeline']}, LAN {results['lan']}, model "
+        f"{results['model']}, max_tokens {results['max_tokens']}, one request at a time"
+    ]
     for mode, plan in results["plans"].items():
-        predicted = ", ".join(f"{b}: {ms:.0f}" for b, ms in sorted((int(b), ms) for b, ms in
-                                                                   plan.get("predicted_ttft_ms", {}).items()))
-        lines.append(f"  {mode:12s} layers {plan['stage_layers']}  predicted bottleneck "
-                     f"{plan['predicted_bottleneck_ms']:.1f} ms" + (f", prefill ms by length {predicted}" if predicted else ""))
-    lines.append(f"{'bucket':>6s} {'metric':6s} {'serial':>9s} {'equal':>9s} {'jupiter':>9s} "
-                 f"{'serial/jup':>10s} {'equal/jup':>9s}  sub-sequences (jupiter)")
+        predicted = ", ".join(
+            f"{b}: {ms:.0f}" for b, ms in sorted((int(b), ms) for b, ms in plan.get("predicted_ttft_ms", {}).items())
+        )
+        lines.append(
+            f"  {mode:12s} layers {plan['stage_layers']}  predicted bottleneck "
+            f"{plan['predicted_bottleneck_ms']:.1f} ms" + (f", prefill ms by length {predicted}" if predicted else "")
+        )
+    lines.append(
+        f"{'bucket':>6s} {'metric':6s} {'serial':>9s} {'equal':>9s} {'jupiter':>9s} "
+        f"{'serial/jup':>10s} {'equal/jup':>9s}  sub-sequences (jupiter)"
+    )
     for bucket in buckets:
         for metric in ("ttft", "e2el"):
             values = [rows.get((m, bucket), {}).get(f"mean_{metric}_ms") for m in PIPELINE_MODES]
             cells = " ".join(f"{v:8.0f}ms" if v is not None else f"{'-':>10s}" for v in values)
             subs = rows.get(("jupiter", bucket), {}).get("sub_sequences") if metric == "ttft" else ""
-            lines.append(f"{bucket:6d} {metric:6s} {cells} {_ratio(values[0], values[2]):>10s} "
-                         f"{_ratio(values[1], values[2]):>9s}  {subs or ''}")
+            lines.append(
+                f"{bucket:6d} {metric:6s} {cells} {_ratio(values[0], values[2]):>10s} "
+                f"{_ratio(values[1], values[2]):>9s}  {subs or ''}"
+            )
     seq, out = rows.get(("jupiter-sequential", None)), rows.get(("jupiter-outline", None))
     if seq and out:
-        lines.append(f"outline: E2EL {out['mean_e2el_ms']:.0f} ms for {out['completion_tokens']:.0f} tokens vs "
-                     f"sequential {seq['mean_e2el_ms']:.0f} ms for {seq['completion_tokens']:.0f} tokens "
-                     f"({_ratio(seq['mean_e2el_ms'], out['mean_e2el_ms'])} faster; tokens/s "
-                     f"{_rate(out)} vs {_rate(seq)})")
+        lines.append(
+            f"outline: E2EL {out['mean_e2el_ms']:.0f} ms for {out['completion_tokens']:.0f} tokens vs "
+            f"sequential {seq['mean_e2el_ms']:.0f} ms for {seq['completion_tokens']:.0f} tokens "
+            f"({_ratio(seq['mean_e2el_ms'], out['mean_e2el_ms'])} faster; tokens/s "
+            f"{_rate(out)} vs {_rate(seq)})"
+        )
     if results.get("answers_identical_across_modes") is not None:
-        lines.append(f"answers token-identical across serial / equal-split / jupiter: "
-                     f"{results['answers_identical_across_modes']}")
+        lines.append(
+            f"answers token-identical across serial / equal-split / jupiter: "
+            f"{results['answers_identical_across_modes']}"
+        )
     return "\n".join(lines)
 
 
@@ -279,7 +361,8 @@ def format_outline_answers(results: dict[str, Any], width: int = 100) -> str:
             o = modes.get(mode)
             if o is None:
                 continue
-            lines.append(f"  [{mode}, {o['e2el_ms']:.0f} ms, {o['completion_tokens']} tokens, "
-                         f"outline {o.get('outline')}]")
+            lines.append(
+                f"  [{mode}, {o['e2el_ms']:.0f} ms, {o['completion_tokens']} tokens, outline {o.get('outline')}]"
+            )
             lines += textwrap.wrap(o["text"].strip(), width, initial_indent="    ", subsequent_indent="    ")
     return "\n".join(lines)

@@ -54,9 +54,12 @@ class ModeStats:
             "mean_tbt_ms": 1e3 * statistics.fmean(self.tbt_s) if self.tbt_s else 0.0,
             "mean_ttft_ms": 1e3 * statistics.fmean(self.ttft_s) if self.ttft_s else 0.0,
             "mean_accept_length": self.tokens_in_rounds / rounds,
-            "up_bytes_per_round": self.up_bytes / rounds, "down_bytes_per_round": self.down_bytes / rounds,
-            "rounds": self.rounds, "draft_ms_per_token": 1e3 * self.draft_s / self.draft_steps if self.draft_steps else 0,
-            "stale_chunks": self.stale_chunks, "chunks": self.chunks,
+            "up_bytes_per_round": self.up_bytes / rounds,
+            "down_bytes_per_round": self.down_bytes / rounds,
+            "rounds": self.rounds,
+            "draft_ms_per_token": 1e3 * self.draft_s / self.draft_steps if self.draft_steps else 0,
+            "stale_chunks": self.stale_chunks,
+            "chunks": self.chunks,
         }
 
 
@@ -94,16 +97,19 @@ async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire,
         rounds = token_decode(cloud, session_id, ids, params, max_new, model.eos_token_id)
     elif mode == "hat":
         session = DeviceSession(model, ids, params, drafting, max_new)
-        rounds = run_session(session, cloud, session_id, fixed_chunks(len(ids), 128), offload,
-                             parallel_candidates=2, parallel_steps=2)
+        rounds = run_session(
+            session, cloud, session_id, fixed_chunks(len(ids), 128), offload, parallel_candidates=2, parallel_steps=2
+        )
     else:
         session = StreamSession(model, ids, params, drafting, max_new)
         from shared.specdec.stream_engine import stream_config
 
         stream = stream_config(mode, config["group"], config["window"], config["max_draft"], config["eta_gate"])
-        rounds = (hat_async_session(session, cloud, session_id, fixed_chunks(len(ids), 128), stream, offload,
-                                    timings=timings) if mode == "hat-async"
-                  else token_stream_session(session, cloud, session_id, stream, offload, downlink, top_k, timings))
+        rounds = (
+            hat_async_session(session, cloud, session_id, fixed_chunks(len(ids), 128), stream, offload, timings=timings)
+            if mode == "hat-async"
+            else token_stream_session(session, cloud, session_id, stream, offload, downlink, top_k, timings)
+        )
     started = time.perf_counter()
     times: list[float] = []
     wire.counting, up0, down0 = False, wire.up, wire.down
@@ -133,8 +139,10 @@ async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire,
 
 def _step_seconds(server) -> tuple[float, float]:
     registry = server.metrics.registry
-    return (registry.get_sample_value("tophat:verifier_step_seconds_sum") or 0.0,
-            registry.get_sample_value("tophat:verifier_step_seconds_count") or 0.0)
+    return (
+        registry.get_sample_value("tophat:verifier_step_seconds_sum") or 0.0,
+        registry.get_sample_value("tophat:verifier_step_seconds_count") or 0.0,
+    )
 
 
 async def bench_rtt(checkpoint, model, prompts_ids, rtt_ms, modes, max_new, config, downlink, top_k) -> dict:
@@ -148,15 +156,27 @@ async def bench_rtt(checkpoint, model, prompts_ids, rtt_ms, modes, max_new, conf
 
     m = config["split_layers"]
     settings = Settings(port=0, split_layers=m, model_dir=str(checkpoint.path), full_model=True)
-    server = VerifierServer(settings, MiddleSubmodel(checkpoint, m), checkpoint.config.max_position_embeddings,
-                            checkpoint.hidden_size, token_model=TokenModel(checkpoint, m))
+    server = VerifierServer(
+        settings,
+        MiddleSubmodel(checkpoint, m),
+        checkpoint.config.max_position_embeddings,
+        checkpoint.hidden_size,
+        token_model=TokenModel(checkpoint, m),
+    )
     stop, started = asyncio.Event(), asyncio.get_running_loop().create_future()
     task = asyncio.create_task(server.serve_forever(stop, started))
     port = await asyncio.wait_for(started, 60)
     wire = Wire()
     link = LinkProfile(float("inf"), float("inf"), rtt_ms / 2e3) if rtt_ms else None
-    cloud = WebSocketCloud(f"ws://127.0.0.1:{port}/ws", checkpoint.hidden_size, link=link, on_frame=wire,
-                           split_layers=m, fingerprint=split_fingerprint(checkpoint.path, m), request_timeout_s=120)
+    cloud = WebSocketCloud(
+        f"ws://127.0.0.1:{port}/ws",
+        checkpoint.hidden_size,
+        link=link,
+        on_frame=wire,
+        split_layers=m,
+        fingerprint=split_fingerprint(checkpoint.path, m),
+        request_timeout_s=120,
+    )
     results = {}
     try:
         measured_rtt = await cloud.measure_rtt()
@@ -169,8 +189,12 @@ async def bench_rtt(checkpoint, model, prompts_ids, rtt_ms, modes, max_new, conf
                 await _one(mode, cloud, model, ids, max_new, session_id, config, wire, stats, downlink, top_k)
             step_s, steps = (a - b for a, b in zip(_step_seconds(server), steps_before))
             row = stats.row()
-            row.update(mode=mode, rtt_ms=rtt_ms, measured_rtt_ms=1e3 * measured_rtt,
-                       verify_ms_per_step=1e3 * step_s / steps if steps else 0.0)
+            row.update(
+                mode=mode,
+                rtt_ms=rtt_ms,
+                measured_rtt_ms=1e3 * measured_rtt,
+                verify_ms_per_step=1e3 * step_s / steps if steps else 0.0,
+            )
             row.update(_modelled(stats, row, measured_rtt, mode))
             results[mode] = row
             log.info("rtt %g ms, %s: %.1f tok/s", rtt_ms, mode, row["tokens_per_s"])
@@ -190,28 +214,40 @@ def _modelled(stats: ModeStats, row: dict, rtt_s: float, mode: str) -> dict:
     alpha = alpha_from_verdicts(stats.verdicts)
     gamma = max(1, round(statistics.fmean(d for d, _ in stats.verdicts)))
     # a synchronous round ends with the bonus (or correction) token: sync_bonus
-    prediction = predict(alpha, gamma, row["draft_ms_per_token"] / 1e3, rtt_s, row["verify_ms_per_step"] / 1e3,
-                         sync_bonus=True)
+    prediction = predict(
+        alpha, gamma, row["draft_ms_per_token"] / 1e3, rtt_s, row["verify_ms_per_step"] / 1e3, sync_bonus=True
+    )
     modelled = prediction.async_tokens_per_s if mode in ("picospec", "hat-async") else prediction.sync_tokens_per_s
-    return {"alpha": alpha, "gamma": gamma, "modelled_tokens_per_s": modelled,
-            "modelled_bubble_ms": 1e3 * prediction.bubble_s}
+    return {
+        "alpha": alpha,
+        "gamma": gamma,
+        "modelled_tokens_per_s": modelled,
+        "modelled_bubble_ms": 1e3 * prediction.bubble_s,
+    }
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'rtt':>5s} {'mode':10s} {'tok/s':>6s} {'model':>6s} {'TBT ms':>7s} {'TTFT ms':>8s} {'accept':>6s} "
-             f"{'up B/rd':>8s} {'down B/rd':>9s} {'vs token-sd':>11s} {'vs hat':>7s} {'vs cloud':>8s} {'stale':>6s}"]
+    lines = [
+        f"{'rtt':>5s} {'mode':10s} {'tok/s':>6s} {'model':>6s} {'TBT ms':>7s} {'TTFT ms':>8s} {'accept':>6s} "
+        f"{'up B/rd':>8s} {'down B/rd':>9s} {'vs token-sd':>11s} {'vs hat':>7s} {'vs cloud':>8s} {'stale':>6s}"
+    ]
     by_rtt: dict[float, dict[str, dict]] = {}
     for r in rows:
         by_rtt.setdefault(r["rtt_ms"], {})[r["mode"]] = r
     for rtt, modes in by_rtt.items():
         for mode, r in modes.items():
-            ratio = lambda base: (f"{r['tokens_per_s'] / modes[base]['tokens_per_s']:.2f}x"  # noqa: E731
-                                  if base in modes and modes[base]["tokens_per_s"] else "-")
+            ratio = lambda base: (
+                f"{r['tokens_per_s'] / modes[base]['tokens_per_s']:.2f}x"  # noqa: E731
+                if base in modes and modes[base]["tokens_per_s"]
+                else "-"
+            )
             model = f"{r['modelled_tokens_per_s']:6.1f}" if "modelled_tokens_per_s" in r else f"{'-':>6s}"
-            lines.append(f"{rtt:5g} {mode:10s} {r['tokens_per_s']:6.1f} {model} {r['mean_tbt_ms']:7.1f} "
-                         f"{r['mean_ttft_ms']:8.1f} {r['mean_accept_length']:6.2f} {r['up_bytes_per_round']:8.0f} "
-                         f"{r['down_bytes_per_round']:9.0f} {ratio('token-sd'):>11s} {ratio('hat'):>7s} "
-                         f"{ratio('cloud'):>8s} {r['stale_chunks']:6d}")
+            lines.append(
+                f"{rtt:5g} {mode:10s} {r['tokens_per_s']:6.1f} {model} {r['mean_tbt_ms']:7.1f} "
+                f"{r['mean_ttft_ms']:8.1f} {r['mean_accept_length']:6.2f} {r['up_bytes_per_round']:8.0f} "
+                f"{r['down_bytes_per_round']:9.0f} {ratio('token-sd'):>11s} {ratio('hat'):>7s} "
+                f"{ratio('cloud'):>8s} {r['stale_chunks']:6d}"
+            )
     return "\n".join(lines)
 
 
@@ -230,18 +266,40 @@ def main(args: argparse.Namespace) -> None:
     checkpoint = load_checkpoint(resolve_model(args.model))
     model = build_device_model(checkpoint, 2, None)
     prompts_ids = bench_prompts(checkpoint, args.prompts)  # held-out chat prompts (stdlib code for the demo model)
-    config = {"eta": args.eta, "max_draft": args.max_draft, "group": args.group, "window": args.window,
-              "split_layers": 2, "eta_gate": not args.no_eta_gate}
+    config = {
+        "eta": args.eta,
+        "max_draft": args.max_draft,
+        "group": args.group,
+        "window": args.window,
+        "split_layers": 2,
+        "eta_gate": not args.no_eta_gate,
+    }
     rows = []
     for rtt in [float(x) for x in args.rtt_ms.split(",") if x.strip()]:
-        results = asyncio.run(bench_rtt(checkpoint, model, prompts_ids, rtt, modes, args.max_new_tokens, config,
-                                        args.downlink, args.top_k))
+        results = asyncio.run(
+            bench_rtt(
+                checkpoint, model, prompts_ids, rtt, modes, args.max_new_tokens, config, args.downlink, args.top_k
+            )
+        )
         rows += results.values()
     table = format_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": {**config, "model": args.model, "prompts": len(prompts_ids),
-                                               "max_new_tokens": args.max_new_tokens, "downlink": args.downlink,
-                                               "top_k": args.top_k}, "results": rows}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "config": {
+                    **config,
+                    "model": args.model,
+                    "prompts": len(prompts_ids),
+                    "max_new_tokens": args.max_new_tokens,
+                    "downlink": args.downlink,
+                    "top_k": args.top_k,
+                },
+                "results": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     args.out.with_suffix(".txt").write_text(table + "\n")
     print(table)  # noqa: T201 - a benchmark's report
-

@@ -42,16 +42,30 @@ def calibrate_from_mesh(monitor_url: str, link: str, model_dir: str) -> Calibrat
     config = read_config(Path(model_dir))
     profile = scaled_for_hidden(parse_link_spec(link), config["hidden_size"])
     # the served model's shape (bytes per token on the wire, the middle's share of the layers), not the demo's
-    base = dataclasses.replace(demo_calibration(), hidden_size=config["hidden_size"],
-                               num_layers=config["num_hidden_layers"], split_layers=DEFAULT_SPLIT_LAYERS)
-    base = dataclasses.replace(base, devices=[dataclasses.replace(
-        base.devices[0], beta_up=profile.uplink_bytes_s, beta_down=profile.downlink_bytes_s,
-        latency_s=profile.latency_s)])
+    base = dataclasses.replace(
+        demo_calibration(),
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        split_layers=DEFAULT_SPLIT_LAYERS,
+    )
+    base = dataclasses.replace(
+        base,
+        devices=[
+            dataclasses.replace(
+                base.devices[0],
+                beta_up=profile.uplink_bytes_s,
+                beta_down=profile.downlink_bytes_s,
+                latency_s=profile.latency_s,
+            )
+        ],
+    )
     cal = from_telemetry(monitor_url, base=base)
-    devices = [dataclasses.replace(d, beta_up=profile.uplink_bytes_s, beta_down=profile.downlink_bytes_s)
-               for d in cal.devices]
-    return dataclasses.replace(cal, devices=devices,
-                               notes=[*cal.notes, f"bandwidth from the link's setting: {profile.describe()}"])
+    devices = [
+        dataclasses.replace(d, beta_up=profile.uplink_bytes_s, beta_down=profile.downlink_bytes_s) for d in cal.devices
+    ]
+    return dataclasses.replace(
+        cal, devices=devices, notes=[*cal.notes, f"bandwidth from the link's setting: {profile.describe()}"]
+    )
 
 
 def accept_dist_from_run(cal: Calibration, requests_csv: Path) -> Calibration:
@@ -70,8 +84,19 @@ def accept_dist_from_run(cal: Calibration, requests_csv: Path) -> Calibration:
     return dataclasses.replace(cal, accept_dist=dist, notes=[*cal.notes, f"accept_dist from the run: {dist}"])
 
 
-def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new_tokens: int, seed: int, out: Path,
-                devices: int, link: str, model_dir: str, modes: list[str]) -> str:
+def sim_vs_real(
+    *,
+    workload: str,
+    rates: list[float],
+    num_requests: int,
+    max_new_tokens: int,
+    seed: int,
+    out: Path,
+    devices: int,
+    link: str,
+    model_dir: str,
+    modes: list[str],
+) -> str:
     """Run modes on the real mesh, calibrate the simulator from that mesh's own telemetry while
     it is still up (g(mu), gamma, beta as measured under this load), simulate the same traces,
     and print sim vs real side by side."""
@@ -84,8 +109,18 @@ def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new
                 print(f"\n=== {workload} @ {rate:g} req/s, {devices} devices, link {link}")
             for mode in modes:
                 run_dir = out / "sim-check" / mode / f"rate-{rate:g}"
-                options = loadgen_options(config.streamer_url, workload, rate, num_requests, max_new_tokens, seed,
-                                          run_dir, available[mode].request_options, mesh.redis_url, model_dir)
+                options = loadgen_options(
+                    config.streamer_url,
+                    workload,
+                    rate,
+                    num_requests,
+                    max_new_tokens,
+                    seed,
+                    run_dir,
+                    available[mode].request_options,
+                    mesh.redis_url,
+                    model_dir,
+                )
                 real = asyncio.run(run_load_test(options))
                 # Calibrated after each mode's run, from the telemetry that mode produced (the
                 # monitor's averages weigh recent requests most), so each mode's latency models
@@ -93,11 +128,20 @@ def sim_vs_real(*, workload: str, rates: list[float], num_requests: int, max_new
                 cal = calibrate_from_mesh(config.monitor_url, link, model_dir)
                 cal = accept_dist_from_run(cal, run_dir / "requests.csv")
                 cal.save(run_dir / "calibration.json")  # what the simulator was given, for a second look
-                sim_config = SimConfig(devices=devices, stages=1, workload=workload, num_requests=num_requests,
-                                       seed=seed, heterogeneous=False, max_new_tokens=max_new_tokens)
+                sim_config = SimConfig(
+                    devices=devices,
+                    stages=1,
+                    workload=workload,
+                    num_requests=num_requests,
+                    seed=seed,
+                    heterogeneous=False,
+                    max_new_tokens=max_new_tokens,
+                )
                 grid = simulate_grid(cal, parse_modes(mode, workload), [rate], sim_config)
                 with redirect_stdout(report):
-                    print(f"\n{mode}: calibration from the mesh's telemetry ({'; '.join(cal.notes)}); "
-                          f"real accept length {real.get('mean_accept_length')}")
+                    print(
+                        f"\n{mode}: calibration from the mesh's telemetry ({'; '.join(cal.notes)}); "
+                        f"real accept length {real.get('mean_accept_length')}"
+                    )
                     compare_with_real(grid, real, mode=mode)
     return report.getvalue()

@@ -51,8 +51,14 @@ DEFAULT_TEMPERATURES = (0.8, 1.0)
 
 
 @torch.inference_mode()
-def measure_prompt(checkpoint: Checkpoint, device_model: DeviceModel, prompt_ids: list[int], positions: int,
-                   temperatures: tuple[float, ...], ks: tuple[int, ...]) -> dict[float, list[dict]]:
+def measure_prompt(
+    checkpoint: Checkpoint,
+    device_model: DeviceModel,
+    prompt_ids: list[int],
+    positions: int,
+    temperatures: tuple[float, ...],
+    ks: tuple[int, ...],
+) -> dict[float, list[dict]]:
     """Per temperature, one record per drafted position: {"tv": {k: distance}, "reject": P(rejection)}."""
     text = generate_full(checkpoint, prompt_ids, positions + 1).token_ids  # greedy: first token + drafts
     sequence = torch.tensor([list(prompt_ids) + text])  # [1, S]
@@ -60,8 +66,7 @@ def measure_prompt(checkpoint: Checkpoint, device_model: DeviceModel, prompt_ids
     records: dict[float, list[dict]] = {}
     for temperature in temperatures:
         params = SamplingParams(temperature=temperature, seed=0)
-        session = StreamSession(device_model, list(prompt_ids), params, DraftConfig(),
-                                max_new_tokens=len(text) + 1)
+        session = StreamSession(device_model, list(prompt_ids), params, DraftConfig(), max_new_tokens=len(text) + 1)
         session.prefill_locally()
         session.start_token_mode(text[0])
         rows = []
@@ -72,8 +77,9 @@ def measure_prompt(checkpoint: Checkpoint, device_model: DeviceModel, prompt_ids
             session.seq[position] = text[offset]  # teacher forcing: the next draft reads the target's token
             session.stopped = False  # an EOS the draft sampled is replaced, so drafting may go on
             p = logits_to_probs(logits[position - 1], params)  # [V]
-            rows.append({"tv": {k: residual_tv_distance(p, q, k) for k in ks},
-                         "reject": float((q - p).clamp_min(0).sum())})
+            rows.append(
+                {"tv": {k: residual_tv_distance(p, q, k) for k in ks}, "reject": float((q - p).clamp_min(0).sum())}
+            )
         records[temperature] = rows
     return records
 
@@ -87,24 +93,33 @@ def summarize(records: list[dict], ks: tuple[int, ...], vocab_size: int, tempera
     for k in ks:
         tvs = sorted(r["tv"][k] for r in records)
         weighted = sum(r["reject"] * r["tv"][k] for r in records)
-        out.append({
-            "temperature": temperature,
-            "k": k,
-            "positions": len(tvs),
-            "mean_tv": statistics.fmean(tvs),
-            "p90_tv": tvs[min(len(tvs) - 1, int(0.9 * len(tvs)))],
-            "max_tv": tvs[-1],
-            "rejection_weighted_tv": weighted / sum(rejects) if sum(rejects) > 0 else 0.0,
-            "token_tv": weighted / len(tvs),
-            "mean_rejection_probability": statistics.fmean(rejects),
-            "bytes_per_rejection": downlink_bytes(make_payload(row_for_bytes, 0, "topk", k)),
-            "full_row_bytes": full_bytes,
-        })
+        out.append(
+            {
+                "temperature": temperature,
+                "k": k,
+                "positions": len(tvs),
+                "mean_tv": statistics.fmean(tvs),
+                "p90_tv": tvs[min(len(tvs) - 1, int(0.9 * len(tvs)))],
+                "max_tv": tvs[-1],
+                "rejection_weighted_tv": weighted / sum(rejects) if sum(rejects) > 0 else 0.0,
+                "token_tv": weighted / len(tvs),
+                "mean_rejection_probability": statistics.fmean(rejects),
+                "bytes_per_rejection": downlink_bytes(make_payload(row_for_bytes, 0, "topk", k)),
+                "full_row_bytes": full_bytes,
+            }
+        )
     return out
 
 
-def run(model: str, prompts: int, positions: int, temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES,
-        ks: tuple[int, ...] = DEFAULT_KS, adapter: str | None = None, split_layers: int = 2) -> dict:
+def run(
+    model: str,
+    prompts: int,
+    positions: int,
+    temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES,
+    ks: tuple[int, ...] = DEFAULT_KS,
+    adapter: str | None = None,
+    split_layers: int = 2,
+) -> dict:
     from loadgen.bench_core import bench_prompts
     from shared.model.checkpoint import load_checkpoint
     from shared.runtime import build_device_model
@@ -117,34 +132,54 @@ def run(model: str, prompts: int, positions: int, temperatures: tuple[float, ...
     per_temperature: dict[float, list[dict]] = {t: [] for t in temperatures}
     prompt_list = bench_prompts(checkpoint, prompts)
     for prompt_ids in prompt_list:
-        for temperature, rows in measure_prompt(checkpoint, device_model, prompt_ids, positions,
-                                                temperatures, ks).items():
+        for temperature, rows in measure_prompt(
+            checkpoint, device_model, prompt_ids, positions, temperatures, ks
+        ).items():
             per_temperature[temperature] += rows
-    results = [row for t in temperatures if per_temperature[t]
-               for row in summarize(per_temperature[t], ks, checkpoint.vocab_size, t)]
-    return {"model": model, "split_layers": split_layers, "prompts": len(prompt_list),
-            "positions_per_prompt": positions, "vocab_size": checkpoint.vocab_size, "results": results}
+    results = [
+        row
+        for t in temperatures
+        if per_temperature[t]
+        for row in summarize(per_temperature[t], ks, checkpoint.vocab_size, t)
+    ]
+    return {
+        "model": model,
+        "split_layers": split_layers,
+        "prompts": len(prompt_list),
+        "positions_per_prompt": positions,
+        "vocab_size": checkpoint.vocab_size,
+        "results": results,
+    }
 
 
 def format_table(report: dict) -> str:
-    lines = [f"top-K residual vs exact, model {report['model']} (V = {report['vocab_size']}), "
-             f"{report['prompts']} prompts x up to {report['positions_per_prompt']} drafted positions",
-             f"{'T':>4s} {'K':>4s} {'n':>5s} {'mean TV':>8s} {'p90 TV':>8s} {'max TV':>8s} {'rej-wtd':>8s} "
-             f"{'token':>8s} {'P(rej)':>7s} {'bytes':>6s} {'full row':>9s}"]
+    lines = [
+        f"top-K residual vs exact, model {report['model']} (V = {report['vocab_size']}), "
+        f"{report['prompts']} prompts x up to {report['positions_per_prompt']} drafted positions",
+        f"{'T':>4s} {'K':>4s} {'n':>5s} {'mean TV':>8s} {'p90 TV':>8s} {'max TV':>8s} {'rej-wtd':>8s} "
+        f"{'token':>8s} {'P(rej)':>7s} {'bytes':>6s} {'full row':>9s}",
+    ]
     for r in report["results"]:
-        lines.append(f"{r['temperature']:4.1f} {r['k']:4d} {r['positions']:5d} {r['mean_tv']:8.4f} {r['p90_tv']:8.4f} "
-                     f"{r['max_tv']:8.4f} {r['rejection_weighted_tv']:8.4f} {r['token_tv']:8.4f} "
-                     f"{r['mean_rejection_probability']:7.3f} {r['bytes_per_rejection']:6d} {r['full_row_bytes']:9d}")
+        lines.append(
+            f"{r['temperature']:4.1f} {r['k']:4d} {r['positions']:5d} {r['mean_tv']:8.4f} {r['p90_tv']:8.4f} "
+            f"{r['max_tv']:8.4f} {r['rejection_weighted_tv']:8.4f} {r['token_tv']:8.4f} "
+            f"{r['mean_rejection_probability']:7.3f} {r['bytes_per_rejection']:6d} {r['full_row_bytes']:9d}"
+        )
     return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> None:
-    report = run(args.model, args.prompts, args.positions,
-                 tuple(float(t) for t in args.temperatures.split(",")), tuple(int(k) for k in args.ks.split(",")),
-                 args.adapter, args.split_layers)
+    report = run(
+        args.model,
+        args.prompts,
+        args.positions,
+        tuple(float(t) for t in args.temperatures.split(",")),
+        tuple(int(k) for k in args.ks.split(",")),
+        args.adapter,
+        args.split_layers,
+    )
     print(format_table(report))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")
-

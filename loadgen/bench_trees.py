@@ -77,17 +77,23 @@ def compare_budgets(checkpoint, device, middle, prompts, budgets, args) -> dict:
 
 def print_rows(rows: dict, args) -> None:
     chain = rows[min(rows)]
-    print(f"\ndraft trees vs chain, same prompts, same run, emulated round trip {args.rtt_ms:.0f} ms per cloud call "
-          f"(width {args.tree_width}, depth <= {args.max_draft}, grow while a path's draft probability >= "
-          f"{args.tree_min_prob}):")
-    print("  nodes  accept  draft ms/round  draft/chain  verify ms  decode ms/token  vs chain  identical  accepted depths")
+    print(
+        f"\ndraft trees vs chain, same prompts, same run, emulated round trip {args.rtt_ms:.0f} ms per cloud call "
+        f"(width {args.tree_width}, depth <= {args.max_draft}, grow while a path's draft probability >= "
+        f"{args.tree_min_prob}):"
+    )
+    print(
+        "  nodes  accept  draft ms/round  draft/chain  verify ms  decode ms/token  vs chain  identical  accepted depths"
+    )
     for nodes, row in rows.items():
         speedup = chain["decode_ms_per_token"] / row["decode_ms_per_token"]
         drafting = row["draft_ms_per_round"] / max(chain["draft_ms_per_round"], 1e-9)  # the target: <= 1.5x at tree16
         depths = " ".join(f"{d}:{n}" for d, n in row["accepted_depth_histogram"].items())
-        print(f"  {nodes or 'chain':>5}  {row['mean_accept_length']:6.2f}  {row['draft_ms_per_round']:14.1f}  "
-              f"{drafting:10.2f}x  {row['verify_pass_ms']:9.2f}  {row['decode_ms_per_token']:15.1f}  {speedup:7.2f}x  "
-              f"{str(row['identical_to_chain']):>9}  {depths}")
+        print(
+            f"  {nodes or 'chain':>5}  {row['mean_accept_length']:6.2f}  {row['draft_ms_per_round']:14.1f}  "
+            f"{drafting:10.2f}x  {row['verify_pass_ms']:9.2f}  {row['decode_ms_per_token']:15.1f}  {speedup:7.2f}x  "
+            f"{str(row['identical_to_chain']):>9}  {depths}"
+        )
 
 
 def run(args) -> dict:
@@ -98,7 +104,17 @@ def run(args) -> dict:
     out = getattr(args, "out", None)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"model": args.model, "rtt_ms": args.rtt_ms, "prompts": args.prompts,
-                                   "max_new_tokens": args.max_new_tokens, "budgets": rows}, indent=2) + "\n")
+        out.write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "rtt_ms": args.rtt_ms,
+                    "prompts": args.prompts,
+                    "max_new_tokens": args.max_new_tokens,
+                    "budgets": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return rows
-

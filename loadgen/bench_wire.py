@@ -35,15 +35,11 @@ def bench(msg: Message, wire_dtype: WireDtype, seconds: float = 1.0) -> tuple[fl
 def main() -> None:
     torch.manual_seed(0)
     cases = [  # (label, message, wire dtype); hidden: [rows, H]
-        ("fp16 [2048,256] 1 MiB", VerifyRequest(SID, 1, 0, torch.randn(2048, 256).half()),
-         WireDtype.F16),
+        ("fp16 [2048,256] 1 MiB", VerifyRequest(SID, 1, 0, torch.randn(2048, 256).half()), WireDtype.F16),
         ("fp32 [1024,256] 1 MiB", VerifyRequest(SID, 1, 0, torch.randn(1024, 256)), WireDtype.F32),
-        ("bf16 [2048,256] 1 MiB", VerifyRequest(SID, 1, 0, torch.randn(2048, 256).bfloat16()),
-         WireDtype.BF16),
-        ("fp32 input, cast to fp16 wire (cast incl.)",
-         VerifyRequest(SID, 1, 0, torch.randn(2048, 256)), WireDtype.F16),
-        ("verify-size fp16 [5,256] 2.5 KiB", VerifyResult(SID, 1, torch.randn(5, 256).half()),
-         WireDtype.F16),
+        ("bf16 [2048,256] 1 MiB", VerifyRequest(SID, 1, 0, torch.randn(2048, 256).bfloat16()), WireDtype.BF16),
+        ("fp32 input, cast to fp16 wire (cast incl.)", VerifyRequest(SID, 1, 0, torch.randn(2048, 256)), WireDtype.F16),
+        ("verify-size fp16 [5,256] 2.5 KiB", VerifyResult(SID, 1, torch.randn(5, 256).half()), WireDtype.F16),
     ]
     print(f"torch threads: {torch.get_num_threads()}  target: >= {TARGET_GBPS} GB/s for 1 MiB")
     print(f"{'case':44} {'GB/s':>6} {'enc us':>8} {'dec us':>8} {'frame B':>8}")
@@ -51,4 +47,3 @@ def main() -> None:
         gbps, enc_us, dec_us = bench(msg, wd)
         size = len(encode(msg, wire_dtype=wd))
         print(f"{label:44} {gbps:6.2f} {enc_us:8.1f} {dec_us:8.1f} {size:8d}")
-

@@ -33,16 +33,20 @@ class Policy:
 
 # -- aggregation --------------------------------------------------------------------------------
 def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+    return (
+        float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         else None
+    )
 
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def aggregate(records: Sequence[RequestRecord], *, mode: str, budget: float | None, constraint: str,
-              reading_rate_tps: float) -> dict[str, Any]:
+def aggregate(
+    records: Sequence[RequestRecord], *, mode: str, budget: float | None, constraint: str, reading_rate_tps: float
+) -> dict[str, Any]:
     """One results entry from a run's per-request records (their `tophat` objects carry cost, endpoint,
     migrations). Latency statistics are the load generator's own (metrics.build_results)."""
     stats = build_results(list(records))
@@ -55,10 +59,18 @@ def aggregate(records: Sequence[RequestRecord], *, mode: str, budget: float | No
     gaps = [v for v in (_finite(m.get("max_gap_s")) for m in handovers) if v is not None]
     limit_s = 1.0 / reading_rate_tps if reading_rate_tps > 0 else None
     return {
-        "mode": mode, "budget": budget, "constraint": constraint, "reading_rate_tps": reading_rate_tps,
-        "requests": len(records), "completed": stats["completed"], "failed": stats["failed"],
-        "mean_ttft_ms": stats["mean_ttft_ms"], "median_ttft_ms": stats["median_ttft_ms"],
-        "p99_ttft_ms": stats["p99_ttft_ms"], "mean_tbt_ms": stats["mean_tbt_ms"], "p99_tbt_ms": stats["p99_tbt_ms"],
+        "mode": mode,
+        "budget": budget,
+        "constraint": constraint,
+        "reading_rate_tps": reading_rate_tps,
+        "requests": len(records),
+        "completed": stats["completed"],
+        "failed": stats["failed"],
+        "mean_ttft_ms": stats["mean_ttft_ms"],
+        "median_ttft_ms": stats["median_ttft_ms"],
+        "p99_ttft_ms": stats["p99_ttft_ms"],
+        "mean_tbt_ms": stats["mean_tbt_ms"],
+        "p99_tbt_ms": stats["p99_tbt_ms"],
         "mean_cost": _mean(totals),
         "mean_device_cost": _mean([v for v in (_finite(c.get("device")) for c in cost) if v is not None]),
         "mean_server_cost": _mean([v for v in (_finite(c.get("server")) for c in cost) if v is not None]),
@@ -66,8 +78,9 @@ def aggregate(records: Sequence[RequestRecord], *, mode: str, budget: float | No
         "endpoints": dict(Counter(str(r.tophat.get("endpoint")) for r in done)),  # who gave the first token
         "decisions": dict(Counter(str(r.tophat.get("decision")) for r in done)),
         # requests whose dispatch started more than one endpoint (hand-over receivers not counted)
-        "raced": sum(1 for r in done
-                     if len(r.tophat.get("endpoints") or []) - len(r.tophat.get("migrations") or []) > 1),
+        "raced": sum(
+            1 for r in done if len(r.tophat.get("endpoints") or []) - len(r.tophat.get("migrations") or []) > 1
+        ),
         "migrations": len(migrations),
         "handovers_called_off": len(handovers) - len(migrations),
         "migration_reasons": dict(Counter(str(m.get("reason")) for m in migrations)),
@@ -123,17 +136,28 @@ def compare(entries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "device": next((e for e in same if e["mode"] == "device"), None),
             "cloud": next((e for e in same if e["mode"] == "cloud"), None),
         }
-        ratios = {name: None if base is None else {
-            "mean_ttft": _ratio(entry["mean_ttft_ms"], base["mean_ttft_ms"]),
-            "p99_ttft": _ratio(entry["p99_ttft_ms"], base["p99_ttft_ms"]),
-            "cost": _ratio(entry["mean_cost"], base["mean_cost"]),
-        } for name, base in against.items()}
+        ratios = {
+            name: None
+            if base is None
+            else {
+                "mean_ttft": _ratio(entry["mean_ttft_ms"], base["mean_ttft_ms"]),
+                "p99_ttft": _ratio(entry["p99_ttft_ms"], base["p99_ttft_ms"]),
+                "cost": _ratio(entry["mean_cost"], base["mean_cost"]),
+            }
+            for name, base in against.items()
+        }
         by_mean = dominators(entry, baselines, "mean_ttft_ms")
         by_p99 = dominators(entry, baselines, "p99_ttft_ms")
-        out.append({**entry, "ratios": ratios,
-                    "pareto_mean": _point(entry, "mean_ttft_ms") is not None and not by_mean,
-                    "pareto_p99": _point(entry, "p99_ttft_ms") is not None and not by_p99,
-                    "dominated_by_mean": by_mean, "dominated_by_p99": by_p99})
+        out.append(
+            {
+                **entry,
+                "ratios": ratios,
+                "pareto_mean": _point(entry, "mean_ttft_ms") is not None and not by_mean,
+                "pareto_p99": _point(entry, "p99_ttft_ms") is not None and not by_p99,
+                "dominated_by_mean": by_mean,
+                "dominated_by_p99": by_p99,
+            }
+        )
     return out
 
 
@@ -148,31 +172,44 @@ def _x(v: Any) -> str:
 
 def format_tables(entries: Sequence[dict[str, Any]], title: str) -> str:
     """The measurements, then disco against the baselines measured in the same run."""
-    lines = [title, f"{'regime':7s} {'policy':12s} {'done':>6s} {'TTFT mean':>9s} {'TTFT p99':>9s} {'cost $/req':>11s} "
-             f"{'TBT p99':>8s} {'raced':>5s} {'first token dev/srv':>19s} {'migr (off)':>10s} {'max gap / 1/r_c':>16s}"]
+    lines = [
+        title,
+        f"{'regime':7s} {'policy':12s} {'done':>6s} {'TTFT mean':>9s} {'TTFT p99':>9s} {'cost $/req':>11s} "
+        f"{'TBT p99':>8s} {'raced':>5s} {'first token dev/srv':>19s} {'migr (off)':>10s} {'max gap / 1/r_c':>16s}",
+    ]
     for e in entries:
         first = e.get("endpoints") or {}
         server_first = sum(v for k, v in first.items() if k in ("cloud", "hat"))
-        gap = (f"{_ms(e['max_migration_gap_ms'])}/{_ms(e['migration_gap_limit_ms'])} ms"
-               if e.get("max_migration_gap_ms") is not None else "-")
+        gap = (
+            f"{_ms(e['max_migration_gap_ms'])}/{_ms(e['migration_gap_limit_ms'])} ms"
+            if e.get("max_migration_gap_ms") is not None
+            else "-"
+        )
         cost = "-" if _finite(e.get("mean_cost")) is None else f"{e['mean_cost']:.3g}"
-        lines.append(f"{e['constraint']:7s} {_label(e):12s} {e['completed']:>3d}/{e['requests']:<2d} "
-                     f"{_ms(e['mean_ttft_ms']):>7s}ms {_ms(e['p99_ttft_ms']):>7s}ms {cost:>11s} "
-                     f"{_ms(e['p99_tbt_ms']):>6s}ms {e['raced']:5d} {first.get('device', 0):>9d}/{server_first:<9d} "
-                     f"{e['migrations']:4d} ({e.get('handovers_called_off', 0):2d})  {gap:>16s}")
+        lines.append(
+            f"{e['constraint']:7s} {_label(e):12s} {e['completed']:>3d}/{e['requests']:<2d} "
+            f"{_ms(e['mean_ttft_ms']):>7s}ms {_ms(e['p99_ttft_ms']):>7s}ms {cost:>11s} "
+            f"{_ms(e['p99_tbt_ms']):>6s}ms {e['raced']:5d} {first.get('device', 0):>9d}/{server_first:<9d} "
+            f"{e['migrations']:4d} ({e.get('handovers_called_off', 0):2d})  {gap:>16s}"
+        )
     compared = compare(entries)
     if compared:
-        lines += ["", "disco / baseline (mean TTFT, P99 TTFT, cost); Pareto front of {device, cloud, random@all b} "
-                  "in (TTFT, cost)",
-                  f"{'regime':7s} {'policy':12s} {'vs random@b':>23s} {'vs device-only':>23s} {'vs cloud-only':>23s} "
-                  f"{'front(mean)':>11s} {'front(p99)':>10s}"]
+        lines += [
+            "",
+            "disco / baseline (mean TTFT, P99 TTFT, cost); Pareto front of {device, cloud, random@all b} "
+            "in (TTFT, cost)",
+            f"{'regime':7s} {'policy':12s} {'vs random@b':>23s} {'vs device-only':>23s} {'vs cloud-only':>23s} "
+            f"{'front(mean)':>11s} {'front(p99)':>10s}",
+        ]
         for c in compared:
             cells = []
             for name in ("random", "device", "cloud"):
                 r = c["ratios"][name]
                 cells.append("-" if r is None else f"{_x(r['mean_ttft'])} {_x(r['p99_ttft'])} {_x(r['cost'])}")
-            lines.append(f"{c['constraint']:7s} {_label(c):12s} {cells[0]:>23s} {cells[1]:>23s} {cells[2]:>23s} "
-                         f"{'yes' if c['pareto_mean'] else 'no':>11s} {'yes' if c['pareto_p99'] else 'no':>10s}")
+            lines.append(
+                f"{c['constraint']:7s} {_label(c):12s} {cells[0]:>23s} {cells[1]:>23s} {cells[2]:>23s} "
+                f"{'yes' if c['pareto_mean'] else 'no':>11s} {'yes' if c['pareto_p99'] else 'no':>10s}"
+            )
             for key, name in (("dominated_by_mean", "mean"), ("dominated_by_p99", "p99")):
                 if c[key]:
                     lines.append(f"{'':20s} ({name}) dominated by {', '.join(c[key])}")
@@ -189,15 +226,17 @@ def plot_cost_ttft(entries: Sequence[dict[str, Any]], path: Path, title: str) ->
     markers = {"device": "s", "cloud": "^", "random": "o", "disco": "*"}
     for ax, key, name in ((axes[0], "mean_ttft_ms", "mean TTFT (ms)"), (axes[1], "p99_ttft_ms", "P99 TTFT (ms)")):
         for mode, marker in markers.items():
-            points = sorted((e["budget"] or 0.0, p) for e in entries if e["mode"] == mode
-                            for p in [_point(e, key)] if p is not None)
+            points = sorted(
+                (e["budget"] or 0.0, p) for e in entries if e["mode"] == mode for p in [_point(e, key)] if p is not None
+            )
             if not points:
                 continue
             xs, ys = [p[0] for _, p in points], [p[1] for _, p in points]
-            ax.plot(xs, ys, marker=marker, ms=10 if mode == "disco" else 7, ls="-" if len(points) > 1 else "",
-                    label=mode)
+            ax.plot(
+                xs, ys, marker=marker, ms=10 if mode == "disco" else 7, ls="-" if len(points) > 1 else "", label=mode
+            )
             if mode in ("random", "disco"):
-                for (b, (x, y)) in points:
+                for b, (x, y) in points:
                     ax.annotate(f"b={b:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set(xlabel="mean cost per request ($)", ylabel=name)
         ax.grid(alpha=0.3)

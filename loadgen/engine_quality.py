@@ -73,14 +73,19 @@ class Scores:
         self.positions += len(window) - 1
 
     def summary(self) -> dict[str, float | int]:
-        return {"positions": self.positions, "same_top": self.same_top / self.positions,
-                "mean_kl": self.kl / self.positions, "perplexity": math.exp(self.nll / self.positions)}
+        return {
+            "positions": self.positions,
+            "same_top": self.same_top / self.positions,
+            "mean_kl": self.kl / self.positions,
+            "perplexity": math.exp(self.nll / self.positions),
+        }
 
 
 def llama_command(gguf: Path, python: Path, *args: str) -> dict:
     script = Path(__file__).with_name("llama_cpp_decode.py")
-    done = subprocess.run([str(python), str(script), str(gguf), *args], capture_output=True, text=True,
-                          timeout=3600, check=True)
+    done = subprocess.run(
+        [str(python), str(script), str(gguf), *args], capture_output=True, text=True, timeout=3600, check=True
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -130,20 +135,25 @@ def quality_table(
         with tempfile.TemporaryDirectory(prefix="llama-prompts-") as folder:
             spec = Path(folder, "prompts.json")
             spec.write_text(json.dumps(asked))
-            answers["llama.cpp Q4_1"] = llama_command(*llama, "--prompts-file", str(spec), "--new-tokens",
-                                                      str(new_tokens))["answers"]
+            answers["llama.cpp Q4_1"] = llama_command(
+                *llama, "--prompts-file", str(spec), "--new-tokens", str(new_tokens)
+            )["answers"]
         scores["llama.cpp Q4_1"] = llama_scores
     eos = reference.eos_token_id
     table = {}
     for name, score in scores.items():
-        same = sum(until_eos(a[:new_tokens], eos) == until_eos(b[:new_tokens], eos)
-                   for a, b in zip(answers[name], answers[reference_name]))
+        same = sum(
+            until_eos(a[:new_tokens], eos) == until_eos(b[:new_tokens], eos)
+            for a, b in zip(answers[name], answers[reference_name])
+        )
         table[name] = {**score.summary(), "same_answers": same, "prompts": len(asked)}
     llama_top = table.get("llama.cpp Q4_1", {}).get("same_top", 0.0)
     for row in table.values():
         row["passes_gate"] = bool(
-            row["same_top"] >= GATE_SAME_TOP and row["mean_kl"] <= GATE_MEAN_KL
-            and row["same_answers"] >= GATE_ANSWERS * row["prompts"] and row["same_top"] >= llama_top
+            row["same_top"] >= GATE_SAME_TOP
+            and row["mean_kl"] <= GATE_MEAN_KL
+            and row["same_answers"] >= GATE_ANSWERS * row["prompts"]
+            and row["same_top"] >= llama_top
         )
     return table
 
@@ -152,8 +162,12 @@ def print_quality(table: dict[str, dict]) -> None:
     print("\n| engine | same top as f32 | mean KL(f32 || engine) | perplexity | greedy answers = f32's | gate |")
     print("|---|---|---|---|---|---|")
     for name, row in table.items():
-        print(f"| {name} | {row['same_top']:.3%} | {row['mean_kl']:.2e} | {row['perplexity']:.3f} | "
-              f"{row['same_answers']}/{row['prompts']} | {'pass' if row['passes_gate'] else 'FAIL'} |")
+        print(
+            f"| {name} | {row['same_top']:.3%} | {row['mean_kl']:.2e} | {row['perplexity']:.3f} | "
+            f"{row['same_answers']}/{row['prompts']} | {'pass' if row['passes_gate'] else 'FAIL'} |"
+        )
     positions = next(iter(table.values()))["positions"]
-    print(f"({positions} teacher-forced positions of held-out text; gate: same top >= {GATE_SAME_TOP:.1%}, "
-          f"mean KL <= {GATE_MEAN_KL:g}, answers >= {GATE_ANSWERS:.1%} and same top >= llama.cpp's)")
+    print(
+        f"({positions} teacher-forced positions of held-out text; gate: same top >= {GATE_SAME_TOP:.1%}, "
+        f"mean KL <= {GATE_MEAN_KL:g}, answers >= {GATE_ANSWERS:.1%} and same top >= llama.cpp's)"
+    )

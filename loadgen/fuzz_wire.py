@@ -35,10 +35,38 @@ log = logging.getLogger("loadgen.fuzz_wire")
 
 REPLY_TIMEOUT_S = 10.0
 # Values a well-typed field must refuse: wrong types, negative and out-of-range ints, floats that are not numbers.
-WRONG_VALUES = (-1, -(2**63), 2**64 - 1, 2**63, 1.5, float("nan"), float("inf"), True, False, None, "7", b"\x07",
-                [1, 2], {"a": 1}, 0, 2**32)
-MUTATIONS = ("bit_flip", "truncate", "wrong_type", "swap", "drop_key", "extra_key", "tensor", "type_code",
-             "version", "append", "junk", "text")
+WRONG_VALUES = (
+    -1,
+    -(2**63),
+    2**64 - 1,
+    2**63,
+    1.5,
+    float("nan"),
+    float("inf"),
+    True,
+    False,
+    None,
+    "7",
+    b"\x07",
+    [1, 2],
+    {"a": 1},
+    0,
+    2**32,
+)
+MUTATIONS = (
+    "bit_flip",
+    "truncate",
+    "wrong_type",
+    "swap",
+    "drop_key",
+    "extra_key",
+    "tensor",
+    "type_code",
+    "version",
+    "append",
+    "junk",
+    "text",
+)
 
 
 @dataclass
@@ -55,13 +83,15 @@ class FuzzCounts:
 
     def summary(self) -> str:
         rate = self.frames_sent / self.elapsed_s if self.elapsed_s > 0 else 0.0
-        return (f"frames sent {self.frames_sent} in {self.elapsed_s:.1f} s ({rate:.0f}/s), typed errors "
-                f"{self.typed_errors} (of {self.bad_frames} bad frames), connections dropped "
-                f"{self.connections_dropped}, still-valid frames {self.valid_frames}, wrong replies "
-                f"{len(self.wrong_replies)}; errors by code: "
-                + ", ".join(f"{k} {v}" for k, v in sorted(self.by_code.items()))
-                + "; valid frames answered with: "
-                + ", ".join(f"{k} {v}" for k, v in sorted(self.valid_replies.items())))
+        return (
+            f"frames sent {self.frames_sent} in {self.elapsed_s:.1f} s ({rate:.0f}/s), typed errors "
+            f"{self.typed_errors} (of {self.bad_frames} bad frames), connections dropped "
+            f"{self.connections_dropped}, still-valid frames {self.valid_frames}, wrong replies "
+            f"{len(self.wrong_replies)}; errors by code: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.by_code.items()))
+            + "; valid frames answered with: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.valid_replies.items()))
+        )
 
 
 def templates(hidden: int, session_ids: tuple[int, ...], open_fields: dict, rng: random.Random) -> list[wire.Message]:
@@ -82,8 +112,17 @@ def templates(hidden: int, session_ids: tuple[int, ...], open_fields: dict, rng:
         wire.BandwidthProbe(0, seq, rng.randint(1, 4), rows(1)),
         wire.OpenTokenSession(sid, 0.5, 0.9, 3),
         wire.TokenStep(sid, seq, 2, [5, 6]),
-        wire.TokenDraft(sid, seq, rng.randrange(2), rng.randrange(4), (5, 6, 7), num_final, rng.random() < 0.5,
-                        rng.randrange(11), torch.full((3 - num_final,), 0.5) if rng.random() < 0.5 else None),
+        wire.TokenDraft(
+            sid,
+            seq,
+            rng.randrange(2),
+            rng.randrange(4),
+            (5, 6, 7),
+            num_final,
+            rng.random() < 0.5,
+            rng.randrange(11),
+            torch.full((3 - num_final,), 0.5) if rng.random() < 0.5 else None,
+        ),
         wire.TokenVerdict(sid, seq, 1, 0, rejected=True, vocab_size=4, probs=torch.tensor([0.5, 0.5]), indices=(1, 2)),
         wire.SessionOpened(sid),
         wire.ErrorFrame(wire.ErrorCode.INTERNAL, "x", sid, seq),
@@ -105,13 +144,13 @@ def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
             out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
         return bytes(out)
     if kind == "truncate":
-        return frame[:rng.randrange(len(frame))]
+        return frame[: rng.randrange(len(frame))]
     if kind == "append":
         return frame + rng.randbytes(rng.randint(1, 8))
     if kind == "junk":
         return rng.randbytes(rng.randint(0, 64))
     if kind == "text":
-        return "{\"v\": 1, \"t\": 3, \"s\": 1}"
+        return '{"v": 1, "t": 3, "s": 1}'
     keys = [k for k in m if k not in ("v", "t")] or ["s"]
     if kind == "wrong_type":
         m[rng.choice(keys)] = rng.choice(WRONG_VALUES)
@@ -128,12 +167,14 @@ def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
         if part == "d":
             tensor["d"] = rng.choice(("f8", "i4", "", 2, None, "f4", "bf"))
         elif part == "s":
-            tensor["s"] = rng.choice(([0, 1], [-1, 4], [1], [1, 2, 3], [2**40, 2**40], "1x4", [1, 0],
-                                      [tensor["s"][0] + 1, tensor["s"][1]]))
+            tensor["s"] = rng.choice(
+                ([0, 1], [-1, 4], [1], [1, 2, 3], [2**40, 2**40], "1x4", [1, 0], [tensor["s"][0] + 1, tensor["s"][1]])
+            )
         else:
             raw = tensor["b"]
-            tensor["b"] = rng.choice((raw[:-1], raw + b"\0", b"", "text", raw[: len(raw) // 2],
-                                      b"\xff" * len(raw)))  # all bits set: NaN in every float dtype
+            tensor["b"] = rng.choice(
+                (raw[:-1], raw + b"\0", b"", "text", raw[: len(raw) // 2], b"\xff" * len(raw))
+            )  # all bits set: NaN in every float dtype
         m["h"] = tensor
     elif kind == "type_code":
         m["t"] = rng.choice((0, 5, 0x13, 0x5D, 0x7E, 127, 200, -1, "t", None, 2**63))
@@ -144,8 +185,9 @@ def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
     return _pack(m)
 
 
-def expected_error(frame: bytes | str, hidden: int,
-                   max_frame_bytes: int) -> tuple[wire.ErrorCode | None, wire.Message | None]:
+def expected_error(
+    frame: bytes | str, hidden: int, max_frame_bytes: int
+) -> tuple[wire.ErrorCode | None, wire.Message | None]:
     """(code the verifier must answer, None) for a bad frame; (None, message) for one that decodes."""
     if isinstance(frame, str):
         return wire.ErrorCode.MALFORMED, None
@@ -160,10 +202,17 @@ async def _exchange(ws: ClientConnection, frame: bytes | str) -> wire.Message:
     return wire.decode(await asyncio.wait_for(ws.recv(), REPLY_TIMEOUT_S), max_frame_bytes=2**31)
 
 
-async def fuzz_connection(ws: ClientConnection, hidden: int, *, frames: int = 2000, seed: int = 0,
-                          protected: frozenset[int] = frozenset(), open_fields: dict | None = None,
-                          max_frame_bytes: int = wire.MAX_FRAME_BYTES,
-                          reconnect: Callable[[], "asyncio.Future[ClientConnection]"] | None = None) -> FuzzCounts:
+async def fuzz_connection(
+    ws: ClientConnection,
+    hidden: int,
+    *,
+    frames: int = 2000,
+    seed: int = 0,
+    protected: frozenset[int] = frozenset(),
+    open_fields: dict | None = None,
+    max_frame_bytes: int = wire.MAX_FRAME_BYTES,
+    reconnect: Callable[[], "asyncio.Future[ClientConnection]"] | None = None,
+) -> FuzzCounts:
     """Send `frames` mutated frames on `ws`, one reply each; never touch `protected` sessions.
 
     A connection that closes is counted; with `reconnect` the fuzz goes on over a new one,
@@ -215,7 +264,9 @@ async def _main(args: argparse.Namespace) -> FuzzCounts:
 
     from tophatctl.models import resolve_model
 
-    settings = Settings(port=0, model_dir=str(resolve_model(args.model)), split_layers=args.split_layers, log_level="warning")
+    settings = Settings(
+        port=0, model_dir=str(resolve_model(args.model)), split_layers=args.split_layers, log_level="warning"
+    )
     server = VerifierServer.from_settings(settings)
     stop = asyncio.Event()
     started = asyncio.get_running_loop().create_future()
@@ -231,9 +282,16 @@ async def _main(args: argparse.Namespace) -> FuzzCounts:
         async def reconnect() -> ClientConnection:
             return await connect(url, max_size=None, open_timeout=10)
 
-        counts = await fuzz_connection(ws, server.hidden_size, frames=args.frames, seed=args.seed,
-                                       protected=frozenset({protected}), open_fields=open_fields,
-                                       max_frame_bytes=settings.max_frame_bytes, reconnect=reconnect)
+        counts = await fuzz_connection(
+            ws,
+            server.hidden_size,
+            frames=args.frames,
+            seed=args.seed,
+            protected=frozenset({protected}),
+            open_fields=open_fields,
+            max_frame_bytes=settings.max_frame_bytes,
+            reconnect=reconnect,
+        )
         await ws.close()
         return counts
     finally:
@@ -244,15 +302,17 @@ async def _main(args: argparse.Namespace) -> FuzzCounts:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     counts = asyncio.run(_main(args))
-    print(f"frames sent: {counts.frames_sent} in {counts.elapsed_s:.1f} s "
-          f"({counts.frames_sent / max(counts.elapsed_s, 1e-9):.0f} frames/s)")
-    print(f"typed errors: {counts.typed_errors} (of {counts.bad_frames} bad frames; "
-          f"{counts.valid_frames} mutations still valid)")
+    print(
+        f"frames sent: {counts.frames_sent} in {counts.elapsed_s:.1f} s "
+        f"({counts.frames_sent / max(counts.elapsed_s, 1e-9):.0f} frames/s)"
+    )
+    print(
+        f"typed errors: {counts.typed_errors} (of {counts.bad_frames} bad frames; "
+        f"{counts.valid_frames} mutations still valid)"
+    )
     print(f"connections dropped: {counts.connections_dropped}")
     print("errors by code: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.by_code.items())))
-    print("still-valid frames answered with: "
-          + ", ".join(f"{k} {v}" for k, v in sorted(counts.valid_replies.items())))
+    print("still-valid frames answered with: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.valid_replies.items())))
     for line in counts.wrong_replies[:10]:
         print(f"wrong reply: {line}")
     return 0 if counts.connections_dropped == 0 and not counts.wrong_replies else 1
-

@@ -31,12 +31,29 @@ log = logging.getLogger("bench_gpu")
 # models/smollm2/config.json as `tophat import-gguf` writes it: the shape `--weights random` builds when the
 # directory holds only the committed adapter (the import's files are git-ignored)
 SMOLLM2_CONFIG: dict[str, Any] = {
-    "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1,
-    "eos_token_id": 2, "head_dim": 64, "hidden_act": "silu", "hidden_size": 576, "initializer_range": 0.02,
-    "intermediate_size": 1536, "max_position_embeddings": 8192, "mlp_bias": False, "num_attention_heads": 9,
-    "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2, "pretraining_tp": 1,
-    "rms_norm_eps": 9.999999747378752e-06, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
-    "tie_word_embeddings": True, "unk_token_id": 0, "use_cache": True, "vocab_size": 49152,
+    "model_type": "llama",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "initializer_range": 0.02,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 8192,
+    "mlp_bias": False,
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "pad_token_id": 2,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 9.999999747378752e-06,
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+    "tie_word_embeddings": True,
+    "unk_token_id": 0,
+    "use_cache": True,
+    "vocab_size": 49152,
 }
 GRAPH_NOTE = (
     "The runner's KV cache appends at a Python-side length, so a capture bakes the position in: every replay "
@@ -101,7 +118,9 @@ def device_facts(device: torch.device) -> dict[str, Any]:
     import transformers
 
     facts: dict[str, Any] = {
-        "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
     if device.type == "cuda":
@@ -128,15 +147,21 @@ def place_model(model: str, device_spec: str, dtype_spec: str, weights: str) -> 
         source = f"checkpoint {path}"
     else:
         checkpoint = random_checkpoint(path, placement.dtype, placement.quantize)
-        source = (f"random init (seed 0) in {path.name}'s shape: no model.safetensors in {path}; speeds stand, "
-                  "accept lengths do not")
+        source = (
+            f"random init (seed 0) in {path.name}'s shape: no model.safetensors in {path}; speeds stand, "
+            "accept lengths do not"
+        )
     checkpoint.model.to(placement.device)
     sync(placement.device)
     info = {
-        "placement": str(placement), "device": str(placement.device),
+        "placement": str(placement),
+        "device": str(placement.device),
         "dtype": str(placement.dtype).removeprefix("torch."),
-        "model": model, "weights": weights, "weights_source": source,
-        "layers": checkpoint.num_layers, "hidden_size": checkpoint.hidden_size,
+        "model": model,
+        "weights": weights,
+        "weights_source": source,
+        "layers": checkpoint.num_layers,
+        "hidden_size": checkpoint.hidden_size,
         "parameters": sum(p.numel() for p in checkpoint.model.parameters()),
         "weight_mb": sum(t.nbytes for t in [*checkpoint.model.parameters(), *checkpoint.model.buffers()]) / 1e6,
         "load_s": round(time.perf_counter() - started, 2),
@@ -183,8 +208,15 @@ def near_tie(checkpoint: Checkpoint, prompt: list[int], reference: list[int], ha
     return out
 
 
-def greedy_check(checkpoint: Checkpoint, split: int, adapter: str | None, prompts: list[list[int]], new_tokens: int,
-                 eta: float = 0.6, max_draft: int = 8) -> dict[str, Any]:
+def greedy_check(
+    checkpoint: Checkpoint,
+    split: int,
+    adapter: str | None,
+    prompts: list[list[int]],
+    new_tokens: int,
+    eta: float = 0.6,
+    max_draft: int = 8,
+) -> dict[str, Any]:
     """HAT's greedy answer (device part and LocalCloud on the checkpoint's device) against the unsplit runner's
     greedy decode of the same prompt alone, prompt by prompt."""
     device = checkpoint.model.device
@@ -211,9 +243,15 @@ def greedy_check(checkpoint: Checkpoint, split: int, adapter: str | None, prompt
                     mismatch["near_tie_error"] = f"{type(exc).__name__}: {exc}"
             mismatches.append(mismatch)
     return {
-        "equal": equal, "prompts": len(prompts), "new_tokens": new_tokens, "all_equal": equal == len(prompts),
-        "mean_accept_length": statistics.mean(accepts) if accepts else None, "rounds": len(accepts),
-        "eta": eta, "max_draft": max_draft, "adapter": adapter or "the model's own draft_adapter.safetensors",
+        "equal": equal,
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "all_equal": equal == len(prompts),
+        "mean_accept_length": statistics.mean(accepts) if accepts else None,
+        "rounds": len(accepts),
+        "eta": eta,
+        "max_draft": max_draft,
+        "adapter": adapter or "the model's own draft_adapter.safetensors",
         "mismatches": mismatches,
         # one session at a time, in process, no network: what the GPU does per token with speculation
         "hat_in_process_tok_s": hat_tokens / hat_s if hat_s else None,
@@ -221,9 +259,15 @@ def greedy_check(checkpoint: Checkpoint, split: int, adapter: str | None, prompt
 
 
 @torch.inference_mode()
-def graph_vs_eager(layers: LayerRange, hidden: int, context: int, make_input: Callable[[], torch.Tensor],
-                   embed: Callable[[torch.Tensor], torch.Tensor], finish: Callable[[torch.Tensor], torch.Tensor],
-                   repeats: int) -> dict[str, Any]:
+def graph_vs_eager(
+    layers: LayerRange,
+    hidden: int,
+    context: int,
+    make_input: Callable[[], torch.Tensor],
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    finish: Callable[[torch.Tensor], torch.Tensor],
+    repeats: int,
+) -> dict[str, Any]:
     """ms of one 1-row pass of `layers` after `context` cached positions, eager and replayed from a CUDA graph
     (GRAPH_NOTE: what the replay computes)."""
     device = layers.device
@@ -255,9 +299,13 @@ def graph_vs_eager(layers: LayerRange, hidden: int, context: int, make_input: Ca
     graph.replay()
     sync(device)
     cache.free()
-    return {"eager_ms": eager_ms, "graph_ms": graph_ms, "speedup": eager_ms / graph_ms if graph_ms else None,
-            "same_output": bool(torch.equal(static_out, expected)),
-            "max_abs_diff": float((static_out.float() - expected.float()).abs().max())}
+    return {
+        "eager_ms": eager_ms,
+        "graph_ms": graph_ms,
+        "speedup": eager_ms / graph_ms if graph_ms else None,
+        "same_output": bool(torch.equal(static_out, expected)),
+        "max_abs_diff": float((static_out.float() - expected.float()).abs().max()),
+    }
 
 
 def cuda_graphs(checkpoint: Checkpoint, split: int, context: int, repeats: int) -> dict[str, Any]:
@@ -267,13 +315,19 @@ def cuda_graphs(checkpoint: Checkpoint, split: int, context: int, repeats: int) 
     out: dict[str, Any] = {"context": context, "note": GRAPH_NOTE}
     decoder, head = checkpoint.decoder, checkpoint.model.lm_head
     parts = {
-        "verify_1row": (MiddleSubmodel(checkpoint, split),
-                        lambda: torch.randn(1, checkpoint.hidden_size, dtype=checkpoint.model.dtype, device=device),
-                        lambda x: x, lambda h: h),
+        "verify_1row": (
+            MiddleSubmodel(checkpoint, split),
+            lambda: torch.randn(1, checkpoint.hidden_size, dtype=checkpoint.model.dtype, device=device),
+            lambda x: x,
+            lambda h: h,
+        ),
         # the whole decode step on the GPU: layers, final norm, head, argmax (the runner's head answers on the CPU)
-        "decode_step_1row": (LayerRange(checkpoint, 0, checkpoint.num_layers),
-                             lambda: torch.tensor([5], device=device), decoder.embed_tokens,
-                             lambda h: head(decoder.norm(h)).argmax(-1)),
+        "decode_step_1row": (
+            LayerRange(checkpoint, 0, checkpoint.num_layers),
+            lambda: torch.tensor([5], device=device),
+            decoder.embed_tokens,
+            lambda h: head(decoder.norm(h)).argmax(-1),
+        ),
     }
     for name, (layers, make_input, embed, finish) in parts.items():
         try:

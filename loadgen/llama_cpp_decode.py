@@ -48,8 +48,15 @@ def main() -> None:
     if args.windows_file:
         windows = json.loads(Path(args.windows_file).read_text())
         context = max(len(w) for w in windows)
-        llm = Llama(model_path=args.gguf, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=context,
-                    n_batch=context, logits_all=True, verbose=False)
+        llm = Llama(
+            model_path=args.gguf,
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            n_ctx=context,
+            n_batch=context,
+            logits_all=True,
+            verbose=False,
+        )
         for i, window in enumerate(windows):
             llm.reset()
             llm.eval(window)
@@ -58,8 +65,14 @@ def main() -> None:
         return
     # logits_all: llama-cpp-python 0.3 leaves `scores` zero without it (its greedy answer would be token 0 forever);
     # a decode step asks for its one row's logits either way
-    llm = Llama(model_path=args.gguf, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=1024,
-                logits_all=True, verbose=False)
+    llm = Llama(
+        model_path=args.gguf,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_ctx=1024,
+        logits_all=True,
+        verbose=False,
+    )
     if args.prompts_file:
         prompts = json.loads(Path(args.prompts_file).read_text())
         print(json.dumps({"answers": [greedy(llm, prompt, args.new_tokens)[0] for prompt in prompts]}))

@@ -112,8 +112,9 @@ def summarize_ms(values_s: Iterable[float | None], name: str) -> dict[str, float
     return {f"{k}_{name}_ms": v for k, v in stats.items()}
 
 
-def compliance_curve(records: list[RequestRecord], sla: Callable[[RequestRecord], float | None],
-                     thresholds_s: np.ndarray) -> np.ndarray:
+def compliance_curve(
+    records: list[RequestRecord], sla: Callable[[RequestRecord], float | None], thresholds_s: np.ndarray
+) -> np.ndarray:
     """Fraction of requests whose SLA value is <= each threshold (a CDF). Failed requests are in
     the denominator and never comply; successful ones where the SLA is undefined are left out."""
     values = np.asarray([v for v in map(sla, records) if v is not None], dtype=float)
@@ -123,8 +124,12 @@ def compliance_curve(records: list[RequestRecord], sla: Callable[[RequestRecord]
     return np.searchsorted(np.sort(values), thresholds_s, side="right") / denom
 
 
-def threshold_grid(records: list[RequestRecord], sla: Callable[[RequestRecord], float | None],
-                   points: int = 101, include_s: float | None = None) -> np.ndarray:
+def threshold_grid(
+    records: list[RequestRecord],
+    sla: Callable[[RequestRecord], float | None],
+    points: int = 101,
+    include_s: float | None = None,
+) -> np.ndarray:
     """0 .. just past the largest value (and past `include_s`, an SLA to be shown on the curve)."""
     values = [v for v in map(sla, records) if v is not None] + ([include_s] if include_s else [])
     top = max(values) * 1.05 if values and max(values) > 0 else 1.0
@@ -153,8 +158,9 @@ def goodput_rps(records: list[RequestRecord], duration_s: float, slos_ms: dict[s
 def mean_accept_length(records: list[RequestRecord]) -> float | None:
     """Tokens per verification over the run: per-request means weighted by their round counts
     (a request whose round count the server did not report counts as one round)."""
-    return latency_stats.pooled_accept_length((r.accept_length, r.num_rounds or 1) for r in records
-                                              if r.ok and r.accept_length is not None)
+    return latency_stats.pooled_accept_length(
+        (r.accept_length, r.num_rounds or 1) for r in records if r.ok and r.accept_length is not None
+    )
 
 
 def run_duration_s(records: list[RequestRecord]) -> float:
@@ -163,16 +169,24 @@ def run_duration_s(records: list[RequestRecord]) -> float:
     return max(ends, default=0.0)
 
 
-def build_results(records: list[RequestRecord], *, slos_ms: dict[str, float] | None = None,
-                  sla_thresholds_ms: dict[str, float] | None = None, grid_points: int = 101) -> dict[str, Any]:
+def build_results(
+    records: list[RequestRecord],
+    *,
+    slos_ms: dict[str, float] | None = None,
+    sla_thresholds_ms: dict[str, float] | None = None,
+    grid_points: int = 101,
+) -> dict[str, Any]:
     """The `vllm bench serve`-style summary plus HAT's accept length and SLA compliance curves."""
     ok = [r for r in records if r.ok]
     duration = run_duration_s(records)
     out_tokens = sum(output_tokens(r) for r in ok)
     in_tokens = sum(r.prompt_tokens or 0 for r in ok)
     res: dict[str, Any] = {
-        "completed": len(ok), "failed": len(records) - len(ok), "duration": duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration if duration > 0 else None,
         "output_throughput": out_tokens / duration if duration > 0 else None,
         "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else None,
@@ -203,22 +217,37 @@ def build_results(records: list[RequestRecord], *, slos_ms: dict[str, float] | N
 
 def request_row(r: RequestRecord) -> dict[str, Any]:
     """One requests.csv row: inputs, per-request metrics (ms) and the raw chunk trace."""
+
     def ms(v: float | None) -> float | None:
         return None if v is None else round(v * _MS, 3)
 
     tbt = tbt_samples_s(r)
     return {
-        "index": r.index, "device_hint": r.device_hint, "device_id": r.device_id, "ok": r.ok, "error": r.error,
-        "prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens, "output_tokens": output_tokens(r),
-        "finish_reason": r.finish_reason, "arrival_ms": ms(r.arrival_s), "send_ms": ms(r.send_s),
-        "end_ms": ms(r.end_s), "ttft_ms": ms(ttft_s(r)), "tpot_ms": ms(tpot_s(r)), "e2el_ms": ms(e2e_s(r)),
-        "mean_tbt_ms": ms(float(np.mean(tbt))) if tbt else None, "max_tbt_ms": ms(max(tbt)) if tbt else None,
-        "prefill_sla_ms": ms(prefill_sla_s(r)), "decode_sla_ms": ms(decode_sla_s(r)),
-        "accept_length": r.accept_length, "num_rounds": r.num_rounds,
-        "server_ttft_ms": ms(r.server_ttft_s), "server_tbt_ms": ms(r.server_tbt_s),
+        "index": r.index,
+        "device_hint": r.device_hint,
+        "device_id": r.device_id,
+        "ok": r.ok,
+        "error": r.error,
+        "prompt_tokens": r.prompt_tokens,
+        "max_tokens": r.max_tokens,
+        "output_tokens": output_tokens(r),
+        "finish_reason": r.finish_reason,
+        "arrival_ms": ms(r.arrival_s),
+        "send_ms": ms(r.send_s),
+        "end_ms": ms(r.end_s),
+        "ttft_ms": ms(ttft_s(r)),
+        "tpot_ms": ms(tpot_s(r)),
+        "e2el_ms": ms(e2e_s(r)),
+        "mean_tbt_ms": ms(float(np.mean(tbt))) if tbt else None,
+        "max_tbt_ms": ms(max(tbt)) if tbt else None,
+        "prefill_sla_ms": ms(prefill_sla_s(r)),
+        "decode_sla_ms": ms(decode_sla_s(r)),
+        "accept_length": r.accept_length,
+        "num_rounds": r.num_rounds,
+        "server_ttft_ms": ms(r.server_ttft_s),
+        "server_tbt_ms": ms(r.server_tbt_s),
         "server_queue_wait_ms": ms(r.server_queue_wait_s),
         "num_chunks": len(r.chunk_times_s),
         "chunk_times_ms": " ".join(f"{t * _MS:.3f}" for t in r.chunk_times_s),
         "chunk_tokens": " ".join(map(str, r.chunk_tokens)),
     }
-

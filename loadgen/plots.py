@@ -103,8 +103,13 @@ def plot_cloud_steps(steps: Sequence[dict[str, float]], out_dir: Path, title: st
     return path
 
 
-def write_plots(records: Sequence[RequestRecord], results: dict[str, Any], out_dir: Path, title: str,
-                steps: Sequence[dict[str, float]] = ()) -> list[Path]:
+def write_plots(
+    records: Sequence[RequestRecord],
+    results: dict[str, Any],
+    out_dir: Path,
+    title: str,
+    steps: Sequence[dict[str, float]] = (),
+) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = plot_latency_cdfs(records, out_dir, title)
     paths.append(plot_sla_compliance(results.get("sla_compliance") or {}, out_dir, title))

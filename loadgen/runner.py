@@ -42,14 +42,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RunConfig:
-    url: str                              # the streamer's base URL (with or without /v1)
+    url: str  # the streamer's base URL (with or without /v1)
     model: str | None = None
-    temperature: float = 0.0              # greedy, as vllm bench serve does by default
-    request_timeout_s: float = 300.0      # send -> end of stream, per request
+    temperature: float = 0.0  # greedy, as vllm bench serve does by default
+    request_timeout_s: float = 300.0  # send -> end of stream, per request
     connect_timeout_s: float = 10.0
-    max_concurrency: int | None = None    # None: pure open loop
+    max_concurrency: int | None = None  # None: pure open loop
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
-    send_device_hint: bool = False        # add "device_hint" to the body (the streamer ignores it today)
+    send_device_hint: bool = False  # add "device_hint" to the body (the streamer ignores it today)
     progress: bool = True
     api_key: str | None = field(default=None, repr=False)  # sent as Authorization: Bearer; never printed
 
@@ -72,8 +72,13 @@ def base_url(url: str) -> str:
 
 
 def request_body(req: WorkloadRequest, cfg: RunConfig) -> dict[str, Any]:
-    body: dict[str, Any] = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": cfg.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if cfg.model:
         body["model"] = cfg.model
     if cfg.send_device_hint:
@@ -83,21 +88,38 @@ def request_body(req: WorkloadRequest, cfg: RunConfig) -> dict[str, Any]:
 
 def make_client(cfg: RunConfig) -> httpx.AsyncClient:
     """One pooled client; no connection cap unless asked, so the pool never queues silently."""
-    timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.request_timeout_s,
-                            write=cfg.connect_timeout_s, pool=cfg.request_timeout_s)
+    timeout = httpx.Timeout(
+        connect=cfg.connect_timeout_s,
+        read=cfg.request_timeout_s,
+        write=cfg.connect_timeout_s,
+        pool=cfg.request_timeout_s,
+    )
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency or 256)
     return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, headers=auth_headers(cfg.api_key))
 
 
-async def run_load(requests: Sequence[WorkloadRequest], arrivals: Sequence[float], cfg: RunConfig, *,
-                   count_tokens: Callable[[str], int] | None = None) -> RunResult:
+async def run_load(
+    requests: Sequence[WorkloadRequest],
+    arrivals: Sequence[float],
+    cfg: RunConfig,
+    *,
+    count_tokens: Callable[[str], int] | None = None,
+) -> RunResult:
     """Send `requests[i]` at `arrivals[i]` seconds after the start; return one record per request."""
     if len(requests) != len(arrivals):
         raise ValueError(f"{len(requests)} requests but {len(arrivals)} arrival times")
     url = completions_url(cfg.url)
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-    records = [RequestRecord(index=r.index, arrival_s=float(a), max_tokens=r.max_tokens, prompt_tokens=r.prompt_tokens,
-                             device_hint=r.device_hint) for r, a in zip(requests, arrivals)]
+    records = [
+        RequestRecord(
+            index=r.index,
+            arrival_s=float(a),
+            max_tokens=r.max_tokens,
+            prompt_tokens=r.prompt_tokens,
+            device_hint=r.device_hint,
+        )
+        for r, a in zip(requests, arrivals)
+    ]
     bar = tqdm(total=len(records), unit="req", desc="loadgen", disable=not cfg.progress, dynamic_ncols=True)
     failed = 0
 
@@ -129,8 +151,9 @@ async def run_load(requests: Sequence[WorkloadRequest], arrivals: Sequence[float
     return RunResult(records, started_wall, ended_wall)
 
 
-async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord, t0: float,
-                timeout_s: float) -> None:
+async def send_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord, t0: float, timeout_s: float
+) -> None:
     try:
         async with asyncio.timeout(timeout_s):
             await _stream(client, url, body, rec, t0, timeout_s)
@@ -142,8 +165,9 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]
         rec.end_s = time.perf_counter() - t0
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord, t0: float,
-                  timeout_s: float) -> None:
+async def _stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], rec: RequestRecord, t0: float, timeout_s: float
+) -> None:
     stats = StreamStats()
     try:
         async with contextlib.aclosing(stream_chunks(client, url, body, timeout_s=timeout_s)) as chunks:
@@ -186,8 +210,9 @@ async def probe_server(url: str, timeout_s: float = 5.0, api_key: str | None = N
     return info
 
 
-async def fetch_verifier_steps(redis_url: str, started_wall: float, ended_wall: float,
-                               timeout_s: float = 5.0) -> tuple[list[dict[str, float]], str | None]:
+async def fetch_verifier_steps(
+    redis_url: str, started_wall: float, ended_wall: float, timeout_s: float = 5.0
+) -> tuple[list[dict[str, float]], str | None]:
     """Verifier steps (`compute_s`, `batched_tokens`, `ts`) logged during the run, or ([], why not).
 
     Entries are selected by stream id, i.e. by the Redis server's clock.
@@ -197,12 +222,14 @@ async def fetch_verifier_steps(redis_url: str, started_wall: float, ended_wall: 
 
     from shared.telemetry import VERIFIER_STEPS
 
-    client = aioredis.from_url(redis_url, decode_responses=True, socket_timeout=timeout_s,
-                               socket_connect_timeout=timeout_s)
+    client = aioredis.from_url(
+        redis_url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+    )
     try:
         async with asyncio.timeout(timeout_s * 3):
-            entries = await client.xrange(VERIFIER_STEPS, min=str(int(started_wall * 1000)),
-                                          max=str(int(ended_wall * 1000) + 1))
+            entries = await client.xrange(
+                VERIFIER_STEPS, min=str(int(started_wall * 1000)), max=str(int(ended_wall * 1000) + 1)
+            )
     except (RedisError, OSError, TimeoutError) as exc:
         return [], f"cannot read {VERIFIER_STEPS}: {type(exc).__name__}: {exc}"
     finally:
@@ -211,8 +238,13 @@ async def fetch_verifier_steps(redis_url: str, started_wall: float, ended_wall: 
     steps = []
     for _, fields in entries:
         try:
-            steps.append({"compute_s": float(fields["compute_s"]), "batched_tokens": float(fields.get("batched_tokens") or 0),
-                          "ts": float(fields.get("ts") or 0)})
+            steps.append(
+                {
+                    "compute_s": float(fields["compute_s"]),
+                    "batched_tokens": float(fields.get("batched_tokens") or 0),
+                    "ts": float(fields.get("ts") or 0),
+                }
+            )
         except (KeyError, ValueError):
             continue
     return steps, None if steps else f"no entries in {VERIFIER_STEPS} during the run"

@@ -58,9 +58,11 @@ class SoakReport:
         return self.failed == 0 and self.warmup_failed == 0 and not self.memory_failures
 
     def format(self) -> str:
-        lines = [f"soak: {self.duration_s:g} s of Poisson load at {self.rate:.3g} req/s "
-                 f"(after {self.warmup_requests} warm-up requests, {self.warmup_failed} of them failed)",
-                 f"requests: {self.requests}, completed: {self.completed}, failed: {self.failed} (goal 0)"]
+        lines = [
+            f"soak: {self.duration_s:g} s of Poisson load at {self.rate:.3g} req/s "
+            f"(after {self.warmup_requests} warm-up requests, {self.warmup_failed} of them failed)",
+            f"requests: {self.requests}, completed: {self.completed}, failed: {self.failed} (goal 0)",
+        ]
         if self.mean_e2e_s is not None:
             lines.append(f"mean end-to-end latency: {self.mean_e2e_s * 1e3:.0f} ms")
         lines += [f"  error x{count}: {error}" for error, count in self.errors.most_common(10)]
@@ -105,18 +107,31 @@ def _sample(processes: Callable[[], dict[str, int]], memory: dict[str, ServiceMe
         m.sample(now.get(name))
 
 
-async def _sample_every(processes: Callable[[], dict[str, int]], memory: dict[str, ServiceMemory],
-                        every_s: float) -> None:
+async def _sample_every(
+    processes: Callable[[], dict[str, int]], memory: dict[str, ServiceMemory], every_s: float
+) -> None:
     while True:
         await asyncio.sleep(every_s)
         _sample(processes, memory)
 
 
-async def soak(url: str, processes: Callable[[], dict[str, int]], *, model_dir: str, duration_s: float,
-               rate: float | None = None, warmup_requests: int = 4, warmup_s: float = 0.0, max_new_tokens: int = 32,
-               num_devices: int = 1,
-               seed: int = 0, request_timeout_s: float = 120.0, sample_every_s: float | None = None,
-               rss_limit: RssLimit | None = None, extra_body: dict[str, Any] | None = None) -> SoakReport:
+async def soak(
+    url: str,
+    processes: Callable[[], dict[str, int]],
+    *,
+    model_dir: str,
+    duration_s: float,
+    rate: float | None = None,
+    warmup_requests: int = 4,
+    warmup_s: float = 0.0,
+    max_new_tokens: int = 32,
+    num_devices: int = 1,
+    seed: int = 0,
+    request_timeout_s: float = 120.0,
+    sample_every_s: float | None = None,
+    rss_limit: RssLimit | None = None,
+    extra_body: dict[str, Any] | None = None,
+) -> SoakReport:
     """Warm up, read RSS, send Poisson load for `duration_s` through the streamer at `url`, read RSS again.
 
     The warm-up: `warmup_requests` one at a time, then `warmup_s` of the same Poisson load (other prompts), so
@@ -131,20 +146,29 @@ async def soak(url: str, processes: Callable[[], dict[str, int]], *, model_dir: 
     tokenizer = workloads.load_tokenizer(path)
     limit = workloads.context_limit_of(path)
     probe = await runner.probe_server(url)
-    cfg = runner.RunConfig(url=url, model=probe["model"], request_timeout_s=request_timeout_s,
-                           extra_body=extra_body or {}, progress=False)
+    cfg = runner.RunConfig(
+        url=url, model=probe["model"], request_timeout_s=request_timeout_s, extra_body=extra_body or {}, progress=False
+    )
 
     held_out = workloads.HeldOutText(tokenizer)  # tokenized once: it takes seconds
 
     def requests_for(count: int, request_seed: int) -> list[workloads.WorkloadRequest]:
-        return workloads.synthetic_workload(workloads.SPECBENCH, count, tokenizer=tokenizer,
-                                            max_new_tokens=max_new_tokens, context_limit=limit, seed=request_seed,
-                                            num_devices=num_devices, held_out=held_out).requests
+        return workloads.synthetic_workload(
+            workloads.SPECBENCH,
+            count,
+            tokenizer=tokenizer,
+            max_new_tokens=max_new_tokens,
+            context_limit=limit,
+            seed=request_seed,
+            num_devices=num_devices,
+            held_out=held_out,
+        ).requests
 
     memory = {name: ServiceMemory(name, pid, rss_kib(pid)) for name, pid in processes().items()}
     errors: Counter = Counter()
-    warm = await runner.run_load(requests_for(warmup_requests, seed + 1), [0.0] * warmup_requests,
-                                 dataclasses.replace(cfg, max_concurrency=1))
+    warm = await runner.run_load(
+        requests_for(warmup_requests, seed + 1), [0.0] * warmup_requests, dataclasses.replace(cfg, max_concurrency=1)
+    )
     if rate is None:  # send to end, not arrival to end: the warm-up requests all arrive at 0 and queue
         latencies = [r.end_s - r.send_s for r in warm.records if r.ok and r.end_s is not None and r.send_s is not None]
         if not latencies:
@@ -155,8 +179,14 @@ async def soak(url: str, processes: Callable[[], dict[str, int]], *, model_dir: 
     if warm_times:
         warm_records += (await runner.run_load(requests_for(len(warm_times), seed + 2), warm_times, cfg)).records
     warmup_failed = _tally(warm_records, errors)
-    report = SoakReport(duration_s=duration_s, rate=rate, warmup_requests=len(warm_records),
-                        warmup_failed=warmup_failed, errors=errors, rss_limit=rss_limit or RssLimit())
+    report = SoakReport(
+        duration_s=duration_s,
+        rate=rate,
+        warmup_requests=len(warm_records),
+        warmup_failed=warmup_failed,
+        errors=errors,
+        rss_limit=rss_limit or RssLimit(),
+    )
 
     _sample(processes, memory)
     for m in memory.values():
@@ -194,10 +224,20 @@ def main(args: argparse.Namespace) -> int:
     config = MeshConfig(model_dir=args.model, num_devices=args.devices, port_base=find_port_base(args.devices))
     with Mesh(config) as mesh:
         print(f"mesh up ({args.model}, {args.devices} device(s)); logs in {config.log_dir}", flush=True)
-        report = asyncio.run(soak(config.streamer_url, lambda: mesh_processes(mesh), model_dir=args.model,
-                                  duration_s=args.duration, rate=args.rate, warmup_requests=args.warmup_requests,
-                                  warmup_s=args.warmup_s, max_new_tokens=args.max_new_tokens,
-                                  num_devices=args.devices, seed=args.seed, rss_limit=rss_limit))
+        report = asyncio.run(
+            soak(
+                config.streamer_url,
+                lambda: mesh_processes(mesh),
+                model_dir=args.model,
+                duration_s=args.duration,
+                rate=args.rate,
+                warmup_requests=args.warmup_requests,
+                warmup_s=args.warmup_s,
+                max_new_tokens=args.max_new_tokens,
+                num_devices=args.devices,
+                seed=args.seed,
+                rss_limit=rss_limit,
+            )
+        )
     print(report.format())
     return 0 if report.ok else 1
-

@@ -88,8 +88,9 @@ def context_limit_of(path: str | Path, default: int = 2048) -> int:
     return int(value) if isinstance(value, int) and value > 0 else default
 
 
-def fit_lengths(spec: LengthSpec, n: int, rng: np.random.Generator, low: int, high: int,
-                dist: str = "gamma") -> np.ndarray:
+def fit_lengths(
+    spec: LengthSpec, n: int, rng: np.random.Generator, low: int, high: int, dist: str = "gamma"
+) -> np.ndarray:
     """`n` integer lengths from a gamma or lognormal matched to spec.mean/std, clipped to [low, high]."""
     if low > high:
         raise ValueError(f"no room for a prompt: need {low} <= {high} (context too small for max_new_tokens?)")
@@ -108,8 +109,14 @@ def length_stats(lengths: list[int] | np.ndarray) -> dict[str, float | int | Non
     xs = np.asarray(lengths, dtype=float)
     if xs.size == 0:
         return {"count": 0, "mean": None, "p90": None, "std": None, "min": None, "max": None}
-    return {"count": int(xs.size), "mean": float(xs.mean()), "p90": float(np.percentile(xs, 90)),
-            "std": float(xs.std()), "min": int(xs.min()), "max": int(xs.max())}
+    return {
+        "count": int(xs.size),
+        "mean": float(xs.mean()),
+        "p90": float(np.percentile(xs, 90)),
+        "std": float(xs.std()),
+        "min": int(xs.min()),
+        "max": int(xs.max()),
+    }
 
 
 class HeldOutText:
@@ -150,16 +157,25 @@ class HeldOutText:
         return text, count
 
     def _span(self, start: int, end: int) -> tuple[str, int]:
-        text = self.text[self.offsets[start][0]:self.offsets[end - 1][1]]
+        text = self.text[self.offsets[start][0] : self.offsets[end - 1][1]]
         return text, self.count(text)
 
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
-def synthetic_workload(spec: LengthSpec, num_requests: int, *, tokenizer: Tokenizer, max_new_tokens: int,
-                       context_limit: int, seed: int = 0, num_devices: int = 1, dist: str = "gamma",
-                       held_out: HeldOutText | None = None) -> Workload:
+def synthetic_workload(
+    spec: LengthSpec,
+    num_requests: int,
+    *,
+    tokenizer: Tokenizer,
+    max_new_tokens: int,
+    context_limit: int,
+    seed: int = 0,
+    num_devices: int = 1,
+    dist: str = "gamma",
+    held_out: HeldOutText | None = None,
+) -> Workload:
     """`num_requests` prompts with lengths fitted to `spec` (deterministic for a seed)."""
     rng = np.random.default_rng([seed, WORKLOAD_STREAM])
     high = context_limit - max_new_tokens
@@ -171,26 +187,49 @@ def synthetic_workload(spec: LengthSpec, num_requests: int, *, tokenizer: Tokeni
         requests.append(WorkloadRequest(i, prompt, count, max_new_tokens, i % max(1, num_devices)))
     achieved = length_stats([r.prompt_tokens for r in requests])
     stats = {"target": asdict(spec), "distribution": dist, "clip": [MIN_PROMPT_TOKENS, high], "achieved": achieved}
-    log.info("%s workload: %d prompts, mean %.1f P90 %.1f std %.1f tokens (target %.1f / %.0f / %.1f)",
-             spec.name, len(requests), achieved["mean"] or 0, achieved["p90"] or 0, achieved["std"] or 0,
-             spec.mean, spec.p90, spec.std)
+    log.info(
+        "%s workload: %d prompts, mean %.1f P90 %.1f std %.1f tokens (target %.1f / %.0f / %.1f)",
+        spec.name,
+        len(requests),
+        achieved["mean"] or 0,
+        achieved["p90"] or 0,
+        achieved["std"] or 0,
+        spec.mean,
+        spec.p90,
+        spec.std,
+    )
     return Workload(spec.name, requests, stats)
 
 
-def file_workload(path: str | Path, num_requests: int, *, max_new_tokens: int, tokenizer: Tokenizer | None = None,
-                  num_devices: int = 1) -> Workload:
+def file_workload(
+    path: str | Path,
+    num_requests: int,
+    *,
+    max_new_tokens: int,
+    tokenizer: Tokenizer | None = None,
+    num_devices: int = 1,
+) -> Workload:
     """Requests from a JSONL file of {"prompt": str, "max_tokens": int?}, cycled in file order if too few."""
     entries = _read_jsonl(Path(path))
     requests = []
     for i in range(num_requests):
         entry = entries[i % len(entries)]
-        count = len(tokenizer(entry["prompt"], add_special_tokens=False, verbose=False)["input_ids"]) \
-            if tokenizer is not None else None
-        requests.append(WorkloadRequest(i, entry["prompt"], count, int(entry.get("max_tokens") or max_new_tokens),
-                                        i % max(1, num_devices)))
+        count = (
+            len(tokenizer(entry["prompt"], add_special_tokens=False, verbose=False)["input_ids"])
+            if tokenizer is not None
+            else None
+        )
+        requests.append(
+            WorkloadRequest(
+                i, entry["prompt"], count, int(entry.get("max_tokens") or max_new_tokens), i % max(1, num_devices)
+            )
+        )
     lengths = [r.prompt_tokens for r in requests if r.prompt_tokens is not None]
-    return Workload(Path(path).name, requests,
-                    {"target": None, "source": str(path), "entries": len(entries), "achieved": length_stats(lengths)})
+    return Workload(
+        Path(path).name,
+        requests,
+        {"target": None, "source": str(path), "entries": len(entries), "achieved": length_stats(lengths)},
+    )
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

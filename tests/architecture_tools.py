@@ -50,7 +50,7 @@ def imports_of(module: str, modules: dict[str, Path]) -> Iterable[Import]:
             base = node.module or ""
             if node.level:
                 package = module.split(".") if is_package else module.split(".")[:-1]
-                package = package[:len(package) - node.level + 1]
+                package = package[: len(package) - node.level + 1]
                 base = ".".join(package + ([node.module] if node.module else []))
             for alias in node.names:
                 full = f"{base}.{alias.name}"
@@ -125,7 +125,7 @@ def package_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
             while common < min(len(a), len(b)) - 1 and a[common] == b[common]:
                 common += 1
             if common < len(a) - 1 and common < len(b) and a[:common] == b[:common]:
-                src, dst = ".".join(a[:common + 1]), ".".join(b[:common + 1])
+                src, dst = ".".join(a[: common + 1]), ".".join(b[: common + 1])
                 if src != dst and dst in graph:  # into a module of the same parent: not a package edge
                     packages.setdefault(src, set()).add(dst)
     nodes = {name: set() for name in packages}

@@ -50,8 +50,12 @@ class CapturingRelay:
         credential = request.headers.get("Authorization")
         try:
             device_side.cloud_side = await connect(
-                self.upstream, max_size=None, compression=None, open_timeout=10,
-                additional_headers={"Authorization": credential} if credential else None)
+                self.upstream,
+                max_size=None,
+                compression=None,
+                open_timeout=10,
+                additional_headers={"Authorization": credential} if credential else None,
+            )
         except (OSError, TimeoutError, InvalidHandshake) as exc:
             return device_side.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"upstream unavailable: {exc}\n")
         return None
@@ -64,8 +68,9 @@ class CapturingRelay:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        async with serve(self._handle, "127.0.0.1", 0, max_size=None, compression=None,
-                         process_request=self._open_upstream) as server:
+        async with serve(
+            self._handle, "127.0.0.1", 0, max_size=None, compression=None, process_request=self._open_upstream
+        ) as server:
             self.port = server.sockets[0].getsockname()[1]
             self._ready.set()
             await self._stop.wait()
@@ -115,8 +120,9 @@ async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=No
 
         middle = copy.deepcopy(middle)
         apply_secret_rotation(middle, settings.hidden_rotation)
-    server = VerifierServer(settings, middle, checkpoint.config.max_position_embeddings,
-                            checkpoint.hidden_size, token_model=token_model)
+    server = VerifierServer(
+        settings, middle, checkpoint.config.max_position_embeddings, checkpoint.hidden_size, token_model=token_model
+    )
     async with serving_verifier(server, start_timeout_s=10) as url:
         yield server, url
 
@@ -126,8 +132,14 @@ def loopback_agent_settings(ws_url: str, **overrides):
     from services.device_agent.settings import Settings
     from tests.conftest import DEMO_MODEL_DIR
 
-    return Settings(model_dir=str(DEMO_MODEL_DIR), split_layers=2, verifier_url=ws_url,
-                    bandwidth_probe_interval_s=0, rtt_probe_interval_s=0, **overrides)
+    return Settings(
+        model_dir=str(DEMO_MODEL_DIR),
+        split_layers=2,
+        verifier_url=ws_url,
+        bandwidth_probe_interval_s=0,
+        rtt_probe_interval_s=0,
+        **overrides,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -186,9 +198,17 @@ async def device_agent_http(model_dir, verifier_url: str, split_layers: int = 2,
     from services.device_agent import settings as device_settings
     from services.device_agent.app import create_app
 
-    settings = device_settings.Settings(**{"model_dir": str(model_dir), "split_layers": split_layers,
-                                           "adapter": "random", "verifier_url": verifier_url, "wire_dtype": "f4",
-                                           "prompt_chunking": False, **overrides})
+    settings = device_settings.Settings(
+        **{
+            "model_dir": str(model_dir),
+            "split_layers": split_layers,
+            "adapter": "random",
+            "verifier_url": verifier_url,
+            "wire_dtype": "f4",
+            "prompt_chunking": False,
+            **overrides,
+        }
+    )
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app)

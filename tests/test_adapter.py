@@ -57,7 +57,7 @@ def test_feature_adapter_cache_holds_the_exact_deep_states_after_each_round(tiny
     m = 2
     adapter = DraftAdapter(tiny_checkpoint, m, AdapterSpec("feature"))
     with torch.no_grad():  # mix the previous deep state in, so a stale row would differ
-        adapter.fuse.weight[:, tiny_checkpoint.hidden_size:] += 0.5 * torch.eye(tiny_checkpoint.hidden_size)
+        adapter.fuse.weight[:, tiny_checkpoint.hidden_size :] += 0.5 * torch.eye(tiny_checkpoint.hidden_size)
     device = DeviceModel.from_checkpoint(tiny_checkpoint, m, adapter)
     device.eos_token_id = None
     middle = MiddleSubmodel(tiny_checkpoint, m)

@@ -33,15 +33,19 @@ def refusal(model: type[of.SamplingRequest], body: dict) -> tuple[str, str | Non
 
 # -- the request models ------------------------------------------------------------------------------
 
+
 def test_text_parts_are_joined_and_other_parts_are_a_clear_refusal() -> None:
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
-    req = of.ChatRequest.model_validate({"messages": [{"role": "system", "content": [parts[0]]},
-                                                      {"role": "user", "content": parts}]})
+    req = of.ChatRequest.model_validate(
+        {"messages": [{"role": "system", "content": [parts[0]]}, {"role": "user", "content": parts}]}
+    )
     assert req.turns == [{"role": "system", "content": "first"}, {"role": "user", "content": "first\nsecond"}]
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     message, param = refusal(of.ChatRequest, {"messages": [{"role": "user", "content": [parts[0], image]}]})
-    assert message == ("messages.0.content: content part type 'image_url' is not supported: this model takes "
-                       "text only (parts of type 'text')")
+    assert message == (
+        "messages.0.content: content part type 'image_url' is not supported: this model takes "
+        "text only (parts of type 'text')"
+    )
     assert param == "messages"
     message, _ = refusal(of.ChatRequest, {"messages": [{"role": "user", "content": [{"type": "text"}]}]})
     assert "needs its 'text'" in message
@@ -65,17 +69,24 @@ def test_n_is_one_or_a_clear_refusal() -> None:
 
 
 def test_seed_stop_ignore_eos_and_stream_options() -> None:
-    req = chat(seed=7, stop="END", ignore_eos=True,
-               stream_options={"include_usage": True, "continuous_usage_stats": True})
+    req = chat(
+        seed=7, stop="END", ignore_eos=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
+    )
     assert (req.seed, req.stop_list, req.ignore_eos, req.include_usage) == (7, ["END"], True, True)
     assert chat(stop=["a", "b"]).stop_list == ["a", "b"] and chat().stop_list == []
     assert not chat().ignore_eos and not chat().include_usage
     assert refusal(of.ChatRequest, {"messages": CHAT, "stop": ["a", ""]})[1] == "stop"
 
 
-@pytest.mark.parametrize(("prompt", "text", "ids"), [
-    ("hi", "hi", None), (["hi"], "hi", None), ([5, 0, 7], None, [5, 0, 7]), ([[5, 6]], None, [5, 6]),
-])
+@pytest.mark.parametrize(
+    ("prompt", "text", "ids"),
+    [
+        ("hi", "hi", None),
+        (["hi"], "hi", None),
+        ([5, 0, 7], None, [5, 0, 7]),
+        ([[5, 6]], None, [5, 6]),
+    ],
+)
 def test_a_completion_prompt_in_each_of_openais_four_forms(prompt, text, ids) -> None:
     req = of.CompletionRequest.model_validate({"prompt": prompt})
     assert (req.prompt_text, req.prompt_ids) == (text, ids)
@@ -94,8 +105,9 @@ def test_unknown_fields_are_accepted_and_logged_once_per_set(caplog) -> None:
         of.ChatRequest.model_validate(body)
     assert first.turns == [{"role": "user", "content": "x"}]
     lines = [(r.levelno, r.getMessage()) for r in caplog.records]
-    request_line = "the following fields of ChatRequest were present in the request but ignored: " \
-                   "['presence_penalty', 'user']"
+    request_line = (
+        "the following fields of ChatRequest were present in the request but ignored: ['presence_penalty', 'user']"
+    )
     assert (logging.WARNING, request_line) in lines and (logging.DEBUG, request_line) in lines
     assert any("ChatMessage" in m and "['name']" in m for _, m in lines)
     assert sum(level == logging.WARNING for level, _ in lines) == 2  # one per new set, not one per request
@@ -103,14 +115,23 @@ def test_unknown_fields_are_accepted_and_logged_once_per_set(caplog) -> None:
 
 # -- through the app, with the real openai client ------------------------------------------------------
 
+
 async def test_openai_client_fields_reach_the_device_as_asked() -> None:
     dev = FakeDevice("dev-a")
     parts = [{"type": "text", "text": "be brief"}, {"type": "text", "text": "hi"}]
     async with mesh(dev) as url, client(url) as oai:
         reply = await oai.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": parts}], max_tokens=9, max_completion_tokens=5,
-            n=1, seed=11, stop=["zzz"], user="u-1", presence_penalty=0.0,
-            extra_body={"ignore_eos": True, "top_k": 5, "repetition_penalty": 1.0})
+            model="m",
+            messages=[{"role": "user", "content": parts}],
+            max_tokens=9,
+            max_completion_tokens=5,
+            n=1,
+            seed=11,
+            stop=["zzz"],
+            user="u-1",
+            presence_penalty=0.0,
+            extra_body={"ignore_eos": True, "top_k": 5, "repetition_penalty": 1.0},
+        )
         assert reply.choices[0].message.content == expected_text(5) and reply.choices[0].finish_reason == "length"
         completion = await oai.completions.create(model="m", prompt=[3, 1, 4], max_tokens=3)
         assert completion.choices[0].text == expected_text(3)
@@ -126,17 +147,27 @@ async def test_streamed_usage_comes_last_with_no_choices() -> None:
     async with mesh(FakeDevice("dev-a")) as url:
         async with client(url) as oai:
             stream = await oai.chat.completions.create(
-                model="m", messages=CHAT, max_completion_tokens=4, stream=True,
-                stream_options={"include_usage": True}, extra_body={"stream_options": {
-                    "include_usage": True, "continuous_usage_stats": True}})
+                model="m",
+                messages=CHAT,
+                max_completion_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+            )
             chunks = [c async for c in stream]
-        events = await raw_events(url, "/v1/completions", {"prompt": [[7, 8]], "max_tokens": 3, "stream": True,
-                                                           "stream_options": {"include_usage": True}})
+        events = await raw_events(
+            url,
+            "/v1/completions",
+            {"prompt": [[7, 8]], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}},
+        )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_text(4)
     assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
     assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason == "length"
-    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens, chunks[-1].usage.total_tokens) \
-        == (5, 4, 9)
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens, chunks[-1].usage.total_tokens) == (
+        5,
+        4,
+        9,
+    )
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
 
@@ -150,11 +181,15 @@ async def test_refusals_are_openai_errors_naming_the_field() -> None:
             with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
                 await oai.chat.completions.create(model="m", messages=CHAT, n=3)
         async with httpx.AsyncClient(timeout=10) as http:
-            too_many = await http.post(f"{url}/v1/chat/completions",
-                                       json={"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 101})
+            too_many = await http.post(
+                f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 101}
+            )
             ids = await http.post(f"{url}/v1/completions", json={"prompt": [[1], [2]]})
     assert too_many.status_code == 400
-    assert too_many.json()["error"] == {"message": "max_completion_tokens must be <= 100",
-                                        "type": "invalid_request_error", "param": "max_completion_tokens",
-                                        "code": "invalid_request"}
+    assert too_many.json()["error"] == {
+        "message": "max_completion_tokens must be <= 100",
+        "type": "invalid_request_error",
+        "param": "max_completion_tokens",
+        "code": "invalid_request",
+    }
     assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"

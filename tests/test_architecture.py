@@ -30,13 +30,18 @@ def test_packages_import_only_downwards():
 
 def test_no_private_name_is_imported_from_another_module():
     modules = project_modules()
-    private = [f"{imp.importer}:{imp.line} imports {imp.target}.{name}"
-               for module in modules for imp in imports_of(module, modules)
-               for name in imp.names if name.startswith("_") and not name.startswith("__")]
+    private = [
+        f"{imp.importer}:{imp.line} imports {imp.target}.{name}"
+        for module in modules
+        for imp in imports_of(module, modules)
+        for name in imp.names
+        if name.startswith("_") and not name.startswith("__")
+    ]
     assert private == []
 
 
 def test_modules_hold_one_thing():
-    too_long = {name: len(path.read_text().splitlines()) for name, path in project_modules().items()
-                if name not in LONG_ALLOWED}
+    too_long = {
+        name: len(path.read_text().splitlines()) for name, path in project_modules().items() if name not in LONG_ALLOWED
+    }
     assert {name: n for name, n in too_long.items() if n > MAX_LINES} == {}

@@ -26,8 +26,9 @@ roles = st.sampled_from(auth.ROLES)
 
 
 def verifier(ring: KeyRing = RING, **trust: frozenset[str]) -> auth.TokenVerifier:
-    return auth.TokenVerifier(auth.Trust.from_document({**ring.jwks(), **{k: list(v) for k, v in trust.items()}}),
-                              leeway_s=LEEWAY)
+    return auth.TokenVerifier(
+        auth.Trust.from_document({**ring.jwks(), **{k: list(v) for k, v in trust.items()}}), leeway_s=LEEWAY
+    )
 
 
 def reason(check: auth.TokenVerifier, token: str | bytes, audience: str) -> str:
@@ -86,8 +87,15 @@ def test_another_key_an_unknown_kid_and_a_rotation() -> None:
     assert reason(verifier(), stranger.mint("d", "device", "a", 60, time.time()), "a") == "unknown_key"
     ring = KeyRing.generate()
     now = time.time()
-    claims = {"sub": "d", "role": "service", "aud": "a", "iat": int(now), "nbf": int(now), "exp": int(now) + 60,
-              "jti": "x"}
+    claims = {
+        "sub": "d",
+        "role": "service",
+        "aud": "a",
+        "iat": int(now),
+        "nbf": int(now),
+        "exp": int(now) + 60,
+        "jti": "x",
+    }
     # Signed by another key under a trusted kid: the signature fails.
     forged = jwt.encode(claims, stranger.keys[stranger.active], algorithm="EdDSA", headers={"kid": ring.active})
     assert reason(verifier(ring), forged, "a") == "bad_signature"
@@ -131,8 +139,12 @@ def test_malformed_is_refused(token: str) -> None:
 
 def test_missing_claims_are_refused() -> None:
     now = int(time.time())
-    no_aud = jwt.encode({"sub": "d", "role": "device", "iat": now, "nbf": now, "exp": now + 60, "jti": "x"},
-                        RING.keys[RING.active], algorithm="EdDSA", headers={"kid": RING.active})
+    no_aud = jwt.encode(
+        {"sub": "d", "role": "device", "iat": now, "nbf": now, "exp": now + 60, "jti": "x"},
+        RING.keys[RING.active],
+        algorithm="EdDSA",
+        headers={"kid": RING.active},
+    )
     assert reason(verifier(), no_aud, "a") == "malformed"
 
 
@@ -191,11 +203,13 @@ def test_guard_refuses_before_the_app_and_leaves_probes_open(caplog: pytest.LogC
 
     async def run() -> list[int]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            return [(await client.post("/telemetry", json={})).status_code,
-                    (await client.post("/telemetry", headers={"Authorization": f"Bearer {token}x"})).status_code,
-                    (await client.post("/telemetry", headers={"Authorization": f"Bearer {elsewhere}"})).status_code,
-                    (await client.get("/healthz")).status_code,
-                    (await client.post("/telemetry", headers={"Authorization": f"Bearer {token}"})).status_code]
+            return [
+                (await client.post("/telemetry", json={})).status_code,
+                (await client.post("/telemetry", headers={"Authorization": f"Bearer {token}x"})).status_code,
+                (await client.post("/telemetry", headers={"Authorization": f"Bearer {elsewhere}"})).status_code,
+                (await client.get("/healthz")).status_code,
+                (await client.post("/telemetry", headers={"Authorization": f"Bearer {token}"})).status_code,
+            ]
 
     with caplog.at_level(logging.DEBUG):
         assert asyncio.run(run()) == [401, 401, 401, 200, 200]

@@ -29,8 +29,9 @@ class Clock:
 def issuer(tmp_path: Path) -> tuple[KeyRing, httpx.ASGITransport]:
     ring = KeyRing.generate()
     ring.save(tmp_path / "keys.json")
-    settings = load_settings({}, auth_key_file=str(tmp_path / "keys.json"), redis_url="", embedded_redis=False,
-                             device_credential_ttl_s=600)
+    settings = load_settings(
+        {}, auth_key_file=str(tmp_path / "keys.json"), redis_url="", embedded_redis=False, device_credential_ttl_s=600
+    )
     return ring, httpx.ASGITransport(app=create_app(settings))
 
 
@@ -42,8 +43,13 @@ async def test_a_device_enrolls_once_then_renews_with_its_own_credential(issuer)
     ring, transport = issuer
     clock = Clock()
     bootstrap = ring.mint("device-1", "bootstrap", auth.ISSUER, 3600, clock.now)
-    broker = TokenBroker("http://monitor", bootstrap, enrollment=Enrollment("device-1", "http://10.0.0.1:8200"),
-                         transport=transport, clock=clock)
+    broker = TokenBroker(
+        "http://monitor",
+        bootstrap,
+        enrollment=Enrollment("device-1", "http://10.0.0.1:8200"),
+        transport=transport,
+        clock=clock,
+    )
     first = await broker.token(auth.VERIFIER)
     assert (claims(first)["sub"], claims(first)["role"], claims(first)["aud"]) == ("device-1", "device", "verifier")
     assert await broker.token(auth.VERIFIER) == first  # cached until half its life
@@ -59,13 +65,19 @@ async def test_a_revoked_device_gets_no_more_tokens(issuer):
     ring, transport = issuer
     clock = Clock()
     bootstrap = ring.mint("device-2", "bootstrap", auth.ISSUER, 3600, clock.now)
-    broker = TokenBroker("http://monitor", bootstrap, enrollment=Enrollment("device-2", "http://10.0.0.2:8200"),
-                         transport=transport, clock=clock)
+    broker = TokenBroker(
+        "http://monitor",
+        bootstrap,
+        enrollment=Enrollment("device-2", "http://10.0.0.2:8200"),
+        transport=transport,
+        clock=clock,
+    )
     await broker.token(auth.PLANNER)
     operator = {"Authorization": f"Bearer {ring.mint('ops', 'operator', auth.ISSUER, 60, clock.now)}"}
     async with httpx.AsyncClient(transport=transport, base_url="http://monitor") as client:
-        assert (await client.post("/credentials/revoke", json={"role": "device", "subject": "device-2"},
-                                  headers=operator)).status_code == 200
+        assert (
+            await client.post("/credentials/revoke", json={"role": "device", "subject": "device-2"}, headers=operator)
+        ).status_code == 200
     clock.now += 301  # the next renewal is refused, and enrolling again too
     with pytest.raises(CredentialUnavailable):
         await broker.token(auth.VERIFIER)
@@ -76,26 +88,33 @@ async def test_the_streamer_gets_a_token_for_the_device_at_each_url_only(issuer)
     ring, transport = issuer
     for device_id, port in (("device-a", 1), ("device-b", 2)):
         bootstrap = ring.mint(device_id, "bootstrap", auth.ISSUER, 3600, time.time())
-        broker = TokenBroker("http://monitor", bootstrap, enrollment=Enrollment(device_id, f"http://10.0.0.9:{port}"),
-                             transport=transport)
+        broker = TokenBroker(
+            "http://monitor",
+            bootstrap,
+            enrollment=Enrollment(device_id, f"http://10.0.0.9:{port}"),
+            transport=transport,
+        )
         await broker.credential()
         await broker.aclose()
-    streamer = TokenBroker("http://monitor", ring.mint("token-streamer", "service", auth.ISSUER, 3600, time.time()),
-                           transport=transport)
+    streamer = TokenBroker(
+        "http://monitor", ring.mint("token-streamer", "service", auth.ISSUER, 3600, time.time()), transport=transport
+    )
     seen: dict[str, str] = {}
 
     def device(request: httpx.Request) -> httpx.Response:
         seen[request.url.host + str(request.url.port)] = request.headers["authorization"].removeprefix("Bearer ")
         return httpx.Response(200, json={})
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(device),
-                                 auth=BrokerAuth(streamer, devices=True)) as client:
+    async with httpx.AsyncClient(
+        transport=httpx.MockTransport(device), auth=BrokerAuth(streamer, devices=True)
+    ) as client:
         await client.get("http://10.0.0.9:1/info")
         await client.get("http://10.0.0.9:2/info")
     assert claims(seen["10.0.0.91"])["aud"] == "device:device-a"
     assert claims(seen["10.0.0.92"])["aud"] == "device:device-b"
-    async with httpx.AsyncClient(transport=httpx.MockTransport(device),
-                                 auth=BrokerAuth(streamer, devices=True)) as client:
+    async with httpx.AsyncClient(
+        transport=httpx.MockTransport(device), auth=BrokerAuth(streamer, devices=True)
+    ) as client:
         with pytest.raises(CredentialUnavailable):  # no device is enrolled there: no token, no call
             await client.get("http://10.0.0.9:3/info")
     await streamer.aclose()

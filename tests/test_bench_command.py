@@ -8,8 +8,20 @@ import pytest
 
 from loadgen.bench_command import ModeBench, disco_bench_options, parse_buckets, split_list
 
-OPTIONS = dict(workload="specbench", rates=None, modes="ushape,hat", link=None, rtt_ms="", ablation=False,
-               baseline="", devices=2, num_requests=4, max_new_tokens=8, seed=0, out=Path("out"))
+OPTIONS = dict(
+    workload="specbench",
+    rates=None,
+    modes="ushape,hat",
+    link=None,
+    rtt_ms="",
+    ablation=False,
+    baseline="",
+    devices=2,
+    num_requests=4,
+    max_new_tokens=8,
+    seed=0,
+    out=Path("out"),
+)
 
 
 def test_defaults_are_the_documented_ones():
@@ -28,11 +40,16 @@ def test_the_ablation_runs_both_workloads_whatever_the_modes():
     assert bench.workloads == ("specbench", "cnndm")
 
 
-@pytest.mark.parametrize("bad, message", [({"modes": "ushape,warp"}, "unknown modes"),
-                                          ({"rates": "1,-2"}, "--rates"),
-                                          ({"rtt_ms": "fast"}, "--rtt-ms"),
-                                          ({"rtt_ms": "-5"}, "--rtt-ms"),
-                                          ({"dtype": "int3"}, "--dtype")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"modes": "ushape,warp"}, "unknown modes"),
+        ({"rates": "1,-2"}, "--rates"),
+        ({"rtt_ms": "fast"}, "--rtt-ms"),
+        ({"rtt_ms": "-5"}, "--rtt-ms"),
+        ({"dtype": "int3"}, "--dtype"),
+    ],
+)
 def test_a_bad_option_is_a_value_error_naming_it(bad, message):
     with pytest.raises(ValueError, match=message):
         ModeBench.from_options(**{**OPTIONS, **bad})
@@ -64,6 +81,17 @@ def test_the_dtype_reaches_every_mesh_the_bench_starts(monkeypatch):
     bench = ModeBench.from_options(**{**OPTIONS, "dtype": "int4"})
     assert bench.dtype == "int4" and ModeBench.from_options(**OPTIONS).dtype == "auto"
     with pytest.raises(RuntimeError, match="no mesh"):
-        run_modes({"hat": modes_for("specbench")["hat"]}, workload="specbench", rates=[1.0], num_requests=1, max_new_tokens=1, seed=0,
-                  out=Path("out"), devices=1, link="none", model_dir="models/demo", dtype=bench.dtype)
+        run_modes(
+            {"hat": modes_for("specbench")["hat"]},
+            workload="specbench",
+            rates=[1.0],
+            num_requests=1,
+            max_new_tokens=1,
+            seed=0,
+            out=Path("out"),
+            devices=1,
+            link="none",
+            model_dir="models/demo",
+            dtype=bench.dtype,
+        )
     assert [config.dtype for config in started] == ["int4"]

@@ -13,17 +13,38 @@ from loadgen.metrics import RequestRecord
 from tests.conftest import DEMO_MODEL_DIR
 
 
-def record(index: int, ttft_s: float, cost: float, *, endpoint: str = "device", legs=("device",), migrations=(),
-           error: str | None = None, gaps_s=(0.2, 0.2)) -> RequestRecord:
+def record(
+    index: int,
+    ttft_s: float,
+    cost: float,
+    *,
+    endpoint: str = "device",
+    legs=("device",),
+    migrations=(),
+    error: str | None = None,
+    gaps_s=(0.2, 0.2),
+) -> RequestRecord:
     """A finished request: first token `ttft_s` after its arrival at t=0, then one token per gap."""
     times = [ttft_s]
     for gap in gaps_s:
         times.append(times[-1] + gap)
-    tophat = {"endpoint": endpoint, "endpoints": list(legs), "decision": "race" if len(legs) > 1 else "device-only",
-              "cost": {"total": cost, "device": cost / 4, "server": cost * 3 / 4}, "migrations": list(migrations)}
-    return RequestRecord(index=index, arrival_s=0.0, max_tokens=3, chunk_times_s=times if error is None else [],
-                         chunk_tokens=[1] * len(times) if error is None else [], end_s=times[-1],
-                         tophat=None if error else tophat, error=error)
+    tophat = {
+        "endpoint": endpoint,
+        "endpoints": list(legs),
+        "decision": "race" if len(legs) > 1 else "device-only",
+        "cost": {"total": cost, "device": cost / 4, "server": cost * 3 / 4},
+        "migrations": list(migrations),
+    }
+    return RequestRecord(
+        index=index,
+        arrival_s=0.0,
+        max_tokens=3,
+        chunk_times_s=times if error is None else [],
+        chunk_tokens=[1] * len(times) if error is None else [],
+        end_s=times[-1],
+        tophat=None if error else tophat,
+        error=error,
+    )
 
 
 def test_an_entry_holds_the_runs_latency_cost_and_migrations():
@@ -31,9 +52,18 @@ def test_an_entry_holds_the_runs_latency_cost_and_migrations():
     unfinished = {"from": "cloud", "to": "device", "at_token": 1, "reason": "cost"}  # no max_gap_s
     called_off = {**migration, "called_off": "would stall", "max_gap_s": 0.2}
     # a race (cloud, device) and three hand-over receivers, one of them called off
-    records = [record(0, 0.1, 1e-6), record(1, 0.3, 3e-6, endpoint="cloud", legs=("cloud", "device") + ("device",) * 3,
-                                               migrations=[called_off, migration, unfinished]),
-               record(2, 0.0, 0.0, error="HTTP 503: busy")]
+    records = [
+        record(0, 0.1, 1e-6),
+        record(
+            1,
+            0.3,
+            3e-6,
+            endpoint="cloud",
+            legs=("cloud", "device") + ("device",) * 3,
+            migrations=[called_off, migration, unfinished],
+        ),
+        record(2, 0.0, 0.0, error="HTTP 503: busy"),
+    ]
     entry = bd.aggregate(records, mode="disco", budget=0.25, constraint="server", reading_rate_tps=5.0)
     assert entry["mode"] == "disco" and entry["budget"] == 0.25 and entry["constraint"] == "server"
     assert (entry["requests"], entry["completed"], entry["failed"]) == (3, 2, 1)
@@ -55,26 +85,39 @@ def test_an_entry_without_migrations_or_pacing_has_no_gap():
 
 
 def entry(mode, budget, mean_ttft, p99_ttft, cost, constraint="server"):
-    return {"mode": mode, "budget": budget, "constraint": constraint, "mean_ttft_ms": mean_ttft,
-            "p99_ttft_ms": p99_ttft, "mean_cost": cost}
+    return {
+        "mode": mode,
+        "budget": budget,
+        "constraint": constraint,
+        "mean_ttft_ms": mean_ttft,
+        "p99_ttft_ms": p99_ttft,
+        "mean_cost": cost,
+    }
 
 
 def test_dominators_need_no_worse_in_both_and_better_in_one():
     point = entry("disco", 0.5, 100, 300, 2.0)
-    others = [entry("device", None, 400, 900, 0.1),     # cheaper, slower: not dominating
-              entry("cloud", None, 90, 290, 2.0),       # as cheap, faster: dominates
-              entry("random", 0.5, 100, 300, 2.0),      # identical: does not dominate
-              entry("random", 0.75, 100, 280, 1.5)]     # mean equal, cheaper: dominates in both views
+    others = [
+        entry("device", None, 400, 900, 0.1),  # cheaper, slower: not dominating
+        entry("cloud", None, 90, 290, 2.0),  # as cheap, faster: dominates
+        entry("random", 0.5, 100, 300, 2.0),  # identical: does not dominate
+        entry("random", 0.75, 100, 280, 1.5),
+    ]  # mean equal, cheaper: dominates in both views
     assert bd.dominators(point, others, "mean_ttft_ms") == ["cloud", "random@0.75"]
     assert bd.dominators(point, others, "p99_ttft_ms") == ["cloud", "random@0.75"]
     assert bd.dominators(entry("disco", 0.5, None, 1, 1), others, "mean_ttft_ms") == []
 
 
 def test_compare_takes_ratios_against_the_same_budget_and_regime():
-    entries = [entry("device", None, 400, 1000, 1.0), entry("cloud", None, 200, 400, 10.0),
-               entry("random", 0.25, 350, 900, 3.0), entry("disco", 0.25, 175, 500, 2.0),
-               entry("random", 0.5, 300, 800, 5.0), entry("disco", 0.5, 150, 300, 6.0),
-               entry("cloud", None, 1, 1, 0.0, constraint="device")]  # another regime: never compared with
+    entries = [
+        entry("device", None, 400, 1000, 1.0),
+        entry("cloud", None, 200, 400, 10.0),
+        entry("random", 0.25, 350, 900, 3.0),
+        entry("disco", 0.25, 175, 500, 2.0),
+        entry("random", 0.5, 300, 800, 5.0),
+        entry("disco", 0.5, 150, 300, 6.0),
+        entry("cloud", None, 1, 1, 0.0, constraint="device"),
+    ]  # another regime: never compared with
     compared = {c["budget"]: c for c in bd.compare(entries)}
     assert set(compared) == {0.25, 0.5}
     low = compared[0.25]
@@ -99,8 +142,12 @@ def test_a_ratio_against_a_zero_or_missing_baseline_is_none():
 def test_the_plan_runs_the_baselines_first_then_random_and_disco_per_budget():
     plan = bd.policy_plan([0.1, 0.5])
     assert [p.label for p in plan] == ["device", "cloud", "random@0.1", "disco@0.1", "random@0.5", "disco@0.5"]
-    assert bd.request_options(plan[3], 5.0) == {"dispatch": "disco", "reading_rate_tps": 5.0, "budget": 0.1,
-                                                "migration": True}
+    assert bd.request_options(plan[3], 5.0) == {
+        "dispatch": "disco",
+        "reading_rate_tps": 5.0,
+        "budget": 0.1,
+        "migration": True,
+    }
     assert "budget" not in bd.request_options(plan[0], 5.0)
     assert bd.mesh_env("server")["TOPHAT_VERIFIER_FULL_MODEL"] == "true"
     assert "TOPHAT_STREAMER_EXCHANGE_RATE" not in bd.mesh_env("server")
@@ -159,16 +206,39 @@ def test_the_cli_parses_disco_options_and_refuses_bad_ones(monkeypatch, tmp_path
 
     monkeypatch.setattr(bd, "bench_disco", fake_bench)
     runner = CliRunner()
-    result = runner.invoke(cli.app, ["bench", "disco", "--model", "demo", "--budget", "0.1,0.75",
-                                     "--constraint", "both", "--reading-rate", "4", "--rate", "1.5",
-                                     "--out", str(tmp_path / "d.json"), "--no-migration"])
+    result = runner.invoke(
+        cli.app,
+        [
+            "bench",
+            "disco",
+            "--model",
+            "demo",
+            "--budget",
+            "0.1,0.75",
+            "--constraint",
+            "both",
+            "--reading-rate",
+            "4",
+            "--rate",
+            "1.5",
+            "--out",
+            str(tmp_path / "d.json"),
+            "--no-migration",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "TABLE" in result.output
     assert seen["budgets"] == [0.1, 0.75] and seen["constraints"] == ["server", "device"]
     assert seen["rate"] == 1.5 and seen["reading_rate_tps"] == 4.0 and seen["migration"] is False
     assert seen["link"] == bd.DEFAULT_LINK and seen["speed"] == bd.DEFAULT_SPEED
-    for bad in (["--budget", "2"], ["--constraint", "x"], ["--rate", "0"], ["--speed", "0.5"],
-                ["--link", "lat=5"], ["--rates", "1"]):
+    for bad in (
+        ["--budget", "2"],
+        ["--constraint", "x"],
+        ["--rate", "0"],
+        ["--speed", "0.5"],
+        ["--link", "lat=5"],
+        ["--rates", "1"],
+    ):
         result = runner.invoke(cli.app, ["bench", "disco", "--model", "demo", *bad])
         assert result.exit_code == 2, (bad, result.output)
 
@@ -176,9 +246,20 @@ def test_the_cli_parses_disco_options_and_refuses_bad_ones(monkeypatch, tmp_path
 @pytest.mark.slow
 def test_a_tiny_bench_against_a_real_mesh_reports_every_policy(tmp_path):
     table, json_path, plots = bd.bench_disco(
-        constraints=["server"], budgets=[0.5], workload="specbench", rate=4.0, num_requests=3, max_new_tokens=4,
-        seed=0, out=tmp_path / "disco.json", devices=1, link="lat=5ms,jitter=2ms", speed="2",
-        model_dir=str(DEMO_MODEL_DIR), reading_rate_tps=200.0)
+        constraints=["server"],
+        budgets=[0.5],
+        workload="specbench",
+        rate=4.0,
+        num_requests=3,
+        max_new_tokens=4,
+        seed=0,
+        out=tmp_path / "disco.json",
+        devices=1,
+        link="lat=5ms,jitter=2ms",
+        speed="2",
+        model_dir=str(DEMO_MODEL_DIR),
+        reading_rate_tps=200.0,
+    )
     saved = json.loads(json_path.read_text())
     entries = {(e["mode"], e["budget"]): e for e in saved["entries"]}
     assert set(entries) == {("device", None), ("cloud", None), ("random", 0.5), ("disco", 0.5)}

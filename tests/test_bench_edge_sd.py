@@ -8,9 +8,18 @@ import math
 import numpy as np
 import pytest
 
-from loadgen.bench_edge_sd import (EDGE_SD_MODES, EdgeSDBenchConfig, Sample, build_edge_sd_results,
-                                   format_edge_sd_table, predicted_inference_s, sequential_inference_s, summarise_round,
-                                   trace, user_snrs_db)
+from loadgen.bench_edge_sd import (
+    EDGE_SD_MODES,
+    EdgeSDBenchConfig,
+    Sample,
+    build_edge_sd_results,
+    format_edge_sd_table,
+    predicted_inference_s,
+    sequential_inference_s,
+    summarise_round,
+    trace,
+    user_snrs_db,
+)
 from shared.edge_sd.timeline import pipeline_timeline
 
 
@@ -38,24 +47,39 @@ def stages():
 
 
 def test_eq20_on_measured_stages_is_the_timeline_of_those_times():
-    expected = pipeline_timeline([[0.10, 0.05], [0.02, 0.02], [0.02, 0.0]], [[0.30, 0.20], [0.08, 0.06], [0.08, 0.0]],
-                                 [3, 2]).inference_latency
+    expected = pipeline_timeline(
+        [[0.10, 0.05], [0.02, 0.02], [0.02, 0.0]], [[0.30, 0.20], [0.08, 0.06], [0.08, 0.0]], [3, 2]
+    ).inference_latency
     assert predicted_inference_s(stages()) == pytest.approx(expected)
     # step 1: draft 0.10, verify 0.30 -> 0.40; batch 1 drafted by 0.15, verified 0.40 -> 0.60
     # step 2: 0.62 -> 0.70; batch 1 drafted 0.64, verified 0.70 -> 0.76; step 3: 0.78 -> 0.86
     assert predicted_inference_s(stages()) == pytest.approx(0.86)
-    assert sequential_inference_s(stages()) == pytest.approx(sum(d + v for *_, d, v in
-                                                                 [(0, 0, s["draft_s"], s["verify_s"]) for s in stages()]))
+    assert sequential_inference_s(stages()) == pytest.approx(
+        sum(d + v for *_, d, v in [(0, 0, s["draft_s"], s["verify_s"]) for s in stages()])
+    )
     assert predicted_inference_s(stages()[:-1] + [{"step": 3, "batch": 0, "draft_s": 0.1}]) is None  # unfinished
 
 
 def test_results_aggregate_per_mode_and_say_whether_answers_matched():
     cfg = EdgeSDBenchConfig(modes=("edge-sd", "no-pipeline"))
-    samples = [Sample("edge-sd", 1, 0, 100, 1000, 10, "a"), Sample("edge-sd", 1, 1, 200, 3000, 10, "b"),
-               Sample("no-pipeline", 1, 0, 150, 2000, 10, "a"), Sample("no-pipeline", 1, 1, 250, 4000, 10, "b")]
-    record = {"plan": {"batches": [[0], [1]], "spec_len": 3, "shares": [0.4, 0.6], "sources": {"shares": "eq27"},
-                       "predicted": {"inference_s": 0.9}},
-              "upload_s": 0.05, "inference_s": 0.88, "stages": stages()}
+    samples = [
+        Sample("edge-sd", 1, 0, 100, 1000, 10, "a"),
+        Sample("edge-sd", 1, 1, 200, 3000, 10, "b"),
+        Sample("no-pipeline", 1, 0, 150, 2000, 10, "a"),
+        Sample("no-pipeline", 1, 1, 250, 4000, 10, "b"),
+    ]
+    record = {
+        "plan": {
+            "batches": [[0], [1]],
+            "spec_len": 3,
+            "shares": [0.4, 0.6],
+            "sources": {"shares": "eq27"},
+            "predicted": {"inference_s": 0.9},
+        },
+        "upload_s": 0.05,
+        "inference_s": 0.88,
+        "stages": stages(),
+    }
     rounds = [{"mode": "edge-sd", "round": 1, **summarise_round(record)}]
     results = build_edge_sd_results(samples, rounds, cfg)
     by_mode = {e["mode"]: e for e in results["results"]}

@@ -18,10 +18,24 @@ def test_table_puts_every_engine_against_its_own_floor(capsys):
     results = {
         "bandwidth_gb_s": {1: 10.0},
         "runs": [
-            {"dtype": "int4", "threads": 1, "weight_mb": 95.0, "decode_tok_s": 30.0, "decode_floor_tok_s": 105.0,
-             "decode8_tok_s": 90.0, "decode8_floor_tok_s": 840.0, "verify_ms": {1: 20.0}, "verify_floor_ms": 2.0},
-            {"dtype": "llama.cpp Q4_1", "threads": 1, "decode_tok_s": 50.0, "weight_mb": 96.6,
-             "decode_floor_tok_s": 103.5},
+            {
+                "dtype": "int4",
+                "threads": 1,
+                "weight_mb": 95.0,
+                "decode_tok_s": 30.0,
+                "decode_floor_tok_s": 105.0,
+                "decode8_tok_s": 90.0,
+                "decode8_floor_tok_s": 840.0,
+                "verify_ms": {1: 20.0},
+                "verify_floor_ms": 2.0,
+            },
+            {
+                "dtype": "llama.cpp Q4_1",
+                "threads": 1,
+                "decode_tok_s": 50.0,
+                "weight_mb": 96.6,
+                "decode_floor_tok_s": 103.5,
+            },
         ],
         "quality": {},
     }

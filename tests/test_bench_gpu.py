@@ -12,9 +12,32 @@ import torch
 
 from loadgen import bench_gpu, gpu_checks
 
-SMALL = ["--model", "demo", "--device", "cpu", "--dtype", "f32", "--sessions", "1,2", "--hf-sessions", "1,2",
-         "--rows", "1,4", "--new-tokens", "4", "--greedy-prompts", "2", "--greedy-tokens", "12", "--context", "16",
-         "--repeats", "2", "--threads", "1"]
+SMALL = [
+    "--model",
+    "demo",
+    "--device",
+    "cpu",
+    "--dtype",
+    "f32",
+    "--sessions",
+    "1,2",
+    "--hf-sessions",
+    "1,2",
+    "--rows",
+    "1,4",
+    "--new-tokens",
+    "4",
+    "--greedy-prompts",
+    "2",
+    "--greedy-tokens",
+    "12",
+    "--context",
+    "16",
+    "--repeats",
+    "2",
+    "--threads",
+    "1",
+]
 
 
 def bench_gpu_main(args: list[str]) -> dict:

@@ -21,8 +21,18 @@ def test_harness_measures_a_known_added_delay(tmp_path):
         "hat": BenchVariant("hat", {}),
         "hat+delay": BenchVariant("hat+delay", {"added_delay_ms": ADDED_MS}),
     }
-    results = run_modes(modes, workload="specbench", rates=[2.0], num_requests=6, max_new_tokens=8, seed=3,
-                        out=tmp_path, devices=1, link="none", model_dir=str(DEMO_MODEL_DIR))
+    results = run_modes(
+        modes,
+        workload="specbench",
+        rates=[2.0],
+        num_requests=6,
+        max_new_tokens=8,
+        seed=3,
+        out=tmp_path,
+        devices=1,
+        link="none",
+        model_dir=str(DEMO_MODEL_DIR),
+    )
     fast, slow = results[("hat", 2.0)], results[("hat+delay", 2.0)]
     assert fast["completed"] == slow["completed"] == 6 and fast["failed"] == slow["failed"] == 0
     measured = slow["median_ttft_ms"] - fast["median_ttft_ms"]

@@ -1,12 +1,24 @@
 """loadgen/bench_jupiter.py's pure half: per-bucket aggregation, the lossless check across modes, the tables."""
 
-from loadgen.bench_jupiter import (JupiterBenchConfig, Sample, build_jupiter_results, format_jupiter_table,
-                                   format_outline_answers)
+from loadgen.bench_jupiter import (
+    JupiterBenchConfig,
+    Sample,
+    build_jupiter_results,
+    format_jupiter_table,
+    format_outline_answers,
+)
 
 CFG = JupiterBenchConfig(model="demo", buckets=(64, 256), outline_questions=("Q1?", "Q2?"))
-PLANS = {m: {"kind": m, "stage_layers": [[0, 4], [4, 6], [6, 8]], "predicted_bottleneck_ms": 10.0,
-             "sub_sequences": {64: [64], 256: [130, 126]}, "predicted_ttft_ms": {"64": 95.0, "256": 310.0}}
-         for m in ("serial", "equal-split", "jupiter")}
+PLANS = {
+    m: {
+        "kind": m,
+        "stage_layers": [[0, 4], [4, 6], [6, 8]],
+        "predicted_bottleneck_ms": 10.0,
+        "sub_sequences": {64: [64], 256: [130, 126]},
+        "predicted_ttft_ms": {"64": 95.0, "256": 310.0},
+    }
+    for m in ("serial", "equal-split", "jupiter")
+}
 
 
 def sample(mode, bucket, ttft, e2el, text="same", tokens=8, stats=None):
@@ -17,12 +29,16 @@ def samples(jupiter_text="same"):
     out = []
     for mode, scale in (("serial", 3.0), ("equal-split", 2.0), ("jupiter", 1.0)):
         for bucket in CFG.buckets:
-            out += [sample(mode, bucket, 100 * scale, 400 * scale, jupiter_text if mode == "jupiter" else "same"),
-                    sample(mode, bucket, 120 * scale, 440 * scale, "same")]
-    out += [sample("jupiter-sequential", None, 50, 2000, "one long answer", 100),
-            sample("jupiter-sequential", None, 50, 1800, "another answer", 90),
-            sample("jupiter-outline", None, 300, 1000, "1. a\n2. b", 110, {"outline": {"used": True, "points": 2}}),
-            sample("jupiter-outline", None, 300, 900, "plain", 80, {"outline": {"used": False, "reason": "math"}})]
+            out += [
+                sample(mode, bucket, 100 * scale, 400 * scale, jupiter_text if mode == "jupiter" else "same"),
+                sample(mode, bucket, 120 * scale, 440 * scale, "same"),
+            ]
+    out += [
+        sample("jupiter-sequential", None, 50, 2000, "one long answer", 100),
+        sample("jupiter-sequential", None, 50, 1800, "another answer", 90),
+        sample("jupiter-outline", None, 300, 1000, "1. a\n2. b", 110, {"outline": {"used": True, "points": 2}}),
+        sample("jupiter-outline", None, 300, 900, "plain", 80, {"outline": {"used": False, "reason": "math"}}),
+    ]
     return out
 
 

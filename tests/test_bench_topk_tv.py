@@ -11,8 +11,25 @@ def test_topk_tv_report_on_the_demo_model(tmp_path):
     from tophat.cli import app
 
     out = tmp_path / "topk-tv.json"
-    result = CliRunner().invoke(app, ["bench", "topk-tv", "--model", "demo", "--prompts", "1", "--positions", "4",
-                                      "--temperatures", "1.0", "--ks", "1,5,50", "--out", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "topk-tv",
+            "--model",
+            "demo",
+            "--prompts",
+            "1",
+            "--positions",
+            "4",
+            "--temperatures",
+            "1.0",
+            "--ks",
+            "1,5,50",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
 

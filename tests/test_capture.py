@@ -73,12 +73,22 @@ def test_the_capture_is_exactly_what_the_device_sent(demo_checkpoint, device_mod
             # two sessions on two connections, each in its own wire dtype, at the same time
             runs = []
             for session_id, dtype in ((7, wire.WireDtype.F16), (8, wire.WireDtype.BF16)):
-                inner = WebSocketCloud(url, demo_checkpoint.hidden_size, wire_dtype=dtype, request_timeout_s=30,
-                                       **split_identity(demo_checkpoint, M))
+                inner = WebSocketCloud(
+                    url,
+                    demo_checkpoint.hidden_size,
+                    wire_dtype=dtype,
+                    request_timeout_s=30,
+                    **split_identity(demo_checkpoint, M),
+                )
                 session = DeviceSession(device_model, prompt, SamplingParams(), DraftConfig(eta=0.2, max_draft=4), 20)
                 options = {"parallel_candidates": 2, "parallel_steps": 2} if session_id == 8 else {}
-                runs.append((inner, session, generate(session, RecordingCloud(inner, session_id, sent), session_id,
-                                                      chunk_size=4, **options)))
+                runs.append(
+                    (
+                        inner,
+                        session,
+                        generate(session, RecordingCloud(inner, session_id, sent), session_id, chunk_size=4, **options),
+                    )
+                )
             await asyncio.gather(*(run for _, _, run in runs))
             for inner, session, _ in runs:
                 accepts.extend(session.accept_lengths)
@@ -114,8 +124,9 @@ def test_refused_token_and_fork_frames_are_not_recorded_and_forked_sessions_stat
         return wire.decode(await asyncio.wait_for(ws.recv(), 10))
 
     async def main():
-        async with verifier_on_loopback(demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M),
-                                        full_model=True, capture_path=str(capture)) as (_, url):
+        async with verifier_on_loopback(
+            demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M), full_model=True, capture_path=str(capture)
+        ) as (_, url):
             async with connect(url) as ws:
                 assert await roundtrip(ws, wire.OpenSession(1, hidden, **identity)) == wire.SessionOpened(1)
                 refused = [

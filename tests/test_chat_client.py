@@ -43,11 +43,28 @@ def fake_device(prompts: list[Any]) -> FastAPI:
             while n < limit:
                 k = 1 if n == 0 else min(2, limit - n)
                 await asyncio.sleep(0.01)
-                yield json.dumps({"type": "tokens", "token_ids": list(range(n, n + k)),
-                                  "text": "".join(f"tok{i} " for i in range(n, n + k)), "t": 0.0}) + "\n"
+                yield (
+                    json.dumps(
+                        {
+                            "type": "tokens",
+                            "token_ids": list(range(n, n + k)),
+                            "text": "".join(f"tok{i} " for i in range(n, n + k)),
+                            "t": 0.0,
+                        }
+                    )
+                    + "\n"
+                )
                 n += k
-            yield json.dumps({"type": "done", "finish_reason": "length",
-                              "stats": {"mean_accept_length": 2.0, "num_rounds": 2, "completion_tokens": n}}) + "\n"
+            yield (
+                json.dumps(
+                    {
+                        "type": "done",
+                        "finish_reason": "length",
+                        "stats": {"mean_accept_length": 2.0, "num_rounds": 2, "completion_tokens": n},
+                    }
+                )
+                + "\n"
+            )
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -84,14 +101,15 @@ async def test_one_shot_prints_tokens_and_timing(capsys: pytest.CaptureFixture[s
 async def test_timing_is_per_token_after_the_first() -> None:
     async with streamer([]) as url:
         result = await chat_turn(url, [{"role": "user", "content": "x"}], 7, 0.0, out=io.StringIO())
-    assert result.tokens == 7 and len(result.content_times) == 4   # 1 + 2 + 2 + 2 tokens per chunk
+    assert result.tokens == 7 and len(result.content_times) == 4  # 1 + 2 + 2 + 2 tokens per chunk
     assert result.timeline.tokens == [1, 2, 2, 2]  # the streamer's per-delivery counts, one per chunk
     span = result.content_times[-1] - result.content_times[0]
     assert result.tbt_s == pytest.approx(span / 6) and 0 < result.ttft_s < 5
 
 
-async def test_repl_keeps_history_and_exits(monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+async def test_repl_keeps_history_and_exits(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     prompts: list[Any] = []
     answers = iter(["first", "", "second", "/exit"])  # input() runs on the client's reader thread
     monkeypatch.setattr("builtins.input", lambda _prompt="": next(answers))
@@ -99,8 +117,10 @@ async def test_repl_keeps_history_and_exits(monkeypatch: pytest.MonkeyPatch,
         code = await run_chat(url, None, 2, 0.0)
     assert code == 0
     first = {"role": "user", "content": "first"}
-    assert prompts == [[first], [first, {"role": "assistant", "content": "tok0 tok1 "},
-                                 {"role": "user", "content": "second"}]]
+    assert prompts == [
+        [first],
+        [first, {"role": "assistant", "content": "tok0 tok1 "}, {"role": "user", "content": "second"}],
+    ]
     assert sum(bool(TIMING.match(line)) for line in capsys.readouterr().out.splitlines()) == 2
 
 

@@ -30,9 +30,11 @@ from shared.compute_delay import ComputeDelayPredictor
 MONITOR = "http://monitor"
 STEPS = [(64, 0.02), (512, 0.06), (8, 0.01), (128, 0.03)]
 # jetson-1: 8192 B up in 10 ms (819.2 kB/s), down in 5 ms, 4 ms per draft step
-JETSON = [{"kind": "device_draft", "device_id": "jetson-1", "step_s": 0.004},
-          {"kind": "device_transfer", "device_id": "jetson-1", "direction": "up", "bytes": 8192, "seconds": 0.01},
-          {"kind": "device_transfer", "device_id": "jetson-1", "direction": "down", "bytes": 8192, "seconds": 0.005}]
+JETSON = [
+    {"kind": "device_draft", "device_id": "jetson-1", "step_s": 0.004},
+    {"kind": "device_transfer", "device_id": "jetson-1", "direction": "up", "bytes": 8192, "seconds": 0.01},
+    {"kind": "device_transfer", "device_id": "jetson-1", "direction": "down", "bytes": 8192, "seconds": 0.005},
+]
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +43,9 @@ def _no_redis(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @asynccontextmanager
-async def running(settings: Settings, transport: httpx.AsyncBaseTransport | None = None
-                  ) -> AsyncIterator[httpx.AsyncClient]:
+async def running(
+    settings: Settings, transport: httpx.AsyncBaseTransport | None = None
+) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(settings, monitor_transport=transport)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://planner") as client:
@@ -86,8 +89,8 @@ def test_plan_clamps_default_to_bounds_and_prompt() -> None:
     # No hidden size of its own: A (bytes per token) is the caller's to say.
     assert (s.pipeline_stages, s.hidden_size, s.wire_dtype_bytes, s.stale_after_s) == (1, 0, 2, 30.0)
     assert plan_chunk_size(s, "d", 1000).chunk_size == 128
-    assert plan_chunk_size(s, "d", 50).chunk_size == 50          # never more than the prompt
-    assert plan_chunk_size(s, "d", 3).chunk_size == 3            # even below min: the whole prompt
+    assert plan_chunk_size(s, "d", 50).chunk_size == 50  # never more than the prompt
+    assert plan_chunk_size(s, "d", 3).chunk_size == 3  # even below min: the whole prompt
     assert plan_chunk_size(load_settings({}, default_chunk_size=4), "d", 1000).chunk_size == 16
     assert plan_chunk_size(load_settings({}, default_chunk_size=5000), "d", 9000).chunk_size == 1024
     assert plan_chunk_size(s, "d", 1000).source == "default:no-monitor"
@@ -98,13 +101,24 @@ def test_plan_clamps_default_to_bounds_and_prompt() -> None:
 
 
 def test_settings_from_env_and_validation() -> None:
-    s = load_settings({"TOPHAT_CHUNK_PLANNER_DEFAULT_CHUNK_SIZE": "256", "TOPHAT_CHUNK_PLANNER_PORT": "9010",
-                       "TOPHAT_CHUNK_PLANNER_PIPELINE_STAGES": "4", "TOPHAT_CHUNK_PLANNER_HIDDEN_SIZE": "4096"})
+    s = load_settings(
+        {
+            "TOPHAT_CHUNK_PLANNER_DEFAULT_CHUNK_SIZE": "256",
+            "TOPHAT_CHUNK_PLANNER_PORT": "9010",
+            "TOPHAT_CHUNK_PLANNER_PIPELINE_STAGES": "4",
+            "TOPHAT_CHUNK_PLANNER_HIDDEN_SIZE": "4096",
+        }
+    )
     assert (s.default_chunk_size, s.port, s.pipeline_stages) == (256, 9010, 4)
     assert planner_inputs(s).bytes_per_token == hidden_bytes_per_token(4096, 2)
-    for bad in ({"MIN_CHUNK_SIZE": "64", "MAX_CHUNK_SIZE": "32"}, {"MIN_CHUNK_SIZE": "0"},
-                {"PIPELINE_STAGES": "0"}, {"STALE_AFTER_S": "0"}, {"MONITOR_TIMEOUT_S": "-1"},
-                {"DEFAULT_PARALLEL_DRAFT_STEPS": "20", "MAX_PARALLEL_DRAFT_STEPS": "8"}):
+    for bad in (
+        {"MIN_CHUNK_SIZE": "64", "MAX_CHUNK_SIZE": "32"},
+        {"MIN_CHUNK_SIZE": "0"},
+        {"PIPELINE_STAGES": "0"},
+        {"STALE_AFTER_S": "0"},
+        {"MONITOR_TIMEOUT_S": "-1"},
+        {"DEFAULT_PARALLEL_DRAFT_STEPS": "20", "MAX_PARALLEL_DRAFT_STEPS": "8"},
+    ):
         with pytest.raises(SettingsError):
             load_settings({f"TOPHAT_CHUNK_PLANNER_{k}": v for k, v in bad.items()})
 
@@ -117,13 +131,16 @@ async def test_endpoints_without_monitor() -> None:
         assert plan(resp.json()) == {"chunk_size": 40, "source": "default:no-monitor"}
         resp = await client.get("/parallel-draft-steps", params={"device_id": "jetson-1", "draft_len": 8})
         assert plan(resp.json()) == {"steps": 2, "source": "default:no-monitor"}
-        for path, params in [("/chunk-size", {"prompt_tokens": 10}), ("/chunk-size", {"device_id": "d"}),
-                             ("/chunk-size", {"device_id": "d", "prompt_tokens": 0}),
-                             ("/chunk-size", {"device_id": "d", "prompt_tokens": "many"}),
-                             ("/chunk-size", {"device_id": "bad id!", "prompt_tokens": 5}),
-                             ("/parallel-draft-steps", {"device_id": "d", "draft_len": -1}),
-                             ("/parallel-draft-steps", {"device_id": "d"}),
-                             ("/parallel-draft-steps", {"device_id": "../x", "draft_len": 1})]:
+        for path, params in [
+            ("/chunk-size", {"prompt_tokens": 10}),
+            ("/chunk-size", {"device_id": "d"}),
+            ("/chunk-size", {"device_id": "d", "prompt_tokens": 0}),
+            ("/chunk-size", {"device_id": "d", "prompt_tokens": "many"}),
+            ("/chunk-size", {"device_id": "bad id!", "prompt_tokens": 5}),
+            ("/parallel-draft-steps", {"device_id": "d", "draft_len": -1}),
+            ("/parallel-draft-steps", {"device_id": "d"}),
+            ("/parallel-draft-steps", {"device_id": "../x", "draft_len": 1}),
+        ]:
             resp = await client.get(path, params=params)
             assert resp.status_code == 400, (path, params)
             assert resp.json()["error"]["type"] == "invalid_request_error"
@@ -153,8 +170,11 @@ async def test_eq3_and_eq6_from_live_monitor() -> None:
         for stages in (1, 4):
             settings = planner_settings(pipeline_stages=stages)
             async with running(settings, transport) as client:
-                got = (await client.get("/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 5000,
-                                                               "bytes_per_token": a})).json()
+                got = (
+                    await client.get(
+                        "/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 5000, "bytes_per_token": a}
+                    )
+                ).json()
                 want = chunk_size_eq3(a, 819_200.0, g_fn, mu, stages, 16, 1024, 5000)
                 assert got == {"chunk_size": want, "source": "eq3", "bytes_per_token": a, "stages": stages}
                 assert (want, "eq3") == plan_from_state(cloud, device, planner_inputs(settings, a), 5000)
@@ -164,29 +184,37 @@ async def test_eq3_and_eq6_from_live_monitor() -> None:
                 else:
                     assert want < p1  # a longer pipeline hides less upload: smaller chunks
 
-                short = (await client.get("/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 10,
-                                                                 "bytes_per_token": a})).json()
+                short = (
+                    await client.get(
+                        "/chunk-size", params={"device_id": "jetson-1", "prompt_tokens": 10, "bytes_per_token": a}
+                    )
+                ).json()
                 assert (short["chunk_size"], short["source"]) == (10, "eq3")
 
-                got = (await client.get("/parallel-draft-steps", params={"device_id": "jetson-1",
-                                                                         "draft_len": 8, "bytes_per_token": a})).json()
+                got = (
+                    await client.get(
+                        "/parallel-draft-steps", params={"device_id": "jetson-1", "draft_len": 8, "bytes_per_token": a}
+                    )
+                ).json()
                 want_steps = parallel_draft_steps_eq6(8, a, 819_200.0, 1_638_400.0, g_fn(mu), 0.004, 16)
                 assert got == {"steps": want_steps, "source": "eq6", "bytes_per_token": a, "stages": stages}
-                assert (want_steps, "eq6") == plan_draft_steps_from_state(cloud, device,
-                                                                          planner_inputs(settings, a), 8)
+                assert (want_steps, "eq6") == plan_draft_steps_from_state(cloud, device, planner_inputs(settings, a), 8)
                 assert 0 < want_steps < 16
 
 
 async def test_fallbacks_with_live_monitor() -> None:
     async with monitor() as (mon, transport):
         async with running(planner_settings(hidden_size=256), transport) as client:
+
             async def chunk(device: str) -> dict[str, Any]:
-                return plan((await client.get("/chunk-size", params={"device_id": device,
-                                                                     "prompt_tokens": 900})).json())
+                return plan(
+                    (await client.get("/chunk-size", params={"device_id": device, "prompt_tokens": 900})).json()
+                )
 
             async def steps(device: str) -> dict[str, Any]:
-                return plan((await client.get("/parallel-draft-steps", params={"device_id": device,
-                                                                               "draft_len": 8})).json())
+                return plan(
+                    (await client.get("/parallel-draft-steps", params={"device_id": device, "draft_len": 8})).json()
+                )
 
             # nothing reported yet: unknown device (404) and no g(mu)
             assert await chunk("jetson-1") == {"chunk_size": 128, "source": "default:no-telemetry"}
@@ -223,7 +251,7 @@ class Hang(httpx.AsyncBaseTransport):
 
 async def test_unreachable_or_broken_monitor() -> None:
     cases: list[tuple[str, httpx.AsyncBaseTransport | None, str]] = [
-        (f"http://127.0.0.1:{free_port()}", None, "monitor-unreachable"),   # nothing listens
+        (f"http://127.0.0.1:{free_port()}", None, "monitor-unreachable"),  # nothing listens
         (MONITOR, Hang(), "monitor-unreachable"),
         (MONITOR, httpx.MockTransport(lambda r: httpx.Response(500, text="boom")), "monitor-error"),
         (MONITOR, httpx.MockTransport(lambda r: httpx.Response(200, text="<html>")), "monitor-error"),
@@ -249,6 +277,7 @@ async def test_bytes_per_token_and_stages_come_from_the_caller() -> None:
     async with monitor() as (mon, transport):
         await post(mon, steps_records(STEPS) + JETSON)
         async with running(planner_settings(), transport) as client:
+
             async def ask(path: str, **params: Any) -> dict[str, Any]:
                 return (await client.get(path, params={"device_id": "jetson-1", **params})).json()
 
@@ -275,11 +304,21 @@ async def test_draft_steps_for_every_draft_length_from_one_snapshot() -> None:
     async with monitor() as (mon, transport):
         await post(mon, steps_records(STEPS) + JETSON)
         async with running(planner_settings(), transport) as client:
-            got = (await client.get("/parallel-draft-steps", params={
-                "device_id": "jetson-1", "draft_len": 9, "bytes_per_token": 4096, "all_lengths": "true"})).json()
-            singles = [(await client.get("/parallel-draft-steps", params={
-                "device_id": "jetson-1", "draft_len": n, "bytes_per_token": 4096})).json()["steps"]
-                for n in range(10)]
+            got = (
+                await client.get(
+                    "/parallel-draft-steps",
+                    params={"device_id": "jetson-1", "draft_len": 9, "bytes_per_token": 4096, "all_lengths": "true"},
+                )
+            ).json()
+            singles = [
+                (
+                    await client.get(
+                        "/parallel-draft-steps",
+                        params={"device_id": "jetson-1", "draft_len": n, "bytes_per_token": 4096},
+                    )
+                ).json()["steps"]
+                for n in range(10)
+            ]
     assert got["steps_by_draft_len"] == singles and got["steps"] == singles[9]
     assert singles[1] < singles[9]  # the window grows with the rows moved: eq. 6 depends on k
 
@@ -290,9 +329,11 @@ async def test_stages_come_from_the_verifiers_telemetry_when_the_caller_does_not
     async with monitor() as (mon, transport):
         await post(mon, [{**r, "pipeline_stages": 4} for r in steps_records(STEPS)] + JETSON)
         async with running(planner_settings(pipeline_stages=1), transport) as client:
+
             async def ask(path: str, **params: Any) -> dict[str, Any]:
-                return (await client.get(path, params={"device_id": "jetson-1", "bytes_per_token": 512,
-                                                       **params})).json()
+                return (
+                    await client.get(path, params={"device_id": "jetson-1", "bytes_per_token": 512, **params})
+                ).json()
 
             reported = await ask("/chunk-size", prompt_tokens=5000)
             assert reported["stages"] == 4 and reported["source"] == "eq3"

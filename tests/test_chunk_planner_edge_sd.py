@@ -48,10 +48,12 @@ async def live_monitor(redis_url: str) -> AsyncIterator[tuple[httpx.AsyncClient,
 
 def edge_telemetry(count: int) -> dict[str, Any]:
     """`count` passes of each model on the runtime lines above and `count` verdicts (alpha = 3/4 by MLE)."""
-    return {"node": "sbs-1",
-            "draft": [[b, 1e8 * b, DRAFT_RUNTIME.seconds(b, 1e8 * b)] for b in range(1, count + 1)],
-            "verify": [[b, 1e9 * b, VERIFY_RUNTIME.seconds(b, 1e9 * b)] for b in range(1, count + 1)],
-            "verdicts": [[4, 3]] * count}
+    return {
+        "node": "sbs-1",
+        "draft": [[b, 1e8 * b, DRAFT_RUNTIME.seconds(b, 1e8 * b)] for b in range(1, count + 1)],
+        "verify": [[b, 1e9 * b, VERIFY_RUNTIME.seconds(b, 1e9 * b)] for b in range(1, count + 1)],
+        "verdicts": [[4, 3]] * count,
+    }
 
 
 def sources(answer: dict[str, Any]) -> tuple[str, ...]:
@@ -60,12 +62,23 @@ def sources(answer: dict[str, Any]) -> tuple[str, ...]:
 
 def test_settings_feed_plan_defaults() -> None:
     assert load_settings({}).edge_sd_defaults() == PlanDefaults()
-    s = load_settings({"TOPHAT_CHUNK_PLANNER_EDGE_SD_ALPHA": "0.6", "TOPHAT_CHUNK_PLANNER_EDGE_SD_L_MAX": "12",
-                       "TOPHAT_CHUNK_PLANNER_EDGE_SD_DRAFT_C1": "1e-12", "TOPHAT_CHUNK_PLANNER_EDGE_SD_MIN_SAMPLES": "3",
-                       "TOPHAT_CHUNK_PLANNER_EDGE_SD_SNR_DB": "7.5"})
+    s = load_settings(
+        {
+            "TOPHAT_CHUNK_PLANNER_EDGE_SD_ALPHA": "0.6",
+            "TOPHAT_CHUNK_PLANNER_EDGE_SD_L_MAX": "12",
+            "TOPHAT_CHUNK_PLANNER_EDGE_SD_DRAFT_C1": "1e-12",
+            "TOPHAT_CHUNK_PLANNER_EDGE_SD_MIN_SAMPLES": "3",
+            "TOPHAT_CHUNK_PLANNER_EDGE_SD_SNR_DB": "7.5",
+        }
+    )
     assert s.edge_sd_defaults() == PlanDefaults(alpha=0.6, l_max=12, draft_c1=1e-12, min_samples=3, snr_db=7.5)
-    for bad in ({"EDGE_SD_ALPHA": "1.5"}, {"EDGE_SD_L_MAX": "0"}, {"EDGE_SD_VERIFY_C2": "-1"},
-                {"EDGE_SD_MIN_SAMPLES": "1"}, {"EDGE_SD_SNR_DB": "nan"}):
+    for bad in (
+        {"EDGE_SD_ALPHA": "1.5"},
+        {"EDGE_SD_L_MAX": "0"},
+        {"EDGE_SD_VERIFY_C2": "-1"},
+        {"EDGE_SD_MIN_SAMPLES": "1"},
+        {"EDGE_SD_SNR_DB": "nan"},
+    ):
         with pytest.raises(SettingsError):
             load_settings({f"TOPHAT_CHUNK_PLANNER_{k}": v for k, v in bad.items()})
 
@@ -107,12 +120,21 @@ async def test_monitor_down_or_unusable_falls_back_with_the_reason(server: Embed
     cases: list[tuple[str, httpx.AsyncBaseTransport | None, str]] = [
         (f"http://127.0.0.1:{free_port()}", None, "default:monitor-unreachable"),  # nothing listens
         (MONITOR, Hang(), "default:monitor-unreachable"),
-        (MONITOR, httpx.MockTransport(lambda r: httpx.Response(404, json={"detail": "Not Found"})),
-         "default:monitor-error"),                                                  # a monitor without the route
-        (MONITOR, httpx.MockTransport(lambda r: httpx.Response(200, json={"draft": [[1, 2]]})),
-         "default:bad-telemetry"),
-        (MONITOR, httpx.MockTransport(lambda r: httpx.Response(200, json={"verdicts": [[2, 3]]})),
-         "default:bad-telemetry"),
+        (
+            MONITOR,
+            httpx.MockTransport(lambda r: httpx.Response(404, json={"detail": "Not Found"})),
+            "default:monitor-error",
+        ),  # a monitor without the route
+        (
+            MONITOR,
+            httpx.MockTransport(lambda r: httpx.Response(200, json={"draft": [[1, 2]]})),
+            "default:bad-telemetry",
+        ),
+        (
+            MONITOR,
+            httpx.MockTransport(lambda r: httpx.Response(200, json={"verdicts": [[2, 3]]})),
+            "default:bad-telemetry",
+        ),
     ]
     for url, transport, reason in cases:
         async with running(load_settings({}, state_monitor_url=url, monitor_timeout_s=0.2), transport) as client:
@@ -131,8 +153,13 @@ async def test_monitor_down_or_unusable_falls_back_with_the_reason(server: Embed
 async def test_bad_and_infeasible_requests_are_422_and_keep_the_latest() -> None:
     async with running(load_settings({})) as client:
         good = (await client.post("/edge-sd/plan", json=plan_body())).json()
-        for bad in (plan_body(tasks=[]), plan_body(batching="static"), {"tasks": "x"}, [1, 2],
-                    plan_body(draft_shape={"layers": 1})):
+        for bad in (
+            plan_body(tasks=[]),
+            plan_body(batching="static"),
+            {"tasks": "x"},
+            [1, 2],
+            plan_body(draft_shape={"layers": 1}),
+        ):
             resp = await client.post("/edge-sd/plan", json=bad)
             assert resp.status_code == 422 and resp.json()["error"]["code"] == "invalid_plan_request", bad
         resp = await client.post("/edge-sd/plan", content=b"{not json", headers={"content-type": "application/json"})

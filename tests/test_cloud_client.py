@@ -27,8 +27,14 @@ async def test_a_reply_over_the_frame_limit_closes_the_connection_unbuffered() -
 
     async with serve(oversized_replies, "127.0.0.1", 0) as server:
         port = server.sockets[0].getsockname()[1]
-        cloud = WebSocketCloud(f"ws://127.0.0.1:{port}/ws", 8, max_frame_bytes=FRAME_LIMIT, request_timeout_s=5,
-                               split_layers=1, fingerprint=1)
+        cloud = WebSocketCloud(
+            f"ws://127.0.0.1:{port}/ws",
+            8,
+            max_frame_bytes=FRAME_LIMIT,
+            request_timeout_s=5,
+            split_layers=1,
+            fingerprint=1,
+        )
         try:
             with pytest.raises(CloudUnavailable):
                 await cloud.open(1)
@@ -57,8 +63,10 @@ async def test_several_replicas_are_tried_in_turn() -> None:
     with socket.socket() as unused:  # a port nothing listens on: a dead replica
         unused.bind(("127.0.0.1", 0))
         dead_port = unused.getsockname()[1]
-    async with serve(one_session_then_hang_up, "127.0.0.1", 0) as first, \
-            serve(one_session_then_hang_up, "127.0.0.1", 0) as second:
+    async with (
+        serve(one_session_then_hang_up, "127.0.0.1", 0) as first,
+        serve(one_session_then_hang_up, "127.0.0.1", 0) as second,
+    ):
         ports = [first.sockets[0].getsockname()[1], second.sockets[0].getsockname()[1]]
         urls = ",".join(f"ws://127.0.0.1:{p}/ws" for p in [dead_port, *ports])
         cloud = WebSocketCloud(urls, 8, request_timeout_s=5, split_layers=1, fingerprint=1)

@@ -59,6 +59,7 @@ async def roundtrip(ws: ClientConnection, message: wire.Message) -> wire.Message
 
 # -- correctness ---------------------------------------------------------------------------------
 
+
 async def test_greedy_cloud_mode_equals_the_full_model_and_sessions_share_steps(checkpoint):
     prompts = [[(13 * i + j) % 200 + 1 for j in range(4 + 5 * i)] for i in range(6)]
     expected = [generate_full(checkpoint, p, 16).token_ids for p in prompts]
@@ -92,13 +93,22 @@ async def test_token_and_hidden_state_sessions_share_the_middle_pass(checkpoint)
     async def hat(cloud, prompt, sid):
         device = DeviceModel.from_checkpoint(checkpoint, M, DraftAdapter(checkpoint, M))
         session = DeviceSession(device, prompt, draft_config=DraftConfig(eta=0.3, max_draft=3), max_new_tokens=14)
-        return [t async for emitted in run_session(session, cloud, sid, fixed_chunks(len(prompt), 4),
-                                                   offload=asyncio.to_thread) for t in emitted]
+        return [
+            t
+            async for emitted in run_session(
+                session, cloud, sid, fixed_chunks(len(prompt), 4), offload=asyncio.to_thread
+            )
+            for t in emitted
+        ]
 
     async with running_verifier(checkpoint) as (server, url):
         cloud = WebSocketCloud(url, checkpoint.hidden_size, F32, **split_identity(checkpoint, M))
-        got = await asyncio.gather(hat(cloud, prompts[0], 1), cloud_generate(cloud, prompts[1], 2, 14),
-                                   hat(cloud, prompts[2], 3), cloud_generate(cloud, prompts[3], 4, 14))
+        got = await asyncio.gather(
+            hat(cloud, prompts[0], 1),
+            cloud_generate(cloud, prompts[1], 2, 14),
+            hat(cloud, prompts[2], 3),
+            cloud_generate(cloud, prompts[3], 4, 14),
+        )
         await cloud.close_connection()
         steps = list(server.recent_steps)
     assert got == expected
@@ -106,6 +116,7 @@ async def test_token_and_hidden_state_sessions_share_the_middle_pass(checkpoint)
 
 
 # -- refusals ------------------------------------------------------------------------------------
+
 
 async def test_token_messages_on_a_privacy_session_are_privacy_violations(checkpoint):
     hidden = checkpoint.hidden_size
@@ -173,6 +184,7 @@ def test_from_settings_builds_the_token_path_only_when_asked(tiny_llama_dir):
 
 # -- privacy audit -------------------------------------------------------------------------------
 
+
 async def test_privacy_audit_flags_every_token_frame(checkpoint):
     """What crosses the wire in cloud mode, recorded by a relay: every token-mode frame is flagged."""
     async with running_verifier(checkpoint) as (_, url):
@@ -198,6 +210,7 @@ async def test_privacy_audit_flags_every_token_frame(checkpoint):
 
 
 # -- the device agent's HTTP API in cloud mode ------------------------------------------------------
+
 
 async def test_device_agent_streams_cloud_mode_per_request(tiny_llama_dir, checkpoint):
     prompt = [9, 8, 7, 6, 5, 4]

@@ -31,8 +31,13 @@ def rendered(*overrides: Path) -> dict:
 
 
 def test_compose_files_match_the_compose_spec():
-    result = run(str(VENV_BIN / "check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(COMPOSE),
-                 *map(str, OVERRIDES))
+    result = run(
+        str(VENV_BIN / "check-jsonschema"),
+        "--builtin-schema",
+        "vendor.compose-spec",
+        str(COMPOSE),
+        *map(str, OVERRIDES),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -45,8 +50,14 @@ def test_every_service_is_healthchecked_restarted_and_ordered(overrides):
         assert svc["restart"] == "unless-stopped" and svc["init"] is True and svc["pull_policy"] == "never", name
         for dependency in svc.get("depends_on", {}).values():
             assert dependency["condition"] == "service_healthy", name
-    order = {"state-monitor": "redis", "chunk-planner": "state-monitor", "verifier-cloud": "state-monitor",
-             "device-agent": "verifier-cloud", "device-agent-2": "verifier-cloud", "token-streamer": "device-agent"}
+    order = {
+        "state-monitor": "redis",
+        "chunk-planner": "state-monitor",
+        "verifier-cloud": "state-monitor",
+        "device-agent": "verifier-cloud",
+        "device-agent-2": "verifier-cloud",
+        "token-streamer": "device-agent",
+    }
     for name, first in order.items():
         assert first in services[name]["depends_on"], name
     device = services["device-agent"]["environment"]
@@ -102,4 +113,6 @@ def test_only_the_monitor_mounts_the_signing_key_and_devices_only_their_bootstra
     assert mounts["device-agent"] == {"tophat-device", "ca.pem"}
     assert services["device-agent"]["environment"]["TOPHAT_SETTINGS_FILE"] == "/run/secrets/tophat-device.env"
     assert mounts["device-agent-2"] == {"tophat-device", "ca.pem"}
-    assert not [name for name, sources in mounts.items() if "tophat-device" in sources and not name.startswith("device-")]
+    assert not [
+        name for name, sources in mounts.items() if "tophat-device" in sources and not name.startswith("device-")
+    ]

@@ -24,10 +24,14 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=2, port_base=find_port_base(0),
-                        discover_devices=True, log_dir=tmp_path_factory.mktemp("logs"),
-                        extra_env={"TOPHAT_STATE_MONITOR_ANNOUNCE_TTL_S": "2",
-                                   "TOPHAT_STREAMER_DISCOVERY_INTERVAL_S": "0.5"})
+    config = MeshConfig(
+        model_dir=str(DEMO_MODEL_DIR),
+        num_devices=2,
+        port_base=find_port_base(0),
+        discover_devices=True,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        extra_env={"TOPHAT_STATE_MONITOR_ANNOUNCE_TTL_S": "2", "TOPHAT_STREAMER_DISCOVERY_INTERVAL_S": "0.5"},
+    )
     with Mesh(config) as running:
         yield running
 
@@ -49,8 +53,9 @@ def test_devices_announce_and_serve(mesh, demo_checkpoint):
     assert {d["device_id"] for d in listed} == {"device-0", "device-1"}  # each its own bootstrap token's id
     prompt = "def fibonacci(n):"
     ids = demo_checkpoint.tokenizer.encode(prompt, add_special_tokens=False)
-    expected = demo_checkpoint.tokenizer.decode(generate_full(demo_checkpoint, ids, MAX_TOKENS).token_ids,
-                                                skip_special_tokens=True)
+    expected = demo_checkpoint.tokenizer.decode(
+        generate_full(demo_checkpoint, ids, MAX_TOKENS).token_ids, skip_special_tokens=True
+    )
     for _ in range(3):
         assert complete(mesh, prompt)["choices"][0]["text"] == expected
     deadline = time.monotonic() + 10

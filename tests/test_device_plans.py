@@ -46,12 +46,15 @@ class FakePlanner(httpx.AsyncBaseTransport):
         await self.released.wait()
         if request.url.path == "/draft-budget":
             self.budget_asks.append(json.loads(await request.aread()))
-            return httpx.Response(200, json={"shape": self.shape, "source": "budget", "tokens_per_s": self.tokens_per_s})
+            return httpx.Response(
+                200, json={"shape": self.shape, "source": "budget", "tokens_per_s": self.tokens_per_s}
+            )
         if request.url.path == "/chunk-size":
             return httpx.Response(200, json={"chunk_size": self.chunk, "source": self.chunk_source})
         rows = int(params["draft_len"])
-        return httpx.Response(200, json={"steps": rows, "source": "eq6",
-                                         "steps_by_draft_len": [n // 2 for n in range(rows + 1)]})
+        return httpx.Response(
+            200, json={"steps": rows, "source": "eq6", "steps_by_draft_len": [n // 2 for n in range(rows + 1)]}
+        )
 
 
 class Clock:
@@ -66,24 +69,43 @@ class Clock:
 async def planned_agent(checkpoint, planner: FakePlanner, clock: Clock, **overrides):
     """A device agent on a loopback verifier whose planner is `planner`, and an HTTP client for its API."""
     async with verifier_on_loopback(checkpoint, 2) as (_, url):
-        settings = device_settings.Settings(model_dir=str(checkpoint.path), split_layers=2, adapter="random",
-                                            verifier_url=url, wire_dtype="f4", chunk_planner_url=PLANNER,
-                                            bandwidth_probe_interval_s=0, rtt_probe_interval_s=0, **overrides)
+        settings = device_settings.Settings(
+            model_dir=str(checkpoint.path),
+            split_layers=2,
+            adapter="random",
+            verifier_url=url,
+            wire_dtype="f4",
+            chunk_planner_url=PLANNER,
+            bandwidth_probe_interval_s=0,
+            rtt_probe_interval_s=0,
+            **overrides,
+        )
         agent = await asyncio.to_thread(DeviceAgent, settings)
         agent.plans.http = httpx.AsyncClient(transport=planner)
         agent.plans.clock = clock
         app = create_app(settings, agent)
         async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://device",
-                                         timeout=60) as http:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://device", timeout=60
+            ) as http:
                 yield settings, agent, http
 
 
 def cache(planner: FakePlanner, clock: Clock, timeout_s: float = 1.0) -> PlanCache:
     http = httpx.AsyncClient(transport=planner)
-    return PlanCache(http, PLANNER, "dev-7", bytes_per_token=wire_bytes_per_token(576, WireDtype.F32),
-                     max_prompt_tokens=4096, max_rows=9, default_chunk_size=128, default_steps=2,
-                     refresh_s=5.0, timeout_s=timeout_s, clock=clock)
+    return PlanCache(
+        http,
+        PLANNER,
+        "dev-7",
+        bytes_per_token=wire_bytes_per_token(576, WireDtype.F32),
+        max_prompt_tokens=4096,
+        max_rows=9,
+        default_chunk_size=128,
+        default_steps=2,
+        refresh_s=5.0,
+        timeout_s=timeout_s,
+        clock=clock,
+    )
 
 
 async def test_cached_plan_is_used_and_refreshed_in_the_background() -> None:
@@ -168,6 +190,7 @@ async def test_requests_make_no_planner_call_on_their_ttft_path(tiny_llama_check
     checkpoint = tiny_llama_checkpoint
     planner, clock = FakePlanner(), Clock()
     async with planned_agent(checkpoint, planner, clock, draft_budgets="none,chain") as (settings, agent, http):
+
         async def generate() -> list[dict]:
             body = {"prompt_ids": list(range(3, 103)), "max_new_tokens": 6}
             response = await asyncio.wait_for(http.post("/generate", json=body), 30)
@@ -202,6 +225,7 @@ async def test_a_budgeting_device_drafts_in_the_shape_the_planner_chose(tiny_lla
     planner.shape = "tree8"
     planner.tokens_per_s = {"none": 9.0, "chain": 10.0, "tree8": 10.5}  # both within TRIAL_SHARE of the best
     async with planned_agent(checkpoint, planner, clock, draft_budgets="none,tree8") as (settings, agent, http):
+
         async def generate(**extra) -> list[int]:
             body = {"prompt_ids": list(range(3, 40)), "max_new_tokens": 8, **extra}
             response = await asyncio.wait_for(http.post("/generate", json=body), 30)
@@ -244,8 +268,11 @@ async def test_a_shape_predicted_far_slower_gets_no_trial_round(tiny_llama_check
     planner, clock = FakePlanner(), Clock()
     planner.shape = "none"
     async with planned_agent(tiny_llama_checkpoint, planner, clock, draft_budgets="none,chain,tree8") as (
-        settings, agent, http
+        settings,
+        agent,
+        http,
     ):
+
         async def generate() -> None:
             body = {"prompt_ids": list(range(3, 20)), "max_new_tokens": 4}
             response = await asyncio.wait_for(http.post("/generate", json=body), 30)
@@ -274,8 +301,11 @@ async def test_a_seeded_sampled_request_drafts_in_the_configured_shape_whatever_
     planner.shape = "tree8"
     planner.tokens_per_s = {"none": 9.0, "chain": 10.0, "tree8": 10.5}
     async with planned_agent(tiny_llama_checkpoint, planner, clock, draft_budgets="none,tree8") as (
-        settings, agent, http
+        settings,
+        agent,
+        http,
     ):
+
         async def generate() -> list[int]:
             body = {"prompt_ids": list(range(3, 30)), "max_new_tokens": 8, "temperature": 0.9, "seed": 7}
             response = await asyncio.wait_for(http.post("/generate", json=body), 30)

@@ -22,8 +22,10 @@ def test_an_agent_silent_for_the_ttl_leaves_the_live_set():
     registry.announce("a", "http://10.0.0.1:8200/")
     clock.now += 6
     registry.announce("b", "http://10.0.0.2:8200")
-    assert [(e.device_id, e.url) for e in registry.live()] == [("a", "http://10.0.0.1:8200"),
-                                                               ("b", "http://10.0.0.2:8200")]
+    assert [(e.device_id, e.url) for e in registry.live()] == [
+        ("a", "http://10.0.0.1:8200"),
+        ("b", "http://10.0.0.2:8200"),
+    ]
     clock.now += 5  # a: 11 s silent, b: 5 s
     assert [e.device_id for e in registry.live()] == ["b"]
     registry.announce("a", "http://10.0.0.1:8200")  # back again
@@ -39,8 +41,10 @@ def test_a_new_address_replaces_the_old_entry_and_a_silent_devices_address_can_b
     clock.now += 11  # c (and a) silent for the TTL
     registry.announce("a", "http://10.0.0.9:8200")
     registry.announce("d", "http://10.0.0.5:8200")  # a new agent at c's old address
-    assert [(e.device_id, e.url) for e in registry.live()] == [("a", "http://10.0.0.9:8200"),
-                                                               ("d", "http://10.0.0.5:8200")]
+    assert [(e.device_id, e.url) for e in registry.live()] == [
+        ("a", "http://10.0.0.9:8200"),
+        ("d", "http://10.0.0.5:8200"),
+    ]
 
 
 def test_a_device_cannot_claim_a_live_devices_url():
@@ -63,9 +67,15 @@ def test_advertised_url():
     assert advertised_url("http://jetson-07:8200/", "0.0.0.0", 8200) == "http://jetson-07:8200"
     assert advertised_url("", "127.0.0.1", 41234) == "http://127.0.0.1:41234"
     # Bound everywhere: the address the host name resolves to (a container's own address).
-    assert advertised_url("", "0.0.0.0", 8200, resolve=lambda name: {"c0ffee": "172.18.0.5"}[name],
-                          hostname=lambda: "c0ffee") == "http://172.18.0.5:8200"
-    assert advertised_url("", "::", 8200, resolve=lambda name: "fd00::5", hostname=lambda: "h") == "http://[fd00::5]:8200"
+    assert (
+        advertised_url(
+            "", "0.0.0.0", 8200, resolve=lambda name: {"c0ffee": "172.18.0.5"}[name], hostname=lambda: "c0ffee"
+        )
+        == "http://172.18.0.5:8200"
+    )
+    assert (
+        advertised_url("", "::", 8200, resolve=lambda name: "fd00::5", hostname=lambda: "h") == "http://[fd00::5]:8200"
+    )
 
     def unresolvable(name: str) -> str:
         raise OSError("no such host")
@@ -73,10 +83,28 @@ def test_advertised_url():
     assert advertised_url("", "0.0.0.0", 8200, resolve=unresolvable) == "http://127.0.0.1:8200"
     # With the monitor's URL: the address on the route to it (a Swarm task's overlay address, not its
     # docker_gwbridge one), falling back to the host name's when there is no route.
-    assert advertised_url("", "0.0.0.0", 8200, route_to="http://state-monitor:8020",
-                          route_source=lambda url: "10.0.1.7", resolve=unresolvable) == "http://10.0.1.7:8200"
-    assert advertised_url("", "0.0.0.0", 8200, route_to="http://state-monitor:8020", route_source=unresolvable,
-                          resolve=lambda name: "172.18.0.5") == "http://172.18.0.5:8200"
+    assert (
+        advertised_url(
+            "",
+            "0.0.0.0",
+            8200,
+            route_to="http://state-monitor:8020",
+            route_source=lambda url: "10.0.1.7",
+            resolve=unresolvable,
+        )
+        == "http://10.0.1.7:8200"
+    )
+    assert (
+        advertised_url(
+            "",
+            "0.0.0.0",
+            8200,
+            route_to="http://state-monitor:8020",
+            route_source=unresolvable,
+            resolve=lambda name: "172.18.0.5",
+        )
+        == "http://172.18.0.5:8200"
+    )
 
 
 def test_route_source_address_on_loopback():

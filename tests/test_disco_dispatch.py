@@ -23,9 +23,9 @@ from shared.disco.dispatch import (
     tail_wait,
 )
 
-SERVER_COST = CostModel()                     # server-constrained
-DEVICE_COST = CostModel(exchange_rate=1e-4)   # device-constrained
-LENGTHS = Distribution.from_samples([10, 20, 30, 40])          # token shares 0.1 0.2 0.3 0.4
+SERVER_COST = CostModel()  # server-constrained
+DEVICE_COST = CostModel(exchange_rate=1e-4)  # device-constrained
+LENGTHS = Distribution.from_samples([10, 20, 30, 40])  # token shares 0.1 0.2 0.3 0.4
 TTFT = Distribution.from_samples([k / 10 for k in range(1, 21)])  # 0.1 .. 2.0 s, F steps 1/20
 
 
@@ -33,7 +33,7 @@ def device_share(lengths: Distribution, ttft: Distribution, l_th: float, beta: f
     """The device's expected share of prompt tokens, summed over the samples one by one."""
     waits = np.array([0.0 if l <= l_th else min(beta * l, w_tail) for l in lengths.values])  # [n]
     runs = (ttft.values[None, :] > waits[:, None]).mean(axis=1)  # [n] P(server still silent at w)
-    runs[waits <= 0] = 1.0                                        # waiting 0: the device surely runs
+    runs[waits <= 0] = 1.0  # waiting 0: the device surely runs
     return float(np.sum(lengths.values * runs) / np.sum(lengths.values))
 
 
@@ -52,11 +52,11 @@ def test_distribution_drops_bad_samples_and_answers_cdf_quantile_mean() -> None:
 
 def test_eq3_threshold_by_hand() -> None:
     # E[l] = 25; sum_{l < l_th} l p(l) over 10, 20, 30, 40 runs 2.5, 7.5, 15, 25.
-    assert length_threshold_server(LENGTHS, 0.5) == 30.0    # 7.5 <= 12.5 < 15
-    assert length_threshold_server(LENGTHS, 0.7) == 30.0    # 7.5 <= 7.5 (equality fits)
-    assert length_threshold_server(LENGTHS, 0.75) == 20.0   # 2.5 <= 6.25 < 7.5
-    assert length_threshold_server(LENGTHS, 0.1) == 40.0    # 15 <= 22.5 < 25
-    assert length_threshold_server(LENGTHS, 0.95) == 10.0   # 1.25 < 2.5: nothing device-only
+    assert length_threshold_server(LENGTHS, 0.5) == 30.0  # 7.5 <= 12.5 < 15
+    assert length_threshold_server(LENGTHS, 0.7) == 30.0  # 7.5 <= 7.5 (equality fits)
+    assert length_threshold_server(LENGTHS, 0.75) == 20.0  # 2.5 <= 6.25 < 7.5
+    assert length_threshold_server(LENGTHS, 0.1) == 40.0  # 15 <= 22.5 < 25
+    assert length_threshold_server(LENGTHS, 0.95) == 10.0  # 1.25 < 2.5: nothing device-only
     assert length_threshold_server(LENGTHS, 0.0) == math.inf
     assert length_threshold_server(LENGTHS, 1.0) == 0.0
 
@@ -67,15 +67,15 @@ def test_server_constrained_decisions() -> None:
     assert policy.decide(29) == Decision(False, 0.0, "short-prompt")
     assert policy.decide(30) == Decision(True, 0.0, "race")
     all_device = DispatchPolicy.build(SERVER_COST, [10, 20, 30, 40] * 2, [], budget=0.0)
-    assert all_device.decide(10**6).server is False    # b = 0: never the server, even for unseen lengths
+    assert all_device.decide(10**6).server is False  # b = 0: never the server, even for unseen lengths
     all_race = DispatchPolicy.build(SERVER_COST, [10, 20, 30, 40] * 2, [], budget=1.0)
     assert all_race.decide(1).reason == "race"
 
 
 def test_tail_wait_by_hand() -> None:
-    assert tail_wait(TTFT, 0.05, 0.5) == 1.9     # F^{-1}(0.95): the 19th of 20
-    assert tail_wait(TTFT, 0.05, 0.02) == 2.0    # F^{-1}(0.98): min(alpha, b) = b
-    assert tail_wait(TTFT, 0.25, 0.5) == 1.5     # F^{-1}(0.75)
+    assert tail_wait(TTFT, 0.05, 0.5) == 1.9  # F^{-1}(0.95): the 19th of 20
+    assert tail_wait(TTFT, 0.05, 0.02) == 2.0  # F^{-1}(0.98): min(alpha, b) = b
+    assert tail_wait(TTFT, 0.25, 0.5) == 1.5  # F^{-1}(0.75)
 
 
 def test_device_plan_by_hand() -> None:
@@ -116,9 +116,11 @@ def test_device_constrained_decisions() -> None:
 def test_no_history_races() -> None:
     few = [10] * (MIN_SAMPLES - 1)
     enough = [10] * MIN_SAMPLES
-    for policy in (DispatchPolicy.build(SERVER_COST, few, enough, 0.3),
-                   DispatchPolicy.build(DEVICE_COST, enough, few, 0.3),
-                   DispatchPolicy.build(DEVICE_COST, few, enough, 0.3)):
+    for policy in (
+        DispatchPolicy.build(SERVER_COST, few, enough, 0.3),
+        DispatchPolicy.build(DEVICE_COST, enough, few, 0.3),
+        DispatchPolicy.build(DEVICE_COST, few, enough, 0.3),
+    ):
         assert not policy.history and policy.decide(5) == Decision(True, 0.0, "no-history")
     # Server-constrained needs no TTFTs.
     assert DispatchPolicy.build(SERVER_COST, enough, [], 0.3).history
@@ -134,8 +136,9 @@ def test_random_baselines_follow_the_budget() -> None:
     rng = random.Random(7)
     server_side = [random_decision("server", 0.3, rng) for _ in range(20000)]
     assert abs(sum(d.server for d in server_side) / 20000 - 0.3) < 0.02
-    assert all((d.server and d.device_delay_s is None) or (not d.server and d.device_delay_s == 0.0)
-               for d in server_side)
+    assert all(
+        (d.server and d.device_delay_s is None) or (not d.server and d.device_delay_s == 0.0) for d in server_side
+    )
     device_side = [random_decision("device", 0.3, rng) for _ in range(20000)]
     assert abs(sum(not d.server for d in device_side) / 20000 - 0.3) < 0.02
     assert all(random_decision("server", 0.0, rng).reason == "random-device" for _ in range(100))
@@ -156,8 +159,8 @@ def test_server_threshold_is_eq3_and_non_increasing_in_b(samples: list[int], b1:
     l_th = length_threshold_server(lengths, lo)
     total = sum(samples)
     device_only = sum(l for l in samples if l < l_th)
-    assert device_only <= (1 - lo) * total * (1 + 1e-9)           # within the budget
-    if math.isfinite(l_th) and lo < 1:                             # and the largest such threshold
+    assert device_only <= (1 - lo) * total * (1 + 1e-9)  # within the budget
+    if math.isfinite(l_th) and lo < 1:  # and the largest such threshold
         assert device_only + sum(l for l in samples if l == l_th) > (1 - lo) * total
 
 
@@ -167,15 +170,15 @@ def test_device_plan_monotone_and_spends_b(samples, ttfts, b1, b2, alpha) -> Non
     lengths, ttft = Distribution.from_samples(samples), Distribution.from_samples(ttfts)
     lo, hi = sorted((b1, b2))
     plan_lo, plan_hi = device_wait_plan(lengths, ttft, lo, alpha), device_wait_plan(lengths, ttft, hi, alpha)
-    assert plan_lo[0] <= plan_hi[0]          # l_th non-decreasing in b
-    assert plan_lo[2] >= plan_hi[2]          # w_tail non-increasing in b
-    if plan_lo[0] == plan_hi[0] or hi <= alpha:   # w(l) non-increasing in b within one l_th step
+    assert plan_lo[0] <= plan_hi[0]  # l_th non-decreasing in b
+    assert plan_lo[2] >= plan_hi[2]  # w_tail non-increasing in b
+    if plan_lo[0] == plan_hi[0] or hi <= alpha:  # w(l) non-increasing in b within one l_th step
         for l in set(samples) | {1, 5000}:
             assert wait(plan_hi, l) <= wait(plan_lo, l) + 1e-12
     l_th, beta, w_tail = plan_lo
     share = device_share(lengths, ttft, l_th, beta, w_tail)
-    assert share <= max(lo, 1 - ttft.cdf(w_tail)) + 1e-9        # never over budget (b <= alpha: the reserve)
-    if lo > alpha and 0 < beta < math.inf:                      # beta is the smallest that fits
+    assert share <= max(lo, 1 - ttft.cdf(w_tail)) + 1e-9  # never over budget (b <= alpha: the reserve)
+    if lo > alpha and 0 < beta < math.inf:  # beta is the smallest that fits
         assert device_share(lengths, ttft, l_th, beta * (1 - 1e-6), w_tail) > lo
 
 
@@ -203,8 +206,11 @@ def test_w_rises_across_an_l_th_step_as_documented() -> None:
     # it, l = 10 starts at once and 100 is left less. Kept as documented behaviour.
     lengths = Distribution.from_samples([10, 100])
     ttft = Distribution.from_samples([(k + 0.5) / 1000 for k in range(1000)])
-    step = 0.05 + 10 / 110 * 0.95   # reserve + the cost of starting 10 at once
-    before, after = device_wait_plan(lengths, ttft, step - 0.002, 0.05), device_wait_plan(lengths, ttft, step + 0.002, 0.05)
+    step = 0.05 + 10 / 110 * 0.95  # reserve + the cost of starting 10 at once
+    before, after = (
+        device_wait_plan(lengths, ttft, step - 0.002, 0.05),
+        device_wait_plan(lengths, ttft, step + 0.002, 0.05),
+    )
     assert (before[0], after[0]) == (0.0, 10.0)
     assert wait(after, 100) > wait(before, 100)
 

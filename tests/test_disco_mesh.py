@@ -42,10 +42,17 @@ SPEED = "10"  # a device 10x slower than this host: still first for a short prom
 @pytest.fixture(scope="module")
 def mesh():
     base = find_port_base(1)
-    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=base, link=LINK, speed=SPEED,
-                        link_mode="inprocess", auth=False,
-                        extra_env={"TOPHAT_VERIFIER_FULL_MODEL": "true", "TOPHAT_STREAMER_DISCO_REFRESH_S": "0.3"},
-                        device_env={"failover_deadline_s": "1.0"})
+    config = MeshConfig(
+        model_dir=str(DEMO_MODEL_DIR),
+        num_devices=1,
+        port_base=base,
+        link=LINK,
+        speed=SPEED,
+        link_mode="inprocess",
+        auth=False,
+        extra_env={"TOPHAT_VERIFIER_FULL_MODEL": "true", "TOPHAT_STREAMER_DISCO_REFRESH_S": "0.3"},
+        device_env={"failover_deadline_s": "1.0"},
+    )
     with Mesh(config) as running:
         yield running
 
@@ -54,12 +61,18 @@ def mesh():
 def device_constrained(mesh, tmp_path_factory):
     """A second streamer over the same device agent, pricing device energy far above the server."""
     port = mesh.config.port_base + 50
-    env = {**os.environ, "TOPHAT_STREAMER_PORT": str(port), "TOPHAT_STREAMER_DEVICE_URLS": mesh.config.device_url(0),
-           "TOPHAT_STREAMER_STATE_MONITOR_URL": mesh.config.monitor_url, "TOPHAT_STREAMER_EXCHANGE_RATE": "1e-3",
-           "TOPHAT_STREAMER_DISCO_REFRESH_S": "0.3"}
+    env = {
+        **os.environ,
+        "TOPHAT_STREAMER_PORT": str(port),
+        "TOPHAT_STREAMER_DEVICE_URLS": mesh.config.device_url(0),
+        "TOPHAT_STREAMER_STATE_MONITOR_URL": mesh.config.monitor_url,
+        "TOPHAT_STREAMER_EXCHANGE_RATE": "1e-3",
+        "TOPHAT_STREAMER_DISCO_REFRESH_S": "0.3",
+    }
     log = (tmp_path_factory.mktemp("streamer") / "streamer.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "services.token_streamer"], env=env, cwd=REPO_ROOT,
-                               stdout=log, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.token_streamer"], env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -112,8 +125,16 @@ def decode(checkpoint, ids: list[int]) -> str:
 def test_race_the_device_wins_and_the_cloud_session_is_freed(mesh, models, prompt_ids):
     checkpoint, device_model = models
     # b = 1: every prompt races (eq. 3 leaves nothing device-only); the cloud is a 120 ms round trip away.
-    answer = complete(mesh.config.streamer_url, checkpoint, prompt_ids, 24, dispatch="disco", budget=1.0,
-                      reading_rate_tps=0, migration=False)
+    answer = complete(
+        mesh.config.streamer_url,
+        checkpoint,
+        prompt_ids,
+        24,
+        dispatch="disco",
+        budget=1.0,
+        reading_rate_tps=0,
+        migration=False,
+    )
     stats = answer["tophat"]
     assert stats["endpoints"] == ["cloud", "device"] and stats["endpoint"] == "device"
     assert answer["choices"][0]["text"] == decode(checkpoint, device_alone(device_model, prompt_ids, 24))
@@ -127,8 +148,7 @@ def test_cost_migration_device_to_cloud_loses_and_repeats_nothing(mesh, device_c
     checkpoint, device_model = models
     # Device-constrained: the device's decode is the costly one. It wins the race (b = 1: no wait) and,
     # once r_c * t_m tokens are buffered, hands decoding to the cloud by token ids.
-    answer = complete(device_constrained, checkpoint, prompt_ids, 24, dispatch="disco", budget=1.0,
-                      reading_rate_tps=5)
+    answer = complete(device_constrained, checkpoint, prompt_ids, 24, dispatch="disco", budget=1.0, reading_rate_tps=5)
     stats = answer["tophat"]
     assert stats["endpoint"] == "device", stats
     [migration] = [m for m in stats["migrations"] if "called_off" not in m]
@@ -143,20 +163,37 @@ def test_cost_migration_device_to_cloud_loses_and_repeats_nothing(mesh, device_c
     receivers = sum(len(prompt_ids) + m["at_token"] for m in stats["migrations"])
     assert tokens["cloud"]["prefill"] == len(prompt_ids) + receivers
     assert answer["usage"]["completion_tokens"] == 24
-    print(f"\nmigration at token {k}: buffered {migration['buffered']} (needed {migration['buffer_needed']}), "
-          f"target ready after {migration['ready_s']:.3f} s, largest delivery gap {migration['max_gap_s']:.3f} s "
-          f"(1/r_c = {1 / 5:.3f} s)")
+    print(
+        f"\nmigration at token {k}: buffered {migration['buffered']} (needed {migration['buffer_needed']}), "
+        f"target ready after {migration['ready_s']:.3f} s, largest delivery gap {migration['max_gap_s']:.3f} s "
+        f"(1/r_c = {1 / 5:.3f} s)"
+    )
 
 
 def test_a_cloud_that_vanishes_mid_answer_is_handed_to_the_device(mesh, device_constrained, models, prompt_ids):
     checkpoint, device_model = models
     # A server TTFT history of 30 s: with b = 0 the device waits F^-1(1) = 30 s, so the cloud answers.
-    records = [{"kind": "request", "request_id": f"seed-{i}", "prompt_tokens": 50, "ttft_s": 30.0,
-                "server_ttft_s": 30.0, "endpoint": "cloud"} for i in range(12)]
+    records = [
+        {
+            "kind": "request",
+            "request_id": f"seed-{i}",
+            "prompt_tokens": 50,
+            "ttft_s": 30.0,
+            "server_ttft_s": 30.0,
+            "endpoint": "cloud",
+        }
+        for i in range(12)
+    ]
     httpx.post(f"{mesh.config.monitor_url}/telemetry", json=records, timeout=5).raise_for_status()
     time.sleep(1.0)  # two refreshes of the streamer's history
-    body = {"model": "demo", "prompt": checkpoint.tokenizer.decode(prompt_ids), "max_tokens": 60, "temperature": 0,
-            "stream": True, "tophat": {"dispatch": "disco", "budget": 0.0, "reading_rate_tps": 0, "migration": False}}
+    body = {
+        "model": "demo",
+        "prompt": checkpoint.tokenizer.decode(prompt_ids),
+        "max_tokens": 60,
+        "temperature": 0,
+        "stream": True,
+        "tophat": {"dispatch": "disco", "budget": 0.0, "reading_rate_tps": 0, "migration": False},
+    }
     text, final = "", None
     verifier = next(s for s in mesh.services if s.name == "verifier-cloud")
     killed = False

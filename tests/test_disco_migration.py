@@ -16,7 +16,7 @@ COST = CostModel(device_prompt_j=10.0, device_decode_j=0.4, exchange_rate=1e-7, 
 def test_target_is_the_cheaper_decoder_only() -> None:
     assert migration_target(COST, "cloud", "device") == "device"
     assert migration_target(COST, "device", "cloud") is None
-    assert migration_target(COST, "hat", "device") == "device"       # hat decodes at 3.2e-7
+    assert migration_target(COST, "hat", "device") == "device"  # hat decodes at 3.2e-7
     assert migration_target(COST, "cloud", "hat") == "hat"
     assert migration_target(COST, "cloud", "cloud") is None
 
@@ -41,17 +41,35 @@ def test_saving_refuses_bad_remaining() -> None:
             migration_saving(COST, "cloud", "device", bad, 10)
 
 
-@pytest.mark.parametrize("generated, max_new, mean, expected", [
-    (10, 128, None, 118.0), (10, 128, 50.0, 40.0), (60, 128, 50.0, 1.0), (0, 20, 50.0, 20.0),
-    (128, 128, 50.0, 0.0), (130, 128, None, 0.0), (127, 128, 500.0, 1.0), (5, 128, math.nan, 123.0),
-])
+@pytest.mark.parametrize(
+    "generated, max_new, mean, expected",
+    [
+        (10, 128, None, 118.0),
+        (10, 128, 50.0, 40.0),
+        (60, 128, 50.0, 1.0),
+        (0, 20, 50.0, 20.0),
+        (128, 128, 50.0, 0.0),
+        (130, 128, None, 0.0),
+        (127, 128, 500.0, 1.0),
+        (5, 128, math.nan, 123.0),
+    ],
+)
 def test_expected_remaining(generated: int, max_new: int, mean: float | None, expected: float) -> None:
     assert expected_remaining(generated, max_new, mean) == expected
 
 
-@pytest.mark.parametrize("rate, seconds, expected", [
-    (4.5, 2.0, 9), (4.0, 0.3, 2), (0.1, 30.0, 3), (5.0, 0.01, 1), (0.0, 5.0, 1), (5.0, 0.0, 1), (4.0, 1.26, 6),
-])
+@pytest.mark.parametrize(
+    "rate, seconds, expected",
+    [
+        (4.5, 2.0, 9),
+        (4.0, 0.3, 2),
+        (0.1, 30.0, 3),
+        (5.0, 0.01, 1),
+        (0.0, 5.0, 1),
+        (5.0, 0.0, 1),
+        (4.0, 1.26, 6),
+    ],
+)
 def test_buffer_tokens_eq5(rate: float, seconds: float, expected: int) -> None:
     assert buffer_tokens(rate, seconds) == expected
 

@@ -10,12 +10,16 @@ from loadgen import disco_overhead
 def test_measure_returns_a_row_per_constraint_and_size() -> None:
     rows = disco_overhead.measure(sizes=(50, 200), decisions=300)
     assert [(r["constraint"], r["samples"]) for r in rows] == [
-        ("server", 50), ("device", 50), ("server", 200), ("device", 200)]
+        ("server", 50),
+        ("device", 50),
+        ("server", 200),
+        ("device", 200),
+    ]
     for r in rows:
         assert r["decisions"] == 300 and r["build_ms"] >= 0
         assert 0 <= r["decide_p50_us"] <= r["decide_p99_us"] <= r["decide_max_us"]
     device = rows[1]
-    assert device["w_tail_s"] > 0   # a device-constrained plan was really built from the TTFTs
+    assert device["w_tail_s"] > 0  # a device-constrained plan was really built from the TTFTs
 
 
 def test_the_command_prints_json_or_a_table() -> None:

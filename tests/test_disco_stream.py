@@ -25,8 +25,16 @@ class ModeDevice(FakeDevice):
     a mode that fails after some rounds, a mode that sends garbage. Token i of the answer is id i and
     WORDS[i], and a leg given `prefix_ids` goes on from there, as a real continuation would."""
 
-    def __init__(self, first_delay_s: dict[str, float], *, fail_mode: str | None = None, fail_after: int = 3,
-                 garbage_mode: str | None = None, loud_mode: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        first_delay_s: dict[str, float],
+        *,
+        fail_mode: str | None = None,
+        fail_after: int = 3,
+        garbage_mode: str | None = None,
+        loud_mode: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__("dev", per_round=1, **kwargs)
         self.first_delay_s = first_delay_s
         self.fail_mode, self.fail_after, self.garbage_mode = fail_mode, fail_after, garbage_mode
@@ -44,8 +52,12 @@ class ModeDevice(FakeDevice):
                     return
                 ids: Any = "x" if mode == self.garbage_mode else [i]
                 word = WORDS[i % len(WORDS)]
-                yield json.dumps({"type": "tokens", "token_ids": ids,
-                                  "text": word.upper() if mode == self.loud_mode else word}) + "\n"
+                yield (
+                    json.dumps(
+                        {"type": "tokens", "token_ids": ids, "text": word.upper() if mode == self.loud_mode else word}
+                    )
+                    + "\n"
+                )
                 await asyncio.sleep(self.round_delay_s)
             yield json.dumps({"type": "done", "finish_reason": "length", "stats": {"mode": mode}}) + "\n"
             self.finished += 1
@@ -73,7 +85,11 @@ async def test_the_first_token_wins_the_race_and_the_loser_is_closed() -> None:
         assert response.status_code == 200
         body = response.json()
         stats = body["tophat"]
-        assert (stats["decision"], stats["endpoint"], stats["endpoints"]) == ("no-history", "device", ["cloud", "device"])
+        assert (stats["decision"], stats["endpoint"], stats["endpoints"]) == (
+            "no-history",
+            "device",
+            ["cloud", "device"],
+        )
         assert body["choices"][0]["text"] == expected_text(8)
         assert [r["mode"] for r in device.requests] == ["cloud", "device"]
         assert await wait_for(lambda: device.active == 0)  # the cloud leg was closed, not left to run
@@ -84,8 +100,13 @@ async def test_the_first_token_wins_the_race_and_the_loser_is_closed() -> None:
 async def test_delivery_is_paced_at_the_reading_rate() -> None:
     device = ModeDevice({}, round_delay_s=0.0)
     async with mesh(device) as url, httpx.AsyncClient(timeout=20) as http:
-        body = {"model": "m", "prompt": "hi", "max_tokens": 6, "stream": True,
-                "tophat": {"dispatch": "device", "reading_rate_tps": 20}}
+        body = {
+            "model": "m",
+            "prompt": "hi",
+            "max_tokens": 6,
+            "stream": True,
+            "tophat": {"dispatch": "device", "reading_rate_tps": 20},
+        }
         times = []
         async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
@@ -104,8 +125,12 @@ async def test_a_server_failing_mid_answer_hands_over_to_the_device_and_nothing_
         assert response.status_code == 200, body
         assert body["choices"][0]["text"] == expected_text(12)  # one stream: none lost, none repeated
         [migration] = body["tophat"]["migrations"]
-        assert (migration["from"], migration["to"], migration["reason"], migration["at_token"]) == \
-            ("cloud", "device", "cloud_lost", 4)
+        assert (migration["from"], migration["to"], migration["reason"], migration["at_token"]) == (
+            "cloud",
+            "device",
+            "cloud_lost",
+            4,
+        )
         resumed = device.requests[-1]
         assert resumed["prefix_ids"] == [0, 1, 2, 3] and resumed["max_new_tokens"] == 8
         assert resumed["prefix_text"] == expected_text(4)
@@ -152,9 +177,18 @@ async def test_bad_dispatch_requests_are_refused() -> None:
             assert (await complete(url, **bad)).status_code == 400
 
 
-@pytest.mark.parametrize("overrides", [{"dispatch": "fastest"}, {"disco_budget": 2.0}, {"disco_server_endpoint": "edge"},
-                                       {"device_energy": "orin:1"}, {"exchange_rate": -1.0}, {"reading_rate_tps": -1.0},
-                                       {"disco_migration_quantile": 1.0}])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"dispatch": "fastest"},
+        {"disco_budget": 2.0},
+        {"disco_server_endpoint": "edge"},
+        {"device_energy": "orin:1"},
+        {"exchange_rate": -1.0},
+        {"reading_rate_tps": -1.0},
+        {"disco_migration_quantile": 1.0},
+    ],
+)
 def test_settings_are_checked(overrides: dict[str, Any]) -> None:
     with pytest.raises((SettingsError, ValueError)):
         load_settings({}, **overrides)
@@ -167,8 +201,10 @@ async def test_a_finished_endpoint_frees_its_slot_while_paced_delivery_goes_on()
         task = asyncio.create_task(complete(url, 10, dispatch="device", reading_rate_tps=5))  # ~1.8 s to deliver
         assert await wait_for(lambda: device.finished == 1)
         async with httpx.AsyncClient(timeout=5) as http:
+
             async def outstanding() -> int:
                 return (await http.get(f"{url}/stats")).json()["devices"][0]["outstanding"]
+
             for _ in range(50):  # generated at once: the streamer gives the device slot back
                 if await outstanding() == 0:
                     break
@@ -183,8 +219,13 @@ async def test_tokens_generated_before_a_fatal_failure_are_delivered_first() -> 
     # still reaches the user, then the typed error.
     device = ModeDevice({}, fail_mode="device", fail_after=3)
     async with mesh(device) as url, httpx.AsyncClient(timeout=20) as http:
-        body = {"model": "m", "prompt": "hi", "max_tokens": 8, "stream": True,
-                "tophat": {"dispatch": "device", "reading_rate_tps": 50}}
+        body = {
+            "model": "m",
+            "prompt": "hi",
+            "max_tokens": 8,
+            "stream": True,
+            "tophat": {"dispatch": "device", "reading_rate_tps": 50},
+        }
         text, errors = await sse_text_and_errors(http, f"{url}/v1/completions", body)
         assert text == expected_text(3) and len(errors) == 1 and "verifier gone" in errors[0]["message"]
 

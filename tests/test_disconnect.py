@@ -37,8 +37,11 @@ def post_and_hold(url: str, body: dict) -> socket.socket:
     parts = urlsplit(url)
     payload = json.dumps(body).encode()
     sock = socket.create_connection((parts.hostname, parts.port), timeout=5)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: streamer\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: streamer\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     return sock
 
 
@@ -50,8 +53,9 @@ def test_client_disconnect_frees_device_and_verifier(mesh, stream):
     try:
         # Running: the verifier holds the session and has stepped it a few times.
         steps_at_start = verifier_state(mesh)["steps"]
-        assert wait_until(lambda: verifier_state(mesh)["sessions"] == 1
-                          and verifier_state(mesh)["steps"] >= steps_at_start + 5, 30)
+        assert wait_until(
+            lambda: verifier_state(mesh)["sessions"] == 1 and verifier_state(mesh)["steps"] >= steps_at_start + 5, 30
+        )
         assert device_sessions(mesh) == 1
         time.sleep(0.5)
     finally:
@@ -62,12 +66,16 @@ def test_client_disconnect_frees_device_and_verifier(mesh, stream):
     time.sleep(1.0)
     assert verifier_state(mesh)["steps"] == steps  # nothing is decoding for the client that left
     # The mesh still serves: the freed slot takes the next request.
-    done = httpx.post(f"{mesh.config.streamer_url}/v1/completions",
-                      json={"prompt": "Hello", "max_tokens": 8, "temperature": 0}, timeout=60)
+    done = httpx.post(
+        f"{mesh.config.streamer_url}/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    )
     assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 8
 
 
 # -- the device agent alone: its NDJSON consumer going away cancels the engine's session ---------------
+
 
 async def test_device_generation_is_cancelled_and_cleaned_up_when_its_reader_leaves(demo_checkpoint, monkeypatch):
     """The device agent's /generate consumer (the streamer) closes the stream mid-generation:
@@ -99,6 +107,7 @@ async def test_device_generation_is_cancelled_and_cleaned_up_when_its_reader_lea
                 return step(self, *args, **kwargs)
             finally:
                 running[0] -= 1
+
         return run
 
     monkeypatch.setattr(DeviceSession, "free", spy_free)
@@ -106,8 +115,13 @@ async def test_device_generation_is_cancelled_and_cleaned_up_when_its_reader_lea
         monkeypatch.setattr(DeviceSession, name, counted(getattr(DeviceSession, name)))
     async with verifier_on_loopback(demo_checkpoint, 2) as (server, ws_url):
         ready_url = ws_url.replace("ws://", "http://").replace("/ws", "/readyz")
-        settings = device_settings.Settings(model_dir=str(DEMO_MODEL_DIR), split_layers=2, verifier_url=ws_url,
-                                            bandwidth_probe_interval_s=0, rtt_probe_interval_s=0)
+        settings = device_settings.Settings(
+            model_dir=str(DEMO_MODEL_DIR),
+            split_layers=2,
+            verifier_url=ws_url,
+            bandwidth_probe_interval_s=0,
+            rtt_probe_interval_s=0,
+        )
         async with serve(create_app(settings)) as device_url, httpx.AsyncClient(timeout=30) as http:
 
             async def verifier_sessions() -> int:

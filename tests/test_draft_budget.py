@@ -189,8 +189,10 @@ def test_from_state_needs_the_device_link_and_the_cloud_curve() -> None:
 
 
 def steps(rows_per_step: list[int], per_row_s: float) -> list[dict]:
-    return [{"kind": "verifier_step", "batched_tokens": m, "compute_s": 0.06 + per_row_s * m, "num_sessions": s}
-            for m, s in rows_per_step]
+    return [
+        {"kind": "verifier_step", "batched_tokens": m, "compute_s": 0.06 + per_row_s * m, "num_sessions": s}
+        for m, s in rows_per_step
+    ]
 
 
 async def test_the_planner_lowers_the_budget_when_the_verifier_gets_busy() -> None:
@@ -236,8 +238,11 @@ def test_the_bench_table_chooses_per_load_from_measured_points() -> None:
 
 def test_an_absurd_load_still_gives_a_json_answer() -> None:
     inputs = PlannerInputs(bytes_per_token=1152)
-    cloud = {"mu": 8, "last": {"num_sessions": 1e300}, "g": {"buckets": [{"bucket": 6, "mu": 8, "eta": 0.07},
-                                                                         {"bucket": 8, "mu": 16, "eta": 0.08}]}}
+    cloud = {
+        "mu": 8,
+        "last": {"num_sessions": 1e300},
+        "g": {"buckets": [{"bucket": 6, "mu": 8, "eta": 0.07}, {"bucket": 8, "mu": 16, "eta": 0.08}]},
+    }
     fresh = {"last_update": 1.0, "age_s": 0.1, "beta_up": 2.5e6, "beta_down": 5e6, "rtt_s": 0.05}
     big = [BudgetOption("none", 1.0, 1.0, 0.0), BudgetOption("wide", 2.0, 1024.0, 0.0)]
     shape, source, detail = budget_from_state(cloud, fresh, inputs, big, "wide")
@@ -251,7 +256,6 @@ def test_the_row_limit_is_the_wires_and_the_planner_and_the_streamer_start_witho
     from shared import wire
 
     assert MAX_ROWS == wire.MAX_TREE_ROWS
-    code = ("import sys, services.chunk_planner.__main__, services.token_streamer.__main__;"
-            "print('torch' in sys.modules)")
+    code = "import sys, services.chunk_planner.__main__, services.token_streamer.__main__;print('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0 and loaded.stdout.strip() == "False", loaded.stderr[-2000:]

@@ -33,15 +33,17 @@ def one_hot(token: int) -> torch.Tensor:
     return torch.nn.functional.one_hot(torch.tensor(token), VOCAB).float()
 
 
-def sampled_chunk(epoch: int, start: int, tokens: list[int], num_final: int, q_table: list[list[float]],
-                  more: bool) -> DraftChunk:
+def sampled_chunk(
+    epoch: int, start: int, tokens: list[int], num_final: int, q_table: list[list[float]], more: bool
+) -> DraftChunk:
     # q_table: [LAST_POS + 2][V] the draft's (context-independent) row at each position, as lists (cheap to index)
     q_drafted = torch.tensor([q_table[start + num_final + i][t] for i, t in enumerate(tokens[num_final:])])
     return DraftChunk(epoch, start, tuple(tokens), num_final, q_drafted, more)
 
 
-def run_trial(p: torch.Tensor, q: torch.Tensor, drafts: np.ndarray, generator: torch.Generator,
-              counters: dict[str, int]) -> list[int]:
+def run_trial(
+    p: torch.Tensor, q: torch.Tensor, drafts: np.ndarray, generator: torch.Generator, counters: dict[str, int]
+) -> list[int]:
     """One stream: chunk A = (FIRST, d1, d2) more, chunk B = (d3, d4) continuing it, both sent before A's
     verdict (pipelined); after a rejection B must come back stale and the device drafts afresh from the
     correction up to LAST_POS. Returns the final tokens at positions 0..LAST_POS (and a bonus past it)."""
@@ -78,8 +80,10 @@ def run_trial(p: torch.Tensor, q: torch.Tensor, drafts: np.ndarray, generator: t
         start = len(final) - 1
         tokens = [final[-1]] + [int(drafts[attempt, j]) for j in range(start + 1, LAST_POS + 1)]
         chunk = sampled_chunk(verifier.epoch, start, tokens, 1, q_table, more=False)
-        settle(chunk, verifier.verify(chunk, p[start + 1 : start + len(tokens) + 1], generator, greedy=False,
-                                      downlink="full"))
+        settle(
+            chunk,
+            verifier.verify(chunk, p[start + 1 : start + len(tokens) + 1], generator, greedy=False, downlink="full"),
+        )
         attempt += 1
     return final
 
@@ -89,10 +93,20 @@ def run_trial(p: torch.Tensor, q: torch.Tensor, drafts: np.ndarray, generator: t
 def test_two_chunk_stream_with_full_downlink_emits_the_target_distribution(case):
     generator = torch.Generator().manual_seed(5)
     p = torch.stack([random_dist(generator) for _ in range(LAST_POS + 2)])  # [6, V]
-    q = p.clone() if case == "draft_equals_target" else torch.stack([random_dist(generator) for _ in range(LAST_POS + 2)])
+    q = (
+        p.clone()
+        if case == "draft_equals_target"
+        else torch.stack([random_dist(generator) for _ in range(LAST_POS + 2)])
+    )
     # drafts: [T, attempts, positions]; a stream makes at least one position final per chunk, so 6 attempts do
-    drafts = torch.stack([torch.multinomial(q[j], TRIALS * 6, replacement=True, generator=generator)
-                          for j in range(LAST_POS + 2)], -1).reshape(TRIALS, 6, LAST_POS + 2).numpy()
+    drafts = (
+        torch.stack(
+            [torch.multinomial(q[j], TRIALS * 6, replacement=True, generator=generator) for j in range(LAST_POS + 2)],
+            -1,
+        )
+        .reshape(TRIALS, 6, LAST_POS + 2)
+        .numpy()
+    )
     counters = {"a_rejected": 0, "b_rejected_first": 0}
     streams = [run_trial(p, q, drafts[t], generator, counters) for t in range(TRIALS)]
     tokens = np.array([s[: LAST_POS + 1] for s in streams])  # [T, LAST_POS + 1]
@@ -171,8 +185,9 @@ def test_greedy_all_accepted_gives_the_bonus_or_carries_the_row(more):
         assert verdict.token is None
         assert torch.equal(verifier.carried_row, rows[-1])
         # the carried row verifies the next chunk's first draft: 6 is its argmax
-        follow = verifier.verify(DraftChunk(0, 3, (6, 0), 0, None, False), argmax_rows([0, 3], torch.Generator()),
-                                 None, greedy=True)
+        follow = verifier.verify(
+            DraftChunk(0, 3, (6, 0), 0, None, False), argmax_rows([0, 3], torch.Generator()), None, greedy=True
+        )
         assert (follow.num_accepted, follow.token, verifier.carried_row) == (2, 3, None)
     else:
         assert verdict.token == 6 and verifier.carried_row is None
@@ -182,8 +197,9 @@ def test_greedy_all_accepted_gives_the_bonus_or_carries_the_row(more):
 def test_a_rejection_bumps_the_epoch_and_older_chunks_come_back_stale_changing_nothing():
     generator = torch.Generator().manual_seed(3)
     verifier = StreamVerifier()
-    rejected = verifier.verify(DraftChunk(0, 0, (2, 4, 5), 1, None, True), argmax_rows([4, 1, 0], generator),
-                               None, greedy=True)
+    rejected = verifier.verify(
+        DraftChunk(0, 0, (2, 4, 5), 1, None, True), argmax_rows([4, 1, 0], generator), None, greedy=True
+    )
     assert (rejected.num_accepted, rejected.epoch, verifier.epoch) == (1, 1, 1)
     # the device's next chunk in the new epoch, fully accepted, promising more: a carried row
     rows = argmax_rows([6, 7], generator)
@@ -232,8 +248,14 @@ def rejected_topk_verdict(p_row: torch.Tensor, top_k: int) -> ChunkVerdict:
     """A sampled chunk whose only draft (token 0, q(0) = 1, p(0) = 0) is surely rejected."""
     p = p_row.clone()
     p_rows = torch.stack([p, torch.full((VOCAB,), 1 / VOCAB)])  # [2, V]
-    verdict = StreamVerifier().verify(DraftChunk(0, 0, (5, 0), 1, torch.tensor([1.0]), False), p_rows,
-                                      torch.Generator().manual_seed(0), greedy=False, downlink="topk", top_k=top_k)
+    verdict = StreamVerifier().verify(
+        DraftChunk(0, 0, (5, 0), 1, torch.tensor([1.0]), False),
+        p_rows,
+        torch.Generator().manual_seed(0),
+        greedy=False,
+        downlink="topk",
+        top_k=top_k,
+    )
     assert verdict.num_accepted == 0 and verdict.epoch == 1
     return verdict
 

@@ -25,12 +25,15 @@ def test_device_zero_with_only_the_draft_layers_has_no_local_stage():
     assert wiring.hop_links == ["lan", "lan", "lan"]
 
 
-@pytest.mark.parametrize("layers, m", [
-    ([(0, 1), (1, 8)], 2),  # device 0 cannot draft from layer 2
-    ([(0, 3), (4, 8)], 2),  # a gap
-    ([(0, 8)], 2),  # one device
-    ([(0, 2), (2, 8)], 8),
-])
+@pytest.mark.parametrize(
+    "layers, m",
+    [
+        ([(0, 1), (1, 8)], 2),  # device 0 cannot draft from layer 2
+        ([(0, 3), (4, 8)], 2),  # a gap
+        ([(0, 8)], 2),  # one device
+        ([(0, 2), (2, 8)], 8),
+    ],
+)
 def test_bad_partitions_are_refused(layers, m):
     with pytest.raises(ValueError):
         stage_wiring(layers, [1.0] * len(layers), draft_layers=m, lan="lan")
@@ -43,10 +46,21 @@ def test_a_stored_plan_for_other_devices_or_another_lan_is_refused(tmp_path):
     from tophatctl.edge_pipeline import edge_plan
 
     lengths, prefixes = (1, 128), (0,)
-    profile = Profile("demo", 8, 256, 3_147_776, 1024, 8_388_608, 8_389_632, lengths, prefixes,
-                      tuple((1e-3 + 20e-6 * s,) for s in lengths))
-    path = build_plan(profile, parse_edge_pipeline("orin;xavier"), *parse_lan("lan"), draft_layers=2,
-                      max_len=64).save(tmp_path / "plan.json")
+    profile = Profile(
+        "demo",
+        8,
+        256,
+        3_147_776,
+        1024,
+        8_388_608,
+        8_389_632,
+        lengths,
+        prefixes,
+        tuple((1e-3 + 20e-6 * s,) for s in lengths),
+    )
+    path = build_plan(profile, parse_edge_pipeline("orin;xavier"), *parse_lan("lan"), draft_layers=2, max_len=64).save(
+        tmp_path / "plan.json"
+    )
     assert edge_plan(DEMO_MODEL_DIR, "orin;xavier", "lan", "jupiter", 2, str(path)).stage_layers[0][0] == 0
     for spec, lan in (("orin;orin", "lan"), ("orin;xavier:512MiB", "lan"), ("orin;xavier", "10mbit,lat=5ms")):
         with pytest.raises(ValueError):

@@ -30,8 +30,18 @@ def stored_plan(path):
     (a measured one depends on the machine's load; the mesh must follow whatever plan it is given):
     per-layer time 50 us + 20 us per token + 10 ns per token x prefix token: sub-sequences of 32+ pay."""
     lengths, prefixes = (1, 8, 32, 128, 512), (0, 512)
-    profile = Profile("demo", 8, 256, 3_147_776, 1024, 8_388_608, 8_389_632, lengths, prefixes,
-                      tuple(tuple(50e-6 + 20e-6 * s + 10e-9 * s * c for c in prefixes) for s in lengths))
+    profile = Profile(
+        "demo",
+        8,
+        256,
+        3_147_776,
+        1024,
+        8_388_608,
+        8_389_632,
+        lengths,
+        prefixes,
+        tuple(tuple(50e-6 + 20e-6 * s + 10e-9 * s * c for c in prefixes) for s in lengths),
+    )
     plan = build_plan(profile, parse_edge_pipeline(SPEC), *parse_lan("lan"), draft_layers=2, max_len=512)
     return plan.save(path)
 
@@ -39,9 +49,16 @@ def stored_plan(path):
 @pytest.fixture(scope="module")
 def edge_mesh(tmp_path_factory):
     logs = tmp_path_factory.mktemp("edge-mesh")
-    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), port_base=find_port_base(1), edge_pipeline=SPEC, lan="lan",
-                        edge_plan=str(stored_plan(logs / "plan.json")), auth=False, link_mode="inprocess",
-                        log_dir=logs)
+    config = MeshConfig(
+        model_dir=str(DEMO_MODEL_DIR),
+        port_base=find_port_base(1),
+        edge_pipeline=SPEC,
+        lan="lan",
+        edge_plan=str(stored_plan(logs / "plan.json")),
+        auth=False,
+        link_mode="inprocess",
+        log_dir=logs,
+    )
     with Mesh(config) as mesh:
         yield mesh
 
@@ -60,7 +77,9 @@ def test_the_plan_puts_more_layers_on_the_fast_device_and_stages_run_as_processe
     counts = [stop - start for start, stop in plan.stage_layers]
     assert plan.kind == "jupiter" and len(counts) == 3 and sum(counts) == 8
     assert counts[0] > counts[1] and counts[0] > counts[2]  # orin is 3x the xaviers
-    verifier_stages = ([(2, plan.stage_layers[0][1])] if plan.stage_layers[0][1] > 2 else []) + list(plan.stage_layers[1:])
+    verifier_stages = ([(2, plan.stage_layers[0][1])] if plan.stage_layers[0][1] > 2 else []) + list(
+        plan.stage_layers[1:]
+    )
     log = (edge_mesh.config.log_dir / "verifier-cloud.log").read_text()
     for index, (start, stop) in enumerate(verifier_stages):  # each stage its own process, loaded its own layers
         assert f"stage {index} ready: layers [{start}, {stop})" in log
@@ -68,10 +87,13 @@ def test_the_plan_puts_more_layers_on_the_fast_device_and_stages_run_as_processe
 
 def test_greedy_through_the_pipeline_equals_the_unsplit_model(edge_mesh, demo_checkpoint):
     tokenizer = demo_checkpoint.tokenizer
-    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in (
-        "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
-        "The standard library's json module " * 12,  # long enough to be cut into several sub-sequences
-    )]
+    prompts = [
+        tokenizer.encode(text, add_special_tokens=False)
+        for text in (
+            "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+            "The standard library's json module " * 12,  # long enough to be cut into several sub-sequences
+        )
+    ]
     for prompt in prompts:
         expected = generate_full(demo_checkpoint, prompt, 24).token_ids
         tokens, done = _generate(edge_mesh, {"prompt_ids": prompt, "max_new_tokens": 24})

@@ -20,15 +20,22 @@ from shared.edge_sd.batching import (
 from shared.edge_sd.runtime import ModelShape, RuntimeModel, draft_pass_flops, verify_step_flops
 from shared.edge_sd.speculation import choose_speculation_length, decoding_steps
 
-DRAFT = ModelShape(layers=22, hidden=2048, ffn=5632)    # LLaMA-1.1B (Table I)
+DRAFT = ModelShape(layers=22, hidden=2048, ffn=5632)  # LLaMA-1.1B (Table I)
 TARGET = ModelShape(layers=32, hidden=4096, ffn=11008)  # LLaMA-7B
-DRAFT_GPU = RuntimeModel(c1=4.11e-13, c2=0.56e-3)       # Table II
+DRAFT_GPU = RuntimeModel(c1=4.11e-13, c2=0.56e-3)  # Table II
 VERIFY_GPU = RuntimeModel(c1=2.08e-14, c2=1.28e-2)
 
 
 def _costs(spec_len=4, alpha=0.8, budget=16e9, **overrides):
-    fields = dict(draft=DRAFT, target=TARGET, draft_runtime=DRAFT_GPU, verify_runtime=VERIFY_GPU,
-                  spec_len=spec_len, alpha=alpha, memory_budget=budget)
+    fields = dict(
+        draft=DRAFT,
+        target=TARGET,
+        draft_runtime=DRAFT_GPU,
+        verify_runtime=VERIFY_GPU,
+        spec_len=spec_len,
+        alpha=alpha,
+        memory_budget=budget,
+    )
     fields.update(overrides)
     return EdgeCosts(**fields)
 
@@ -43,12 +50,15 @@ def _random_case(seed):
     draft = ModelShape(rng.choice([2, 4]), rng.choice([256, 768]), rng.choice([1024, 3072]))
     target = ModelShape(rng.choice([8, 32]), rng.choice([1024, 4096]), rng.choice([4096, 11008]))
     costs = EdgeCosts(
-        draft=draft, target=target,
+        draft=draft,
+        target=target,
         draft_runtime=RuntimeModel(rng.uniform(1e-13, 1e-12), rng.uniform(1e-4, 5e-3)),
         verify_runtime=RuntimeModel(rng.uniform(5e-15, 5e-14), rng.uniform(1e-3, 3e-2)),
-        spec_len=rng.randint(1, 8), alpha=rng.uniform(0.3, 0.95),
+        spec_len=rng.randint(1, 8),
+        alpha=rng.uniform(0.3, 0.95),
         # Room for 600..4000 cached tokens: some cases force small batches.
-        memory_budget=draft.weight_bytes + draft.kv_bytes_per_token * rng.randint(600, 4000))
+        memory_budget=draft.weight_bytes + draft.kv_bytes_per_token * rng.randint(600, 4000),
+    )
     return costs, tasks
 
 
@@ -145,9 +155,13 @@ def test_memory_budget_forces_small_batches():
 def test_infeasible_and_empty_inputs_are_typed_errors():
     tiny = _costs(budget=DRAFT.weight_bytes + DRAFT.kv_bytes_per_token * 100)
     tasks = [(10, 10), (80, 40)]  # the second task alone needs 120 tokens of KV
-    for plan in (lambda: dp_batching(tiny, tasks), lambda: dp_batching(tiny, tasks, exact=True),
-                 lambda: brute_force_batching(tiny, tasks), lambda: max_batching(tiny, tasks),
-                 lambda: dp_batching(_costs(), [])):
+    for plan in (
+        lambda: dp_batching(tiny, tasks),
+        lambda: dp_batching(tiny, tasks, exact=True),
+        lambda: brute_force_batching(tiny, tasks),
+        lambda: max_batching(tiny, tasks),
+        lambda: dp_batching(_costs(), []),
+    ):
         with pytest.raises(InfeasibleBatchingError):
             plan()
 

@@ -46,8 +46,10 @@ def params_of(sampled: bool, index: int) -> SamplingParams:
 
 
 def new_sessions(model, sampled: bool, max_new=MAX_NEW) -> list[StreamSession]:
-    return [StreamSession(model, p, params_of(sampled, i), DraftConfig(0.0, 8), n)
-            for i, (p, n) in enumerate(zip(PROMPTS, max_new))]
+    return [
+        StreamSession(model, p, params_of(sampled, i), DraftConfig(0.0, 8), n)
+        for i, (p, n) in enumerate(zip(PROMPTS, max_new))
+    ]
 
 
 def start(checkpoint, alone: list[StreamSession], batched: list[StreamSession]) -> None:
@@ -70,7 +72,12 @@ def draft_alone(session: StreamSession, spec_len: int) -> DraftChunk:
 
 def assert_same_chunk(got: DraftChunk, want: DraftChunk) -> None:
     assert (got.epoch, got.start_pos, got.tokens, got.num_final, got.more) == (
-        want.epoch, want.start_pos, want.tokens, want.num_final, want.more)
+        want.epoch,
+        want.start_pos,
+        want.tokens,
+        want.num_final,
+        want.more,
+    )
     if want.q_drafted is None:
         assert got.q_drafted is None
     else:
@@ -79,7 +86,13 @@ def assert_same_chunk(got: DraftChunk, want: DraftChunk) -> None:
 
 def assert_same_state(a: StreamSession, b: StreamSession) -> None:
     assert (a.seq, a.final_len, a.sent_len, a.epoch, a.generated, a.stopped) == (
-        b.seq, b.final_len, b.sent_len, b.epoch, b.generated, b.stopped)
+        b.seq,
+        b.final_len,
+        b.sent_len,
+        b.epoch,
+        b.generated,
+        b.stopped,
+    )
     assert a.input_cache.length == b.input_cache.length == a.adapter_cache.length == b.adapter_cache.length
     assert sorted(a.features) == sorted(b.features)
     for position, feature in a.features.items():
@@ -91,8 +104,11 @@ def verdict_rows(checkpoint, session: StreamSession, chunk: DraftChunk, kind: st
     if kind == "agree":  # the target agrees with every draft: p = q (sampled) or one-hot at the draft (greedy)
         for i, token in enumerate(chunk.drafts):
             position = chunk.start_pos + chunk.num_final + i
-            rows[i] = session.q_rows[position] if position in session.q_rows else torch.nn.functional.one_hot(
-                torch.tensor(token), rows.shape[1]).float()
+            rows[i] = (
+                session.q_rows[position]
+                if position in session.q_rows
+                else torch.nn.functional.one_hot(torch.tensor(token), rows.shape[1]).float()
+            )
     return rows
 
 
@@ -141,8 +157,7 @@ def test_prefill_batch_equals_prefill_locally(tiny_checkpoint):
             for layer in range(len(cache_a._alive())):
                 la, lb = cache_a.layer(layer), cache_b.layer(layer)
                 torch.testing.assert_close(lb.keys[:, : lb.length], la.keys[:, : la.length], atol=1e-5, rtol=1e-4)
-                torch.testing.assert_close(lb.values[:, : lb.length], la.values[:, : la.length], atol=1e-5,
-                                           rtol=1e-4)
+                torch.testing.assert_close(lb.values[:, : lb.length], la.values[:, : la.length], atol=1e-5, rtol=1e-4)
 
 
 def test_a_session_that_drafts_eos_stops_while_the_others_go_on(tiny_checkpoint):

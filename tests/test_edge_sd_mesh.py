@@ -20,26 +20,41 @@ from tophatctl.mesh_ports import find_port_base
 # timing: races and fits of real processes' speeds, so make test runs it alone (after the rest)
 pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
-QUESTIONS = ("def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
-             "The standard library's json module ",
-             "import os\nimport sys\n\n\ndef main():\n",
-             "class Config:\n    \"\"\"")
+QUESTIONS = (
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "The standard library's json module ",
+    "import os\nimport sys\n\n\ndef main():\n",
+    'class Config:\n    """',
+)
 
 
 @pytest.fixture(scope="module")
 def edge_sd_mesh(tmp_path_factory):
     logs = tmp_path_factory.mktemp("edge-sd-mesh")
-    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), port_base=find_port_base(1), edge_draft_server=True,
-                        auth=False, link_mode="inprocess", log_dir=logs, device_env={"edge_window_s": "1.0"})
+    config = MeshConfig(
+        model_dir=str(DEMO_MODEL_DIR),
+        port_base=find_port_base(1),
+        edge_draft_server=True,
+        auth=False,
+        link_mode="inprocess",
+        log_dir=logs,
+        device_env={"edge_window_s": "1.0"},
+    )
     with Mesh(config) as mesh:
         yield mesh
 
 
 async def _ask_together(mesh, prompts: list[str], snrs: list[float]) -> list[dict]:
     async with httpx.AsyncClient(timeout=120) as http:
+
         async def one(prompt: str, snr_db: float) -> dict:
-            body = {"model": "tophat", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                    "tophat": {"snr_db": snr_db}}
+            body = {
+                "model": "tophat",
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "tophat": {"snr_db": snr_db},
+            }
             response = await http.post(f"{mesh.config.streamer_url}/v1/completions", json=body)
             assert response.status_code == 200, response.text
             return response.json()
@@ -82,7 +97,9 @@ def test_the_next_round_is_planned_from_the_first_ones_telemetry(edge_sd_mesh):
 
 def test_a_bad_snr_is_refused_with_a_typed_error(edge_sd_mesh):
     with httpx.Client(timeout=30) as http:
-        response = http.post(f"{edge_sd_mesh.config.streamer_url}/v1/completions",
-                             json={"model": "tophat", "prompt": "x", "max_tokens": 4, "tophat": {"snr_db": "loud"}})
+        response = http.post(
+            f"{edge_sd_mesh.config.streamer_url}/v1/completions",
+            json={"model": "tophat", "prompt": "x", "max_tokens": 4, "tophat": {"snr_db": "loud"}},
+        )
     assert response.status_code in (400, 422)
     assert "snr_db" in json.dumps(response.json())

@@ -25,7 +25,7 @@ from shared.specdec.picospec_model import alpha_from_verdicts
 
 DRAFT = {"layers": 4, "hidden": 256, "ffn": 1024}
 TARGET = {"layers": 8, "hidden": 1024, "ffn": 4096}
-DRAFT_RUNTIME = RuntimeModel(c1=2e-12, c2=1e-3)    # the hardware the telemetry below was "measured" on
+DRAFT_RUNTIME = RuntimeModel(c1=2e-12, c2=1e-3)  # the hardware the telemetry below was "measured" on
 VERIFY_RUNTIME = RuntimeModel(c1=1e-13, c2=2e-2)
 DEFAULTS = PlanDefaults(min_samples=4)
 # (input, output, snr dB): mixed prompt lengths and channels, so eq. 27 and Algorithm 1 have work to do.
@@ -33,9 +33,14 @@ TASKS = [(300, 40, 5.0), (20, 40, 30.0), (280, 40, 12.0), (25, 40, 0.0), (150, 4
 
 
 def body(**overrides: object) -> dict:
-    base = {"tasks": [{"input_tokens": i, "output_tokens": o, "snr_db": snr} for i, o, snr in TASKS],
-            "draft_shape": DRAFT, "target_shape": TARGET, "memory_budget_bytes": 10**9,
-            "bandwidth_hz": 1e6, "bits_per_token": 16.0 * (256 + 1024)}
+    base = {
+        "tasks": [{"input_tokens": i, "output_tokens": o, "snr_db": snr} for i, o, snr in TASKS],
+        "draft_shape": DRAFT,
+        "target_shape": TARGET,
+        "memory_budget_bytes": 10**9,
+        "bandwidth_hz": 1e6,
+        "bits_per_token": 16.0 * (256 + 1024),
+    }
     base.update(overrides)
     return base
 
@@ -51,10 +56,18 @@ def measured(count: int = 8, verdicts: list[tuple[int, int]] | None = None) -> E
     return EdgeTelemetry(draft, verify, verdicts if verdicts is not None else [(4, 4), (4, 2), (4, 3), (4, 0)] * 2)
 
 
-def costs(plan_request: PlanRequest, spec_len: int, alpha: float, draft: RuntimeModel, verify: RuntimeModel
-          ) -> EdgeCosts:
-    return EdgeCosts(plan_request.draft_shape, plan_request.target_shape, draft, verify, spec_len, alpha,
-                     plan_request.memory_budget_bytes)
+def costs(
+    plan_request: PlanRequest, spec_len: int, alpha: float, draft: RuntimeModel, verify: RuntimeModel
+) -> EdgeCosts:
+    return EdgeCosts(
+        plan_request.draft_shape,
+        plan_request.target_shape,
+        draft,
+        verify,
+        spec_len,
+        alpha,
+        plan_request.memory_budget_bytes,
+    )
 
 
 def task_pairs(plan_request: PlanRequest) -> list[tuple[int, int]]:
@@ -63,10 +76,16 @@ def task_pairs(plan_request: PlanRequest) -> list[tuple[int, int]]:
 
 def test_without_telemetry_every_measured_input_is_the_default_and_says_why() -> None:
     plan = plan_round(request(), None, DEFAULTS, telemetry_failure="monitor-unreachable").as_dict()
-    assert plan["sources"] == {"tasks": "request", "snr_db": "request", "alpha": "default:monitor-unreachable",
-                               "draft_runtime": "default:monitor-unreachable",
-                               "verify_runtime": "default:monitor-unreachable", "spec_len": "eq7",
-                               "batching": "algorithm1", "shares": "eq27"}
+    assert plan["sources"] == {
+        "tasks": "request",
+        "snr_db": "request",
+        "alpha": "default:monitor-unreachable",
+        "draft_runtime": "default:monitor-unreachable",
+        "verify_runtime": "default:monitor-unreachable",
+        "spec_len": "eq7",
+        "batching": "algorithm1",
+        "shares": "eq27",
+    }
     assert plan["alpha"] == DEFAULTS.alpha
     assert plan["draft_runtime"] == {"c1": DEFAULTS.draft_c1, "c2": DEFAULTS.draft_c2}
     assert plan["verify_runtime"] == {"c1": DEFAULTS.verify_c1, "c2": DEFAULTS.verify_c2}
@@ -78,25 +97,31 @@ def test_without_telemetry_every_measured_input_is_the_default_and_says_why() ->
 def test_sources_switch_to_telemetry_once_enough_samples() -> None:
     few = plan_round(request(), measured(count=3, verdicts=[(4, 4)] * 3), DEFAULTS)
     assert (few.sources["alpha"], few.sources["draft_runtime"], few.sources["verify_runtime"]) == (
-        "default:few-samples",) * 3
+        "default:few-samples",
+    ) * 3
     assert few.alpha == DEFAULTS.alpha and few.draft_runtime == RuntimeModel(DEFAULTS.draft_c1, DEFAULTS.draft_c2)
 
     telemetry = measured(count=4, verdicts=[(4, 4), (4, 2), (3, 3), (4, 0)])
     plan = plan_round(request(), telemetry, DEFAULTS)
     assert (plan.sources["alpha"], plan.sources["draft_runtime"], plan.sources["verify_runtime"]) == (
-        "telemetry", "fitted:telemetry", "fitted:telemetry")
+        "telemetry",
+        "fitted:telemetry",
+        "fitted:telemetry",
+    )
     assert plan.alpha == alpha_from_verdicts(telemetry.verdicts) == 9 / 11
     assert plan.draft_runtime.c1 == pytest.approx(DRAFT_RUNTIME.c1) and plan.draft_runtime.c2 == pytest.approx(
-        DRAFT_RUNTIME.c2)
+        DRAFT_RUNTIME.c2
+    )
     assert plan.verify_runtime.c1 == pytest.approx(VERIFY_RUNTIME.c1) and plan.verify_runtime.c2 == pytest.approx(
-        VERIFY_RUNTIME.c2)
+        VERIFY_RUNTIME.c2
+    )
     # the plan is priced with what telemetry said, not the defaults
     fitted = costs(plan_request := request(), plan.spec_len, plan.alpha, plan.draft_runtime, plan.verify_runtime)
     assert plan.inference_s == pytest.approx(dp_batching(fitted, task_pairs(plan_request)).latency)
 
 
 def test_unfit_samples_and_untested_drafts_fall_back_per_input() -> None:
-    same_work = [(2, 1e9, 0.01)] * 8                 # one F*b value: c1 and c2 are not determined
+    same_work = [(2, 1e9, 0.01)] * 8  # one F*b value: c1 and c2 are not determined
     shrinking = [(b, 1e9, 1.0 / b) for b in range(1, 9)]  # runtime falls with work: c1 <= 0
     for passes in (same_work, shrinking):
         plan = plan_round(request(), EdgeTelemetry(passes, measured().verify, [(0, 0)] * 8), DEFAULTS)
@@ -109,7 +134,7 @@ def test_eq27_shares_finish_together_and_beat_uniform() -> None:
     eq27 = plan_round(request(), None, DEFAULTS)
     uniform = plan_round(request(bandwidth="uniform"), None, DEFAULTS)
     assert sum(eq27.shares) == pytest.approx(1.0)
-    assert max(eq27.upload_s) == pytest.approx(min(eq27.upload_s))     # eq. 26: everyone done together
+    assert max(eq27.upload_s) == pytest.approx(min(eq27.upload_s))  # eq. 26: everyone done together
     assert uniform.shares == pytest.approx([1 / len(TASKS)] * len(TASKS)) and uniform.sources["shares"] == "uniform"
     assert uniform.as_dict()["predicted"]["upload_s"] > 1.5 * eq27.as_dict()["predicted"]["upload_s"]
     snrs = [10 ** (snr / 10) for _, _, snr in TASKS]
@@ -134,14 +159,22 @@ def test_snr_source_and_default() -> None:
 def test_dp_batching_against_max_batching() -> None:
     # The paper's (LLaMA-1.1B, LLaMA-7B) pair and Γ_s = 16 GB (Table II): room for every task in one batch,
     # so max batching puts them all together, while drafting costs enough for Algorithm 1 to pipeline.
-    paper = {"draft_shape": {"layers": 22, "hidden": 2048, "ffn": 5632}, "memory_budget_bytes": 16 * 10**9,
-             "target_shape": {"layers": 32, "hidden": 4096, "ffn": 11008}}
+    paper = {
+        "draft_shape": {"layers": 22, "hidden": 2048, "ffn": 5632},
+        "memory_budget_bytes": 16 * 10**9,
+        "target_shape": {"layers": 32, "hidden": 4096, "ffn": 11008},
+    }
     dp = plan_round(request(**paper, spec_len=3), None, DEFAULTS)
     most = plan_round(request(**paper, spec_len=3, batching="max"), None, DEFAULTS)
     assert (dp.sources["batching"], most.sources["batching"]) == ("algorithm1", "max-batch")
     plan_request = request(**paper)
-    default_costs = costs(plan_request, 3, DEFAULTS.alpha, RuntimeModel(DEFAULTS.draft_c1, DEFAULTS.draft_c2),
-                          RuntimeModel(DEFAULTS.verify_c1, DEFAULTS.verify_c2))
+    default_costs = costs(
+        plan_request,
+        3,
+        DEFAULTS.alpha,
+        RuntimeModel(DEFAULTS.draft_c1, DEFAULTS.draft_c2),
+        RuntimeModel(DEFAULTS.verify_c1, DEFAULTS.verify_c2),
+    )
     assert most.batches == max_batching(default_costs, task_pairs(plan_request)).batches
     assert dp.batches == dp_batching(default_costs, task_pairs(plan_request)).batches
     assert len(most.batches) == 1 and len(dp.batches) > 1  # Algorithm 1 splits to pipeline
@@ -178,9 +211,20 @@ def test_chosen_length_is_the_best_and_a_fixed_one_is_kept() -> None:
 
 def test_as_dict_shape() -> None:
     plan = plan_round(request(), measured(), DEFAULTS).as_dict()
-    assert set(plan) == {"batches", "spec_len", "shares", "upload_s", "alpha", "draft_runtime", "verify_runtime",
-                         "predicted", "sources"}
-    assert plan["predicted"]["total_s"] == pytest.approx(plan["predicted"]["upload_s"] + plan["predicted"]["inference_s"])
+    assert set(plan) == {
+        "batches",
+        "spec_len",
+        "shares",
+        "upload_s",
+        "alpha",
+        "draft_runtime",
+        "verify_runtime",
+        "predicted",
+        "sources",
+    }
+    assert plan["predicted"]["total_s"] == pytest.approx(
+        plan["predicted"]["upload_s"] + plan["predicted"]["inference_s"]
+    )
     assert plan["predicted"]["upload_s"] == max(plan["upload_s"])
     assert all(isinstance(batch, list) for batch in plan["batches"])
 
@@ -240,9 +284,18 @@ def test_bad_requests_are_typed(name: str, bad: object) -> None:
 
 def test_bad_telemetry_is_typed() -> None:
     assert EdgeTelemetry.from_dict({}) == EdgeTelemetry()
-    for bad in ([], {"draft": {}}, {"draft": [[1, 2]]}, {"verify": [[0, 1e9, 0.1]]}, {"verify": [[1.5, 1e9, 0.1]]},
-                {"draft": [[1, -1, 0.1]]}, {"draft": [[1, 1e9, math.inf]]}, {"verdicts": [[2, 3]]},
-                {"verdicts": [[2.0, 1]]}, {"verdicts": [["2", 1]]}):
+    for bad in (
+        [],
+        {"draft": {}},
+        {"draft": [[1, 2]]},
+        {"verify": [[0, 1e9, 0.1]]},
+        {"verify": [[1.5, 1e9, 0.1]]},
+        {"draft": [[1, -1, 0.1]]},
+        {"draft": [[1, 1e9, math.inf]]},
+        {"verdicts": [[2, 3]]},
+        {"verdicts": [[2.0, 1]]},
+        {"verdicts": [["2", 1]]},
+    ):
         with pytest.raises(EdgeTelemetryError):
             EdgeTelemetry.from_dict(bad)
 

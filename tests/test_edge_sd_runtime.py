@@ -23,7 +23,7 @@ from shared.edge_sd.speculation import (
     expected_tokens_per_step,
 )
 
-LLAMA_68M = ModelShape(layers=2, hidden=768, ffn=3072)   # Table I
+LLAMA_68M = ModelShape(layers=2, hidden=768, ffn=3072)  # Table I
 LLAMA_7B = ModelShape(layers=32, hidden=4096, ffn=11008)
 
 
@@ -105,13 +105,16 @@ def test_fit_clamps_a_negative_intercept_to_zero():
     assert fitted.c1 == pytest.approx((0.9 * 1 + 2.0 * 2 + 3.1 * 3) / (1 + 4 + 9) / 1e12)
 
 
-@pytest.mark.parametrize("rows", [
-    [],
-    [(1, 1e12, 0.1)],
-    [(1, 2e12, 0.1), (2, 1e12, 0.2)],          # same F*b twice: one distinct point
-    [(1, 1e12, 0.3), (2, 1e12, 0.1)],          # slower with less work: c1 <= 0
-    [(1, 1e12, math.nan), (2, 1e12, 0.1)],
-])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [],
+        [(1, 1e12, 0.1)],
+        [(1, 2e12, 0.1), (2, 1e12, 0.2)],  # same F*b twice: one distinct point
+        [(1, 1e12, 0.3), (2, 1e12, 0.1)],  # slower with less work: c1 <= 0
+        [(1, 1e12, math.nan), (2, 1e12, 0.1)],
+    ],
+)
 def test_fit_refuses_degenerate_samples(rows):
     with pytest.raises(RuntimeFitError):
         fit_runtime(rows)
@@ -132,7 +135,7 @@ def test_expected_tokens_refuses_bad_alpha(alpha):
 
 
 def test_decoding_steps_eq_8():
-    assert decoding_steps(3, 1.5) == 2      # exact ratio is not rounded up by float error
+    assert decoding_steps(3, 1.5) == 2  # exact ratio is not rounded up by float error
     assert decoding_steps(4, 1.5) == 3
     assert decoding_steps(1, 4.0) == 1
     assert decoding_steps(2048, expected_tokens_per_step(0.8, 4)) == math.ceil(2048 / ((1 - 0.8**5) / 0.2))
@@ -142,8 +145,10 @@ def test_decoding_steps_eq_8():
 
 def _single_task_latency(alpha, output_len, draft_secs, verify_secs):
     """n(l) steps, each l draft passes then one verification: interior optimum in l."""
+
     def latency(l):
         return decoding_steps(output_len, expected_tokens_per_step(alpha, l)) * (l * draft_secs + verify_secs)
+
     return latency
 
 

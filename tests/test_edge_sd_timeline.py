@@ -181,7 +181,14 @@ def test_as_dict_round_trips_the_numbers():
     timeline = pipeline_timeline(DRAFT, VERIFY, [2, 2])
     data = timeline.as_dict()
     assert data["total_latency"] == 10.0 and data["step_latencies"] == [5.0, 5.0]
-    assert data["entries"][1] == {"step": 0, "batch": 1, "draft_start": 1.0, "draft_end": 3.0, "verify_start": 4.0, "verify_end": 5.0}
+    assert data["entries"][1] == {
+        "step": 0,
+        "batch": 1,
+        "draft_start": 1.0,
+        "draft_end": 3.0,
+        "verify_start": 4.0,
+        "verify_end": 5.0,
+    }
 
 
 @pytest.mark.parametrize(

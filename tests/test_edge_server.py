@@ -39,11 +39,14 @@ def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
 
 
-async def serve(checkpoint, device_model, sessions: list[StreamSession], config: EdgeConfig,
-                rounds: int = 1) -> tuple[list[list[int]], EdgeDraftServer]:
+async def serve(
+    checkpoint, device_model, sessions: list[StreamSession], config: EdgeConfig, rounds: int = 1
+) -> tuple[list[list[int]], EdgeDraftServer]:
     """Every session through the draft server, `rounds` rounds of equal share; returns each one's tokens."""
-    async with verifier_on_loopback(checkpoint, M, token_model=TokenModel(checkpoint, M),
-                                    full_model=True) as (server, url):
+    async with verifier_on_loopback(checkpoint, M, token_model=TokenModel(checkpoint, M), full_model=True) as (
+        server,
+        url,
+    ):
         cloud = WebSocketCloud(url, checkpoint.hidden_size, request_timeout_s=30, **split_identity(checkpoint, M))
         edge = EdgeDraftServer(cloud, *shapes(checkpoint), config, asyncio.to_thread)
         runner = asyncio.create_task(edge.run())
@@ -58,8 +61,9 @@ async def serve(checkpoint, device_model, sessions: list[StreamSession], config:
         outputs = []
         try:
             for start in range(0, len(sessions), per_round):
-                outputs += await asyncio.wait_for(asyncio.gather(
-                    *(one(start + i, s) for i, s in enumerate(sessions[start:start + per_round]))), 120)
+                outputs += await asyncio.wait_for(
+                    asyncio.gather(*(one(start + i, s) for i, s in enumerate(sessions[start : start + per_round]))), 120
+                )
         finally:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)
@@ -69,13 +73,17 @@ async def serve(checkpoint, device_model, sessions: list[StreamSession], config:
     return outputs, edge
 
 
-@pytest.mark.parametrize("config", [
-    EdgeConfig(window_s=0.05),  # eq. 27 shares, Algorithm 1 batches, l by eq. 7, pipelined
-    EdgeConfig(window_s=0.05, batching="max", spec_len=7),
-    EdgeConfig(window_s=0.05, bandwidth="uniform", spec_len=1, pipeline=False),
-    # a budget that only fits a few tasks a batch: several batches in flight at once
-    EdgeConfig(window_s=0.05, memory_budget_bytes=1, spec_len=3),
-], ids=["edge-sd", "max-batch-l7", "uniform-l1-serial", "small-batches"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        EdgeConfig(window_s=0.05),  # eq. 27 shares, Algorithm 1 batches, l by eq. 7, pipelined
+        EdgeConfig(window_s=0.05, batching="max", spec_len=7),
+        EdgeConfig(window_s=0.05, bandwidth="uniform", spec_len=1, pipeline=False),
+        # a budget that only fits a few tasks a batch: several batches in flight at once
+        EdgeConfig(window_s=0.05, memory_budget_bytes=1, spec_len=3),
+    ],
+    ids=["edge-sd", "max-batch-l7", "uniform-l1-serial", "small-batches"],
+)
 @pytest.mark.slow
 def test_greedy_output_equals_the_unsplit_model(demo_checkpoint, config):
     device_model = build_device_model(demo_checkpoint, M, None)
@@ -84,8 +92,11 @@ def test_greedy_output_equals_the_unsplit_model(demo_checkpoint, config):
     expected = [generate_full(demo_checkpoint, p, max_new).token_ids for p in batch]
     if config.memory_budget_bytes == 1:  # the draft model's weights plus the KV of two tasks
         draft, _ = shapes(demo_checkpoint)
-        config = EdgeConfig(window_s=0.05, spec_len=3,
-                            memory_budget_bytes=draft.weight_bytes + 2 * draft.kv_bytes_per_token * (40 + max_new))
+        config = EdgeConfig(
+            window_s=0.05,
+            spec_len=3,
+            memory_budget_bytes=draft.weight_bytes + 2 * draft.kv_bytes_per_token * (40 + max_new),
+        )
     sessions = [StreamSession(device_model, p, SamplingParams(), DraftConfig(0.0, 8), max_new) for p in batch]
     outputs, edge = asyncio.run(serve(demo_checkpoint, device_model, sessions, config))
     assert outputs == expected
@@ -110,16 +121,22 @@ def test_greedy_output_equals_the_unsplit_model(demo_checkpoint, config):
 def test_pipelined_rounds_draft_the_next_batch_while_one_is_verified(demo_checkpoint):
     device_model = build_device_model(demo_checkpoint, M, None)
     draft, _ = shapes(demo_checkpoint)
-    config = EdgeConfig(window_s=0.05, spec_len=4,
-                        memory_budget_bytes=draft.weight_bytes + 2 * draft.kv_bytes_per_token * 80)
-    sessions = [StreamSession(device_model, p, SamplingParams(), DraftConfig(0.0, 8), 16)
-                for p in prompts(6, demo_checkpoint.vocab_size, seed=1)]
+    config = EdgeConfig(
+        window_s=0.05, spec_len=4, memory_budget_bytes=draft.weight_bytes + 2 * draft.kv_bytes_per_token * 80
+    )
+    sessions = [
+        StreamSession(device_model, p, SamplingParams(), DraftConfig(0.0, 8), 16)
+        for p in prompts(6, demo_checkpoint.vocab_size, seed=1)
+    ]
     _, edge = asyncio.run(serve(demo_checkpoint, device_model, sessions, config))
     stages = edge.rounds[0].stages
     # batch m+1's drafting ended before batch m's verification did, somewhere in the round (eq. 20's overlap)
     by_key = {(e["step"], e["batch"]): e for e in stages}
-    overlaps = [(s, b) for (s, b), e in by_key.items()
-                if (s, b + 1) in by_key and by_key[(s, b + 1)]["draft_end_s"] < e["verify_end_s"]]
+    overlaps = [
+        (s, b)
+        for (s, b), e in by_key.items()
+        if (s, b + 1) in by_key and by_key[(s, b + 1)]["draft_end_s"] < e["verify_end_s"]
+    ]
     assert overlaps
     # and every step waits for the step before it (the barrier of eq. 21)
     for (s, b), e in by_key.items():
@@ -139,8 +156,9 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir):
     params = [SamplingParams(1.0, 1.0, seed) for seed in range(1200)]
     prompt = [5, 17, 33, 2, 90]
     sessions = [StreamSession(device_model, prompt, p, DraftConfig(0.0, 8), 2) for p in params]
-    outputs, _ = asyncio.run(serve(checkpoint, device_model, sessions, EdgeConfig(window_s=0.02, spec_len=3,
-                                                                                     max_tasks=60), rounds=20))
+    outputs, _ = asyncio.run(
+        serve(checkpoint, device_model, sessions, EdgeConfig(window_s=0.02, spec_len=3, max_tasks=60), rounds=20)
+    )
     eos = checkpoint.eos_token_id
     assert all(len(o) == 2 or o == [eos] for o in outputs)
     with torch.inference_mode():
@@ -156,14 +174,18 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama_dir):
     assert_samples_follow(np.array([o[1] for o in outputs if len(o) == 2]), marginal)
 
 
-@pytest.mark.parametrize("answer", [
-    {"batches": [[0], [0]], "spec_len": 2, "upload_s": [0.1, 0.1], "sources": {}},  # a task twice, one missing
-    {"batches": [[0, 1]], "spec_len": 0, "upload_s": [0.1, 0.1], "sources": {}},
-    {"batches": [[0, 1]], "spec_len": 2, "upload_s": [0.1, float("nan")], "sources": {}},
-    {"batches": [[0, 1]], "spec_len": 2, "upload_s": [0.1], "sources": {}},
-    {"batches": [[0, True]], "spec_len": 2, "upload_s": [0.1, 0.1], "sources": {}},
-    ["not", "a", "plan"],
-], ids=["duplicate", "zero-l", "nan-upload", "short-uploads", "bool-index", "list"])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"batches": [[0], [0]], "spec_len": 2, "upload_s": [0.1, 0.1], "sources": {}},  # a task twice, one missing
+        {"batches": [[0, 1]], "spec_len": 0, "upload_s": [0.1, 0.1], "sources": {}},
+        {"batches": [[0, 1]], "spec_len": 2, "upload_s": [0.1, float("nan")], "sources": {}},
+        {"batches": [[0, 1]], "spec_len": 2, "upload_s": [0.1], "sources": {}},
+        {"batches": [[0, True]], "spec_len": 2, "upload_s": [0.1, 0.1], "sources": {}},
+        ["not", "a", "plan"],
+    ],
+    ids=["duplicate", "zero-l", "nan-upload", "short-uploads", "bool-index", "list"],
+)
 def test_a_planner_answer_that_does_not_fit_the_round_is_not_run(demo_checkpoint, answer):
     import httpx
 
@@ -176,11 +198,15 @@ def test_a_planner_answer_that_does_not_fit_the_round_is_not_run(demo_checkpoint
 
     async def main():
         # a planner gone wrong (json.dumps writes NaN as the bare token a JSON parser may still accept)
-        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=json.dumps(answer).encode(),
-                                                                       headers={"content-type": "application/json"}))
+        transport = httpx.MockTransport(
+            lambda request: httpx.Response(
+                200, content=json.dumps(answer).encode(), headers={"content-type": "application/json"}
+            )
+        )
         async with httpx.AsyncClient(transport=transport) as http:
-            edge = EdgeDraftServer(None, *shapes(demo_checkpoint), EdgeConfig(), asyncio.to_thread, http,
-                                   planner_url="http://planner")
+            edge = EdgeDraftServer(
+                None, *shapes(demo_checkpoint), EdgeConfig(), asyncio.to_thread, http, planner_url="http://planner"
+            )
             return await edge.plan([EdgeRequest(s, i + 1, None) for i, s in enumerate(sessions)])
 
     plan = asyncio.run(main())

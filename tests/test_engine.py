@@ -20,7 +20,9 @@ from shared.specdec.sampling import SamplingParams
 from tests.stat_tools import assert_matches, exact_marginals
 
 
-def run(checkpoint, ids, m, adapter, max_new, params=SamplingParams(), eta=0.6, max_draft=8, chunk_size=None, **options):
+def run(
+    checkpoint, ids, m, adapter, max_new, params=SamplingParams(), eta=0.6, max_draft=8, chunk_size=None, **options
+):
     device = DeviceModel.from_checkpoint(checkpoint, m, adapter)
     session = DeviceSession(device, ids, params, DraftConfig(eta=eta, max_draft=max_draft), max_new)
     result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(checkpoint, m)), chunk_size=chunk_size, **options))
@@ -54,8 +56,18 @@ def test_greedy_with_parallel_drafting_equals_full_model(tiny_checkpoint, candid
     for _ in range(4):
         ids = [rng.randrange(1, tiny_checkpoint.vocab_size) for _ in range(rng.randint(2, 12))]
         expected = generate_full(tiny_checkpoint, ids, 30).token_ids
-        got = run(tiny_checkpoint, ids, 3, adapter, 30, eta=0.5, max_draft=4, chunk_size=3,
-                  parallel_candidates=candidates, parallel_steps=steps)
+        got = run(
+            tiny_checkpoint,
+            ids,
+            3,
+            adapter,
+            30,
+            eta=0.5,
+            max_draft=4,
+            chunk_size=3,
+            parallel_candidates=candidates,
+            parallel_steps=steps,
+        )
         assert got.token_ids == expected
         reused += got.reused_branches
         chances += got.predraft_chances
@@ -67,7 +79,10 @@ def test_greedy_with_parallel_drafting_equals_full_model(tiny_checkpoint, candid
 def test_greedy_with_random_adapter_is_still_exact(tiny_checkpoint):
     adapter = DraftAdapter(tiny_checkpoint, 2).randomize(seed=1)
     ids = [5, 9, 13, 2]
-    assert run(tiny_checkpoint, ids, 2, adapter, 30, eta=0.0).token_ids == generate_full(tiny_checkpoint, ids, 30).token_ids
+    assert (
+        run(tiny_checkpoint, ids, 2, adapter, 30, eta=0.0).token_ids
+        == generate_full(tiny_checkpoint, ids, 30).token_ids
+    )
 
 
 class MiddleAsDraft(torch.nn.Module):
@@ -132,8 +147,11 @@ def test_parallel_draft_steps_are_asked_per_round_with_the_rows_sent(demo_checkp
         asked.append(rows)
         return rows % 3
 
-    asyncio.run(generate(session, LocalCloud(MiddleSubmodel(demo_checkpoint, 2)), parallel_candidates=2,
-                         parallel_steps=steps_for))
+    asyncio.run(
+        generate(
+            session, LocalCloud(MiddleSubmodel(demo_checkpoint, 2)), parallel_candidates=2, parallel_steps=steps_for
+        )
+    )
     assert asked == [k + 1 for k in lengths if k > 0]
     assert len(set(asked)) > 1  # drafts of different lengths: one answer per request would be wrong
 
@@ -234,9 +252,19 @@ def test_parallel_drafting_when_the_answer_lands_before_its_callback_runs(tiny_c
     session = DeviceSession(device, ids, SamplingParams(), DraftConfig(eta=0.5, max_draft=4), 16)
 
     async def consume():
-        return [t async for tokens in run_session(session, LocalCloud(MiddleSubmodel(tiny_checkpoint, 2)), 7, [12],
-                                                  offload=yielding_offload, parallel_candidates=2, parallel_steps=2)
-                for t in tokens]
+        return [
+            t
+            async for tokens in run_session(
+                session,
+                LocalCloud(MiddleSubmodel(tiny_checkpoint, 2)),
+                7,
+                [12],
+                offload=yielding_offload,
+                parallel_candidates=2,
+                parallel_steps=2,
+            )
+            for t in tokens
+        ]
 
     assert asyncio.run(consume()) == expected
     assert all(s >= 0 for s in session.round_overhead_s)
@@ -269,10 +297,13 @@ def test_seeded_sampling_is_the_same_text_whatever_the_cloud_latency(demo_checkp
     prompt = demo_checkpoint.tokenizer.encode("def fibonacci(n):\n    ", add_special_tokens=False)
 
     def sampled(lag_s: float, candidates: int) -> tuple[list[int], int]:
-        session = DeviceSession(device, prompt, SamplingParams(0.8, 0.95, seed=1234), DraftConfig(eta=0.3, max_draft=6), 48)
+        session = DeviceSession(
+            device, prompt, SamplingParams(0.8, 0.95, seed=1234), DraftConfig(eta=0.3, max_draft=6), 48
+        )
         cloud = LaggyCloud(MiddleSubmodel(demo_checkpoint, 2), lag_s)
-        result = asyncio.run(generate(session, cloud, offload=asyncio.to_thread,
-                                      parallel_candidates=candidates, parallel_steps=2))
+        result = asyncio.run(
+            generate(session, cloud, offload=asyncio.to_thread, parallel_candidates=candidates, parallel_steps=2)
+        )
         return result.token_ids, session.reused_branches
 
     slow, slow_reused = sampled(0.03, 3)

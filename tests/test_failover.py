@@ -50,7 +50,7 @@ def stream_completion(mesh: Mesh, prompt: str, first_token: threading.Event) -> 
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             chunk_times.append(time.monotonic())
             if "error" in event:
                 errors.append(event["error"])
@@ -79,8 +79,9 @@ def run_with_kill(mesh: Mesh, prompts: list[str], victim: str) -> tuple[list[Str
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(stream_completion, mesh, p, started) for p, started in zip(prompts, first_tokens)]
         deadline = time.monotonic() + 60
-        assert all(started.wait(max(0.0, deadline - time.monotonic())) for started in first_tokens), \
+        assert all(started.wait(max(0.0, deadline - time.monotonic())) for started in first_tokens), (
             "not every stream started"
+        )
         killed_at = kill(mesh, victim)
         results = [f.result(timeout=180) for f in futures]
     report_gaps(victim, results, killed_at)
@@ -104,12 +105,16 @@ def report_gaps(victim: str, results: list[Streamed], killed_at: float) -> None:
         if before:
             across.append(gap)
         error = f", error {result.errors[0].get('code')}" if result.errors else ""
-        print(f"stream {index}: {len(before)} chunks before the kill, {len(after)} after; kill to next chunk "
-              f"{after[0] - killed_at:.3f} s, gap across the kill {gap:.3f} s, longest interval {longest:.3f} s{error}")
+        print(
+            f"stream {index}: {len(before)} chunks before the kill, {len(after)} after; kill to next chunk "
+            f"{after[0] - killed_at:.3f} s, gap across the kill {gap:.3f} s, longest interval {longest:.3f} s{error}"
+        )
     for label, gaps in (("failover gap", across), ("kill to next chunk", after_kill)):
         if gaps:
-            print(f"{label} ({victim} killed, {len(gaps)} stream(s)): max {max(gaps):.3f} s, "
-                  f"median {statistics.median(gaps):.3f} s")
+            print(
+                f"{label} ({victim} killed, {len(gaps)} stream(s)): max {max(gaps):.3f} s, "
+                f"median {statistics.median(gaps):.3f} s"
+            )
 
 
 def device_replays(mesh: Mesh) -> int:
@@ -128,8 +133,13 @@ def connected_verifier(mesh: Mesh) -> str:
 def test_four_streams_survive_losing_one_of_two_verifiers(demo_checkpoint):
     prompts = [p[:80] for p in held_out_prompts(4, seed=5)]
     expected = [expected_text(demo_checkpoint, p) for p in prompts]
-    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, verifiers=2,
-                        port_base=find_port_base(1, num_verifiers=2), **SLOW_LINK)
+    config = MeshConfig(
+        model_dir=str(DEMO_MODEL_DIR),
+        num_devices=1,
+        verifiers=2,
+        port_base=find_port_base(1, num_verifiers=2),
+        **SLOW_LINK,
+    )
     with Mesh(config) as mesh:
         results, _ = run_with_kill(mesh, prompts, connected_verifier(mesh))
         assert [r.errors for r in results] == [[]] * 4
@@ -140,8 +150,9 @@ def test_four_streams_survive_losing_one_of_two_verifiers(demo_checkpoint):
 def test_streams_wait_for_a_restarted_verifier(demo_checkpoint):
     prompts = [p[:80] for p in held_out_prompts(2, seed=9)]
     expected = [expected_text(demo_checkpoint, p) for p in prompts]
-    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1), supervise=True,
-                        **SLOW_LINK)
+    config = MeshConfig(
+        model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1), supervise=True, **SLOW_LINK
+    )
     with Mesh(config) as mesh:
         results, _ = run_with_kill(mesh, prompts, "verifier-cloud")
         assert [r.errors for r in results] == [[]] * 2
@@ -150,8 +161,13 @@ def test_streams_wait_for_a_restarted_verifier(demo_checkpoint):
 
 def test_no_verifier_coming_back_is_a_typed_error_within_the_deadline(demo_checkpoint):
     prompts = [p[:80] for p in held_out_prompts(2, seed=13)]
-    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1),
-                        device_env={"failover_deadline_s": "3"}, **SLOW_LINK)
+    config = MeshConfig(
+        model_dir=str(DEMO_MODEL_DIR),
+        num_devices=1,
+        port_base=find_port_base(1),
+        device_env={"failover_deadline_s": "3"},
+        **SLOW_LINK,
+    )
     with Mesh(config) as mesh:
         results, seconds = run_with_kill(mesh, prompts, "verifier-cloud")
         for result in results:

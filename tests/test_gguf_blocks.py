@@ -38,8 +38,15 @@ def file_blocks() -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
 
 def _gguf_name(name: str) -> str:
     parts = name.split(".")  # model.layers.N.<self_attn|mlp>.<x>_proj
-    short = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[parts[4]]
+    short = {
+        "q_proj": "attn_q",
+        "k_proj": "attn_k",
+        "v_proj": "attn_v",
+        "o_proj": "attn_output",
+        "gate_proj": "ffn_gate",
+        "up_proj": "ffn_up",
+        "down_proj": "ffn_down",
+    }[parts[4]]
     return f"blk.{parts[2]}.{short}.weight"
 
 
@@ -65,8 +72,10 @@ def test_every_quantized_tensor_is_the_f32_checkpoints_exactly_with_the_files_ow
             assert module.bits == 4 and torch.equal(weight, reference[f"{name}.weight"]), name
             scales, mins = file_blocks[_gguf_name(name)]
             ours = module.scales.transpose(0, 1)  # [out, groups, 2]
-            order = _row_order(torch.stack([ours[..., 0], ours[..., 1]], -1).view(ours.shape[0], -1),
-                               torch.stack([scales, mins], -1).view(scales.shape[0], -1))
+            order = _row_order(
+                torch.stack([ours[..., 0], ours[..., 1]], -1).view(ours.shape[0], -1),
+                torch.stack([scales, mins], -1).view(scales.shape[0], -1),
+            )
             assert torch.equal(ours[..., 0], scales[order]) and torch.equal(ours[..., 1], mins[order]), name
         checked += 1
     assert checked == 7 * smollm2_copy.num_layers + 1

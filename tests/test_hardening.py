@@ -61,19 +61,29 @@ def split_run(checkpoint, cloud, ids, m, max_new, max_draft=4, **options):
     return asyncio.run(generate(session, cloud, **options)), session
 
 
-@pytest.mark.parametrize("model_type,m,chunk_size", [("llama", 2, None), ("llama", 1, 3), ("qwen2", 2, 4),
-                                                     ("qwen2", 3, None)])
+@pytest.mark.parametrize(
+    "model_type,m,chunk_size", [("llama", 2, None), ("llama", 1, 3), ("qwen2", 2, 4), ("qwen2", 3, None)]
+)
 @pytest.mark.slow
-def test_greedy_through_the_rotated_split_equals_the_unsplit_model(model_type, m, chunk_size, tiny_llama_dir,
-                                                                   tiny_qwen2_dir):
+def test_greedy_through_the_rotated_split_equals_the_unsplit_model(
+    model_type, m, chunk_size, tiny_llama_dir, tiny_qwen2_dir
+):
     path = tiny_llama_dir if model_type == "llama" else tiny_qwen2_dir
     checkpoint = load_checkpoint(path, with_tokenizer=False)  # the device's (public) weights
     q = secret_rotation("tenant-a", checkpoint.hidden_size)
     for ids in ([5, 17, 3, 99, 42, 7], [11] * 13, [200]):
         expected = generate_full(checkpoint, ids, 20).token_ids
         recorder = RecordingCloud(LocalCloud(rotated_middle(path, m, "tenant-a")))
-        result, _ = split_run(checkpoint, RotatingCloud(recorder, q), ids, m, 20, chunk_size=chunk_size,
-                              parallel_candidates=2, parallel_steps=2)
+        result, _ = split_run(
+            checkpoint,
+            RotatingCloud(recorder, q),
+            ids,
+            m,
+            20,
+            chunk_size=chunk_size,
+            parallel_candidates=2,
+            parallel_steps=2,
+        )
         assert result.token_ids == expected
         # Unrotated, the same re-parameterised cloud decodes something else: the rotation is really in use.
         if ids == [11] * 13:
@@ -133,7 +143,7 @@ def test_uplink_noise_has_the_asked_scale_and_is_off_at_zero(tiny_llama_dir):
     noisy_recorder = RecordingCloud(LocalCloud(MiddleSubmodel(checkpoint, 2)))
     split_run(checkpoint, NoisyUplink(noisy_recorder, 0.5, torch.Generator().manual_seed(1)), ids, 2, 16)
     first = noisy_recorder.sent[0]  # the prompt's rows: the same positions as the plain run's first upload
-    ratio = ((first - plain[: len(first)]).pow(2).mean(-1).sqrt() / plain[: len(first)].pow(2).mean(-1).sqrt())
+    ratio = (first - plain[: len(first)]).pow(2).mean(-1).sqrt() / plain[: len(first)].pow(2).mean(-1).sqrt()
     assert torch.all((ratio > 0.25) & (ratio < 0.8))  # per-row relative noise ~ 0.5 (64 dims)
 
 
@@ -186,8 +196,9 @@ def test_each_pipeline_stage_is_rotated_from_its_spec(tiny_qwen2_dir):
     from services.verifier_cloud.settings import Settings
     from services.verifier_cloud.stages import build_worker
 
-    settings = Settings(model_dir=str(tiny_qwen2_dir), split_layers=2, pipeline_stages=2, device="cpu",
-                        hidden_rotation="staged")
+    settings = Settings(
+        model_dir=str(tiny_qwen2_dir), split_layers=2, pipeline_stages=2, device="cpu", hidden_rotation="staged"
+    )
     specs = plan_stages(settings, 5)
     assert [s.layers for s in specs] == [(2, 4), (4, 5)] and all(s.hidden_rotation == "staged" for s in specs)
     assert "staged" not in repr(specs[0]) and "staged" not in repr(settings)

@@ -102,8 +102,9 @@ async def test_a_restart_keeps_every_revocation_rotation_and_enrollment_with_a_r
         enrolled = await enroll(monitor, minted(ring, "device-1", "bootstrap"), "device-1", DEVICE_URL)
         assert enrolled.status_code == 200
         device_1 = bearer(enrolled.json()["token"])
-        revoked = await monitor.post("/credentials/revoke", json={"role": "device", "subject": "device-1"},
-                                     headers=operator)
+        revoked = await monitor.post(
+            "/credentials/revoke", json={"role": "device", "subject": "device-1"}, headers=operator
+        )
         assert revoked.status_code == 200
         leaked = ring.mint("token-streamer", "service", auth.ISSUER, 600, time.time())
         jti = jwt.decode(leaked, options={"verify_signature": False})["jti"]
@@ -118,8 +119,9 @@ async def test_a_restart_keeps_every_revocation_rotation_and_enrollment_with_a_r
 
     async with monitor_process(key_file, redis_server.url, state_dir) as monitor:  # the monitor restarted
         # Minted since the rotation: still valid (not unknown_key), and the issuer signs with the new key only.
-        renewed = await monitor.post("/credentials/token", json={"audience": auth.ISSUER},
-                                     headers=bearer(device_2.json()["token"]))
+        renewed = await monitor.post(
+            "/credentials/token", json={"audience": auth.ISSUER}, headers=bearer(device_2.json()["token"])
+        )
         assert renewed.status_code == 200, renewed.text
         assert kid(renewed.json()["token"]) == new_kid
         again = await monitor.post("/credentials/token", json={"audience": auth.ISSUER}, headers=streamer)
@@ -141,8 +143,9 @@ async def test_with_nowhere_writable_revoke_and_rotate_answer_an_error_naming_wh
     ring = KeyRing.load(key_file)
     operator = minted(ring, "ops", "operator")
     async with monitor_process(key_file, redis_server.url) as monitor:
-        revoked = await monitor.post("/credentials/revoke", json={"role": "device", "subject": "device-1"},
-                                     headers=operator)
+        revoked = await monitor.post(
+            "/credentials/revoke", json={"role": "device", "subject": "device-1"}, headers=operator
+        )
         assert revoked.status_code == 503
         assert "not saved" in revoked.text and "AUTH_STATE_DIR" in revoked.text and "issuer-state.json" in revoked.text
         rotated = await monitor.post("/credentials/rotate", headers=operator)
@@ -161,8 +164,9 @@ async def test_a_revoked_devices_bootstrap_enrolls_nothing(tmp_path: Path, redis
     fleet = minted(ring, "*", "bootstrap")  # what every device carried before
     async with monitor_process(tmp_path / "keys.json", redis_server.url) as monitor:
         assert (await enroll(monitor, bootstrap, "d1", DEVICE_URL)).status_code == 200
-        assert (await monitor.post("/credentials/revoke", json={"role": "device", "subject": "d1"},
-                                   headers=operator)).status_code == 200
+        assert (
+            await monitor.post("/credentials/revoke", json={"role": "device", "subject": "d1"}, headers=operator)
+        ).status_code == 200
         for token, device_id in ((bootstrap, "d1"), (bootstrap, "d1-again"), (fleet, "d1-again"), (fleet, "d7")):
             answer = await enroll(monitor, token, device_id, "http://10.0.0.8:8200")
             assert answer.status_code in (401, 403), (device_id, answer.text)
@@ -193,8 +197,9 @@ async def test_a_second_holder_cannot_re_enroll_an_enrolled_id(tmp_path: Path, r
         assert (await enroll(monitor, other, "d1", THIEF_URL)).status_code == 409  # the binding survived a restart
         # The operator hands the id to a new holder by issuing its bootstrap through the issuer.
         operator = minted(ring, "ops", "operator")
-        issued = await monitor.post("/credentials/issue", json={"role": "bootstrap", "subject": "d1", "ttl_s": 600},
-                                    headers=operator)
+        issued = await monitor.post(
+            "/credentials/issue", json={"role": "bootstrap", "subject": "d1", "ttl_s": 600}, headers=operator
+        )
         assert issued.status_code == 200
         assert (await enroll(monitor, own, "d1", DEVICE_URL)).status_code == 409  # the old holder's ended
         assert (await enroll(monitor, bearer(issued.json()["token"]), "d1", DEVICE_URL)).status_code == 200

@@ -8,8 +8,18 @@ import pytest
 from transformers import AutoTokenizer
 
 from shared.chat import chat_prompt_ids, plain_chat_text
-from shared.jupiter.outline import (MAX_POINTS, OUTLINE_DIRECTIVE, OUTLINE_OPENING, PLAIN_FORMAT, ChatFormat, assemble, chat_format,
-                                    heading, parse_outline, route)
+from shared.jupiter.outline import (
+    MAX_POINTS,
+    OUTLINE_DIRECTIVE,
+    OUTLINE_OPENING,
+    PLAIN_FORMAT,
+    ChatFormat,
+    assemble,
+    chat_format,
+    heading,
+    parse_outline,
+    route,
+)
 from tests.conftest import DEMO_MODEL_DIR, REPO_ROOT
 
 ACCEPTED = [  # Vicuna-80-style generic, knowledge and counterfactual questions
@@ -39,8 +49,14 @@ MATH = [
     "How many prime numbers are there between 1 and 50?",
     "Find the derivative of sin(x) times cos(x).",
 ]
-SHORT = ["Who wrote Hamlet?", "Is water wet?", "What is the capital of France?", "Paris?",
-         "In one word, how do you feel about rain?", "When did World War II end?"]
+SHORT = [
+    "Who wrote Hamlet?",
+    "Is water wet?",
+    "What is the capital of France?",
+    "Paris?",
+    "In one word, how do you feel about rain?",
+    "When did World War II end?",
+]
 
 
 @pytest.mark.parametrize("question", ACCEPTED)
@@ -58,29 +74,41 @@ def test_the_router_declines_code_math_and_short_answers(questions: list[str], r
 
 def test_the_router_declines_conversations_and_empty_prompts() -> None:
     question = ACCEPTED[0]
-    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-               {"role": "user", "content": question}]
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": question},
+    ]
     assert route(messages=history).reason == "conversation"
-    assert route(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": question}]).reason \
+    assert (
+        route(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": question}]).reason
         == "conversation"
+    )
     assert route(prompt="   ").reason == "empty"
 
 
-@pytest.mark.parametrize(("text", "points"), [
-    ("1. Rayleigh scattering\n2. Shorter wavelengths\n3. Sunsets are red", ["Rayleigh scattering",
-                                                                           "Shorter wavelengths", "Sunsets are red"]),
-    ("Sure! Here is the outline:\n\n1) **Sleep schedule**:\n2) Light;\n3) Caffeine.\nHope this helps.",
-     ["Sleep schedule", "Light", "Caffeine"]),
-    ("1: a\n2: b\n\nAnd another list:\n1. x\n2. y", ["a", "b"]),  # a break in the numbering ends the outline
-    ("1. a 2. b 3. c", ["a", "b", "c"]),  # one line
-    ("- apples\n- pears\n* plums", ["apples", "pears", "plums"]),
-    ("1. first\n- a bullet under it\n2. second", ["first", "second"]),  # numbered lines win
-    ("3. starts at three\n4. and goes on", ["starts at three", "and goes on"]),
-    ("1.\n2. **\n3. real", ["real"]),  # empty points dropped
-    ("The sky is blue because of 42 reasons. 1.5 million people agree.", []),
-    ("", []),
-    ("\x00\ufffd 1 2 3 ... )))", []),
-])
+@pytest.mark.parametrize(
+    ("text", "points"),
+    [
+        (
+            "1. Rayleigh scattering\n2. Shorter wavelengths\n3. Sunsets are red",
+            ["Rayleigh scattering", "Shorter wavelengths", "Sunsets are red"],
+        ),
+        (
+            "Sure! Here is the outline:\n\n1) **Sleep schedule**:\n2) Light;\n3) Caffeine.\nHope this helps.",
+            ["Sleep schedule", "Light", "Caffeine"],
+        ),
+        ("1: a\n2: b\n\nAnd another list:\n1. x\n2. y", ["a", "b"]),  # a break in the numbering ends the outline
+        ("1. a 2. b 3. c", ["a", "b", "c"]),  # one line
+        ("- apples\n- pears\n* plums", ["apples", "pears", "plums"]),
+        ("1. first\n- a bullet under it\n2. second", ["first", "second"]),  # numbered lines win
+        ("3. starts at three\n4. and goes on", ["starts at three", "and goes on"]),
+        ("1.\n2. **\n3. real", ["real"]),  # empty points dropped
+        ("The sky is blue because of 42 reasons. 1.5 million people agree.", []),
+        ("", []),
+        ("\x00\ufffd 1 2 3 ... )))", []),
+    ],
+)
 def test_parse_outline(text: str, points: list[str]) -> None:
     assert parse_outline(text) == points
 
@@ -97,9 +125,10 @@ def test_without_a_template_the_segments_are_the_plain_rendering() -> None:
     assert fmt == PLAIN_FORMAT
     question, outline = "Why is the sky blue?", " 1. a\n2. b"
     assert fmt.directive_text() + fmt.question_text(question) == plain_chat_text(
-        [{"role": "system", "content": OUTLINE_DIRECTIVE}, {"role": "user", "content": question}])
+        [{"role": "system", "content": OUTLINE_DIRECTIVE}, {"role": "user", "content": question}]
+    )
     point = fmt.point_text(2, "b", outline_ended_turn=False)
-    assert point.startswith("\nuser: Now write the part of the answer for point 2 of your outline, \"b\"")
+    assert point.startswith('\nuser: Now write the part of the answer for point 2 of your outline, "b"')
     assert (fmt.directive_text() + fmt.question_text(question) + outline + point).endswith("\nassistant:")
 
 
@@ -116,19 +145,31 @@ def test_with_a_template_the_segments_concatenate_to_its_rendering(chatml_tokeni
     fmt = chat_format(chatml_tokenizer)
     assert fmt.end_of_turn == "<|im_end|>" and fmt.system_open == "<|im_start|>system\n"
     question, outline = "Why is the sky blue?", "1. Scattering\n2. Sunsets"
-    conversation = [{"role": "system", "content": OUTLINE_DIRECTIVE}, {"role": "user", "content": question},
-                    {"role": "assistant", "content": outline},
-                    {"role": "user", "content": fmt.point_text(1, "Scattering", outline_ended_turn=False)[
-                        len(fmt.assistant_to_user):-len(fmt.user_to_assistant)]}]
+    conversation = [
+        {"role": "system", "content": OUTLINE_DIRECTIVE},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": outline},
+        {
+            "role": "user",
+            "content": fmt.point_text(1, "Scattering", outline_ended_turn=False)[
+                len(fmt.assistant_to_user) : -len(fmt.user_to_assistant)
+            ],
+        },
+    ]
     rendered = chatml_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-    segments = (fmt.directive_text() + fmt.question_text(question) + outline
-                + fmt.point_text(1, "Scattering", outline_ended_turn=False))
+    segments = (
+        fmt.directive_text()
+        + fmt.question_text(question)
+        + outline
+        + fmt.point_text(1, "Scattering", outline_ended_turn=False)
+    )
     assert segments == rendered
     # An outline that ended on <|im_end|> holds it already: the point's segment does not repeat it.
     ended = fmt.point_text(1, "Scattering", outline_ended_turn=True)
     assert outline + "<|im_end|>" + ended == outline + fmt.point_text(1, "Scattering", outline_ended_turn=False)
     assert chat_prompt_ids(chatml_tokenizer, conversation[:2]) == chatml_tokenizer.encode(
-        fmt.directive_text() + fmt.question_text(question), add_special_tokens=False)
+        fmt.directive_text() + fmt.question_text(question), add_special_tokens=False
+    )
 
 
 def test_a_chat_format_from_a_peer_is_validated() -> None:

@@ -63,8 +63,9 @@ def test_dp_equals_brute_force(data, num_layers, num_devices, first_min_layers):
     # the ranges it returns really have the bottleneck it claims
     assert max(cost(d, a, b) for d, (a, b) in enumerate(got.ranges)) == got.bottleneck
     # and among the partitions with that bottleneck, the least total time (one part's trip through the pipeline)
-    assert _total(cost, got.ranges) == pytest.approx(_least_total_at(cost, num_layers, num_devices,
-                                                                     first_min_layers, got.bottleneck))
+    assert _total(cost, got.ranges) == pytest.approx(
+        _least_total_at(cost, num_layers, num_devices, first_min_layers, got.bottleneck)
+    )
 
 
 def _total(cost, ranges):
@@ -93,7 +94,8 @@ def test_dp_equals_brute_force_on_float_costs_seeded():
         slowdowns = [rng.choice([1.0, 3.0]) for _ in range(num_devices)]
         cost = _cost_model(layer_costs, slowdowns)
         assert partition_layers(cost, num_layers, num_devices).bottleneck == pytest.approx(
-            brute_force_partition(cost, num_layers, num_devices).bottleneck, rel=1e-12)
+            brute_force_partition(cost, num_layers, num_devices).bottleneck, rel=1e-12
+        )
 
 
 def test_ties_on_the_bottleneck_go_to_the_least_total_time():
@@ -154,10 +156,13 @@ def test_dp_beats_or_ties_equal_split_and_wins_on_heterogeneous_devices():
     rng = random.Random(7)
     for _ in range(100):
         num_layers, num_devices = rng.randint(3, 12), rng.randint(1, 3)
-        cost = _cost_model([rng.uniform(1, 2) for _ in range(num_layers)],
-                           [rng.choice([1.0, 3.0]) for _ in range(num_devices)])
-        assert partition_layers(cost, num_layers, num_devices).bottleneck <= equal_partition(
-            cost, num_layers, num_devices).bottleneck
+        cost = _cost_model(
+            [rng.uniform(1, 2) for _ in range(num_layers)], [rng.choice([1.0, 3.0]) for _ in range(num_devices)]
+        )
+        assert (
+            partition_layers(cost, num_layers, num_devices).bottleneck
+            <= equal_partition(cost, num_layers, num_devices).bottleneck
+        )
     # orin;xavier;xavier over 24 equal layers: equal split 8/8/8 -> 24 on a xavier; DP 14-15/5/4-5 -> 15
     cost = _cost_model([1] * 24, [1.0, 3.0, 3.0])
     assert equal_partition(cost, 24, 3).bottleneck == 24.0

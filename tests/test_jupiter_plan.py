@@ -33,9 +33,16 @@ def _synthetic_time(s: float, c: float) -> float:
 
 def synthetic_profile(num_layers: int = 24, **overrides) -> Profile:
     fields = dict(
-        model_name="synthetic", num_layers=num_layers, hidden_size=256, layer_weight_bytes=3_000_000,
-        kv_bytes_per_token_layer=1024, embed_bytes=8_000_000, head_bytes=8_000_000, draft_bytes=800_000,
-        lengths=LENGTHS, prefixes=PREFIXES,
+        model_name="synthetic",
+        num_layers=num_layers,
+        hidden_size=256,
+        layer_weight_bytes=3_000_000,
+        kv_bytes_per_token_layer=1024,
+        embed_bytes=8_000_000,
+        head_bytes=8_000_000,
+        draft_bytes=800_000,
+        lengths=LENGTHS,
+        prefixes=PREFIXES,
         layer_times=tuple(tuple(_synthetic_time(s, c) for c in PREFIXES) for s in LENGTHS),
     )
     fields.update(overrides)
@@ -58,7 +65,9 @@ def test_layer_time_interpolates_and_extrapolates_linearly():
     import numpy as np
 
     many = profile.layer_time(np.array([1, 80, 1024]), np.array([0, 256, 0]))
-    assert list(many) == pytest.approx([profile.layer_time(1, 0), profile.layer_time(80, 256), profile.layer_time(1024, 0)])
+    assert list(many) == pytest.approx(
+        [profile.layer_time(1, 0), profile.layer_time(80, 256), profile.layer_time(1024, 0)]
+    )
     assert profile.stage_time(6, 128, 0, 3.0) == pytest.approx(18 * profile.layer_time(128, 0))
 
 
@@ -66,7 +75,8 @@ def test_stage_memory_counts_weights_kv_and_the_ends():
     profile = synthetic_profile()
     assert profile.stage_memory(4, 1000) == 4 * (3_000_000 + 1000 * 1024)
     assert profile.stage_memory(4, 1000, with_embeddings=True, with_draft=True) == (
-        4 * (3_000_000 + 1000 * 1024) + 16_000_000 + 800_000)
+        4 * (3_000_000 + 1000 * 1024) + 16_000_000 + 800_000
+    )
     assert profile.stage_memory(1, 0, with_head=True) == 3_000_000 + 8_000_000
 
 
@@ -137,9 +147,14 @@ def test_parse_edge_pipeline():
     assert [(d.name, d.slowdown) for d in devices] == [("orin", 1.0), ("xavier", 3.0), ("xavier", 3.0)]
     assert devices[0].memory_bytes == DEFAULT_MEMORY_BYTES and devices[2].memory_bytes == 512 * 1024**2
     assert parse_edge_pipeline("2.5:1GB; orin")[0] == DeviceSpec("2.5", 2.5, 10**9)
-    for bad, reason in [("orin", "at least 2"), ("orin;;xavier", "at least 2"), ("orin;quantum", "quantum"),
-                        ("orin;cycle", "time-varying"), ("orin;xavier:12parsecs", "memory budget"),
-                        ("orin;0.5", ">= 1")]:
+    for bad, reason in [
+        ("orin", "at least 2"),
+        ("orin;;xavier", "at least 2"),
+        ("orin;quantum", "quantum"),
+        ("orin;cycle", "time-varying"),
+        ("orin;xavier:12parsecs", "memory budget"),
+        ("orin;0.5", ">= 1"),
+    ]:
         with pytest.raises(ValueError, match=reason):
             parse_edge_pipeline(bad)
 
@@ -158,8 +173,16 @@ HETEROGENEOUS = "orin;xavier;xavier"
 
 
 def _plan(kind="jupiter", spec=HETEROGENEOUS, profile=None, max_len=1024, **kwargs):
-    return build_plan(profile or synthetic_profile(), parse_edge_pipeline(spec), 12_500_000.0, 0.001,
-                      draft_layers=2, max_len=max_len, kind=kind, **kwargs)
+    return build_plan(
+        profile or synthetic_profile(),
+        parse_edge_pipeline(spec),
+        12_500_000.0,
+        0.001,
+        draft_layers=2,
+        max_len=max_len,
+        kind=kind,
+        **kwargs,
+    )
 
 
 def test_jupiter_plan_beats_the_equal_split_on_heterogeneous_devices():
@@ -195,7 +218,11 @@ def test_memory_budgets_shape_the_partition():
     # the last xavier may hold 3 layers (+ the head) and KV for 1024 positions, and no more
     budget = 3 * (3_000_000 + 1024 * 1024) + 8_000_000
     tight = _plan(spec=f"orin;xavier;xavier:{budget}")
-    assert tight.stage_layers[-1][1] - tight.stage_layers[-1][0] <= 3 < roomy.stage_layers[-1][1] - roomy.stage_layers[-1][0]
+    assert (
+        tight.stage_layers[-1][1] - tight.stage_layers[-1][0]
+        <= 3
+        < roomy.stage_layers[-1][1] - roomy.stage_layers[-1][0]
+    )
     with pytest.raises(PlanError, match="memory"):
         _plan(spec="orin:1MiB;xavier;xavier")
     with pytest.raises(PlanError, match="memory"):
@@ -203,8 +230,9 @@ def test_memory_budgets_shape_the_partition():
 
 
 def test_device_zero_keeps_the_drafters_layers():
-    plan = build_plan(synthetic_profile(), parse_edge_pipeline("10;orin;orin"), 12_500_000.0, 0.001,
-                      draft_layers=4, max_len=256)
+    plan = build_plan(
+        synthetic_profile(), parse_edge_pipeline("10;orin;orin"), 12_500_000.0, 0.001, draft_layers=4, max_len=256
+    )
     assert plan.stage_layers[0][1] >= 4
 
 
@@ -251,15 +279,43 @@ def test_tophat_profile_and_plan_commands(tmp_path, tiny_llama_dir):
 
     runner = CliRunner()
     profile_path = tmp_path / "profile.json"
-    result = runner.invoke(app, ["profile", "--model", str(tiny_llama_dir), "--lengths", "1,8", "--prefixes", "0,4",
-                                 "--repeats", "1", "--out", str(profile_path)])
+    result = runner.invoke(
+        app,
+        [
+            "profile",
+            "--model",
+            str(tiny_llama_dir),
+            "--lengths",
+            "1,8",
+            "--prefixes",
+            "0,4",
+            "--repeats",
+            "1",
+            "--out",
+            str(profile_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "l_min" in result.output and load_profile(profile_path).num_layers == 5
 
     synthetic_profile().save(profile_path)
     plan_path = tmp_path / "plan.json"
-    result = runner.invoke(app, ["plan", "--edge-pipeline", HETEROGENEOUS, "--profile", str(profile_path),
-                                 "--lan", "100mbit,lat=1ms", "--max-len", "512", "--out", str(plan_path)])
+    result = runner.invoke(
+        app,
+        [
+            "plan",
+            "--edge-pipeline",
+            HETEROGENEOUS,
+            "--profile",
+            str(profile_path),
+            "--lan",
+            "100mbit,lat=1ms",
+            "--max-len",
+            "512",
+            "--out",
+            str(plan_path),
+        ],
+    )
     assert result.exit_code == 0, result.output
     plan = load_plan(plan_path, num_layers=24, hidden_size=256)
     assert plan.kind == "jupiter" and plan.max_len == 512

@@ -70,7 +70,9 @@ def test_chosen_count_minimises_the_pipeline_latency_over_balanced_partitions():
             options = [[length]] + [brute_force_sequence(t, length, k, l_min)[1] for k in range(2, k_max + 1)]
             best = min(pipeline_latency(p, t, stages, hop, latency) for p in options if p)
             assert plan.latency_s[length - 1] == pytest.approx(best, rel=1e-9)
-            assert pipeline_latency(plan.sub_sequences(length), t, stages, hop, latency) == pytest.approx(best, rel=1e-9)
+            assert pipeline_latency(plan.sub_sequences(length), t, stages, hop, latency) == pytest.approx(
+                best, rel=1e-9
+            )
 
 
 def test_later_parts_are_shorter_when_cost_grows_with_the_prefix():

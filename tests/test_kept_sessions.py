@@ -31,8 +31,9 @@ MAX_KEPT = 3
 
 @contextlib.asynccontextmanager
 async def pipelined_verifier(stages: int):
-    server = VerifierServer.from_settings(Settings(port=0, split_layers=2, model_dir=str(DEMO_MODEL_DIR),
-                                                   pipeline_stages=stages, stage_timeout_s=60.0))
+    server = VerifierServer.from_settings(
+        Settings(port=0, split_layers=2, model_dir=str(DEMO_MODEL_DIR), pipeline_stages=stages, stage_timeout_s=60.0)
+    )
     async with serving_verifier(server, start_timeout_s=120) as url:
         yield server, url
 
@@ -69,8 +70,10 @@ def ids(checkpoint, text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def texts(demo_checkpoint):
     directive = ids(demo_checkpoint, "You answer with a short numbered outline, then expand each point. Question:")
-    points = [ids(demo_checkpoint, " 1. Why the sky is blue."),
-              ids(demo_checkpoint, " 2. How rain forms over the sea.")]
+    points = [
+        ids(demo_checkpoint, " 1. Why the sky is blue."),
+        ids(demo_checkpoint, " 2. How rain forms over the sea."),
+    ]
     return directive, points
 
 
@@ -146,8 +149,10 @@ async def test_unknown_deleted_and_evicted_handles_are_typed_404s_and_free_the_v
     response = await http.post("/generate", json={"prompt_ids": point, "fork": handle})
     assert response.status_code == 404 and response.json()["error"]["type"] == "unknown_kept_session"
     # past max_kept the least recently used goes (device caches and the verifier's session)
-    handles = [(await generate(http, prompt_ids=directive, max_new_tokens=0, keep=True))[1]["kept"]["handle"]
-               for _ in range(MAX_KEPT + 1)]
+    handles = [
+        (await generate(http, prompt_ids=directive, max_new_tokens=0, keep=True))[1]["kept"]["handle"]
+        for _ in range(MAX_KEPT + 1)
+    ]
     assert await kept_here_and_on_the_verifier() == (MAX_KEPT, MAX_KEPT)
     assert (await http.post("/generate", json={"prompt_ids": point, "fork": handles[0]})).status_code == 404
     for handle in handles[1:]:
@@ -171,8 +176,9 @@ async def test_a_fork_through_two_pipeline_stages_is_exact(pipelined_agent, text
     directive, points = texts
     answer, kept = await generate(http, prompt_ids=directive, max_new_tokens=4, keep=True)
     plains = [(await generate(http, prompt_ids=directive + answer + p, max_new_tokens=10))[0] for p in points]
-    forks = await asyncio.gather(*(generate(http, prompt_ids=p, fork=kept["kept"]["handle"], max_new_tokens=10)
-                                   for p in points))
+    forks = await asyncio.gather(
+        *(generate(http, prompt_ids=p, fork=kept["kept"]["handle"], max_new_tokens=10) for p in points)
+    )
     assert [tokens for tokens, _ in forks] == plains
     # Every stage copied the kept KV: one token costs the stages only the continuation's rows (no replay).
     server.pipeline.recent.clear()

@@ -14,7 +14,7 @@ def test_speculative_rounds_split_their_gap_over_their_tokens() -> None:
     # Start 1.0; deliveries at 1.5 (1 token), 1.7 (2 tokens), 1.8 (1 token).
     tl = Timeline(1.0, [1.5, 1.7, 1.8], [1, 2, 1])
     assert ls.ttft_s(tl) == pytest.approx(0.5)
-    assert ls.tbt_samples_s(tl) == pytest.approx([0.1, 0.1, 0.1])   # 0.2 / 2 twice, then 0.1
+    assert ls.tbt_samples_s(tl) == pytest.approx([0.1, 0.1, 0.1])  # 0.2 / 2 twice, then 0.1
     assert ls.mean_tbt_s(tl) == pytest.approx(0.3 / 3)
     assert tl.num_tokens == 4
 

@@ -46,17 +46,20 @@ def test_deterministic_per_seed() -> None:
     assert not np.array_equal(a, arrival_times(3.0, 1.0, num_requests=50, seed=2))
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(rate=1.0),                                        # neither n nor duration
-    dict(rate=1.0, num_requests=3, duration=1.0),          # both
-    dict(rate=0.0, num_requests=3),
-    dict(rate=-1.0, num_requests=3),
-    dict(rate=1.0, burstiness=0.0, num_requests=3),
-    dict(rate=1.0, burstiness=math.inf, num_requests=3),
-    dict(rate=math.inf, duration=1.0),                     # infinitely many requests
-    dict(rate=1.0, duration=0.0),
-    dict(rate=1.0, num_requests=-1),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(rate=1.0),  # neither n nor duration
+        dict(rate=1.0, num_requests=3, duration=1.0),  # both
+        dict(rate=0.0, num_requests=3),
+        dict(rate=-1.0, num_requests=3),
+        dict(rate=1.0, burstiness=0.0, num_requests=3),
+        dict(rate=1.0, burstiness=math.inf, num_requests=3),
+        dict(rate=math.inf, duration=1.0),  # infinitely many requests
+        dict(rate=1.0, duration=0.0),
+        dict(rate=1.0, num_requests=-1),
+    ],
+)
 def test_rejects_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         arrival_times(**kwargs)

@@ -12,18 +12,33 @@ from loadgen.metrics import RequestRecord
 from shared.chunk_tokens import apportion
 
 
-def trace(arrival: float = 1.0, chunks: tuple[tuple[float, int], ...] = ((1.5, 1), (1.7, 2), (1.8, 1)),
-          end: float = 1.85, prompt: int = 256, **kw) -> RequestRecord:
+def trace(
+    arrival: float = 1.0,
+    chunks: tuple[tuple[float, int], ...] = ((1.5, 1), (1.7, 2), (1.8, 1)),
+    end: float = 1.85,
+    prompt: int = 256,
+    **kw,
+) -> RequestRecord:
     """A finished request: content chunks as (time, tokens), counts already reconciled."""
-    return RequestRecord(index=kw.pop("index", 0), arrival_s=arrival, max_tokens=128, prompt_tokens=prompt,
-                         send_s=arrival, end_s=end, chunk_times_s=[t for t, _ in chunks],
-                         chunk_texts=["x" * k for _, k in chunks], chunk_tokens=[k for _, k in chunks],
-                         completion_tokens=sum(k for _, k in chunks), **kw)
+    return RequestRecord(
+        index=kw.pop("index", 0),
+        arrival_s=arrival,
+        max_tokens=128,
+        prompt_tokens=prompt,
+        send_s=arrival,
+        end_s=end,
+        chunk_times_s=[t for t, _ in chunks],
+        chunk_texts=["x" * k for _, k in chunks],
+        chunk_tokens=[k for _, k in chunks],
+        completion_tokens=sum(k for _, k in chunks),
+        **kw,
+    )
 
 
 def failed(arrival: float = 0.0, end: float = 0.3) -> RequestRecord:
-    return RequestRecord(index=9, arrival_s=arrival, max_tokens=128, prompt_tokens=100, send_s=arrival, end_s=end,
-                         error="HTTP 503: busy")
+    return RequestRecord(
+        index=9, arrival_s=arrival, max_tokens=128, prompt_tokens=100, send_s=arrival, end_s=end, error="HTTP 503: busy"
+    )
 
 
 def test_per_request_definitions() -> None:
@@ -71,8 +86,10 @@ def test_summarize_ms() -> None:
 
 
 def test_compliance_curve_counts_failures_as_violations() -> None:
-    records = [trace(index=i, arrival=0.0, chunks=((t, 1), (t + 0.1, 1)), end=t + 0.1, prompt=128)
-               for i, t in enumerate((0.1, 0.2, 0.3))] + [failed()]
+    records = [
+        trace(index=i, arrival=0.0, chunks=((t, 1), (t + 0.1, 1)), end=t + 0.1, prompt=128)
+        for i, t in enumerate((0.1, 0.2, 0.3))
+    ] + [failed()]
     thresholds = np.array([0.0, 0.1, 0.15, 0.2, 0.3, 10.0])
     curve = m.compliance_curve(records, m.prefill_sla_s, thresholds)
     assert curve.tolist() == pytest.approx([0, 0.25, 0.25, 0.5, 0.75, 0.75])
@@ -81,10 +98,10 @@ def test_compliance_curve_counts_failures_as_violations() -> None:
 
 
 def test_goodput_counts_requests_meeting_every_slo() -> None:
-    fast = trace(index=0, arrival=0.0, chunks=((0.1, 1), (0.12, 1)), end=0.12)      # ttft 100 ms, tpot 20 ms
+    fast = trace(index=0, arrival=0.0, chunks=((0.1, 1), (0.12, 1)), end=0.12)  # ttft 100 ms, tpot 20 ms
     slow_start = trace(index=1, arrival=0.0, chunks=((0.9, 1), (0.91, 1)), end=0.91)  # ttft 900 ms
     slow_decode = trace(index=2, arrival=0.0, chunks=((0.1, 1), (0.5, 1)), end=0.5)  # tpot 400 ms
-    one_token = trace(index=3, arrival=0.0, chunks=((0.2, 1),), end=2.0)              # no tpot: not a violation
+    one_token = trace(index=3, arrival=0.0, chunks=((0.2, 1),), end=2.0)  # no tpot: not a violation
     records = [fast, slow_start, slow_decode, one_token, failed(end=2.0)]
     assert m.run_duration_s(records) == pytest.approx(2.0)
     assert m.goodput_rps(records, 2.0, {"ttft": 500, "tpot": 50}) == pytest.approx(2 / 2.0)
@@ -102,8 +119,14 @@ def test_mean_accept_length_is_weighted_by_rounds() -> None:
 
 
 def test_reconcile_splits_the_server_count_over_chunks() -> None:
-    r = RequestRecord(index=0, arrival_s=0.0, max_tokens=8, chunk_times_s=[0.1, 0.2, 0.3],
-                      chunk_texts=["a", "bbbb", "cc"], completion_tokens=7)
+    r = RequestRecord(
+        index=0,
+        arrival_s=0.0,
+        max_tokens=8,
+        chunk_times_s=[0.1, 0.2, 0.3],
+        chunk_texts=["a", "bbbb", "cc"],
+        completion_tokens=7,
+    )
     m.reconcile_tokens(r)  # by characters: weights 1/4/2, one token per chunk first
     assert r.chunk_tokens == [1, 4, 2]
     m.reconcile_tokens(r, count=lambda text: 1)  # a tokenizer that sees one token per chunk
@@ -116,8 +139,15 @@ def test_reconcile_splits_the_server_count_over_chunks() -> None:
 
 
 def test_reconcile_prefers_server_rounds_that_match_the_chunks() -> None:
-    r = RequestRecord(index=0, arrival_s=0.0, max_tokens=8, chunk_times_s=[0.1, 0.2, 0.3],
-                      chunk_texts=["a", "b", "c"], completion_tokens=6, server_rounds=[1, 3, 2])
+    r = RequestRecord(
+        index=0,
+        arrival_s=0.0,
+        max_tokens=8,
+        chunk_times_s=[0.1, 0.2, 0.3],
+        chunk_texts=["a", "b", "c"],
+        completion_tokens=6,
+        server_rounds=[1, 3, 2],
+    )
     m.reconcile_tokens(r)
     assert r.chunk_tokens == [1, 3, 2]
     r.server_rounds = [1, 5]  # some text was held back and merged: counts do not line up, estimate instead
@@ -133,8 +163,17 @@ def test_apportion_sums_exactly_and_gives_every_chunk_a_token(weights: list[floa
 
 
 def test_build_results_has_the_vllm_style_keys() -> None:
-    records = [trace(index=i, arrival=0.5 * i, chunks=((0.5 * i + 0.2, 1), (0.5 * i + 0.3, 2)), end=0.5 * i + 0.3,
-                     accept_length=2.0, num_rounds=1) for i in range(4)] + [failed()]
+    records = [
+        trace(
+            index=i,
+            arrival=0.5 * i,
+            chunks=((0.5 * i + 0.2, 1), (0.5 * i + 0.3, 2)),
+            end=0.5 * i + 0.3,
+            accept_length=2.0,
+            num_rounds=1,
+        )
+        for i in range(4)
+    ] + [failed()]
     res = m.build_results(records, slos_ms={"ttft": 250}, sla_thresholds_ms={"prefill": 100.0})
     assert res["completed"] == 4 and res["failed"] == 1
     assert res["duration"] == pytest.approx(1.8)
@@ -151,7 +190,7 @@ def test_build_results_has_the_vllm_style_keys() -> None:
     prefill = res["sla_compliance"]["prefill"]
     assert len(prefill["thresholds_ms"]) == len(prefill["fraction"]) == 101
     assert prefill["fraction"][-1] == pytest.approx(0.8)  # the failed request never complies
-    assert prefill["compliance"] == pytest.approx(0.8)   # 200 ms * 128/256 = 100 ms <= 100 ms
+    assert prefill["compliance"] == pytest.approx(0.8)  # 200 ms * 128/256 = 100 ms <= 100 ms
     assert res["errors"] == {"HTTP 503: busy": 1}
 
 

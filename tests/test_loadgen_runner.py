@@ -58,8 +58,15 @@ async def _script(prompt: str) -> AsyncIterator[str]:
             yield _sse({"error": {"message": "device died", "type": "server_error", "code": "device_error"}})
             yield "data: [DONE]\n\n"
             return
-    tophat = {"device_id": "dev-7", "ttft_s": TTFT_S, "tbt_s": 0.066, "mean_accept_length": 1.5, "num_rounds": 2,
-              "prompt_tokens": 64, "completion_tokens": TOKENS}
+    tophat = {
+        "device_id": "dev-7",
+        "ttft_s": TTFT_S,
+        "tbt_s": 0.066,
+        "mean_accept_length": 1.5,
+        "num_rounds": 2,
+        "prompt_tokens": 64,
+        "completion_tokens": TOKENS,
+    }
     yield _sse(_chunk(None, "length", tophat=tophat))
     yield _sse(_chunk(usage={"prompt_tokens": 64, "completion_tokens": TOKENS, "total_tokens": 64 + TOKENS}))
     if prompt != "nodone":
@@ -80,8 +87,13 @@ def scripted_app(bodies: list[dict[str, Any]]) -> Starlette:
     async def readyz(_: Request) -> JSONResponse:
         return JSONResponse({"ready": True, "ready_devices": 3})  # the streamer's public /readyz: a count only
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models),
-                             Route("/readyz", readyz)])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models),
+            Route("/readyz", readyz),
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +102,9 @@ def server() -> Iterator[tuple[str, list[dict[str, Any]]]]:
     bodies: list[dict[str, Any]] = []
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(scripted_app(bodies), log_level="warning", lifespan="off",
-                                        timeout_graceful_shutdown=1))
+    srv = uvicorn.Server(
+        uvicorn.Config(scripted_app(bodies), log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+    )
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -158,17 +171,55 @@ def test_cli_writes_results_csv_and_plots(server, tmp_path: Path) -> None:
     app.command("other")(lambda: None)  # a group, as when mounted in tophat/cli.py
     out = tmp_path / "out"
     bodies.clear()
-    result = CliRunner().invoke(app, [
-        "loadgen", "--url", url, "--workload", str(workload), "--rate", "40", "--num-requests", "4",
-        "--max-new-tokens", "16", "--seed", "3", "--out", str(out), "--tokenizer", str(tmp_path / "none"),
-        "--slo-ttft-ms", "5000", "--prefill-sla-ms", "1000", "--no-progress",
-        "--extra-body", '{"speculative": false}'])
+    result = CliRunner().invoke(
+        app,
+        [
+            "loadgen",
+            "--url",
+            url,
+            "--workload",
+            str(workload),
+            "--rate",
+            "40",
+            "--num-requests",
+            "4",
+            "--max-new-tokens",
+            "16",
+            "--seed",
+            "3",
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tmp_path / "none"),
+            "--slo-ttft-ms",
+            "5000",
+            "--prefill-sla-ms",
+            "1000",
+            "--no-progress",
+            "--extra-body",
+            '{"speculative": false}',
+        ],
+    )
     assert result.exit_code == 0, result.output
     res = json.loads((out / "results.json").read_text())
     assert res["completed"] == 3 and res["failed"] == 1 and res["request_rate"] == 40.0
-    for key in ("burstiness", "duration", "request_throughput", "output_throughput", "mean_ttft_ms",
-                "median_ttft_ms", "std_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p99_tbt_ms", "mean_tpot_ms",
-                "p90_e2el_ms", "mean_accept_length", "goodput", "sla_compliance"):
+    for key in (
+        "burstiness",
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "std_ttft_ms",
+        "p90_ttft_ms",
+        "p99_ttft_ms",
+        "p99_tbt_ms",
+        "mean_tpot_ms",
+        "p90_e2el_ms",
+        "mean_accept_length",
+        "goodput",
+        "sla_compliance",
+    ):
         assert key in res, key
     assert res["model"] == "scripted" and res["num_devices"] == 3
     assert res["sla_compliance"]["prefill"]["compliance"] == pytest.approx(0.75)
@@ -179,8 +230,13 @@ def test_cli_writes_results_csv_and_plots(server, tmp_path: Path) -> None:
     for name in ("ttft_cdf.png", "tbt_cdf.png", "sla_compliance.png"):
         assert (out / name).stat().st_size > 1000
     assert len(bodies) == 4
-    assert all(b["stream_options"] == {"include_usage": True} and b["speculative"] is False and b["model"] == "scripted"
-               and "device_hint" not in b for b in bodies)
+    assert all(
+        b["stream_options"] == {"include_usage": True}
+        and b["speculative"] is False
+        and b["model"] == "scripted"
+        and "device_hint" not in b
+        for b in bodies
+    )
     assert "Successful requests" in result.output
 
 

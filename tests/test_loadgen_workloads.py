@@ -50,8 +50,16 @@ def test_context_limit_comes_from_the_model_config(tmp_path: Path) -> None:
 @needs_demo
 @pytest.mark.parametrize("spec", [wl.SPECBENCH, wl.CNNDM])
 def test_synthetic_workload_follows_table_3(held_out: wl.HeldOutText, spec: wl.LengthSpec) -> None:
-    work = wl.synthetic_workload(spec, 300, tokenizer=held_out.tokenizer, max_new_tokens=128, context_limit=2048,
-                                 seed=4, num_devices=3, held_out=held_out)
+    work = wl.synthetic_workload(
+        spec,
+        300,
+        tokenizer=held_out.tokenizer,
+        max_new_tokens=128,
+        context_limit=2048,
+        seed=4,
+        num_devices=3,
+        held_out=held_out,
+    )
     lengths = [r.prompt_tokens for r in work.requests]
     assert min(lengths) >= 1 and max(lengths) <= 2048 - 128
     achieved = work.stats["achieved"]
@@ -68,9 +76,18 @@ def test_synthetic_workload_follows_table_3(held_out: wl.HeldOutText, spec: wl.L
 @needs_demo
 def test_synthetic_workload_is_deterministic_per_seed(held_out: wl.HeldOutText) -> None:
     def prompts(seed: int) -> list[str]:
-        return [r.prompt for r in wl.synthetic_workload(wl.SPECBENCH, 20, tokenizer=held_out.tokenizer,
-                                                        max_new_tokens=128, context_limit=2048, seed=seed,
-                                                        held_out=held_out).requests]
+        return [
+            r.prompt
+            for r in wl.synthetic_workload(
+                wl.SPECBENCH,
+                20,
+                tokenizer=held_out.tokenizer,
+                max_new_tokens=128,
+                context_limit=2048,
+                seed=seed,
+                held_out=held_out,
+            ).requests
+        ]
 
     assert prompts(1) == prompts(1)
     assert prompts(1) != prompts(2)
@@ -78,7 +95,9 @@ def test_synthetic_workload_is_deterministic_per_seed(held_out: wl.HeldOutText) 
 
 def test_file_workload_cycles_and_honours_max_tokens(tmp_path: Path) -> None:
     path = tmp_path / "w.jsonl"
-    path.write_text(json.dumps({"prompt": "def f():"}) + "\n\n" + json.dumps({"prompt": "x = 1", "max_tokens": 7}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "def f():"}) + "\n\n" + json.dumps({"prompt": "x = 1", "max_tokens": 7}) + "\n"
+    )
     work = wl.file_workload(path, 5, max_new_tokens=32, num_devices=2)
     assert [r.prompt for r in work.requests] == ["def f():", "x = 1"] * 2 + ["def f():"]
     assert [r.max_tokens for r in work.requests] == [32, 7, 32, 7, 32]

@@ -102,6 +102,7 @@ async def test_device_agent_device_mode_and_continuations(tiny_llama_dir, checkp
     token_model = TokenModel(checkpoint, M)
     async with verifier_on_loopback(checkpoint, M, token_model=token_model, full_model=True) as (server, url):
         async with device_agent_http(tiny_llama_dir, url, M) as http:
+
             async def run(**body):
                 response = await http.post("/generate", json={"prompt_ids": PROMPT, **body})
                 assert response.status_code == 200, response.text

@@ -95,7 +95,7 @@ def check_settings(module: str, env: dict[str, str], where: str) -> None:
         owner = next((p for p in LOADERS if key.startswith(p)), None)
         assert owner is not None, f"{where}: {key} has no service prefix"
         fields = type(LOADERS[owner]({})).__dataclass_fields__
-        assert key[len(owner):].lower() in fields, f"{where}: {key} is not a setting"
+        assert key[len(owner) :].lower() in fields, f"{where}: {key} is not a setting"
     prefix = PREFIX_OF_MODULE[module]
     LOADERS[prefix]({k: v for k, v in env.items() if k.startswith(prefix)})
 
@@ -108,8 +108,11 @@ def url_targets(env: dict[str, str]) -> list[tuple[str, str, int]]:
 
 def insecure_urls(env: dict[str, str]) -> list[str]:
     """URL-valued variables that are neither https nor wss, Redis's excepted (no TLS; a password)."""
-    return [key for key, value in env.items()
-            if re.match(r"^\w+://", value) and urlsplit(value).scheme not in SECURE_SCHEMES | {"redis"}]
+    return [
+        key
+        for key, value in env.items()
+        if re.match(r"^\w+://", value) and urlsplit(value).scheme not in SECURE_SCHEMES | {"redis"}
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- Swarm
@@ -123,8 +126,11 @@ def stack() -> dict:
 @pytest.fixture(scope="module")
 def swarm_settings_file() -> dict[str, str]:
     """What the services read from files: the tunables, then the (example) mesh secret env file."""
-    return {**read_env_file(REPO / "swarm" / "tophat.env"), **read_env_file(REPO / "swarm" / "secrets.example.env"),
-            **read_env_file(REPO / "swarm" / DEVICE_EXAMPLE)}
+    return {
+        **read_env_file(REPO / "swarm" / "tophat.env"),
+        **read_env_file(REPO / "swarm" / "secrets.example.env"),
+        **read_env_file(REPO / "swarm" / DEVICE_EXAMPLE),
+    }
 
 
 def service_port(service: dict) -> int:
@@ -144,8 +150,16 @@ def stack_config_cli() -> str | None:
     """A docker CLI that has `docker stack config` (Debian's docker.io 20.10 CLI has none; a newer one may sit
     beside it on PATH)."""
     candidates = [Path(d) / "docker" for d in os.environ.get("PATH", "").split(os.pathsep)]
-    return next((str(c) for c in candidates if c.is_file() and os.access(c, os.X_OK)
-                 and "--compose-file" in run(str(c), "stack", "config", "--help").stdout), None)
+    return next(
+        (
+            str(c)
+            for c in candidates
+            if c.is_file()
+            and os.access(c, os.X_OK)
+            and "--compose-file" in run(str(c), "stack", "config", "--help").stdout
+        ),
+        None,
+    )
 
 
 def test_stack_loads_with_dockers_swarm_loader(tmp_path):
@@ -160,8 +174,9 @@ def test_stack_loads_with_dockers_swarm_loader(tmp_path):
     assert image == "registry.local:5000/tophat:cuda"  # ${TOPHAT_REGISTRY:-...} interpolated
     env["TOPHAT_REGISTRY"] = "ghcr.io/acme"
     retargeted = yaml.safe_load(run(docker, "stack", "config", "-c", str(STACK), env=env).stdout)
-    assert {svc["image"].rsplit("/", 1)[0] for name, svc in retargeted["services"].items()
-            if name != "redis"} == {"ghcr.io/acme"}
+    assert {svc["image"].rsplit("/", 1)[0] for name, svc in retargeted["services"].items() if name != "redis"} == {
+        "ghcr.io/acme"
+    }
 
 
 def test_stack_loads_with_compose_v2(tmp_path):
@@ -223,8 +238,11 @@ def test_device_agents_run_once_on_every_jetson_of_their_speed_class(stack):
         speed = env["TOPHAT_DEVICE_SPEED"]
         classes.add(speed)
         assert svc["deploy"]["mode"] == "global", name
-        assert constraints == {"node.labels.tophat.device == true", "node.platform.arch == ${TOPHAT_DEVICE_ARCH:-aarch64}",
-                               f"node.labels.tophat.speed == {speed}"}, name
+        assert constraints == {
+            "node.labels.tophat.device == true",
+            "node.platform.arch == ${TOPHAT_DEVICE_ARCH:-aarch64}",
+            f"node.labels.tophat.speed == {speed}",
+        }, name
         assert svc["image"].endswith("/tophat:jetson"), name
         assert env["TOPHAT_DEVICE_DEVICE_ID"] == "{{.Node.Hostname}}", name
         assert env["TOPHAT_DEVICE_LINK"] == "none", f"{name}: a real network needs no emulated link"
@@ -316,7 +334,10 @@ def test_example_secret_files_give_devices_a_bootstrap_token_only_and_hold_place
     assert not any(k.startswith("TOPHAT_DEVICE_") for k in cloud)
     assert [k for k in cloud if k.endswith("_KEY_FILE")] == ["TOPHAT_STATE_MONITOR_AUTH_KEY_FILE"]
     assert {k.split("_AUTH_")[0] for k in cloud if "_AUTH_ISSUER_URL" in k} == {
-        "TOPHAT_VERIFIER", "TOPHAT_STREAMER", "TOPHAT_CHUNK_PLANNER"}
+        "TOPHAT_VERIFIER",
+        "TOPHAT_STREAMER",
+        "TOPHAT_CHUNK_PLANNER",
+    }
 
 
 def test_the_settings_file_a_swarm_config_mounts_is_read_under_the_environment(tmp_path):
@@ -341,7 +362,9 @@ def test_stack_checks_fail_on_a_broken_stack(stack, tmp_path):
     with pytest.raises(AssertionError, match="TOPHAT_VERIFIER_PIPELINE_STAGE is not a setting"):
         test_swarm_settings_are_real_and_load(broken, read_env_file(REPO / "swarm" / "tophat.env"))
     broken = yaml.safe_load(STACK.read_text())
-    broken["services"]["chunk-planner"]["environment"]["TOPHAT_CHUNK_PLANNER_STATE_MONITOR_URL"] = "http://state-monitor:8020"
+    broken["services"]["chunk-planner"]["environment"]["TOPHAT_CHUNK_PLANNER_STATE_MONITOR_URL"] = (
+        "http://state-monitor:8020"
+    )
     with pytest.raises(AssertionError, match="TOPHAT_CHUNK_PLANNER_STATE_MONITOR_URL"):
         test_swarm_addresses_point_at_services_listening_there(broken)
     broken = yaml.safe_load(STACK.read_text())
@@ -364,8 +387,14 @@ def docker_stack_config(path: Path, tmp_path: Path) -> dict:
     """`docker stack config` (the CLI's own stack loader, no daemon) of one file, rendered."""
     docker = stack_config_cli()
     assert docker, "a docker CLI with `docker stack config` (>= 23) is needed to validate the stack files"
-    result = run(docker, "stack", "config", "-c", str(path),
-                 env={**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"})
+    result = run(
+        docker,
+        "stack",
+        "config",
+        "-c",
+        str(path),
+        env={**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return yaml.safe_load(result.stdout)
 
@@ -399,8 +428,9 @@ def test_edge_pipeline_stages_are_placed_by_label_and_wired_in_order(edge, swarm
     assert ranges == [tuple(map(int, r.split("-"))) for r in verifier["TOPHAT_VERIFIER_STAGE_LAYERS"].split(",")]
     assert ranges[0][0] == int(stages["edge-stage-0"]["environment"]["TOPHAT_STAGE_SPLIT_LAYERS"]) == 2
     assert ranges[-1][1] == 30 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    loaded = verifier_settings({k: v for k, v in {**swarm_settings_file, **verifier}.items()
-                                if k.startswith("TOPHAT_VERIFIER_")})
+    loaded = verifier_settings(
+        {k: v for k, v in {**swarm_settings_file, **verifier}.items() if k.startswith("TOPHAT_VERIFIER_")}
+    )
     assert loaded.pipeline_stages == len(stages) and loaded.remote_stage_addresses()[-1] == ("edge-stage-2", 7200)
     # every other service runs on device 0, and only the issuer holds the signing key
     for name, svc in edge["services"].items():
@@ -435,7 +465,8 @@ def container_env(container: dict, config: dict[str, str]) -> dict[str, str]:
     for var in container.get("env", []):
         if "valueFrom" in var:
             env[var["name"]] = {"status.podIP": "10.42.0.7", "spec.nodeName": "jetson-07"}.get(
-                var["valueFrom"]["fieldRef"]["fieldPath"], "x")
+                var["valueFrom"]["fieldRef"]["fieldPath"], "x"
+            )
         else:
             env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], var["value"])
     if container["command"][0] == "sh":
@@ -451,8 +482,10 @@ def container_env(container: dict, config: dict[str, str]) -> dict[str, str]:
 
 
 # the keys of the Secrets the operator makes (k8s/README.md): they are not in the rendered objects
-SECRET_KEYS = {"tophat-mesh-secrets": [MESH_ENV, DEVICE_ENV, "signing-keys.json", "redis.conf"],
-               "tophat-tls": ["tls.crt", "tls.key", "ca.crt"]}
+SECRET_KEYS = {
+    "tophat-mesh-secrets": [MESH_ENV, DEVICE_ENV, "signing-keys.json", "redis.conf"],
+    "tophat-tls": ["tls.crt", "tls.key", "ca.crt"],
+}
 
 
 def mounted_files(objects: list[dict], pod: dict, container: dict) -> dict[str, tuple[str, str]]:
@@ -475,8 +508,11 @@ def mounted_files(objects: list[dict], pod: dict, container: dict) -> dict[str, 
 @pytest.fixture(scope="module")
 def k8s_files() -> dict[str, str]:
     """What the services read from files: the ConfigMap's tunables, then the (example) mesh secret env file."""
-    return {**read_env_file(K8S / "tophat.env"), **read_env_file(K8S / "secrets.example.env"),
-            **read_env_file(K8S / DEVICE_EXAMPLE)}
+    return {
+        **read_env_file(K8S / "tophat.env"),
+        **read_env_file(K8S / "secrets.example.env"),
+        **read_env_file(K8S / DEVICE_EXAMPLE),
+    }
 
 
 def test_kustomize_output_passes_strict_kubernetes_validation(rendered, tmp_path):
@@ -492,11 +528,18 @@ def test_kustomize_output_passes_strict_kubernetes_validation(rendered, tmp_path
 
 
 def test_k8s_has_namespace_runtimeclass_config_secret_and_the_workloads(rendered):
-    kinds = {(o["kind"], o["metadata"]["name"].rsplit("-", 1)[0] if o["kind"] == "ConfigMap" else o["metadata"]["name"])
-             for o in rendered}
-    assert {("Namespace", "tophat"), ("RuntimeClass", "nvidia"), ("ConfigMap", "tophat-settings"),
-            ("StatefulSet", "redis"), ("DaemonSet", "device-agent-orin"),
-            ("DaemonSet", "device-agent-xavier")} <= kinds
+    kinds = {
+        (o["kind"], o["metadata"]["name"].rsplit("-", 1)[0] if o["kind"] == "ConfigMap" else o["metadata"]["name"])
+        for o in rendered
+    }
+    assert {
+        ("Namespace", "tophat"),
+        ("RuntimeClass", "nvidia"),
+        ("ConfigMap", "tophat-settings"),
+        ("StatefulSet", "redis"),
+        ("DaemonSet", "device-agent-orin"),
+        ("DaemonSet", "device-agent-xavier"),
+    } <= kinds
     # the mesh secret and the TLS Secret are the operator's (k8s/README.md): no values in the repository
     assert not [o for o in rendered if o["kind"] == "Secret"]
     assert {name for kind, name in kinds if kind == "Deployment"} == SERVER_SERVICES - {"redis"}
@@ -538,8 +581,11 @@ def test_device_agents_are_daemonsets_on_arm64_jetsons_without_gpu_requests(rend
         env = container_env(container, {})
         assert module_of(container["command"]) == "services.device_agent"
         classes.add(env["TOPHAT_DEVICE_SPEED"])
-        assert spec["nodeSelector"] == {"kubernetes.io/arch": "arm64", "tophat.role": "device",
-                                        "tophat.speed": env["TOPHAT_DEVICE_SPEED"]}
+        assert spec["nodeSelector"] == {
+            "kubernetes.io/arch": "arm64",
+            "tophat.role": "device",
+            "tophat.speed": env["TOPHAT_DEVICE_SPEED"],
+        }
         assert spec["runtimeClassName"] == "nvidia"
         assert spec["tolerations"], "Jetsons may be tainted for tophat only"
         requested = set(container["resources"]["requests"]) | set(container["resources"]["limits"])
@@ -571,8 +617,9 @@ def test_k8s_addresses_point_at_services_and_settings_are_real(rendered, k8s_fil
     pods = {w["metadata"]["name"]: w["spec"]["template"] for w in workloads(rendered)}
     ports = {}
     for svc in (o for o in rendered if o["kind"] == "Service"):
-        matching = [n for n, pod in pods.items()
-                    if svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()]
+        matching = [
+            n for n, pod in pods.items() if svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        ]
         assert len(matching) == 1, f"Service {svc['metadata']['name']} selects {matching}"
         (container,) = pods[matching[0]]["spec"]["containers"]
         named = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -620,7 +667,9 @@ def test_redis_takes_its_password_from_the_mesh_secret(rendered):
     files = mounted_files(rendered, redis["spec"]["template"], container)
     assert files == {"/etc/redis/redis.conf": ("tophat-mesh-secrets", "redis.conf")}
     assert container["args"][:2] == ["redis-server", "/etc/redis/redis.conf"]
-    assert all("REDISCLI_AUTH" in " ".join(container[p]["exec"]["command"]) for p in ("livenessProbe", "readinessProbe"))
+    assert all(
+        "REDISCLI_AUTH" in " ".join(container[p]["exec"]["command"]) for p in ("livenessProbe", "readinessProbe")
+    )
 
 
 def test_a_wildcard_pod_dns_certificate_from_tophat_certs_verifies_an_agents_announced_name(tmp_path):
@@ -658,21 +707,38 @@ def test_a_site_overlay_retargets_images_and_supplies_the_secrets(tmp_path):
     overlay.mkdir()
     for name in (MESH_ENV, DEVICE_ENV, "signing-keys.json", "redis.conf", "server.pem", "server-key.pem", "ca.pem"):
         (overlay / name).write_text(f"{name} contents\n")
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(K8S, overlay)],
-        "secretGenerator": [
-            # no hash suffix: the base names these Secrets without generating them, so kustomize cannot rename
-            {"name": "tophat-mesh-secrets", "files": [MESH_ENV, DEVICE_ENV, "signing-keys.json", "redis.conf"],
-             "options": {"disableNameSuffixHash": True}},
-            {"name": "tophat-tls", "type": "kubernetes.io/tls", "options": {"disableNameSuffixHash": True},
-             "files": ["tls.crt=server.pem", "tls.key=server-key.pem", "ca.crt=ca.pem"]}],
-        "images": [{"name": "registry.local:5000/tophat", "newName": "ghcr.io/acme/tophat"}],
-    }))
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(K8S, overlay)],
+                "secretGenerator": [
+                    # no hash suffix: the base names these Secrets without generating them, so kustomize cannot rename
+                    {
+                        "name": "tophat-mesh-secrets",
+                        "files": [MESH_ENV, DEVICE_ENV, "signing-keys.json", "redis.conf"],
+                        "options": {"disableNameSuffixHash": True},
+                    },
+                    {
+                        "name": "tophat-tls",
+                        "type": "kubernetes.io/tls",
+                        "options": {"disableNameSuffixHash": True},
+                        "files": ["tls.crt=server.pem", "tls.key=server-key.pem", "ca.crt=ca.pem"],
+                    },
+                ],
+                "images": [{"name": "registry.local:5000/tophat", "newName": "ghcr.io/acme/tophat"}],
+            }
+        )
+    )
     objects = kustomize(overlay)
     images = {c["image"] for w in workloads(objects) for c in w["spec"]["template"]["spec"]["containers"]}
-    assert images == {"ghcr.io/acme/tophat:cpu", "ghcr.io/acme/tophat:cuda", "ghcr.io/acme/tophat:jetson",
-                      "redis:7.2-bookworm"}
+    assert images == {
+        "ghcr.io/acme/tophat:cpu",
+        "ghcr.io/acme/tophat:cuda",
+        "ghcr.io/acme/tophat:jetson",
+        "redis:7.2-bookworm",
+    }
     secrets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Secret"}
     assert set(secrets) == set(SECRET_KEYS)
     assert base64.b64decode(secrets["tophat-tls"]["data"]["ca.crt"]) == b"ca.pem contents\n"

@@ -118,19 +118,26 @@ def test_monitor_writes_need_a_token_and_a_device_writes_only_for_itself(mesh):
     announce = {"device_id": DEVICE, "url": "http://127.0.0.1:1", "max_sessions": 1}
     for name, headers in credentials(mesh, "device", DEVICE, auth.ISSUER).items():
         assert httpx.post(f"{url}/telemetry", json=rtt(DEVICE), headers=headers, timeout=10).status_code == 401, name
-        assert httpx.post(f"{url}/devices/announce", json=announce, headers=headers,
-                          timeout=10).status_code == 401, name
+        assert httpx.post(f"{url}/devices/announce", json=announce, headers=headers, timeout=10).status_code == 401, (
+            name
+        )
     other = bearer(mesh, "device-1", "device", auth.ISSUER)
     assert httpx.post(f"{url}/telemetry", json=rtt(DEVICE), headers=other, timeout=10).status_code == 403
-    assert httpx.post(f"{url}/telemetry", json=[rtt("device-1"), rtt(DEVICE)], headers=other,
-                      timeout=10).status_code == 403  # one foreign record refuses the batch
+    assert (
+        httpx.post(f"{url}/telemetry", json=[rtt("device-1"), rtt(DEVICE)], headers=other, timeout=10).status_code
+        == 403
+    )  # one foreign record refuses the batch
     step = {"kind": "verifier_step", "batched_tokens": 1, "compute_s": 0.001}
     assert httpx.post(f"{url}/telemetry", json=step, headers=other, timeout=10).status_code == 403
     assert httpx.post(f"{url}/devices/announce", json=announce, headers=other, timeout=10).status_code == 403
     assert httpx.get(f"{url}/state/device/device-1", timeout=10).status_code == 404  # nothing of it kept
     assert httpx.post(f"{url}/telemetry", json=rtt("device-1"), headers=other, timeout=10).status_code == 200
-    assert httpx.post(f"{url}/telemetry", json=step, headers=bearer(mesh, "verifier-cloud", "service", auth.ISSUER),
-                      timeout=10).status_code == 200
+    assert (
+        httpx.post(
+            f"{url}/telemetry", json=step, headers=bearer(mesh, "verifier-cloud", "service", auth.ISSUER), timeout=10
+        ).status_code
+        == 200
+    )
     # A bootstrap token writes nothing, not even for its own id.
     bootstrap = bearer(mesh, DEVICE, "bootstrap", auth.ISSUER)
     assert httpx.post(f"{url}/telemetry", json=rtt(DEVICE), headers=bootstrap, timeout=10).status_code == 403
@@ -142,20 +149,32 @@ def test_planner_needs_a_token_and_a_device_asks_only_for_itself(mesh):
     params = {"device_id": DEVICE, "prompt_tokens": 50}
     for name, headers in credentials(mesh, "device", DEVICE, auth.PLANNER).items():
         assert httpx.get(url, params=params, headers=headers, timeout=10).status_code == 401, name
-        assert httpx.get(f"{mesh.config.planner_url}/parallel-draft-steps", params={"device_id": DEVICE,
-                         "draft_len": 4}, headers=headers, timeout=10).status_code == 401, name
-    assert httpx.get(url, params=params, headers=bearer(mesh, "device-1", "device", auth.PLANNER),
-                     timeout=10).status_code == 403
-    assert httpx.get(url, params=params, headers=bearer(mesh, DEVICE, "device", auth.PLANNER),
-                     timeout=10).status_code == 200
+        assert (
+            httpx.get(
+                f"{mesh.config.planner_url}/parallel-draft-steps",
+                params={"device_id": DEVICE, "draft_len": 4},
+                headers=headers,
+                timeout=10,
+            ).status_code
+            == 401
+        ), name
+    assert (
+        httpx.get(url, params=params, headers=bearer(mesh, "device-1", "device", auth.PLANNER), timeout=10).status_code
+        == 403
+    )
+    assert (
+        httpx.get(url, params=params, headers=bearer(mesh, DEVICE, "device", auth.PLANNER), timeout=10).status_code
+        == 200
+    )
     assert httpx.get(f"{mesh.config.planner_url}/healthz", timeout=10).status_code == 200
 
 
 def test_only_the_monitor_holds_the_signing_key_and_a_device_only_its_bootstrap(mesh):
     trust = auth.TokenVerifier(auth.Trust.from_document(mesh.credentials.ring.jwks()))
     for service in mesh.services:
-        secrets = {k: v for k, v in service.env.items() if k.startswith("TOPHAT_") and k.endswith(("_KEY_FILE",
-                                                                                                    "_CREDENTIAL"))}
+        secrets = {
+            k: v for k, v in service.env.items() if k.startswith("TOPHAT_") and k.endswith(("_KEY_FILE", "_CREDENTIAL"))
+        }
         if service.name == "state-monitor":
             assert secrets == {"TOPHAT_STATE_MONITOR_AUTH_KEY_FILE": str(mesh.credentials.key_file)}
         elif service.name.startswith("device-agent"):
@@ -174,28 +193,48 @@ def test_a_revoked_device_is_refused_at_its_next_call(mesh):
     victim = "device-5"
     params = {"device_id": victim, "prompt_tokens": 50}
     planner, verifier = f"{mesh.config.planner_url}/chunk-size", mesh.config.verifier_urls().split(",")[0]
-    assert httpx.get(planner, params=params, headers=bearer(mesh, victim, "device", auth.PLANNER),
-                     timeout=10).status_code == 200
+    assert (
+        httpx.get(planner, params=params, headers=bearer(mesh, victim, "device", auth.PLANNER), timeout=10).status_code
+        == 200
+    )
     revoked = cli(mesh, "revoke", "--device", victim)  # `tophat credentials revoke`, as an operator runs it
     assert revoked.exit_code == 0, revoked.output
     assert "device:device-5" in json.loads(revoked.output)["revoked"]
-    assert httpx.post(f"{mesh.config.monitor_url}/telemetry", json=rtt(victim),
-                      headers=bearer(mesh, victim, "device", auth.ISSUER), timeout=10).status_code == 401
+    assert (
+        httpx.post(
+            f"{mesh.config.monitor_url}/telemetry",
+            json=rtt(victim),
+            headers=bearer(mesh, victim, "device", auth.ISSUER),
+            timeout=10,
+        ).status_code
+        == 401
+    )
 
     def refused_by_planner_and_verifier() -> bool:
         response = httpx.get(planner, params=params, headers=bearer(mesh, victim, "device", auth.PLANNER), timeout=10)
-        return (response.status_code == 401 and response.json()["error"]["reason"] == "revoked"
-                and asyncio.run(handshake(verifier, bearer(mesh, victim, "device", auth.VERIFIER))) == 401)
+        return (
+            response.status_code == 401
+            and response.json()["error"]["reason"] == "revoked"
+            and asyncio.run(handshake(verifier, bearer(mesh, victim, "device", auth.VERIFIER))) == 401
+        )
 
     assert wait_until(refused_by_planner_and_verifier, 6.0)  # a refresh (every 1 s), with room for a busy box
     enroll = {"device_id": victim, "url": "http://127.0.0.1:2"}
-    assert httpx.post(f"{mesh.config.monitor_url}/credentials/enroll", json=enroll,
-                      headers=bearer(mesh, "*", "bootstrap", auth.ISSUER), timeout=10).status_code == 403
+    assert (
+        httpx.post(
+            f"{mesh.config.monitor_url}/credentials/enroll",
+            json=enroll,
+            headers=bearer(mesh, "*", "bootstrap", auth.ISSUER),
+            timeout=10,
+        ).status_code
+        == 403
+    )
 
 
 def cli(mesh: Mesh, *args: str):
-    return CliRunner().invoke(app, ["credentials", *args, "--issuer", mesh.config.monitor_url,
-                                    "--key-file", str(mesh.credentials.key_file)])
+    return CliRunner().invoke(
+        app, ["credentials", *args, "--issuer", mesh.config.monitor_url, "--key-file", str(mesh.credentials.key_file)]
+    )
 
 
 def test_operator_issues_a_bootstrap_token_and_rotates_the_signing_key(mesh):
@@ -208,9 +247,12 @@ def test_operator_issues_a_bootstrap_token_and_rotates_the_signing_key(mesh):
     active = json.loads(rotated.output)["active"]
     after = {k["kid"] for k in httpx.get(f"{mesh.config.monitor_url}/credentials/jwks", timeout=10).json()["keys"]}
     assert after == before | {active} and active not in before  # the old key still verifies
-    enrolled = httpx.post(f"{mesh.config.monitor_url}/credentials/enroll", timeout=10,
-                          json={"device_id": "device-8", "url": "http://127.0.0.1:3"},
-                          headers={"Authorization": f"Bearer {issued.output.strip()}"})
+    enrolled = httpx.post(
+        f"{mesh.config.monitor_url}/credentials/enroll",
+        timeout=10,
+        json={"device_id": "device-8", "url": "http://127.0.0.1:3"},
+        headers={"Authorization": f"Bearer {issued.output.strip()}"},
+    )
     assert enrolled.status_code == 200  # the bootstrap token, signed before the rotation, still enrols
     assert jwt.get_unverified_header(enrolled.json()["token"])["kid"] == active  # new tokens: the new key
     params = {"device_id": "device-8", "prompt_tokens": 50}
@@ -218,8 +260,15 @@ def test_operator_issues_a_bootstrap_token_and_rotates_the_signing_key(mesh):
     assert new_key.exit_code == 0, new_key.output
 
     def planner_takes(token: str) -> bool:
-        return httpx.get(f"{mesh.config.planner_url}/chunk-size", params=params, timeout=10,
-                         headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        return (
+            httpx.get(
+                f"{mesh.config.planner_url}/chunk-size",
+                params=params,
+                timeout=10,
+                headers={"Authorization": f"Bearer {token}"},
+            ).status_code
+            == 200
+        )
 
     # the planner re-read the key set (every 1 s; the wait leaves room for a busy box): it takes the new key, and
     # still the old one
@@ -237,8 +286,7 @@ def test_the_mesh_still_serves_greedy_exact_text(mesh, demo_checkpoint):
         response = httpx.post(f"{mesh.config.streamer_url}/v1/completions", json=body, timeout=120)
         response.raise_for_status()
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        expected = tokenizer.decode(generate_full(demo_checkpoint, ids, MAX_TOKENS).token_ids,
-                                    skip_special_tokens=True)
+        expected = tokenizer.decode(generate_full(demo_checkpoint, ids, MAX_TOKENS).token_ids, skip_special_tokens=True)
         assert response.json()["choices"][0]["text"] == expected
     secrets = [v for k, v in mesh.auth_env.items() if k.endswith("_CREDENTIAL")]
     device_env = next(s for s in mesh.services if s.name == "device-agent-0").env

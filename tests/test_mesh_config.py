@@ -17,9 +17,18 @@ from tophatctl.mesh_settings import announcing_device_env, cloud_urls_env, devic
 from tophatctl.supervisor import RestartPolicy
 
 
-@pytest.mark.parametrize("fields", [{"verifiers": 0}, {"verifiers": 100}, {"num_devices": 0},
-                                    {"link_mode": "tc"}, {"port_base": 65_400}, {"ready_timeout_s": 0},
-                                    {"dtype": "int3"}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"verifiers": 0},
+        {"verifiers": 100},
+        {"num_devices": 0},
+        {"link_mode": "tc"},
+        {"port_base": 65_400},
+        {"ready_timeout_s": 0},
+        {"dtype": "int3"},
+    ],
+)
 def test_a_config_no_mesh_can_run_is_refused_when_made(fields):
     with pytest.raises(MeshConfigError) as refused:
         MeshConfig(**fields)
@@ -42,8 +51,7 @@ def test_a_config_changed_after_it_was_made_is_checked_again():
 
 
 def test_urls_follow_the_port_layout_and_secrets_stay_out_of_repr():
-    config = MeshConfig(port_base=9000, verifiers=2, tls=True, api_key="key-1",
-                        hidden_rotation="rotation-1")
+    config = MeshConfig(port_base=9000, verifiers=2, tls=True, api_key="key-1", hidden_rotation="rotation-1")
     assert config.streamer_url == "https://127.0.0.1:9000" and config.planner_url.endswith(":9010")
     assert config.monitor_url.endswith(":9020") and config.device_url(3) == "https://127.0.0.1:9203"
     assert config.verifier_urls("10.0.0.1") == "wss://10.0.0.1:9100/ws,wss://10.0.0.1:9101/ws"

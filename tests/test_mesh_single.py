@@ -61,9 +61,13 @@ def test_device_agent_streams_token_ids_equal_to_the_full_model(relay_and_mesh, 
     _, mesh = relay_and_mesh
     ids = demo_checkpoint.tokenizer.encode(prompts[0], add_special_tokens=False)
     events = []
-    with httpx.stream("POST", f"{mesh.config.device_url(0)}/generate",
-                      json={"prompt_ids": ids, "max_new_tokens": MAX_TOKENS}, timeout=120,
-                      auth=mesh.operator_auth()) as response:  # as the streamer calls it
+    with httpx.stream(
+        "POST",
+        f"{mesh.config.device_url(0)}/generate",
+        json={"prompt_ids": ids, "max_new_tokens": MAX_TOKENS},
+        timeout=120,
+        auth=mesh.operator_auth(),
+    ) as response:  # as the streamer calls it
         for line in response.iter_lines():
             if line:
                 events.append(json.loads(line))
@@ -79,13 +83,22 @@ def test_openai_client_streams_sse_until_done(relay_and_mesh, prompts):
 
     _, mesh = relay_and_mesh
     client = OpenAI(base_url=f"{mesh.config.streamer_url}/v1", api_key="unused", timeout=120)
-    stream = client.chat.completions.create(model="tophat-demo", messages=[{"role": "user", "content": prompts[1]}],
-                                            max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="tophat-demo",
+        messages=[{"role": "user", "content": prompts[1]}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+    )
     pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
     assert "".join(pieces)
     with httpx.Client(timeout=120) as http:
-        with connect_sse(http, "POST", f"{mesh.config.streamer_url}/v1/completions",
-                         json={"prompt": prompts[2], "max_tokens": 8, "stream": True}) as source:
+        with connect_sse(
+            http,
+            "POST",
+            f"{mesh.config.streamer_url}/v1/completions",
+            json={"prompt": prompts[2], "max_tokens": 8, "stream": True},
+        ) as source:
             data = [event.data for event in source.iter_sse()]
     assert data[-1] == "[DONE]"
     assert all(json.loads(d)["object"] == "text_completion" for d in data[:-1])
@@ -125,8 +138,11 @@ def test_telemetry_keys_appear_in_redis(relay_and_mesh, prompts):
     cloud = httpx.get(f"{mesh.config.monitor_url}/state/cloud", timeout=5).json()
     assert cloud["mu"] is not None
     # The device measured its link with bulk probes and reported gamma, beta_up and beta_down.
-    device = _wait_for(lambda: (lambda d: d if d.get("beta_down") else None)(
-        httpx.get(f"{mesh.config.monitor_url}/state/device/device-0", timeout=5).json()))
+    device = _wait_for(
+        lambda: (lambda d: d if d.get("beta_down") else None)(
+            httpx.get(f"{mesh.config.monitor_url}/state/device/device-0", timeout=5).json()
+        )
+    )
     assert device["beta_up"] > 0 and device["beta_down"] > 0 and device["gamma"] > 0
     # ... and, for the simulator, its small-message round trip, per-round overhead and prompt cost.
     assert device["rtt_s"] > 0 and device["round_overhead_s"] >= 0 and device["prefill_token_s"] > 0
@@ -164,6 +180,9 @@ def test_per_request_switches_reach_the_device(relay_and_mesh, prompts):
     ushape = complete(mesh, prompts[0], tophat={"speculative": False, "prompt_chunking": False})
     assert ushape["choices"][0]["text"] == hat["choices"][0]["text"]  # lossless either way
     assert ushape["tophat"]["mean_accept_length"] == 1.0
-    bad = httpx.post(f"{mesh.config.streamer_url}/v1/completions",
-                     json={"prompt": "x", "max_tokens": 2, "tophat": {"speculativ": False}}, timeout=30)
+    bad = httpx.post(
+        f"{mesh.config.streamer_url}/v1/completions",
+        json={"prompt": "x", "max_tokens": 2, "tophat": {"speculativ": False}},
+        timeout=30,
+    )
     assert bad.status_code == 400

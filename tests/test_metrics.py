@@ -75,10 +75,18 @@ def _wait_for(predicate, timeout_s: float = 10.0):
 def test_two_instances_of_a_service_in_one_process_keep_separate_counts():
     first, second = metrics.PlannerMetrics(), metrics.PlannerMetrics()  # the global registry would refuse this
     first.decision("chunk_size", "eq3")
-    assert value(samples(metrics.exposition(first.registry).decode()),
-                 "tophat:planner_decisions_total", plan="chunk_size", source="eq3") == 1
+    assert (
+        value(
+            samples(metrics.exposition(first.registry).decode()),
+            "tophat:planner_decisions_total",
+            plan="chunk_size",
+            source="eq3",
+        )
+        == 1
+    )
     assert ("tophat:planner_decisions_total", (("plan", "chunk_size"), ("source", "eq3"))) not in samples(
-        metrics.exposition(second.registry).decode())
+        metrics.exposition(second.registry).decode()
+    )
 
 
 def test_counting_and_scraping_never_raise():
@@ -102,8 +110,9 @@ def test_spec_decode_counts_rounds_with_drafts_and_accepts_by_position():
     assert value(scraped, "tophat:spec_decode_num_drafts_total") == 3  # the round without a draft is no draft
     assert value(scraped, "tophat:spec_decode_num_draft_tokens_total") == 8
     assert value(scraped, "tophat:spec_decode_num_accepted_tokens_total") == 5
-    per_pos = [value(scraped, "tophat:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
-               for i in range(3)]
+    per_pos = [
+        value(scraped, "tophat:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)
+    ]
     assert per_pos == [2, 2, 1]
 
 
@@ -113,11 +122,16 @@ def mesh_and_relay():
     base = find_port_base(1)
     relay = CapturingRelay(f"ws://127.0.0.1:{base + 100}/ws").start()
     # No link probes: every frame on the device's link belongs to a request, so the relay's count is the device's.
-    config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=base, device_verifier_url=relay.url,
-                        max_draft=MAX_DRAFT, eta=0.0,
-                        # every round a whole chain (the counts below assume it): no draft budget
-                        device_env={"bandwidth_probe_interval_s": "0", "rtt_probe_interval_s": "0",
-                                    "draft_budgets": ""})
+    config = MeshConfig(
+        model_dir=str(DEMO_MODEL_DIR),
+        num_devices=1,
+        port_base=base,
+        device_verifier_url=relay.url,
+        max_draft=MAX_DRAFT,
+        eta=0.0,
+        # every round a whole chain (the counts below assume it): no draft budget
+        device_env={"bandwidth_probe_interval_s": "0", "rtt_probe_interval_s": "0", "draft_budgets": ""},
+    )
     with Mesh(config) as mesh:
         yield mesh, relay
     relay.stop()
@@ -162,8 +176,9 @@ def test_metrics_match_the_run(mesh_and_relay):
     assert value(device, "tophat:spec_decode_num_accepted_tokens_total") == accepted
     assert value(device, "tophat:spec_decode_num_drafts_total") == sum(k > 0 for k, _ in rounds)
     assert value(device, "tophat:spec_decode_num_draft_tokens_total") == sum(k for k, _ in rounds)
-    per_pos = [value(device, "tophat:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
-               for i in range(MAX_DRAFT)]
+    per_pos = [
+        value(device, "tophat:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(MAX_DRAFT)
+    ]
     assert per_pos == [sum(a > i for _, a in rounds) for i in range(MAX_DRAFT)]
     assert sum(per_pos) == accepted
     assert accepted > 0  # the demo adapter agrees with the model often enough for the check to mean something
@@ -188,19 +203,27 @@ def test_metrics_match_the_run(mesh_and_relay):
 
     # The monitor ingests the verifier's step records (best effort, off the request path): eventually one each.
     monitor_url = config.monitor_url
-    assert _wait_for(lambda: scrape(monitor_url).get(
-        ("tophat:telemetry_records_total", (("kind", "verifier_step"),))) == steps)
-    assert _wait_for(lambda: scrape(monitor_url).get(
-        ("tophat:telemetry_records_total", (("kind", "request"),))) == requests)
+    assert _wait_for(
+        lambda: scrape(monitor_url).get(("tophat:telemetry_records_total", (("kind", "verifier_step"),))) == steps
+    )
+    assert _wait_for(
+        lambda: scrape(monitor_url).get(("tophat:telemetry_records_total", (("kind", "request"),))) == requests
+    )
 
     planner = scrape(config.planner_url)
     before = sum(v for (name, _), v in planner.items() if name == "tophat:planner_decisions_total")
     assert before > 0  # the device asked for its chunk sizes and draft steps
-    plan = httpx.get(f"{config.planner_url}/chunk-size", params={"device_id": "x", "prompt_tokens": 50},
-                     timeout=10, auth=mesh.operator_auth()).json()
+    plan = httpx.get(
+        f"{config.planner_url}/chunk-size",
+        params={"device_id": "x", "prompt_tokens": 50},
+        timeout=10,
+        auth=mesh.operator_auth(),
+    ).json()
     after = scrape(config.planner_url)
-    assert value(after, "tophat:planner_decisions_total", plan="chunk_size", source=plan["source"]) == \
-        planner.get(("tophat:planner_decisions_total", (("plan", "chunk_size"), ("source", plan["source"]))), 0) + 1
+    assert (
+        value(after, "tophat:planner_decisions_total", plan="chunk_size", source=plan["source"])
+        == planner.get(("tophat:planner_decisions_total", (("plan", "chunk_size"), ("source", plan["source"]))), 0) + 1
+    )
 
 
 def test_a_bad_frame_is_counted_by_its_code(mesh_and_relay):
@@ -210,8 +233,11 @@ def test_a_bad_frame_is_counted_by_its_code(mesh_and_relay):
     async def send_garbage() -> wire.ErrorFrame:
         # the handshake needs a device's token for the verifier
         credential = mesh.operator_auth(role="device", subject="test-device", audience="verifier")
-        async with connect(f"ws://127.0.0.1:{mesh.config.verifier_port}/ws", open_timeout=10,
-                           additional_headers=credential.header() if credential else None) as ws:
+        async with connect(
+            f"ws://127.0.0.1:{mesh.config.verifier_port}/ws",
+            open_timeout=10,
+            additional_headers=credential.header() if credential else None,
+        ) as ws:
             await ws.send(b"\xc1 not msgpack")
             return wire.decode(await asyncio.wait_for(ws.recv(), 10))
 
@@ -220,8 +246,10 @@ def test_a_bad_frame_is_counted_by_its_code(mesh_and_relay):
     assert isinstance(error, wire.ErrorFrame)
     code = wire.ErrorCode(error.code).name
     after = scrape(verifier_url)
-    assert value(after, "tophat:verifier_bad_frames_total", code=code) == \
-        before.get(("tophat:verifier_bad_frames_total", (("code", code),)), 0) + 1
+    assert (
+        value(after, "tophat:verifier_bad_frames_total", code=code)
+        == before.get(("tophat:verifier_bad_frames_total", (("code", code),)), 0) + 1
+    )
 
 
 # -- the verifier's gauges while a session lives, and the device's frame hook ------------------------
@@ -235,9 +263,11 @@ async def test_live_sessions_and_kv_bytes_rise_while_a_session_is_open(tiny_llam
     frames: list[tuple[str, int]] = []
     async with verifier_on_loopback(checkpoint, 2) as (server, url):
         http_url = url.replace("ws://", "http://").removesuffix("/ws")
-        cloud = WebSocketCloud(url, checkpoint.hidden_size, on_frame=lambda d, n: frames.append((d, n)),
-                               **split_identity(checkpoint))
+        cloud = WebSocketCloud(
+            url, checkpoint.hidden_size, on_frame=lambda d, n: frames.append((d, n)), **split_identity(checkpoint)
+        )
         async with httpx.AsyncClient(timeout=10) as http:
+
             async def scraped() -> dict:
                 response = await http.get(f"{http_url}/metrics")
                 assert response.headers["content-type"] == metrics.CONTENT_TYPE

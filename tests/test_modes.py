@@ -38,8 +38,7 @@ ROWS = {
 def test_each_mode_has_its_row(name):
     spec = MODE_TABLE[name]
     assert spec.name == name
-    assert (spec.session, spec.rounds, spec.uplink, spec.keepable, spec.private,
-            spec.verifier_full_model) == ROWS[name]
+    assert (spec.session, spec.rounds, spec.uplink, spec.keepable, spec.private, spec.verifier_full_model) == ROWS[name]
 
 
 def test_the_sets_read_from_the_table_are_the_old_literal_sets():
@@ -59,8 +58,10 @@ def test_privacy_refuses_exactly_the_token_modes():
     for name, spec in MODE_TABLE.items():
         refusal = spec.refusal(Asked(privacy=True, speculative=True), FULL)
         if name in TOKEN_MODES:
-            assert refusal == Refusal("privacy", f"mode {name} sends token ids to the cloud; this request asked "
-                                      "for privacy (use hat or hat-async)")
+            assert refusal == Refusal(
+                "privacy",
+                f"mode {name} sends token ids to the cloud; this request asked for privacy (use hat or hat-async)",
+            )
         else:
             assert refusal is None, name
 
@@ -71,8 +72,11 @@ def test_keep_and_fork_are_refused_outside_mode_hat_and_name_the_mode():
         if name == "hat":
             assert refusal is None
         else:
-            assert refusal == Refusal("kept_sessions_unsupported", f"keep and fork work in mode hat only, not {name}",
-                                      detail=(("mode", name),))
+            assert refusal == Refusal(
+                "kept_sessions_unsupported",
+                f"keep and fork work in mode hat only, not {name}",
+                detail=(("mode", name),),
+            )
 
 
 def test_speculation_without_a_draft_adapter_is_refused_where_the_device_computes():
@@ -86,26 +90,37 @@ def test_speculation_without_a_draft_adapter_is_refused_where_the_device_compute
 
 
 @pytest.mark.parametrize("name", ["hat-async", "token-sd", "picospec"])
-@pytest.mark.parametrize("asked, offered", [
-    (Asked(speculative=False), FULL),
-    (Asked(speculative=True), Offered(draft_adapter=True, max_draft=0, edge_server=True)),
-])
+@pytest.mark.parametrize(
+    "asked, offered",
+    [
+        (Asked(speculative=False), FULL),
+        (Asked(speculative=True), Offered(draft_adapter=True, max_draft=0, edge_server=True)),
+    ],
+)
 def test_the_streamed_modes_need_drafting(name, asked, offered):
     assert MODE_TABLE[name].refusal(asked, offered) == Refusal(
-        "bad_request", f"mode {name} drafts: it needs speculative=true and a draft adapter")
+        "bad_request", f"mode {name} drafts: it needs speculative=true and a draft adapter"
+    )
     assert MODE_TABLE["hat"].refusal(asked, offered) is None  # hat runs undrafted (the U-shape)
 
 
-@pytest.mark.parametrize("offered", [Offered(draft_adapter=True, max_draft=8, edge_server=False),
-                                     Offered(draft_adapter=False, max_draft=8, edge_server=True)])
+@pytest.mark.parametrize(
+    "offered",
+    [
+        Offered(draft_adapter=True, max_draft=8, edge_server=False),
+        Offered(draft_adapter=False, max_draft=8, edge_server=True),
+    ],
+)
 def test_edge_sd_needs_an_edge_draft_server_with_a_draft_adapter(offered):
     assert MODE_TABLE["edge-sd"].refusal(Asked(speculative=False), offered) == Refusal(
-        "bad_request", "mode edge-sd needs an edge draft server (TOPHAT_DEVICE_EDGE_DRAFT_SERVER) with a draft adapter")
+        "bad_request", "mode edge-sd needs an edge draft server (TOPHAT_DEVICE_EDGE_DRAFT_SERVER) with a draft adapter"
+    )
 
 
 def test_device_mode_needs_the_draft_model():
     assert MODE_TABLE["device"].refusal(Asked(speculative=False), Offered(draft_adapter=False)) == Refusal(
-        "bad_request", "mode device generates with the draft model: this device has none")
+        "bad_request", "mode device generates with the draft model: this device has none"
+    )
     assert MODE_TABLE["device"].refusal(Asked(speculative=False), Offered(draft_adapter=True)) is None
 
 
@@ -127,6 +142,7 @@ def test_a_row_is_checked():
 
 def test_the_device_agent_maps_every_session_kind_and_rounds_loop():
     from services.device_agent.rounds import ROUNDS, SESSION_TYPES
+
     for spec in MODE_TABLE.values():
         assert spec.rounds in ROUNDS and spec.session in SESSION_TYPES
 
@@ -134,6 +150,7 @@ def test_the_device_agent_maps_every_session_kind_and_rounds_loop():
 def test_bench_and_simulator_read_the_table():
     from loadgen.bench import modes_for
     from loadgen.simulate.modes import parse_mode
+
     variants = modes_for("specbench")
     full_model = ("TOPHAT_VERIFIER_FULL_MODEL", "true")
     for name in ("cloud", "token-sd", "picospec", "hat", "hat-async"):

@@ -119,7 +119,9 @@ def test_a_ranges_handles_are_made_once_and_again_after_a_weight_is_replaced():
     assert native_layers.range_handles(module, modules[1:]) is not first  # another range, its own handles
     # the last layer's down projection re-quantized from other values: the next pass must compute with it
     down = modules[-1].mlp.down_proj
-    modules[-1].mlp.down_proj = QuantizedLinear.from_linear(torch.nn.Linear(down.in_features, down.out_features), bits=4)
+    modules[-1].mlp.down_proj = QuantizedLinear.from_linear(
+        torch.nn.Linear(down.in_features, down.out_features), bits=4
+    )
     again = native_layers.range_handles(module, modules)
     assert again is not None and again is not first and again[:-1] == first[:-1] and again[-1] is not first[-1]
     rows = torch.randn(3, hidden)
@@ -292,7 +294,11 @@ def test_a_layer_with_impossible_heads_is_refused_when_made():
     parts = [part for p in (fused.qkv, fused.o, fused.gate_up, fused.down) for part in (p.weight, p.scales, p.bias)]
     norms = (layer.input_layernorm.weight, 1e-5, layer.post_attention_layernorm.weight, 1e-5)
     heads = fused.q_size // fused.head_dim
-    for q_heads, kv_heads, head_dim in ((heads, 0, fused.head_dim), (0, 1, fused.head_dim), (heads, 3, fused.head_dim),
-                                        (heads, fused.kv_size // fused.head_dim, fused.head_dim + 2)):
+    for q_heads, kv_heads, head_dim in (
+        (heads, 0, fused.head_dim),
+        (0, 1, fused.head_dim),
+        (heads, 3, fused.head_dim),
+        (heads, fused.kv_size // fused.head_dim, fused.head_dim + 2),
+    ):
         with pytest.raises(RuntimeError, match="head|qkv"):
             module.Layer(*norms, parts, q_heads, kv_heads, head_dim, 0.125)

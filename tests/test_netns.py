@@ -193,7 +193,11 @@ def test_teardown_is_idempotent_and_stale_namespaces_are_replaced() -> None:
     with NetnsLink(name, host_ip, ns_ip, PROFILE) as second:
         assert name in netns._namespaces()
         out = subprocess.run(
-            ["tc", "-n", name, "qdisc", "show", "dev", second.veth_ns], capture_output=True, text=True, timeout=10, check=True
+            ["tc", "-n", name, "qdisc", "show", "dev", second.veth_ns],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout
         assert "tbf" in out
     assert name not in netns._namespaces()

@@ -38,9 +38,13 @@ def _headers(device_id: str, ttl_s: float = 60) -> dict[str, str]:
 async def verifier_trusting(checkpoint, revoked: set[str], **overrides):
     """The verifier checking devices' tokens against RING, whose issuer serves `revoked` as its revocation list."""
     credential = RING.mint("verifier-cloud", "service", auth.ISSUER, 600, time.time())
-    async with jwks_server(RING, revoked) as issuer, verifier_on_loopback(
-        checkpoint, M, auth_issuer_url=issuer, auth_credential=credential, **overrides
-    ) as (server, url):
+    async with (
+        jwks_server(RING, revoked) as issuer,
+        verifier_on_loopback(checkpoint, M, auth_issuer_url=issuer, auth_credential=credential, **overrides) as (
+            server,
+            url,
+        ),
+    ):
         await wait_trusted(server.trust)
         yield server, url
 
@@ -56,8 +60,10 @@ async def _closed_after(ws, timeout_s: float) -> tuple[float, ConnectionClosed]:
 async def test_a_revoked_devices_open_socket_is_closed_within_2s(checkpoint):
     revoked: set[str] = set()
     async with verifier_trusting(checkpoint, revoked) as (server, url):
-        async with connect(url, additional_headers=_headers("dev-a")) as victim, \
-                connect(url, additional_headers=_headers("dev-b")) as bystander:
+        async with (
+            connect(url, additional_headers=_headers("dev-a")) as victim,
+            connect(url, additional_headers=_headers("dev-b")) as bystander,
+        ):
             assert isinstance(await open_session(victim, checkpoint, 1), wire.SessionOpened)
             assert isinstance(await open_session(bystander, checkpoint, 2), wire.SessionOpened)
             revoked.add(auth.revocation_key("device", "dev-a"))  # at the issuer, as `tophat credentials revoke`
@@ -78,11 +84,15 @@ async def test_a_revoked_devices_open_socket_is_closed_within_2s(checkpoint):
 async def test_an_expired_credentials_open_socket_is_closed_within_2s(checkpoint):
     async with verifier_trusting(checkpoint, set(), auth_leeway_s=0.0) as (_, url):
         headers = _headers("dev-c", ttl_s=2)
-        expires_at = auth.TokenVerifier(auth.Trust.from_document(RING.jwks()), leeway_s=0).verify(
-            headers["Authorization"].removeprefix("Bearer "), auth.VERIFIER
-        ).expires_at
-        async with connect(url, additional_headers=headers) as ws, \
-                connect(url, additional_headers=_headers("dev-d")) as fresh:
+        expires_at = (
+            auth.TokenVerifier(auth.Trust.from_document(RING.jwks()), leeway_s=0)
+            .verify(headers["Authorization"].removeprefix("Bearer "), auth.VERIFIER)
+            .expires_at
+        )
+        async with (
+            connect(url, additional_headers=headers) as ws,
+            connect(url, additional_headers=_headers("dev-d")) as fresh,
+        ):
             assert isinstance(await open_session(ws, checkpoint, 1), wire.SessionOpened)
             _, closed = await _closed_after(ws, 10.0)
             late_s = time.time() - expires_at

@@ -41,8 +41,9 @@ class OutlineAgent:
     """Device-agent double with keep/fork/DELETE. `gates[i]`: point i waits for it before answering;
     `fail_point`: that point sends an error mid-answer; `outline`: what the question is answered with."""
 
-    def __init__(self, *, outline: str = OUTLINE, chat_format: bool = True, keeps: bool = True,
-                 fail_point: int | None = None) -> None:
+    def __init__(
+        self, *, outline: str = OUTLINE, chat_format: bool = True, keeps: bool = True, fail_point: int | None = None
+    ) -> None:
         self.outline = outline
         self.chat_format = chat_format
         self.keeps = keeps
@@ -66,8 +67,16 @@ class OutlineAgent:
             prefix = ""
             if body.get("fork") is not None:
                 if body["fork"] not in self.kept:
-                    return JSONResponse({"error": {"type": "unknown_kept_session", "code": "unknown_kept_session",
-                                                   "message": "no such kept session"}}, status_code=404)
+                    return JSONResponse(
+                        {
+                            "error": {
+                                "type": "unknown_kept_session",
+                                "code": "unknown_kept_session",
+                                "message": "no such kept session",
+                            }
+                        },
+                        status_code=404,
+                    )
                 prefix = self.kept[body["fork"]]
             self.active += 1
             prompt = body["prompt"] if "prompt" in body else plain_chat_text(body["messages"])
@@ -103,7 +112,7 @@ class OutlineAgent:
 
     async def _lines(self, body: dict[str, Any], sequence: str) -> AsyncIterator[str]:
         words, point = self._words(sequence)
-        words = words[:body["max_new_tokens"]]
+        words = words[: body["max_new_tokens"]]
         if point is not None:
             self._points_running += 1
             self.peak_points = max(self.peak_points, self._points_running)
@@ -117,8 +126,11 @@ class OutlineAgent:
                     return
                 yield json.dumps({"type": "tokens", "token_ids": [k], "text": word}) + "\n"
                 await asyncio.sleep(0)
-            done: dict[str, Any] = {"type": "done", "finish_reason": "length",
-                                    "stats": {"completion_tokens": len(words)}}
+            done: dict[str, Any] = {
+                "type": "done",
+                "finish_reason": "length",
+                "stats": {"completion_tokens": len(words)},
+            }
             if body.get("keep") and self.keeps:
                 self._next += 1
                 handle = f"h{self._next}"
@@ -133,14 +145,21 @@ class OutlineAgent:
 
 def expected_answer(points: int = 3, words: int | None = None) -> str:
     titles = ["Keep a schedule", "Dim the lights", "Skip late coffee"]
-    parts = [("" if i == 1 else "\n\n") + f"{i}. {titles[i - 1]}\n" + "".join(answer_words(i)[:words])
-             for i in range(1, points + 1)]
+    parts = [
+        ("" if i == 1 else "\n\n") + f"{i}. {titles[i - 1]}\n" + "".join(answer_words(i)[:words])
+        for i in range(1, points + 1)
+    ]
     return "".join(parts)
 
 
 async def ask(url: str, question: str = QUESTION, max_tokens: int = 12, **tophat: Any) -> httpx.Response:
-    body = {"model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, "tophat": {"outline": True, **tophat}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "tophat": {"outline": True, **tophat},
+    }
     async with httpx.AsyncClient(timeout=20) as http:
         return await http.post(f"{url}/v1/chat/completions", json=body)
 
@@ -179,8 +198,14 @@ async def test_points_are_forked_from_the_outline_run_at_once_and_joined_in_orde
 async def test_later_points_are_buffered_while_the_first_streams_live() -> None:
     agent = OutlineAgent()
     agent.gates = {2: asyncio.Event(), 3: asyncio.Event()}
-    body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12, "stream": True,
-            "temperature": 0, "tophat": {"outline": True}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 12,
+        "stream": True,
+        "temperature": 0,
+        "tophat": {"outline": True},
+    }
     seen = ""
     async with mesh(agent) as url, httpx.AsyncClient(timeout=20) as http:
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
@@ -199,8 +224,10 @@ async def test_later_points_are_buffered_while_the_first_streams_live() -> None:
 async def test_the_router_declines_code_and_math_and_answers_sequentially() -> None:
     agent = OutlineAgent()
     async with mesh(agent) as url:
-        for question, reason in [("Write a Python function that reverses a linked list", "code"),
-                                 ("Solve 3x + 5 = 20 for x", "math")]:
+        for question, reason in [
+            ("Write a Python function that reverses a linked list", "code"),
+            ("Solve 3x + 5 = 20 for x", "math"),
+        ]:
             response = await ask(url, question)
             assert response.json()["tophat"]["outline"] == {"used": False, "reason": reason, "points": 0}
         assert all("keep" not in r and "fork" not in r for r in agent.requests)
@@ -231,8 +258,14 @@ async def test_an_agent_without_keep_fork_is_answered_sequentially(lacks: str) -
 
 async def test_a_failed_point_is_a_typed_error_after_what_was_delivered() -> None:
     agent = OutlineAgent(fail_point=2)
-    body = {"model": "m", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12, "stream": True,
-            "temperature": 0, "tophat": {"outline": True}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 12,
+        "stream": True,
+        "temperature": 0,
+        "tophat": {"outline": True},
+    }
     async with mesh(agent) as url, httpx.AsyncClient(timeout=20) as http:
         text, errors = await sse_text_and_errors(http, f"{url}/v1/chat/completions", body)
         await wait_for(lambda: agent.active == 0 and "h2" in agent.deleted)
@@ -265,20 +298,27 @@ async def test_the_setting_turns_it_on_and_a_request_turns_it_off() -> None:
 
 # -- the real device agent ---------------------------------------------------------------------------
 
+
 async def plain_generate(http: httpx.AsyncClient, url: str, prompt_ids: list[int], max_new_tokens: int) -> dict:
     """The tokens, text and finish of one plain (not forked) greedy request."""
-    response = await http.post(f"{url}/generate", json={"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens,
-                                                         "temperature": 0.0, "mode": "hat"})
+    response = await http.post(
+        f"{url}/generate",
+        json={"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens, "temperature": 0.0, "mode": "hat"},
+    )
     events = [json.loads(line) for line in response.text.splitlines()]
     assert events[-1]["type"] == "done", events[-1]
     tokens = [e for e in events if e["type"] == "tokens"]
-    return {"ids": [t for e in tokens for t in e["token_ids"]], "text": "".join(e["text"] for e in tokens),
-            "finish": events[-1]["finish_reason"]}
+    return {
+        "ids": [t for e in tokens for t in e["token_ids"]],
+        "text": "".join(e["text"] for e in tokens),
+        "finish": events[-1]["finish_reason"],
+    }
 
 
 @pytest.mark.slow
-async def test_on_the_real_agent_points_fork_the_outline_kv_and_equal_plain_requests(demo_checkpoint,
-                                                                                     monkeypatch) -> None:
+async def test_on_the_real_agent_points_fork_the_outline_kv_and_equal_plain_requests(
+    demo_checkpoint, monkeypatch
+) -> None:
     from services.device_agent.app import create_app as device_app
     from services.device_agent.settings import Settings as DeviceSettings
 
@@ -294,10 +334,20 @@ async def test_on_the_real_agent_points_fork_the_outline_kv_and_equal_plain_requ
     monkeypatch.setattr(Dispatcher, "open_beside", recording_open_beside)
     encode = lambda text: demo_checkpoint.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     async with verifier_on_loopback(demo_checkpoint) as (_server, ws_url):
-        settings = DeviceSettings(model_dir=str(DEMO_MODEL_DIR), split_layers=2, adapter="", verifier_url=ws_url,
-                                  wire_dtype="f4", prompt_chunking=False, port=0)
-        async with serve(device_app(settings)) as device_url, mesh(device_url) as url, \
-                httpx.AsyncClient(timeout=60) as http:
+        settings = DeviceSettings(
+            model_dir=str(DEMO_MODEL_DIR),
+            split_layers=2,
+            adapter="",
+            verifier_url=ws_url,
+            wire_dtype="f4",
+            prompt_chunking=False,
+            port=0,
+        )
+        async with (
+            serve(device_app(settings)) as device_url,
+            mesh(device_url) as url,
+            httpx.AsyncClient(timeout=60) as http,
+        ):
             info = (await http.get(f"{device_url}/info")).json()
             assert info["chat_format"] == PLAIN_FORMAT.to_dict()  # the demo tokenizer has no template
             response = await ask(url, max_tokens=16)
@@ -314,7 +364,9 @@ async def test_on_the_real_agent_points_fork_the_outline_kv_and_equal_plain_requ
             assert (await http.delete(f"{device_url}/kept/{points[0]['fork']}")).status_code == 404
 
             # Each point's text is the plain request on directive + question + outline + point turn.
-            context = encode(PLAIN_FORMAT.directive_text()) + encode(PLAIN_FORMAT.question_text(QUESTION) + OUTLINE_OPENING)
+            context = encode(PLAIN_FORMAT.directive_text()) + encode(
+                PLAIN_FORMAT.question_text(QUESTION) + OUTLINE_OPENING
+            )
             sketch = await plain_generate(http, device_url, context, outline_flow.OUTLINE_MAX_TOKENS)
             expected = ""
             for index, point in enumerate(["alpha", "beta"], 1):

@@ -24,16 +24,20 @@ def _brute_force_length(alpha: float, gamma: int, bonus: bool) -> float:
 @pytest.mark.parametrize("gamma", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("alpha", [0.0, 0.1, 0.5, 0.77, 0.999, 1.0])
 def test_expected_length_equals_brute_force(alpha, gamma):
-    assert pm.expected_accepted_length(alpha, gamma) == pytest.approx(_brute_force_length(alpha, gamma, False), abs=1e-12)
+    assert pm.expected_accepted_length(alpha, gamma) == pytest.approx(
+        _brute_force_length(alpha, gamma, False), abs=1e-12
+    )
     assert pm.expected_accepted_length(alpha, gamma, bonus=True) == pytest.approx(
-        _brute_force_length(alpha, gamma, True), abs=1e-12)
+        _brute_force_length(alpha, gamma, True), abs=1e-12
+    )
 
 
 def test_expected_length_is_the_papers_closed_form():
     for alpha, gamma in [(0.3, 4), (0.8, 6), (0.95, 10)]:
         assert pm.expected_accepted_length(alpha, gamma) == pytest.approx((1 - alpha**gamma) / (1 - alpha))
         assert pm.expected_accepted_length(alpha, gamma, bonus=True) == pytest.approx(
-            (1 - alpha ** (gamma + 1)) / (1 - alpha))
+            (1 - alpha ** (gamma + 1)) / (1 - alpha)
+        )
 
 
 def test_expected_length_matches_a_simulated_truncated_geometric():
@@ -78,7 +82,8 @@ def test_eq9_against_a_simulation_of_hits_and_misses():
     assert total_time / rounds == pytest.approx(expected, rel=0.01)
     # renewal-reward: tokens per second over many rounds -> E[L] / E[T_async]
     assert total_tokens / total_time == pytest.approx(
-        pm.async_throughput(alpha, gamma, t_draft, t_rtt, t_verify), rel=0.01)
+        pm.async_throughput(alpha, gamma, t_draft, t_rtt, t_verify), rel=0.01
+    )
 
 
 def test_eq1_eq2_eq3_relations_on_a_grid():
@@ -165,19 +170,22 @@ def test_alpha_from_verdicts_rejects_bad_input(verdicts):
         pm.alpha_from_verdicts(verdicts)
 
 
-@pytest.mark.parametrize("call", [
-    lambda: pm.expected_accepted_length(-0.1, 3),
-    lambda: pm.expected_accepted_length(1.1, 3),
-    lambda: pm.expected_accepted_length(float("nan"), 3),
-    lambda: pm.expected_accepted_length(0.5, 0),
-    lambda: pm.expected_accepted_length(0.5, 2.5),
-    lambda: pm.sync_step_time(-0.01, 0.1, 0.1),
-    lambda: pm.async_step_time(0.1, -1.0, 0.1),
-    lambda: pm.bubble(0.1, 0.1, 0.1, t_pre=-0.1),
-    lambda: pm.expected_async_time(0.5, 3, 0.1, 0.1, float("inf")),
-    lambda: pm.predict(0.5, 3, -0.001, 0.1, 0.1),
-    lambda: pm.predict(2.0, 3, 0.01, 0.1, 0.1),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: pm.expected_accepted_length(-0.1, 3),
+        lambda: pm.expected_accepted_length(1.1, 3),
+        lambda: pm.expected_accepted_length(float("nan"), 3),
+        lambda: pm.expected_accepted_length(0.5, 0),
+        lambda: pm.expected_accepted_length(0.5, 2.5),
+        lambda: pm.sync_step_time(-0.01, 0.1, 0.1),
+        lambda: pm.async_step_time(0.1, -1.0, 0.1),
+        lambda: pm.bubble(0.1, 0.1, 0.1, t_pre=-0.1),
+        lambda: pm.expected_async_time(0.5, 3, 0.1, 0.1, float("inf")),
+        lambda: pm.predict(0.5, 3, -0.001, 0.1, 0.1),
+        lambda: pm.predict(2.0, 3, 0.01, 0.1, 0.1),
+    ],
+)
 def test_invalid_inputs_raise_value_error(call):
     with pytest.raises(ValueError):
         call()

@@ -55,14 +55,17 @@ async def verifiers(tiny_llama_dir):
     stops, tasks, started = {}, {}, {}
     loop = asyncio.get_running_loop()
     for p in (2, 3):
-        server = VerifierServer.from_settings(Settings(port=0, split_layers=M, model_dir=str(tiny_llama_dir),
-                                                       pipeline_stages=p, stage_timeout_s=30.0))
+        server = VerifierServer.from_settings(
+            Settings(port=0, split_layers=M, model_dir=str(tiny_llama_dir), pipeline_stages=p, stage_timeout_s=30.0)
+        )
         stops[p], started[p] = asyncio.Event(), loop.create_future()
         tasks[p] = (server, asyncio.create_task(server.serve_forever(stops[p], started[p])))
     try:
         ports = {p: await asyncio.wait_for(started[p], 120) for p in started}
-        yield {p: Running(tasks[p][0], f"ws://127.0.0.1:{port}/ws", f"http://127.0.0.1:{port}")
-               for p, port in ports.items()}
+        yield {
+            p: Running(tasks[p][0], f"ws://127.0.0.1:{port}/ws", f"http://127.0.0.1:{port}")
+            for p, port in ports.items()
+        }
     finally:
         for p, (server, task) in tasks.items():
             stops[p].set()
@@ -79,8 +82,9 @@ async def generate_over_ws(checkpoint, cloud, prompt, session_id, max_new=12, ch
     device = DeviceModel.from_checkpoint(checkpoint, M, DraftAdapter(checkpoint, M))
     session = DeviceSession(device, prompt, draft_config=DraftConfig(eta=0.3, max_draft=4), max_new_tokens=max_new)
     tokens = []
-    async for emitted in run_session(session, cloud, session_id, fixed_chunks(len(prompt), chunk),
-                                     offload=asyncio.to_thread):
+    async for emitted in run_session(
+        session, cloud, session_id, fixed_chunks(len(prompt), chunk), offload=asyncio.to_thread
+    ):
         tokens += emitted
     return tokens
 
@@ -98,6 +102,7 @@ async def open_sessions(ws: ClientConnection, checkpoint, *session_ids: int) -> 
 
 
 # -- the scheduler's ordering rule, without a model ------------------------------------------
+
 
 async def test_a_session_in_flight_is_not_scheduled_again():
     sched = Scheduler(max_batch_tokens=64, max_sessions=4, context_length=512)
@@ -138,6 +143,7 @@ async def test_prefill_chunks_of_one_session_pipeline_but_a_verify_waits():
 
 
 # -- correctness through the stages ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.slow
@@ -184,8 +190,9 @@ async def test_close_and_disconnect_free_kv_in_every_stage(verifiers, checkpoint
     ws = await connect(running.url)
     await open_sessions(ws, checkpoint, 31, 32)
     for sid in (31, 32):
-        assert isinstance(await roundtrip(ws, wire.PrefillChunk(sid, 1, 0, False, torch.randn(5, hidden))),
-                          wire.ChunkAck)
+        assert isinstance(
+            await roundtrip(ws, wire.PrefillChunk(sid, 1, 0, False, torch.randn(5, hidden))), wire.ChunkAck
+        )
     assert [(d[31], d[32]) for d in await running.server.pipeline.probe()] == [(5, 5), (5, 5)]
     assert isinstance(await roundtrip(ws, wire.CloseSession(31)), wire.SessionClosed)
     assert [sorted(d) for d in await running.server.pipeline.probe()] == [[32], [32]]
@@ -225,9 +232,13 @@ async def test_two_micro_batches_are_in_flight_at_once(verifiers, checkpoint):
     def overlapped() -> bool:
         # With P = 2 only consecutive micro-batches can be in flight together.
         steps = sorted((step for step in pipeline.recent if step.batch_id > seen_before), key=lambda s: s.batch_id)
-        return any(sa != sb and max(a0, b0) < min(a1, b1)
-                   for i, first in enumerate(steps) for second in steps[i + 1:i + 2]
-                   for sa, a0, a1 in first.spans for sb, b0, b1 in second.spans)
+        return any(
+            sa != sb and max(a0, b0) < min(a1, b1)
+            for i, first in enumerate(steps)
+            for second in steps[i + 1 : i + 2]
+            for sa, a0, a1 in first.spans
+            for sb, b0, b1 in second.spans
+        )
 
     async def device(sid: int, stop: asyncio.Event) -> None:
         # Independent devices, each re-verifying 96 positions from commit_len 0 (a full rollback) in a loop.
@@ -265,7 +276,7 @@ async def test_two_micro_batches_are_in_flight_at_once(verifiers, checkpoint):
     assert pipeline.max_in_flight_seen == 2
     # eta_hat is the micro-batch's summed stage compute (its whole trip through the middle layers).
     steps = [step for step in pipeline.recent if step.batch_id > seen_before]
-    assert emitted[-len(steps):] == [(step.batched_tokens, step.compute_s) for step in steps]
+    assert emitted[-len(steps) :] == [(step.batched_tokens, step.compute_s) for step in steps]
 
 
 async def test_a_reopened_session_id_never_gets_its_predecessors_result_or_rollback(verifiers, checkpoint):
@@ -318,6 +329,7 @@ async def test_a_reopened_session_id_never_gets_its_predecessors_result_or_rollb
 
 # -- configuration -----------------------------------------------------------------------------
 
+
 async def test_more_stages_than_middle_layers_is_a_startup_error(tiny_llama_dir):
     with pytest.raises(SplitError, match="--pipeline-stages 4 does not fit: cannot split 3 middle layers"):
         VerifierServer.from_settings(Settings(model_dir=str(tiny_llama_dir), split_layers=M, pipeline_stages=4))
@@ -331,6 +343,7 @@ async def test_more_stages_than_middle_layers_is_a_startup_error(tiny_llama_dir)
 
 
 # -- failure (keep last: it kills a worker of the shared P=3 server) ----------------------------
+
 
 @pytest.mark.slow
 async def test_a_dead_worker_makes_the_verifier_unready_until_the_stages_are_restarted(verifiers, checkpoint):

@@ -9,8 +9,16 @@ import random
 import pytest
 import torch
 
-from shared.model.placement import (CudaIndexError, CudaUnavailableError, PlacementError, UnknownDeviceError,
-                                    UnknownDtypeError, detect_placement, plan_stage_devices, resolve_placement)
+from shared.model.placement import (
+    CudaIndexError,
+    CudaUnavailableError,
+    PlacementError,
+    UnknownDeviceError,
+    UnknownDtypeError,
+    detect_placement,
+    plan_stage_devices,
+    resolve_placement,
+)
 
 CPU_ONLY = dict(cuda_available=False, device_count=0)
 TWO_GPUS = dict(cuda_available=True, device_count=2)
@@ -21,6 +29,7 @@ def place(device: str, dtype: str = "auto", bf16: bool = True, **facts):
 
 
 # -- the resolver ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("spec", ["auto", "cpu", "CPU", " auto "])
 def test_without_cuda_auto_and_cpu_resolve_to_the_cpu_default_int4_weights(spec):
@@ -69,7 +78,9 @@ def test_unknown_device_specs_are_refused(spec):
 
 @pytest.mark.parametrize("spec", ["fp16", "half", "float64", "int2", "uint8", ""])
 def test_unknown_dtypes_are_refused(spec):
-    with pytest.raises(UnknownDtypeError, match="auto or one of float32, float16, bfloat16, f32, f16, bf16, int8, int4"):
+    with pytest.raises(
+        UnknownDtypeError, match="auto or one of float32, float16, bfloat16, f32, f16, bf16, int8, int4"
+    ):
         place("cpu", spec)
 
 
@@ -120,6 +131,7 @@ def test_detect_placement_on_this_machine_matches_the_pure_rule(monkeypatch):
 
 # -- pipeline stages -> GPUs ---------------------------------------------------------------
 
+
 def test_stages_spread_one_per_gpu_round_robin():
     assert plan_stage_devices("auto", 4, cuda_available=True, device_count=4) == [f"cuda:{i}" for i in range(4)]
     assert plan_stage_devices("cuda", 8, cuda_available=True, device_count=8) == [f"cuda:{i}" for i in range(8)]
@@ -146,6 +158,7 @@ def test_stage_plan_refuses_what_the_resolver_refuses():
 
 
 # -- bfloat16: the split model equals the unsplit model, token for token ------------------------
+
 
 def _through_wire(t: torch.Tensor, wire_dtype) -> torch.Tensor:
     from shared import wire
@@ -200,8 +213,9 @@ def split_greedy(checkpoint, ids: list[int], max_new: int, wire_dtype, chunk_siz
 
     device_model = build_device_model(checkpoint, 2, RANDOM_ADAPTER, speculative=max_draft > 0)
     runner = ModelRunner(MiddleSubmodel(checkpoint, 2), checkpoint.config.max_position_embeddings)
-    session = DeviceSession(device_model, ids, draft_config=DraftConfig(eta=0.0, max_draft=max_draft),
-                            max_new_tokens=max_new)
+    session = DeviceSession(
+        device_model, ids, draft_config=DraftConfig(eta=0.0, max_draft=max_draft), max_new_tokens=max_new
+    )
     passes: list[tuple[int, list[int]]] = []
     draft = session.draft
 
@@ -215,8 +229,15 @@ def split_greedy(checkpoint, ids: list[int], max_new: int, wire_dtype, chunk_siz
     dtypes = {session.input_cache.layer(0).keys.dtype}
     if session.adapter_cache is not None:
         dtypes.add(session.adapter_cache.layer(0).keys.dtype)
-    result = asyncio.run(generate(session, WireRunnerCloud(runner, wire_dtype), chunk_size=chunk_size,
-                                  parallel_candidates=2 if max_draft else 0, parallel_steps=2))
+    result = asyncio.run(
+        generate(
+            session,
+            WireRunnerCloud(runner, wire_dtype),
+            chunk_size=chunk_size,
+            parallel_candidates=2 if max_draft else 0,
+            parallel_steps=2,
+        )
+    )
     dtypes |= {caches.middle.layer(0).keys.dtype for caches in runner.sessions.values()}
     return result.token_ids, passes, dtypes
 
@@ -233,8 +254,9 @@ def one_torch_thread():
 def load_bf16(model: str, tiny_llama_dir, tiny_qwen2_dir):
     from shared.model.checkpoint import load_checkpoint
 
-    checkpoint = load_checkpoint(tiny_llama_dir if model == "llama" else tiny_qwen2_dir, dtype=torch.bfloat16,
-                                 with_tokenizer=False)
+    checkpoint = load_checkpoint(
+        tiny_llama_dir if model == "llama" else tiny_qwen2_dir, dtype=torch.bfloat16, with_tokenizer=False
+    )
     assert checkpoint.model.dtype is torch.bfloat16
     return checkpoint
 
@@ -254,10 +276,13 @@ def test_bfloat16_split_passes_equal_unsplit_passes_bit_for_bit(model, tiny_llam
         unsplit_cache, device_cache, cloud_cache = DynamicCache(), split.input.new_cache(), split.middle.new_cache()
         position = 0
         for size in [rng.randint(1, 9) for _ in range(6)]:
-            rows = ids[position:position + size]
+            rows = ids[position : position + size]
             with torch.inference_mode():
-                expected = checkpoint.model(input_ids=torch.tensor([rows]), past_key_values=unsplit_cache,
-                                            use_cache=True).logits[0].float()  # [S, V]
+                expected = (
+                    checkpoint.model(input_ids=torch.tensor([rows]), past_key_values=unsplit_cache, use_cache=True)
+                    .logits[0]
+                    .float()
+                )  # [S, V]
             shallow = split.input(torch.tensor(rows), device_cache)
             got = split.output(split.middle.forward_batch([(cloud_cache, shallow)])[0])
             assert torch.equal(got, expected)
@@ -298,11 +323,14 @@ def unsplit_replay(checkpoint, ids: list[int], chunk_sizes: list[int], passes, m
 
     def run(rows: list[int]) -> torch.Tensor:
         with torch.inference_mode():
-            return checkpoint.model(input_ids=torch.tensor([rows]), past_key_values=cache,
-                                    use_cache=True).logits[0].float()  # [S, V]
+            return (
+                checkpoint.model(input_ids=torch.tensor([rows]), past_key_values=cache, use_cache=True)
+                .logits[0]
+                .float()
+            )  # [S, V]
 
     for size in chunk_sizes:
-        logits = run(ids[position:position + size])
+        logits = run(ids[position : position + size])
         position += size
     tokens = [int(logits[-1].argmax())]
     for commit_len, rows in passes:
@@ -310,15 +338,16 @@ def unsplit_replay(checkpoint, ids: list[int], chunk_sizes: list[int], passes, m
         if cache.get_seq_length() > commit_len:
             cache.crop(commit_len - cache.get_seq_length())
         verdict = accept_greedy(rows[1:], run(rows))
-        tokens += rows[1:1 + verdict.num_accepted] + [verdict.next_token]
+        tokens += rows[1 : 1 + verdict.num_accepted] + [verdict.next_token]
     cut = next((i + 1 for i, t in enumerate(tokens) if t == checkpoint.eos_token_id), len(tokens))
-    return tokens[:min(cut, max_new)]
+    return tokens[: min(cut, max_new)]
 
 
 @pytest.mark.parametrize("max_draft", [0, 3])
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
-def test_bfloat16_split_equals_the_unsplit_model_making_the_same_passes(model, max_draft, tiny_llama_dir,
-                                                                         tiny_qwen2_dir):
+def test_bfloat16_split_equals_the_unsplit_model_making_the_same_passes(
+    model, max_draft, tiny_llama_dir, tiny_qwen2_dir
+):
     """Chunked prefill and verify passes of k+1 rows give a logit computed in an n-row pass, which in bf16 can
     differ by one bf16 step from the same logit computed in a pass of another size (the kernels round per
     shape; fp32's difference is far below the logit gaps). So chunked and speculative runs are compared with
@@ -337,14 +366,16 @@ def test_bfloat16_split_equals_the_unsplit_model_making_the_same_passes(model, m
 
 # -- settings, the verifier's and the device's loading paths ---------------------------------------
 
+
 @pytest.mark.parametrize("service", ["verifier", "device"])
 def test_settings_take_device_and_dtype_from_the_environment_and_refuse_bad_ones(service):
     from services.device_agent.settings import load_settings as device_settings
     from services.verifier_cloud.settings import load_settings as verifier_settings
     from shared.settings import SettingsError
 
-    load, prefix = (verifier_settings, "TOPHAT_VERIFIER_") if service == "verifier" else (device_settings,
-                                                                                          "TOPHAT_DEVICE_")
+    load, prefix = (
+        (verifier_settings, "TOPHAT_VERIFIER_") if service == "verifier" else (device_settings, "TOPHAT_DEVICE_")
+    )
     defaults = load({})
     assert (defaults.device, defaults.dtype) == ("auto", "auto")
     chosen = load({prefix + "DEVICE": "cuda:1", prefix + "DTYPE": "float16"})
@@ -369,8 +400,7 @@ def test_stage_specs_carry_one_gpu_each_and_the_dtype_setting():
 
 
 @pytest.mark.parametrize("stages", [1, 2])
-def test_a_verifier_asked_for_a_missing_gpu_refuses_to_start_with_a_settings_error(tiny_llama_dir, stages,
-                                                                                   monkeypatch):
+def test_a_verifier_asked_for_a_missing_gpu_refuses_to_start_with_a_settings_error(tiny_llama_dir, stages, monkeypatch):
     import services.verifier_cloud.stage_specs as stage_specs
     import shared.model.placement as placement
     from services.verifier_cloud.server import VerifierServer

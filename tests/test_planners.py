@@ -44,8 +44,7 @@ def concave_g(c0: float, c1: float, c2: float) -> Callable[[float], float]:
 coefs = st.tuples(st.floats(0, 0.1), st.floats(0, 1e-3), st.floats(0, 1e-2))
 
 
-def solve(beta: float, g: Callable[[float], float], mu: float, p: int, lo: int, hi: int,
-          prompt: int = 10**9) -> int:
+def solve(beta: float, g: Callable[[float], float], mu: float, p: int, lo: int, hi: int, prompt: int = 10**9) -> int:
     return chunk_size_eq3(A, beta, g, mu, p, lo, hi, prompt)
 
 
@@ -75,7 +74,7 @@ def test_eq3_hand_computed() -> None:
     assert solve(1e8, g, 100, 1, 16, 1024) == 1024
     # bounds off the grid stay as given
     assert solve(1e6, g, 100, 1, 90, 1000) == 112
-    assert solve(1e6, g, 100, 1, 100, 1000) == 100    # the root 97.09 is below min_size
+    assert solve(1e6, g, 100, 1, 100, 1000) == 100  # the root 97.09 is below min_size
     assert solve(1e6, g, 100, 1, 20, 100) == 100
 
 
@@ -94,8 +93,9 @@ def test_eq3_rejects_bad_inputs() -> None:
 
 @light
 @given(betas, coefs, mus, stages, bounds, prompts)
-def test_eq3_bounds_and_grid(beta: float, c: tuple[float, float, float], mu: float, p: int,
-                             b: tuple[int, int], prompt: int) -> None:
+def test_eq3_bounds_and_grid(
+    beta: float, c: tuple[float, float, float], mu: float, p: int, b: tuple[int, int], prompt: int
+) -> None:
     lo, hi = b
     x = solve(beta, concave_g(*c), mu, p, lo, hi, prompt)
     if prompt < lo:
@@ -107,16 +107,18 @@ def test_eq3_bounds_and_grid(beta: float, c: tuple[float, float, float], mu: flo
 
 @light
 @given(st.tuples(betas, betas).map(sorted), coefs, mus, stages, bounds)
-def test_eq3_faster_uplink_never_smaller_chunk(beta: list[float], c: tuple[float, float, float], mu: float,
-                                               p: int, b: tuple[int, int]) -> None:
+def test_eq3_faster_uplink_never_smaller_chunk(
+    beta: list[float], c: tuple[float, float, float], mu: float, p: int, b: tuple[int, int]
+) -> None:
     g = concave_g(*c)
     assert solve(beta[0], g, mu, p, *b) <= solve(beta[1], g, mu, p, *b)
 
 
 @light
 @given(betas, coefs, st.floats(0, 0.1), st.floats(1, 10), mus, stages, bounds)
-def test_eq3_slower_cloud_never_smaller_chunk(beta: float, c: tuple[float, float, float], shift: float,
-                                              scale: float, mu: float, p: int, b: tuple[int, int]) -> None:
+def test_eq3_slower_cloud_never_smaller_chunk(
+    beta: float, c: tuple[float, float, float], shift: float, scale: float, mu: float, p: int, b: tuple[int, int]
+) -> None:
     g = concave_g(*c)
     base = solve(beta, g, mu, p, *b)
     assert base <= solve(beta, lambda m: g(m) + shift, mu, p, *b)
@@ -125,16 +127,18 @@ def test_eq3_slower_cloud_never_smaller_chunk(beta: float, c: tuple[float, float
 
 @light
 @given(betas, coefs, mus, st.tuples(stages, stages).map(sorted), bounds)
-def test_eq3_longer_pipeline_never_larger_chunk(beta: float, c: tuple[float, float, float], mu: float,
-                                                p: list[int], b: tuple[int, int]) -> None:
+def test_eq3_longer_pipeline_never_larger_chunk(
+    beta: float, c: tuple[float, float, float], mu: float, p: list[int], b: tuple[int, int]
+) -> None:
     g = concave_g(*c)
     assert solve(beta, g, mu, p[0], *b) >= solve(beta, g, mu, p[1], *b)
 
 
 @light
 @given(betas, coefs, mus, stages, bounds)
-def test_eq3_solution_is_the_rounded_up_root(beta: float, c: tuple[float, float, float], mu: float, p: int,
-                                             b: tuple[int, int]) -> None:
+def test_eq3_solution_is_the_rounded_up_root(
+    beta: float, c: tuple[float, float, float], mu: float, p: int, b: tuple[int, int]
+) -> None:
     """Unclamped by the prompt, X is the first grid point with f >= 0: f(previous grid point) < 0 <= f(X)."""
     g, (lo, hi) = concave_g(*c), b
     x = solve(beta, g, mu, p, lo, hi)
@@ -151,10 +155,12 @@ def test_eq3_solution_is_the_rounded_up_root(beta: float, c: tuple[float, float,
 
 
 @light
-@given(st.lists(st.tuples(st.integers(1, 4096), st.floats(0, 0.5)), min_size=1, max_size=12),
-       betas, mus, stages, bounds)
-def test_eq3_sign_change_with_any_monotone_predictor(obs: list[tuple[int, float]], beta: float, mu: float,
-                                                     p: int, b: tuple[int, int]) -> None:
+@given(
+    st.lists(st.tuples(st.integers(1, 4096), st.floats(0, 0.5)), min_size=1, max_size=12), betas, mus, stages, bounds
+)
+def test_eq3_sign_change_with_any_monotone_predictor(
+    obs: list[tuple[int, float]], beta: float, mu: float, p: int, b: tuple[int, int]
+) -> None:
     """For the monitor's piecewise-linear g (not necessarily concave) X still brackets a root of eq. 3."""
     pred = ComputeDelayPredictor()
     for m, eta in obs:
@@ -178,12 +184,17 @@ def test_eq3_sign_change_with_any_monotone_predictor(obs: list[tuple[int, float]
 def test_eq6_hand_computed() -> None:
     # 8 tokens·512 B: up 4096/1e6 = 4.096 ms, down 4096/2e6 = 2.048 ms, cloud 20 ms -> 26.144 ms / 5 ms = 5.23
     assert parallel_draft_steps_eq6(8, A, 1e6, 2e6, 0.02, 0.005, 16) == 5
-    assert parallel_draft_steps_eq6(8, A, 1e6, 2e6, 0.02, 0.005, 3) == 3        # clamped
-    assert parallel_draft_steps_eq6(8, A, 1e6, 2e6, 0.02, 0.5, 16) == 0         # slow device: none
-    assert parallel_draft_steps_eq6(0, A, 1e6, 2e6, 0.3, 0.1, 16) == 3          # 0.3/0.1 is 2.999... in floats
-    assert parallel_draft_steps_eq6(8, A, 1e6, 2e6, 0.02, 1e-300, 16) == 16     # huge ratio: no overflow
-    for bad in ((-1, A, 1e6, 1e6, 0.0, 0.1, 4), (1, A, 0, 1e6, 0.0, 0.1, 4), (1, A, 1e6, 1e6, -1, 0.1, 4),
-                (1, A, 1e6, 1e6, 0.0, 0, 4), (1, A, 1e6, 1e6, math.nan, 0.1, 4)):
+    assert parallel_draft_steps_eq6(8, A, 1e6, 2e6, 0.02, 0.005, 3) == 3  # clamped
+    assert parallel_draft_steps_eq6(8, A, 1e6, 2e6, 0.02, 0.5, 16) == 0  # slow device: none
+    assert parallel_draft_steps_eq6(0, A, 1e6, 2e6, 0.3, 0.1, 16) == 3  # 0.3/0.1 is 2.999... in floats
+    assert parallel_draft_steps_eq6(8, A, 1e6, 2e6, 0.02, 1e-300, 16) == 16  # huge ratio: no overflow
+    for bad in (
+        (-1, A, 1e6, 1e6, 0.0, 0.1, 4),
+        (1, A, 0, 1e6, 0.0, 0.1, 4),
+        (1, A, 1e6, 1e6, -1, 0.1, 4),
+        (1, A, 1e6, 1e6, 0.0, 0, 4),
+        (1, A, 1e6, 1e6, math.nan, 0.1, 4),
+    ):
         with pytest.raises(ValueError):
             parallel_draft_steps_eq6(*bad)
 
@@ -193,8 +204,9 @@ eq6_args = st.tuples(st.integers(0, 64), betas, betas, st.floats(0, 1.0))
 
 @light
 @given(eq6_args, st.tuples(st.floats(1e-5, 1.0), st.floats(1e-5, 1.0)).map(sorted), st.integers(0, 64))
-def test_eq6_slower_drafting_never_more_steps(args: tuple[int, float, float, float], gammas: list[float],
-                                              max_steps: int) -> None:
+def test_eq6_slower_drafting_never_more_steps(
+    args: tuple[int, float, float, float], gammas: list[float], max_steps: int
+) -> None:
     n, up, down, g_mu = args
     fast = parallel_draft_steps_eq6(n, A, up, down, g_mu, gammas[0], max_steps)
     slow = parallel_draft_steps_eq6(n, A, up, down, g_mu, gammas[1], max_steps)
@@ -203,11 +215,13 @@ def test_eq6_slower_drafting_never_more_steps(args: tuple[int, float, float, flo
 
 @light
 @given(eq6_args, st.floats(0, 1.0), st.floats(1e-5, 1.0), st.integers(0, 64))
-def test_eq6_busier_cloud_never_fewer_steps(args: tuple[int, float, float, float], extra: float, gamma: float,
-                                            max_steps: int) -> None:
+def test_eq6_busier_cloud_never_fewer_steps(
+    args: tuple[int, float, float, float], extra: float, gamma: float, max_steps: int
+) -> None:
     n, up, down, g_mu = args
-    assert (parallel_draft_steps_eq6(n, A, up, down, g_mu, gamma, max_steps)
-            <= parallel_draft_steps_eq6(n, A, up, down, g_mu + extra, gamma, max_steps))
+    assert parallel_draft_steps_eq6(n, A, up, down, g_mu, gamma, max_steps) <= parallel_draft_steps_eq6(
+        n, A, up, down, g_mu + extra, gamma, max_steps
+    )
 
 
 # -- from the monitor's JSON -------------------------------------------------------------------
@@ -218,19 +232,38 @@ def cloud_json(samples: list[tuple[int, float]]) -> dict[str, Any]:
     cloud = CloudState()
     for i, (m, eta) in enumerate(samples):
         cloud.observe_step(m, eta, now=float(i))
-    return {"mu": cloud.mu.value, "alpha": cloud.alpha, "g": {"buckets": cloud.g.table(), "line": None},
-            "updated_at": cloud.updated_at}
+    return {
+        "mu": cloud.mu.value,
+        "alpha": cloud.alpha,
+        "g": {"buckets": cloud.g.table(), "line": None},
+        "updated_at": cloud.updated_at,
+    }
 
 
 def device_json(**kw: Any) -> dict[str, Any]:
-    base = {"device_id": "d", "gamma": 0.004, "beta_up": 8e5, "beta_down": 1.6e6, "last_update": 1.0,
-            "age_s": 0.5, "stale": False}
+    base = {
+        "device_id": "d",
+        "gamma": 0.004,
+        "beta_up": 8e5,
+        "beta_down": 1.6e6,
+        "last_update": 1.0,
+        "age_s": 0.5,
+        "stale": False,
+    }
     return {**base, **kw}
 
 
 SAMPLES = [(64, 0.02), (512, 0.06), (8, 0.01), (128, 0.03), (2048, 0.2)]
-INPUTS = PlannerInputs(bytes_per_token=A, stages=1, min_chunk_size=16, max_chunk_size=1024,
-                       default_chunk_size=128, stale_after_s=30, default_draft_steps=2, max_draft_steps=16)
+INPUTS = PlannerInputs(
+    bytes_per_token=A,
+    stages=1,
+    min_chunk_size=16,
+    max_chunk_size=1024,
+    default_chunk_size=128,
+    stale_after_s=30,
+    default_draft_steps=2,
+    max_draft_steps=16,
+)
 
 
 def test_predictor_rebuilt_from_cloud_json_matches_monitor() -> None:
@@ -262,35 +295,47 @@ def test_plan_from_state_uses_eq3_and_eq6() -> None:
     assert source == "eq6" and steps == parallel_draft_steps_eq6(8, A, 8e5, 1.6e6, g(cloud["mu"]), 0.004, 16)
 
 
-@pytest.mark.parametrize(("cloud", "device", "reason"), [
-    (cloud_json(SAMPLES), None, "no-telemetry"),
-    (None, device_json(), "no-telemetry"),
-    ({"mu": None, "g": {"buckets": []}}, device_json(), "no-telemetry"),
-    (cloud_json(SAMPLES), device_json(last_update=None, age_s=None), "no-telemetry"),
-    (cloud_json(SAMPLES), device_json(age_s=31.0), "stale"),
-    (cloud_json(SAMPLES), device_json(age_s=None, stale=True), "stale"),
-    (cloud_json(SAMPLES), device_json(beta_up=None), "missing-beta"),
-    (cloud_json(SAMPLES), device_json(beta_up=-5.0), "bad-telemetry"),
-    (cloud_json(SAMPLES), device_json(beta_up="fast"), "bad-telemetry"),
-])
+@pytest.mark.parametrize(
+    ("cloud", "device", "reason"),
+    [
+        (cloud_json(SAMPLES), None, "no-telemetry"),
+        (None, device_json(), "no-telemetry"),
+        ({"mu": None, "g": {"buckets": []}}, device_json(), "no-telemetry"),
+        (cloud_json(SAMPLES), device_json(last_update=None, age_s=None), "no-telemetry"),
+        (cloud_json(SAMPLES), device_json(age_s=31.0), "stale"),
+        (cloud_json(SAMPLES), device_json(age_s=None, stale=True), "stale"),
+        (cloud_json(SAMPLES), device_json(beta_up=None), "missing-beta"),
+        (cloud_json(SAMPLES), device_json(beta_up=-5.0), "bad-telemetry"),
+        (cloud_json(SAMPLES), device_json(beta_up="fast"), "bad-telemetry"),
+    ],
+)
 def test_plan_from_state_defaults(cloud: dict[str, Any] | None, device: dict[str, Any] | None, reason: str) -> None:
     assert plan_from_state(cloud, device, INPUTS, 5000) == (128, f"default:{reason}")
     assert plan_from_state(cloud, device, INPUTS, 50) == (50, f"default:{reason}")
 
 
-@pytest.mark.parametrize(("device", "reason"), [
-    (device_json(beta_down=None), "missing-beta"),
-    (device_json(gamma=None), "missing-gamma"),
-    (device_json(gamma=0.0), "bad-telemetry"),
-    (device_json(age_s=100.0), "stale"),
-])
+@pytest.mark.parametrize(
+    ("device", "reason"),
+    [
+        (device_json(beta_down=None), "missing-beta"),
+        (device_json(gamma=None), "missing-gamma"),
+        (device_json(gamma=0.0), "bad-telemetry"),
+        (device_json(age_s=100.0), "stale"),
+    ],
+)
 def test_plan_draft_steps_defaults(device: dict[str, Any], reason: str) -> None:
     assert plan_draft_steps_from_state(cloud_json(SAMPLES), device, INPUTS, 8) == (2, f"default:{reason}")
 
 
 def test_defaults_are_clamped() -> None:
-    inputs = PlannerInputs(bytes_per_token=A, min_chunk_size=32, max_chunk_size=64, default_chunk_size=8,
-                           default_draft_steps=9, max_draft_steps=4)
+    inputs = PlannerInputs(
+        bytes_per_token=A,
+        min_chunk_size=32,
+        max_chunk_size=64,
+        default_chunk_size=8,
+        default_draft_steps=9,
+        max_draft_steps=4,
+    )
     assert inputs.default_chunk(1000) == 32 and inputs.default_chunk(10) == 10 and inputs.default_steps() == 4
 
 

@@ -10,7 +10,13 @@ import torch
 from shared.model.split import InputSubmodel
 from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
 from tophatctl.privacy.attacks import (
-    AttackError, ContextInverter, LinearInverter, MLPInverter, NearestEmbedding, TrainBudget, recovery,
+    AttackError,
+    ContextInverter,
+    LinearInverter,
+    MLPInverter,
+    NearestEmbedding,
+    TrainBudget,
+    recovery,
 )
 from tophatctl.privacy.states import StatesError, dataset, hidden_states
 

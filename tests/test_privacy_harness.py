@@ -60,9 +60,21 @@ def test_the_rotation_hides_the_basis_and_keeps_the_answers(demo_checkpoint, run
 
 def test_the_tables_show_each_row_and_cost(runs):
     _, plain, _ = runs
-    results = {"results": [{"m": 2, "attack": "linear", "defence": "none", "attacker": "public", "top1": 0.875,
-                            "top5": 0.99, "tokens": 10, "train": {"tokens": 100, "steps": 0, "wall_s": 1.0}}],
-               "costs": [cost_row(2, "none", plain), cost_row(2, "noise:0.3", Captured([], [], [0.1], [0.01], [], [False]))],
-               "notes": {"rotation_recovery_error": 1e-8}}
+    results = {
+        "results": [
+            {
+                "m": 2,
+                "attack": "linear",
+                "defence": "none",
+                "attacker": "public",
+                "top1": 0.875,
+                "top5": 0.99,
+                "tokens": 10,
+                "train": {"tokens": 100, "steps": 0, "wall_s": 1.0},
+            }
+        ],
+        "costs": [cost_row(2, "none", plain), cost_row(2, "noise:0.3", Captured([], [], [0.1], [0.01], [], [False]))],
+        "notes": {"rotation_recovery_error": 1e-8},
+    }
     table = format_privacy_table(results)
     assert "0.875" in table and "noise:0.3" in table and "0 %" in table and "1.0e-08" in table

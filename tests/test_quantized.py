@@ -167,8 +167,14 @@ def test_a_block_with_a_shape_int4_cannot_pack_stays_int8_whole_so_its_projectio
     from shared.model.fused import fused_layer
     from shared.model.quantized import quantize_model
 
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=8, num_key_value_heads=1)  # k/v: 8 outputs, not a multiple of 64
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+    )  # k/v: 8 outputs, not a multiple of 64
     model = quantize_model(LlamaForCausalLM(config).eval(), "int4")
     layer = model.model.layers[0]
     assert {getattr(layer.self_attn, f"{p}_proj").bits for p in "qkvo"} == {8}

@@ -63,7 +63,9 @@ def device(quantized_checkpoint):
     ],
     ids=["chain", "parallel-drafting", "tree", "ushape"],
 )
-def test_hat_rounds_equal_the_unsplit_model_at_the_same_quantization(quantized_checkpoint, device, expected, config, options):
+def test_hat_rounds_equal_the_unsplit_model_at_the_same_quantization(
+    quantized_checkpoint, device, expected, config, options
+):
     accepted = 0
     for prompt, want in zip(PROMPTS, expected):
         session = DeviceSession(device, prompt, SamplingParams(), config, MAX_NEW)
@@ -75,12 +77,15 @@ def test_hat_rounds_equal_the_unsplit_model_at_the_same_quantization(quantized_c
 
 
 @pytest.mark.slow
-def test_cloud_and_streamed_modes_equal_the_unsplit_model_at_the_same_quantization(quantized_checkpoint, device, expected):
+def test_cloud_and_streamed_modes_equal_the_unsplit_model_at_the_same_quantization(
+    quantized_checkpoint, device, expected
+):
     async def main():
         token_model = TokenModel(quantized_checkpoint, M)
         async with verifier_on_loopback(quantized_checkpoint, M, token_model=token_model, full_model=True) as (_, url):
-            cloud = WebSocketCloud(url, quantized_checkpoint.hidden_size, request_timeout_s=30,
-                                   **split_identity(quantized_checkpoint, M))
+            cloud = WebSocketCloud(
+                url, quantized_checkpoint.hidden_size, request_timeout_s=30, **split_identity(quantized_checkpoint, M)
+            )
             got: dict[str, list[list[int]]] = {}
             for index, prompt in enumerate(PROMPTS):
                 tokens = []
@@ -94,8 +99,11 @@ def test_cloud_and_streamed_modes_equal_the_unsplit_model_at_the_same_quantizati
                         config = stream_config(mode, group=2, window=8, max_draft=6)
                         rounds = hat_async_session(session, cloud, session_id, fixed_chunks(len(prompt), 4), config)
                     else:
-                        config = StreamConfig(pipelined=False) if mode == "token-sd" else stream_config(
-                            mode, group=2, window=8, max_draft=6)
+                        config = (
+                            StreamConfig(pipelined=False)
+                            if mode == "token-sd"
+                            else stream_config(mode, group=2, window=8, max_draft=6)
+                        )
                         rounds = token_stream_session(session, cloud, session_id, config)
                     tokens = []
                     async for emitted in rounds:

@@ -88,10 +88,14 @@ def test_retry_after_is_whole_seconds_at_least_one() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(rate=st.floats(0.1, 50.0), burst=st.integers(1, 20),
-       steps=st.lists(st.tuples(st.floats(0.0, 2.0), st.sampled_from("abc")), min_size=1, max_size=200))
-def test_no_key_ever_exceeds_burst_plus_rate_times_elapsed(rate: float, burst: int,
-                                                            steps: list[tuple[float, str]]) -> None:
+@given(
+    rate=st.floats(0.1, 50.0),
+    burst=st.integers(1, 20),
+    steps=st.lists(st.tuples(st.floats(0.0, 2.0), st.sampled_from("abc")), min_size=1, max_size=200),
+)
+def test_no_key_ever_exceeds_burst_plus_rate_times_elapsed(
+    rate: float, burst: int, steps: list[tuple[float, str]]
+) -> None:
     clock = Clock()
     limiter = RateLimiter(rate, burst, clock=clock)
     start = clock.now

@@ -42,9 +42,12 @@ def _token(device_id: str, ttl_s: float = 60, now: float | None = None) -> str:
 async def verifier_trusting(checkpoint, revoked_tokens: set[str] | None = None):
     """The verifier checking devices' tokens against RING (no leeway), its revocation list re-read every 0.2 s."""
     credential = RING.mint("verifier-cloud", "service", auth.ISSUER, 600, time.time())
-    async with jwks_server(RING, set(), revoked_tokens) as issuer, verifier_on_loopback(
-        checkpoint, M, auth_issuer_url=issuer, auth_credential=credential, auth_leeway_s=0.0, auth_refresh_s=0.2
-    ) as (server, url):
+    async with (
+        jwks_server(RING, set(), revoked_tokens) as issuer,
+        verifier_on_loopback(
+            checkpoint, M, auth_issuer_url=issuer, auth_credential=credential, auth_leeway_s=0.0, auth_refresh_s=0.2
+        ) as (server, url),
+    ):
         await wait_trusted(server.trust)
         yield server, url
 
@@ -85,9 +88,10 @@ async def test_a_refused_new_token_ends_the_connection_with_1008(checkpoint, cas
                 break
             await asyncio.sleep(0.05)
         headers = {"Authorization": f"Bearer {_token('dev-a')}"}
-        async with connect(url, additional_headers=headers) as ws, connect(
-            url, additional_headers={"Authorization": f"Bearer {_token('dev-c')}"}
-        ) as bystander:
+        async with (
+            connect(url, additional_headers=headers) as ws,
+            connect(url, additional_headers={"Authorization": f"Bearer {_token('dev-c')}"}) as bystander,
+        ):
             assert isinstance(await open_session(ws, checkpoint, 1), wire.SessionOpened)
             await ws.send(wire.encode(wire.Reauthenticate(token)))
             refusal = wire.decode(await asyncio.wait_for(ws.recv(), 10))
@@ -126,8 +130,13 @@ class _Tokens:
 async def test_the_device_connection_renews_its_token_by_itself_and_outlives_it(checkpoint):
     tokens = _Tokens("dev-a", first_ttl_s=2)
     async with verifier_trusting(checkpoint) as (_, url):
-        cloud = WebSocketCloud(url, checkpoint.hidden_size, request_timeout_s=5, auth=tokens,  # type: ignore[arg-type]
-                               **split_identity(checkpoint, M))
+        cloud = WebSocketCloud(
+            url,
+            checkpoint.hidden_size,
+            request_timeout_s=5,
+            auth=tokens,  # type: ignore[arg-type]
+            **split_identity(checkpoint, M),
+        )
         try:
             await cloud.open(1)
             connection = cloud._connection
@@ -166,7 +175,7 @@ async def test_keep_fresh_sends_a_fresh_token_at_half_life_and_retries_a_failure
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert calls[0] >= due - 0.05  # not before half the token's life...
-    (at, message), = sent
+    ((at, message),) = sent
     assert isinstance(message, wire.Reauthenticate) and message.token != first
     assert at < expires_at  # ...and, after one failure, before its end
     assert unverified_claims(message.token)["sub"] == "dev-a"

@@ -76,6 +76,7 @@ def test_resolve_redis_url(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- Redis refuses an unauthenticated client (issue 12: "let no one in") ---
 
+
 @pytest.fixture(scope="module")
 def locked() -> Iterator[EmbeddedRedis]:
     with EmbeddedRedis() as server:
@@ -94,8 +95,13 @@ def test_client_without_password_is_refused(locked: EmbeddedRedis) -> None:
 
 
 def test_client_with_wrong_password_is_refused(locked: EmbeddedRedis) -> None:
-    client = redis.Redis(host=locked.host, port=locked.port, password="not-" + locked.password, socket_timeout=5,
-                         retry=Retry(NoBackoff(), 0))
+    client = redis.Redis(
+        host=locked.host,
+        port=locked.port,
+        password="not-" + locked.password,
+        socket_timeout=5,
+        retry=Retry(NoBackoff(), 0),
+    )
     try:
         with pytest.raises(redis.AuthenticationError, match="WRONGPASS|invalid"):
             client.ping()
@@ -162,8 +168,9 @@ def test_mesh_listing_hides_the_redis_password() -> None:
     assert not any("s3cret-pw" in url for url in listing.values())
 
 
-def test_state_monitor_embeds_a_locked_redis_and_logs_no_password(monkeypatch: pytest.MonkeyPatch,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_state_monitor_embeds_a_locked_redis_and_logs_no_password(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import services.state_monitor.__main__ as monitor_main
 
     for name in ("REDIS_URL", "TOPHAT_STATE_MONITOR_REDIS_URL", "TOPHAT_STATE_MONITOR_EMBEDDED_REDIS"):

@@ -48,9 +48,21 @@ REPO = Path(__file__).resolve().parents[1]
 def start_stage(model_dir: Path, issuer_url: str, index: int, port: int) -> subprocess.Popen:
     start, stop = LAYERS[index]
     env = {**os.environ, "TOPHAT_STAGE_AUTH_ISSUER_URL": issuer_url, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "services.verifier_cloud.stage", "--model-dir", str(model_dir),
-               "--split-layers", str(M), "--layers", f"{start}-{stop}", "--index", str(index),
-               "--listen", f"127.0.0.1:{port}"]
+    command = [
+        sys.executable,
+        "-m",
+        "services.verifier_cloud.stage",
+        "--model-dir",
+        str(model_dir),
+        "--split-layers",
+        str(M),
+        "--layers",
+        f"{start}-{stop}",
+        "--index",
+        str(index),
+        "--listen",
+        f"127.0.0.1:{port}",
+    ]
     return subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -98,8 +110,9 @@ def remote(ports) -> RemoteStages:
     return RemoteStages(tuple(("127.0.0.1", p) for p in ports), ("127.0.0.1", 0), "127.0.0.1", unused)
 
 
-def token(role: str = "service", subject: str = "verifier-cloud", audience: str = auth.STAGE,
-          ring: KeyRing = RING) -> bytes:
+def token(
+    role: str = "service", subject: str = "verifier-cloud", audience: str = auth.STAGE, ring: KeyRing = RING
+) -> bytes:
     return ring.mint(subject, role, audience, 60, time.time()).encode()
 
 
@@ -107,9 +120,16 @@ def token(role: str = "service", subject: str = "verifier-cloud", audience: str 
 async def verifier(stages, tiny_llama_dir, issuer):
     _, ports = stages
     credential = RING.mint(auth.VERIFIER_SUBJECT, "service", auth.ISSUER, 3600, time.time())
-    settings = Settings(port=0, split_layers=M, model_dir=str(tiny_llama_dir), auth_issuer_url=issuer,
-                        auth_credential=credential, stage_addresses=",".join(f"127.0.0.1:{p}" for p in ports),
-                        stage_start_timeout_s=60.0, stage_timeout_s=30.0)
+    settings = Settings(
+        port=0,
+        split_layers=M,
+        model_dir=str(tiny_llama_dir),
+        auth_issuer_url=issuer,
+        auth_credential=credential,
+        stage_addresses=",".join(f"127.0.0.1:{p}" for p in ports),
+        stage_start_timeout_s=60.0,
+        stage_timeout_s=30.0,
+    )
     server = VerifierServer.from_settings(settings)
     stop, started = asyncio.Event(), asyncio.get_running_loop().create_future()
     task = asyncio.create_task(server.serve_forever(stop, started))
@@ -121,8 +141,13 @@ async def verifier(stages, tiny_llama_dir, issuer):
 
 def device_cloud(checkpoint, issuer: str, port: int) -> WebSocketCloud:
     broker = TokenBroker(issuer, RING.mint("device-0", "device", auth.ISSUER, 3600, time.time()))
-    return WebSocketCloud(f"ws://127.0.0.1:{port}/ws", checkpoint.hidden_size, wire.WireDtype.F32,
-                          auth=BrokerAuth(broker, auth.VERIFIER), **split_identity(checkpoint, M))
+    return WebSocketCloud(
+        f"ws://127.0.0.1:{port}/ws",
+        checkpoint.hidden_size,
+        wire.WireDtype.F32,
+        auth=BrokerAuth(broker, auth.VERIFIER),
+        **split_identity(checkpoint, M),
+    )
 
 
 @pytest.mark.slow
@@ -189,8 +214,12 @@ async def test_stage_addresses_set_the_stage_count_and_exclude_emulated_links(ti
     settings.validate()
     assert settings.pipeline_stages == 2 and settings.stage_workers
     assert settings.remote_stage_addresses() == [("jetson-1", 7200), ("::1", 7201)]
-    for bad in ({"stage_addresses": "jetson-1"}, {"stage_addresses": "a:1,b:2", "stage_links": "lan"},
-                {"stage_addresses": "a:1,b:2", "pipeline_stages": 3}, {"stage_return_address": "nope"}):
+    for bad in (
+        {"stage_addresses": "jetson-1"},
+        {"stage_addresses": "a:1,b:2", "stage_links": "lan"},
+        {"stage_addresses": "a:1,b:2", "pipeline_stages": 3},
+        {"stage_return_address": "nope"},
+    ):
         with pytest.raises(ValueError):
             Settings(model_dir=str(tiny_llama_dir), **bad).validate()
 

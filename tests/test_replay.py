@@ -41,8 +41,9 @@ class DyingCloud:
     """A LocalCloud that 'dies' at chosen calls: the call fails and every session's KV is gone (as
     when the verifier process is killed and another one, empty, takes its place)."""
 
-    def __init__(self, middle, die_at: set[int], answer_dies: set[int] = frozenset(), down_for: int = 0,
-                 link_yields: int = 0):
+    def __init__(
+        self, middle, die_at: set[int], answer_dies: set[int] = frozenset(), down_for: int = 0, link_yields: int = 0
+    ):
         self.local = StrictLocalCloud(middle)
         self.link_yields = link_yields  # a slow link: each prefill frame lets the event loop run this often
         self.prefills: list[tuple[int, int]] = []  # (start, rows) of every prefill frame the verifier took
@@ -101,15 +102,18 @@ def run(checkpoint, ids, cloud, max_new=24, chunk_size=4, generate_options=None,
     return result, replaying
 
 
-@pytest.mark.parametrize("die_at,answer_dies,down_for", [
-    ({1}, set(), 0),          # the open
-    ({1}, set(), 2),          # the open, while the verifier is down for a while
-    ({3}, set(), 0),          # the second prefill chunk's send
-    (set(), {2}, 0),          # the first chunk's answer, while later chunks are in flight
-    ({6}, set(), 0),          # the first verification
-    ({9, 14}, set(), 0),      # two losses in the decode
-    ({8}, set(), 3),          # a verification, and the first reconnects fail too
-])
+@pytest.mark.parametrize(
+    "die_at,answer_dies,down_for",
+    [
+        ({1}, set(), 0),  # the open
+        ({1}, set(), 2),  # the open, while the verifier is down for a while
+        ({3}, set(), 0),  # the second prefill chunk's send
+        (set(), {2}, 0),  # the first chunk's answer, while later chunks are in flight
+        ({6}, set(), 0),  # the first verification
+        ({9, 14}, set(), 0),  # two losses in the decode
+        ({8}, set(), 3),  # a verification, and the first reconnects fail too
+    ],
+)
 def test_greedy_tokens_survive_a_lost_verifier(tiny_llama_dir, die_at, answer_dies, down_for):
     from shared.model.checkpoint import load_checkpoint
 
@@ -161,9 +165,13 @@ def test_finish_alone_ends_on_the_draft_model_after_the_deadline(tiny_llama_dir,
     expected = generate_full(checkpoint, ids, 24).token_ids
     cloud = DyingCloud(MiddleSubmodel(checkpoint, M), {7}, down_for=10**9)
     lost = lambda exc: isinstance(exc, (VerifierLost, FailoverExhausted))  # noqa: E731
-    result, _ = run(checkpoint, ids, cloud, deadline_s=0.2,
-                    generate_options={"finish_alone_on": lost, "parallel_candidates": parallel_candidates,
-                                      "parallel_steps": 2})
+    result, _ = run(
+        checkpoint,
+        ids,
+        cloud,
+        deadline_s=0.2,
+        generate_options={"finish_alone_on": lost, "parallel_candidates": parallel_candidates, "parallel_steps": 2},
+    )
     assert result.degraded and len(result.token_ids) == 24
     verified = sum(result.accept_lengths) + 1  # the prefill's token and every verified round's
     assert 1 < verified < 24 and result.token_ids[:verified] == expected[:verified]
@@ -211,8 +219,15 @@ def test_the_total_deadline_holds_when_each_recovery_is_within_its_own(tiny_llam
     replays: list[tuple[int, int, float]] = []
     started = time.monotonic()
     with pytest.raises(FailoverExhausted, match="0.35 s of recovering in all") as gave_up:
-        run(checkpoint, [5, 6, 7, 8, 9], cloud, deadline_s=5.0, max_recoveries=100, total_deadline_s=0.35,
-            on_replay=lambda *event: replays.append(event))
+        run(
+            checkpoint,
+            [5, 6, 7, 8, 9],
+            cloud,
+            deadline_s=5.0,
+            max_recoveries=100,
+            total_deadline_s=0.35,
+            on_replay=lambda *event: replays.append(event),
+        )
     assert all(seconds < 5.0 for _, _, seconds in replays)  # no recovery reached its own deadline
     assert 2 <= len(replays) <= 4 and 0.35 <= gave_up.value.recovering_s < 0.6
     assert time.monotonic() - started < 3.0

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from shared.model.checkpoint import load_checkpoint
-from shared.model.rotation import (RotationError, check_rotation, rotate_layers, rotation_tag,
-                                   secret_rotation)
+from shared.model.rotation import RotationError, check_rotation, rotate_layers, rotation_tag, secret_rotation
 from shared.model.split import MiddleSubmodel
 from tophatctl.privacy.rotation_attack import recover_rotation, rotation_error
 

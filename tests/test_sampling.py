@@ -81,8 +81,11 @@ def test_never_emits_zero_probability_tokens_even_when_draft_prefers_them():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.floats(0.0, 1.0), min_size=VOCAB, max_size=VOCAB), st.lists(st.floats(0.0, 1.0), min_size=VOCAB, max_size=VOCAB),
-       st.sets(st.integers(0, VOCAB - 1), min_size=1, max_size=VOCAB - 1))
+@given(
+    st.lists(st.floats(0.0, 1.0), min_size=VOCAB, max_size=VOCAB),
+    st.lists(st.floats(0.0, 1.0), min_size=VOCAB, max_size=VOCAB),
+    st.sets(st.integers(0, VOCAB - 1), min_size=1, max_size=VOCAB - 1),
+)
 def test_residual_is_a_distribution_inside_the_target_support(p_raw, q_raw, zeros):
     p = torch.tensor(p_raw) + 1e-3
     p[sorted(zeros)] = 0.0  # tokens the target rules out (top-p): the residual must rule them out too

@@ -37,7 +37,9 @@ def first_tokens_of_rounds(p: torch.Tensor, q: torch.Tensor, trials: int, seed: 
     # p: [k+1, V] target rows, q: [k, V] draft rows (position-dependent toy model)
     generator = torch.Generator().manual_seed(seed)
     k = q.shape[0]
-    drafted = torch.stack([torch.multinomial(q[i], trials, replacement=True, generator=generator) for i in range(k)], -1)  # [T, k]
+    drafted = torch.stack(
+        [torch.multinomial(q[i], trials, replacement=True, generator=generator) for i in range(k)], -1
+    )  # [T, k]
     positions = torch.arange(k)
     p_of_drafted = p[positions, drafted]  # [T, k]
     q_of_drafted = q[positions, drafted]  # [T, k]

@@ -54,7 +54,9 @@ def test_unlimited_rate_is_latency_only() -> None:
     assert [link.delivery_delay(10**9, now=1.0) for _ in range(3)] == pytest.approx([0.02] * 3)
 
 
-@pytest.mark.parametrize("kwargs", [{"rate_bytes_s": 0}, {"rate_bytes_s": math.nan}, {"rate_bytes_s": 1, "latency_s": -1}])
+@pytest.mark.parametrize(
+    "kwargs", [{"rate_bytes_s": 0}, {"rate_bytes_s": math.nan}, {"rate_bytes_s": 1, "latency_s": -1}]
+)
 def test_rejects_bad_parameters(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         LinkShaper(**kwargs)

@@ -37,10 +37,13 @@ def g_lin(mu: float) -> float:
 
 def make_cal(**kw) -> Calibration:
     """One device, linear g(mu) = 10 ms + 0.1 ms/token, no frame overhead: every number by hand."""
-    base = dict(g_table=[(1, g_lin(1)), (1001, g_lin(1001))],
-                devices=[DeviceProfile("d0", gamma_s=0.002, prefill_token_s=1e-4, beta_up=UP, beta_down=DOWN,
-                                       latency_s=LAT)],
-                accept_dist=[1.0], hidden_size=500, frame_overhead_bytes=0)
+    base = dict(
+        g_table=[(1, g_lin(1)), (1001, g_lin(1001))],
+        devices=[DeviceProfile("d0", gamma_s=0.002, prefill_token_s=1e-4, beta_up=UP, beta_down=DOWN, latency_s=LAT)],
+        accept_dist=[1.0],
+        hidden_size=500,
+        frame_overhead_bytes=0,
+    )
     base.update(kw)
     return Calibration(**base)
 
@@ -57,6 +60,7 @@ def gaps(record) -> list[float]:
 
 # -- hand-checkable single-request timelines ----------------------------------------------
 
+
 @pytest.mark.parametrize("stages", [1, 4])
 def test_ushape_single_request_timeline(stages):
     S, gamma, p = 200, 0.002, 1e-4
@@ -71,7 +75,9 @@ def test_ushape_single_request_timeline(stages):
 
 def test_step_and_round_overheads_add_where_the_real_mesh_pays_them():
     S, gamma, p, step_o, round_o = 200, 0.002, 1e-4, 0.0015, 0.004
-    rec = run(make_cal(step_overhead_s=step_o, round_overhead_s=round_o), "ushape", [SimRequest(0, 0.0, S, 3)]).records[0]
+    rec = run(make_cal(step_overhead_s=step_o, round_overhead_s=round_o), "ushape", [SimRequest(0, 0.0, S, 3)]).records[
+        0
+    ]
     # every cloud step pays step_o; the device pays round_o after each answer (prefill included)
     ttft = OPEN + S * p + S * A / UP + LAT + g_lin(S) + step_o + A / DOWN + LAT + round_o
     assert rec.chunk_times_s[0] == pytest.approx(ttft, abs=1e-12)
@@ -117,6 +123,7 @@ def test_cloud_mode_uploads_token_ids_and_runs_the_whole_model():
 
 
 # -- cloud: batching and pipeline stages ---------------------------------------------------
+
 
 def test_concurrent_sessions_share_one_step():
     S, n = 100, 6
@@ -177,11 +184,15 @@ def test_one_session_items_never_overlap_unless_chunk_pipelining():
 
 # -- HAT mechanisms ----------------------------------------------------------------------
 
+
 def test_prompt_chunking_hides_upload_behind_compute_on_a_slow_link():
     S, X = 1024, 128
     up = 1.024e6  # the whole prompt takes 1 s to upload ...
-    cal = make_cal(g_table=[(1, 0.001), (2048, 2.048)],  # ... and g(S) = 1.024 s to compute
-                   devices=[DeviceProfile("slow", 0.002, 0.0, up, DOWN, LAT)], pc_chunk=X)
+    cal = make_cal(
+        g_table=[(1, 0.001), (2048, 2.048)],  # ... and g(S) = 1.024 s to compute
+        devices=[DeviceProfile("slow", 0.002, 0.0, up, DOWN, LAT)],
+        pc_chunk=X,
+    )
     whole = run(cal, "ushape", [SimRequest(0, 0.0, S, 1)]).records[0].chunk_times_s[0]
     chunked = run(cal, "hat-pc", [SimRequest(0, 0.0, S, 1)]).records[0].chunk_times_s[0]
     assert whole == pytest.approx(OPEN + S * A / up + LAT + 1.024 + A / DOWN + LAT)
@@ -220,7 +231,9 @@ def test_a_fully_accepted_round_drafted_one_token_less():
         return (k + 1) * gamma + (k + 1) * A / UP + LAT + g_lin(k + 1) + (k + 1) * A / DOWN + LAT
 
     ran_to_rejection = run(cal, "hat-sd", [SimRequest(0, 0.0, 100, 7)]).records[0]
-    all_accepted = run(dataclasses.replace(cal, full_accept_rate=1.0), "hat-sd", [SimRequest(0, 0.0, 100, 7)]).records[0]
+    all_accepted = run(dataclasses.replace(cal, full_accept_rate=1.0), "hat-sd", [SimRequest(0, 0.0, 100, 7)]).records[
+        0
+    ]
     # k = 3 with the third rejected; the last round is capped by the tokens left (k = 2)
     assert gaps(ran_to_rejection) == pytest.approx([round_s(3), round_s(2)], abs=1e-12)
     assert gaps(all_accepted) == pytest.approx([round_s(2)] * 2, abs=1e-12)  # k = 2, both accepted, +1
@@ -243,6 +256,7 @@ def test_parallel_drafting_hits_skip_the_next_draft():
 
 # -- runs: determinism, the load generator's trace, reports ----------------------------------
 
+
 def test_same_seed_same_results_and_the_seed_matters():
     cal = Calibration()
     cfg = SimConfig(devices=4, stages=4, num_requests=12, seed=3, max_new_tokens=16)
@@ -260,8 +274,12 @@ def test_requests_replay_the_load_generators_trace():
     lengths = fit_lengths(BUILTIN["cnndm"], n, np.random.default_rng([seed, 2]), MIN_PROMPT_TOKENS, 2048 - 128)
     assert [r.prompt_tokens for r in reqs] == lengths.tolist()
     assert [r.device_hint for r in reqs] == [i % 3 for i in range(n)]
-    sim = run_simulation(Calibration(), "ushape", rate, SimConfig(devices=3, num_requests=n, seed=seed,
-                                                                  workload="cnndm", max_new_tokens=4))
+    sim = run_simulation(
+        Calibration(),
+        "ushape",
+        rate,
+        SimConfig(devices=3, num_requests=n, seed=seed, workload="cnndm", max_new_tokens=4),
+    )
     assert [r.arrival_s for r in sim.records] == [r.arrival_s for r in reqs]
 
 
@@ -275,8 +293,9 @@ def test_heterogeneous_devices_and_mode_cycle():
     reqs = [SimRequest(i, 10.0 * i, 500, 8) for i in range(10)]  # far apart: no interference
     slow = run(cycled, "ushape", reqs).records
     base = run(cal, "ushape", reqs).records
-    assert [round(s.end_s - s.arrival_s, 9) > round(b.end_s - b.arrival_s, 9) for s, b in zip(slow, base)] == \
-        [False] * 5 + [True] * 5
+    assert [round(s.end_s - s.arrival_s, 9) > round(b.end_s - b.arrival_s, 9) for s, b in zip(slow, base)] == [
+        False
+    ] * 5 + [True] * 5
 
 
 def test_modes_parse():
@@ -301,11 +320,24 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
     for mu, eta in ((4, 0.004), (4, 0.006), (256, 0.030)):
         cloud.observe_step(mu, eta, 0.0)
     cloud_json = {"mu": cloud.mu.value, "alpha": 0.8, "g": {"buckets": cloud.g.table()}, "step_overhead_s": 0.0015}
-    devices_json = {"devices": [{"device_id": "device-0", "gamma": 0.004, "beta_up": 5e5, "beta_down": None,
-                                 "stale": False, "round_overhead_s": 0.004, "prefill_token_s": 3e-5, "rtt_s": 0.012,
-                                 "pd_hit_rate": 0.7, "round_overhead_median_s": 0.002, "full_accept_rate": 0.4},
-                                {"device_id": "device-1", "gamma": 0.008, "round_overhead_s": 0.006,
-                                 "round_overhead_median_s": 0.003}]}
+    devices_json = {
+        "devices": [
+            {
+                "device_id": "device-0",
+                "gamma": 0.004,
+                "beta_up": 5e5,
+                "beta_down": None,
+                "stale": False,
+                "round_overhead_s": 0.004,
+                "prefill_token_s": 3e-5,
+                "rtt_s": 0.012,
+                "pd_hit_rate": 0.7,
+                "round_overhead_median_s": 0.002,
+                "full_accept_rate": 0.4,
+            },
+            {"device_id": "device-1", "gamma": 0.008, "round_overhead_s": 0.006, "round_overhead_median_s": 0.003},
+        ]
+    }
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
@@ -351,13 +383,42 @@ def test_compare_with_real_and_cli(tmp_path):
     app = typer.Typer()
     app.command("simulate")(simulate_command)
     app.command("other")(lambda: None)  # two commands, so each is invoked by name
-    real = {"request_rate": 4.0, "num_devices": 2, "mean_ttft_ms": 100.0, "median_ttft_ms": 100.0,
-            "p90_ttft_ms": 100.0, "p99_ttft_ms": 100.0, "mean_tbt_ms": 50.0, "median_tbt_ms": 50.0,
-            "p90_tbt_ms": 50.0, "p99_tbt_ms": 50.0, "mean_accept_length": 2.0}
+    real = {
+        "request_rate": 4.0,
+        "num_devices": 2,
+        "mean_ttft_ms": 100.0,
+        "median_ttft_ms": 100.0,
+        "p90_ttft_ms": 100.0,
+        "p99_ttft_ms": 100.0,
+        "mean_tbt_ms": 50.0,
+        "median_tbt_ms": 50.0,
+        "p90_tbt_ms": 50.0,
+        "p99_tbt_ms": 50.0,
+        "mean_accept_length": 2.0,
+    }
     (tmp_path / "real.json").write_text(json.dumps(real))
-    result = CliRunner().invoke(app, ["simulate", "--devices", "2", "--rates", "4", "--modes", "ushape,hat",
-                                      "-n", "6", "--max-new-tokens", "8", "--out", str(tmp_path / "out"),
-                                      "--compare-real", str(tmp_path / "real.json"), "--real-mode", "hat"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "simulate",
+            "--devices",
+            "2",
+            "--rates",
+            "4",
+            "--modes",
+            "ushape,hat",
+            "-n",
+            "6",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(tmp_path / "out"),
+            "--compare-real",
+            str(tmp_path / "real.json"),
+            "--real-mode",
+            "hat",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "TTFT/ushape" in result.output and "rel diff" in result.output
     grid = json.loads((tmp_path / "out" / "simulation.json").read_text())

@@ -42,8 +42,9 @@ def mesh():
 
 def reference(checkpoint, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     """(templated prompt ids, the unsplit model's greedy answer ids) for a conversation."""
-    ids = checkpoint.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
+    ids = checkpoint.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return ids, generate_full(checkpoint, ids, MAX_TOKENS).token_ids
 
 
@@ -55,10 +56,15 @@ def openai_client(mesh: Mesh):
 
 # -- the renderer (no mesh) -------------------------------------------------------------------------
 
+
 def test_template_tokenizer_renders_exactly_apply_chat_template(smollm2):
     tokenizer = smollm2.tokenizer
-    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
-               {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is 2+2?"}]
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
     ids = chat_prompt_ids(tokenizer, history)
     assert ids == tokenizer.apply_chat_template(history, add_generation_prompt=True, return_dict=False)
     text = tokenizer.decode(ids)
@@ -81,8 +87,9 @@ def test_tokenizer_without_template_gets_role_lines(demo_checkpoint):
     assert not tokenizer.chat_template
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert plain_chat_text(messages) == "system: be brief\nuser: hi\nassistant:"
-    assert chat_prompt_ids(tokenizer, messages) == tokenizer.encode("system: be brief\nuser: hi\nassistant:",
-                                                                    add_special_tokens=False)
+    assert chat_prompt_ids(tokenizer, messages) == tokenizer.encode(
+        "system: be brief\nuser: hi\nassistant:", add_special_tokens=False
+    )
 
 
 def test_malformed_conversations_are_clear_errors(smollm2):
@@ -108,14 +115,20 @@ def test_a_missing_adapter_is_a_clear_choice_before_anything_starts(tmp_path):
 
 # -- through the real mesh -------------------------------------------------------------------------
 
+
 def test_greedy_chat_answer_is_the_unsplit_models(mesh, smollm2):
-    messages = [{"role": "system", "content": "You are a concise assistant."},
-                {"role": "user", "content": "Give me three tips for writing clear Python functions."}]
+    messages = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Give me three tips for writing clear Python functions."},
+    ]
     prompt_ids, expected = reference(smollm2, messages)
     body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
     reply = httpx.post(f"{mesh.config.streamer_url}/v1/chat/completions", json=body, timeout=120).json()
-    assert reply["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(expected),
-                              "total_tokens": len(prompt_ids) + len(expected)}
+    assert reply["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(expected),
+        "total_tokens": len(prompt_ids) + len(expected),
+    }
     assert reply["choices"][0]["message"]["content"] == smollm2.tokenizer.decode(expected, skip_special_tokens=True)
 
 
@@ -124,8 +137,13 @@ def test_device_agent_renders_the_template_and_streams_the_unsplit_models_ids(me
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt_ids, expected = reference(smollm2, messages)
     events = []
-    with httpx.stream("POST", f"{mesh.config.device_url(0)}/generate", auth=mesh.operator_auth(),
-                      json={"messages": messages, "max_new_tokens": MAX_TOKENS}, timeout=120) as response:
+    with httpx.stream(
+        "POST",
+        f"{mesh.config.device_url(0)}/generate",
+        auth=mesh.operator_auth(),
+        json={"messages": messages, "max_new_tokens": MAX_TOKENS},
+        timeout=120,
+    ) as response:
         events = [json.loads(line) for line in response.iter_lines() if line]
     assert events[0] == {"type": "start", "request_id": events[0]["request_id"], "prompt_tokens": len(prompt_ids)}
     assert [t for e in events if e["type"] == "tokens" for t in e["token_ids"]] == expected
@@ -137,10 +155,18 @@ def test_device_agent_renders_the_template_and_streams_the_unsplit_models_ids(me
 def test_rounds_that_accept_drafts_still_give_the_unsplit_models_ids(mesh, smollm2):
     messages = [{"role": "user", "content": "Give me three tips for writing clear Python functions."}]
     _, expected = reference(smollm2, messages)
-    with httpx.stream("POST", f"{mesh.config.device_url(0)}/generate", auth=mesh.operator_auth(),
-                      json={"messages": messages, "max_new_tokens": MAX_TOKENS}, timeout=120) as response:
-        rounds = [json.loads(line)["token_ids"] for line in response.iter_lines()
-                  if line and json.loads(line)["type"] == "tokens"]
+    with httpx.stream(
+        "POST",
+        f"{mesh.config.device_url(0)}/generate",
+        auth=mesh.operator_auth(),
+        json={"messages": messages, "max_new_tokens": MAX_TOKENS},
+        timeout=120,
+    ) as response:
+        rounds = [
+            json.loads(line)["token_ids"]
+            for line in response.iter_lines()
+            if line and json.loads(line)["type"] == "tokens"
+        ]
     assert [t for r in rounds for t in r] == expected
     assert max(len(r) for r in rounds) > 1  # the adapter's drafts were accepted in some round
 
@@ -155,8 +181,14 @@ def test_two_turn_chat_through_the_openai_client(mesh, smollm2):
         if follow_up is not None:
             history += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": follow_up}]
         prompt_ids, expected = reference(smollm2, history)
-        stream = client.chat.completions.create(model="smollm2", messages=history, max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        stream = client.chat.completions.create(
+            model="smollm2",
+            messages=history,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -178,16 +210,21 @@ def test_completions_stay_raw_text(mesh, smollm2):
     reply = client.completions.create(model="smollm2", prompt=prompt, max_tokens=6, temperature=0)
     assert reply.model == "smollm2"
     assert reply.usage.prompt_tokens == len(ids)  # no template around it
-    assert reply.choices[0].text == smollm2.tokenizer.decode(generate_full(smollm2, ids, 6).token_ids,
-                                                             skip_special_tokens=True)
+    assert reply.choices[0].text == smollm2.tokenizer.decode(
+        generate_full(smollm2, ids, 6).token_ids, skip_special_tokens=True
+    )
 
 
 def test_ignore_eos_seed_and_text_parts_through_the_openai_client(mesh):
     """vLLM's ignore_eos runs past the end of turn to the token budget (the greedy answer first, then on);
     the same seed samples the same answer; text parts are one message."""
     client = openai_client(mesh)
-    question = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
-                                             {"type": "text", "text": "of France?"}]}]
+    question = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}],
+        }
+    ]
 
     def ask(**fields):
         return client.chat.completions.create(model="smollm2", messages=question, **fields)
@@ -197,7 +234,9 @@ def test_ignore_eos_seed_and_text_parts_through_the_openai_client(mesh):
     past = ask(max_completion_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
     assert past.choices[0].finish_reason == "length" and past.usage.completion_tokens == MAX_TOKENS
     assert past.choices[0].message.content.startswith(ended.choices[0].message.content)
-    sampled = [ask(max_tokens=12, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}).choices[0]
-               for seed in (1234, 1234, 1, 2)]
+    sampled = [
+        ask(max_tokens=12, temperature=1.0, seed=seed, extra_body={"ignore_eos": True}).choices[0]
+        for seed in (1234, 1234, 1, 2)
+    ]
     assert sampled[0].message.content == sampled[1].message.content  # same seed, same tokens
     assert len({c.message.content for c in sampled}) > 1  # other seeds: other samples

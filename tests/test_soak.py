@@ -27,8 +27,16 @@ def test_rss_is_read_from_proc_and_a_gone_process_has_none():
 
 
 async def test_a_short_soak_reports_every_service_and_no_failure(mesh):
-    report = await soak(mesh.config.streamer_url, lambda: mesh_processes(mesh), model_dir=str(DEMO_MODEL_DIR),
-                        duration_s=3.0, rate=2.0, warmup_requests=1, max_new_tokens=8, sample_every_s=0.5)
+    report = await soak(
+        mesh.config.streamer_url,
+        lambda: mesh_processes(mesh),
+        model_dir=str(DEMO_MODEL_DIR),
+        duration_s=3.0,
+        rate=2.0,
+        warmup_requests=1,
+        max_new_tokens=8,
+        sample_every_s=0.5,
+    )
     text = report.format()
     assert report.ok and report.failed == 0 and report.warmup_failed == 0, text
     assert report.requests >= 1 and report.completed == report.requests, text
@@ -42,9 +50,16 @@ async def test_a_short_soak_reports_every_service_and_no_failure(mesh):
 
 async def test_failed_requests_are_counted_and_fail_the_soak(mesh):
     """Every request carries a temperature the streamer refuses (400): each one is a failure in the report."""
-    report = await soak(mesh.config.streamer_url, lambda: mesh_processes(mesh), model_dir=str(DEMO_MODEL_DIR),
-                        duration_s=2.0, rate=3.0, warmup_requests=2, max_new_tokens=8,
-                        extra_body={"temperature": -1.0})
+    report = await soak(
+        mesh.config.streamer_url,
+        lambda: mesh_processes(mesh),
+        model_dir=str(DEMO_MODEL_DIR),
+        duration_s=2.0,
+        rate=3.0,
+        warmup_requests=2,
+        max_new_tokens=8,
+        extra_body={"temperature": -1.0},
+    )
     text = report.format()
     assert report.warmup_failed == 2 and report.requests >= 1 and report.failed == report.requests, text
     assert report.completed == 0 and not report.ok, text

@@ -74,9 +74,13 @@ def test_the_end_reading_counts_toward_the_peak_unless_the_service_was_restarted
 
 
 def test_a_memory_failure_fails_the_report_and_is_printed():
-    report = SoakReport(duration_s=60, rate=1, warmup_requests=1, warmup_failed=0,
-                        memory=[memory("verifier-cloud", [BASE + i * 4 * MIB for i in range(30)]),
-                                memory("redis", [10 * MIB] * 30)])
+    report = SoakReport(
+        duration_s=60,
+        rate=1,
+        warmup_requests=1,
+        warmup_failed=0,
+        memory=[memory("verifier-cloud", [BASE + i * 4 * MIB for i in range(30)]), memory("redis", [10 * MIB] * 30)],
+    )
     text = report.format()
     assert not report.ok and report.memory_failures == [report.memory[0].failure(report.rss_limit)]
     assert "FAIL: verifier-cloud grew" in text and "PASS" not in text

@@ -96,7 +96,9 @@ def test_middle_batches_sessions_of_different_lengths(tiny_checkpoint):
     cloud_caches = [split.middle.new_cache() for _ in prompts]
     # Step 1: a prefix of each prompt, all sessions in one batched pass.
     cut = [max(1, len(p) // 2) for p in prompts]
-    items = [(cc, split.input(torch.tensor(p[:c]), dc)) for p, c, dc, cc in zip(prompts, cut, device_caches, cloud_caches)]
+    items = [
+        (cc, split.input(torch.tensor(p[:c]), dc)) for p, c, dc, cc in zip(prompts, cut, device_caches, cloud_caches)
+    ]
     split.middle.forward_batch(items)
     # Step 2: the rest (sessions with nothing left send one extra token), again batched.
     rests = [p[c:] or [7] for p, c in zip(prompts, cut)]

@@ -48,6 +48,7 @@ def _nudge(name: str):
     def change(tensors):
         tensors[name] = tensors[name].clone()
         tensors[name].view(-1)[0] += 1e-3
+
     return change
 
 
@@ -73,8 +74,13 @@ def test_fingerprint_covers_the_split_config_and_boundary_weights(tiny_llama_dir
 
 
 def _device(url: str, checkpoint, checkpoint_dir, m: int) -> WebSocketCloud:
-    return WebSocketCloud(url, checkpoint.hidden_size, wire.WireDtype.F32, split_layers=m,
-                          fingerprint=split_fingerprint(checkpoint_dir, m))
+    return WebSocketCloud(
+        url,
+        checkpoint.hidden_size,
+        wire.WireDtype.F32,
+        split_layers=m,
+        fingerprint=split_fingerprint(checkpoint_dir, m),
+    )
 
 
 async def test_device_at_m2_against_verifier_at_m3_is_refused_at_open(checkpoint, tiny_llama_dir):

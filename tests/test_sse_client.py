@@ -26,8 +26,10 @@ def _chunked(text: str) -> bytes:
 
 
 async def _head(writer: asyncio.StreamWriter, status: str = "200 OK", content_type: str = "text/event-stream") -> None:
-    writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n"
-                 "Connection: close\r\n\r\n".encode())
+    writer.write(
+        f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nTransfer-Encoding: chunked\r\n"
+        "Connection: close\r\n\r\n".encode()
+    )
     await writer.drain()
 
 
@@ -70,8 +72,16 @@ async def _collect(url: str, timeout_s: float = 5.0) -> list[sc.Chunk]:
 
 
 async def test_multi_line_events_stats_and_done() -> None:
-    tophat = {"device_id": "dev-1", "ttft_s": 0.2, "tbt_s": 0.05, "mean_accept_length": 2.5, "num_rounds": 2,
-              "completion_tokens": 6, "prompt_tokens": 9, "rounds": [1, 2, 3]}
+    tophat = {
+        "device_id": "dev-1",
+        "ttft_s": 0.2,
+        "tbt_s": 0.05,
+        "mean_accept_length": 2.5,
+        "num_rounds": 2,
+        "completion_tokens": 6,
+        "prompt_tokens": 9,
+        "rounds": [1, 2, 3],
+    }
 
     async def script(w: asyncio.StreamWriter) -> None:
         await _head(w)
@@ -127,7 +137,7 @@ async def test_connection_cut_mid_stream_is_a_typed_error() -> None:
     async def script(w: asyncio.StreamWriter) -> None:
         await _head(w)
         w.write(_chunked(_event(_content("ab"))))
-        w.write(b"40\r\ndata: {\"choi")  # a chunk promising 64 bytes, then the connection goes
+        w.write(b'40\r\ndata: {"choi')  # a chunk promising 64 bytes, then the connection goes
         await w.drain()
 
     async with raw_server(script) as url:

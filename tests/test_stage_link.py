@@ -21,16 +21,36 @@ from services.verifier_cloud.pipeline import StagePipeline
 from services.verifier_cloud.stage_specs import plan_stages
 from services.verifier_cloud.scheduler import SchedulerOutput, WorkItem
 from services.verifier_cloud.settings import Settings, load_settings
-from services.verifier_cloud.stages import (STAGE_CODEC, STAGE_MESSAGES, Hello, MicroBatch, Probe, SessionsClosed,
-                                            SessionsOpened, SessionsRolledBack, StageFailed, StageItem, Stop)
+from services.verifier_cloud.stages import (
+    STAGE_CODEC,
+    STAGE_MESSAGES,
+    Hello,
+    MicroBatch,
+    Probe,
+    SessionsClosed,
+    SessionsOpened,
+    SessionsRolledBack,
+    StageFailed,
+    StageItem,
+    Stop,
+)
 from services.verifier_cloud.work import ErrorKind, WorkKind
 from shared.links import PROFILES, UNSHAPED, LinkProfile, parse_link_spec
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel, SplitError
 from shared.settings import SettingsError
 from shared.stage_codec import StageCodec, StageLinkError
-from shared.stage_link import (HEADER, MAGIC, LinkPacer, LinkReceiver, LinkSender, accept_link, bind_listener,
-                               connect_link, schedule_frame)
+from shared.stage_link import (
+    HEADER,
+    MAGIC,
+    LinkPacer,
+    LinkReceiver,
+    LinkSender,
+    accept_link,
+    bind_listener,
+    connect_link,
+    schedule_frame,
+)
 
 M = 2  # the tiny model has 5 layers: the stages run layers 2, 3, 4
 
@@ -41,8 +61,11 @@ def sample(cls: type):
     item = StageItem(7, 2, WorkKind.VERIFY, 5, 3, hidden)
     samples = {
         StageItem: item,
-        MicroBatch: MicroBatch(9, [item, StageItem(8, 1, WorkKind.PREFILL, 0, 2, None, (10, "stage 0: boom"))],
-                               [(0, 1.25, 2.5), (1, 2.5, 3.0)]),
+        MicroBatch: MicroBatch(
+            9,
+            [item, StageItem(8, 1, WorkKind.PREFILL, 0, 2, None, (10, "stage 0: boom"))],
+            [(0, 1.25, 2.5), (1, 2.5, 3.0)],
+        ),
         SessionsOpened: SessionsOpened([1, 2]),
         SessionsClosed: SessionsClosed([3]),
         SessionsRolledBack: SessionsRolledBack([(1, 4), (2, 0)]),
@@ -68,9 +91,13 @@ def same(a, b) -> bool:
 
 # -- codec ------------------------------------------------------------------------------------
 
+
 def test_every_stage_message_dataclass_is_registered():
-    defined = {obj for obj in vars(stages).values()
-               if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == stages.__name__}
+    defined = {
+        obj
+        for obj in vars(stages).values()
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == stages.__name__
+    }
     assert defined - {stages.StageSpec} == set(STAGE_MESSAGES)
 
 
@@ -89,29 +116,33 @@ def frame_of(type_name: str, fields) -> bytes:
 
 
 def item_fields(**change):
-    fields = dict(session_id=7, seq_no=2, kind=1, position=5, num_tokens=3,
-                  hidden=["<f4", [3, 4], bytes(48)], error=None)
+    fields = dict(
+        session_id=7, seq_no=2, kind=1, position=5, num_tokens=3, hidden=["<f4", [3, 4], bytes(48)], error=None
+    )
     fields.update(change)
     return list(fields.values())
 
 
-@pytest.mark.parametrize("body, match", [
-    (b"\xc1\xc1", "not msgpack"),
-    (msgpack.packb({"type": "Stop"}), r"\[type name, fields\]"),
-    (frame_of("StageSpec", []), "unknown message type"),  # a dataclass of stages.py, but not a message
-    (frame_of("os.system", ["rm -rf /"]), "unknown message type"),
-    (frame_of("Stop", [1]), "expected 0 fields"),
-    (frame_of("SessionsOpened", [[1, "2"]]), "expected an int"),
-    (frame_of("SessionsOpened", [[True]]), "expected an int"),
-    (frame_of("StageItem", item_fields(kind=2)), "WorkKind ordinal"),
-    (frame_of("StageItem", item_fields(hidden=["|O", [1], b"\0" * 8])), "dtype '|O' is not allowed"),
-    (frame_of("StageItem", item_fields(hidden=[">f4", [3, 4], bytes(48)])), "is not allowed"),
-    (frame_of("StageItem", item_fields(hidden=["<f4", [3, 4], bytes(47)])), "do not fill"),
-    (frame_of("StageItem", item_fields(hidden=["<f4", [-3, -4], bytes(48)])), "bad array shape"),
-    (frame_of("StageItem", item_fields(hidden=["<f4", [1] * 9, bytes(4)])), "bad array shape"),
-    (frame_of("StageItem", item_fields(error=[1])), "2-tuple"),
-    (frame_of("Probe", [1, [{"a": 1}]]), "expected an int"),
-])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (b"\xc1\xc1", "not msgpack"),
+        (msgpack.packb({"type": "Stop"}), r"\[type name, fields\]"),
+        (frame_of("StageSpec", []), "unknown message type"),  # a dataclass of stages.py, but not a message
+        (frame_of("os.system", ["rm -rf /"]), "unknown message type"),
+        (frame_of("Stop", [1]), "expected 0 fields"),
+        (frame_of("SessionsOpened", [[1, "2"]]), "expected an int"),
+        (frame_of("SessionsOpened", [[True]]), "expected an int"),
+        (frame_of("StageItem", item_fields(kind=2)), "WorkKind ordinal"),
+        (frame_of("StageItem", item_fields(hidden=["|O", [1], b"\0" * 8])), "dtype '|O' is not allowed"),
+        (frame_of("StageItem", item_fields(hidden=[">f4", [3, 4], bytes(48)])), "is not allowed"),
+        (frame_of("StageItem", item_fields(hidden=["<f4", [3, 4], bytes(47)])), "do not fill"),
+        (frame_of("StageItem", item_fields(hidden=["<f4", [-3, -4], bytes(48)])), "bad array shape"),
+        (frame_of("StageItem", item_fields(hidden=["<f4", [1] * 9, bytes(4)])), "bad array shape"),
+        (frame_of("StageItem", item_fields(error=[1])), "2-tuple"),
+        (frame_of("Probe", [1, [{"a": 1}]]), "expected an int"),
+    ],
+)
 def test_malformed_bodies_are_refused_with_the_typed_error(body, match):
     with pytest.raises(StageLinkError, match=match):
         STAGE_CODEC.decode(body)
@@ -130,13 +161,15 @@ def test_the_codec_refuses_to_register_what_it_cannot_check():
 
 # -- frames over a real socket ----------------------------------------------------------------
 
+
 @pytest.fixture
 def hop():
     """(sender, receiver, the sender's raw socket) over a connected socket pair."""
     upstream, downstream = socket.socketpair()
-    sender, receiver = LinkSender(upstream, STAGE_CODEC, name="test hop"), LinkReceiver(downstream, STAGE_CODEC,
-                                                                                       name="test hop",
-                                                                                       max_frame_bytes=4096)
+    sender, receiver = (
+        LinkSender(upstream, STAGE_CODEC, name="test hop"),
+        LinkReceiver(downstream, STAGE_CODEC, name="test hop", max_frame_bytes=4096),
+    )
     yield sender, receiver, upstream
     sender.close(timeout_s=1.0)
     receiver.close()
@@ -162,10 +195,13 @@ def test_a_bad_body_drops_that_frame_only_and_the_link_goes_on(hop):
     assert not receiver.closed and isinstance(receiver.get(timeout=5), Stop)
 
 
-@pytest.mark.parametrize("header, match", [
-    (HEADER.pack(MAGIC, 4097, 0.0), "exceeds the 4096-byte limit"),
-    (HEADER.pack(b"HTTP", 4, 0.0), "bad magic"),
-])
+@pytest.mark.parametrize(
+    "header, match",
+    [
+        (HEADER.pack(MAGIC, 4097, 0.0), "exceeds the 4096-byte limit"),
+        (HEADER.pack(b"HTTP", 4, 0.0), "bad magic"),
+    ],
+)
 def test_an_oversized_or_foreign_frame_closes_the_link(hop, header, match):
     _, receiver, raw = hop
     raw.sendall(header + b"\0" * 64)
@@ -269,13 +305,23 @@ def test_the_pacer_stamps_a_running_schedule_and_nothing_when_unshaped():
 
 # -- settings ---------------------------------------------------------------------------------
 
+
 def test_stage_layers_set_p_and_are_checked():
     settings = load_settings({"TOPHAT_VERIFIER_STAGE_LAYERS": "2-3,3-5"})
     assert settings.pipeline_stages == 2 and settings.stage_workers
-    assert load_settings({"TOPHAT_VERIFIER_STAGE_LAYERS": "2-3,3-5",
-                          "TOPHAT_VERIFIER_PIPELINE_STAGES": "2"}).pipeline_stages == 2
-    for bad, match in [("2-3,4-5", "contiguous"), ("1-3,3-5", "start at split_layers"), ("2-2,2-5", "empty"),
-                       ("2-3;3-5", "bad range"), ("two-five", "bad range")]:
+    assert (
+        load_settings(
+            {"TOPHAT_VERIFIER_STAGE_LAYERS": "2-3,3-5", "TOPHAT_VERIFIER_PIPELINE_STAGES": "2"}
+        ).pipeline_stages
+        == 2
+    )
+    for bad, match in [
+        ("2-3,4-5", "contiguous"),
+        ("1-3,3-5", "start at split_layers"),
+        ("2-2,2-5", "empty"),
+        ("2-3;3-5", "bad range"),
+        ("two-five", "bad range"),
+    ]:
         with pytest.raises(SettingsError, match=match):
             load_settings({"TOPHAT_VERIFIER_STAGE_LAYERS": bad})
     with pytest.raises(SettingsError, match="gives 2 stages but pipeline_stages is 3"):
@@ -286,8 +332,11 @@ def test_stage_layers_set_p_and_are_checked():
 def test_stage_slowdowns_and_links_are_checked_against_p():
     env = {"TOPHAT_VERIFIER_PIPELINE_STAGES": "2"}
     assert load_settings({**env, "TOPHAT_VERIFIER_STAGE_SLOWDOWNS": "1,xavier"}).stage_slowdowns == "1,xavier"
-    for value, match in [("1", "1 values for 2 stages"), ("1,0.5", "must be a finite number >= 1"),
-                         ("1,cycle", "changes speed over time")]:
+    for value, match in [
+        ("1", "1 values for 2 stages"),
+        ("1,0.5", "must be a finite number >= 1"),
+        ("1,cycle", "changes speed over time"),
+    ]:
         with pytest.raises(SettingsError, match=match):
             load_settings({**env, "TOPHAT_VERIFIER_STAGE_SLOWDOWNS": value})
     load_settings({**env, "TOPHAT_VERIFIER_STAGE_LINKS": "lan;lan;far,lat=20ms"})
@@ -300,12 +349,16 @@ def test_stage_slowdowns_and_links_are_checked_against_p():
 
 
 def test_plan_stages_takes_the_explicit_ranges_slowdowns_and_hop_links():
-    settings = Settings(split_layers=1, stage_layers="1-2,2-6,6-9", stage_slowdowns="1,3,3",
-                        stage_links="lan;none;lan;far")
+    settings = Settings(
+        split_layers=1, stage_layers="1-2,2-6,6-9", stage_slowdowns="1,3,3", stage_links="lan;none;lan;far"
+    )
     specs = plan_stages(settings, num_layers=9, cuda=(False, 0))
     assert [s.layers for s in specs] == [(1, 2), (2, 6), (6, 9)] and [s.slowdown for s in specs] == [1, 3, 3]
-    assert [s.in_link for s in specs] == [LAN, UNSHAPED, LAN] and [s.out_link for s in specs] == [UNSHAPED, LAN,
-                                                                                                  PROFILES["far"]]
+    assert [s.in_link for s in specs] == [LAN, UNSHAPED, LAN] and [s.out_link for s in specs] == [
+        UNSHAPED,
+        LAN,
+        PROFILES["far"],
+    ]
     assert plan_stages(Settings(split_layers=1, pipeline_stages=2), 9, cuda=(False, 0))[0].out_link == UNSHAPED
     with pytest.raises(SplitError, match="--stage-layers 1-2,2-6 does not fit: .*must end at the model's 9 layers"):
         plan_stages(Settings(split_layers=1, stage_layers="1-2,2-6"), 9, cuda=(False, 0))
@@ -317,8 +370,13 @@ def test_an_item_without_hidden_states_is_refused_not_a_dead_stage(tiny_llama_di
     checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
     worker = stages.StageWorker(0, MiddleSubmodel(checkpoint, M, stage=(2, 5)), 64)
     worker.handle(SessionsOpened([1, 2]))
-    batch = MicroBatch(1, [StageItem(1, 1, WorkKind.PREFILL, 0, 3, None),
-                           StageItem(2, 1, WorkKind.PREFILL, 0, 3, np.zeros((3, checkpoint.hidden_size), np.float32))])
+    batch = MicroBatch(
+        1,
+        [
+            StageItem(1, 1, WorkKind.PREFILL, 0, 3, None),
+            StageItem(2, 1, WorkKind.PREFILL, 0, 3, np.zeros((3, checkpoint.hidden_size), np.float32)),
+        ],
+    )
     worker.handle(batch)
     assert batch.items[0].error[0] == int(ErrorKind.MALFORMED) and batch.items[0].hidden is None
     assert batch.items[1].error is None and batch.items[1].hidden.shape == (3, checkpoint.hidden_size)
@@ -328,8 +386,11 @@ def test_an_item_without_hidden_states_is_refused_not_a_dead_stage(tiny_llama_di
 def test_a_batch_hop_0_refused_is_not_left_in_flight():
     """submit raising on a broken hop 0: the engine answers that batch and gives its slot back, so the
     batch must not stay in flight too (the pipeline's failure would answer it and free its slot again)."""
-    pipeline = StagePipeline(plan_stages(Settings(split_layers=M, pipeline_stages=2), 5, cuda=(False, 0)),
-                             start_timeout_s=1, stage_timeout_s=1)
+    pipeline = StagePipeline(
+        plan_stages(Settings(split_layers=M, pipeline_stages=2), 5, cuda=(False, 0)),
+        start_timeout_s=1,
+        stage_timeout_s=1,
+    )
     upstream, downstream = socket.socketpair()
     pipeline.sender = LinkSender(upstream, STAGE_CODEC, name="hop 0")
     pipeline.sender.error = "BrokenPipeError: the stage is gone"
@@ -351,8 +412,14 @@ pytestmark_async = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def lan_pipeline(tiny_llama_dir):
-    settings = Settings(model_dir=str(tiny_llama_dir), split_layers=M, stage_layers="2-3,3-5", stage_slowdowns="1,2",
-                        stage_links="lan", device="cpu")
+    settings = Settings(
+        model_dir=str(tiny_llama_dir),
+        split_layers=M,
+        stage_layers="2-3,3-5",
+        stage_slowdowns="1,2",
+        stage_links="lan",
+        device="cpu",
+    )
     pipeline = StagePipeline(plan_stages(settings, 5, cuda=(False, 0)), start_timeout_s=120, stage_timeout_s=30)
     await pipeline.start()
     yield pipeline
@@ -417,7 +484,8 @@ async def test_two_stages_over_lan_sockets_give_the_deep_states_of_one(lan_pipel
 @pytestmark_async
 @pytest.mark.slow
 async def test_a_refused_frame_fails_the_pipeline_without_killing_the_stage_and_a_restart_serves_again(
-        lan_pipeline, tiny_llama_dir):
+    lan_pipeline, tiny_llama_dir
+):
     pipeline = lan_pipeline
     assert pipeline.healthy
     pipeline.on_fail = lambda batch, reason: None

@@ -109,8 +109,10 @@ def test_interpolation_lies_between_neighbours(mu_a: int, mu_b: int, eta_a: floa
 
 
 @SETTINGS
-@given(st.lists(st.tuples(st.integers(1, 8192), st.floats(0, 5)), min_size=1, max_size=40),
-       st.lists(st.floats(0, 20000), min_size=2, max_size=20))
+@given(
+    st.lists(st.tuples(st.integers(1, 8192), st.floats(0, 5)), min_size=1, max_size=40),
+    st.lists(st.floats(0, 20000), min_size=2, max_size=20),
+)
 def test_monotone_predictor_never_decreases(obs: list[tuple[int, float]], queries: list[float]) -> None:
     p = ComputeDelayPredictor()
     for mu, eta in obs:

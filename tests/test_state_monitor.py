@@ -23,8 +23,13 @@ from shared.redis_server import EmbeddedRedis, free_port
 from shared.settings import SettingsError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STEP = {"kind": "verifier_step", "batched_tokens": 64, "compute_s": 0.02, "num_sessions": 4,
-        "step_kinds": {"verify": 4}}
+STEP = {
+    "kind": "verifier_step",
+    "batched_tokens": 64,
+    "compute_s": 0.02,
+    "num_sessions": 4,
+    "step_kinds": {"verify": 4},
+}
 
 
 @pytest.fixture
@@ -42,8 +47,9 @@ async def running(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
 
 
 def fast_settings(url: str, **kw: object) -> Settings:
-    return load_settings({}, redis_url=url, redis_timeout_s=0.3, redis_backoff_initial_s=0.05,
-                         redis_backoff_max_s=0.2, **kw)
+    return load_settings(
+        {}, redis_url=url, redis_timeout_s=0.3, redis_backoff_initial_s=0.05, redis_backoff_max_s=0.2, **kw
+    )
 
 
 def test_settings_from_env() -> None:
@@ -57,12 +63,26 @@ async def test_keys_appear_and_state_is_served(server: EmbeddedRedis) -> None:
     records = [
         STEP,
         {**STEP, "batched_tokens": 512, "compute_s": 0.2},
-        {"kind": "device_draft", "device_id": "jetson-1", "step_s": 0.004, "round_overhead_s": 0.003, "rounds": 9,
-         "prefill_token_s": 2e-5, "prefill_tokens": 300},
+        {
+            "kind": "device_draft",
+            "device_id": "jetson-1",
+            "step_s": 0.004,
+            "round_overhead_s": 0.003,
+            "rounds": 9,
+            "prefill_token_s": 2e-5,
+            "prefill_tokens": 300,
+        },
         {"kind": "device_transfer", "device_id": "jetson-1", "direction": "up", "bytes": 8192, "seconds": 0.001},
         {"kind": "device_transfer", "device_id": "jetson-1", "direction": "down", "bytes": 8192, "seconds": 0.0005},
-        {"kind": "request", "request_id": "req-1", "device_id": "jetson-1", "ttft_s": 0.3,
-         "token_times_s": [0.03, 0.05], "accept_lengths": [2, 3], "prompt_tokens": 100},
+        {
+            "kind": "request",
+            "request_id": "req-1",
+            "device_id": "jetson-1",
+            "ttft_s": 0.3,
+            "token_times_s": [0.03, 0.05],
+            "accept_lengths": [2, 3],
+            "prompt_tokens": 100,
+        },
     ]
     async with running(fast_settings(server.url)) as client:
         resp = await client.post("/telemetry", json=records)
@@ -84,8 +104,15 @@ async def test_keys_appear_and_state_is_served(server: EmbeddedRedis) -> None:
 
     r = redis.Redis.from_url(server.url, decode_responses=True)
     assert set(r.keys("tophat:*")) == {
-        tk.VERIFIER_STEPS, tk.VERIFIER_STATE, tk.DEVICES, tk.REQUESTS, tk.request_key("req-1"),
-        tk.device_events_key("jetson-1"), tk.device_state_key("jetson-1"), tk.DISCO_PROMPT_TOKENS}
+        tk.VERIFIER_STEPS,
+        tk.VERIFIER_STATE,
+        tk.DEVICES,
+        tk.REQUESTS,
+        tk.request_key("req-1"),
+        tk.device_events_key("jetson-1"),
+        tk.device_state_key("jetson-1"),
+        tk.DISCO_PROMPT_TOKENS,
+    }
     assert r.type(tk.VERIFIER_STEPS) == "stream" and r.xlen(tk.VERIFIER_STEPS) == 2
     state = r.hgetall(tk.VERIFIER_STATE)
     assert float(state["mu"]) == pytest.approx(cloud["mu"]) and len(json.loads(state["g"])) == 2
@@ -201,10 +228,19 @@ async def test_runs_in_memory_without_redis(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_python_dash_m_serves_over_real_uvicorn(server: EmbeddedRedis) -> None:
     port = free_port()
-    env = {**os.environ, "REDIS_URL": server.url, "TOPHAT_STATE_MONITOR_PORT": str(port),
-           "TOPHAT_STATE_MONITOR_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.state_monitor"], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "REDIS_URL": server.url,
+        "TOPHAT_STATE_MONITOR_PORT": str(port),
+        "TOPHAT_STATE_MONITOR_LOG_LEVEL": "warning",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.state_monitor"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 20

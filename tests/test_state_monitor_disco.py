@@ -22,8 +22,15 @@ from shared.redis_server import EmbeddedRedis
 from shared.settings import SettingsError
 from tests.test_state_monitor import fast_settings, running
 
-OLD_STYLE = {"kind": "request", "request_id": "old-1", "device_id": "jetson-1", "ttft_s": 0.3,
-             "token_times_s": [0.03], "accept_lengths": [2], "prompt_tokens": 77}
+OLD_STYLE = {
+    "kind": "request",
+    "request_id": "old-1",
+    "device_id": "jetson-1",
+    "ttft_s": 0.3,
+    "token_times_s": [0.03],
+    "accept_lengths": [2],
+    "prompt_tokens": 77,
+}
 
 
 @pytest.fixture
@@ -62,8 +69,9 @@ async def test_client_fields_reach_the_history_and_the_request_record(server: Em
     async with app.router.lifespan_context(app):
         client = TelemetryClient("http://monitor", transport=httpx.ASGITransport(app))
         assert await client.send({"kind": "request", "request_id": "warm"})  # old-style sender still accepted
-        client.emit_request("r1", prompt_tokens=120, ttft_s=0.05, endpoint="device", server_ttft_s=0.4,
-                            cost=0.0125, dispatch="race")
+        client.emit_request(
+            "r1", prompt_tokens=120, ttft_s=0.05, endpoint="device", server_ttft_s=0.4, cost=0.0125, dispatch="race"
+        )
         client.emit_request("r2", prompt_tokens=30, ttft_s=0.2, endpoint="cloud", server_ttft_s=0.2, cost=0.5)
         client.emit_request("r3", prompt_tokens=8, endpoint="device")  # server cancelled first: no server TTFT
         await client.aclose()
@@ -77,7 +85,11 @@ async def test_client_fields_reach_the_history_and_the_request_record(server: Em
     r = redis.Redis.from_url(server.url, decode_responses=True)
     record = r.hgetall(tk.request_key("r1"))
     assert (record["endpoint"], float(record["server_ttft_s"]), float(record["cost"]), record["dispatch"]) == (
-        "device", 0.4, 0.0125, "race")
+        "device",
+        0.4,
+        0.0125,
+        "race",
+    )
     assert r.hgetall(tk.request_key("r3"))["server_ttft_s"] == ""
     r.close()
 
@@ -119,8 +131,10 @@ async def test_bad_values_are_refused_and_nothing_else_is_lost(server: EmbeddedR
         history = (await client.get("/disco/history")).json()
         assert (history["prompt_tokens"], history["server_ttft_s"]) == ([10], [0.25])
         after = (await client.get("/metrics")).text
-        for name, labels in (("tophat:request_cost_dollars_total", {"endpoint": "hat"}),
-                             ("tophat:requests_total", {"endpoint": "hat"})):
+        for name, labels in (
+            ("tophat:request_cost_dollars_total", {"endpoint": "hat"}),
+            ("tophat:requests_total", {"endpoint": "hat"}),
+        ):
             assert sample_value(after, name, **labels) == sample_value(before, name, **labels)
 
 
@@ -163,11 +177,16 @@ async def test_history_answers_503_without_redis(server: EmbeddedRedis, monkeypa
 
 async def test_metrics_count_cost_and_requests_by_endpoint(server: EmbeddedRedis) -> None:
     async with running(fast_settings(server.url)) as client:
-        await client.post("/telemetry", json=[request(1, endpoint="cloud", cost=0.25),
-                                              request(2, endpoint="cloud", cost=0.5),
-                                              request(3, endpoint="device", cost=0.125),
-                                              request(4, endpoint="hat"),
-                                              OLD_STYLE])
+        await client.post(
+            "/telemetry",
+            json=[
+                request(1, endpoint="cloud", cost=0.25),
+                request(2, endpoint="cloud", cost=0.5),
+                request(3, endpoint="device", cost=0.125),
+                request(4, endpoint="hat"),
+                OLD_STYLE,
+            ],
+        )
         text = (await client.get("/metrics")).text
     assert sample_value(text, "tophat:request_cost_dollars_total", endpoint="cloud") == pytest.approx(0.75)
     assert sample_value(text, "tophat:request_cost_dollars_total", endpoint="device") == pytest.approx(0.125)

@@ -32,8 +32,9 @@ def server() -> Iterator[EmbeddedRedis]:
 
 async def post_raw(client: httpx.AsyncClient, body: object) -> httpx.Response:
     """POST `body` as JSON that may hold NaN/Infinity literals."""
-    return await client.post("/edge-sd/telemetry", content=json.dumps(body),
-                             headers={"content-type": "application/json"})
+    return await client.post(
+        "/edge-sd/telemetry", content=json.dumps(body), headers={"content-type": "application/json"}
+    )
 
 
 def test_history_setting_from_env() -> None:
@@ -45,16 +46,23 @@ def test_history_setting_from_env() -> None:
 
 async def test_samples_round_trip_newest_first_and_parse_as_planner_telemetry(server: EmbeddedRedis) -> None:
     async with running(fast_settings(server.url)) as client:
-        first = {"node": "sbs-1", "draft": [[1, 1.0e9, 0.001], [4, 1.0e9, 0.002]], "verify": [[4, 2.0e10, 0.02]],
-                 "verdicts": [[4, 4], [4, 1]]}
+        first = {
+            "node": "sbs-1",
+            "draft": [[1, 1.0e9, 0.001], [4, 1.0e9, 0.002]],
+            "verify": [[4, 2.0e10, 0.02]],
+            "verdicts": [[4, 4], [4, 1]],
+        }
         resp = await client.post("/edge-sd/telemetry", json=first)
         assert resp.status_code == 200 and resp.json() == {"accepted": 5, "persisted": True}
         # any list may be missing or empty
         resp = await client.post("/edge-sd/telemetry", json={"node": "sbs-1", "verdicts": [[3, 0]], "draft": []})
         assert resp.json() == {"accepted": 1, "persisted": True}
         state = (await client.get("/state/edge-sd")).json()
-    assert state == {"draft": [[4, 1.0e9, 0.002], [1, 1.0e9, 0.001]], "verify": [[4, 2.0e10, 0.02]],
-                     "verdicts": [[3, 0], [4, 1], [4, 4]]}
+    assert state == {
+        "draft": [[4, 1.0e9, 0.002], [1, 1.0e9, 0.001]],
+        "verify": [[4, 2.0e10, 0.02]],
+        "verdicts": [[3, 0], [4, 1], [4, 4]],
+    }
     telemetry = EdgeTelemetry.from_dict(state)
     assert telemetry.verdicts == [(3, 0), (4, 1), (4, 4)] and telemetry.draft[0] == (4, 1.0e9, 0.002)
 
@@ -62,7 +70,9 @@ async def test_samples_round_trip_newest_first_and_parse_as_planner_telemetry(se
 async def test_lists_are_capped_to_the_newest(server: EmbeddedRedis) -> None:
     async with running(fast_settings(server.url, edge_sd_history=3)) as client:
         await client.post("/edge-sd/telemetry", json={"node": "n", "draft": [[b, 1e9, b / 1000] for b in (1, 2)]})
-        resp = await client.post("/edge-sd/telemetry", json={"node": "n", "draft": [[b, 1e9, b / 1000] for b in (3, 4, 5, 6)]})
+        resp = await client.post(
+            "/edge-sd/telemetry", json={"node": "n", "draft": [[b, 1e9, b / 1000] for b in (3, 4, 5, 6)]}
+        )
         assert resp.json() == {"accepted": 4, "persisted": True}
         state = (await client.get("/state/edge-sd")).json()
     assert [row[0] for row in state["draft"]] == [6, 5, 4]
@@ -73,24 +83,26 @@ async def test_lists_are_capped_to_the_newest(server: EmbeddedRedis) -> None:
 
 async def test_bad_shapes_and_values_are_refused_and_keep_nothing(server: EmbeddedRedis) -> None:
     bad = [
-        {"draft": [[1, 1e9, 0.1]]},                                 # no node
-        {"node": "n", "draft": [[1, 1e9]]},                         # 2 of 3 numbers
-        {"node": "n", "draft": [[0, 1e9, 0.1]]},                    # batch size 0
-        {"node": "n", "draft": [[1.5, 1e9, 0.1]]},                  # fractional batch size
-        {"node": "n", "draft": [["2", 1e9, 0.1]]},                  # a string for a count
-        {"node": "n", "verify": [[1, -1.0, 0.1]]},                  # negative FLOPs
-        {"node": "n", "verify": [[1, 1e9, math.nan]]},              # NaN seconds
-        {"node": "n", "verify": [[1, math.inf, 0.1]]},              # infinite FLOPs
-        {"node": "n", "verdicts": [[2, 3]]},                        # more accepted than drafted
+        {"draft": [[1, 1e9, 0.1]]},  # no node
+        {"node": "n", "draft": [[1, 1e9]]},  # 2 of 3 numbers
+        {"node": "n", "draft": [[0, 1e9, 0.1]]},  # batch size 0
+        {"node": "n", "draft": [[1.5, 1e9, 0.1]]},  # fractional batch size
+        {"node": "n", "draft": [["2", 1e9, 0.1]]},  # a string for a count
+        {"node": "n", "verify": [[1, -1.0, 0.1]]},  # negative FLOPs
+        {"node": "n", "verify": [[1, 1e9, math.nan]]},  # NaN seconds
+        {"node": "n", "verify": [[1, math.inf, 0.1]]},  # infinite FLOPs
+        {"node": "n", "verdicts": [[2, 3]]},  # more accepted than drafted
         {"node": "n", "verdicts": [[-1, 0]]},
         {"node": "n", "verdicts": [[4, 2, 1]]},
-        {"node": "n", "extra": []},                                 # unknown field
+        {"node": "n", "extra": []},  # unknown field
         {"node": "bad node!", "draft": []},
-        [{"node": "n"}],                                            # not an object
+        [{"node": "n"}],  # not an object
     ]
     async with running(fast_settings(server.url)) as client:
         for body in bad:
-            good_then_bad = dict(body, draft=[[2, 1e9, 0.1], *body.get("draft", [])]) if isinstance(body, dict) else body
+            good_then_bad = (
+                dict(body, draft=[[2, 1e9, 0.1], *body.get("draft", [])]) if isinstance(body, dict) else body
+            )
             for sent in (body, good_then_bad):
                 resp = await post_raw(client, sent)
                 assert resp.status_code == 422, (sent, resp.text)

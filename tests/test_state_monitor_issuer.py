@@ -60,8 +60,9 @@ async def test_a_bootstrap_token_enrolls_its_own_device_and_nothing_else(monitor
     devices = (await monitor.get("/devices")).json()["devices"]
     assert [(d["device_id"], d["url"]) for d in devices] == [("device-1", DEVICE_URL)]
     # The bootstrap token itself is no device credential: no tokens, no telemetry, no announcement.
-    assert (await monitor.post("/credentials/token", json={"audience": auth.VERIFIER},
-                               headers=bootstrap)).status_code == 403
+    assert (
+        await monitor.post("/credentials/token", json={"audience": auth.VERIFIER}, headers=bootstrap)
+    ).status_code == 403
     rtt = {"kind": "device_rtt", "device_id": "device-1", "rtt_s": 0.01}
     assert (await monitor.post("/telemetry", json=rtt, headers=bootstrap)).status_code == 403
     announce = {"device_id": "device-1", "url": DEVICE_URL}
@@ -94,22 +95,26 @@ async def test_audience_tokens_per_role(monitor, ring):
         answer = await monitor.post("/credentials/token", json={"audience": audience}, headers=device)
         assert answer.status_code == 200 and claims_of(answer.json()["token"])["aud"] == audience
     for audience in (auth.device_audience("device-2"), auth.device_audience("device-1"), "anything"):
-        assert (await monitor.post("/credentials/token", json={"audience": audience},
-                                   headers=device)).status_code == 403
-    assert (await monitor.post("/credentials/token", json={"device_url": DEVICE_URL},
-                               headers=device)).status_code == 403  # a device never calls another device
+        assert (
+            await monitor.post("/credentials/token", json={"audience": audience}, headers=device)
+        ).status_code == 403
+    assert (
+        await monitor.post("/credentials/token", json={"device_url": DEVICE_URL}, headers=device)
+    ).status_code == 403  # a device never calls another device
     streamer = minted(ring, "token-streamer", "service")
     answer = await monitor.post("/credentials/token", json={"device_url": DEVICE_URL + "/"}, headers=streamer)
     assert answer.status_code == 200 and answer.json()["audience"] == auth.device_audience("device-1")
     token = claims_of(answer.json()["token"])
     assert (token["sub"], token["role"], token["aud"]) == ("token-streamer", "service", "device:device-1")
     assert token["exp"] - token["iat"] == 300  # an access token's life
-    assert (await monitor.post("/credentials/token", json={"device_url": "http://10.9.9.9:1"},
-                               headers=streamer)).status_code == 404
+    assert (
+        await monitor.post("/credentials/token", json={"device_url": "http://10.9.9.9:1"}, headers=streamer)
+    ).status_code == 404
     # A token for another audience is no credential at the issuer.
     for_verifier = minted(ring, "device-1", "device", auth.VERIFIER)
-    assert (await monitor.post("/credentials/token", json={"audience": auth.PLANNER},
-                               headers=for_verifier)).status_code == 401
+    assert (
+        await monitor.post("/credentials/token", json={"audience": auth.PLANNER}, headers=for_verifier)
+    ).status_code == 401
 
 
 async def test_a_revoked_device_is_refused_at_its_next_call_and_cannot_enroll_again(monitor, ring):
@@ -117,10 +122,12 @@ async def test_a_revoked_device_is_refused_at_its_next_call_and_cannot_enroll_ag
     enrolled = await enroll(monitor, bootstrap, "device-1", DEVICE_URL)
     device = bearer(enrolled.json()["token"])
     operator = minted(ring, "ops", "operator")
-    assert (await monitor.post("/credentials/revoke", json={"role": "device", "subject": "device-1"},
-                               headers=device)).status_code == 403  # only an operator revokes
-    assert (await monitor.post("/credentials/revoke", json={"role": "device", "subject": "device-1"},
-                               headers=operator)).status_code == 200
+    assert (
+        await monitor.post("/credentials/revoke", json={"role": "device", "subject": "device-1"}, headers=device)
+    ).status_code == 403  # only an operator revokes
+    assert (
+        await monitor.post("/credentials/revoke", json={"role": "device", "subject": "device-1"}, headers=operator)
+    ).status_code == 200
     refused = await monitor.post("/credentials/token", json={"audience": auth.ISSUER}, headers=device)
     assert refused.status_code == 401 and refused.json()["error"]["reason"] == "revoked"
     assert "device:device-1" in (await monitor.get("/credentials/jwks")).json()["revoked"]
@@ -132,8 +139,9 @@ async def test_a_revoked_device_is_refused_at_its_next_call_and_cannot_enroll_ag
 async def test_a_bootstrap_token_is_revoked_by_its_id(monitor, ring):
     token = ring.mint("device-3", "bootstrap", auth.ISSUER, 600, time.time())
     operator = minted(ring, "ops", "operator")
-    assert (await monitor.post("/credentials/revoke", json={"token_id": claims_of(token)["jti"]},
-                               headers=operator)).status_code == 200
+    assert (
+        await monitor.post("/credentials/revoke", json={"token_id": claims_of(token)["jti"]}, headers=operator)
+    ).status_code == 200
     refused = await enroll(monitor, bearer(token), "device-3", DEVICE_URL)
     assert refused.status_code == 401 and refused.json()["error"]["reason"] == "revoked"
 
@@ -157,9 +165,11 @@ async def test_operator_issue_is_capped_and_operator_only(monitor, ring):
     body = {"role": "bootstrap", "subject": "device-9", "ttl_s": 3600}
     issued = await monitor.post("/credentials/issue", json=body, headers=operator)
     assert issued.status_code == 200 and claims_of(issued.json()["token"])["role"] == "bootstrap"
-    assert (await monitor.post("/credentials/issue", json=body,
-                               headers=minted(ring, "token-streamer", "service"))).status_code == 403
-    assert (await monitor.post("/credentials/issue", json={**body, "ttl_s": 10**9},
-                               headers=operator)).status_code == 422
+    assert (
+        await monitor.post("/credentials/issue", json=body, headers=minted(ring, "token-streamer", "service"))
+    ).status_code == 403
+    assert (
+        await monitor.post("/credentials/issue", json={**body, "ttl_s": 10**9}, headers=operator)
+    ).status_code == 422
     fleet = {**body, "subject": "*"}  # a bootstrap for any id is no longer made
     assert (await monitor.post("/credentials/issue", json=fleet, headers=operator)).status_code == 422

@@ -41,6 +41,7 @@ def device_model(demo_checkpoint):
 @dataclass
 class Applied:
     """One verdict as the session applied it, with the session's marks after it."""
+
     chunk: DraftChunk
     verdict: ChunkVerdict
     emitted: list[int]
@@ -127,7 +128,7 @@ class ScriptedTokenCloud:
             p_rows = torch.zeros(len(chunk.tokens), self.vocab)  # never looked at
         else:
             stream = self.stream[: chunk.start_pos] + list(chunk.tokens)
-            self.stream = stream + self.stream[chunk.end_pos:]
+            self.stream = stream + self.stream[chunk.end_pos :]
             targets = [self.next_token(tuple(stream[: chunk.start_pos + i + 1])) for i in range(len(chunk.tokens))]
             p_rows = torch.nn.functional.one_hot(torch.tensor(targets), self.vocab).float()  # [n, V]
         verdict = self.verifier.verify(chunk, p_rows, None, greedy=True)
@@ -142,8 +143,7 @@ class ScriptedTokenCloud:
 class Harness:
     """Runs one token-mode stream; `on_step(harness, fn)` is called before each offloaded device step."""
 
-    def __init__(self, device_model, reject_at: set[int], config: StreamConfig, on_step=None,
-                 max_draft: int = 4):
+    def __init__(self, device_model, reject_at: set[int], config: StreamConfig, on_step=None, max_draft: int = 4):
         self.session = StreamSession(device_model, PROMPT, SamplingParams(), DraftConfig(0.0, max_draft), MAX_NEW)
         self.cloud = ScriptedTokenCloud(self.session, reject_at, device_model.eos_token_id, device_model.vocab_size)
         self.config = config
@@ -158,9 +158,21 @@ class Harness:
             s = self.session
             before = (list(s.seq), s.final_len, s.sent_len, s.epoch, s.input_cache.length)
             emitted = apply(chunk, verdict)
-            self.applied.append(Applied(chunk, verdict, emitted, list(s.seq), s.final_len, s.sent_len, s.epoch,
-                                        s.input_cache.length, s.adapter_cache.length, before,
-                                        caches_match_a_fresh_pass(s)))
+            self.applied.append(
+                Applied(
+                    chunk,
+                    verdict,
+                    emitted,
+                    list(s.seq),
+                    s.final_len,
+                    s.sent_len,
+                    s.epoch,
+                    s.input_cache.length,
+                    s.adapter_cache.length,
+                    before,
+                    caches_match_a_fresh_pass(s),
+                )
+            )
             self.progress += 1
             return emitted
 
@@ -189,8 +201,9 @@ class Harness:
         tokens: list[int] = []
         try:
             async with asyncio.timeout(30):
-                async for emitted in token_stream_session(self.session, self.cloud, 1, self.config, self.offload,
-                                                          timings=self.timings):
+                async for emitted in token_stream_session(
+                    self.session, self.cloud, 1, self.config, self.offload, timings=self.timings
+                ):
                     tokens += emitted
         finally:
             releaser.cancel()
@@ -224,9 +237,11 @@ def caches_match_a_fresh_pass(session: StreamSession) -> bool:
     length = session.input_cache.length
     fresh = session.model.input.new_cache()
     session.model.input(torch.tensor(session.seq[:length]), fresh)
-    return all(torch.allclose(kept.keys[:, :length], expected.keys[:, :length], atol=1e-4)
-               and torch.allclose(kept.values[:, :length], expected.values[:, :length], atol=1e-4)
-               for kept, expected in zip(session.input_cache.layers, fresh.layers))
+    return all(
+        torch.allclose(kept.keys[:, :length], expected.keys[:, :length], atol=1e-4)
+        and torch.allclose(kept.values[:, :length], expected.values[:, :length], atol=1e-4)
+        for kept, expected in zip(session.input_cache.layers, fresh.layers)
+    )
 
 
 PIPELINED = StreamConfig(pipelined=True, group=2, window=4)

@@ -21,8 +21,13 @@ from shared.specdec.device_session import DraftConfig
 from shared.specdec.engine import fixed_chunks
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from shared.specdec.stream_engine import (StreamConfig, StreamTimings, hat_async_session, stream_config,
-                                         token_stream_session)
+from shared.specdec.stream_engine import (
+    StreamConfig,
+    StreamTimings,
+    hat_async_session,
+    stream_config,
+    token_stream_session,
+)
 from shared.specdec.stream_session import StreamSession
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
@@ -49,12 +54,20 @@ def link(rtt_ms: float) -> LinkProfile | None:
     return LinkProfile(float("inf"), float("inf"), rtt_ms / 2e3) if rtt_ms else None
 
 
-async def decode(mode: str, cloud: WebSocketCloud, session: StreamSession, session_id: int, config: StreamConfig,
-                 downlink: str = "topk", timings: StreamTimings | None = None) -> list[int]:
+async def decode(
+    mode: str,
+    cloud: WebSocketCloud,
+    session: StreamSession,
+    session_id: int,
+    config: StreamConfig,
+    downlink: str = "topk",
+    timings: StreamTimings | None = None,
+) -> list[int]:
     tokens: list[int] = []
     if mode == "hat-async":
-        rounds = hat_async_session(session, cloud, session_id, fixed_chunks(len(session.prompt_ids), 4), config,
-                                   timings=timings)
+        rounds = hat_async_session(
+            session, cloud, session_id, fixed_chunks(len(session.prompt_ids), 4), config, timings=timings
+        )
     else:
         rounds = token_stream_session(session, cloud, session_id, config, downlink=downlink, timings=timings)
     async for emitted in rounds:
@@ -66,9 +79,11 @@ async def decode(mode: str, cloud: WebSocketCloud, session: StreamSession, sessi
 def configs(mode: str) -> list[StreamConfig]:
     if mode == "token-sd":
         return [StreamConfig(pipelined=False)]
-    return [StreamConfig(pipelined=True, group=1, window=3),
-            StreamConfig(pipelined=True, group=2, window=8, depth=1 if mode == "hat-async" else 0, branches=3),
-            stream_config(mode, group=2, window=8, max_draft=6)]  # what the device agent runs
+    return [
+        StreamConfig(pipelined=True, group=1, window=3),
+        StreamConfig(pipelined=True, group=2, window=8, depth=1 if mode == "hat-async" else 0, branches=3),
+        stream_config(mode, group=2, window=8, max_draft=6),
+    ]  # what the device agent runs
 
 
 @pytest.mark.parametrize("rtt_ms", [0, 20, 60])
@@ -77,10 +92,16 @@ def test_greedy_output_equals_the_unsplit_model(demo_checkpoint, device_model, u
     max_new, expected = MAX_NEW, unsplit_answers
 
     async def main():
-        async with verifier_on_loopback(demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M),
-                                        full_model=True) as (server, url):
-            cloud = WebSocketCloud(url, demo_checkpoint.hidden_size, link=link(rtt_ms), request_timeout_s=30,
-                                   **split_identity(demo_checkpoint, M))
+        async with verifier_on_loopback(
+            demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M), full_model=True
+        ) as (server, url):
+            cloud = WebSocketCloud(
+                url,
+                demo_checkpoint.hidden_size,
+                link=link(rtt_ms),
+                request_timeout_s=30,
+                **split_identity(demo_checkpoint, M),
+            )
             stats = []
             for c, config in enumerate(configs(mode)):
                 for i, prompt in enumerate(PROMPTS):
@@ -109,18 +130,27 @@ def test_greedy_output_equals_the_unsplit_model(demo_checkpoint, device_model, u
 
 
 # hat-async verifies on the device, which has the whole target row: it has no downlink to choose
-@pytest.mark.parametrize("mode, downlink", [("token-sd", "topk"), ("token-sd", "full"), ("picospec", "topk"),
-                                            ("picospec", "full"), ("hat-async", "full")])
+@pytest.mark.parametrize(
+    "mode, downlink",
+    [("token-sd", "topk"), ("token-sd", "full"), ("picospec", "topk"), ("picospec", "full"), ("hat-async", "full")],
+)
 def test_seeded_sampled_streams_finish_with_consistent_verdicts(demo_checkpoint, device_model, mode, downlink):
     async def main():
-        async with verifier_on_loopback(demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M),
-                                        full_model=True) as (server, url):
-            cloud = WebSocketCloud(url, demo_checkpoint.hidden_size, link=link(20), request_timeout_s=30,
-                                   **split_identity(demo_checkpoint, M))
+        async with verifier_on_loopback(
+            demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M), full_model=True
+        ) as (server, url):
+            cloud = WebSocketCloud(
+                url,
+                demo_checkpoint.hidden_size,
+                link=link(20),
+                request_timeout_s=30,
+                **split_identity(demo_checkpoint, M),
+            )
             out = []
             for seed in range(3):
-                session = StreamSession(device_model, PROMPTS[0], SamplingParams(0.8, 1.0, seed), DraftConfig(0.3, 6),
-                                        20)
+                session = StreamSession(
+                    device_model, PROMPTS[0], SamplingParams(0.8, 1.0, seed), DraftConfig(0.3, 6), 20
+                )
                 out.append((await decode(mode, cloud, session, seed + 1, configs(mode)[-1], downlink), session))
             await cloud.close_connection()
             return out
@@ -133,6 +163,7 @@ def test_seeded_sampled_streams_finish_with_consistent_verdicts(demo_checkpoint,
 
 
 # -- the device agent's HTTP API ---------------------------------------------------------------------------
+
 
 def test_device_agent_serves_the_stream_modes_and_refuses_token_modes_to_privacy_requests(demo_checkpoint):
     import json
@@ -147,18 +178,25 @@ def test_device_agent_serves_the_stream_modes_and_refuses_token_modes_to_privacy
     expected = generate_full(demo_checkpoint, prompt, 16).token_ids
 
     async def main():
-        async with verifier_on_loopback(demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M),
-                                        full_model=True) as (server, url):
-            settings = device_settings.Settings(model_dir=str(DEMO_MODEL_DIR), split_layers=M, verifier_url=url,
-                                                prompt_chunking=False, link="lat=10ms")
+        async with verifier_on_loopback(
+            demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M), full_model=True
+        ) as (server, url):
+            settings = device_settings.Settings(
+                model_dir=str(DEMO_MODEL_DIR), split_layers=M, verifier_url=url, prompt_chunking=False, link="lat=10ms"
+            )
             app = create_app(settings)
             events, refusals = {}, {}
             async with app.router.lifespan_context(app):
                 transport = httpx.ASGITransport(app)
                 async with httpx.AsyncClient(transport=transport, base_url="http://device", timeout=60) as http:
                     for mode in ("token-sd", "picospec", "hat-async"):
-                        body = {"prompt_ids": prompt, "max_new_tokens": 16, "mode": mode, "stream_group": 1,
-                                "downlink": "full" if mode == "token-sd" else "topk"}
+                        body = {
+                            "prompt_ids": prompt,
+                            "max_new_tokens": 16,
+                            "mode": mode,
+                            "stream_group": 1,
+                            "downlink": "full" if mode == "token-sd" else "topk",
+                        }
                         response = await http.post("/generate", json=body)
                         assert response.status_code == 200
                         events[mode] = [json.loads(line) for line in response.text.splitlines()]
@@ -184,6 +222,7 @@ def test_device_agent_serves_the_stream_modes_and_refuses_token_modes_to_privacy
 
 # -- the verifier's side of TokenDraft ----------------------------------------------------------------------
 
+
 def test_the_verifier_refuses_bad_draft_chunks_and_answers_stale_ones_without_running_them(demo_checkpoint):
     from websockets.asyncio.client import connect
 
@@ -196,8 +235,9 @@ def test_the_verifier_refuses_bad_draft_chunks_and_answers_stale_ones_without_ru
         return wire.decode(await asyncio.wait_for(ws.recv(), 10))
 
     async def main():
-        async with verifier_on_loopback(demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M),
-                                        full_model=True) as (server, url):
+        async with verifier_on_loopback(
+            demo_checkpoint, M, token_model=TokenModel(demo_checkpoint, M), full_model=True
+        ) as (server, url):
             async with connect(url) as ws:
                 # a privacy session never takes token ids
                 await roundtrip(ws, wire.OpenSession(1, hidden, **split_identity(demo_checkpoint, M)))

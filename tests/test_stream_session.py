@@ -71,8 +71,15 @@ def test_a_rejection_of_the_last_draft_adopts_the_matching_branch(device_model, 
     branch = session.branches[0]
     assert branch.position == last and branch.candidate != session.seq[last]
     assert len(branch.line["seq"]) == last + 1 + 3  # the candidate and three drafts after it
-    correction = branch.candidate if correct_to_branch else next(
-        t for t in range(device_model.vocab_size) if t not in {b.candidate for b in session.branches} | {chunk.drafts[-1]})
+    correction = (
+        branch.candidate
+        if correct_to_branch
+        else next(
+            t
+            for t in range(device_model.vocab_size)
+            if t not in {b.candidate for b in session.branches} | {chunk.drafts[-1]}
+        )
+    )
     verdict = ChunkVerdict(1, 2, rejection=RejectionPayload(2, "token", 0, token=correction))
     emitted = session.apply(chunk, verdict)
     assert emitted == list(chunk.drafts[:2]) + [correction]

@@ -31,9 +31,12 @@ OTHER_KEY = "Wv3yHiddenKeyBeta"
 WRONG = "Pk5mNotTheCodeGamma"
 CLIENT_LOGGERS = ("httpx", "httpcore", "websockets.client", "openai")  # the test's own clients, not the streamer
 COMPLETION = {"prompt": "x", "max_tokens": 3}
-V1_CALLS = [("POST", "/v1/completions", COMPLETION),
-            ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3}),
-            ("GET", "/v1/models", None), ("GET", "/v1/models/tophat-demo", None)]
+V1_CALLS = [
+    ("POST", "/v1/completions", COMPLETION),
+    ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3}),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/models/tophat-demo", None),
+]
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -73,8 +76,13 @@ async def test_every_v1_route_needs_a_key_and_the_probes_do_not() -> None:
     dev = FakeDevice("dev-a")
     async with mesh(dev, api_key=f"{KEY}, {OTHER_KEY}") as url, httpx.AsyncClient(timeout=10) as http:
         for method, path, body in V1_CALLS:
-            for headers in ({}, bearer(WRONG), {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
-                            bearer(KEY[:-1])):
+            for headers in (
+                {},
+                bearer(WRONG),
+                {"Authorization": KEY},
+                {"Authorization": f"Basic {KEY}"},
+                bearer(KEY[:-1]),
+            ):
                 assert_openai_401(await http.request(method, url + path, json=body, headers=headers))
             for key in (KEY, OTHER_KEY):  # any of the configured keys
                 resp = await http.request(method, url + path, json=body, headers=bearer(key))
@@ -125,7 +133,7 @@ async def logged_streamer(dev: FakeDevice, **overrides: Any) -> AsyncIterator[st
 
 
 def pieces(secret: str, size: int = 4) -> Iterator[str]:
-    return (secret[i:i + size] for i in range(len(secret) - size + 1))
+    return (secret[i : i + size] for i in range(len(secret) - size + 1))
 
 
 async def test_no_key_ever_reaches_the_logs(caplog: pytest.LogCaptureFixture) -> None:
@@ -138,8 +146,9 @@ async def test_no_key_ever_reaches_the_logs(caplog: pytest.LogCaptureFixture) ->
     finally:
         for logger in uvicorn_loggers:
             logger.removeHandler(caplog.handler)
-    text = "\n".join(f"{r.name} {r.getMessage()} {r.args!r}" for r in caplog.records
-                     if not r.name.startswith(CLIENT_LOGGERS))
+    text = "\n".join(
+        f"{r.name} {r.getMessage()} {r.args!r}" for r in caplog.records if not r.name.startswith(CLIENT_LOGGERS)
+    )
     assert "authorization: [redacted]" in text  # uvicorn did log the handshake's headers, blanked
     assert "refused POST /v1/completions" in text and "401" in text and "429" in text and "413" in text
     for secret in (KEY, OTHER_KEY, WRONG):
@@ -150,8 +159,9 @@ async def test_no_key_ever_reaches_the_logs(caplog: pytest.LogCaptureFixture) ->
 
 async def talk_with_keys() -> None:
     """Right, wrong, rate-limited and oversized requests, and WebSocket handshakes, all carrying keys."""
-    async with logged_streamer(FakeDevice("dev-a"), api_key=f"{KEY},{OTHER_KEY}", rate_limit_rps=0.01,
-                               rate_limit_burst=3) as url:  # OTHER_KEY: the big body, the handshake, the message
+    async with logged_streamer(
+        FakeDevice("dev-a"), api_key=f"{KEY},{OTHER_KEY}", rate_limit_rps=0.01, rate_limit_burst=3
+    ) as url:  # OTHER_KEY: the big body, the handshake, the message
         async with httpx.AsyncClient(timeout=10) as http:
             for key in (KEY, WRONG, KEY, KEY, KEY):  # right, wrong, right, right, then rate-limited
                 await http.post(f"{url}/v1/completions", json=COMPLETION, headers=bearer(key))
@@ -161,14 +171,23 @@ async def talk_with_keys() -> None:
 
 
 def test_settings_keys_limits_and_the_open_endpoint_warning(caplog: pytest.LogCaptureFixture) -> None:
-    s = load_settings({"TOPHAT_STREAMER_API_KEY": f" {KEY},, {OTHER_KEY} ", "TOPHAT_STREAMER_RATE_LIMIT_RPS": "2.5",
-                       "TOPHAT_STREAMER_RATE_LIMIT_BURST": "4", "TOPHAT_STREAMER_MAX_BODY_BYTES": "1000"})
+    s = load_settings(
+        {
+            "TOPHAT_STREAMER_API_KEY": f" {KEY},, {OTHER_KEY} ",
+            "TOPHAT_STREAMER_RATE_LIMIT_RPS": "2.5",
+            "TOPHAT_STREAMER_RATE_LIMIT_BURST": "4",
+            "TOPHAT_STREAMER_MAX_BODY_BYTES": "1000",
+        }
+    )
     assert s.api_key_list == [KEY, OTHER_KEY]
     assert (s.rate_limit_rps, s.rate_limit_burst, s.max_body_bytes) == (2.5, 4, 1000)
     defaults = load_settings({})
     assert defaults.api_key_list == [] and defaults.rate_limit_rps == 0 and defaults.max_body_bytes == 1 << 20
-    for bad in ({"TOPHAT_STREAMER_RATE_LIMIT_RPS": "-1"}, {"TOPHAT_STREAMER_MAX_BODY_BYTES": "0"},
-                {"TOPHAT_STREAMER_RATE_LIMIT_RPS": "1", "TOPHAT_STREAMER_RATE_LIMIT_BURST": "0"}):
+    for bad in (
+        {"TOPHAT_STREAMER_RATE_LIMIT_RPS": "-1"},
+        {"TOPHAT_STREAMER_MAX_BODY_BYTES": "0"},
+        {"TOPHAT_STREAMER_RATE_LIMIT_RPS": "1", "TOPHAT_STREAMER_RATE_LIMIT_BURST": "0"},
+    ):
         with pytest.raises(SettingsError):
             load_settings(bad)
     caplog.set_level(logging.WARNING)
@@ -182,8 +201,10 @@ def test_settings_keys_limits_and_the_open_endpoint_warning(caplog: pytest.LogCa
 @pytest.mark.timing  # its bounds are wall-clock times: make test runs it alone
 @pytest.mark.slow
 async def test_past_the_burst_a_credential_gets_429_with_retry_after() -> None:
-    async with mesh(FakeDevice("dev-a"), rate_limit_rps=0.4, rate_limit_burst=3) as url, \
-            httpx.AsyncClient(timeout=10) as http:
+    async with (
+        mesh(FakeDevice("dev-a"), rate_limit_rps=0.4, rate_limit_burst=3) as url,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
         codes = [(await http.post(f"{url}/v1/completions", json=COMPLETION)).status_code for _ in range(3)]
         assert codes == [200, 200, 200]
         resp = await http.get(f"{url}/v1/models")
@@ -199,8 +220,10 @@ async def test_past_the_burst_a_credential_gets_429_with_retry_after() -> None:
         assert (await http.get(f"{url}/v1/models", headers=bearer(KEY))).status_code == 429
         assert (await http.get(f"{url}/v1/models", headers=bearer(OTHER_KEY))).status_code == 200  # its own bucket
         assert_openai_401(await http.get(f"{url}/v1/models", headers=bearer(WRONG)))  # no key, no bucket
-    async with mesh(FakeDevice("dev-a"), rate_limit_rps=0.01, rate_limit_burst=2) as url, \
-            httpx.AsyncClient(timeout=10) as http:
+    async with (
+        mesh(FakeDevice("dev-a"), rate_limit_rps=0.01, rate_limit_burst=2) as url,
+        httpx.AsyncClient(timeout=10) as http,
+    ):
         openai_client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=10)
         async with openai_client as oai:
             await oai.models.list()
@@ -244,8 +267,9 @@ async def test_an_oversized_body_gets_413_before_it_is_parsed_and_the_streamer_g
             assert resp.status_code == 413, resp.text
             assert resp.json()["error"]["code"] == "request_too_large"
             assert resp.json()["error"]["type"] == "invalid_request_error"
-        resp = await http.post(f"{url}/v1/chat/completions", content=chunks_of(20 << 20),
-                               headers={"content-type": "application/json"})  # chunked: no Content-Length
+        resp = await http.post(
+            f"{url}/v1/chat/completions", content=chunks_of(20 << 20), headers={"content-type": "application/json"}
+        )  # chunked: no Content-Length
         assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
         for _ in range(2):  # and it keeps serving
             ok = await http.post(f"{url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4})
@@ -308,6 +332,7 @@ def test_tophat_up_api_key_reaches_the_streamer_of_a_real_mesh(monkeypatch: pyte
         url = running.config.streamer_url
         assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
         assert_openai_401(httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=10))
-        chat = CliRunner().invoke(cli.app, ["chat", "--url", url, "--prompt", "hi", "--max-new-tokens", "4",
-                                            "--api-key", KEY])
+        chat = CliRunner().invoke(
+            cli.app, ["chat", "--url", url, "--prompt", "hi", "--max-new-tokens", "4", "--api-key", KEY]
+        )
         assert chat.exit_code == 0 and "TTFT" in chat.output, chat.output

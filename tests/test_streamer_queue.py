@@ -125,8 +125,11 @@ async def test_queued_request_whose_client_leaves_is_dropped() -> None:
         parts = urlsplit(url)
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         payload = json.dumps({"prompt": "leaves", "max_tokens": 4}).encode()
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: s\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: s\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
         await writer.drain()
         await wait_for_queue(http, url, 1)
         writer.close()

@@ -70,11 +70,24 @@ class RunningMesh:
         self.base = find_port_base(1)
         self.state_file = tmp / "state.json"
         self.log = open(tmp / "tophat-up.log", "wb")  # noqa: SIM115 - closed in stop()
-        command = ("from tophat.cli import app; app()", "up", "--model", str(DEMO_MODEL_DIR),
-                   "--port-base", str(self.base), "--state-file", str(self.state_file),
-                   "--no-auth")  # open: a test streamer outside the mesh calls its device agent
-        self.process = subprocess.Popen([sys.executable, "-c", *command], cwd=REPO_ROOT, stdout=self.log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        command = (
+            "from tophat.cli import app; app()",
+            "up",
+            "--model",
+            str(DEMO_MODEL_DIR),
+            "--port-base",
+            str(self.base),
+            "--state-file",
+            str(self.state_file),
+            "--no-auth",
+        )  # open: a test streamer outside the mesh calls its device agent
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", *command],
+            cwd=REPO_ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.streamer = f"http://127.0.0.1:{self.base}"
         self.device = f"http://127.0.0.1:{self.base + 200}"
 
@@ -110,8 +123,11 @@ class RunningMesh:
 def mesh(tmp_path_factory):
     running = RunningMesh(tmp_path_factory.mktemp("supervised"))
     try:
-        started = wait_for(lambda: running.process.poll() is not None or
-                           (len(running.entries()) == len(ROLES) and running.ready()), START_TIMEOUT_S, 0.3)
+        started = wait_for(
+            lambda: running.process.poll() is not None or (len(running.entries()) == len(ROLES) and running.ready()),
+            START_TIMEOUT_S,
+            0.3,
+        )
         assert started and running.process.poll() is None, running.log_text()
         yield running
     finally:
@@ -121,8 +137,11 @@ def mesh(tmp_path_factory):
 
 
 def complete(mesh: RunningMesh) -> httpx.Response:
-    return httpx.post(f"{mesh.streamer}/v1/completions", timeout=60,
-                      json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+    return httpx.post(
+        f"{mesh.streamer}/v1/completions",
+        timeout=60,
+        json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0},
+    )
 
 
 def expected_text(checkpoint) -> str:
@@ -166,8 +185,9 @@ def test_killed_verifier_makes_devices_unready_then_is_restarted(mesh, demo_chec
         assert answer.json()["choices"][0]["text"] == expected_text(demo_checkpoint)
     print(f"request during the outage: HTTP {answer.status_code} after {answered_after_s:.2f} s: {answer.text[:300]}")
 
-    assert wait_for(lambda: (r := get(f"{mesh.device}/readyz")) is not None and r.status_code == 200,
-                    RECOVERY_TIMEOUT_S), mesh.log_text()
+    assert wait_for(
+        lambda: (r := get(f"{mesh.device}/readyz")) is not None and r.status_code == 200, RECOVERY_TIMEOUT_S
+    ), mesh.log_text()
     assert wait_for(mesh.ready, RECOVERY_TIMEOUT_S)
     print(f"verifier killed -> restarted and device ready: {time.monotonic() - killed_at:.2f} s")
     assert complete(mesh).json()["choices"][0]["text"] == expected_text(demo_checkpoint)
@@ -181,8 +201,9 @@ def test_killed_device_agent_is_restarted(mesh, demo_checkpoint):
     new_pid = wait_for(lambda: (pid := mesh.pid_of("device-agent")) != old_pid and pid, RECOVERY_TIMEOUT_S)
     assert new_pid and alive(new_pid), mesh.log_text()
     print(f"device agent killed -> new pid: {time.monotonic() - killed_at:.2f} s")
-    assert wait_for(lambda: (r := get(f"{mesh.device}/readyz")) is not None and r.status_code == 200,
-                    RECOVERY_TIMEOUT_S), mesh.log_text()
+    assert wait_for(
+        lambda: (r := get(f"{mesh.device}/readyz")) is not None and r.status_code == 200, RECOVERY_TIMEOUT_S
+    ), mesh.log_text()
     assert wait_for(mesh.ready, RECOVERY_TIMEOUT_S)
     print(f"device agent killed -> restarted and ready: {time.monotonic() - killed_at:.2f} s")
     assert complete(mesh).json()["choices"][0]["text"] == expected_text(demo_checkpoint)
@@ -199,8 +220,14 @@ async def test_streamer_routes_around_a_device_without_a_verifier(mesh, demo_che
     from tests.test_token_streamer import dead_url, serve
 
     dead = dead_url().replace("http://", "ws://") + "/ws"  # nothing listens there
-    settings = device_settings.Settings(device_id="orphan", model_dir=str(DEMO_MODEL_DIR), split_layers=2,
-                                        verifier_url=dead, bandwidth_probe_interval_s=0, rtt_probe_interval_s=0)
+    settings = device_settings.Settings(
+        device_id="orphan",
+        model_dir=str(DEMO_MODEL_DIR),
+        split_layers=2,
+        verifier_url=dead,
+        bandwidth_probe_interval_s=0,
+        rtt_probe_interval_s=0,
+    )
     agent = await asyncio.to_thread(DeviceAgent, settings)  # loaded before serve()'s 5 s start bound
     async with serve(device_app(settings, agent)) as orphan, httpx.AsyncClient(timeout=60) as http:
         not_ready = await http.get(f"{orphan}/readyz")
@@ -211,8 +238,9 @@ async def test_streamer_routes_around_a_device_without_a_verifier(mesh, demo_che
             health = {d["url"]: d["healthy"] for d in (await http.get(f"{streamer}/stats")).json()["devices"]}
             assert health == {orphan: False, mesh.device: True}
             for _ in range(3):
-                answer = await http.post(f"{streamer}/v1/completions",
-                                         json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0})
+                answer = await http.post(
+                    f"{streamer}/v1/completions", json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+                )
                 assert answer.status_code == 200, answer.text
                 assert answer.json()["choices"][0]["text"] == expected_text(demo_checkpoint)
 

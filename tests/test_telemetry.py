@@ -53,18 +53,26 @@ def test_key_names() -> None:
 
 def test_encode_and_redact() -> None:
     assert tk.encode_fields({"a": None, "b": True, "c": 3, "d": 0.5, "e": [1, 2], "f": "x"}) == {
-        "a": "", "b": "1", "c": "3", "d": "0.5", "e": "[1,2]", "f": "x"}
+        "a": "",
+        "b": "1",
+        "c": "3",
+        "d": "0.5",
+        "e": "[1,2]",
+        "f": "x",
+    }
     assert tk.redact_url("redis://user:secret@h:6379/0") == "redis://***@h:6379/0"
     assert tk.redact_url("redis://h:6379/0") == "redis://h:6379/0"
 
 
 async def test_write_events_states_members(server: EmbeddedRedis, sink: tk.TelemetrySink) -> None:
-    ok = await sink.write(events=[(tk.VERIFIER_STEPS, {"batched_tokens": 8, "compute_s": 0.01})],
-                          states=[(tk.request_key("r1"), {"ttft_s": 0.2}, 60)],
-                          members=[(tk.DEVICES, "d1")])
+    ok = await sink.write(
+        events=[(tk.VERIFIER_STEPS, {"batched_tokens": 8, "compute_s": 0.01})],
+        states=[(tk.request_key("r1"), {"ttft_s": 0.2}, 60)],
+        members=[(tk.DEVICES, "d1")],
+    )
     assert ok
     c = _client(server)
-    (entry_id, fields), = c.xrange(tk.VERIFIER_STEPS)
+    ((entry_id, fields),) = c.xrange(tk.VERIFIER_STEPS)
     assert fields == {"batched_tokens": "8", "compute_s": "0.01"}
     assert c.hgetall(tk.request_key("r1")) == {"ttft_s": "0.2"}
     assert 0 < c.ttl(tk.request_key("r1")) <= 60
@@ -80,8 +88,9 @@ async def test_streams_are_capped(server: EmbeddedRedis, sink: tk.TelemetrySink)
     assert 20 <= length <= 20 + 100
 
 
-async def test_sink_survives_outage_and_recovers(server: EmbeddedRedis, sink: tk.TelemetrySink,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+async def test_sink_survives_outage_and_recovers(
+    server: EmbeddedRedis, sink: tk.TelemetrySink, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="shared.telemetry")
     assert await sink.set_state(tk.VERIFIER_STATE, {"mu": 1})
     server.stop()
@@ -111,6 +120,7 @@ async def test_sink_without_server_never_raises() -> None:
 
 async def test_every_call_has_a_timeout() -> None:
     """A peer that accepts connections but never answers must not stall the caller."""
+
     async def black_hole(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(-1)
         writer.close()

@@ -31,6 +31,7 @@ MAX_TOKENS = 16
 
 # -- the dev-CA helper ---------------------------------------------------------------------------------
 
+
 def test_dev_certs_sign_a_server_certificate_for_every_host_with_owner_only_keys(tmp_path):
     certs = make_dev_certs(tmp_path / "tls", parse_hosts("127.0.0.1, localhost,verifier,localhost"))
     ca = x509.load_pem_x509_certificate(certs.ca_cert.read_bytes())
@@ -72,6 +73,7 @@ def test_tls_settings_need_cert_and_key_together_and_plain_stays_plain(tmp_path)
 
 # -- one real mesh with tls=True ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tls_mesh():
     config = MeshConfig(model_dir=str(DEMO_MODEL_DIR), num_devices=1, port_base=find_port_base(1), tls=True)
@@ -86,9 +88,13 @@ def trusting(tls_mesh):
 
 def _http_endpoints(mesh: Mesh) -> dict[str, str]:
     cfg = mesh.config
-    return {"token-streamer": f"{cfg.streamer_url}/readyz", "chunk-planner": f"{cfg.planner_url}/readyz",
-            "state-monitor": f"{cfg.monitor_url}/readyz", "device-agent-0": f"{cfg.device_url(0)}/readyz",
-            "verifier-cloud": f"https://{cfg.host}:{cfg.verifier_port}/readyz"}
+    return {
+        "token-streamer": f"{cfg.streamer_url}/readyz",
+        "chunk-planner": f"{cfg.planner_url}/readyz",
+        "state-monitor": f"{cfg.monitor_url}/readyz",
+        "device-agent-0": f"{cfg.device_url(0)}/readyz",
+        "verifier-cloud": f"https://{cfg.host}:{cfg.verifier_port}/readyz",
+    }
 
 
 @pytest.mark.slow

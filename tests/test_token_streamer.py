@@ -43,8 +43,16 @@ def expected_text(n: int) -> str:
 class FakeDevice:
     """Device-agent double: first round 1 token (prefill), then rounds of `per_round` tokens."""
 
-    def __init__(self, device_id: str, *, per_round: int = 2, round_delay_s: float = 0.0,
-                 fail_after_rounds: int | None = None, busy: bool = False, max_sessions: int = 8) -> None:
+    def __init__(
+        self,
+        device_id: str,
+        *,
+        per_round: int = 2,
+        round_delay_s: float = 0.0,
+        fail_after_rounds: int | None = None,
+        busy: bool = False,
+        max_sessions: int = 8,
+    ) -> None:
         self.device_id = device_id
         self.max_sessions = max_sessions  # more concurrent generations get 503 busy, as a real agent's
         self.gate: asyncio.Event | None = None  # when set: generations start only once it is set
@@ -54,7 +62,7 @@ class FakeDevice:
         self.busy = busy
         self.requests: list[dict[str, Any]] = []
         self.admitted: list[str] = []  # prompts of the generations it started, in order
-        self.finished = 0   # streams that reached 'done'
+        self.finished = 0  # streams that reached 'done'
         self.active = 0
         self.ready = True  # what its /readyz says
         self.probes = 0  # GET /readyz answered
@@ -68,8 +76,13 @@ class FakeDevice:
             self.requests.append(body)
             if self.busy or self.active >= self.max_sessions:
                 return JSONResponse({"error": {"code": "busy", "message": "no free session"}}, status_code=503)
-            prompt = (body["prompt"] if "prompt" in body else str(body["prompt_ids"]) if "prompt_ids" in body
-                      else plain_chat_text(body["messages"]))
+            prompt = (
+                body["prompt"]
+                if "prompt" in body
+                else str(body["prompt_ids"])
+                if "prompt_ids" in body
+                else plain_chat_text(body["messages"])
+            )
             if prompt == "user: bad\nassistant:":
                 return JSONResponse({"error": {"code": "prompt_too_long", "message": "too long"}}, status_code=400)
             self.active += 1  # taken here, not in the stream, so two requests cannot both pass the check
@@ -78,8 +91,12 @@ class FakeDevice:
 
         @app.get("/info")
         async def info() -> dict[str, Any]:
-            return {"device_id": self.device_id, "model": "fake", "active_sessions": self.active,
-                    "max_sessions": self.max_sessions}
+            return {
+                "device_id": self.device_id,
+                "model": "fake",
+                "active_sessions": self.active,
+                "max_sessions": self.max_sessions,
+            }
 
         @app.get("/readyz")
         async def readyz() -> JSONResponse:
@@ -100,11 +117,26 @@ class FakeDevice:
                     return
                 k = 1 if n == 0 else min(self.per_round, limit - n)
                 await asyncio.sleep(self.round_delay_s)
-                yield json.dumps({"type": "tokens", "token_ids": list(range(n, n + k)),
-                                  "text": "".join(WORDS[i % len(WORDS)] for i in range(n, n + k)), "t": 0.01}) + "\n"
+                yield (
+                    json.dumps(
+                        {
+                            "type": "tokens",
+                            "token_ids": list(range(n, n + k)),
+                            "text": "".join(WORDS[i % len(WORDS)] for i in range(n, n + k)),
+                            "t": 0.01,
+                        }
+                    )
+                    + "\n"
+                )
                 n, rounds = n + k, rounds + 1
-            stats = {"prompt_tokens": 5, "completion_tokens": n, "ttft_s": 0.01, "tbt_s": 0.005,
-                     "mean_accept_length": float(self.per_round), "num_rounds": rounds - 1}
+            stats = {
+                "prompt_tokens": 5,
+                "completion_tokens": n,
+                "ttft_s": 0.01,
+                "tbt_s": 0.005,
+                "mean_accept_length": float(self.per_round),
+                "num_rounds": rounds - 1,
+            }
             yield json.dumps({"type": "done", "finish_reason": "length", "stats": stats}) + "\n"
             self.finished += 1
         finally:
@@ -118,8 +150,9 @@ async def serve(app: Any, **config: Any) -> AsyncIterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", "lifespan": "on",
-                                                   "timeout_graceful_shutdown": 1, **config}))
+    server = uvicorn.Server(
+        uvicorn.Config(app, **{"log_level": "warning", "lifespan": "on", "timeout_graceful_shutdown": 1, **config})
+    )
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(30):  # the app's lifespan may build a device agent first: room for a busy box
@@ -188,8 +221,9 @@ async def test_openai_client_streams_chat_and_completions() -> None:
             tophat = chunks[-1].model_extra["tophat"]
             assert tophat["completion_tokens"] == 7 and tophat["mean_accept_length"] == 2.0 and tophat["ttft_s"] > 0
 
-            stream = await oai.completions.create(model="tophat-demo", prompt="def f(", max_tokens=5, stream=True,
-                                                  temperature=0, seed=3)
+            stream = await oai.completions.create(
+                model="tophat-demo", prompt="def f(", max_tokens=5, stream=True, temperature=0, seed=3
+            )
             texts = [c.choices[0].text async for c in stream]
             assert "".join(texts) == expected_text(5)
     assert dev.requests[0]["messages"] == CHAT and "prompt" not in dev.requests[0]  # templated on the device
@@ -200,8 +234,11 @@ async def test_openai_client_streams_chat_and_completions() -> None:
 
 async def test_raw_sse_format_with_httpx_sse() -> None:
     async with mesh(FakeDevice("dev-a")) as url:
-        events = await raw_events(url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "stream": True,
-                                                                "stream_options": {"include_usage": True}})
+        events = await raw_events(
+            url,
+            "/v1/chat/completions",
+            {"messages": CHAT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+        )
         no_usage = await raw_events(url, "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True})
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -233,8 +270,9 @@ async def test_stop_strings_cut_text_and_stop_the_device() -> None:
     async with mesh(dev) as url:
         async with client(url) as oai:
             # rounds: [Hello] [, world] [! The] [ quick brown] ...: "The qu" spans two rounds
-            stream = await oai.completions.create(model="m", prompt="x", max_tokens=40, stream=True,
-                                                  stop=["The qu", "zzz"])
+            stream = await oai.completions.create(
+                model="m", prompt="x", max_tokens=40, stream=True, stop=["The qu", "zzz"]
+            )
             chunks = [c async for c in stream]
             assert "".join(c.choices[0].text for c in chunks) == "Hello, world! "
             assert chunks[-1].choices[0].finish_reason == "stop"
@@ -335,14 +373,20 @@ async def test_device_error_mid_stream() -> None:
 @pytest.mark.slow
 async def test_error_shapes_400_and_503() -> None:
     async with mesh(FakeDevice("dev-a"), max_new_tokens_limit=100) as url, httpx.AsyncClient(timeout=10) as http:
-        for body in ({"prompt": "x", "n": 2}, {"prompt": "x", "max_tokens": 101}, {"prompt": "x", "stop": [""]},
-                     {"prompt": "x", "temperature": -1}, {"max_tokens": 3}):
+        for body in (
+            {"prompt": "x", "n": 2},
+            {"prompt": "x", "max_tokens": 101},
+            {"prompt": "x", "stop": [""]},
+            {"prompt": "x", "temperature": -1},
+            {"max_tokens": 3},
+        ):
             resp = await http.post(f"{url}/v1/completions", json=body)
             assert resp.status_code == 400, body
             assert set(resp.json()["error"]) >= {"message", "type", "code"}
             assert resp.json()["error"]["type"] == "invalid_request_error"
-        resp = await http.post(f"{url}/v1/chat/completions", content=b"{not json",
-                               headers={"content-type": "application/json"})
+        resp = await http.post(
+            f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+        )
         assert resp.status_code == 400
         resp = await http.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "bad"}]})
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long"  # device's own 400
@@ -433,8 +477,9 @@ async def test_request_telemetry_reaches_state_monitor_schema() -> None:
 
 
 def test_settings_from_env() -> None:
-    s = load_settings({"TOPHAT_STREAMER_DEVICE_URLS": " http://a:1/, http://b:2 ,,http://a:1",
-                       "TOPHAT_STREAMER_PORT": "9000"})
+    s = load_settings(
+        {"TOPHAT_STREAMER_DEVICE_URLS": " http://a:1/, http://b:2 ,,http://a:1", "TOPHAT_STREAMER_PORT": "9000"}
+    )
     assert s.device_url_list == ["http://a:1", "http://b:2"] and s.port == 9000 and s.model_name == "tophat-demo"
     with pytest.raises(SettingsError):
         load_settings({"TOPHAT_STREAMER_DEVICE_URLS": "a:1"})

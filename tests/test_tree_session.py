@@ -53,7 +53,9 @@ def _check_caches_every_round(session: DeviceSession) -> None:
 
 
 @pytest.mark.parametrize(
-    "config,variant", [(TREES[0], "hat"), (TREES[1], "feature"), (TREES[2], "feature")], ids=["w2", "w4-deep", "siblings"]
+    "config,variant",
+    [(TREES[0], "hat"), (TREES[1], "feature"), (TREES[2], "feature")],
+    ids=["w2", "w4-deep", "siblings"],
 )
 def test_greedy_trees_are_token_identical(tiny_checkpoint, config, variant):
     ids = list(range(3, 17))
@@ -198,7 +200,9 @@ def test_bad_layouts_are_refused_by_the_in_process_cloud(tiny_checkpoint):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"]
+)
 def test_a_tree_drafted_by_the_target_itself_is_accepted_to_full_depth(tiny_checkpoint, params):
     """With the middle as its own draft, every round accepts a whole root-to-leaf path of the tree's depth:
     a tree mask, a position or a kept row out of place on either side would make some round stop short."""

@@ -55,8 +55,13 @@ async def usarathi_generate(checkpoint, cloud, prompt, session_id, max_new=12):
     """The device side of U-Sarathi: speculative=false, prompt_chunking=false (one upload)."""
     device = DeviceModel.from_checkpoint(checkpoint, M, None)
     session = DeviceSession(device, prompt, draft_config=DraftConfig(max_draft=0), max_new_tokens=max_new)
-    return [t async for emitted in run_session(session, cloud, session_id, fixed_chunks(len(prompt), None),
-                                               offload=asyncio.to_thread) for t in emitted]
+    return [
+        t
+        async for emitted in run_session(
+            session, cloud, session_id, fixed_chunks(len(prompt), None), offload=asyncio.to_thread
+        )
+        for t in emitted
+    ]
 
 
 async def generate_all(checkpoint, url, token_mode=True):
@@ -76,6 +81,7 @@ async def _tokens(rounds):
 
 
 # -- the scheduling rule, without a model ------------------------------------------------------
+
 
 def test_a_long_prefill_is_taken_in_pieces_between_other_work():
     sched = Scheduler(max_batch_tokens=64, max_sessions=4, context_length=512, server_chunk_tokens=CHUNK)
@@ -102,8 +108,18 @@ def test_a_failed_piece_fails_the_item_once_and_drops_the_rest():
     sched = Scheduler(max_batch_tokens=64, max_sessions=4, context_length=512, server_chunk_tokens=CHUNK)
     owner, replies = object(), []
     sched.open(Session(1, owner))
-    sched.submit(WorkItem(1, 7, "prefill", torch.zeros(20, 4), 0, is_last=True,
-                          reply=lambda item, out, err: replies.append((item.seq_no, err))), owner)
+    sched.submit(
+        WorkItem(
+            1,
+            7,
+            "prefill",
+            torch.zeros(20, 4),
+            0,
+            is_last=True,
+            reply=lambda item, out, err: replies.append((item.seq_no, err)),
+        ),
+        owner,
+    )
     batch = sched.schedule()
     piece = batch.items[0]
     assert piece.num_tokens == CHUNK and sched.sessions[1].queue[0].num_tokens == 12
@@ -124,6 +140,7 @@ def test_server_chunk_setting():
 
 
 # -- in-process verifier (P = 1) ---------------------------------------------------------------
+
 
 async def test_outputs_are_identical_with_and_without_server_chunking(checkpoint):
     expected = [generate_full(checkpoint, p, 12).token_ids for p in PROMPTS]
@@ -149,14 +166,17 @@ async def test_another_sessions_verify_steps_run_between_the_pieces(checkpoint):
             for sid in (1, 2):
                 opened = await roundtrip(ws, wire.OpenSession(sid, hidden, F32, **split_identity(checkpoint, M)))
                 assert isinstance(opened, wire.SessionOpened)
-            assert isinstance(await roundtrip(ws, wire.PrefillChunk(2, 1, 0, True, torch.randn(3, hidden))),
-                              wire.DeepHidden)
+            assert isinstance(
+                await roundtrip(ws, wire.PrefillChunk(2, 1, 0, True, torch.randn(3, hidden))), wire.DeepHidden
+            )
             # Hold the engine at its next step until all the work below is queued, so the steps'
             # contents depend on the policy, not on how fast frames happen to arrive.
             gate, execute = threading.Event(), server.engine.execute
             server.engine.execute = lambda batch: (gate.wait(10), execute(batch))[1]
             first_step = len(server.recent_steps)
-            await ws.send(wire.encode(wire.PrefillChunk(1, 10, 0, True, torch.randn(long_prompt, hidden)), wire_dtype=F32))
+            await ws.send(
+                wire.encode(wire.PrefillChunk(1, 10, 0, True, torch.randn(long_prompt, hidden)), wire_dtype=F32)
+            )
             for i in range(verifies):
                 await ws.send(wire.encode(wire.VerifyRequest(2, 11 + i, 3 + i, torch.randn(1, hidden)), wire_dtype=F32))
             queue = server.scheduler.sessions[2].queue
@@ -178,11 +198,13 @@ async def test_another_sessions_verify_steps_run_between_the_pieces(checkpoint):
 
 # -- pipeline path (P = 2 stage workers) -------------------------------------------------------
 
+
 @pytest.mark.slow
 async def test_server_chunking_through_pipeline_stages(tiny_llama_dir, checkpoint):
     expected = [generate_full(checkpoint, p, 12).token_ids for p in PROMPTS]
-    server = VerifierServer.from_settings(Settings(port=0, split_layers=M, model_dir=str(tiny_llama_dir),
-                                                   pipeline_stages=2, server_chunk_tokens=CHUNK))
+    server = VerifierServer.from_settings(
+        Settings(port=0, split_layers=M, model_dir=str(tiny_llama_dir), pipeline_stages=2, server_chunk_tokens=CHUNK)
+    )
     prefills: list[int] = []
     submit = server.pipeline.submit
 

@@ -40,7 +40,9 @@ async def generate_over_ws(checkpoint, cloud, prompt, session_id, max_new=16, ch
     device = DeviceModel.from_checkpoint(checkpoint, M, DraftAdapter(checkpoint, M))
     session = DeviceSession(device, prompt, draft_config=DraftConfig(eta=0.3, max_draft=4), max_new_tokens=max_new)
     tokens = []
-    async for emitted in run_session(session, cloud, session_id, fixed_chunks(len(prompt), chunk), offload=asyncio.to_thread):
+    async for emitted in run_session(
+        session, cloud, session_id, fixed_chunks(len(prompt), chunk), offload=asyncio.to_thread
+    ):
         tokens += emitted
     return tokens
 
@@ -98,8 +100,9 @@ async def test_bad_frames_get_typed_errors_and_the_connection_survives(checkpoin
             good = wire.encode(wire.PrefillChunk(1, 1, 0, True, torch.randn(3, hidden)))
             cases = {
                 wire.ErrorCode.MALFORMED: b"\xc1not msgpack",
-                wire.ErrorCode.UNKNOWN_TYPE: wire.encode(wire.OpenSession(2, hidden, **split_identity(checkpoint, M)))
-                .replace(b"\xa1t\x01", b"\xa1t\x66"),
+                wire.ErrorCode.UNKNOWN_TYPE: wire.encode(
+                    wire.OpenSession(2, hidden, **split_identity(checkpoint, M))
+                ).replace(b"\xa1t\x01", b"\xa1t\x66"),
                 wire.ErrorCode.BAD_DTYPE: raw_prefill(hidden, dtype="i8", data=b"\0" * (3 * hidden * 8)),
                 wire.ErrorCode.BAD_SHAPE: wire.encode(wire.PrefillChunk(1, 2, 0, True, torch.randn(3, hidden + 1))),
                 wire.ErrorCode.LENGTH_MISMATCH: raw_prefill(hidden, data=b"\0" * 10),
@@ -168,14 +171,17 @@ async def test_bandwidth_probe_measures_the_emulated_link(checkpoint):
 
 # -- faults: one item fails, the verifier goes on ----------------------------------------------
 
+
 async def test_a_fault_in_one_session_fails_its_item_alone_and_the_verifier_goes_on(checkpoint):
     hidden, sids, f32 = checkpoint.hidden_size, (1, 2, 3), wire.WireDtype.F32
     torch.manual_seed(3)
     prefixes = {sid: torch.randn(4 + sid, hidden) for sid in sids}
     drafts = {sid: torch.randn(3, hidden) for sid in sids}
     middle = MiddleSubmodel(checkpoint, M)  # the unsplit middle over each whole sequence, in one pass
-    expected = {sid: middle.forward_batch([(middle.new_cache(), torch.cat([prefixes[sid], drafts[sid]]))])[0][-3:]
-                for sid in sids}
+    expected = {
+        sid: middle.forward_batch([(middle.new_cache(), torch.cat([prefixes[sid], drafts[sid]]))])[0][-3:]
+        for sid in sids
+    }
 
     async def send(ws, message):
         await ws.send(wire.encode(message, wire_dtype=f32))
@@ -183,8 +189,9 @@ async def test_a_fault_in_one_session_fails_its_item_alone_and_the_verifier_goes
     async with running_verifier(checkpoint) as (server, url):
         async with connect(url) as ws:
             for sid in (*sids, 4):
-                opened = await _roundtrip(ws, wire.encode(wire.OpenSession(sid, hidden, f32,
-                                                                           **split_identity(checkpoint, M))))
+                opened = await _roundtrip(
+                    ws, wire.encode(wire.OpenSession(sid, hidden, f32, **split_identity(checkpoint, M)))
+                )
                 assert isinstance(opened, wire.SessionOpened)
             for sid in sids:
                 await send(ws, wire.PrefillChunk(sid, 1, 0, True, prefixes[sid]))
@@ -201,8 +208,9 @@ async def test_a_fault_in_one_session_fails_its_item_alone_and_the_verifier_goes
             runner.layers.forward_packed = faulty
             # Hold the engine on session 4's step until the three verifies are queued: they share the next pass.
             gate, execute, batch_sizes = threading.Event(), server.engine.execute, []
-            server.engine.execute = lambda batch: (batch_sizes.append(len(batch.items)), gate.wait(10),
-                                                   execute(batch))[2]
+            server.engine.execute = lambda batch: (batch_sizes.append(len(batch.items)), gate.wait(10), execute(batch))[
+                2
+            ]
             await send(ws, wire.PrefillChunk(4, 1, 0, True, torch.randn(2, hidden)))
             for _ in range(1000):
                 if batch_sizes:
@@ -227,8 +235,9 @@ async def test_a_fault_in_one_session_fails_its_item_alone_and_the_verifier_goes
                 assert torch.allclose(by_session[sid].hidden, expected[sid], atol=1e-4)
             # Session 2 was rolled back to before the failed pass: once the fault is gone, it is exact.
             runner.layers.forward_packed = forward
-            again = await _roundtrip(ws, wire.encode(wire.VerifyRequest(2, 3, prefixes[2].shape[0], drafts[2]),
-                                                     wire_dtype=f32))
+            again = await _roundtrip(
+                ws, wire.encode(wire.VerifyRequest(2, 3, prefixes[2].shape[0], drafts[2]), wire_dtype=f32)
+            )
             assert isinstance(again, wire.VerifyResult) and torch.allclose(again.hidden, expected[2], atol=1e-4)
             # A fault outside the runner (here: in the scheduler) costs a step, never the engine loop.
             schedule, calls = server.scheduler.schedule, []

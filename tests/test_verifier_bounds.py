@@ -51,8 +51,9 @@ async def test_a_session_cannot_queue_without_bound(checkpoint):
         async with connect(url) as ws:
             for sid in (1, 9):
                 await roundtrip(ws, open_message(checkpoint, sid))
-            assert isinstance(await roundtrip(ws, wire.PrefillChunk(1, 1, 0, True, torch.randn(3, hidden))),
-                              wire.DeepHidden)
+            assert isinstance(
+                await roundtrip(ws, wire.PrefillChunk(1, 1, 0, True, torch.randn(3, hidden))), wire.DeepHidden
+            )
             # Hold the engine on session 9's step, so session 1's verifies stay queued.
             entered, gate, execute = [], threading.Event(), server.engine.execute
             server.engine.execute = lambda batch: (entered.append(1), gate.wait(10), execute(batch))[2]
@@ -65,12 +66,17 @@ async def test_a_session_cannot_queue_without_bound(checkpoint):
             for seq in (2, 3, 4, 5):
                 await ws.send(wire.encode(wire.VerifyRequest(1, seq, 3, torch.randn(1, hidden)), wire_dtype=F32))
             refusals = [wire.decode(await asyncio.wait_for(ws.recv(), 10)) for _ in range(2)]
-            assert [(r.code, r.seq_no) for r in refusals] == [(wire.ErrorCode.OVERLOADED, 4),
-                                                              (wire.ErrorCode.OVERLOADED, 5)]
+            assert [(r.code, r.seq_no) for r in refusals] == [
+                (wire.ErrorCode.OVERLOADED, 4),
+                (wire.ErrorCode.OVERLOADED, 5),
+            ]
             gate.set()
             answers = [wire.decode(await asyncio.wait_for(ws.recv(), 10)) for _ in range(3)]
             assert sorted((type(a).__name__, a.seq_no) for a in answers) == [
-                ("DeepHidden", 1), ("VerifyResult", 2), ("VerifyResult", 3)]
+                ("DeepHidden", 1),
+                ("VerifyResult", 2),
+                ("VerifyResult", 3),
+            ]
 
 
 async def test_an_idle_session_is_closed_and_its_kv_freed(checkpoint):

@@ -46,8 +46,9 @@ async def _open_with_prompt(ws, sid: int, prompt: torch.Tensor, identity: dict) 
     assert isinstance(await _roundtrip(ws, wire.PrefillChunk(sid, 1, 0, True, prompt)), wire.DeepHidden)
 
 
-async def _keep_verifying(ws, sid: int, drafts: torch.Tensor, expected: torch.Tensor,
-                          fuzz_done: asyncio.Event) -> tuple[int, int]:
+async def _keep_verifying(
+    ws, sid: int, drafts: torch.Tensor, expected: torch.Tensor, fuzz_done: asyncio.Event
+) -> tuple[int, int]:
     """Verify the same drafts again and again until the fuzz is done: (verifies, wrong answers).
     Close, not bitwise: a verify batched with the fuzz's own valid frames runs in other matmul shapes."""
     verifies = wrong = 0
@@ -76,11 +77,13 @@ async def test_ten_thousand_mutated_frames_get_typed_errors_and_change_nothing(t
             healthy_expected = await _deep_states(healthy_ws, HEALTHY, drafts[HEALTHY])
 
             fuzz_done = asyncio.Event()
-            healthy = asyncio.create_task(_keep_verifying(healthy_ws, HEALTHY, drafts[HEALTHY], healthy_expected,
-                                                          fuzz_done))
+            healthy = asyncio.create_task(
+                _keep_verifying(healthy_ws, HEALTHY, drafts[HEALTHY], healthy_expected, fuzz_done)
+            )
             try:
-                counts = await fuzz_connection(ws, hidden, frames=FRAMES, seed=9, protected=frozenset(PROTECTED),
-                                               open_fields=identity)
+                counts = await fuzz_connection(
+                    ws, hidden, frames=FRAMES, seed=9, protected=frozenset(PROTECTED), open_fields=identity
+                )
             finally:
                 fuzz_done.set()
                 verifies, wrong = await asyncio.wait_for(healthy, 30)
@@ -107,7 +110,10 @@ async def test_a_negative_session_id_gets_an_error_not_a_closed_connection(tiny_
         async with connect(url) as ws:
             opened = await _roundtrip(ws, wire.OpenSession(5, checkpoint.hidden_size, **split_identity(checkpoint, M)))
             assert isinstance(opened, wire.SessionOpened)
-            for bad in ({"v": wire.WIRE_VERSION, "t": 3, "s": -1}, {"v": wire.WIRE_VERSION, "t": 0x20, "s": 5, "q": -3}):
+            for bad in (
+                {"v": wire.WIRE_VERSION, "t": 3, "s": -1},
+                {"v": wire.WIRE_VERSION, "t": 0x20, "s": 5, "q": -3},
+            ):
                 await ws.send(msgpack.packb(bad))
                 reply = wire.decode(await asyncio.wait_for(ws.recv(), 10))
                 assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.MALFORMED

@@ -60,8 +60,9 @@ async def test_the_transport_refuses_a_frame_over_the_limit_before_buffering_it(
             reply, _ = await _exchange(ws, at_limit)
             assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.MALFORMED
             rows = wire.max_rows_per_frame(checkpoint.hidden_size, "f2", LIMIT)
-            fits = wire.encode(wire.PrefillChunk(3, 1, 0, True, torch.randn(rows, checkpoint.hidden_size)),
-                               wire_dtype="f2")
+            fits = wire.encode(
+                wire.PrefillChunk(3, 1, 0, True, torch.randn(rows, checkpoint.hidden_size)), wire_dtype="f2"
+            )
             assert len(fits) <= LIMIT
             reply, _ = await _exchange(ws, fits)
             assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.UNKNOWN_SESSION
@@ -122,16 +123,21 @@ def _bearer(device_id: str) -> dict[str, str]:
 async def authenticated_verifier(checkpoint, **overrides):
     """The verifier checking devices' tokens against RING's keys (served as an issuer's): yields its ws URL."""
     credential = RING.mint("verifier-cloud", "service", auth.ISSUER, 600, time.time())
-    async with jwks_server(RING) as issuer, verifier_on_loopback(
-        checkpoint, M, auth_issuer_url=issuer, auth_credential=credential, **overrides
-    ) as (server, url):
+    async with (
+        jwks_server(RING) as issuer,
+        verifier_on_loopback(checkpoint, M, auth_issuer_url=issuer, auth_credential=credential, **overrides) as (
+            server,
+            url,
+        ),
+    ):
         await wait_trusted(server.trust)
         yield url
 
 
 async def _open_session(ws, checkpoint, sid: int) -> wire.Message:
-    reply, _ = await _exchange(ws, wire.encode(wire.OpenSession(sid, checkpoint.hidden_size,
-                                                                **split_identity(checkpoint, M))))
+    reply, _ = await _exchange(
+        ws, wire.encode(wire.OpenSession(sid, checkpoint.hidden_size, **split_identity(checkpoint, M)))
+    )
     return reply
 
 
@@ -141,9 +147,11 @@ def _refused_as_overloaded(reply: wire.Message) -> bool:
 
 async def test_one_device_token_holds_at_most_its_sessions_across_connections(checkpoint):
     async with authenticated_verifier(checkpoint, max_sessions_per_device=3) as url:
-        async with connect(url, additional_headers=_bearer("dev-a")) as a1, \
-                connect(url, additional_headers=_bearer("dev-a")) as a2, \
-                connect(url, additional_headers=_bearer("dev-b")) as b:
+        async with (
+            connect(url, additional_headers=_bearer("dev-a")) as a1,
+            connect(url, additional_headers=_bearer("dev-a")) as a2,
+            connect(url, additional_headers=_bearer("dev-b")) as b,
+        ):
             assert isinstance(await _open_session(a1, checkpoint, 1), wire.SessionOpened)
             assert isinstance(await _open_session(a1, checkpoint, 2), wire.SessionOpened)
             assert isinstance(await _open_session(a2, checkpoint, 3), wire.SessionOpened)

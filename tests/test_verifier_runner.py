@@ -87,8 +87,10 @@ def test_a_token_session_is_restored_with_its_sampler(checkpoint):
     """Token mode: both caches and the sampler's state roll back, so the retry draws what it would have."""
     reference, faulty = (new_runner(checkpoint, TokenModel(checkpoint, M)) for _ in range(2))
     params = SamplingParams(temperature=0.8, seed=7)
-    items = [RunItem(1, PREFILL, 0, None, torch.tensor([5, 6, 7]), is_last=True),
-             RunItem(2, PREFILL, 0, None, torch.tensor([9, 8]), is_last=True)]
+    items = [
+        RunItem(1, PREFILL, 0, None, torch.tensor([5, 6, 7]), is_last=True),
+        RunItem(2, PREFILL, 0, None, torch.tensor([9, 8]), is_last=True),
+    ]
     for runner in (reference, faulty):
         runner.open(1, params)
         runner.open(2, params)
@@ -113,8 +115,10 @@ def test_an_item_failing_in_a_later_stage_is_rolled_back_in_every_stage(checkpoi
     from services.verifier_cloud.stages import MicroBatch, SessionsOpened, SessionsRolledBack, StageItem, StageWorker
 
     context = checkpoint.config.max_position_embeddings
-    stages = [StageWorker(0, MiddleSubmodel(checkpoint, M, stage=(2, 4)), context),
-              StageWorker(1, MiddleSubmodel(checkpoint, M, stage=(4, 5)), context)]
+    stages = [
+        StageWorker(0, MiddleSubmodel(checkpoint, M, stage=(2, 4)), context),
+        StageWorker(1, MiddleSubmodel(checkpoint, M, stage=(4, 5)), context),
+    ]
     for stage in stages:
         stage.handle(SessionsOpened([1, 2]))
     poison(stages[1].runner, 2)
@@ -148,16 +152,30 @@ def test_the_pipeline_engine_rolls_back_items_that_failed_internally():
     replies = []
     for sid in (1, 2, 3):
         sched.open(Session(sid, owner))
-        sched.submit(WorkItem(sid, 5, "verify", torch.zeros(2, 4), 7,
-                              reply=lambda item, out, err: replies.append((item.session_id, err))), owner)
+        sched.submit(
+            WorkItem(
+                sid,
+                5,
+                "verify",
+                torch.zeros(2, 4),
+                7,
+                reply=lambda item, out, err: replies.append((item.session_id, err)),
+            ),
+            owner,
+        )
     batch = sched.schedule()
-    items = [StageItem(1, 5, VERIFY, 7, 2, torch.zeros(2, 4).numpy()),
-             StageItem(2, 5, VERIFY, 7, 2, None, (int(ErrorKind.INTERNAL), "stage 1: IndexError")),
-             StageItem(3, 5, VERIFY, 7, 2, None, (int(ErrorKind.MALFORMED), "stage 0: commit_len beyond"))]
+    items = [
+        StageItem(1, 5, VERIFY, 7, 2, torch.zeros(2, 4).numpy()),
+        StageItem(2, 5, VERIFY, 7, 2, None, (int(ErrorKind.INTERNAL), "stage 1: IndexError")),
+        StageItem(3, 5, VERIFY, 7, 2, None, (int(ErrorKind.MALFORMED), "stage 0: commit_len beyond")),
+    ]
     engine._done(batch, items, PipelineStep(1, 2, [], 0.0, 0.0))
     assert pipeline.rolled_back == [(2, 7)]  # a refused item (3) appended nowhere: nothing to undo
     assert [(sid, err.kind if err else None) for sid, err in replies] == [
-        (1, None), (2, ErrorKind.INTERNAL), (3, ErrorKind.MALFORMED)]
+        (1, None),
+        (2, ErrorKind.INTERNAL),
+        (3, ErrorKind.MALFORMED),
+    ]
 
 
 def test_a_fork_or_rollback_with_a_negative_length_changes_nothing(checkpoint):

@@ -12,10 +12,32 @@ from hypothesis import strategies as st
 
 from shared import wire
 from shared.wire import (
-    MAX_FRAME_BYTES, WIRE_VERSION, ChunkAck, CloseSession, DeepHidden, ErrorCode, ErrorFrame,
-    Message, OpenSession, OpenTokenSession, PrefillChunk, SessionClosed, SessionOpened, TokenPrefill,
-    TokenResult, TokenStep, VerifyRequest, VerifyResult, WireDtype, WireError, assert_privacy_safe,
-    decode, decode_tensor, encode, encode_tensor, max_rows_per_frame,
+    MAX_FRAME_BYTES,
+    WIRE_VERSION,
+    ChunkAck,
+    CloseSession,
+    DeepHidden,
+    ErrorCode,
+    ErrorFrame,
+    Message,
+    OpenSession,
+    OpenTokenSession,
+    PrefillChunk,
+    SessionClosed,
+    SessionOpened,
+    TokenPrefill,
+    TokenResult,
+    TokenStep,
+    VerifyRequest,
+    VerifyResult,
+    WireDtype,
+    WireError,
+    assert_privacy_safe,
+    decode,
+    decode_tensor,
+    encode,
+    encode_tensor,
+    max_rows_per_frame,
 )
 
 H = 16
@@ -84,6 +106,7 @@ TOKEN_MESSAGES = [
 
 # ---------------------------------------------------------------- round trips
 
+
 @pytest.mark.parametrize("msg", ALL_MESSAGES, ids=lambda m: type(m).__name__)
 def test_round_trip_every_message(msg):
     out = decode(encode(msg))
@@ -114,10 +137,16 @@ def test_token_ids_are_four_bytes_each():
     assert _raw(TokenStep(1, 2, 3, [258]))["i"] == (258).to_bytes(4, "little")
 
 
-@pytest.mark.parametrize("value,code", [
-    (b"", ErrorCode.BAD_SHAPE), (b"\x01\x00\x00", ErrorCode.LENGTH_MISMATCH), ([1, 2], ErrorCode.MALFORMED),
-    ("12", ErrorCode.MALFORMED), (None, ErrorCode.MALFORMED),
-])
+@pytest.mark.parametrize(
+    "value,code",
+    [
+        (b"", ErrorCode.BAD_SHAPE),
+        (b"\x01\x00\x00", ErrorCode.LENGTH_MISMATCH),
+        ([1, 2], ErrorCode.MALFORMED),
+        ("12", ErrorCode.MALFORMED),
+        (None, ErrorCode.MALFORMED),
+    ],
+)
 def test_bad_token_ids_are_rejected_and_addressed(value, code):
     m = _raw(TokenStep(7, 2, 3, [5]))
     err = _err(_pack({**m, "i": value}), code)
@@ -128,8 +157,13 @@ def test_token_message_construction_is_validated():
     for bad in ([], [-1], [2**32], [True], [1.0], "ab"):
         with pytest.raises(WireError):
             TokenResult(1, 1, bad)
-    for kw in ({"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"temperature": float("nan")},
-               {"temperature": "0.5"}):
+    for kw in (
+        {"temperature": -0.1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"temperature": float("nan")},
+        {"temperature": "0.5"},
+    ):
         with pytest.raises(WireError) as info:
             OpenTokenSession(1, **kw)
         assert info.value.code == ErrorCode.MALFORMED
@@ -141,8 +175,16 @@ def test_token_message_construction_is_validated():
 
 
 @settings(max_examples=60, deadline=None)
-@given(sid=U64, seq=U64, commit=U64, rows=st.integers(1, 8), hidden=st.integers(1, 48),
-       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31), special=st.booleans())
+@given(
+    sid=U64,
+    seq=U64,
+    commit=U64,
+    rows=st.integers(1, 8),
+    hidden=st.integers(1, 48),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31),
+    special=st.booleans(),
+)
 def test_verify_round_trip_property(sid, seq, commit, rows, hidden, dtype, seed, special):
     g = torch.Generator().manual_seed(seed)
     h = (torch.randn(rows, hidden, generator=g) * 100).to(dtype)  # [K, H]
@@ -186,6 +228,7 @@ def test_non_contiguous_and_grad_tensors_encode():
 
 # ---------------------------------------------------------------- rejections
 
+
 def test_oversized_is_rejected_before_unpacking(monkeypatch):
     monkeypatch.setattr(msgpack, "unpackb", lambda *a, **k: pytest.fail("parsed"))
     _err(b"\xc1" * 101, ErrorCode.OVERSIZED, max_frame_bytes=100)
@@ -197,14 +240,37 @@ def test_default_limit_is_16_mib():
     _err(b"\x00" * (MAX_FRAME_BYTES + 1), ErrorCode.OVERSIZED)
 
 
-@pytest.mark.parametrize("frame", [
-    b"", b"\xc1", b"{\"v\": 1}", encode(ALL_MESSAGES[9])[:-1], encode(ALL_MESSAGES[9])[:7],
-    encode(ALL_MESSAGES[2]) + b"\x00", _pack([1, 2]), _pack(5), _pack({1: 2}),
-    _pack({"v": WIRE_VERSION, "t": 2, "s": 1, "x": [None] * 100_000}),
-    _pack({"v": WIRE_VERSION, "t": 2, "s": "a" * 5000}),
-    _pack({"v": WIRE_VERSION, "t": 2, "s": msgpack.ExtType(1, b"x")}),
-], ids=["empty", "reserved-byte", "json", "truncated-tail", "truncated-head", "trailing",
-        "array", "int", "int-key", "huge-array", "huge-str", "ext"])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1",
+        b'{"v": 1}',
+        encode(ALL_MESSAGES[9])[:-1],
+        encode(ALL_MESSAGES[9])[:7],
+        encode(ALL_MESSAGES[2]) + b"\x00",
+        _pack([1, 2]),
+        _pack(5),
+        _pack({1: 2}),
+        _pack({"v": WIRE_VERSION, "t": 2, "s": 1, "x": [None] * 100_000}),
+        _pack({"v": WIRE_VERSION, "t": 2, "s": "a" * 5000}),
+        _pack({"v": WIRE_VERSION, "t": 2, "s": msgpack.ExtType(1, b"x")}),
+    ],
+    ids=[
+        "empty",
+        "reserved-byte",
+        "json",
+        "truncated-tail",
+        "truncated-head",
+        "trailing",
+        "array",
+        "int",
+        "int-key",
+        "huge-array",
+        "huge-str",
+        "ext",
+    ],
+)
 def test_not_a_msgpack_map_is_malformed(frame):
     _err(frame, ErrorCode.MALFORMED)
 
@@ -213,10 +279,17 @@ def test_text_frame_is_malformed():
     _err("hello", ErrorCode.MALFORMED)
 
 
-@pytest.mark.parametrize("version,code", [
-    (1, ErrorCode.BAD_VERSION), (2, ErrorCode.BAD_VERSION), (0, ErrorCode.BAD_VERSION), ("3", ErrorCode.BAD_VERSION),
-    (True, ErrorCode.BAD_VERSION), (None, ErrorCode.MALFORMED),
-])
+@pytest.mark.parametrize(
+    "version,code",
+    [
+        (1, ErrorCode.BAD_VERSION),
+        (2, ErrorCode.BAD_VERSION),
+        (0, ErrorCode.BAD_VERSION),
+        ("3", ErrorCode.BAD_VERSION),
+        (True, ErrorCode.BAD_VERSION),
+        (None, ErrorCode.MALFORMED),
+    ],
+)
 def test_version(version, code):
     m = _raw(SessionOpened(3))
     if version is None:
@@ -234,10 +307,20 @@ def test_type_field():
     _err(_pack({k: v for k, v in m.items() if k != "t"}), ErrorCode.MALFORMED)
 
 
-@pytest.mark.parametrize("key,value", [
-    ("s", -1), ("s", "7"), ("s", True), ("s", 1.0), ("q", None),
-    ("c", [1]), ("h", b"\x00" * 10), ("h", {"d": "f2", "s": [5, H]}), ("zz", 1),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("s", -1),
+        ("s", "7"),
+        ("s", True),
+        ("s", 1.0),
+        ("q", None),
+        ("c", [1]),
+        ("h", b"\x00" * 10),
+        ("h", {"d": "f2", "s": [5, H]}),
+        ("zz", 1),
+    ],
+)
 def test_wrong_typed_or_extra_fields_are_malformed(key, value):
     m = _raw(VerifyRequest(7, 2, 37, _h(5)))
     _err(_pack({**m, key: value}), ErrorCode.MALFORMED)
@@ -271,20 +354,23 @@ def _tensor_frame(**tensor_overrides) -> bytes:
     return _pack(m)
 
 
-@pytest.mark.parametrize("overrides,code", [
-    ({"d": "f8"}, ErrorCode.BAD_DTYPE),
-    ({"d": 2}, ErrorCode.BAD_DTYPE),
-    ({"s": [5 * H]}, ErrorCode.BAD_SHAPE),
-    ({"s": [1, 5, H]}, ErrorCode.BAD_SHAPE),
-    ({"s": [0, H]}, ErrorCode.BAD_SHAPE),
-    ({"s": [-5, -H]}, ErrorCode.BAD_SHAPE),
-    ({"s": "5x16"}, ErrorCode.MALFORMED),
-    ({"s": [5, H + 1]}, ErrorCode.LENGTH_MISMATCH),
-    ({"s": [2**40, 2**40]}, ErrorCode.LENGTH_MISMATCH),
-    ({"d": "f4"}, ErrorCode.LENGTH_MISMATCH),
-    ({"b": b"\x00" * 3}, ErrorCode.LENGTH_MISMATCH),
-    ({"b": "text"}, ErrorCode.MALFORMED),
-])
+@pytest.mark.parametrize(
+    "overrides,code",
+    [
+        ({"d": "f8"}, ErrorCode.BAD_DTYPE),
+        ({"d": 2}, ErrorCode.BAD_DTYPE),
+        ({"s": [5 * H]}, ErrorCode.BAD_SHAPE),
+        ({"s": [1, 5, H]}, ErrorCode.BAD_SHAPE),
+        ({"s": [0, H]}, ErrorCode.BAD_SHAPE),
+        ({"s": [-5, -H]}, ErrorCode.BAD_SHAPE),
+        ({"s": "5x16"}, ErrorCode.MALFORMED),
+        ({"s": [5, H + 1]}, ErrorCode.LENGTH_MISMATCH),
+        ({"s": [2**40, 2**40]}, ErrorCode.LENGTH_MISMATCH),
+        ({"d": "f4"}, ErrorCode.LENGTH_MISMATCH),
+        ({"b": b"\x00" * 3}, ErrorCode.LENGTH_MISMATCH),
+        ({"b": "text"}, ErrorCode.MALFORMED),
+    ],
+)
 def test_tensor_rejections_carry_session_and_seq(overrides, code):
     err = _err(_tensor_frame(**overrides), code)
     assert (err.session_id, err.seq_no) == (7, 2)
@@ -324,6 +410,7 @@ def test_unknown_type_still_addressed_when_s_and_q_present():
 @pytest.mark.parametrize("sid,seq", [(-1, 3), (7, -(2**63)), (2**64, 2**70), ("7", 1.0), (True, None)])
 def test_errors_about_invalid_ids_are_answered_unaddressed(sid, seq):
     """The id that made a frame bad cannot address its answer: building that answer must not raise."""
+
     def valid(v):
         return type(v) is int and 0 <= v < 2**64
 
@@ -360,14 +447,18 @@ def test_long_error_text_is_truncated_in_frames():
 
 # ---------------------------------------------------------------- privacy
 
+
 @pytest.fixture
 def extra_type():
     """Register a throwaway message class, unregistering it afterwards."""
     made = []
 
     def make(code, **fields):
-        cls = type("Probe", (Message,), {"__annotations__": {k: v[0] for k, v in fields.items()},
-                                         **{k: v[1] for k, v in fields.items()}})
+        cls = type(
+            "Probe",
+            (Message,),
+            {"__annotations__": {k: v[0] for k, v in fields.items()}, **{k: v[1] for k, v in fields.items()}},
+        )
         made.append(code)
         return wire._message(code)(cls)
 
@@ -377,8 +468,9 @@ def extra_type():
 
 
 def test_token_mode_message_is_a_privacy_violation(extra_type):
-    Probe = extra_type(0x5F, session_id=("int", wire._f("s", wire.U64)),
-                       tokens=("torch.Tensor", wire._f("h", wire.TENSOR)))
+    Probe = extra_type(
+        0x5F, session_id=("int", wire._f("s", wire.U64)), tokens=("torch.Tensor", wire._f("h", wire.TENSOR))
+    )
     assert Probe.carries_token_ids  # set by the registry for any code in the token range
     frame = encode(Probe(3, torch.zeros(1, 4)))
     with pytest.raises(WireError) as info:
@@ -403,6 +495,7 @@ def test_smuggled_text_key_is_rejected_by_the_strict_schema():
 
 # ---------------------------------------------------------------- size
 
+
 @pytest.mark.parametrize("sid", [0, 7, 2**32, 2**63, 2**64 - 1])
 def test_verify_request_overhead_at_most_64_bytes(sid):
     for seq, commit in [(0, 0), (2**32 - 1, 2**31), (2**63, 2**63)]:
@@ -419,16 +512,21 @@ def test_max_rows_per_frame_fits():
     assert decode(frame, max_frame_bytes=limit).hidden.shape == (rows, 256)
 
 
-@pytest.mark.parametrize("build", [
-    lambda: wire.TokenDraft(7, 1, 0, 0, (1, 2), 2, True),  # num_final > 1
-    lambda: wire.TokenDraft(7, 1, 0, 0, (1, 2), 1, True, draft_probs=torch.tensor([0.5, 0.5])),  # one q too many
-    lambda: wire.TokenDraft(7, 1, 0, 0, (1,), 0, True, draft_probs=torch.tensor([1.5])),  # not a probability
-    lambda: wire.TokenDraft(7, 1, 0, 0, (1,), 0, True, draft_probs=torch.tensor([float("nan")])),
-    lambda: wire.TokenVerdict(7, 1, 0, 0, stale=True, token=3),  # a stale verdict carries nothing
-    lambda: wire.TokenVerdict(7, 1, 0, 0, rejected=True),  # a rejection without a correction or a row
-    lambda: wire.TokenVerdict(7, 1, 0, 0, rejected=True, vocab_size=9, probs=torch.tensor([0.5])),  # partial row
-    lambda: wire.TokenVerdict(7, 1, 0, 0, probs=torch.tensor([0.5]), indices=(1,), vocab_size=9),  # row, no rejection
-])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: wire.TokenDraft(7, 1, 0, 0, (1, 2), 2, True),  # num_final > 1
+        lambda: wire.TokenDraft(7, 1, 0, 0, (1, 2), 1, True, draft_probs=torch.tensor([0.5, 0.5])),  # one q too many
+        lambda: wire.TokenDraft(7, 1, 0, 0, (1,), 0, True, draft_probs=torch.tensor([1.5])),  # not a probability
+        lambda: wire.TokenDraft(7, 1, 0, 0, (1,), 0, True, draft_probs=torch.tensor([float("nan")])),
+        lambda: wire.TokenVerdict(7, 1, 0, 0, stale=True, token=3),  # a stale verdict carries nothing
+        lambda: wire.TokenVerdict(7, 1, 0, 0, rejected=True),  # a rejection without a correction or a row
+        lambda: wire.TokenVerdict(7, 1, 0, 0, rejected=True, vocab_size=9, probs=torch.tensor([0.5])),  # partial row
+        lambda: wire.TokenVerdict(
+            7, 1, 0, 0, probs=torch.tensor([0.5]), indices=(1,), vocab_size=9
+        ),  # row, no rejection
+    ],
+)
 def test_stream_messages_refuse_inconsistent_fields(build):
     with pytest.raises(WireError):
         build()
@@ -455,15 +553,18 @@ def test_a_fork_without_its_parent_is_malformed():
     _err(_pack(m), ErrorCode.MALFORMED)
 
 
-@pytest.mark.parametrize("token, code", [
-    ("", ErrorCode.MALFORMED),
-    ("Bearer a.b.c", ErrorCode.MALFORMED),  # a header value, not a token
-    ("a.b.c\n", ErrorCode.MALFORMED),
-    ("\u00e9.b.c", ErrorCode.MALFORMED),
-    (b"a.b.c", ErrorCode.MALFORMED),
-    (7, ErrorCode.MALFORMED),
-    ("x" * (wire.MAX_CREDENTIAL_CHARS + 1), ErrorCode.OVERSIZED),
-])
+@pytest.mark.parametrize(
+    "token, code",
+    [
+        ("", ErrorCode.MALFORMED),
+        ("Bearer a.b.c", ErrorCode.MALFORMED),  # a header value, not a token
+        ("a.b.c\n", ErrorCode.MALFORMED),
+        ("\u00e9.b.c", ErrorCode.MALFORMED),
+        (b"a.b.c", ErrorCode.MALFORMED),
+        (7, ErrorCode.MALFORMED),
+        ("x" * (wire.MAX_CREDENTIAL_CHARS + 1), ErrorCode.OVERSIZED),
+    ],
+)
 def test_a_malformed_reauthenticate_token_is_a_typed_error(token, code):
     with pytest.raises(WireError) as info:
         wire.Reauthenticate(token)

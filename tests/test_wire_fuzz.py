@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 HIDDEN = 8
 OPEN_FIELDS = {"split_layers": 2, "fingerprint": 0x1234}
 SEEDED_FRAMES = 30_000
-HYPOTHESIS = settings(max_examples=1_000, deadline=None, derandomize=True, database=None,
-                      suppress_health_check=[HealthCheck.too_slow])
+HYPOTHESIS = settings(
+    max_examples=1_000, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 class DecodeTally:
@@ -114,27 +115,45 @@ def test_arbitrary_bytes_decode_or_raise_a_typed_error():
 # the first bad field are reached too) or of any other, plus now and then a key no type has.
 _INTS = st.one_of(st.integers(-(2**63), 2**64 - 1), st.sampled_from([0, 1, -1, 2**32, 2**63, 2**64 - 1, HIDDEN]))
 _SCALARS = st.one_of(st.none(), st.booleans(), _INTS, st.floats(), st.text(max_size=8), st.binary(max_size=40))
-_TENSORS = st.fixed_dictionaries({
-    "d": st.one_of(st.sampled_from([wd.value for wd in wire.WireDtype]), _SCALARS),
-    "s": st.one_of(st.lists(st.integers(-2, 2**33), max_size=3), st.sampled_from([[1, HIDDEN], [2, HIDDEN]])),
-    "b": st.one_of(st.binary(max_size=4 * 2 * HIDDEN), st.binary(min_size=2 * HIDDEN, max_size=2 * HIDDEN),
-                   st.binary(min_size=4 * HIDDEN, max_size=4 * HIDDEN)),
-})
+_TENSORS = st.fixed_dictionaries(
+    {
+        "d": st.one_of(st.sampled_from([wd.value for wd in wire.WireDtype]), _SCALARS),
+        "s": st.one_of(st.lists(st.integers(-2, 2**33), max_size=3), st.sampled_from([[1, HIDDEN], [2, HIDDEN]])),
+        "b": st.one_of(
+            st.binary(max_size=4 * 2 * HIDDEN),
+            st.binary(min_size=2 * HIDDEN, max_size=2 * HIDDEN),
+            st.binary(min_size=4 * HIDDEN, max_size=4 * HIDDEN),
+        ),
+    }
+)
 _ANY = st.one_of(_SCALARS, _TENSORS, st.lists(_INTS, max_size=3))
 _OF_KIND = {
-    wire.U64: st.integers(0, 2**64 - 1), wire.OPT_U64: st.integers(0, 2**64 - 1), wire.BOOL: st.booleans(),
-    wire.TEXT: st.text(max_size=8), wire.CREDENTIAL: st.text(max_size=8), wire.DTYPE: st.sampled_from([wd.value for wd in wire.WireDtype]),
-    wire.CODE: st.integers(0, 16), wire.TENSOR: _TENSORS, wire.FLOAT: st.floats(-2, 2),
-    wire.TOKENS: st.binary(max_size=16), wire.OPT_TOKENS: st.binary(max_size=16), wire.OPT_ROWS: st.binary(max_size=16),
-    wire.OPT_PROBS: st.one_of(st.binary(max_size=16), st.lists(st.floats(-1, 2, width=32), min_size=1, max_size=4)
-                              .map(lambda xs: np.asarray(xs, dtype="<f4").tobytes())),
+    wire.U64: st.integers(0, 2**64 - 1),
+    wire.OPT_U64: st.integers(0, 2**64 - 1),
+    wire.BOOL: st.booleans(),
+    wire.TEXT: st.text(max_size=8),
+    wire.CREDENTIAL: st.text(max_size=8),
+    wire.DTYPE: st.sampled_from([wd.value for wd in wire.WireDtype]),
+    wire.CODE: st.integers(0, 16),
+    wire.TENSOR: _TENSORS,
+    wire.FLOAT: st.floats(-2, 2),
+    wire.TOKENS: st.binary(max_size=16),
+    wire.OPT_TOKENS: st.binary(max_size=16),
+    wire.OPT_ROWS: st.binary(max_size=16),
+    wire.OPT_PROBS: st.one_of(
+        st.binary(max_size=16),
+        st.lists(st.floats(-1, 2, width=32), min_size=1, max_size=4).map(
+            lambda xs: np.asarray(xs, dtype="<f4").tobytes()
+        ),
+    ),
 }
 
 
 def _maps_of(code: int) -> st.SearchStrategy[dict]:
     fields = {key: st.one_of(_OF_KIND[kind], _OF_KIND[kind], _ANY) for _name, key, kind, _ in wire._TYPES[code]._spec}
-    return st.fixed_dictionaries({"v": st.just(wire.WIRE_VERSION), "t": st.just(code), **fields},
-                                 optional={"zz": _SCALARS})
+    return st.fixed_dictionaries(
+        {"v": st.just(wire.WIRE_VERSION), "t": st.just(code), **fields}, optional={"zz": _SCALARS}
+    )
 
 
 _MAPS = st.sampled_from(sorted(wire._TYPES)).flatmap(_maps_of)

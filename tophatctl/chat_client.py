@@ -60,7 +60,9 @@ class ChatResult:
         rounds = (self.tophat or {}).get("rounds")
         rounds = rounds if isinstance(rounds, list) and all(isinstance(k, int) for k in rounds) else None
         texts = self.content_texts or [""] * len(self.content_times)
-        return Timeline(self.sent_at, list(self.content_times), chunk_token_counts(texts, self.completion_tokens, rounds))
+        return Timeline(
+            self.sent_at, list(self.content_times), chunk_token_counts(texts, self.completion_tokens, rounds)
+        )
 
     @property
     def ttft_s(self) -> float | None:
@@ -93,9 +95,16 @@ def chat_url(url: str) -> str:
     return f"{base}/chat/completions" if base.endswith("/v1") else f"{base}/v1/chat/completions"
 
 
-async def stream_chat(url: str, messages: Sequence[dict[str, str]], max_tokens: int = 64,
-                      temperature: float = 0.0, timeout: float = 60.0, *,
-                      client: httpx.AsyncClient | None = None, api_key: str | None = None) -> AsyncIterator[Chunk]:
+async def stream_chat(
+    url: str,
+    messages: Sequence[dict[str, str]],
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    timeout: float = 60.0,
+    *,
+    client: httpx.AsyncClient | None = None,
+    api_key: str | None = None,
+) -> AsyncIterator[Chunk]:
     """Yield content/finish/usage pieces of the stream (`Chunk.parts`) until `[DONE]`; ChatClientError
     on any failure.
 
@@ -109,8 +118,13 @@ async def stream_chat(url: str, messages: Sequence[dict[str, str]], max_tokens: 
             async for event in stream_chat(url, messages, max_tokens, temperature, timeout, client=own):
                 yield event
         return
-    body = {"messages": list(messages), "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": list(messages),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with contextlib.aclosing(stream_chunks(client, chat_url(url), body, timeout_s=timeout)) as chunks:
             async for chunk in chunks:
@@ -120,9 +134,16 @@ async def stream_chat(url: str, messages: Sequence[dict[str, str]], max_tokens: 
         raise ChatClientError(str(exc)) from exc
 
 
-async def chat_turn(url: str, messages: Sequence[dict[str, str]], max_tokens: int, temperature: float,
-                    timeout: float = 60.0, out: TextIO | None = None,
-                    client: httpx.AsyncClient | None = None, api_key: str | None = None) -> ChatResult:
+async def chat_turn(
+    url: str,
+    messages: Sequence[dict[str, str]],
+    max_tokens: int,
+    temperature: float,
+    timeout: float = 60.0,
+    out: TextIO | None = None,
+    client: httpx.AsyncClient | None = None,
+    api_key: str | None = None,
+) -> ChatResult:
     """Stream one answer, writing each delta to `out` (default stdout) as it arrives."""
     if client is None:
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), headers=auth_headers(api_key)) as own:
@@ -143,8 +164,14 @@ async def chat_turn(url: str, messages: Sequence[dict[str, str]], max_tokens: in
     return result
 
 
-async def run_chat(url: str = "http://127.0.0.1:8000", prompt: str | None = None, max_tokens: int = 64,
-                   temperature: float = 0.0, timeout: float = 60.0, api_key: str | None = None) -> int:
+async def run_chat(
+    url: str = "http://127.0.0.1:8000",
+    prompt: str | None = None,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    timeout: float = 60.0,
+    api_key: str | None = None,
+) -> int:
     """`tophat chat`: one-shot when `prompt` is given, else a REPL. Returns a process exit code.
 
     Ctrl-C is left to the caller (asyncio.run turns it into KeyboardInterrupt); the

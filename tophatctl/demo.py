@@ -26,7 +26,7 @@ CHAT_PROMPTS = [
     "Explain what a hash table is in two sentences.",
 ]
 CODE_PROMPTS = [  # for the demo model, which continues code rather than chatting
-    "import os\n\n\ndef list_python_files(root):\n    \"\"\"Return the .py files under root.\"\"\"\n",
+    'import os\n\n\ndef list_python_files(root):\n    """Return the .py files under root."""\n',
     "class LRUCache:\n    def __init__(self, capacity):\n",
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
 ]
@@ -45,8 +45,13 @@ def has_chat_template(model_dir: Path) -> bool:
 def main(args: argparse.Namespace) -> int:
     """`tophat demo`'s run with its options (model, adapter, devices, max_new_tokens, dtype); the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    config = MeshConfig(model_dir=args.model, adapter=args.adapter, num_devices=args.devices, dtype=args.dtype,
-                        port_base=find_port_base(args.devices))
+    config = MeshConfig(
+        model_dir=args.model,
+        adapter=args.adapter,
+        num_devices=args.devices,
+        dtype=args.dtype,
+        port_base=find_port_base(args.devices),
+    )
     print(f"starting the mesh ({args.model}, {args.devices} device agents, {args.dtype} weights) ...", flush=True)
     try:
         mesh = Mesh(config).start()
@@ -68,4 +73,3 @@ def main(args: argparse.Namespace) -> int:
         mesh.stop()
         print("\nmesh stopped")
     return status
-

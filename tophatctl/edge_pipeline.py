@@ -35,6 +35,7 @@ MAX_PLANNED_LENGTH = 4096  # prompt lengths the sub-sequence table covers (longe
 @dataclass(frozen=True)
 class StageWiring:
     """The verifier's pipeline as the edge pipeline runs it."""
+
     stage_layers: list[tuple[int, int]]  # the verifier's stages, in order (the middle layers [m, n))
     stage_devices: list[int]  # the edge device each stage runs on
     stage_slowdowns: list[float]
@@ -49,8 +50,9 @@ class StageWiring:
         }
 
 
-def stage_wiring(device_layers: Sequence[tuple[int, int]], slowdowns: Sequence[float], draft_layers: int,
-                 lan: str) -> StageWiring:
+def stage_wiring(
+    device_layers: Sequence[tuple[int, int]], slowdowns: Sequence[float], draft_layers: int, lan: str
+) -> StageWiring:
     """Device i holds layers device_layers[i]; the verifier's stages are those ranges past the draft split.
 
     Raises ValueError when the ranges do not tile [0, n) in order, device 0 holds fewer than
@@ -121,8 +123,10 @@ def edge_plan(model_dir: Path, spec: str, lan: str, kind: str, draft_layers: int
     if plan_path:
         plan = load_plan(plan_path, config["num_hidden_layers"], config["hidden_size"])
         if [(d.slowdown, d.memory_bytes) for d in plan.devices] != [(d.slowdown, d.memory_bytes) for d in devices]:
-            raise ValueError(f"plan {plan_path} is for devices {[d.name for d in plan.devices]} with other speeds "
-                             f"or memory budgets, not {spec!r}")
+            raise ValueError(
+                f"plan {plan_path} is for devices {[d.name for d in plan.devices]} with other speeds "
+                f"or memory budgets, not {spec!r}"
+            )
         if parse_lan(plan.lan) != parse_lan(lan):
             raise ValueError(f"plan {plan_path} was made for the LAN {plan.lan!r}, not {lan!r}")
         if plan.draft_layers != draft_layers:
@@ -141,14 +145,26 @@ def configure_mesh(config: MeshConfig, model_dir: Path):
     if config.num_devices != 1 or config.verifiers != 1:
         raise MeshStartError("an edge pipeline serves from one device agent (its first stage) and one verifier")
     try:
-        plan = edge_plan(model_dir, config.edge_pipeline, config.lan, config.edge_plan_kind, config.split_layers,
-                         config.edge_plan or None)
+        plan = edge_plan(
+            model_dir,
+            config.edge_pipeline,
+            config.lan,
+            config.edge_plan_kind,
+            config.split_layers,
+            config.edge_plan or None,
+        )
         wiring = stage_wiring(plan.stage_layers, [d.slowdown for d in plan.devices], plan.draft_layers, plan.lan)
     except ValueError as exc:
         raise MeshStartError(f"edge pipeline {config.edge_pipeline!r}: {exc}") from exc
     plan_path = plan.save(config.log_dir / "edge-plan.json")
-    log.info("edge pipeline %s: layers %s (%s plan), verifier stages %s, hops %s", config.edge_pipeline,
-             list(plan.stage_layers), plan.kind, wiring.stage_layers, wiring.hop_links)
+    log.info(
+        "edge pipeline %s: layers %s (%s plan), verifier stages %s, hops %s",
+        config.edge_pipeline,
+        list(plan.stage_layers),
+        plan.kind,
+        wiring.stage_layers,
+        wiring.hop_links,
+    )
     config.pipeline_stages = len(wiring.stage_layers)
     config.speed = f"{plan.devices[0].slowdown:g}"
     config.link = "none"  # the agent and the verifier's main both live on device 0

@@ -85,45 +85,65 @@ class Mesh:
 
     def _make_keys(self) -> None:
         cfg = self.config
-        audiences = {cfg.monitor_url: auth.ISSUER, cfg.planner_url: auth.PLANNER,
-                     **{url: auth.VERIFIER for url in cfg.verifier_urls().split(",")},
-                     **{cfg.device_url(i): auth.device_audience(f"device-{i}") for i in range(cfg.num_devices)}}
+        audiences = {
+            cfg.monitor_url: auth.ISSUER,
+            cfg.planner_url: auth.PLANNER,
+            **{url: auth.VERIFIER for url in cfg.verifier_urls().split(",")},
+            **{cfg.device_url(i): auth.device_audience(f"device-{i}") for i in range(cfg.num_devices)},
+        }
         self.credentials.make_keys(cfg.log_dir, cfg.monitor_url, audiences)
 
     def _make_certs(self) -> None:
         # With namespaces, devices are reached (and reach the cloud side) at their veth ends' addresses too.
-        veth_ends = ([ip for i in range(self.config.num_devices) for ip in subnet_for_index(i)]
-                     if self._netns else [])
+        veth_ends = [ip for i in range(self.config.num_devices) for ip in subnet_for_index(i)] if self._netns else []
         # Bound to every interface, it is reached by this machine's name too.
         own_name = [socket.gethostname()] if self.config.bind_host in WILDCARD_HOSTS else []
         self.credentials.make_certs(self.config.log_dir / "tls", self.config.host, [*veth_ends, *own_name])
 
     # -- processes --------------------------------------------------------------------
-    def _spawn(self, name: str, module: str, env: dict[str, str], ready_url: str,
-               prefix: list[str] | None = None) -> ServiceProcess:
+    def _spawn(
+        self, name: str, module: str, env: dict[str, str], ready_url: str, prefix: list[str] | None = None
+    ) -> ServiceProcess:
         log_path = self.config.log_dir / f"{name}.log"
         assert self.tether is not None, "services are spawned by start()"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.tls_env,
-                    **self.config.extra_env, **env, **self.tether.child_env()}
+        full_env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            **self.tls_env,
+            **self.config.extra_env,
+            **env,
+            **self.tether.child_env(),
+        }
         # The mesh's credentials over the caller's environment, under what this mesh's extra_env or this
         # service's own env sets.
         # Each process gets only its own service's credentials: a device agent never sees a service's.
         own = SETTINGS_PREFIX[module]
-        full_env = {k: v for k, v in full_env.items() if not (k.startswith("TOPHAT_") and k.endswith(AUTH_KEYS)
-                                                               and not k.startswith(own))}
-        full_env.update({k: v for k, v in self.auth_env.items()
-                         if k.startswith(own) and k not in self.config.extra_env and k not in env})
+        full_env = {
+            k: v
+            for k, v in full_env.items()
+            if not (k.startswith("TOPHAT_") and k.endswith(AUTH_KEYS) and not k.startswith(own))
+        }
+        full_env.update(
+            {
+                k: v
+                for k, v in self.auth_env.items()
+                if k.startswith(own) and k not in self.config.extra_env and k not in env
+            }
+        )
         command = tethered_command(module, prefix)
-        service = ServiceProcess(name, start_process(command, full_env, log_path), ready_url, log_path, command,
-                                 full_env)
+        service = ServiceProcess(
+            name, start_process(command, full_env, log_path), ready_url, log_path, command, full_env
+        )
         self.services.append(service)
         return service
 
     def process_table(self) -> list[dict]:
         """Every process of the mesh: role, name, pid and URL (Redis's redacted), for the state file."""
         urls = self.urls()
-        table = [{"role": s.role, "name": s.name, "pid": s.process.pid, "url": urls.get(s.name, "")}
-                 for s in self.services]
+        table = [
+            {"role": s.role, "name": s.name, "pid": s.process.pid, "url": urls.get(s.name, "")} for s in self.services
+        ]
         if self.redis is not None and self.redis.pid is not None:
             table.append({"role": "redis", "name": "redis", "pid": self.redis.pid, "url": urls["redis"]})
         return table
@@ -137,8 +157,10 @@ class Mesh:
         taken = taken_ports(host, ports)
         if taken:
             held = "; ".join(f"port {port} is held by {holder}" for port, holder in taken.items())
-            raise MeshStartError(f"cannot start the mesh on {host}: {held}. Stop what holds it or choose another "
-                                 f"--port-base (this mesh needs ports {', '.join(map(str, ports))})")
+            raise MeshStartError(
+                f"cannot start the mesh on {host}: {held}. Stop what holds it or choose another "
+                f"--port-base (this mesh needs ports {', '.join(map(str, ports))})"
+            )
 
     @staticmethod
     def _check_alive(service: ServiceProcess) -> None:
@@ -159,8 +181,9 @@ class Mesh:
                         pass
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(s.name for s in pending)
-                    raise MeshStartError(f"not ready after {self.config.ready_timeout_s}s: {names}\n"
-                                         f"{pending[0].log_tail()}")
+                    raise MeshStartError(
+                        f"not ready after {self.config.ready_timeout_s}s: {names}\n{pending[0].log_tail()}"
+                    )
                 if pending:
                     time.sleep(POLL_S)
 
@@ -179,8 +202,10 @@ class Mesh:
                     self.discovered_urls = [d["url"] for d in listed]
                     return
                 if time.monotonic() > deadline:
-                    raise MeshStartError(f"{len(listed)} of {len(devices)} device agents announced after "
-                                         f"{self.config.ready_timeout_s}s\n{devices[0].log_tail()}")
+                    raise MeshStartError(
+                        f"{len(listed)} of {len(devices)} device agents announced after "
+                        f"{self.config.ready_timeout_s}s\n{devices[0].log_tail()}"
+                    )
                 time.sleep(POLL_S)
 
     # -- the services ---------------------------------------------------------------------
@@ -189,20 +214,36 @@ class Mesh:
         cfg = self.config
         # Devices in namespaces reach the cloud-side services through the veth, so those bind everywhere.
         bind = "0.0.0.0" if self._netns else cfg.bind
-        monitor = self._spawn("state-monitor", "services.state_monitor",
-                              mesh_settings.state_monitor_env(cfg, bind, self.redis_url), f"{cfg.monitor_url}/readyz")
-        planner = self._spawn("chunk-planner", "services.chunk_planner", mesh_settings.chunk_planner_env(cfg, bind),
-                              f"{cfg.planner_url}/readyz")
-        verifiers = [self._spawn(cfg.verifier_name(j), "services.verifier_cloud",
-                                 mesh_settings.verifier_env(cfg, j, bind, model_dir, edge_env),
-                                 f"{cfg.http_scheme}://{cfg.host}:{cfg.verifier_port + j}/readyz")
-                     for j in range(cfg.verifiers)]
+        monitor = self._spawn(
+            "state-monitor",
+            "services.state_monitor",
+            mesh_settings.state_monitor_env(cfg, bind, self.redis_url),
+            f"{cfg.monitor_url}/readyz",
+        )
+        planner = self._spawn(
+            "chunk-planner",
+            "services.chunk_planner",
+            mesh_settings.chunk_planner_env(cfg, bind),
+            f"{cfg.planner_url}/readyz",
+        )
+        verifiers = [
+            self._spawn(
+                cfg.verifier_name(j),
+                "services.verifier_cloud",
+                mesh_settings.verifier_env(cfg, j, bind, model_dir, edge_env),
+                f"{cfg.http_scheme}://{cfg.host}:{cfg.verifier_port + j}/readyz",
+            )
+            for j in range(cfg.verifiers)
+        ]
         return [monitor, planner, *verifiers]
 
     def _spawn_streamer(self, device_urls: str) -> ServiceProcess:
-        return self._spawn("token-streamer", "services.token_streamer",
-                           mesh_settings.streamer_env(self.config, device_urls, self.model_dir.name),
-                           f"{self.config.streamer_url}/readyz")
+        return self._spawn(
+            "token-streamer",
+            "services.token_streamer",
+            mesh_settings.streamer_env(self.config, device_urls, self.model_dir.name),
+            f"{self.config.streamer_url}/readyz",
+        )
 
     def _use_netns(self) -> bool:
         cfg = self.config
@@ -231,8 +272,11 @@ class Mesh:
         cfg = self.config
         link_spec = cfg.per_device(cfg.link, i)
         host = cfg.host
-        env = {**mesh_settings.device_env(cfg, i, model_dir), "TOPHAT_DEVICE_DEVICE_ID": f"device-{i}",
-               "TOPHAT_DEVICE_PORT": str(cfg.device_port(i))}
+        env = {
+            **mesh_settings.device_env(cfg, i, model_dir),
+            "TOPHAT_DEVICE_DEVICE_ID": f"device-{i}",
+            "TOPHAT_DEVICE_PORT": str(cfg.device_port(i)),
+        }
         prefix = None
         if self._netns and link_spec != "none":
             hidden = read_config(Path(model_dir))["hidden_size"]
@@ -240,8 +284,9 @@ class Mesh:
             link = NetnsLink.for_index(i, profile).setup()
             self.netns_links.append(link)
             remainder = link.in_process_remainder()
-            env["TOPHAT_DEVICE_LINK"] = (f"lat={remainder.latency_s * 1e3}ms,jitter={remainder.jitter_s * 1e3}ms"
-                                         if remainder.shaped else "none")
+            env["TOPHAT_DEVICE_LINK"] = (
+                f"lat={remainder.latency_s * 1e3}ms,jitter={remainder.jitter_s * 1e3}ms" if remainder.shaped else "none"
+            )
             env["TOPHAT_DEVICE_LINK_SCALED"] = "false"
             env["TOPHAT_DEVICE_HOST"] = "0.0.0.0"
             host = link.host_ip  # the root namespace's end of the veth

@@ -102,8 +102,10 @@ class MeshConfig:
         """Raise MeshConfigError for a mesh that cannot run. Called when made and again at start, because
         callers (and the launcher itself) change fields of a config after making it."""
         if not 1 <= self.verifiers <= MAX_VERIFIERS:
-            raise MeshConfigError(f"verifiers must be 1..{MAX_VERIFIERS} (ports base+{VERIFIER_OFFSET} .. "
-                                  f"base+{DEVICE_OFFSET - 1}), got {self.verifiers}")
+            raise MeshConfigError(
+                f"verifiers must be 1..{MAX_VERIFIERS} (ports base+{VERIFIER_OFFSET} .. "
+                f"base+{DEVICE_OFFSET - 1}), got {self.verifiers}"
+            )
         if self.num_devices < 1:
             raise MeshConfigError(f"a mesh needs at least one device agent, got num_devices={self.num_devices}")
         if not 0 < self.port_base <= MAX_PORT - DEVICE_OFFSET - self.num_devices + 1:
@@ -152,8 +154,9 @@ class MeshConfig:
 
     def verifier_urls(self, host: str | None = None) -> str:
         """Every verifier replica's WebSocket URL, comma-separated (what a device agent is given)."""
-        return ",".join(f"{self.ws_scheme}://{host or self.host}:{self.verifier_port + j}/ws"
-                        for j in range(self.verifiers))
+        return ",".join(
+            f"{self.ws_scheme}://{host or self.host}:{self.verifier_port + j}/ws" for j in range(self.verifiers)
+        )
 
     def device_port(self, index: int) -> int:
         return self.port_base + DEVICE_OFFSET + index
@@ -173,8 +176,10 @@ def serve_hosts(address: str) -> dict[str, str]:
     if address in WILDCARD_HOSTS:
         return {"host": "127.0.0.1", "bind_host": address}
     if ":" in address:
-        raise MeshConfigError(f"--host {address}: an IPv6 address other than :: is not supported; "
-                              "use a host name, an IPv4 address, 0.0.0.0 or ::")
+        raise MeshConfigError(
+            f"--host {address}: an IPv6 address other than :: is not supported; "
+            "use a host name, an IPv4 address, 0.0.0.0 or ::"
+        )
     return {"host": address, "bind_host": ""}
 
 
@@ -187,11 +192,13 @@ def mesh_model_dir(config: MeshConfig) -> Path:
 
     path = resolve_model(config.model_dir).resolve()
     if not (path / "config.json").is_file():
-        raise MeshStartError(f"{path} is not a checkpoint directory (no config.json); "
-                             "a model is smollm2, demo or a checkpoint directory")
+        raise MeshStartError(
+            f"{path} is not a checkpoint directory (no config.json); a model is smollm2, demo or a checkpoint directory"
+        )
     if config.speculative and not config.adapter and not (path / ADAPTER_FILENAME).is_file():
         raise MeshStartError(
             f"{path} has no draft adapter ({ADAPTER_FILENAME}). Train one (`tophat train-adapter --model "
             f"{path}`), or choose: --adapter random (untrained: still lossless, but it accepts "
-            "almost nothing, so speculation gains nothing) or --no-speculation (plain U-shape)")
+            "almost nothing, so speculation gains nothing) or --no-speculation (plain U-shape)"
+        )
     return path

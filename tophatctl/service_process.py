@@ -30,8 +30,15 @@ def start_process(command: list[str], env: dict[str, str], log_path: Path) -> su
     launcher's tether (shared/lifeline.py) passes its descriptor on: the session keeps Ctrl-C away, the
     tether still takes the process down with its launcher."""
     with open(log_path, "ab") as handle:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                start_new_session=True, pass_fds=tether_fds(env))
+        return subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=tether_fds(env),
+        )
 
 
 @dataclass

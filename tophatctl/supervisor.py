@@ -66,6 +66,7 @@ class RestartPolicy:
 @dataclass
 class _Pending:
     """A process seen dead, waiting for its restart."""
+
     delay_s: float
     due: float
 
@@ -78,8 +79,13 @@ def write_state_file(path: Path, entries: list[dict]) -> None:
 
 
 class Supervisor:
-    def __init__(self, mesh: SupervisedMesh, state_file: Path | None = None, policy: RestartPolicy = RestartPolicy(),
-                 poll_s: float = 0.2):
+    def __init__(
+        self,
+        mesh: SupervisedMesh,
+        state_file: Path | None = None,
+        policy: RestartPolicy = RestartPolicy(),
+        poll_s: float = 0.2,
+    ):
         self.mesh = mesh
         self.state_file = state_file
         self.policy = policy

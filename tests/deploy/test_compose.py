@@ -43,14 +43,21 @@ CA = REPO / "build" / "secrets" / "ca.pem"  # `make secrets`: the development CA
 
 def trusted() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(CA))
+
+
 MAX_TOKENS = 16
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def compose(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(["docker", "compose", "-p", PROJECT, *FILES, *args], cwd=REPO, capture_output=True,
-                            text=True, timeout=timeout, env={**os.environ, "TOPHAT_IMAGE": os.environ.get(
-                                "TOPHAT_IMAGE", "tophat:cpu")})
+    result = subprocess.run(
+        ["docker", "compose", "-p", PROJECT, *FILES, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "TOPHAT_IMAGE": os.environ.get("TOPHAT_IMAGE", "tophat:cpu")},
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"docker compose {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
     return result
@@ -62,18 +69,29 @@ def docker(*args: str, timeout: float = 60) -> str:
 
 def project_objects() -> dict[str, list[str]]:
     label = f"label=com.docker.compose.project={PROJECT}"
-    return {kind: docker(*cmd, "--filter", label, "--format", "{{.ID}}").split()
-            for kind, cmd in {"containers": ["ps", "-a"], "networks": ["network", "ls"],
-                              "volumes": ["volume", "ls"]}.items()}
+    return {
+        kind: docker(*cmd, "--filter", label, "--format", "{{.ID}}").split()
+        for kind, cmd in {
+            "containers": ["ps", "-a"],
+            "networks": ["network", "ls"],
+            "volumes": ["volume", "ls"],
+        }.items()
+    }
 
 
 def streamed_chat_answer(timeout: float = 300) -> str:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{STREAMER}/v1", api_key="unused", timeout=timeout, max_retries=0,
-                    http_client=httpx.Client(verify=trusted(), timeout=timeout))
-    stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True)
+    client = OpenAI(
+        base_url=f"{STREAMER}/v1",
+        api_key="unused",
+        timeout=timeout,
+        max_retries=0,
+        http_client=httpx.Client(verify=trusted(), timeout=timeout),
+    )
+    stream = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
@@ -100,8 +118,9 @@ def logs() -> str:
 @pytest.fixture(scope="module")
 def expected_answer() -> str:
     checkpoint = load_checkpoint(resolve_model("smollm2"))
-    ids = checkpoint.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
+    ids = checkpoint.tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     answer = generate_full(checkpoint, ids, MAX_TOKENS).token_ids
     return checkpoint.tokenizer.decode(answer, skip_special_tokens=True)
 
@@ -123,8 +142,15 @@ def stack():
 
 def test_compose_mesh_serves_restarts_and_leaves_nothing(stack, expected_answer):
     status = {c["Service"]: c for c in map(json.loads, compose("ps", "--format", "json").stdout.splitlines())}
-    assert set(status) == {"redis", "state-monitor", "chunk-planner", "verifier-cloud", "device-agent",
-                           "device-agent-2", "token-streamer"}
+    assert set(status) == {
+        "redis",
+        "state-monitor",
+        "chunk-planner",
+        "verifier-cloud",
+        "device-agent",
+        "device-agent-2",
+        "token-streamer",
+    }
     devices = httpx.get(f"{MONITOR}/devices", timeout=10, verify=trusted()).json()["devices"]
     assert len(devices) == 2 and len({d["device_id"] for d in devices}) == 2, devices
 
@@ -143,9 +169,24 @@ def test_compose_mesh_serves_restarts_and_leaves_nothing(stack, expected_answer)
 
     wait_serving(120)
     assert streamed_chat_answer() == expected_answer, logs()
-    chat = subprocess.run([str(REPO / ".venv" / "bin" / "tophat"), "chat", "--url", STREAMER, "--prompt",
-                           QUESTION[0]["content"], "--max-new-tokens", str(MAX_TOKENS), "--temperature", "0"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "SSL_CERT_FILE": str(CA)})
+    chat = subprocess.run(
+        [
+            str(REPO / ".venv" / "bin" / "tophat"),
+            "chat",
+            "--url",
+            STREAMER,
+            "--prompt",
+            QUESTION[0]["content"],
+            "--max-new-tokens",
+            str(MAX_TOKENS),
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SSL_CERT_FILE": str(CA)},
+    )
     assert chat.returncode == 0 and expected_answer in chat.stdout, chat.stdout + chat.stderr
 
     # The verifier's container dies as the kernel's OOM killer would end it (SIGKILL to its init, from the

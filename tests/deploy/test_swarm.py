@@ -64,8 +64,9 @@ TLS_HOSTS = "state-monitor,chunk-planner,verifier-cloud,token-streamer,localhost
 
 
 def run(*args: str, timeout: float = 120, check: bool = True, env: dict | None = None) -> str:
-    result = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                            env={**os.environ, **(env or {})})
+    result = subprocess.run(
+        list(args), capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})}
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
     return result.stdout
@@ -77,26 +78,36 @@ def docker(*args: str, timeout: float = 120, check: bool = True, env: dict | Non
 
 def services() -> dict[str, str]:
     """{service name: "running/desired"} of the stack."""
-    out = docker("service", "ls", "--filter", f"label=com.docker.stack.namespace={STACK}", "--format",
-                 "{{.Name}} {{.Replicas}}")
+    out = docker(
+        "service", "ls", "--filter", f"label=com.docker.stack.namespace={STACK}", "--format", "{{.Name}} {{.Replicas}}"
+    )
     return dict(line.split(" ", 1) for line in out.splitlines())
 
 
 def containers(all_states: bool = False) -> list[str]:
-    return docker("ps", *(["-a"] if all_states else []), "--filter", f"label=com.docker.stack.namespace={STACK}",
-                  "--format", "{{.ID}}").split()
+    return docker(
+        "ps",
+        *(["-a"] if all_states else []),
+        "--filter",
+        f"label=com.docker.stack.namespace={STACK}",
+        "--format",
+        "{{.ID}}",
+    ).split()
 
 
 def health(container: str) -> str:
-    return docker("inspect", "--format", "{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}",
-                  container, check=False).strip()
+    return docker(
+        "inspect", "--format", "{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}", container, check=False
+    ).strip()
 
 
 def logs() -> str:
     out = []
     for name in services():
-        out.append(f"--- {name}\n" + run("docker", "service", "logs", "--tail", "30", "--no-trunc", name,
-                                         timeout=60, check=False))
+        out.append(
+            f"--- {name}\n"
+            + run("docker", "service", "logs", "--tail", "30", "--no-trunc", name, timeout=60, check=False)
+        )
     return "\n".join(out)
 
 
@@ -134,10 +145,16 @@ def ready_devices(ca: Path) -> int:
 
 
 def streamed_chat_answer(ca: Path, api_key: str, timeout: float = 300) -> str:
-    client = openai.OpenAI(base_url=f"{STREAMER}/v1", api_key=api_key, timeout=timeout, max_retries=0,
-                           http_client=httpx.Client(verify=trusting(ca), timeout=timeout))
-    stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True)
+    client = openai.OpenAI(
+        base_url=f"{STREAMER}/v1",
+        api_key=api_key,
+        timeout=timeout,
+        max_retries=0,
+        http_client=httpx.Client(verify=trusting(ca), timeout=timeout),
+    )
+    stream = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
 
 
@@ -161,9 +178,11 @@ def project_leftovers() -> dict[str, list[str]]:
         "containers": containers(all_states=True),
         "networks": docker("network", "ls", "--filter", label, "-q").split(),
         "secrets": [s for s in docker("secret", "ls", "--format", "{{.Name}}").split() if s in SECRET_FILES]
-        if swarm_active else [],
+        if swarm_active
+        else [],
         "configs": [c for c in docker("config", "ls", "--format", "{{.Name}}").split() if c.startswith("tophat_")]
-        if swarm_active else [],
+        if swarm_active
+        else [],
     }
 
 
@@ -174,21 +193,43 @@ def swarm(tmp_path_factory) -> Iterator[tuple[Path, str]]:
         docker("swarm", "init", "--advertise-addr", "127.0.0.1")
     try:
         node = json.loads(docker("node", "inspect", "self"))[0]
-        gpus = [r for r in node["Description"]["Resources"].get("GenericResources") or []
-                if r.get("DiscreteResourceSpec", {}).get("Kind") == "NVIDIA-GPU"]
+        gpus = [
+            r
+            for r in node["Description"]["Resources"].get("GenericResources") or []
+            if r.get("DiscreteResourceSpec", {}).get("Kind") == "NVIDIA-GPU"
+        ]
         assert gpus and gpus[0]["DiscreteResourceSpec"]["Value"] >= 8, (
             "the engine must advertise NVIDIA-GPU=8 (node-generic-resources in /etc/docker/daemon.json, as "
-            f".ci/docker-up.sh writes it), got {node['Description']['Resources']}")
+            f".ci/docker-up.sh writes it), got {node['Description']['Resources']}"
+        )
         node_id = docker("info", "--format", "{{.Swarm.NodeID}}").strip()
-        docker("node", "update", "--label-add", "tophat.gpu-server=true", "--label-add", "tophat.device=true",
-               "--label-add", "tophat.speed=orin", node_id)
+        docker(
+            "node",
+            "update",
+            "--label-add",
+            "tophat.gpu-server=true",
+            "--label-add",
+            "tophat.device=true",
+            "--label-add",
+            "tophat.speed=orin",
+            node_id,
+        )
         secrets_dir = tmp_path_factory.mktemp("swarm-secrets")
         api_key = "swarm-ci-key"
         # one bootstrap token per agent the test runs: swarm/one-host.yml names each {{.Node.Hostname}}-{{.Task.Slot}}
         hostname = docker("info", "--format", "{{.Name}}").strip()
         devices = [arg for slot in (1, 2, 3) for arg in ("--device", f"{hostname}-{slot}")]
-        run(str(REPO / ".venv" / "bin" / "tophat"), "mesh-secrets", "--out", str(secrets_dir), "--api-key", api_key,
-            "--tls-hosts", TLS_HOSTS, *devices)
+        run(
+            str(REPO / ".venv" / "bin" / "tophat"),
+            "mesh-secrets",
+            "--out",
+            str(secrets_dir),
+            "--api-key",
+            api_key,
+            "--tls-hosts",
+            TLS_HOSTS,
+            *devices,
+        )
         for name, file in SECRET_FILES.items():
             docker("secret", "rm", name, check=False)
             docker("secret", "create", name, str(secrets_dir / file))
@@ -203,11 +244,27 @@ def test_the_stack_deploys_serves_scales_heals_rolls_back_and_leaves_nothing(swa
     timings = {}
     started = time.monotonic()
     docker("stack", "deploy", "--resolve-image", "never", *FILES, STACK, timeout=300, env=ONE_HOST)
-    assert set(services()) == {f"{STACK}_{name}" for name in ("redis", "state-monitor", "chunk-planner",
-                                                              "verifier-cloud", "token-streamer",
-                                                              "device-agent-orin", "device-agent-xavier")}
-    one_each = {"redis": 1, "state-monitor": 1, "chunk-planner": 1, "verifier-cloud": 1, "token-streamer": 1,
-                "device-agent-orin": 1, "device-agent-xavier": 0}
+    assert set(services()) == {
+        f"{STACK}_{name}"
+        for name in (
+            "redis",
+            "state-monitor",
+            "chunk-planner",
+            "verifier-cloud",
+            "token-streamer",
+            "device-agent-orin",
+            "device-agent-xavier",
+        )
+    }
+    one_each = {
+        "redis": 1,
+        "state-monitor": 1,
+        "chunk-planner": 1,
+        "verifier-cloud": 1,
+        "token-streamer": 1,
+        "device-agent-orin": 1,
+        "device-agent-xavier": 0,
+    }
     wait_for("every task running and healthy", lambda: all_running_and_healthy(one_each), 900, every_s=3)
     timings["deploy -> every task healthy"] = time.monotonic() - started
     wait_for("the streamer routing to a device", lambda: ready_devices(ca) == 1, 300)
@@ -221,15 +278,17 @@ def test_the_stack_deploys_serves_scales_heals_rolls_back_and_leaves_nothing(swa
     timings["scale to 2 agents -> both routed"] = time.monotonic() - scaled
 
     # A task's container dies (SIGKILL to its init, from the host, as an OOM kill would): Swarm replaces it.
-    verifier = docker("ps", "--filter", f"label=com.docker.swarm.service.name={STACK}_verifier-cloud",
-                      "--format", "{{.ID}}").split()
+    verifier = docker(
+        "ps", "--filter", f"label=com.docker.swarm.service.name={STACK}_verifier-cloud", "--format", "{{.ID}}"
+    ).split()
     assert len(verifier) == 1
     killed = time.monotonic()
     os.kill(int(docker("inspect", "--format", "{{.State.Pid}}", verifier[0]).strip()), signal.SIGKILL)
 
     def replaced() -> bool | str:
-        now = docker("ps", "--filter", f"label=com.docker.swarm.service.name={STACK}_verifier-cloud",
-                     "--format", "{{.ID}}").split()
+        now = docker(
+            "ps", "--filter", f"label=com.docker.swarm.service.name={STACK}_verifier-cloud", "--format", "{{.ID}}"
+        ).split()
         return True if now and now != verifier and health(now[0]) == "healthy" else f"verifier containers {now}"
 
     wait_for("Swarm replacing the killed verifier", replaced, 600)
@@ -245,10 +304,10 @@ def test_the_stack_deploys_serves_scales_heals_rolls_back_and_leaves_nothing(swa
     docker("service", "update", "--detach", "--image", "tophat:does-not-exist", planner)
 
     def rolled_back() -> bool | str:
-        state = docker("service", "inspect", "--format", "{{if .UpdateStatus}}{{.UpdateStatus.State}}{{end}}",
-                       planner).strip()
-        image = docker("service", "inspect", "--format", "{{.Spec.TaskTemplate.ContainerSpec.Image}}",
-                       planner).strip()
+        state = docker(
+            "service", "inspect", "--format", "{{if .UpdateStatus}}{{.UpdateStatus.State}}{{end}}", planner
+        ).strip()
+        image = docker("service", "inspect", "--format", "{{.Spec.TaskTemplate.ContainerSpec.Image}}", planner).strip()
         return True if state == "rollback_completed" and image.split("@")[0] == IMAGE else f"{state} {image}"
 
     wait_for("the bad update rolled back", rolled_back, 600, every_s=3)

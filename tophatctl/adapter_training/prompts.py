@@ -102,7 +102,8 @@ _GENERAL_TEMPLATES = _TOPIC_TEMPLATES + (
 _STOP_WORDS = frozenset(
     "this that with from have will when which their there these those into then than been were what where "
     "return returns value values none true false object objects default given used using uses only also more "
-    "must should would could other each such some does like same just them they your first last used".split())
+    "must should would could other each such some does like same just them they your first last used".split()
+)
 
 
 def _clean(text: str, max_chars: int) -> str:
@@ -202,8 +203,9 @@ def common_words(count: int = 1500) -> list[str]:
     everyday topics those texts talk about (file, music, network, language, image, ...)."""
     from collections import Counter
 
-    words = Counter(w for _, text in stdlib_docstrings() + debian_packages()
-                    for w in re.findall(r"\b[a-z]{4,12}\b", text))
+    words = Counter(
+        w for _, text in stdlib_docstrings() + debian_packages() for w in re.findall(r"\b[a-z]{4,12}\b", text)
+    )
     return [w for w, _ in words.most_common(count + len(_STOP_WORDS)) if w not in _STOP_WORDS][:count]
 
 
@@ -225,7 +227,8 @@ def general_prompts(count: int, seed: int = 0) -> list[str]:
 def teacher_forced_texts(count: int, seed: int = 0, min_chars: int = 200) -> list[str]:
     """Plain passages (longer docstrings and package descriptions) run through the model as they are."""
     rng = random.Random(seed + 1)
-    passages = [text for _, text in stdlib_docstrings(max_chars=900) + debian_packages(max_chars=900)
-                if len(text) >= min_chars]
+    passages = [
+        text for _, text in stdlib_docstrings(max_chars=900) + debian_packages(max_chars=900) if len(text) >= min_chars
+    ]
     rng.shuffle(passages)
     return passages[:count]

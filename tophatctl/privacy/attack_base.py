@@ -67,9 +67,14 @@ def cosine_topk(queries: torch.Tensor, unit_table: torch.Tensor, k: int) -> torc
 
 def fit_report(name: str, tokens: int, steps: int, tokens_seen: int, started: float, parameters: int, **extra) -> dict:
     return {
-        "attack": name, "tokens": tokens, "steps": steps, "tokens_seen": tokens_seen,
-        "epochs": tokens_seen / tokens if tokens else 0.0, "wall_s": time.perf_counter() - started,
-        "parameters": parameters, **extra,
+        "attack": name,
+        "tokens": tokens,
+        "steps": steps,
+        "tokens_seen": tokens_seen,
+        "epochs": tokens_seen / tokens if tokens else 0.0,
+        "wall_s": time.perf_counter() - started,
+        "parameters": parameters,
+        **extra,
     }
 
 

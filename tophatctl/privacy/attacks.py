@@ -110,8 +110,16 @@ class LinearInverter(Attack):
             self.lam = 1e-3
         gram, cross, y_mean, n = self._moments(examples)
         self.weight, self.bias, self.fitted = self._solve(gram, cross, self.lam * n).float(), y_mean.float(), True
-        return fit_report(self.name, tokens, 0, tokens, started, self.weight.numel() + self.bias.numel(),
-                       ridge_lambda=self.lam, holdout_top1=scores)
+        return fit_report(
+            self.name,
+            tokens,
+            0,
+            tokens,
+            started,
+            self.weight.numel() + self.bias.numel(),
+            ridge_lambda=self.lam,
+            holdout_top1=scores,
+        )
 
     @torch.no_grad()
     def topk(self, states: torch.Tensor, k: int = 5) -> torch.Tensor:
@@ -146,8 +154,14 @@ class _LearnedInverter(Attack):
     def _build(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def _batch(self, examples: list[Example], flat_states: torch.Tensor, flat_ids: torch.Tensor,
-               budget: TrainBudget, gen: torch.Generator):
+    def _batch(
+        self,
+        examples: list[Example],
+        flat_states: torch.Tensor,
+        flat_ids: torch.Tensor,
+        budget: TrainBudget,
+        gen: torch.Generator,
+    ):
         """(predicted [N, H_e], target ids [N]) for one step's batch."""
         raise NotImplementedError
 
@@ -182,7 +196,9 @@ class _LearnedInverter(Attack):
         params = [p for p in self.net.parameters()] + [self.head.log_scale]
         optimiser = torch.optim.AdamW(params, lr=budget.lr, weight_decay=budget.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, cosine decay: stable at any step budget
-            optimiser, lambda step: min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / max(1, budget.steps))))
+            optimiser,
+            lambda step: min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / max(1, budget.steps))),
+        )
         self.net.train()
         tokens_seen, last_loss = 0, float("nan")
         for _ in range(budget.steps):
@@ -197,9 +213,17 @@ class _LearnedInverter(Attack):
             last_loss = float(loss.detach())
         self.net.eval()
         self.fitted = True
-        return fit_report(self.name, flat_ids.numel(), budget.steps, tokens_seen, started,
-                       sum(p.numel() for p in params), final_loss=last_loss, candidates=budget.candidates,
-                       ridge_init_lambda=ridge.lam if ridge else None)
+        return fit_report(
+            self.name,
+            flat_ids.numel(),
+            budget.steps,
+            tokens_seen,
+            started,
+            sum(p.numel() for p in params),
+            final_loss=last_loss,
+            candidates=budget.candidates,
+            ridge_init_lambda=ridge.lam if ridge else None,
+        )
 
     @torch.no_grad()
     def topk(self, states: torch.Tensor, k: int = 5) -> torch.Tensor:
@@ -217,8 +241,13 @@ class _ResidualMLP(torch.nn.Module):
     def __init__(self, hidden_size: int, width: int, out_size: int):
         super().__init__()
         self.skip = torch.nn.Linear(hidden_size, out_size)  # the ridge map's role; the MLP adds what it misses
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden_size, width), torch.nn.GELU(), torch.nn.Linear(width, out_size))
-        torch.nn.init.zeros_(self.mlp[2].weight), torch.nn.init.zeros_(self.mlp[2].bias)  # at step 0 the model is its skip (the ridge map when initialised so)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(hidden_size, width), torch.nn.GELU(), torch.nn.Linear(width, out_size)
+        )
+        (
+            torch.nn.init.zeros_(self.mlp[2].weight),
+            torch.nn.init.zeros_(self.mlp[2].bias),
+        )  # at step 0 the model is its skip (the ridge map when initialised so)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., H] -> [..., H_e]
@@ -250,7 +279,9 @@ class _ContextNet(torch.nn.Module):
         super().__init__()
         self.project_in = torch.nn.Linear(hidden_size, d_model)
         self.positions = torch.nn.Embedding(max_positions, d_model)
-        block = torch.nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
+        block = torch.nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.encoder = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.project_out = torch.nn.Linear(d_model, out_size)
         self.skip = torch.nn.Linear(hidden_size, out_size)  # the per-position read-out; context adds to it
@@ -267,8 +298,14 @@ class ContextInverter(_LearnedInverter):
 
     name = "context"
 
-    def __init__(self, embedding_table: torch.Tensor, d_model: int = 256, layers: int = 2, heads: int = 4,
-                 max_positions: int = 2048):
+    def __init__(
+        self,
+        embedding_table: torch.Tensor,
+        d_model: int = 256,
+        layers: int = 2,
+        heads: int = 4,
+        max_positions: int = 2048,
+    ):
         super().__init__(embedding_table)
         self.shape = (d_model, layers, heads, max_positions)
 

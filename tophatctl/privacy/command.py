@@ -1,6 +1,6 @@
 """`tophat privacy`: the table of what the cloud can learn (tophatctl/privacy/harness.py), as text, JSON and a plot.
 
-    tophat privacy --model smollm2 --splits 1,2,4 --json        # {"results": [{"m", "attack", "defence", ...}]}
+tophat privacy --model smollm2 --splits 1,2,4 --json        # {"results": [{"m", "attack", "defence", ...}]}
 """
 
 from __future__ import annotations
@@ -16,24 +16,36 @@ log = logging.getLogger(__name__)
 
 
 def format_privacy_table(results: dict[str, Any]) -> str:
-    lines = ["m  attack   defence     attacker       prompt top1  top5   drafted top1  top5   train (tokens, steps, s)",
-             "-  -------  ----------  -------------  -----------  -----  ------------  -----  ------------------------"]
+    lines = [
+        "m  attack   defence     attacker       prompt top1  top5   drafted top1  top5   train (tokens, steps, s)",
+        "-  -------  ----------  -------------  -----------  -----  ------------  -----  ------------------------",
+    ]
     for row in results["results"]:
         train = row.get("train", {})
-        drafted = (f"{row['draft_top1']:>12.3f}  {row['draft_top5']:>5.3f}" if "draft_top1" in row
-                   else f"{'-':>12}  {'-':>5}")
-        lines.append(f"{row['m']}  {row['attack']:<7}  {row['defence']:<10}  {row['attacker']:<13}  "
-                     f"{row['top1']:>11.3f}  {row['top5']:>5.3f}  {drafted}  "
-                     f"{train.get('tokens', 0):>6}, {train.get('steps', 0):>5}, {train.get('wall_s', 0.0):>6.1f}")
-    lines += ["", "m  defence     accept length  TTFT ms  TBT ms  answers = unsplit model (greedy)",
-              "-  ----------  -------------  -------  ------  --------------------------------"]
+        drafted = (
+            f"{row['draft_top1']:>12.3f}  {row['draft_top5']:>5.3f}" if "draft_top1" in row else f"{'-':>12}  {'-':>5}"
+        )
+        lines.append(
+            f"{row['m']}  {row['attack']:<7}  {row['defence']:<10}  {row['attacker']:<13}  "
+            f"{row['top1']:>11.3f}  {row['top5']:>5.3f}  {drafted}  "
+            f"{train.get('tokens', 0):>6}, {train.get('steps', 0):>5}, {train.get('wall_s', 0.0):>6.1f}"
+        )
+    lines += [
+        "",
+        "m  defence     accept length  TTFT ms  TBT ms  answers = unsplit model (greedy)",
+        "-  ----------  -------------  -------  ------  --------------------------------",
+    ]
     for row in results["costs"]:
         accept = "-" if row["mean_accept_length"] is None else f"{row['mean_accept_length']:.2f}"
-        lines.append(f"{row['m']}  {row['defence']:<10}  {accept:>13}  {row['mean_ttft_ms']:>7.0f}  "
-                     f"{row['mean_tbt_ms']:>6.0f}  {row['answers_exact'] * 100:>5.0f} %")
+        lines.append(
+            f"{row['m']}  {row['defence']:<10}  {accept:>13}  {row['mean_ttft_ms']:>7.0f}  "
+            f"{row['mean_tbt_ms']:>6.0f}  {row['answers_exact'] * 100:>5.0f} %"
+        )
     if "rotation_recovery_error" in results.get("notes", {}):
-        lines.append(f"\nrotation solved from the cloud's weights: relative error "
-                     f"{results['notes']['rotation_recovery_error']:.1e}")
+        lines.append(
+            f"\nrotation solved from the cloud's weights: relative error "
+            f"{results['notes']['rotation_recovery_error']:.1e}"
+        )
     return "\n".join(lines)
 
 
@@ -63,8 +75,9 @@ def privacy_command(
     model: str = typer.Option("smollm2", help="smollm2 | demo | a checkpoint directory"),
     splits: str = typer.Option("1,2,3,4,6", help="split depths m, comma-separated"),
     attacks: str = typer.Option("nearest,linear,mlp,context", help="attacks, weakest to strongest"),
-    defences: str = typer.Option("none,rotation,noise:0.1,noise:0.3", help="none | rotation | noise:SIGMA (at "
-                                 "--defence-split)"),
+    defences: str = typer.Option(
+        "none,rotation,noise:0.1,noise:0.3", help="none | rotation | noise:SIGMA (at --defence-split)"
+    ),
     defence_split: int = typer.Option(2, "--defence-split", help="the m the defences are measured at"),
     train_tokens: int = typer.Option(30_000, "--train-tokens", min=100, help="the attacker's public text (tokens)"),
     steps: int = typer.Option(800, min=1, help="optimiser steps of the learned attacks"),
@@ -97,9 +110,17 @@ def privacy_command(
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=2)
-    cfg = PrivacyConfig(model_dir=resolve_model_or_exit(model), splits=split_list, attacks=attack_list, defences=defence_list,
-                        defence_split=defence_split, train_tokens=train_tokens, steps=steps, eval_prompts=prompts,
-                        max_new_tokens=max_new_tokens)
+    cfg = PrivacyConfig(
+        model_dir=resolve_model_or_exit(model),
+        splits=split_list,
+        attacks=attack_list,
+        defences=defence_list,
+        defence_split=defence_split,
+        train_tokens=train_tokens,
+        steps=steps,
+        eval_prompts=prompts,
+        max_new_tokens=max_new_tokens,
+    )
     results = run_privacy(cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

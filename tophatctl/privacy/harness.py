@@ -54,6 +54,7 @@ class PrivacyConfig:
 @dataclass
 class Captured:
     """One run's evaluation data: (states [S, H] fp32, ids [S]) as the cloud received them, and its costs."""
+
     prompts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     drafts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # one verify frame each
     ttft_s: list[float] = field(default_factory=list)
@@ -63,6 +64,7 @@ class Captured:
 
 
 # -- the run that produces what the cloud sees -------------------------------------------------------------
+
 
 def _has_adapter(model_dir: Path, split_layers: int) -> bool:
     from safetensors import safe_open
@@ -74,8 +76,15 @@ def _has_adapter(model_dir: Path, split_layers: int) -> bool:
         return (f.metadata() or {}).get("split_layers") == str(split_layers)
 
 
-async def capture_run(checkpoint, split_layers: int, prompts: list[list[int]], expected: list[list[int]],
-                      max_new_tokens: int, rotation: str = "", noise: float = 0.0) -> Captured:
+async def capture_run(
+    checkpoint,
+    split_layers: int,
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    max_new_tokens: int,
+    rotation: str = "",
+    noise: float = 0.0,
+) -> Captured:
     """Serve `prompts` through a capturing verifier at split m; pair every captured row with its token."""
     from services.device_agent.cloud_client import WebSocketCloud
     from services.verifier_cloud.server import VerifierServer
@@ -92,8 +101,13 @@ async def capture_run(checkpoint, split_layers: int, prompts: list[list[int]], e
     device_model = build_device_model(checkpoint, split_layers, None, speculative=speculative)
     with tempfile.TemporaryDirectory(prefix="tophat-privacy-") as tmp:
         capture_path = Path(tmp) / "capture.bin"
-        settings = Settings(port=0, split_layers=split_layers, model_dir=str(checkpoint.path),
-                            capture_path=str(capture_path), hidden_rotation=rotation)
+        settings = Settings(
+            port=0,
+            split_layers=split_layers,
+            model_dir=str(checkpoint.path),
+            capture_path=str(capture_path),
+            hidden_rotation=rotation,
+        )
         server = await asyncio.to_thread(VerifierServer.from_settings, settings)
         stop, started = asyncio.Event(), asyncio.get_running_loop().create_future()
         serving = asyncio.create_task(server.serve_forever(stop, started))
@@ -101,8 +115,13 @@ async def capture_run(checkpoint, split_layers: int, prompts: list[list[int]], e
         fingerprint = split_fingerprint(checkpoint.path, split_layers)
         if rotation:
             fingerprint = rotated_fingerprint(fingerprint, rotation)
-        wire = WebSocketCloud(f"ws://127.0.0.1:{port}/ws", checkpoint.hidden_size, request_timeout_s=300,
-                              split_layers=split_layers, fingerprint=fingerprint)
+        wire = WebSocketCloud(
+            f"ws://127.0.0.1:{port}/ws",
+            checkpoint.hidden_size,
+            request_timeout_s=300,
+            split_layers=split_layers,
+            fingerprint=fingerprint,
+        )
         cloud = with_rotation(wire, rotation, checkpoint.hidden_size)
         if noise > 0:
             cloud = NoisyUplink(cloud, noise, torch.Generator().manual_seed(1))
@@ -111,8 +130,12 @@ async def capture_run(checkpoint, split_layers: int, prompts: list[list[int]], e
         try:
             for index, (ids, reference) in enumerate(zip(prompts, expected)):
                 session_id = index + 1
-                session = DeviceSession(device_model, ids, draft_config=DraftConfig(0.6, 8 if speculative else 0),
-                                        max_new_tokens=max_new_tokens)
+                session = DeviceSession(
+                    device_model,
+                    ids,
+                    draft_config=DraftConfig(0.6, 8 if speculative else 0),
+                    max_new_tokens=max_new_tokens,
+                )
                 verify_tokens[session_id] = rows = []
                 _log_verify_rows(session, rows)
                 result = await generate(session, cloud, session_id, chunk_size=32)
@@ -154,8 +177,10 @@ def _pair(frames, prompts: list[list[int]], verify_tokens: dict[int, list[list[i
             verifies[frame.session_id] = index + 1
             tokens = verify_tokens[frame.session_id][index]
             if len(tokens) != rows.shape[0]:
-                raise RuntimeError(f"session {frame.session_id}: verify frame {index} has {rows.shape[0]} rows for "
-                                   f"{len(tokens)} tokens")
+                raise RuntimeError(
+                    f"session {frame.session_id}: verify frame {index} has {rows.shape[0]} rows for "
+                    f"{len(tokens)} tokens"
+                )
             out.drafts.append((rows, torch.tensor(tokens)))
     for session_id, chunks in sorted(prefill.items()):
         ids = prompts[session_id - 1]
@@ -167,12 +192,14 @@ def _pair(frames, prompts: list[list[int]], verify_tokens: dict[int, list[list[i
 
 # -- attacks and defences ---------------------------------------------------------------------------------
 
+
 def make_attack(name: str, checkpoint):
     from tophatctl.privacy.attacks import ContextInverter, LinearInverter, MLPInverter, NearestEmbedding
 
     table = checkpoint.model.model.embed_tokens.weight.detach().float()
-    return {"nearest": NearestEmbedding, "linear": LinearInverter, "mlp": MLPInverter,
-            "context": ContextInverter}[name](table)
+    return {"nearest": NearestEmbedding, "linear": LinearInverter, "mlp": MLPInverter, "context": ContextInverter}[
+        name
+    ](table)
 
 
 def _noised(examples, sigma: float, seed: int):
@@ -196,8 +223,9 @@ def fit_attacks(checkpoint, cfg: PrivacyConfig, train, budget) -> dict[str, tupl
     return fitted
 
 
-def attack_rows(fitted: dict[str, tuple[Any, dict]], split_layers: int, captured: Captured, defence: str,
-                attacker: str) -> list[dict[str, Any]]:
+def attack_rows(
+    fitted: dict[str, tuple[Any, dict]], split_layers: int, captured: Captured, defence: str, attacker: str
+) -> list[dict[str, Any]]:
     """Score each fitted attack on what the cloud captured: prompt rows and verify-frame rows apart."""
     from tophatctl.privacy.attacks import recovery
 
@@ -216,10 +244,14 @@ def attack_rows(fitted: dict[str, tuple[Any, dict]], split_layers: int, captured
 
 
 def cost_row(split_layers: int, defence: str, captured: Captured) -> dict[str, Any]:
-    return {"m": split_layers, "defence": defence,
-            "mean_accept_length": statistics.fmean(captured.accept_lengths) if captured.accept_lengths else None,
-            "mean_ttft_ms": statistics.fmean(captured.ttft_s) * 1e3, "mean_tbt_ms": statistics.fmean(captured.tbt_s) * 1e3,
-            "answers_exact": sum(captured.exact) / len(captured.exact)}
+    return {
+        "m": split_layers,
+        "defence": defence,
+        "mean_accept_length": statistics.fmean(captured.accept_lengths) if captured.accept_lengths else None,
+        "mean_ttft_ms": statistics.fmean(captured.ttft_s) * 1e3,
+        "mean_tbt_ms": statistics.fmean(captured.tbt_s) * 1e3,
+        "answers_exact": sum(captured.exact) / len(captured.exact),
+    }
 
 
 def run_privacy(cfg: PrivacyConfig) -> dict[str, Any]:
@@ -235,8 +267,9 @@ def run_privacy(cfg: PrivacyConfig) -> dict[str, Any]:
     started = time.perf_counter()
     checkpoint = load_checkpoint(cfg.model_dir, dtype=torch.float32)
     train_files, held_out_files = split_corpus(iter_corpus_files())
-    prompts = token_sequences(checkpoint, [f.text for f in held_out_files], cfg.prompt_tokens,
-                              cfg.eval_prompts * cfg.prompt_tokens)[: cfg.eval_prompts]
+    prompts = token_sequences(
+        checkpoint, [f.text for f in held_out_files], cfg.prompt_tokens, cfg.eval_prompts * cfg.prompt_tokens
+    )[: cfg.eval_prompts]
     expected = [generate_full(checkpoint, p, cfg.max_new_tokens).token_ids for p in prompts]
     budget = TrainBudget(steps=cfg.steps, max_tokens=cfg.train_tokens, seed=cfg.seed)
     results: list[dict[str, Any]] = []
@@ -254,8 +287,9 @@ def run_privacy(cfg: PrivacyConfig) -> dict[str, Any]:
         if m != cfg.defence_split:
             continue
         if "rotation" in cfg.defences:
-            rotated = asyncio.run(capture_run(checkpoint, m, prompts, expected, cfg.max_new_tokens,
-                                              rotation=ROTATION_SECRET))
+            rotated = asyncio.run(
+                capture_run(checkpoint, m, prompts, expected, cfg.max_new_tokens, rotation=ROTATION_SECRET)
+            )
             costs.append(cost_row(m, "rotation", rotated))
             q = secret_rotation(ROTATION_SECRET, checkpoint.hidden_size, torch.float32)
             # The cloud's own copy of its re-parameterised layers, against the public checkpoint's.
@@ -275,6 +309,14 @@ def run_privacy(cfg: PrivacyConfig) -> dict[str, Any]:
             costs.append(cost_row(m, defence, noisy))
             knowing = fit_attacks(checkpoint, cfg, _noised(train, sigma, cfg.seed), budget)
             results += attack_rows(knowing, m, noisy, defence, "knows-noise")
-    return {"config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
-                       "model_dir": str(cfg.model_dir), "train_tokens_used": cfg.train_tokens},
-            "results": results, "costs": costs, "notes": notes, "wall_s": time.perf_counter() - started}
+    return {
+        "config": {
+            **{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
+            "model_dir": str(cfg.model_dir),
+            "train_tokens_used": cfg.train_tokens,
+        },
+        "results": results,
+        "costs": costs,
+        "notes": notes,
+        "wall_s": time.perf_counter() - started,
+    }

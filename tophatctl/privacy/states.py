@@ -90,7 +90,7 @@ def token_sequences(checkpoint: Checkpoint, texts: Iterable[str], seq_len: int, 
     for text in texts:
         ids = tokenize(checkpoint, text)
         for start in range(0, len(ids), seq_len):
-            piece = ids[start:start + seq_len][: max_tokens - total]
+            piece = ids[start : start + seq_len][: max_tokens - total]
             if len(piece) < 2:
                 continue
             sequences.append(piece)
@@ -100,8 +100,9 @@ def token_sequences(checkpoint: Checkpoint, texts: Iterable[str], seq_len: int, 
     return sequences
 
 
-def dataset(checkpoint: Checkpoint, texts: Iterable[str], split_layers: int, seq_len: int,
-            max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def dataset(
+    checkpoint: Checkpoint, texts: Iterable[str], split_layers: int, seq_len: int, max_tokens: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(states [S, H] fp32, ids [S] long)] for the texts, at most max_tokens tokens in all."""
     compute = StateComputer(checkpoint, split_layers)
     out = []
