@@ -194,6 +194,11 @@ def run_modes(
     return results
 
 
+def _ratio_cell(row: dict, base: dict | None, key: str) -> str:
+    """row[key] / base[key] as a table cell; "-" without a baseline run or with a zero one."""
+    return f"{row[key] / base[key]:.2f}x" if base and base.get(key) else "-"
+
+
 def format_table(results: dict[tuple[str, float], dict], baseline: str, title: str) -> str:
     lines = [
         title,
@@ -202,12 +207,11 @@ def format_table(results: dict[tuple[str, float], dict], baseline: str, title: s
     ]
     for (mode, rate), r in results.items():
         base = results.get((baseline, rate))
-        ratio = lambda key: f"{r[key] / base[key]:.2f}x" if base and base.get(key) else "-"  # noqa: E731
         lines.append(
             f"{mode:12s} {rate:5g} {r['completed']:5d} {r['mean_ttft_ms']:9.1f}ms {r['p99_ttft_ms']:7.1f}ms "
             f"{r['mean_tbt_ms']:7.2f}ms {r['p99_tbt_ms']:6.1f}ms "
             f"{1e3 / r['mean_tbt_ms'] if r['mean_tbt_ms'] else 0:6.1f} {r.get('mean_accept_length') or 0:7.2f} "
-            f"{ratio('mean_ttft_ms'):>10s} {ratio('mean_tbt_ms'):>9s}"
+            f"{_ratio_cell(r, base, 'mean_ttft_ms'):>10s} {_ratio_cell(r, base, 'mean_tbt_ms'):>9s}"
         )
     return "\n".join(lines)
 

@@ -241,7 +241,7 @@ def main(args: argparse.Namespace) -> None:
 
     runs = {}
     for rtt_ms in (0.0, args.rtt_ms):
-        for mode, device in (("ushape", ushape_device), ("hat", hat_device)):
+        for mode in ("ushape", "hat"):
             runs[(mode, rtt_ms)] = []
         for index, ids in enumerate(prompts):
             for mode, device in (("ushape", ushape_device), ("hat", hat_device)):

@@ -226,6 +226,13 @@ def _modelled(stats: ModeStats, row: dict, rtt_s: float, mode: str) -> dict:
     }
 
 
+def _speedup(row: dict, modes: dict[str, dict], base: str) -> str:
+    """row's tokens/s over base mode's at the same round trip, as a table cell; "-" where base did not run."""
+    if base in modes and modes[base]["tokens_per_s"]:
+        return f"{row['tokens_per_s'] / modes[base]['tokens_per_s']:.2f}x"
+    return "-"
+
+
 def format_table(rows: list[dict]) -> str:
     lines = [
         f"{'rtt':>5s} {'mode':10s} {'tok/s':>6s} {'model':>6s} {'TBT ms':>7s} {'TTFT ms':>8s} {'accept':>6s} "
@@ -236,17 +243,12 @@ def format_table(rows: list[dict]) -> str:
         by_rtt.setdefault(r["rtt_ms"], {})[r["mode"]] = r
     for rtt, modes in by_rtt.items():
         for mode, r in modes.items():
-            ratio = lambda base: (
-                f"{r['tokens_per_s'] / modes[base]['tokens_per_s']:.2f}x"  # noqa: E731
-                if base in modes and modes[base]["tokens_per_s"]
-                else "-"
-            )
             model = f"{r['modelled_tokens_per_s']:6.1f}" if "modelled_tokens_per_s" in r else f"{'-':>6s}"
             lines.append(
                 f"{rtt:5g} {mode:10s} {r['tokens_per_s']:6.1f} {model} {r['mean_tbt_ms']:7.1f} "
                 f"{r['mean_ttft_ms']:8.1f} {r['mean_accept_length']:6.2f} {r['up_bytes_per_round']:8.0f} "
-                f"{r['down_bytes_per_round']:9.0f} {ratio('token-sd'):>11s} {ratio('hat'):>7s} "
-                f"{ratio('cloud'):>8s} {r['stale_chunks']:6d}"
+                f"{r['down_bytes_per_round']:9.0f} {_speedup(r, modes, 'token-sd'):>11s} "
+                f"{_speedup(r, modes, 'hat'):>7s} {_speedup(r, modes, 'cloud'):>8s} {r['stale_chunks']:6d}"
             )
     return "\n".join(lines)
 

@@ -35,7 +35,7 @@ def measure(
     rows = []
     for samples in sizes:
         lengths, ttft_s = synthetic_history(samples, rng)
-        prompts = [int(l) for l in synthetic_history(decisions, rng)[0]]
+        prompts = [int(length) for length in synthetic_history(decisions, rng)[0]]
         for constraint, cost in COSTS.items():
             start = time.perf_counter()
             policy = DispatchPolicy.build(cost, lengths, ttft_s, budget, alpha)

@@ -261,7 +261,6 @@ async def fuzz_connection(
 async def _main(args: argparse.Namespace) -> FuzzCounts:
     from services.verifier_cloud.server import VerifierServer
     from services.verifier_cloud.settings import Settings
-
     from tophatctl.models import resolve_model
 
     settings = Settings(

@@ -34,8 +34,8 @@ import httpx
 from tqdm import tqdm
 
 from loadgen.metrics import RequestRecord, reconcile_tokens, request_row
-from shared.sse import StreamError, StreamStats, auth_headers, stream_chunks
 from loadgen.workloads import WorkloadRequest
+from shared.sse import StreamError, StreamStats, auth_headers, stream_chunks
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ def _write_random_checkpoint(path: Path, model_type: str) -> Path:
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     # Larger-than-default init so random logits are far from ties (greedy stays well defined).
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 2:
                 param.normal_(0, 0.08)
     model.save_pretrained(path)

@@ -2,7 +2,7 @@
 (function-level imports count), no private name imported from another module, no module over ~400 lines
 but the wire schema."""
 
-from tests.architecture_tools import LAYERS, import_graph, imports_of, cycles, package_cycles, project_modules
+from tests.architecture_tools import LAYERS, cycles, import_graph, imports_of, package_cycles, project_modules
 
 MAX_LINES = 400
 # shared/wire.py is the mesh's message schema: one dataclass per frame, read as one table

@@ -16,6 +16,7 @@ from services.chunk_planner.monitor_client import Telemetry
 from services.chunk_planner.settings import Settings, load_settings
 from services.state_monitor.app import create_app as create_monitor
 from services.state_monitor.settings import load_settings as load_monitor_settings
+from shared.compute_delay import ComputeDelayPredictor
 from shared.planners import (
     chunk_size_eq3,
     hidden_bytes_per_token,
@@ -25,7 +26,6 @@ from shared.planners import (
 )
 from shared.redis_server import free_port
 from shared.settings import SettingsError
-from shared.compute_delay import ComputeDelayPredictor
 
 MONITOR = "http://monitor"
 STEPS = [(64, 0.02), (512, 0.06), (8, 0.01), (128, 0.03)]

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from services.chunk_planner.settings import load_settings
 from shared.draft_budget import (
     MAX_ROWS,
     TRIAL_SHARE,
@@ -24,7 +25,6 @@ from shared.draft_budget import (
     predicted_rates,
     round_seconds,
 )
-from services.chunk_planner.settings import load_settings
 from shared.planners import PlannerInputs
 from tests.conftest import REPO_ROOT
 from tests.test_chunk_planner import monitor, planner_settings, post, running

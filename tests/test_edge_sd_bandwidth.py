@@ -12,10 +12,10 @@ from shared.edge_sd.bandwidth import (
     embedding_bits_per_token,
     link_shares,
     optimal_upload_latency,
-    upload_latency,
-    upload_times,
     uniform_split,
     uplink_split,
+    upload_latency,
+    upload_times,
     user_rates_bytes_s,
 )
 from shared.links import LinkProfile

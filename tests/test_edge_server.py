@@ -139,7 +139,7 @@ def test_pipelined_rounds_draft_the_next_batch_while_one_is_verified(demo_checkp
     ]
     assert overlaps
     # and every step waits for the step before it (the barrier of eq. 21)
-    for (s, b), e in by_key.items():
+    for (s, _), e in by_key.items():
         before = [x["verify_end_s"] for (s0, _), x in by_key.items() if s0 == s - 1]
         if before:
             assert e["draft_end_s"] - e["draft_s"] >= max(before) - 1e-6

@@ -192,8 +192,8 @@ def test_device_agent_and_loopback_verifier_with_the_same_secret(tiny_llama_dir,
 
 def test_each_pipeline_stage_is_rotated_from_its_spec(tiny_qwen2_dir):
     """P > 1: every stage worker re-parameterises its own sub-range; chained, they compute the rotated middle."""
-    from services.verifier_cloud.stage_specs import plan_stages
     from services.verifier_cloud.settings import Settings
+    from services.verifier_cloud.stage_specs import plan_stages
     from services.verifier_cloud.stages import build_worker
 
     settings = Settings(

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from services.device_agent.detokenizer import IncrementalDetokenizer
+from services.verifier_cloud.token_mode import TokenModel
 from shared.model.checkpoint import load_checkpoint
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DraftConfig, SessionError
@@ -15,7 +16,6 @@ from shared.specdec.local_decode import LocalSession, local_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 from tests.mesh_tools import device_agent_http, verifier_on_loopback
-from services.verifier_cloud.token_mode import TokenModel
 
 M = 2
 PROMPT = [9, 8, 7, 6, 5, 4, 3]

@@ -688,7 +688,7 @@ def test_a_wildcard_pod_dns_certificate_from_tophat_certs_verifies_an_agents_ann
         client_side = client.wrap_bio(c_in, c_out, server_hostname=name)
         server_side = server.wrap_bio(s_in, s_out, server_side=True)
         for _ in range(10):  # the handshake takes a few round trips through memory
-            for side, inbox, outbox, peer_in in ((client_side, c_in, c_out, s_in), (server_side, s_in, s_out, c_in)):
+            for side, _, outbox, peer_in in ((client_side, c_in, c_out, s_in), (server_side, s_in, s_out, c_in)):
                 try:
                     side.do_handshake()
                 except ssl.SSLWantReadError:

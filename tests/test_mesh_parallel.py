@@ -9,12 +9,12 @@ import httpx
 import pytest
 import redis
 
+from shared.specdec.reference import generate_full
+from tests.conftest import DEMO_MODEL_DIR
 from tophatctl.demo_model.corpus import held_out_prompts
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
-from shared.specdec.reference import generate_full
-from tests.conftest import DEMO_MODEL_DIR
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
 pytestmark = pytest.mark.slow

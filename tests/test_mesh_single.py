@@ -5,7 +5,6 @@ crossed the wire."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -14,13 +13,13 @@ import pytest
 import redis
 
 from shared import wire
+from shared.specdec.reference import generate_full
+from tests.conftest import DEMO_MODEL_DIR
+from tests.mesh_tools import CapturingRelay
 from tophatctl.demo_model.corpus import held_out_prompts
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
-from shared.specdec.reference import generate_full
-from tests.conftest import DEMO_MODEL_DIR
-from tests.mesh_tools import CapturingRelay
 
 MAX_TOKENS = 24
 
@@ -78,8 +77,8 @@ def test_device_agent_streams_token_ids_equal_to_the_full_model(relay_and_mesh, 
 
 
 def test_openai_client_streams_sse_until_done(relay_and_mesh, prompts):
-    from openai import OpenAI
     from httpx_sse import connect_sse
+    from openai import OpenAI
 
     _, mesh = relay_and_mesh
     client = OpenAI(base_url=f"{mesh.config.streamer_url}/v1", api_key="unused", timeout=120)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tophatctl import netns
 from shared.links import UNSHAPED, LinkProfile
+from tophatctl import netns
 from tophatctl.netns import NetnsLink, subnet_for_index, tc_commands
 
 SUPPORT = netns.netns_support()

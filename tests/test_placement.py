@@ -387,8 +387,8 @@ def test_settings_take_device_and_dtype_from_the_environment_and_refuse_bad_ones
 
 
 def test_stage_specs_carry_one_gpu_each_and_the_dtype_setting():
-    from services.verifier_cloud.stage_specs import plan_stages
     from services.verifier_cloud.settings import Settings
+    from services.verifier_cloud.stage_specs import plan_stages
 
     settings = Settings(split_layers=1, pipeline_stages=4, dtype="bfloat16")
     specs = plan_stages(settings, num_layers=9, cuda=(True, 4))

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.compute_delay import ComputeDelayPredictor
 from shared.planners import (
     CHUNK_ALIGN,
     PlannerInputs,
@@ -21,7 +22,6 @@ from shared.planners import (
     plan_from_state,
     predictor_from_cloud_state,
 )
-from shared.compute_delay import ComputeDelayPredictor
 from shared.state_model import CloudState
 
 light = settings(max_examples=150, deadline=None)

@@ -7,9 +7,8 @@ import stat
 from pathlib import Path
 from typing import Iterator
 
-import redis
 import pytest
-
+import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 

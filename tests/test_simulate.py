@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 
 from loadgen.arrivals import arrival_times
-from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, fit_lengths
-from shared.planners import chunk_size_eq3
 from loadgen.simulate.calibration import Calibration, DeviceProfile, GTable
-from loadgen.simulate.modes import parse_mode
-from loadgen.simulate.report import compare_with_real
-from loadgen.simulate.run import SimConfig, build_requests, run_simulation
 from loadgen.simulate.cloud import Cloud
 from loadgen.simulate.events import EventLoop
 from loadgen.simulate.fit import calibration_from_state, from_telemetry
+from loadgen.simulate.modes import parse_mode
+from loadgen.simulate.report import compare_with_real
+from loadgen.simulate.run import SimConfig, build_requests, run_simulation
 from loadgen.simulate.session import SimRequest
+from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, fit_lengths
+from shared.planners import chunk_size_eq3
 from shared.state_model import CloudState
 
 A = 1000  # bytes per token on the wire: hidden 500 x fp16
@@ -214,7 +214,6 @@ def test_speculation_with_accept_length_l_cuts_time_per_token():
     gamma, n = 0.002, 13
     cal = make_cal(accept_dist=[0.0, 0.0, 1.0])  # every round: k = 2 drafts, L = 3 tokens
     sd = run(cal, "hat-sd", [SimRequest(0, 0.0, 100, n)]).records[0]
-    us = run(cal, "ushape", [SimRequest(0, 0.0, 100, n)]).records[0]
     round_s = 3 * gamma + 3 * A / UP + LAT + g_lin(3) + 3 * A / DOWN + LAT
     assert sd.chunk_tokens == [1, 3, 3, 3, 3] and gaps(sd) == pytest.approx([round_s] * 4, abs=1e-12)
     token_s = gamma + A / UP + LAT + g_lin(1) + A / DOWN + LAT
@@ -375,8 +374,8 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
 
 
 def test_compare_with_real_and_cli(tmp_path):
-    from typer.testing import CliRunner
     import typer
+    from typer.testing import CliRunner
 
     from loadgen.simulate.cli import simulate_command
 

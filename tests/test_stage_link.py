@@ -18,9 +18,9 @@ import torch
 
 from services.verifier_cloud import stages
 from services.verifier_cloud.pipeline import StagePipeline
-from services.verifier_cloud.stage_specs import plan_stages
 from services.verifier_cloud.scheduler import SchedulerOutput, WorkItem
 from services.verifier_cloud.settings import Settings, load_settings
+from services.verifier_cloud.stage_specs import plan_stages
 from services.verifier_cloud.stages import (
     STAGE_CODEC,
     STAGE_MESSAGES,

@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from shared import telemetry as tk
-from shared.telemetry_client import TelemetryClient
 from shared.redis_server import EmbeddedRedis
+from shared.telemetry_client import TelemetryClient
 
 
 @pytest.fixture

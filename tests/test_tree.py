@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from shared.specdec.sampling import accept_greedy
 from shared.model.tree_rows import ancestor_mask_from_parents as ancestor_mask
+from shared.specdec.sampling import accept_greedy
 from shared.specdec.tree import (
     TreeError,
     TreeVerdict,

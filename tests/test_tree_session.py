@@ -83,6 +83,17 @@ def test_a_tree_accepts_more_than_its_chain(tiny_llama_dir):
     assert rounds["tree"] < rounds["chain"], rounds
 
 
+def _recording(draft, drafted: list[int]):
+    """draft, keeping every token it drafts in drafted."""
+
+    def recording_draft():
+        made = draft()
+        drafted.extend(made.tokens)
+        return made
+
+    return recording_draft
+
+
 def test_truncated_draft_vocabulary_stays_token_identical(tiny_checkpoint):
     """The draft scores a subset; the full head judges the cloud's states, so greedy output is unchanged."""
     ids = list(range(3, 17))
@@ -91,14 +102,7 @@ def test_truncated_draft_vocabulary_stays_token_identical(tiny_checkpoint):
     for config in (DraftConfig(max_draft=4), TREES[0]):
         session = DeviceSession(_device(tiny_checkpoint, vocab=vocab), ids, draft_config=config, max_new_tokens=20)
         drafted: list[int] = []
-        draft = session.draft
-
-        def recording_draft():
-            made = draft()
-            drafted.extend(made.tokens)
-            return made
-
-        session.draft = recording_draft
+        session.draft = _recording(session.draft, drafted)
         result = asyncio.run(generate(session, LocalCloud(MiddleSubmodel(tiny_checkpoint, 2))))
         assert result.token_ids == expected
         assert drafted and all(token % 3 == 0 for token in drafted)  # drafts only ever come from the subset
@@ -126,7 +130,7 @@ def test_the_cloud_keeps_only_the_accepted_path(tiny_checkpoint):
     moved = [(commit, layout.kept) for commit, _, layout in cloud.layouts if layout is not None and layout.kept]
     for commit_len, kept in moved:  # rows move down to the positions right below commit_len
         assert kept[0] >= commit_len - len(kept) and list(kept) == sorted(set(kept))
-    for (commit_len, rows, layout), (next_commit, _, next_layout) in zip(cloud.layouts, cloud.layouts[1:]):
+    for (commit_len, rows, layout), (next_commit, _, _) in zip(cloud.layouts, cloud.layouts[1:]):
         if layout is not None and layout.parents is not None:
             assert len(layout.parents) == rows - 1
             assert commit_len < next_commit <= commit_len + rows  # the root and an accepted path

@@ -25,7 +25,6 @@ from services.verifier_cloud.settings import Settings, load_settings
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
 from shared import wire
-from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
 from shared.settings import SettingsError
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig

@@ -54,9 +54,8 @@ def run_profile(
 ) -> tuple[Profile, Path]:
     """Measure `model` (demo | smollm2 | a checkpoint dir) and save its profile; (profile, path)."""
     from shared.jupiter.profile import measure_profile
-    from tophatctl.models import resolve_model
-
     from tophatctl.edge_pipeline import default_profile_path  # where `tophat serve --edge-pipeline` looks
+    from tophatctl.models import resolve_model
 
     model_dir = resolve_model(model)
     profile = measure_profile(model_dir, lengths, prefixes, repeats)

@@ -2,9 +2,9 @@
 
 The image `tophat:cpu` (`make image`) runs every service in its own container, each on the host's
 network (docker-compose.host.yml), so all traffic stays on 127.0.0.1. Two device agents (`device-agent` and
-`device-agent-2`, each with its own bootstrap token's id) announce themselves. The secrets come from `make secrets`: every internal hop
-needs a token, Redis a password, and the cloud-side services speak only TLS (a development CA's
-certificate, trusted here). The official `openai` client streams a greedy chat
+`device-agent-2`, each with its own bootstrap token's id) announce themselves. The secrets come from
+`make secrets`: every internal hop needs a token, Redis a password, and the cloud-side services speak only TLS
+(a development CA's certificate, trusted here). The official `openai` client streams a greedy chat
 answer that must equal the unsplit model's (computed here, on the host, from the same wheel); the
 verifier container is killed and the restart policy must bring the mesh back to serving; `down -v`
 must leave no container, network or volume behind.

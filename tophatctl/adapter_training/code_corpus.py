@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tophatctl.demo_model.corpus import held_out_prompts, iter_corpus_files, split_corpus
 from shared.model.adapter import ADAPTER_FILENAME, DraftAdapter
 from shared.model.checkpoint import Checkpoint, ModelLoadError, load_checkpoint
 from shared.model.split import MiddleSubmodel
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
 from shared.specdec.engine import LocalCloud, generate
 from tophatctl.adapter_training.distill import distillation_loss
+from tophatctl.demo_model.corpus import held_out_prompts, iter_corpus_files, split_corpus
 
 log = logging.getLogger(__name__)
 

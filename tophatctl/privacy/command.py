@@ -109,7 +109,7 @@ def privacy_command(
                 raise ValueError(f"{d}: noise needs a sigma > 0")
     except ValueError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(code=2)
+        raise typer.Exit(code=2) from exc
     cfg = PrivacyConfig(
         model_dir=resolve_model_or_exit(model),
         splits=split_list,

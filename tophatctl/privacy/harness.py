@@ -256,8 +256,8 @@ def cost_row(split_layers: int, defence: str, captured: Captured) -> dict[str, A
 
 def run_privacy(cfg: PrivacyConfig) -> dict[str, Any]:
     from shared.model.checkpoint import load_checkpoint
-    from shared.model.split import MiddleSubmodel
     from shared.model.rotation import apply_secret_rotation, secret_rotation
+    from shared.model.split import MiddleSubmodel
     from shared.specdec.reference import generate_full
     from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
     from tophatctl.privacy.attacks import TrainBudget
