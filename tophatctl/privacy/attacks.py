@@ -78,16 +78,18 @@ class LinearInverter(Attack):
     def __init__(self, embedding_table: torch.Tensor, holdout_fraction: float = 0.1):
         super().__init__(embedding_table)
         self.holdout_fraction = holdout_fraction
-        self.weight = self.bias = self.standardise = None
-        self.lam = None
+        self.weight: torch.Tensor | None = None  # [H, H_e]
+        self.bias: torch.Tensor | None = None  # [H_e]
+        self.standardise: Standardiser | None = None
+        self.lam: float | None = None
 
     @staticmethod
     def _solve(gram: torch.Tensor, cross: torch.Tensor, lam: float) -> torch.Tensor:
         eye = torch.eye(gram.shape[0], dtype=gram.dtype)
         return torch.linalg.solve(gram + lam * eye, cross)  # [H, H_e]
 
-    def _moments(self, examples: list[Example]):
-        x = self.standardise(torch.cat([s for s, _ in examples])).double()  # [N, H]
+    def _moments(self, examples: list[Example], standardise: Standardiser):
+        x = standardise(torch.cat([s for s, _ in examples])).double()  # [N, H]
         y = self.embeddings[torch.cat([i for _, i in examples])].double()  # [N, H_e]
         y_mean = y.mean(0)
         return x.T @ x, x.T @ (y - y_mean), y_mean, x.shape[0]
@@ -97,26 +99,27 @@ class LinearInverter(Attack):
         started = time.perf_counter()
         examples = checked_train(train, self.hidden_size, budget.max_tokens if budget else None)
         tokens = sum(i.numel() for _, i in examples)
-        self.standardise = Standardiser(torch.cat([s for s, _ in examples]))
+        self.standardise = standardise = Standardiser(torch.cat([s for s, _ in examples]))
         cut = len(examples) - max(1, round(len(examples) * self.holdout_fraction))
-        scores = {}
+        scores: dict[float, float] = {}
         if cut >= 1:  # enough sequences to hold some out: choose lambda on them
-            gram, cross, y_mean, n = self._moments(examples[:cut])
+            gram, cross, y_mean, n = self._moments(examples[:cut], standardise)
             for lam in self.LAMBDAS:
                 self.weight, self.bias, self.fitted = self._solve(gram, cross, lam * n).float(), y_mean.float(), True
                 scores[lam] = recovery(self, examples[cut:], k=1)["top1"]
-            self.lam = max(scores, key=lambda lam: (scores[lam], lam))  # ties: the stronger regulariser
+            self.lam = lam = max(scores, key=lambda lam: (scores[lam], lam))  # ties: the stronger regulariser
         else:
-            self.lam = 1e-3
-        gram, cross, y_mean, n = self._moments(examples)
-        self.weight, self.bias, self.fitted = self._solve(gram, cross, self.lam * n).float(), y_mean.float(), True
+            self.lam = lam = 1e-3
+        gram, cross, y_mean, n = self._moments(examples, standardise)
+        weight, bias = self._solve(gram, cross, lam * n).float(), y_mean.float()
+        self.weight, self.bias, self.fitted = weight, bias, True
         return fit_report(
             self.name,
             tokens,
             0,
             tokens,
             started,
-            self.weight.numel() + self.bias.numel(),
+            weight.numel() + bias.numel(),
             ridge_lambda=self.lam,
             holdout_top1=scores,
         )
@@ -124,12 +127,15 @@ class LinearInverter(Attack):
     @torch.no_grad()
     def topk(self, states: torch.Tensor, k: int = 5) -> torch.Tensor:
         self._ready(states)
+        assert self.standardise is not None and self.weight is not None and self.bias is not None  # set by fit()
         predicted = self.standardise(states) @ self.weight + self.bias  # [S, H_e]
         return cosine_topk(predicted, self.unit_embeddings, k)
 
 
 class _TiedHead(torch.nn.Module):
     """Cosine against the frozen public embedding table with a learned temperature."""
+
+    table: torch.Tensor  # [V, H_e], a buffer
 
     def __init__(self, unit_embeddings: torch.Tensor):
         super().__init__()
@@ -142,16 +148,23 @@ class _TiedHead(torch.nn.Module):
         return self.log_scale.exp() * F.normalize(predicted, dim=-1) @ table.T
 
 
+class _ReadOutNet(torch.nn.Module):
+    """A learned attack's network: a linear per-position read-out, skip, that the ridge solution can start, and
+    what the subclass adds to it."""
+
+    skip: torch.nn.Linear
+
+
 class _LearnedInverter(Attack):
     """Shared training loop: AdamW on cross-entropy over candidate columns, a fixed step budget."""
 
     def __init__(self, embedding_table: torch.Tensor):
         super().__init__(embedding_table)
-        self.net: torch.nn.Module | None = None
+        self.net: _ReadOutNet | None = None
         self.head = _TiedHead(self.unit_embeddings)
-        self.standardise = None
+        self.standardise: Standardiser | None = None
 
-    def _build(self) -> torch.nn.Module:
+    def _build(self) -> _ReadOutNet:
         raise NotImplementedError
 
     def _batch(
@@ -179,27 +192,28 @@ class _LearnedInverter(Attack):
         gen = torch.Generator().manual_seed(budget.seed)
         examples = checked_train(train, self.hidden_size, budget.max_tokens)
         flat_states, flat_ids = torch.cat([s for s, _ in examples]), torch.cat([i for _, i in examples])
-        self.standardise = Standardiser(flat_states)
-        raw_examples, examples = examples, [(self.standardise(s), i) for s, i in examples]
-        flat_states = self.standardise(flat_states)  # [N, H]
+        self.standardise = standardise = Standardiser(flat_states)
+        raw_examples, examples = examples, [(standardise(s), i) for s, i in examples]
+        flat_states = standardise(flat_states)  # [N, H]
         train_types = flat_ids.unique()
         column_of = torch.full((self.embeddings.shape[0],), -1, dtype=torch.long)  # vocab id -> candidate column
         column_of[train_types] = torch.arange(train_types.numel())
-        self.net = self._build()
+        self.net = net = self._build()
         ridge = None
         if budget.ridge_init:  # start where the linear attack ends: the learned ones can only add to it
             ridge = LinearInverter(self.embeddings)
             ridge.fit(raw_examples)  # standardises with the same statistics as self.standardise (same data)
+            assert ridge.weight is not None and ridge.bias is not None  # set by fit()
             with torch.no_grad():
-                self.net.skip.weight.copy_(ridge.weight.T)
-                self.net.skip.bias.copy_(ridge.bias)
-        params = [p for p in self.net.parameters()] + [self.head.log_scale]
+                net.skip.weight.copy_(ridge.weight.T)
+                net.skip.bias.copy_(ridge.bias)
+        params = [p for p in net.parameters()] + [self.head.log_scale]
         optimiser = torch.optim.AdamW(params, lr=budget.lr, weight_decay=budget.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(  # linear warm-up, cosine decay: stable at any step budget
             optimiser,
             lambda step: min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / max(1, budget.steps))),
         )
-        self.net.train()
+        net.train()
         tokens_seen, last_loss = 0, float("nan")
         for _ in range(budget.steps):
             predicted, targets = self._batch(examples, flat_states, flat_ids, budget, gen)
@@ -211,7 +225,7 @@ class _LearnedInverter(Attack):
             schedule.step()
             tokens_seen += targets.numel()
             last_loss = float(loss.detach())
-        self.net.eval()
+        net.eval()
         self.fitted = True
         return fit_report(
             self.name,
@@ -228,6 +242,7 @@ class _LearnedInverter(Attack):
     @torch.no_grad()
     def topk(self, states: torch.Tensor, k: int = 5) -> torch.Tensor:
         self._ready(states)
+        assert self.standardise is not None  # set by fit()
         predicted = self._predict(self.standardise(states))  # [S, H_e]
         if not 1 <= k <= self.embeddings.shape[0]:
             raise AttackError(f"k must be in 1..{self.embeddings.shape[0]}, got {k}")
@@ -237,17 +252,15 @@ class _LearnedInverter(Attack):
         raise NotImplementedError
 
 
-class _ResidualMLP(torch.nn.Module):
+class _ResidualMLP(_ReadOutNet):
     def __init__(self, hidden_size: int, width: int, out_size: int):
         super().__init__()
         self.skip = torch.nn.Linear(hidden_size, out_size)  # the ridge map's role; the MLP adds what it misses
-        self.mlp = torch.nn.Sequential(
-            torch.nn.Linear(hidden_size, width), torch.nn.GELU(), torch.nn.Linear(width, out_size)
-        )
-        (
-            torch.nn.init.zeros_(self.mlp[2].weight),
-            torch.nn.init.zeros_(self.mlp[2].bias),
-        )  # at step 0 the model is its skip (the ridge map when initialised so)
+        read_in, read_out = torch.nn.Linear(hidden_size, width), torch.nn.Linear(width, out_size)
+        # at step 0 the model is its skip (the ridge map when initialised so)
+        torch.nn.init.zeros_(read_out.weight)
+        torch.nn.init.zeros_(read_out.bias)
+        self.mlp = torch.nn.Sequential(read_in, torch.nn.GELU(), read_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., H] -> [..., H_e]
@@ -263,7 +276,7 @@ class MLPInverter(_LearnedInverter):
         super().__init__(embedding_table)
         self.width = width
 
-    def _build(self) -> torch.nn.Module:
+    def _build(self) -> _ReadOutNet:
         return _ResidualMLP(self.hidden_size, self.width, self.embeddings.shape[1])
 
     def _batch(self, examples, flat_states, flat_ids, budget, gen):
@@ -271,10 +284,11 @@ class MLPInverter(_LearnedInverter):
         return self.net(flat_states[rows]), flat_ids[rows]
 
     def _predict(self, standardised: torch.Tensor) -> torch.Tensor:
+        assert self.net is not None  # built by fit()
         return self.net(standardised)
 
 
-class _ContextNet(torch.nn.Module):
+class _ContextNet(_ReadOutNet):
     def __init__(self, hidden_size: int, out_size: int, d_model: int, layers: int, heads: int, max_positions: int):
         super().__init__()
         self.project_in = torch.nn.Linear(hidden_size, d_model)
@@ -285,7 +299,8 @@ class _ContextNet(torch.nn.Module):
         self.encoder = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.project_out = torch.nn.Linear(d_model, out_size)
         self.skip = torch.nn.Linear(hidden_size, out_size)  # the per-position read-out; context adds to it
-        torch.nn.init.zeros_(self.project_out.weight), torch.nn.init.zeros_(self.project_out.bias)  # starts as its skip
+        torch.nn.init.zeros_(self.project_out.weight)  # starts as its skip
+        torch.nn.init.zeros_(self.project_out.bias)
 
     def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
         # x: [B, S, H], padding: [B, S] True where padded -> [B, S, H_e]
@@ -309,7 +324,7 @@ class ContextInverter(_LearnedInverter):
         super().__init__(embedding_table)
         self.shape = (d_model, layers, heads, max_positions)
 
-    def _build(self) -> torch.nn.Module:
+    def _build(self) -> _ReadOutNet:
         return _ContextNet(self.hidden_size, self.embeddings.shape[1], *self.shape)
 
     def _batch(self, examples, flat_states, flat_ids, budget, gen):
@@ -329,6 +344,7 @@ class ContextInverter(_LearnedInverter):
     def _predict(self, standardised: torch.Tensor) -> torch.Tensor:
         if standardised.shape[0] > self.shape[3]:
             raise AttackError(f"{self.name}: sequences longer than {self.shape[3]} positions are not supported")
+        assert self.net is not None  # built by fit()
         return self.net(standardised[None])[0]
 
 
