@@ -85,7 +85,7 @@ def link_with_rtt(link: str, rtt_ms: float | None) -> str:
 
 def ablation_modes() -> dict[str, BenchVariant]:
     """HAT Table 5's rows: every combination of SD, PC and PD that the paper reports."""
-    rows = {
+    rows: dict[str, dict[str, Any]] = {
         "U-shape": dict(speculative=False, prompt_chunking=False, parallel_candidates=0),
         "+PC": dict(speculative=False, prompt_chunking=True, parallel_candidates=0),
         "+SD": dict(speculative=True, prompt_chunking=False, parallel_candidates=0),

@@ -90,7 +90,7 @@ class ModeBench:
         rate_list = parse_rates(rates or DEFAULT_RATES)
         workloads = ABLATION_WORKLOADS if ablation else tuple(w.strip() for w in workload.split(","))
         try:
-            rtts = [float(x) for x in rtt_ms.split(",") if x.strip()] or [None]
+            rtts: list[float | None] = [float(x) for x in rtt_ms.split(",") if x.strip()] or [None]
             runs = tuple((rtt, link_with_rtt(link, rtt)) for rtt in rtts)
         except ValueError as exc:
             raise ValueError(f"--rtt-ms: {exc}") from exc

@@ -21,7 +21,7 @@ from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.split import LayerRange, MiddleSubmodel, OutputSubmodel
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, DraftConfig
-from shared.specdec.engine import LocalCloud, generate
+from shared.specdec.engine import GenerationResult, LocalCloud, generate
 from tophatctl.demo_model.corpus import held_out_prompts
 from tophatctl.models import resolve_model
 
@@ -158,7 +158,7 @@ def transformers_rate(checkpoint: Checkpoint, prompts: list[list[int]], new_toke
     """Aggregate decode tok/s of transformers' greedy `generate` over len(prompts) sequences in one batch
     (left-padded, with an attention mask), on the model's device: the clock runs from the prefill's token to
     the last of new_tokens more, as generate hands them out (the fastest of three runs)."""
-    model = checkpoint.model
+    model = checkpoint.causal_lm
     device = model.device
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -239,7 +239,7 @@ def main(args: argparse.Namespace) -> None:
     for k, ms in time_verify_passes(middle, checkpoint.hidden_size, 128, args.max_draft, 7).items():
         print(f"  k={k:2d} ({k + 1:2d} positions): {ms:6.2f} ms")
 
-    runs = {}
+    runs: dict[tuple[str, float], list[GenerationResult]] = {}
     for rtt_ms in (0.0, args.rtt_ms):
         for mode in ("ushape", "hat"):
             runs[(mode, rtt_ms)] = []

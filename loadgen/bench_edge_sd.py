@@ -295,7 +295,7 @@ def build_edge_sd_results(
         mine = [s for s in samples if s.mode == mode]
         if not mine:
             continue
-        per_round = {}
+        per_round: dict[int, list[float]] = {}
         for s in mine:
             per_round.setdefault(s.round, []).append(s.e2el_ms)
         entries.append(
@@ -308,7 +308,7 @@ def build_edge_sd_results(
                 "rounds": [r for r in rounds if r["mode"] == mode],
             }
         )
-    texts = {}
+    texts: dict[tuple[int, int], set[str]] = {}
     for s in samples:
         texts.setdefault((s.round, s.task), set()).add(s.text)
     config = {k: v for k, v in vars(cfg).items() if k != "out"}

@@ -51,7 +51,7 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 def pass_bytes(checkpoint: Checkpoint, start: int = 0) -> int:
     """Weight bytes one decode pass reads: layers start.. and, for an unsplit pass, the LM head."""
     layers = sum(tensor_bytes(layer) for layer in checkpoint.decoder.layers[start:])
-    return layers + (tensor_bytes(checkpoint.model.lm_head) if start == 0 else 0)
+    return layers + (tensor_bytes(checkpoint.lm_head) if start == 0 else 0)
 
 
 @torch.inference_mode()

@@ -20,6 +20,7 @@ import concurrent.futures
 import json
 import statistics
 import time
+from typing import Any
 
 import httpx
 
@@ -37,7 +38,7 @@ def long_prompts(tokenizer, count: int, min_tokens: int, seed: int = 0) -> list[
 
     held_out = held_out_files()
     rng = random.Random(seed)
-    prompts = []
+    prompts: list[str] = []
     while len(prompts) < count:
         text = rng.choice(held_out).text
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -81,7 +82,7 @@ def _mean(rows: list[dict], key: str) -> float:
 
 def bench_prompt_chunking(mesh: Mesh, prompts: list[str], repeats: int) -> None:
     url = mesh.config.device_url(0)
-    rows = {"PC": [], "no PC": []}
+    rows: dict[str, list[dict]] = {"PC": [], "no PC": []}
     generate(url, prompts[0], 4)  # warm up (and give the planner telemetry)
     for _ in range(repeats):
         for prompt in prompts:
@@ -96,7 +97,7 @@ def bench_prompt_chunking(mesh: Mesh, prompts: list[str], repeats: int) -> None:
 
 def bench_decoding(mesh: Mesh, prompts: list[str], max_new: int) -> None:
     url = mesh.config.device_url(0)
-    modes = {
+    modes: dict[str, dict[str, Any]] = {
         "neither (U-shape)": {"speculative": False},
         "SD": {"speculative": True, "parallel_candidates": 0},
         "SD+PD": {"speculative": True},

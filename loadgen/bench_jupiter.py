@@ -90,6 +90,7 @@ async def timed_request(client, url: str, body: dict[str, Any], timeout_s: float
         "completion_tokens": record.completion_tokens,
         "prompt_tokens": record.prompt_tokens,
     }
+    assert record.end_s is not None, "send_request sets end_s whatever happens"
     first = record.chunk_times_s[0] if record.chunk_times_s else record.end_s
     return first, record.end_s, "".join(record.chunk_texts), stats
 
@@ -190,6 +191,7 @@ def run_jupiter_bench(cfg: JupiterBenchConfig) -> dict[str, Any]:
         )
         with Mesh(config) as mesh:
             plan = mesh.edge_plan
+            assert plan is not None, "a mesh with an edge pipeline plans it as it starts"
             plans[mode] = {
                 "kind": plan.kind,
                 "stage_layers": [list(r) for r in plan.stage_layers],
@@ -237,7 +239,7 @@ def build_jupiter_results(samples: Sequence[Sample], plans: dict[str, Any], cfg:
                     "sub_sequences": plans.get(mode, {}).get("sub_sequences", {}).get(bucket),
                 }
             )
-    outline = [
+    outline: list[dict[str, Any]] = [
         {
             "mode": s.mode,
             "question": q,
@@ -250,16 +252,16 @@ def build_jupiter_results(samples: Sequence[Sample], plans: dict[str, Any], cfg:
         for s, q in _with_questions(samples, cfg)
     ]
     for mode in ("jupiter-sequential", "jupiter-outline"):
-        mine = [o for o in outline if o["mode"] == mode]
-        if mine:
+        answers = [o for o in outline if o["mode"] == mode]
+        if answers:
             entries.append(
                 {
                     "mode": mode,
                     "bucket": None,
-                    "n": len(mine),
-                    "mean_ttft_ms": _mean([o["ttft_ms"] for o in mine]),
-                    "mean_e2el_ms": _mean([o["e2el_ms"] for o in mine]),
-                    "completion_tokens": _mean([o["completion_tokens"] or 0 for o in mine]),
+                    "n": len(answers),
+                    "mean_ttft_ms": _mean([o["ttft_ms"] for o in answers]),
+                    "mean_e2el_ms": _mean([o["e2el_ms"] for o in answers]),
+                    "completion_tokens": _mean([o["completion_tokens"] or 0 for o in answers]),
                 }
             )
     identical = _identical_answers(samples)

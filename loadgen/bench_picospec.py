@@ -23,6 +23,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -276,7 +277,7 @@ def main(args: argparse.Namespace) -> None:
         "split_layers": 2,
         "eta_gate": not args.no_eta_gate,
     }
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rtt in [float(x) for x in args.rtt_ms.split(",") if x.strip()]:
         results = asyncio.run(
             bench_rtt(

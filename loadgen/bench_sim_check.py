@@ -19,7 +19,7 @@ from loadgen.bench import loadgen_options, modes_for
 from loadgen.load_run import run_load_test
 from loadgen.simulate.calibration import Calibration, demo_calibration
 from loadgen.simulate.fit import from_telemetry
-from loadgen.simulate.modes import parse_modes
+from loadgen.simulate.modes import SimMode, parse_modes
 from loadgen.simulate.report import compare_with_real
 from loadgen.simulate.run import SimConfig, simulate_grid
 from shared.links import parse_link_spec, scaled_for_hidden
@@ -80,7 +80,7 @@ def accept_dist_from_run(cal: Calibration, requests_csv: Path) -> Calibration:
     if not counts:
         return cal
     longest = max(counts)
-    dist = [counts.get(n, 0) for n in range(1, longest + 1)]
+    dist: list[float] = [counts.get(n, 0) for n in range(1, longest + 1)]
     return dataclasses.replace(cal, accept_dist=dist, notes=[*cal.notes, f"accept_dist from the run: {dist}"])
 
 
@@ -137,7 +137,8 @@ def sim_vs_real(
                     heterogeneous=False,
                     max_new_tokens=max_new_tokens,
                 )
-                grid = simulate_grid(cal, parse_modes(mode, workload), [rate], sim_config)
+                sim_modes: list[SimMode | str] = [*parse_modes(mode, workload)]  # simulate_grid takes names too
+                grid = simulate_grid(cal, sim_modes, [rate], sim_config)
                 with redirect_stdout(report):
                     print(
                         f"\n{mode}: calibration from the mesh's telemetry ({'; '.join(cal.notes)}); "

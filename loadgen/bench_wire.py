@@ -10,16 +10,18 @@ import time
 
 import torch
 
-from shared.wire import Message, VerifyRequest, VerifyResult, WireDtype, decode, encode
+from shared.wire import VerifyRequest, VerifyResult, WireDtype, decode, encode
 
 TARGET_GBPS = 1.0
 SID = 2**63  # worst-case (9-byte) session id
 
 
-def bench(msg: Message, wire_dtype: WireDtype, seconds: float = 1.0) -> tuple[float, float, float]:
+def bench(msg: VerifyRequest | VerifyResult, wire_dtype: WireDtype, seconds: float = 1.0) -> tuple[float, float, float]:
     """Return (payload GB/s for encode+decode, mean encode us, mean decode us)."""
     frame = encode(msg, wire_dtype=wire_dtype)
-    payload = decode(frame).hidden.nbytes  # bytes of tensor data on the wire
+    decoded = decode(frame)
+    assert isinstance(decoded, VerifyRequest | VerifyResult), "a frame decodes to the message it was"
+    payload = decoded.hidden.nbytes  # bytes of tensor data on the wire
     n, t_enc, t_dec = 0, 0.0, 0.0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or n < 5:
@@ -34,7 +36,9 @@ def bench(msg: Message, wire_dtype: WireDtype, seconds: float = 1.0) -> tuple[fl
 
 def main() -> None:
     torch.manual_seed(0)
-    cases = [  # (label, message, wire dtype); hidden: [rows, H]
+    cases: list[
+        tuple[str, VerifyRequest | VerifyResult, WireDtype]
+    ] = [  # (label, message, wire dtype); hidden: [rows, H]
         ("fp16 [2048,256] 1 MiB", VerifyRequest(SID, 1, 0, torch.randn(2048, 256).half()), WireDtype.F16),
         ("fp32 [1024,256] 1 MiB", VerifyRequest(SID, 1, 0, torch.randn(1024, 256)), WireDtype.F32),
         ("bf16 [2048,256] 1 MiB", VerifyRequest(SID, 1, 0, torch.randn(2048, 256).bfloat16()), WireDtype.BF16),

@@ -50,11 +50,11 @@ def aggregate(
     """One results entry from a run's per-request records (their `tophat` objects carry cost, endpoint,
     migrations). Latency statistics are the load generator's own (metrics.build_results)."""
     stats = build_results(list(records))
-    done = [r for r in records if r.ok and isinstance(r.tophat, dict)]
-    cost = [r.tophat.get("cost") if isinstance(r.tophat.get("cost"), dict) else {} for r in done]
+    done = [r.tophat for r in records if r.ok and isinstance(r.tophat, dict)]  # the streamer's `tophat` objects
+    cost: list[dict[str, Any]] = [c if isinstance(c := t.get("cost"), dict) else {} for t in done]
     totals = [v for v in (_finite(c.get("total")) for c in cost) if v is not None]
     # every hand-over begun; those called off (the receiver would have stalled delivery) stayed on the source
-    handovers = [m for r in done for m in (r.tophat.get("migrations") or []) if isinstance(m, dict)]
+    handovers = [m for t in done for m in (t.get("migrations") or []) if isinstance(m, dict)]
     migrations = [m for m in handovers if "called_off" not in m]
     gaps = [v for v in (_finite(m.get("max_gap_s")) for m in handovers) if v is not None]
     limit_s = 1.0 / reading_rate_tps if reading_rate_tps > 0 else None
@@ -75,12 +75,10 @@ def aggregate(
         "mean_device_cost": _mean([v for v in (_finite(c.get("device")) for c in cost) if v is not None]),
         "mean_server_cost": _mean([v for v in (_finite(c.get("server")) for c in cost) if v is not None]),
         "costed": len(totals),  # requests whose cost the streamer reported
-        "endpoints": dict(Counter(str(r.tophat.get("endpoint")) for r in done)),  # who gave the first token
-        "decisions": dict(Counter(str(r.tophat.get("decision")) for r in done)),
+        "endpoints": dict(Counter(str(t.get("endpoint")) for t in done)),  # who gave the first token
+        "decisions": dict(Counter(str(t.get("decision")) for t in done)),
         # requests whose dispatch started more than one endpoint (hand-over receivers not counted)
-        "raced": sum(
-            1 for r in done if len(r.tophat.get("endpoints") or []) - len(r.tophat.get("migrations") or []) > 1
-        ),
+        "raced": sum(1 for t in done if len(t.get("endpoints") or []) - len(t.get("migrations") or []) > 1),
         "migrations": len(migrations),
         "handovers_called_off": len(handovers) - len(migrations),
         "migration_reasons": dict(Counter(str(m.get("reason")) for m in migrations)),

@@ -36,7 +36,7 @@ def text_windows(checkpoint: Checkpoint, positions: int, window: int = 256) -> l
     ids: list[int] = []
     count = math.ceil(positions / (window - 1))
     for held_out in held_out_files():
-        ids += checkpoint.tokenizer.encode(held_out.text, add_special_tokens=False)
+        ids += checkpoint.text_tokenizer().encode(held_out.text, add_special_tokens=False)
         if len(ids) >= count * window:
             break
     if len(ids) < count * window:

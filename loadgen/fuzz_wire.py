@@ -21,8 +21,9 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import torch
@@ -111,7 +112,7 @@ def templates(hidden: int, session_ids: tuple[int, ...], open_fields: dict, rng:
         wire.VerifyRequest(sid, seq, rng.randrange(4), rows(rng.randint(1, 3))),
         wire.BandwidthProbe(0, seq, rng.randint(1, 4), rows(1)),
         wire.OpenTokenSession(sid, 0.5, 0.9, 3),
-        wire.TokenStep(sid, seq, 2, [5, 6]),
+        wire.TokenStep(sid, seq, 2, (5, 6)),
         wire.TokenDraft(
             sid,
             seq,
@@ -199,7 +200,8 @@ def expected_error(
 
 async def _exchange(ws: ClientConnection, frame: bytes | str) -> wire.Message:
     await asyncio.wait_for(ws.send(frame), REPLY_TIMEOUT_S)
-    return wire.decode(await asyncio.wait_for(ws.recv(), REPLY_TIMEOUT_S), max_frame_bytes=2**31)
+    # the verifier answers in binary frames: their bytes, as the wire decodes them
+    return wire.decode(await asyncio.wait_for(ws.recv(decode=False), REPLY_TIMEOUT_S), max_frame_bytes=2**31)
 
 
 async def fuzz_connection(
@@ -211,7 +213,7 @@ async def fuzz_connection(
     protected: frozenset[int] = frozenset(),
     open_fields: dict | None = None,
     max_frame_bytes: int = wire.MAX_FRAME_BYTES,
-    reconnect: Callable[[], "asyncio.Future[ClientConnection]"] | None = None,
+    reconnect: Callable[[], Awaitable[ClientConnection]] | None = None,
 ) -> FuzzCounts:
     """Send `frames` mutated frames on `ws`, one reply each; never touch `protected` sessions.
 
@@ -273,7 +275,7 @@ async def _main(args: argparse.Namespace) -> FuzzCounts:
     try:
         port = await asyncio.wait_for(started, 120)
         url = f"ws://127.0.0.1:{port}/ws"
-        open_fields = {"split_layers": settings.split_layers, "fingerprint": server.split_fingerprint}
+        open_fields: dict[str, Any] = {"split_layers": settings.split_layers, "fingerprint": server.split_fingerprint}
         ws = await connect(url, max_size=None, open_timeout=10)
         protected = 1
         await _exchange(ws, wire.encode(wire.OpenSession(protected, server.hidden_size, **open_fields)))

@@ -199,7 +199,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def near_tie(checkpoint: Checkpoint, prompt: list[int], reference: list[int], hat: list[int], index: int) -> dict:
     """Where HAT's answer left the reference: the unsplit model's (transformers') top-2 logit margin there and
     the rank of HAT's token; a small margin is a rounding tie between two equally valid computations."""
-    ids = torch.tensor([prompt + reference[:index]], device=checkpoint.model.device)
+    ids = torch.tensor([prompt + reference[:index]], device=checkpoint.causal_lm.device)
     logits = checkpoint.model(input_ids=ids).logits[0, -1].float()
     top = logits.topk(2)
     out = {"top2_margin": float(top.values[0] - top.values[1]), "reference_token": reference[index]}
@@ -219,7 +219,7 @@ def greedy_check(
 ) -> dict[str, Any]:
     """HAT's greedy answer (device part and LocalCloud on the checkpoint's device) against the unsplit runner's
     greedy decode of the same prompt alone, prompt by prompt."""
-    device = checkpoint.model.device
+    device = checkpoint.causal_lm.device
     device_model = build_device_model(checkpoint, split, adapter, speculative=True).to(device)  # as the agent does
     middle = MiddleSubmodel(checkpoint, split).to(device)  # as the verifier does
     warm_up_layers(middle, checkpoint.hidden_size)
@@ -309,15 +309,15 @@ def graph_vs_eager(
 
 
 def cuda_graphs(checkpoint: Checkpoint, split: int, context: int, repeats: int) -> dict[str, Any]:
-    device = checkpoint.model.device
+    device = checkpoint.causal_lm.device
     if device.type != "cuda":
         return {"cuda_graphs": f"not attempted: the model is on {device}, not CUDA"}
     out: dict[str, Any] = {"context": context, "note": GRAPH_NOTE}
-    decoder, head = checkpoint.decoder, checkpoint.model.lm_head
+    decoder, head = checkpoint.decoder, checkpoint.lm_head
     parts = {
         "verify_1row": (
             MiddleSubmodel(checkpoint, split),
-            lambda: torch.randn(1, checkpoint.hidden_size, dtype=checkpoint.model.dtype, device=device),
+            lambda: torch.randn(1, checkpoint.hidden_size, dtype=checkpoint.causal_lm.dtype, device=device),
             lambda x: x,
             lambda h: h,
         ),

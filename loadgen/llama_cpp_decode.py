@@ -78,7 +78,8 @@ def main() -> None:
         print(json.dumps({"answers": [greedy(llm, prompt, args.new_tokens)[0] for prompt in prompts]}))
         return
     prompt = [int(t) for t in args.prompt_ids.split(",")]
-    rates, tokens = [], []
+    rates: list[float] = []
+    tokens: list[int] = []
     for _ in range(args.repeats):  # the first warms up; the best of the rest is reported, as ours is
         tokens, seconds = greedy(llm, prompt, args.new_tokens)
         rates.append(args.new_tokens / seconds)

@@ -43,6 +43,7 @@ async def run_load_test(o: dict[str, Any], records_out: list | None = None) -> d
     builtin = wl.BUILTIN.get(o["workload"])
     tok = wl.load_tokenizer(tok_path) if builtin or (tok_path / "tokenizer_config.json").exists() else None
     if builtin:
+        assert tok is not None, "a built-in workload's tokenizer is loaded above"
         limit = o["context_limit"] or wl.context_limit_of(tok_path)
         work = wl.synthetic_workload(
             builtin,

@@ -236,7 +236,9 @@ async def fetch_verifier_steps(
         with contextlib.suppress(RedisError, OSError):
             await client.aclose()
     steps = []
-    for _, fields in entries:
+    for _, fields in entries or []:
+        if fields is None:  # an entry trimmed between XRANGE's scan and its reply comes back without fields
+            continue
         try:
             steps.append(
                 {

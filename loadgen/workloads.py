@@ -181,11 +181,12 @@ def synthetic_workload(
     high = context_limit - max_new_tokens
     held_out = held_out or HeldOutText(tokenizer)
     lengths = fit_lengths(spec, num_requests, rng, MIN_PROMPT_TOKENS, high, dist)
-    requests = []
+    requests, counts = [], []
     for i, length in enumerate(lengths):
         prompt, count = held_out.cut(int(length), rng)
         requests.append(WorkloadRequest(i, prompt, count, max_new_tokens, i % max(1, num_devices)))
-    achieved = length_stats([r.prompt_tokens for r in requests])
+        counts.append(count)
+    achieved = length_stats(counts)
     stats = {"target": asdict(spec), "distribution": dist, "clip": [MIN_PROMPT_TOKENS, high], "achieved": achieved}
     log.info(
         "%s workload: %d prompts, mean %.1f P90 %.1f std %.1f tokens (target %.1f / %.0f / %.1f)",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -153,7 +153,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 async def stream_chunks(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], *, timeout_s: float
-) -> AsyncIterator[Chunk]:
+) -> AsyncGenerator[Chunk, None]:
     """POST `body` to `url` and yield its chunks until `[DONE]`; a StreamError for anything less.
 
     Breaking out of the loop (or cancelling the consumer) closes the response, which is how

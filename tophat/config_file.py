@@ -82,7 +82,9 @@ def load_config(ctx: typer.Context, param: typer.CallbackParam, value: Optional[
     try:
         defaults = config_defaults(value, ctx.command)
     except ConfigFileError as exc:
-        raise typer.BadParameter(str(exc), ctx=ctx, param=param) from exc
+        # typer hands callbacks a CallbackParam, which BadParameter's annotation (typer's private
+        # _TyperParameter, a sibling class) does not name; at run time it is the option itself
+        raise typer.BadParameter(str(exc), ctx=ctx, param=param) from exc  # type: ignore[arg-type]
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
 

@@ -95,7 +95,7 @@ def cli_page() -> str:
 
     from tophat.cli import app
 
-    root = typer.main.get_command(app)
+    root: Any = typer.main.get_command(app)  # a group (the app has subcommands), read as the commands below are
     ctx = root.context_class(root, info_name="tophat")
     names = shown_commands(root, ctx)
     lines = [
@@ -194,8 +194,8 @@ def type_name(annotation: Any) -> str:
 def default_text(field: dataclasses.Field) -> str:
     if field.default is not dataclasses.MISSING:
         value = field.default
-    elif field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = field.default_factory()  # type: ignore[misc]
+    elif field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
     else:
         return "(required)"
     return "`''`" if value == "" else f"`{value!r}`" if isinstance(value, str) else f"`{value}`"

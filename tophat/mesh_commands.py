@@ -132,8 +132,10 @@ def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:  # a config no mesh can run is refused by MeshConfig itself, also a MeshStartError
+        hosts = serve_hosts(host)
         config = MeshConfig(
-            **serve_hosts(host),
+            host=hosts["host"],
+            bind_host=hosts["bind_host"],
             model_dir=str(resolve_model_or_exit(model)),
             num_devices=devices,
             port_base=port_base,

@@ -154,7 +154,7 @@ def train_adapter_cmd(
             )
 
             checkpoint.model.to(device)
-            if checkpoint.model.lm_head.weight.is_cuda:  # TF32 for the fp32 passes (state extraction): ~8x the rate
+            if checkpoint.lm_head.weight.is_cuda:  # TF32 for the fp32 passes (state extraction): ~8x the rate
                 import torch
 
                 torch.set_float32_matmul_precision("high")

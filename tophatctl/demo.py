@@ -58,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
     except (MeshStartError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    assert mesh.model_dir is not None, "start() resolved the model"
     prompts = CHAT_PROMPTS if has_chat_template(mesh.model_dir) else CODE_PROMPTS
     status = 0
     try:

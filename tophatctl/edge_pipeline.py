@@ -72,8 +72,8 @@ def stage_wiring(
     if first_stop > draft_layers:
         stages.append((draft_layers, first_stop))
         devices.append(0)
-    for i, layers in enumerate(device_layers[1:], start=1):
-        stages.append(tuple(layers))
+    for i, (first, stop) in enumerate(device_layers[1:], start=1):
+        stages.append((first, stop))
         devices.append(i)
     hosts = [0, *devices, 0]  # the verifier main sits on device 0, beside the agent
     hops = [lan if hosts[h] != hosts[h + 1] else "none" for h in range(len(hosts) - 1)]
@@ -156,6 +156,7 @@ def configure_mesh(config: MeshConfig, model_dir: Path):
         wiring = stage_wiring(plan.stage_layers, [d.slowdown for d in plan.devices], plan.draft_layers, plan.lan)
     except ValueError as exc:
         raise MeshStartError(f"edge pipeline {config.edge_pipeline!r}: {exc}") from exc
+    assert config.log_dir is not None, "Mesh() sets the log directory"
     plan_path = plan.save(config.log_dir / "edge-plan.json")
     log.info(
         "edge pipeline %s: layers %s (%s plan), verifier stages %s, hops %s",

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from shared import auth
+from shared.jupiter.plan import EdgePlan
 from shared.lifeline import Tether
 from shared.links import parse_link_spec, scaled_for_hidden
 from shared.redis_server import EmbeddedRedis
@@ -48,7 +49,7 @@ class Mesh:
         self.redis_url: str | None = None
         self.services: list[ServiceProcess] = []
         self.model_dir: Path | None = None  # the resolved checkpoint directory, once started
-        self.edge_plan = None  # shared.jupiter.plan.EdgePlan with config.edge_pipeline, once planned
+        self.edge_plan: EdgePlan | None = None  # with config.edge_pipeline, once planned
         self.netns_links: list[NetnsLink] = []
         self.discovered_urls: list[str] = []  # discover_devices: the agents' announced URLs
         self.supervisor: Supervisor | None = None  # while supervising
@@ -57,7 +58,8 @@ class Mesh:
         self._netns = False  # devices in network namespaces (decided at start)
         if config.log_dir is None:
             config.log_dir = Path(tempfile.mkdtemp(prefix="tophat-mesh-"))
-        config.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir: Path = config.log_dir  # the config's, set from here on
+        self.log_dir.mkdir(parents=True, exist_ok=True)
 
     # -- the mesh's credentials (tophatctl/mesh_credentials.py) ---------------------------
     @property
@@ -91,20 +93,20 @@ class Mesh:
             **{url: auth.VERIFIER for url in cfg.verifier_urls().split(",")},
             **{cfg.device_url(i): auth.device_audience(f"device-{i}") for i in range(cfg.num_devices)},
         }
-        self.credentials.make_keys(cfg.log_dir, cfg.monitor_url, audiences)
+        self.credentials.make_keys(self.log_dir, cfg.monitor_url, audiences)
 
     def _make_certs(self) -> None:
         # With namespaces, devices are reached (and reach the cloud side) at their veth ends' addresses too.
         veth_ends = [ip for i in range(self.config.num_devices) for ip in subnet_for_index(i)] if self._netns else []
         # Bound to every interface, it is reached by this machine's name too.
         own_name = [socket.gethostname()] if self.config.bind_host in WILDCARD_HOSTS else []
-        self.credentials.make_certs(self.config.log_dir / "tls", self.config.host, [*veth_ends, *own_name])
+        self.credentials.make_certs(self.log_dir / "tls", self.config.host, [*veth_ends, *own_name])
 
     # -- processes --------------------------------------------------------------------
     def _spawn(
         self, name: str, module: str, env: dict[str, str], ready_url: str, prefix: list[str] | None = None
     ) -> ServiceProcess:
-        log_path = self.config.log_dir / f"{name}.log"
+        log_path = self.log_dir / f"{name}.log"
         assert self.tether is not None, "services are spawned by start()"
         full_env = {
             **os.environ,
@@ -212,6 +214,7 @@ class Mesh:
     def _spawn_cloud_side(self, model_dir: str, edge_env: dict[str, str]) -> list[ServiceProcess]:
         """The state monitor, the chunk planner and every verifier replica."""
         cfg = self.config
+        assert self.redis_url is not None, "start() has redis before the services"
         # Devices in namespaces reach the cloud-side services through the veth, so those bind everywhere.
         bind = "0.0.0.0" if self._netns else cfg.bind
         monitor = self._spawn(
@@ -238,6 +241,7 @@ class Mesh:
         return [monitor, planner, *verifiers]
 
     def _spawn_streamer(self, device_urls: str) -> ServiceProcess:
+        assert self.model_dir is not None, "start() resolves the model before the services"
         return self._spawn(
             "token-streamer",
             "services.token_streamer",
@@ -304,6 +308,7 @@ class Mesh:
         cfg = self.config
         edge_env = {}
         if cfg.edge_pipeline:
+            assert self.model_dir is not None, "start() resolves the model before the plan"
             self.edge_plan, edge_env = configure_mesh(cfg, self.model_dir)
         if cfg.edge_draft_server:
             edge_env = {**edge_env, "TOPHAT_VERIFIER_FULL_MODEL": "true"}

@@ -39,10 +39,28 @@ class Checkpoint:
         return self.model.config
 
     @property
+    def causal_lm(self) -> Any:
+        """The model as transformers runs it: .device, .dtype and generate() are PreTrainedModel's, which
+        nn.Module's typing does not know."""
+        return self.model
+
+    @property
     def decoder(self) -> Any:
         """The *ForCausalLM's inner *Model (.embed_tokens, .layers, .norm, .rotary_emb): HF sets these parts at
         run time, which nn.Module's typing sees only as Tensor | Module."""
         return self.model.model
+
+    def text_tokenizer(self) -> Any:
+        """The tokenizer, for the tools that need text (training data, quality checks): where the checkpoint ships
+        none, a ModelLoadError that says so."""
+        if self.tokenizer is None:
+            raise ModelLoadError(f"{self.path} has no tokenizer")
+        return self.tokenizer
+
+    @property
+    def lm_head(self) -> Any:
+        """The *ForCausalLM's head (a Linear, or the QuantizedLinear that replaced it): set at run time, as decoder."""
+        return self.model.lm_head
 
     @property
     def num_layers(self) -> int:

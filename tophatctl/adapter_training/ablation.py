@@ -10,6 +10,7 @@ import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec, DraftAdapter
 from shared.model.checkpoint import Checkpoint
@@ -25,9 +26,9 @@ from tophatctl.adapter_training.run import (
 log = logging.getLogger(__name__)
 
 # today's loss: SmoothL1 + soft cross-entropy over the whole vocabulary on 256 positions
-OLD_LOSS = {"w_state": 1.0, "w_token": 1.0, "top_k": 0, "token_vocab": "full", "token_positions": 256}
-NEW_LOSS = {"w_state": 1.0, "w_token": 1.0, "top_k": 32, "token_vocab": "draft"}
-TOKENS_ONLY = {"w_state": 0.0, "w_token": 1.0, "top_k": 32, "token_vocab": "draft"}
+OLD_LOSS: dict[str, Any] = {"w_state": 1.0, "w_token": 1.0, "top_k": 0, "token_vocab": "full", "token_positions": 256}
+NEW_LOSS: dict[str, Any] = {"w_state": 1.0, "w_token": 1.0, "top_k": 32, "token_vocab": "draft"}
+TOKENS_ONLY: dict[str, Any] = {"w_state": 0.0, "w_token": 1.0, "top_k": 32, "token_vocab": "draft"}
 LOSS_NAMES = {"state+CE(full vocab)": OLD_LOSS, "state+top32(draft vocab)": NEW_LOSS, "top32(draft vocab)": TOKENS_ONLY}
 
 

@@ -53,17 +53,17 @@ def _training_stream(checkpoint: Checkpoint) -> torch.Tensor:
     train_files, _ = split_corpus(iter_corpus_files())
     ids: list[int] = []
     for f in train_files:
-        ids.extend(checkpoint.tokenizer.encode(f.text, add_special_tokens=False))
+        ids.extend(checkpoint.text_tokenizer().encode(f.text, add_special_tokens=False))
     return torch.tensor(ids)
 
 
 def _targets(checkpoint: Checkpoint, batch: torch.Tensor, split_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Shallow states after layer m, and the middle's output f_L (before the final norm)."""
     captured: dict[str, torch.Tensor] = {}
-    hook = checkpoint.model.model.norm.register_forward_hook(lambda _m, inputs, _o: captured.update(f_l=inputs[0]))
+    hook = checkpoint.decoder.norm.register_forward_hook(lambda _m, inputs, _o: captured.update(f_l=inputs[0]))
     try:
         with torch.no_grad():
-            out = checkpoint.model.model(input_ids=batch, output_hidden_states=True)
+            out = checkpoint.decoder(input_ids=batch, output_hidden_states=True)
     finally:
         hook.remove()
     return out.hidden_states[split_layers], captured["f_l"]  # each [B, S, H]
@@ -75,7 +75,7 @@ def evaluate_accept_length(checkpoint: Checkpoint, adapter: DraftAdapter, cfg: A
     cloud = LocalCloud(MiddleSubmodel(checkpoint, cfg.split_layers))
     lengths: list[int] = []
     for index, prompt in enumerate(held_out_prompts(cfg.eval_prompts, seed=cfg.seed + 1)):
-        ids = checkpoint.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = checkpoint.text_tokenizer().encode(prompt, add_special_tokens=False)
         session = DeviceSession(device, ids, draft_config=DraftConfig(eta=cfg.eta), max_new_tokens=cfg.eval_new_tokens)
         lengths += asyncio.run(generate(session, cloud, session_id=index + 1)).accept_lengths
     return {"eta": cfg.eta, "mean_accept_length": round(sum(lengths) / len(lengths), 3), "rounds": len(lengths)}

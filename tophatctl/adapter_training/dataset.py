@@ -55,7 +55,7 @@ class DistillData:
 
 def model_device(checkpoint: Checkpoint) -> torch.device:
     """Where the checkpoint's weights are (the CPU, or a GPU the training runs on)."""
-    return checkpoint.model.lm_head.weight.device
+    return checkpoint.lm_head.weight.device
 
 
 def user_prompt_ids(checkpoint: Checkpoint, prompt: str) -> list[int]:
@@ -67,10 +67,10 @@ def _user_turn_prefix(checkpoint: Checkpoint) -> list[int]:
     """The template's ids up to where a user's words go (system turn + user header), found by
     rendering a placeholder turn and cutting at it: whatever the template."""
     marker = "\u2063QUERY\u2063"
-    text = checkpoint.tokenizer.decode(user_prompt_ids(checkpoint, marker))
+    text = checkpoint.text_tokenizer().decode(user_prompt_ids(checkpoint, marker))
     if marker not in text:
         raise ValueError("the chat template does not carry the user's words through verbatim")
-    return checkpoint.tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
+    return checkpoint.text_tokenizer().encode(text[: text.index(marker)], add_special_tokens=False)
 
 
 @torch.inference_mode()
@@ -84,7 +84,7 @@ def _generate(
     input_ids = torch.tensor([[eos] * (width - len(ids)) + ids for ids in rows], device=device)  # [B, W]
     mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = checkpoint.model.generate(
+        out = checkpoint.causal_lm.generate(
             input_ids=input_ids,
             attention_mask=mask,
             max_new_tokens=max_new_tokens,
@@ -139,7 +139,7 @@ def sample_user_prompts(
         ):
             if not row or row[-1] != eos:
                 continue  # ran out of tokens mid-question
-            text = checkpoint.tokenizer.decode(row[:-1]).strip()
+            text = checkpoint.text_tokenizer().decode(row[:-1]).strip()
             if len(text.split()) >= 4 and text not in seen and not near_held_out(text):
                 seen.add(text)
                 prompts.append(text)
@@ -165,7 +165,7 @@ def extract_states(
     sequence cannot change its states, so each equals its unpadded pass). The states stay where the
     model is (a GPU keeps the whole data set in its memory); the ids stay on the CPU."""
     captured: dict[str, torch.Tensor] = {}
-    hook = checkpoint.model.model.norm.register_forward_hook(lambda _m, inputs, _o: captured.update(deep=inputs[0]))
+    hook = checkpoint.decoder.norm.register_forward_hook(lambda _m, inputs, _o: captured.update(deep=inputs[0]))
     out: list[DistillSequence] = []
     try:
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))  # similar lengths together
@@ -175,7 +175,7 @@ def extract_states(
             input_ids = torch.tensor(
                 [ids + [0] * (width - len(ids)) for ids, _ in chunk], device=model_device(checkpoint)
             )  # [B, W]
-            hidden = checkpoint.model.model(input_ids=input_ids, output_hidden_states=True).hidden_states
+            hidden = checkpoint.decoder(input_ids=input_ids, output_hidden_states=True).hidden_states
             for row, (ids, prompt_len) in enumerate(chunk):
                 n = len(ids)
                 shallow = torch.stack([hidden[m][row, :n] for m in range(1, max_m + 1)]).half()  # [max_m, L, H]
@@ -207,7 +207,7 @@ def build_distill_data(
         if answer and len(prompt_ids) < max_len - 8:
             pairs.append(((prompt_ids + answer)[:max_len], len(prompt_ids)))
     for text in texts:
-        ids = checkpoint.tokenizer.encode(text, add_special_tokens=False)[:max_len]
+        ids = checkpoint.text_tokenizer().encode(text, add_special_tokens=False)[:max_len]
         if len(ids) > 16:
             pairs.append((ids, 8))  # the first few tokens play the prompt: no deep state before them
     log.info("%d sequences; extracting states", len(pairs))

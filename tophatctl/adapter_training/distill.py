@@ -18,6 +18,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,7 +117,7 @@ def batch_tensors(data: DistillData, indices: list[int], m: int, prompt_features
 
 def adapter_side(checkpoint: Checkpoint, adapter: DraftAdapter, ids: torch.Tensor, prev: torch.Tensor):
     if adapter.spec.side_input == "embedding":
-        return checkpoint.model.model.embed_tokens(ids)
+        return checkpoint.decoder.embed_tokens(ids)
     return prev if adapter.spec.side_input == "feature" else None
 
 
@@ -195,7 +196,10 @@ def train_adapter(
     answers = chat_answers(checkpoint, data.sequences)
     if adapter.draft_vocab is not None:  # a trained adapter keeps its own: its head rows are what it learned to score
         vocab_ids = adapter.draft_vocab
-        vocab_report = {"size": int(vocab_ids.numel()), "coverage": round(coverage_of(answers, vocab_ids), 5)}
+        vocab_report: dict[str, Any] = {
+            "size": int(vocab_ids.numel()),
+            "coverage": round(coverage_of(answers, vocab_ids), 5),
+        }
     else:
         eos, vocab_size = checkpoint.eos_token_id, checkpoint.vocab_size
         vocab_ids, vocab_report = draft_vocabulary(answers, cfg.vocab_coverage, eos, vocab_size)
@@ -204,7 +208,8 @@ def train_adapter(
     stored = attach_draft_vocab(adapter, vocab_ids)
     rows = head_rows(checkpoint, vocab_ids if cfg.token_vocab == "draft" else None)
     if cfg.bf16:  # cast once, not on every autocast matmul
-        rows = tuple(None if t is None else t.to(torch.bfloat16) for t in rows)
+        weight, bias = rows
+        rows = (weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
     steps = cfg.unroll_steps if spec.side_input == "feature" else 1  # nothing else reads its own outputs
     params = adapter.trainable_parameters()
     for p in params:
@@ -234,10 +239,12 @@ def train_adapter(
         with torch.autocast(shallow.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
             side = adapter_side(checkpoint, adapter, ids, prev)
             outs = unrolled_forward(adapter, shallow, side, answer_start, steps, cfg.unroll_detach, lengths)
-            loss = sum(
+            step_losses = [
                 step_loss(checkpoint, out, deep, mask & step_valid(answer_start, ids.shape[1], j), cfg, rows)
                 for j, out in enumerate(outs)
-            ) / len(outs)
+            ]
+            # summed from the first loss, not sum()'s 0: the same additions, and the loss stays a Tensor
+            loss = sum(step_losses[1:], step_losses[0]) / len(outs)
         for group in optimizer.param_groups:  # warm-up, then linear decay to 10%
             group["lr"] = cfg.learning_rate * min(1.0, (step + 1) / 20) * (1 - 0.9 * step / planned)
         optimizer.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from shared.chat import has_chat_template
 from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec, DraftAdapter
@@ -185,7 +186,7 @@ def evaluate(
     """The held-out numbers of one adapter: teacher-forced agreement (when `held_out` is given) and
     the accept length, both with the prompt features it was trained with."""
     started = time.monotonic()
-    out = {}
+    out: dict[str, Any] = {}
     if held_out is not None:
         out["teacher_forced"] = teacher_forced_agreement(
             checkpoint, adapter, held_out, prompt_features=cfg.prompt_features

@@ -119,7 +119,7 @@ def unrolled_forward(
 
 def head_rows(checkpoint: Checkpoint, vocab_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The LM head's weight (and bias) for the scored rows: the draft vocabulary, or all."""
-    head = checkpoint.model.lm_head
+    head = checkpoint.lm_head
     weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
     if vocab_ids is None:
         return weight, bias
@@ -129,7 +129,7 @@ def head_rows(checkpoint: Checkpoint, vocab_ids: torch.Tensor | None) -> tuple[t
 
 def scored_logits(checkpoint: Checkpoint, f: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor | None]):
     """[N, H] deep states -> [N, R] logits over the scored rows (final norm, then the head's rows)."""
-    return F.linear(checkpoint.model.model.norm(f), *rows).float()
+    return F.linear(checkpoint.decoder.norm(f), *rows).float()
 
 
 def token_loss(
@@ -158,6 +158,6 @@ def state_loss(
     model with massive activations (SmolLM2: a few dimensions of f_L reach ~2700 against a mean
     |f_L| of 22) makes the raw SmoothL1 a fit of those few dimensions, which the norm divides away."""
     if normed:
-        norm = checkpoint.model.model.norm
+        norm = checkpoint.decoder.norm
         return F.smooth_l1_loss(norm(f_student), norm(f_teacher))
     return F.smooth_l1_loss(f_student, f_teacher)

@@ -136,7 +136,7 @@ async def capture_run(
                     draft_config=DraftConfig(0.6, 8 if speculative else 0),
                     max_new_tokens=max_new_tokens,
                 )
-                verify_tokens[session_id] = rows = []
+                verify_tokens[session_id] = rows = list[list[int]]()
                 _log_verify_rows(session, rows)
                 result = await generate(session, cloud, session_id, chunk_size=32)
                 out.ttft_s.append(result.ttft_s)
@@ -196,7 +196,7 @@ def _pair(frames, prompts: list[list[int]], verify_tokens: dict[int, list[list[i
 def make_attack(name: str, checkpoint):
     from tophatctl.privacy.attacks import ContextInverter, LinearInverter, MLPInverter, NearestEmbedding
 
-    table = checkpoint.model.model.embed_tokens.weight.detach().float()
+    table = checkpoint.decoder.embed_tokens.weight.detach().float()
     return {"nearest": NearestEmbedding, "linear": LinearInverter, "mlp": MLPInverter, "context": ContextInverter}[
         name
     ](table)

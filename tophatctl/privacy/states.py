@@ -50,7 +50,7 @@ class StateComputer:
         _validate(checkpoint, split_layers)
         self.checkpoint = checkpoint
         self.split_layers = split_layers
-        self.embed_tokens = checkpoint.model.model.embed_tokens
+        self.embed_tokens = checkpoint.decoder.embed_tokens
         # m = 0 has no layers to run; InputSubmodel (rightly) refuses a split the cloud would not accept.
         self.submodel = InputSubmodel(checkpoint, split_layers) if split_layers > 0 else None
 
