@@ -346,8 +346,12 @@ def test_a_verifier_that_only_calibrated_plans_as_idle():
     for i, (m, eta) in enumerate(SAMPLES):
         calibrated.observe_calibration(m, eta, now=float(i))
     assert calibrated.mu.value is None and calibrated.g.observed_buckets > 0
-    cloud = {"mu": None, "alpha": calibrated.alpha, "g": {"buckets": calibrated.g.table(), "line": None},
-             "updated_at": calibrated.updated_at}
+    cloud = {
+        "mu": None,
+        "alpha": calibrated.alpha,
+        "g": {"buckets": calibrated.g.table(), "line": None},
+        "updated_at": calibrated.updated_at,
+    }
     g = predictor_from_cloud_state(cloud)
     assert g is not None
     size, source = plan_from_state(cloud, device_json(), INPUTS, 5000)
