@@ -4,7 +4,8 @@ For each node budget (0: HAT's chain, stopped by eta) on the same held-out promp
 in-process middle with an emulated round trip per cloud call: tokens per round (accept length), the
 accepted depth histogram, drafting ms per round, decode ms per token; and the verify pass's cost by
 node count (the middle once over the tree's rows with tree attention, after a 128-token context).
-Greedy outputs are checked token-identical to the chain's.
+A cloud-only row is HAT's cloud baseline on the same prompts: the whole model per token, one round trip each.
+Greedy outputs are checked token-identical to the chain's, the cloud's included.
 
     tophat bench trees --model smollm2 --nodes 0,16,32,64 --rtt-ms 50
 """
@@ -20,7 +21,7 @@ from collections import Counter
 import torch
 
 from loadgen.bench_core import DelayedCloud, load_bench_models
-from shared.model.split import MiddleSubmodel
+from shared.model.split import LayerRange, MiddleSubmodel, OutputSubmodel
 from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from shared.specdec.device_session import DeviceSession, DraftConfig
 from shared.specdec.engine import generate
@@ -40,6 +41,29 @@ def tree_verify_ms(middle: MiddleSubmodel, hidden_size: int, nodes: int, width: 
         samples.append(time.perf_counter() - started)
     cache.free()
     return statistics.median(samples) * 1e3
+
+
+@torch.inference_mode()
+def cloud_decode(checkpoint, prompts: list[list[int]], max_new_tokens: int, rtt_s: float) -> tuple[float, list]:
+    """HAT's cloud baseline in process: ms per decoded token (a round trip, then the whole model over one row
+    and the head) and each prompt's greedy tokens, stopped as the sessions stop (max tokens or end of turn)."""
+    whole, head = LayerRange(checkpoint, 0, checkpoint.num_layers), OutputSubmodel(checkpoint)
+    embed, eos = checkpoint.decoder.embed_tokens, checkpoint.tokenizer.eos_token_id
+    decode_s, decoded, outputs = 0.0, 0, []
+    for ids in prompts:
+        cache = whole.new_cache()
+        hidden = whole.forward_packed(embed(torch.tensor(ids)), [cache], [len(ids)])[-1:]  # [1, H]
+        tokens = [int(head(hidden)[-1].argmax())]
+        while len(tokens) < max_new_tokens and tokens[-1] != eos:
+            started = time.perf_counter()
+            time.sleep(rtt_s)
+            hidden = whole.forward_packed(embed(torch.tensor(tokens[-1:])), [cache], [1])  # [1, H]
+            tokens.append(int(head(hidden)[-1].argmax()))
+            decode_s += time.perf_counter() - started
+            decoded += 1
+        cache.free()
+        outputs.append(tokens)
+    return 1e3 * decode_s / max(decoded, 1), outputs
 
 
 def compare_budgets(checkpoint, device, middle, prompts, budgets, args) -> dict:
@@ -72,11 +96,13 @@ def compare_budgets(checkpoint, device, middle, prompts, budgets, args) -> dict:
             "decode_ms_per_token": round(1e3 * decode_s / max(decoded, 1), 1),
             "verify_pass_ms": round(tree_verify_ms(middle, checkpoint.hidden_size, max(nodes, 1), args.tree_width), 2),
         }
+    cloud_ms, cloud_tokens = cloud_decode(checkpoint, prompts, args.max_new_tokens, args.rtt_ms / 1e3)
+    rows["cloud"] = {"identical_to_chain": cloud_tokens == chain_tokens, "decode_ms_per_token": round(cloud_ms, 1)}
     return rows
 
 
 def print_rows(rows: dict, args) -> None:
-    chain = rows[min(rows)]
+    chain = rows[min(n for n in rows if n != "cloud")]
     print(
         f"\ndraft trees vs chain, same prompts, same run, emulated round trip {args.rtt_ms:.0f} ms per cloud call "
         f"(width {args.tree_width}, depth <= {args.max_draft}, grow while a path's draft probability >= "
@@ -86,6 +112,13 @@ def print_rows(rows: dict, args) -> None:
         "  nodes  accept  draft ms/round  draft/chain  verify ms  decode ms/token  vs chain  identical  accepted depths"
     )
     for nodes, row in rows.items():
+        if nodes == "cloud":
+            speedup = chain["decode_ms_per_token"] / row["decode_ms_per_token"]
+            print(
+                f"  {'cloud':>5}  {'1.00':>6}  {'-':>14}  {'-':>11}  {'-':>9}  {row['decode_ms_per_token']:15.1f}  "
+                f"{speedup:7.2f}x  {str(row['identical_to_chain']):>9}  (whole model per token, a round trip each)"
+            )
+            continue
         speedup = chain["decode_ms_per_token"] / row["decode_ms_per_token"]
         drafting = row["draft_ms_per_round"] / max(chain["draft_ms_per_round"], 1e-9)  # the target: <= 1.5x at tree16
         depths = " ".join(f"{d}:{n}" for d, n in row["accepted_depth_histogram"].items())
