@@ -60,8 +60,9 @@ class LayerRange(torch.nn.Module):
         """Where the layers' weights are (module.to(device) moves them; KV and inputs follow)."""
         return next(self.layers.parameters()).device
 
-    def new_cache(self) -> SessionKV:
-        return SessionKV(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device)
+    def new_cache(self, capacity: int | None = None) -> SessionKV:
+        """A session's KV for these layers: growable, or static at `capacity` rows (kv_cache.py)."""
+        return SessionKV(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device, capacity)
 
     @torch.inference_mode()
     def forward_packed(
