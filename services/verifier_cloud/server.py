@@ -40,6 +40,7 @@ from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, Step
 from services.verifier_cloud.forks import fork
 from services.verifier_cloud.frames import TOKEN_WORK, to_wire, work_item
 from services.verifier_cloud.http_front import WS_PATH, HttpFront
+from services.verifier_cloud.kv_plan import KVPlan
 from services.verifier_cloud.model_loading import load_model
 from services.verifier_cloud.pipeline import StagePipeline
 from services.verifier_cloud.runner import ModelRunner
@@ -58,6 +59,7 @@ from shared.metrics import VerifierMetrics
 from shared.model.checkpoint import split_fingerprint
 from shared.model.rotation import rotated_fingerprint
 from shared.model.split import MiddleSubmodel
+from shared.model.static_kv import static_capacity
 from shared.settings import SettingsError
 from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context, server_context
@@ -122,7 +124,10 @@ class VerifierServer:
         self.engine: InProcessEngine | PipelineEngine
         if stages is None:
             assert middle is not None  # exactly one of middle / stages, checked above
-            self.runner = ModelRunner(middle, context_length, token_model)
+            kv_plan = KVPlan.of(settings, on_cuda=middle.device.type == "cuda")
+            self.runner = ModelRunner(
+                middle, context_length, token_model, *kv_plan.runner_parts(middle, context_length)
+            )
             self.engine = InProcessEngine(self.scheduler, self.runner, self._record_step)
         else:
             self.pipeline = StagePipeline(
@@ -132,8 +137,15 @@ class VerifierServer:
                 remote=remote_stages(settings, self.broker),
             )
             self.engine = PipelineEngine(self.scheduler, self.pipeline, self._record_step)
+        # a static slot is charged whole if any runner holds one (a pipeline's stages decide per device)
+        static = kv_plan.static if stages is None else any(spec.kv.static for spec in stages)
         self.sessions = SessionTable(
-            settings, self.scheduler, self.runner, self.pipeline, kv_bytes_per_position(settings, middle, token_model)
+            settings,
+            self.scheduler,
+            self.runner,
+            self.pipeline,
+            kv_bytes_per_position(settings, middle, token_model),
+            static_capacity(context_length) if static else None,
         )
         self.forks: set[asyncio.Task] = set()  # forks copying in worker threads (forks.py)
         # With P > 1 the KV lives in the stage workers: no KV gauge here.
