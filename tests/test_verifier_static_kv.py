@@ -17,7 +17,9 @@ from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 from shared import wire
 from shared.model.checkpoint import load_checkpoint
 from shared.model.cuda_graphs import StaticPasses
+from shared.model.invariant_attention import uses_invariant_attention
 from shared.model.kv_cache import KVCacheError
+from shared.model.quantized import QuantizedLinear
 from shared.model.split import MiddleSubmodel
 from shared.model.static_kv import StaticKVPool, static_capacity
 from shared.specdec.engine import fixed_chunks, run_session
@@ -31,9 +33,9 @@ M = 2
 PREFILL, VERIFY = WorkKind.PREFILL, WorkKind.VERIFY
 
 
-@pytest.fixture(scope="module", params=["f32", "int8"])
+@pytest.fixture(scope="module", params=["f32", "int8", "int4"])
 def checkpoint(request, tiny_qwen2_dir):
-    """f32, and int8 (batch-invariant attention and, where built, the C++ layers)."""
+    """f32, and int8 / int4 (batch-invariant attention and, where built, the C++ layers)."""
     quantize = None if request.param == "f32" else request.param
     return load_checkpoint(tiny_qwen2_dir, quantize=quantize, with_tokenizer=False)
 
@@ -105,13 +107,16 @@ def test_the_static_layout_gives_every_mode_the_same_bits(checkpoint):
 
 def test_the_static_shape_passes_agree_and_give_the_same_tokens(checkpoint):
     """What a CUDA graph replays, run eagerly: each row attends over its own gathered keys, so a dense
-    model's sums run in another order (states close, not equal); the tokens sampled from them are equal."""
+    model's sums run in another order (states close, not equal); the tokens sampled from them are equal.
+    A quantized model's batch-invariant attention sums each row alone in a fixed order: equal bits."""
     expected = every_mode(runner_for(checkpoint, "dynamic"), checkpoint.hidden_size)
     runner = runner_for(checkpoint, "passes")
     got = every_mode(runner, checkpoint.hidden_size)
     assert runner.passes.counts == {"static": 7, "eager": 2}  # the two packed prefills of 57 and 72 rows are eager
+    invariant = uses_invariant_attention(list(runner.layers.layers))
+    assert invariant == any(isinstance(module, QuantizedLinear) for module in checkpoint.model.modules())
     for a, b in zip(got, expected):
-        if a.dtype == torch.int64:  # sampled tokens
+        if a.dtype == torch.int64 or invariant:  # sampled tokens, or batch-invariant states
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -7,7 +7,9 @@ in the main process and before anything is taken, for
 * its KV: the capacity its caches may reach, in positions, times the bytes one position takes in every layer
   this verifier holds. shared/model/kv_cache.py makes a cache's capacity a function of the furthest position
   it was asked to hold (never of the order of the requests), so the charge, planned from the frames admitted,
-  is an upper bound of what the caches allocate whichever items succeed;
+  is an upper bound of what the caches allocate whichever items succeed. In the static KV layout
+  (Settings.kv_layout, shared/model/static_kv.py) a session holds a preallocated slot of the whole context
+  from its open (a fork too): it is charged that slot whole, and never grows;
 * its queue: the bytes of the rows its queued items keep alive (their tensors' storage).
 
 A device (a token subject; with auth off, a connection) may hold `Settings.device_kv_bytes` of KV and
