@@ -98,7 +98,8 @@ def test_the_runner_replays_captured_graphs_with_the_eager_states(tiny_llama_dir
     expected, got = _steps(eager, checkpoint.hidden_size), _steps(graphed, checkpoint.hidden_size)
     counts = graphed.passes.counts
     assert counts["eager"] == 1 and counts["graph"] == 8  # the prefill; every verify from a graph
-    assert sorted(graphed.passes.graphs) == [(1, 64), (2, 128), (8, 128)]  # captured once, replayed after
+    # every bucket up to the 512-row capacity was captured when the runner was built, none since
+    assert len(graphed.passes.graphs) == 6 * 4
     head = checkpoint.model.lm_head.cpu()
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

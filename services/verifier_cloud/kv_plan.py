@@ -32,6 +32,7 @@ class KVSettings(Protocol):
     def max_sessions(self) -> int: ...
 
 
+PRECAPTURED_WIDTH = 1024  # cache rows: graphs up to this width are captured when a runner is built
 KV_LAYOUTS = ("auto", "dynamic", "static")
 CUDA_GRAPHS = ("auto", "on", "off")
 
@@ -92,7 +93,11 @@ class KVPlan:
         capacity = static_capacity(context_length)
         slot = StaticKVPool.slot_bytes(len(layers.layers), layers.num_kv_heads, layers.head_dim, layers.dtype, capacity)
         pool = StaticKVPool.for_layers(layers, capacity, max(1, min(self.max_sessions, self.kv_bytes_total // slot)))
-        return pool, StaticPasses(layers, pool, self.row_buckets) if self.graphs else None
+        if not self.graphs:
+            return pool, None
+        passes = StaticPasses(layers, pool, self.row_buckets)
+        passes.capture_buckets(PRECAPTURED_WIDTH)  # where the layers are on CUDA; wider ones at first use
+        return pool, passes
 
 
 DYNAMIC = KVPlan()  # growable caches, eager passes: the plan of a runner built without settings

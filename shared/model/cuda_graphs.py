@@ -14,8 +14,9 @@ on CUDA the static-shape pass runs eagerly instead of being captured (`capture=F
 the very function a graph holds.
 
 Buckets: rows 1, 2, 4, ..., 32 (a decode row, a chain, a tree, a few sessions' drafts together); widths
-(cache rows a row sees) doubling from 64 to the slot's capacity. A graph is captured lazily, at first use,
-from a private memory pool shared by all of them.
+(cache rows a row sees) doubling from 64 to the slot's capacity. A server captures the narrower widths at
+its start (`capture_buckets`), the rest at first use, all from one private memory pool they share (never
+replayed concurrently: one runner thread).
 """
 
 from __future__ import annotations
@@ -67,28 +68,31 @@ def smallest(buckets: Sequence[int], needed: int) -> int | None:
 class CapturedPass:
     """One bucket's static inputs, its captured graph and the output the graph writes."""
 
-    def __init__(self, layers: LayerRange, pool: StaticKVPool, hidden_size: int, rows: int, width: int, memory: Any):
+    def __init__(self, layers: LayerRange, pool: StaticKVPool, rows: int, width: int, memory: Any):
         device, dtype = layers.device, layers.dtype
-        self.hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)  # [R, H]
+        self.hidden = torch.zeros(rows, layers.hidden_size, dtype=dtype, device=device)  # [R, H]
         self.rows = StaticRows.padding(rows, width, pool.scratch, dtype, device)
         # Warm up on a side stream first (cuBLAS handles and workspaces, the rotary table): allocations
         # and lazy initialisation must not happen inside the capture. The padding rows touch only scratch.
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                static_pass(layers, pool, self.hidden, self.rows)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=memory):
-            self.out = static_pass(layers, pool, self.hidden, self.rows)  # [R, H], rewritten by every replay
+        # Streams and the capture belong to the current device: make it the layers' (cuda:N, any thread).
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    static_pass(layers, pool, self.hidden, self.rows)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=memory):
+                self.out = static_pass(layers, pool, self.hidden, self.rows)  # [R, H], rewritten by every replay
 
     def replay(self, hidden: torch.Tensor, rows: StaticRows) -> torch.Tensor:
-        self.hidden[: hidden.shape[0]].copy_(hidden)
-        self.hidden[hidden.shape[0] :].zero_()
-        self.rows.copy_from(rows)
-        self.graph.replay()
-        return self.out.clone()  # the next replay overwrites `out`
+        with torch.cuda.device(self.hidden.device):  # the runner's worker thread may have another current device
+            self.hidden[: hidden.shape[0]].copy_(hidden)
+            self.hidden[hidden.shape[0] :].zero_()
+            self.rows.copy_from(rows)
+            self.graph.replay()
+            return self.out.clone()  # the next replay overwrites `out`
 
 
 class StaticPasses:
@@ -112,6 +116,17 @@ class StaticPasses:
         self.graphs: dict[tuple[int, int], CapturedPass] = {}
         self._memory = torch.cuda.graph_pool_handle() if self.capture else None
         self.counts: Counter[str] = Counter()  # passes by path: "graph" / "static" (eager, static shapes) / "eager"
+
+    def capture_buckets(self, max_width: int) -> None:
+        """Capture every row bucket at every width up to `max_width` now (a server's start), so the first
+        requests do not pay the captures; wider buckets are still captured at first use."""
+        if not self.capture:
+            return
+        for rows in self.row_buckets:
+            for width in self.widths:
+                if width <= max_width and (rows, width) not in self.graphs:
+                    self.graphs[rows, width] = CapturedPass(self.layers, self.pool, rows, width, self._memory)
+        log.info("captured %d verify passes as CUDA graphs", len(self.graphs))
 
     def bucket(self, caches: Sequence[SessionKV], lengths: Sequence[int], trees: Sequence[TreeRows | None]):
         """(rows, width) of the bucket this pass fits, or None (the eager pass runs it)."""
@@ -139,7 +154,7 @@ class StaticPasses:
             graph = self.graphs.get(shape)
             if graph is None:
                 log.info("capturing the verify pass for %d rows x %d cache rows", rows, width)
-                graph = CapturedPass(self.layers, self.pool, packed.shape[1], rows, width, self._memory)
+                graph = CapturedPass(self.layers, self.pool, rows, width, self._memory)
                 self.graphs[shape] = graph
             out = graph.replay(packed, planned)
             self.counts["graph"] += 1

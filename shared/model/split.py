@@ -52,6 +52,7 @@ class LayerRange(torch.nn.Module):
         self.layers = torch.nn.ModuleList(checkpoint.decoder.layers[start:stop])
         self.rotary_emb: torch.nn.Module = checkpoint.decoder.rotary_emb
         self.num_kv_heads, self.head_dim = kv_shape(checkpoint.config)
+        self.hidden_size: int = checkpoint.hidden_size
         # PreTrainedModel.dtype; Checkpoint.model is typed as a plain nn.Module, whose __getattr__ says Tensor | Module
         self.dtype: torch.dtype = checkpoint.model.dtype  # type: ignore[assignment]
 
