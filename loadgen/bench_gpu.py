@@ -16,6 +16,9 @@ it measured. No stage starts once --time-budget-s has passed.
   greedy_f32    the greedy check again in float32 on the same device (when the run's dtype is another): tells
                 a bf16 near-tie (a mismatch's top-2 logit margin is recorded) from a bug
   cuda_graphs   a 1-row verify pass and a 1-row unsplit decode step replayed from a torch.cuda.CUDAGraph vs eager
+  served_graphs the verifier's runner in the static KV layout, a verify item of each --rows count: its pass
+                replayed from the CUDA graph of its bucket vs the eager pass, ms and the states' max difference
+                (on the CPU the static-shape pass runs eagerly: a check that the path works, not a speed)
 
     tophat bench gpu --model smollm2 --device cuda --dtype bf16 --out bench-results/gpu.json
     tophat bench gpu --model demo --device cpu --dtype f32 --sessions 1,2 --rows 1,4 --new-tokens 8
@@ -43,11 +46,21 @@ import torch
 
 from loadgen.bench_core import decode_rate, transformers_rate
 from loadgen.bench_engine import verify_ms
-from loadgen.gpu_checks import cuda_graphs, greedy_check, place_model, prompts_for
+from loadgen.gpu_checks import cuda_graphs, greedy_check, place_model, prompts_for, served_graphs
 
 log = logging.getLogger("bench_gpu")
 
-STAGES = ("placement", "greedy", "decode", "verify", "transformers", "greedy_demo", "greedy_f32", "cuda_graphs")
+STAGES = (
+    "placement",
+    "greedy",
+    "decode",
+    "verify",
+    "transformers",
+    "greedy_demo",
+    "greedy_f32",
+    "cuda_graphs",
+    "served_graphs",
+)
 
 
 def int_list(text: str) -> list[int]:
@@ -194,6 +207,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def graphs(record: dict[str, Any]) -> None:
         record.update(cuda_graphs(held["checkpoint"], args.split_layers, args.context, max(args.repeats, 20)))
 
+    def served(record: dict[str, Any]) -> None:
+        record.update(
+            served_graphs(held["checkpoint"], args.split_layers, args.context, args.rows, max(args.repeats, 20))
+        )
+
     bench.stage("placement", placement)
     for name, body in (
         ("greedy", greedy),
@@ -203,6 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("greedy_demo", greedy_demo),
         ("greedy_f32", greedy_f32),
         ("cuda_graphs", graphs),
+        ("served_graphs", served),
     ):
         bench.stage(name, body, held.get("checkpoint"))
     bench.results["finished"] = True
@@ -278,6 +297,20 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
         else:
             value = graphs.get("cuda_graphs") or graphs.get("status", "not run")
         lines.append(f"| CUDA graph, {label} | {value} |")
+    served = stages.get("served_graphs", {})
+    path = served.get("path", "graph")
+    lines.append(
+        f"| served verify ms, {path} / eager, {rows} rows | "
+        + (
+            " / ".join(
+                f"{_fmt(served[str(n)].get(f'{path}_ms'), 2)}/{_fmt(served[str(n)].get('eager_ms'), 2)}"
+                for n in args.rows
+                if str(n) in served
+            )
+            or served.get("status", "not run")
+        )
+        + " |"
+    )
     lines.append(f"\n{results.get('elapsed_s', 0):.1f} s in all; JSON: {args.out}")
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -338,3 +339,51 @@ def cuda_graphs(checkpoint: Checkpoint, split: int, context: int, repeats: int) 
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
+
+
+SERVED_NOTE = (
+    "the verifier's ModelRunner.run (checks, rollback, the pass, replies copied to the CPU) for one "
+    "verify item of N rows after `context` positions, in the static KV layout: its passes replayed "
+    "from CUDA graphs (on the CPU: the same static-shape pass run eagerly) vs the eager packed pass"
+)
+
+
+def served_graphs(checkpoint: Checkpoint, split: int, context: int, rows: list[int], repeats: int) -> dict[str, Any]:
+    """Graph vs eager verify ms per row count through the served path (services/verifier_cloud/runner.py)."""
+    from services.verifier_cloud.kv_plan import KVPlan
+    from services.verifier_cloud.runner import ModelRunner, RunItem
+    from services.verifier_cloud.work import WorkKind
+
+    middle = MiddleSubmodel(checkpoint, split)
+    device, dtype, hidden = middle.device, middle.dtype, checkpoint.hidden_size
+    on_cuda = device.type == "cuda"
+    plan = KVPlan.decide("static", "on", ",".join(map(str, sorted(rows))), on_cuda, 2**40, 2)
+    pool, passes = plan.runner_parts(middle, context + max(rows))
+    assert passes is not None  # cuda_graphs on: the static-shape passes
+    runners = {
+        "graph" if on_cuda else "static_eager": ModelRunner(middle, context + max(rows), None, pool, passes),
+        "eager": ModelRunner(middle, context + max(rows), None, pool),
+    }
+    prefix = torch.randn(context, hidden, dtype=dtype)
+    out: dict[str, Any] = {"context": context, "path": next(iter(runners)), "note": SERVED_NOTE}
+    for runner in runners.values():
+        runner.open(1)
+        result = runner.run([RunItem(1, WorkKind.PREFILL, 0, prefix)])[0]
+        assert result.error is None, result.error
+    for n in rows:
+        states = torch.randn(n, hidden, dtype=dtype)
+        item = RunItem(1, WorkKind.VERIFY, context, states)  # a verify at `context` rolls the last one back
+        outputs, times = {}, {}
+        for name, runner in runners.items():
+            times[name] = timed_ms(partial(runner.run, [item]), device, repeats, warmup=2)
+            outputs[name] = runner.run([item])[0].output
+        fast = next(iter(runners))
+        out[str(n)] = {
+            **{f"{name}_ms": ms for name, ms in times.items()},
+            "speedup": times["eager"] / times[fast],
+            "max_abs_diff": float((outputs[fast].float() - outputs["eager"].float()).abs().max()),
+        }
+    out["counts"] = dict(passes.counts)
+    for runner in runners.values():
+        runner.close(1)
+    return out

@@ -49,7 +49,7 @@ REQUESTS = f"{PREFIX}:requests"
 DISCO_PROMPT_TOKENS = f"{PREFIX}:disco:prompt_tokens"
 DISCO_SERVER_TTFT = f"{PREFIX}:disco:server_ttft_s"
 
-RECORD_KINDS = ("verifier_step", "device_draft", "device_transfer", "request")
+RECORD_KINDS = ("verifier_step", "verifier_calibration", "device_draft", "device_transfer", "device_rtt", "request")
 
 
 def device_events_key(device_id: str) -> str:

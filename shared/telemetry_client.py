@@ -139,7 +139,6 @@ class TelemetryClient:
         overhead_s: float | None = None,
         pipeline_stages: int | None = None,
         runs_on: str | None = None,
-        calibration: bool = False,
     ) -> None:
         record = {
             "kind": "verifier_step",
@@ -155,9 +154,11 @@ class TelemetryClient:
             record["pipeline_stages"] = pipeline_stages
         if runs_on is not None:  # the torch device it computes on (the web console's verifier row)
             record["runs_on"] = runs_on
-        if calibration:  # a timed pass at startup: a g(mu) sample, not load (mu) nor a served step
-            record["calibration"] = True
         self.emit_batched(record)  # one per step: batched, or a busy verifier's steps outrun max_in_flight
+
+    def emit_verifier_calibration(self, rows: int, compute_s: float) -> None:
+        """A pass timed at the verifier's start: a point of g(mu) before any step is served."""
+        self.emit_batched({"kind": "verifier_calibration", "batched_tokens": rows, "compute_s": compute_s})
 
     def emit_device_draft(
         self,

@@ -77,6 +77,11 @@ def test_every_stage_runs_on_the_demo_model_on_the_cpu(tmp_path, capsys):
     assert stages["verify"]["middle_layers"] == 6 and set(stages["verify"]["ms"]) == {"1", "4"}
     assert min(stages["verify"]["ms"].values()) > 0
     assert stages["cuda_graphs"]["cuda_graphs"].startswith("not attempted")
+    served = stages["served_graphs"]  # on the CPU the static-shape pass runs eagerly beside the eager pass
+    assert served["path"] == "static_eager" and served["counts"]["static"] > 0
+    for rows in ("1", "4"):
+        assert served[rows]["static_eager_ms"] > 0 and served[rows]["eager_ms"] > 0
+        assert served[rows]["max_abs_diff"] < 1e-3
     table = capsys.readouterr().out
     assert "| greedy HAT == unsplit (2 prompts x 12 tokens) | 2/2 equal" in table
     assert "| unsplit decode tok/s, 1 / 2 sessions |" in table

@@ -127,15 +127,7 @@ async def test_calibration_passes_give_g_but_no_load(server: EmbeddedRedis) -> N
     """The verifier's startup passes: g gets their points, mu stays unknown (no step was served), and they are
     not in the step stream the console and the simulator read as served steps."""
     calibration = [
-        {
-            **STEP,
-            "batched_tokens": rows,
-            "compute_s": 0.001 * rows,
-            "num_sessions": 0,
-            "step_kinds": {},
-            "calibration": True,
-        }
-        for rows in (1, 4, 16, 64)
+        {"kind": "verifier_calibration", "batched_tokens": rows, "compute_s": 0.001 * rows} for rows in (1, 4, 16, 64)
     ]
     async with running(fast_settings(server.url)) as client:
         assert (await client.post("/telemetry", json=calibration)).json()["accepted"] == 4

@@ -154,7 +154,7 @@ def gpu_bench(
     eta: float = ETA,
     max_draft: int = MAX_DRAFT,
     stages: str = typer.Option(
-        "placement,greedy,decode,verify,transformers,greedy_demo,greedy_f32,cuda_graphs",
+        "placement,greedy,decode,verify,transformers,greedy_demo,greedy_f32,cuda_graphs,served_graphs",
         help="which stages to run (placement always runs)",
     ),
     time_budget_s: float = typer.Option(80.0, help="start no stage (or row) after this"),

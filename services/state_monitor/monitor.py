@@ -10,7 +10,14 @@ import logging
 import time
 from typing import Any
 
-from services.state_monitor.records import DeviceDraft, DeviceRtt, DeviceTransfer, RequestDone, VerifierStep
+from services.state_monitor.records import (
+    DeviceDraft,
+    DeviceRtt,
+    DeviceTransfer,
+    RequestDone,
+    VerifierCalibration,
+    VerifierStep,
+)
 from services.state_monitor.settings import Settings
 from shared import telemetry as tk
 from shared.compute_delay import ComputeDelayPredictor
@@ -57,10 +64,12 @@ class Monitor:
             log.warning("ignoring unreadable state in redis: %s", exc)
         log.info("restored state: %d cloud buckets, %d devices", self.cloud.g.observed_buckets, len(self.devices))
 
-    async def ingest(self, rec: VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone) -> bool:
+    async def ingest(
+        self, rec: VerifierStep | VerifierCalibration | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone
+    ) -> bool:
         now = time.time()
         raw = {**rec.model_dump(), "ts": rec.ts if rec.ts is not None else now}
-        if isinstance(rec, VerifierStep) and rec.calibration:
+        if isinstance(rec, VerifierCalibration):
             self.cloud.observe_calibration(rec.batched_tokens, rec.compute_s, now)
             return await self._write(events=[], states=[(tk.VERIFIER_STATE, self._cloud_hash(), None)])
         if isinstance(rec, VerifierStep):

@@ -35,7 +35,14 @@ class VerifierStep(_Record):
     runs_on: Annotated[str, Field(max_length=64, pattern=r"^[A-Za-z0-9_.:\- ]+$")] | None = Field(
         default=None, description="the torch device the verifier computes on (cpu, cuda:0, ...)"
     )
-    calibration: bool = Field(default=False, description="a timed pass at startup: a g(mu) sample only, not load")
+
+
+class VerifierCalibration(_Record):
+    """A pass the verifier timed at startup: a point of g(mu), no load (mu) and no served step."""
+
+    kind: Literal["verifier_calibration"]
+    batched_tokens: int = Field(ge=1, description="rows of the pass")
+    compute_s: Seconds = Field(description="its compute time")
 
 
 class DeviceDraft(_Record):
@@ -115,7 +122,10 @@ class DeviceAnnouncement(BaseModel):
     max_sessions: int | None = Field(default=None, ge=1)
 
 
-Record = Annotated[VerifierStep | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone, Field(discriminator="kind")]
+Record = Annotated[
+    VerifierStep | VerifierCalibration | DeviceDraft | DeviceTransfer | DeviceRtt | RequestDone,
+    Field(discriminator="kind"),
+]
 RECORDS = TypeAdapter(list[Record])  # a POST /telemetry body, one record or a batch, once its size is checked
 
 # Edge SD (paper 001): measured passes for T(b, F) = c1*F*b + c2 (eq. 17) and verdicts for alpha, per list.

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services.verifier_cloud.kv_plan import CUDA_GRAPHS, KV_LAYOUTS
 from services.verifier_cloud.pipeline_results import PipelineFailed
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import load_settings
@@ -51,6 +52,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="U-Sarathi: compute prefills in pieces of N tokens, one per step "
         "(env TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS; default 0 = off)",
     )
+    parser.add_argument(
+        "--kv-layout",
+        choices=KV_LAYOUTS,
+        default=None,
+        help="dynamic: KV caches grow by doubling; static: a preallocated slot of the whole context per session, "
+        "charged whole (env TOPHAT_VERIFIER_KV_LAYOUT; default auto = static where CUDA graphs run)",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=CUDA_GRAPHS,
+        default=None,
+        help="replay verify passes of up to 32 rows from CUDA graphs per padded bucket "
+        "(env TOPHAT_VERIFIER_CUDA_GRAPHS, buckets TOPHAT_VERIFIER_CUDA_GRAPH_ROWS; default auto = on CUDA)",
+    )
     return parser.parse_args(argv)
 
 
@@ -60,6 +75,8 @@ async def _main(argv: Sequence[str] | None = None) -> None:
         "pipeline_stages": args.pipeline_stages,
         "full_model": args.full_model,
         "server_chunk_tokens": args.server_chunk_tokens,
+        "kv_layout": args.kv_layout,
+        "cuda_graphs": args.cuda_graphs,
     }
     overrides = {name: value for name, value in flags.items() if value is not None}
     settings = load_settings(**overrides)

@@ -7,7 +7,9 @@ in the main process and before anything is taken, for
 * its KV: the capacity its caches may reach, in positions, times the bytes one position takes in every layer
   this verifier holds. shared/model/kv_cache.py makes a cache's capacity a function of the furthest position
   it was asked to hold (never of the order of the requests), so the charge, planned from the frames admitted,
-  is an upper bound of what the caches allocate whichever items succeed;
+  is an upper bound of what the caches allocate whichever items succeed. In the static KV layout
+  (Settings.kv_layout, shared/model/static_kv.py) a session holds a preallocated slot of the whole context
+  from its open (a fork too): it is charged that slot whole, and never grows;
 * its queue: the bytes of the rows its queued items keep alive (their tensors' storage).
 
 A device (a token subject; with auth off, a connection) may hold `Settings.device_kv_bytes` of KV and
@@ -71,10 +73,14 @@ class Budgets:
         token_kv_bytes_per_position: int | None,
         device_of: Callable[[object], object],
         sessions: Callable[[], Iterable[Session]],
+        static_capacity: int | None = None,
     ) -> None:
         """`kv_bytes_per_position`: one position of a session's KV in every layer held here;
         `token_kv_bytes_per_position`: the same for token sessions (None: no token mode);
-        `device_of(owner)`: whom a session counts toward; `sessions()`: the open sessions."""
+        `device_of(owner)`: whom a session counts toward; `sessions()`: the open sessions;
+        `static_capacity`: the static KV layout's slot, in positions, which every session (a fork too) holds
+        whole from its open to its close (None: the growable layout, charged as far as it may grow)."""
+        self.static_capacity = static_capacity
         self.settings = settings
         self.context_length = context_length
         self.kv_bytes_per_position = kv_bytes_per_position
@@ -127,9 +133,15 @@ class Budgets:
     def open(self, session: Session) -> None:
         """A fresh session: charge its first caches (raises KV_BUDGET)."""
         self._check(
-            ErrorKind.KV_BUDGET, "a new session's KV", session, self.kv_charge(session, MIN_CAPACITY), self.kv_bytes
+            ErrorKind.KV_BUDGET, "a new session's KV", session, self.kv_charge(session, self._first()), self.kv_bytes
         )
-        session.kv_capacity, session.kv_end = MIN_CAPACITY, 0
+        session.kv_capacity, session.kv_end = self._first(), 0
+
+    def _first(self, fork_of: int | None = None) -> int:
+        """The capacity a session's caches start with: its static slot, or a fresh (fork's) growable cache."""
+        if self.static_capacity is not None:
+            return self.static_capacity
+        return MIN_CAPACITY if fork_of is None else fork_capacity(fork_of)
 
     def fork(self, session: Session, parent: Session, length: int | None) -> int:
         """A fork of `length` (None: all) of `parent`'s positions: charge its copy (raises BAD_SHAPE,
@@ -141,7 +153,7 @@ class Budgets:
                 f"fork of {length} positions; the parent holds at most {parent.kv_end}",
                 session.session_id,
             )
-        capacity = fork_capacity(bound)
+        capacity = self._first(bound)
         self._check(
             ErrorKind.KV_BUDGET,
             f"a fork of {bound} positions",
@@ -170,7 +182,9 @@ class Budgets:
             raise EngineError(*refusal, item.session_id, item.seq_no)  # alive in a cycle until the next gc
         end = position + rows
         reach = padded_length(end)  # attention reserves rows up to the padded width (invariant_attention.py)
-        capacity = session.kv_capacity if reach <= session.kv_capacity else grown_capacity(reach)
+        # a static slot never grows (the context length, refused above, bounds it); a growable cache doubles
+        grows = reach > session.kv_capacity and self.static_capacity is None
+        capacity = grown_capacity(reach) if grows else session.kv_capacity
         queued = held_bytes(item)
         try:
             self._check(

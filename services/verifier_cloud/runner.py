@@ -19,22 +19,35 @@ the pass ends, so a cache is never freed under a forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from services.verifier_cloud.token_mode import StreamedChunk, TokenModel, TokenSession
 from services.verifier_cloud.work import EngineError, ErrorKind, TokenItem, WorkKind, check_item
+from shared.model.cuda_graphs import StaticPasses
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
+from shared.model.static_kv import KVSlotsExhausted, StaticKVPool
 from shared.specdec.draft_stream import ChunkVerdict, StreamProtocolError, StreamVerifier
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.verify_layout import VerifyLayout, layout_refusal, roll_back, tree_rows
 
 log = logging.getLogger("services.verifier_cloud.runner")
+
+
+@contextlib.contextmanager
+def no_slot_is_a_budget_error(session_id: int) -> Iterator[None]:
+    """A static pool without a free slot refuses the session as a KV budget would (the budgets charge every
+    slot whole, so this is the backstop where they were set above the pool)."""
+    try:
+        yield
+    except KVSlotsExhausted as exc:
+        raise EngineError(ErrorKind.KV_BUDGET, str(exc), session_id) from None
 
 
 @dataclass(eq=False)
@@ -105,10 +118,22 @@ class SessionCaches:
 
 
 class ModelRunner:
-    def __init__(self, layers: LayerRange, context_length: int, token_model: TokenModel | None = None):
+    def __init__(
+        self,
+        layers: LayerRange,
+        context_length: int,
+        token_model: TokenModel | None = None,
+        pool: StaticKVPool | None = None,
+        passes: StaticPasses | None = None,
+    ):
+        """`pool`: the static KV layout (a slot per session, shared/model/static_kv.py), None: growable caches;
+        `passes`: its static-shape passes (CUDA graphs where captured, shared/model/cuda_graphs.py)."""
+        if passes is not None and passes.pool is not pool:
+            raise ValueError("static passes run on the runner's own static KV pool")
         self.layers = layers
         self.context_length = context_length
         self.token_model = token_model  # only with the whole middle: token items run [0, m) here first
+        self.pool, self.passes = pool, passes
         self.sessions: dict[int, SessionCaches] = {}
         self._lock = threading.Lock()  # guards `sessions` and the deferred frees across threads
         self._running = False
@@ -122,8 +147,11 @@ class ModelRunner:
         if sampling is not None:
             if self.token_model is None:
                 raise EngineError(ErrorKind.MALFORMED, "token mode needs the token model", session_id)
-            token = self.token_model.open(sampling)
-        self._release(session_id, SessionCaches(self.layers.new_cache(), token, opened_as))
+            # static: the lower layers' cache is preallocated too, so a session's charge is all it holds
+            token = self.token_model.open(sampling, self.pool.capacity if self.pool is not None else None)
+        with no_slot_is_a_budget_error(session_id):
+            middle = self.pool.acquire() if self.pool is not None else self.layers.new_cache()
+        self._release(session_id, SessionCaches(middle, token, opened_as))
 
     def fork(self, session_id: int, parent_id: int, length: int | None = None, opened_as: object | None = None) -> None:
         """Caches for `session_id` that copy the first `length` positions (None: all) of `parent_id`'s: a
@@ -150,7 +178,8 @@ class ModelRunner:
             raise EngineError(
                 ErrorKind.BAD_SHAPE, f"fork of {length} positions; the parent holds {parent.length}", session_id
             )
-        return SessionCaches(parent.middle.fork(length), opened_as=opened_as)
+        with no_slot_is_a_budget_error(session_id):
+            return SessionCaches(parent.middle.fork(length), opened_as=opened_as)
 
     def close(self, session_id: int) -> None:
         self._release(session_id, None)
@@ -320,9 +349,8 @@ class ModelRunner:
         ready = [x for x in inputs if x is not None]
         assert len(ready) == len(inputs)  # every token row got its shallow states
         trees = [tree_rows(item.position, item.layout) for item in items]
-        deep = self.layers.forward_batch(
-            [(caches.middle, x) for caches, x in zip(entries, ready)], trees if any(trees) else None
-        )
+        forward_batch = self.passes.forward_batch if self.passes is not None else self.layers.forward_batch
+        deep = forward_batch([(caches.middle, x) for caches, x in zip(entries, ready)], trees if any(trees) else None)
         outputs: list[torch.Tensor | ChunkVerdict | None] = list(deep)
         for i in token_rows:
             assert token_model is not None  # checked above: token rows need it

@@ -41,6 +41,7 @@ from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, Step
 from services.verifier_cloud.forks import fork
 from services.verifier_cloud.frames import TOKEN_WORK, to_wire, work_item
 from services.verifier_cloud.http_front import WS_PATH, HttpFront
+from services.verifier_cloud.kv_plan import KVPlan
 from services.verifier_cloud.model_loading import load_model
 from services.verifier_cloud.pipeline import StagePipeline
 from services.verifier_cloud.runner import ModelRunner
@@ -50,6 +51,7 @@ from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stage_specs import remote_stages
 from services.verifier_cloud.stages import StageSpec
+from services.verifier_cloud.step_records import StepRecorder
 from services.verifier_cloud.token_frames import TokenFrames
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
@@ -59,6 +61,7 @@ from shared.metrics import VerifierMetrics
 from shared.model.checkpoint import split_fingerprint
 from shared.model.rotation import rotated_fingerprint
 from shared.model.split import MiddleSubmodel
+from shared.model.static_kv import static_capacity
 from shared.settings import SettingsError
 from shared.telemetry_client import TelemetryClient
 from shared.tls import client_context, server_context
@@ -94,7 +97,6 @@ class VerifierServer:
             split_fingerprint(settings.model_dir, settings.split_layers), settings.hidden_rotation
         )
         self.token_model = token_model
-        self.calibration = list(calibration)
         self.scheduler = Scheduler(
             settings.max_batch_tokens,
             settings.max_sessions,
@@ -117,17 +119,19 @@ class VerifierServer:
             auth=auth_client.BrokerAuth(self.broker, auth.ISSUER) if self.broker is not None else None,
         )
         auth.warn_if_open("the verifier", settings.authenticated, settings.host, "TOPHAT_VERIFIER_AUTH_ISSUER_URL")
-        self.steps = 0
         first = next(middle.parameters(), None) if middle is not None else None  # where the step records say it runs
         self.runs_on = str(first.device) if first is not None else f"{settings.device} x{settings.pipeline_stages}"
+        self.runner: ModelRunner | None = None  # P = 1: the in-process runner and its KV
         self.ready = False
         self.capture: CaptureWriter | None = None  # settings.capture_path: opened while serving (serve_forever)
-        self.runner: ModelRunner | None = None  # P = 1: the in-process runner and its KV
         self.pipeline: StagePipeline | None = None  # P > 1: the stage workers, each with its own runner
         self.engine: InProcessEngine | PipelineEngine
         if stages is None:
             assert middle is not None  # exactly one of middle / stages, checked above
-            self.runner = ModelRunner(middle, context_length, token_model)
+            kv_plan = KVPlan.of(settings, on_cuda=middle.device.type == "cuda")
+            self.runner = ModelRunner(
+                middle, context_length, token_model, *kv_plan.runner_parts(middle, context_length)
+            )
             self.engine = InProcessEngine(self.scheduler, self.runner, self._record_step)
         else:
             self.pipeline = StagePipeline(
@@ -137,8 +141,15 @@ class VerifierServer:
                 remote=remote_stages(settings, self.broker),
             )
             self.engine = PipelineEngine(self.scheduler, self.pipeline, self._record_step)
+        # a static slot is charged whole if any runner holds one (a pipeline's stages decide per device)
+        static = kv_plan.static if stages is None else any(spec.kv.static for spec in stages)
         self.sessions = SessionTable(
-            settings, self.scheduler, self.runner, self.pipeline, kv_bytes_per_position(settings, middle, token_model)
+            settings,
+            self.scheduler,
+            self.runner,
+            self.pipeline,
+            kv_bytes_per_position(settings, middle, token_model),
+            static_capacity(context_length) if static else None,
         )
         self.forks: set[asyncio.Task] = set()  # forks copying in worker threads (forks.py)
         # With P > 1 the KV lives in the stage workers: no KV gauge here.
@@ -146,6 +157,7 @@ class VerifierServer:
             sessions=lambda: len(self.scheduler.sessions),
             kv_bytes=self.runner.kv_bytes if self.runner is not None else None,
         )
+        self.steps = StepRecorder(self.telemetry, self.metrics, settings.pipeline_stages, self.runs_on, calibration)
         self.telemetry.count_into(self.metrics.registry)  # its drops show on /metrics
         self.http = HttpFront(settings, self.sessions, self.metrics, self.readiness, self.trust)
         self.link = DeviceLink(settings, hidden_size, self.sessions, self.metrics.bad_frame)
@@ -179,7 +191,7 @@ class VerifierServer:
 
     def readiness(self) -> tuple[bool, str]:
         """(ready, what /readyz says): sessions and steps, and why a failed pipeline is down."""
-        body = f"sessions={len(self.scheduler.sessions)} steps={self.steps}\n"
+        body = f"sessions={len(self.scheduler.sessions)} steps={self.steps.steps}\n"
         if self.pipeline is not None and not self.pipeline.healthy and self.pipeline.last_failure is not None:
             body += f"pipeline failed: {self.pipeline.last_failure} (restart {self.pipeline.restarts + 1})\n"
         return self.is_ready, body
@@ -289,30 +301,8 @@ class VerifierServer:
             self.sessions.close(session.session_id)
         log.warning("pipeline failure closed %d session(s); restarting the stage workers", len(lost))
 
-    # -- the engine loop ------------------------------------------------------------------
     def _record_step(self, stats: StepStats, overhead_s: float | None) -> None:
-        """One verifier_step record per batch (per micro-batch with P > 1): HAT's mu-hat and eta-hat."""
-        self.steps += 1
-        self.metrics.step(stats.batched_tokens, stats.compute_s)
-        kinds = {"prefill": stats.num_prefill, "verify": stats.num_verify}
-        if stats.num_token:
-            kinds["token"] = stats.num_token  # of the prefill + verify items, those in token mode
-        self.telemetry.emit_verifier_step(
-            stats.batched_tokens,
-            stats.compute_s,
-            stats.num_sessions,
-            kinds,
-            overhead_s,
-            pipeline_stages=self.settings.pipeline_stages,
-            runs_on=self.runs_on,
-        )
-        log.debug(
-            "step %d: %d tokens, %d sessions, %.1f ms",
-            self.steps,
-            stats.batched_tokens,
-            stats.num_sessions,
-            stats.compute_s * 1e3,
-        )
+        self.steps.record(stats, overhead_s)  # the engines are built before the recorder: they call through here
 
     async def serve_forever(self, stop: asyncio.Event, started: asyncio.Future | None = None) -> None:
         try:
@@ -375,8 +365,7 @@ class VerifierServer:
                     "on" if self.token_model is not None else "off",
                     self.settings.server_chunk_tokens or "off",
                 )
-                for rows, seconds in self.calibration:
-                    self.telemetry.emit_verifier_step(rows, seconds, 0, calibration=True, runs_on=self.runs_on)
+                self.steps.send_calibration()
                 if started is not None:
                     started.set_result(port)
                 await stop.wait()

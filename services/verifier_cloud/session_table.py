@@ -37,9 +37,11 @@ class SessionTable:
         runner: ModelRunner | None,
         pipeline: StagePipeline | None,
         kv_bytes_per_position: tuple[int, int | None] = (0, None),
+        static_capacity: int | None = None,
     ) -> None:
         """`runner` for the in-process path (P = 1), else `pipeline` (P > 1 stage workers);
-        `kv_bytes_per_position`: (a session's, a token session's or None) KV bytes per position (budgets.py)."""
+        `kv_bytes_per_position`: (a session's, a token session's or None) KV bytes per position (budgets.py);
+        `static_capacity`: the static KV layout's slot in positions (None: growable caches)."""
         self.settings = settings
         self.scheduler = scheduler
         self.runner = runner
@@ -52,6 +54,7 @@ class SessionTable:
             *kv_bytes_per_position,
             device_of=self.device,
             sessions=lambda: scheduler.sessions.values(),
+            static_capacity=static_capacity,
         )
 
     def get(self, session_id: int, connection: ServerConnection, seq_no: int | None = None) -> Session:

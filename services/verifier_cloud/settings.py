@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.verifier_cloud.kv_plan import check_kv_settings
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.service_settings import ServiceSettings
 from shared.settings import from_env
@@ -59,6 +60,17 @@ class Settings(ServiceSettings):
     # float32 | float16 | bfloat16. Hidden states on the wire keep the sessions' wire dtype either way.
     device: str = "auto"
     dtype: str = "auto"
+    # The KV layout (docs/design/verifier-static-kv.md). dynamic: a session's caches grow by doubling and are
+    # charged as far as they may grow; static: each session holds a preallocated slot of the whole context
+    # (never reallocated, so verify passes can replay from CUDA graphs), charged whole from its open; the
+    # pool has min(max_sessions, kv_bytes_total / one slot) slots. auto: static where CUDA graphs run, else dynamic.
+    kv_layout: str = "auto"
+    # Verify and decode passes of at most cuda_graph_rows' largest bucket, in the static layout, padded to a
+    # bucket and replayed from a CUDA graph captured per (rows, cache rows) bucket; larger passes run eagerly.
+    # auto: where the middle layers run on CUDA; on: elsewhere too, the same static-shape pass run eagerly
+    # (what the CPU tests check); off: never.
+    cuda_graphs: str = "auto"
+    cuda_graph_rows: str = "1,2,4,8,16,32"
     # Secret rotation of the hidden basis (shared/model/rotation.py): the middle layers are re-parameterised at
     # load for this secret, the devices (same secret) rotate what they send; exact. Empty: off. A cloud that
     # holds these weights and the public checkpoint can solve for the rotation (tophatctl/privacy/).
@@ -182,6 +194,7 @@ class Settings(ServiceSettings):
             raise ValueError("torch_threads must be >= 1")
         parse_device_spec(self.device)  # syntax here; the GPUs themselves are checked when the model loads
         parse_dtype_spec(self.dtype)
+        check_kv_settings(self.kv_layout, self.cuda_graphs, self.cuda_graph_rows)
         if self.server_chunk_tokens < 0:
             raise ValueError("server_chunk_tokens must be >= 0 (0 = off)")
         if self.prefill_sessions_per_step < 0:

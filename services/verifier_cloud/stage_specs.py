@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 
+from services.verifier_cloud.kv_plan import KVPlan
 from services.verifier_cloud.remote_stages import RemoteStages
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.stages import StageSpec
@@ -59,6 +60,7 @@ def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | No
             out_link=links[i + 1],
             slowdown=slowdowns[i],
             hidden_rotation=settings.hidden_rotation,
+            kv=KVPlan.of(settings, on_cuda=device.startswith("cuda")),
         )
         for i, (r, device) in enumerate(zip(ranges, devices))
     ]

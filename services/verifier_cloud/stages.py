@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.verifier_cloud.kv_plan import DYNAMIC, KVPlan
 from services.verifier_cloud.runner import ModelRunner, RunItem
 from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 from shared.device_speed import DeviceSpeed
@@ -153,6 +154,7 @@ class StageSpec:
     out_link: LinkProfile = UNSHAPED  # hop out of this stage, paced here
     slowdown: float = 1.0  # emulated device speed (shared/device_speed.py): compute stretched this many times
     hidden_rotation: str = field(default="", repr=False)  # the verifier's secret rotation (shared/model/rotation.py)
+    kv: KVPlan = DYNAMIC  # this stage's KV layout and CUDA graphs, decided for its device (kv_plan.py)
 
 
 # Every message that may cross a hop; a new message type is one more entry here.
@@ -179,9 +181,11 @@ class StageWorker:
     """A stage's ModelRunner (its layer range, its sessions' KV); turns each incoming message into the one
     to forward."""
 
-    def __init__(self, index: int, layers: LayerRange, context_length: int, slowdown: float = 1.0):
+    def __init__(
+        self, index: int, layers: LayerRange, context_length: int, slowdown: float = 1.0, kv: KVPlan = DYNAMIC
+    ):
         self.index = index
-        self.runner = ModelRunner(layers, context_length)
+        self.runner = ModelRunner(layers, context_length, None, *kv.runner_parts(layers, context_length))
         self.speed = DeviceSpeed(slowdown)
 
     def handle(self, message: Any) -> Any:
@@ -255,7 +259,7 @@ def build_worker(spec: StageSpec) -> StageWorker:
     middle.to(placement.device)  # only this stage's layers (and the rotary table) go to the GPU
     warm_up_layers(middle, checkpoint.hidden_size)
     # Dropping the checkpoint frees the embeddings, head and other stages' layers in this process.
-    return StageWorker(spec.index, middle, checkpoint.config.max_position_embeddings, spec.slowdown)
+    return StageWorker(spec.index, middle, checkpoint.config.max_position_embeddings, spec.slowdown, spec.kv)
 
 
 # What a worker would otherwise import again, ~4-5 s of CPU each time: the fork server imports it once.

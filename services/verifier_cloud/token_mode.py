@@ -76,11 +76,12 @@ class TokenModel:
             part.to(device)
         return self
 
-    def open(self, params: SamplingParams) -> TokenSession:
+    def open(self, params: SamplingParams, capacity: int | None = None) -> TokenSession:
+        """A token session; `capacity`: its layers [0, m) in a static cache of that many rows (kv_cache.py)."""
         generator = torch.Generator()
         if params.seed is not None:
             generator.manual_seed(params.seed)
-        return TokenSession(self.lower.new_cache(), params, generator)
+        return TokenSession(self.lower.new_cache(capacity), params, generator)
 
     def check_ids(self, token_ids: Sequence[int], session_id: int, seq_no: int) -> None:
         """Refuse ids the embedding table does not have (they would fail deep inside a batch)."""

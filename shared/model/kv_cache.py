@@ -16,6 +16,11 @@ order of the requests: a fresh cache holds MIN_CAPACITY rows, a fork
 amortised O(1) per row). So whoever admits work can bound a cache's bytes from
 the positions it will reach (services/verifier_cloud/budgets.py) without
 knowing which items succeed.
+
+A cache made with a `capacity` is static instead: preallocated at that size and
+never reallocated (growing past it is a KVCacheError), so its tensors keep their
+addresses for the session's life (shared/model/static_kv.py: slots of one pool,
+read by static-shape passes and CUDA graphs).
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ class LayerKV:
         dtype: torch.dtype,
         capacity: int = MIN_CAPACITY,
         device: torch.device | str = "cpu",
+        fixed: bool = False,
     ):
+        self.fixed = fixed  # static: never reallocated (a static pass or a CUDA graph holds its address)
         # keys/values: [Hkv, capacity, D] on the layer's device; rows >= length are stale or zeros, never
         # NaN (batch-invariant attention reads padding rows and weights them by exactly 0)
         self.keys = torch.zeros(num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
@@ -66,6 +73,8 @@ class LayerKV:
         return self.keys.shape[1]
 
     def _grow(self, needed: int) -> None:
+        if self.fixed:
+            raise KVCacheError(f"a static cache of {self.capacity} rows cannot hold {needed}")
         new_capacity = grown_capacity(needed)
         for name in ("keys", "values"):
             old = getattr(self, name)
@@ -115,9 +124,12 @@ class SessionKV:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        capacity: int | None = None,
     ):
+        """`capacity`: a static cache of that many rows (never reallocated); None: growable from MIN_CAPACITY."""
         self.layers: list[LayerKV] | None = [
-            LayerKV(num_kv_heads, head_dim, dtype, device=device) for _ in range(num_layers)
+            LayerKV(num_kv_heads, head_dim, dtype, capacity or MIN_CAPACITY, device, fixed=capacity is not None)
+            for _ in range(num_layers)
         ]
 
     def _alive(self) -> list[LayerKV]:
@@ -177,7 +189,8 @@ class SessionKV:
         branch.layers = []
         for layer in self._alive():
             copy = LayerKV.__new__(LayerKV)
-            capacity = fork_capacity(length)
+            copy.fixed = layer.fixed  # a static cache's fork is static too, at the same capacity
+            capacity = layer.capacity if layer.fixed else fork_capacity(length)
             copy.keys = layer.keys.new_zeros(layer.keys.shape[0], capacity, layer.keys.shape[2])
             copy.values = layer.values.new_zeros(layer.values.shape[0], capacity, layer.values.shape[2])
             copy.keys[:, :length] = layer.keys[:, :length]

@@ -14,13 +14,13 @@ checkpoint works; this file owns the order of operations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from shared.model.attention import PassPlan, attention
+from shared.model.attention import AttentionWeights, PassPlan, attention
 from shared.model.fused import fused_layer
 from shared.model.invariant_attention import uses_invariant_attention
 from shared.model.kv_cache import LayerKV, SessionKV
@@ -40,9 +40,18 @@ def decoder_layer_forward(
     plan: PassPlan,
 ) -> torch.Tensor:
     # hidden: [T, H]
+    return layer_with_attention(layer, hidden, lambda weights, x: attention(weights, x, layer_caches, plan))
+
+
+def layer_with_attention(
+    layer: Any, hidden: torch.Tensor, attend: Callable[[AttentionWeights, torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """One decoder layer whose attention is `attend(weights, normed [T, H]) -> [T, H]` (the packed pass's,
+    or a static-shape pass's: shared/model/static_pass.py); norms and MLP as they are."""
+    # hidden: [T, H]
     fused = fused_layer(layer)
     normed = rms_norm(layer.input_layernorm, hidden)
-    hidden = hidden + attention(fused.attention, normed, layer_caches, plan)
+    hidden = hidden + attend(fused.attention, normed)
     gate, up = fused.gate_up(rms_norm(layer.post_attention_layernorm, hidden)).chunk(2, dim=-1)  # [T, I] each
     return hidden + fused.down(layer.mlp.act_fn(gate) * up)
 

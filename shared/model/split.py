@@ -55,6 +55,7 @@ class LayerRange(torch.nn.Module):
         self.layers = torch.nn.ModuleList(checkpoint.decoder.layers[start:stop])
         self.rotary_emb: torch.nn.Module = checkpoint.decoder.rotary_emb
         self.num_kv_heads, self.head_dim = kv_shape(checkpoint.config)
+        self.hidden_size: int = checkpoint.hidden_size
         # PreTrainedModel.dtype; Checkpoint.model is typed as a plain nn.Module, whose __getattr__ says Tensor | Module
         self.dtype: torch.dtype = checkpoint.model.dtype  # type: ignore[assignment]
 
@@ -63,8 +64,9 @@ class LayerRange(torch.nn.Module):
         """Where the layers' weights are (module.to(device) moves them; KV and inputs follow)."""
         return next(self.layers.parameters()).device
 
-    def new_cache(self) -> SessionKV:
-        return SessionKV(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device)
+    def new_cache(self, capacity: int | None = None) -> SessionKV:
+        """A session's KV for these layers: growable, or static at `capacity` rows (kv_cache.py)."""
+        return SessionKV(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device, capacity)
 
     @torch.inference_mode()
     def forward_packed(
