@@ -160,10 +160,10 @@ bench-sim: install ## the simulator against the real mesh, then at HAT's scale (
 		--devices 2 --num-requests 16 --max-new-tokens 32 --out bench-results
 	$(BIN)/tophat simulate --devices 30 --stages 4 --rates 4,6,9 --modes ushape,usarathi,cloud,hat \
 		--out bench-results/simulate-30
-	$(BIN)/tophat simulate --gpu-profile h100 --devices 30 --rates 4,6,9 --modes ushape,cloud,hat,hat-budget \
+	$(BIN)/tophat simulate --gpu-profile h100 --devices 30 --rates 4,6,9 --modes ushape,cloud,hat,hat-tree,hat-budget \
 		--target 0.6 --out bench-results/simulate-30-gpu
 	$(BIN)/tophat simulate --gpu-profile h100 --gpu-passes graph --devices 30 --rates 4,6,9 \
-		--modes ushape,cloud,hat,hat-budget --target 0.6 --out bench-results/simulate-30-gpu-graph
+		--modes ushape,cloud,hat,hat-tree,hat-budget --target 0.6 --out bench-results/simulate-30-gpu-graph
 
 # Poisson load through the streamer of a real mesh for SOAK_S seconds (after a warm-up): failed requests (goal 0,
 # exit status 1 otherwise) and each service's RSS at start and end (goal: < 5% growth)

@@ -18,7 +18,7 @@ from shared.model.split import InputSubmodel
 from tophatctl.adapter_training import dataset
 from tophatctl.adapter_training.dataset import DistillData, extract_states, sample_user_prompts
 from tophatctl.adapter_training.distill import DistillConfig, batch_tensors, train_adapter
-from tophatctl.adapter_training.evaluate import teacher_forced_agreement
+from tophatctl.adapter_training.evaluate import evaluate_accept_length, teacher_forced_agreement
 from tophatctl.adapter_training.prompts import (
     HELD_OUT_CHAT_PROMPTS,
     debian_packages,
@@ -347,6 +347,26 @@ def test_an_adapter_file_is_measured_again_where_it_lands(tiny_checkpoint, tmp_p
     assert saved["teacher_forced"] == measured["teacher_forced"]
     again = DraftAdapter.load(path, tiny_checkpoint, 2)  # the re-saved file still loads, with its vocabulary
     assert torch.equal(again.draft_vocab, adapter.draft_vocab)
+
+
+def test_accept_lengths_per_round_for_chains_and_trees_with_the_rows_they_sent(demo_checkpoint):
+    from tests.conftest import DEMO_MODEL_DIR
+
+    adapter = DraftAdapter.load(DEMO_MODEL_DIR / "draft_adapter.safetensors", demo_checkpoint, 2)
+    prompts = list(HELD_OUT_CHAT_PROMPTS[:2])
+    for nodes in (0, 8):
+        report = evaluate_accept_length(demo_checkpoint, adapter, prompts, max_new_tokens=16, tree_nodes=nodes)
+        by_rows = report["by_rows"]
+        assert sum(sum(counts.values()) for counts in by_rows.values()) == report["rounds"]
+        assert {r: sum(c.values()) for r, c in by_rows.items()} == report["rows_distribution"]
+        tokens: dict[int, int] = {}
+        for rows, counts in by_rows.items():
+            assert max(counts) <= rows  # a round yields at most the rows it sent (the root's token + drafts)
+            for n, count in counts.items():
+                tokens[n] = tokens.get(n, 0) + count
+        assert tokens == report["distribution"]
+        assert max(report["rows_distribution"]) <= (nodes + 1 if nodes else 9)  # a tree's nodes, a chain's K = 8
+        assert ("tree_nodes" in report) == (nodes > 0) and ("full_accept_rate" in report) == (nodes == 0)
 
 
 def test_training_goes_on_from_an_adapter_file_with_its_draft_vocabulary(tiny_checkpoint, tmp_path):

@@ -209,9 +209,13 @@ def evaluate_adapter_cmd(
     model: str = typer.Option("smollm2", help="smollm2 or a checkpoint directory"),
     eval_prompts: int = typer.Option(24, help="held-out chat prompts for the accept length"),
     eval_new_tokens: int = typer.Option(64),
+    tree_nodes: str = typer.Option(
+        "16", help="draft trees measured too, by nodes (comma-separated; '' for chains only): held_out.trees"
+    ),
 ):
     """Measure an adapter trained elsewhere (a GPU run) on this machine: held-out teacher-forced agreement
-    and chain accept length; they replace the numbers in its adapter_report.json and metadata."""
+    and chain (and tree) accept lengths per round; they replace the numbers in its adapter_report.json and
+    metadata."""
     from shared.model.checkpoint import load_checkpoint
     from tophatctl.adapter_training.run import evaluate_adapter_file
     from tophatctl.models import resolve_model
@@ -219,7 +223,12 @@ def evaluate_adapter_cmd(
     setup_torch(None)
     logging.getLogger("tophatctl").setLevel(logging.INFO)
     try:
-        report = evaluate_adapter_file(load_checkpoint(resolve_model(model)), adapter, eval_prompts, eval_new_tokens)
+        trees = tuple(int(n) for n in tree_nodes.split(",") if n.strip())
+        if any(n < 1 for n in trees):
+            raise ValueError(f"--tree-nodes must be positive node counts, got {tree_nodes!r}")
+        report = evaluate_adapter_file(
+            load_checkpoint(resolve_model(model)), adapter, eval_prompts, eval_new_tokens, trees
+        )
     except user_errors() as exc:
         fail(str(exc))
     typer.echo(json.dumps({k: report.get(k) for k in ("teacher_forced", "held_out")}, indent=2))

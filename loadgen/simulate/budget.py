@@ -5,10 +5,11 @@ makes the most tokens per second given the device's link, the verifier's load an
 measured options (shared/draft_budget.py). Here the same pure function is called before every round
 (the real device asks per request; per round is what it converges to under a steady load), with:
 
-* options `none` (a U-shape round: one row, one token, one input-layers step) and `chain` (the
+* options `none` (a U-shape round: one row, one token, one input-layers step), `chain` (the
   calibration's accept lengths, the rows and drafting seconds this simulator charges a chain round on
-  this device): what a device's BudgetTracker converges to once both shapes have run. Trees are not
-  simulated (no tree accept distributions in the calibration);
+  this device) and, where the calibration has measured trees, `tree<N>` (their mean tokens and rows a
+  round, and the drafting trees.py charges): what a device's BudgetTracker converges to once every shape
+  has run (the device offers none, chain and tree16);
 * the link as the planner reads it: a one-row round trip (2 x one-way latency + a row each way), the
   bytes per row, the device's bandwidths, and S = the sessions of the verifier's last step;
 * g = the cloud's g(mu) in this deployment; overhead = the calibration's device time per round.
@@ -21,7 +22,6 @@ from collections.abc import Callable
 from loadgen.simulate.calibration import Calibration, DeviceProfile
 from shared.draft_budget import BudgetOption, LinkLoad, choose_budget
 
-SHAPES = ("none", "chain")
 
 
 def chain_figures(cal: Calibration) -> tuple[float, float]:
@@ -36,13 +36,26 @@ def chain_figures(cal: Calibration) -> tuple[float, float]:
     return cal.mean_accept_length, max(1.0, rows)
 
 
+def tree_draft_s(cal: Calibration, gamma_s: float) -> float:
+    """A tree round's drafting on a device whose draft step takes `gamma_s`: the measured tree/chain ratio
+    times this simulator's mean chain round there (trees.py)."""
+    if cal.tree_draft_ratio is None:
+        raise ValueError("the calibration has no tree drafting ratio")
+    return cal.tree_draft_ratio * gamma_s * chain_figures(cal)[1]
+
+
 def budget_options(cal: Calibration, gamma_s: float) -> list[BudgetOption]:
-    """`none` and `chain` as this simulator charges them on a device whose draft step takes `gamma_s`."""
+    """`none`, `chain` and (measured trees only) `tree<N>` as this simulator charges them on a device whose
+    draft step takes `gamma_s`."""
     accept, rows = chain_figures(cal)
-    return [
+    options = [
         BudgetOption("none", 1.0, 1.0, gamma_s * cal.nosd_step_factor),
         BudgetOption("chain", max(1.0, accept), rows, gamma_s * rows),
     ]
+    if cal.has_trees:
+        tokens, tree_rows = cal.tree_means()
+        options.append(BudgetOption(cal.tree_shape, max(1.0, tokens), tree_rows, tree_draft_s(cal, gamma_s)))
+    return options
 
 
 def link_load(cal: Calibration, profile: DeviceProfile, sessions: int) -> LinkLoad:
@@ -63,6 +76,6 @@ def choose_shape(
     g: Callable[[float], float],
     current: str | None = None,
 ) -> str:
-    """The budget's shape for the next round ('none' or 'chain')."""
+    """The budget's shape for the next round ('none', 'chain' or the calibration's tree)."""
     name, _ = choose_budget(budget_options(cal, gamma_s), link_load(cal, profile, sessions), g, current)
     return name

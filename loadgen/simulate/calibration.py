@@ -145,6 +145,11 @@ class Calibration:
     pd_hit_rate: float = 0.5         # P(correction is a pre-drafted candidate | last draft token rejected)
     full_accept_rate: float | None = None  # P(a round accepts every drafted token): its draft was L - 1
                                      # long; None: drafts always run to the rejected token (k = min(L, K))
+    # Draft trees (loadgen/simulate/trees.py): N nodes (0: none measured), P(a tree round sends `rows` and
+    # yields `tokens`) as [rows, tokens, p] triples, and its drafting over a chain round's (measured ratio)
+    tree_nodes: int = 0
+    tree_joint: list[list[float]] | None = None
+    tree_draft_ratio: float | None = None
     pd_candidates: int = 2           # branches pre-drafted per round (TOPHAT_DEVICE_PARALLEL_CANDIDATES)
     pd_steps: int | None = None      # fixed lambda; None = eq. 6 every round
     pd_batched: bool = True          # candidates drafted as one batch (HAT: "in parallel"); the real
@@ -191,6 +196,11 @@ class Calibration:
         if not 0 <= self.pd_hit_rate <= 1 or not 0 <= self.slow_fraction <= 1 or not (
                 self.full_accept_rate is None or 0 <= self.full_accept_rate <= 1):
             raise ValueError("pd_hit_rate, full_accept_rate and slow_fraction must be in [0, 1]")
+        if self.tree_joint is not None:
+            self.tree_joint = _tree_joint(self.tree_joint)
+        bad_ratio = self.tree_draft_ratio is not None and self.tree_draft_ratio <= 0
+        if self.has_trees != (self.tree_nodes > 0) or bad_ratio:
+            raise ValueError("trees need tree_nodes > 0, tree_joint and tree_draft_ratio > 0 together")
         if self.split_layers < 1 or self.num_layers <= self.split_layers:
             raise ValueError(f"need 1 <= split_layers < num_layers, got m={self.split_layers}, n={self.num_layers}")
         if self.mode_cycle is not None:
@@ -220,6 +230,20 @@ class Calibration:
     @property
     def mean_accept_length(self) -> float:
         return sum((i + 1) * p for i, p in enumerate(self.accept_dist))
+
+    @property
+    def has_trees(self) -> bool:
+        return self.tree_joint is not None and self.tree_draft_ratio is not None
+
+    @property
+    def tree_shape(self) -> str:
+        """The tree's name as the draft budget knows it (shared.draft_budget.DraftShape)."""
+        return f"tree{self.tree_nodes}"
+
+    def tree_means(self) -> tuple[float, float]:
+        """(mean tokens, mean rows) of a tree round."""
+        joint = self.tree_joint or []
+        return sum(t * p for _, t, p in joint), sum(r * p for r, _, p in joint)
 
     @property
     def compute_scale(self) -> float:
@@ -279,6 +303,20 @@ class Calibration:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _tree_joint(triples: list[list[float]]) -> list[list[float]]:
+    """[rows, tokens, p] triples, normalised; a round yields 1..rows tokens (it cannot accept more than it sent)."""
+    out = []
+    for triple in triples:
+        rows, tokens, p = (float(x) for x in triple)
+        if not (rows == int(rows) and tokens == int(tokens) and 1 <= tokens <= rows and math.isfinite(p) and p >= 0):
+            raise ValueError(f"bad tree round {triple!r}: need integers 1 <= tokens <= rows and p >= 0")
+        out.append([int(rows), int(tokens), p])
+    total = sum(p for _, _, p in out)
+    if total <= 0:
+        raise ValueError("tree_joint needs a positive probability")
+    return [[r, t, p / total] for r, t, p in out]
 
 
 def _json_number(v: Any) -> Any:

@@ -40,7 +40,7 @@ def simulate_command(
     stages: Optional[int] = typer.Option(None, min=1, help="cloud pipeline stages P (default 4; 1 with --gpu-profile)"),
     rates: str = typer.Option("4,6,9", help="request rates (req/s), comma-separated; inf = all at t=0"),
     modes: str = typer.Option("ushape,usarathi,cloud,hat",
-                              help="ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd], hat-budget"),
+                              help="ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd], hat-budget, hat-tree"),
     workload: str = typer.Option("specbench", help="prompt lengths: specbench or cnndm (HAT Table 3)"),
     num_requests: int = typer.Option(200, "--num-requests", "-n", min=1, help="requests per run"),
     seed: int = typer.Option(0, help="seed for arrivals, prompts and speculation draws"),
@@ -64,8 +64,15 @@ def simulate_command(
     adapter_report: Optional[str] = typer.Option(
         None, help="with --gpu-profile: accept lengths from this adapter report's held-out chain rounds "
                    "(default models/smollm2/adapter_report.json)"),
+    tree_nodes: int = typer.Option(
+        16, min=0, help="with --gpu-profile: tree rounds of this many nodes for hat-tree and hat-budget (0: none), "
+                        "from --adapter-report's held_out.trees and --trees-bench (loadgen/simulate/trees.py)"),
+    trees_bench: Optional[str] = typer.Option(
+        None, help="with --tree-nodes: a `tophat bench trees` JSON, for a tree round's drafting over a chain "
+                   "round's (default docs/benchmarks/2026-11-28-trees-f32.json)"),
     target: Optional[float] = typer.Option(None, help="say whether hat's mean TBT is <= this x the baseline's "
                                                       "at every rate (e.g. 0.6)"),
+    target_modes: str = typer.Option("hat,hat-tree,hat-budget", help="the modes --target judges (those run)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="log every run"),
 ) -> None:
     """Simulate the serving modes (HAT testbed scale) from latency models fitted to the real mesh."""
@@ -79,11 +86,13 @@ def simulate_command(
         describe_decode,
         gpu_calibration,
         load_adapter_accept,
+        load_full_accept_rate,
         load_gpu_profile,
     )
     from loadgen.simulate.modes import parse_modes
     from loadgen.simulate.report import compare_with_real, grid_tables, ratio_summary
     from loadgen.simulate.run import SimConfig, simulate_grid
+    from loadgen.simulate.trees import DEFAULT_TREES_BENCH, with_trees
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("loadgen.simulate").setLevel(logging.INFO if verbose else logging.WARNING)
@@ -98,8 +107,10 @@ def simulate_command(
             cal = Calibration()
         if gpu_profile:
             profile = load_gpu_profile(gpu_profile)
-            accept = load_adapter_accept(adapter_report or DEFAULT_ADAPTER_REPORT)
-            cal = gpu_calibration(profile, accept, gpu_passes, cal)
+            report = adapter_report or DEFAULT_ADAPTER_REPORT
+            cal = gpu_calibration(profile, load_adapter_accept(report), gpu_passes, cal, load_full_accept_rate(report))
+            if tree_nodes:
+                cal = with_trees(cal, report, trees_bench or DEFAULT_TREES_BENCH, tree_nodes)
             cal.notes.append(describe_decode(profile))
         if mode_cycle:
             cal = dataclasses.replace(cal, mode_cycle=_floats(mode_cycle, "--mode-cycle"))
@@ -120,7 +131,8 @@ def simulate_command(
     typer.echo(grid_tables(grid, baseline))
     if len(mode_list) > 1:
         typer.echo("")
-        typer.echo(ratio_summary(grid, baseline, "hat", target))
+        judged = tuple(name.strip().lower() for name in target_modes.split(",") if name.strip())
+        typer.echo(ratio_summary(grid, baseline, judged, target))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "simulation.json").write_text(json.dumps(grid, indent=1, default=str) + "\n")

@@ -175,20 +175,39 @@ def accept_from_adapter_report(data: Any, source: str = "<adapter report>") -> l
     return [counts.get(n, 0.0) / total for n in range(1, top + 1)]
 
 
-def load_adapter_accept(path: str | Path = DEFAULT_ADAPTER_REPORT) -> list[float]:
+def read_json(path: str | Path, what: str = "adapter report") -> Any:
     try:
-        data = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise GpuProfileError(f"cannot read adapter report {path}: {exc}") from exc
-    return accept_from_adapter_report(data, str(path))
+        raise GpuProfileError(f"cannot read {what} {path}: {exc}") from exc
+
+
+def load_adapter_accept(path: str | Path = DEFAULT_ADAPTER_REPORT) -> list[float]:
+    return accept_from_adapter_report(read_json(path), str(path))
+
+
+def load_full_accept_rate(path: str | Path = DEFAULT_ADAPTER_REPORT) -> float | None:
+    """The held-out chain rounds' share that accepted every drafted token (drafting stopped at eta before a
+    rejection: those rounds sent L rows, not L + 1); None where the report predates it."""
+    rate = (_section(read_json(path), "held_out") or {}).get("full_accept_rate")
+    if rate is None:
+        return None
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+        raise GpuProfileError(f"{path}: held_out.full_accept_rate must be in [0, 1], got {rate!r}")
+    return float(rate)
 
 
 def gpu_calibration(
-    profile: GpuProfile, accept_dist: list[float], passes: str = "eager", base: Calibration | None = None
+    profile: GpuProfile,
+    accept_dist: list[float],
+    passes: str = "eager",
+    base: Calibration | None = None,
+    full_accept_rate: float | None = None,
 ) -> Calibration:
     """The base calibration (HAT's testbed: Orin-class devices, 2/3 of them Xavier-slow, the near/mid/far
     links) with the GPU's g(mu), the profile's model shape, links scaled to its hidden size (as the mesh
-    scales them: the paper's seconds per token on the wire) and the given accept lengths."""
+    scales them: the paper's seconds per token on the wire) and the given accept lengths (and the chain's
+    measured full-accept rate, where given)."""
     base = base or Calibration()
     devices = []
     for device in base.devices:
@@ -208,13 +227,15 @@ def gpu_calibration(
         f"devices: gamma {devices[0].gamma_s * 1e3:.1f} ms per draft step, "
         f"{devices[0].prefill_token_s * 1e6:.0f} us per prompt token (the base's Orin), "
         f"{base.slow_fraction:.0%} of them {base.slow_factor:g}x slower (Xavier)",
-        f"accept lengths: mean {sum((i + 1) * p for i, p in enumerate(accept_dist)):.2f}, K = {len(accept_dist) - 1}",
+        f"accept lengths: mean {sum((i + 1) * p for i, p in enumerate(accept_dist)):.2f}, K = {len(accept_dist) - 1}"
+        + ("" if full_accept_rate is None else f", {full_accept_rate:.1%} of chain rounds accept every draft"),
     ]
     return dataclasses.replace(
         base,
         g_table=table,
         devices=devices,
         accept_dist=list(accept_dist),
+        full_accept_rate=full_accept_rate if full_accept_rate is not None else base.full_accept_rate,
         hidden_size=profile.hidden_size,
         num_layers=profile.layers,
         split_layers=profile.split_layers,

@@ -17,9 +17,12 @@ so `--modes a,b,c` can list them):
                     (no round trips: a plain cloud LLM service)
     hat             SD + PC + PD; ``hat-sd``, ``hat-pc``, ``hat-sd-pc``, ``hat-sd-pd`` ... pick
                     switches (PD needs SD: it pre-drafts the next draft)
+    hat-tree        hat drafting a tree every round (the calibration's measured trees, trees.py); no
+                    parallel drafting around a tree, as on the device; ``tree`` is also a switch
     hat-budget      hat with the draft budget: before each round shared.draft_budget's choose_budget
-                    picks no drafts (a U-shape round) or the chain (loadgen/simulate/budget.py);
-                    ``budget`` is also a switch (``hat-sd-budget``; it needs SD)
+                    picks no drafts (a U-shape round), the chain, or the tree where the calibration
+                    has one (loadgen/simulate/budget.py); ``budget`` is also a switch (``hat-sd-budget``;
+                    it needs SD)
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from shared.modes import MODE_TABLE
 
 SARATHI_CHUNK = {"specbench": 128, "cnndm": 256}
 HAT_SWITCHES = ("sd", "pc", "pd")
-OPTIONAL_SWITCHES = ("budget",)
+OPTIONAL_SWITCHES = ("budget", "tree")
 
 
 @dataclass(frozen=True)
@@ -44,13 +47,16 @@ class SimMode:
     server_chunk: int | None = None  # U-Sarathi: server-side chunks of this many tokens
     token_upload: bool = False       # cloud: token ids on the wire, whole model in the cloud
     cloud_stream: bool = False       # cloud: decode in the cloud without a round trip per token
-    draft_budget: bool = False       # SD rounds shaped by the draft budget (none or chain, per round)
+    draft_budget: bool = False       # SD rounds shaped by the draft budget (none, chain or tree, per round)
+    tree_rounds: bool = False        # SD rounds draft the calibration's tree
 
     def __post_init__(self) -> None:
         if self.parallel_drafting and not self.speculative:
             raise ValueError(f"mode {self.name!r}: parallel drafting needs speculative decoding (sd)")
         if self.draft_budget and not self.speculative:
             raise ValueError(f"mode {self.name!r}: the draft budget needs speculative decoding (sd)")
+        if self.tree_rounds and (self.draft_budget or not self.speculative):
+            raise ValueError(f"mode {self.name!r}: trees need sd, and the budget offers its tree itself")
         if self.server_chunk is not None and self.server_chunk < 1:
             raise ValueError(f"mode {self.name!r}: server chunk must be >= 1")
 
@@ -76,16 +82,16 @@ def parse_mode(spec: str, workload: str = "specbench") -> SimMode:
         return SimMode(name, server_chunk=chunk, token_upload=token_upload("hat"))
     if name == "hat" or name.startswith("hat-"):
         parts = name.split("-")[1:] or list(HAT_SWITCHES)
-        if parts == ["budget"]:
-            parts = [*HAT_SWITCHES, "budget"]
+        if parts in (["budget"], ["tree"]):
+            parts = [*HAT_SWITCHES, *parts]
         bad = [p for p in parts if p not in HAT_SWITCHES + OPTIONAL_SWITCHES]
         if bad:
             raise ValueError(f"unknown HAT switch(es) {bad} in {spec!r}; use "
                              f"{', '.join(HAT_SWITCHES + OPTIONAL_SWITCHES)}")
         return SimMode(name, speculative="sd" in parts, client_chunking="pc" in parts, parallel_drafting="pd" in parts,
-                       token_upload=token_upload("hat"), draft_budget="budget" in parts)
-    raise ValueError(f"unknown mode {spec!r}; use ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd][-budget], "
-                     "hat-budget")
+                       token_upload=token_upload("hat"), draft_budget="budget" in parts, tree_rounds="tree" in parts)
+    raise ValueError(f"unknown mode {spec!r}; use ushape, usarathi[-C], cloud[-stream], "
+                     "hat[-sd][-pc][-pd][-budget|-tree], hat-budget, hat-tree")
 
 
 def parse_modes(text: str, workload: str = "specbench") -> list[SimMode]:

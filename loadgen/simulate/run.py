@@ -111,6 +111,9 @@ def run_simulation(cal: Calibration, mode: SimMode | str, rate: float, config: S
     """Simulate one mode at one request rate (req/s; inf = all at t = 0)."""
     config = config or SimConfig()
     mode = parse_mode(mode, config.workload) if isinstance(mode, str) else mode
+    if mode.tree_rounds and not cal.has_trees:
+        raise ValueError(f"mode {mode.name!r} needs measured trees in the calibration "
+                         "(--tree-nodes with --gpu-profile)")
     max_new = config.max_new_tokens or cal.max_new_tokens
     if requests is None:
         requests = build_requests(config.workload, config.num_requests, rate, burstiness=config.burstiness,

@@ -22,6 +22,10 @@ comes down and the device sends it back up for the next step (one token per roun
 as the real agent's token_decode does). `cloud-stream`: the cloud decodes on its own and
 streams each id down as it is made. No device compute in either.
 
+Tree rounds (hat-tree, or the budget's tree): one (rows, tokens) pair drawn from the measured tree
+rounds, the measured tree/chain drafting ratio times the device's chain round, the rows up, verified and
+down, and no pre-drafting around them (loadgen/simulate/trees.py).
+
 Speculation draws: L ~ accept_dist; with probability `full_accept_rate` the round accepted
 its whole draft, so k = L - 1 (the target adds one token); otherwise drafting ran to the
 rejected token, k = min(L, K). Without a measured rate every draft runs to the rejected
@@ -43,13 +47,13 @@ import numpy as np
 from loadgen.metrics import RequestRecord
 from shared.latency_stats import mean_accept_length
 from shared.planners import chunk_size_eq3, fixed_chunks, parallel_draft_steps_eq6
-from loadgen.simulate.budget import choose_shape
+from loadgen.simulate.budget import choose_shape, tree_draft_s
 from loadgen.simulate.calibration import Calibration, DeviceProfile
 from loadgen.simulate.cloud import Cloud
 from loadgen.simulate.events import EventLoop, FifoServer, Link
 from loadgen.simulate.modes import SimMode
 
-_ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM, _FULL_STREAM = 3, 4, 5, 6  # loadgen: 1 arrivals, 2 prompts
+_ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM, _FULL_STREAM, _TREE_STREAM = 3, 4, 5, 6, 7  # loadgen: 1, 2
 _BIG = 1e30  # stands in for an unlimited bandwidth in the planners' equations
 
 
@@ -95,6 +99,7 @@ class Context:
 
     def __post_init__(self) -> None:
         self.cum_accept = list(itertools.accumulate(self.cal.accept_dist))
+        self.cum_tree = list(itertools.accumulate(p for _, _, p in self.cal.tree_joint or []))
 
 
 class RequestProcess:
@@ -122,6 +127,7 @@ class RequestProcess:
         self.rng_pd = np.random.default_rng([ctx.seed, _PD_STREAM, req.index])
         self.rng_overhead = np.random.default_rng([ctx.seed, _OVERHEAD_STREAM, req.index])
         self.rng_full = np.random.default_rng([ctx.seed, _FULL_STREAM, req.index])
+        self.rng_tree = np.random.default_rng([ctx.seed, _TREE_STREAM, req.index])
 
     @property
     def post_s(self) -> float:
@@ -219,6 +225,12 @@ class RequestProcess:
     def _draw_accept(self) -> int:
         return bisect.bisect_left(self.ctx.cum_accept, self.rng_accept.random() * self.ctx.cum_accept[-1]) + 1
 
+    def _draw_tree(self) -> tuple[int, int]:
+        """(rows, tokens) of a tree round, drawn jointly from the measured tree rounds."""
+        cum = self.ctx.cum_tree
+        rows, tokens, _ = self.ctx.cal.tree_joint[bisect.bisect_left(cum, self.rng_tree.random() * cum[-1])]
+        return int(rows), int(tokens)
+
     def _next_round(self) -> None:
         remaining = self.req.max_tokens - self.generated
         if remaining <= 0:
@@ -229,6 +241,12 @@ class RequestProcess:
             self.shape = choose_shape(cal, self.dev.profile, self.gamma, self.cloud.last_sessions(), self.cloud.g_of,
                                       self.shape)
             self.shape_rounds[self.shape] = self.shape_rounds.get(self.shape, 0) + 1
+        if mode.speculative and self.ready_draft is None and (
+                self.shape == cal.tree_shape if mode.draft_budget else mode.tree_rounds):
+            rows, tokens = self._draw_tree()
+            self._work(tree_draft_s(cal, self.gamma), self._send_draft, rows - 1, min(tokens, remaining), remaining,
+                       True)
+            return
         if mode.speculative and not (mode.draft_budget and self.ready_draft is None and self.shape == "none"):
             natural = self._draw_accept()
             full = cal.full_accept_rate is not None and self.rng_full.random() < cal.full_accept_rate
@@ -256,9 +274,9 @@ class RequestProcess:
                                            max(self.gamma, 1e-12), cal.max_draft)
         return max(0, min(lam, cal.max_draft, remaining - k - 1))
 
-    def _send_draft(self, k: int, L: int, remaining: int) -> None:
+    def _send_draft(self, k: int, L: int, remaining: int, tree: bool = False) -> None:
         mode, cal = self.ctx.mode, self.ctx.cal
-        pd = mode.parallel_drafting and k >= 1
+        pd = mode.parallel_drafting and k >= 1 and not tree  # the device pre-drafts after chains only
         lam = self._pd_steps(k, remaining) if pd else 0
         sent_at = self.ctx.loop.now
 

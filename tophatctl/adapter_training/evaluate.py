@@ -106,17 +106,22 @@ def evaluate_accept_length(
     eta: float = 0.6,
     max_new_tokens: int = 64,
     prompt_features: str = "zeros",
+    tree_nodes: int = 0,
 ) -> dict:
-    """Greedy tokens per verification round on chat prompts, its distribution, and the device's
-    drafting cost per round."""
+    """Greedy tokens per verification round on chat prompts, its distribution, the rows each round sent
+    (the root plus its drafts: what the verifier computes), a chain's share of rounds that accepted every
+    drafted token (its drafting stopped at eta before a rejection) and the device's drafting cost per round.
+    `tree_nodes` > 0 drafts trees of that many nodes (the device's other tree settings: DraftConfig's)."""
     m = adapter.split_layers
     device = DeviceModel.from_checkpoint(checkpoint, m, adapter)
     cloud = LocalCloud(MiddleSubmodel(checkpoint, m))
     lengths: list[int] = []
+    rows: list[int] = []
+    full_accepts = 0
     draft_seconds = 0.0
     for index, prompt in enumerate(prompts):
         ids = user_prompt_ids(checkpoint, prompt)
-        config = DraftConfig(eta=eta)
+        config = DraftConfig(eta=eta, tree_nodes=tree_nodes)
         if prompt_features == "deep":
             deep = extract_states(checkpoint, [(ids, len(ids))], max_m=1)[0].deep.float()
             session: DeviceSession = PromptStateSession(
@@ -125,13 +130,23 @@ def evaluate_accept_length(
         else:
             session = DeviceSession(device, ids, draft_config=config, max_new_tokens=max_new_tokens)
         lengths += asyncio.run(generate(session, cloud, session_id=index + 1)).accept_lengths
+        rows += session.round_rows
+        full_accepts += session.full_accepts
         draft_seconds += sum(seconds for seconds, _ in session.draft_seconds)
     return {
         "eta": eta,
+        **({"tree_nodes": tree_nodes} if tree_nodes else {}),
         "prompts": len(prompts),
         "rounds": len(lengths),
         "mean_accept_length": round(statistics.fmean(lengths), 3),
         "distribution": dict(sorted(Counter(lengths).items())),
+        "mean_rows": round(statistics.fmean(rows), 3),
+        "rows_distribution": dict(sorted(Counter(rows).items())),
+        # per rows sent, the tokens those rounds yielded: a round cannot accept more than it drafted
+        "by_rows": {
+            r: dict(sorted(Counter(n for n, k in zip(lengths, rows) if k == r).items())) for r in sorted(set(rows))
+        },
+        **({} if tree_nodes else {"full_accept_rate": round(full_accepts / len(lengths), 4)}),
         "draft_ms_per_round": round(1e3 * draft_seconds / len(lengths), 2),
         "prompt_features": prompt_features,
     }

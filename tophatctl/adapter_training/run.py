@@ -182,9 +182,11 @@ def evaluate(
     eval_prompts: int,
     eval_new_tokens: int,
     held_out: DistillData | None,
+    tree_nodes: tuple[int, ...] = (),
 ) -> dict:
     """The held-out numbers of one adapter: teacher-forced agreement (when `held_out` is given) and
-    the accept length, both with the prompt features it was trained with."""
+    the accept length, both with the prompt features it was trained with; the chain's, and a tree's
+    of each size in `tree_nodes` (under held_out.trees)."""
     started = time.monotonic()
     out: dict[str, Any] = {}
     if held_out is not None:
@@ -201,6 +203,19 @@ def evaluate(
             max_new_tokens=eval_new_tokens,
             prompt_features=cfg.prompt_features,
         )
+        trees = {
+            str(nodes): evaluate_accept_length(
+                checkpoint,
+                adapter,
+                list(HELD_OUT_CHAT_PROMPTS[:eval_prompts]),
+                max_new_tokens=eval_new_tokens,
+                prompt_features=cfg.prompt_features,
+                tree_nodes=nodes,
+            )
+            for nodes in tree_nodes
+        }
+        if trees:
+            out["held_out"]["trees"] = trees
     out["eval_seconds"] = round(time.monotonic() - started, 1)
     return out
 
@@ -248,10 +263,13 @@ def train_chat_adapter(
     return report
 
 
-def evaluate_adapter_file(checkpoint: Checkpoint, path: Path, eval_prompts: int, eval_new_tokens: int = 64) -> dict:
+def evaluate_adapter_file(
+    checkpoint: Checkpoint, path: Path, eval_prompts: int, eval_new_tokens: int = 64, tree_nodes: tuple[int, ...] = ()
+) -> dict:
     """Measure a trained adapter file (trained elsewhere, e.g. on a GPU) on this machine: teacher-forced
-    agreement and accept length on the held-out prompts, with the prompt features it was trained with;
-    the numbers replace those in its adapter_report.json and in the file's own metadata."""
+    agreement and accept length on the held-out prompts (chains, and trees of `tree_nodes` nodes), with the
+    prompt features it was trained with; the numbers replace those in its adapter_report.json and in the
+    file's own metadata."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
@@ -260,7 +278,7 @@ def evaluate_adapter_file(checkpoint: Checkpoint, path: Path, eval_prompts: int,
     cfg = DistillConfig(split_layers=m, prompt_features=report.get("config", {}).get("prompt_features", "zeros"))
     adapter = DraftAdapter.load(path, checkpoint, m)
     held_out = load_or_build_held_out(checkpoint, m)
-    report.update(evaluate(checkpoint, adapter, cfg, eval_prompts, eval_new_tokens, held_out))
+    report.update(evaluate(checkpoint, adapter, cfg, eval_prompts, eval_new_tokens, held_out, tree_nodes))
     adapter.save(path, extra_metadata=report)
     path.with_name("adapter_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
