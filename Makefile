@@ -70,7 +70,7 @@ docs: | $(STAMP) ## regenerate docs/usage/cli.md and docs/configuration.md
 	$(BIN)/python -m tophat.docs_gen
 
 # ruff (lint + format check) over every package of the product and its tests, mypy over the product; configured
-# in pyproject.toml (which leaves out loadgen/simulate/ for now, issue 49)
+# in pyproject.toml
 LINTED := shared services tophatctl loadgen tophat
 lint: install ## ruff over the product and tests/, mypy over the product
 	$(BIN)/ruff check $(LINTED) tests

@@ -376,7 +376,9 @@ def served_graphs(checkpoint: Checkpoint, split: int, context: int, rows: list[i
         outputs, times = {}, {}
         for name, runner in runners.items():
             times[name] = timed_ms(partial(runner.run, [item]), device, repeats, warmup=2)
-            outputs[name] = runner.run([item])[0].output
+            output = runner.run([item])[0].output
+            assert isinstance(output, torch.Tensor)  # a hidden-state verify answers with its deep states
+            outputs[name] = output
         fast = next(iter(runners))
         out[str(n)] = {
             **{f"{name}_ms": ms for name, ms in times.items()},

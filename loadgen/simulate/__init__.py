@@ -7,7 +7,7 @@ traces through a model of the mesh whose timings come from the real mesh's telem
 
 Modules: events (clock, FIFO resources), calibration (+ fit: from the state monitor),
 cloud (continuous batching over P stages; replicas), gpu_profile (g(mu) from a
-GPU's measured passes), trees (measured tree rounds), budget (the draft budget per round), modes, session (one request's event chain),
-run (a run / a grid, loadgen metrics), report (tables, sim vs real), cli. Import what you use
+GPU's measured passes), trees (measured tree rounds), budget (the draft budget per round), modes, session (one
+request's event chain), run (a run / a grid, loadgen metrics), report (tables, sim vs real), cli. Import what you use
 from those modules: this package re-exports nothing, so none of them imports the others through it.
 """

@@ -23,7 +23,6 @@ from loadgen.simulate.calibration import Calibration, DeviceProfile
 from shared.draft_budget import BudgetOption, LinkLoad, choose_budget
 
 
-
 def chain_figures(cal: Calibration) -> tuple[float, float]:
     """(mean accept length, mean rows) of a chain round: rows = drafted tokens + 1, drafts run to the
     rejected token (k = min(L, K)) or, with a measured full-accept rate, stop one short when all pass."""

@@ -100,9 +100,9 @@ class DeviceProfile:
     device_id: str
     gamma_s: float
     prefill_token_s: float
-    beta_up: float      # bytes/s, inf = unlimited
-    beta_down: float    # bytes/s
-    latency_s: float    # one-way, per message
+    beta_up: float  # bytes/s, inf = unlimited
+    beta_down: float  # bytes/s
+    latency_s: float  # one-way, per message
     slowdown: float = 1.0
 
     def __post_init__(self) -> None:
@@ -126,9 +126,17 @@ class DeviceProfile:
 
 
 def _paper_devices() -> list[DeviceProfile]:
-    return [DeviceProfile(f"orin-{name}", 0.006, 45e-6, PROFILES[name].uplink_bytes_s,
-                          PROFILES[name].downlink_bytes_s, PROFILES[name].latency_s)
-            for name in ("near", "mid", "far")]
+    return [
+        DeviceProfile(
+            f"orin-{name}",
+            0.006,
+            45e-6,
+            PROFILES[name].uplink_bytes_s,
+            PROFILES[name].downlink_bytes_s,
+            PROFILES[name].latency_s,
+        )
+        for name in ("near", "mid", "far")
+    ]
 
 
 _PAPER_G = [(1, 0.020), (32, 0.022), (128, 0.028), (512, 0.070), (2048, 0.280), (4096, 0.560)]
@@ -142,42 +150,42 @@ class Calibration:
     g_table: list[tuple[float, float]] = field(default_factory=lambda: list(_PAPER_G))
     devices: list[DeviceProfile] = field(default_factory=_paper_devices)
     accept_dist: list[float] = field(default_factory=lambda: list(_PAPER_ACCEPT))  # P(L = 1..K+1)
-    pd_hit_rate: float = 0.5         # P(correction is a pre-drafted candidate | last draft token rejected)
+    pd_hit_rate: float = 0.5  # P(correction is a pre-drafted candidate | last draft token rejected)
     full_accept_rate: float | None = None  # P(a round accepts every drafted token): its draft was L - 1
-                                     # long; None: drafts always run to the rejected token (k = min(L, K))
+    # long; None: drafts always run to the rejected token (k = min(L, K))
     # Draft trees (loadgen/simulate/trees.py): N nodes (0: none measured), P(a tree round sends `rows` and
     # yields `tokens`) as [rows, tokens, p] triples, and its drafting over a chain round's (measured ratio)
     tree_nodes: int = 0
     tree_joint: list[list[float]] | None = None
     tree_draft_ratio: float | None = None
-    pd_candidates: int = 2           # branches pre-drafted per round (TOPHAT_DEVICE_PARALLEL_CANDIDATES)
-    pd_steps: int | None = None      # fixed lambda; None = eq. 6 every round
-    pd_batched: bool = True          # candidates drafted as one batch (HAT: "in parallel"); the real
-                                     # CPU agent drafts them one after another (demo base: False)
-    pc_chunk: int | None = None      # fixed client chunk; None = eq. 3 (default 128 before any cloud step)
+    pd_candidates: int = 2  # branches pre-drafted per round (TOPHAT_DEVICE_PARALLEL_CANDIDATES)
+    pd_steps: int | None = None  # fixed lambda; None = eq. 6 every round
+    pd_batched: bool = True  # candidates drafted as one batch (HAT: "in parallel"); the real
+    # CPU agent drafts them one after another (demo base: False)
+    pc_chunk: int | None = None  # fixed client chunk; None = eq. 3 (default 128 before any cloud step)
     hidden_size: int = 4096
     wire_dtype_bytes: int = 2
-    num_layers: int = 32             # n
-    split_layers: int = 2            # m
+    num_layers: int = 32  # n
+    split_layers: int = 2  # m
     cloud_compute_scale: float | None = None  # cloud mode's whole model vs the middle; None = n / (n - m)
-    token_bytes: int = 4             # a token id on the wire (cloud mode)
-    frame_overhead_bytes: int = 64   # per message (wire.py: <= 64 bytes beyond the tensor)
-    round_overhead_s: float = 0.0    # device-side per round (head, sampling, framing), not in gamma
+    token_bytes: int = 4  # a token id on the wire (cloud mode)
+    frame_overhead_bytes: int = 64  # per message (wire.py: <= 64 bytes beyond the tensor)
+    round_overhead_s: float = 0.0  # device-side per round (head, sampling, framing), not in gamma
     # Its median: when 0 < median < mean, each round draws a lognormal overhead with this median
     # and round_overhead_s as its mean (measured per-round times are skewed); None = constant.
     round_overhead_median_s: float | None = None
-    step_overhead_s: float = 0.0     # per cloud step beyond g(mu) (scheduling, thread hop, replies)
-    session_open_rtt: bool = True    # split modes open a cloud session (one round trip) first
-    nosd_step_factor: float = 1.0    # a non-speculative decode step in units of gamma
-    max_batch_tokens: int = 4096     # TOPHAT_VERIFIER_MAX_BATCH_TOKENS
-    chunk_pipelining: bool = True    # a session's prefill chunks overlap in the stages (eq. 3; the
-                                     # verifier's prefill_pipelining with P > 1)
+    step_overhead_s: float = 0.0  # per cloud step beyond g(mu) (scheduling, thread hop, replies)
+    session_open_rtt: bool = True  # split modes open a cloud session (one round trip) first
+    nosd_step_factor: float = 1.0  # a non-speculative decode step in units of gamma
+    max_batch_tokens: int = 4096  # TOPHAT_VERIFIER_MAX_BATCH_TOKENS
+    chunk_pipelining: bool = True  # a session's prefill chunks overlap in the stages (eq. 3; the
+    # verifier's prefill_pipelining with P > 1)
     min_chunk: int = 16
     max_chunk: int = 1024
     default_chunk: int = 128
     context_limit: int = 2048
     max_new_tokens: int = 128
-    alpha: float = 0.8               # EMA of the cloud's batched tokens mu (eq. 1), used by eq. 3
+    alpha: float = 0.8  # EMA of the cloud's batched tokens mu (eq. 1), used by eq. 3
     slow_fraction: float = 2 / 3
     slow_factor: float = SPEED_CLASSES["xavier"].modes[0]
     mode_cycle: list[float] | None = None
@@ -193,8 +201,11 @@ class Calibration:
         if not self.accept_dist or min(self.accept_dist) < 0 or total <= 0:
             raise ValueError("accept_dist must be non-negative probabilities of 1..K+1 tokens per round")
         self.accept_dist = [p / total for p in self.accept_dist]
-        if not 0 <= self.pd_hit_rate <= 1 or not 0 <= self.slow_fraction <= 1 or not (
-                self.full_accept_rate is None or 0 <= self.full_accept_rate <= 1):
+        if (
+            not 0 <= self.pd_hit_rate <= 1
+            or not 0 <= self.slow_fraction <= 1
+            or not (self.full_accept_rate is None or 0 <= self.full_accept_rate <= 1)
+        ):
             raise ValueError("pd_hit_rate, full_accept_rate and slow_fraction must be in [0, 1]")
         if self.tree_joint is not None:
             self.tree_joint = _tree_joint(self.tree_joint)
@@ -288,8 +299,11 @@ class Calibration:
             raise ValueError(f"unknown calibration keys: {', '.join(sorted(unknown))}")
         if "devices" in data:
             try:
-                data["devices"] = [DeviceProfile(**{k: str(v) if k == "device_id" else _number(v)
-                                                    for k, v in d.items()}) for d in data["devices"]]
+                data["devices"] = [
+                    # mypy sees one value type for every field; a profile's id is a string, the rest numbers
+                    DeviceProfile(**{k: str(v) if k == "device_id" else _number(v) for k, v in d.items()})  # type: ignore[arg-type]
+                    for d in data["devices"]
+                ]
             except (TypeError, AttributeError) as exc:
                 raise ValueError(f"bad device profile in calibration: {exc}") from exc
         if "g_table" in data:
@@ -339,7 +353,11 @@ def demo_calibration() -> Calibration:
         g_table=[(1, 0.00315), (9, 0.00415), (128, 0.012), (512, 0.045), (2048, 0.20)],
         devices=[DeviceProfile("demo", 0.00225, 0.0001, mid.uplink_bytes_s, mid.downlink_bytes_s, mid.latency_s)],
         accept_dist=[p / total for p in (48.9, 46.3, 1.3, 1.3, 1.0, 1.3)],
-        hidden_size=256, num_layers=8, split_layers=2, pd_batched=False, round_overhead_s=0.010,
+        hidden_size=256,
+        num_layers=8,
+        split_layers=2,
+        pd_batched=False,
+        round_overhead_s=0.010,
     )
 
 

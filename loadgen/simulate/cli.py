@@ -39,8 +39,10 @@ def simulate_command(
     devices: int = typer.Option(30, min=1, help="simulated devices (HAT: 30; 20 slow / 10 fast when expanded)"),
     stages: Optional[int] = typer.Option(None, min=1, help="cloud pipeline stages P (default 4; 1 with --gpu-profile)"),
     rates: str = typer.Option("4,6,9", help="request rates (req/s), comma-separated; inf = all at t=0"),
-    modes: str = typer.Option("ushape,usarathi,cloud,hat",
-                              help="ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd], hat-budget, hat-tree"),
+    modes: str = typer.Option(
+        "ushape,usarathi,cloud,hat",
+        help="ushape, usarathi[-C], cloud[-stream], hat[-sd][-pc][-pd], hat-budget, hat-tree",
+    ),
     workload: str = typer.Option("specbench", help="prompt lengths: specbench or cnndm (HAT Table 3)"),
     num_requests: int = typer.Option(200, "--num-requests", "-n", min=1, help="requests per run"),
     seed: int = typer.Option(0, help="seed for arrivals, prompts and speculation draws"),
@@ -54,24 +56,40 @@ def simulate_command(
     compare_real: Optional[list[Path]] = typer.Option(None, help="loadgen results.json to compare with (repeatable)"),
     real_mode: Optional[str] = typer.Option(None, help="mode of the --compare-real runs (default: hat)"),
     gpu_profile: Optional[str] = typer.Option(
-        None, help="the cloud on a GPU: a `tophat bench gpu` JSON, or h100 (docs/benchmarks/gpu-h100.json); g(mu) "
-                   "from its verify pass per row count, the model's shape from it, accept lengths from "
-                   "--adapter-report, links scaled to its hidden size (loadgen/simulate/gpu_profile.py)"),
-    gpu_passes: str = typer.Option("eager", help="with --gpu-profile: eager (as measured per row count) or graph "
-                                                 "(the eager curve scaled to the 1-row CUDA-graph replay)"),
-    replicas: Optional[int] = typer.Option(None, min=1, help="verifier replicas, each session pinned to one "
-                                                             "(default 8 with --gpu-profile: an 8-GPU server; else 1)"),
+        None,
+        help="the cloud on a GPU: a `tophat bench gpu` JSON, or h100 (docs/benchmarks/gpu-h100.json); g(mu) "
+        "from its verify pass per row count, the model's shape from it, accept lengths from "
+        "--adapter-report, links scaled to its hidden size (loadgen/simulate/gpu_profile.py)",
+    ),
+    gpu_passes: str = typer.Option(
+        "eager",
+        help="with --gpu-profile: eager (as measured per row count) or graph "
+        "(the eager curve scaled to the 1-row CUDA-graph replay)",
+    ),
+    replicas: Optional[int] = typer.Option(
+        None,
+        min=1,
+        help="verifier replicas, each session pinned to one (default 8 with --gpu-profile: an 8-GPU server; else 1)",
+    ),
     adapter_report: Optional[str] = typer.Option(
-        None, help="with --gpu-profile: accept lengths from this adapter report's held-out chain rounds "
-                   "(default models/smollm2/adapter_report.json)"),
+        None,
+        help="with --gpu-profile: accept lengths from this adapter report's held-out chain rounds "
+        "(default models/smollm2/adapter_report.json)",
+    ),
     tree_nodes: int = typer.Option(
-        16, min=0, help="with --gpu-profile: tree rounds of this many nodes for hat-tree and hat-budget (0: none), "
-                        "from --adapter-report's held_out.trees and --trees-bench (loadgen/simulate/trees.py)"),
+        16,
+        min=0,
+        help="with --gpu-profile: tree rounds of this many nodes for hat-tree and hat-budget (0: none), "
+        "from --adapter-report's held_out.trees and --trees-bench (loadgen/simulate/trees.py)",
+    ),
     trees_bench: Optional[str] = typer.Option(
-        None, help="with --tree-nodes: a `tophat bench trees` JSON, for a tree round's drafting over a chain "
-                   "round's (default docs/benchmarks/2026-11-28-trees-f32.json)"),
-    target: Optional[float] = typer.Option(None, help="say whether hat's mean TBT is <= this x the baseline's "
-                                                      "at every rate (e.g. 0.6)"),
+        None,
+        help="with --tree-nodes: a `tophat bench trees` JSON, for a tree round's drafting over a chain "
+        "round's (default docs/benchmarks/2026-11-28-trees-f32.json)",
+    ),
+    target: Optional[float] = typer.Option(
+        None, help="say whether hat's mean TBT is <= this x the baseline's at every rate (e.g. 0.6)"
+    ),
     target_modes: str = typer.Option("hat,hat-tree,hat-budget", help="the modes --target judges (those run)"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="log every run"),
 ) -> None:
@@ -115,17 +133,27 @@ def simulate_command(
         if mode_cycle:
             cal = dataclasses.replace(cal, mode_cycle=_floats(mode_cycle, "--mode-cycle"))
         default_replicas = DEFAULT_REPLICAS if gpu_profile else 1
-        config = SimConfig(devices=devices, stages=stages or (1 if gpu_profile else 4),
-                           replicas=replicas or default_replicas, workload=workload, num_requests=num_requests,
-                           seed=seed, burstiness=burstiness, routing=routing, heterogeneous=heterogeneous,
-                           max_new_tokens=max_new_tokens)
+        config = SimConfig(
+            devices=devices,
+            stages=stages or (1 if gpu_profile else 4),
+            replicas=replicas or default_replicas,
+            workload=workload,
+            num_requests=num_requests,
+            seed=seed,
+            burstiness=burstiness,
+            routing=routing,
+            heterogeneous=heterogeneous,
+            max_new_tokens=max_new_tokens,
+        )
         mode_list = parse_modes(modes, workload)
         grid = simulate_grid(cal, mode_list, _floats(rates, "--rates"), config)
     except (OSError, ValueError) as exc:
         _fail(str(exc))
     source = calibration or state_monitor_url or "built-in paper-scale defaults"
-    typer.echo(f"calibration: {source}" + (f", cloud on {gpu_profile} ({gpu_passes} passes, "
-                                           f"{config.replicas} replicas)" if gpu_profile else ""))
+    typer.echo(
+        f"calibration: {source}"
+        + (f", cloud on {gpu_profile} ({gpu_passes} passes, {config.replicas} replicas)" if gpu_profile else "")
+    )
     for note in cal.notes:
         typer.echo(f"  {note}")
     typer.echo(grid_tables(grid, baseline))

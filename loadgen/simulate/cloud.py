@@ -54,9 +54,17 @@ class Step:
 
 
 class Cloud:
-    def __init__(self, loop: EventLoop, g: GTable, stages: int = 1, max_batch_tokens: int = 4096,
-                 compute_scale: float = 1.0, alpha: float = 0.8, chunk_pipelining: bool = False,
-                 step_overhead_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        g: GTable,
+        stages: int = 1,
+        max_batch_tokens: int = 4096,
+        compute_scale: float = 1.0,
+        alpha: float = 0.8,
+        chunk_pipelining: bool = False,
+        step_overhead_s: float = 0.0,
+    ) -> None:
         if stages < 1 or max_batch_tokens < 1 or not compute_scale > 0 or not step_overhead_s >= 0:
             raise ValueError("need stages >= 1, max_batch_tokens >= 1, compute_scale > 0, step_overhead_s >= 0")
         self.step_overhead_s = step_overhead_s
@@ -65,11 +73,11 @@ class Cloud:
         self.chunk_pipelining = chunk_pipelining
         self.queues: OrderedDict[int, deque[Item]] = OrderedDict()
         self.busy: dict[int, list[bool]] = {}  # session -> prefill? of each of its items in flight
-        self.stage_free = [0.0] * stages   # when each stage finishes its last micro-batch
+        self.stage_free = [0.0] * stages  # when each stage finishes its last micro-batch
         self.in_flight = 0
         self.max_in_flight = 0
         self.steps: list[Step] = []
-        self.mu_ema: float | None = None   # eq. 1, what the state monitor would report
+        self.mu_ema: float | None = None  # eq. 1, what the state monitor would report
         self._kick_pending = False
 
     # -- sessions ------------------------------------------------------------------------
@@ -206,8 +214,15 @@ def summarize(clouds: list[Cloud]) -> dict[str, float | int | None]:
     steps = [s for c in clouds for s in c.steps]
     n = len(steps)
     if n == 0:
-        return {"steps": 0, "mean_batched_tokens": None, "mean_stage_ms": None, "std_stage_ms": None,
-                "max_in_flight": 0, "busy_fraction": None, "replicas": len(clouds)}
+        return {
+            "steps": 0,
+            "mean_batched_tokens": None,
+            "mean_stage_ms": None,
+            "std_stage_ms": None,
+            "max_in_flight": 0,
+            "busy_fraction": None,
+            "replicas": len(clouds),
+        }
     stage_ms = [s.compute_s / c.stages * 1e3 for c in clouds for s in c.steps]
     mean = sum(stage_ms) / n
     busy = []
@@ -216,7 +231,12 @@ def summarize(clouds: list[Cloud]) -> dict[str, float | int | None]:
             span = max(s.end for s in c.steps) - min(s.start for s in c.steps)
             busy.append(sum(s.compute_s for s in c.steps) / c.stages / span if span > 0 else None)
     known = [b for b in busy if b is not None]
-    return {"steps": n, "mean_batched_tokens": sum(s.tokens for s in steps) / n,
-            "mean_stage_ms": mean, "std_stage_ms": math.sqrt(sum((x - mean) ** 2 for x in stage_ms) / n),
-            "max_in_flight": max(c.max_in_flight for c in clouds),
-            "busy_fraction": sum(known) / len(known) if known else None, "replicas": len(clouds)}
+    return {
+        "steps": n,
+        "mean_batched_tokens": sum(s.tokens for s in steps) / n,
+        "mean_stage_ms": mean,
+        "std_stage_ms": math.sqrt(sum((x - mean) ** 2 for x in stage_ms) / n),
+        "max_in_flight": max(c.max_in_flight for c in clouds),
+        "busy_fraction": sum(known) / len(known) if known else None,
+        "replicas": len(clouds),
+    }

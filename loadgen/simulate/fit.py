@@ -33,8 +33,8 @@ import math
 import urllib.request
 from typing import Any
 
-from shared.planners import predictor_from_cloud_state
 from loadgen.simulate.calibration import BASES, Calibration, DeviceProfile
+from shared.planners import predictor_from_cloud_state
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +56,27 @@ def _non_negative(value: Any) -> float | None:
     return float(value) if math.isfinite(value) and value >= 0 else None
 
 
-def _fleet_mean(entries: list[dict[str, Any]], key: str, *, at_most: float = math.inf,
-                only_with: str | None = None) -> tuple[float | None, int]:
+def _fleet_mean(
+    entries: list[dict[str, Any]], key: str, *, at_most: float = math.inf, only_with: str | None = None
+) -> tuple[float | None, int]:
     """Mean of `key` over the devices that report a usable value (optionally only those that
     also report `only_with`), and how many did."""
-    values = [v for e in entries
-              if (only_with is None or _non_negative(e.get(only_with)) is not None)
-              and (v := _non_negative(e.get(key))) is not None and v <= at_most]
+    values = [
+        v
+        for e in entries
+        if (only_with is None or _non_negative(e.get(only_with)) is not None)
+        and (v := _non_negative(e.get(key))) is not None
+        and v <= at_most
+    ]
     return (sum(values) / len(values) if values else None), len(values)
 
 
-def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any] | None,
-                           base: Calibration | None = None,
-                           device_slowdowns: dict[str, float] | None = None) -> Calibration:
+def calibration_from_state(
+    cloud: dict[str, Any] | None,
+    devices: dict[str, Any] | None,
+    base: Calibration | None = None,
+    device_slowdowns: dict[str, float] | None = None,
+) -> Calibration:
     """Pure part of `from_telemetry`: the monitor's two JSON documents -> a Calibration."""
     base = base or BASES["demo"]()
     notes: list[str] = []
@@ -104,13 +112,23 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         if token_s is None:
             token_s = ref.prefill_token_s * gamma / ref.gamma_s if ref.gamma_s > 0 else ref.prefill_token_s
             scaled_prefill.append(dev_id)
-        profiles.append(DeviceProfile(
-            dev_id, gamma, token_s, up or ref.beta_up, down or ref.beta_down, rtt / 2 if rtt else ref.latency_s,
-            float((device_slowdowns or {}).get(dev_id, 1.0))))
+        profiles.append(
+            DeviceProfile(
+                dev_id,
+                gamma,
+                token_s,
+                up or ref.beta_up,
+                down or ref.beta_down,
+                rtt / 2 if rtt else ref.latency_s,
+                float((device_slowdowns or {}).get(dev_id, 1.0)),
+            )
+        )
     if profiles:
-        notes.append(f"{len(profiles)} device profiles from telemetry; one-way latency = half the probed "
-                     f"small-message round trip for {len(probed_latency)}, else {ref.latency_s * 1e3:.1f} ms "
-                     "from the base")
+        notes.append(
+            f"{len(profiles)} device profiles from telemetry; one-way latency = half the probed "
+            f"small-message round trip for {len(probed_latency)}, else {ref.latency_s * 1e3:.1f} ms "
+            "from the base"
+        )
         if scaled_prefill:
             notes.append(f"prefill_token_s scaled from the base by gamma for {', '.join(scaled_prefill)}")
     else:
@@ -122,9 +140,10 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         round_overhead_s = overhead
         median, with_median = _fleet_mean(entries, "round_overhead_median_s", only_with="round_overhead_s")
         round_overhead_median_s = median if with_median == with_overhead else None  # a mean of all or nothing
-        median_note = f", median {median * 1e3:.2f} ms" if round_overhead_median_s is not None else ""
-        notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms{median_note}: "
-                     f"mean of {with_overhead} devices' telemetry")
+        median_note = f", median {round_overhead_median_s * 1e3:.2f} ms" if round_overhead_median_s is not None else ""
+        notes.append(
+            f"round_overhead_s {round_overhead_s * 1e3:.2f} ms{median_note}: mean of {with_overhead} devices' telemetry"
+        )
     else:
         notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms: base value")
     step_overhead_s = _non_negative((cloud or {}).get("step_overhead_s"))
@@ -134,23 +153,38 @@ def calibration_from_state(cloud: dict[str, Any] | None, devices: dict[str, Any]
         step_overhead_s = base.step_overhead_s
     pd_hit_rate, with_pd = _fleet_mean(entries, "pd_hit_rate", at_most=1.0)
     pd_hit_rate = base.pd_hit_rate if pd_hit_rate is None else pd_hit_rate
-    notes.append(f"pd_hit_rate {pd_hit_rate:.2f}: " + (f"mean of {with_pd} devices' telemetry" if with_pd
-                                                       else "base value"))
+    notes.append(
+        f"pd_hit_rate {pd_hit_rate:.2f}: " + (f"mean of {with_pd} devices' telemetry" if with_pd else "base value")
+    )
     full_accept_rate, with_full = _fleet_mean(entries, "full_accept_rate", at_most=1.0)
     if full_accept_rate is None:
         full_accept_rate = base.full_accept_rate
     else:
         notes.append(f"full_accept_rate {full_accept_rate:.2f}: mean of {with_full} devices' telemetry")
-    notes.append(f"accept_dist (mean {base.mean_accept_length:.2f}), "
-                 f"hidden {base.hidden_size}, n={base.num_layers}, m={base.split_layers}: base values")
-    return dataclasses.replace(base, g_table=g_table, devices=profiles, round_overhead_s=round_overhead_s,
-                               round_overhead_median_s=round_overhead_median_s,
-                               step_overhead_s=step_overhead_s, pd_hit_rate=pd_hit_rate,
-                               full_accept_rate=full_accept_rate, notes=base.notes + notes)
+    notes.append(
+        f"accept_dist (mean {base.mean_accept_length:.2f}), "
+        f"hidden {base.hidden_size}, n={base.num_layers}, m={base.split_layers}: base values"
+    )
+    return dataclasses.replace(
+        base,
+        g_table=g_table,
+        devices=profiles,
+        round_overhead_s=round_overhead_s,
+        round_overhead_median_s=round_overhead_median_s,
+        step_overhead_s=step_overhead_s,
+        pd_hit_rate=pd_hit_rate,
+        full_accept_rate=full_accept_rate,
+        notes=base.notes + notes,
+    )
 
 
-def from_telemetry(state_monitor_url: str, *, base: Calibration | None = None, timeout_s: float = 2.0,
-                   device_slowdowns: dict[str, float] | None = None) -> Calibration:
+def from_telemetry(
+    state_monitor_url: str,
+    *,
+    base: Calibration | None = None,
+    timeout_s: float = 2.0,
+    device_slowdowns: dict[str, float] | None = None,
+) -> Calibration:
     """GET /state/cloud and /state/devices from a running state monitor and fill what it knows.
 
     An unreachable monitor raises (OSError/ValueError); a monitor without data yields the base.

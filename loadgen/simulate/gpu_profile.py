@@ -126,7 +126,7 @@ def parse_gpu_profile(data: Any, source: str = "<gpu profile>") -> GpuProfile:
         graph_ms = _positive(graph["graph_ms"], f"{source}: cuda_graphs.verify_1row.graph_ms")
         eager_ms = _positive(graph.get("eager_ms"), f"{source}: cuda_graphs.verify_1row.eager_ms")
     decode = _section(data, "stages", "decode", "tok_s")
-    steps = ()
+    steps: tuple[tuple[int, float], ...] = ()
     if decode:
         steps = tuple((n, 1e3 * n / tok_s) for n, tok_s in _points(decode, f"{source}: stages.decode.tok_s"))
     return GpuProfile(

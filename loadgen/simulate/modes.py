@@ -41,14 +41,14 @@ class SimMode:
     """A simulated serving mode: the switches the session process branches on."""
 
     name: str
-    speculative: bool = False        # SD: draft k tokens, verify k+1 rows in one pass
-    client_chunking: bool = False    # PC: eq. 3 chunks, uploads overlap cloud compute
+    speculative: bool = False  # SD: draft k tokens, verify k+1 rows in one pass
+    client_chunking: bool = False  # PC: eq. 3 chunks, uploads overlap cloud compute
     parallel_drafting: bool = False  # PD: pre-draft from top candidates during verification
     server_chunk: int | None = None  # U-Sarathi: server-side chunks of this many tokens
-    token_upload: bool = False       # cloud: token ids on the wire, whole model in the cloud
-    cloud_stream: bool = False       # cloud: decode in the cloud without a round trip per token
-    draft_budget: bool = False       # SD rounds shaped by the draft budget (none, chain or tree, per round)
-    tree_rounds: bool = False        # SD rounds draft the calibration's tree
+    token_upload: bool = False  # cloud: token ids on the wire, whole model in the cloud
+    cloud_stream: bool = False  # cloud: decode in the cloud without a round trip per token
+    draft_budget: bool = False  # SD rounds shaped by the draft budget (none, chain or tree, per round)
+    tree_rounds: bool = False  # SD rounds draft the calibration's tree
 
     def __post_init__(self) -> None:
         if self.parallel_drafting and not self.speculative:
@@ -86,12 +86,22 @@ def parse_mode(spec: str, workload: str = "specbench") -> SimMode:
             parts = [*HAT_SWITCHES, *parts]
         bad = [p for p in parts if p not in HAT_SWITCHES + OPTIONAL_SWITCHES]
         if bad:
-            raise ValueError(f"unknown HAT switch(es) {bad} in {spec!r}; use "
-                             f"{', '.join(HAT_SWITCHES + OPTIONAL_SWITCHES)}")
-        return SimMode(name, speculative="sd" in parts, client_chunking="pc" in parts, parallel_drafting="pd" in parts,
-                       token_upload=token_upload("hat"), draft_budget="budget" in parts, tree_rounds="tree" in parts)
-    raise ValueError(f"unknown mode {spec!r}; use ushape, usarathi[-C], cloud[-stream], "
-                     "hat[-sd][-pc][-pd][-budget|-tree], hat-budget, hat-tree")
+            raise ValueError(
+                f"unknown HAT switch(es) {bad} in {spec!r}; use {', '.join(HAT_SWITCHES + OPTIONAL_SWITCHES)}"
+            )
+        return SimMode(
+            name,
+            speculative="sd" in parts,
+            client_chunking="pc" in parts,
+            parallel_drafting="pd" in parts,
+            token_upload=token_upload("hat"),
+            draft_budget="budget" in parts,
+            tree_rounds="tree" in parts,
+        )
+    raise ValueError(
+        f"unknown mode {spec!r}; use ushape, usarathi[-C], cloud[-stream], "
+        "hat[-sd][-pc][-pd][-budget|-tree], hat-budget, hat-tree"
+    )
 
 
 def parse_modes(text: str, workload: str = "specbench") -> list[SimMode]:

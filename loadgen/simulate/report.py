@@ -60,8 +60,10 @@ def grid_tables(grid: Mapping[str, Any], baseline: str = "ushape") -> str:
     for rate in grid["rates"]:
         runs = [r for r in grid["runs"] if _rate_key(r["request_rate"]) == _rate_key(rate)]
         count = runs[0].get("num_prompts") if runs else 0
-        title = (f"rate {_rate_key(rate):g} req/s | {cfg.get('devices')} devices, P = {cfg.get('stages')}, "
-                 f"{cfg.get('workload')}, {count} requests, seed {cfg.get('seed')}")
+        title = (
+            f"rate {_rate_key(rate):g} req/s | {cfg.get('devices')} devices, P = {cfg.get('stages')}, "
+            f"{cfg.get('workload')}, {count} requests, seed {cfg.get('seed')}"
+        )
         out.append(f"{title}\n{rate_table(runs, baseline)}")
     return "\n\n".join(out)
 
@@ -74,17 +76,19 @@ def _budget_share(run: Mapping[str, Any]) -> str:
     return ", ".join(f"{name} {count / total:.0%}" for name, count in rounds.items()) if total else "-"
 
 
-def ratio_summary(grid: Mapping[str, Any], baseline: str = "ushape", mode: str | tuple[str, ...] = "hat",
-                  target: float | None = None) -> str:
+def ratio_summary(
+    grid: Mapping[str, Any], baseline: str = "ushape", mode: str | tuple[str, ...] = "hat", target: float | None = None
+) -> str:
     """Every rate on one table: each mode's mean TTFT and TBT, its ratios to `baseline`, the budget's
     choices; then whether each of `mode`'s (one name or several) mean TBT is within `target` x the
     baseline's at every rate."""
     judged = (mode,) if isinstance(mode, str) else tuple(mode)
     header = ["rate", "mode", "TTFT mean", "TBT mean", f"TTFT/{baseline}", f"TBT/{baseline}", "budget rounds"]
-    rows, ratios = [], {name: [] for name in judged}
+    rows: list[list[str]] = []
+    ratios: dict[str, list[float | None]] = {name: [] for name in judged}
     for rate in grid["rates"]:
         runs = [r for r in grid["runs"] if _rate_key(r["request_rate"]) == _rate_key(rate)]
-        base = next((r for r in runs if r["mode"] == baseline), {})
+        base: dict[str, Any] = next((r for r in runs if r["mode"] == baseline), {})
         for r in runs:
             cells = [f"{_rate_key(rate):g}", r["mode"], _ms(r.get("mean_ttft_ms")), _ms(r.get("mean_tbt_ms"))]
             for metric in ("ttft", "tbt"):
@@ -100,12 +104,14 @@ def ratio_summary(grid: Mapping[str, Any], baseline: str = "ushape", mode: str |
             continue
         met = all(x is not None and x <= target for x in found)
         worst = max((x for x in found if x is not None), default=None)
-        out += (f"\n{name} mean TBT <= {target:g}x {baseline}'s at every rate: {'yes' if met else 'no'}"
-                + ("" if worst is None else f" (worst {worst:.2f}x)"))
+        out += f"\n{name} mean TBT <= {target:g}x {baseline}'s at every rate: {'yes' if met else 'no'}" + (
+            "" if worst is None else f" (worst {worst:.2f}x)"
+        )
     return out
 
 
 # -- sim vs real ---------------------------------------------------------------------------
+
 
 def _load(item: Any) -> dict[str, Any]:
     if isinstance(item, Mapping):
@@ -131,8 +137,14 @@ def _sim_runs(sim: Any) -> list[dict[str, Any]]:
     return list(sim)
 
 
-def compare_with_real(sim_results: Any, real_results_json: Any, *, mode: str | None = None,
-                      echo: bool = True, tolerance: float = ACCEPTANCE) -> str:
+def compare_with_real(
+    sim_results: Any,
+    real_results_json: Any,
+    *,
+    mode: str | None = None,
+    echo: bool = True,
+    tolerance: float = ACCEPTANCE,
+) -> str:
     """Sim vs real TTFT/TBT (mean, P50, P90, P99) and the relative difference (sim - real) / real.
 
     `sim_results`: a `simulate_grid` dict, one run's results, or a list of them.
@@ -173,11 +185,12 @@ def compare_with_real(sim_results: Any, real_results_json: Any, *, mode: str | N
         s_tbt, r_tbt = sim.get("mean_tbt_ms"), real.get("mean_tbt_ms")
         accept = real.get("mean_accept_length") or sim.get("mean_accept_length") or 1.0
         if s_tbt is not None and r_tbt is not None:
-            text += (f"\nmean-TBT gap x accept length = {(r_tbt - s_tbt) * accept:+.2f} ms per round "
-                     "(a candidate for round_overhead_s)")
+            text += (
+                f"\nmean-TBT gap x accept length = {(r_tbt - s_tbt) * accept:+.2f} ms per round "
+                "(a candidate for round_overhead_s)"
+            )
         blocks.append(text)
     out = "\n\n".join(blocks)
     if echo:
         print(out)
     return out
-

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -29,12 +30,12 @@ import numpy as np
 
 from loadgen.arrivals import arrival_times
 from loadgen.metrics import RequestRecord, build_results
-from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, WORKLOAD_STREAM, fit_lengths
 from loadgen.simulate.calibration import Calibration
 from loadgen.simulate.cloud import Cloud, ReplicatedCloud
 from loadgen.simulate.events import EventLoop
 from loadgen.simulate.modes import SimMode, parse_mode
 from loadgen.simulate.session import Context, Device, RequestProcess, SimRequest
+from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, WORKLOAD_STREAM, fit_lengths
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +77,25 @@ class SimRun:
     processes: list[RequestProcess] = field(default_factory=list)
 
 
-def build_requests(workload: str, num_requests: int, rate: float, *, burstiness: float = 1.0, seed: int = 0,
-                   max_new_tokens: int = 128, context_limit: int = 2048, num_devices: int = 1) -> list[SimRequest]:
+def build_requests(
+    workload: str,
+    num_requests: int,
+    rate: float,
+    *,
+    burstiness: float = 1.0,
+    seed: int = 0,
+    max_new_tokens: int = 128,
+    context_limit: int = 2048,
+    num_devices: int = 1,
+) -> list[SimRequest]:
     """The load generator's trace for these options: arrivals and prompt lengths."""
     times = arrival_times(rate, burstiness, num_requests=num_requests, seed=seed)
     rng = np.random.default_rng([seed, WORKLOAD_STREAM])
     lengths = fit_lengths(BUILTIN[workload], len(times), rng, MIN_PROMPT_TOKENS, context_limit - max_new_tokens)
-    return [SimRequest(i, float(t), int(n), max_new_tokens, i % max(1, num_devices))
-            for i, (t, n) in enumerate(zip(times, lengths))]
+    return [
+        SimRequest(i, float(t), int(n), max_new_tokens, i % max(1, num_devices))
+        for i, (t, n) in enumerate(zip(times, lengths))
+    ]
 
 
 class Router:
@@ -106,23 +118,46 @@ class Router:
         return best
 
 
-def run_simulation(cal: Calibration, mode: SimMode | str, rate: float, config: SimConfig | None = None,
-                   requests: list[SimRequest] | None = None) -> SimRun:
+def run_simulation(
+    cal: Calibration,
+    mode: SimMode | str,
+    rate: float,
+    config: SimConfig | None = None,
+    requests: list[SimRequest] | None = None,
+) -> SimRun:
     """Simulate one mode at one request rate (req/s; inf = all at t = 0)."""
     config = config or SimConfig()
     mode = parse_mode(mode, config.workload) if isinstance(mode, str) else mode
     if mode.tree_rounds and not cal.has_trees:
-        raise ValueError(f"mode {mode.name!r} needs measured trees in the calibration "
-                         "(--tree-nodes with --gpu-profile)")
+        raise ValueError(
+            f"mode {mode.name!r} needs measured trees in the calibration (--tree-nodes with --gpu-profile)"
+        )
     max_new = config.max_new_tokens or cal.max_new_tokens
     if requests is None:
-        requests = build_requests(config.workload, config.num_requests, rate, burstiness=config.burstiness,
-                                  seed=config.seed, max_new_tokens=max_new, context_limit=cal.context_limit,
-                                  num_devices=config.devices)
+        requests = build_requests(
+            config.workload,
+            config.num_requests,
+            rate,
+            burstiness=config.burstiness,
+            seed=config.seed,
+            max_new_tokens=max_new,
+            context_limit=cal.context_limit,
+            num_devices=config.devices,
+        )
     loop = EventLoop()
-    clouds = [Cloud(loop, cal.g, config.stages, cal.max_batch_tokens,
-                    cal.compute_scale if mode.token_upload else 1.0, cal.alpha, cal.chunk_pipelining,
-                    cal.step_overhead_s) for _ in range(config.replicas)]
+    clouds = [
+        Cloud(
+            loop,
+            cal.g,
+            config.stages,
+            cal.max_batch_tokens,
+            cal.compute_scale if mode.token_upload else 1.0,
+            cal.alpha,
+            cal.chunk_pipelining,
+            cal.step_overhead_s,
+        )
+        for _ in range(config.replicas)
+    ]
     cloud: Cloud | ReplicatedCloud = clouds[0] if config.replicas == 1 else ReplicatedCloud(clouds)
     devices = [Device.build(loop, i, p) for i, p in enumerate(cal.expand_devices(config.devices, config.heterogeneous))]
     ctx = Context(loop, cloud, cal, mode, config.stages, config.seed)
@@ -148,19 +183,31 @@ def run_simulation(cal: Calibration, mode: SimMode | str, rate: float, config: S
     unfinished = [r.index for r in records if r.end_s is None]
     if unfinished or len(records) != len(requests):
         raise RuntimeError(f"simulation ended with unfinished requests {unfinished[:5]}")
-    results = {"mode": mode.name, "mode_flags": asdict(mode), "request_rate": "inf" if math.isinf(rate) else rate,
-               "num_devices": config.devices, "stages": config.stages, "workload": config.workload,
-               "num_prompts": len(requests), "seed": config.seed, "burstiness": config.burstiness,
-               "routing": config.routing, "max_new_tokens": max_new,
-               "replicas": config.replicas, **build_results(records), "cloud": cloud.summary()}
+    results = {
+        "mode": mode.name,
+        "mode_flags": asdict(mode),
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "num_devices": config.devices,
+        "stages": config.stages,
+        "workload": config.workload,
+        "num_prompts": len(requests),
+        "seed": config.seed,
+        "burstiness": config.burstiness,
+        "routing": config.routing,
+        "max_new_tokens": max_new,
+        "replicas": config.replicas,
+        **build_results(records),
+        "cloud": cloud.summary(),
+    }
     if mode.draft_budget:
         shapes: dict[str, int] = {}
         for proc in processes:
             for name, count in proc.shape_rounds.items():
                 shapes[name] = shapes.get(name, 0) + count
         results["budget_rounds"] = dict(sorted(shapes.items()))
-    log.info("simulated %s @ %s req/s: %d requests, %d events in %.2f s", mode.name, rate, len(records),
-             loop.events, wall)
+    log.info(
+        "simulated %s @ %s req/s: %d requests, %d events in %.2f s", mode.name, rate, len(records), loop.events, wall
+    )
     return SimRun(results, records, cloud, devices, loop.events, wall, processes)
 
 
@@ -169,10 +216,15 @@ def simulate(cal: Calibration, mode: SimMode | str, rate: float, config: SimConf
     return run_simulation(cal, mode, rate, config).results
 
 
-def simulate_grid(cal: Calibration, modes: list[SimMode | str], rates: list[float],
-                  config: SimConfig | None = None) -> dict[str, Any]:
+def simulate_grid(
+    cal: Calibration, modes: Sequence[SimMode | str], rates: list[float], config: SimConfig | None = None
+) -> dict[str, Any]:
     """Every mode at every rate, on the same trace per rate (same seed): {"config", "calibration", "runs"}."""
     config = config or SimConfig()
     runs = [simulate(cal, mode, rate, config) for rate in rates for mode in modes]
-    return {"config": asdict(config), "rates": ["inf" if math.isinf(r) else r for r in rates],
-            "calibration": cal.to_dict(), "runs": runs}
+    return {
+        "config": asdict(config),
+        "rates": ["inf" if math.isinf(r) else r for r in rates],
+        "calibration": cal.to_dict(),
+        "runs": runs,
+    }

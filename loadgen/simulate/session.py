@@ -45,13 +45,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loadgen.metrics import RequestRecord
-from shared.latency_stats import mean_accept_length
-from shared.planners import chunk_size_eq3, fixed_chunks, parallel_draft_steps_eq6
 from loadgen.simulate.budget import choose_shape, tree_draft_s
 from loadgen.simulate.calibration import Calibration, DeviceProfile
-from loadgen.simulate.cloud import Cloud
+from loadgen.simulate.cloud import Cloud, ReplicatedCloud
 from loadgen.simulate.events import EventLoop, FifoServer, Link
 from loadgen.simulate.modes import SimMode
+from shared.latency_stats import mean_accept_length
+from shared.planners import chunk_size_eq3, fixed_chunks, parallel_draft_steps_eq6
 
 _ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM, _FULL_STREAM, _TREE_STREAM = 3, 4, 5, 6, 7  # loadgen: 1, 2
 _BIG = 1e30  # stands in for an unlimited bandwidth in the planners' equations
@@ -80,8 +80,13 @@ class Device:
 
     @classmethod
     def build(cls, loop: EventLoop, index: int, profile: DeviceProfile) -> Device:
-        return cls(index, profile, FifoServer(loop), Link(loop, profile.beta_up, profile.latency_s),
-                   Link(loop, profile.beta_down, profile.latency_s))
+        return cls(
+            index,
+            profile,
+            FifoServer(loop),
+            Link(loop, profile.beta_up, profile.latency_s),
+            Link(loop, profile.beta_down, profile.latency_s),
+        )
 
 
 @dataclass
@@ -89,7 +94,7 @@ class Context:
     """What every request of one run shares."""
 
     loop: EventLoop
-    cloud: Cloud
+    cloud: Cloud | ReplicatedCloud
     cal: Calibration
     mode: SimMode
     stages: int
@@ -113,9 +118,15 @@ class RequestProcess:
         self.speed = speed
         self.A = ctx.cal.bytes_per_token
         self.o = ctx.cal.frame_overhead_bytes
-        self.record = RequestRecord(index=req.index, arrival_s=req.arrival_s, max_tokens=req.max_tokens,
-                                    prompt_tokens=req.prompt_tokens, device_hint=req.device_hint,
-                                    send_s=req.arrival_s, device_id=device.profile.device_id)
+        self.record = RequestRecord(
+            index=req.index,
+            arrival_s=req.arrival_s,
+            max_tokens=req.max_tokens,
+            prompt_tokens=req.prompt_tokens,
+            device_hint=req.device_hint,
+            send_s=req.arrival_s,
+            device_id=device.profile.device_id,
+        )
         self.generated = 0
         self.rounds: list[int] = []
         self.chunks: list[int] = []
@@ -136,7 +147,9 @@ class RequestProcess:
         sigma = cal.round_overhead_sigma
         if sigma == 0.0:
             return cal.round_overhead_s * self.speed
-        return cal.round_overhead_median_s * math.exp(sigma * self.rng_overhead.standard_normal()) * self.speed
+        median = cal.round_overhead_median_s
+        assert median is not None  # a lognormal spread is fitted only where the median was measured (calibration.py)
+        return median * math.exp(sigma * self.rng_overhead.standard_normal()) * self.speed
 
     # -- helpers -------------------------------------------------------------------------
     def _work(self, seconds: float, then: Callable[..., None], *args: object) -> None:
@@ -174,8 +187,9 @@ class RequestProcess:
             size = cal.default_chunk
         else:
             beta = self.dev.profile.beta_up if math.isfinite(self.dev.profile.beta_up) else _BIG
-            size = chunk_size_eq3(self.A, beta, self.ctx.cal.g, self.cloud.mu_ema, self.ctx.stages,
-                                  cal.min_chunk, cal.max_chunk, S)
+            size = chunk_size_eq3(
+                self.A, beta, self.ctx.cal.g, self.cloud.mu_ema, self.ctx.stages, cal.min_chunk, cal.max_chunk, S
+            )
         return fixed_chunks(S, size)
 
     # -- prefill -------------------------------------------------------------------------
@@ -188,8 +202,9 @@ class RequestProcess:
     def _begin_prefill(self) -> None:
         if self.ctx.mode.token_upload:
             S = self.req.prompt_tokens
-            self.dev.uplink.send(S * self.ctx.cal.token_bytes + self.o, self.cloud.submit, self.sid, S,
-                                 self._cloud_token)
+            self.dev.uplink.send(
+                S * self.ctx.cal.token_bytes + self.o, self.cloud.submit, self.sid, S, self._cloud_token
+            )
             return
         self.chunks = self.chunk_plan()
         self._prefill_chunk(0)
@@ -227,8 +242,9 @@ class RequestProcess:
 
     def _draw_tree(self) -> tuple[int, int]:
         """(rows, tokens) of a tree round, drawn jointly from the measured tree rounds."""
-        cum = self.ctx.cum_tree
-        rows, tokens, _ = self.ctx.cal.tree_joint[bisect.bisect_left(cum, self.rng_tree.random() * cum[-1])]
+        cum, joint = self.ctx.cum_tree, self.ctx.cal.tree_joint
+        assert joint is not None  # tree rounds are simulated only from measured ones (trees.py)
+        rows, tokens, _ = joint[bisect.bisect_left(cum, self.rng_tree.random() * cum[-1])]
         return int(rows), int(tokens)
 
     def _next_round(self) -> None:
@@ -238,14 +254,19 @@ class RequestProcess:
             return
         mode, cal = self.ctx.mode, self.ctx.cal
         if mode.speculative and self.ready_draft is None and mode.draft_budget:
-            self.shape = choose_shape(cal, self.dev.profile, self.gamma, self.cloud.last_sessions(), self.cloud.g_of,
-                                      self.shape)
+            self.shape = choose_shape(
+                cal, self.dev.profile, self.gamma, self.cloud.last_sessions(), self.cloud.g_of, self.shape
+            )
             self.shape_rounds[self.shape] = self.shape_rounds.get(self.shape, 0) + 1
-        if mode.speculative and self.ready_draft is None and (
-                self.shape == cal.tree_shape if mode.draft_budget else mode.tree_rounds):
+        if (
+            mode.speculative
+            and self.ready_draft is None
+            and (self.shape == cal.tree_shape if mode.draft_budget else mode.tree_rounds)
+        ):
             rows, tokens = self._draw_tree()
-            self._work(tree_draft_s(cal, self.gamma), self._send_draft, rows - 1, min(tokens, remaining), remaining,
-                       True)
+            self._work(
+                tree_draft_s(cal, self.gamma), self._send_draft, rows - 1, min(tokens, remaining), remaining, True
+            )
             return
         if mode.speculative and not (mode.draft_budget and self.ready_draft is None and self.shape == "none"):
             natural = self._draw_accept()
@@ -253,7 +274,7 @@ class RequestProcess:
             # all accepted: the draft was natural - 1 long (+1 bonus); else it ran to the rejected token
             k = min(natural - 1 if full else natural, cal.max_draft, remaining - 1)
             predrafted = self.ready_draft is not None
-            if predrafted:
+            if self.ready_draft is not None:
                 k = min(k, self.ready_draft)
                 self.ready_draft = None
             L = min(natural, k + 1)
@@ -270,8 +291,9 @@ class RequestProcess:
             up = prof.beta_up if math.isfinite(prof.beta_up) else _BIG
             down = prof.beta_down if math.isfinite(prof.beta_down) else _BIG
             mu = self.cloud.mu_ema or float(k + 1)
-            lam = parallel_draft_steps_eq6(k + 1, self.A, up, down, self.cloud.g_of(mu),
-                                           max(self.gamma, 1e-12), cal.max_draft)
+            lam = parallel_draft_steps_eq6(
+                k + 1, self.A, up, down, self.cloud.g_of(mu), max(self.gamma, 1e-12), cal.max_draft
+            )
         return max(0, min(lam, cal.max_draft, remaining - k - 1))
 
     def _send_draft(self, k: int, L: int, remaining: int, tree: bool = False) -> None:
