@@ -317,3 +317,16 @@ async def test_a_seeded_sampled_request_drafts_in_the_configured_shape_whatever_
         first, second = await generate(), await generate()
         assert first == second
         assert not agent.budget.tried and all(s.accept.count == 0 for s in agent.budget.stats.values())
+
+
+async def test_a_device_is_not_ready_until_its_first_link_probe_ran(tiny_llama_checkpoint) -> None:
+    planner, clock = FakePlanner(), Clock()
+    async with planned_agent(tiny_llama_checkpoint, planner, clock) as (_, agent, http):
+        for _ in range(50):
+            if agent.cloud.ready:
+                break
+            await asyncio.sleep(0.1)
+        assert (await http.get("/readyz")).status_code == 200
+        agent.probes.first_probe_done = False  # as a fresh device with probing on, before its probe ran
+        answer = await http.get("/readyz")
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "measuring_link"

@@ -135,6 +135,8 @@ def create_app(settings: Settings, agent: DeviceAgent | None = None) -> FastAPI:
         cloud = state["agent"].cloud
         if not cloud.ready:  # the readiness loop's cached answer: no network call per probe
             return error_response(503, "verifier_unavailable", cloud.not_ready_reason)
+        if not state["agent"].probes.first_probe_done:
+            return error_response(503, "measuring_link", "the first bandwidth probe to the verifier is running")
         return {"status": "ready", "device_id": settings.device_id}
 
     @app.get("/metrics")

@@ -33,6 +33,9 @@ class LinkProbes:
         self.bandwidth_interval_s, self.rtt_interval_s = bandwidth_interval_s, rtt_interval_s
         self.cloud: WebSocketCloud | None = None  # the connection it measures, given once built (it reports here)
         self.recent_rtts: deque[float] = deque(maxlen=RECENT_RTTS)
+        # Whether the first bulk probe has run (or probing is off): until then the device is not ready, so its
+        # first requests are planned from a measured link instead of the planner's defaults.
+        self.first_probe_done = bandwidth_interval_s <= 0
 
     def on_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
         """A bulk transfer's size and time (the connection's hook): a bandwidth sample."""
@@ -55,6 +58,7 @@ class LinkProbes:
                 await asyncio.sleep(BUSY_RECHECK_S)
                 continue
             await self.probe_bandwidth()
+            self.first_probe_done = True  # measured or failed (logged): readiness never waits for a second try
             await asyncio.sleep(self.bandwidth_interval_s)
 
     async def rtt_loop(self) -> None:
