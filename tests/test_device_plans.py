@@ -330,3 +330,22 @@ async def test_a_device_is_not_ready_until_its_first_link_probe_ran(tiny_llama_c
         agent.probes.first_probe_done = False  # as a fresh device with probing on, before its probe ran
         answer = await http.get("/readyz")
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "measuring_link"
+
+
+async def test_peek_never_waits_but_keeps_the_plan_current() -> None:
+    """A request that needs only the draft shape reads the cached plan without waiting; with none yet, or an old
+    or provisional one, that read starts the one background refresh."""
+    planner, clock = FakePlanner(), Clock()
+    planner.chunk_source = "default:no-telemetry"
+    plans = cache(planner, clock)
+    assert plans.peek() is None and plans.refreshing is not None  # nothing cached: fetched in the background
+    await asyncio.wait_for(asyncio.shield(plans.refreshing), 2.0)
+    provisional = plans.peek()
+    assert provisional is not None and provisional.provisional and plans.refreshing is None
+    clock.now += PROVISIONAL_REFRESH_S
+    planner.chunk_source = "eq3"
+    assert plans.peek() is provisional and plans.refreshing is not None
+    await asyncio.wait_for(asyncio.shield(plans.refreshing), 2.0)
+    measured = plans.peek()
+    assert measured is not None and not measured.provisional
+    await plans.aclose()

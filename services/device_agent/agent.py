@@ -223,7 +223,7 @@ class DeviceAgent:
         if asked is not None:
             return self._shape_config(DraftShape.parse(asked, max_draft)), None, None
         assert self.budget is not None and self.plans is not None  # budgeting needs a planner
-        plan = self.plans.plan
+        plan = self.plans.peek()
         cached, predicted = (plan.shape, plan.predicted) if plan is not None else (None, None)
         shape = self.budget.shapes[cached or s.default_shape()]
         tried = self.budget.next_trial(predicted, running=shape.name)

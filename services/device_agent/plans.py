@@ -105,10 +105,18 @@ class PlanCache:
         if self.plan is None:
             await asyncio.shield(self.refresh())  # a cancelled request leaves the shared fetch running
             return self.plan or self.default
-        refresh_s = min(self.refresh_s, PROVISIONAL_REFRESH_S) if self.plan.provisional else self.refresh_s
-        if self.clock() - self.plan.fetched_at >= refresh_s:
+        return self.peek() or self.default
+
+    def peek(self) -> Plan | None:
+        """The cached plan (None: none yet) without waiting; a missing or old one is refreshed in the background,
+        so a request that needs only the draft shape still keeps the plan current."""
+        plan = self.plan
+        refresh_s = (
+            min(self.refresh_s, PROVISIONAL_REFRESH_S) if plan is not None and plan.provisional else self.refresh_s
+        )
+        if plan is None or self.clock() - plan.fetched_at >= refresh_s:
             self.refresh()
-        return self.plan
+        return plan
 
     def refresh(self) -> asyncio.Task:
         """Start a refresh unless one is running (single flight); the task is owned here."""
