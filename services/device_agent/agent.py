@@ -26,27 +26,30 @@ from services.device_agent.link_probes import LinkProbes
 from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.rounds import ROUNDS
 from services.device_agent.settings import Settings
-from shared import auth, auth_client, latency_stats, wire
-from shared.device_speed import speed_schedule
-from shared.draft_budget import BudgetTracker, DraftShape
-from shared.hardening import with_noise, with_rotation
-from shared.heartbeat import with_heartbeats
+from shared.auth import client as auth_client
+from shared.auth import verify as auth
+from shared.auth.tls import client_context
 from shared.jupiter.plan import load_plan
-from shared.latency_stats import Timeline
-from shared.links import parse_link_spec, scaled_for_hidden
-from shared.metrics import DeviceMetrics
 from shared.model.checkpoint import load_checkpoint, split_fingerprint
 from shared.model.placement import detect_placement
-from shared.model.rotation import rotated_fingerprint
 from shared.modes import MODE_TABLE
+from shared.net.heartbeat import with_heartbeats
+from shared.net.links import parse_link_spec, scaled_for_hidden
+from shared.planning.device_speed import speed_schedule
+from shared.planning.draft_budget import BudgetTracker, DraftShape
+from shared.privacy.hidden_rotation import rotated_fingerprint
+from shared.privacy.uplink_hardening import with_noise, with_rotation
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
 from shared.specdec.draft_config import DraftConfig
 from shared.specdec.replay import FailoverExhausted, ReplayingCloud
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.trial_round import TrialRound
-from shared.telemetry_client import TelemetryClient
-from shared.tls import client_context
+from shared.telemetry import latency_stats
+from shared.telemetry.client import TelemetryClient
+from shared.telemetry.latency_stats import Timeline
+from shared.telemetry.metrics import DeviceMetrics
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.device_agent")
 
@@ -70,7 +73,7 @@ class DeviceAgent:
             self.checkpoint, settings.split_layers, settings.adapter or None, speculative=settings.speculative
         ).to(self.placement.device)
         tls = client_context(settings.tls_ca)  # trusts the mesh's CA for https:// planner and monitor
-        # This device's credentials (shared/auth_client.py): it enrolls with its bootstrap token at the issuer
+        # This device's credentials (shared/auth/client.py): it enrolls with its bootstrap token at the issuer
         # (its id and URL) and gets a token per service it calls (verifier, monitor, planner); callers of its own
         # /generate and /info are checked against the issuer's public keys (app.py). None: the mesh runs open.
         enrollment = (
@@ -109,9 +112,9 @@ class DeviceAgent:
             auth=auth_client.BrokerAuth(self.broker, auth.VERIFIER) if self.broker is not None else None,
         )
         self.probes.cloud = self.cloud
-        # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
-        # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
-        # Uplink hardening (shared/hardening.py) for the hidden-state modes: rotation inside the replay (replays are
+        # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the same one
+        # restarted) when theirs goes away mid-generation (shared/specdec/replay.py). Uplink hardening
+        # (shared/privacy/uplink_hardening.py) for the hidden-state modes: rotation inside the replay (replays are
         # rotated too), noise outside it (the replay log keeps the noisy rows, so a replay rebuilds the same cache).
         hidden_cloud = with_rotation(self.cloud, settings.hidden_rotation, self.checkpoint.hidden_size)
         self.sessions_cloud = with_noise(
@@ -303,7 +306,7 @@ class DeviceAgent:
             generated, accept_lengths = session.generated, session.accept_lengths
         else:  # like the reference decoder: every round after the first yields exactly one token
             generated, accept_lengths = delivered, [1] * max(0, len(delivered) - 1)
-        # shared/latency_stats.py's definitions; 0.0 where undefined (no token, one token, no round)
+        # shared/telemetry/latency_stats.py's definitions; 0.0 where undefined (no token, one token, no round)
         ttft, tbt = latency_stats.ttft_s(timeline) or 0.0, latency_stats.mean_tbt_s(timeline) or 0.0
         stats = {
             "prompt_tokens": len(ids),
