@@ -27,8 +27,8 @@ from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.rounds import ROUNDS
 from services.device_agent.settings import Settings
 from shared.auth import client as auth_client
-from shared.auth import verify as auth
 from shared.auth.tls import client_context
+from shared.auth.verify import ISSUER, PLANNER, VERIFIER
 from shared.jupiter.plan import load_plan
 from shared.model.checkpoint import load_checkpoint, split_fingerprint
 from shared.model.placement import detect_placement
@@ -47,7 +47,6 @@ from shared.specdec.sampling import SamplingParams
 from shared.specdec.trial_round import TrialRound
 from shared.telemetry import latency_stats
 from shared.telemetry.client import TelemetryClient
-from shared.telemetry.latency_stats import Timeline
 from shared.telemetry.metrics import DeviceMetrics
 from shared.wire import schema as wire
 
@@ -82,7 +81,7 @@ class DeviceAgent:
             else None
         )
         self.broker = auth_client.broker_for(settings, enrollment, tls)
-        monitor_auth = auth_client.BrokerAuth(self.broker, auth.ISSUER) if self.broker is not None else None
+        monitor_auth = auth_client.BrokerAuth(self.broker, ISSUER) if self.broker is not None else None
         self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls, auth=monitor_auth)
         self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
         self.telemetry.count_into(self.metrics.registry)  # its drops show on /metrics
@@ -109,7 +108,7 @@ class DeviceAgent:
                 split_fingerprint(settings.model_dir, settings.split_layers), settings.hidden_rotation
             ),
             tls_ca=settings.tls_ca,
-            auth=auth_client.BrokerAuth(self.broker, auth.VERIFIER) if self.broker is not None else None,
+            auth=auth_client.BrokerAuth(self.broker, VERIFIER) if self.broker is not None else None,
         )
         self.probes.cloud = self.cloud
         # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the same one
@@ -136,8 +135,7 @@ class DeviceAgent:
         # The planner's and the monitor's calls (plans, announcements, edge SD), each with its audience's token.
         http_auth = (
             auth_client.BrokerAuth(
-                self.broker,
-                audiences={settings.chunk_planner_url: auth.PLANNER, settings.state_monitor_url: auth.ISSUER},
+                self.broker, audiences={settings.chunk_planner_url: PLANNER, settings.state_monitor_url: ISSUER}
             )
             if self.broker is not None
             else None
@@ -267,7 +265,7 @@ class DeviceAgent:
         at its first event, `admission` is released and the session freed (by its rounds, once they have it)."""
         spec = MODE_TABLE[request.option("mode", self.settings)]
         started = time.perf_counter()
-        timeline = Timeline()  # seconds since `started`, one delivery per round
+        timeline = latency_stats.Timeline()  # seconds since `started`, one delivery per round
         detok = IncrementalDetokenizer(self.checkpoint.tokenizer, request.prefix_ids, request.prefix_text)
         session_id = random.getrandbits(63)
         delivered: list[int] = []  # the tokens, where no session counts them
