@@ -4,7 +4,7 @@
 URL and a service credential for the verifier and the streamer (shared/auth/verify.py), the state monitor's signing
 key file's mounted path and Redis password, and optionally the OpenAI endpoint's API key.
 `tophat-device.env`: what a device agent reads instead: the issuer's URL and one BOOTSTRAP token per device id
-(`device_ids`; each device uses the one naming its id, shared/auth_client.own_bootstrap). A bootstrap token
+(`device_ids`; each device uses the one naming its id, shared/auth/client.own_bootstrap). A bootstrap token
 enrolls only its own id, binds it at the first enrollment and ends when the device is revoked
 (services/state_monitor/issuer.py); it is never a signing key or a service's credential. Every device that
 mounts the file holds every listed id's token: to keep one device from holding another's, give each device a

@@ -124,7 +124,7 @@ class Issuer:
         return self.state.revoked_tokens
 
     def document(self) -> dict[str, Any]:
-        """What /credentials/jwks serves (shared/auth.Trust.from_document reads it)."""
+        """What /credentials/jwks serves (shared/auth/verify.Trust.from_document reads it)."""
         self._prune()
         return {**self.ring.jwks(), "revoked": sorted(self.revoked), "revoked_tokens": sorted(self.revoked_tokens)}
 
