@@ -1,4 +1,4 @@
-"""The draft budget against the verifier's load (shared/draft_budget.py), from figures measured in one run
+"""The draft budget against the verifier's load (shared/planning/draft_budget.py), from figures measured in one run
 (part of `make bench-core`; printed, never asserted).
 
 1. Each draft shape (none, chain, tree<N>) on the same held-out prompts through the in-process middle:
@@ -22,12 +22,12 @@ from dataclasses import replace
 import torch
 
 from loadgen.bench_core import DelayedCloud, load_bench_models
-from shared.compute_delay import ComputeDelayPredictor
-from shared.draft_budget import BudgetOption, DraftShape, LinkLoad, choose_budget, round_seconds
-from shared.links import parse_link_spec, scaled_for_hidden
 from shared.model.split import MiddleSubmodel
+from shared.net.links import parse_link_spec, scaled_for_hidden
+from shared.planning.compute_delay import ComputeDelayPredictor
+from shared.planning.draft_budget import BudgetOption, DraftShape, LinkLoad, choose_budget, round_seconds
+from shared.specdec.decode_loop import generate
 from shared.specdec.device_session import DeviceSession, DraftConfig
-from shared.specdec.engine import generate
 
 LOADS = (1, 2, 4, 8, 16, 32)
 SESSION_ROWS = 8

@@ -40,7 +40,7 @@ class ModeBench:
     workloads: tuple[str, ...]
     rates: tuple[float, ...]
     modes: tuple[str, ...]  # ignored by the ablation, which has its own rows
-    link: str  # every device's link (shared/links.py spec)
+    link: str  # every device's link (shared/net/links.py spec)
     runs: tuple[tuple[float | None, str], ...]  # per table: (emulated RTT in ms or None, the link with it)
     devices: int
     num_requests: int
@@ -262,8 +262,8 @@ def jupiter_report(
 def disco_bench_options(rate: float | None, link: str | None, budget: str, constraint: str, speed: str) -> dict:
     """`tophat bench disco`'s parsed options (ValueError for a bad one)."""
     from loadgen.bench_disco import DEFAULT_LINK, DEFAULT_RATE, DEFAULT_SPEED, parse_budgets, parse_constraint
-    from shared.device_speed import speed_schedule
-    from shared.links import parse_link_spec
+    from shared.net.links import parse_link_spec
+    from shared.planning.device_speed import speed_schedule
 
     rate = DEFAULT_RATE if rate is None else rate
     if rate <= 0:

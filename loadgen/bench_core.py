@@ -20,8 +20,8 @@ from shared.chat import has_chat_template
 from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.split import LayerRange, MiddleSubmodel, OutputSubmodel
 from shared.runtime import build_device_model
+from shared.specdec.decode_loop import GenerationResult, LocalCloud, generate
 from shared.specdec.device_session import DeviceSession, DraftConfig
-from shared.specdec.engine import GenerationResult, LocalCloud, generate
 from tophatctl.demo_model.corpus import held_out_prompts
 from tophatctl.models import resolve_model
 

@@ -16,7 +16,7 @@ greedy, so every mode answers each task with the same tokens: their latencies co
 
 Per request the client times TTFT and E2EL (send -> last token, which includes the round's wait for
 the slowest upload, as the paper's latency does). Per round the draft server's measured stage times
-go through eq. 20's recursion (shared/edge_sd/timeline.py): predicted vs measured inference time.
+go through eq. 20's recursion (loadgen/edge_sd_timeline.py): predicted vs measured inference time.
 Everything below `run_edge_sd_bench` is pure and tested in tests/test_bench_edge_sd.py.
 """
 
@@ -130,7 +130,7 @@ def memory_budget_bytes(config: dict[str, Any], cfg: EdgeSDBenchConfig, split_la
 
 def predicted_inference_s(stages: Sequence[dict[str, Any]]) -> float | None:
     """Eq. 20-22 on one round's measured stage times: T_inf the recursion predicts for that schedule."""
-    from shared.edge_sd.timeline import pipeline_timeline
+    from loadgen.edge_sd_timeline import pipeline_timeline
 
     if not stages or any("verify_s" not in s for s in stages):
         return None

@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
-from shared import latency_stats
-from shared.latency_stats import Timeline
+from shared.telemetry import latency_stats
+from shared.telemetry.latency_stats import Timeline
 from tophatctl.demo_model.corpus import held_out_files
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig

@@ -81,8 +81,8 @@ class Wire:
 
 async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire, stats: ModeStats, downlink, top_k):
     from services.device_agent.token_mode import token_decode
+    from shared.specdec.decode_loop import fixed_chunks, run_session
     from shared.specdec.device_session import DeviceSession, DraftConfig
-    from shared.specdec.engine import fixed_chunks, run_session
     from shared.specdec.sampling import SamplingParams
     from shared.specdec.stream_engine import StreamTimings, hat_async_session, token_stream_session
     from shared.specdec.stream_session import StreamSession
@@ -151,9 +151,9 @@ async def bench_rtt(checkpoint, model, prompts_ids, rtt_ms, modes, max_new, conf
     from services.verifier_cloud.server import VerifierServer
     from services.verifier_cloud.settings import Settings
     from services.verifier_cloud.token_mode import TokenModel
-    from shared.links import LinkProfile
     from shared.model.checkpoint import split_fingerprint
     from shared.model.split import MiddleSubmodel
+    from shared.net.links import LinkProfile
 
     m = config["split_layers"]
     settings = Settings(port=0, split_layers=m, model_dir=str(checkpoint.path), full_model=True)

@@ -22,8 +22,8 @@ from loadgen.simulate.fit import from_telemetry
 from loadgen.simulate.modes import SimMode, parse_modes
 from loadgen.simulate.report import compare_with_real
 from loadgen.simulate.run import SimConfig, simulate_grid
-from shared.links import parse_link_spec, scaled_for_hidden
 from shared.model.checkpoint import read_config
+from shared.net.links import parse_link_spec, scaled_for_hidden
 from shared.runtime import DEFAULT_SPLIT_LAYERS
 from tophatctl.mesh import Mesh
 from tophatctl.mesh_config import MeshConfig

@@ -23,8 +23,8 @@ import torch
 from loadgen.bench_core import DelayedCloud, load_bench_models
 from shared.model.split import LayerRange, MiddleSubmodel, OutputSubmodel
 from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
+from shared.specdec.decode_loop import generate
 from shared.specdec.device_session import DeviceSession, DraftConfig
-from shared.specdec.engine import generate
 
 
 def tree_verify_ms(middle: MiddleSubmodel, hidden_size: int, nodes: int, width: int, repeats: int = 5) -> float:

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from shared.wire import VerifyRequest, VerifyResult, WireDtype, decode, encode
+from shared.wire.schema import VerifyRequest, VerifyResult, WireDtype, decode, encode
 
 TARGET_GBPS = 1.0
 SID = 2**63  # worst-case (9-byte) session id

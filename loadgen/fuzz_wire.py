@@ -1,6 +1,6 @@
 """Wire fuzzer: seeded mutations of valid frames sent to a live verifier over one WebSocket.
 
-Every mutated frame is first decoded here with the verifier's own rules (`shared.wire.decode`,
+Every mutated frame is first decoded here with the verifier's own rules (`shared.wire.schema.decode`,
 same frame limit and hidden size), so the fuzzer knows which frames are bad and which typed
 code the verifier must answer with. Frames are sent one at a time and each gets exactly one
 reply, so replies line up with frames without any matching. Frames that still decode and
@@ -30,7 +30,7 @@ import torch
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from shared import wire
+from shared.wire import schema as wire
 
 log = logging.getLogger("loadgen.fuzz_wire")
 

@@ -23,8 +23,8 @@ from shared.model.checkpoint import Checkpoint, load_checkpoint
 from shared.model.placement import Placement, detect_placement
 from shared.model.split import LayerRange, MiddleSubmodel, warm_up_layers
 from shared.runtime import build_device_model
+from shared.specdec.decode_loop import LocalCloud, generate
 from shared.specdec.device_session import DeviceSession, DraftConfig, warm_up_device
-from shared.specdec.engine import LocalCloud, generate
 from tophatctl.models import MODELS_DIR, resolve_model
 
 log = logging.getLogger("bench_gpu")

@@ -7,9 +7,9 @@ Definitions (times are seconds from the start of the run; stats are reported in 
 * TBT: every gap between consecutive delivered tokens. The stream carries text,
   not tokens, and one chunk can carry a whole speculative round, so a chunk of k
   tokens arriving G after the previous one counts as k gaps of G/k, and the first
-  chunk's extra k-1 tokens as gaps of 0 -- shared/latency_stats.py, the one
+  chunk's extra k-1 tokens as gaps of 0 -- shared/telemetry/latency_stats.py, the one
   definition the streamer, the engine and the chat client use too. (vllm's ITL
-  would be one gap per chunk.) Each chunk's token count: shared/chunk_tokens.py.
+  would be one gap per chunk.) Each chunk's token count: tophatctl/chunk_tokens.py.
 * TPOT = (E2E - TTFT) / (output tokens - 1); undefined for one-token outputs.
 * E2E = end of the stream ([DONE] or failure) - arrival.
 * HAT SLAs: prefill SLA = TTFT per 128 prompt tokens = TTFT * 128 / prompt tokens;
@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from shared import latency_stats
-from shared.chunk_tokens import chunk_token_counts
-from shared.latency_stats import Timeline
+from shared.telemetry import latency_stats
+from shared.telemetry.latency_stats import Timeline
+from tophatctl.chunk_tokens import chunk_token_counts
 
 PREFILL_SLA_TOKENS = 128
 DECODE_SLA_TOKENS = 10

@@ -5,7 +5,7 @@ a closed loop would slow its own arrivals down exactly when the server is
 overloaded. Every request is an owned task in one TaskGroup that sleeps until its
 arrival, optionally waits for a concurrency slot (that wait counts in TTFT), then
 POSTs a streamed `/v1/completions` with `stream_options.include_usage` and
-timestamps every content chunk as it is parsed (shared/sse.py, the one SSE
+timestamps every content chunk as it is parsed (tophatctl/sse.py, the one SSE
 client, shared with the chat client). A request that fails in any way
 (HTTP status, error chunk, no `[DONE]`, network error, per-request timeout) is
 recorded with its error and counted, never dropped.
@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from loadgen.metrics import RequestRecord, reconcile_tokens, request_row
 from loadgen.workloads import WorkloadRequest
-from shared.sse import StreamError, StreamStats, auth_headers, stream_chunks
+from tophatctl.sse import StreamError, StreamStats, auth_headers, stream_chunks
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ async def fetch_verifier_steps(
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    from shared.telemetry import VERIFIER_STEPS
+    from shared.telemetry.sink import VERIFIER_STEPS
 
     client = aioredis.from_url(
         redis_url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.tls import check_server_files
+from shared.auth.tls import check_server_files
 
 
 @dataclass(frozen=True)
 class ServiceSettings:
-    # The mesh's credentials (shared/auth.py). auth_issuer_url: the issuer (the state monitor) whose public keys
+    # The mesh's credentials (shared/auth/verify.py). auth_issuer_url: the issuer (the state monitor) whose public keys
     # this service verifies callers with and which gives it tokens; empty: open, as before. auth_credential:
     # this service's own credential for the issuer (a service's from the operator; a device's BOOTSTRAP token);
     # repr=False: settings are never printed with it. auth_leeway_s: clock skew allowed on exp/nbf;
@@ -25,7 +25,7 @@ class ServiceSettings:
     auth_leeway_s: float = 30.0
     auth_refresh_s: float = 1.0
     log_level: str = "info"
-    # TLS (shared/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
+    # TLS (shared/auth/tls.py). tls_cert + tls_key: PEM files; with both this service serves only TLS (https/wss),
     # with neither plain. tls_ca: the CA file trusted for outgoing https/wss (empty: the system's CAs).
     tls_cert: str = ""
     tls_key: str = ""

@@ -8,8 +8,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from shared import auth
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 
 
 @contextlib.asynccontextmanager

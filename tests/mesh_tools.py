@@ -98,7 +98,7 @@ def split_identity(checkpoint, split_layers: int = 2) -> dict:
 
 async def open_session(ws, checkpoint, session_id: int, split_layers: int = 2):
     """OpenSession for `checkpoint` split at m on an open verifier socket, and the verifier's answer."""
-    from shared import wire
+    from shared.wire import schema as wire
 
     identity = split_identity(checkpoint, split_layers)
     await ws.send(wire.encode(wire.OpenSession(session_id, checkpoint.hidden_size, **identity)))
@@ -116,7 +116,7 @@ async def verifier_on_loopback(checkpoint, split_layers: int = 2, token_model=No
     settings = Settings(**{"port": 0, "split_layers": split_layers, "model_dir": str(checkpoint.path), **overrides})
     middle = MiddleSubmodel(checkpoint, split_layers)
     if settings.hidden_rotation:  # as from_settings does, on a copy: the caller's checkpoint stays the public one
-        from shared.model.rotation import apply_secret_rotation
+        from shared.privacy.hidden_rotation import apply_secret_rotation
 
         middle = copy.deepcopy(middle)
         apply_secret_rotation(middle, settings.hidden_rotation)

@@ -1,4 +1,4 @@
-"""Credentials (shared/auth.py, shared/auth_keys.py): EdDSA JWTs checked for signature, algorithm, audience,
+"""Credentials (shared/auth/verify.py, shared/auth/signing.py): EdDSA JWTs checked for signature, algorithm, audience,
 time window with leeway, kid and revocation, each refusal a typed reason."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from fastapi import FastAPI, Request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import auth
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 
 RING = KeyRing.generate()
 LEEWAY = 30.0

@@ -1,4 +1,4 @@
-"""The callers' side (shared/auth_client.py) against the real issuer app: a device enrolls with its bootstrap
+"""The callers' side (shared/auth/client.py) against the real issuer app: a device enrolls with its bootstrap
 token and renews its credential; the streamer's token for a device is for that device only."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 from services.state_monitor.app import create_app
 from services.state_monitor.settings import load_settings
-from shared import auth
-from shared.auth_client import BrokerAuth, CredentialUnavailable, Enrollment, TokenBroker
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.client import BrokerAuth, CredentialUnavailable, Enrollment, TokenBroker
+from shared.auth.signing import KeyRing
 
 
 class Clock:

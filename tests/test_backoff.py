@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.backoff import Backoff
+from shared.net.backoff import Backoff
 
 
 def test_doubles_from_initial_up_to_the_cap():

@@ -20,7 +20,7 @@ from loadgen.bench_edge_sd import (
     trace,
     user_snrs_db,
 )
-from shared.edge_sd.timeline import pipeline_timeline
+from loadgen.edge_sd_timeline import pipeline_timeline
 
 
 def test_snrs_follow_the_cell_model():

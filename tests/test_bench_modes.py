@@ -7,7 +7,7 @@ import json
 import pytest
 
 from loadgen.bench import link_with_rtt, modes_for, save_table
-from shared.links import parse_link_spec
+from shared.net.links import parse_link_spec
 
 
 def test_the_stream_modes_are_bench_modes_and_token_modes_get_the_full_model():

@@ -16,12 +16,12 @@ from websockets.asyncio.client import connect
 
 from services.device_agent.cloud_client import WebSocketCloud
 from services.verifier_cloud.token_mode import TokenModel
-from shared import wire
 from shared.capture import MAGIC, CaptureFormatError, CaptureWriter, read_capture
 from shared.runtime import build_device_model
+from shared.specdec.decode_loop import generate
 from shared.specdec.device_session import DeviceSession, DraftConfig
-from shared.specdec.engine import generate
 from shared.specdec.sampling import SamplingParams
+from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2

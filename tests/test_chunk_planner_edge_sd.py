@@ -14,11 +14,11 @@ import pytest
 
 from services.chunk_planner.settings import load_settings
 from services.state_monitor.app import create_app as create_monitor
-from shared import auth
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 from shared.edge_sd.plan import PlanDefaults
 from shared.edge_sd.runtime import RuntimeModel
-from shared.redis_server import EmbeddedRedis, free_port
+from shared.processes.redis_server import EmbeddedRedis, free_port
 from shared.settings import SettingsError
 from tests.auth_tools import bearer, jwks_server
 from tests.test_chunk_planner import MONITOR, Hang, running

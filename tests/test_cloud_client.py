@@ -50,7 +50,7 @@ async def test_several_replicas_are_tried_in_turn() -> None:
     """A dead first replica is skipped; after the live one's connection closes, the other is tried first."""
     import socket
 
-    from shared import wire
+    from shared.wire import schema as wire
 
     accepted: list[int] = []
 
@@ -90,7 +90,7 @@ async def test_an_overloaded_verifier_times_out_and_is_not_sent_the_context_agai
     connection; the replay does not count it as lost, so the verifier is not sent the session again."""
     import torch
 
-    from shared import wire
+    from shared.wire import schema as wire
 
     received: list[str] = []
 

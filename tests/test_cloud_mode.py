@@ -20,14 +20,14 @@ from services.device_agent.token_mode import token_decode
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import Settings, load_settings
 from services.verifier_cloud.token_mode import TokenModel
-from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
 from shared.settings import SettingsError
+from shared.specdec.decode_loop import fixed_chunks, run_session
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
+from shared.wire import schema as wire
 from tests.mesh_tools import CapturingRelay, device_agent_http, split_identity, verifier_on_loopback
 
 M = 2

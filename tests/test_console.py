@@ -17,8 +17,8 @@ from services.state_monitor.settings import load_settings as monitor_settings
 from services.token_streamer.app import create_app
 from services.token_streamer.console import read_assets
 from services.token_streamer.settings import load_settings
-from shared.console_history import ConsoleHistory
-from shared.console_mesh import device_rows, g_points, interpolate, mesh_view, verifier_rows
+from shared.console.history import ConsoleHistory
+from shared.console.mesh import device_rows, g_points, interpolate, mesh_view, verifier_rows
 from shared.modes import MODES
 
 ROOT = Path(__file__).resolve().parent.parent

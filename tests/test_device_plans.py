@@ -14,7 +14,7 @@ from services.device_agent import settings as device_settings
 from services.device_agent.agent import DeviceAgent
 from services.device_agent.app import create_app
 from services.device_agent.plans import PROVISIONAL_REFRESH_S, PlanCache, wire_bytes_per_token
-from shared.wire import WireDtype
+from shared.wire.schema import WireDtype
 from tests.mesh_tools import verifier_on_loopback
 
 PLANNER = "http://planner"

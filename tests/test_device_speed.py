@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from shared.device_speed import SPEED_CLASSES, DeviceSpeed, SpeedSchedule, slowed, speed_schedule
+from shared.planning.device_speed import SPEED_CLASSES, DeviceSpeed, SpeedSchedule, slowed, speed_schedule
 
 
 def test_schedule_switches_every_n_requests_and_cycles() -> None:

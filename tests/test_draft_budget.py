@@ -1,4 +1,4 @@
-"""The draft budget per round (shared/draft_budget.py): the policy, the planner's POST /draft-budget from a
+"""The draft budget per round (shared/planning/draft_budget.py): the policy, the planner's POST /draft-budget from a
 live state monitor, and the device's per-shape measurements."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from services.chunk_planner.settings import load_settings
-from shared.draft_budget import (
+from shared.planning.draft_budget import (
     MAX_ROWS,
     TRIAL_SHARE,
     BudgetError,
@@ -25,7 +25,7 @@ from shared.draft_budget import (
     predicted_rates,
     round_seconds,
 )
-from shared.planners import PlannerInputs
+from shared.planning.planners import PlannerInputs
 from tests.conftest import REPO_ROOT
 from tests.test_chunk_planner import monitor, planner_settings, post, running
 
@@ -253,7 +253,7 @@ def test_an_absurd_load_still_gives_a_json_answer() -> None:
 def test_the_row_limit_is_the_wires_and_the_planner_and_the_streamer_start_without_torch():
     """MAX_ROWS is the wire's tree limit written out, so that neither service loads torch (~2 s of each one's
     start-up in every mesh) for the one constant."""
-    from shared import wire
+    from shared.wire import schema as wire
 
     assert MAX_ROWS == wire.MAX_TREE_ROWS
     code = "import sys, services.chunk_planner.__main__, services.token_streamer.__main__;print('torch' in sys.modules)"

@@ -18,7 +18,7 @@ from shared.edge_sd.bandwidth import (
     upload_times,
     user_rates_bytes_s,
 )
-from shared.links import LinkProfile
+from shared.net.links import LinkProfile
 
 BAND_HZ = 25e6  # the paper's Fig. 9 anchor: B_w = 25 MHz
 BITS = embedding_bits_per_token(768, 4096)  # λ = 16 (h1_d + h1_v) for a LLaMA-68M / LLaMA-7B pair

@@ -213,9 +213,9 @@ def test_speculation_length_from_the_dp():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_dp_latency_is_the_timeline_modules_eq_20_schedule(seed):
-    """pipeline_latency is eq. 20 vectorised over steps for the DP's inner loop; timeline.py is the same
+    """pipeline_latency is eq. 20 vectorised over steps for the DP's inner loop; loadgen/edge_sd_timeline.py is the same
     recursion step by step with every start and end: both must give the same T_inf."""
-    from shared.edge_sd.timeline import pipeline_timeline
+    from loadgen.edge_sd_timeline import pipeline_timeline
 
     costs, tasks = _random_case(seed)
     batches = dp_batching(costs, tasks).batches

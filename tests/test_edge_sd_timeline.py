@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from shared.edge_sd.timeline import (
+from loadgen.edge_sd_timeline import (
     TimelineInputError,
     pipeline_timeline,
     sequential_timeline,

@@ -13,8 +13,8 @@ import torch
 
 from shared.model.adapter import AdapterSpec, DraftAdapter
 from shared.model.split import MiddleSubmodel
+from shared.specdec.decode_loop import LocalCloud, generate
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig, SessionError
-from shared.specdec.engine import LocalCloud, generate
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 from tests.stat_tools import assert_matches, exact_marginals
@@ -213,7 +213,7 @@ def test_bad_requests_are_typed_errors(tiny_checkpoint):
 def test_round_timings_exclude_the_cloud_wait_and_include_the_consumer(tiny_checkpoint):
     """The engine's per-round overhead (the simulator's round_overhead_s) is the time after the
     cloud's answer: it must not contain a slow cloud, and must contain a slow consumer."""
-    from shared.specdec.engine import run_session
+    from shared.specdec.decode_loop import run_session
 
     class SlowCloud(LocalCloud):
         async def verify(self, session_id, commit_len, shallow):
@@ -239,7 +239,7 @@ def test_round_timings_exclude_the_cloud_wait_and_include_the_consumer(tiny_chec
 def test_parallel_drafting_when_the_answer_lands_before_its_callback_runs(tiny_checkpoint):
     """An offload that yields once lets a fast verification finish while pre-drafting is being
     scheduled: `await verifying` then returns before the future's done callbacks have run."""
-    from shared.specdec.engine import run_session
+    from shared.specdec.decode_loop import run_session
 
     async def yielding_offload(fn, *args):
         await asyncio.sleep(0)
@@ -327,7 +327,7 @@ def test_a_request_cancelled_while_its_session_opens_frees_both_sides(tiny_llama
     """The client can go away while OpenSession is in flight: the cloud session that the open created and the
     device's own KV must both be freed, not left for the verifier's idle TTL."""
     from shared.model.checkpoint import load_checkpoint
-    from shared.specdec.engine import run_session
+    from shared.specdec.decode_loop import run_session
 
     checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
     device = DeviceModel.from_checkpoint(checkpoint, 2, None)

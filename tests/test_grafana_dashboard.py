@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from shared.metrics import (
+from shared.telemetry.metrics import (
     DeviceMetrics,
     MonitorMetrics,
     PlannerMetrics,

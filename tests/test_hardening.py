@@ -1,5 +1,5 @@
-"""Uplink hardening (shared/hardening.py): through a re-parameterised cloud the secret rotation keeps greedy
-output token-identical to the unsplit model while the cloud never sees the plain shallow states; uplink
+"""Uplink hardening (shared/privacy/uplink_hardening.py): through a re-parameterised cloud the secret rotation keeps
+greedy output token-identical to the unsplit model while the cloud never sees the plain shallow states; uplink
 noise has the asked scale and is off at sigma 0; the agent and the verifier wire both from their settings."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from shared.hardening import NoisyUplink, RotatingCloud
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
-from shared.model.rotation import RotationError, rotate_layers, secret_rotation
 from shared.model.split import MiddleSubmodel
+from shared.privacy.hidden_rotation import RotationError, rotate_layers, secret_rotation
+from shared.privacy.uplink_hardening import NoisyUplink, RotatingCloud
+from shared.specdec.decode_loop import LocalCloud, generate
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import LocalCloud, generate
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 from tests.conftest import DEMO_MODEL_DIR

@@ -1,6 +1,6 @@
 """A request that waits is alive, a silent device is dead (issue 48 point 6).
 
-shared/heartbeat.py's `with_heartbeats` by itself; then the streamer's line timeout against device doubles
+shared/net/heartbeat.py's `with_heartbeats` by itself; then the streamer's line timeout against device doubles
 that wait longer than it, with heartbeats (the request completes, plain and under a DiSCo dispatch) and
 without (device_timeout); then a real device agent (demo model, real verifier) whose verifier keeps a reply
 waiting longer than the streamer's line timeout.
@@ -19,7 +19,7 @@ import pytest
 
 from services.device_agent import app as device_app
 from services.device_agent.agent import DeviceAgent
-from shared.heartbeat import with_heartbeats
+from shared.net.heartbeat import with_heartbeats
 from tests.mesh_tools import loopback_agent_settings, verifier_on_loopback
 from tests.test_token_streamer import WORDS, FakeDevice, create_app, expected_text, load_settings, mesh, serve
 

@@ -19,8 +19,8 @@ import torch
 from websockets.asyncio.client import connect
 
 from services.verifier_cloud.settings import Settings
-from shared import wire
-from shared.process_memory import return_freed_memory_to_os
+from shared.processes.memory import return_freed_memory_to_os
+from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2

@@ -18,9 +18,9 @@ import pytest
 
 from services.state_monitor.app import create_app
 from services.state_monitor.settings import load_settings
-from shared import auth
-from shared.auth_keys import KeyRing
-from shared.redis_server import EmbeddedRedis
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
+from shared.processes.redis_server import EmbeddedRedis
 
 DEVICE_URL = "http://10.0.0.7:8200"
 THIEF_URL = "http://10.6.6.6:8200"

@@ -19,8 +19,8 @@ from services.device_agent.cloud_client import CloudError, WebSocketCloud
 from services.device_agent.kept import KeptSessions
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import Settings
-from shared import wire
 from shared.model.kv_cache import SessionKV
+from shared.wire import schema as wire
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import device_agent_http, serving_verifier, split_identity, verifier_on_loopback
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import latency_stats as ls
-from shared.latency_stats import Timeline
+from shared.telemetry import latency_stats as ls
+from shared.telemetry.latency_stats import Timeline
 
 
 def test_speculative_rounds_split_their_gap_over_their_tokens() -> None:
@@ -95,7 +95,7 @@ def test_summary() -> None:
 
 
 def test_the_engine_result_reports_these_definitions() -> None:
-    from shared.specdec.engine import GenerationResult
+    from shared.specdec.decode_loop import GenerationResult
 
     # 1 token at 0.4 s (prefill), then rounds of 2 and 3 tokens: span 0.5 s over 5 later tokens.
     result = GenerationResult(list(range(6)), [2, 3], [0.4, 0.6, 0.6, 0.9, 0.9, 0.9])

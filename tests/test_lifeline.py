@@ -3,7 +3,7 @@ leaves no child running and no port held, within a few seconds.
 
 The fast test runs a small launcher in a subprocess: two tethered stdlib HTTP servers started as the mesh
 starts its services (tophatctl/service_process.py, one behind an exec'ing wrapper as `ip netns exec` is),
-and a plain program started as the embedded Redis is (shared/lifeline.py die_with_parent). The slow one
+and a plain program started as the embedded Redis is (shared/processes/lifeline.py die_with_parent). The slow one
 does the same to a real `tophat up` with the demo model and reads its pids from its state file.
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.lifeline import GRACE_S, TETHER_FD_ENV, Tether, watch_tether
-from shared.redis_server import free_port
+from shared.processes.lifeline import GRACE_S, TETHER_FD_ENV, Tether, watch_tether
+from shared.processes.redis_server import free_port
 from tests.conftest import DEMO_MODEL_DIR
 from tophatctl.mesh_ports import find_port_base, layout, port_in_use
 from tophatctl.service_process import REPO_ROOT
@@ -31,7 +31,7 @@ GONE_WITHIN_S = GRACE_S + 3.0  # SIGTERM at once, SIGKILL after the grace at the
 LAUNCHER = textwrap.dedent("""
     import json, subprocess, sys, time
     from pathlib import Path
-    from shared.lifeline import Tether, die_with_parent
+    from shared.processes.lifeline import Tether, die_with_parent
     from tophatctl.service_process import start_process, tethered_command
 
     log, ports = Path(sys.argv[1]), sys.argv[2:]
@@ -90,7 +90,7 @@ def test_sigkilled_launcher_takes_its_children_and_their_ports_with_it(tmp_path)
 def test_a_closed_tether_stops_its_watcher_and_an_open_one_does_not(tmp_path):
     child = textwrap.dedent("""
         import time
-        from shared.lifeline import watch_tether
+        from shared.processes.lifeline import watch_tether
         watch_tether(grace_s=1.0)
         time.sleep(60)
     """)

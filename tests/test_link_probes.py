@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from services.device_agent.link_probes import LinkProbes
-from shared.telemetry_client import TelemetryClient
+from shared.telemetry.client import TelemetryClient
 
 
 class FakeCloud:

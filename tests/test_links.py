@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from shared.links import MB, PROFILES, UNSHAPED, LinkProfile, parse_link_spec, scaled_for_hidden
+from shared.net.links import MB, PROFILES, UNSHAPED, LinkProfile, parse_link_spec, scaled_for_hidden
 
 
 def test_named_profiles_lie_in_the_papers_ranges() -> None:

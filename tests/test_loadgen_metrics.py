@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from loadgen import metrics as m
 from loadgen.metrics import RequestRecord
-from shared.chunk_tokens import apportion
+from tophatctl.chunk_tokens import apportion
 
 
 def trace(

@@ -244,7 +244,7 @@ def test_verifier_steps_are_read_from_redis_for_the_run_window() -> None:
     import redis
 
     from loadgen.runner import fetch_verifier_steps
-    from shared.redis_server import EmbeddedRedis, EmbeddedRedisError
+    from shared.processes.redis_server import EmbeddedRedis, EmbeddedRedisError
 
     try:
         srv = EmbeddedRedis().start()

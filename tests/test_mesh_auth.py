@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from shared import auth
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 from shared.specdec.reference import generate_full
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import wait_until

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import stat
 
-from shared import auth
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 from shared.settings import SETTINGS_FILE_VAR
 from tophatctl.mesh_secrets import make_mesh_secrets
 
@@ -69,7 +69,7 @@ def test_one_bootstrap_token_per_device_id_and_each_device_uses_its_own(tmp_path
     import pytest
 
     from services.device_agent.settings import load_settings as device
-    from shared.auth_client import own_bootstrap
+    from shared.auth.client import own_bootstrap
 
     _, device_path, keys_path, _ = make_mesh_secrets(tmp_path, device_ids=["jetson-07", "jetson-08"])
     trust = auth.TokenVerifier(auth.Trust.from_document(KeyRing.load(keys_path).jwks()))

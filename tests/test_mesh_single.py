@@ -12,8 +12,8 @@ import httpx
 import pytest
 import redis
 
-from shared import wire
 from shared.specdec.reference import generate_full
+from shared.wire import schema as wire
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import CapturingRelay
 from tophatctl.demo_model.corpus import held_out_prompts

@@ -29,7 +29,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from shared import metrics, wire
+from shared.telemetry import metrics
+from shared.wire import schema as wire
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import CapturingRelay
 from tophatctl.mesh import Mesh

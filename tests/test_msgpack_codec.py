@@ -1,4 +1,4 @@
-"""The msgpack layer under the wire and the stage codec (shared/msgpack_codec.py): registry, limits, errors."""
+"""The msgpack layer under the wire and the stage codec (shared/wire/msgpack_codec.py): registry, limits, errors."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import dataclasses
 import msgpack
 import pytest
 
-from shared.msgpack_codec import CodecError, FrameTooLarge, MessageRegistry, NotMsgpack, UnpackLimits, pack, unpack
-from shared.stage_codec import StageLinkError
-from shared.wire import WireError
+from shared.wire.msgpack_codec import CodecError, FrameTooLarge, MessageRegistry, NotMsgpack, UnpackLimits, pack, unpack
+from shared.wire.schema import WireError
+from shared.wire.stage_codec import StageLinkError
 
 
 @dataclasses.dataclass

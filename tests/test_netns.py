@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from shared.links import UNSHAPED, LinkProfile
+from shared.net.links import UNSHAPED, LinkProfile
 from tophatctl import netns
 from tophatctl.netns import NetnsLink, subnet_for_index, tc_commands
 

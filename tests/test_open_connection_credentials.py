@@ -14,9 +14,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from services.verifier_cloud.http_front import CREDENTIAL_CLOSE_CODE
-from shared import auth, wire
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 from shared.model.checkpoint import load_checkpoint
+from shared.wire import schema as wire
 from tests.auth_tools import jwks_server, wait_trusted
 from tests.mesh_tools import open_session, verifier_on_loopback
 

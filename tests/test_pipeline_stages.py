@@ -26,14 +26,14 @@ from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings, load_settings
 from services.verifier_cloud.work import ErrorKind
-from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel, SplitError
 from shared.settings import SettingsError
+from shared.specdec.decode_loop import fixed_chunks, run_session
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
+from shared.wire import schema as wire
 from tests.mesh_tools import split_identity
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -161,7 +161,7 @@ def test_stage_plan_refuses_what_the_resolver_refuses():
 
 
 def _through_wire(t: torch.Tensor, wire_dtype) -> torch.Tensor:
-    from shared import wire
+    from shared.wire import schema as wire
 
     encoded = wire.encode_tensor(t, wire_dtype)
     encoded["b"] = bytes(encoded["b"])  # what msgpack hands the receiver
@@ -208,8 +208,8 @@ def split_greedy(checkpoint, ids: list[int], max_new: int, wire_dtype, chunk_siz
     from services.verifier_cloud.runner import ModelRunner
     from shared.model.split import MiddleSubmodel
     from shared.runtime import RANDOM_ADAPTER, build_device_model
+    from shared.specdec.decode_loop import generate
     from shared.specdec.device_session import DeviceSession, DraftConfig
-    from shared.specdec.engine import generate
 
     device_model = build_device_model(checkpoint, 2, RANDOM_ADAPTER, speculative=max_draft > 0)
     runner = ModelRunner(MiddleSubmodel(checkpoint, 2), checkpoint.config.max_position_embeddings)
@@ -352,7 +352,7 @@ def test_bfloat16_split_equals_the_unsplit_model_making_the_same_passes(
     differ by one bf16 step from the same logit computed in a pass of another size (the kernels round per
     shape; fp32's difference is far below the logit gaps). So chunked and speculative runs are compared with
     the unsplit model making the very same passes, and must equal it token for token."""
-    from shared.planners import fixed_chunks
+    from shared.planning.planners import fixed_chunks
 
     checkpoint = load_bf16(model, tiny_llama_dir, tiny_qwen2_dir)
     rng = random.Random(11)

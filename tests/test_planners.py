@@ -1,4 +1,4 @@
-"""HAT planners (shared.planners): eq. 3 chunk size and eq. 6 parallel-draft steps, pure functions."""
+"""HAT planners (shared.planning.planners): eq. 3 chunk size and eq. 6 parallel-draft steps, pure functions."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.compute_delay import ComputeDelayPredictor
-from shared.planners import (
+from shared.planning.compute_delay import ComputeDelayPredictor
+from shared.planning.planners import (
     CHUNK_ALIGN,
     PlannerInputs,
     chunk_size_eq3,
@@ -22,7 +22,7 @@ from shared.planners import (
     plan_from_state,
     predictor_from_cloud_state,
 )
-from shared.state_model import CloudState
+from shared.planning.state_model import CloudState
 
 light = settings(max_examples=150, deadline=None)
 

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from shared.model.rotation import secret_rotation
+from shared.privacy.hidden_rotation import secret_rotation
 from shared.specdec.reference import generate_full
 from tophatctl.privacy.command import format_privacy_table
 from tophatctl.privacy.harness import Captured, capture_run, cost_row

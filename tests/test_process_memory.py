@@ -1,4 +1,4 @@
-"""shared/process_memory.py: with the threshold fixed, freed large tensors leave the process; without, they stay."""
+"""shared/processes/memory.py: with the threshold fixed, freed large tensors leave the process; without, they stay."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 PROBE = """
 import sys, torch
-from shared.process_memory import return_freed_memory_to_os
+from shared.processes.memory import return_freed_memory_to_os
 def rss():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")) / 1024
 if sys.argv[1] == "fixed":

@@ -21,8 +21,8 @@ from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel, SplitModel
 from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
 from shared.runtime import build_device_model
+from shared.specdec.decode_loop import LocalCloud, generate
 from shared.specdec.device_session import DeviceSession, DraftConfig
-from shared.specdec.engine import LocalCloud, generate
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 from tophatctl.adapter_training.dataset import user_prompt_ids

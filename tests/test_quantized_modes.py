@@ -20,8 +20,8 @@ from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel
 from shared.runtime import build_device_model
+from shared.specdec.decode_loop import LocalCloud, fixed_chunks, generate
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import LocalCloud, fixed_chunks, generate
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.stream_engine import StreamConfig, hat_async_session, stream_config, token_stream_session

@@ -1,4 +1,4 @@
-"""shared/rate_limit.py: the token bucket per credential, driven by a fake clock (no sleeping)."""
+"""shared/net/rate_limit.py: the token bucket per credential, driven by a fake clock (no sleeping)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.rate_limit import RateLimiter, TokenBucket, address_key, retry_after_s
+from shared.net.rate_limit import RateLimiter, TokenBucket, address_key, retry_after_s
 
 
 class Clock:

@@ -17,10 +17,11 @@ from websockets.exceptions import ConnectionClosed
 from services.device_agent.cloud_client import WebSocketCloud
 from services.device_agent.reauth import keep_fresh, renew_at
 from services.verifier_cloud.http_front import CREDENTIAL_CLOSE_CODE
-from shared import auth, wire
-from shared.auth_client import CredentialUnavailable, unverified_claims
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.client import CredentialUnavailable, unverified_claims
+from shared.auth.signing import KeyRing
 from shared.model.checkpoint import load_checkpoint
+from shared.wire import schema as wire
 from tests.auth_tools import jwks_server, wait_trusted
 from tests.mesh_tools import open_session, split_identity, verifier_on_loopback
 

@@ -12,8 +12,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from shared import telemetry as tk
-from shared.redis_server import EmbeddedRedis, EmbeddedRedisError, redis_server_executable, resolve_redis_url
+from shared.processes.redis_server import EmbeddedRedis, EmbeddedRedisError, redis_server_executable, resolve_redis_url
+from shared.telemetry import sink as tk
 
 
 def test_executable_is_bundled_binary() -> None:
@@ -150,7 +150,7 @@ def test_each_server_gets_its_own_password_and_keeps_it_across_restarts() -> Non
 
 
 def test_start_logs_no_password(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="shared.redis_server")
+    caplog.set_level(logging.DEBUG, logger="shared.processes.redis_server")
     with EmbeddedRedis() as server:
         password = server.password
     assert caplog.records and not any(password in r.getMessage() for r in caplog.records)
@@ -204,7 +204,7 @@ def test_only_loopback_addresses_are_accepted() -> None:
 
 
 def test_with_password_adds_credentials_only_where_none_are_given():
-    from shared.redis_server import with_password
+    from shared.processes.redis_server import with_password
 
     assert with_password("redis://redis:6379/0", "p@ss/w") == "redis://:p%40ss%2Fw@redis:6379/0"
     assert with_password("redis://:given@redis:6379/0", "other") == "redis://:given@redis:6379/0"

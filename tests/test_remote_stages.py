@@ -27,13 +27,14 @@ from services.state_monitor.settings import load_settings as monitor_settings
 from services.verifier_cloud.remote_stages import RemoteStages, wire_remote_stages
 from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import Settings
-from shared import auth, wire
-from shared.auth_client import BrokerAuth, TokenBroker
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.client import BrokerAuth, TokenBroker
+from shared.auth.signing import KeyRing
 from shared.model.checkpoint import load_checkpoint
-from shared.redis_server import free_port
+from shared.processes.redis_server import free_port
 from shared.specdec.reference import generate_full
-from shared.stage_codec import StageLinkError
+from shared.wire import schema as wire
+from shared.wire.stage_codec import StageLinkError
 from tests.mesh_tools import split_identity
 from tests.test_pipeline_stages import M, generate_over_ws
 

@@ -15,8 +15,8 @@ import torch
 
 from shared.model.adapter import DraftAdapter
 from shared.model.split import MiddleSubmodel
+from shared.specdec.decode_loop import LocalCloud, generate
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import LocalCloud, generate
 from shared.specdec.reference import generate_full
 from shared.specdec.replay import FailoverExhausted, ReplayingCloud
 from shared.specdec.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""The secret rotation of the hidden basis (shared/model/rotation.py) is exact: re-parameterised middle layers
+"""The secret rotation of the hidden basis (shared/privacy/hidden_rotation.py) is exact: re-parameterised middle layers
 on rotated input give the rotated output of the original layers; and the knowing cloud's attack
 (tophatctl/privacy/rotation_attack.py) solves for Q from the weights it holds."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shared.model.checkpoint import load_checkpoint
-from shared.model.rotation import RotationError, check_rotation, rotate_layers, rotation_tag, secret_rotation
 from shared.model.split import MiddleSubmodel
+from shared.privacy.hidden_rotation import RotationError, check_rotation, rotate_layers, rotation_tag, secret_rotation
 from tophatctl.privacy.rotation_attack import recover_rotation, rotation_error
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from shared.links import UNSHAPED, LinkProfile
-from shared.shaper import TIMER_SLACK_S, DelayLine, LinkShaper, shapers_for
+from shared.net.links import UNSHAPED, LinkProfile
+from shared.net.shaper import TIMER_SLACK_S, DelayLine, LinkShaper, shapers_for
 
 
 def test_single_frame_pays_serialization_plus_latency() -> None:
@@ -78,7 +78,7 @@ async def test_timer_overshoot_of_the_caller_is_forgiven(monkeypatch: pytest.Mon
     async def late_sleep(delay: float) -> None:
         fake_now[0] += delay + overshoot
 
-    monkeypatch.setattr("shared.shaper.asyncio.sleep", late_sleep)
+    monkeypatch.setattr("shared.net.shaper.asyncio.sleep", late_sleep)
     link = LinkShaper(200_000.0, latency_s=0.0, clock=lambda: fake_now[0])
     for _ in range(12):
         await link.transmit(10_000)

@@ -22,8 +22,8 @@ from loadgen.simulate.report import compare_with_real
 from loadgen.simulate.run import SimConfig, build_requests, run_simulation
 from loadgen.simulate.session import SimRequest
 from loadgen.workloads import BUILTIN, MIN_PROMPT_TOKENS, fit_lengths
-from shared.planners import chunk_size_eq3
-from shared.state_model import CloudState
+from shared.planning.planners import chunk_size_eq3
+from shared.planning.state_model import CloudState
 
 A = 1000  # bytes per token on the wire: hidden 500 x fp16
 LAT = 0.005

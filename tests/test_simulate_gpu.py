@@ -27,7 +27,7 @@ from loadgen.simulate.modes import parse_mode
 from loadgen.simulate.report import ratio_summary
 from loadgen.simulate.run import SimConfig, run_simulation
 from loadgen.simulate.session import SimRequest
-from shared.links import PROFILES
+from shared.net.links import PROFILES
 
 PROFILE = {
     "meta": {"gpu": "Test GPU", "model": "tiny", "hidden_size": 512, "layers": 10},

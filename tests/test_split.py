@@ -155,8 +155,8 @@ def test_warm_ups_leave_no_state_behind(tiny_checkpoint):
     # Nothing leaks into later sessions: generation after the warm-ups equals the unsplit model.
     import asyncio
 
+    from shared.specdec.decode_loop import LocalCloud, generate
     from shared.specdec.device_session import DeviceSession
-    from shared.specdec.engine import LocalCloud, generate
     from shared.specdec.reference import generate_full
 
     ids = [5, 9, 2, 7, 11, 3]

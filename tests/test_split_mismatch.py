@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from services.device_agent.cloud_client import CloudError, WebSocketCloud
-from shared import wire
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, split_fingerprint
+from shared.wire import schema as wire
 from tests.mesh_tools import verifier_on_loopback
 
 

@@ -15,7 +15,7 @@ from contextlib import aclosing, asynccontextmanager
 import httpx
 import pytest
 
-from shared import sse as sc
+from tophatctl import sse as sc
 
 Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
 

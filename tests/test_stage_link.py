@@ -1,4 +1,4 @@
-"""The stage transport (shared/stage_link.py, shared/stage_codec.py): frames, refusals, pacing, bootstrap,
+"""The stage transport (shared/wire/stage_link.py, shared/wire/stage_codec.py): frames, refusals, pacing, bootstrap,
 a real 2-stage verifier pipeline over sockets with LAN hops, and the stage_* settings."""
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from services.verifier_cloud.stages import (
     Stop,
 )
 from services.verifier_cloud.work import ErrorKind, WorkKind
-from shared.links import PROFILES, UNSHAPED, LinkProfile, parse_link_spec
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel, SplitError
+from shared.net.links import PROFILES, UNSHAPED, LinkProfile, parse_link_spec
 from shared.settings import SettingsError
-from shared.stage_codec import StageCodec, StageLinkError
-from shared.stage_link import (
+from shared.wire.stage_codec import StageCodec, StageLinkError
+from shared.wire.stage_link import (
     HEADER,
     MAGIC,
     LinkPacer,

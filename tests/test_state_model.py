@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.compute_delay import ComputeDelayPredictor
-from shared.ema import Ema
-from shared.state_model import CloudState, DeviceState
+from shared.planning.compute_delay import ComputeDelayPredictor
+from shared.planning.ema import Ema
+from shared.planning.state_model import CloudState, DeviceState
 
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
 SETTINGS = settings(deadline=None, max_examples=150)

@@ -18,9 +18,9 @@ import redis
 
 from services.state_monitor.app import create_app
 from services.state_monitor.settings import Settings, load_settings
-from shared import telemetry as tk
-from shared.redis_server import EmbeddedRedis, free_port
+from shared.processes.redis_server import EmbeddedRedis, free_port
 from shared.settings import SettingsError
+from shared.telemetry import sink as tk
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEP = {

@@ -16,10 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.state_monitor.app import create_app
 from services.state_monitor.settings import load_settings
-from shared import telemetry as tk
-from shared.redis_server import EmbeddedRedis
+from shared.processes.redis_server import EmbeddedRedis
 from shared.settings import SettingsError
-from shared.telemetry_client import TelemetryClient
+from shared.telemetry import sink as tk
+from shared.telemetry.client import TelemetryClient
 from tests.test_state_monitor import fast_settings, running
 
 OLD_STYLE = {

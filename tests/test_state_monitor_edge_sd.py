@@ -15,10 +15,10 @@ import redis
 from services.state_monitor.app import create_app
 from services.state_monitor.records import EDGE_SD_KEYS
 from services.state_monitor.settings import load_settings
-from shared import auth
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 from shared.edge_sd.plan import EdgeTelemetry
-from shared.redis_server import EmbeddedRedis
+from shared.processes.redis_server import EmbeddedRedis
 from shared.settings import SettingsError
 from tests.auth_tools import bearer
 from tests.test_state_monitor import fast_settings, running

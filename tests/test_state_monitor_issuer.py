@@ -13,8 +13,8 @@ import pytest
 
 from services.state_monitor.app import create_app
 from services.state_monitor.settings import load_settings
-from shared import auth
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 
 DEVICE_URL = "http://10.0.0.7:8200"
 

@@ -15,10 +15,10 @@ import pytest
 
 from services.device_agent.cloud_client import WebSocketCloud
 from services.verifier_cloud.token_mode import TokenModel
-from shared.links import LinkProfile
+from shared.net.links import LinkProfile
 from shared.runtime import build_device_model
+from shared.specdec.decode_loop import fixed_chunks
 from shared.specdec.device_session import DraftConfig
-from shared.specdec.engine import fixed_chunks
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.stream_engine import (
@@ -226,7 +226,7 @@ def test_device_agent_serves_the_stream_modes_and_refuses_token_modes_to_privacy
 def test_the_verifier_refuses_bad_draft_chunks_and_answers_stale_ones_without_running_them(demo_checkpoint):
     from websockets.asyncio.client import connect
 
-    from shared import wire
+    from shared.wire import schema as wire
 
     hidden = demo_checkpoint.hidden_size
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import redis
 
-from shared import telemetry as tk
-from shared.redis_server import EmbeddedRedis
-from shared.telemetry_client import TelemetryClient
+from shared.processes.redis_server import EmbeddedRedis
+from shared.telemetry import sink as tk
+from shared.telemetry.client import TelemetryClient
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ async def test_streams_are_capped(server: EmbeddedRedis, sink: tk.TelemetrySink)
 async def test_sink_survives_outage_and_recovers(
     server: EmbeddedRedis, sink: tk.TelemetrySink, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="shared.telemetry")
+    caplog.set_level(logging.INFO, logger="shared.telemetry.sink")
     assert await sink.set_state(tk.VERIFIER_STATE, {"mu": 1})
     server.stop()
     started = time.monotonic()
@@ -162,7 +162,7 @@ async def test_client_posts_records_and_drops_on_failure(caplog: pytest.LogCaptu
     await asyncio.sleep(0.05)
     assert len(received) == 4
 
-    caplog.set_level(logging.WARNING, logger="shared.telemetry")
+    caplog.set_level(logging.WARNING, logger="shared.telemetry.sink")
     fail["on"] = True
     for _ in range(10):
         client.emit({"kind": "verifier_step", "batched_tokens": 1, "compute_s": 0.1})

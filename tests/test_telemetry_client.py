@@ -12,8 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from services.state_monitor.app import create_app
 from services.state_monitor.settings import load_settings
-from shared.metrics import exposition
-from shared.telemetry_client import TelemetryClient
+from shared.telemetry.client import TelemetryClient
+from shared.telemetry.metrics import exposition
 
 STEP = {"kind": "verifier_step", "batched_tokens": 8, "compute_s": 0.01}
 

@@ -16,9 +16,9 @@ from websockets.exceptions import InvalidMessage, InvalidStatus
 from websockets.sync.client import connect as ws_connect
 
 from services.token_streamer.settings import load_settings as streamer_settings
+from shared.auth.tls import TLSConfigError, client_context, server_context, websocket_ssl
 from shared.settings import SettingsError
 from shared.specdec.reference import generate_full
-from shared.tls import TLSConfigError, client_context, server_context, websocket_ssl
 from tests.conftest import DEMO_MODEL_DIR
 from tophatctl.certs import make_dev_certs, parse_hosts
 from tophatctl.demo_model.corpus import held_out_prompts

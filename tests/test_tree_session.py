@@ -12,8 +12,8 @@ import torch
 
 from shared.model.adapter import AdapterSpec, DraftAdapter
 from shared.model.split import MiddleSubmodel
+from shared.specdec.decode_loop import LocalCloud, generate
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import LocalCloud, generate
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 from tests.stat_tools import assert_matches, exact_marginals

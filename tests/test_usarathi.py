@@ -24,13 +24,13 @@ from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings, load_settings
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
-from shared import wire
 from shared.model.checkpoint import load_checkpoint
 from shared.settings import SettingsError
+from shared.specdec.decode_loop import fixed_chunks, run_session
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
+from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2

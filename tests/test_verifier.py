@@ -15,13 +15,13 @@ import torch
 from websockets.asyncio.client import connect
 
 from services.device_agent.cloud_client import CloudError, WebSocketCloud
-from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel
+from shared.specdec.decode_loop import fixed_chunks, run_session
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
+from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2
@@ -157,7 +157,7 @@ async def test_errors_reach_the_device_as_cloud_errors(checkpoint):
 
 @pytest.mark.timing  # its bounds are wall-clock times: make test runs it alone
 async def test_bandwidth_probe_measures_the_emulated_link(checkpoint):
-    from shared.links import LinkProfile
+    from shared.net.links import LinkProfile
 
     link = LinkProfile(uplink_bytes_s=250_000, downlink_bytes_s=500_000, latency_s=0.004, jitter_s=0.0)
     async with running_verifier(checkpoint) as (_, url):

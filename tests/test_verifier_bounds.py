@@ -11,9 +11,9 @@ import torch
 from websockets.asyncio.client import connect
 
 from services.verifier_cloud.settings import Settings, load_settings
-from shared import wire
 from shared.model.checkpoint import load_checkpoint
 from shared.settings import SettingsError
+from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
 M = 2

@@ -16,8 +16,8 @@ import torch
 from websockets.asyncio.client import connect
 
 from loadgen.fuzz_wire import fuzz_connection
-from shared import wire
 from shared.model.checkpoint import load_checkpoint
+from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,10 @@ import torch
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from shared import auth, wire
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 from shared.model.checkpoint import load_checkpoint
+from shared.wire import schema as wire
 from tests.auth_tools import bearer, jwks_server, wait_trusted
 from tests.mesh_tools import split_identity, verifier_on_loopback
 

@@ -14,7 +14,6 @@ from services.device_agent.cloud_client import WebSocketCloud
 from services.verifier_cloud.runner import ModelRunner, RunItem
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
-from shared import wire
 from shared.model.checkpoint import load_checkpoint
 from shared.model.cuda_graphs import StaticPasses
 from shared.model.invariant_attention import uses_invariant_attention
@@ -22,10 +21,11 @@ from shared.model.kv_cache import KVCacheError
 from shared.model.quantized import QuantizedLinear
 from shared.model.split import MiddleSubmodel
 from shared.model.static_kv import StaticKVPool, static_capacity
-from shared.specdec.engine import fixed_chunks, run_session
+from shared.specdec.decode_loop import fixed_chunks, run_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.verify_layout import VerifyLayout
+from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
 from tests.test_verifier_tree import _session
 

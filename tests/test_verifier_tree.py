@@ -14,16 +14,16 @@ from websockets.asyncio.client import connect
 from services.device_agent.cloud_client import WebSocketCloud
 from services.verifier_cloud.runner import ModelRunner, RunItem
 from services.verifier_cloud.work import ErrorKind, WorkKind
-from shared import wire
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel
+from shared.specdec.decode_loop import LocalCloud, fixed_chunks, generate, run_session
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import LocalCloud, fixed_chunks, generate, run_session
 from shared.specdec.reference import generate_full
 from shared.specdec.replay import ReplayingCloud
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.verify_layout import VerifyLayout
+from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
 from tests.test_replay import DyingCloud, VerifierLost
 

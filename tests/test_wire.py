@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import wire
-from shared.wire import (
+from shared.wire import schema as wire
+from shared.wire.schema import (
     MAX_FRAME_BYTES,
     WIRE_VERSION,
     ChunkAck,

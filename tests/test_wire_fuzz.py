@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loadgen.fuzz_wire import mutate, templates
-from shared import wire
+from shared.wire import schema as wire
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
 pytestmark = pytest.mark.slow

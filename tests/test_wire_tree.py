@@ -5,8 +5,8 @@ import msgpack
 import pytest
 import torch
 
-from shared import wire
-from shared.wire import ErrorCode, VerifyRequest, WireError
+from shared.wire import schema as wire
+from shared.wire.schema import ErrorCode, VerifyRequest, WireError
 
 
 def _rows(n: int) -> torch.Tensor:

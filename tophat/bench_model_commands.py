@@ -84,9 +84,9 @@ def trees_bench(
 
 
 def budget_bench(
-    shapes: str = typer.Option("none,chain,tree8,tree16", help="draft shapes (shared/draft_budget.py)"),
+    shapes: str = typer.Option("none,chain,tree8,tree16", help="draft shapes (shared/planning/draft_budget.py)"),
     rtt_ms: float = RTT_MS,
-    link: str = typer.Option("mid", help="the link's bandwidths (shared/links.py names)"),
+    link: str = typer.Option("mid", help="the link's bandwidths (shared/net/links.py names)"),
     tree_width: int = TREE_WIDTH,
     tree_min_prob: float = TREE_MIN_PROB,
     model: str = MODEL,

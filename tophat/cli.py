@@ -96,9 +96,9 @@ def generate(
     from shared.model.checkpoint import load_checkpoint
     from shared.model.split import MiddleSubmodel
     from shared.runtime import build_device_model, decode_tokens, encode_prompt
+    from shared.specdec.decode_loop import LocalCloud
+    from shared.specdec.decode_loop import generate as run_generate
     from shared.specdec.device_session import DeviceSession, DraftConfig
-    from shared.specdec.engine import LocalCloud
-    from shared.specdec.engine import generate as run_generate
     from shared.specdec.reference import generate_full
     from shared.specdec.sampling import SamplingParams
     from tophatctl.models import resolve_model_or_exit

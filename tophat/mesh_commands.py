@@ -97,7 +97,7 @@ def serve(
         "lan",
         "--lan",
         help="with --edge-pipeline: the link between neighbouring devices "
-        "(a shared/links.py profile or spec; 'lan' = 100 Mbit/s)",
+        "(a shared/net/links.py profile or spec; 'lan' = 100 Mbit/s)",
     ),
     edge_plan: str = typer.Option(
         "",

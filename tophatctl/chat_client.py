@@ -6,10 +6,10 @@ behind `tophat chat`: one-shot with a prompt, otherwise a small REPL that keeps
 the conversation history. This module prints
 (it is user-facing); the services never do.
 
-The stream is read by shared/sse.py, the SSE client the load generator uses too; its `Chunk`,
+The stream is read by tophatctl/sse.py, the SSE client the load generator uses too; its `Chunk`,
 split into one piece per kind (`Chunk.parts`), is the event `stream_chat` yields.
 Timing is measured here, on the client, from the stream itself, with the
-definitions of shared/latency_stats.py:
+definitions of shared/telemetry/latency_stats.py:
   * TTFT = request sent -> first chunk with non-empty content;
   * TBT  = mean time per token after the first:
            (last content chunk time - first content chunk time) / (completion_tokens - 1),
@@ -31,10 +31,10 @@ from typing import Any, TextIO
 
 import httpx
 
-from shared import latency_stats
-from shared.chunk_tokens import chunk_token_counts
-from shared.latency_stats import Timeline
-from shared.sse import Chunk, StreamError, auth_headers, stream_chunks
+from shared.telemetry import latency_stats
+from shared.telemetry.latency_stats import Timeline
+from tophatctl.chunk_tokens import chunk_token_counts
+from tophatctl.sse import Chunk, StreamError, auth_headers, stream_chunks
 
 EXIT_WORDS = {"/exit", "/quit"}
 

@@ -37,9 +37,9 @@ def _call(
 ) -> dict[str, Any]:
     import httpx
 
-    from shared import auth
-    from shared.auth_keys import KeyRing
-    from shared.tls import client_context
+    from shared.auth import verify as auth
+    from shared.auth.signing import KeyRing
+    from shared.auth.tls import client_context
 
     if not operator_token:
         if key_file is None:

@@ -8,7 +8,7 @@ range starts at 0. Jupiter's processes on that partition:
               stage on layers [m, b_0)                    (only when device 0 holds more than m layers)
     device i  stage on layers [a_i, b_i)                 (i >= 1)
 
-Neighbouring stages talk over the stage transport (shared/stage_link.py: TCP, msgpack) and every hop
+Neighbouring stages talk over the stage transport (shared/wire/stage_link.py: TCP, msgpack) and every hop
 between two *different* devices is shaped with the LAN profile; the last stage's output travels back
 to device 0 over the LAN too (the ring closes where the head is). m is the draft adapter's split: the
 adapter imitates the layers after m from the states at m, so device 0 always drafts from layer m

@@ -4,7 +4,7 @@ Used by `tophat serve`, `make demo`, the benchmarks and the end-to-end tests. Po
 base (tophatctl/mesh_ports.py); what runs is a MeshConfig (tophatctl/mesh_config.py); the processes
 share one secret and, with TLS, one CA (tophatctl/mesh_credentials.py); with `supervise` a
 Supervisor (tophatctl/supervisor.py) restarts what dies. Every service is tethered to the launcher
-(shared/lifeline.py): a launcher killed with SIGKILL takes its services with it, ports freed; and a port
+(shared/processes/lifeline.py): a launcher killed with SIGKILL takes its services with it, ports freed; and a port
 of the layout already in use is refused before anything starts, naming the port and its holder.
 """
 
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import httpx
 
-from shared import auth
+from shared.auth import verify as auth
 from shared.jupiter.plan import EdgePlan
-from shared.lifeline import Tether
-from shared.links import parse_link_spec, scaled_for_hidden
-from shared.redis_server import EmbeddedRedis
-from shared.telemetry import redact_url
+from shared.net.links import parse_link_spec, scaled_for_hidden
+from shared.processes.lifeline import Tether
+from shared.processes.redis_server import EmbeddedRedis
+from shared.telemetry.sink import redact_url
 from tophatctl import mesh_settings
 from tophatctl.certs import DevCerts
 from tophatctl.edge_pipeline import configure_mesh

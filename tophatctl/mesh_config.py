@@ -68,12 +68,12 @@ class MeshConfig:
     # to the state monitor; the streamer routes to whatever announced (no list of device URLs).
     discover_devices: bool = False
     api_key: str = field(default="", repr=False)  # the OpenAI endpoint's key(s), comma-separated; empty: open
-    # Every hop authenticated (shared/auth.py): a fresh signing key per Mesh for the state monitor (the issuer),
+    # Every hop authenticated (shared/auth/verify.py): a fresh signing key per Mesh for the state monitor (the issuer),
     # service credentials for the cloud side, a bootstrap token per device (tophatctl/mesh_credentials.py).
     # auth=False: open, as before.
     auth: bool = True
-    # Secret rotation of the hidden basis (shared/model/rotation.py): the verifiers re-parameterise their middle
-    # layers for it, the device agents rotate their uplink with it (TOPHAT_*_HIDDEN_ROTATION). Empty: off.
+    # Secret rotation of the hidden basis (shared/privacy/hidden_rotation.py): the verifiers re-parameterise their
+    # middle layers for it, the device agents rotate their uplink with it (TOPHAT_*_HIDDEN_ROTATION). Empty: off.
     hidden_rotation: str = field(default="", repr=False)
     # `tophat serve`: restart a process that dies (tophatctl/supervisor.py) and keep a JSON list of every
     # process (role, pid, url) in state_file, rewritten after each restart.

@@ -1,6 +1,6 @@
 """What a local mesh's processes are given to trust each other: credentials and, with TLS, a development CA.
 
-With auth, the launcher acts as the operator: it makes the mesh's Ed25519 signing key ring (shared/auth_keys.py)
+With auth, the launcher acts as the operator: it makes the mesh's Ed25519 signing key ring (shared/auth/signing.py)
 in its log directory and hands the directory to the state monitor alone (the issuer); each cloud-side
 service gets a service credential for the issuer (`TOPHAT_*_AUTH_CREDENTIAL`) and the issuer's URL, and
 each device agent a BOOTSTRAP token only (its own id's: the issuer refuses a fleet's `*`), with which it
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import httpx
 
-from shared import auth
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
+from shared.auth.tls import client_context
 from shared.device_registry import url_origin
-from shared.tls import client_context
 from tophatctl.certs import DEFAULT_HOSTS, DevCerts, make_dev_certs
 from tophatctl.mesh_secrets import SERVICE_PREFIXES
 

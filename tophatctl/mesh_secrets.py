@@ -1,15 +1,15 @@
 """The secrets a container deployment mounts (`tophat mesh-secrets`, `make secrets`).
 
 `tophat-mesh.env`: `KEY=VALUE` lines the cloud-side services read through `TOPHAT_SETTINGS_FILE` — the issuer's
-URL and a service credential for the verifier and the streamer (shared/auth.py), the state monitor's signing
+URL and a service credential for the verifier and the streamer (shared/auth/verify.py), the state monitor's signing
 key file's mounted path and Redis password, and optionally the OpenAI endpoint's API key.
 `tophat-device.env`: what a device agent reads instead: the issuer's URL and one BOOTSTRAP token per device id
-(`device_ids`; each device uses the one naming its id, shared/auth_client.own_bootstrap). A bootstrap token
+(`device_ids`; each device uses the one naming its id, shared/auth/client.own_bootstrap). A bootstrap token
 enrolls only its own id, binds it at the first enrollment and ends when the device is revoked
 (services/state_monitor/issuer.py); it is never a signing key or a service's credential. Every device that
 mounts the file holds every listed id's token: to keep one device from holding another's, give each device a
 copy holding its own token only.
-`signing-keys.json`: the Ed25519 signing key ring (shared/auth_keys.py), mounted into the state monitor alone.
+`signing-keys.json`: the Ed25519 signing key ring (shared/auth/signing.py), mounted into the state monitor alone.
 `redis.conf`: `requirepass` for the Redis container (a config file, so the password never sits on a
 command line). With `tls_hosts`, a development CA and a server certificate for those names
 (tophatctl/certs.py) and the settings lines that make the cloud-side services serve TLS and every service
@@ -91,8 +91,8 @@ def make_mesh_secrets(
     the devices' ids (Swarm's and k8s's: their nodes' host names), one bootstrap token each."""
     import time
 
-    from shared import auth
-    from shared.auth_keys import KeyRing
+    from shared.auth import verify as auth
+    from shared.auth.signing import KeyRing
     from tophatctl.certs import CA_CERT, SERVER_CERT, SERVER_KEY, make_dev_certs
 
     ids = check_device_ids(device_ids)

@@ -17,7 +17,7 @@ Shaping per direction: ``tbf`` at the root for the rate; when the kernel has
 Some kernels (e.g. minimal VM kernels with CONFIG_NET_SCH_NETEM unset) have
 tbf but no netem: then the namespace shapes bandwidth only and
 `NetnsLink.in_process_remainder()` returns the latency/jitter the caller must
-still add with `shared.shaper.LinkShaper` (infinite rate). See docs/links.md.
+still add with `shared.net.shaper.LinkShaper` (infinite rate). See docs/links.md.
 
 Services in the root namespace must listen on ``0.0.0.0`` or on ``host_ip``;
 the root namespace's 127.0.0.1 is not reachable from inside.
@@ -35,7 +35,7 @@ import subprocess
 from dataclasses import dataclass
 from types import TracebackType
 
-from shared.links import UNSHAPED, LinkProfile
+from shared.net.links import UNSHAPED, LinkProfile
 
 log = logging.getLogger(__name__)
 

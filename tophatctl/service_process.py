@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.lifeline import tether_fds
+from shared.processes.lifeline import tether_fds
 
 # Every service runs as `python -m services.<name>` from the repository root.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ def tethered_command(module: str, prefix: list[str] | None = None) -> list[str]:
 def start_process(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
     """Start `command` with stdout and stderr appended to `log_path`, in its own session (so a Ctrl-C at the
     operator's terminal reaches the mesh's owner, which stops every process in order). An `env` with a
-    launcher's tether (shared/lifeline.py) passes its descriptor on: the session keeps Ctrl-C away, the
+    launcher's tether (shared/processes/lifeline.py) passes its descriptor on: the session keeps Ctrl-C away, the
     tether still takes the process down with its launcher."""
     with open(log_path, "ab") as handle:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(

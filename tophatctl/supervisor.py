@@ -2,7 +2,7 @@
 
 `tophat serve` owns one `Supervisor` (through `Mesh.start()` / `Mesh.stop()`). A thread polls the
 mesh's processes; one that exited is logged with its exit code and started again after a delay
-(the project's exponential backoff, shared/backoff.py: 0.5 s doubling up to 10 s, back to 0.5 s for
+(the project's exponential backoff, shared/net/backoff.py: 0.5 s doubling up to 10 s, back to 0.5 s for
 a process that had stayed up 30 s, as compose's restart policy does), with the same command line,
 environment and ports -- a device in
 a network namespace comes back in the same namespace, its command carries the `ip netns exec`
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from shared.backoff import Backoff
-from shared.redis_server import EmbeddedRedis
+from shared.net.backoff import Backoff
+from shared.processes.redis_server import EmbeddedRedis
 from tophatctl.service_process import ServiceProcess
 
 log = logging.getLogger(__name__)

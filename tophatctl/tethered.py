@@ -2,7 +2,7 @@
 
 The local mesh starts every service this way (tophatctl/service_process.py), so a `tophat serve` or a
 benchmark killed with SIGKILL leaves no service behind holding its port: the watch on the launcher's
-tether (shared/lifeline.py) starts before the module, so it covers a model still loading too.
+tether (shared/processes/lifeline.py) starts before the module, so it covers a model still loading too.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from shared.lifeline import watch_tether
+from shared.processes.lifeline import watch_tether
 
 
 def main() -> None:

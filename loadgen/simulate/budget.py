@@ -1,8 +1,8 @@
-"""The draft budget in the simulator: each round's shape chosen by shared.draft_budget.choose_budget.
+"""The draft budget in the simulator: each round's shape chosen by shared.planning.draft_budget.choose_budget.
 
 The device asks the chunk planner before every request, and the planner answers with the shape that
 makes the most tokens per second given the device's link, the verifier's load and the device's own
-measured options (shared/draft_budget.py). Here the same pure function is called before every round
+measured options (shared/planning/draft_budget.py). Here the same pure function is called before every round
 (the real device asks per request; per round is what it converges to under a steady load), with:
 
 * options `none` (a U-shape round: one row, one token, one input-layers step), `chain` (the
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from loadgen.simulate.calibration import Calibration, DeviceProfile
-from shared.draft_budget import BudgetOption, LinkLoad, choose_budget
+from shared.planning.draft_budget import BudgetOption, LinkLoad, choose_budget
 
 
 def chain_figures(cal: Calibration) -> tuple[float, float]:

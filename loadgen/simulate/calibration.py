@@ -10,7 +10,7 @@ Two documented bases (`base` in the JSON; missing keys take the base's value):
 
 * ``paper`` (default): HAT's testbed with Vicuna-7B on SpecBench. g(mu) follows Fig. 1(c)
   (+10% from 1 to 32 tokens, linear above 512; 0.28 s for 2k tokens, §2.3) and Fig. 8
-  (per-GPU step 6.8-8.4 ms at P = 4); links are HAT's three WiFi groups (shared.links
+  (per-GPU step 6.8-8.4 ms at P = 4); links are HAT's three WiFi groups (shared.net.links
   near/mid/far: up 10/7.5/5 MB/s, down 15/12.5/10 MB/s); an AGX Orin drafts a step in
   6 ms and runs the input layers at 45 us per prompt token (2k tokens: 0.09 s, §2.3);
   accept lengths have mean 2.08 (HAT Table 4: 2.06). Where the paper gives no number
@@ -25,7 +25,7 @@ Two documented bases (`base` in the JSON; missing keys take the base's value):
 Heterogeneity (HAT §4.1): when more devices are simulated than profiles given, profiles
 are treated as Orin-class templates laid out in contiguous groups (one per template, like
 HAT's three distance groups) and a `slow_fraction` of devices (2/3: 20 Xavier of 30) is
-slowed by `slow_factor` (3.0, shared.device_speed's "xavier"); `mode_cycle` (e.g.
+slowed by `slow_factor` (3.0, shared.planning.device_speed's "xavier"); `mode_cycle` (e.g.
 [1, 2, 5, 10]) further changes every device's speed every `mode_switch_every` requests.
 """
 
@@ -38,15 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.device_speed import SPEED_CLASSES, SpeedSchedule
-from shared.links import PROFILES, scaled_for_hidden
-from shared.planners import hidden_bytes_per_token
+from shared.net.links import PROFILES, scaled_for_hidden
+from shared.planning.device_speed import SPEED_CLASSES, SpeedSchedule
+from shared.planning.planners import hidden_bytes_per_token
 
 
 class GTable:
     """g(mu): seconds of one whole pass of the middle layers over `mu` batched tokens.
 
-    Same rule as `shared.state_model.ComputeDelayPredictor.predict` on its bucket points:
+    Same rule as `shared.planning.state_model.ComputeDelayPredictor.predict` on its bucket points:
     running max (monotone), linear inside the table, linear extrapolation from the edge
     segment outside (least-squares slope if that segment is flat), never below 0; a single
     point is a constant. Kept separate so a table from a JSON file needs no bucketing.
@@ -93,7 +93,7 @@ class DeviceProfile:
     """One device: seconds per draft step, per prompt token (input layers), links, speed.
 
     `slowdown` multiplies gamma and prefill_token_s: the real device agent measures gamma
-    *before* its emulated slowdown stretches the wall time (shared.device_speed.slowed),
+    *before* its emulated slowdown stretches the wall time (shared.planning.device_speed.slowed),
     so a profile read from telemetry of a `--speed xavier` device needs slowdown 3.
     """
 
@@ -169,7 +169,7 @@ class Calibration:
     split_layers: int = 2  # m
     cloud_compute_scale: float | None = None  # cloud mode's whole model vs the middle; None = n / (n - m)
     token_bytes: int = 4  # a token id on the wire (cloud mode)
-    frame_overhead_bytes: int = 64  # per message (wire.py: <= 64 bytes beyond the tensor)
+    frame_overhead_bytes: int = 64  # per message (shared/wire/schema.py: <= 64 bytes beyond the tensor)
     round_overhead_s: float = 0.0  # device-side per round (head, sampling, framing), not in gamma
     # Its median: when 0 < median < mean, each round draws a lognormal overhead with this median
     # and round_overhead_s as its mean (measured per-round times are skewed); None = constant.
@@ -248,7 +248,7 @@ class Calibration:
 
     @property
     def tree_shape(self) -> str:
-        """The tree's name as the draft budget knows it (shared.draft_budget.DraftShape)."""
+        """The tree's name as the draft budget knows it (shared.planning.draft_budget.DraftShape)."""
         return f"tree{self.tree_nodes}"
 
     def tree_means(self) -> tuple[float, float]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.simulate.calibration import Calibration
-from shared.links import PROFILES, scaled_for_hidden
+from shared.net.links import PROFILES, scaled_for_hidden
 
 REPO = Path(__file__).resolve().parents[2]
 NAMED_PROFILES = {"h100": REPO / "docs" / "benchmarks" / "gpu-h100.json"}

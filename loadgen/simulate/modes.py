@@ -19,7 +19,7 @@ so `--modes a,b,c` can list them):
                     switches (PD needs SD: it pre-drafts the next draft)
     hat-tree        hat drafting a tree every round (the calibration's measured trees, trees.py); no
                     parallel drafting around a tree, as on the device; ``tree`` is also a switch
-    hat-budget      hat with the draft budget: before each round shared.draft_budget's choose_budget
+    hat-budget      hat with the draft budget: before each round shared.planning.draft_budget's choose_budget
                     picks no drafts (a U-shape round), the chain, or the tree where the calibration
                     has one (loadgen/simulate/budget.py); ``budget`` is also a switch (``hat-sd-budget``;
                     it needs SD)

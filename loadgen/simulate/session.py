@@ -1,4 +1,4 @@
-"""One request's life on a device, as a chain of events (shared/specdec/engine.py's run_session).
+"""One request's life on a device, as a chain of events (shared/specdec/decode_loop.py's run_session).
 
 Split modes (ushape, usarathi, hat*):
 
@@ -50,8 +50,8 @@ from loadgen.simulate.calibration import Calibration, DeviceProfile
 from loadgen.simulate.cloud import Cloud, ReplicatedCloud
 from loadgen.simulate.events import EventLoop, FifoServer, Link
 from loadgen.simulate.modes import SimMode
-from shared.latency_stats import mean_accept_length
-from shared.planners import chunk_size_eq3, fixed_chunks, parallel_draft_steps_eq6
+from shared.planning.planners import chunk_size_eq3, fixed_chunks, parallel_draft_steps_eq6
+from shared.telemetry.latency_stats import mean_accept_length
 
 _ACCEPT_STREAM, _PD_STREAM, _OVERHEAD_STREAM, _FULL_STREAM, _TREE_STREAM = 3, 4, 5, 6, 7  # loadgen: 1, 2
 _BIG = 1e30  # stands in for an unlimited bandwidth in the planners' equations

@@ -8,13 +8,13 @@ import uvicorn
 
 from services.chunk_planner.app import create_app
 from services.chunk_planner.settings import load_settings
-from shared.process_memory import return_freed_memory_to_os
+from shared.processes.memory import return_freed_memory_to_os
 
 
 def main() -> None:
     settings = load_settings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return_freed_memory_to_os()  # a fixed mmap threshold: no heap growth from freed tensors (shared/process_memory.py)
+    return_freed_memory_to_os()  # fixed mmap threshold: no heap growth from freed tensors (shared/processes/memory.py)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

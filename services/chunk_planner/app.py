@@ -1,5 +1,5 @@
 """Chunk planner: prefill chunk sizes (HAT §3.3, eq. 3), parallel-draft steps (§3.5, eq. 6) and the draft
-budget per round (`POST /draft-budget`, shared/draft_budget.py).
+budget per round (`POST /draft-budget`, shared/planning/draft_budget.py).
 
 A (hidden-state bytes per token) is the caller's: a device passes `bytes_per_token`
 (its hidden size x its wire dtype's bytes); P is the caller's `stages`, else what the verifier
@@ -11,7 +11,7 @@ with `source: default:no-bytes-per-token`: the planner never solves eq. 3 for a 
 Each request fetches (monitor_client.py) the state monitor's `GET /state/cloud` (μ and the g(μ)
 bucket table) and `GET /state/device/{id}` (β_up, β_down, γ, age) over HTTP,
 every fetch bounded by `monitor_timeout_s`, and hands the JSON to the pure
-planners in `shared.planners`. When the equations cannot be applied the
+planners in `shared.planning.planners`. When the equations cannot be applied the
 answer is the configured default and `source` says why:
 
     eq3 / eq6                     the equation, from live telemetry
@@ -21,7 +21,7 @@ answer is the configured default and `source` says why:
     default:no-telemetry          unknown device (404) or no g(μ) data yet
     default:stale                 the device's telemetry is older than `stale_after_s`
     default:missing-beta / default:missing-gamma / default:bad-telemetry /
-    default:no-bytes-per-token    (see shared.planners)
+    default:no-bytes-per-token    (see shared.planning.planners)
 
 Edge SD (paper 001): `POST /edge-sd/plan` takes a `shared.edge_sd.plan.PlanRequest` body, fetches the
 monitor's `GET /state/edge-sd` (measured passes and verdicts, same bound and failure reasons as above, plus
@@ -45,23 +45,24 @@ from fastapi.responses import JSONResponse, Response
 
 from services.chunk_planner.monitor_client import NO_MONITOR, MonitorClient, Telemetry, reported_stages
 from services.chunk_planner.settings import Settings, load_settings
-from shared import auth, auth_client
-from shared.draft_budget import BudgetError, BudgetRequest, budget_from_state
+from shared.auth import client as auth_client
+from shared.auth import verify as auth
+from shared.auth.tls import client_context
 from shared.edge_sd.plan import (
     InfeasibleBatchingError,
     PlanRequest,
     PlanRequestError,
     plan_round,
 )
-from shared.metrics import PlannerMetrics, metrics_response
-from shared.planners import (
+from shared.planning.draft_budget import BudgetError, BudgetRequest, budget_from_state
+from shared.planning.planners import (
     PlannerInputs,
     hidden_bytes_per_token,
     plan_draft_steps_from_state,
     plan_draft_steps_table_from_state,
     plan_from_state,
 )
-from shared.tls import client_context
+from shared.telemetry.metrics import PlannerMetrics, metrics_response
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
                 monitor = None
 
     app = FastAPI(title="tophat chunk planner", lifespan=lifespan)
-    # Every answer needs a credential (shared/auth.py); a device's only for its own device id. Probes stay open.
+    # Every answer needs a credential (shared/auth/verify.py); a device's only for its own device id. Probes stay open.
     auth.warn_if_open(
         "the chunk planner", settings.authenticated, settings.host, "TOPHAT_CHUNK_PLANNER_AUTH_ISSUER_URL"
     )
@@ -258,7 +259,7 @@ def create_app(settings: Settings | None = None, monitor_transport: httpx.AsyncB
 
     @app.post("/draft-budget")
     async def draft_budget(request: Request) -> JSONResponse:
-        """The draft shape for this device's next requests (shared/draft_budget.py): the posted options
+        """The draft shape for this device's next requests (shared/planning/draft_budget.py): the posted options
         (what each shape did on the device) against its link and the verifier's load."""
         try:
             ask = BudgetRequest.from_json(await request.json())

@@ -14,7 +14,7 @@ from services.device_agent.app import create_app
 from services.device_agent.settings import Settings, load_settings
 from shared.device_registry import auto_device_id
 from shared.model.placement import PlacementError, cuda_facts, resolve_device
-from shared.process_memory import return_freed_memory_to_os
+from shared.processes.memory import return_freed_memory_to_os
 
 log = logging.getLogger("services.device_agent")
 
@@ -38,7 +38,7 @@ def missing_adapter(settings: Settings) -> str | None:
 def main() -> None:
     settings = load_settings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return_freed_memory_to_os()  # a fixed mmap threshold: no heap growth from freed tensors (shared/process_memory.py)
+    return_freed_memory_to_os()  # fixed mmap threshold: no heap growth from freed tensors (shared/processes/memory.py)
     problem = missing_adapter(settings)
     if problem:
         log.error("%s", problem)

@@ -26,27 +26,29 @@ from services.device_agent.link_probes import LinkProbes
 from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
 from services.device_agent.rounds import ROUNDS
 from services.device_agent.settings import Settings
-from shared import auth, auth_client, latency_stats, wire
-from shared.device_speed import speed_schedule
-from shared.draft_budget import BudgetTracker, DraftShape
-from shared.hardening import with_noise, with_rotation
-from shared.heartbeat import with_heartbeats
+from shared.auth import client as auth_client
+from shared.auth.tls import client_context
+from shared.auth.verify import ISSUER, PLANNER, VERIFIER
 from shared.jupiter.plan import load_plan
-from shared.latency_stats import Timeline
-from shared.links import parse_link_spec, scaled_for_hidden
-from shared.metrics import DeviceMetrics
 from shared.model.checkpoint import load_checkpoint, split_fingerprint
 from shared.model.placement import detect_placement
-from shared.model.rotation import rotated_fingerprint
 from shared.modes import MODE_TABLE
+from shared.net.heartbeat import with_heartbeats
+from shared.net.links import parse_link_spec, scaled_for_hidden
+from shared.planning.device_speed import speed_schedule
+from shared.planning.draft_budget import BudgetTracker, DraftShape
+from shared.privacy.hidden_rotation import rotated_fingerprint
+from shared.privacy.uplink_hardening import with_noise, with_rotation
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
 from shared.specdec.draft_config import DraftConfig
 from shared.specdec.replay import FailoverExhausted, ReplayingCloud
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.trial_round import TrialRound
-from shared.telemetry_client import TelemetryClient
-from shared.tls import client_context
+from shared.telemetry import latency_stats
+from shared.telemetry.client import TelemetryClient
+from shared.telemetry.metrics import DeviceMetrics
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.device_agent")
 
@@ -70,7 +72,7 @@ class DeviceAgent:
             self.checkpoint, settings.split_layers, settings.adapter or None, speculative=settings.speculative
         ).to(self.placement.device)
         tls = client_context(settings.tls_ca)  # trusts the mesh's CA for https:// planner and monitor
-        # This device's credentials (shared/auth_client.py): it enrolls with its bootstrap token at the issuer
+        # This device's credentials (shared/auth/client.py): it enrolls with its bootstrap token at the issuer
         # (its id and URL) and gets a token per service it calls (verifier, monitor, planner); callers of its own
         # /generate and /info are checked against the issuer's public keys (app.py). None: the mesh runs open.
         enrollment = (
@@ -79,7 +81,7 @@ class DeviceAgent:
             else None
         )
         self.broker = auth_client.broker_for(settings, enrollment, tls)
-        monitor_auth = auth_client.BrokerAuth(self.broker, auth.ISSUER) if self.broker is not None else None
+        monitor_auth = auth_client.BrokerAuth(self.broker, ISSUER) if self.broker is not None else None
         self.telemetry = TelemetryClient(settings.state_monitor_url or None, verify=tls, auth=monitor_auth)
         self.metrics = DeviceMetrics(settings.device_id, settings.max_draft)
         self.telemetry.count_into(self.metrics.registry)  # its drops show on /metrics
@@ -106,12 +108,12 @@ class DeviceAgent:
                 split_fingerprint(settings.model_dir, settings.split_layers), settings.hidden_rotation
             ),
             tls_ca=settings.tls_ca,
-            auth=auth_client.BrokerAuth(self.broker, auth.VERIFIER) if self.broker is not None else None,
+            auth=auth_client.BrokerAuth(self.broker, VERIFIER) if self.broker is not None else None,
         )
         self.probes.cloud = self.cloud
-        # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the
-        # same one restarted) when theirs goes away mid-generation (shared/specdec/replay.py).
-        # Uplink hardening (shared/hardening.py) for the hidden-state modes: rotation inside the replay (replays are
+        # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the same one
+        # restarted) when theirs goes away mid-generation (shared/specdec/replay.py). Uplink hardening
+        # (shared/privacy/uplink_hardening.py) for the hidden-state modes: rotation inside the replay (replays are
         # rotated too), noise outside it (the replay log keeps the noisy rows, so a replay rebuilds the same cache).
         hidden_cloud = with_rotation(self.cloud, settings.hidden_rotation, self.checkpoint.hidden_size)
         self.sessions_cloud = with_noise(
@@ -133,8 +135,7 @@ class DeviceAgent:
         # The planner's and the monitor's calls (plans, announcements, edge SD), each with its audience's token.
         http_auth = (
             auth_client.BrokerAuth(
-                self.broker,
-                audiences={settings.chunk_planner_url: auth.PLANNER, settings.state_monitor_url: auth.ISSUER},
+                self.broker, audiences={settings.chunk_planner_url: PLANNER, settings.state_monitor_url: ISSUER}
             )
             if self.broker is not None
             else None
@@ -264,7 +265,7 @@ class DeviceAgent:
         at its first event, `admission` is released and the session freed (by its rounds, once they have it)."""
         spec = MODE_TABLE[request.option("mode", self.settings)]
         started = time.perf_counter()
-        timeline = Timeline()  # seconds since `started`, one delivery per round
+        timeline = latency_stats.Timeline()  # seconds since `started`, one delivery per round
         detok = IncrementalDetokenizer(self.checkpoint.tokenizer, request.prefix_ids, request.prefix_text)
         session_id = random.getrandbits(63)
         delivered: list[int] = []  # the tokens, where no session counts them
@@ -303,7 +304,7 @@ class DeviceAgent:
             generated, accept_lengths = session.generated, session.accept_lengths
         else:  # like the reference decoder: every round after the first yields exactly one token
             generated, accept_lengths = delivered, [1] * max(0, len(delivered) - 1)
-        # shared/latency_stats.py's definitions; 0.0 where undefined (no token, one token, no round)
+        # shared/telemetry/latency_stats.py's definitions; 0.0 where undefined (no token, one token, no round)
         ttft, tbt = latency_stats.ttft_s(timeline) or 0.0, latency_stats.mean_tbt_s(timeline) or 0.0
         stats = {
             "prompt_tokens": len(ids),

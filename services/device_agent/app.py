@@ -45,14 +45,15 @@ from services.device_agent.generate_request import GenerateRequest
 from services.device_agent.kept import KeepableSession, UnknownKeptSession
 from services.device_agent.rounds import build_session
 from services.device_agent.settings import Settings
-from shared import auth, auth_client
+from shared.auth import client as auth_client
+from shared.auth import verify as auth
+from shared.auth.tls import client_context
 from shared.jupiter.outline import advertised_chat_format
-from shared.metrics import metrics_response
 from shared.modes import MODE_TABLE, Asked, Offered
 from shared.runtime import encode_prompt
 from shared.specdec.device_session import SessionError
 from shared.specdec.sampling import SamplingParams
-from shared.tls import client_context
+from shared.telemetry.metrics import metrics_response
 
 log = logging.getLogger("services.device_agent")
 

@@ -23,13 +23,13 @@ from websockets.asyncio.client import ClientConnection
 from services.device_agent.cloud_connection import SESSION_SEQ, CloudConnection, FrameHook
 from services.device_agent.cloud_errors import CloudError, CloudUnavailable
 from services.device_agent.token_mode import chunk_verdict
-from shared import wire
-from shared.auth_client import BrokerAuth
-from shared.links import LinkProfile
+from shared.auth.client import BrokerAuth
+from shared.net.links import LinkProfile
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.separate_rejection import Downlink
 from shared.specdec.verify_layout import VerifyLayout
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.device_agent.cloud")
 

@@ -20,11 +20,11 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from services.device_agent.cloud_errors import CloudError, CloudTimeout, CloudUnavailable
 from services.device_agent.reauth import keep_fresh
-from shared import wire
-from shared.auth_client import BrokerAuth, CredentialUnavailable
-from shared.links import LinkProfile
-from shared.shaper import DelayLine, shapers_for
-from shared.tls import websocket_ssl
+from shared.auth.client import BrokerAuth, CredentialUnavailable
+from shared.auth.tls import websocket_ssl
+from shared.net.links import LinkProfile
+from shared.net.shaper import DelayLine, shapers_for
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.device_agent.cloud")
 
@@ -58,7 +58,7 @@ class CloudConnection:
         self.max_frame_bytes = max_frame_bytes
         self.on_frame = on_frame  # every message's payload bytes, each way (the device's link metrics)
         self.tls_ca = tls_ca  # the CA trusted for wss:// replicas (empty: the system's CAs)
-        self.auth = auth  # this device's token for the verifier (shared/auth_client.py); fresh on every connect
+        self.auth = auth  # this device's token for the verifier (shared/auth/client.py); fresh on every connect
         self._connection: ClientConnection | None = None
         self._reader: asyncio.Task | None = None
         self._connect_lock = asyncio.Lock()

@@ -4,8 +4,8 @@ device finishing alone) answers."""
 
 from __future__ import annotations
 
-from shared import wire
 from shared.specdec.replay import FailoverExhausted
+from shared.wire import schema as wire
 
 
 class CloudError(RuntimeError):

@@ -35,11 +35,11 @@ import httpx
 
 from services.device_agent.cloud_errors import CloudError, CloudUnavailable
 from services.device_agent.edge_planning import EdgePlanning, RoundRecord
-from shared.device_speed import slowed, speed_schedule
 from shared.edge_sd.bandwidth import embedding_bits_per_token
 from shared.edge_sd.draft_batch import draft_batch, prefill_batch
 from shared.edge_sd.plan import EdgeTask, PlanRequest
 from shared.edge_sd.runtime import ModelShape, split_model_shapes
+from shared.planning.device_speed import slowed, speed_schedule
 from shared.specdec.device_session import SessionError
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.stream_session import StreamSession
@@ -296,7 +296,7 @@ def edge_draft_server(settings, checkpoint, cloud, http: httpx.AsyncClient) -> E
         top_k=settings.top_k,
     )
     # The SBS's own speed (the paper's SBS GPU is far slower per FLOP than the MBS's, Table II's c1): its
-    # draft passes take `speed`'s slowdown x their compute here (shared/device_speed.py).
+    # draft passes take `speed`'s slowdown x their compute here (shared/planning/device_speed.py).
     offload = partial(slowed, slowdown=speed_schedule(settings.speed).slowdown_for(0))
     return EdgeDraftServer(
         cloud,

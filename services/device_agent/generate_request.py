@@ -5,8 +5,8 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from services.device_agent.settings import Settings
-from shared.draft_budget import SHAPE_PATTERN
 from shared.modes import Downlink, Mode
+from shared.planning.draft_budget import SHAPE_PATTERN
 
 
 class ChatTurn(BaseModel):
@@ -43,7 +43,7 @@ class GenerateRequest(BaseModel):
     overlap_prefill: bool | None = None
     parallel_candidates: int | None = Field(None, ge=0, le=16)  # PD
     parallel_steps: int | None = Field(None, ge=0, le=32)
-    # hat: draft this request in this shape (none, chain, tree<N>: shared/draft_budget.py), not the planner's
+    # hat: draft this request in this shape (none, chain, tree<N>: shared/planning/draft_budget.py), not the planner's
     draft_shape: str | None = Field(None, pattern=SHAPE_PATTERN)
     # Kept sessions (mode hat): keep this request's KV when it finishes; start from a kept session's KV
     # (the prompt continues its sequence).

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from shared.model.kv_cache import SessionKV
+from shared.specdec.decode_loop import ShieldedOffload, prefill_on_cloud, release_session
 from shared.specdec.device_session import DeviceSession
-from shared.specdec.engine import ShieldedOffload, prefill_on_cloud, release_session
 from shared.specdec.verify_layout import VerifyLayout, verify_on
 
 log = logging.getLogger("services.device_agent.kept")

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 
 from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud
-from shared.telemetry_client import TelemetryClient
+from shared.telemetry.client import TelemetryClient
 
 log = logging.getLogger("services.device_agent")
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import httpx
 
-from shared.draft_budget import BudgetRequest, BudgetTracker, predicted_rates
-from shared.planners import hidden_bytes_per_token
-from shared.wire import WireDtype, dtype_bytes
+from shared.planning.draft_budget import BudgetRequest, BudgetTracker, predicted_rates
+from shared.planning.planners import hidden_bytes_per_token
+from shared.wire.schema import WireDtype, dtype_bytes
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ class Plan:
     steps_by_rows: tuple[int, ...]  # λ for 0..max_draft+1 rows per verification
     source: str  # the planner's sources, "chunk:<eq3|default:...> steps:<eq6|default:...>"
     fetched_at: float
-    shape: str | None = None  # the draft shape for hat requests (shared/draft_budget.py); None: the configured one
+    shape: str | None = (
+        None  # the draft shape for hat requests (shared/planning/draft_budget.py); None: the configured one
+    )
     predicted: Mapping[str, float] = field(default_factory=dict)  # the planner's tokens/s per shape (trials)
 
     @classmethod

@@ -1,7 +1,7 @@
 """Keeping an open verifier connection's credential fresh: the device side of the wire's Reauthenticate.
 
 The verifier holds an open connection to the token it connected with and closes it (1008) once that token
-expires (shared/credential_watch.py). Access tokens live minutes, so a connection that carries requests for
+expires (shared/auth/credential_watch.py). Access tokens live minutes, so a connection that carries requests for
 longer sends a fresh one on itself: `keep_fresh`, an owned task per connection (cloud_connection.py starts it
 as it connects and cancels it as the connection ends), waits until the token in force has lived half its life
 (the broker renews its cached tokens at half-life too, so the one it then gives is new), sends
@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 
 from websockets.exceptions import ConnectionClosed
 
-from shared import wire
-from shared.auth_client import CredentialUnavailable, unverified_claims
+from shared.auth.client import CredentialUnavailable, unverified_claims
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.device_agent.cloud")
 

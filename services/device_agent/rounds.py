@@ -24,10 +24,10 @@ from services.device_agent.kept import KeepableSession, KeptSessions, SessionClo
 from services.device_agent.plans import Plan
 from services.device_agent.settings import Settings
 from services.device_agent.token_mode import token_decode
-from shared.device_speed import slowed
 from shared.modes import ModeSpec, Rounds, SessionKind
+from shared.planning.device_speed import slowed
+from shared.specdec.decode_loop import fixed_chunks, run_session
 from shared.specdec.device_session import DeviceSession, DraftConfig
-from shared.specdec.engine import fixed_chunks, run_session
 from shared.specdec.local_decode import LocalSession, local_session
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.stream_engine import hat_async_session, stream_config, token_stream_session

@@ -6,13 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.draft_budget import MAX_OPTIONS, DraftShape
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.modes import MODES
+from shared.planning.draft_budget import MAX_OPTIONS, DraftShape
 from shared.service_settings import ServiceSettings
 from shared.settings import from_env
 from shared.specdec.draft_config import DraftConfig
-from shared.wire import WireDtype
+from shared.wire.schema import WireDtype
 
 ENV_PREFIX = "TOPHAT_DEVICE_"
 
@@ -51,7 +51,7 @@ class Settings(ServiceSettings):
     tree_nodes: int = 0
     tree_width: int = DraftConfig.tree_width
     tree_min_prob: float = DraftConfig.tree_min_prob
-    # The draft budget per round from the link and the verifier's load (shared/draft_budget.py): the shapes the
+    # The draft budget per round from the link and the verifier's load (shared/planning/draft_budget.py): the shapes the
     # chunk planner chooses among for hat requests (tried once each, then chosen); empty: always the shape above.
     # On a loaded verifier it falls to none (U-shape rounds), so HAT never costs more than U-shape. Trees need a
     # verifier with pipeline_stages 1: a staged one refuses them (`tophat serve --pipeline-stages` drops them).
@@ -94,7 +94,7 @@ class Settings(ServiceSettings):
     edge_batching: str = "dp"
     edge_spec_len: int = 0
     edge_pipeline: bool = True
-    # Emulated testbed (HAT §4.1): link profile name or spec (see shared/links.py), applied
+    # Emulated testbed (HAT §4.1): link profile name or spec (see shared/net/links.py), applied
     # in-process on the WebSocket; named profiles are for a 4096-wide model and get scaled
     # to this model's hidden size when link_scaled. Speed: orin | xavier | cycle | 1,2,5@5.
     link: str = "none"
@@ -126,17 +126,17 @@ class Settings(ServiceSettings):
     # on Orin-class GPUs, float16 on Xavier) | float32 | float16 | bfloat16. wire_dtype is separate.
     device: str = "auto"
     dtype: str = "auto"
-    # Uplink hardening (shared/hardening.py), for the hidden-state modes (hat, hat-async). hidden_rotation: the
-    # verifier's secret (its middle layers are re-parameterised for it): shallow states go up as shallow @ Q^T,
-    # exact; empty: off. uplink_noise: Gaussian noise of std uplink_noise x each row's RMS on every row sent;
-    # NOT lossless: the output is then the split model's on the noisy states; 0: off.
+    # Uplink hardening (shared/privacy/uplink_hardening.py), for the hidden-state modes (hat, hat-async).
+    # hidden_rotation: the verifier's secret (its middle layers are re-parameterised for it): shallow states go up as
+    # shallow @ Q^T, exact; empty: off. uplink_noise: Gaussian noise of std uplink_noise x each row's RMS on every row
+    # sent; NOT lossless: the output is then the split model's on the noisy states; 0: off.
     hidden_rotation: str = field(default="", repr=False)
     uplink_noise: float = 0.0
 
     def validate(self) -> None:
         super().validate()  # auth, logging, TLS (shared/service_settings.py)
-        from shared.device_speed import speed_schedule
-        from shared.links import parse_link_spec
+        from shared.net.links import parse_link_spec
+        from shared.planning.device_speed import speed_schedule
 
         WireDtype(self.wire_dtype)
         parse_device_spec(self.device)  # syntax here; the GPU itself is checked when the model loads
@@ -198,7 +198,7 @@ class Settings(ServiceSettings):
 
     @property
     def edge_memory_budget_bytes(self) -> int:
-        from shared.links import parse_bytes
+        from shared.net.links import parse_bytes
 
         size = parse_bytes(self.edge_memory_budget, bits=False)
         if size is None or size <= 0:
@@ -206,7 +206,7 @@ class Settings(ServiceSettings):
         return int(size)
 
     def default_shape(self) -> str:
-        """The configured draft shape's name in shared/draft_budget.py's terms."""
+        """The configured draft shape's name in shared/planning/draft_budget.py's terms."""
         if not self.speculative or self.max_draft == 0:
             return "none"
         return f"tree{self.tree_nodes}" if self.tree_nodes else "chain"

@@ -9,10 +9,10 @@ from typing import Protocol
 import torch
 
 from services.device_agent.cloud_errors import CloudError
-from shared import wire
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.separate_rejection import RejectionPayload
+from shared.wire import schema as wire
 
 
 class TokenCloud(Protocol):

@@ -15,9 +15,9 @@ import uvicorn
 
 from services.state_monitor.app import create_app
 from services.state_monitor.settings import load_settings
-from shared.process_memory import return_freed_memory_to_os
-from shared.redis_server import EmbeddedRedis, resolve_redis_url
-from shared.telemetry import redact_url
+from shared.processes.memory import return_freed_memory_to_os
+from shared.processes.redis_server import EmbeddedRedis, resolve_redis_url
+from shared.telemetry.sink import redact_url
 
 log = logging.getLogger("services.state_monitor")
 
@@ -25,7 +25,7 @@ log = logging.getLogger("services.state_monitor")
 def main() -> None:
     settings = load_settings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return_freed_memory_to_os()  # a fixed mmap threshold: no heap growth from freed tensors (shared/process_memory.py)
+    return_freed_memory_to_os()  # fixed mmap threshold: no heap growth from freed tensors (shared/processes/memory.py)
     embedded: EmbeddedRedis | None = None
     if resolve_redis_url(settings.redis_url or None) is None and settings.embedded_redis:
         embedded = EmbeddedRedis().start()

@@ -1,6 +1,6 @@
 """State-monitor HTTP API: ingest telemetry, serve mu, g(mu) and device state.
 
-The in-memory model (shared.state_model) is the source of truth for answers;
+The in-memory model (shared.planning.state_model) is the source of truth for answers;
 Redis gets the raw events and the derived state so other processes and
 dashboards can read them, and so a restarted monitor can resume its averages.
 Redis is best effort: when it is down, records still update the in-memory
@@ -37,11 +37,11 @@ from services.state_monitor.records import (
     RequestDone,
 )
 from services.state_monitor.settings import Settings, load_settings
-from shared import auth
-from shared import telemetry as tk
+from shared.auth import verify as auth
 from shared.device_registry import DeviceRegistry, UrlTaken
-from shared.metrics import MonitorMetrics, metrics_response
-from shared.redis_server import resolve_redis_url, with_password
+from shared.processes.redis_server import resolve_redis_url, with_password
+from shared.telemetry import sink as tk
+from shared.telemetry.metrics import MonitorMetrics, metrics_response
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await sink.close()
 
     app = FastAPI(title="tophat state monitor", lifespan=lifespan)
-    # Writes need a credential (shared/auth.py), a device's only for its own device id; reads stay open. The
+    # Writes need a credential (shared/auth/verify.py), a device's only for its own device id; reads stay open. The
     # monitor is the issuer (issuer.py): it checks tokens with its own keys and revocations, at once.
     auth.warn_if_open("the state monitor", settings.authenticated, settings.host, "TOPHAT_STATE_MONITOR_AUTH_KEY_FILE")
     if issuer is not None:

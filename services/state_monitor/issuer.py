@@ -3,7 +3,7 @@
 Why here: the monitor already keeps the device registry (which device announced which URL), which is
 exactly what enrollment binds and what an audience for "the device at this URL" is looked up in; every
 device and service already reaches it; and it runs no model and faces no user, so the signing key lives in
-the smallest and least exposed process. Nothing else holds a signing key (shared/auth_keys.py).
+the smallest and least exposed process. Nothing else holds a signing key (shared/auth/signing.py).
 
 Routes:
   GET  /credentials/jwks     open: the public keys (several kids during a rotation) and the revocation list
@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.state_monitor.issuer_state import STATE_FILE, IssuerState, NotDurable, load_state, save_state
 from services.state_monitor.records import DeviceAnnouncement, Ident
-from shared import auth
-from shared.auth_keys import KeyRing
+from shared.auth import verify as auth
+from shared.auth.signing import KeyRing
 from shared.device_registry import DeviceRegistry, UrlTaken
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class Issuer:
         return self.state.revoked_tokens
 
     def document(self) -> dict[str, Any]:
-        """What /credentials/jwks serves (shared/auth.Trust.from_document reads it)."""
+        """What /credentials/jwks serves (shared/auth/verify.Trust.from_document reads it)."""
         self._prune()
         return {**self.ring.jwks(), "revoked": sorted(self.revoked), "revoked_tokens": sorted(self.revoked_tokens)}
 

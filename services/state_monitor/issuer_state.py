@@ -7,7 +7,7 @@ leaked, signed again; revoked devices came back). The state lives in one JSON fi
 a writable directory (`TOPHAT_STATE_MONITOR_AUTH_STATE_DIR`, a volume the monitor alone mounts; by default the
 key file's own directory), replaced atomically (a temporary file, fsync, rename, fsync of the directory), so a
 crash leaves the old state or the new, never half of one. Its top level is the key ring's own layout
-(shared/auth_keys.py), so `tophat credentials --key-file` reads it as the current ring. It is not in Redis:
+(shared/auth/signing.py), so `tophat credentials --key-file` reads it as the current ring. It is not in Redis:
 every cloud-side service holds the Redis password, and none but the monitor may hold a signing key.
 
 `lineage`: every kid this state's ring ever made active. A state whose lineage does not hold the key file's
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.auth_keys import KeyRing
+from shared.auth.signing import KeyRing
 
 log = logging.getLogger(__name__)
 

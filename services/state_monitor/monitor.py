@@ -1,4 +1,4 @@
-"""The state monitor's state: records applied to the in-memory model (shared/state_model.py), the
+"""The state monitor's state: records applied to the in-memory model (shared/planning/state_model.py), the
 source of truth for answers, and mirrored to Redis (best effort) so other processes and dashboards
 can read them and a restarted monitor can resume its averages.
 """
@@ -19,9 +19,9 @@ from services.state_monitor.records import (
     VerifierStep,
 )
 from services.state_monitor.settings import Settings
-from shared import telemetry as tk
-from shared.compute_delay import ComputeDelayPredictor
-from shared.state_model import CloudState, DeviceState
+from shared.planning.compute_delay import ComputeDelayPredictor
+from shared.planning.state_model import CloudState, DeviceState
+from shared.telemetry import sink as tk
 
 log = logging.getLogger(__name__)
 

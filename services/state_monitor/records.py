@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
-from shared import telemetry as tk
+from shared.telemetry import sink as tk
 
 IDENT_PATTERN = r"^[A-Za-z0-9_.\-]{1,128}$"
 Ident = Annotated[str, Field(min_length=1, max_length=128, pattern=IDENT_PATTERN)]

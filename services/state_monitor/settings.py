@@ -41,7 +41,7 @@ class Settings(ServiceSettings):
     # Edge SD: how many recent measured passes (draft, verify) and verdicts Redis keeps, each in its own
     # tophat:edge_sd:* list (POST /edge-sd/telemetry); GET /state/edge-sd serves them to the chunk planner.
     edge_sd_history: int = 512
-    # The issuer (services/state_monitor/issuer.py): the directory of its Ed25519 signing keys (shared/auth_keys.py,
+    # The issuer (services/state_monitor/issuer.py): the directory of its Ed25519 signing keys (shared/auth/signing.py,
     # made by `tophat mesh-secrets` / `tophat serve --auth`); set, every POST needs a credential. It is only read.
     # auth_state_dir: a writable directory (a volume the monitor alone mounts) where the issuer saves what it
     # changes, before answering: rotations, revocations, which bootstrap token holds each enrolled device id

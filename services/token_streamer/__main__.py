@@ -12,7 +12,7 @@ import uvicorn
 
 from services.token_streamer.app import create_app
 from services.token_streamer.settings import load_settings
-from shared.process_memory import return_freed_memory_to_os
+from shared.processes.memory import return_freed_memory_to_os
 
 log = logging.getLogger("services.token_streamer")
 
@@ -20,7 +20,7 @@ log = logging.getLogger("services.token_streamer")
 def main() -> None:
     settings = load_settings()
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return_freed_memory_to_os()  # a fixed mmap threshold: no heap growth from freed tensors (shared/process_memory.py)
+    return_freed_memory_to_os()  # fixed mmap threshold: no heap growth from freed tensors (shared/processes/memory.py)
     log.info(
         "token streamer on %s:%d over %d device agent(s)", settings.host, settings.port, len(settings.device_url_list)
     )

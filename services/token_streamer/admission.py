@@ -20,7 +20,7 @@ from collections import deque
 from typing import Any
 
 from services.token_streamer.router import DeviceError, DeviceState, Router
-from shared import latency_stats
+from shared.telemetry import latency_stats
 
 log = logging.getLogger(__name__)
 

@@ -42,10 +42,11 @@ from services.token_streamer.router import DeviceError, Router
 from services.token_streamer.run import Run
 from services.token_streamer.settings import Settings, load_settings
 from services.token_streamer.starter import BadRequest, RequestStarter
-from shared import auth, auth_client
-from shared.metrics import StreamerMetrics, metrics_response
-from shared.telemetry_client import TelemetryClient
-from shared.tls import client_context
+from shared.auth import client as auth_client
+from shared.auth import verify as auth
+from shared.auth.tls import client_context
+from shared.telemetry.client import TelemetryClient
+from shared.telemetry.metrics import StreamerMetrics, metrics_response
 
 log = logging.getLogger(__name__)
 

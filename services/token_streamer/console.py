@@ -7,8 +7,8 @@ and the page's chat goes through /v1/chat/completions with the same key.
 
 /console/mesh gathers, at most once per `console_refresh_s` whoever asks, each device agent's GET /info
 and the state monitor's /state/devices and /state/cloud, each call bounded by `probe_timeout_s`, and
-hands them to shared/console_mesh.py; a part that does not answer in time shows as unknown, never stalls
-the page. Each gathering also adds a point to the load history (shared/console_history.py).
+hands them to shared/console/mesh.py; a part that does not answer in time shows as unknown, never stalls
+the page. Each gathering also adds a point to the load history (shared/console/history.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from fastapi.responses import HTMLResponse, Response
 
 from services.token_streamer.router import Router
 from services.token_streamer.settings import Settings
-from shared.console_history import ConsoleHistory
-from shared.console_mesh import mesh_view
+from shared.console.history import ConsoleHistory
+from shared.console.mesh import mesh_view
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
     needs `Authorization: Bearer <key>`, the chat WebSocket on
     its handshake; else 401 shaped as OpenAI's (`invalid_api_key`). Keys are compared in
     constant time and never logged, not even in part.
-  * A token bucket per credential (shared/rate_limit.py): the key, or the client address when
+  * A token bucket per credential (shared/net/rate_limit.py): the key, or the client address when
     the endpoint is open (an IPv6 client's /64); past it, 429 with `Retry-After` and
     `rate_limit_exceeded`. A chat WebSocket draws on the same bucket for its handshake and then for
     every message it sends: a message past the limit reaches the app marked with its refusal
@@ -19,7 +19,8 @@ LINGER_S (as nginx's lingering close does), never kept: a client writes its whol
 it reads, and a socket closed on unread data is reset, which would lose the answer.
 A refused WebSocket handshake gets the same HTTP answer (the ASGI denial response) where the
 server offers it, else a close with 1008 (policy violation).
-The server's own debug log prints a WebSocket handshake's headers: `RedactCredentials` (shared/auth.py) blanks them.
+The server's own debug log prints a WebSocket handshake's headers: `RedactCredentials` (shared/auth/verify.py)
+blanks them.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.token_streamer import openai_format as of
 from services.token_streamer.console import is_public
-from shared.auth import OPEN_PATHS, bearer_token, is_loopback, redact_credentials
-from shared.rate_limit import RateLimiter, address_key, retry_after_s
+from shared.auth.verify import OPEN_PATHS, bearer_token, is_loopback, redact_credentials
+from shared.net.rate_limit import RateLimiter, address_key, retry_after_s
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ModelWrapValidatorHandler, field_validator, model_validator
 
-from shared.draft_budget import SHAPE_PATTERN
 from shared.modes import Dispatch, Downlink, Mode
+from shared.planning.draft_budget import SHAPE_PATTERN
 
 log = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ from services.token_streamer.device_stream import DeviceStream
 from services.token_streamer.disco_stream import DiscoStream
 from services.token_streamer.outline import OutlineStream
 from services.token_streamer.router import DeviceError, DeviceState
-from shared import latency_stats
-from shared.console_history import ConsoleHistory
-from shared.latency_stats import Timeline
-from shared.metrics import StreamerMetrics
-from shared.telemetry_client import TelemetryClient
+from shared.console.history import ConsoleHistory
+from shared.telemetry import latency_stats
+from shared.telemetry.client import TelemetryClient
+from shared.telemetry.latency_stats import Timeline
+from shared.telemetry.metrics import StreamerMetrics
 
 
 class Run:
@@ -88,7 +88,7 @@ class Run:
             yield tail
 
     def _observe(self, n: int) -> None:
-        """Timing on arrival, from request arrival here (TTFT/TBT as shared/latency_stats.py defines them)."""
+        """Timing on arrival, from request arrival here (TTFT/TBT as shared/telemetry/latency_stats.py defines them)."""
         self.timeline.deliver(time.perf_counter(), n)
 
     @property

@@ -22,10 +22,10 @@ from services.token_streamer.dispatcher import Dispatcher
 from services.token_streamer.outline import OutlineFlow, OutlineStream
 from services.token_streamer.run import Run
 from services.token_streamer.settings import Settings
-from shared.console_history import ConsoleHistory
-from shared.metrics import StreamerMetrics
+from shared.console.history import ConsoleHistory
 from shared.modes import KEPT_SESSIONS_MODE
-from shared.telemetry_client import TelemetryClient
+from shared.telemetry.client import TelemetryClient
+from shared.telemetry.metrics import StreamerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import load_settings
 from shared.model.checkpoint import ModelLoadError
 from shared.model.split import SplitError
-from shared.process_memory import return_freed_memory_to_os
+from shared.processes.memory import return_freed_memory_to_os
 from shared.settings import SettingsError
 
 log = logging.getLogger("services.verifier_cloud")
@@ -81,7 +81,7 @@ async def _main(argv: Sequence[str] | None = None) -> None:
     overrides = {name: value for name, value in flags.items() if value is not None}
     settings = load_settings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return_freed_memory_to_os()  # a fixed mmap threshold: no heap growth from freed tensors (shared/process_memory.py)
+    return_freed_memory_to_os()  # fixed mmap threshold: no heap growth from freed tensors (shared/processes/memory.py)
     torch.set_num_threads(settings.torch_threads)
     server = VerifierServer.from_settings(settings)
     stop = asyncio.Event()

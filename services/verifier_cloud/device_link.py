@@ -24,8 +24,8 @@ from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.work import EngineError
 from services.verifier_cloud.work_item import Reply, WorkItem
-from shared import wire
 from shared.specdec.draft_stream import ChunkVerdict
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.verifier_cloud")
 

@@ -28,7 +28,7 @@ from services.verifier_cloud.scheduler import Scheduler, SchedulerOutput
 from services.verifier_cloud.stages import StageItem
 from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 from services.verifier_cloud.work_item import WorkItem
-from shared.backoff import Backoff
+from shared.net.backoff import Backoff
 
 log = logging.getLogger("services.verifier_cloud.engine")
 

@@ -13,7 +13,7 @@ from services.verifier_cloud.scheduler import Scheduler
 from services.verifier_cloud.session import Session
 from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.work import EngineError
-from shared import wire
+from shared.wire import schema as wire
 
 
 class VerifierServer(Protocol):

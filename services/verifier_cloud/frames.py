@@ -18,9 +18,9 @@ import torch
 from services.verifier_cloud.token_mode import StreamedChunk
 from services.verifier_cloud.work import EngineError, WorkKind
 from services.verifier_cloud.work_item import Reply, WorkItem
-from shared import wire
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamProtocolError
 from shared.specdec.verify_layout import VerifyLayout
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.verifier_cloud")
 

@@ -1,6 +1,6 @@
 """What the verifier's one port answers over plain HTTP: /healthz, /readyz, /metrics, and the check
 of a WebSocket upgrade on /ws (with a mesh secret, a device's token) before any session exists.
-A connection it admits is handed to the credential watch (shared/credential_watch.py), which closes it
+A connection it admits is handed to the credential watch (shared/auth/credential_watch.py), which closes it
 (`close_for_credential`: code 1008, reason "credential revoked" / "credential expired") once its token is
 revoked or expires: the handshake is not the last check. A device renews it on the open connection
 (`reauthenticate`: a wire Reauthenticate with a fresh token, checked as the handshake checks the first).
@@ -22,9 +22,10 @@ from websockets.http11 import Request, Response
 from services.verifier_cloud.device_link import EndConnection
 from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.settings import Settings
-from shared import auth, wire
-from shared.credential_watch import CredentialWatch
-from shared.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, exposition
+from shared.auth import verify as auth
+from shared.auth.credential_watch import CredentialWatch
+from shared.telemetry.metrics import CONTENT_TYPE, METRICS_PATH, VerifierMetrics, exposition
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.verifier_cloud")
 
@@ -76,7 +77,7 @@ class HttpFront:
         return self.refuse_unauthenticated(connection, request)
 
     def refuse_unauthenticated(self, connection: ServerConnection, request: Request) -> Response | None:
-        """With auth on, the upgrade needs a device's token for the verifier (shared/auth.py): else 401 (none,
+        """With auth on, the upgrade needs a device's token for the verifier (shared/auth/verify.py): else 401 (none,
         forged, expired, revoked, for another audience) or 403 (a service's), before any session exists. The
         connection then lives until its token is revoked or expires (`watch`), or it ends."""
         if self.trust is None:

@@ -12,8 +12,8 @@ from services.verifier_cloud.stages import StageSpec
 from services.verifier_cloud.token_mode import TokenModel
 from shared.model.checkpoint import ModelLoadError, load_checkpoint, read_config
 from shared.model.placement import PlacementError, detect_placement
-from shared.model.rotation import apply_secret_rotation
 from shared.model.split import MiddleSubmodel, calibrate_layers, warm_up_layers
+from shared.privacy.hidden_rotation import apply_secret_rotation
 from shared.settings import SettingsError
 
 

@@ -2,7 +2,7 @@
 
 `StagePipeline` owns P worker processes (services/verifier_cloud/stages.py), or
 is given the addresses of P stages started on their own (remote_stages.py),
-its two ends of the P+1 TCP hops chaining them (shared/stage_link.py: hop 0
+its two ends of the P+1 TCP hops chaining them (shared/wire/stage_link.py: hop 0
 into stage 0, hop P back from the last stage; the hops between stages belong
 to the stages), and the bookkeeping of micro-batches in flight.
 At most P micro-batches are in flight (one per stage when the pipeline is
@@ -50,8 +50,8 @@ from services.verifier_cloud.stages import (
     to_numpy,
     worker_context,
 )
-from shared.stage_codec import StageLinkError
-from shared.stage_link import TOKEN_BYTES, LinkReceiver, LinkSender, chain_stages
+from shared.wire.stage_codec import StageLinkError
+from shared.wire.stage_link import TOKEN_BYTES, LinkReceiver, LinkSender, chain_stages
 
 log = logging.getLogger("services.verifier_cloud.pipeline")
 

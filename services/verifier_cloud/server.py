@@ -55,16 +55,18 @@ from services.verifier_cloud.step_records import StepRecorder
 from services.verifier_cloud.token_frames import TokenFrames
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work import EngineError, ErrorKind
-from shared import auth, auth_client, wire
+from shared.auth import client as auth_client
+from shared.auth import verify as auth
+from shared.auth.tls import client_context, server_context
 from shared.capture import CaptureWriter
-from shared.metrics import VerifierMetrics
 from shared.model.checkpoint import split_fingerprint
-from shared.model.rotation import rotated_fingerprint
 from shared.model.split import MiddleSubmodel
 from shared.model.static_kv import static_capacity
+from shared.privacy.hidden_rotation import rotated_fingerprint
 from shared.settings import SettingsError
-from shared.telemetry_client import TelemetryClient
-from shared.tls import client_context, server_context
+from shared.telemetry.client import TelemetryClient
+from shared.telemetry.metrics import VerifierMetrics
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.verifier_cloud")
 

@@ -24,7 +24,7 @@ from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings
 from services.verifier_cloud.work import EngineError, ErrorKind
 from services.verifier_cloud.work_item import WorkItem
-from shared import wire
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.verifier_cloud")
 

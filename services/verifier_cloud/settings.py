@@ -7,11 +7,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.verifier_cloud.kv_plan import check_kv_settings
+from services.verifier_cloud.stage_plan import (
+    parse_address,
+    parse_stage_layers,
+    parse_stage_links,
+    parse_stage_slowdowns,
+)
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.service_settings import ServiceSettings
 from shared.settings import from_env
-from shared.stage_plan import parse_address, parse_stage_layers, parse_stage_links, parse_stage_slowdowns
-from shared.wire import MAX_FRAME_BYTES
+from shared.wire.schema import MAX_FRAME_BYTES
 
 ENV_PREFIX = "TOPHAT_VERIFIER_"
 
@@ -71,7 +76,7 @@ class Settings(ServiceSettings):
     # (what the CPU tests check); off: never.
     cuda_graphs: str = "auto"
     cuda_graph_rows: str = "1,2,4,8,16,32"
-    # Secret rotation of the hidden basis (shared/model/rotation.py): the middle layers are re-parameterised at
+    # Secret rotation of the hidden basis (shared/privacy/hidden_rotation.py): the middle layers are re-parameterised at
     # load for this secret, the devices (same secret) rotate what they send; exact. Empty: off. A cloud that
     # holds these weights and the public checkpoint can solve for the rotation (tophatctl/privacy/).
     hidden_rotation: str = field(default="", repr=False)
@@ -93,12 +98,12 @@ class Settings(ServiceSettings):
     # pass costs grow with its rows (a CPU), two prompts sharing every pass both finish late; taking them in
     # arrival order finishes the first at its own pace and the second no later. A GPU below saturation may batch more.
     prefill_sessions_per_step: int = 1
-    # The stages' own plan (shared/stage_plan.py), each optional. stage_layers: explicit contiguous [start, stop)
-    # ranges of the middle layers, "2-5,5-12,12-30", replacing the equal split; P is their count (pipeline_stages
-    # left at 1 follows it, any other value must agree). stage_slowdowns: each stage's emulated slowdown, "1,3,3"
-    # (shared/device_speed.py). stage_links: the P+1 hops' link specs separated by ';' (shared/links.py, e.g.
-    # "lan"; hop 0 = main -> stage 0, hop P = last stage -> main; one spec = every hop; empty = unshaped).
-    # Any of them set runs the middle layers in stage workers even with P = 1 (a stage across a link).
+    # The stages' own plan (services/verifier_cloud/stage_plan.py), each optional. stage_layers: explicit contiguous
+    # [start, stop) ranges of the middle layers, "2-5,5-12,12-30", replacing the equal split; P is their count
+    # (pipeline_stages left at 1 follows it, any other value must agree). stage_slowdowns: each stage's emulated
+    # slowdown, "1,3,3" (shared/planning/device_speed.py). stage_links: the P+1 hops' link specs separated by ';'
+    # (shared/net/links.py, e.g. "lan"; hop 0 = main -> stage 0, hop P = last stage -> main; one spec = every hop; empty
+    # = unshaped). Any of them set runs the middle layers in stage workers even with P = 1 (a stage across a link).
     # stage_host: the address stages (and the return hop) listen on.
     stage_layers: str = ""
     stage_slowdowns: str = ""

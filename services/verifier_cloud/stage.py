@@ -22,19 +22,19 @@ import httpx
 import torch
 
 from services.verifier_cloud.remote_stages import await_wiring
+from services.verifier_cloud.stage_plan import parse_address, parse_stage_layers
 from services.verifier_cloud.stages import STAGE_CODEC, StageSpec, StageWorker, build_worker, serve_messages
-from shared import auth
-from shared.auth_client import JWKS_PATH
+from shared.auth import verify as auth
+from shared.auth.client import JWKS_PATH
+from shared.auth.tls import client_context
 from shared.model.checkpoint import ModelLoadError
 from shared.model.split import SplitError
-from shared.process_memory import return_freed_memory_to_os
+from shared.processes.memory import return_freed_memory_to_os
 from shared.service_settings import ServiceSettings
 from shared.settings import SettingsError, from_env
-from shared.stage_codec import StageLinkError
-from shared.stage_handshake import HANDSHAKE_TIMEOUT_S
-from shared.stage_link import LinkReceiver, LinkSender, accept_link, bind_listener, connect_link
-from shared.stage_plan import parse_address, parse_stage_layers
-from shared.tls import client_context
+from shared.wire.stage_codec import StageLinkError
+from shared.wire.stage_handshake import HANDSHAKE_TIMEOUT_S
+from shared.wire.stage_link import LinkReceiver, LinkSender, accept_link, bind_listener, connect_link
 
 log = logging.getLogger("services.verifier_cloud.stage")
 
@@ -52,8 +52,8 @@ class StageSettings(ServiceSettings):
     device: str = "auto"
     dtype: str = "auto"
     torch_threads: int = 1
-    slowdown: float = 1.0  # an emulated slower device (shared/device_speed.py); 1 on real hardware
-    hidden_rotation: str = ""  # the verifier's secret rotation (shared/model/rotation.py), if it uses one
+    slowdown: float = 1.0  # an emulated slower device (shared/planning/device_speed.py); 1 on real hardware
+    hidden_rotation: str = ""  # the verifier's secret rotation (shared/privacy/hidden_rotation.py), if it uses one
     # What each connection to `listen` (a control connection, the upstream hop) has to present its credential or
     # run token in; connections are read concurrently, so a silent one costs only itself, never the wiring.
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S

@@ -7,19 +7,19 @@ import httpx
 from services.verifier_cloud.kv_plan import KVPlan
 from services.verifier_cloud.remote_stages import RemoteStages
 from services.verifier_cloud.settings import Settings
-from services.verifier_cloud.stages import StageSpec
-from shared import auth
-from shared.auth_client import TokenBroker
-from shared.model.placement import cuda_facts, plan_stage_devices
-from shared.model.split import SplitError, stage_ranges, validate_split
-from shared.stage_codec import StageLinkError
-from shared.stage_plan import (
+from services.verifier_cloud.stage_plan import (
     check_layers_cover,
     parse_address,
     parse_stage_layers,
     parse_stage_links,
     parse_stage_slowdowns,
 )
+from services.verifier_cloud.stages import StageSpec
+from shared.auth import verify as auth
+from shared.auth.client import TokenBroker
+from shared.model.placement import cuda_facts, plan_stage_devices
+from shared.model.split import SplitError, stage_ranges, validate_split
+from shared.wire.stage_codec import StageLinkError
 
 
 def plan_stages(settings: Settings, num_layers: int, cuda: tuple[bool, int] | None = None) -> list[StageSpec]:

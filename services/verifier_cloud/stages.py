@@ -5,7 +5,7 @@ work on the next micro-batch while stage 2 finishes the previous one. Each
 stage is a separate process (spawned, or on a host without CUDA forked from a
 fresh fork server: see worker_context; it never inherits the parent's threads
 or event loop) that loads the checkpoint itself and keeps only its own layers.
-Stages form a chain of TCP connections (shared/stage_link.py), each hop
+Stages form a chain of TCP connections (shared/wire/stage_link.py), each hop
 optionally an emulated link (the `stage_links` setting):
 
     main --hop 0--> stage 0 --hop 1--> stage 1 ... stage P-1 --hop P--> main
@@ -37,11 +37,11 @@ import torch
 from services.verifier_cloud.kv_plan import DYNAMIC, KVPlan
 from services.verifier_cloud.runner import ModelRunner, RunItem
 from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
-from shared.device_speed import DeviceSpeed
-from shared.links import UNSHAPED, LinkProfile
 from shared.model.split import LayerRange
-from shared.stage_codec import StageCodec, StageLinkError
-from shared.stage_link import LinkReceiver, LinkSender, join_chain
+from shared.net.links import UNSHAPED, LinkProfile
+from shared.planning.device_speed import DeviceSpeed
+from shared.wire.stage_codec import StageCodec, StageLinkError
+from shared.wire.stage_link import LinkReceiver, LinkSender, join_chain
 
 log = logging.getLogger("services.verifier_cloud.stages")
 
@@ -152,8 +152,10 @@ class StageSpec:
     host: str = "127.0.0.1"  # where this stage listens for its upstream hop
     in_link: LinkProfile = UNSHAPED  # hop into this stage (the sender, one hop up, paces it)
     out_link: LinkProfile = UNSHAPED  # hop out of this stage, paced here
-    slowdown: float = 1.0  # emulated device speed (shared/device_speed.py): compute stretched this many times
-    hidden_rotation: str = field(default="", repr=False)  # the verifier's secret rotation (shared/model/rotation.py)
+    slowdown: float = 1.0  # emulated device speed (shared/planning/device_speed.py): compute stretched this many times
+    hidden_rotation: str = field(
+        default="", repr=False
+    )  # the verifier's secret rotation (shared/privacy/hidden_rotation.py)
     kv: KVPlan = DYNAMIC  # this stage's KV layout and CUDA graphs, decided for its device (kv_plan.py)
 
 
@@ -253,7 +255,7 @@ def build_worker(spec: StageSpec) -> StageWorker:
     )
     middle = MiddleSubmodel(checkpoint, spec.split_layers, stage=spec.layers)
     if spec.hidden_rotation:  # every layer of the middle is rotated the same way: a stage is a sub-range
-        from shared.model.rotation import apply_secret_rotation
+        from shared.privacy.hidden_rotation import apply_secret_rotation
 
         apply_secret_rotation(middle, spec.hidden_rotation)
     middle.to(placement.device)  # only this stage's layers (and the rotary table) go to the GPU

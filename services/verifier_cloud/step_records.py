@@ -8,8 +8,8 @@ import logging
 from collections.abc import Sequence
 
 from services.verifier_cloud.engine import StepStats
-from shared.metrics import VerifierMetrics
-from shared.telemetry_client import TelemetryClient
+from shared.telemetry.client import TelemetryClient
+from shared.telemetry.metrics import VerifierMetrics
 
 log = logging.getLogger("services.verifier_cloud")
 

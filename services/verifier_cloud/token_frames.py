@@ -17,8 +17,8 @@ from services.verifier_cloud.session import Session
 from services.verifier_cloud.session_table import SessionTable
 from services.verifier_cloud.token_mode import TokenModel
 from services.verifier_cloud.work_item import Reply
-from shared import wire
 from shared.specdec.sampling import SamplingParams
+from shared.wire import schema as wire
 
 log = logging.getLogger("services.verifier_cloud")
 

@@ -29,7 +29,7 @@ from shared.model.split import LayerRange, OutputSubmodel, validate_split
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamVerifier
 from shared.specdec.sampling import SamplingParams, logits_to_probs, sample_logits
 from shared.specdec.separate_rejection import Downlink
-from shared.wire import ErrorCode, WireError
+from shared.wire.schema import ErrorCode, WireError
 
 log = logging.getLogger("services.verifier_cloud.token_mode")
 

@@ -35,7 +35,7 @@ class TokenItem:
 
 
 class ErrorKind(enum.IntEnum):
-    """Why an item or a session request failed; names match shared.wire.ErrorCode's."""
+    """Why an item or a session request failed; names match shared.wire.schema.ErrorCode's."""
 
     MALFORMED = 1
     BAD_SHAPE = 5

@@ -26,7 +26,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from shared.links import UNSHAPED, LinkProfile
+from shared.net.links import UNSHAPED, LinkProfile
 
 FP16_BITS = 16  # the paper's λ assumes fp16 embeddings (§II-D)
 _SUM_TOLERANCE = 1e-9  # shares are floats: allow Σ w_k a hair above 1 (constraint 24a)

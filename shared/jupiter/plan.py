@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from shared.device_speed import speed_schedule
 from shared.jupiter.partition import Partition, PartitionError, equal_partition, partition_layers
 from shared.jupiter.profile import Profile, check_document, save_json
 from shared.jupiter.sequence import (
@@ -36,7 +35,8 @@ from shared.jupiter.sequence import (
     pipeline_latency,
     plan_sequences,
 )
-from shared.links import PROFILES, parse_bytes, parse_link_spec
+from shared.net.links import PROFILES, parse_bytes, parse_link_spec
+from shared.planning.device_speed import speed_schedule
 
 PLAN_FORMAT = "tophat.jupiter.plan"
 PLAN_VERSION = 1
@@ -83,7 +83,7 @@ def parse_memory(text: str) -> int:
 
 def parse_edge_pipeline(spec: str) -> list[DeviceSpec]:
     """'orin;xavier;xavier:512MiB' -> devices in pipeline order. Each item is a speed class of
-    shared/device_speed.py (orin, xavier) or a fixed slowdown ('2.5'), optionally ':' a memory
+    shared/planning/device_speed.py (orin, xavier) or a fixed slowdown ('2.5'), optionally ':' a memory
     budget (default 8GiB). Time-varying classes (cycle) cannot be planned for. >= 2 devices."""
     items = [item.strip() for item in spec.split(";")]
     if len(items) < 2 or any(not item for item in items):
@@ -108,7 +108,7 @@ def parse_edge_pipeline(spec: str) -> list[DeviceSpec]:
 
 def parse_lan(spec: str) -> tuple[float, float]:
     """A LAN link -> (bytes/s, one-way latency s). '100mbit,lat=1ms' (a bare rate = both ways), any
-    shared/links.py spec ('up=..,down=..,lat=..', a profile name); the slower direction counts."""
+    shared/net/links.py spec ('up=..,down=..,lat=..', a profile name); the slower direction counts."""
     parts = [p.strip() for p in spec.split(",") if p.strip()]
     if parts and "=" not in parts[0] and parts[0].lower() not in PROFILES:
         parts[0:1] = [f"up={parts[0]}", f"down={parts[0]}"]

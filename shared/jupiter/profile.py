@@ -3,7 +3,7 @@ reference device and the memory a stage needs.
 
 Time: `t(S, c)`, seconds for ONE decoder layer to process a sub-sequence of S tokens when c
 positions are already in its KV cache, measured on this machine, which stands for the reference
-device class (orin, slowdown 1, shared/device_speed.py). Other classes are the same table times
+device class (orin, slowdown 1, shared/planning/device_speed.py). Other classes are the same table times
 their slowdown: heterogeneity is emulated by stretching wall time, so one table serves all.
 Between grid points the table is interpolated bilinearly; beyond the grid it is extrapolated
 linearly from the two outermost points of each axis (attention's cost is linear in c, the

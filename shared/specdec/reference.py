@@ -8,7 +8,7 @@ import time
 import torch
 
 from shared.model.checkpoint import Checkpoint
-from shared.specdec.engine import GenerationResult
+from shared.specdec.decode_loop import GenerationResult
 from shared.specdec.sampling import SamplingParams, sample_logits
 
 _DEFAULT_PARAMS = SamplingParams()  # frozen: one shared default

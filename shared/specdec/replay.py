@@ -32,8 +32,8 @@ from typing import Protocol, cast
 
 import torch
 
-from shared.backoff import Backoff
-from shared.specdec.engine import Cloud, done_future
+from shared.net.backoff import Backoff
+from shared.specdec.decode_loop import Cloud, done_future
 from shared.specdec.verify_layout import VerifyLayout, verify_on
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
+from shared.specdec.decode_loop import Cloud, ShieldedOffload, prefill_on_cloud, release_session
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
-from shared.specdec.engine import Cloud, ShieldedOffload, prefill_on_cloud, release_session
 from shared.specdec.separate_rejection import DEFAULT_TOP_K, Downlink
 from shared.specdec.stream_session import StreamSession
 

@@ -1,5 +1,5 @@
 """One round in a draft shape the draft budget has not measured yet, inside a request that runs another
-(shared/draft_budget.py's trials): the shape is tried for a round, so a trial costs one round, not a whole
+(shared/planning/draft_budget.py's trials): the shape is tried for a round, so a trial costs one round, not a whole
 request, and a shape that would run slow on a loaded verifier delays one round only."""
 
 from __future__ import annotations

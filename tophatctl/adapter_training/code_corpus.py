@@ -25,8 +25,8 @@ from tqdm import tqdm
 from shared.model.adapter import ADAPTER_FILENAME, DraftAdapter
 from shared.model.checkpoint import Checkpoint, ModelLoadError, load_checkpoint
 from shared.model.split import MiddleSubmodel
+from shared.specdec.decode_loop import LocalCloud, generate
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
-from shared.specdec.engine import LocalCloud, generate
 from tophatctl.adapter_training.distill import distillation_loss
 from tophatctl.demo_model.corpus import held_out_prompts, iter_corpus_files, split_corpus
 

@@ -26,8 +26,8 @@ import torch
 from shared.model.adapter import DraftAdapter
 from shared.model.checkpoint import Checkpoint
 from shared.model.split import MiddleSubmodel
+from shared.specdec.decode_loop import LocalCloud, generate
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig, SessionError
-from shared.specdec.engine import LocalCloud, generate
 from tophatctl.adapter_training.dataset import DistillData, extract_states, user_prompt_ids
 from tophatctl.adapter_training.distill import adapter_side, batch_tensors
 from tophatctl.adapter_training.unroll import head_rows, scored_logits, step_valid, unrolled_forward

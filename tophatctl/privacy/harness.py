@@ -10,7 +10,7 @@ frame's pending token + drafts), which is the ground truth the attacks are score
 
 The attacker trains on public text it runs through the public checkpoint itself (the corpus's train split;
 the prompts come from its held-out files), with the budgets the results report. Defences (at the m with a
-trained adapter, HAT's split): `rotation` (a secret orthogonal basis, exact: shared/model/rotation.py),
+trained adapter, HAT's split): `rotation` (a secret orthogonal basis, exact: shared/privacy/hidden_rotation.py),
 attacked three ways (an inverter for the public basis as is; a cloud that solves the rotation from its
 re-parameterised weights; a cloud that trains on rotated states of text it sends through a device itself),
 and `noise:S` (Gaussian noise of S x each row's RMS on the uplink: the output is then the noisy split
@@ -90,12 +90,12 @@ async def capture_run(
     from services.verifier_cloud.server import VerifierServer
     from services.verifier_cloud.settings import Settings
     from shared.capture import read_capture
-    from shared.hardening import NoisyUplink, with_rotation
     from shared.model.checkpoint import split_fingerprint
-    from shared.model.rotation import rotated_fingerprint
+    from shared.privacy.hidden_rotation import rotated_fingerprint
+    from shared.privacy.uplink_hardening import NoisyUplink, with_rotation
     from shared.runtime import build_device_model
+    from shared.specdec.decode_loop import generate
     from shared.specdec.device_session import DeviceSession, DraftConfig
-    from shared.specdec.engine import generate
 
     speculative = _has_adapter(checkpoint.path, split_layers)
     device_model = build_device_model(checkpoint, split_layers, None, speculative=speculative)
@@ -204,7 +204,7 @@ def make_attack(name: str, checkpoint):
 
 def _noised(examples, sigma: float, seed: int):
     """The attacker's own states with the device's uplink noise (the product's NoisyUplink, seeded here)."""
-    from shared.hardening import NoisyUplink
+    from shared.privacy.uplink_hardening import NoisyUplink
 
     uplink = NoisyUplink(None, sigma, torch.Generator().manual_seed(seed))
     return [(uplink.noisy(states), ids) for states, ids in examples]
@@ -256,8 +256,8 @@ def cost_row(split_layers: int, defence: str, captured: Captured) -> dict[str, A
 
 def run_privacy(cfg: PrivacyConfig) -> dict[str, Any]:
     from shared.model.checkpoint import load_checkpoint
-    from shared.model.rotation import apply_secret_rotation, secret_rotation
     from shared.model.split import MiddleSubmodel
+    from shared.privacy.hidden_rotation import apply_secret_rotation, secret_rotation
     from shared.specdec.reference import generate_full
     from tophatctl.demo_model.corpus import iter_corpus_files, split_corpus
     from tophatctl.privacy.attacks import TrainBudget

@@ -1,4 +1,4 @@
-"""The knowing cloud's attack on the secret rotation (shared/model/rotation.py).
+"""The knowing cloud's attack on the secret rotation (shared/privacy/hidden_rotation.py).
 
 A cloud serving a public checkpoint holds its re-parameterised middle layers. Every residual-reading map of
 them is the public one (norm gain folded in) times Q^T: stacked over q/k/v/gate/up of all its layers,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.model.rotation import RotationError, folded_read_weights
+from shared.privacy.hidden_rotation import RotationError, folded_read_weights
 
 
 def _layers(layer_range) -> list[torch.nn.Module]:

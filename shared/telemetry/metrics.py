@@ -169,7 +169,7 @@ class StreamerMetrics:
             _name("inter_token_latency_seconds"),
             "Time between tokens: one sample per token after "
             "the first; a round of k tokens counts as k gaps of 1/k of its wait "
-            "(shared/latency_stats.py)",
+            "(shared/telemetry/latency_stats.py)",
             buckets=ITL_BUCKETS,
             registry=self.registry,
         )
@@ -237,7 +237,7 @@ class VerifierMetrics:
 
 
 class TelemetryMetrics:
-    """A telemetry sender's (shared/telemetry_client.py): records sent to the state monitor and those dropped, by
+    """A telemetry sender's (shared/telemetry/client.py): records sent to the state monitor and those dropped, by
     why. A drop is the planner's model going stale under exactly the load it models: counted, never silent."""
 
     DROP_REASONS = ("backlog", "unreachable", "rejected")

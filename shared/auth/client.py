@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import jwt
 
-from shared.auth import ISSUER, TokenVerifier, Trust
+from shared.auth.verify import ISSUER, TokenVerifier, Trust
 from shared.device_registry import url_origin
 from shared.service_settings import ServiceSettings
 

@@ -3,9 +3,9 @@
 A service that checks a token once, when a long-lived connection opens (the verifier's WebSocket handshake),
 admits the connection's claims here (`CredentialWatch.admit`). `run`, a task its owner starts and cancels,
 checks every admitted credential every `interval_s` against the verifier's current trust (the issuer's
-revocation list, swapped in by shared/auth_client.py's `TrustRefresher` every `auth_refresh_s`) and the clock
+revocation list, swapped in by shared/auth/client.py's `TrustRefresher` every `auth_refresh_s`) and the clock
 (its `exp`, with the verifier's leeway, as the handshake checked it), and closes a connection that fails with
-its typed reason ("revoked" or "expired", shared/auth.py's `AuthError` reasons) through the owner's `close`.
+its typed reason ("revoked" or "expired", shared/auth/verify.py's `AuthError` reasons) through the owner's `close`.
 A revocation therefore reaches an open connection within auth_refresh_s + interval_s. A connection renewed
 with a fresh token for the same subject (`renew`, the verifier's Reauthenticate) is held to the new claims.
 
@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from shared.auth import Claims, TokenVerifier
+from shared.auth.verify import Claims, TokenVerifier
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.compute_delay import ComputeDelayPredictor
+from shared.planning.compute_delay import ComputeDelayPredictor
 
 # Chunk sizes are multiples of this. GPU matmul/attention kernels work on token
 # tiles of 16 (tensor-core fragments, FlashAttention blocks), so other sizes pay

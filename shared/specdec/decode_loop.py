@@ -15,14 +15,14 @@ from typing import Protocol
 
 import torch
 
-from shared import latency_stats
-from shared.latency_stats import Timeline
 from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
-from shared.planners import fixed_chunks  # noqa: F401  (callers import it from here too)
+from shared.planning.planners import fixed_chunks  # noqa: F401  (callers import it from here too)
 from shared.specdec.device_session import DeviceSession, SessionError
 from shared.specdec.draft import Draft
 from shared.specdec.verify_layout import VerifyLayout, layout_refusal, roll_back, tree_rows, verify_on
+from shared.telemetry import latency_stats
+from shared.telemetry.latency_stats import Timeline
 
 
 class Cloud(Protocol):
@@ -272,7 +272,7 @@ class GenerationResult:
     def num_rounds(self) -> int:
         return len(self.accept_lengths)
 
-    # TTFT, TBT and accept length as shared/latency_stats.py defines them; 0.0 where undefined.
+    # TTFT, TBT and accept length as shared/telemetry/latency_stats.py defines them; 0.0 where undefined.
     @property
     def timeline(self) -> Timeline:
         return Timeline.from_token_times(self.token_times_s)

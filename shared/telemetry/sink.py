@@ -35,8 +35,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
-from shared.backoff import Backoff
-from shared.outage import Outage
+from shared.net.backoff import Backoff
+from shared.telemetry.outage import Outage
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Pure functions over what the token streamer already holds or can read (services/token_streamer/console.py
 gathers them): its router's view of each device agent, each agent's GET /info, the state monitor's device
 and cloud state (GET /state/devices, /state/cloud) and the console's own request history
-(shared/console_history.py). A field nobody measures is None (the page shows "—"); nothing is estimated here.
+(shared/console/history.py). A field nobody measures is None (the page shows "—"); nothing is estimated here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The one msgpack layer under every message the mesh sends: a registry of message dataclasses by tag,
 packing, bounded unpacking, and the typed errors a refused frame raises.
 
-Two schemas sit on it. shared/wire.py (device <-> cloud) tags its frozen dataclasses with a one-byte
-type code and validates each field by its declared wire kind; shared/stage_codec.py (the pipeline
+Two schemas sit on it. shared/wire/schema.py (device <-> cloud) tags its frozen dataclasses with a one-byte
+type code and validates each field by its declared wire kind; shared/wire/stage_codec.py (the pipeline
 stages' hops) tags plain dataclasses by class name and validates each field by its annotation. Both
 take their bytes through `pack` / `unpack` here, so the safety rules live in one place:
 

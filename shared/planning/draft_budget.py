@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.ema import Ema
-from shared.planners import PlannerInputs, positive_field, usable_state
+from shared.planning.ema import Ema
+from shared.planning.planners import PlannerInputs, positive_field, usable_state
 
 MAX_OPTIONS = 32
-# shared.wire.MAX_TREE_ROWS (no frame carries more), written out: importing shared.wire loads torch, which the
-# chunk planner and the token streamer (both import this module) otherwise never need, and which costs each of
-# them ~2 s of CPU at start-up; tests/test_draft_budget.py checks that the two agree
+# shared.wire.schema.MAX_TREE_ROWS (no frame carries more), written out: importing shared.wire.schema loads torch, which
+# the chunk planner and the token streamer (both import this module) otherwise never need, and which costs each of them
+# ~2 s of CPU at start-up; tests/test_draft_budget.py checks that the two agree
 MAX_ROWS = 1024
 MAX_ACCEPT = MAX_ROWS + 1.0
 MAX_DRAFT_S = 600.0

@@ -1,7 +1,7 @@
 """Uplink hardening on the device: `Cloud` wrappers that change what the cloud sees of the hidden states.
 
 `RotatingCloud(cloud, Q)`: sends `shallow @ Q^T`, turns every deep answer back with `deep @ Q`. Against a
-verifier whose middle layers were re-parameterised with the same Q (shared/model/rotation.py) the output is
+verifier whose middle layers were re-parameterised with the same Q (shared/privacy/hidden_rotation.py) the output is
 exactly the unsplit model's (greedy: token-identical, up to float rounding of one extra matmul each way).
 
 `NoisyUplink(cloud, sigma, generator)`: adds Gaussian noise of std `sigma * rms(row)` to every hidden-state row
@@ -23,7 +23,7 @@ from typing import overload
 
 import torch
 
-from shared.model.rotation import check_rotation, secret_rotation
+from shared.privacy.hidden_rotation import check_rotation, secret_rotation
 from shared.specdec.verify_layout import VerifyLayout, verify_on
 
 

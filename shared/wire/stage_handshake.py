@@ -3,7 +3,7 @@
 `accept_first` takes every connection as it comes and reads what each presents concurrently, through one
 selector, each within its own `handshake_timeout_s` (HANDSHAKE_TIMEOUT_S; at most MAX_PENDING_HANDSHAKES at once,
 the oldest dropped first): a connection that stays silent, or trickles, costs only itself, and the right peer is
-admitted as soon as it has presented its handshake. shared/stage_link.py's hops and
+admitted as soon as it has presented its handshake. shared/wire/stage_link.py's hops and
 services/verifier_cloud/remote_stages.py's control connections are accepted this way.
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from shared.stage_codec import StageLinkError
+from shared.wire.stage_codec import StageLinkError
 
-log = logging.getLogger("shared.stage_link")
+log = logging.getLogger("shared.wire.stage_link")
 
 HANDSHAKE_TIMEOUT_S = 5.0  # what one accepted connection has to present its token (or credential) in
 MAX_PENDING_HANDSHAKES = 64  # connections read at once; a newer one pushes out the oldest

@@ -2,7 +2,7 @@
 
 Only the issuer (the state monitor, services/state_monitor/issuer.py) and the operator who made the keys hold a
 `KeyRing`; every other service holds its public half (`KeyRing.jwks()`, served on the issuer's open
-`/credentials/jwks` and read into shared/auth.py's `Trust`). A ring has one active key, which signs, and the
+`/credentials/jwks` and read into shared/auth/verify.py's `Trust`). A ring has one active key, which signs, and the
 keys it retired by a rotation, kept for verification until every token they signed has expired (their
 `retire_at`), so a rotation refuses nothing still valid. A ring lives in one JSON file (0600: which kid is
 active, when each retired one leaves, each key as PKCS#8 PEM), one container secret; a restarted issuer resumes.
@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from jwt.algorithms import OKPAlgorithm
 
-from shared.auth import ALGORITHM, ROLES
+from shared.auth.verify import ALGORITHM, ROLES
 
 KID_BYTES = 8
 

@@ -12,7 +12,7 @@ The paper gives no latency; we pick a few milliseconds one-way (typical
 uncongested WiFi) growing with distance. See docs/links.md for the table.
 
 A profile is only data. Two mechanisms enforce it: `tophatctl.netns` (kernel
-shaping of a veth into a network namespace) and `shared.shaper` (in-process
+shaping of a veth into a network namespace) and `shared.net.shaper` (in-process
 bookkeeping when namespaces are unavailable).
 """
 
@@ -84,7 +84,7 @@ PROFILES: dict[str, LinkProfile] = {
 PROFILES["slow"] = PROFILES["far"]
 PROFILES["none"] = UNSHAPED
 # Jupiter's edge LAN (§V: devices on a 100 Mbps LAN), for links between pipeline stages
-# (shared/stage_link.py): 100 Mbit/s each way, ~1 ms one-way, 0.1 ms jitter (latency/jitter our choice).
+# (shared/wire/stage_link.py): 100 Mbit/s each way, ~1 ms one-way, 0.1 ms jitter (latency/jitter our choice).
 # Real bytes, not a 4096-wide model's: never pass it through scaled_for_hidden.
 PROFILES["lan"] = LinkProfile(100e6 / 8, 100e6 / 8, 0.001, 0.0001)
 

@@ -4,7 +4,7 @@ A token is a JWT (PyJWT) signed with EdDSA (Ed25519) by the one issuer, the stat
 (services/state_monitor/issuer.py); nothing else holds a signing key. Its header names the key (`kid`); its
 claims are `sub` (a device id or a service's name), `role`, `aud` (the one service or device it is for),
 `iat`, `nbf`, `exp` and a `jti`. Every service verifies with the issuer's public key set (`Trust`, read from
-the issuer's open `/credentials/jwks` by shared/auth_client.py), which holds several keys during a rotation
+the issuer's open `/credentials/jwks` by shared/auth/client.py), which holds several keys during a rotation
 and the revocation list. Decoding pins the algorithm list to EdDSA (no downgrade to `none` or HMAC), requires
 every claim, checks the audience and the time window with a small leeway (`DEFAULT_LEEWAY_S`, for devices
 whose clocks drift). A refusal is a typed `AuthError` whose `reason` says why. Tokens are never logged.

@@ -5,7 +5,7 @@ the batch compute delay eta_hat^t. The monitor keeps
     mu^t   = a * mu^{t-1}   + (1 - a) * mu_hat^t      (eq. 1)
     g^t(m) = a * g^{t-1}(m) + (1 - a) * eta_hat^t     (eq. 2)
 with a = 0.8; the first sample initializes an average instead of being blended
-with zero. g is bucketed by batched size (shared/compute_delay.py).
+with zero. g is bucketed by batched size (shared/planning/compute_delay.py).
 
 Device side. Each device reports its draft step time gamma and the bytes and
 seconds of real uploads/downloads, from which beta_up/beta_down (bytes/s) are
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.compute_delay import ComputeDelayPredictor
-from shared.ema import DEFAULT_ALPHA, Ema, check_alpha
+from shared.planning.compute_delay import ComputeDelayPredictor
+from shared.planning.ema import DEFAULT_ALPHA, Ema, check_alpha
 
 
 @dataclass

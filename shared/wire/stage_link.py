@@ -12,7 +12,7 @@ on the network (a feeder thread writes, like multiprocessing.Queue's), get
 raises queue.Empty when nothing is due within the timeout.
 
 Frame: a 16-byte header `magic, body length (u32), deliver_at (f64)` and a
-msgpack body (shared/stage_codec.py; never pickle: a peer must not be able to
+msgpack body (shared/wire/stage_codec.py; never pickle: a peer must not be able to
 run code here). A bad magic or an oversized length leaves the stream
 unreadable: the receiver closes the connection and raises StageLinkError. A
 body that does not decode drops that frame only and raises StageLinkError;
@@ -20,7 +20,7 @@ either way the receiving process goes on and decides what to do (a stage
 reports StageFailed downstream; the main process fails and restarts the
 pipeline).
 
-Emulated link (`LinkProfile`, shared/links.py): the sender owns the hop's
+Emulated link (`LinkProfile`, shared/net/links.py): the sender owns the hop's
 schedule. A frame starts onto the link when the previous one has finished
 (FIFO), occupies it for bytes / bandwidth (the profile's uplink: a hop runs in
 one direction), and is due at send_done + latency (+/- jitter). The sender
@@ -35,7 +35,7 @@ Connections are authenticated with a per-pipeline random token the parent
 hands its children at spawn: a connector sends it first; an acceptor drops
 any connection that does not, so a stray local client cannot take a hop.
 An acceptor reads every connection's token at once, each within its own
-`handshake_timeout_s` (shared/stage_handshake.py): a connection that stays
+`handshake_timeout_s` (shared/wire/stage_handshake.py): a connection that stays
 silent costs only itself.
 """
 
@@ -55,11 +55,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from shared.links import UNSHAPED, LinkProfile
-from shared.stage_codec import StageCodec, StageLinkError
-from shared.stage_handshake import HANDSHAKE_TIMEOUT_S, Address, accept_first
+from shared.net.links import UNSHAPED, LinkProfile
+from shared.wire.stage_codec import StageCodec, StageLinkError
+from shared.wire.stage_handshake import HANDSHAKE_TIMEOUT_S, Address, accept_first
 
-log = logging.getLogger("shared.stage_link")
+log = logging.getLogger("shared.wire.stage_link")
 
 MAGIC = b"TSL1"
 HEADER = struct.Struct("<4sId")  # magic, body bytes, deliver_at (time.monotonic(); 0 = at once)

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shared.ema import DEFAULT_ALPHA, Ema, check_alpha, check_sample
+from shared.planning.ema import DEFAULT_ALPHA, Ema, check_alpha, check_sample
 
 
 @dataclass

@@ -11,7 +11,7 @@ binds loopback only, keeps protected mode on, and requires a random password
 (`requirepass`). The password lives in a 0600 config file inside the 0700 temp
 dir, never on the command line (which `ps` shows to every user), and reaches
 clients only inside `EmbeddedRedis.url`; log that URL through
-`shared.telemetry.redact_url`.
+`shared.telemetry.sink.redact_url`.
 
 `resolve_redis_url` implements the lookup order every service uses: an
 explicit URL, else the `REDIS_URL` environment variable, else None (the caller
@@ -36,9 +36,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from shared.auth import is_loopback
-from shared.lifeline import die_with_parent
-from shared.telemetry import redact_url
+from shared.auth.verify import is_loopback
+from shared.processes.lifeline import die_with_parent
+from shared.telemetry.sink import redact_url
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Per-stage settings of a pipeline, as written in settings and flags, parsed and checked.
 
     layers     "2-5,5-12,12-30"   contiguous [start, stop) layer ranges, one per stage
-    slowdowns  "1,3,3"            each stage's emulated slowdown (shared/device_speed.py): a number >= 1
+    slowdowns  "1,3,3"            each stage's emulated slowdown (shared/planning/device_speed.py): a number >= 1
                                   or a fixed speed class (orin, xavier)
-    links      "lan;lan;far;lan"  P+1 hop link specs (shared/links.py), hop 0 = main -> stage 0,
+    links      "lan;lan;far;lan"  P+1 hop link specs (shared/net/links.py), hop 0 = main -> stage 0,
                                   hop P = last stage -> main; one spec alone applies to every hop
     address    "jetson-1:7200"    where a stage started on its own listens (host:port, [v6]:port)
 
@@ -12,8 +12,8 @@ Empty strings mean: equal split, no slowdown, unshaped hops.
 
 from __future__ import annotations
 
-from shared.device_speed import speed_schedule
-from shared.links import UNSHAPED, LinkProfile, parse_link_spec
+from shared.net.links import UNSHAPED, LinkProfile, parse_link_spec
+from shared.planning.device_speed import speed_schedule
 
 
 def parse_stage_layers(spec: str, first_layer: int | None = None) -> list[tuple[int, int]]:

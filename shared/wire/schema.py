@@ -46,7 +46,7 @@ unpacker's small container limits stay in force.
 
 Adding a message = one decorated dataclass with a free code and `_f` fields;
 encode/decode/validation are generic over the registry. Packing, the size and
-container limits and the registry itself are shared/msgpack_codec.py's, the
+container limits and the registry itself are shared/wire/msgpack_codec.py's, the
 layer the pipeline stages' messages use too. A new type needs no
 version bump (an old peer answers UNKNOWN_TYPE); changing an existing one does.
 """
@@ -66,12 +66,12 @@ from typing import Any, ClassVar, TypeGuard, TypeVar, dataclass_transform
 import numpy as np
 import torch
 
-from shared.msgpack_codec import CodecError, FrameTooLarge, MessageRegistry, NotMsgpack, UnpackLimits, pack, unpack
+from shared.wire.msgpack_codec import CodecError, FrameTooLarge, MessageRegistry, NotMsgpack, UnpackLimits, pack, unpack
 
 logger = logging.getLogger(__name__)
 
 if sys.byteorder != "little":  # the wire is little-endian; we never byte-swap
-    raise ImportError("shared.wire assumes a little-endian host")
+    raise ImportError("shared.wire.schema assumes a little-endian host")
 
 WIRE_VERSION = 3  # 2: OpenSession carries split_layers and the checkpoint fingerprint; 3: draft trees (VerifyRequest)
 MAX_TREE_ROWS = 1024  # rows of one tree verification (each a node); a frame cannot ask the cloud for more

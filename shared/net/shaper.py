@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from shared.links import LinkProfile
+from shared.net.links import LinkProfile
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("shared.telemetry")
+log = logging.getLogger("shared.telemetry.sink")
 
 
 class Outage:

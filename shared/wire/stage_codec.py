@@ -1,6 +1,6 @@
 """Pipeline-stage messages <-> msgpack bytes, driven by each dataclass's type annotations.
 
-Stage processes talk over sockets (shared/stage_link.py). Pickle would let a
+Stage processes talk over sockets (shared/wire/stage_link.py). Pickle would let a
 peer run code in the receiver, so messages travel as msgpack and are rebuilt
 only from a registry of allowed dataclasses: a frame is `[type name, [field
 values in declaration order]]`, and every value is checked against its
@@ -18,7 +18,7 @@ Adding a message type is one line: put the dataclass in the tuple the
 codec is built from (services/verifier_cloud/stages.py: STAGE_MESSAGES).
 
 The msgpack layer (registry, packing, unpacking, the error base) is
-shared/msgpack_codec.py, the one the device <-> cloud wire schema uses too.
+shared/wire/msgpack_codec.py, the one the device <-> cloud wire schema uses too.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.msgpack_codec import CodecError, MessageRegistry, NotMsgpack, UnpackLimits, pack, unpack
+from shared.wire.msgpack_codec import CodecError, MessageRegistry, NotMsgpack, UnpackLimits, pack, unpack
 
 # Little-endian only (the hosts we run on); '|b1' is numpy's bool.
 ARRAY_DTYPES = frozenset({"<f2", "<f4", "<f8", "<i4", "<i8", "|u1", "|i1", "|b1"})

@@ -1,5 +1,5 @@
 """The services' side of telemetry: records POSTed to the state monitor, fire and forget
-(shared/telemetry.py is the monitor's side: the Redis keys and the sink that writes them)."""
+(shared/telemetry/sink.py is the monitor's side: the Redis keys and the sink that writes them)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from shared.metrics import TelemetryMetrics
-from shared.outage import Outage
+from shared.telemetry.metrics import TelemetryMetrics
+from shared.telemetry.outage import Outage
 
-log = logging.getLogger("shared.telemetry")
+log = logging.getLogger("shared.telemetry.sink")
 
 
 class TelemetryClient:
@@ -26,7 +26,7 @@ class TelemetryClient:
     for network trouble: it schedules a send on an owned task set, bounded by
     `max_in_flight`; beyond that the records are dropped. Failures are dropped
     with one warning per outage. Every drop is counted by reason in `metrics`
-    (shared/metrics.py TelemetryMetrics; `count_into` puts them on a service's /metrics).
+    (shared/telemetry/metrics.py TelemetryMetrics; `count_into` puts them on a service's /metrics).
     `emit_batched()` keeps records for one POST, sent `batch_interval_s` after the
     first of them or at once when `batch_max` are waiting: a sender with a record per
     step (the verifier) takes one slot per batch, not one per step. With
@@ -51,8 +51,8 @@ class TelemetryClient:
         self.max_in_flight = max_in_flight
         self.batch_interval_s = batch_interval_s
         self.batch_max = batch_max  # keep it within the monitor's max_batch (services/state_monitor/settings.py)
-        # verify: the context trusting the mesh's CA for an https:// monitor (shared/tls.py client_context)
-        # auth: this sender's token for a monitor that requires one (shared/auth_client.py BrokerAuth)
+        # verify: the context trusting the mesh's CA for an https:// monitor (shared/auth/tls.py client_context)
+        # auth: this sender's token for a monitor that requires one (shared/auth/client.py BrokerAuth)
         self._client = (
             httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport, verify=verify, auth=auth)
             if self.base_url

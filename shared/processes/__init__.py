@@ -1,0 +1,2 @@
+"""Process lifetime and resources: children that die with their launcher (lifeline.py), the glibc mmap
+threshold that returns freed tensors to the OS (memory.py), and the embedded Redis server (redis_server.py)."""
