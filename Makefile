@@ -51,14 +51,14 @@ test: install ## the test suite, as CI runs it (TEST_WORKERS processes)
 	$(BIN)/python -m pytest -q $(XDIST) -m 'not deploy and not timing and not browser' --durations=25
 	$(BIN)/python -m pytest -q -m 'timing and not deploy and not browser' --durations=5
 
-# The web console in a real browser (tests/test_console_browser.py, ~30 s): headless Chromium over the DevTools
+# The web console in a real browser (tests/e2e/test_console_browser.py, ~30 s): headless Chromium over the DevTools
 # Protocol against a local mesh. Debian's chromium is installed first where it is missing and apt can (as root).
 test-browser: install ## the web console in headless Chromium against a real mesh
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
 		else echo "error: test-browser needs chromium (apt-get install chromium, as root)"; exit 1; fi; }
-	$(BIN)/python -m pytest -q -m browser tests/test_console_browser.py
+	$(BIN)/python -m pytest -q -m browser tests/e2e/test_console_browser.py
 
 # the inner loop: everything but the end-to-end tests that start real meshes and processes (marked slow)
 test-fast: install ## all but the end-to-end tests that start real meshes

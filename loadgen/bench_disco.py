@@ -27,7 +27,7 @@ the device's energy); `device` raises the exchange rate to DEVICE_EXCHANGE_RATE 
 energy dominates; `both` runs the two meshes one after the other.
 
 The results (aggregation, ratios, Pareto front, the table, the plot) are pure, in loadgen/disco_results.py,
-tested by hand-made inputs in tests/test_bench_disco.py.
+tested by hand-made inputs in tests/e2e/test_bench_disco.py.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Sequence
 
 from loadgen.disco_results import Policy, aggregate, compare, format_tables, plot_cost_ttft
 
-# the Pareto test, tests/test_bench_disco.py, reads dominators here beside the rest of the bench
+# the Pareto test, tests/e2e/test_bench_disco.py, reads dominators here beside the rest of the bench
 from loadgen.disco_results import dominators as dominators
 from loadgen.metrics import RequestRecord
 

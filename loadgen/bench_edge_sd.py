@@ -17,7 +17,7 @@ greedy, so every mode answers each task with the same tokens: their latencies co
 Per request the client times TTFT and E2EL (send -> last token, which includes the round's wait for
 the slowest upload, as the paper's latency does). Per round the draft server's measured stage times
 go through eq. 20's recursion (loadgen/edge_sd_timeline.py): predicted vs measured inference time.
-Everything below `run_edge_sd_bench` is pure and tested in tests/test_bench_edge_sd.py.
+Everything below `run_edge_sd_bench` is pure and tested in tests/loadgen/test_bench_edge_sd.py.
 """
 
 from __future__ import annotations

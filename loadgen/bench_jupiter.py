@@ -15,7 +15,7 @@ Decoding is HAT's speculative decoding through the pipeline in every mode (greed
 of the first three modes are token-identical: their latencies compare the same work.
 
 Everything below `run_jupiter_bench` is pure (aggregation, ratios, tables) and tested by hand-made
-inputs in tests/test_bench_jupiter.py.
+inputs in tests/loadgen/test_bench_jupiter.py.
 """
 
 from __future__ import annotations

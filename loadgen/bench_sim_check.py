@@ -33,9 +33,9 @@ from tophatctl.mesh_ports import find_port_base
 def calibrate_from_mesh(monitor_url: str, link: str, model_dir: str) -> Calibration:
     """The simulator's calibration from the mesh's telemetry, with bandwidth from the link's setting.
 
-    The devices' probes measure the same link (tests/test_verifier.py: within 15%), but a probe
+    The devices' probes measure the same link (tests/services/verifier_cloud/test_verifier.py: within 15%), but a probe
     is a handful of samples taken while idle; the setting is what the emulation enforces
-    (tests/test_netns.py: within 0.1%), so it is the less noisy input for a comparison. Latency
+    (tests/tophatctl/test_netns.py: within 0.1%), so it is the less noisy input for a comparison. Latency
     is the other way round: the probed small-message round trip also holds both ends' framing
     and event-loop time, which the setting does not; the setting only fills in for a device
     that has not probed yet."""

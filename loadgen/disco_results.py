@@ -1,7 +1,7 @@
 """The DiSCo bench's results (loadgen/bench_disco.py runs the bench): the policies, one entry per run from its
 per-request records, disco against the baselines (ratios, Pareto front), the table and the plot.
 
-All pure: tests/test_bench_disco.py drives them with hand-made inputs.
+All pure: tests/e2e/test_bench_disco.py drives them with hand-made inputs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The test relay itself: it must never accept a frame it cannot pass on, or byte counts compared against it
-(tests/test_metrics.py) disagree with the device's."""
+(tests/e2e/test_metrics.py) disagree with the device's."""
 
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class TophatOptions(BaseModel):
     # Edge SD (mode edge-sd, services/device_agent/edge_server.py): this user's uplink SNR p g / σ² in dB.
     snr_db: float | None = Field(default=None, ge=-30.0, le=150.0)
     # A known delay the streamer adds before the request starts: lets a benchmark harness prove
-    # it measures what happens (see tests/test_bench_honesty.py). Not forwarded to the device.
+    # it measures what happens (see tests/loadgen/test_bench_honesty.py). Not forwarded to the device.
     added_delay_ms: float | None = Field(default=None, ge=0, le=60_000)
 
 

@@ -39,7 +39,7 @@ from shared.planning.planners import PlannerInputs, positive_field, usable_state
 MAX_OPTIONS = 32
 # shared.wire.schema.MAX_TREE_ROWS (no frame carries more), written out: importing shared.wire.schema loads torch, which
 # the chunk planner and the token streamer (both import this module) otherwise never need, and which costs each of them
-# ~2 s of CPU at start-up; tests/test_draft_budget.py checks that the two agree
+# ~2 s of CPU at start-up; tests/shared/planning/test_draft_budget.py checks that the two agree
 MAX_ROWS = 1024
 MAX_ACCEPT = MAX_ROWS + 1.0
 MAX_DRAFT_S = 600.0

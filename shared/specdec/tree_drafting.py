@@ -13,7 +13,7 @@ Greedy trees take each node's top-k children and rank them by draft confidence. 
 keep the target's distribution exactly, which holds when every node's children are its first draws
 without replacement from q and the tree's shape does not depend on which tokens were drawn: so a
 sampled tree expands the first-created nodes and keeps the first `tree_nodes` created, a shape fixed
-before any draw (`accept_tree_sampled` then verifies it; chi-square tests in tests/test_tree_session.py).
+before any draw (`accept_tree_sampled` then verifies it; chi-square tests in tests/shared/specdec/test_tree_session.py).
 
 `TreeDrafting` is a mixin of `DeviceSession`, like `Drafting`: it reads and advances the session's state.
 """

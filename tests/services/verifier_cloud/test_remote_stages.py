@@ -43,7 +43,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 RING = KeyRing.generate()  # the issuer's signing keys: only the issuer (a real state monitor app) uses them
 STRANGER = KeyRing.generate()
 LAYERS = [(2, 3), (3, 4), (4, 5)]  # the tiny model's middle layers, one per stage
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def start_stage(model_dir: Path, issuer_url: str, index: int, port: int) -> subprocess.Popen:

@@ -1,6 +1,6 @@
 """The token streamer queues requests for device slots instead of refusing them.
 
-Device agents are the test doubles of tests/test_token_streamer.py (real uvicorn
+Device agents are the test doubles of tests/services/token_streamer/test_token_streamer.py (real uvicorn
 on loopback, capacity enforced like a real agent: more than `max_sessions`
 generations get 503 busy). The streamer must hold the excess in a bounded FCFS
 queue: every request completes in arrival order; a full queue answers 429 with

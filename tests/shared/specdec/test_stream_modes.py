@@ -3,7 +3,7 @@ VerifierServer (with the whole model for token mode) on a loopback WebSocket, th
 and an emulated round trip on the link (the client's in-process delay line).
 
 Greedy output must be token-identical to the unsplit model in every mode at every round trip; sampled
-output is checked for distribution in tests/test_draft_stream.py (the accept rule) — here, that a seeded
+output is checked for distribution in tests/shared/specdec/test_draft_stream.py (the accept rule) — here, that a seeded
 sampled stream runs to the end in every mode with sane verdicts.
 """
 

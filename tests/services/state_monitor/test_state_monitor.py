@@ -22,7 +22,7 @@ from shared.processes.redis_server import EmbeddedRedis, free_port
 from shared.settings import SettingsError
 from shared.telemetry import sink as tk
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 STEP = {
     "kind": "verifier_step",
     "batched_tokens": 64,

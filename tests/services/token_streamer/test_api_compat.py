@@ -3,7 +3,7 @@
 Unit tests on the request models (services/token_streamer/openai_format.py), then the same
 fields end to end through the real streamer app and the real `openai` client, in front of
 test_token_streamer.py's device double (which records the body each request reached it with).
-The device's side of ignore_eos and seed runs on a real mesh in tests/test_smollm2_chat.py.
+The device's side of ignore_eos and seed runs on a real mesh in tests/e2e/test_smollm2_chat.py.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from shared.telemetry.metrics import (
     VerifierMetrics,
 )
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "tophat.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "tophat.json"
 METRIC = re.compile(r"tophat:[A-Za-z0-9_:]+")
 PANEL_TYPES = {"timeseries", "stat", "gauge", "table", "bargauge", "heatmap", "text"}
 

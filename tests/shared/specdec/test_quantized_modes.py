@@ -3,7 +3,7 @@
 A quantized checkpoint quantizes its HF modules in place (shared/model/quantized.py), so the unsplit
 reference (`generate_full`, HF's own forward) computes with the very weights the split halves,
 the verifier's runner, the token model and the draft adapter's template use. bf16 is covered
-in tests/test_placement.py; fp32 by every other mode test.
+in tests/services/verifier_cloud/test_placement.py; fp32 by every other mode test.
 """
 
 from __future__ import annotations

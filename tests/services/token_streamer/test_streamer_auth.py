@@ -1,8 +1,8 @@
 """The token streamer's door (services/token_streamer/limits.py): API keys, a rate per credential, a body limit.
 
-The streamer runs on real uvicorn over TCP (the helpers of tests/test_token_streamer.py); only the
-device agents behind it are test doubles. Clients are the real ones: httpx, websockets, openai,
-tophat's chat client and the load generator.
+The streamer runs on real uvicorn over TCP (the helpers of
+tests/services/token_streamer/test_token_streamer.py); only the device agents behind it are test doubles. Clients
+are the real ones: httpx, websockets, openai, tophat's chat client and the load generator.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_python(*args: str) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import yaml
 
 from tests.test_manifests import check_settings, read_env_file
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 COMPOSE = REPO / "docker-compose.yml"
 OVERRIDES = [REPO / "docker-compose.host.yml", REPO / "docker-compose.gpu.yml"]

@@ -35,7 +35,7 @@ from services.verifier_cloud.stage import ENV_PREFIX as STAGE_PREFIX
 from services.verifier_cloud.stage import StageSettings
 from shared.settings import from_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STACK = REPO / "swarm" / "stack.yml"
 K8S = REPO / "k8s"
 VENV_BIN = Path(sys.executable).parent

@@ -398,7 +398,7 @@ async def test_error_shapes_400_and_503() -> None:
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_device_available"
         assert (await http.get(f"{url}/readyz")).status_code == 503
         assert (await http.get(f"{url}/healthz")).status_code == 200
-    # Busy devices are waited for, not refused: tests/test_streamer_queue.py.
+    # Busy devices are waited for, not refused: tests/services/token_streamer/test_streamer_queue.py.
 
 
 async def test_public_readyz_says_ready_and_a_count_from_a_shared_probe_and_stats_has_the_details() -> None:

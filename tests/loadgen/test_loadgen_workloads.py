@@ -11,7 +11,7 @@ import pytest
 
 from loadgen import workloads as wl
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 needs_demo = pytest.mark.skipif(not (DEMO / "tokenizer.json").exists(), reason="models/demo not built")
 
 

@@ -1,6 +1,6 @@
 """The streamer's DiSCo stream (services/token_streamer/disco_stream.py) against device-agent doubles:
 races, closing losers, paced delivery, hand-overs without lost or repeated tokens, typed errors.
-The real endpoints, models and migrations are exercised in tests/test_disco_mesh.py."""
+The real endpoints, models and migrations are exercised in tests/e2e/test_disco_mesh.py."""
 
 from __future__ import annotations
 

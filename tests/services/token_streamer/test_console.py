@@ -1,5 +1,5 @@
 """The web console without a browser (issue 50): its rows and history as pure functions, its routes behind the
-key, its assets small and shipped in the package. tests/test_console_browser.py drives it in Chromium."""
+key, its assets small and shipped in the package. tests/e2e/test_console_browser.py drives it in Chromium."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from shared.console.history import ConsoleHistory
 from shared.console.mesh import device_rows, g_points, interpolate, mesh_view, verifier_rows
 from shared.modes import MODES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 MAX_ASSET_BYTES = 300_000
 
 
