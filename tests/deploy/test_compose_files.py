@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_manifests import check_settings, read_env_file
+from tests.deploy.test_manifests import check_settings, read_env_file
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent

@@ -217,7 +217,7 @@ async def test_streamer_routes_around_a_device_without_a_verifier(mesh, demo_che
     from services.device_agent.app import create_app as device_app
     from services.token_streamer.app import create_app as streamer_app
     from services.token_streamer.settings import load_settings
-    from tests.test_token_streamer import dead_url, serve
+    from tests.services.token_streamer.test_token_streamer import dead_url, serve
 
     dead = dead_url().replace("http://", "ws://") + "/ws"  # nothing listens there
     settings = device_settings.Settings(

@@ -21,9 +21,9 @@ from shared.edge_sd.runtime import RuntimeModel
 from shared.processes.redis_server import EmbeddedRedis, free_port
 from shared.settings import SettingsError
 from tests.auth_tools import bearer, jwks_server
-from tests.test_chunk_planner import MONITOR, Hang, running
-from tests.test_edge_sd_plan import body as plan_body
-from tests.test_state_monitor import fast_settings
+from tests.services.chunk_planner.test_chunk_planner import MONITOR, Hang, running
+from tests.services.state_monitor.test_state_monitor import fast_settings
+from tests.shared.edge_sd.test_edge_sd_plan import body as plan_body
 
 DRAFT_RUNTIME = RuntimeModel(c1=2e-12, c2=1e-3)
 VERIFY_RUNTIME = RuntimeModel(c1=1e-13, c2=2e-2)

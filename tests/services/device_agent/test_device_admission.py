@@ -25,7 +25,7 @@ import pytest_asyncio
 from services.device_agent import app as device_app
 from services.device_agent.agent import DeviceAgent
 from tests.mesh_tools import loopback_agent_settings, verifier_on_loopback
-from tests.test_token_streamer import serve
+from tests.services.token_streamer.test_token_streamer import serve
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

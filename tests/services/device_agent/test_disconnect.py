@@ -87,7 +87,7 @@ async def test_device_generation_is_cancelled_and_cleaned_up_when_its_reader_lea
     from services.device_agent.app import create_app
     from shared.specdec.device_session import DeviceSession
     from tests.mesh_tools import verifier_on_loopback
-    from tests.test_token_streamer import serve
+    from tests.services.token_streamer.test_token_streamer import serve
 
     freed: list[int] = []
     running: list[int] = [0]

@@ -21,7 +21,15 @@ from services.device_agent import app as device_app
 from services.device_agent.agent import DeviceAgent
 from shared.net.heartbeat import with_heartbeats
 from tests.mesh_tools import loopback_agent_settings, verifier_on_loopback
-from tests.test_token_streamer import WORDS, FakeDevice, create_app, expected_text, load_settings, mesh, serve
+from tests.services.token_streamer.test_token_streamer import (
+    WORDS,
+    FakeDevice,
+    create_app,
+    expected_text,
+    load_settings,
+    mesh,
+    serve,
+)
 
 # the streamer gives up on a silent device this soon (a line), with room for a loaded CI box to answer at all
 # (the first byte); DiSCo's idle timeout is their sum, 2.5 s: a queue wait of QUEUED_S outlasts both

@@ -20,7 +20,7 @@ from shared.processes.redis_server import EmbeddedRedis
 from shared.settings import SettingsError
 from shared.telemetry import sink as tk
 from shared.telemetry.client import TelemetryClient
-from tests.test_state_monitor import fast_settings, running
+from tests.services.state_monitor.test_state_monitor import fast_settings, running
 
 OLD_STYLE = {
     "kind": "request",

@@ -21,7 +21,7 @@ from shared.edge_sd.plan import EdgeTelemetry
 from shared.processes.redis_server import EmbeddedRedis
 from shared.settings import SettingsError
 from tests.auth_tools import bearer
-from tests.test_state_monitor import fast_settings, running
+from tests.services.state_monitor.test_state_monitor import fast_settings, running
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.token_streamer import openai_format as of
-from tests.test_token_streamer import CHAT, FakeDevice, client, expected_text, mesh, raw_events
+from tests.services.token_streamer.test_token_streamer import CHAT, FakeDevice, client, expected_text, mesh, raw_events
 
 
 def chat(**fields) -> of.ChatRequest:

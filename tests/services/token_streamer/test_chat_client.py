@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from services.token_streamer.app import create_app
 from services.token_streamer.settings import load_settings
-from tests.test_token_streamer import serve
+from tests.services.token_streamer.test_token_streamer import serve
 from tophatctl import chat_client
 from tophatctl.chat_client import ChatClientError, chat_turn, run_chat, stream_chat
 

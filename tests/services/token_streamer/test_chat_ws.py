@@ -13,7 +13,7 @@ import pytest
 import websockets
 from websockets.exceptions import ConnectionClosed
 
-from tests.test_token_streamer import CHAT, FakeDevice, expected_text, mesh
+from tests.services.token_streamer.test_token_streamer import CHAT, FakeDevice, expected_text, mesh
 
 
 def ws_url(url: str) -> str:

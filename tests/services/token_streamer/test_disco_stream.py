@@ -17,7 +17,7 @@ from services.token_streamer.disco import FALLBACK_TTFT_S, History
 from services.token_streamer.settings import load_settings
 from shared.settings import SettingsError
 from tests.mesh_tools import sse_text_and_errors
-from tests.test_token_streamer import WORDS, FakeDevice, expected_text, mesh
+from tests.services.token_streamer.test_token_streamer import WORDS, FakeDevice, expected_text, mesh
 
 
 class ModeDevice(FakeDevice):

@@ -26,7 +26,7 @@ from shared.chat import plain_chat_text
 from shared.jupiter.outline import OUTLINE_DIRECTIVE, OUTLINE_OPENING, PLAIN_FORMAT, heading
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import sse_text_and_errors, verifier_on_loopback
-from tests.test_token_streamer import mesh, serve
+from tests.services.token_streamer.test_token_streamer import mesh, serve
 
 QUESTION = "What are good ways to improve my sleep quality?"
 OUTLINE = " Keep a schedule\n2. Dim the lights\n3. Skip late coffee\n"  # continues the opening "1."

@@ -24,7 +24,7 @@ from websockets.exceptions import InvalidStatus
 from services.token_streamer.app import create_app
 from services.token_streamer.settings import load_settings
 from shared.settings import SettingsError
-from tests.test_token_streamer import CHAT, FakeDevice, expected_text, mesh, serve
+from tests.services.token_streamer.test_token_streamer import CHAT, FakeDevice, expected_text, mesh, serve
 
 KEY = "Zq8xTopSecretAlpha"  # distinctive, so any piece of it in a log is found
 OTHER_KEY = "Wv3yHiddenKeyBeta"

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.test_token_streamer import FakeDevice, expected_text, mesh
+from tests.services.token_streamer.test_token_streamer import FakeDevice, expected_text, mesh
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
 pytestmark = pytest.mark.slow

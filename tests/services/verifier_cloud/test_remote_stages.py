@@ -36,7 +36,7 @@ from shared.specdec.reference import generate_full
 from shared.wire import schema as wire
 from shared.wire.stage_codec import StageLinkError
 from tests.mesh_tools import split_identity
-from tests.test_pipeline_stages import M, generate_over_ws
+from tests.services.verifier_cloud.test_pipeline_stages import M, generate_over_ws
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

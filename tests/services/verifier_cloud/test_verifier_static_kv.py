@@ -27,7 +27,7 @@ from shared.specdec.sampling import SamplingParams
 from shared.specdec.verify_layout import VerifyLayout
 from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
-from tests.test_verifier_tree import _session
+from tests.services.verifier_cloud.test_verifier_tree import _session
 
 M = 2
 PREFILL, VERIFY = WorkKind.PREFILL, WorkKind.VERIFY

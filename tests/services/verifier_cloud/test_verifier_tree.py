@@ -25,7 +25,7 @@ from shared.specdec.sampling import SamplingParams
 from shared.specdec.verify_layout import VerifyLayout
 from shared.wire import schema as wire
 from tests.mesh_tools import split_identity, verifier_on_loopback
-from tests.test_replay import DyingCloud, VerifierLost
+from tests.shared.model.test_replay import DyingCloud, VerifierLost
 
 M = 2
 TREE = DraftConfig(max_draft=4, tree_nodes=10, tree_width=3, tree_min_prob=0.0)

@@ -27,7 +27,7 @@ from shared.planning.draft_budget import (
 )
 from shared.planning.planners import PlannerInputs
 from tests.conftest import REPO_ROOT
-from tests.test_chunk_planner import monitor, planner_settings, post, running
+from tests.services.chunk_planner.test_chunk_planner import monitor, planner_settings, post, running
 
 # Near what bench_trees measured on SmolLM2 (accept length, rows, draft seconds per round)
 OPTIONS = [

@@ -210,7 +210,7 @@ def test_bad_layouts_are_refused_by_the_in_process_cloud(tiny_checkpoint):
 def test_a_tree_drafted_by_the_target_itself_is_accepted_to_full_depth(tiny_checkpoint, params):
     """With the middle as its own draft, every round accepts a whole root-to-leaf path of the tree's depth:
     a tree mask, a position or a kept row out of place on either side would make some round stop short."""
-    from tests.test_engine import MiddleAsDraft
+    from tests.shared.specdec.test_engine import MiddleAsDraft
 
     device = DeviceModel.from_checkpoint(tiny_checkpoint, 2, MiddleAsDraft(MiddleSubmodel(tiny_checkpoint, 2)))
     device.eos_token_id = None  # run the whole budget
