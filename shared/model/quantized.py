@@ -7,8 +7,8 @@ residual stream, KV and attention) stays float32.
 Blocks from the checkpoint's own values: the f32 SmolLM2 checkpoint is the exact dequantization of the GGUF's
 Q4_1 and Q8_0 tensors, and Q4_1's recipe (min and max of each group, scale (max - min) / 15 and min kept as fp16)
 and Q8_0's (scale max |w| / 127 as fp16) applied to those values give back the file's own blocks: every
-dequantized weight equals the checkpoint's (tests/shared/model/test_gguf_blocks.py checks every tensor against the file). A
-checkpoint that did not come from such blocks (the demo model) is quantized by the same recipes, which then
+dequantized weight equals the checkpoint's (tests/shared/model/test_gguf_blocks.py checks every tensor against
+the file). A checkpoint that did not come from such blocks (the demo model) is quantized by the same recipes, which then
 lose precision.
 
 Every product takes float32 rows and returns float32; nothing is rounded to bfloat16. Decode on a CPU reads

@@ -5,9 +5,9 @@ size, so the next allocations of that size come from the heap, where a freed blo
 the heap's top. A service that allocates activations and KV of varying sizes request after request (the device
 agent, the verifier) then grows without leaking: the 30-minute soak (`make soak MODEL=smollm2 SOAK_S=1800`)
 measured the device agent at +105 MiB after its warm-up, the same soak for 10 minutes with the threshold fixed
-at 64 KiB at +16 MiB, and `tests/shared/processes/test_process_memory.py` shows the mechanism on two 20 MB tensors. Fixing the
-threshold (`mallopt(M_MMAP_THRESHOLD)`, which also stops the dynamic adjustment) costs a page-fault per large
-allocation; small ones (a decode step's rows) still come from the heap.
+at 64 KiB at +16 MiB, and `tests/shared/processes/test_process_memory.py` shows the mechanism on two 20 MB
+tensors. Fixing the threshold (`mallopt(M_MMAP_THRESHOLD)`, which also stops the dynamic adjustment) costs a
+page-fault per large allocation; small ones (a decode step's rows) still come from the heap.
 """
 
 from __future__ import annotations
