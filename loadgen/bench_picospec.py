@@ -84,7 +84,9 @@ async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire,
     from shared.specdec.decode_loop import fixed_chunks, run_session
     from shared.specdec.device_session import DeviceSession, DraftConfig
     from shared.specdec.sampling import SamplingParams
-    from shared.specdec.stream_engine import StreamTimings, hat_async_session, token_stream_session
+    from shared.specdec.hat_async import hat_async_session
+    from shared.specdec.stream_engine import StreamTimings
+    from shared.specdec.token_stream import token_stream_session
     from shared.specdec.stream_session import StreamSession
 
     params, drafting = SamplingParams(), DraftConfig(config["eta"], config["max_draft"])

@@ -12,38 +12,34 @@ import statistics
 import time
 from contextlib import aclosing
 
-import httpx
-
 from services.device_agent.admission import Admission
 from services.device_agent.announce import own_url
-from services.device_agent.cloud_client import CloudError, CloudUnavailable, WebSocketCloud
-from services.device_agent.cloud_errors import verifier_lost
+from services.device_agent.cloud_client import CloudError, CloudUnavailable
 from services.device_agent.detokenizer import IncrementalDetokenizer
 from services.device_agent.edge_server import edge_draft_server
 from services.device_agent.generate_request import GenerateRequest
 from services.device_agent.kept import KeepableSession, KeptSessions
 from services.device_agent.link_probes import LinkProbes
-from services.device_agent.plans import Plan, PlanCache, wire_bytes_per_token
-from services.device_agent.rounds import ROUNDS
+from services.device_agent.plans import DEFAULT_PARALLEL_STEPS, Plan, wire_bytes_per_token
+from services.device_agent.rounds import ROUNDS, RoundsStart
 from services.device_agent.settings import Settings
+from services.device_agent.wiring import hidden_clouds, plan_cache, planner_http, verifier_connection
 from shared.auth import client as auth_client
 from shared.auth.tls import client_context
-from shared.auth.verify import ISSUER, PLANNER, VERIFIER
+from shared.auth.verify import ISSUER
 from shared.jupiter.plan import load_plan
-from shared.model.checkpoint import load_checkpoint, split_fingerprint
+from shared.model.checkpoint import load_checkpoint
 from shared.model.placement import detect_placement
-from shared.modes import MODE_TABLE
+from shared.modes import MODE_TABLE, ModeSpec
 from shared.net.heartbeat import with_heartbeats
-from shared.net.links import parse_link_spec, scaled_for_hidden
 from shared.planning.device_speed import speed_schedule
 from shared.planning.draft_budget import BudgetTracker, DraftShape
-from shared.privacy.hidden_rotation import rotated_fingerprint
-from shared.privacy.uplink_hardening import with_noise, with_rotation
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
 from shared.specdec.draft_config import DraftConfig
-from shared.specdec.replay import FailoverExhausted, ReplayingCloud
+from shared.specdec.replay import FailoverExhausted
 from shared.specdec.sampling import SamplingParams
+from shared.specdec.session_loop import drive
 from shared.specdec.trial_round import TrialRound
 from shared.telemetry import latency_stats
 from shared.telemetry.client import TelemetryClient
@@ -52,7 +48,6 @@ from shared.wire import schema as wire
 
 log = logging.getLogger("services.device_agent")
 
-DEFAULT_PARALLEL_STEPS = 2  # used when the planner (eq. 6) is unreachable or has no telemetry
 # Readiness follows the verifier connection: a drop is seen at once (the reader ends), a reconnect
 # and split check is tried this often, each bounded; a verifier that refused the split is a
 # configuration error, re-checked rarely so the refusal is not logged every second.
@@ -92,77 +87,21 @@ class DeviceAgent:
             settings.bandwidth_probe_interval_s,
             settings.rtt_probe_interval_s,
         )
-        link = parse_link_spec(settings.link)
-        if settings.link_scaled:
-            link = scaled_for_hidden(link, self.checkpoint.hidden_size)
-        self.cloud = WebSocketCloud(
-            settings.verifier_url,
-            self.checkpoint.hidden_size,
-            wire.WireDtype(settings.wire_dtype),
-            settings.request_timeout_s,
-            on_transfer=self.probes.on_transfer,
-            link=link if link.shaped else None,
-            on_frame=self.metrics.frame,
-            split_layers=settings.split_layers,
-            fingerprint=rotated_fingerprint(
-                split_fingerprint(settings.model_dir, settings.split_layers), settings.hidden_rotation
-            ),
-            tls_ca=settings.tls_ca,
-            auth=auth_client.BrokerAuth(self.broker, VERIFIER) if self.broker is not None else None,
-        )
+        self.cloud = verifier_connection(settings, self.checkpoint, self.probes, self.metrics, self.broker)
         self.probes.cloud = self.cloud
-        # HAT sessions keep the shallow rows they sent and replay them on a verifier (another replica, or the same one
-        # restarted) when theirs goes away mid-generation (shared/specdec/replay.py). Uplink hardening
-        # (shared/privacy/uplink_hardening.py) for the hidden-state modes: rotation inside the replay (replays are
-        # rotated too), noise outside it (the replay log keeps the noisy rows, so a replay rebuilds the same cache).
-        hidden_cloud = with_rotation(self.cloud, settings.hidden_rotation, self.checkpoint.hidden_size)
-        self.sessions_cloud = with_noise(
-            ReplayingCloud(
-                hidden_cloud,
-                verifier_lost,
-                deadline_s=settings.failover_deadline_s,
-                max_recoveries=settings.failover_max_recoveries,
-                total_deadline_s=settings.failover_total_s,
-                on_replay=self._on_replay,
-            ),
-            settings.uplink_noise,
+        self.sessions_cloud, self.async_cloud = hidden_clouds(
+            self.cloud, settings, self.checkpoint.hidden_size, self._on_replay
         )
-        self.async_cloud = with_noise(hidden_cloud, settings.uplink_noise)  # hat-async: no replay
         self.speed = speed_schedule(settings.speed)
         self.requests_served = 0
         self.replays = 0  # sessions moved to another verifier (or the same one, restarted)
         self.active = 0
-        # The planner's and the monitor's calls (plans, announcements, edge SD), each with its audience's token.
-        http_auth = (
-            auth_client.BrokerAuth(
-                self.broker, audiences={settings.chunk_planner_url: PLANNER, settings.state_monitor_url: ISSUER}
-            )
-            if self.broker is not None
-            else None
-        )
-        self.http = httpx.AsyncClient(timeout=settings.planner_timeout_s, verify=tls, auth=http_auth)
+        self.http = planner_http(settings, self.broker, tls)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
         shapes = settings.budget_shapes() if settings.chunk_planner_url else []  # the planner chooses among them
         self.budget = BudgetTracker(shapes) if shapes else None  # each draft shape's measurements (draft_budget.py)
-        self.plans = (
-            PlanCache(
-                self.http,
-                settings.chunk_planner_url,
-                settings.device_id,
-                bytes_per_token=self.bytes_per_token,
-                max_prompt_tokens=self.model.context_length,
-                max_rows=settings.max_draft + 1,
-                default_chunk_size=settings.default_chunk_size,
-                default_steps=DEFAULT_PARALLEL_STEPS,
-                refresh_s=settings.plan_refresh_s,
-                timeout_s=settings.planner_timeout_s,
-                budget=self.budget,
-                default_shape=settings.default_shape(),
-            )
-            if settings.chunk_planner_url
-            else None
-        )
+        self.plans = plan_cache(self.http, settings, self.bytes_per_token, self.model.context_length, self.budget)
         # An edge pipeline's first stage cuts prompts by the plan's sub-sequence table (Jupiter §IV-B2).
         self.edge_plan = (
             load_plan(settings.edge_plan, self.checkpoint.num_layers, self.checkpoint.hidden_size)
@@ -275,7 +214,8 @@ class DeviceAgent:
         counted = 0  # of session.verdicts, those in the metrics
         try:
             yield json.dumps({"type": "start", "request_id": request_id, "prompt_tokens": len(ids)}) + "\n"
-            rounds = await ROUNDS[spec.rounds](self, request, ids, session, session_id, request_slowdown)
+            start = RoundsStart(self, request, ids, session, session_id, request_slowdown)
+            rounds = drive(await ROUNDS[spec.rounds](start))
             admission.hand_over_session()  # started at once below: its engine frees the session however it ends
             # closed here, not whenever the collector finds it (a client gone mid-stream); closing the heartbeats
             # closes the rounds (in the task that runs them)
@@ -300,6 +240,23 @@ class DeviceAgent:
             admission.release()
             if session is not None:  # rounds verified but not delivered (the client went away) count too
                 self._count_rounds(session, counted)
+        done = self._done_event(request, spec, ids, session, delivered, timeline)
+        yield json.dumps(done) + "\n"
+        if session is not None:
+            self._report_timings(session, request_slowdown)
+            if shape is not None and self.budget is not None:
+                self._observe_budget(shape, session, request_slowdown)
+
+    def _done_event(
+        self,
+        request: GenerateRequest,
+        spec: ModeSpec,
+        ids: list[int],
+        session: DeviceSession | None,
+        delivered: list[int],
+        timeline: latency_stats.Timeline,
+    ) -> dict:
+        """The request's last event: why it finished and its stats."""
         if session is not None:
             generated, accept_lengths = session.generated, session.accept_lengths
         else:  # like the reference decoder: every round after the first yields exactly one token
@@ -325,11 +282,7 @@ class DeviceAgent:
         done = {"type": "done", "finish_reason": finish, "stats": stats}
         if isinstance(session, KeepableSession) and session.kept is not None:
             done["kept"] = {"handle": session.kept.handle, "length": session.kept.length}
-        yield json.dumps(done) + "\n"
-        if session is not None:
-            self._report_timings(session, request_slowdown)
-            if shape is not None and self.budget is not None:
-                self._observe_budget(shape, session, request_slowdown)
+        return done
 
     def _count_rounds(self, session: DeviceSession, counted: int) -> int:
         """Count the session's verification rounds from index `counted` on; returns how many are counted now."""

@@ -42,6 +42,7 @@ from shared.edge_sd.runtime import ModelShape, split_model_shapes
 from shared.planning.device_speed import slowed, speed_schedule
 from shared.specdec.device_session import SessionError
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
+from shared.specdec.session_loop import SessionLoop, drive
 from shared.specdec.stream_session import StreamSession
 
 log = logging.getLogger("services.device_agent.edge_server")
@@ -109,20 +110,13 @@ class EdgeDraftServer:
         self.rounds: list[RoundRecord] = []
 
     # -- requests -------------------------------------------------------------------------------------
-    async def generate(self, request: EdgeRequest) -> AsyncGenerator[list[int], None]:
-        """The tokens of one request as its rounds make them final."""
+    def generate(self, request: EdgeRequest) -> AsyncGenerator[list[int], None]:
+        """The tokens of one request as its rounds make them final (`EdgeLoop`, driven)."""
+        return drive(EdgeLoop(self, request))
+
+    def enqueue(self, request: EdgeRequest) -> None:
         self.waiting.append(request)
         self._arrived.set()
-        try:
-            while True:
-                item = await request.tokens.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            request.gone = not request.ended
 
     # -- rounds ---------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -310,3 +304,29 @@ def edge_draft_server(settings, checkpoint, cloud, http: httpx.AsyncClient) -> E
         settings.planner_timeout_s,
         settings.device_id,
     )
+
+
+class EdgeLoop(SessionLoop):
+    """edge-sd's rounds for one request: the edge server batches it with others' (`run`); each step takes what
+    one of its rounds made final."""
+
+    def __init__(self, server: EdgeDraftServer, request: EdgeRequest):
+        self.server, self.request = server, request
+        self.done = False
+
+    @property
+    def finished(self) -> bool:
+        return self.done
+
+    async def open(self) -> None:
+        self.server.enqueue(self.request)
+
+    async def step(self) -> list[int] | None:
+        item = await self.request.tokens.get()  # the server's rounds are bounded; it ends every request it drops
+        if isinstance(item, BaseException):
+            raise item
+        self.done = item is None
+        return item
+
+    async def close(self) -> None:
+        self.request.gone = not self.request.ended

@@ -19,14 +19,15 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from shared.model.kv_cache import SessionKV
-from shared.specdec.decode_loop import ShieldedOffload, prefill_on_cloud, release_session
+from shared.specdec.decode_loop import prefill_on_cloud
 from shared.specdec.device_session import DeviceSession
+from shared.specdec.session_loop import SessionLoop, ShieldedOffload, release_session
 from shared.specdec.verify_layout import VerifyLayout, verify_on
 
 log = logging.getLogger("services.device_agent.kept")
@@ -231,22 +232,34 @@ class SessionCloud:
             await self.inner.close(session_id)
 
 
-async def prefill_only(
-    session: KeepableSession,
-    cloud: SessionCloud,
-    session_id: int,
-    chunk_sizes: Sequence[int],
-    offload: Callable[..., Awaitable],
-    overlap_prefill: bool,
-) -> AsyncGenerator[list[int], None]:
+class PrefillOnlyLoop(SessionLoop):
     """max_new_tokens 0: prefill the prompt on both sides (to keep it), deliver no token."""
-    offload_step = ShieldedOffload(offload)
-    try:
-        await cloud.open(session_id)  # inside the try: a cancelled open still closes (see run_session)
-        await prefill_on_cloud(session, cloud, session_id, chunk_sizes, offload_step, overlap_prefill)
-        session.prefilled = True
-    finally:
-        await release_session(cloud, session_id, session, offload_step.last)
-    tokens: list[int]
-    for tokens in ():  # an async generator, like the other rounds, that yields nothing
-        yield tokens
+
+    def __init__(
+        self,
+        session: KeepableSession,
+        cloud: SessionCloud,
+        session_id: int,
+        chunk_sizes: Sequence[int],
+        offload: Callable[..., Awaitable],
+        overlap_prefill: bool,
+    ):
+        self.session, self.cloud, self.session_id = session, cloud, session_id
+        self.chunk_sizes, self.overlap_prefill = chunk_sizes, overlap_prefill
+        self.offload = ShieldedOffload(offload)
+
+    @property
+    def finished(self) -> bool:
+        return self.session.prefilled
+
+    async def open(self) -> None:
+        await self.cloud.open(self.session_id)
+
+    async def step(self) -> None:
+        await prefill_on_cloud(
+            self.session, self.cloud, self.session_id, self.chunk_sizes, self.offload, self.overlap_prefill
+        )
+        self.session.prefilled = True
+
+    async def close(self) -> None:
+        await release_session(self.cloud, self.session_id, self.session, self.offload.last)

@@ -29,6 +29,8 @@ from shared.wire.schema import WireDtype, dtype_bytes
 
 log = logging.getLogger(__name__)
 
+DEFAULT_PARALLEL_STEPS = 2  # used when the planner (eq. 6) is unreachable or has no telemetry
+
 # A plan some of whose answers are the planner's defaults (its telemetry was not there yet) is asked again this
 # soon, not after the whole refresh interval: the first requests of a fresh mesh must not run on guesses for long.
 PROVISIONAL_REFRESH_S = 0.5

@@ -3,7 +3,7 @@ baseline decoding one token per round trip, and the verdicts of streamed token d
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -12,6 +12,7 @@ from services.device_agent.cloud_errors import CloudError
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.separate_rejection import RejectionPayload
+from shared.specdec.session_loop import SessionLoop, driven
 from shared.wire import schema as wire
 
 
@@ -27,31 +28,47 @@ class TokenCloud(Protocol):
     async def close(self, session_id: int) -> None: ...
 
 
-async def token_decode(
-    cloud: TokenCloud,
-    session_id: int,
-    prompt_ids: Sequence[int],
-    params: SamplingParams,
-    max_new_tokens: int,
-    eos_token_id: int | None,
-) -> AsyncGenerator[list[int], None]:
-    """Autoregressive decoding with the whole model in the cloud: yields [token] per round trip.
+class CloudLoop(SessionLoop):
+    """The `cloud` mode's rounds: autoregressive decoding with the whole model in the cloud, [token] per round
+    trip. The device only tokenizes and detokenizes; it stops at EOS or `max_new_tokens`, which the cloud does
+    not need to know."""
 
-    The device only tokenizes and detokenizes; it stops at EOS or `max_new_tokens`,
-    which the cloud does not need to know. The session is closed on the way out.
-    """
-    try:
-        await cloud.open_token_session(session_id, params)  # inside: a cancelled open still closes
-        token = await cloud.token_prefill(session_id, prompt_ids)
-        generated = 1
-        yield [token]
-        while generated < max_new_tokens and token != eos_token_id:
-            # the cloud holds prompt + every token but the last, which it has not seen yet
-            token = await cloud.token_step(session_id, len(prompt_ids) + generated - 1, [token])
-            generated += 1
-            yield [token]
-    finally:
-        await cloud.close(session_id)
+    def __init__(
+        self,
+        cloud: TokenCloud,
+        session_id: int,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        eos_token_id: int | None,
+    ):
+        self.cloud, self.session_id, self.prompt_ids, self.params = cloud, session_id, prompt_ids, params
+        self.max_new_tokens, self.eos_token_id = max_new_tokens, eos_token_id
+        self.generated = 0
+        self.last: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.generated > 0 and (self.generated >= self.max_new_tokens or self.last == self.eos_token_id)
+
+    async def open(self) -> None:
+        await self.cloud.open_token_session(self.session_id, self.params)
+
+    async def step(self) -> list[int]:
+        if self.last is None:
+            token = await self.cloud.token_prefill(self.session_id, self.prompt_ids)
+        else:  # the cloud holds prompt + every token but the last, which it has not seen yet
+            commit_len = len(self.prompt_ids) + self.generated - 1
+            token = await self.cloud.token_step(self.session_id, commit_len, [self.last])
+        self.generated += 1
+        self.last = token
+        return [token]
+
+    async def close(self) -> None:
+        await self.cloud.close(self.session_id)
+
+
+token_decode = driven(CloudLoop)
 
 
 def chunk_verdict(reply: wire.TokenVerdict, chunk: DraftChunk) -> ChunkVerdict:

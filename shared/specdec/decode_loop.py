@@ -7,9 +7,8 @@ module's `LocalCloud`) or over the network (the device agent's client).
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,7 +18,8 @@ from shared.model.kv_cache import SessionKV
 from shared.model.split import LayerRange
 from shared.planning.planners import fixed_chunks  # noqa: F401  (callers import it from here too)
 from shared.specdec.device_session import DeviceSession, SessionError
-from shared.specdec.draft import Draft
+from shared.specdec.draft import Branch, Draft
+from shared.specdec.session_loop import SessionLoop, ShieldedOffload, driven, inline, release_session
 from shared.specdec.verify_layout import VerifyLayout, layout_refusal, roll_back, tree_rows, verify_on
 from shared.telemetry import latency_stats
 from shared.telemetry.latency_stats import Timeline
@@ -105,105 +105,122 @@ class LocalCloud:
             cache.free()
 
 
-async def _inline(fn, *args):
-    return fn(*args)
+class HatLoop(SessionLoop):
+    """HAT's rounds for one session (a `SessionLoop`): the first step prefills the prompt on the cloud and
+    samples the first token; each later step is one round, schedule (draft) -> run (verify, pre-drafting
+    from the top candidates while the verification is in flight) -> postprocess (accept).
 
-
-async def run_session(
-    session: DeviceSession,
-    cloud: Cloud,
-    session_id: int,
-    chunk_sizes: Sequence[int],
-    offload: Callable[..., Awaitable] = _inline,
-    overlap_prefill: bool = True,
-    parallel_candidates: int = 0,
-    parallel_steps: int | Callable[[int], int] = 0,
-    finish_alone_on: Callable[[BaseException], bool] | None = None,
-) -> AsyncGenerator[list[int], None]:
-    """Yield the tokens each round makes final, until the session finishes.
-
-    `offload(fn, *args)` runs device compute (e.g. `asyncio.to_thread` in the agent,
-    so the event loop keeps moving frames). With `overlap_prefill`, chunk j+1 is
-    computed and uploaded while the cloud works on chunk j (HAT §3.3); without it,
-    each chunk waits for the cloud's answer to the previous one. With
-    `parallel_candidates` > 0 the device pre-drafts `parallel_steps` tokens from each
-    top candidate while a verification is in flight (HAT §3.5, parallel drafting); a callable
-    `parallel_steps(rows)` is asked every round with the rows that round sends (k + 1: eq. 6's μ_i).
-    A verification that fails with an error `finish_alone_on(error)` accepts ends the session on the
-    device alone (DeviceSession.finish_alone: degraded output) instead of raising.
+    `offload(fn, *args)` runs device compute (e.g. `asyncio.to_thread` in the agent, so the event loop keeps
+    moving frames). With `overlap_prefill`, chunk j+1 is computed and uploaded while the cloud works on chunk
+    j (HAT §3.3); without it, each chunk waits for the cloud's answer to the previous one. With
+    `parallel_candidates` > 0 the device pre-drafts `parallel_steps` tokens from each top candidate while a
+    verification is in flight (HAT §3.5, parallel drafting); a callable `parallel_steps(rows)` is asked every
+    round with the rows that round sends (k + 1: eq. 6's mu_i). A verification that fails with an error
+    `finish_alone_on(error)` accepts ends the session on the device alone (DeviceSession.finish_alone:
+    degraded output) instead of raising.
     """
-    clock = time.perf_counter
-    offload_step = ShieldedOffload(offload)
-    try:
-        # Inside the try: a request cancelled while OpenSession is in flight still closes the cloud's
-        # session (the frame may already have opened it) and frees the device's KV.
-        await cloud.open(session_id)
-        deep_last = await prefill_on_cloud(session, cloud, session_id, chunk_sizes, offload_step, overlap_prefill)
-        answered_at = clock()
-        yield await offload_step(session.on_prefill_result, deep_last)
-        # The round's own time beyond drafting and the cloud's answer: output head, accept /
-        # rollback, thread hops, the consumer of this generator (the simulator's round_overhead_s).
-        session.round_overhead_s.append(clock() - answered_at)
-        while not session.is_finished:
-            draft = await offload_step(session.draft)
-            branches = []
+
+    def __init__(
+        self,
+        session: DeviceSession,
+        cloud: Cloud,
+        session_id: int,
+        chunk_sizes: Sequence[int],
+        offload: Callable[..., Awaitable] = inline,
+        overlap_prefill: bool = True,
+        parallel_candidates: int = 0,
+        parallel_steps: int | Callable[[int], int] = 0,
+        finish_alone_on: Callable[[BaseException], bool] | None = None,
+    ):
+        self.session, self.cloud, self.session_id = session, cloud, session_id
+        self.chunk_sizes, self.overlap_prefill = chunk_sizes, overlap_prefill
+        self.parallel_candidates, self.parallel_steps = parallel_candidates, parallel_steps
+        self.finish_alone_on = finish_alone_on
+        self.offload = ShieldedOffload(offload)
+        self.prefilled = False
+        self.alone = False  # the cloud was lost and the session finished on the device
+        self.answered_at: float | None = None  # when the last round's verification came back
+
+    @property
+    def finished(self) -> bool:
+        return self.alone or (self.prefilled and self.session.is_finished)
+
+    async def open(self) -> None:
+        await self.cloud.open(self.session_id)
+
+    async def step(self) -> list[int]:
+        if not self.prefilled:
+            return await self._prefill()
+        draft = await self.offload(self.session.draft)  # schedule
+        try:
+            deep, branches = await self._verify(draft)  # run
+        except Exception as exc:  # noqa: BLE001 - only what finish_alone_on accepts is handled
+            if self.finish_alone_on is None or not self.finish_alone_on(exc):
+                raise
+            self.alone = True
+            return await self.offload(self.session.finish_alone, draft)
+        return await self.offload(self.session.on_verify_result, draft, deep, branches)  # postprocess
+
+    def consumed(self) -> None:
+        # The round's own time beyond drafting and the cloud's answer: output head, accept / rollback, thread
+        # hops, the consumer of the tokens (the simulator's round_overhead_s).
+        if self.answered_at is not None and not self.alone:
+            self.session.round_overhead_s.append(time.perf_counter() - self.answered_at)
+
+    async def close(self) -> None:
+        await release_session(self.cloud, self.session_id, self.session, self.offload.last)
+
+    async def _prefill(self) -> list[int]:
+        deep_last = await prefill_on_cloud(
+            self.session, self.cloud, self.session_id, self.chunk_sizes, self.offload, self.overlap_prefill
+        )
+        self.answered_at = time.perf_counter()
+        self.prefilled = True
+        return await self.offload(self.session.on_prefill_result, deep_last)
+
+    async def _verify(self, draft: Draft) -> tuple[torch.Tensor, list[Branch]]:
+        """The cloud's deep states for the draft's rows [k+1, H], and the branches pre-drafted meanwhile."""
+        if self.parallel_candidates <= 0 or not draft.tokens:
+            deep = await verify_draft(self.cloud, self.session_id, draft)
+            self.answered_at = time.perf_counter()
+            return deep, []
+        steps = self.parallel_steps
+        if callable(steps):
+            steps = steps(len(draft.tokens) + 1)
+        # Pre-draft only while the verification is in flight: its answer stops the drafting. Pre-drafting is
+        # scheduled first, so a cloud that answers within its own first step (LocalCloud, in process) still
+        # leaves it the round, as a remote one would; a remote request still goes up before the device's thread
+        # starts (the verification's task sends it on its first step).
+        verifying: asyncio.Future[tuple[torch.Tensor, float]]
+        predrafting = self.offload.start(
+            self.session.predraft, draft, self.parallel_candidates, steps, lambda: verifying.done()
+        )
+        verifying = asyncio.ensure_future(_timed(verify_draft(self.cloud, self.session_id, draft)))
+        branches: list[Branch] = []
+        try:
+            branches = await asyncio.shield(predrafting)
+        finally:
             try:
-                if parallel_candidates > 0 and draft.tokens:
-                    # Pre-draft only while the verification is in flight: its answer stops the drafting.
-                    answered = threading.Event()
-                    answer_time: list[float] = []
-                    verifying = asyncio.ensure_future(verify_draft(cloud, session_id, draft))
-
-                    def on_answer(
-                        _: object, times: list[float] = answer_time, event: threading.Event = answered
-                    ) -> None:  # this round's, bound now
-                        times.append(clock())
-                        event.set()
-
-                    verifying.add_done_callback(on_answer)
-                    steps = parallel_steps(len(draft.tokens) + 1) if callable(parallel_steps) else parallel_steps
-                    try:
-                        branches = await offload_step(
-                            session.predraft, draft, parallel_candidates, steps, answered.is_set
-                        )
-                    finally:
-                        deep = await verifying
-                    # The done callback runs via call_soon: when the answer came while the last
-                    # pre-draft step was finishing, `await verifying` can return before it has run.
-                    answered_at = answer_time[0] if answer_time else clock()
-                else:
-                    deep = await verify_draft(cloud, session_id, draft)
-                    answered_at = clock()
-            except Exception as exc:  # noqa: BLE001 - only what finish_alone_on accepts is handled
-                if finish_alone_on is None or not finish_alone_on(exc):
-                    raise
+                deep, self.answered_at = await verifying
+            except BaseException:
                 for branch in branches:
                     branch.free()
-                yield await offload_step(session.finish_alone, draft)
-                return
-            yield await offload_step(session.on_verify_result, draft, deep, branches)
-            session.round_overhead_s.append(clock() - answered_at)
-    finally:
-        await release_session(cloud, session_id, session, offload_step.last)
+                raise
+        return deep, branches
+
+
+async def _timed(answer: Awaitable[torch.Tensor]) -> tuple[torch.Tensor, float]:
+    """An answer and when it came (not when its waiter resumed: pre-drafting may still be finishing a step)."""
+    value = await answer
+    return value, time.perf_counter()
+
+
+run_session = driven(HatLoop)
 
 
 async def verify_draft(cloud: Cloud, session_id: int, draft: Draft) -> torch.Tensor:
     """The cloud's deep states for a draft's rows (a tree's layout goes along)."""
     return await verify_on(cloud, session_id, draft.commit_len, draft.shallow, draft.layout)
-
-
-class ShieldedOffload:
-    """`offload(fn, *args)` for device steps, shielded: a cancelled request stops waiting at once, but the
-    step (a worker thread that cannot be interrupted) keeps its handle in `last`, so the release frees the
-    device KV only after it is done."""
-
-    def __init__(self, offload: Callable[..., Awaitable]):
-        self.offload = offload
-        self.last: asyncio.Future | None = None  # the offloaded step running now (or the last one)
-
-    async def __call__(self, fn, *args):
-        self.last = asyncio.ensure_future(self.offload(fn, *args))
-        return await asyncio.shield(self.last)
 
 
 async def prefill_on_cloud(
@@ -231,34 +248,6 @@ async def prefill_on_cloud(
     if deep_last is None:  # no chunks, or a cloud that answered the last chunk with nothing
         raise SessionError("the prompt's prefill gave no deep state")
     return deep_last
-
-
-async def release_session(cloud, session_id: int, session: DeviceSession, step: asyncio.Future | None) -> None:
-    """Free the device's KV once `step` (its last offloaded step) is done, and close the cloud's session;
-    shielded, so a cancelled request still releases both."""
-    release = asyncio.ensure_future(_release(cloud, session_id, session, step))
-    try:
-        await asyncio.shield(release)
-    except asyncio.CancelledError:
-        # Cancelled again while releasing (a client that went away under a level-triggered cancel scope):
-        # the release finishes on its own, owned by _RELEASES until it is done.
-        _RELEASES.add(release)
-        release.add_done_callback(_RELEASES.discard)
-        raise
-
-
-# Releases that outlived their cancelled request: kept here so they are owned until they finish.
-_RELEASES: set[asyncio.Future] = set()
-
-
-async def _release(cloud: Cloud, session_id: int, session: DeviceSession, step: asyncio.Future | None) -> None:
-    """Free the device's KV once its last offloaded step is done with it, and close the cloud's session."""
-    try:
-        if step is not None and not step.done():
-            await asyncio.wait([step])  # a worker-thread step ends on its own; its KV is freed after it
-    finally:
-        session.free()
-    await cloud.close(session_id)  # bounded: the cloud client times out its requests
 
 
 @dataclass

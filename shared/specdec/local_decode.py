@@ -10,12 +10,13 @@ small model's, not the target's: DiSCo's premise is a device model good enough f
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 
 from shared.specdec.device_session import DeviceSession, SessionError
 from shared.specdec.sampling import sample_logits
+from shared.specdec.session_loop import SessionLoop, driven
 
 
 class LocalSession(DeviceSession):
@@ -44,13 +45,26 @@ class LocalSession(DeviceSession):
         return self._emit([token])
 
 
-async def local_session(
-    session: LocalSession, offload: Callable[..., Awaitable[list[int]]]
-) -> AsyncGenerator[list[int], None]:
-    """The tokens of each step (one per step), computed through `offload` (the device's speed)."""
-    try:
-        yield await offload(session.prefill)
-        while not session.is_finished:
-            yield await offload(session.step)
-    finally:
-        session.free()
+class LocalLoop(SessionLoop):
+    """The `device` mode's rounds: the first step prefills the prompt through the draft model, each later step
+    makes one token; device compute goes through `offload` (the device's speed)."""
+
+    def __init__(self, session: LocalSession, offload: Callable[..., Awaitable[list[int]]]):
+        self.session, self.offload = session, offload
+        self.prefilled = False
+
+    @property
+    def finished(self) -> bool:
+        return self.prefilled and self.session.is_finished
+
+    async def step(self) -> list[int]:
+        if self.prefilled:
+            return await self.offload(self.session.step)
+        self.prefilled = True
+        return await self.offload(self.session.prefill)
+
+    async def close(self) -> None:
+        self.session.free()
+
+
+local_session = driven(LocalLoop)

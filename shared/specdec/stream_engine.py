@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from shared.specdec.decode_loop import Cloud, ShieldedOffload, prefill_on_cloud, release_session
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk
-from shared.specdec.separate_rejection import DEFAULT_TOP_K, Downlink
+from shared.specdec.session_loop import SessionLoop, driven, inline
 from shared.specdec.stream_session import StreamSession
 
 # Uploads a chunk (and its shallow states in hidden mode); returns an awaitable of the verdict, or of the
@@ -102,173 +100,133 @@ def stream_config(
     raise ValueError(f"{mode!r} is not a streamed mode")
 
 
-async def _inline(fn, *args):
-    return fn(*args)
+class StreamLoop(SessionLoop):
+    """The streamed step (a `SessionLoop` over a prefilled session): postprocess a verdict that came back, else
+    schedule one action (draft a token, send a chunk, advance the caches, or wait for the oldest verdict,
+    pre-drafting branches meanwhile) and run it. `send(chunk, shallow)` is the mode's upload."""
 
+    def __init__(
+        self,
+        session: StreamSession,
+        send: SendChunk,
+        config: StreamConfig,
+        offload: Callable[..., Awaitable] = inline,
+        timings: StreamTimings | None = None,
+    ):
+        self.session, self.send, self.config, self.offload = session, send, config, offload
+        self.timings = timings if timings is not None else StreamTimings()
+        self.in_flight: deque[tuple[DraftChunk, asyncio.Future]] = deque()
+        self.round_drafts = 0  # synchronous mode: drafts in the round being built
+        self.low_confidence = False  # the last draft was below eta: this run ends with it
 
-async def run_stream(
-    session: StreamSession,
-    send: SendChunk,
-    config: StreamConfig,
-    offload: Callable[..., Awaitable] = _inline,
-    timings: StreamTimings | None = None,
-) -> AsyncGenerator[list[int], None]:
-    """Yield the tokens each verdict makes final, until the session finishes."""
-    timings = timings if timings is not None else StreamTimings()
-    max_draft = session.draft_config.max_draft
-    eta = session.draft_config.eta
-    in_flight: deque[tuple[DraftChunk, asyncio.Future]] = deque()
-    round_drafts = 0  # synchronous mode: drafts in the round being built
-    low_confidence = False
+    @property
+    def finished(self) -> bool:
+        return self.session.is_finished
 
-    async def ship(more: bool) -> None:
-        if session.hidden_mode and not more:
-            await offload(session.advance_to_end)  # the last draft's row gives the bonus position
-        chunk, shallow = session.take_chunk(more)
-        in_flight.append((chunk, asyncio.ensure_future(await send(chunk, shallow))))
-        timings.chunks += 1
+    async def step(self) -> list[int] | None:
+        if self.in_flight and self.in_flight[0][1].done():
+            return await self._apply_verdict()
+        action, more = self._schedule()
+        if action == SHIP:
+            await self._ship(more)
+        elif action == DRAFT:
+            await self._draft()
+        elif action == ADVANCE:
+            await self.offload(self.session.advance_to_end)  # the window is full of drafts not yet run
+        else:
+            await self._wait()
+        return None
 
-    try:
-        while not session.is_finished:
-            # 1. verdicts, in the order the chunks went up
-            if in_flight and in_flight[0][1].done():
-                chunk, answer = in_flight.popleft()
-                verdict = answer.result()
-                if not isinstance(verdict, ChunkVerdict):  # hidden mode: deep states; the device judges
-                    verdict = await offload(session.verify_locally, chunk, verdict)
-                timings.stale_chunks += verdict.stale
-                emitted = session.apply(chunk, verdict)
-                if verdict.rejected or verdict.token is not None:
-                    round_drafts, low_confidence = 0, False
-                if emitted:
-                    yield emitted
-                continue
-            # 2. draft, send or wait
-            room = session.draft_room()
-            if config.pipelined:
-                can_send = session.sendable > 0 and (not config.depth or len(in_flight) < config.depth)
-                unsent_drafts = session.sendable - (session.sent_len < session.final_len)
-                if can_send and (session.stopped or room == 0 or low_confidence):
-                    # EOS or the budget, or a draft below eta (HAT eq. 5): drafting on is likely wasted, so this
-                    # chunk ends the run and asks for the bonus; drafting resumes from the verdict
-                    await ship(more=False)
-                    continue
-                idle = config.idle_send and unsent_drafts and not in_flight
-                if can_send and (unsent_drafts >= config.group or idle):
-                    await ship(more=True)  # a full group, or the verifier is idle (truncation)
-                    continue
-                if room > 0 and session.speculative < config.window and not low_confidence:
-                    drafted = await offload(session.draft_step)
-                    low_confidence = config.eta_gate and drafted.confidence < eta
-                    continue
-                if can_send and (config.idle_send or in_flight or room == 0 or session.speculative >= config.window):
-                    await ship(more=room > 0)
-                    continue
-                if session.hidden_mode and not in_flight and session.advanced < len(session.seq):
-                    await offload(session.advance_to_end)  # the window is full of drafts not yet run
-                    continue
-            else:
-                if not in_flight and room > 0 and round_drafts < max_draft and not low_confidence:
-                    drafted = await offload(session.draft_step)
-                    round_drafts += 1
-                    low_confidence = drafted.confidence < eta
-                    continue
-                if not in_flight and session.sendable > 0:
-                    await ship(more=False)
-                    continue
-            if not in_flight:
-                raise RuntimeError("stream stalled: nothing to draft, send or wait for")
-            if config.pipelined and config.branches and not session.branches:
-                await offload(session.predraft, config.branches, config.branch_steps, in_flight[0][1].done)
-                if in_flight[0][1].done():
-                    continue
-            await asyncio.wait([in_flight[0][1]])
-    finally:
+    async def close(self) -> None:
         # Verdicts still coming (the session ended on EOS or the budget, or was cancelled): let their
         # requests finish on their own (each is bounded by the cloud client's timeout); retrieve errors.
-        for _, answer in in_flight:
+        for _, answer in self.in_flight:
             answer.add_done_callback(_retrieve)
             if not answer.done() and isinstance(answer, asyncio.Task):
                 answer.cancel()
+
+    def _schedule(self) -> tuple[str, bool]:
+        """What this step does: (SHIP, more), DRAFT, ADVANCE or WAIT."""
+        room = self.session.draft_room()
+        action = self._pipelined_action(room) if self.config.pipelined else self._round_action(room)
+        if action is not None:
+            return action
+        if not self.in_flight:
+            raise RuntimeError("stream stalled: nothing to draft, send or wait for")
+        return WAIT, False
+
+    def _pipelined_action(self, room: int) -> tuple[str, bool] | None:
+        session, config, in_flight = self.session, self.config, self.in_flight
+        can_send = session.sendable > 0 and (not config.depth or len(in_flight) < config.depth)
+        unsent_drafts = session.sendable - (session.sent_len < session.final_len)
+        if can_send and (session.stopped or room == 0 or self.low_confidence):
+            # EOS or the budget, or a draft below eta (HAT eq. 5): drafting on is likely wasted, so this chunk
+            # ends the run and asks for the bonus; drafting resumes from the verdict
+            return SHIP, False
+        idle = config.idle_send and unsent_drafts and not in_flight
+        if can_send and (unsent_drafts >= config.group or idle):
+            return SHIP, True  # a full group, or the verifier is idle (truncation)
+        if room > 0 and session.speculative < config.window and not self.low_confidence:
+            return DRAFT, False
+        if can_send and (config.idle_send or in_flight or room == 0 or session.speculative >= config.window):
+            return SHIP, room > 0
+        if session.hidden_mode and not in_flight and session.advanced < len(session.seq):
+            return ADVANCE, False
+        return None
+
+    def _round_action(self, room: int) -> tuple[str, bool] | None:
+        """Synchronous: draft the round until eta / the draft cap / EOS, send it, wait for its verdict."""
+        if self.in_flight:
+            return None
+        max_draft = self.session.draft_config.max_draft
+        if room > 0 and self.round_drafts < max_draft and not self.low_confidence:
+            return DRAFT, False
+        if self.session.sendable > 0:
+            return SHIP, False
+        return None
+
+    async def _apply_verdict(self) -> list[int] | None:
+        session = self.session
+        chunk, answer = self.in_flight.popleft()
+        verdict = answer.result()
+        if not isinstance(verdict, ChunkVerdict):  # hidden mode: deep states; the device judges
+            verdict = await self.offload(session.verify_locally, chunk, verdict)
+        self.timings.stale_chunks += verdict.stale
+        emitted = session.apply(chunk, verdict)
+        if verdict.rejected or verdict.token is not None:
+            self.round_drafts, self.low_confidence = 0, False
+        return emitted or None
+
+    async def _draft(self) -> None:
+        drafted = await self.offload(self.session.draft_step)
+        self.round_drafts += 1
+        gated = self.config.eta_gate or not self.config.pipelined
+        self.low_confidence = gated and drafted.confidence < self.session.draft_config.eta
+
+    async def _ship(self, more: bool) -> None:
+        if self.session.hidden_mode and not more:
+            await self.offload(self.session.advance_to_end)  # the last draft's row gives the bonus position
+        chunk, shallow = self.session.take_chunk(more)
+        self.in_flight.append((chunk, asyncio.ensure_future(await self.send(chunk, shallow))))
+        self.timings.chunks += 1
+
+    async def _wait(self) -> None:
+        """Wait for the oldest verdict; a pipelined run with nothing else to do pre-drafts branches meanwhile."""
+        oldest = self.in_flight[0][1]
+        config = self.config
+        if config.pipelined and config.branches and not self.session.branches:
+            await self.offload(self.session.predraft, config.branches, config.branch_steps, oldest.done)
+            if oldest.done():
+                return
+        await asyncio.wait([oldest])
+
+
+SHIP, DRAFT, ADVANCE, WAIT = "ship", "draft", "advance", "wait"  # what a stream step does
+
+
+run_stream = driven(StreamLoop)
 
 
 def _retrieve(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
-
-
-class TokenCloud(Protocol):
-    """What token mode needs from the verifier (token ids on the wire: no privacy)."""
-
-    async def open_token_session(self, session_id: int, params) -> None: ...
-
-    async def token_prefill(self, session_id: int, token_ids: Sequence[int]) -> int: ...
-
-    async def send_token_chunk(
-        self, session_id: int, chunk: DraftChunk, downlink: Downlink, top_k: int
-    ) -> Awaitable[ChunkVerdict]: ...
-
-    async def close(self, session_id: int) -> None: ...
-
-
-async def token_stream_session(
-    session: StreamSession,
-    cloud: TokenCloud,
-    session_id: int,
-    config: StreamConfig,
-    offload: Callable[..., Awaitable] = _inline,
-    downlink: Downlink = "full",
-    top_k: int = DEFAULT_TOP_K,
-    timings: StreamTimings | None = None,
-) -> AsyncGenerator[list[int], None]:
-    """Token mode (token-sd, picospec): the device drafts alone; the cloud, holding the whole target,
-    prefills the prompt's ids, samples the first token and verifies every chunk."""
-    offload_step = ShieldedOffload(offload)
-    try:
-        await cloud.open_token_session(session_id, session.params)
-        first = asyncio.ensure_future(cloud.token_prefill(session_id, session.prompt_ids))
-        try:
-            await offload_step(session.prefill_locally)  # the draft model's prefill, beside the cloud's
-        finally:
-            if not first.done():
-                await asyncio.wait([first])
-        yield session.start_token_mode(first.result())
-
-        async def send(chunk: DraftChunk, shallow) -> Awaitable[ChunkVerdict]:
-            return await cloud.send_token_chunk(session_id, chunk, downlink, top_k)
-
-        async for tokens in run_stream(session, send, config, offload_step, timings):
-            yield tokens
-    finally:
-        await release_session(cloud, session_id, session, offload_step.last)
-
-
-async def hat_async_session(
-    session: StreamSession,
-    cloud: Cloud,
-    session_id: int,
-    chunk_sizes: Sequence[int],
-    config: StreamConfig,
-    offload: Callable[..., Awaitable] = _inline,
-    overlap_prefill: bool = True,
-    timings: StreamTimings | None = None,
-) -> AsyncGenerator[list[int], None]:
-    """hat-async: HAT's privacy mode (hidden states only, the device samples and judges) with the
-    asynchronous pipeline: the device drafts on past an in-flight verification."""
-    offload_step = ShieldedOffload(offload)
-    try:
-        await cloud.open(session_id)
-        deep_last = await prefill_on_cloud(session, cloud, session_id, chunk_sizes, offload_step, overlap_prefill)
-        first = await offload_step(session.on_prefill_result, deep_last)
-        session.start_hidden_mode()
-        yield first
-
-        async def send(chunk: DraftChunk, shallow: torch.Tensor | None) -> Awaitable[torch.Tensor]:
-            assert shallow is not None  # hidden mode: take_chunk gives every chunk its shallow rows
-            # the cloud keeps chunk.start_pos positions (a rejected tail is cut), then appends the chunk
-            return await cloud.send_verify(session_id, chunk.start_pos, shallow)
-
-        async for tokens in run_stream(session, send, config, offload_step, timings):
-            yield tokens
-    finally:
-        await release_session(cloud, session_id, session, offload_step.last)

@@ -23,7 +23,8 @@ from shared.runtime import build_device_model
 from shared.specdec.device_session import DraftConfig
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamVerifier
 from shared.specdec.sampling import SamplingParams
-from shared.specdec.stream_engine import StreamConfig, StreamTimings, token_stream_session
+from shared.specdec.stream_engine import StreamConfig, StreamTimings
+from shared.specdec.token_stream import token_stream_session
 from shared.specdec.stream_session import StreamSession
 
 M = 2

@@ -21,13 +21,9 @@ from shared.specdec.decode_loop import fixed_chunks
 from shared.specdec.device_session import DraftConfig
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from shared.specdec.stream_engine import (
-    StreamConfig,
-    StreamTimings,
-    hat_async_session,
-    stream_config,
-    token_stream_session,
-)
+from shared.specdec.hat_async import hat_async_session
+from shared.specdec.stream_engine import StreamConfig, StreamTimings, stream_config
+from shared.specdec.token_stream import token_stream_session
 from shared.specdec.stream_session import StreamSession
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
