@@ -8,13 +8,11 @@ import socket
 import sys
 from pathlib import Path
 
-import uvicorn
-
 from services.device_agent.app import create_app
 from services.device_agent.settings import Settings, load_settings
 from shared.device_registry import auto_device_id
 from shared.model.placement import PlacementError, cuda_facts, resolve_device
-from shared.processes.memory import return_freed_memory_to_os
+from shared.processes.service_main import OnSocket, run_service
 
 log = logging.getLogger("services.device_agent")
 
@@ -35,22 +33,24 @@ def missing_adapter(settings: Settings) -> str | None:
     )
 
 
-def main() -> None:
-    settings = load_settings()
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return_freed_memory_to_os()  # fixed mmap threshold: no heap growth from freed tensors (shared/processes/memory.py)
+def refuse_unplaceable(settings: Settings) -> None:
+    """Exit 2, said in one line, when the agent cannot run here: no draft adapter, or a device this machine
+    lacks (cuda without a GPU, cuda:3 with 2), refused before the app starts."""
     problem = missing_adapter(settings)
     if problem:
         log.error("%s", problem)
         sys.exit(2)
     available, count = cuda_facts()
-    try:  # a device this machine lacks (cuda without a GPU, cuda:3 with 2) is refused before the app starts
+    try:
         resolve_device(settings.device, available, count)
     except PlacementError as exc:
         log.error("cannot start: %s", exc)
         sys.exit(2)
-    # Bound here, before the app exists, so that port 0 (any free port) and device id "auto" are settled
-    # into the settings the agent announces.
+
+
+def listen(settings: Settings) -> socket.socket:
+    """The agent's socket, bound here, before the app exists, so that port 0 (any free port) and device id
+    "auto" are settled into the settings the agent announces; exit 2 when the address is taken."""
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -59,19 +59,23 @@ def main() -> None:
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc)
         sys.exit(2)
+    return sock
+
+
+def start_agent(settings: Settings) -> OnSocket:
+    refuse_unplaceable(settings)
+    sock = listen(settings)
     port = sock.getsockname()[1]
     if settings.port_file:
         Path(settings.port_file).write_text(f"{port}\n", encoding="ascii")
     device_id = auto_device_id(port) if settings.device_id == "auto" else settings.device_id
-    settings = dataclasses.replace(settings, port=port, device_id=device_id)
-    # With TLS the bound socket is served wrapped (uvicorn passes ssl= to create_server(sock=...)).
-    config = uvicorn.Config(
-        create_app(settings),
-        log_level=settings.log_level.lower(),
-        ssl_certfile=settings.tls_cert or None,
-        ssl_keyfile=settings.tls_key or None,
-    )
-    uvicorn.Server(config).run(sockets=[sock])
+    settled = dataclasses.replace(settings, port=port, device_id=device_id)
+    return OnSocket(create_app(settled), sock)
+
+
+def main() -> None:
+    settings = load_settings()
+    run_service(settings, lambda: start_agent(settings))
 
 
 if __name__ == "__main__":

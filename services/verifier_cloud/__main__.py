@@ -18,10 +18,10 @@ import torch
 from services.verifier_cloud.kv_plan import CUDA_GRAPHS, KV_LAYOUTS
 from services.verifier_cloud.pipeline_results import PipelineFailed
 from services.verifier_cloud.server import VerifierServer
-from services.verifier_cloud.settings import load_settings
+from services.verifier_cloud.settings import Settings, load_settings
 from shared.model.checkpoint import ModelLoadError
 from shared.model.split import SplitError
-from shared.processes.memory import return_freed_memory_to_os
+from shared.processes.service_main import run_service
 from shared.settings import SettingsError
 
 log = logging.getLogger("services.verifier_cloud")
@@ -69,7 +69,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def _main(argv: Sequence[str] | None = None) -> None:
+def settings_from(argv: Sequence[str] | None = None) -> Settings:
+    """The environment's settings with the command line's flags over them."""
     args = parse_args(argv)
     flags = {
         "pipeline_stages": args.pipeline_stages,
@@ -79,9 +80,11 @@ async def _main(argv: Sequence[str] | None = None) -> None:
         "cuda_graphs": args.cuda_graphs,
     }
     overrides = {name: value for name, value in flags.items() if value is not None}
-    settings = load_settings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return_freed_memory_to_os()  # fixed mmap threshold: no heap growth from freed tensors (shared/processes/memory.py)
+    return load_settings(**overrides)
+
+
+async def serve(settings: Settings) -> None:
+    """The verifier until SIGINT or SIGTERM."""
     torch.set_num_threads(settings.torch_threads)
     server = VerifierServer.from_settings(settings)
     stop = asyncio.Event()
@@ -93,7 +96,8 @@ async def _main(argv: Sequence[str] | None = None) -> None:
 
 def main() -> None:
     try:
-        asyncio.run(_main())
+        settings = settings_from()
+        run_service(settings, lambda: serve(settings))
     except (SettingsError, SplitError, ModelLoadError, PipelineFailed) as exc:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # no-op when already configured
         log.error("cannot start: %s", exc)

@@ -11,8 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from services.chunk_planner.app import create_app, plan_chunk_size, plan_parallel_draft_steps, planner_inputs
+from services.chunk_planner.app import create_app
 from services.chunk_planner.monitor_client import Telemetry
+from services.chunk_planner.plans import plan_chunk_size, plan_parallel_draft_steps, planner_inputs
 from services.chunk_planner.settings import Settings, load_settings
 from services.state_monitor.app import create_app as create_monitor
 from services.state_monitor.settings import load_settings as load_monitor_settings

@@ -171,6 +171,7 @@ def test_state_monitor_embeds_a_locked_redis_and_logs_no_password(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import services.state_monitor.__main__ as monitor_main
+    import shared.processes.service_main as service_main
 
     for name in ("REDIS_URL", "TOPHAT_STATE_MONITOR_REDIS_URL", "TOPHAT_STATE_MONITOR_EMBEDDED_REDIS"):
         monkeypatch.delenv(name, raising=False)
@@ -187,7 +188,7 @@ def test_state_monitor_embeds_a_locked_redis_and_logs_no_password(
             client.close()
         served.append(given_urls[0])
 
-    monkeypatch.setattr(monitor_main.uvicorn, "run", fake_run)
+    monkeypatch.setattr(service_main.uvicorn, "run", fake_run)
     caplog.set_level(logging.INFO)
     monitor_main.main()
     assert len(served) == 1
