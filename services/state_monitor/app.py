@@ -195,11 +195,6 @@ async def devices(service: Service) -> dict[str, Any]:
     }
 
 
-@probes.get("/metrics")
-async def metrics_endpoint(service: Service) -> Response:
-    return metrics_response(service.metrics.registry)
-
-
 @api.get("/state/cloud")
 async def state_cloud(service: Service) -> dict[str, Any]:
     return service.monitor.cloud_view()
@@ -267,6 +262,11 @@ async def readyz(service: Service) -> Any:
     if not service.ready:
         raise HTTPException(503, {"ready": False, "redis": redis})
     return {"ready": True, "redis": redis}
+
+
+@probes.get("/metrics")
+async def metrics_endpoint(service: Service) -> Response:
+    return metrics_response(service.metrics.registry)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
