@@ -5,8 +5,9 @@ Redis gets the raw events and the derived state so other processes and
 dashboards can read them, and so a restarted monitor can resume its averages.
 Redis is best effort: when it is down, records still update the in-memory
 model, /readyz stays ready (reporting redis connected=false) and nothing fails.
-The records it accepts are in records.py, the state they update in monitor.py; this module is
-the HTTP surface over them.
+The records it accepts are in records.py, the state they update in monitor.py, the service object
+holding that state with the sink, the registry and the issuer in service.py; this module is the HTTP
+surface over them: its routers and create_app.
 """
 
 from __future__ import annotations
@@ -15,19 +16,15 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
-from services.state_monitor.issuer import Issuer, install_routes
-from services.state_monitor.monitor import Monitor
+from services.state_monitor.issuer import install_routes
 from services.state_monitor.records import (
     EDGE_SD_KEYS,
     RECORDS,
@@ -36,14 +33,19 @@ from services.state_monitor.records import (
     Record,
     RequestDone,
 )
+from services.state_monitor.service import MonitorService, service_of
 from services.state_monitor.settings import Settings, load_settings
 from shared.auth import verify as auth
-from shared.device_registry import DeviceRegistry, UrlTaken
-from shared.processes.redis_server import resolve_redis_url, with_password
+from shared.device_registry import UrlTaken
 from shared.telemetry import sink as tk
-from shared.telemetry.metrics import MonitorMetrics, metrics_response
+from shared.telemetry.metrics import metrics_response
 
 log = logging.getLogger(__name__)
+
+Service = Annotated[MonitorService, Depends(service_of)]
+
+api = APIRouter()  # writes need a credential (create_app installs the check), reads stay open
+probes = APIRouter()
 
 BODY_READ_TIMEOUT_S = 10.0  # a sender that takes longer for at most max_body_bytes is gone
 
@@ -127,182 +129,161 @@ def _parsed_rows(values: list[str], width: int) -> list[list[float | int]]:
     return out
 
 
+def _history_limit(service: Service, limit: Annotated[int | None, Query(ge=1)] = None) -> int:
+    """GET /disco/history's `limit`, at most the disco_history setting (default: that many). The bound is this
+    app's setting, so it is checked here rather than declared on the module's router; a limit over it is the 422
+    a declared bound gives."""
+    cap = service.settings.disco_history
+    if limit is None:
+        return cap
+    try:
+        return TypeAdapter(Annotated[int, Field(le=cap)]).validate_python(limit)
+    except ValidationError as exc:
+        raise RequestValidationError(
+            [{**err, "loc": ("query", "limit")} for err in exc.errors(include_url=False)]
+        ) from None
+
+
+async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's own 422 echoes each bad input, and a NaN or Infinity there made its JSON encoder raise (a 500
+    instead of the 422); the echo is dropped, which also keeps a 100k-sample record from coming back."""
+    errors = [{k: v for k, v in err.items() if k != "input"} for err in exc.errors()]
+    return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
+
+@api.post("/telemetry")
+async def post_telemetry(request: Request, service: Service) -> dict[str, Any]:
+    """One record or a batch of them (a JSON list; the verifier sends its steps so). The body is bounded
+    before it is parsed (413), the batch's length too, and a bad record is a 422 naming it."""
+    settings = service.settings
+    records = _records(await _bounded_body(request, settings.max_body_bytes), settings.max_batch)
+    _may_write(request, [getattr(rec, "device_id", None) for rec in records])
+    persisted = 0
+    for rec in records:
+        persisted += await service.monitor.ingest(rec)
+        service.metrics.record(rec.kind)
+        if isinstance(rec, RequestDone):
+            service.metrics.request(rec.endpoint, rec.cost)
+    return {"accepted": len(records), "persisted": persisted}
+
+
+@api.post("/devices/announce")
+async def announce(body: DeviceAnnouncement, request: Request, service: Service) -> dict[str, Any]:
+    _may_write(request, [body.device_id])
+    registry = service.registry
+    known = {a.device_id: a.url for a in registry.live()}
+    if known.get(body.device_id) != body.url:
+        log.info("device %s announced at %s", body.device_id, body.url)
+    try:
+        registry.announce(body.device_id, body.url, body.max_sessions)
+    except UrlTaken as exc:
+        log.info("refused device %s's announcement: %s", body.device_id, exc)
+        raise HTTPException(409, str(exc)) from exc
+    return {"ttl_s": registry.ttl_s}
+
+
+@api.get("/devices")
+async def devices(service: Service) -> dict[str, Any]:
+    """The device agents that announced within the TTL (the streamer routes to these)."""
+    registry = service.registry
+    return {
+        "ttl_s": registry.ttl_s,
+        "devices": [
+            {"device_id": a.device_id, "url": a.url, "max_sessions": a.max_sessions, "age_s": registry.age_s(a)}
+            for a in registry.live()
+        ],
+    }
+
+
+@api.get("/state/cloud")
+async def state_cloud(service: Service) -> dict[str, Any]:
+    return service.monitor.cloud_view()
+
+
+@api.get("/state/devices")
+async def state_devices(service: Service) -> dict[str, Any]:
+    monitor = service.monitor
+    return {"devices": [monitor.device_view(d) for _, d in sorted(monitor.devices.items())]}
+
+
+@api.get("/state/device/{device_id}")
+async def state_device(device_id: str, service: Service) -> dict[str, Any]:
+    dev = service.monitor.devices.get(device_id)
+    if dev is None:
+        raise HTTPException(404, f"unknown device {device_id!r}")
+    return service.monitor.device_view(dev)
+
+
+@api.get("/predict")
+async def predict(mu: Annotated[float, Query(ge=0, allow_inf_nan=False)], service: Service) -> dict[str, Any]:
+    g = service.monitor.cloud.g
+    return {"mu": mu, "g": g.predict(mu), "observed_buckets": g.observed_buckets}
+
+
+@api.get("/disco/history")
+async def disco_history(service: Service, limit: Annotated[int, Depends(_history_limit)]) -> dict[str, Any]:
+    """DiSCo's samples, newest first, read from Redis (so a restarted monitor serves its predecessor's)."""
+    keys = [tk.DISCO_PROMPT_TOKENS, tk.DISCO_SERVER_TTFT]
+    lists = await service.redis_lists(keys, limit, "disco history")
+    return {"prompt_tokens": _parsed(lists[0], int), "server_ttft_s": _parsed(lists[1], float), "source": "redis"}
+
+
+@api.post("/edge-sd/telemetry")
+async def post_edge_sd(body: EdgeSdTelemetry, request: Request, service: Service) -> dict[str, Any]:
+    """Appends to the capped tophat:edge_sd:* lists (in order: the last sample is the newest kept)."""
+    _may_write(request, [body.node])
+    cap = service.settings.edge_sd_history
+    rows = {name: getattr(body, name)[-cap:] for name in EDGE_SD_KEYS}  # older ones would be trimmed anyway
+    lists = [(EDGE_SD_KEYS[name], list(row), cap) for name, values in rows.items() for row in values]
+    service.metrics.record("edge_sd")
+    persisted = await service.monitor._write(lists=lists)
+    return {"accepted": sum(len(getattr(body, name)) for name in EDGE_SD_KEYS), "persisted": persisted}
+
+
+@api.get("/state/edge-sd")
+async def state_edge_sd(service: Service) -> dict[str, Any]:
+    """Edge SD's samples, newest first, from Redis (what the chunk planner fits eq. 17 and alpha on)."""
+    keys = list(EDGE_SD_KEYS.values())
+    lists = await service.redis_lists(keys, service.settings.edge_sd_history, "edge-sd telemetry")
+    return {
+        name: _parsed_rows(values, width)
+        for (name, width), values in zip((("draft", 3), ("verify", 3), ("verdicts", 2)), lists)
+    }
+
+
+@probes.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@probes.get("/readyz")
+async def readyz(service: Service) -> Any:
+    redis = service.redis_status()
+    if not service.ready:
+        raise HTTPException(503, {"ready": False, "redis": redis})
+    return {"ready": True, "redis": redis}
+
+
+@probes.get("/metrics")
+async def metrics_endpoint(service: Service) -> Response:
+    return metrics_response(service.metrics.registry)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the app; Redis URL = settings.redis_url, else env REDIS_URL, else in-memory only."""
-    settings = settings or load_settings()
-    url = resolve_redis_url(settings.redis_url or None)
-    if url and settings.redis_password:
-        url = with_password(url, settings.redis_password)
-    sink = (
-        tk.TelemetrySink(
-            url,
-            stream_maxlen=settings.stream_maxlen,
-            timeout_s=settings.redis_timeout_s,
-            request_ttl_s=settings.request_ttl_s,
-            initial_backoff_s=settings.redis_backoff_initial_s,
-            max_backoff_s=settings.redis_backoff_max_s,
-        )
-        if url
-        else None
-    )
-    monitor = Monitor(settings, sink)
-    registry = DeviceRegistry(settings.announce_ttl_s)
-    issuer = (
-        Issuer.from_key_file(
-            Path(settings.auth_key_file),
-            registry,
-            state_dir=Path(settings.auth_state_dir) if settings.auth_state_dir else None,
-            leeway_s=settings.auth_leeway_s,
-            device_ttl_s=settings.device_credential_ttl_s,
-            service_ttl_s=settings.service_credential_ttl_s,
-            access_ttl_s=settings.access_token_ttl_s,
-            max_ttl_s=settings.max_token_ttl_s,
-        )
-        if settings.authenticated
-        else None
-    )
-    metrics = MonitorMetrics()
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if sink is None:
-            log.warning("no redis configured: state monitor keeps telemetry in memory only")
-        elif await sink.start():
-            await monitor.restore()
-        app.state.ready = True
-        try:
-            yield
-        finally:
-            app.state.ready = False
-            if sink is not None:
-                await sink.close()
-
-    app = FastAPI(title="tophat state monitor", lifespan=lifespan)
+    service = MonitorService(settings or load_settings())
+    settings = service.settings
+    app = FastAPI(title="tophat state monitor", lifespan=service.lifespan)
+    app.state.service = service
     # Writes need a credential (shared/auth/verify.py), a device's only for its own device id; reads stay open. The
     # monitor is the issuer (issuer.py): it checks tokens with its own keys and revocations, at once.
     auth.warn_if_open("the state monitor", settings.authenticated, settings.host, "TOPHAT_STATE_MONITOR_AUTH_KEY_FILE")
-    if issuer is not None:
-        auth.install(app, issuer.verifier, auth.ISSUER, auth.ROLES, guarded=lambda method, path: method == "POST")
-        install_routes(app, issuer)
-    app.state.ready = False
-    app.state.monitor = monitor
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        """FastAPI's own 422 echoes each bad input, and a NaN or Infinity there made its JSON encoder raise (a
-        500 instead of the 422); the echo is dropped, which also keeps a 100k-sample record from coming back."""
-        errors = [{k: v for k, v in err.items() if k != "input"} for err in exc.errors()]
-        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
-
-    @app.post("/telemetry")
-    async def post_telemetry(request: Request) -> dict[str, Any]:
-        """One record or a batch of them (a JSON list; the verifier sends its steps so). The body is bounded
-        before it is parsed (413), the batch's length too, and a bad record is a 422 naming it."""
-        records = _records(await _bounded_body(request, settings.max_body_bytes), settings.max_batch)
-        _may_write(request, [getattr(rec, "device_id", None) for rec in records])
-        persisted = 0
-        for rec in records:
-            persisted += await monitor.ingest(rec)
-            metrics.record(rec.kind)
-            if isinstance(rec, RequestDone):
-                metrics.request(rec.endpoint, rec.cost)
-        return {"accepted": len(records), "persisted": persisted}
-
-    @app.post("/devices/announce")
-    async def announce(body: DeviceAnnouncement, request: Request) -> dict[str, Any]:
-        _may_write(request, [body.device_id])
-        known = {a.device_id: a.url for a in registry.live()}
-        if known.get(body.device_id) != body.url:
-            log.info("device %s announced at %s", body.device_id, body.url)
-        try:
-            registry.announce(body.device_id, body.url, body.max_sessions)
-        except UrlTaken as exc:
-            log.info("refused device %s's announcement: %s", body.device_id, exc)
-            raise HTTPException(409, str(exc)) from exc
-        return {"ttl_s": registry.ttl_s}
-
-    @app.get("/devices")
-    async def devices() -> dict[str, Any]:
-        """The device agents that announced within the TTL (the streamer routes to these)."""
-        return {
-            "ttl_s": registry.ttl_s,
-            "devices": [
-                {"device_id": a.device_id, "url": a.url, "max_sessions": a.max_sessions, "age_s": registry.age_s(a)}
-                for a in registry.live()
-            ],
-        }
-
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        return metrics_response(metrics.registry)
-
-    @app.get("/state/cloud")
-    async def state_cloud() -> dict[str, Any]:
-        return monitor.cloud_view()
-
-    @app.get("/state/devices")
-    async def state_devices() -> dict[str, Any]:
-        return {"devices": [monitor.device_view(d) for _, d in sorted(monitor.devices.items())]}
-
-    @app.get("/state/device/{device_id}")
-    async def state_device(device_id: str) -> dict[str, Any]:
-        dev = monitor.devices.get(device_id)
-        if dev is None:
-            raise HTTPException(404, f"unknown device {device_id!r}")
-        return monitor.device_view(dev)
-
-    @app.get("/predict")
-    async def predict(mu: Annotated[float, Query(ge=0, allow_inf_nan=False)]) -> dict[str, Any]:
-        return {"mu": mu, "g": monitor.cloud.g.predict(mu), "observed_buckets": monitor.cloud.g.observed_buckets}
-
-    @app.get("/disco/history")
-    async def disco_history(limit: int | None = Query(None, ge=1, le=settings.disco_history)) -> dict[str, Any]:
-        """DiSCo's samples, newest first, read from Redis (so a restarted monitor serves its predecessor's)."""
-        keys = [tk.DISCO_PROMPT_TOKENS, tk.DISCO_SERVER_TTFT]
-        lists = await sink.read_lists(keys, limit or settings.disco_history) if sink is not None else None
-        if lists is None:
-            reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(sink.url)}"
-            raise HTTPException(503, f"disco history lives in redis, which is {reason}")
-        return {"prompt_tokens": _parsed(lists[0], int), "server_ttft_s": _parsed(lists[1], float), "source": "redis"}
-
-    @app.post("/edge-sd/telemetry")
-    async def post_edge_sd(body: EdgeSdTelemetry, request: Request) -> dict[str, Any]:
-        """Appends to the capped tophat:edge_sd:* lists (in order: the last sample is the newest kept)."""
-        _may_write(request, [body.node])
-        cap = settings.edge_sd_history
-        rows = {name: getattr(body, name)[-cap:] for name in EDGE_SD_KEYS}  # older ones would be trimmed anyway
-        lists = [(EDGE_SD_KEYS[name], list(row), cap) for name, values in rows.items() for row in values]
-        metrics.record("edge_sd")
-        persisted = await monitor._write(lists=lists)
-        return {"accepted": sum(len(getattr(body, name)) for name in EDGE_SD_KEYS), "persisted": persisted}
-
-    @app.get("/state/edge-sd")
-    async def state_edge_sd() -> dict[str, Any]:
-        """Edge SD's samples, newest first, from Redis (what the chunk planner fits eq. 17 and alpha on)."""
-        keys = list(EDGE_SD_KEYS.values())
-        lists = await sink.read_lists(keys, settings.edge_sd_history) if sink is not None else None
-        if lists is None:
-            reason = "not configured" if sink is None else f"unreachable at {tk.redact_url(sink.url)}"
-            raise HTTPException(503, f"edge-sd telemetry lives in redis, which is {reason}")
-        return {
-            name: _parsed_rows(values, width)
-            for (name, width), values in zip((("draft", 3), ("verify", 3), ("verdicts", 2)), lists)
-        }
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz(request: Request) -> Any:
-        redis = {
-            "configured": sink is not None,
-            "connected": bool(sink and sink.connected),
-            "url": tk.redact_url(url) if url else None,
-            "dropped": sink.dropped if sink else 0,
-        }
-        if not request.app.state.ready:
-            raise HTTPException(503, {"ready": False, "redis": redis})
-        return {"ready": True, "redis": redis}
-
+    if service.issuer is not None:
+        auth.install(
+            app, service.issuer.verifier, auth.ISSUER, auth.ROLES, guarded=lambda method, path: method == "POST"
+        )
+        install_routes(app, service.issuer)
+    app.exception_handler(RequestValidationError)(on_invalid)
+    app.include_router(api)
+    app.include_router(probes)
     return app
