@@ -83,11 +83,11 @@ async def _one(mode, cloud, model, ids, max_new, session_id, config, wire: Wire,
     from services.device_agent.token_mode import token_decode
     from shared.specdec.decode_loop import fixed_chunks, run_session
     from shared.specdec.device_session import DeviceSession, DraftConfig
-    from shared.specdec.sampling import SamplingParams
     from shared.specdec.hat_async import hat_async_session
+    from shared.specdec.sampling import SamplingParams
     from shared.specdec.stream_engine import StreamTimings
-    from shared.specdec.token_stream import token_stream_session
     from shared.specdec.stream_session import StreamSession
+    from shared.specdec.token_stream import token_stream_session
 
     params, drafting = SamplingParams(), DraftConfig(config["eta"], config["max_draft"])
 

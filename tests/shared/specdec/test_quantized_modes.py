@@ -22,12 +22,12 @@ from shared.model.split import MiddleSubmodel
 from shared.runtime import build_device_model
 from shared.specdec.decode_loop import LocalCloud, fixed_chunks, generate
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
+from shared.specdec.hat_async import hat_async_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from shared.specdec.hat_async import hat_async_session
 from shared.specdec.stream_engine import StreamConfig, stream_config
-from shared.specdec.token_stream import token_stream_session
 from shared.specdec.stream_session import StreamSession
+from shared.specdec.token_stream import token_stream_session
 from tests.conftest import DEMO_MODEL_DIR
 from tests.mesh_tools import split_identity, verifier_on_loopback
 

@@ -24,8 +24,8 @@ from shared.specdec.device_session import DraftConfig
 from shared.specdec.draft_stream import ChunkVerdict, DraftChunk, StreamVerifier
 from shared.specdec.sampling import SamplingParams
 from shared.specdec.stream_engine import StreamConfig, StreamTimings
-from shared.specdec.token_stream import token_stream_session
 from shared.specdec.stream_session import StreamSession
+from shared.specdec.token_stream import token_stream_session
 
 M = 2
 PROMPT = [1, 15, 27, 99, 4, 8, 16]

@@ -19,12 +19,12 @@ from shared.net.links import LinkProfile
 from shared.runtime import build_device_model
 from shared.specdec.decode_loop import fixed_chunks
 from shared.specdec.device_session import DraftConfig
+from shared.specdec.hat_async import hat_async_session
 from shared.specdec.reference import generate_full
 from shared.specdec.sampling import SamplingParams
-from shared.specdec.hat_async import hat_async_session
 from shared.specdec.stream_engine import StreamConfig, StreamTimings, stream_config
-from shared.specdec.token_stream import token_stream_session
 from shared.specdec.stream_session import StreamSession
+from shared.specdec.token_stream import token_stream_session
 from tests.mesh_tools import split_identity, verifier_on_loopback
 
 # end-to-end: real processes, meshes or long statistical runs (make test-fast leaves these out)
