@@ -2,8 +2,9 @@
 
 The scheduler, runner and pipeline speak `WorkItem` / `EngineError` (work.py)
 and never import the wire; the server speaks frames. These functions are the
-whole translation, so each direction is written once. `BadFrameLog` is how a
-connection's bad frames are logged.
+whole translation, so each direction is written once; the frames answered without
+the engine (a bandwidth probe's padding, an OpenSession's split check) are here too.
+`BadFrameLog` is how a connection's bad frames are logged.
 """
 
 from __future__ import annotations
