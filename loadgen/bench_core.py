@@ -210,21 +210,25 @@ def load_bench_models(args):
     return checkpoint, device, middle, bench_prompts(checkpoint, args.prompts)
 
 
+Runs = dict[tuple[str, float], list[GenerationResult]]  # (mode, emulated round trip ms) -> one result a prompt
+
+
 def main(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-
-    checkpoint = load_model(args.model, args.dtype)
-    m = args.split_layers
-    hat_device = build_device_model(checkpoint, m, args.adapter, speculative=True)
-    ushape_device = build_device_model(checkpoint, m, None, speculative=False)
-    middle = MiddleSubmodel(checkpoint, m)
-    prompts = bench_prompts(checkpoint, args.prompts)
-
+    checkpoint, hat_device, middle, prompts = load_bench_models(args)
+    ushape_device = build_device_model(checkpoint, args.split_layers, None, speculative=False)
     print(
-        f"model {args.model}: {checkpoint.num_layers} layers, hidden {checkpoint.hidden_size}, m={m}, "
+        f"model {args.model}: {checkpoint.num_layers} layers, hidden {checkpoint.hidden_size}, m={args.split_layers}, "
         f"{args.dtype} weights, eta={args.eta}, max draft {args.max_draft}, {args.prompts} held-out prompts, "
         f"torch threads {args.threads}"
     )
+    _print_passes(args, checkpoint, hat_device, middle, prompts)
+    runs = _run_modes(args, {"ushape": ushape_device, "hat": hat_device}, middle, prompts)
+    _print_accept_lengths(runs[("hat", 0.0)])
+    _print_decode(runs, (0.0, args.rtt_ms))
+
+
+def _print_passes(args: argparse.Namespace, checkpoint: Checkpoint, hat_device, middle, prompts) -> None:
+    """The single passes: unsplit decode beside transformers, a draft step, a verify pass per draft length."""
     print(
         "\nunsplit greedy decode, same prompt, tokens/s (anchor from issue 10: llama.cpp on this GGUF, 62 on 1 "
         "thread, 83 on 2):"
@@ -239,22 +243,28 @@ def main(args: argparse.Namespace) -> None:
     for k, ms in time_verify_passes(middle, checkpoint.hidden_size, 128, args.max_draft, 7).items():
         print(f"  k={k:2d} ({k + 1:2d} positions): {ms:6.2f} ms")
 
-    runs: dict[tuple[str, float], list[GenerationResult]] = {}
+
+def _run_modes(args: argparse.Namespace, devices: dict, middle, prompts: list[list[int]]) -> Runs:
+    """Every prompt generated in each mode, in process and over the emulated round trip, the modes
+    interleaved prompt by prompt so that both see the same machine; hat must answer as ushape does."""
+    runs: Runs = {}
     for rtt_ms in (0.0, args.rtt_ms):
-        for mode in ("ushape", "hat"):
+        for mode in devices:
             runs[(mode, rtt_ms)] = []
         for index, ids in enumerate(prompts):
-            for mode, device in (("ushape", ushape_device), ("hat", hat_device)):
+            for mode, device in devices.items():
                 session = DeviceSession(
                     device, ids, draft_config=DraftConfig(args.eta, args.max_draft), max_new_tokens=args.max_new_tokens
                 )
                 cloud = DelayedCloud(middle, rtt_ms / 1e3)
                 runs[(mode, rtt_ms)].append(asyncio.run(generate(session, cloud, session_id=index + 1)))
-    results = {"ushape": runs[("ushape", 0.0)], "hat": runs[("hat", 0.0)]}
-    for a, b in zip(results["ushape"], results["hat"]):
+    for a, b in zip(runs[("ushape", 0.0)], runs[("hat", 0.0)]):
         assert a.token_ids == b.token_ids, "hat diverged from ushape: speculation is not lossless"
+    return runs
 
-    lengths = Counter(n for r in results["hat"] for n in r.accept_lengths)
+
+def _print_accept_lengths(results: list[GenerationResult]) -> None:
+    lengths = Counter(n for r in results for n in r.accept_lengths)
     total = sum(lengths.values())
     print("\naccept length distribution (tokens per verification round, hat):")
     for n in sorted(lengths):
@@ -262,13 +272,17 @@ def main(args: argparse.Namespace) -> None:
     mean_accept = sum(n * c for n, c in lengths.items()) / total
     print(f"  mean accept length: {mean_accept:.2f}")
 
+
+def _print_decode(runs: Runs, rtts: tuple[float, ...]) -> None:
+    """ms per decoded token and TTFT per mode at each round trip, and hat's decode speedup over ushape."""
+
     def decode_s(mode: str, rtt_ms: float) -> float:
         return sum(r.wall_s - r.ttft_s for r in runs[(mode, rtt_ms)])
 
     def tokens(mode: str, rtt_ms: float) -> int:
         return sum(len(r.token_ids) - 1 for r in runs[(mode, rtt_ms)])
 
-    for rtt_ms in (0.0, args.rtt_ms):
+    for rtt_ms in rtts:
         label = "in-process, no network" if rtt_ms == 0 else f"emulated round trip {rtt_ms:.0f} ms per cloud call"
         print(f"\ndecode (after the first token), same prompts, same run, {label}:")
         for mode in ("ushape", "hat"):

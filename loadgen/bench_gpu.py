@@ -94,6 +94,19 @@ class Run:
         partial.write_text(json.dumps(self.results, indent=1, default=str))
         partial.replace(self.out)
 
+    def sweep(
+        self, record: dict[str, Any], key: str, sizes: list[int], unit: str, measure: Callable[[int], Any]
+    ) -> None:
+        """measure(n) into record[key][str(n)] for each size n, the JSON rewritten after each, until the time
+        budget is spent (record["cut_short"] then says before which)."""
+        values = record.setdefault(key, {})
+        for n in sizes:
+            if self.out_of_time():
+                record["cut_short"] = f"time budget spent before {n} {unit}"
+                break
+            values[str(n)] = measure(n)
+            self.save()
+
     def stage(self, name: str, body: Callable[[dict[str, Any]], None], needs: Any = True) -> None:
         """Run body(record) unless deselected, out of time or missing what it needs; record its status,
         seconds and error text (a failure never stops the run)."""
@@ -122,108 +135,111 @@ class Run:
         self.save()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    bench = Run(args)
-    held: dict[str, Any] = {}
+class GpuStages:
+    """The stages' bodies, each filling its record; `held` is what placement loaded for the others."""
 
-    def placement(record: dict[str, Any]) -> None:
+    def __init__(self, args: argparse.Namespace, bench: Run):
+        self.args = args
+        self.bench = bench
+        self.held: dict[str, Any] = {}
+
+    def placement(self, record: dict[str, Any]) -> None:
+        args = self.args
         checkpoint, place, info = place_model(args.model, args.device, args.dtype, args.weights)
         count = max([args.greedy_prompts, *args.sessions, *args.hf_sessions])
         prompts, source = prompts_for(checkpoint, count)
-        held.update(checkpoint=checkpoint, placement=place, prompts=prompts)
+        self.held.update(checkpoint=checkpoint, placement=place, prompts=prompts)
         record.update(info, prompts=source, prompt_tokens=[len(p) for p in prompts[: args.greedy_prompts]])
-        bench.results["meta"] = info
+        self.bench.results["meta"] = info
 
-    def greedy(record: dict[str, Any]) -> None:
+    def greedy(self, record: dict[str, Any]) -> None:
+        args = self.args
+        prompts = self.held["prompts"][: args.greedy_prompts]
         record.update(
             greedy_check(
-                held["checkpoint"],
+                self.held["checkpoint"],
                 args.split_layers,
                 args.adapter,
-                held["prompts"][: args.greedy_prompts],
+                prompts,
                 args.greedy_tokens,
                 args.eta,
                 args.max_draft,
             )
         )
 
-    def decode(record: dict[str, Any]) -> None:
-        record["new_tokens"] = args.new_tokens
-        rates = record.setdefault("tok_s", {})
-        for n in args.sessions:
-            if bench.out_of_time():
-                record["cut_short"] = f"time budget spent before {n} sessions"
-                break
-            rates[str(n)], _ = decode_rate(held["checkpoint"], held["prompts"][:n], args.new_tokens)
-            bench.save()
+    def decode(self, record: dict[str, Any]) -> None:
+        self._rates(record, self.args.sessions, "sessions", lambda *run: decode_rate(*run)[0])
 
-    def verify(record: dict[str, Any]) -> None:
-        middle_layers = held["checkpoint"].num_layers - args.split_layers
-        record.update(context=args.context, middle_layers=middle_layers)
-        times = record.setdefault("ms", {})
-        for rows in args.rows:
-            if bench.out_of_time():
-                record["cut_short"] = f"time budget spent before {rows} rows"
-                break
-            times[str(rows)] = verify_ms(held["checkpoint"], args.split_layers, rows, args.context, args.repeats)
-            bench.save()
+    def verify(self, record: dict[str, Any]) -> None:
+        args, checkpoint = self.args, self.held["checkpoint"]
+        record.update(context=args.context, middle_layers=checkpoint.num_layers - args.split_layers)
+        self.bench.sweep(
+            record,
+            "ms",
+            args.rows,
+            "rows",
+            lambda rows: verify_ms(checkpoint, args.split_layers, rows, args.context, args.repeats),
+        )
 
-    def reference(record: dict[str, Any]) -> None:
-        record["new_tokens"] = args.new_tokens
-        rates = record.setdefault("tok_s", {})
-        for n in args.hf_sessions:
-            if bench.out_of_time():
-                record["cut_short"] = f"time budget spent before {n} sequences"
-                break
-            rates[str(n)] = transformers_rate(held["checkpoint"], held["prompts"][:n], args.new_tokens)
-            bench.save()
+    def reference(self, record: dict[str, Any]) -> None:
+        self._rates(record, self.args.hf_sessions, "sequences", transformers_rate)
 
-    def greedy_demo(record: dict[str, Any]) -> None:
-        if args.model == "demo":
+    def _rates(
+        self, record: dict[str, Any], counts: list[int], unit: str, rate: Callable[[Any, list[list[int]], int], float]
+    ) -> None:
+        """Aggregate decode tok/s, rate(checkpoint, prompts, new_tokens), over the first n prompts for each n."""
+        checkpoint, prompts, new_tokens = self.held["checkpoint"], self.held["prompts"], self.args.new_tokens
+        record["new_tokens"] = new_tokens
+        self.bench.sweep(record, "tok_s", counts, unit, lambda n: rate(checkpoint, prompts[:n], new_tokens))
+
+    def greedy_demo(self, record: dict[str, Any]) -> None:
+        if self.args.model == "demo":
             record["same_as"] = "greedy (the main model is the demo model)"
             return
-        checkpoint, _, info = place_model("demo", args.device, args.dtype, "checkpoint")
-        record.update(placement=info["placement"], weights_source=info["weights_source"])
-        prompts, record["prompts_source"] = prompts_for(checkpoint, args.greedy_prompts)
-        record.update(
-            greedy_check(checkpoint, args.split_layers, None, prompts, args.greedy_tokens, args.eta, args.max_draft)
-        )
-        del checkpoint
+        self._greedy_again(record, "demo", self.args.dtype, "checkpoint", None)
 
-    def greedy_f32(record: dict[str, Any]) -> None:
-        if held["placement"].dtype == torch.float32:
+    def greedy_f32(self, record: dict[str, Any]) -> None:
+        if self.held["placement"].dtype == torch.float32:
             record["same_as"] = "greedy (the run is in float32)"
             return
-        checkpoint, _, info = place_model(args.model, args.device, "f32", args.weights)
+        self._greedy_again(record, self.args.model, "f32", self.args.weights, self.args.adapter)
+
+    def _greedy_again(self, record: dict[str, Any], model: str, dtype: str, weights: str, adapter: str | None) -> None:
+        """The greedy check on another model or dtype, loaded for it alone (freed on return)."""
+        args = self.args
+        checkpoint, _, info = place_model(model, args.device, dtype, weights)
         record.update(placement=info["placement"], weights_source=info["weights_source"])
         prompts, record["prompts_source"] = prompts_for(checkpoint, args.greedy_prompts)
         record.update(
-            greedy_check(
-                checkpoint, args.split_layers, args.adapter, prompts, args.greedy_tokens, args.eta, args.max_draft
-            )
+            greedy_check(checkpoint, args.split_layers, adapter, prompts, args.greedy_tokens, args.eta, args.max_draft)
         )
-        del checkpoint
 
-    def graphs(record: dict[str, Any]) -> None:
-        record.update(cuda_graphs(held["checkpoint"], args.split_layers, args.context, max(args.repeats, 20)))
+    def graphs(self, record: dict[str, Any]) -> None:
+        args = self.args
+        record.update(cuda_graphs(self.held["checkpoint"], args.split_layers, args.context, max(args.repeats, 20)))
 
-    def served(record: dict[str, Any]) -> None:
+    def served(self, record: dict[str, Any]) -> None:
+        args = self.args
         record.update(
-            served_graphs(held["checkpoint"], args.split_layers, args.context, args.rows, max(args.repeats, 20))
+            served_graphs(self.held["checkpoint"], args.split_layers, args.context, args.rows, max(args.repeats, 20))
         )
 
-    bench.stage("placement", placement)
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    bench = Run(args)
+    stages = GpuStages(args, bench)
+    bench.stage("placement", stages.placement)
     for name, body in (
-        ("greedy", greedy),
-        ("decode", decode),
-        ("verify", verify),
-        ("transformers", reference),
-        ("greedy_demo", greedy_demo),
-        ("greedy_f32", greedy_f32),
-        ("cuda_graphs", graphs),
-        ("served_graphs", served),
+        ("greedy", stages.greedy),
+        ("decode", stages.decode),
+        ("verify", stages.verify),
+        ("transformers", stages.reference),
+        ("greedy_demo", stages.greedy_demo),
+        ("greedy_f32", stages.greedy_f32),
+        ("cuda_graphs", stages.graphs),
+        ("served_graphs", stages.served),
     ):
-        bench.stage(name, body, held.get("checkpoint"))
+        bench.stage(name, body, stages.held.get("checkpoint"))
     bench.results["finished"] = True
     bench.save()
     return bench.results

@@ -68,6 +68,8 @@ MUTATIONS = (
     "junk",
     "text",
 )
+# the mutations of the frame's bytes (_mutate_bytes); the others change its decoded map (_mutate_map)
+BYTE_MUTATIONS = frozenset({"bit_flip", "truncate", "append", "junk", "text"})
 
 
 @dataclass
@@ -137,8 +139,16 @@ def _pack(m: dict) -> bytes:
 def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
     """One seeded mutation of a valid frame: bytes, or a text frame."""
     frame = wire.encode(message)
-    m = msgpack.unpackb(frame, raw=False)
     kind = rng.choice(MUTATIONS)
+    if kind in BYTE_MUTATIONS:
+        return _mutate_bytes(kind, frame, rng)
+    m = msgpack.unpackb(frame, raw=False)
+    _mutate_map(kind, m, rng)
+    return _pack(m)
+
+
+def _mutate_bytes(kind: str, frame: bytes, rng: random.Random) -> bytes | str:
+    """The frame broken below msgpack: flipped bits, cut short, trailing bytes, noise, or a text frame."""
     if kind == "bit_flip":
         out = bytearray(frame)
         for _ in range(rng.randint(1, 4)):
@@ -150,8 +160,11 @@ def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
         return frame + rng.randbytes(rng.randint(1, 8))
     if kind == "junk":
         return rng.randbytes(rng.randint(0, 64))
-    if kind == "text":
-        return '{"v": 1, "t": 3, "s": 1}'
+    return '{"v": 1, "t": 3, "s": 1}'  # text
+
+
+def _mutate_map(kind: str, m: dict, rng: random.Random) -> None:
+    """The frame's decoded map broken in place: a field's value, its keys, its tensor, its type code or version."""
     keys = [k for k in m if k not in ("v", "t")] or ["s"]
     if kind == "wrong_type":
         m[rng.choice(keys)] = rng.choice(WRONG_VALUES)
@@ -163,27 +176,31 @@ def mutate(message: wire.Message, rng: random.Random) -> bytes | str:
     elif kind == "extra_key":
         m[rng.choice(("x", "prompt", "zz", "S", "h", "s", "q"))] = rng.choice(WRONG_VALUES)
     elif kind == "tensor" and isinstance(m.get("h"), dict):
-        tensor = copy.copy(m["h"])
-        part = rng.choice(("d", "s", "b"))
-        if part == "d":
-            tensor["d"] = rng.choice(("f8", "i4", "", 2, None, "f4", "bf"))
-        elif part == "s":
-            tensor["s"] = rng.choice(
-                ([0, 1], [-1, 4], [1], [1, 2, 3], [2**40, 2**40], "1x4", [1, 0], [tensor["s"][0] + 1, tensor["s"][1]])
-            )
-        else:
-            raw = tensor["b"]
-            tensor["b"] = rng.choice(
-                (raw[:-1], raw + b"\0", b"", "text", raw[: len(raw) // 2], b"\xff" * len(raw))
-            )  # all bits set: NaN in every float dtype
-        m["h"] = tensor
+        m["h"] = _mutate_tensor(m["h"], rng)
     elif kind == "type_code":
         m["t"] = rng.choice((0, 5, 0x13, 0x5D, 0x7E, 127, 200, -1, "t", None, 2**63))
     elif kind == "version":
         m["v"] = rng.choice((0, 1, 3, 255, -1, "2", True, None, 2.0))  # 1: an old peer
     else:  # a structural mutation that did not apply to this frame: break a session id instead
         m["s"] = rng.choice(WRONG_VALUES)
-    return _pack(m)
+
+
+def _mutate_tensor(original: dict, rng: random.Random) -> dict:
+    """A copy of a tensor's {"d", "s", "b"} map with one part broken: its dtype code, shape or bytes."""
+    tensor = copy.copy(original)
+    part = rng.choice(("d", "s", "b"))
+    if part == "d":
+        tensor["d"] = rng.choice(("f8", "i4", "", 2, None, "f4", "bf"))
+    elif part == "s":
+        tensor["s"] = rng.choice(
+            ([0, 1], [-1, 4], [1], [1, 2, 3], [2**40, 2**40], "1x4", [1, 0], [tensor["s"][0] + 1, tensor["s"][1]])
+        )
+    else:
+        raw = tensor["b"]
+        tensor["b"] = rng.choice(
+            (raw[:-1], raw + b"\0", b"", "text", raw[: len(raw) // 2], b"\xff" * len(raw))
+        )  # all bits set: NaN in every float dtype
+    return tensor
 
 
 def expected_error(

@@ -3,7 +3,8 @@
 Each service's `Settings` (services/*/settings.py) extends `ServiceSettings`, so these fields, their
 defaults and their checks are written once; `shared.settings.from_env` reads them under the service's
 own prefix like any other field (`TOPHAT_STREAMER_AUTH_CREDENTIAL`, `TOPHAT_VERIFIER_TLS_CERT`, ...).
-A subclass's `validate()` calls `super().validate()` first.
+A subclass's `validate()` calls `super().validate()` first, and writes its range checks as one table for
+`reject_first`: (violated, message) pairs read in order, so a setting's condition and its message sit side by side.
 """
 
 from __future__ import annotations
@@ -11,6 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.auth.tls import check_server_files
+
+
+def reject_first(*checks: tuple[object, str]) -> None:
+    """Raise ValueError with the message of the first (violated, message) pair whose `violated` is truthy
+    (the `if` each pair replaces), in the order given. A check with an error of its own (a spec parser) runs
+    between two tables, so that of several wrong settings the one reported first stays the same."""
+    for violated, message in checks:
+        if violated:
+            raise ValueError(message)
 
 
 @dataclass(frozen=True)

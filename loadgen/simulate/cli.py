@@ -11,9 +11,12 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from loadgen.simulate.calibration import Calibration
 
 log = logging.getLogger(__name__)
 
@@ -96,40 +99,19 @@ def simulate_command(
     """Simulate the serving modes (HAT testbed scale) from latency models fitted to the real mesh."""
     import dataclasses
 
-    from loadgen.simulate.calibration import Calibration
-    from loadgen.simulate.fit import from_telemetry
-    from loadgen.simulate.gpu_profile import (
-        DEFAULT_ADAPTER_REPORT,
-        DEFAULT_REPLICAS,
-        describe_decode,
-        gpu_calibration,
-        load_adapter_accept,
-        load_full_accept_rate,
-        load_gpu_profile,
-    )
+    from loadgen.simulate.gpu_profile import DEFAULT_REPLICAS
     from loadgen.simulate.modes import parse_modes
-    from loadgen.simulate.report import compare_with_real, grid_tables, ratio_summary
+    from loadgen.simulate.report import grid_tables, ratio_summary
     from loadgen.simulate.run import SimConfig, simulate_grid
-    from loadgen.simulate.trees import DEFAULT_TREES_BENCH, with_trees
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("loadgen.simulate").setLevel(logging.INFO if verbose else logging.WARNING)
     if calibration is not None and state_monitor_url:
         _fail("give at most one of --calibration and --state-monitor-url")
     try:
-        if calibration is not None:
-            cal = Calibration.load(calibration)
-        elif state_monitor_url:
-            cal = from_telemetry(state_monitor_url)
-        else:
-            cal = Calibration()
+        cal = _calibration(calibration, state_monitor_url)
         if gpu_profile:
-            profile = load_gpu_profile(gpu_profile)
-            report = adapter_report or DEFAULT_ADAPTER_REPORT
-            cal = gpu_calibration(profile, load_adapter_accept(report), gpu_passes, cal, load_full_accept_rate(report))
-            if tree_nodes:
-                cal = with_trees(cal, report, trees_bench or DEFAULT_TREES_BENCH, tree_nodes)
-            cal.notes.append(describe_decode(profile))
+            cal = _on_gpu(cal, gpu_profile, gpu_passes, adapter_report, tree_nodes, trees_bench)
         if mode_cycle:
             cal = dataclasses.replace(cal, mode_cycle=_floats(mode_cycle, "--mode-cycle"))
         default_replicas = DEFAULT_REPLICAS if gpu_profile else 1
@@ -166,7 +148,55 @@ def simulate_command(
         (out / "simulation.json").write_text(json.dumps(grid, indent=1, default=str) + "\n")
         cal.save(out / "calibration.json")
         typer.echo(f"results in {out}")
-    for path in compare_real or []:
+    _compare(grid, compare_real or [], real_mode)
+
+
+def _calibration(path: Optional[Path], state_monitor_url: Optional[str]) -> Calibration:
+    """The calibration a run starts from: a file, a running state monitor, or the built-in defaults."""
+    from loadgen.simulate.calibration import Calibration
+    from loadgen.simulate.fit import from_telemetry
+
+    if path is not None:
+        return Calibration.load(path)
+    if state_monitor_url:
+        return from_telemetry(state_monitor_url)
+    return Calibration()
+
+
+def _on_gpu(
+    cal: Calibration,
+    gpu_profile: str,
+    gpu_passes: str,
+    adapter_report: Optional[str],
+    tree_nodes: int,
+    trees_bench: Optional[str],
+) -> Calibration:
+    """The cloud on the GPU a `tophat bench gpu` profile measured: its g(mu) and model shape, accept lengths
+    (and tree rounds) from the adapter report."""
+    from loadgen.simulate.gpu_profile import (
+        DEFAULT_ADAPTER_REPORT,
+        describe_decode,
+        gpu_calibration,
+        load_adapter_accept,
+        load_full_accept_rate,
+        load_gpu_profile,
+    )
+    from loadgen.simulate.trees import DEFAULT_TREES_BENCH, with_trees
+
+    profile = load_gpu_profile(gpu_profile)
+    report = adapter_report or DEFAULT_ADAPTER_REPORT
+    cal = gpu_calibration(profile, load_adapter_accept(report), gpu_passes, cal, load_full_accept_rate(report))
+    if tree_nodes:
+        cal = with_trees(cal, report, trees_bench or DEFAULT_TREES_BENCH, tree_nodes)
+    cal.notes.append(describe_decode(profile))
+    return cal
+
+
+def _compare(grid: dict[str, Any], paths: list[Path], real_mode: Optional[str]) -> None:
+    """The simulated grid beside each measured loadgen run (--compare-real)."""
+    from loadgen.simulate.report import compare_with_real
+
+    for path in paths:
         typer.echo("")
         try:
             compare_with_real(grid, path, mode=real_mode)

@@ -80,72 +80,10 @@ def calibration_from_state(
     """Pure part of `from_telemetry`: the monitor's two JSON documents -> a Calibration."""
     base = base or BASES["demo"]()
     notes: list[str] = []
-    g_table = base.g_table
-    predictor = predictor_from_cloud_state(cloud) if cloud else None
-    if predictor is not None:
-        g_table = [(mu, eta) for mu, eta in predictor.points() if mu > 0]
-        notes.append(f"g(mu): {len(g_table)} telemetry buckets, mu {g_table[0][0]:.0f}..{g_table[-1][0]:.0f}")
-    else:
-        notes.append("g(mu): no telemetry buckets, base table")
-    ref = base.devices[0]
-    profiles: list[DeviceProfile] = []
-    entries: list[dict[str, Any]] = []
-    scaled_prefill: list[str] = []
-    probed_latency: list[str] = []
-    for entry in (devices or {}).get("devices", []):
-        if not isinstance(entry, dict) or not entry.get("device_id"):
-            continue
-        entries.append(entry)
-        dev_id = str(entry["device_id"])
-        gamma = _positive(entry.get("gamma"))
-        up, down = _positive(entry.get("beta_up")), _positive(entry.get("beta_down"))
-        missing = [name for name, v in (("gamma", gamma), ("beta_up", up), ("beta_down", down)) if v is None]
-        if missing:
-            notes.append(f"device {dev_id}: no {', '.join(missing)} in telemetry, base values")
-        if entry.get("stale"):
-            notes.append(f"device {dev_id}: telemetry is stale")
-        gamma = gamma or ref.gamma_s
-        rtt = _positive(entry.get("rtt_s"))
-        if rtt is not None:
-            probed_latency.append(dev_id)
-        token_s = _positive(entry.get("prefill_token_s"))
-        if token_s is None:
-            token_s = ref.prefill_token_s * gamma / ref.gamma_s if ref.gamma_s > 0 else ref.prefill_token_s
-            scaled_prefill.append(dev_id)
-        profiles.append(
-            DeviceProfile(
-                dev_id,
-                gamma,
-                token_s,
-                up or ref.beta_up,
-                down or ref.beta_down,
-                rtt / 2 if rtt else ref.latency_s,
-                float((device_slowdowns or {}).get(dev_id, 1.0)),
-            )
-        )
-    if profiles:
-        notes.append(
-            f"{len(profiles)} device profiles from telemetry; one-way latency = half the probed "
-            f"small-message round trip for {len(probed_latency)}, else {ref.latency_s * 1e3:.1f} ms "
-            "from the base"
-        )
-        if scaled_prefill:
-            notes.append(f"prefill_token_s scaled from the base by gamma for {', '.join(scaled_prefill)}")
-    else:
-        profiles = list(base.devices)
-        notes.append("no devices in telemetry: base device profiles")
-    round_overhead_s, round_overhead_median_s = base.round_overhead_s, base.round_overhead_median_s
-    overhead, with_overhead = _fleet_mean(entries, "round_overhead_s")
-    if overhead is not None:
-        round_overhead_s = overhead
-        median, with_median = _fleet_mean(entries, "round_overhead_median_s", only_with="round_overhead_s")
-        round_overhead_median_s = median if with_median == with_overhead else None  # a mean of all or nothing
-        median_note = f", median {round_overhead_median_s * 1e3:.2f} ms" if round_overhead_median_s is not None else ""
-        notes.append(
-            f"round_overhead_s {round_overhead_s * 1e3:.2f} ms{median_note}: mean of {with_overhead} devices' telemetry"
-        )
-    else:
-        notes.append(f"round_overhead_s {round_overhead_s * 1e3:.2f} ms: base value")
+    g_table = _g_table(cloud, base, notes)
+    entries = [e for e in (devices or {}).get("devices", []) if isinstance(e, dict) and e.get("device_id")]
+    profiles = _device_profiles(entries, base, device_slowdowns or {}, notes)
+    round_overhead_s, round_overhead_median_s = _round_overheads(entries, base, notes)
     step_overhead_s = _non_negative((cloud or {}).get("step_overhead_s"))
     if step_overhead_s is not None:
         notes.append(f"step_overhead_s {step_overhead_s * 1e3:.2f} ms: telemetry")
@@ -176,6 +114,89 @@ def calibration_from_state(
         full_accept_rate=full_accept_rate,
         notes=base.notes + notes,
     )
+
+
+def _g_table(cloud: dict[str, Any] | None, base: Calibration, notes: list[str]) -> list[tuple[float, float]]:
+    """g(mu) as the chunk planner rebuilds it from the cloud's buckets, else the base's table."""
+    predictor = predictor_from_cloud_state(cloud) if cloud else None
+    if predictor is None:
+        notes.append("g(mu): no telemetry buckets, base table")
+        return base.g_table
+    g_table = [(mu, eta) for mu, eta in predictor.points() if mu > 0]
+    notes.append(f"g(mu): {len(g_table)} telemetry buckets, mu {g_table[0][0]:.0f}..{g_table[-1][0]:.0f}")
+    return g_table
+
+
+def _device_profiles(
+    entries: list[dict[str, Any]], base: Calibration, slowdowns: dict[str, float], notes: list[str]
+) -> list[DeviceProfile]:
+    """One profile per device that reported (what it did not report from the base's first device), else the
+    base's profiles."""
+    ref = base.devices[0]
+    profiles: list[DeviceProfile] = []
+    scaled_prefill: list[str] = []
+    probed_latency: list[str] = []
+    for entry in entries:
+        profile, probed, scaled = _device_profile(entry, ref, slowdowns, notes)
+        profiles.append(profile)
+        if probed:
+            probed_latency.append(profile.device_id)
+        if scaled:
+            scaled_prefill.append(profile.device_id)
+    if not profiles:
+        notes.append("no devices in telemetry: base device profiles")
+        return list(base.devices)
+    notes.append(
+        f"{len(profiles)} device profiles from telemetry; one-way latency = half the probed "
+        f"small-message round trip for {len(probed_latency)}, else {ref.latency_s * 1e3:.1f} ms "
+        "from the base"
+    )
+    if scaled_prefill:
+        notes.append(f"prefill_token_s scaled from the base by gamma for {', '.join(scaled_prefill)}")
+    return profiles
+
+
+def _device_profile(
+    entry: dict[str, Any], ref: DeviceProfile, slowdowns: dict[str, float], notes: list[str]
+) -> tuple[DeviceProfile, bool, bool]:
+    """(profile, whether its latency was probed, whether its prefill cost was scaled from the base by gamma)."""
+    dev_id = str(entry["device_id"])
+    gamma = _positive(entry.get("gamma"))
+    up, down = _positive(entry.get("beta_up")), _positive(entry.get("beta_down"))
+    missing = [name for name, v in (("gamma", gamma), ("beta_up", up), ("beta_down", down)) if v is None]
+    if missing:
+        notes.append(f"device {dev_id}: no {', '.join(missing)} in telemetry, base values")
+    if entry.get("stale"):
+        notes.append(f"device {dev_id}: telemetry is stale")
+    gamma = gamma or ref.gamma_s
+    rtt = _positive(entry.get("rtt_s"))
+    token_s = _positive(entry.get("prefill_token_s"))
+    scaled = token_s is None
+    if token_s is None:
+        token_s = ref.prefill_token_s * gamma / ref.gamma_s if ref.gamma_s > 0 else ref.prefill_token_s
+    profile = DeviceProfile(
+        dev_id,
+        gamma,
+        token_s,
+        up or ref.beta_up,
+        down or ref.beta_down,
+        rtt / 2 if rtt else ref.latency_s,
+        float(slowdowns.get(dev_id, 1.0)),
+    )
+    return profile, rtt is not None, scaled
+
+
+def _round_overheads(entries: list[dict[str, Any]], base: Calibration, notes: list[str]) -> tuple[float, float | None]:
+    """(round_overhead_s, its median): the devices' means where they report them, else the base's."""
+    overhead, with_overhead = _fleet_mean(entries, "round_overhead_s")
+    if overhead is None:
+        notes.append(f"round_overhead_s {base.round_overhead_s * 1e3:.2f} ms: base value")
+        return base.round_overhead_s, base.round_overhead_median_s
+    median, with_median = _fleet_mean(entries, "round_overhead_median_s", only_with="round_overhead_s")
+    median_s = median if with_median == with_overhead else None  # a mean of all or nothing
+    median_note = f", median {median_s * 1e3:.2f} ms" if median_s is not None else ""
+    notes.append(f"round_overhead_s {overhead * 1e3:.2f} ms{median_note}: mean of {with_overhead} devices' telemetry")
+    return overhead, median_s
 
 
 def from_telemetry(

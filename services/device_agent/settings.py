@@ -9,7 +9,7 @@ from typing import Any
 from shared.model.placement import parse_device_spec, parse_dtype_spec
 from shared.modes import MODES
 from shared.planning.draft_budget import MAX_OPTIONS, DraftShape
-from shared.service_settings import ServiceSettings
+from shared.service_settings import ServiceSettings, reject_first
 from shared.settings import from_env
 from shared.specdec.draft_config import DraftConfig
 from shared.wire.schema import WireDtype
@@ -141,60 +141,70 @@ class Settings(ServiceSettings):
         WireDtype(self.wire_dtype)
         parse_device_spec(self.device)  # syntax here; the GPU itself is checked when the model loads
         parse_dtype_spec(self.dtype)
-        if self.downlink not in ("topk", "full") or not 1 <= self.top_k <= 1000:
-            raise ValueError(
-                f"downlink must be topk or full and top_k in [1, 1000], got {self.downlink!r}, {self.top_k}"
-            )
-        if self.stream_group < 1 or self.stream_window < 1:
-            raise ValueError("stream_group and stream_window must be >= 1")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        reject_first(
+            (
+                self.downlink not in ("topk", "full") or not 1 <= self.top_k <= 1000,
+                f"downlink must be topk or full and top_k in [1, 1000], got {self.downlink!r}, {self.top_k}",
+            ),
+            (self.stream_group < 1 or self.stream_window < 1, "stream_group and stream_window must be >= 1"),
+            (self.mode not in MODES, f"mode must be one of {', '.join(MODES)}, got {self.mode!r}"),
+        )
         parse_link_spec(self.link)
         speed_schedule(self.speed)
-        if not 0 <= self.eta <= 1 or self.max_draft < 0:
-            raise ValueError("eta must be in [0, 1] and max_draft >= 0")
+        reject_first((not 0 <= self.eta <= 1 or self.max_draft < 0, "eta must be in [0, 1] and max_draft >= 0"))
         DraftConfig(self.eta, self.max_draft, self.tree_nodes, self.tree_width, self.tree_min_prob)  # checks the tree
         self.budget_shapes()  # checks the names
-        if self.parallel_candidates < 0 or self.parallel_steps < 0:
-            raise ValueError("parallel_candidates and parallel_steps must be >= 0")
-        if self.max_sessions < 1 or self.default_chunk_size < 1 or self.max_kept < 1:
-            raise ValueError("max_sessions, default_chunk_size and max_kept must be >= 1")
-        if not self.uplink_noise >= 0:
-            raise ValueError(f"uplink_noise must be >= 0 (0 = off), got {self.uplink_noise}")
-        if self.kept_ttl_s <= 0:
-            raise ValueError("kept_ttl_s must be > 0")
-        timeouts = (self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s, self.failover_deadline_s)
-        if not self.heartbeat_s > 0:
-            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
-        if min(*timeouts, self.failover_total_s) <= 0:
-            raise ValueError("timeouts must be > 0")
-        if self.failover_max_recoveries < 0:
-            raise ValueError(
-                f"failover_max_recoveries must be >= 0 (0: no failover), got {self.failover_max_recoveries}"
-            )
-        if self.on_cloud_loss not in ("error", "finish_on_device"):
-            raise ValueError(f"on_cloud_loss must be error or finish_on_device, got {self.on_cloud_loss!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port out of range: {self.port}")
-        if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
-            raise ValueError(f"advertise_url must be an http(s) URL: {self.advertise_url!r}")
-        if min(self.bandwidth_probe_interval_s, self.rtt_probe_interval_s, self.announce_interval_s) < 0:
-            raise ValueError("probe intervals must be >= 0 (0 = never)")
+        self._validate_serving()
         _ = self.edge_memory_budget_bytes  # parsed, so a bad size fails at start
-        if self.edge_bandwidth not in ("eq27", "uniform") or self.edge_batching not in ("dp", "max"):
-            raise ValueError(
+        reject_first(
+            (
+                self.edge_bandwidth not in ("eq27", "uniform") or self.edge_batching not in ("dp", "max"),
                 f"edge_bandwidth must be eq27 or uniform and edge_batching dp or max, got "
-                f"{self.edge_bandwidth!r}, {self.edge_batching!r}"
-            )
-        if (
-            self.edge_window_s < 0
-            or self.edge_max_tasks < 1
-            or self.edge_spec_len < 0
-            or not self.edge_bandwidth_mhz > 0
-        ):
-            raise ValueError(
-                "edge_window_s >= 0, edge_max_tasks >= 1, edge_spec_len >= 0 and edge_bandwidth_mhz > 0 are required"
-            )
+                f"{self.edge_bandwidth!r}, {self.edge_batching!r}",
+            ),
+            (
+                self.edge_window_s < 0
+                or self.edge_max_tasks < 1
+                or self.edge_spec_len < 0
+                or not self.edge_bandwidth_mhz > 0,
+                "edge_window_s >= 0, edge_max_tasks >= 1, edge_spec_len >= 0 and edge_bandwidth_mhz > 0 are required",
+            ),
+        )
+
+    def _validate_serving(self) -> None:
+        """Sessions, timeouts, failover and the addresses this agent serves and announces."""
+        timeouts = (self.request_timeout_s, self.planner_timeout_s, self.plan_refresh_s, self.failover_deadline_s)
+        reject_first(
+            (
+                self.parallel_candidates < 0 or self.parallel_steps < 0,
+                "parallel_candidates and parallel_steps must be >= 0",
+            ),
+            (
+                self.max_sessions < 1 or self.default_chunk_size < 1 or self.max_kept < 1,
+                "max_sessions, default_chunk_size and max_kept must be >= 1",
+            ),
+            (not self.uplink_noise >= 0, f"uplink_noise must be >= 0 (0 = off), got {self.uplink_noise}"),
+            (self.kept_ttl_s <= 0, "kept_ttl_s must be > 0"),
+            (not self.heartbeat_s > 0, f"heartbeat_s must be > 0, got {self.heartbeat_s}"),
+            (min(*timeouts, self.failover_total_s) <= 0, "timeouts must be > 0"),
+            (
+                self.failover_max_recoveries < 0,
+                f"failover_max_recoveries must be >= 0 (0: no failover), got {self.failover_max_recoveries}",
+            ),
+            (
+                self.on_cloud_loss not in ("error", "finish_on_device"),
+                f"on_cloud_loss must be error or finish_on_device, got {self.on_cloud_loss!r}",
+            ),
+            (not 0 <= self.port <= 65535, f"port out of range: {self.port}"),
+            (
+                self.advertise_url and not self.advertise_url.startswith(("http://", "https://")),
+                f"advertise_url must be an http(s) URL: {self.advertise_url!r}",
+            ),
+            (
+                min(self.bandwidth_probe_interval_s, self.rtt_probe_interval_s, self.announce_interval_s) < 0,
+                "probe intervals must be >= 0 (0 = never)",
+            ),
+        )
 
     @property
     def edge_memory_budget_bytes(self) -> int:

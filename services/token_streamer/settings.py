@@ -8,7 +8,7 @@ from typing import Any
 
 from shared.disco.cost import CostModel, parse_device_energy
 from shared.modes import DISPATCHES
-from shared.service_settings import ServiceSettings
+from shared.service_settings import ServiceSettings, reject_first
 from shared.settings import from_env
 
 ENV_PREFIX = "TOPHAT_STREAMER_"
@@ -89,13 +89,7 @@ class Settings(ServiceSettings):
 
     def validate(self) -> None:
         super().validate()  # auth, logging, TLS (shared/service_settings.py)
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port out of range: {self.port}")
-        for url in self.device_url_list:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"device url must start with http:// or https://: {url!r}")
-        if self.state_monitor_url and not self.state_monitor_url.startswith(("http://", "https://")):
-            raise ValueError(f"state_monitor_url must be an http(s) URL: {self.state_monitor_url!r}")
+        http = ("http://", "https://")
         timeouts = (
             self.connect_timeout_s,
             self.first_byte_timeout_s,
@@ -110,34 +104,46 @@ class Settings(ServiceSettings):
             self.console_refresh_s,
             self.console_history_s,
         )
-        if min(timeouts) <= 0:
-            raise ValueError("timeouts and device_down_s must be > 0")
-        if self.ws_max_pending < 0 or self.ready_max_age_s < 0:
-            raise ValueError("ws_max_pending and ready_max_age_s must be >= 0")
-        if self.health_interval_s < 0:
-            raise ValueError("health_interval_s must be >= 0 (0 disables the probe)")
-        if not 1 <= self.max_new_tokens_default <= self.max_new_tokens_limit:
-            raise ValueError("need 1 <= max_new_tokens_default <= max_new_tokens_limit")
-        if self.queue_max_waiting < 0:
-            raise ValueError("queue_max_waiting must be >= 0 (0: no queue, a full mesh answers 429)")
-        if self.max_prompt_chars < 1:
-            raise ValueError("max_prompt_chars must be >= 1")
-        if not self.model_name:
-            raise ValueError("model_name must not be empty")
-        if self.rate_limit_rps < 0 or (self.rate_limit_rps > 0 and self.rate_limit_burst < 1):
-            raise ValueError("rate_limit_rps must be >= 0 (0: off), and rate_limit_burst >= 1 when it is on")
-        if self.max_body_bytes < 1:
-            raise ValueError("max_body_bytes must be >= 1")
-        if self.dispatch not in DISPATCHES:
-            raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, got {self.dispatch!r}")
-        if self.disco_server_endpoint not in ("cloud", "hat"):
-            raise ValueError("disco_server_endpoint must be cloud or hat")
-        if not (0 <= self.disco_budget <= 1 and 0 < self.disco_tail_ratio < 1):
-            raise ValueError("need 0 <= disco_budget <= 1 and 0 < disco_tail_ratio < 1")
-        if self.reading_rate_tps < 0 or self.disco_history < 1 or self.disco_refresh_s <= 0:
-            raise ValueError("need reading_rate_tps >= 0, disco_history >= 1, disco_refresh_s > 0")
-        if not 0.0 < self.disco_migration_quantile < 1.0:
-            raise ValueError("disco_migration_quantile must be in (0, 1)")
+        reject_first(
+            (not 0 <= self.port <= 65535, f"port out of range: {self.port}"),
+            *(
+                (not url.startswith(http), f"device url must start with http:// or https://: {url!r}")
+                for url in self.device_url_list
+            ),
+            (
+                self.state_monitor_url and not self.state_monitor_url.startswith(http),
+                f"state_monitor_url must be an http(s) URL: {self.state_monitor_url!r}",
+            ),
+            (min(timeouts) <= 0, "timeouts and device_down_s must be > 0"),
+            (self.ws_max_pending < 0 or self.ready_max_age_s < 0, "ws_max_pending and ready_max_age_s must be >= 0"),
+            (self.health_interval_s < 0, "health_interval_s must be >= 0 (0 disables the probe)"),
+            (
+                not 1 <= self.max_new_tokens_default <= self.max_new_tokens_limit,
+                "need 1 <= max_new_tokens_default <= max_new_tokens_limit",
+            ),
+            (self.queue_max_waiting < 0, "queue_max_waiting must be >= 0 (0: no queue, a full mesh answers 429)"),
+            (self.max_prompt_chars < 1, "max_prompt_chars must be >= 1"),
+            (not self.model_name, "model_name must not be empty"),
+            (
+                self.rate_limit_rps < 0 or (self.rate_limit_rps > 0 and self.rate_limit_burst < 1),
+                "rate_limit_rps must be >= 0 (0: off), and rate_limit_burst >= 1 when it is on",
+            ),
+            (self.max_body_bytes < 1, "max_body_bytes must be >= 1"),
+            (
+                self.dispatch not in DISPATCHES,
+                f"dispatch must be one of {', '.join(DISPATCHES)}, got {self.dispatch!r}",
+            ),
+            (self.disco_server_endpoint not in ("cloud", "hat"), "disco_server_endpoint must be cloud or hat"),
+            (
+                not (0 <= self.disco_budget <= 1 and 0 < self.disco_tail_ratio < 1),
+                "need 0 <= disco_budget <= 1 and 0 < disco_tail_ratio < 1",
+            ),
+            (
+                self.reading_rate_tps < 0 or self.disco_history < 1 or self.disco_refresh_s <= 0,
+                "need reading_rate_tps >= 0, disco_history >= 1, disco_refresh_s > 0",
+            ),
+            (not 0.0 < self.disco_migration_quantile < 1.0, "disco_migration_quantile must be in (0, 1)"),
+        )
         self.cost_model()  # the cost settings are checked where they are defined
 
     def cost_model(self, speed_class: str = "orin") -> CostModel:

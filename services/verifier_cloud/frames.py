@@ -2,8 +2,9 @@
 
 The scheduler, runner and pipeline speak `WorkItem` / `EngineError` (work.py)
 and never import the wire; the server speaks frames. These functions are the
-whole translation, so each direction is written once. `BadFrameLog` is how a
-connection's bad frames are logged.
+whole translation, so each direction is written once; the frames answered without
+the engine (a bandwidth probe's padding, an OpenSession's split check) are here too.
+`BadFrameLog` is how a connection's bad frames are logged.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ log = logging.getLogger("services.verifier_cloud")
 
 WorkMessage = wire.PrefillChunk | wire.VerifyRequest | wire.TokenPrefill | wire.TokenStep | wire.TokenDraft
 TOKEN_WORK = (wire.TokenPrefill, wire.TokenStep, wire.TokenDraft)
+MAX_PROBE_ROWS = 4096  # a probe reply is padding; cap it so a probe cannot ask for a huge frame
 
 
 def to_wire(error: EngineError, session_id: int | None = None, seq_no: int | None = None) -> wire.WireError:
@@ -36,6 +38,39 @@ def to_wire(error: EngineError, session_id: int | None = None, seq_no: int | Non
         error.session_id if error.session_id is not None else session_id,
         error.seq_no if error.seq_no is not None else seq_no,
     )
+
+
+def probe_reply(message: wire.BandwidthProbe) -> wire.ProbeReply:
+    """A bandwidth probe's answer: reply_rows rows of padding [rows, H] (no model data)."""
+    # No amplification: the padding sent back is never more rows than came up (downlink probes pad uploads).
+    if message.reply_rows > message.hidden.shape[0]:
+        raise wire.WireError(
+            wire.ErrorCode.BAD_SHAPE,
+            f"reply_rows {message.reply_rows} > the probe's own {message.hidden.shape[0]} rows",
+            message.session_id,
+            message.seq_no,
+        )
+    rows = max(1, min(message.reply_rows, MAX_PROBE_ROWS))
+    padding = torch.zeros(rows, message.hidden.shape[1], dtype=torch.float16)
+    return wire.ProbeReply(message.session_id, message.seq_no, padding)
+
+
+def check_split(message: wire.OpenSession, split_layers: int, fingerprint: int) -> None:
+    """Refuse (SPLIT_MISMATCH) a device whose hidden states this verifier would misread: another split layer,
+    or another checkpoint (config or layers m-1, m)."""
+    if message.split_layers != split_layers:
+        raise wire.WireError(
+            wire.ErrorCode.SPLIT_MISMATCH,
+            f"the device splits at layer {message.split_layers}, this verifier at layer {split_layers}",
+            message.session_id,
+        )
+    if message.fingerprint != fingerprint:
+        raise wire.WireError(
+            wire.ErrorCode.SPLIT_MISMATCH,
+            f"checkpoint fingerprint {message.fingerprint:016x} is not this verifier's {fingerprint:016x} "
+            "(config or layers m-1, m differ)",
+            message.session_id,
+        )
 
 
 def work_item(message: WorkMessage, reply: Reply) -> WorkItem:

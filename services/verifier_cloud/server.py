@@ -32,14 +32,13 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-import torch
 from websockets.asyncio.server import ServerConnection, serve
 
 from services.verifier_cloud.budgets import kv_bytes_per_position
 from services.verifier_cloud.device_link import DeviceLink
 from services.verifier_cloud.engine import InProcessEngine, PipelineEngine, StepStats
 from services.verifier_cloud.forks import fork
-from services.verifier_cloud.frames import TOKEN_WORK, to_wire, work_item
+from services.verifier_cloud.frames import TOKEN_WORK, check_split, probe_reply, to_wire, work_item
 from services.verifier_cloud.http_front import WS_PATH, HttpFront
 from services.verifier_cloud.kv_plan import KVPlan
 from services.verifier_cloud.model_loading import load_model
@@ -69,8 +68,6 @@ from shared.telemetry.metrics import VerifierMetrics
 from shared.wire import schema as wire
 
 log = logging.getLogger("services.verifier_cloud")
-
-MAX_PROBE_ROWS = 4096  # a probe reply is padding; cap it so a probe cannot ask for a huge frame
 
 
 class VerifierServer:
@@ -204,44 +201,12 @@ class VerifierServer:
         await self.link.serve(connection, self.on_message)
 
     def on_message(self, connection: ServerConnection, message: wire.Message) -> wire.Message | None:
+        """One request frame from `connection`: its reply frame, or None where the reply comes later (queued
+        work) or never (a reauthentication)."""
         if isinstance(message, wire.BandwidthProbe):
-            # No amplification: the padding sent back is never more rows than came up (downlink probes pad uploads).
-            if message.reply_rows > message.hidden.shape[0]:
-                raise wire.WireError(
-                    wire.ErrorCode.BAD_SHAPE,
-                    f"reply_rows {message.reply_rows} > the probe's own {message.hidden.shape[0]} rows",
-                    message.session_id,
-                    message.seq_no,
-                )
-            rows = max(1, min(message.reply_rows, MAX_PROBE_ROWS))
-            padding = torch.zeros(rows, message.hidden.shape[1], dtype=torch.float16)
-            return wire.ProbeReply(message.session_id, message.seq_no, padding)
+            return probe_reply(message)
         if isinstance(message, wire.OpenSession):
-            if message.split_layers != self.settings.split_layers:
-                raise wire.WireError(
-                    wire.ErrorCode.SPLIT_MISMATCH,
-                    f"the device splits at layer "
-                    f"{message.split_layers}, this verifier at layer {self.settings.split_layers}",
-                    message.session_id,
-                )
-            if message.fingerprint != self.split_fingerprint:
-                raise wire.WireError(
-                    wire.ErrorCode.SPLIT_MISMATCH,
-                    f"checkpoint fingerprint "
-                    f"{message.fingerprint:016x} is not this verifier's {self.split_fingerprint:016x} "
-                    "(config or layers m-1, m differ)",
-                    message.session_id,
-                )
-            if not self.is_ready:
-                raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
-            return self.sessions.open(
-                Session(
-                    message.session_id,
-                    connection,
-                    privacy=message.privacy,
-                    wire_dtype=wire.WireDtype(message.wire_dtype),
-                )
-            )
+            return self._open_session(connection, message)
         if isinstance(message, wire.ForkSession):
             return fork(self, connection, message)
         if isinstance(message, wire.Reauthenticate):
@@ -257,28 +222,7 @@ class VerifierServer:
             self.sessions.close(message.session_id)
             return wire.SessionClosed(message.session_id)
         if isinstance(message, (wire.PrefillChunk, wire.VerifyRequest)):
-            if self.sessions.get(message.session_id, connection, message.seq_no).is_token:
-                raise wire.WireError(
-                    wire.ErrorCode.MALFORMED,
-                    "a token-mode session takes token messages only",
-                    message.session_id,
-                    message.seq_no,
-                )
-            item = work_item(message, self.link.replier(connection))
-            if item.layout is not None and self.pipeline is not None:
-                raise wire.WireError(
-                    wire.ErrorCode.MALFORMED, "draft trees need pipeline_stages = 1", message.session_id, message.seq_no
-                )
-            self.sessions.submit(item, connection)
-            if self.capture is not None:  # only what was accepted as work: a refused frame raised above
-                if isinstance(message, wire.PrefillChunk):
-                    self.capture.record(
-                        message.session_id, message.seq_no, "prefill", message.start_pos, message.hidden
-                    )
-                else:
-                    self.capture.record(
-                        message.session_id, message.seq_no, "verify", message.commit_len, message.hidden
-                    )
+            self._submit_hidden(connection, message)
             return None
         raise wire.WireError(
             wire.ErrorCode.UNKNOWN_TYPE,
@@ -286,6 +230,40 @@ class VerifierServer:
             getattr(message, "session_id", None),
             getattr(message, "seq_no", None),
         )
+
+    def _open_session(self, connection: ServerConnection, message: wire.OpenSession) -> wire.Message | None:
+        check_split(message, self.settings.split_layers, self.split_fingerprint)
+        if not self.is_ready:
+            raise wire.WireError(wire.ErrorCode.OVERLOADED, "verifier is not ready", message.session_id)
+        return self.sessions.open(
+            Session(
+                message.session_id,
+                connection,
+                privacy=message.privacy,
+                wire_dtype=wire.WireDtype(message.wire_dtype),
+            )
+        )
+
+    def _submit_hidden(self, connection: ServerConnection, message: wire.PrefillChunk | wire.VerifyRequest) -> None:
+        """Queue a hidden-state frame's work (its reply comes when a step has run it), and capture it when on."""
+        if self.sessions.get(message.session_id, connection, message.seq_no).is_token:
+            raise wire.WireError(
+                wire.ErrorCode.MALFORMED,
+                "a token-mode session takes token messages only",
+                message.session_id,
+                message.seq_no,
+            )
+        item = work_item(message, self.link.replier(connection))
+        if item.layout is not None and self.pipeline is not None:
+            raise wire.WireError(
+                wire.ErrorCode.MALFORMED, "draft trees need pipeline_stages = 1", message.session_id, message.seq_no
+            )
+        self.sessions.submit(item, connection)
+        if self.capture is not None:  # only what was accepted as work: a refused frame raised above
+            if isinstance(message, wire.PrefillChunk):
+                self.capture.record(message.session_id, message.seq_no, "prefill", message.start_pos, message.hidden)
+            else:
+                self.capture.record(message.session_id, message.seq_no, "verify", message.commit_len, message.hidden)
 
     def _sessions_lost(self, reason: str) -> None:
         """The stage workers died and every session's KV with them: answer each session's queued

@@ -14,7 +14,7 @@ from services.verifier_cloud.stage_plan import (
     parse_stage_slowdowns,
 )
 from shared.model.placement import parse_device_spec, parse_dtype_spec
-from shared.service_settings import ServiceSettings
+from shared.service_settings import ServiceSettings, reject_first
 from shared.settings import from_env
 from shared.wire.schema import MAX_FRAME_BYTES
 
@@ -167,43 +167,67 @@ class Settings(ServiceSettings):
 
     def validate(self) -> None:
         super().validate()  # auth, logging, TLS (shared/service_settings.py)
-        if self.split_layers < 1:
-            raise ValueError("split_layers must be >= 1")
-        if self.max_frame_bytes < 1024 or self.max_batch_tokens < 1 or self.max_sessions < 1:
-            raise ValueError("max_frame_bytes, max_batch_tokens and max_sessions are too small")
-        if self.max_sessions_per_connection < 1 or self.max_queue_per_session < 1:
-            raise ValueError("max_sessions_per_connection and max_queue_per_session must be >= 1")
-        if min(self.kv_bytes_total, self.queued_bytes_total) < 1:
-            raise ValueError("kv_bytes_total and queued_bytes_total must be >= 1")
-        if min(self.kv_bytes_per_device, self.queued_bytes_per_device) < 0:
-            raise ValueError("kv_bytes_per_device and queued_bytes_per_device must be >= 0 (0 = a fair share)")
-        if self.send_buffer_bytes < 1024:
-            raise ValueError("send_buffer_bytes must be >= 1024")
-        if self.max_sessions_per_device < 0:
-            raise ValueError("max_sessions_per_device must be >= 0 (0 = max_sessions_per_connection)")
-        if (
-            min(
-                self.idle_timeout_s,
-                self.send_timeout_s,
-                self.stage_start_timeout_s,
-                self.stage_timeout_s,
-                self.session_idle_ttl_s,
-                self.stage_handshake_timeout_s,
-            )
-            <= 0
-        ):
-            raise ValueError("timeouts must be > 0")
-        if self.pipeline_stages < 1:
-            raise ValueError("pipeline_stages must be >= 1")
-        if self.torch_threads < 1:
-            raise ValueError("torch_threads must be >= 1")
+        reject_first(
+            (self.split_layers < 1, "split_layers must be >= 1"),
+            (
+                self.max_frame_bytes < 1024 or self.max_batch_tokens < 1 or self.max_sessions < 1,
+                "max_frame_bytes, max_batch_tokens and max_sessions are too small",
+            ),
+            (
+                self.max_sessions_per_connection < 1 or self.max_queue_per_session < 1,
+                "max_sessions_per_connection and max_queue_per_session must be >= 1",
+            ),
+            (
+                min(self.kv_bytes_total, self.queued_bytes_total) < 1,
+                "kv_bytes_total and queued_bytes_total must be >= 1",
+            ),
+            (
+                min(self.kv_bytes_per_device, self.queued_bytes_per_device) < 0,
+                "kv_bytes_per_device and queued_bytes_per_device must be >= 0 (0 = a fair share)",
+            ),
+            (self.send_buffer_bytes < 1024, "send_buffer_bytes must be >= 1024"),
+            (
+                self.max_sessions_per_device < 0,
+                "max_sessions_per_device must be >= 0 (0 = max_sessions_per_connection)",
+            ),
+            (
+                min(
+                    self.idle_timeout_s,
+                    self.send_timeout_s,
+                    self.stage_start_timeout_s,
+                    self.stage_timeout_s,
+                    self.session_idle_ttl_s,
+                    self.stage_handshake_timeout_s,
+                )
+                <= 0,
+                "timeouts must be > 0",
+            ),
+            (self.pipeline_stages < 1, "pipeline_stages must be >= 1"),
+            (self.torch_threads < 1, "torch_threads must be >= 1"),
+        )
         parse_device_spec(self.device)  # syntax here; the GPUs themselves are checked when the model loads
         parse_dtype_spec(self.dtype)
         check_kv_settings(self.kv_layout, self.cuda_graphs, self.cuda_graph_rows)
-        if self.server_chunk_tokens < 0:
-            raise ValueError("server_chunk_tokens must be >= 0 (0 = off)")
-        if self.prefill_sessions_per_step < 0:
-            raise ValueError("prefill_sessions_per_step must be >= 0 (0 = no bound)")
+        reject_first(
+            (self.server_chunk_tokens < 0, "server_chunk_tokens must be >= 0 (0 = off)"),
+            (self.prefill_sessions_per_step < 0, "prefill_sessions_per_step must be >= 0 (0 = no bound)"),
+        )
+        self._validate_stages()
+        reject_first(
+            (
+                self.full_model and self.hidden_rotation,
+                "full_model (token mode) runs layers [0, m) and the head beside the middle layers: it "
+                "cannot serve a rotated middle (hidden_rotation); token mode has no privacy anyway",
+            ),
+            (
+                self.full_model and self.stage_workers,
+                "full_model (token mode) runs in-process: it needs pipeline_stages = 1 and no stage_* "
+                f"settings, got {self.pipeline_stages} stage(s)",
+            ),
+        )
+
+    def _validate_stages(self) -> None:
+        """The stage_* specs: each parses, and the explicit ranges or addresses give pipeline_stages stages."""
         if self.stage_layers.strip():
             ranges = parse_stage_layers(self.stage_layers, self.split_layers)
             if len(ranges) != self.pipeline_stages:
@@ -225,16 +249,6 @@ class Settings(ServiceSettings):
                 )
         if self.stage_return_address.strip():
             parse_address(self.stage_return_address)
-        if self.full_model and self.hidden_rotation:
-            raise ValueError(
-                "full_model (token mode) runs layers [0, m) and the head beside the middle layers: it "
-                "cannot serve a rotated middle (hidden_rotation); token mode has no privacy anyway"
-            )
-        if self.full_model and self.stage_workers:
-            raise ValueError(
-                "full_model (token mode) runs in-process: it needs pipeline_stages = 1 and no stage_* "
-                f"settings, got {self.pipeline_stages} stage(s)"
-            )
 
 
 def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -173,6 +173,7 @@ STAGE_MESSAGES = (
     StageFailed,
 )
 STAGE_CODEC = StageCodec(STAGE_MESSAGES)
+SESSION_CHANGES = (SessionsOpened, SessionsClosed, SessionsForked, SessionsRolledBack)  # what change_sessions applies
 LINK_TIMEOUT_S = 60.0  # a worker's bound on wiring its hops at startup (the parent's start timeout is the real one)
 
 
@@ -193,7 +194,18 @@ class StageWorker:
     def handle(self, message: Any) -> Any:
         if isinstance(message, MicroBatch):
             self.run_batch(message)
-        elif isinstance(message, SessionsOpened):
+        elif isinstance(message, SESSION_CHANGES):
+            self.change_sessions(message)
+        elif isinstance(message, Probe):
+            message.lengths.append(self.runner.lengths())
+        elif isinstance(message, Hello):
+            layers = self.runner.layers
+            message.stages.append((self.index, layers.start, layers.stop, os.getpid()))
+        return message  # Stop / StageFailed / anything else: forwarded unchanged
+
+    def change_sessions(self, message: SessionsOpened | SessionsClosed | SessionsForked | SessionsRolledBack) -> None:
+        """Apply the server's session bookkeeping to this stage's KV, as every stage does in hop order."""
+        if isinstance(message, SessionsOpened):
             for sid in message.session_ids:
                 self.runner.open(sid)
         elif isinstance(message, SessionsClosed):
@@ -205,15 +217,9 @@ class StageWorker:
                     self.runner.fork(child, parent, length)
                 except EngineError as exc:  # the server checked the parent; a stage left without it stays safe
                     log.warning("stage %d: fork of session %d refused: %s", self.index, child, exc)
-        elif isinstance(message, SessionsRolledBack):
+        else:
             for sid, length in message.sessions:
                 self.runner.roll_back(sid, length)
-        elif isinstance(message, Probe):
-            message.lengths.append(self.runner.lengths())
-        elif isinstance(message, Hello):
-            layers = self.runner.layers
-            message.stages.append((self.index, layers.start, layers.stop, os.getpid()))
-        return message  # Stop / StageFailed / anything else: forwarded unchanged
 
     def run_batch(self, batch: MicroBatch) -> None:
         """Run every item no earlier stage refused; a refused or failed item carries its error downstream."""

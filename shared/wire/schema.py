@@ -284,53 +284,104 @@ class Message:
     __hash__ = None  # type: ignore[assignment]  # tensors make messages unhashable
 
 
-def _check(kind: str, name: str, value: Any) -> Any:
-    """Validate (and coerce enums of) one field; raises WireError."""
-    if kind in (U64, OPT_U64):
-        if not _is_int(value) or not 0 <= value <= _U64_MAX:
-            raise WireError(ErrorCode.MALFORMED, f"{name} must be a u64, got {value!r}")
-    elif kind == BOOL:
-        if not isinstance(value, bool):
-            raise WireError(ErrorCode.MALFORMED, f"{name} must be a bool")
-    elif kind == TEXT:
-        if not isinstance(value, str):
-            raise WireError(ErrorCode.MALFORMED, f"{name} must be a string")
-    elif kind == CREDENTIAL:
-        if not isinstance(value, str) or not value or not (value.isascii() and value.isprintable()) or " " in value:
-            raise WireError(ErrorCode.MALFORMED, f"{name} must be a non-empty token of printable ASCII, no spaces")
-        if len(value) > MAX_CREDENTIAL_CHARS:
-            raise WireError(ErrorCode.OVERSIZED, f"{name} is {len(value)} characters, over {MAX_CREDENTIAL_CHARS}")
-    elif kind == DTYPE:
-        return _as_dtype(value)
-    elif kind == CODE:
-        try:
-            if type(value) is bool:  # True is not MALFORMED's 1
-                raise ValueError(value)
-            return ErrorCode(value)
-        except ValueError:
-            raise WireError(ErrorCode.MALFORMED, f"unknown error code {value!r}") from None
-    elif kind == TENSOR:
-        if not isinstance(value, torch.Tensor) or value.dim() != 2 or min(value.shape) <= 0:
-            raise WireError(ErrorCode.BAD_SHAPE, f"{name} must be a 2-D tensor with positive dims")
-    elif kind == FLOAT:
-        if type(value) is int:  # an int from a hand-built frame or a caller is an exact float
-            value = float(value)
-        if type(value) is not float or not math.isfinite(value):
-            raise WireError(ErrorCode.MALFORMED, f"{name} must be a finite float, got {value!r}")
-    elif kind == OPT_PROBS:
-        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != torch.float32 or not value.numel():
-            raise WireError(ErrorCode.BAD_SHAPE, f"{name} must be a non-empty 1-D float32 tensor")
-        if not bool(((value >= 0) & (value <= 1)).all()):  # NaN fails both comparisons
-            raise WireError(ErrorCode.BAD_VALUE, f"{name} must hold probabilities in [0, 1]")
-    elif kind in (TOKENS, OPT_TOKENS, OPT_ROWS):
+def _check_u64(name: str, value: Any) -> Any:
+    if not _is_int(value) or not 0 <= value <= _U64_MAX:
+        raise WireError(ErrorCode.MALFORMED, f"{name} must be a u64, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise WireError(ErrorCode.MALFORMED, f"{name} must be a bool")
+    return value
+
+
+def _check_text(name: str, value: Any) -> Any:
+    if not isinstance(value, str):
+        raise WireError(ErrorCode.MALFORMED, f"{name} must be a string")
+    return value
+
+
+def _check_credential(name: str, value: Any) -> Any:
+    if not isinstance(value, str) or not value or not (value.isascii() and value.isprintable()) or " " in value:
+        raise WireError(ErrorCode.MALFORMED, f"{name} must be a non-empty token of printable ASCII, no spaces")
+    if len(value) > MAX_CREDENTIAL_CHARS:
+        raise WireError(ErrorCode.OVERSIZED, f"{name} is {len(value)} characters, over {MAX_CREDENTIAL_CHARS}")
+    return value
+
+
+def _check_dtype(_name: str, value: Any) -> WireDtype:
+    return _as_dtype(value)
+
+
+def _check_code(_name: str, value: Any) -> ErrorCode:
+    try:
+        if type(value) is bool:  # True is not MALFORMED's 1
+            raise ValueError(value)
+        return ErrorCode(value)
+    except ValueError:
+        raise WireError(ErrorCode.MALFORMED, f"unknown error code {value!r}") from None
+
+
+def _check_tensor(name: str, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or min(value.shape) <= 0:
+        raise WireError(ErrorCode.BAD_SHAPE, f"{name} must be a 2-D tensor with positive dims")
+    return value
+
+
+def _check_float(name: str, value: Any) -> Any:
+    if type(value) is int:  # an int from a hand-built frame or a caller is an exact float
+        value = float(value)
+    if type(value) is not float or not math.isfinite(value):
+        raise WireError(ErrorCode.MALFORMED, f"{name} must be a finite float, got {value!r}")
+    return value
+
+
+def _check_probs(name: str, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype != torch.float32 or not value.numel():
+        raise WireError(ErrorCode.BAD_SHAPE, f"{name} must be a non-empty 1-D float32 tensor")
+    if not bool(((value >= 0) & (value <= 1)).all()):  # NaN fails both comparisons
+        raise WireError(ErrorCode.BAD_VALUE, f"{name} must hold probabilities in [0, 1]")
+    return value
+
+
+def _uint32_sequence(what: str) -> Callable[[str, Any], Any]:
+    """The check of a field of uint32 `what` (token ids, row indices): a non-empty sequence, kept as a tuple."""
+
+    def check(name: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(_is_int(t) and 0 <= t <= _TOKEN_ID_MAX for t in value):
-            what = "row indices" if kind == OPT_ROWS else "token ids"
             raise WireError(ErrorCode.MALFORMED, f"{name} must be a sequence of uint32 {what}")
         if not value:
             raise WireError(ErrorCode.BAD_SHAPE, f"{name} must hold at least one entry")
-        if type(value) is not tuple:
-            value = tuple(value)
-    return value
+        return value if type(value) is tuple else tuple(value)
+
+    return check
+
+
+_check_token_ids = _uint32_sequence("token ids")
+
+# field kind -> its check(name, value): the value to store (coerced where the kind says so), or WireError
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    U64: _check_u64,
+    OPT_U64: _check_u64,
+    BOOL: _check_bool,
+    TEXT: _check_text,
+    CREDENTIAL: _check_credential,
+    DTYPE: _check_dtype,
+    CODE: _check_code,
+    TENSOR: _check_tensor,
+    FLOAT: _check_float,
+    OPT_PROBS: _check_probs,
+    TOKENS: _check_token_ids,
+    OPT_TOKENS: _check_token_ids,
+    OPT_ROWS: _uint32_sequence("row indices"),
+}
+
+
+def _check(kind: str, name: str, value: Any) -> Any:
+    """Validate (and coerce enums of) one field; raises WireError. A kind without a check passes its value."""
+    check = _CHECKS.get(kind)
+    return value if check is None else check(name, value)
 
 
 def encode_tokens(ids: tuple[int, ...]) -> bytes:

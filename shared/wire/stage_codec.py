@@ -40,6 +40,9 @@ ARRAY_DTYPES = frozenset({"<f2", "<f4", "<f8", "<i4", "<i8", "|u1", "|i1", "|b1"
 MAX_ARRAY_DIMS = 8
 # Map keys may be ints (dict[int, X] fields); every container is bounded by the frame's length.
 _UNPACK_LIMITS = UnpackLimits(strict_map_key=False)
+# The leaf annotations a field may have: each decoded by `_decode_scalar`, its type checked exactly (a bool is
+# not an int; a float may arrive as an int)
+_SCALARS = (bool, int, float, str, np.ndarray)
 
 
 class StageLinkError(CodecError):
@@ -111,7 +114,7 @@ class StageCodec:
         return self._fields[cls]
 
     def _check_annotation(self, annotation: Any, where: str) -> None:
-        if annotation in (bool, int, float, str, np.ndarray, type(None)):
+        if annotation in _SCALARS or annotation is type(None):
             return
         if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
             return
@@ -149,23 +152,20 @@ class StageCodec:
             if len(options) != 1:
                 raise TypeError(f"{where}: only X | None unions are supported")
             return self._decode(options[0], raw, where)
-        if annotation is bool:
-            return _expect(raw, type(raw) is bool, "a bool", where)
-        if annotation is int:
-            return _expect(raw, type(raw) is int, "an int", where)
-        if annotation is float:
-            value = _expect(raw, type(raw) in (int, float), "a number", where)
-            return float(value)
-        if annotation is str:
-            return _expect(raw, type(raw) is str, "a str", where)
-        if annotation is np.ndarray:
-            return _decode_array(raw, where)
+        if annotation in _SCALARS:
+            return _decode_scalar(annotation, raw, where)
         if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
             members = list(annotation)
             _expect(raw, type(raw) is int and 0 <= raw < len(members), f"a {annotation.__name__} ordinal", where)
             return members[raw]
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             return self._decode_dataclass(annotation, raw, where)
+        if origin in (list, tuple, dict):
+            return self._decode_container(origin, args, raw, where)
+        raise TypeError(f"{where}: unsupported annotation {annotation!r}")
+
+    def _decode_container(self, origin: type, args: tuple[Any, ...], raw: Any, where: str) -> Any:
+        """A list, tuple (fixed or `X, ...`) or dict of decoded elements; msgpack carries tuples as lists."""
         if origin is list:
             _expect(raw, isinstance(raw, list), "a list", where)
             return [self._decode(args[0], v, f"{where}[]") for v in raw]
@@ -175,13 +175,23 @@ class StageCodec:
                 return tuple(self._decode(args[0], v, f"{where}[]") for v in raw)
             _expect(raw, len(raw) == len(args), f"a {len(args)}-tuple", where)
             return tuple(self._decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, raw)))
-        if origin is dict:
-            _expect(raw, isinstance(raw, dict), "a map", where)
-            return {
-                self._decode(args[0], k, f"{where}{{key}}"): self._decode(args[1], v, f"{where}{{}}")
-                for k, v in raw.items()
-            }
-        raise TypeError(f"{where}: unsupported annotation {annotation!r}")
+        _expect(raw, isinstance(raw, dict), "a map", where)
+        return {
+            self._decode(args[0], k, f"{where}{{key}}"): self._decode(args[1], v, f"{where}{{}}")
+            for k, v in raw.items()
+        }
+
+
+def _decode_scalar(annotation: type, raw: Any, where: str) -> Any:
+    if annotation is bool:
+        return _expect(raw, type(raw) is bool, "a bool", where)
+    if annotation is int:
+        return _expect(raw, type(raw) is int, "an int", where)
+    if annotation is float:
+        return float(_expect(raw, type(raw) in (int, float), "a number", where))
+    if annotation is str:
+        return _expect(raw, type(raw) is str, "a str", where)
+    return _decode_array(raw, where)
 
 
 def _expect(raw: Any, ok: bool, what: str, where: str) -> Any:

@@ -193,23 +193,11 @@ def train_adapter(
         adapter, initial = initial_adapter(checkpoint, spec, cfg)
     else:
         adapter = DraftAdapter(checkpoint, cfg.split_layers, spec)
-    answers = chat_answers(checkpoint, data.sequences)
-    if adapter.draft_vocab is not None:  # a trained adapter keeps its own: its head rows are what it learned to score
-        vocab_ids = adapter.draft_vocab
-        vocab_report: dict[str, Any] = {
-            "size": int(vocab_ids.numel()),
-            "coverage": round(coverage_of(answers, vocab_ids), 5),
-        }
-    else:
-        eos, vocab_size = checkpoint.eos_token_id, checkpoint.vocab_size
-        vocab_ids, vocab_report = draft_vocabulary(answers, cfg.vocab_coverage, eos, vocab_size)
+    vocab_ids, vocab_report = adapter_vocabulary(checkpoint, adapter, data, cfg)
     if initial is not None:
         vocab_report["initial_adapter"] = initial
     stored = attach_draft_vocab(adapter, vocab_ids)
-    rows = head_rows(checkpoint, vocab_ids if cfg.token_vocab == "draft" else None)
-    if cfg.bf16:  # cast once, not on every autocast matmul
-        weight, bias = rows
-        rows = (weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
+    rows = scored_rows(checkpoint, vocab_ids, cfg)
     steps = cfg.unroll_steps if spec.side_input == "feature" else 1  # nothing else reads its own outputs
     params = adapter.trainable_parameters()
     for p in params:
@@ -218,48 +206,26 @@ def train_adapter(
     started = time.monotonic()
     adapter.train()
     losses: list[float] = []
-    planned = cfg.steps
+    schedule = StepSchedule(cfg, started)
     step = 0
-    probe_started, probe_step = started, 0
-    while step < planned:
-        if step == BUDGET_WARMUP_STEPS:  # the first steps pay for warm-up (a GPU's: several times a step)
-            probe_started, probe_step = time.monotonic(), step
-        if cfg.time_budget_s > 0 and is_budget_probe(step):
-            now = time.monotonic()
-            seconds_per_step = (now - probe_started) / (step - probe_step)
-            planned = max(step, planned_steps(cfg, seconds_per_step, spent=now - started, done=step))
-            probe_started, probe_step = now, step
-            if step >= planned:
-                break
+    while step < schedule.planned and not schedule.replan(step):
         indices = rng.sample(range(len(data.sequences)), cfg.batch_size)
-        ids, shallow, deep, prev, mask, answer_start = batch_tensors(
-            data, indices, cfg.split_layers, cfg.prompt_features
-        )
-        lengths = torch.tensor([len(data.sequences[i].ids) for i in indices], device=shallow.device)
-        with torch.autocast(shallow.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            side = adapter_side(checkpoint, adapter, ids, prev)
-            outs = unrolled_forward(adapter, shallow, side, answer_start, steps, cfg.unroll_detach, lengths)
-            step_losses = [
-                step_loss(checkpoint, out, deep, mask & step_valid(answer_start, ids.shape[1], j), cfg, rows)
-                for j, out in enumerate(outs)
-            ]
-            # summed from the first loss, not sum()'s 0: the same additions, and the loss stays a Tensor
-            loss = sum(step_losses[1:], step_losses[0]) / len(outs)
+        loss = batch_loss(checkpoint, adapter, data, indices, cfg, rows, steps)
         for group in optimizer.param_groups:  # warm-up, then linear decay to 10%
-            group["lr"] = cfg.learning_rate * min(1.0, (step + 1) / 20) * (1 - 0.9 * step / planned)
+            group["lr"] = cfg.learning_rate * min(1.0, (step + 1) / 20) * (1 - 0.9 * step / schedule.planned)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         losses.append(loss.item())
         step += 1
-        if step % progress_every == 0 or step == planned:
+        if step % progress_every == 0 or step == schedule.planned:
             log.info(
                 "%s m=%d step %d/%d loss %.4f (%.0f s)",
                 spec.name,
                 cfg.split_layers,
                 step,
-                planned,
+                schedule.planned,
                 statistics.fmean(losses[-progress_every:]),
                 time.monotonic() - started,
             )
@@ -275,3 +241,71 @@ def train_adapter(
         "draft_vocab": {**vocab_report, "stored_on_adapter": stored},
     }
     return adapter, report
+
+
+def adapter_vocabulary(
+    checkpoint: Checkpoint, adapter: DraftAdapter, data: DistillData, cfg: DistillConfig
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The draft vocabulary's ids and its report: a trained adapter's own (its head rows are what it learned
+    to score), else the smallest covering cfg.vocab_coverage of the answers' tokens."""
+    answers = chat_answers(checkpoint, data.sequences)
+    if adapter.draft_vocab is not None:
+        vocab_ids = adapter.draft_vocab
+        return vocab_ids, {"size": int(vocab_ids.numel()), "coverage": round(coverage_of(answers, vocab_ids), 5)}
+    return draft_vocabulary(answers, cfg.vocab_coverage, checkpoint.eos_token_id, checkpoint.vocab_size)
+
+
+def scored_rows(checkpoint: Checkpoint, vocab_ids: torch.Tensor, cfg: DistillConfig):
+    """The head's rows the token term scores (the draft vocabulary's, or all), in bfloat16 when training in it:
+    cast once, not on every autocast matmul."""
+    rows = head_rows(checkpoint, vocab_ids if cfg.token_vocab == "draft" else None)
+    if cfg.bf16:
+        weight, bias = rows
+        rows = (weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
+    return rows
+
+
+def batch_loss(
+    checkpoint: Checkpoint,
+    adapter: DraftAdapter,
+    data: DistillData,
+    indices: list[int],
+    cfg: DistillConfig,
+    rows,
+    steps: int,
+) -> torch.Tensor:
+    """The mean over draft steps of a batch's loss, the adapter unrolled `steps` draft steps."""
+    ids, shallow, deep, prev, mask, answer_start = batch_tensors(data, indices, cfg.split_layers, cfg.prompt_features)
+    lengths = torch.tensor([len(data.sequences[i].ids) for i in indices], device=shallow.device)
+    with torch.autocast(shallow.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+        side = adapter_side(checkpoint, adapter, ids, prev)
+        outs = unrolled_forward(adapter, shallow, side, answer_start, steps, cfg.unroll_detach, lengths)
+        step_losses = [
+            step_loss(checkpoint, out, deep, mask & step_valid(answer_start, ids.shape[1], j), cfg, rows)
+            for j, out in enumerate(outs)
+        ]
+        # summed from the first loss, not sum()'s 0: the same additions, and the loss stays a Tensor
+        return sum(step_losses[1:], step_losses[0]) / len(outs)
+
+
+class StepSchedule:
+    """How many steps the training runs: cfg.steps, or under a time budget what the rate measured at each
+    budget probe (is_budget_probe) affords."""
+
+    def __init__(self, cfg: DistillConfig, started: float):
+        self.cfg = cfg
+        self.started = started
+        self.planned = cfg.steps
+        self.probe_started, self.probe_step = started, 0
+
+    def replan(self, step: int) -> bool:
+        """Called before each step; True when the budget is spent and training stops before `step`."""
+        if step == BUDGET_WARMUP_STEPS:  # the first steps pay for warm-up (a GPU's: several times a step)
+            self.probe_started, self.probe_step = time.monotonic(), step
+        if self.cfg.time_budget_s <= 0 or not is_budget_probe(step):
+            return False
+        now = time.monotonic()
+        seconds_per_step = (now - self.probe_started) / (step - self.probe_step)
+        self.planned = max(step, planned_steps(self.cfg, seconds_per_step, spent=now - self.started, done=step))
+        self.probe_started, self.probe_step = now, step
+        return step >= self.planned
