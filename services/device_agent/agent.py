@@ -1,6 +1,6 @@
-"""The device agent's state and wiring: its model, its verifier connection(s), telemetry, the planner's
-plans, kept sessions, an edge draft server, the background loops (readiness, link probes), and the
-NDJSON events of one request (the mode's rounds loop: rounds.py)."""
+"""The device agent's state: its model, its verifier connection(s) (built in wiring.py), telemetry, the
+planner's plans, kept sessions, an edge draft server, the background loops (readiness, link probes), and the
+NDJSON events of one request (the mode's loop: rounds.py)."""
 
 from __future__ import annotations
 
