@@ -1,4 +1,4 @@
-"""`python -m tophat`, the same as the `tophat` console script."""
+"""The `tophat` console script as a module (`-m tophat`), for an environment without its entry point."""
 
 from tophat.cli import app
 

@@ -1,4 +1,5 @@
-"""`python -m tophatctl.tethered MODULE [ARGS]`: run `python -m MODULE [ARGS]`, stopping it when its launcher dies.
+"""A service module run as a process that stops when its launcher dies (`tophatctl.tethered MODULE [ARGS]` runs
+`MODULE [ARGS]` as `__main__`).
 
 The local mesh starts every service this way (tophatctl/service_process.py), so a `tophat serve` or a
 benchmark killed with SIGKILL leaves no service behind holding its port: the watch on the launcher's
