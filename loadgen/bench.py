@@ -153,14 +153,20 @@ def run_modes(
     link: str,
     model_dir: str,
     dtype: str = "auto",
+    repeats: int = 1,
 ) -> dict[tuple[str, float], dict]:
-    """Run every mode at every rate; returns results.json contents keyed by (mode, rate)."""
+    """Run every mode at every rate; returns results.json contents keyed by (mode, rate). With `repeats` > 1 the
+    modes of a mesh run that many times in alternating order (A B C, C B A, ...), so a drift in the machine's load
+    falls on every mode alike; a mode's row pools the requests of all its repeats (`repeat_tbt_ms` keeps each
+    repeat's mean TBT, to show the spread)."""
     from loadgen.load_run import run_load_test
     from tophatctl.mesh import Mesh
     from tophatctl.mesh_config import MeshConfig
     from tophatctl.mesh_ports import find_port_base
 
-    results: dict[tuple[str, float], dict] = {}
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, not {repeats}")
+    runs: dict[tuple[str, float], list[tuple[dict, list]]] = {}
     groups: dict[tuple, list[BenchVariant]] = {}
     for mode in modes.values():
         groups.setdefault(mode.mesh_key(), []).append(mode)
@@ -174,24 +180,49 @@ def run_modes(
             extra_env=dict(env),
         )
         with Mesh(config) as mesh:
-            for mode in group:
-                for rate in rates:
-                    run_dir = out / workload / mode.name / f"rate-{rate:g}"
-                    log.info("mode %s, %s @ %g req/s", mode.name, workload, rate)
-                    options = loadgen_options(
-                        config.streamer_url,
-                        workload,
-                        rate,
-                        num_requests,
-                        max_new_tokens,
-                        seed,
-                        run_dir,
-                        mode.request_options,
-                        mesh.redis_url,
-                        model_dir,
-                    )
-                    results[(mode.name, rate)] = asyncio.run(run_load_test(options))
-    return results
+            for repeat, order in enumerate(counterbalanced(group, repeats)):
+                for mode in order:
+                    for rate in rates:
+                        run_dir = out / workload / mode.name / f"rate-{rate:g}"
+                        run_dir = run_dir / f"repeat-{repeat}" if repeats > 1 else run_dir
+                        log.info("mode %s, %s @ %g req/s (repeat %d)", mode.name, workload, rate, repeat)
+                        options = loadgen_options(
+                            config.streamer_url,
+                            workload,
+                            rate,
+                            num_requests,
+                            max_new_tokens,
+                            seed,
+                            run_dir,
+                            mode.request_options,
+                            mesh.redis_url,
+                            model_dir,
+                        )
+                        records: list = []
+                        result = asyncio.run(run_load_test(options, records))
+                        runs.setdefault((mode.name, rate), []).append((result, records))
+    return {key: pooled(repeated) for key, repeated in runs.items()}
+
+
+def counterbalanced(group: list[BenchVariant], repeats: int) -> list[list[BenchVariant]]:
+    """The order of each repeat: as given, then reversed, alternately."""
+    return [list(group) if repeat % 2 == 0 else list(reversed(group)) for repeat in range(repeats)]
+
+
+def pooled(repeated: list[tuple[dict, list]]) -> dict:
+    """One row from a mode's repeats: the first repeat's results with the metrics of every repeat's requests."""
+    from loadgen import metrics
+
+    if len(repeated) == 1:
+        return repeated[0][0]
+    first = repeated[0][0]
+    records = [record for _, records in repeated for record in records]
+    return {
+        **first,
+        **metrics.build_results(records),
+        "repeats": len(repeated),
+        "repeat_tbt_ms": [result["mean_tbt_ms"] for result, _ in repeated],
+    }
 
 
 def _ratio_cell(row: dict, base: dict | None, key: str) -> str:
@@ -213,7 +244,19 @@ def format_table(results: dict[tuple[str, float], dict], baseline: str, title: s
             f"{1e3 / r['mean_tbt_ms'] if r['mean_tbt_ms'] else 0:6.1f} {r.get('mean_accept_length') or 0:7.2f} "
             f"{_ratio_cell(r, base, 'mean_ttft_ms'):>10s} {_ratio_cell(r, base, 'mean_tbt_ms'):>9s}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + repeat_ratio_lines(results, baseline))
+
+
+def repeat_ratio_lines(results: dict[tuple[str, float], dict], baseline: str) -> list[str]:
+    """With repeats: each mode's TBT against the baseline's, repeat by repeat (the spread a pooled ratio hides)."""
+    lines = []
+    for (mode, rate), r in results.items():
+        base = results.get((baseline, rate))
+        if mode == baseline or not base or len(r.get("repeat_tbt_ms") or ()) != len(base.get("repeat_tbt_ms") or ()):
+            continue
+        ratios = [f"{m / b:.2f}x" for m, b in zip(r["repeat_tbt_ms"], base["repeat_tbt_ms"]) if m and b]
+        lines.append(f"  {mode} @ {rate:g}: TBT/base per repeat {' '.join(ratios)}")
+    return ["", "per repeat (alternating order):", *lines] if lines else []
 
 
 def save_table(out: Path, name: str, table: str, results: dict[tuple[str, float], dict]) -> None:

@@ -50,9 +50,13 @@ class ModeBench:
     ablation: bool = False
     baseline: str = ""  # the mode ratios are taken against; default ushape, or the first mode
     dtype: str = "auto"  # every mesh's verifier and devices (the mesh's own default: auto)
+    repeats: int = 1  # the modes of a mesh run this many times, in alternating order (loadgen/bench.py run_modes)
 
     def __post_init__(self) -> None:
         from shared.model.placement import parse_dtype_spec
+
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, not {self.repeats}")
 
         if not self.workloads or not self.rates or not self.runs:
             raise ValueError("a bench needs at least one workload, rate and link")
@@ -84,6 +88,7 @@ class ModeBench:
         ablation: bool = False,
         baseline: str = "",
         dtype: str = "auto",
+        repeats: int = 1,
     ) -> ModeBench:
         """The bench from `tophat bench serve`'s option strings (ValueError naming the bad one)."""
         link = link or "none"
@@ -108,6 +113,7 @@ class ModeBench:
             ablation=ablation,
             baseline=baseline,
             dtype=dtype,
+            repeats=repeats,
         )
 
 
@@ -147,6 +153,7 @@ def run_mode_bench(bench: ModeBench, model_dir: str) -> Iterator[str]:
                 link=link,
                 model_dir=model_dir,
                 dtype=bench.dtype,
+                repeats=bench.repeats,
             )
             table = format_table(results, base, title)
             save_table(out, tag, table, results)

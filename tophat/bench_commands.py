@@ -30,6 +30,9 @@ NUM_REQUESTS = typer.Option(16, help="requests per mode and rate")
 MAX_NEW_TOKENS = typer.Option(32, help="tokens to generate per request")
 SEED = typer.Option(0)
 DTYPE = typer.Option("auto", help="every mesh's verifier and device agents: auto (f32 on a CPU), int4, int8, bf16, f32")
+REPEATS = typer.Option(
+    1, help="run the modes this many times in alternating order (A B, B A, ...) and pool their requests", min=1
+)
 
 
 def start_logging() -> None:
@@ -79,6 +82,7 @@ def serve_bench(
     max_new_tokens: int = MAX_NEW_TOKENS,
     seed: int = SEED,
     dtype: str = DTYPE,
+    repeats: int = REPEATS,
     model: str = MODEL,
     out: Path = OUT,
 ):

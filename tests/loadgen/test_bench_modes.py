@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from loadgen.bench import link_with_rtt, modes_for, save_table
+from loadgen.bench import (
+    BenchVariant,
+    counterbalanced,
+    format_table,
+    link_with_rtt,
+    modes_for,
+    pooled,
+    save_table,
+)
+from loadgen.metrics import RequestRecord, build_results
 from shared.net.links import parse_link_spec
 
 
@@ -37,3 +46,39 @@ def test_saved_results_name_their_mode(tmp_path):
     save_table(tmp_path, "bench-x", "table", results)
     saved = json.loads((tmp_path / "bench-x.json").read_text())
     assert saved == {"picospec@0.25": {"mode": "picospec", "completed": 3, "mean_tbt_ms": 10.0}}
+
+
+def _record(index: int, tbt_s: float) -> RequestRecord:
+    """A finished request whose four tokens came tbt_s apart, the first 0.1 s after it was sent."""
+    times = [0.1 + i * tbt_s for i in range(4)]
+    return RequestRecord(
+        index, 0.0, 4, send_s=0.0, end_s=times[-1], chunk_times_s=times, chunk_tokens=[1] * 4, completion_tokens=4
+    )
+
+
+def test_repeats_alternate_their_order():
+    a, b, c = (BenchVariant(name) for name in "abc")
+    orders = [[mode.name for mode in order] for order in counterbalanced([a, b, c], 3)]
+    assert orders == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
+def test_a_pooled_row_measures_every_repeats_requests():
+    fast = [_record(i, 0.01) for i in range(3)]
+    slow = [_record(i, 0.03) for i in range(3)]
+    first = {"workload": "specbench", **build_results(fast)}
+    second = build_results(slow)
+    row = pooled([(first, fast), (second, slow)])
+    assert row["repeats"] == 2 and row["workload"] == "specbench"
+    assert row["completed"] == 6
+    assert row["repeat_tbt_ms"] == pytest.approx([10.0, 30.0])
+    assert row["mean_tbt_ms"] == pytest.approx(20.0)  # every token gap of both repeats
+    assert pooled([(first, fast)]) is first
+
+
+def test_the_table_shows_each_repeats_ratio():
+    results = {
+        ("ushape", 1.0): {**build_results([_record(0, 0.02)]), "repeat_tbt_ms": [20.0, 40.0]},
+        ("hat", 1.0): {**build_results([_record(0, 0.01)]), "repeat_tbt_ms": [10.0, 60.0]},
+    }
+    table = format_table(results, "ushape", "t")
+    assert "hat @ 1: TBT/base per repeat 0.50x 1.50x" in table
