@@ -245,7 +245,7 @@ class DeviceAgent:
         if session is not None:
             self._report_timings(session, request_slowdown)
             if shape is not None and self.budget is not None:
-                self._observe_budget(shape, session, request_slowdown)
+                self._observe_budget(shape, session, request_slowdown, latency_stats.mean_tbt_s(timeline))
 
     def _done_event(
         self,
@@ -323,7 +323,9 @@ class DeviceAgent:
             ),
         )
 
-    def _observe_budget(self, shape: str, session: DeviceSession, slowdown: float) -> None:
+    def _observe_budget(self, shape: str, session: DeviceSession, slowdown: float, tbt_s: float | None) -> None:
+        """What a request in budget shape `shape` measured: its rounds (accept, rows, drafting) and, when it ran
+        that shape alone, its decoding speed against the round model's (the shape's slowdown k)."""
         rounds, rows = list(session.accept_lengths), list(session.round_rows)
         if not rounds or not rows or session.degraded:  # a degraded end says nothing of the cloud
             return
@@ -339,6 +341,10 @@ class DeviceAgent:
             draft_s -= trial_draft_s * slowdown
         if rounds and rows:
             self.budget.observe(shape, rounds, sum(rows) / len(rows), max(0.0, draft_s) / len(rounds))
+        plan = self.plans.peek() if self.plans is not None else None
+        if trial is None and tbt_s and plan is not None and shape in plan.modelled:
+            # the plan now in the cache: its model saw about the load this request ran under
+            self.budget.observe_speed(shape, plan.modelled[shape], 1.0 / tbt_s)
 
     async def aclose(self) -> None:
         if self.edge is not None:

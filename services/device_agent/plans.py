@@ -51,6 +51,7 @@ class Plan:
         None  # the draft shape for hat requests (shared/planning/draft_budget.py); None: the configured one
     )
     predicted: Mapping[str, float] = field(default_factory=dict)  # the planner's tokens/s per shape (trials)
+    modelled: Mapping[str, float] = field(default_factory=dict)  # its round model's alone (measured against)
 
     @classmethod
     def defaults(cls, chunk_size: int, steps: int) -> Plan:
@@ -158,12 +159,13 @@ class PlanCache:
         if not table:
             raise ValueError("empty steps_by_draft_len")
         source = f"chunk:{chunk.get('source')} steps:{steps.get('source')}"
-        shape, predicted = None, {}
+        shape, predicted, modelled = None, {}, {}
         if budget is not None and self.budget is not None:
             shape = budget["shape"] if budget["shape"] in self.budget.shapes else None
             predicted = predicted_rates(budget.get("tokens_per_s"), self.budget.shapes)
+            modelled = predicted_rates(budget.get("modelled_tokens_per_s"), self.budget.shapes)
             source += f" budget:{budget['source']}"
-        plan = Plan(int(chunk["chunk_size"]), table, source, self.clock(), shape, predicted)
+        plan = Plan(int(chunk["chunk_size"]), table, source, self.clock(), shape, predicted, modelled)
         log.debug("plan for %s: %s", self.device_id, plan)
         if self.plan is None or self.plan.source != source or self.plan.shape != shape:
             log.info("plan for %s: chunk %s, draft shape %s (%s)", self.device_id, chunk["chunk_size"], shape, source)
@@ -182,8 +184,9 @@ class PlanCache:
             log.warning("draft budget unavailable (%s: %s); the configured shape runs", type(exc).__name__, exc)
             return {"shape": "", "source": f"error:{type(exc).__name__}"}
         shape, source = answer.get("shape"), answer.get("source")
-        rates = answer.get("tokens_per_s")
-        return {"shape": shape if isinstance(shape, str) else "", "source": str(source), "tokens_per_s": rates}
+        rates, modelled = answer.get("tokens_per_s"), answer.get("modelled_tokens_per_s")
+        shape = shape if isinstance(shape, str) else ""
+        return {"shape": shape, "source": str(source), "tokens_per_s": rates, "modelled_tokens_per_s": modelled}
 
     async def _get(self, path: str, params: dict) -> dict:
         return await self._call("GET", path, params=params)

@@ -23,6 +23,12 @@ session, g(r_s) is nearly flat on a memory-bound cloud (one weight read serves e
 pay; as S grows, g(S * r_s) climbs into its compute-bound part, each extra row costs S rows of compute,
 and the budget falls to a chain, then to no drafts at all: speculation stops burning a busy verifier on
 rows it will reject.
+
+The choice is by L_s / (k_s * T_s), where k_s is the shape's measured slowdown on this device: its requests'
+measured decoding speed against the speed T_s gave them (1 until measured; a drafting shape never run takes
+the measured drafting shapes' mean). T_s has no term for what drafting costs a verifier that shares the
+device's cores, for queueing, or for anything else the model leaves out; k_s closes the loop on what each
+shape did (TurboSpec's goodput feedback), so a shape that runs slower than modelled is charged for it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ MAX_OPTIONS = 32
 MAX_ROWS = 1024
 MAX_ACCEPT = MAX_ROWS + 1.0
 MAX_DRAFT_S = 600.0
+SLOWDOWN_RANGE = (0.25, 8.0)  # k_s is clamped here: one odd request cannot make a shape free or unusable
 SWITCH_MARGIN = 0.05  # a device leaves its current shape only for one predicted this much faster
 TRIAL_SHARE = 0.8  # a shape never run gets its trial request only if predicted this share of the best's tokens/s
 SHAPE_PATTERN = r"^(none|chain|tree[1-9][0-9]{0,3})$"  # what a request may name (DraftShape.parse checks the rest)
@@ -87,12 +94,14 @@ class BudgetOption:
     accept: float  # L: tokens per round
     rows: float  # r: rows per verification
     draft_s: float  # d: device drafting seconds per round
+    slowdown: float = 1.0  # k: measured round time over the modelled one (1: as modelled, or not measured)
 
     def __post_init__(self):
         bounds = (
             ("accept", self.accept, 1.0, MAX_ACCEPT),
             ("rows", self.rows, 1.0, MAX_ROWS),
             ("draft_s", self.draft_s, 0, MAX_DRAFT_S),
+            ("slowdown", self.slowdown, *SLOWDOWN_RANGE),
         )
         for label, value, low, high in bounds:
             if not (math.isfinite(value) and low <= value <= high):
@@ -119,7 +128,7 @@ class LinkLoad:
 
 
 def round_seconds(option: BudgetOption, link: LinkLoad, g: Callable[[float], float]) -> float:
-    """T_s above: one round of this shape while S sessions share each verifier step."""
+    """T_s above, as modelled (without k_s): one round of this shape while S sessions share each verifier step."""
     transfer = option.rows * link.bytes_per_row * (1.0 / link.beta_up + 1.0 / link.beta_down)
     return link.rtt_s + link.overhead_s + option.draft_s + transfer + max(0.0, g(link.sessions * option.rows))
 
@@ -131,17 +140,23 @@ def choose_budget(
     current: str | None = None,
     margin: float = SWITCH_MARGIN,
 ) -> tuple[str, dict[str, float]]:
-    """The option with the most tokens per second, and every option's tokens/s. Ties go to the
-    fewer rows (the verifier's time is everyone's). The `current` shape is kept unless another is
-    more than `margin` faster: near-ties would otherwise flip with every noisy measurement."""
+    """The option with the most tokens per second (its round as modelled, times its measured slowdown), and
+    every option's tokens/s. Ties go to the fewer rows (the verifier's time is everyone's). The `current` shape
+    is kept unless another is more than `margin` faster: near-ties would otherwise flip with every noisy
+    measurement."""
     options = list(options)
     if not options:
         raise BudgetError("no draft shapes to choose from")
-    rates = {o.name: o.accept / max(round_seconds(o, link, g), 1e-9) for o in options}
+    rates = {o.name: modelled_rate(o, link, g) / o.slowdown for o in options}
     best = max(options, key=lambda o: (round(rates[o.name], 9), -o.rows))
     if current in rates and rates[best.name] <= rates[current] * (1.0 + margin):
         return current, rates
     return best.name, rates
+
+
+def modelled_rate(option: BudgetOption, link: LinkLoad, g: Callable[[float], float]) -> float:
+    """Tokens per second of this shape as the round model has it (k_s = 1)."""
+    return option.accept / max(round_seconds(option, link, g), 1e-9)
 
 
 @dataclass
@@ -149,6 +164,7 @@ class ShapeStats:
     accept: Ema = field(default_factory=Ema)
     rows: Ema = field(default_factory=Ema)
     draft_s: Ema = field(default_factory=Ema)
+    slowdown: Ema = field(default_factory=Ema)
 
 
 class BudgetTracker:
@@ -171,6 +187,28 @@ class BudgetTracker:
         stats.accept.update(sum(accept_lengths) / len(accept_lengths))
         stats.rows.update(max(1.0, rows_per_round))
         stats.draft_s.update(max(0.0, draft_s_per_round))
+
+    def observe_speed(self, name: str, modelled_tokens_per_s: float, measured_tokens_per_s: float) -> None:
+        """One request's decoding speed in shape `name` against what the planner's round model gave it: a sample
+        of k_s (modelled over measured, clamped to SLOWDOWN_RANGE). Non-positive or non-finite figures say
+        nothing."""
+        if name not in self.stats:
+            return
+        figures = (modelled_tokens_per_s, measured_tokens_per_s)
+        if not all(math.isfinite(x) and x > 0 for x in figures):
+            return
+        low, high = SLOWDOWN_RANGE
+        self.stats[name].slowdown.update(min(high, max(low, modelled_tokens_per_s / measured_tokens_per_s)))
+
+    def _drafting_slowdown(self) -> float:
+        """k of a drafting shape never measured: the mean of the measured drafting shapes' (their drafting shares
+        the device and the verifier alike), 1 with none."""
+        measured = [
+            stats.slowdown.value
+            for name, stats in self.stats.items()
+            if self.shapes[name].max_draft > 0 and stats.slowdown.value is not None
+        ]
+        return sum(measured) / len(measured) if measured else 1.0
 
     def next_trial(self, predicted: Mapping[str, float] | None = None, running: str | None = None) -> str | None:
         """A drafting shape never handed out yet, other than the one the request `running` it runs, marked as
@@ -201,7 +239,7 @@ class BudgetTracker:
         return sum(rates) / len(rates) if rates else 0.0
 
     def options(self) -> list[BudgetOption]:
-        per_step = self._draft_s_per_step()
+        per_step, drafting_slowdown = self._draft_s_per_step(), self._drafting_slowdown()
         out = []
         for name, shape in self.shapes.items():
             stats = self.stats[name]
@@ -211,7 +249,10 @@ class BudgetTracker:
             steps = min(rows - 1, shape.max_draft)
             draft_s = stats.draft_s.value if stats.draft_s.value is not None else per_step * steps
             accept = stats.accept.value if stats.accept.value is not None else prior_accept
-            out.append(BudgetOption(name, max(1.0, accept), rows, draft_s))
+            slowdown = stats.slowdown.value
+            if slowdown is None:
+                slowdown = drafting_slowdown if shape.max_draft > 0 else 1.0
+            out.append(BudgetOption(name, max(1.0, accept), rows, draft_s, slowdown))
         return out
 
 
@@ -256,9 +297,16 @@ def budget_from_state(
     try:
         link = LinkLoad(rtt, bytes_per_token, beta_up, beta_down, sessions, overhead)
         name, rates = choose_budget(options, link, g, current)
+        modelled = {o.name: modelled_rate(o, link, g) for o in options}
     except ValueError as exc:  # a curve that cannot be read at these sizes: keep the device's shape
         return default, f"default:bad-telemetry ({exc})", {}
-    return name, "budget", {"sessions": sessions, "tokens_per_s": {k: round(v, 4) for k, v in rates.items()}}
+    detail = {
+        "sessions": sessions,
+        "tokens_per_s": {k: round(v, 4) for k, v in rates.items()},
+        # the round model alone (k = 1): what a device measures its shape's speed against (observe_speed)
+        "modelled_tokens_per_s": {k: round(v, 4) for k, v in modelled.items()},
+    }
+    return name, "budget", detail
 
 
 def _number(value: Any) -> float | None:
@@ -290,10 +338,11 @@ class BudgetRequest:
             if not isinstance(item, Mapping) or not isinstance(name, str) or not 0 < len(name) <= 32:
                 raise BudgetError("each option needs a name (1..32 characters), accept, rows and draft_s")
             numbers = [_number(item.get(k)) for k in ("accept", "rows", "draft_s")]
-            if None in numbers:
-                raise BudgetError(f"option {name!r}: accept, rows and draft_s must be numbers")
+            slowdown = _number(item.get("slowdown", 1.0))
+            if None in numbers or slowdown is None:
+                raise BudgetError(f"option {name!r}: accept, rows, draft_s and slowdown must be numbers")
             accept, rows, draft_s = (float(x or 0) for x in numbers)
-            options.append(BudgetOption(name, accept, rows, draft_s))
+            options.append(BudgetOption(name, accept, rows, draft_s, slowdown))
         names = [o.name for o in options]
         if len(set(names)) != len(names):
             raise BudgetError("option names must be distinct")

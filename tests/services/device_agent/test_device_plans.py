@@ -14,6 +14,7 @@ from services.device_agent import settings as device_settings
 from services.device_agent.agent import DeviceAgent
 from services.device_agent.app import create_app
 from services.device_agent.plans import PROVISIONAL_REFRESH_S, PlanCache, wire_bytes_per_token
+from shared.planning.draft_budget import SLOWDOWN_RANGE
 from shared.wire.schema import WireDtype
 from tests.mesh_tools import verifier_on_loopback
 
@@ -38,6 +39,7 @@ class FakePlanner(httpx.AsyncBaseTransport):
         self.chunk_source = "eq3"
         self.shape = "chain"  # POST /draft-budget's answer
         self.tokens_per_s: dict[str, float] = {}  # and its predictions (none: no trials)
+        self.modelled: dict[str, float] = {}  # and its round model's rates (none: no slowdown measured)
         self.budget_asks: list[dict] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -46,9 +48,8 @@ class FakePlanner(httpx.AsyncBaseTransport):
         await self.released.wait()
         if request.url.path == "/draft-budget":
             self.budget_asks.append(json.loads(await request.aread()))
-            return httpx.Response(
-                200, json={"shape": self.shape, "source": "budget", "tokens_per_s": self.tokens_per_s}
-            )
+            answer = {"shape": self.shape, "source": "budget", "tokens_per_s": self.tokens_per_s}
+            return httpx.Response(200, json={**answer, "modelled_tokens_per_s": self.modelled})
         if request.url.path == "/chunk-size":
             return httpx.Response(200, json={"chunk_size": self.chunk, "source": self.chunk_source})
         rows = int(params["draft_len"])
@@ -290,6 +291,31 @@ async def test_a_shape_predicted_far_slower_gets_no_trial_round(tiny_llama_check
         await generate()
         assert stats["chain"].accept.count == 1 and stats["tree8"].accept.count == 0
         assert stats["none"].accept.count == 3 and agent.budget.tried == {"chain"}
+
+
+async def test_a_budgeting_device_measures_how_much_slower_its_shape_runs_than_modelled(tiny_llama_checkpoint) -> None:
+    """Each request in the planner's shape (no trial round in it) is a sample of that shape's slowdown: the round
+    model's tokens/s (the planner's `modelled_tokens_per_s`) over the request's own (1 / its TBT), posted with
+    the shape's figures; a shape the model has no rate for stays unmeasured."""
+    planner, clock = FakePlanner(), Clock()
+    planner.shape = "none"
+    planner.modelled = {"none": 1e6}  # far faster than any CPU request: the slowdown's upper clamp
+    async with planned_agent(tiny_llama_checkpoint, planner, clock, draft_budgets="none,chain") as (
+        settings,
+        agent,
+        http,
+    ):
+        await asyncio.wait_for(agent.plans.refresh(), 5)
+        body = {"prompt_ids": list(range(3, 20)), "max_new_tokens": 6}
+        response = await asyncio.wait_for(http.post("/generate", json=body), 30)
+        assert json.loads(response.text.splitlines()[-1])["type"] == "done"
+        stats = agent.budget.stats
+        assert stats["none"].slowdown.count == 1 and stats["none"].slowdown.value == SLOWDOWN_RANGE[1]
+        assert stats["chain"].slowdown.value is None
+        clock.now += settings.plan_refresh_s + 1
+        await asyncio.wait_for(agent.plans.refresh(), 5)
+        posted = {o["name"]: o for o in planner.budget_asks[-1]["options"]}
+        assert posted["none"]["slowdown"] == SLOWDOWN_RANGE[1] and posted["chain"]["slowdown"] == 1.0
 
 
 async def test_a_seeded_sampled_request_drafts_in_the_configured_shape_whatever_the_budget(

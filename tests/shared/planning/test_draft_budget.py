@@ -13,6 +13,7 @@ import pytest
 from services.chunk_planner.settings import load_settings
 from shared.planning.draft_budget import (
     MAX_ROWS,
+    SLOWDOWN_RANGE,
     TRIAL_SHARE,
     BudgetError,
     BudgetOption,
@@ -259,3 +260,48 @@ def test_the_row_limit_is_the_wires_and_the_planner_and_the_streamer_start_witho
     code = "import sys, services.chunk_planner.__main__, services.token_streamer.__main__;print('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert loaded.returncode == 0 and loaded.stdout.strip() == "False", loaded.stderr[-2000:]
+
+
+def test_a_shape_measured_slower_than_modelled_is_charged_for_it() -> None:
+    pair = [BudgetOption("chain", 1.40, 2.0, 0.0), BudgetOption("none", 1.0, 1.0, 0.0)]
+    free_link = LinkLoad(0.0, 1, 1e30, 1e30, 1)
+    flat = lambda rows: 0.1  # noqa: E731
+    assert choose_budget(pair, free_link, flat)[0] == "chain"  # modelled: 14 tokens/s against 10
+    slow_chain = [BudgetOption("chain", 1.40, 2.0, 0.0, slowdown=1.6), pair[1]]
+    shape, rates = choose_budget(slow_chain, free_link, flat)
+    assert shape == "none" and math.isclose(rates["chain"], 14.0 / 1.6)
+
+
+def test_the_tracker_learns_each_shapes_slowdown_and_lends_it_to_untried_drafting_shapes() -> None:
+    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
+    assert {o.name: o.slowdown for o in tracker.options()} == {"none": 1.0, "chain": 1.0, "tree16": 1.0}
+    tracker.observe_speed("chain", 20.0, 10.0)  # ran at half the modelled speed
+    tracker.observe_speed("none", 10.0, 10.0)
+    tracker.observe_speed("chain", 20.0, -1.0)  # says nothing
+    tracker.observe_speed("tree99", 20.0, 1.0)  # not a shape of this device
+    tracker.observe_speed("none", 1000.0, 1.0)  # clamped
+    slowdowns = {o.name: o.slowdown for o in tracker.options()}
+    assert slowdowns["chain"] == 2.0 and slowdowns["tree16"] == 2.0  # the drafting shapes' mean
+    assert 1.0 < slowdowns["none"] <= SLOWDOWN_RANGE[1]
+
+
+def test_slowdown_travels_in_the_request_and_defaults_to_one() -> None:
+    ask = BudgetRequest("jetson-1", 1152, "chain", [BudgetOption("chain", 1.5, 3.0, 0.02, slowdown=1.25)])
+    assert BudgetRequest.from_json(json.loads(json.dumps(ask.to_json()))) == ask
+    body = ask.to_json()
+    del body["options"][0]["slowdown"]  # a device from before slowdowns
+    assert BudgetRequest.from_json(body).options[0].slowdown == 1.0
+    for bad in (0.0, "fast", float("nan"), 100.0):
+        body["options"][0]["slowdown"] = bad
+        with pytest.raises(BudgetError):
+            BudgetRequest.from_json(body)
+
+
+def test_the_planner_answers_the_round_models_rates_beside_its_choice() -> None:
+    inputs = PlannerInputs(bytes_per_token=1152)
+    cloud = {"mu": 8, "last": {"num_sessions": 1}, "g": {"buckets": [{"bucket": 6, "mu": 8, "eta": 0.07}]}}
+    device = {"last_update": 1.0, "age_s": 0.1, "beta_up": 2.5e6, "beta_down": 5e6, "rtt_s": 0.05}
+    slowed = [BudgetOption(o.name, o.accept, o.rows, o.draft_s, slowdown=2.0) for o in OPTIONS]
+    _, _, detail = budget_from_state(cloud, device, inputs, slowed, "chain")
+    for name, modelled in detail["modelled_tokens_per_s"].items():
+        assert math.isclose(detail["tokens_per_s"][name], modelled / 2.0, rel_tol=1e-3)
