@@ -18,7 +18,7 @@ from services.chunk_planner.state import PlannerState, planner_of
 from shared.auth import verify as auth
 from shared.edge_sd.plan import InfeasibleBatchingError, PlanRequest, PlanRequestError, plan_round
 from shared.planning.draft_budget import BudgetError, BudgetRequest, budget_from_state
-from shared.planning.planners import plan_draft_steps_table_from_state
+from shared.planning.monitor_plans import plan_draft_steps_table_from_state
 from shared.telemetry.metrics import metrics_response
 
 log = logging.getLogger(__name__)
