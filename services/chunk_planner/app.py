@@ -23,7 +23,7 @@ answer is the configured default and `source` says why:
     default:missing-beta / default:missing-gamma / default:bad-telemetry /
     default:no-bytes-per-token    (see shared.planning.monitor_plans)
 
-Edge SD (paper 001): `POST /edge-sd/plan` takes a `shared.edge_sd.plan.PlanRequest` body, fetches the
+Edge SD (paper 001): `POST /edge-sd/plan` takes a `shared.edge_sd.plan_inputs.PlanRequest` body, fetches the
 monitor's `GET /state/edge-sd` (measured passes and verdicts, same bound and failure reasons as above, plus
 default:bad-telemetry), runs `plan_round` and keeps the answer as the latest, which `GET /edge-sd/plan`
 serves. A bad request or one whose task alone exceeds the memory budget is a 422.
