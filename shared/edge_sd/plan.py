@@ -48,6 +48,7 @@ __all__ = [
     "plan_round",
 ]
 
+
 @dataclass(frozen=True)
 class EdgePlan:
     batches: tuple[tuple[int, ...], ...]  # task indices (request order), in pipeline order
