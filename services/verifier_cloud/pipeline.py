@@ -50,8 +50,9 @@ from services.verifier_cloud.stages import (
     to_numpy,
     worker_context,
 )
+from shared.wire.stage_chain import TOKEN_BYTES, chain_stages
 from shared.wire.stage_codec import StageLinkError
-from shared.wire.stage_link import TOKEN_BYTES, LinkReceiver, LinkSender, chain_stages
+from shared.wire.stage_link import LinkReceiver, LinkSender
 
 log = logging.getLogger("services.verifier_cloud.pipeline")
 
@@ -93,7 +94,7 @@ class StagePipeline:
         construction and on every restart. The hops themselves are wired in start()."""
         ctx = worker_context()  # spawn, or forked from a fork server that has imported torch once
         self._token = secrets.token_bytes(TOKEN_BYTES)  # a new run's hops refuse anything of the old one's
-        # addresses only (stage_link.chain_stages), never messages; remote stages are reached by address instead
+        # addresses only (stage_chain.chain_stages), never messages; remote stages are reached by address instead
         pipes = [] if self.remote is not None else [ctx.Pipe() for _ in self.specs]
         self._startups = [parent_end for parent_end, _ in pipes]
         self.processes = [

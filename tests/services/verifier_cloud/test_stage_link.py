@@ -39,18 +39,9 @@ from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel, SplitError
 from shared.net.links import PROFILES, UNSHAPED, LinkProfile, parse_link_spec
 from shared.settings import SettingsError
+from shared.wire.stage_chain import accept_link, bind_listener, connect_link
 from shared.wire.stage_codec import StageCodec, StageLinkError
-from shared.wire.stage_link import (
-    HEADER,
-    MAGIC,
-    LinkPacer,
-    LinkReceiver,
-    LinkSender,
-    accept_link,
-    bind_listener,
-    connect_link,
-    schedule_frame,
-)
+from shared.wire.stage_link import HEADER, MAGIC, LinkPacer, LinkReceiver, LinkSender, schedule_frame
 
 M = 2  # the tiny model has 5 layers: the stages run layers 2, 3, 4
 
