@@ -1,5 +1,5 @@
-"""Connecting the stage transport's hops (shared/wire/stage_link.py): listen, dial, authenticate, and
-wire a chain of stage processes on one host.
+"""Connecting the stage transport's hops: listen, dial, authenticate, and wire a chain of stage
+processes on one host (the frames that then cross each hop: shared/wire/stage_link.py).
 
 Connections are authenticated with a per-pipeline random token the parent
 hands its children at spawn: a connector sends it first; an acceptor drops
