@@ -22,6 +22,7 @@ that is not there yet is retried until the start timeout (Swarm and Kubernetes s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
@@ -77,6 +78,14 @@ class RemoteStages:
     return_host: str  # the host name the last stage dials for it (the verifier's name on the stages' network)
     credential: Callable[[], Awaitable[bytes]]  # a service token for the stages' audience, fresh per wiring
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S  # what a connection to the return listener has to present
+
+    async def wire(self, layers: Sequence[tuple[int, int]], timeout_s: float) -> tuple[socket.socket, socket.socket]:
+        """A fresh credential, then `wire_remote_stages` off the event loop; StageLinkError on any failure."""
+        try:
+            credential = await asyncio.wait_for(self.credential(), timeout_s)
+        except TimeoutError:
+            raise StageLinkError("no credential for the stages within the start timeout") from None
+        return await asyncio.to_thread(wire_remote_stages, self, layers, credential, timeout_s)
 
 
 # -- the control connection: one framed message each way, outside a hop ----------------------------------
