@@ -46,7 +46,8 @@ import torch
 
 from loadgen.bench_core import decode_rate, transformers_rate
 from loadgen.bench_engine import verify_ms
-from loadgen.gpu_checks import cuda_graphs, greedy_check, place_model, prompts_for, served_graphs
+from loadgen.cuda_graph_checks import cuda_graphs, served_graphs
+from loadgen.gpu_checks import greedy_check, place_model, prompts_for
 
 log = logging.getLogger("bench_gpu")
 

@@ -2,7 +2,8 @@
 
 Used by `tophat serve`, `make demo`, the benchmarks and the end-to-end tests. Ports are laid out from one
 base (tophatctl/mesh_ports.py); what runs is a MeshConfig (tophatctl/mesh_config.py); the processes
-share one secret and, with TLS, one CA (tophatctl/mesh_credentials.py); with `supervise` a
+share one secret and, with TLS, one CA (tophatctl/mesh_credentials.py), each only its own service's credentials
+(tophatctl/process_env.py); start() waits until each is ready (tophatctl/mesh_readiness.py); with `supervise` a
 Supervisor (tophatctl/supervisor.py) restarts what dies. Every service is tethered to the launcher
 (shared/processes/lifeline.py): a launcher killed with SIGKILL takes its services with it, ports freed; and a port
 of the layout already in use is refused before anything starts, naming the port and its holder.
@@ -11,15 +12,12 @@ of the layout already in use is refused before anything starts, naming the port 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import ssl
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-
-import httpx
 
 from shared.auth import verify as auth
 from shared.jupiter.plan import EdgePlan
@@ -31,15 +29,15 @@ from tophatctl import mesh_settings
 from tophatctl.certs import DevCerts
 from tophatctl.edge_pipeline import configure_mesh
 from tophatctl.mesh_config import WILDCARD_HOSTS, MeshConfig, MeshStartError, mesh_model_dir
-from tophatctl.mesh_credentials import AUTH_KEYS, SETTINGS_PREFIX, MeshCredentials, OperatorAuth
+from tophatctl.mesh_credentials import MeshCredentials, OperatorAuth
 from tophatctl.mesh_ports import layout, taken_ports
+from tophatctl.mesh_readiness import wait_announced, wait_ready
 from tophatctl.netns import NetnsLink, netns_support, subnet_for_index
+from tophatctl.process_env import process_env
 from tophatctl.service_process import ServiceProcess, start_process, tethered_command
 from tophatctl.supervisor import Supervisor, write_state_file
 
 log = logging.getLogger(__name__)
-
-POLL_S = 0.2  # how often readiness is asked while waiting for a service
 
 
 class Mesh:
@@ -108,30 +106,13 @@ class Mesh:
     ) -> ServiceProcess:
         log_path = self.log_dir / f"{name}.log"
         assert self.tether is not None, "services are spawned by start()"
-        full_env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1",
-            **self.tls_env,
-            **self.config.extra_env,
-            **env,
-            **self.tether.child_env(),
-        }
-        # The mesh's credentials over the caller's environment, under what this mesh's extra_env or this
-        # service's own env sets.
-        # Each process gets only its own service's credentials: a device agent never sees a service's.
-        own = SETTINGS_PREFIX[module]
-        full_env = {
-            k: v
-            for k, v in full_env.items()
-            if not (k.startswith("TOPHAT_") and k.endswith(AUTH_KEYS) and not k.startswith(own))
-        }
-        full_env.update(
-            {
-                k: v
-                for k, v in self.auth_env.items()
-                if k.startswith(own) and k not in self.config.extra_env and k not in env
-            }
+        full_env = process_env(
+            module,
+            env,
+            tls_env=self.tls_env,
+            extra_env=self.config.extra_env,
+            tether_env=self.tether.child_env(),
+            auth_env=self.auth_env,
         )
         command = tethered_command(module, prefix)
         service = ServiceProcess(
@@ -163,52 +144,6 @@ class Mesh:
                 f"cannot start the mesh on {host}: {held}. Stop what holds it or choose another "
                 f"--port-base (this mesh needs ports {', '.join(map(str, ports))})"
             )
-
-    @staticmethod
-    def _check_alive(service: ServiceProcess) -> None:
-        if service.process.poll() is not None:
-            raise MeshStartError(f"{service.name} exited with {service.process.returncode}:\n{service.log_tail()}")
-
-    def _wait_ready(self, services: list[ServiceProcess]) -> None:
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        pending = list(services)
-        with httpx.Client(timeout=2.0, verify=self.client_verify()) as client:
-            while pending:
-                for service in list(pending):
-                    self._check_alive(service)
-                    try:
-                        if client.get(service.ready_url).status_code == 200:
-                            pending.remove(service)
-                    except httpx.HTTPError:
-                        pass
-                if pending and time.monotonic() > deadline:
-                    names = ", ".join(s.name for s in pending)
-                    raise MeshStartError(
-                        f"not ready after {self.config.ready_timeout_s}s: {names}\n{pending[0].log_tail()}"
-                    )
-                if pending:
-                    time.sleep(POLL_S)
-
-    def _wait_announced(self, devices: list[ServiceProcess]) -> None:
-        """Discovery mode: ready when the state monitor lists every device agent."""
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        with httpx.Client(timeout=2.0, verify=self.client_verify()) as client:
-            while True:
-                for service in devices:
-                    self._check_alive(service)
-                try:
-                    listed = client.get(f"{self.config.monitor_url}/devices").json()["devices"]
-                except (httpx.HTTPError, ValueError, KeyError):
-                    listed = []
-                if len(listed) >= len(devices):
-                    self.discovered_urls = [d["url"] for d in listed]
-                    return
-                if time.monotonic() > deadline:
-                    raise MeshStartError(
-                        f"{len(listed)} of {len(devices)} device agents announced after "
-                        f"{self.config.ready_timeout_s}s\n{devices[0].log_tail()}"
-                    )
-                time.sleep(POLL_S)
 
     # -- the services ---------------------------------------------------------------------
     def _spawn_cloud_side(self, model_dir: str, edge_env: dict[str, str]) -> list[ServiceProcess]:
@@ -333,9 +268,11 @@ class Mesh:
             self._make_keys()
             cloud_side = self._spawn_cloud_side(model_dir, self._edge_env())
             if cfg.discover_devices:
-                self._wait_ready(cloud_side)
+                wait_ready(cloud_side, cfg.ready_timeout_s, self.client_verify())
                 devices = [self._spawn_announcing_device(i, model_dir) for i in range(cfg.num_devices)]
-                self._wait_announced(devices)
+                self.discovered_urls = wait_announced(
+                    devices, cfg.monitor_url, cfg.ready_timeout_s, self.client_verify()
+                )
                 streamer = self._spawn_streamer("")
             else:
                 # Agents and the streamer load while the cloud side does: an agent is ready once its verifier
@@ -343,9 +280,9 @@ class Mesh:
                 # more after every agent is ready, probes them all again, so it starts with all of them up.
                 devices = [self._spawn_device(i, model_dir) for i in range(cfg.num_devices)]
                 streamer = self._spawn_streamer(",".join(cfg.device_url(i) for i in range(cfg.num_devices)))
-                self._wait_ready(cloud_side)
-                self._wait_ready(devices)
-            self._wait_ready([streamer])
+                wait_ready(cloud_side, cfg.ready_timeout_s, self.client_verify())
+                wait_ready(devices, cfg.ready_timeout_s, self.client_verify())
+            wait_ready([streamer], cfg.ready_timeout_s, self.client_verify())
             if cfg.supervise:
                 self.supervisor = Supervisor(self, cfg.state_file).start()
             elif cfg.state_file is not None:

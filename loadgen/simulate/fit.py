@@ -5,7 +5,7 @@ What the monitor knows (services/state_monitor/app.py):
 * ``GET /state/cloud`` -> ``{"mu", "g": {"buckets": [{"mu", "eta", "mu_lo", "mu_hi", ...}]}, ...}``:
   g(mu) per log2 bucket, each an EMA (eq. 2) of whole-middle compute seconds (with P > 1
   stages the verifier reports the *sum* of the stages' compute, i.e. exactly what the
-  simulator's g means). Rebuilt with `shared.planning.planners.predictor_from_cloud_state`, so the
+  simulator's g means). Rebuilt with `shared.planning.monitor_plans.predictor_from_cloud_state`, so the
   table is the monotone curve the chunk planner itself uses. ``"step_overhead_s"``: a step's
   wall time beyond its compute (scheduling, thread hop, replies), added to every simulated step.
 * ``GET /state/devices`` -> ``{"devices": [{"device_id", "gamma", "beta_up", "beta_down",
@@ -34,7 +34,7 @@ import urllib.request
 from typing import Any
 
 from loadgen.simulate.calibration import BASES, Calibration, DeviceProfile
-from shared.planning.planners import predictor_from_cloud_state
+from shared.planning.monitor_plans import predictor_from_cloud_state
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ with `source: default:no-bytes-per-token`: the planner never solves eq. 3 for a 
 Each request fetches (monitor_client.py) the state monitor's `GET /state/cloud` (μ and the g(μ)
 bucket table) and `GET /state/device/{id}` (β_up, β_down, γ, age) over HTTP,
 every fetch bounded by `monitor_timeout_s`, and hands the JSON to the pure
-planners in `shared.planning.planners`. When the equations cannot be applied the
+planners in `shared.planning.monitor_plans`. When the equations cannot be applied the
 answer is the configured default and `source` says why:
 
     eq3 / eq6                     the equation, from live telemetry
@@ -21,9 +21,9 @@ answer is the configured default and `source` says why:
     default:no-telemetry          unknown device (404) or no g(μ) data yet
     default:stale                 the device's telemetry is older than `stale_after_s`
     default:missing-beta / default:missing-gamma / default:bad-telemetry /
-    default:no-bytes-per-token    (see shared.planning.planners)
+    default:no-bytes-per-token    (see shared.planning.monitor_plans)
 
-Edge SD (paper 001): `POST /edge-sd/plan` takes a `shared.edge_sd.plan.PlanRequest` body, fetches the
+Edge SD (paper 001): `POST /edge-sd/plan` takes a `shared.edge_sd.plan_inputs.PlanRequest` body, fetches the
 monitor's `GET /state/edge-sd` (measured passes and verdicts, same bound and failure reasons as above, plus
 default:bad-telemetry), runs `plan_round` and keeps the answer as the latest, which `GET /edge-sd/plan`
 serves. A bad request or one whose task alone exceeds the memory budget is a 422.

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from shared.edge_sd.plan import EdgeTelemetry, EdgeTelemetryError
+from shared.edge_sd.plan_inputs import EdgeTelemetry, EdgeTelemetryError
 
 log = logging.getLogger(__name__)
 

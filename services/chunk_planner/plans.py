@@ -9,12 +9,8 @@ from dataclasses import dataclass
 
 from services.chunk_planner.monitor_client import NO_MONITOR, Telemetry
 from services.chunk_planner.settings import Settings
-from shared.planning.planners import (
-    PlannerInputs,
-    hidden_bytes_per_token,
-    plan_draft_steps_from_state,
-    plan_from_state,
-)
+from shared.planning.monitor_plans import PlannerInputs, plan_draft_steps_from_state, plan_from_state
+from shared.planning.planners import hidden_bytes_per_token
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,10 @@ from services.chunk_planner.monitor_client import reported_stages
 from services.chunk_planner.plans import plan_chunk_size, plan_parallel_draft_steps, planner_inputs
 from services.chunk_planner.state import PlannerState, planner_of
 from shared.auth import verify as auth
-from shared.edge_sd.plan import InfeasibleBatchingError, PlanRequest, PlanRequestError, plan_round
+from shared.edge_sd.plan import InfeasibleBatchingError, plan_round
+from shared.edge_sd.plan_inputs import PlanRequest, PlanRequestError
 from shared.planning.draft_budget import BudgetError, BudgetRequest, budget_from_state
-from shared.planning.planners import plan_draft_steps_table_from_state
+from shared.planning.monitor_plans import plan_draft_steps_table_from_state
 from shared.telemetry.metrics import metrics_response
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.edge_sd.plan import PlanDefaults
+from shared.edge_sd.plan_inputs import PlanDefaults
 from shared.service_settings import ServiceSettings
 from shared.settings import from_env
 

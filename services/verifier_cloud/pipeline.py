@@ -1,6 +1,6 @@
 """The main process's end of the stage pipeline: spawn, feed, collect, watch.
 
-`StagePipeline` owns P worker processes (services/verifier_cloud/stages.py), or
+`StagePipeline` owns P worker processes (local_stages.py, each running stages.py), or
 is given the addresses of P stages started on their own (remote_stages.py),
 its two ends of the P+1 TCP hops chaining them (shared/wire/stage_link.py: hop 0
 into stage 0, hop P back from the last stage; the hops between stages belong
@@ -25,13 +25,13 @@ import asyncio
 import itertools
 import logging
 import queue
-import secrets
 import time
 from collections import deque
 from typing import Any
 
+from services.verifier_cloud.local_stages import LocalStages
 from services.verifier_cloud.pipeline_results import DoneCallback, FailCallback, PipelineFailed, PipelineStep
-from services.verifier_cloud.remote_stages import RemoteStages, wire_remote_stages
+from services.verifier_cloud.remote_stages import RemoteStages
 from services.verifier_cloud.scheduler import SchedulerOutput
 from services.verifier_cloud.stages import (
     STAGE_CODEC,
@@ -46,17 +46,14 @@ from services.verifier_cloud.stages import (
     StageItem,
     StageSpec,
     Stop,
-    run_stage,
     to_numpy,
-    worker_context,
 )
 from shared.wire.stage_codec import StageLinkError
-from shared.wire.stage_link import TOKEN_BYTES, LinkReceiver, LinkSender, chain_stages
+from shared.wire.stage_link import LinkReceiver, LinkSender
 
 log = logging.getLogger("services.verifier_cloud.pipeline")
 
 POLL_S = 0.2  # collector slice: how quickly a dead worker or a shutdown is noticed
-ROOT_CAUSE_CHECKS = 20  # x 50 ms: how long a broken hop waits for the stage behind it to be seen dead
 
 
 class StagePipeline:
@@ -89,18 +86,9 @@ class StagePipeline:
         self._spawn()
 
     def _spawn(self) -> None:
-        """Fresh (not yet started) worker processes, each with a startup pipe and this run's token: at
-        construction and on every restart. The hops themselves are wired in start()."""
-        ctx = worker_context()  # spawn, or forked from a fork server that has imported torch once
-        self._token = secrets.token_bytes(TOKEN_BYTES)  # a new run's hops refuse anything of the old one's
-        # addresses only (stage_link.chain_stages), never messages; remote stages are reached by address instead
-        pipes = [] if self.remote is not None else [ctx.Pipe() for _ in self.specs]
-        self._startups = [parent_end for parent_end, _ in pipes]
-        self.processes = [
-            ctx.Process(target=run_stage, args=(spec, child_end, self._token), name=f"verifier-stage-{i}", daemon=True)
-            for i, (spec, (_, child_end)) in enumerate(zip(self.specs, pipes))
-        ]
-        self._child_ends = [child_end for _, child_end in pipes]
+        """Fresh (not yet started) workers, at construction and on every restart; remote stages are reached
+        by address instead. The hops themselves are wired in start()."""
+        self.workers = LocalStages(self.specs, spawn=self.remote is None)
         self.sender: LinkSender | None = None  # hop 0, into stage 0
         self.receiver: LinkReceiver | None = None  # hop P, from the last stage
         self.failure: str | None = None
@@ -112,39 +100,18 @@ class StagePipeline:
     def healthy(self) -> bool:
         return self.started and self.failure is None and not self._closed
 
-    @property
-    def pids(self) -> list[int | None]:
-        return [p.pid for p in self.processes]
-
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         """Spawn the workers and wait (bounded) until every stage has loaded its layers."""
-        for process in self.processes:
-            process.start()
-        for child_end in self._child_ends:
-            child_end.close()  # the children hold their own copies
+        self.workers.start()
         deadline = time.monotonic() + self.start_timeout_s
         try:
             if self.remote is not None:
-                layers = [spec.layers for spec in self.specs]
-                try:
-                    credential = await asyncio.wait_for(self.remote.credential(), self.start_timeout_s)
-                except TimeoutError:
-                    raise StageLinkError("no credential for the stages within the start timeout") from None
-                first, last = await asyncio.to_thread(
-                    wire_remote_stages, self.remote, layers, credential, self.start_timeout_s
-                )
+                first, last = await self.remote.wire([spec.layers for spec in self.specs], self.start_timeout_s)
             else:
-                first, last = await asyncio.to_thread(
-                    chain_stages,
-                    self._startups,
-                    self.specs[0].host,
-                    self._token,
-                    self.start_timeout_s,
-                    self._dead_worker,
-                )
+                first, last = await asyncio.to_thread(self.workers.chain, self.specs[0].host, self.start_timeout_s)
         except StageLinkError as exc:
-            raise await self._abort(f"wiring the stage hops failed: {self._dead_worker() or exc}") from None
+            raise await self._abort(f"wiring the stage hops failed: {self.workers.dead() or exc}") from None
         self.sender = LinkSender(first, STAGE_CODEC, self.specs[0].in_link, "hop 0 (into stage 0)")
         self.receiver = LinkReceiver(
             last, STAGE_CODEC, f"hop {self.num_stages} (back from stage {self.num_stages - 1})"
@@ -157,8 +124,8 @@ class StagePipeline:
             if isinstance(message, StageFailed):
                 raise await self._abort(f"stage {message.stage} failed to start: {message.message}")
             if isinstance(message, StageLinkError):
-                raise await self._abort(await self._root_cause(f"during startup: {message}"))
-            dead = self._dead_worker()
+                raise await self._abort(await self.workers.root_cause(self._hop_closed, f"during startup: {message}"))
+            dead = self.workers.dead()
             if dead is not None:
                 raise await self._abort(f"{dead} during startup")
             if time.monotonic() > deadline:
@@ -200,7 +167,7 @@ class StagePipeline:
                 log.warning("pipeline did not stop within %.0fs; terminating workers", timeout_s)
         if not self._closed:
             await self._reap(grace_s=timeout_s)
-            log.info("pipeline stopped; worker exit codes %s", [p.exitcode for p in self.processes])
+            log.info("pipeline stopped; worker exit codes %s", [p.exitcode for p in self.workers.processes])
 
     async def _reap(self, grace_s: float) -> None:
         if self._closed:
@@ -208,22 +175,12 @@ class StagePipeline:
         self._closed = True
 
         def reap() -> None:
-            for process in self.processes:
-                if process.pid is None:
-                    continue
-                process.join(grace_s)
-                if process.is_alive():
-                    process.terminate()
-                    process.join(2.0)
-                if process.is_alive():
-                    process.kill()
-                    process.join(2.0)
+            self.workers.stop(grace_s)
             if self.sender is not None:
                 self.sender.close(timeout_s=1.0)  # the stages are gone: nothing more reaches them
             if self.receiver is not None:
                 self.receiver.close()
-            for startup in self._startups:
-                startup.close()
+            self.workers.close_pipes()
 
         await asyncio.to_thread(reap)
 
@@ -300,6 +257,9 @@ class StagePipeline:
             log.warning("could not send %s: %s", type(message).__name__, exc)
 
     # -- collecting -----------------------------------------------------------------------
+    def _hop_closed(self) -> bool:
+        return self.receiver is not None and self.receiver.closed
+
     def _poll(self) -> Any:
         """The next message back from the last stage, None if none came in a slice, or the StageLinkError
         of a frame refused or a hop broken."""
@@ -313,23 +273,6 @@ class StagePipeline:
             return None if self._closed else exc  # closed under us during shutdown: not a failure
         except OSError:  # the socket was closed under us during shutdown
             return None
-
-    async def _root_cause(self, link_failure: str) -> str:
-        """A dead stage closes its hops: when a hop broke, name the stage that died if one did. Its
-        sockets close as it exits, a moment before the process can be reaped: look for a short while."""
-        for _ in range(ROOT_CAUSE_CHECKS):
-            if (dead := self._dead_worker()) is not None:
-                return dead
-            if not (self.receiver is not None and self.receiver.closed):
-                break  # a refused frame, not a broken hop: no process died for it
-            await asyncio.sleep(0.05)
-        return link_failure
-
-    def _dead_worker(self) -> str | None:
-        for i, process in enumerate(self.processes):
-            if not process.is_alive():
-                return f"stage {i} worker (pid {process.pid}) exited with code {process.exitcode}"
-        return None
 
     async def run(self) -> None:
         """The collector (an owned task): deliver results and watch the workers until Stop or failure."""
@@ -345,14 +288,14 @@ class StagePipeline:
                 self._stopped.set()
                 return
             elif isinstance(message, StageFailed):
-                await self.fail(self._dead_worker() or f"stage {message.stage} failed: {message.message}")
+                await self.fail(self.workers.dead() or f"stage {message.stage} failed: {message.message}")
             elif isinstance(message, StageLinkError):
-                await self.fail(await self._root_cause(str(message)))
+                await self.fail(await self.workers.root_cause(self._hop_closed, str(message)))
             if self.failure is None and (reason := self._watchdog()) is not None:
                 await self.fail(reason)
 
     def _watchdog(self) -> str | None:
-        dead = self._dead_worker()
+        dead = self.workers.dead()
         if dead is not None:
             return dead
         if self.in_flight:

@@ -1,6 +1,6 @@
 """Pipeline stages started on their own (`tophat stage`), on this host or others, wired by address.
 
-The local pipeline spawns its stages and learns their ports through startup pipes (shared/wire/stage_link.py).
+The local pipeline spawns its stages and learns their ports through startup pipes (shared/wire/stage_chain.py).
 A stage started on its own instead listens on a known `host:port` and holds a known layer range; the
 verifier is given the stages' addresses and wires the same chain over a control connection per stage:
 
@@ -9,7 +9,7 @@ verifier is given the stages' addresses and wires the same chain over a control 
     verifier --hop 0--> stage 0 ... stage P-1 --hop P--> verifier's return listener
 
 Wiring from the last stage back means every stage's downstream is already waiting for it. A stage reads
-every control connection it accepts at once, each within its own `handshake_timeout_s` (shared/wire/stage_link.py's
+every control connection it accepts at once, each within its own `handshake_timeout_s` (shared/wire/stage_handshake.py's
 `accept_first`), so a connection that stays silent does not hold the verifier's out. The control
 connection is authenticated like every other hop of the mesh (a service credential, shared/auth/verify.py: a
 device's credential is refused); the hops themselves present the per-run random token the verifier chose
@@ -22,6 +22,7 @@ that is not there yet is retried until the start timeout (Swarm and Kubernetes s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
@@ -34,19 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.verifier_cloud.stages import StageFailed
+from shared.wire.stage_chain import TOKEN_BYTES, accept_link, bind_listener, connect_link, dial
 from shared.wire.stage_codec import StageCodec, StageLinkError
-from shared.wire.stage_handshake import HANDSHAKE_TIMEOUT_S, accept_first
-from shared.wire.stage_link import (
-    HEADER,
-    MAGIC,
-    TOKEN_BYTES,
-    Address,
-    LinkReceiver,
-    accept_link,
-    bind_listener,
-    connect_link,
-    dial,
-)
+from shared.wire.stage_handshake import HANDSHAKE_TIMEOUT_S, Address, accept_first
+from shared.wire.stage_link import HEADER, MAGIC, LinkReceiver
 
 log = logging.getLogger("services.verifier_cloud.remote_stages")
 
@@ -86,6 +78,14 @@ class RemoteStages:
     return_host: str  # the host name the last stage dials for it (the verifier's name on the stages' network)
     credential: Callable[[], Awaitable[bytes]]  # a service token for the stages' audience, fresh per wiring
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S  # what a connection to the return listener has to present
+
+    async def wire(self, layers: Sequence[tuple[int, int]], timeout_s: float) -> tuple[socket.socket, socket.socket]:
+        """A fresh credential, then `wire_remote_stages` off the event loop; StageLinkError on any failure."""
+        try:
+            credential = await asyncio.wait_for(self.credential(), timeout_s)
+        except TimeoutError:
+            raise StageLinkError("no credential for the stages within the start timeout") from None
+        return await asyncio.to_thread(wire_remote_stages, self, layers, credential, timeout_s)
 
 
 # -- the control connection: one framed message each way, outside a hop ----------------------------------

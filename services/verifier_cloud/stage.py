@@ -32,9 +32,10 @@ from shared.model.split import SplitError
 from shared.processes.memory import return_freed_memory_to_os
 from shared.service_settings import ServiceSettings
 from shared.settings import SettingsError, from_env
+from shared.wire.stage_chain import accept_link, bind_listener, connect_link
 from shared.wire.stage_codec import StageLinkError
 from shared.wire.stage_handshake import HANDSHAKE_TIMEOUT_S
-from shared.wire.stage_link import LinkReceiver, LinkSender, accept_link, bind_listener, connect_link
+from shared.wire.stage_link import LinkReceiver, LinkSender
 
 log = logging.getLogger("services.verifier_cloud.stage")
 

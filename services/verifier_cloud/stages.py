@@ -40,8 +40,9 @@ from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 from shared.model.split import LayerRange
 from shared.net.links import UNSHAPED, LinkProfile
 from shared.planning.device_speed import DeviceSpeed
+from shared.wire.stage_chain import join_chain
 from shared.wire.stage_codec import StageCodec, StageLinkError
-from shared.wire.stage_link import LinkReceiver, LinkSender, join_chain
+from shared.wire.stage_link import LinkReceiver, LinkSender
 
 log = logging.getLogger("services.verifier_cloud.stages")
 

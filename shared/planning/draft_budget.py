@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.planning.ema import Ema
-from shared.planning.planners import PlannerInputs, positive_field, usable_state
+from shared.planning.monitor_plans import PlannerInputs, positive_field, usable_state
 
 MAX_OPTIONS = 32
 # shared.wire.schema.MAX_TREE_ROWS (no frame carries more), written out: importing shared.wire.schema loads torch, which

@@ -18,13 +18,8 @@ from services.chunk_planner.settings import Settings, load_settings
 from services.state_monitor.app import create_app as create_monitor
 from services.state_monitor.settings import load_settings as load_monitor_settings
 from shared.planning.compute_delay import ComputeDelayPredictor
-from shared.planning.planners import (
-    chunk_size_eq3,
-    hidden_bytes_per_token,
-    parallel_draft_steps_eq6,
-    plan_draft_steps_from_state,
-    plan_from_state,
-)
+from shared.planning.monitor_plans import plan_draft_steps_from_state, plan_from_state
+from shared.planning.planners import chunk_size_eq3, hidden_bytes_per_token, parallel_draft_steps_eq6
 from shared.processes.redis_server import free_port
 from shared.settings import SettingsError
 

@@ -16,7 +16,7 @@ from services.chunk_planner.settings import load_settings
 from services.state_monitor.app import create_app as create_monitor
 from shared.auth import verify as auth
 from shared.auth.signing import KeyRing
-from shared.edge_sd.plan import PlanDefaults
+from shared.edge_sd.plan_inputs import PlanDefaults
 from shared.edge_sd.runtime import RuntimeModel
 from shared.processes.redis_server import EmbeddedRedis, free_port
 from shared.settings import SettingsError

@@ -17,7 +17,7 @@ from services.state_monitor.records import EDGE_SD_KEYS
 from services.state_monitor.settings import load_settings
 from shared.auth import verify as auth
 from shared.auth.signing import KeyRing
-from shared.edge_sd.plan import EdgeTelemetry
+from shared.edge_sd.plan_inputs import EdgeTelemetry
 from shared.processes.redis_server import EmbeddedRedis
 from shared.settings import SettingsError
 from tests.auth_tools import bearer

@@ -70,7 +70,7 @@ async def verifiers(tiny_llama_dir):
         for p, (server, task) in tasks.items():
             stops[p].set()
             await asyncio.wait_for(task, 30)
-            assert all(not proc.is_alive() for proc in server.pipeline.processes)
+            assert all(not proc.is_alive() for proc in server.pipeline.workers.processes)
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +362,7 @@ async def test_a_dead_worker_makes_the_verifier_unready_until_the_stages_are_res
         async with connect(running.url) as ws:
             await open_sessions(ws, checkpoint, 71)
             await roundtrip(ws, wire.PrefillChunk(71, 1, 0, True, torch.randn(4, hidden)))
-            os.kill(pipeline.pids[1], signal.SIGKILL)
+            os.kill(pipeline.workers.pids[1], signal.SIGKILL)
             reply = await roundtrip(ws, wire.VerifyRequest(71, 2, 4, torch.randn(2, hidden)))
             assert isinstance(reply, wire.ErrorFrame) and reply.code == wire.ErrorCode.INTERNAL
             # The session's KV died with the worker: the device is told, the session is closed.
@@ -373,14 +373,14 @@ async def test_a_dead_worker_makes_the_verifier_unready_until_the_stages_are_res
             assert isinstance(refused, wire.ErrorFrame) and refused.code == wire.ErrorCode.OVERLOADED
         ready = await http.get(f"{running.http}/readyz")
         assert ready.status_code == 503 and "stage 1 worker" in ready.text
-        old_pids = pipeline.pids
+        old_pids = pipeline.workers.pids
         observed.set()
         for _ in range(1200):  # bounded: the restart spawns P processes that load the checkpoint
             if (await http.get(f"{running.http}/readyz")).status_code == 200:
                 break
             await asyncio.sleep(0.1)
         assert (await http.get(f"{running.http}/readyz")).status_code == 200
-    assert pipeline.restarts == 1 and not set(old_pids) & set(pipeline.pids)
+    assert pipeline.restarts == 1 and not set(old_pids) & set(pipeline.workers.pids)
     # Served again, exactly, by the new workers; the lost session is unknown to them.
     async with connect(running.url) as ws:
         reply = await roundtrip(ws, wire.VerifyRequest(71, 3, 4, torch.randn(2, hidden)))

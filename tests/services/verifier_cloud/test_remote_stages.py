@@ -154,7 +154,9 @@ def device_cloud(checkpoint, issuer: str, port: int) -> WebSocketCloud:
 @pytest.mark.slow
 async def test_independent_stage_processes_answer_like_the_whole_model(verifier, tiny_llama_dir, issuer):
     server, port = verifier
-    assert server.pipeline is not None and server.pipeline.remote is not None and server.pipeline.processes == []
+    assert (
+        server.pipeline is not None and server.pipeline.remote is not None and server.pipeline.workers.processes == []
+    )
     checkpoint = load_checkpoint(tiny_llama_dir, with_tokenizer=False)
     prompts = [[(7 * i + j) % 200 + 1 for j in range(5 + 4 * i)] for i in range(3)]
     cloud = device_cloud(checkpoint, issuer, port)

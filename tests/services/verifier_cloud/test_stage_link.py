@@ -39,18 +39,9 @@ from shared.model.checkpoint import load_checkpoint
 from shared.model.split import MiddleSubmodel, SplitError
 from shared.net.links import PROFILES, UNSHAPED, LinkProfile, parse_link_spec
 from shared.settings import SettingsError
+from shared.wire.stage_chain import accept_link, bind_listener, connect_link
 from shared.wire.stage_codec import StageCodec, StageLinkError
-from shared.wire.stage_link import (
-    HEADER,
-    MAGIC,
-    LinkPacer,
-    LinkReceiver,
-    LinkSender,
-    accept_link,
-    bind_listener,
-    connect_link,
-    schedule_frame,
-)
+from shared.wire.stage_link import HEADER, MAGIC, LinkPacer, LinkReceiver, LinkSender, schedule_frame
 
 M = 2  # the tiny model has 5 layers: the stages run layers 2, 3, 4
 
@@ -401,7 +392,7 @@ def test_a_batch_hop_0_refused_is_not_left_in_flight():
     finally:
         pipeline.sender.close(timeout_s=1.0)
         downstream.close()
-        for end in pipeline._startups + pipeline._child_ends:
+        for end in pipeline.workers.startups + pipeline.workers.child_ends:
             end.close()
 
 
@@ -426,7 +417,7 @@ async def lan_pipeline(tiny_llama_dir):
     collector = collect(pipeline)  # Stop comes back through it
     await pipeline.aclose()
     await asyncio.wait_for(collector, 10)
-    assert [process.exitcode for process in pipeline.processes] == [0, 0]  # stopped in order, not terminated
+    assert [process.exitcode for process in pipeline.workers.processes] == [0, 0]  # stopped in order, not terminated
 
 
 _collectors: dict[int, asyncio.Task] = {}

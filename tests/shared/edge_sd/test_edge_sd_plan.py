@@ -10,15 +10,14 @@ import pytest
 
 from shared.edge_sd.bandwidth import upload_times
 from shared.edge_sd.batching import EdgeCosts, dp_batching, max_batching
-from shared.edge_sd.plan import (
+from shared.edge_sd.plan import InfeasibleBatchingError, plan_round
+from shared.edge_sd.plan_inputs import (
     MAX_TASKS,
     EdgeTelemetry,
     EdgeTelemetryError,
-    InfeasibleBatchingError,
     PlanDefaults,
     PlanRequest,
     PlanRequestError,
-    plan_round,
 )
 from shared.edge_sd.runtime import ModelShape, RuntimeModel
 from shared.specdec.picospec_model import alpha_from_verdicts

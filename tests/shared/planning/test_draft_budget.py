@@ -26,7 +26,7 @@ from shared.planning.draft_budget import (
     predicted_rates,
     round_seconds,
 )
-from shared.planning.planners import PlannerInputs
+from shared.planning.monitor_plans import PlannerInputs
 from tests.conftest import REPO_ROOT
 from tests.services.chunk_planner.test_chunk_planner import monitor, planner_settings, post, running
 

@@ -11,16 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.planning.compute_delay import ComputeDelayPredictor
+from shared.planning.monitor_plans import (
+    PlannerInputs,
+    plan_draft_steps_from_state,
+    plan_from_state,
+    predictor_from_cloud_state,
+)
 from shared.planning.planners import (
     CHUNK_ALIGN,
-    PlannerInputs,
     chunk_size_eq3,
     eq3_gap,
     hidden_bytes_per_token,
     parallel_draft_steps_eq6,
-    plan_draft_steps_from_state,
-    plan_from_state,
-    predictor_from_cloud_state,
 )
 from shared.planning.state_model import CloudState
 
