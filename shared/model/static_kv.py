@@ -88,10 +88,11 @@ class StaticKVPool:
         self.capacity, self.slots = capacity, slots
         self.scratch = slots  # the padding rows' slot (static_pass.py); never handed to a session
         shape = (slots + 1, num_kv_heads, capacity, head_dim)
+        # Zeros, not torch.empty: every row a pass may read beyond a session's length (padding, the scratch slot)
+        # is a finite number, never leftover memory that could hold a NaN; the pool is preallocated anyway.
         with torch.inference_mode():  # as the growable caches are: inference tensors, written in inference mode
-            self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self._zero(self.scratch)
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
         self._lock = threading.Lock()  # sessions open and close on the event loop and in worker threads
 
