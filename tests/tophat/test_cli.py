@@ -184,7 +184,7 @@ CORE = {
     "--help",
 }
 BENCH_OPTIONS = {  # each bench's options, exactly: its own and none of another bench's
-    "serve": MESH_BENCH | LOAD | {"--workload", "--modes", "--rtt-ms", "--baseline", "--dtype"},
+    "serve": MESH_BENCH | LOAD | {"--workload", "--modes", "--rtt-ms", "--baseline", "--dtype", "--repeats"},
     "ablation": MESH_BENCH | LOAD | {"--rtt-ms", "--dtype"},
     "sim-check": MESH_BENCH | LOAD | {"--workload", "--modes"},
     "disco": MESH_BENCH
