@@ -211,15 +211,20 @@ class RowLayout:
         if tree is None:
             return cls(rows, causal_blocks(past, rows, device))
         shared = tree.base // CHUNK * CHUNK
-        committed = torch.arange(shared, tree.base)
-        own = [torch.cat([committed, tree.base + row.nonzero()[:, 0].cpu()]) for row in tree.visible]
-        tail_width = padded_length(max(len(rows_seen) for rows_seen in own))
+        committed = tree.base - shared  # rows shared..base-1: seen by every row, at the front of its tail
+        visible = tree.visible.cpu()  # [n, W]
+        counts = visible.sum(dim=1)  # [n]: the tree rows each row sees
+        most = int(counts.max())
+        # each row's seen tree rows, in increasing order: a stable sort puts the seen columns first, in order
+        columns = torch.argsort((~visible).to(torch.int8), dim=1, stable=True)[:, :most]  # [n, most]
+        used = torch.arange(most)[None, :] < counts[:, None]  # [n, most]
+        tail_width = padded_length(committed + most)
         tails = torch.zeros(rows, tail_width, dtype=torch.int64)  # padding reads row 0: masked, any finite row
+        tails[:, :committed] = torch.arange(shared, tree.base)
+        tails[:, committed : committed + most] = torch.where(used, tree.base + columns, 0)
         seen = torch.zeros(rows, shared + tail_width, dtype=torch.bool)
-        seen[:, :shared] = True
-        for i, rows_seen in enumerate(own):
-            tails[i, : len(rows_seen)] = rows_seen
-            seen[i, shared : shared + len(rows_seen)] = True
+        seen[:, : tree.base] = True
+        seen[:, tree.base : tree.base + most] = used
         block = RowBlock(0, rows, shared + tail_width, _bias(seen).to(device))
         return cls(rows, (block,), shared, tails.to(device))
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.model.tree_rows import TreeRows, ancestor_mask_from_parents
+from shared.model.tree_rows import TreeRows
 from shared.specdec.draft import Draft
 from shared.specdec.drafting import Drafting
 from shared.specdec.sampling import logits_to_probs
@@ -37,23 +37,45 @@ from shared.specdec.verify_layout import VerifyLayout
 
 @dataclass
 class GrownTree:
-    """Every node grown this round (node 0: the pending token), before the best are kept."""
+    """Every node grown this round (node 0: the pending token), before the best are kept.
+
+    The nodes that ran sit in the device caches' tree region in run order (their region rows). Each region row
+    keeps what it sees as bits of a Python int (itself and its ancestors) and its depth, so a pass's tree attention
+    and positions are two small tensors made in one go; its shallow and adapter states go to buffers sized for the
+    round's most rows, written a pass at a time and read with one index."""
 
     tokens: list[int]
     parents: list[int]
     scores: list[float]  # cumulative draft log-probability (greedy) or minus the creation index (sampled)
     log_q: list[float]  # cumulative draft log-probability, both ways: when growing stops
     region_row: list[int | None]  # the node's row in the device caches after commit_len (None: not run)
-    shallow: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> [H]
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> [H] adapter state
+    shallow: torch.Tensor  # [R, H]: each region row's shallow state
+    hidden: torch.Tensor  # [R, H]: each region row's adapter state (rows of leaves never run through it: unset)
+    seen: list[int] = field(default_factory=lambda: [1])  # per region row: bit j set = it sees region row j
+    depth: list[int] = field(default_factory=lambda: [0])  # per region row (the root's: 0)
     q: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> [V]: what its children were drawn from
-    run_order: list[int] = field(default_factory=list)  # nodes in cache row order
+
+    @classmethod
+    def rooted(cls, token: int, rows: int, shallow: torch.Tensor, hidden: torch.Tensor) -> "GrownTree":
+        """A tree of its root alone (its shallow and adapter states [1, H]), with room for `rows` region rows."""
+        buffers = (shallow.new_empty(rows, shallow.shape[-1]), hidden.new_empty(rows, hidden.shape[-1]))
+        tree = cls([token], [-1], [0.0], [0.0], [0], *buffers)
+        tree.shallow[0], tree.hidden[0] = shallow[0], hidden[0]
+        return tree
+
+    @property
+    def runs(self) -> int:
+        """Region rows filled so far."""
+        return len(self.seen)
 
     def row_of(self, node: int) -> int:
         row = self.region_row[node]
         if row is None:
             raise ValueError(f"tree node {node} has not been run")  # a parent always runs before its children
         return row
+
+    def rows_of(self, nodes: list[int]) -> list[int]:
+        return [self.row_of(node) for node in nodes]
 
     def add(self, token: int, parent: int, log_q: float, score: float) -> int:
         self.tokens.append(token)
@@ -62,6 +84,20 @@ class GrownTree:
         self.scores.append(score)
         self.region_row.append(None)
         return len(self.tokens) - 1
+
+    def place(self, nodes: list[int], base: int) -> TreeRows:
+        """Give the nodes (whose parents have run) the next region rows: their tree attention and positions."""
+        first = self.runs
+        for node in nodes:
+            parent_row, row = self.row_of(self.parents[node]), self.runs
+            self.region_row[node] = row
+            self.seen.append(self.seen[parent_row] | 1 << row)  # what its parent sees, and itself
+            self.depth.append(self.depth[parent_row] + 1)
+        stop = self.runs
+        seen = [[bits >> j & 1 for j in range(stop)] for bits in self.seen[first:]]
+        visible = torch.tensor(seen, dtype=torch.bool)  # [n, stop]
+        # built here, in topological order: TreeRows.for_rows's checks of an arbitrary mask are not needed
+        return TreeRows(base, visible, torch.tensor([base + depth for depth in self.depth[first:]]))
 
 
 @dataclass
@@ -85,34 +121,28 @@ class TreeDrafting(Drafting):
     def _run_nodes(self, tree: GrownTree, nodes: list[int], base: int, adapter: bool = True) -> None:
         """The nodes (whose parents have run) through the input layers and, unless they are leaves that will
         never be expanded (`adapter=False`), the adapter: one pass each."""
-        first = len(tree.run_order)
-        tree.run_order.extend(nodes)
-        for offset, node in enumerate(nodes):
-            tree.region_row[node] = first + offset
-        region_parents = [-1] + [tree.row_of(tree.parents[node]) for node in tree.run_order[1:]]
-        rows = TreeRows.for_rows(base, ancestor_mask_from_parents(region_parents), first)
+        first = tree.runs
+        rows = tree.place(nodes, base)
+        stop = tree.runs
         ids = torch.tensor([tree.tokens[node] for node in nodes])
         shallow = self.model.input(ids, self.input_cache, rows)  # [n, H]
-        for offset, node in enumerate(nodes):
-            tree.shallow[node] = shallow[offset]
+        tree.shallow[first:stop] = shallow
         if not adapter:
             return
-        prev = torch.cat([tree.hidden[tree.parents[node]][None] for node in nodes])  # [n, H]: parents' states
+        prev = tree.hidden[tree.rows_of([tree.parents[node] for node in nodes])]  # [n, H]: parents' states
         assert self.adapter_cache is not None  # trees are drafted only with an adapter
-        hidden = self._run_adapter(self.adapter_cache, shallow, ids, prev, rows)  # [n, H]
-        for offset, node in enumerate(nodes):
-            tree.hidden[node] = hidden[offset]
+        tree.hidden[first:stop] = self._run_adapter(self.adapter_cache, shallow, ids, prev, rows)  # [n, H]
 
     def _expand(self, tree: GrownTree, nodes: list[int], round_start: int) -> list[int]:
         """Children for each node (top-k greedy, or drawn without replacement from q); the new nodes."""
         width = self.draft_config.tree_width
-        hidden = torch.stack([tree.hidden[node] for node in nodes])  # [n, H]
+        hidden = tree.hidden[tree.rows_of(nodes)]  # [n, H]
         created = []
         if self.params.is_greedy:
             logp, vocab = self.model.draft_log_probs(hidden)  # [n, N]: the draft vocabulary's columns only
             best = logp.topk(min(width, logp.shape[-1]), dim=-1)  # each node's children, most likely first
-            for node, values, columns in zip(nodes, best.values.tolist(), best.indices.tolist()):
-                tokens = vocab[columns].tolist() if vocab is not None else columns
+            ids = vocab[best.indices] if vocab is not None else best.indices  # [n, width]: token ids
+            for node, values, tokens in zip(nodes, best.values.tolist(), ids.tolist()):
                 for token, value in zip(tokens, values):
                     created.append(tree.add(token, node, value, tree.log_q[node] + value))
         else:
@@ -129,12 +159,14 @@ class TreeDrafting(Drafting):
         started = time.perf_counter()
         assert self.pending_token is not None and self.adapter_cache is not None  # draft() checked
         base, config = self.commit_len, self.draft_config
-        tree = GrownTree([self.pending_token], [-1], [0.0], [0.0], [None])
+        depth_budget = self._draft_budget()
         root = torch.tensor([self.pending_token])
         shallow = self.model.input(root, self.input_cache)  # [1, H]: the root row, causal like a chain's
-        tree.hidden[0] = self._run_adapter(self.adapter_cache, shallow, root, self._prev_feature)[0]
-        tree.shallow[0], tree.region_row[0], tree.run_order = shallow[0], 0, [0]
-        frontier, depth_budget, steps = [0], self._draft_budget(), 1
+        hidden = self._run_adapter(self.adapter_cache, shallow, root, self._prev_feature)  # [1, H]
+        # region rows: the root, at most tree_width expanded nodes per level below the last, the kept leaves
+        rows = 1 + config.tree_width * depth_budget + config.tree_nodes
+        tree = GrownTree.rooted(self.pending_token, rows, shallow, hidden)
+        frontier, steps = [0], 1
         for depth in range(1, depth_budget + 1):
             created = self._expand(tree, frontier, base)
             if depth == depth_budget or not created:
@@ -180,14 +212,13 @@ class TreeDrafting(Drafting):
             vocab = self.model.vocab_size
             # q per frame row: the distribution its children were drawn from (zeros: a node not expanded)
             probs = torch.stack([tree.q.get(node, torch.zeros(vocab)) for node in kept])  # [N, V]
-        region_rows = [tree.region_row[node] for node in kept]
-        assert all(row is not None for row in region_rows)  # every kept node was run
-        self._tree_round = TreeRound([int(row) for row in region_rows if row is not None], tree.hidden[0][None])
+        region_rows = tree.rows_of(kept)  # every kept node was run
+        self._tree_round = TreeRound(region_rows, tree.hidden[:1].clone())
         return Draft(
             commit_len=base,
             tokens=[tree.tokens[node] for node in kept[1:]],
             probs=probs,
-            shallow=torch.stack([tree.shallow[node] for node in kept]),  # [N, H]
+            shallow=tree.shallow[region_rows],  # [N, H]
             layout=VerifyLayout(tuple(parents[1:]) or None, self._take_kept()),
         )
 

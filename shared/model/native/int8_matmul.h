@@ -121,6 +121,76 @@ inline void dot_rows(const int16_t* x, const float* x_scales, const float* x_sum
   for (int r = 0; r < R; ++r) sums[r] += low[r];
 }
 
+// dot_rows for B activation rows at once (x, x_scales, x_sums: each row's): a group's weights are loaded and
+// widened once for all B rows instead of once per row, the step a multi-row call (a tree level's head, the
+// adapter over its frontier) repeats most. Every (activation row, weight row) pair takes dot_rows' own steps in
+// the same order, so each sum has its bits, however many rows the call has. sums: [B][R]
+template <int R, int B>
+inline void dot_rows_batch(const int16_t* const* x, const float* const* x_scales, const float* const* x_sums,
+                           const int8_t* rows, const float* scales, int64_t in, float* sums) {
+  Lanes acc[B * R] = {};
+  float low[B * R] = {};
+  const int64_t groups = in / kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t k = g * kGroup;
+#if defined(__AVX512BW__)
+    __m512i codes[B];
+    for (int b = 0; b < B; ++b) codes[b] = _mm512_loadu_si512(x[b] + k);  // 32 int16 each
+#endif
+    for (int r = 0; r < R; ++r) {
+      const int8_t* weights = rows + r * in + k;
+      if (g % 2 == 0) __builtin_prefetch(weights + kPrefetch);
+      const float* pair = scales + 2 * (r * groups + g);
+#if defined(__AVX512BW__)
+      const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights)));
+#endif
+      for (int b = 0; b < B; ++b) {
+        const float step = pair[0] * x_scales[b][g];
+        low[b * R + r] = std::fma(pair[1], x_sums[b][g], low[b * R + r]);
+#if defined(__AVX512BW__)
+        const __m512 products = _mm512_cvtepi32_ps(_mm512_madd_epi16(codes[b], wide));
+        acc[b * R + r] = _mm512_fmadd_ps(products, _mm512_set1_ps(step), acc[b * R + r]);
+#else
+        for (int64_t l = 0; l < kTile; ++l) {
+          const int32_t both = static_cast<int32_t>(x[b][k + 2 * l]) * weights[2 * l] +
+                               static_cast<int32_t>(x[b][k + 2 * l + 1]) * weights[2 * l + 1];
+          acc[b * R + r][l] = std::fma(static_cast<float>(both), step, acc[b * R + r][l]);
+        }
+#endif
+      }
+    }
+  }
+  static_assert(B * R == 16, "lane_sums16 reduces 16 accumulators");
+  lane_sums16(acc, sums);
+  for (int i = 0; i < B * R; ++i) sums[i] += low[i];
+}
+
+// activation rows m.. of `rows` as B-row batches against one full block of kRows weight rows (n..): B * R = 16
+// accumulators per call, kRows / R calls; returns the first row left for dot_rows
+template <int B>
+inline int64_t batched_rows(const int16rows::Rows& rows_in, int64_t m, int64_t batch, int64_t in, const int8_t* w,
+                            const float* s, int64_t n, int64_t out_features, float* o) {
+  constexpr int R = kRows / B;
+  const int64_t groups = in / kGroup;
+  for (; m + B <= batch; m += B) {
+    const int16_t* codes[B];
+    const float* code_scales[B];
+    const float* code_sums[B];
+    for (int b = 0; b < B; ++b) {
+      codes[b] = rows_in.codes.data() + (m + b) * in;
+      code_scales[b] = rows_in.scales.data() + (m + b) * groups;
+      code_sums[b] = rows_in.sums.data() + (m + b) * groups;
+    }
+    for (int64_t part = 0; part < kRows; part += R) {
+      float sums[B * R];
+      dot_rows_batch<R, B>(codes, code_scales, code_sums, w + (n + part) * in, s + 2 * (n + part) * groups, in, sums);
+      for (int b = 0; b < B; ++b)
+        for (int r = 0; r < R; ++r) o[(m + b) * out_features + n + part + r] = sums[b * R + r];
+    }
+  }
+  return m;
+}
+
 // x [M, K] float32 or bfloat16, weight int8 [N, K], scales and mins float [N, K / 32, 2] -> float [M, N]
 inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2, "weight: int8 [N, K]");
@@ -143,7 +213,12 @@ inline at::Tensor matmul(const at::Tensor& x, const at::Tensor& weight, const at
   at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       const int64_t n = block * kRows, rows = std::min<int64_t>(kRows, out_features - n);
-      for (int64_t m = 0; m < batch; ++m) {
+      int64_t first = 0;  // rows before it went through batched_rows
+      if (rows == kRows) {
+        first = batched_rows<4>(rows_in, first, batch, in, w, s, n, out_features, o);
+        first = batched_rows<2>(rows_in, first, batch, in, w, s, n, out_features, o);
+      }
+      for (int64_t m = first; m < batch; ++m) {
         float sums[kRows];
         const int16_t* codes = rows_in.codes.data() + m * in;
         const float* code_scales = rows_in.scales.data() + m * groups;

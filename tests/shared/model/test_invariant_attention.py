@@ -19,6 +19,7 @@ from shared.model.checkpoint import load_checkpoint
 from shared.model.invariant_attention import (
     CHUNK,
     ROW_BLOCK,
+    RowLayout,
     attend,
     attend_paths,
     causal_blocks,
@@ -182,6 +183,31 @@ def test_tree_rows_equal_their_path_decoded_alone(base, parents, seed):
         seen = list(range(base)) + [base + j for j in path]
         alone = decode_row(queries[:, :, i], keys[:, seen], values[:, seen])
         assert torch.equal(out[:, :, i], alone), (i, path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    base=st.integers(0, 150),
+    parents=st.lists(st.integers(-1, 40), min_size=1, max_size=40).map(
+        lambda raw: [min(p, i - 1) if i else -1 for i, p in enumerate(raw)]
+    ),
+    first=st.integers(0, 39),
+)
+def test_a_tree_pass_layout_reads_each_row_its_committed_rows_then_its_path(base, parents, first):
+    """RowLayout.build for tree rows (the rows from `first` on; earlier ones already cached): row i's tail is
+    the committed rows past the shared chunks, then its path's region rows in order; its bias is 0 exactly there."""
+    first = min(first, len(parents) - 1)
+    tree = TreeRows.for_rows(base, ancestor_mask_from_parents(parents), first)
+    layout = RowLayout.build(base + first, tree.n, tree, "cpu")
+    shared = base // CHUNK * CHUNK
+    assert layout.shared == shared and layout.tails is not None
+    bias = layout.blocks[0].bias  # [n, shared + tail width]
+    for i, path in enumerate(tree_paths(parents)[first:]):
+        own = list(range(shared, base)) + [base + j for j in path]
+        assert layout.tails[i, : len(own)].tolist() == own
+        assert bool((layout.tails[i, len(own) :] == 0).all())  # padding reads row 0, masked
+        assert bool((bias[i, : shared + len(own)] == 0).all())
+        assert bool((bias[i, shared + len(own) :] == float("-inf")).all())
 
 
 @given(parts=st.integers(1, 9), zeros=st.integers(0, 9), seed=st.integers(0, 2**16))

@@ -136,7 +136,10 @@ def q8_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.Ten
     return weight, scales, dense.view(out_features, in_features)
 
 
-@pytest.mark.parametrize("rows, out_features, in_features", [(1, 49152 // 64, 576), (5, 13, 64), (3, 4, 32)])
+# 7 rows of whole 16-row weight blocks: 4 at once, then 2, then 1 (int8_matmul.h's batched_rows)
+@pytest.mark.parametrize(
+    "rows, out_features, in_features", [(1, 49152 // 64, 576), (5, 13, 64), (3, 4, 32), (7, 48, 64), (12, 40, 96)]
+)
 def test_the_native_int8_product_is_the_int16_rows_exact_one_and_each_row_its_own(rows, out_features, in_features):
     weight, scales, dense = q8_weight(out_features, in_features, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
