@@ -17,6 +17,7 @@ import logging
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from services.token_streamer.router import DeviceError, DeviceState, Router
@@ -46,6 +47,13 @@ class QueueTimeout(DeviceError):
         )
 
 
+@dataclass
+class QueueTicket:
+    """One request's place in the counts across its turns in the queue."""
+
+    queued: bool = False  # counted in Admission.queued
+
+
 class Admission:
     """FCFS hand-out of device slots; every method runs on the event loop (no locks needed)."""
 
@@ -67,11 +75,13 @@ class Admission:
         """Requests holding a device slot (being started or generating), on every device, retired ones included."""
         return sum(device.outstanding for device in self.router.devices)
 
-    async def acquire(self, deadline: float, *, front: bool = False) -> DeviceState:
+    async def acquire(self, deadline: float, *, front: bool = False, ticket: QueueTicket | None = None) -> DeviceState:
         """A device with one slot taken for the caller, in arrival order.
 
         `deadline` is on `time.monotonic()`. `front` puts a request that already had its
         turn (the device then said busy) back at the head, so it keeps its place.
+        `ticket` is the request's own across its turns: it is counted in `queued` the first time it waits, whether
+        it waits on arrival or only after a device of unknown capacity said busy (without one, every wait counts).
         Raises DeviceError 503 `no_device_available` when no device is healthy at all
         (waiting would not help), QueueFull or QueueTimeout."""
         if not self._waiters or front:
@@ -83,12 +93,7 @@ class Admission:
         if len(self._waiters) >= self.max_waiting and not front:
             self.rejected_full += 1
             raise QueueFull(len(self._waiters), self.retry_after_s())
-        waiter: asyncio.Future[DeviceState] = asyncio.get_running_loop().create_future()
-        if front:
-            self._waiters.appendleft(waiter)
-        else:
-            self._waiters.append(waiter)
-            self.queued += 1
+        waiter = self._enqueue(front, ticket)
         granted = False
         try:
             while not waiter.done():
@@ -115,6 +120,19 @@ class Admission:
                 waiter.cancel()
                 self._waiters.remove(waiter)
                 self.pump()  # the new head may be served now rather than at its next poll
+
+    def _enqueue(self, front: bool, ticket: QueueTicket | None) -> asyncio.Future[DeviceState]:
+        """A waiter in line (at its head for a request that had its turn), counted once per request."""
+        waiter: asyncio.Future[DeviceState] = asyncio.get_running_loop().create_future()
+        if front:
+            self._waiters.appendleft(waiter)
+        else:
+            self._waiters.append(waiter)
+        if ticket is None or not ticket.queued:
+            self.queued += 1
+            if ticket is not None:
+                ticket.queued = True
+        return waiter
 
     def _take(self) -> DeviceState | None:
         device = self.router.pick(free_only=True)

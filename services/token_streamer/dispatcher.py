@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from services.token_streamer.admission import Admission
+from services.token_streamer.admission import Admission, QueueTicket
 from services.token_streamer.device_stream import DeviceStream, optional_int, parse_event_line
 from services.token_streamer.router import DeviceError, DeviceState
 
@@ -74,9 +74,9 @@ class Dispatcher:
             raise DeviceError(503, "no_device_configured", "no device agents are configured")
         started = time.monotonic()
         deadline = started + self.admission.timeout_s
-        had_turn = False
+        had_turn, ticket = False, QueueTicket()
         while True:
-            device = await self.admission.acquire(deadline, front=had_turn)
+            device = await self.admission.acquire(deadline, front=had_turn, ticket=ticket)
             waited_s = time.monotonic() - started
             had_turn = True
             try:
