@@ -47,10 +47,12 @@ async def test_more_requests_than_slots_all_complete_first_come_first_served(lea
     async with mesh(dev) as url, httpx.AsyncClient(timeout=30) as http:
         if learn_capacity:  # a probe reads max_sessions from /info: the streamer then never overfills
             assert (await http.get(f"{url}/readyz")).status_code == 200
-        tasks = [asyncio.create_task(post(http, url, f"p{i}", max_tokens=5)) for i in range(2)]
-        async with asyncio.timeout(5):
-            while dev.active < 2:
-                await asyncio.sleep(0.01)
+        tasks = []
+        for i in range(2):  # each one on the device before the next is sent: p0 is admitted first
+            tasks.append(asyncio.create_task(post(http, url, f"p{i}", max_tokens=5)))
+            async with asyncio.timeout(5):
+                while dev.active < i + 1:
+                    await asyncio.sleep(0.01)
         for i in range(2, 10):  # each one queued before the next is sent: a defined arrival order
             tasks.append(asyncio.create_task(post(http, url, f"p{i}", max_tokens=5)))
             await wait_for_queue(http, url, i - 1)
