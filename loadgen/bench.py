@@ -291,8 +291,12 @@ def plot_modes(out: Path, workload: str, results: dict[tuple[str, float], dict],
         for mode, mode_rate in results:
             if mode_rate != rate:
                 continue
-            with open(out / workload / mode / f"rate-{rate:g}" / "requests.csv") as handle:
-                rows = [r for r in csv.DictReader(handle) if r["ok"] in ("True", "true", "1")]
+            rate_dir = out / workload / mode / f"rate-{rate:g}"
+            rows = []
+            # one run's requests, or every repeat's pooled (`--repeats`: rate-R/repeat-N/requests.csv)
+            for path in sorted(rate_dir.glob("requests.csv")) + sorted(rate_dir.glob("repeat-*/requests.csv")):
+                with open(path) as handle:
+                    rows += [r for r in csv.DictReader(handle) if r["ok"] in ("True", "true", "1")]
             for ax, column in ((ax_ttft, "ttft_ms"), (ax_decode, "decode_sla_ms")):
                 values = sorted(float(r[column]) for r in rows if r[column] not in ("", "nan"))
                 if values:

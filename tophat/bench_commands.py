@@ -29,7 +29,9 @@ DEVICES = typer.Option(2, help="device agents")
 NUM_REQUESTS = typer.Option(16, help="requests per mode and rate")
 MAX_NEW_TOKENS = typer.Option(32, help="tokens to generate per request")
 SEED = typer.Option(0)
-DTYPE = typer.Option("auto", help="every mesh's verifier and device agents: auto (f32 on a CPU), int4, int8, bf16, f32")
+DTYPE = typer.Option(
+    "auto", help="every mesh's verifier and device agents: auto (int4 on a CPU, bf16 on CUDA), int4, int8, bf16, f32"
+)
 REPEATS = typer.Option(
     1, help="run the modes this many times in alternating order (A B, B A, ...) and pool their requests", min=1
 )

@@ -56,7 +56,8 @@ def serve(
         "--dtype",
         envvar="TOPHAT_DTYPE",
         show_envvar=True,
-        help="weights in the verifier and the devices: auto (f32 on a CPU) | "
+        help="weights in the verifier and the devices: "
+        "auto (int4 on a CPU, $TOPHAT_CPU_DTYPE names another; bf16 on CUDA) | "
         "f32 | bf16 | int8 | int4 (int8/int4: the CPU's fast decode, make bench-engine)",
     ),
     prompt_chunking: bool = typer.Option(True, "--prompt-chunking/--no-prompt-chunking", help="PC switch"),

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.model.native_build import native_module
+
 log = logging.getLogger(__name__)
 
 # What `auto` runs on a CPU: the fastest dtype whose answers pass make bench-engine's quality gate against f32
@@ -42,9 +44,15 @@ CPU_DEFAULT = "int4"
 CPU_DEFAULT_ENV = "TOPHAT_CPU_DTYPE"
 
 
-def cpu_default() -> str:
-    """What `auto` means on a CPU in this process: $TOPHAT_CPU_DTYPE if set, else CPU_DEFAULT."""
-    spec = os.environ.get(CPU_DEFAULT_ENV, "").strip() or CPU_DEFAULT
+# What `auto` runs on a CPU where the native layers are not built (`make native`; the container images have no
+# compiler): int4/int8 then compute in plain torch ops, many times slower than float32's GEMM
+CPU_DEFAULT_WITHOUT_NATIVE = "f32"
+
+
+def cpu_default(native_layers: bool = True) -> str:
+    """What `auto` means on a CPU in this process: $TOPHAT_CPU_DTYPE if set, else CPU_DEFAULT where the native
+    layers are built (`native_layers`), else CPU_DEFAULT_WITHOUT_NATIVE."""
+    spec = os.environ.get(CPU_DEFAULT_ENV, "").strip() or (CPU_DEFAULT if native_layers else CPU_DEFAULT_WITHOUT_NATIVE)
     if parse_dtype_spec(spec) is None:
         raise UnknownDtypeError(f"{CPU_DEFAULT_ENV} must name a dtype, not {spec!r}")
     return spec
@@ -203,13 +211,23 @@ def detect_placement(device_spec: str, dtype_spec: str, *, what: str = "model") 
     device = resolve_device(device_spec, available, count)
     # Capability is asked only once a GPU is chosen: it initialises CUDA in this process.
     bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    native_layers = True
+    if device.type == "cpu" and parse_dtype_spec(dtype_spec) is None:
+        native_layers = native_module() is not None
+        if not native_layers and not os.environ.get(CPU_DEFAULT_ENV, "").strip():
+            log.warning(
+                "%s placement: the native int4/int8 layers are not built here (make native), so auto runs %s: "
+                "int4 in plain torch ops would be many times slower",
+                what,
+                CPU_DEFAULT_WITHOUT_NATIVE,
+            )
     placement = resolve_placement(
         device_spec,
         dtype_spec,
         cuda_available=available,
         device_count=count,
         bf16_supported=bf16,
-        cpu_auto=cpu_default(),
+        cpu_auto=cpu_default(native_layers),
     )
     for warning in placement.warnings:
         log.warning("%s placement: %s", what, warning)

@@ -12,6 +12,7 @@ from loadgen.bench import (
     format_table,
     link_with_rtt,
     modes_for,
+    plot_modes,
     pooled,
     save_table,
 )
@@ -82,3 +83,17 @@ def test_the_table_shows_each_repeats_ratio():
     }
     table = format_table(results, "ushape", "t")
     assert "hat @ 1: TBT/base per repeat 0.50x 1.50x" in table
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_plots_read_every_repeats_requests(tmp_path, repeats):
+    """With --repeats each run's requests.csv is under rate-R/repeat-N/; the plot pools them as the table does."""
+    header = "ok,ttft_ms,decode_sla_ms\n"
+    for mode in ("ushape", "hat"):
+        rate_dir = tmp_path / "specbench" / mode / "rate-1"
+        dirs = [rate_dir / f"repeat-{n}" for n in range(repeats)] if repeats > 1 else [rate_dir]
+        for run_dir in dirs:
+            run_dir.mkdir(parents=True)
+            (run_dir / "requests.csv").write_text(header + "True,120.5,300\nFalse,,\nTrue,98.0,nan\n")
+    (written,) = plot_modes(tmp_path, "specbench", {("ushape", 1.0): {}, ("hat", 1.0): {}}, "bench-specbench")
+    assert written.name == "bench-specbench-rate-1.png" and written.stat().st_size > 0

@@ -39,6 +39,21 @@ def test_without_cuda_auto_and_cpu_resolve_to_the_cpu_default_int4_weights(spec)
     assert place(spec, "f32").quantize is None  # an explicit dtype is what it says
 
 
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_auto_on_a_cpu_is_int4_only_where_the_native_layers_load(monkeypatch, caplog, native):
+    """Without the native layers int4 would run in plain torch ops (the container images build none), so auto
+    falls back to float32 there and says why; $TOPHAT_CPU_DTYPE still names what auto is."""
+    monkeypatch.delenv("TOPHAT_CPU_DTYPE", raising=False)
+    monkeypatch.setattr("shared.model.placement.native_module", lambda: object() if native == "on" else None)
+    with caplog.at_level("WARNING", logger="shared.model.placement"):
+        placement = detect_placement("cpu", "auto")
+    assert placement.quantize == ("int4" if native == "on" else None) and placement.dtype is torch.float32
+    assert ("make native" in caplog.text) == (native == "off")
+    monkeypatch.setenv("TOPHAT_CPU_DTYPE", "int8")
+    assert detect_placement("cpu", "auto").quantize == "int8"
+    assert detect_placement("cpu", "int4").quantize == "int4"  # an explicit dtype is what it says
+
+
 def test_auto_picks_the_first_gpu_and_bfloat16_where_supported():
     assert place("auto", **TWO_GPUS) == resolve_placement("cuda:0", "bfloat16", bf16_supported=True, **TWO_GPUS)
     placement = place("auto", **TWO_GPUS)
