@@ -1,9 +1,9 @@
 """Draft trees against chains, side by side in one run (part of `make bench-core`; printed, never asserted).
 
-For each node budget (0: HAT's chain, stopped by eta) on the same held-out prompts, through the
-in-process middle with an emulated round trip per cloud call: tokens per round (accept length), the
-accepted depth histogram, drafting ms per round, decode ms per token; and the verify pass's cost by
-node count (the middle once over the tree's rows with tree attention, after a 128-token context).
+For each node budget (0: HAT's chain, stopped by eta) on the same held-out prompts, every budget on a prompt
+before the next one, through the in-process middle with an emulated round trip per cloud call: tokens per round
+(accept length), the accepted depth histogram, drafting ms per round, decode ms per token; and the verify pass's
+cost by node count (the middle once over the tree's rows with tree attention, after a 128-token context).
 A cloud-only row is HAT's cloud baseline on the same prompts: the whole model per token, one round trip each.
 Greedy outputs are checked token-identical to the chain's, the cloud's included.
 
@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,34 +67,47 @@ def cloud_decode(checkpoint, prompts: list[list[int]], max_new_tokens: int, rtt_
     return 1e3 * decode_s / max(decoded, 1), outputs
 
 
+@dataclass
+class ShapeRun:
+    """One node budget's rounds over the prompts so far."""
+
+    lengths: list[int] = field(default_factory=list)
+    depths: Counter[int] = field(default_factory=Counter)
+    draft_s: float = 0.0
+    decode_s: float = 0.0
+    decoded: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def add(self, session: DeviceSession, result) -> None:
+        self.outputs.append(result.token_ids)
+        self.lengths += result.accept_lengths
+        self.depths.update(accepted for _, accepted in session.verdicts)
+        self.draft_s += sum(seconds for seconds, _ in session.draft_seconds)
+        self.decode_s += result.wall_s - result.ttft_s
+        self.decoded += len(result.token_ids) - 1
+
+
 def compare_budgets(checkpoint, device, middle, prompts, budgets, args) -> dict:
-    rows = {}
-    chain_tokens = None
-    for nodes in budgets:
-        config = DraftConfig(args.eta, args.max_draft, nodes, args.tree_width, args.tree_min_prob)
-        lengths: list[int] = []
-        depths: Counter[int] = Counter()
-        draft_s = decode_s = 0.0
-        decoded = 0
-        outputs = []
-        for index, ids in enumerate(prompts):
+    runs = {nodes: ShapeRun() for nodes in budgets}
+    for index, ids in enumerate(prompts):
+        # every shape on this prompt before the next prompt, first shape rotated per prompt: a drift in this
+        # machine's load falls on every shape alike, not on whichever shape ran in a slow minute
+        turn = index % len(budgets)
+        for nodes in budgets[turn:] + budgets[:turn]:
+            config = DraftConfig(args.eta, args.max_draft, nodes, args.tree_width, args.tree_min_prob)
             session = DeviceSession(device, ids, draft_config=config, max_new_tokens=args.max_new_tokens)
             result = asyncio.run(generate(session, DelayedCloud(middle, args.rtt_ms / 1e3), session_id=index + 1))
-            outputs.append(result.token_ids)
-            lengths += result.accept_lengths
-            depths.update(accepted for _, accepted in session.verdicts)
-            draft_s += sum(seconds for seconds, _ in session.draft_seconds)
-            decode_s += result.wall_s - result.ttft_s
-            decoded += len(result.token_ids) - 1
-        if chain_tokens is None:
-            chain_tokens = outputs
+            runs[nodes].add(session, result)
+    chain_tokens = runs[budgets[0]].outputs
+    rows: dict = {}
+    for nodes, run in runs.items():
         rows[nodes] = {
-            "identical_to_chain": outputs == chain_tokens,
-            "rounds": len(lengths),
-            "mean_accept_length": round(statistics.fmean(lengths), 3),
-            "accepted_depth_histogram": dict(sorted(depths.items())),
-            "draft_ms_per_round": round(1e3 * draft_s / len(lengths), 1),
-            "decode_ms_per_token": round(1e3 * decode_s / max(decoded, 1), 1),
+            "identical_to_chain": run.outputs == chain_tokens,
+            "rounds": len(run.lengths),
+            "mean_accept_length": round(statistics.fmean(run.lengths), 3),
+            "accepted_depth_histogram": dict(sorted(run.depths.items())),
+            "draft_ms_per_round": round(1e3 * run.draft_s / len(run.lengths), 1),
+            "decode_ms_per_token": round(1e3 * run.decode_s / max(run.decoded, 1), 1),
             "verify_pass_ms": round(tree_verify_ms(middle, checkpoint.hidden_size, max(nodes, 1), args.tree_width), 2),
         }
     cloud_ms, cloud_tokens = cloud_decode(checkpoint, prompts, args.max_new_tokens, args.rtt_ms / 1e3)
