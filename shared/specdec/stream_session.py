@@ -149,7 +149,7 @@ class StreamSession(DeviceSession):
         hidden = self._advance()
         while self.advanced < len(self.seq):  # token mode after a bonus: the last draft and the bonus both wait
             hidden = self._advance()
-        drafted = self._record_draft(self.model.output(hidden)[0])
+        drafted = self._record_draft(self.model.draft_logits(hidden)[0])  # [V]: the draft head, as HAT's rounds draft
         self.draft_seconds.append((time.perf_counter() - started, 1))
         return drafted
 
