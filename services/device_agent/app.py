@@ -136,6 +136,7 @@ async def generate(request: GenerateRequest, service: Service):
     agent, settings = service.loaded, service.settings
     if agent.active >= settings.max_sessions:
         return error_response(503, "busy", f"device {settings.device_id} is serving {agent.active} sessions")
+    request = _served_as(agent, settings, request)
     try:
         ids, session, shape = _prepared_session(agent, settings, request)
     except Refused as refused:
@@ -151,6 +152,21 @@ async def generate(request: GenerateRequest, service: Service):
     admission = agent.admit(session)  # given back however the client goes away, even before the first event
     request_id = request.request_id or uuid.uuid4().hex
     return AdmittedStream(agent.stream(request, ids, session, request_id, admission, shape), admission)
+
+
+def _served_as(agent: DeviceAgent, settings: Settings, request: GenerateRequest) -> GenerateRequest:
+    """hat-async is HAT's chain rounds plus drafting ahead while a chain is verified: where the draft budget has
+    this device on another shape now (no drafts on a loaded verifier, a tree where rows are cheap), HAT's own
+    rounds serve the request, as measured by the budget (the done event's stats say mode hat). A request that
+    names its shape, or a seeded sampled one (its answer must not depend on the load), keeps hat-async."""
+    if request.option("mode", settings) != "hat-async" or request.draft_shape is not None:
+        return request
+    if request.seed is not None and request.temperature > 0:
+        return request
+    shape, chosen_by = agent.current_shape()
+    if chosen_by != "budget" or shape == "chain":
+        return request
+    return request.model_copy(update={"mode": "hat"})
 
 
 def _prepared_session(

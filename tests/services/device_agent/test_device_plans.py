@@ -375,3 +375,34 @@ async def test_peek_never_waits_but_keeps_the_plan_current() -> None:
     measured = plans.peek()
     assert measured is not None and not measured.provisional
     await plans.aclose()
+
+
+async def test_hat_async_is_served_by_hats_rounds_where_the_budget_runs_no_chain(tiny_llama_checkpoint) -> None:
+    """hat-async drafts chains ahead: where the budget has the device on no drafts (a loaded verifier) or a tree,
+    HAT's rounds serve it (its fallback, measured by the budget) with the same greedy answer; on a chain it runs
+    its own pipeline, as do a request naming its shape and a seeded sampled one."""
+    planner, clock = FakePlanner(), Clock()
+    planner.shape = "none"
+    async with planned_agent(tiny_llama_checkpoint, planner, clock, draft_budgets="none,chain") as (
+        settings,
+        agent,
+        http,
+    ):
+
+        async def served(**extra) -> tuple[str, list[int]]:
+            body = {"prompt_ids": list(range(3, 30)), "max_new_tokens": 8, "mode": "hat-async", **extra}
+            response = await asyncio.wait_for(http.post("/generate", json=body), 30)
+            events = [json.loads(line) for line in response.text.splitlines()]
+            assert events[-1]["type"] == "done", events[-1]
+            return events[-1]["stats"]["mode"], [t for e in events if e["type"] == "tokens" for t in e["token_ids"]]
+
+        await asyncio.wait_for(agent.plans.refresh(), 5)
+        mode, as_hat = await served()
+        assert mode == "hat" and agent.budget.stats["none"].accept.count == 1  # measured as the budget's shape
+        assert (await served(draft_shape="chain"))[0] == "hat-async"
+        assert (await served(temperature=0.8, seed=3))[0] == "hat-async"
+        planner.shape = "chain"
+        clock.now += settings.plan_refresh_s + 1
+        await asyncio.wait_for(agent.plans.refresh(), 5)
+        mode, as_async = await served()
+        assert mode == "hat-async" and as_async == as_hat
