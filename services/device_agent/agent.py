@@ -54,6 +54,7 @@ log = logging.getLogger("services.device_agent")
 READINESS_INTERVAL_S = 1.0
 READINESS_TIMEOUT_S = 5.0
 REFUSED_RECHECK_S = 10.0
+ASYNC_RETRY_EVERY = 10  # hat-async measured slower than HAT's chains: it still serves one request in this many
 
 
 class DeviceAgent:
@@ -101,6 +102,7 @@ class DeviceAgent:
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
         shapes = settings.budget_shapes() if settings.chunk_planner_url else []  # the planner chooses among them
         self.budget = BudgetTracker(shapes) if shapes else None  # each draft shape's measurements (draft_budget.py)
+        self.async_fallbacks = 0  # hat-async requests HAT's chain rounds served, since hat-async measured slower
         self.plans = plan_cache(self.http, settings, self.bytes_per_token, self.model.context_length, self.budget)
         # An edge pipeline's first stage cuts prompts by the plan's sub-sequence table (Jupiter §IV-B2).
         self.edge_plan = (
@@ -246,6 +248,8 @@ class DeviceAgent:
             self._report_timings(session, request_slowdown)
             if shape is not None and self.budget is not None:
                 self._observe_budget(shape, session, request_slowdown, latency_stats.mean_tbt_s(timeline))
+            elif spec.name == "hat-async" and self.budget is not None and not session.degraded:
+                self._observe_async(latency_stats.mean_tbt_s(timeline))
 
     def _done_event(
         self,
@@ -345,6 +349,29 @@ class DeviceAgent:
         if trial is None and tbt_s and plan is not None and shape in plan.modelled:
             # the plan now in the cache: its model saw about the load this request ran under
             self.budget.observe_speed(shape, plan.modelled[shape], 1.0 / tbt_s)
+
+    def _observe_async(self, tbt_s: float | None) -> None:
+        """A hat-async request ran its own pipeline while the budget had chains: its speed against the chain's
+        round model (hat-async's k, compared with the chain's by `serves_async`)."""
+        plan = self.plans.peek() if self.plans is not None else None
+        if self.budget is None or not tbt_s or plan is None or plan.shape != "chain":
+            return
+        if "chain" in plan.modelled:
+            self.budget.observe_async_speed(plan.modelled["chain"], 1.0 / tbt_s)
+
+    def serves_async(self) -> bool:
+        """Whether a hat-async request runs its own pipeline (else HAT's rounds in the budget's shape): only on
+        chains, and unless it measured slower than HAT's chain rounds; then one request in ASYNC_RETRY_EVERY
+        still runs it, so its measurement follows the load."""
+        shape, chosen_by = self.current_shape()
+        if chosen_by != "budget" or self.budget is None:
+            return True
+        if shape != "chain":
+            return False
+        if self.budget.async_pays() is not False:
+            return True
+        self.async_fallbacks += 1
+        return self.async_fallbacks % ASYNC_RETRY_EVERY == 0
 
     async def aclose(self) -> None:
         if self.edge is not None:

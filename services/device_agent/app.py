@@ -156,17 +156,15 @@ async def generate(request: GenerateRequest, service: Service):
 
 def _served_as(agent: DeviceAgent, settings: Settings, request: GenerateRequest) -> GenerateRequest:
     """hat-async is HAT's chain rounds plus drafting ahead while a chain is verified: where the draft budget has
-    this device on another shape now (no drafts on a loaded verifier, a tree where rows are cheap), HAT's own
-    rounds serve the request, as measured by the budget (the done event's stats say mode hat). A request that
-    names its shape, or a seeded sampled one (its answer must not depend on the load), keeps hat-async."""
+    this device on another shape now (no drafts on a loaded verifier, a tree where rows are cheap), or hat-async
+    measured slower than HAT's chain rounds (`DeviceAgent.serves_async`), HAT's own rounds serve the request
+    (the done event's stats say mode hat). A request that names its shape, or a seeded sampled one (its answer
+    must not depend on the load), keeps hat-async."""
     if request.option("mode", settings) != "hat-async" or request.draft_shape is not None:
         return request
     if request.seed is not None and request.temperature > 0:
         return request
-    shape, chosen_by = agent.current_shape()
-    if chosen_by != "budget" or shape == "chain":
-        return request
-    return request.model_copy(update={"mode": "hat"})
+    return request if agent.serves_async() else request.model_copy(update={"mode": "hat"})
 
 
 def _prepared_session(

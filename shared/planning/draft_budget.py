@@ -178,6 +178,7 @@ class BudgetTracker:
             raise BudgetError("a budget tracker needs at least one draft shape")
         self.stats = {name: ShapeStats() for name in self.shapes}
         self.tried: set[str] = set()
+        self.async_slowdown = Ema()  # hat-async's k: its requests' speed against the chain's round model
 
     def observe(self, name: str, accept_lengths: list[int], rows_per_round: float, draft_s_per_round: float) -> None:
         """One request's rounds in shape `name` (a request with no rounds says nothing)."""
@@ -192,13 +193,23 @@ class BudgetTracker:
         """One request's decoding speed in shape `name` against what the planner's round model gave it: a sample
         of k_s (modelled over measured, clamped to SLOWDOWN_RANGE). Non-positive or non-finite figures say
         nothing."""
-        if name not in self.stats:
-            return
-        figures = (modelled_tokens_per_s, measured_tokens_per_s)
-        if not all(math.isfinite(x) and x > 0 for x in figures):
-            return
-        low, high = SLOWDOWN_RANGE
-        self.stats[name].slowdown.update(min(high, max(low, modelled_tokens_per_s / measured_tokens_per_s)))
+        sample = slowdown_sample(modelled_tokens_per_s, measured_tokens_per_s)
+        if name in self.stats and sample is not None:
+            self.stats[name].slowdown.update(sample)
+
+    def observe_async_speed(self, chain_modelled_tokens_per_s: float, measured_tokens_per_s: float) -> None:
+        """One hat-async request's speed against the chain's round model (its rounds are chains, drafted ahead)."""
+        sample = slowdown_sample(chain_modelled_tokens_per_s, measured_tokens_per_s)
+        if sample is not None:
+            self.async_slowdown.update(sample)
+
+    def async_pays(self) -> bool | None:
+        """Whether hat-async's drafting ahead measured no slower than HAT's own chain rounds (its k no larger than
+        the chain's); None until both are measured."""
+        chain = self.stats["chain"].slowdown.value if "chain" in self.stats else None
+        if self.async_slowdown.value is None or chain is None:
+            return None
+        return self.async_slowdown.value <= chain
 
     def _drafting_slowdown(self) -> float:
         """k of a drafting shape never measured: the mean of the measured drafting shapes' (their drafting shares
@@ -254,6 +265,16 @@ class BudgetTracker:
                 slowdown = drafting_slowdown if shape.max_draft > 0 else 1.0
             out.append(BudgetOption(name, max(1.0, accept), rows, draft_s, slowdown))
         return out
+
+
+def slowdown_sample(modelled_tokens_per_s: float, measured_tokens_per_s: float) -> float | None:
+    """k from one request: modelled over measured tokens/s, clamped to SLOWDOWN_RANGE; None from non-positive or
+    non-finite figures."""
+    figures = (modelled_tokens_per_s, measured_tokens_per_s)
+    if not all(math.isfinite(x) and x > 0 for x in figures):
+        return None
+    low, high = SLOWDOWN_RANGE
+    return min(high, max(low, modelled_tokens_per_s / measured_tokens_per_s))
 
 
 def predicted_rates(rates: Any, shapes: Mapping[str, Any]) -> dict[str, float]:

@@ -305,3 +305,21 @@ def test_the_planner_answers_the_round_models_rates_beside_its_choice() -> None:
     _, _, detail = budget_from_state(cloud, device, inputs, slowed, "chain")
     for name, modelled in detail["modelled_tokens_per_s"].items():
         assert math.isclose(detail["tokens_per_s"][name], modelled / 2.0, rel_tol=1e-3)
+
+
+def test_hat_async_pays_only_while_it_measures_no_slower_than_the_chain():
+    """hat-async's k is its requests' speed against the chain's round model; it pays while that k is no larger than
+    HAT's chain rounds' own; unknown until both are measured, and bad figures say nothing."""
+    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain")])
+    assert tracker.async_pays() is None
+    tracker.observe_async_speed(10.0, 8.0)  # k 1.25
+    assert tracker.async_pays() is None  # the chain's k is not measured yet
+    tracker.observe_speed("chain", 10.0, 10.0)  # k 1.0
+    assert tracker.async_pays() is False
+    tracker.observe_async_speed(10.0, float("nan"))
+    tracker.observe_async_speed(-1.0, 5.0)
+    assert tracker.async_slowdown.count == 1
+    for _ in range(20):
+        tracker.observe_async_speed(10.0, 12.0)  # k 0.83: faster than the chain's rounds now
+    assert tracker.async_pays() is True
+    assert BudgetTracker([DraftShape.parse("none", 8)]).async_pays() is None  # no chain to compare with
