@@ -168,6 +168,7 @@ class Settings(ServiceSettings):
     def validate(self) -> None:
         super().validate()  # auth, logging, TLS (shared/service_settings.py)
         reject_first(
+            (not 0 <= self.port <= 65535, f"port out of range: {self.port}"),
             (self.split_layers < 1, "split_layers must be >= 1"),
             (
                 self.max_frame_bytes < 1024 or self.max_batch_tokens < 1 or self.max_sessions < 1,

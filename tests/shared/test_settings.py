@@ -54,3 +54,18 @@ def test_several_files_later_ones_override_and_the_environment_overrides_all(tmp
     assert from_env(Example, "EX_", {SETTINGS_FILE_VAR: listed, "EX_NAME": "env"}).name == "env"
     with pytest.raises(SettingsError, match="missing.env"):
         from_env(Example, "EX_", {SETTINGS_FILE_VAR: f"{tunables},{tmp_path / 'missing.env'}"})
+
+
+SERVICES = ("chunk_planner", "device_agent", "state_monitor", "token_streamer", "verifier_cloud")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_every_service_refuses_a_port_out_of_range(service):
+    """A port past 65535 is a settings error naming it, not an OverflowError when the socket binds."""
+    import importlib
+
+    settings = importlib.import_module(f"services.{service}.settings")
+    for port in ("65536", "99999", "-1"):
+        with pytest.raises(SettingsError, match=f"port out of range: {port}"):
+            settings.load_settings({f"{settings.ENV_PREFIX}PORT": port})
+    assert settings.load_settings({f"{settings.ENV_PREFIX}PORT": "65535"}).port == 65535
