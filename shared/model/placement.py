@@ -229,6 +229,13 @@ def detect_placement(device_spec: str, dtype_spec: str, *, what: str = "model") 
         bf16_supported=bf16,
         cpu_auto=cpu_default(native_layers),
     )
+    if placement.quantize and placement.device.type == "cpu" and native_layers and native_module() is None:
+        log.warning(
+            "%s placement: %s weights without the native layers (make native) compute in plain torch ops, several "
+            "times slower than f32",
+            what,
+            placement.quantize,
+        )
     for warning in placement.warnings:
         log.warning("%s placement: %s", what, warning)
     log.info("%s runs on %s (device=%s dtype=%s)", what, placement, device_spec, dtype_spec)

@@ -51,7 +51,10 @@ def test_auto_on_a_cpu_is_int4_only_where_the_native_layers_load(monkeypatch, ca
     assert ("make native" in caplog.text) == (native == "off")
     monkeypatch.setenv("TOPHAT_CPU_DTYPE", "int8")
     assert detect_placement("cpu", "auto").quantize == "int8"
-    assert detect_placement("cpu", "int4").quantize == "int4"  # an explicit dtype is what it says
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="shared.model.placement"):
+        assert detect_placement("cpu", "int4").quantize == "int4"  # an explicit dtype is what it says
+    assert ("plain torch ops" in caplog.text) == (native == "off")  # and says what it costs
 
 
 def test_auto_picks_the_first_gpu_and_bfloat16_where_supported():
