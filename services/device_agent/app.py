@@ -164,6 +164,9 @@ def _served_as(agent: DeviceAgent, settings: Settings, request: GenerateRequest)
         return request
     if request.seed is not None and request.temperature > 0:
         return request
+    # what hat-async refuses (no drafting, a keep or a fork) it still refuses: HAT's rounds would serve it
+    if request.keep or request.fork is not None or not request.option("speculative", settings):
+        return request
     return request if agent.serves_async() else request.model_copy(update={"mode": "hat"})
 
 

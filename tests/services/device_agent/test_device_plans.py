@@ -402,6 +402,9 @@ async def test_hat_async_is_served_by_hats_rounds_where_the_budget_runs_no_chain
         assert mode == "hat" and agent.budget.stats["none"].accept.count == 1  # measured as the budget's shape
         assert (await served(draft_shape="chain"))[0] == "hat-async"
         assert (await served(temperature=0.8, seed=3))[0] == "hat-async"
+        for refused in ({"speculative": False}, {"keep": True}):  # what hat-async refuses, it still refuses
+            body = {"prompt_ids": list(range(3, 30)), "max_new_tokens": 8, "mode": "hat-async", **refused}
+            assert (await asyncio.wait_for(http.post("/generate", json=body), 30)).status_code == 400
         planner.shape = "chain"
         clock.now += settings.plan_refresh_s + 1
         await asyncio.wait_for(agent.plans.refresh(), 5)
