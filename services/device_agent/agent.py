@@ -366,18 +366,17 @@ class DeviceAgent:
         shape, chosen_by = self.current_shape()
         if chosen_by != "budget" or self.budget is None:
             return True
-        if shape == "chain" and self.budget.async_pays() is not False:
-            return True
         if shape == "chain":
+            if self.budget.async_pays() is not False:
+                return True
             self.async_fallbacks += 1
             if self.async_fallbacks % ASYNC_RETRY_EVERY == 0:
                 return True
-        chain = self.budget.stats["chain"].slowdown.value if "chain" in self.budget.stats else None
         log.info(
             "hat-async request served by HAT's rounds: budget shape %s, k hat-async %s, k chain %s",
             shape,
             self.budget.async_slowdown.value,
-            chain,
+            self.budget.measured_slowdown("chain"),
         )
         return False
 

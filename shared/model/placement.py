@@ -211,16 +211,14 @@ def detect_placement(device_spec: str, dtype_spec: str, *, what: str = "model") 
     device = resolve_device(device_spec, available, count)
     # Capability is asked only once a GPU is chosen: it initialises CUDA in this process.
     bf16 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-    native_layers = True
-    if device.type == "cpu" and parse_dtype_spec(dtype_spec) is None:
-        native_layers = native_module() is not None
-        if not native_layers and not os.environ.get(CPU_DEFAULT_ENV, "").strip():
-            log.warning(
-                "%s placement: the native int4/int8 layers are not built here (make native), so auto runs %s: "
-                "int4 in plain torch ops would be many times slower",
-                what,
-                CPU_DEFAULT_WITHOUT_NATIVE,
-            )
+    native_layers = device.type != "cpu" or native_module() is not None
+    if not native_layers and parse_dtype_spec(dtype_spec) is None and not os.environ.get(CPU_DEFAULT_ENV, "").strip():
+        log.warning(
+            "%s placement: the native int4/int8 layers are not built here (make native), so auto runs %s: "
+            "int4 in plain torch ops would be many times slower",
+            what,
+            CPU_DEFAULT_WITHOUT_NATIVE,
+        )
     placement = resolve_placement(
         device_spec,
         dtype_spec,
@@ -229,7 +227,7 @@ def detect_placement(device_spec: str, dtype_spec: str, *, what: str = "model") 
         bf16_supported=bf16,
         cpu_auto=cpu_default(native_layers),
     )
-    if placement.quantize and placement.device.type == "cpu" and native_layers and native_module() is None:
+    if placement.quantize and not native_layers:
         log.warning(
             "%s placement: %s weights without the native layers (make native) compute in plain torch ops, several "
             "times slower than f32",

@@ -203,10 +203,14 @@ class BudgetTracker:
         if sample is not None:
             self.async_slowdown.update(sample)
 
+    def measured_slowdown(self, name: str) -> float | None:
+        """Shape `name`'s measured k (None: not measured, or not one of this device's shapes)."""
+        return self.stats[name].slowdown.value if name in self.stats else None
+
     def async_pays(self) -> bool | None:
         """Whether hat-async's drafting ahead measured no slower than HAT's own chain rounds (its k no larger than
         the chain's); None until both are measured."""
-        chain = self.stats["chain"].slowdown.value if "chain" in self.stats else None
+        chain = self.measured_slowdown("chain")
         if self.async_slowdown.value is None or chain is None:
             return None
         return self.async_slowdown.value <= chain
