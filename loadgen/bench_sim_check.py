@@ -14,14 +14,16 @@ import dataclasses
 import io
 from contextlib import redirect_stdout
 from pathlib import Path
+from typing import Any
 
 from loadgen.bench import loadgen_options, modes_for
 from loadgen.load_run import run_load_test
 from loadgen.simulate.calibration import Calibration, demo_calibration
-from loadgen.simulate.fit import from_telemetry
+from loadgen.simulate.fit import cloud_state, from_telemetry
 from loadgen.simulate.modes import SimMode, parse_modes
 from loadgen.simulate.report import compare_with_real
 from loadgen.simulate.run import SimConfig, simulate_grid
+from services.device_agent.settings import load_settings
 from shared.model.checkpoint import read_config
 from shared.net.links import parse_link_spec, scaled_for_hidden
 from shared.runtime import DEFAULT_SPLIT_LAYERS
@@ -30,8 +32,11 @@ from tophatctl.mesh_config import MeshConfig
 from tophatctl.mesh_ports import find_port_base
 
 
-def calibrate_from_mesh(monitor_url: str, link: str, model_dir: str) -> Calibration:
-    """The simulator's calibration from the mesh's telemetry, with bandwidth from the link's setting.
+def calibrate_from_mesh(
+    monitor_url: str, link: str, model_dir: str, cloud_before: dict[str, Any] | None = None
+) -> Calibration:
+    """The simulator's calibration from the mesh's telemetry, with bandwidth from the link's setting, and g(mu)
+    from the verifier's steps since `cloud_before` (the monitor's /state/cloud before the run) where given.
 
     The devices' probes measure the same link (tests/services/verifier_cloud/test_verifier.py: within 15%), but a probe
     is a handful of samples taken while idle; the setting is what the emulation enforces
@@ -59,7 +64,7 @@ def calibrate_from_mesh(monitor_url: str, link: str, model_dir: str) -> Calibrat
             )
         ],
     )
-    cal = from_telemetry(monitor_url, base=base)
+    cal = from_telemetry(monitor_url, base=base, cloud_before=cloud_before)
     devices = [
         dataclasses.replace(d, beta_up=profile.uplink_bytes_s, beta_down=profile.downlink_bytes_s) for d in cal.devices
     ]
@@ -82,6 +87,12 @@ def accept_dist_from_run(cal: Calibration, requests_csv: Path) -> Calibration:
     longest = max(counts)
     dist: list[float] = [counts.get(n, 0) for n in range(1, longest + 1)]
     return dataclasses.replace(cal, accept_dist=dist, notes=[*cal.notes, f"accept_dist from the run: {dist}"])
+
+
+def simulated_mode(mode: str) -> str:
+    """The simulator's mode for a real one: hat's rounds are shaped by the draft budget wherever the devices run it
+    (their default), so the simulator's hat-budget, which calls the same budget, is what hat ran."""
+    return "hat-budget" if mode == "hat" and load_settings().budget_shapes() else mode
 
 
 def sim_vs_real(
@@ -121,11 +132,12 @@ def sim_vs_real(
                     mesh.redis_url,
                     model_dir,
                 )
+                before = cloud_state(config.monitor_url)
                 real = asyncio.run(run_load_test(options))
-                # Calibrated after each mode's run, from the telemetry that mode produced (the
-                # monitor's averages weigh recent requests most), so each mode's latency models
-                # are the ones its own load measured.
-                cal = calibrate_from_mesh(config.monitor_url, link, model_dir)
+                # Calibrated after each mode's run, from the telemetry that mode produced (g(mu): the means of
+                # its own steps; the devices' figures: the monitor's averages, which weigh recent requests most),
+                # so each mode's latency models are the ones its own load measured.
+                cal = calibrate_from_mesh(config.monitor_url, link, model_dir, before)
                 cal = accept_dist_from_run(cal, run_dir / "requests.csv")
                 cal.save(run_dir / "calibration.json")  # what the simulator was given, for a second look
                 sim_config = SimConfig(
@@ -137,12 +149,12 @@ def sim_vs_real(
                     heterogeneous=False,
                     max_new_tokens=max_new_tokens,
                 )
-                sim_modes: list[SimMode | str] = [*parse_modes(mode, workload)]  # simulate_grid takes names too
+                sim_modes: list[SimMode | str] = [*parse_modes(simulated_mode(mode), workload)]
                 grid = simulate_grid(cal, sim_modes, [rate], sim_config)
                 with redirect_stdout(report):
                     print(
                         f"\n{mode}: calibration from the mesh's telemetry ({'; '.join(cal.notes)}); "
                         f"real accept length {real.get('mean_accept_length')}"
                     )
-                    compare_with_real(grid, real, mode=mode)
+                    compare_with_real(grid, real, mode=simulated_mode(mode))
     return report.getvalue()

@@ -76,11 +76,14 @@ def calibration_from_state(
     devices: dict[str, Any] | None,
     base: Calibration | None = None,
     device_slowdowns: dict[str, float] | None = None,
+    cloud_before: dict[str, Any] | None = None,
 ) -> Calibration:
-    """Pure part of `from_telemetry`: the monitor's two JSON documents -> a Calibration."""
+    """Pure part of `from_telemetry`: the monitor's two JSON documents -> a Calibration. With `cloud_before` (an
+    earlier read of /state/cloud), g(mu) is the plain mean of the steps between the two reads."""
     base = base or BASES["demo"]()
     notes: list[str] = []
-    g_table = _g_table(cloud, base, notes)
+    g_table = _g_table_between(cloud_before, cloud, notes) if cloud_before is not None else None
+    g_table = g_table or _g_table(cloud, base, notes)
     entries = [e for e in (devices or {}).get("devices", []) if isinstance(e, dict) and e.get("device_id")]
     profiles = _device_profiles(entries, base, device_slowdowns or {}, notes)
     round_overhead_s, round_overhead_median_s = _round_overheads(entries, base, notes)
@@ -125,6 +128,44 @@ def _g_table(cloud: dict[str, Any] | None, base: Calibration, notes: list[str]) 
     g_table = [(mu, eta) for mu, eta in predictor.points() if mu > 0]
     notes.append(f"g(mu): {len(g_table)} telemetry buckets, mu {g_table[0][0]:.0f}..{g_table[-1][0]:.0f}")
     return g_table
+
+
+def _g_table_between(
+    before: dict[str, Any], after: dict[str, Any] | None, notes: list[str]
+) -> list[tuple[float, float]] | None:
+    """g(mu) from the steps between two reads of /state/cloud: per bucket, the samples' summed mu and eta over
+    their count (made non-decreasing, as the planner's curve is); None where no bucket saw a step in between.
+    The monitor's EMAs weigh a bucket's last few steps, which on a shared box swing with whatever else ran
+    then; a run's own means are what its requests met."""
+
+    def sums(cloud: dict[str, Any] | None) -> dict[int, tuple[float, float, float]]:
+        g = (cloud or {}).get("g")
+        buckets = g.get("buckets") if isinstance(g, dict) else None
+        found = {}
+        for b in buckets if isinstance(buckets, list) else []:
+            if not isinstance(b, dict) or not isinstance(b.get("bucket"), int):
+                continue
+            values = [_non_negative(b.get(key)) for key in ("count", "mu_sum", "eta_sum")]
+            if all(v is not None for v in values):
+                found[b["bucket"]] = tuple(values)
+        return found
+
+    start, points, steps = sums(before), [], 0
+    for bucket, (count, mu_sum, eta_sum) in sorted(sums(after).items()):
+        count0, mu0, eta0 = start.get(bucket, (0.0, 0.0, 0.0))
+        if count - count0 >= 1:
+            points.append(((mu_sum - mu0) / (count - count0), (eta_sum - eta0) / (count - count0)))
+            steps += int(count - count0)
+    if not points:
+        return None
+    monotone, top = [], 0.0
+    for mu, eta in points:
+        top = max(top, eta)
+        monotone.append((mu, top))
+    notes.append(
+        f"g(mu): means of the run's {steps} steps in {len(points)} buckets, mu {points[0][0]:.0f}..{points[-1][0]:.0f}"
+    )
+    return monotone
 
 
 def _device_profiles(
@@ -205,15 +246,22 @@ def from_telemetry(
     base: Calibration | None = None,
     timeout_s: float = 2.0,
     device_slowdowns: dict[str, float] | None = None,
+    cloud_before: dict[str, Any] | None = None,
 ) -> Calibration:
-    """GET /state/cloud and /state/devices from a running state monitor and fill what it knows.
+    """GET /state/cloud and /state/devices from a running state monitor and fill what it knows (g(mu) from the
+    steps since `cloud_before`, a `cloud_state` read, where given).
 
     An unreachable monitor raises (OSError/ValueError); a monitor without data yields the base.
     """
     root = state_monitor_url.rstrip("/")
-    cloud = _get_json(f"{root}/state/cloud", timeout_s)
+    cloud = cloud_state(root, timeout_s)
     devices = _get_json(f"{root}/state/devices", timeout_s)
-    cal = calibration_from_state(cloud, devices, base, device_slowdowns)
+    cal = calibration_from_state(cloud, devices, base, device_slowdowns, cloud_before)
     for note in cal.notes:
         log.info("calibration: %s", note)
     return cal
+
+
+def cloud_state(state_monitor_url: str, timeout_s: float = 2.0) -> dict[str, Any]:
+    """GET /state/cloud: what `from_telemetry` takes as `cloud_before` to fit g(mu) to the steps after it."""
+    return _get_json(f"{state_monitor_url.rstrip('/')}/state/cloud", timeout_s)

@@ -27,6 +27,10 @@ class _Bucket:
     mu: Ema  # where in the bucket the samples actually fell (x)
     eta: Ema  # compute seconds at that size (y), eq. 2
     updated_at: float | None = None
+    # every sample's mu and eta added up (the count is eta's): two snapshots of a bucket give the plain means of
+    # the samples between them, where the EMAs weigh the last few (the simulator's check of one run needs those)
+    mu_sum: float = 0.0
+    eta_sum: float = 0.0
 
 
 class ComputeDelayPredictor:
@@ -59,6 +63,8 @@ class ComputeDelayPredictor:
             bucket = self._buckets[key] = _Bucket(Ema(self.alpha), Ema(self.alpha))
         bucket.mu.update(mu_hat)
         bucket.eta.update(eta_hat)
+        bucket.mu_sum += mu_hat
+        bucket.eta_sum += eta_hat
         bucket.updated_at = now
 
     @property
@@ -138,6 +144,8 @@ class ComputeDelayPredictor:
                 "mu": b.mu.value,
                 "eta": b.eta.value,
                 "count": b.eta.count,
+                "mu_sum": b.mu_sum,
+                "eta_sum": b.eta_sum,
                 "updated_at": b.updated_at,
             }
             for k, b in sorted(self._buckets.items())
@@ -149,7 +157,14 @@ class ComputeDelayPredictor:
             "buckets_per_octave": self.buckets_per_octave,
             "monotone": self.monotone,
             "buckets": [
-                {"bucket": k, "mu": b.mu.to_dict(), "eta": b.eta.to_dict(), "updated_at": b.updated_at}
+                {
+                    "bucket": k,
+                    "mu": b.mu.to_dict(),
+                    "eta": b.eta.to_dict(),
+                    "updated_at": b.updated_at,
+                    "mu_sum": b.mu_sum,
+                    "eta_sum": b.eta_sum,
+                }
                 for k, b in sorted(self._buckets.items())
             ],
         }
@@ -166,5 +181,11 @@ class ComputeDelayPredictor:
             if mu.value is None or eta.value is None:
                 continue
             updated = item.get("updated_at")
-            pred._buckets[int(item["bucket"])] = _Bucket(mu, eta, None if updated is None else float(updated))
+            pred._buckets[int(item["bucket"])] = _Bucket(
+                mu,
+                eta,
+                None if updated is None else float(updated),
+                float(item.get("mu_sum", 0.0)),
+                float(item.get("eta_sum", 0.0)),
+            )
         return pred

@@ -373,6 +373,29 @@ def test_calibration_json_roundtrip_and_state_monitor_json(tmp_path):
     assert (empty.round_overhead_s, empty.step_overhead_s) == (demo_cal.round_overhead_s, demo_cal.step_overhead_s)
 
 
+def test_g_is_fitted_to_the_steps_between_two_reads_of_the_monitor():
+    """sim-check's g(mu): the plain means of the steps one run made (both reads of /state/cloud), not the EMAs,
+    which weigh the last few steps; non-decreasing like the planner's curve; the EMAs where nothing ran between."""
+    cloud = CloudState()
+    for mu, eta in ((1, 0.100), (4, 0.200)):  # an earlier run's steps
+        cloud.observe_step(mu, eta, 0.0)
+
+    def read():
+        return json.loads(json.dumps({"g": {"buckets": cloud.g.table()}}))  # as the monitor serves it
+
+    before = read()
+    for mu, eta in ((1, 0.010), (1, 0.012), (1, 0.050), (2, 0.004), (64, 0.040)):
+        cloud.observe_step(mu, eta, 0.0)
+    cal = calibration_from_state(read(), None, cloud_before=before)
+    flat = [x for point in cal.g_table for x in point]
+    assert flat == pytest.approx([1.0, 0.024, 2.0, 0.024, 64.0, 0.040])  # 2's mean (4 ms) kept monotone
+    assert cloud.g.predict(1) > 0.024 + 0.01  # the EMA, led by the 50 ms step, and the first run's 100 ms
+    assert any("means of the run's 5 steps in 3 buckets" in note for note in cal.notes)
+    assert calibration_from_state(read(), None, cloud_before=read()).g_table == [
+        (mu, eta) for mu, eta in cloud.g.points()
+    ]  # no step in between: the monitor's own curve
+
+
 def test_compare_with_real_and_cli(tmp_path):
     import typer
     from typer.testing import CliRunner
@@ -426,3 +449,12 @@ def test_compare_with_real_and_cli(tmp_path):
     sim_hat = grid["runs"][1]
     assert f"{(sim_hat['mean_ttft_ms'] - 100) / 100:+.1%}" in table
     assert Calibration.load(tmp_path / "out" / "calibration.json").hidden_size == 4096
+
+
+def test_sim_check_simulates_hat_with_the_draft_budget_where_the_devices_run_it(monkeypatch):
+    from loadgen.bench_sim_check import simulated_mode
+
+    monkeypatch.delenv("TOPHAT_DEVICE_DRAFT_BUDGETS", raising=False)
+    assert (simulated_mode("hat"), simulated_mode("ushape")) == ("hat-budget", "ushape")  # the devices' default
+    monkeypatch.setenv("TOPHAT_DEVICE_DRAFT_BUDGETS", "")  # budgeting off: hat's rounds are all chains
+    assert simulated_mode("hat") == "hat"
