@@ -247,15 +247,15 @@ class DeviceSession(TreeDrafting):
         go on with the draft model alone to the end. Degraded: these tokens are the adapter's, not the
         target model's."""
         is_tree = draft.layout is not None and draft.layout.parents is not None
-        if self.adapter_cache is None or (draft.last_hidden is None and not is_tree):
+        last = None if is_tree else self._last_adapter_state(draft)
+        if self.adapter_cache is None or (last is None and not is_tree):
             raise SessionError("no draft model on this device: it cannot finish without the cloud")
         self.degraded = True
         if is_tree:
             emitted, hidden = [], self.degrade_tree(draft)  # a tree is no sequence: draft on from its root
         else:
-            assert draft.last_hidden is not None  # checked above
-            emitted = self._emit(draft.tokens)
-            hidden = draft.last_hidden  # [1, H]: the adapter's state at the draft's last position
+            assert last is not None  # checked above
+            emitted, hidden = self._emit(draft.tokens), last
         while not self.is_finished:
             logits = self.model.output(hidden)[0]  # [V]
             token = sample_logits(logits, self.params, self.generator)
@@ -266,6 +266,17 @@ class DeviceSession(TreeDrafting):
             shallow = self.model.input(ids, self.input_cache)  # [1, H]
             hidden = self._run_adapter(self.adapter_cache, shallow, ids, hidden)
         return emitted
+
+    def _last_adapter_state(self, draft: Draft) -> torch.Tensor | None:
+        """[1, H]: the adapter's state at the chain draft's last position. A draft that stopped left its last
+        token's row out of the adapter (`_run_draft`): run it now, from the state its token was drafted from."""
+        cache = self.adapter_cache
+        if draft.last_hidden is not None or cache is None or not draft.tokens or self._last_draft_hidden is None:
+            return draft.last_hidden
+        if cache.length != draft.commit_len + len(draft.tokens):  # the row is there (or the caches moved on)
+            return None
+        ids = torch.tensor(draft.tokens[-1:])
+        return self._run_adapter(cache, draft.shallow[-1:], ids, self._last_draft_hidden)
 
     def _refresh_adapter(self, draft: Draft, deep: torch.Tensor, num_accepted: int) -> None:
         """Roll the adapter back to the kept positions. A feature adapter drafted the accepted tokens

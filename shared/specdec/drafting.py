@@ -110,12 +110,18 @@ class Drafting:
         last_logits = last_hidden = None
         ended = False
         prev = prev_feature if token is not None else hidden
+        recomputed = self._recomputes_adapter_path()
         while True:
             if token is not None:
                 ids = torch.tensor([token])
                 shallow = self.model.input(ids, input_cache)  # [1, H]
                 shallows.append(shallow)
-                if adapter_cache is not None:
+                if adapter_cache is not None and ended and recomputed:
+                    # the last token of a draft that stopped: nothing drafts from its adapter row, and the verdict
+                    # re-reads the accepted rows from the cloud's deep states, so that row is left to a degraded
+                    # finish, the one reader (finish_alone)
+                    hidden = None
+                elif adapter_cache is not None:
                     hidden = self._run_adapter(adapter_cache, shallow, ids, prev)  # [1, H]
                     prev = hidden  # drafting ahead, the next position reads the adapter's own prediction
             if ended or len(tokens) >= budget or (should_stop is not None and should_stop()):
@@ -134,6 +140,12 @@ class Drafting:
             tokens.append(token)
             ended = float(confidence) < self.draft_config.eta or token == self.model.eos_token_id
         return tokens, probs, shallows, (last_logits, last_hidden), hidden, ended
+
+    def _recomputes_adapter_path(self) -> bool:
+        """Whether the adapter reads the cloud's deep states (a feature adapter): after a verdict it runs the
+        accepted rows again from the exact states, so the rows it drafted from its own predictions are dropped."""
+        adapter = self.model.adapter
+        return adapter is not None and adapter.spec.side_input == "feature"
 
     def _make_draft(self, commit_len: int, tokens, probs, shallows, last_hidden=None, ended=True) -> Draft:
         return Draft(

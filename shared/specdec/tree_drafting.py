@@ -201,10 +201,6 @@ class TreeDrafting(Drafting):
             best = []
         return best
 
-    def _recomputes_adapter_path(self) -> bool:
-        adapter = self.model.adapter
-        return adapter is not None and adapter.spec.side_input == "feature"
-
     def _lay_out(self, tree: GrownTree, kept: list[int], base: int) -> Draft:
         parents = reindex(tree.parents, kept)
         probs = None
