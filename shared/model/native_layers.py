@@ -9,7 +9,7 @@ float operations, so its results are the bits of layers.py / attention.py / inva
 It covers what decode and verification run: packed sessions' causal rows and draft-tree rows through
 int4/int8 layers with batch-invariant attention, on the CPU in float32. Dense weights and other
 devices stay on the Python runner, which is also the fallback where the extension was not built
-(`make install` builds it; the container images have no compiler and run the Python runner).
+(`make install` builds it, as does the cpu image's build stage for its build host's CPU).
 
 native_build.py builds and loads the extension.
 """

@@ -44,8 +44,9 @@ CPU_DEFAULT = "int4"
 CPU_DEFAULT_ENV = "TOPHAT_CPU_DTYPE"
 
 
-# What `auto` runs on a CPU where the native layers are not built (`make native`; the container images have no
-# compiler): int4/int8 then compute in plain torch ops, many times slower than float32's GEMM
+# What `auto` runs on a CPU where the native layers are not built or do not load (`make native`; the cpu image
+# builds them for its build host's CPU, so on another CPU they are not found): int4/int8 then compute in plain
+# torch ops, many times slower than float32's GEMM
 CPU_DEFAULT_WITHOUT_NATIVE = "f32"
 
 

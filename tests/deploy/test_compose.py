@@ -151,6 +151,11 @@ def test_compose_mesh_serves_restarts_and_leaves_nothing(stack, expected_answer)
         "device-agent-2",
         "token-streamer",
     }
+    # The image built the native layers for this CPU, and the services load them: `auto` runs int4 there.
+    probe = "from shared.model.native_build import native_module; print(native_module() is not None)"
+    for service in ("verifier-cloud", "device-agent"):
+        loaded = compose("exec", "-T", service, "python", "-c", probe, timeout=120)
+        assert loaded.stdout.strip() == "True", loaded.stdout + loaded.stderr
     devices = httpx.get(f"{MONITOR}/devices", timeout=10, verify=trusted()).json()["devices"]
     assert len(devices) == 2 and len({d["device_id"] for d in devices}) == 2, devices
 

@@ -53,6 +53,24 @@ def test_a_changed_source_is_a_new_build_directory(tmp_path, monkeypatch):
     assert native_build.build_dir().parent == tmp_path
 
 
+def test_a_fresh_build_is_found_where_it_was_built_in_the_same_process(tmp_path, monkeypatch):
+    """torch's builder appends its own flags to the lists it is given; the build key hashes ours, so a build that
+    handed over its own lists was looked for elsewhere right after (the cpu image's build stage checks that)."""
+    import torch.utils.cpp_extension
+
+    def load(name, sources, build_directory, extra_cflags, extra_ldflags, verbose):
+        extra_cflags.append("-fPIC")
+        extra_ldflags.append("-shared")
+        (native_build.Path(build_directory) / f"{name}.so").write_bytes(b"built")
+
+    monkeypatch.setenv(native_build.BUILD_ROOT_ENV, str(tmp_path))
+    monkeypatch.setattr(native_build, "missing", lambda: None)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    before = native_build.library_path()
+    assert native_build.build() == before
+    assert native_build.library_path() == before and before.exists()
+
+
 def test_a_build_that_does_not_load_leaves_torch_to_compute(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(native_build.BUILD_ROOT_ENV, str(tmp_path))
     native_build.build_dir().mkdir(parents=True)
