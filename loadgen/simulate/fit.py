@@ -141,13 +141,13 @@ def _g_table_between(
     def sums(cloud: dict[str, Any] | None) -> dict[int, tuple[float, float, float]]:
         g = (cloud or {}).get("g")
         buckets = g.get("buckets") if isinstance(g, dict) else None
-        found = {}
+        found: dict[int, tuple[float, float, float]] = {}
         for b in buckets if isinstance(buckets, list) else []:
             if not isinstance(b, dict) or not isinstance(b.get("bucket"), int):
                 continue
-            values = [_non_negative(b.get(key)) for key in ("count", "mu_sum", "eta_sum")]
-            if all(v is not None for v in values):
-                found[b["bucket"]] = tuple(values)
+            count, mu_sum, eta_sum = (_non_negative(b.get(key)) for key in ("count", "mu_sum", "eta_sum"))
+            if count is not None and mu_sum is not None and eta_sum is not None:
+                found[b["bucket"]] = (count, mu_sum, eta_sum)
         return found
 
     start, points, steps = sums(before), [], 0
