@@ -286,4 +286,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.exception_handler(RequestValidationError)(on_invalid)
     app.include_router(api)
     app.include_router(probes)
+    _document_history_cap(app, settings.disco_history)
     return app
+
+
+def _document_history_cap(app: FastAPI, cap: int) -> None:
+    """/disco/history's `limit` is bounded by this app's setting (`_history_limit`), which the module's router cannot
+    declare: the OpenAPI schema gets its `maximum` here, so a client generated from it knows the bound."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        for param in schema.get("paths", {}).get("/disco/history", {}).get("get", {}).get("parameters", []):
+            if param.get("name") == "limit":
+                for option in param.get("schema", {}).get("anyOf", [param.get("schema", {})]):
+                    if option.get("type") == "integer":
+                        option["maximum"] = cap
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -105,6 +105,10 @@ async def test_lists_are_capped_newest_first_and_limit_applies(server: EmbeddedR
         assert (limited["prompt_tokens"], limited["server_ttft_s"]) == ([80, 70], [0.08, 0.07])
         for bad in (0, 6, -1):
             assert (await client.get("/disco/history", params={"limit": bad})).status_code == 422
+        spec = (await client.get("/openapi.json")).json()
+        (limit,) = [p for p in spec["paths"]["/disco/history"]["get"]["parameters"] if p["name"] == "limit"]
+        (bounds,) = [s for s in limit["schema"].get("anyOf", [limit["schema"]]) if s.get("type") == "integer"]
+        assert (bounds["minimum"], bounds["maximum"]) == (1, 5)  # the setting's bound is documented, as checked
     r = redis.Redis.from_url(server.url)
     assert r.llen(tk.DISCO_PROMPT_TOKENS) == 5 and r.llen(tk.DISCO_SERVER_TTFT) == 5
     r.close()
