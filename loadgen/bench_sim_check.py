@@ -149,12 +149,13 @@ def sim_vs_real(
                     heterogeneous=False,
                     max_new_tokens=max_new_tokens,
                 )
-                sim_modes: list[SimMode | str] = [*parse_modes(simulated_mode(mode), workload)]
+                sim_mode = simulated_mode(mode)
+                sim_modes: list[SimMode | str] = [*parse_modes(sim_mode, workload)]
                 grid = simulate_grid(cal, sim_modes, [rate], sim_config)
                 with redirect_stdout(report):
                     print(
                         f"\n{mode}: calibration from the mesh's telemetry ({'; '.join(cal.notes)}); "
                         f"real accept length {real.get('mean_accept_length')}"
                     )
-                    compare_with_real(grid, real, mode=simulated_mode(mode))
+                    compare_with_real(grid, real, mode=sim_mode)
     return report.getvalue()

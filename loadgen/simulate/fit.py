@@ -134,9 +134,9 @@ def _g_table_between(
     before: dict[str, Any], after: dict[str, Any] | None, notes: list[str]
 ) -> list[tuple[float, float]] | None:
     """g(mu) from the steps between two reads of /state/cloud: per bucket, the samples' summed mu and eta over
-    their count (made non-decreasing, as the planner's curve is); None where no bucket saw a step in between.
-    The monitor's EMAs weigh a bucket's last few steps, which on a shared box swing with whatever else ran
-    then; a run's own means are what its requests met."""
+    their count, as the planner's curve is rebuilt from buckets (`predictor_from_cloud_state`: non-decreasing);
+    None where no bucket saw a step in between. The monitor's EMAs weigh a bucket's last few steps, which on a
+    shared box swing with whatever else ran then; a run's own means are what its requests met."""
 
     def sums(cloud: dict[str, Any] | None) -> dict[int, tuple[float, float, float]]:
         g = (cloud or {}).get("g")
@@ -150,22 +150,20 @@ def _g_table_between(
                 found[b["bucket"]] = (count, mu_sum, eta_sum)
         return found
 
-    start, points, steps = sums(before), [], 0
+    start, means, steps = sums(before), [], 0
     for bucket, (count, mu_sum, eta_sum) in sorted(sums(after).items()):
         count0, mu0, eta0 = start.get(bucket, (0.0, 0.0, 0.0))
-        if count - count0 >= 1:
-            points.append(((mu_sum - mu0) / (count - count0), (eta_sum - eta0) / (count - count0)))
-            steps += int(count - count0)
-    if not points:
+        if (n := count - count0) >= 1:
+            means.append({"bucket": bucket, "mu": (mu_sum - mu0) / n, "eta": (eta_sum - eta0) / n, "count": n})
+            steps += int(n)
+    predictor = predictor_from_cloud_state({**(after or {}), "g": {"buckets": means}}) if means else None
+    if predictor is None:
         return None
-    monotone, top = [], 0.0
-    for mu, eta in points:
-        top = max(top, eta)
-        monotone.append((mu, top))
+    g_table = [(mu, eta) for mu, eta in predictor.points() if mu > 0]
     notes.append(
-        f"g(mu): means of the run's {steps} steps in {len(points)} buckets, mu {points[0][0]:.0f}..{points[-1][0]:.0f}"
+        f"g(mu): means of the run's {steps} steps in {len(means)} buckets, mu {g_table[0][0]:.0f}..{g_table[-1][0]:.0f}"
     )
-    return monotone
+    return g_table
 
 
 def _device_profiles(

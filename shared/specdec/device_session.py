@@ -285,7 +285,7 @@ class DeviceSession(TreeDrafting):
         # deep: [k+1, H]; row i is the position of draft.shallow row i
         cache = self.adapter_cache
         assert cache is not None  # the one caller checked
-        if self._draft_adapter().spec.side_input != "feature" or num_accepted == 0:
+        if not self._recomputes_adapter_path() or num_accepted == 0:
             cache.truncate(draft.commit_len + 1 + num_accepted)
             return
         cache.truncate(draft.commit_len + 1)
