@@ -269,14 +269,24 @@ class DeviceSession(TreeDrafting):
 
     def _last_adapter_state(self, draft: Draft) -> torch.Tensor | None:
         """[1, H]: the adapter's state at the chain draft's last position. A draft that stopped left its last
-        token's row out of the adapter (`_run_draft`): run it now, from the state its token was drafted from."""
+        token's row out of the adapter (`_run_draft`): run it now, from the state its token was drafted from. A
+        draft that carries no state and whose caches do not end where that row would go (an adopted branch cut
+        to the budget, `_fit_ready_draft_to_budget`) is run again from its first row, as drafting would."""
         cache = self.adapter_cache
-        if draft.last_hidden is not None or cache is None or not draft.tokens or self._last_draft_hidden is None:
+        if draft.last_hidden is not None or cache is None:
             return draft.last_hidden
-        if cache.length != draft.commit_len + len(draft.tokens):  # the row is there (or the caches moved on)
+        row_left_out = cache.length == draft.commit_len + len(draft.tokens)  # else it is there, or was cut off
+        if draft.tokens and self._last_draft_hidden is not None and row_left_out:
+            ids = torch.tensor(draft.tokens[-1:])
+            return self._run_adapter(cache, draft.shallow[-1:], ids, self._last_draft_hidden)
+        if self._prev_feature is None or self.pending_token is None:
             return None
-        ids = torch.tensor(draft.tokens[-1:])
-        return self._run_adapter(cache, draft.shallow[-1:], ids, self._last_draft_hidden)
+        # rows (pending, d_1..d_k) from the deep state before the pending token; each drafts from the one before
+        cache.truncate(draft.commit_len)
+        hidden = self._prev_feature
+        for row, token in enumerate([self.pending_token, *draft.tokens]):
+            hidden = self._run_adapter(cache, draft.shallow[row : row + 1], torch.tensor([token]), hidden)
+        return hidden
 
     def _refresh_adapter(self, draft: Draft, deep: torch.Tensor, num_accepted: int) -> None:
         """Roll the adapter back to the kept positions. A feature adapter drafted the accepted tokens

@@ -6,6 +6,7 @@ draft that kept it."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -75,3 +76,53 @@ def test_a_degraded_finish_runs_the_left_out_row_to_the_same_tokens(tiny_checkpo
         assert (drafts[-1].last_hidden is None) == (config.eta == 1.0)
         outputs.append(result.token_ids)
     assert outputs[0] == outputs[1]
+
+
+class ShrinkThenLose(LocalCloud):
+    """Verifies every draft; at round `shrink_at` the session's policy drops to no drafts before the verdict (a
+    trial's restore does this), so a branch adopted then is cut to the budget; the next verification is lost."""
+
+    def __init__(self, middle, session: DeviceSession, shrink_at: int | None):
+        super().__init__(middle)
+        self.session, self.shrink_at, self.rounds = session, shrink_at, 0
+
+    async def verify(self, session_id, commit_len, shallow, layout=None):
+        if self.shrink_at is not None and self.rounds > self.shrink_at:
+            raise ConnectionError("verifier gone")
+        answer = await super().verify(session_id, commit_len, shallow, layout)
+        if self.rounds == self.shrink_at:
+            self.session.draft_config = replace(self.session.draft_config, max_draft=0)
+        self.rounds += 1
+        return answer
+
+
+def test_a_degraded_finish_after_a_branch_cut_to_the_budget_drafts_on(demo_checkpoint):
+    from shared.runtime import load_adapter
+
+    device = DeviceModel.from_checkpoint(demo_checkpoint, 2, load_adapter(demo_checkpoint, 2, None))
+    prompt = demo_checkpoint.tokenizer.encode("def fibonacci(n):\n    ", add_special_tokens=False)
+
+    def run(shrink_at):
+        # eta 1: one draft a round; a rejected one whose correction was pre-drafted adopts that branch
+        session = DeviceSession(device, prompt, draft_config=DraftConfig(eta=1.0, max_draft=2), max_new_tokens=24)
+        adopted, on_result = [], session.on_verify_result
+
+        def recorded(*args):
+            before = session.reused_branches
+            emitted = on_result(*args)
+            adopted.append(session.reused_branches > before)
+            return emitted
+
+        session.on_verify_result = recorded
+        drafts = _recording(session)
+        cloud = ShrinkThenLose(MiddleSubmodel(demo_checkpoint, 2), session, shrink_at)
+        lost = lambda e: isinstance(e, ConnectionError)  # noqa: E731
+        result = asyncio.run(generate(session, cloud, parallel_candidates=3, parallel_steps=2, finish_alone_on=lost))
+        return session, result, adopted, drafts
+
+    _, _, adopted, _ = run(None)
+    assert any(adopted[:-1])
+    session, result, _, drafts = run(adopted.index(True))
+    # the adopted branch was cut to no drafts and its verification lost: the device finished alone from it
+    assert session.degraded and drafts[-1].tokens == [] and drafts[-1].last_hidden is None
+    assert len(result.token_ids) == 24
