@@ -10,8 +10,9 @@ measured options (shared/planning/draft_budget.py). Here the same pure function 
   this device) and, where the calibration has measured trees, `tree<N>` (their mean tokens and rows a
   round, and the drafting trees.py charges): what a device's BudgetTracker converges to once every shape
   has run (the device offers none, chain and tree16);
-* the link as the planner reads it: a one-row round trip (2 x one-way latency + a row each way), the
-  bytes per row, the device's bandwidths, and S = the sessions of the verifier's last step;
+* the link as the planner reads it: a one-row round trip (2 x one-way latency + a row each way, what the
+  device's probes measure), the bytes per row, the device's bandwidths, and S = the sessions of the
+  verifier's last step;
 * g = the cloud's g(mu) in this deployment; overhead = the calibration's device time per round.
 """
 

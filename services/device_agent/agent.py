@@ -361,12 +361,13 @@ class DeviceAgent:
 
     def serves_async(self) -> bool:
         """Whether a hat-async request runs its own pipeline (else HAT's rounds in the budget's shape): only on
-        chains, and unless it measured slower than HAT's chain rounds; then one request in ASYNC_RETRY_EVERY
-        still runs it, so its measurement follows the load."""
+        chains, once HAT's chain rounds have been measured (they are what it is measured against: until then HAT's
+        rounds serve it and measure them), and unless it measured slower than they did; then one request in
+        ASYNC_RETRY_EVERY still runs it, so its measurement follows the load."""
         shape, chosen_by = self.current_shape()
         if chosen_by != "budget" or self.budget is None:
             return True
-        if shape == "chain":
+        if shape == "chain" and self.budget.measured_slowdown("chain") is not None:
             if self.budget.async_pays() is not False:
                 return True
             self.async_fallbacks += 1

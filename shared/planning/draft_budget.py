@@ -11,9 +11,10 @@ eta (HAT eq. 5), or a tree of N nodes (EAGLE-2). Each shape s has, as measured o
 
 A round of shape s takes
 
-    T_s = RTT + o + d_s + r_s*A/beta_up + r_s*A/beta_down + g(S * r_s)
+    T_s = RTT + o + d_s + (r_s - 1)*A/beta_up + (r_s - 1)*A/beta_down + g(S * r_s)
 
-where o is the device's per-round time outside drafting and the cloud wait (the head, the accept rule:
+where RTT is a one-row round trip (what the device's probes measure: latency both ways and a row each way,
+so only the rows beyond it are added), o is the device's per-round time outside drafting and the cloud wait (the head, the accept rule:
 the same for every shape, so it favours shapes with fewer rounds per token), g the cloud's compute delay
 at a batched size (HAT eq. 2) and S the sessions sharing a verifier step. Why S * r_s and not the rows
 of this device alone: every row a device adds is computed in the same step as every other session's
@@ -110,7 +111,7 @@ class BudgetOption:
 
 @dataclass(frozen=True)
 class LinkLoad:
-    rtt_s: float  # a one-row round trip (latency and framing)
+    rtt_s: float  # a one-row round trip (latency, framing and a row each way)
     bytes_per_row: float  # A: one hidden state on the wire
     beta_up: float  # bytes/s
     beta_down: float
@@ -129,7 +130,7 @@ class LinkLoad:
 
 def round_seconds(option: BudgetOption, link: LinkLoad, g: Callable[[float], float]) -> float:
     """T_s above, as modelled (without k_s): one round of this shape while S sessions share each verifier step."""
-    transfer = option.rows * link.bytes_per_row * (1.0 / link.beta_up + 1.0 / link.beta_down)
+    transfer = (option.rows - 1.0) * link.bytes_per_row * (1.0 / link.beta_up + 1.0 / link.beta_down)
     return link.rtt_s + link.overhead_s + option.draft_s + transfer + max(0.0, g(link.sessions * option.rows))
 
 

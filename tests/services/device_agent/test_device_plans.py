@@ -379,9 +379,10 @@ async def test_peek_never_waits_but_keeps_the_plan_current() -> None:
 
 async def test_hat_async_is_served_by_hats_rounds_where_the_budget_runs_no_chain(tiny_llama_checkpoint) -> None:
     """hat-async drafts chains ahead: where the budget has the device on no drafts (a loaded verifier) or a tree,
-    HAT's rounds serve it (its fallback, measured by the budget) with the same greedy answer; on a chain it runs
-    its own pipeline, as do a request naming its shape and a seeded sampled one, until it measures slower than
-    HAT's chain rounds against the same round model; then one request in ASYNC_RETRY_EVERY still runs it."""
+    HAT's rounds serve it (its fallback, measured by the budget) with the same greedy answer; on a chain too until
+    HAT's chain rounds are measured (its yardstick). Then it runs its own pipeline, as do a request naming its shape
+    and a seeded sampled one at any time, until it measures slower than HAT's chain rounds against the same round
+    model; then one request in ASYNC_RETRY_EVERY still runs it."""
     planner, clock = FakePlanner(), Clock()
     planner.shape = "none"
     async with planned_agent(tiny_llama_checkpoint, planner, clock, draft_budgets="none,chain") as (
@@ -408,18 +409,20 @@ async def test_hat_async_is_served_by_hats_rounds_where_the_budget_runs_no_chain
         planner.shape = "chain"
         clock.now += settings.plan_refresh_s + 1
         await asyncio.wait_for(agent.plans.refresh(), 5)
-        mode, as_async = await served()
-        assert mode == "hat-async" and as_async == as_hat
+        assert (await served())[0] == "hat"  # HAT's chain rounds not measured yet (the plan models none)
+        assert agent.budget.measured_slowdown("chain") is None
         # measured: HAT's chain rounds at the model's speed (k at its floor), hat-async far below it (k at its cap)
         planner.modelled = {"chain": 1e-3}
         clock.now += settings.plan_refresh_s + 1
         await asyncio.wait_for(agent.plans.refresh(), 5)
-        await served(mode="hat")
+        mode, as_chain = await served()
+        assert mode == "hat" and as_chain == as_hat  # served by HAT's chain rounds, which it measured
         assert agent.budget.stats["chain"].slowdown.value == SLOWDOWN_RANGE[0]
         planner.modelled = {"chain": 1e6}
         clock.now += settings.plan_refresh_s + 1
         await asyncio.wait_for(agent.plans.refresh(), 5)
-        assert (await served())[0] == "hat-async"  # hat-async's first measurement
+        mode, as_async = await served()
+        assert mode == "hat-async" and as_async == as_hat  # hat-async's first measurement
         assert agent.budget.async_slowdown.value == SLOWDOWN_RANGE[1] and agent.budget.async_pays() is False
         modes = [(await served())[0] for _ in range(ASYNC_RETRY_EVERY)]
         assert modes == ["hat"] * (ASYNC_RETRY_EVERY - 1) + ["hat-async"]  # one in ASYNC_RETRY_EVERY re-measures

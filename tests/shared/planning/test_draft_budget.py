@@ -50,8 +50,11 @@ def link(sessions: float, rtt_s: float = 0.05) -> LinkLoad:
 
 def test_round_seconds_adds_the_link_the_drafting_and_the_shared_batch() -> None:
     option = BudgetOption("tree16", 2.0, 17.0, 0.08)
-    expected = 0.05 + 0.08 + 17 * 1152 * (1 / 2.5e6 + 1 / 5e6) + cpu_like_g(4 * 17)
+    # the round trip already carries the root's row each way: only the 16 drafted rows are added
+    expected = 0.05 + 0.08 + 16 * 1152 * (1 / 2.5e6 + 1 / 5e6) + cpu_like_g(4 * 17)
     assert math.isclose(round_seconds(option, link(4), cpu_like_g), expected)
+    no_drafts = BudgetOption("none", 1.0, 1.0, 0.0)
+    assert math.isclose(round_seconds(no_drafts, link(4), cpu_like_g), 0.05 + cpu_like_g(4))
 
 
 def test_the_budget_falls_as_the_verifiers_load_rises() -> None:
