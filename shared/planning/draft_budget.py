@@ -13,9 +13,10 @@ A round of shape s takes
 
     T_s = RTT + o + d_s + (r_s - 1)*A/beta_up + (r_s - 1)*A/beta_down + g(S * r_s)
 
-where RTT is a one-row round trip (what the device's probes measure: latency both ways and a row each way,
-so only the rows beyond it are added), o is the device's per-round time outside drafting and the cloud wait (the head, the accept rule:
-the same for every shape, so it favours shapes with fewer rounds per token), g the cloud's compute delay
+where RTT is a one-row round trip (what the device's probes measure: latency both ways and a row each
+way, so only the rows beyond it are added), o is the device's per-round time outside drafting and the
+cloud wait (the head, the accept rule: the same for every shape, so it favours shapes with fewer rounds
+per token), g the cloud's compute delay
 at a batched size (HAT eq. 2) and S the sessions sharing a verifier step. Why S * r_s and not the rows
 of this device alone: every row a device adds is computed in the same step as every other session's
 rows, so the whole batch waits for it. Assuming the other sessions draft like this one (they run the
