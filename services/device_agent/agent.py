@@ -246,10 +246,12 @@ class DeviceAgent:
         yield json.dumps(done) + "\n"
         if session is not None:
             self._report_timings(session, request_slowdown)
+            # a shape's speed is its typical round's: a stall behind another session's prompt is not the shape's
+            speed = latency_stats.typical_tokens_per_s(timeline)
             if shape is not None and self.budget is not None:
-                self._observe_budget(shape, session, request_slowdown, latency_stats.mean_tbt_s(timeline))
+                self._observe_budget(shape, session, request_slowdown, speed)
             elif spec.name == "hat-async" and self.budget is not None and not session.degraded:
-                self._observe_async(latency_stats.mean_tbt_s(timeline))
+                self._observe_async(speed)
 
     def _done_event(
         self,
@@ -327,7 +329,7 @@ class DeviceAgent:
             ),
         )
 
-    def _observe_budget(self, shape: str, session: DeviceSession, slowdown: float, tbt_s: float | None) -> None:
+    def _observe_budget(self, shape: str, session: DeviceSession, slowdown: float, tokens_per_s: float | None) -> None:
         """What a request in budget shape `shape` measured: its rounds (accept, rows, drafting) and, when it ran
         that shape alone, its decoding speed against the round model's (the shape's slowdown k)."""
         rounds, rows = list(session.accept_lengths), list(session.round_rows)
@@ -346,18 +348,18 @@ class DeviceAgent:
         if rounds and rows:
             self.budget.observe(shape, rounds, sum(rows) / len(rows), max(0.0, draft_s) / len(rounds))
         plan = self.plans.peek() if self.plans is not None else None
-        if trial is None and tbt_s and plan is not None and shape in plan.modelled:
+        if trial is None and tokens_per_s and plan is not None and shape in plan.modelled:
             # the plan now in the cache: its model saw about the load this request ran under
-            self.budget.observe_speed(shape, plan.modelled[shape], 1.0 / tbt_s)
+            self.budget.observe_speed(shape, plan.modelled[shape], tokens_per_s)
 
-    def _observe_async(self, tbt_s: float | None) -> None:
+    def _observe_async(self, tokens_per_s: float | None) -> None:
         """A hat-async request ran its own pipeline while the budget had chains: its speed against the chain's
         round model (hat-async's k, compared with the chain's by `serves_async`)."""
         plan = self.plans.peek() if self.plans is not None else None
-        if self.budget is None or not tbt_s or plan is None or plan.shape != "chain":
+        if self.budget is None or not tokens_per_s or plan is None or plan.shape != "chain":
             return
         if "chain" in plan.modelled:
-            self.budget.observe_async_speed(plan.modelled["chain"], 1.0 / tbt_s)
+            self.budget.observe_async_speed(plan.modelled["chain"], tokens_per_s)
 
     def serves_async(self) -> bool:
         """Whether a hat-async request runs its own pipeline (else HAT's rounds in the budget's shape): only on

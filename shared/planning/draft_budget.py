@@ -27,10 +27,11 @@ and the budget falls to a chain, then to no drafts at all: speculation stops bur
 rows it will reject.
 
 The choice is by L_s / (k_s * T_s), where k_s is the shape's measured slowdown on this device: its requests'
-measured decoding speed against the speed T_s gave them (1 until measured; a drafting shape never run takes
-the measured drafting shapes' mean). T_s has no term for what drafting costs a verifier that shares the
-device's cores, for queueing, or for anything else the model leaves out; k_s closes the loop on what each
-shape did (TurboSpec's goodput feedback), so a shape that runs slower than modelled is charged for it.
+measured decoding speed (a typical round's) against the speed T_s gave them (1 until measured; a drafting
+shape never run takes the measured drafting shapes' mean). T_s has no term for what drafting costs a
+verifier that shares the device's cores, for queueing, or for anything else the model leaves out; k_s
+closes the loop on what each shape did (TurboSpec's goodput feedback), so a shape that runs slower than
+modelled is charged for it.
 """
 
 from __future__ import annotations

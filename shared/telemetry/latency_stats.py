@@ -87,6 +87,18 @@ def mean_tbt_s(timeline: Timeline) -> float | None:
     return (timeline.times_s[-1] - timeline.times_s[0]) / (n - 1) if n > 1 else None
 
 
+def typical_tokens_per_s(timeline: Timeline) -> float | None:
+    """Decoding speed of a typical round: tokens per delivery after the first, over the median gap between
+    deliveries. A stall that holds up a few rounds (another session's prompt ahead in the verifier's queue)
+    moves the mean TBT but not this; a cost every round pays moves both. None without two deliveries."""
+    times = timeline.times_s
+    if len(times) < 2:
+        return None
+    gap = float(np.median(np.diff(times)))
+    tokens = timeline.tokens[1:]
+    return sum(tokens) / len(tokens) / gap if gap > 0 else None
+
+
 def mean_accept_length(accept_lengths: Sequence[int]) -> float | None:
     """One request's tokens per verification round; None when it had no round."""
     return sum(accept_lengths) / len(accept_lengths) if accept_lengths else None

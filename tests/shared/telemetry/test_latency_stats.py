@@ -78,6 +78,18 @@ def test_mean_tbt_is_the_mean_of_the_samples(deliveries: list[tuple[float, int]]
         assert ls.mean_tbt_s(tl) is None
 
 
+def test_a_typical_rounds_speed_ignores_a_stall_that_the_mean_tbt_counts() -> None:
+    # prefill's token at 0.3 s, then rounds of 0.1 s (2, 1, 2, 1 tokens), one of them held up 1 s
+    steady = Timeline(0.0, [0.3, 0.4, 0.5, 0.6, 0.7], [1, 2, 1, 2, 1])
+    stalled = Timeline(0.0, [0.3, 0.4, 1.5, 1.6, 1.7], [1, 2, 1, 2, 1])
+    assert ls.typical_tokens_per_s(steady) == pytest.approx(1.5 / 0.1)
+    assert ls.typical_tokens_per_s(stalled) == pytest.approx(1.5 / 0.1)
+    assert ls.mean_tbt_s(stalled) > 3 * ls.mean_tbt_s(steady)
+    slower = Timeline(0.0, [0.3, 0.5, 0.7, 0.9, 1.1], [1, 2, 1, 2, 1])  # every round pays: both see it
+    assert ls.typical_tokens_per_s(slower) == pytest.approx(1.5 / 0.2)
+    assert ls.typical_tokens_per_s(Timeline(0.0, [0.3], [4])) is None
+
+
 def test_accept_lengths() -> None:
     assert ls.mean_accept_length([2, 3, 1, 2]) == pytest.approx(2.0)
     assert ls.mean_accept_length([]) is None
