@@ -255,7 +255,13 @@ class RequestProcess:
         mode, cal = self.ctx.mode, self.ctx.cal
         if mode.speculative and self.ready_draft is None and mode.draft_budget:
             self.shape = choose_shape(
-                cal, self.dev.profile, self.gamma, self.cloud.last_sessions(), self.cloud.g_of, self.shape
+                cal,
+                self.dev.profile,
+                self.gamma,
+                self.cloud.last_sessions(),
+                self.cloud.g_of,
+                self.shape,
+                mode.parallel_drafting,
             )
             self.shape_rounds[self.shape] = self.shape_rounds.get(self.shape, 0) + 1
         if (
