@@ -14,8 +14,8 @@ Split modes (ushape, usarathi, hat*):
              steps; with `pd_batched` the c branches cost one branch's time (HAT drafts them
              as a batch). When the last draft
              token was corrected (L == k) the correction is a pre-drafted candidate with
-             probability `pd_hit_rate`: the next round then needs no drafting, and its draft
-             is at most lambda tokens long.
+             probability `pd_hit_rate`: the next round's first lambda drafts are ready, and it
+             drafts on from them to where the chain stops (as the device does).
 
 Cloud mode: token ids up, the whole model runs in the cloud, which samples; the sampled id
 comes down and the device sends it back up for the next step (one token per round trip,
@@ -255,13 +255,7 @@ class RequestProcess:
         mode, cal = self.ctx.mode, self.ctx.cal
         if mode.speculative and self.ready_draft is None and mode.draft_budget:
             self.shape = choose_shape(
-                cal,
-                self.dev.profile,
-                self.gamma,
-                self.cloud.last_sessions(),
-                self.cloud.g_of,
-                self.shape,
-                mode.parallel_drafting,
+                cal, self.dev.profile, self.gamma, self.cloud.last_sessions(), self.cloud.g_of, self.shape
             )
             self.shape_rounds[self.shape] = self.shape_rounds.get(self.shape, 0) + 1
         if (
@@ -279,12 +273,11 @@ class RequestProcess:
             full = cal.full_accept_rate is not None and self.rng_full.random() < cal.full_accept_rate
             # all accepted: the draft was natural - 1 long (+1 bonus); else it ran to the rejected token
             k = min(natural - 1 if full else natural, cal.max_draft, remaining - 1)
-            predrafted = self.ready_draft is not None
-            if self.ready_draft is not None:
-                k = min(k, self.ready_draft)
-                self.ready_draft = None
+            # an adopted pre-drafted branch is drafted on to where the chain stops (Drafting._finish_ready_draft):
+            # only the steps past its pre-drafted ones are drafted after the answer
+            predrafted, self.ready_draft = self.ready_draft, None
             L = min(natural, k + 1)
-            draft_s = 0.0 if predrafted else (k + 1) * self.gamma
+            draft_s = (k + 1) * self.gamma if predrafted is None else max(0, k - predrafted) * self.gamma
         else:
             k, L, draft_s = 0, 1, self.gamma * cal.nosd_step_factor
         self._work(draft_s, self._send_draft, k, L, remaining)

@@ -253,6 +253,22 @@ def test_parallel_drafting_hits_skip_the_next_draft():
     assert no_pd - hit == pytest.approx((18 * 3 + 2) * 0.002 / 40)
 
 
+def test_an_adopted_branch_shorter_than_the_chain_is_drafted_on():
+    # L = k = 3 with K = 3: the last draft is corrected; pre-drafting fits one step, so an adopted branch holds one
+    # draft and the device drafts the other two after the answer, to where the chain stops (_finish_ready_draft)
+    cal = make_cal(accept_dist=[0.0, 0.0, 1.0, 0.0], pd_steps=1)
+    req = [SimRequest(0, 0.0, 100, 31)]
+
+    def record(hit: float):
+        rec = run(dataclasses.replace(cal, pd_hit_rate=hit), "hat-sd-pd", req).records[0]
+        return rec, (rec.end_s - rec.chunk_times_s[0]) / 30
+
+    (miss, miss_tbt), (hit, hit_tbt) = record(0.0), record(1.0)
+    assert hit.chunk_tokens == miss.chunk_tokens == [1] + [3] * 10  # adopted rounds are whole chains
+    # rounds 2..10 skip the adopted root and its one draft: 2 steps of 2 ms each
+    assert miss_tbt - hit_tbt == pytest.approx(9 * 2 * 0.002 / 30)
+
+
 # -- runs: determinism, the load generator's trace, reports ----------------------------------
 
 

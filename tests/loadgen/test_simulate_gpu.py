@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from loadgen.simulate.budget import adopted_share, budget_options, chain_figures, choose_shape
+from loadgen.simulate.budget import budget_options, chain_figures, choose_shape
 from loadgen.simulate.calibration import Calibration, DeviceProfile, GTable
 from loadgen.simulate.cloud import Cloud, ReplicatedCloud
 from loadgen.simulate.events import EventLoop
@@ -164,14 +164,6 @@ def test_budget_options_and_choice():
     assert accept == pytest.approx(1.7) and rows == pytest.approx(0.5 * 2 + 0.3 * 3 + 0.2 * 3)
     none, chain = budget_options(cal, 0.004)
     assert (none.rows, none.draft_s) == (1.0, 0.004) and chain.draft_s == pytest.approx(0.004 * rows)
-    # with parallel drafting, a round after a corrected last draft whose correction was pre-drafted waits on no
-    # drafting (L = 1, 2 are within the cap K = 2; L = 3 accepted every draft): 0.8 of rounds x pd_hit_rate 0.5
-    pd_cal = Calibration(accept_dist=[0.5, 0.3, 0.2], pd_hit_rate=0.5)
-    assert adopted_share(pd_cal) == pytest.approx(0.8 * 0.5)
-    _, pd_chain = budget_options(pd_cal, 0.004, parallel_drafting=True)
-    assert pd_chain.draft_s == pytest.approx(0.004 * rows * (1 - 0.4))
-    measured_full = Calibration(accept_dist=[0.5, 0.3, 0.2], pd_hit_rate=0.5, full_accept_rate=0.25)
-    assert adopted_share(measured_full) == pytest.approx(0.75 * 0.8 * 0.5)
     far = DeviceProfile("far", 0.004, 0.0, math.inf, math.inf, 0.050)
     flat = GTable([(1, 0.010), (4096, 0.011)])
     assert choose_shape(cal, far, 0.004, 30, flat) == "chain"  # long round trips, rows nearly free
