@@ -23,7 +23,7 @@ from services.device_agent.link_probes import LinkProbes
 from services.device_agent.plans import DEFAULT_PARALLEL_STEPS, Plan, wire_bytes_per_token
 from services.device_agent.rounds import ROUNDS, RoundsStart
 from services.device_agent.settings import Settings
-from services.device_agent.wiring import hidden_clouds, plan_cache, planner_http, verifier_connection
+from services.device_agent.wiring import budget_tracker, hidden_clouds, plan_cache, planner_http, verifier_connection
 from shared.auth import client as auth_client
 from shared.auth.tls import client_context
 from shared.auth.verify import ISSUER
@@ -33,7 +33,7 @@ from shared.model.placement import detect_placement
 from shared.modes import MODE_TABLE, ModeSpec
 from shared.net.heartbeat import with_heartbeats
 from shared.planning.device_speed import speed_schedule
-from shared.planning.draft_budget import BudgetTracker, DraftShape
+from shared.planning.draft_budget import DraftShape
 from shared.runtime import build_device_model
 from shared.specdec.device_session import DeviceSession, SessionError, warm_up_device
 from shared.specdec.draft_config import DraftConfig
@@ -100,8 +100,7 @@ class DeviceAgent:
         self.http = planner_http(settings, self.broker, tls)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
-        shapes = settings.budget_shapes() if settings.chunk_planner_url else []  # the planner chooses among them
-        self.budget = BudgetTracker(shapes) if shapes else None  # each draft shape's measurements (draft_budget.py)
+        self.budget = budget_tracker(settings, self.checkpoint)  # each draft shape's measurements (draft_budget.py)
         self.async_fallbacks = 0  # hat-async requests HAT's chain rounds served, since hat-async measured slower
         self.plans = plan_cache(self.http, settings, self.bytes_per_token, self.model.context_length, self.budget)
         # An edge pipeline's first stage cuts prompts by the plan's sub-sequence table (Jupiter §IV-B2).

@@ -23,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from shared.planning.draft_budget import BudgetRequest, BudgetTracker, predicted_rates
+from shared.planning.budget_tracker import BudgetTracker, predicted_rates
+from shared.planning.draft_budget import BudgetRequest
 from shared.planning.planners import hidden_bytes_per_token
 from shared.wire.schema import WireDtype, dtype_bytes
 

@@ -3,8 +3,11 @@ its sessions use, the planner's HTTP client and the plan cache (agent.py holds t
 
 from __future__ import annotations
 
+import json
+import logging
 import ssl
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
@@ -15,14 +18,51 @@ from services.device_agent.plans import DEFAULT_PARALLEL_STEPS, PlanCache
 from services.device_agent.settings import Settings
 from shared.auth import client as auth_client
 from shared.auth.verify import ISSUER, PLANNER, VERIFIER
+from shared.model.adapter import ADAPTER_FILENAME
 from shared.model.checkpoint import Checkpoint, split_fingerprint
 from shared.net.links import parse_link_spec, scaled_for_hidden
-from shared.planning.draft_budget import BudgetTracker
+from shared.planning.budget_tracker import BudgetTracker, priors_from_adapter_report
+from shared.planning.draft_budget import DraftShape
 from shared.privacy.hidden_rotation import rotated_fingerprint
 from shared.privacy.uplink_hardening import with_noise, with_rotation
+from shared.runtime import RANDOM_ADAPTER
 from shared.specdec.replay import ReplayingCloud
 from shared.telemetry.metrics import DeviceMetrics
 from shared.wire import schema as wire
+
+log = logging.getLogger("services.device_agent")
+
+ADAPTER_REPORT = "adapter_report.json"  # `tophat train-adapter` / `evaluate-adapter` write it beside the adapter
+
+
+def budget_tracker(settings: Settings, checkpoint: Checkpoint) -> BudgetTracker | None:
+    """The draft budget's per-shape measurements (None: no planner to choose, or no shapes), with the priors of
+    the shapes its adapter's held-out evaluation measured."""
+    shapes = settings.budget_shapes() if settings.chunk_planner_url else []
+    if not shapes:
+        return None
+    return BudgetTracker(shapes, adapter_priors(settings, checkpoint, shapes))
+
+
+def adapter_priors(
+    settings: Settings, checkpoint: Checkpoint, shapes: list[DraftShape]
+) -> dict[str, tuple[float, float]]:
+    """(accept length, rows) per shape from the adapter's report beside it; {} without one (or for an untrained
+    adapter), and with a warning for one that cannot be read."""
+    if settings.adapter == RANDOM_ADAPTER or not settings.speculative:
+        return {}
+    adapter = Path(settings.adapter) if settings.adapter else checkpoint.path / ADAPTER_FILENAME
+    path = adapter.with_name(ADAPTER_REPORT)
+    if not path.is_file():
+        return {}
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("adapter report %s unreadable (%s): the draft budget starts from its default priors", path, exc)
+        return {}
+    priors = priors_from_adapter_report(report, shapes)
+    log.info("draft budget priors from %s: %s", path, priors)
+    return priors
 
 
 def verifier_connection(

@@ -1,6 +1,6 @@
 """The draft budget of a round: how many draft rows a device sends per verification, from the measured
 link and the cloud's load. Pure functions; the chunk planner serves the choice (`POST /draft-budget`)
-and the device agent keeps the per-shape measurements (`BudgetTracker`).
+and the device agent keeps the per-shape measurements (`shared/planning/budget_tracker.py`).
 
 A device can draft in several shapes: none (a U-shape round: one row, one token), a chain stopped by
 eta (HAT eq. 5), or a tree of N nodes (EAGLE-2). Each shape s has, as measured on this device,
@@ -39,10 +39,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from shared.planning.ema import Ema
 from shared.planning.monitor_plans import PlannerInputs, positive_field, usable_state
 
 MAX_OPTIONS = 32
@@ -162,140 +161,6 @@ def modelled_rate(option: BudgetOption, link: LinkLoad, g: Callable[[float], flo
     return option.accept / max(round_seconds(option, link, g), 1e-9)
 
 
-@dataclass
-class ShapeStats:
-    accept: Ema = field(default_factory=Ema)
-    rows: Ema = field(default_factory=Ema)
-    draft_s: Ema = field(default_factory=Ema)
-    slowdown: Ema = field(default_factory=Ema)
-
-
-class BudgetTracker:
-    """What each shape did on this device, per round (EMA over requests, HAT's a = 0.8): the options the
-    planner chooses among. A shape never run yet offers its prior, with the drafting time per step of
-    the measured chains times its steps (a tree's levels cost about what a chain's steps do)."""
-
-    def __init__(self, shapes: Iterable[DraftShape]):
-        self.shapes = {s.name: s for s in shapes}
-        if not self.shapes:
-            raise BudgetError("a budget tracker needs at least one draft shape")
-        self.stats = {name: ShapeStats() for name in self.shapes}
-        self.tried: set[str] = set()
-        self.async_slowdown = Ema()  # hat-async's k: its requests' speed against the chain's round model
-
-    def observe(self, name: str, accept_lengths: list[int], rows_per_round: float, draft_s_per_round: float) -> None:
-        """One request's rounds in shape `name` (a request with no rounds says nothing)."""
-        if name not in self.stats or not accept_lengths:
-            return
-        stats = self.stats[name]
-        stats.accept.update(sum(accept_lengths) / len(accept_lengths))
-        stats.rows.update(max(1.0, rows_per_round))
-        stats.draft_s.update(max(0.0, draft_s_per_round))
-
-    def observe_speed(self, name: str, modelled_tokens_per_s: float, measured_tokens_per_s: float) -> None:
-        """One request's decoding speed in shape `name` against what the planner's round model gave it: a sample
-        of k_s (modelled over measured, clamped to SLOWDOWN_RANGE). Non-positive or non-finite figures say
-        nothing."""
-        sample = slowdown_sample(modelled_tokens_per_s, measured_tokens_per_s)
-        if name in self.stats and sample is not None:
-            self.stats[name].slowdown.update(sample)
-
-    def observe_async_speed(self, chain_modelled_tokens_per_s: float, measured_tokens_per_s: float) -> None:
-        """One hat-async request's speed against the chain's round model (its rounds are chains, drafted ahead)."""
-        sample = slowdown_sample(chain_modelled_tokens_per_s, measured_tokens_per_s)
-        if sample is not None:
-            self.async_slowdown.update(sample)
-
-    def measured_slowdown(self, name: str) -> float | None:
-        """Shape `name`'s measured k (None: not measured, or not one of this device's shapes)."""
-        return self.stats[name].slowdown.value if name in self.stats else None
-
-    def async_pays(self) -> bool | None:
-        """Whether hat-async's drafting ahead measured no slower than HAT's own chain rounds (its k no larger than
-        the chain's); None until both are measured."""
-        chain = self.measured_slowdown("chain")
-        if self.async_slowdown.value is None or chain is None:
-            return None
-        return self.async_slowdown.value <= chain
-
-    def _drafting_slowdown(self) -> float:
-        """k of a drafting shape never measured: the mean of the measured drafting shapes' (their drafting shares
-        the device and the verifier alike), 1 with none."""
-        measured = [
-            stats.slowdown.value
-            for name, stats in self.stats.items()
-            if self.shapes[name].max_draft > 0 and stats.slowdown.value is not None
-        ]
-        return sum(measured) / len(measured) if measured else 1.0
-
-    def next_trial(self, predicted: Mapping[str, float] | None = None, running: str | None = None) -> str | None:
-        """A drafting shape never handed out yet, other than the one the request `running` it runs, marked as
-        handed out, or None (no drafts need no trial: its figures are exact). Each is handed out once (the
-        device runs it for one round of a request: agent.draft_config), whatever that round then measures, and
-        only when the planner's last answer (`predicted`: tokens/s per shape, from its prior where it never
-        ran) puts it within TRIAL_SHARE of the best: on a verifier under load a tree's round runs several times
-        slower than a round without drafts. Without a prediction nothing is tried; a shape the planner chooses
-        runs, and is measured, all the same."""
-        if not predicted:
-            return None
-        best = max(predicted.values())
-        for name, shape in self.shapes.items():
-            if name == running:
-                continue
-            if shape.max_draft > 0 and name not in self.tried and predicted.get(name, 0.0) >= TRIAL_SHARE * best:
-                self.tried.add(name)
-                return name
-        return None
-
-    def _draft_s_per_step(self) -> float:
-        """Drafting seconds per step, from the chains measured (a chain's steps are its rows but the root)."""
-        rates = []
-        for name, stats in self.stats.items():
-            d, r = stats.draft_s.value, stats.rows.value
-            if self.shapes[name].tree_nodes == 0 and d is not None and r is not None and r > 1:
-                rates.append(d / (r - 1))
-        return sum(rates) / len(rates) if rates else 0.0
-
-    def options(self) -> list[BudgetOption]:
-        per_step, drafting_slowdown = self._draft_s_per_step(), self._drafting_slowdown()
-        out = []
-        for name, shape in self.shapes.items():
-            stats = self.stats[name]
-            prior_accept, prior_rows = shape.prior()
-            rows = stats.rows.value if stats.rows.value is not None else prior_rows
-            # a tree drafts level by level (one adapter pass per level, however wide): its levels, not its rows
-            steps = min(rows - 1, shape.max_draft)
-            draft_s = stats.draft_s.value if stats.draft_s.value is not None else per_step * steps
-            accept = stats.accept.value if stats.accept.value is not None else prior_accept
-            slowdown = stats.slowdown.value
-            if slowdown is None:
-                slowdown = drafting_slowdown if shape.max_draft > 0 else 1.0
-            out.append(BudgetOption(name, max(1.0, accept), rows, draft_s, slowdown))
-        return out
-
-
-def slowdown_sample(modelled_tokens_per_s: float, measured_tokens_per_s: float) -> float | None:
-    """k from one request: modelled over measured tokens/s, clamped to SLOWDOWN_RANGE; None from non-positive or
-    non-finite figures."""
-    figures = (modelled_tokens_per_s, measured_tokens_per_s)
-    if not all(math.isfinite(x) and x > 0 for x in figures):
-        return None
-    low, high = SLOWDOWN_RANGE
-    return min(high, max(low, modelled_tokens_per_s / measured_tokens_per_s))
-
-
-def predicted_rates(rates: Any, shapes: Mapping[str, Any]) -> dict[str, float]:
-    """The planner's tokens/s for this device's shapes: finite and >= 0 only; anything else is no prediction."""
-    if not isinstance(rates, Mapping):
-        return {}
-    out = {}
-    for name, rate in rates.items():
-        if name in shapes and isinstance(rate, (int, float)) and not isinstance(rate, bool):
-            if math.isfinite(rate) and rate >= 0:
-                out[name] = float(rate)
-    return out
-
-
 def budget_from_state(
     cloud: Mapping[str, Any] | None,
     device: Mapping[str, Any] | None,
@@ -314,13 +179,13 @@ def budget_from_state(
     beta_up, beta_down = (positive_field(dev, key, "missing-beta") for key in ("beta_up", "beta_down"))
     if isinstance(beta_up, str) or isinstance(beta_down, str):
         return default, f"default:{beta_up if isinstance(beta_up, str) else beta_down}", {}
-    rtt = _number(dev.get("rtt_s"))
+    rtt = number_or_none(dev.get("rtt_s"))
     if rtt is None or not math.isfinite(rtt) or rtt < 0:
         return default, "default:missing-rtt", {}
     last = (cloud or {}).get("last")
-    sessions = _number(last.get("num_sessions")) if isinstance(last, Mapping) else None
+    sessions = number_or_none(last.get("num_sessions")) if isinstance(last, Mapping) else None
     sessions = max(1.0, sessions) if sessions is not None and math.isfinite(sessions) else 1.0
-    overhead = _number(dev.get("round_overhead_s"))
+    overhead = number_or_none(dev.get("round_overhead_s"))
     overhead = overhead if overhead is not None and math.isfinite(overhead) and overhead >= 0 else 0.0
     try:
         link = LinkLoad(rtt, bytes_per_token, beta_up, beta_down, sessions, overhead)
@@ -337,7 +202,8 @@ def budget_from_state(
     return name, "budget", detail
 
 
-def _number(value: Any) -> float | None:
+def number_or_none(value: Any) -> float | None:
+    """A JSON number as a float; None for anything else (bools included)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -365,8 +231,8 @@ class BudgetRequest:
             name = item.get("name") if isinstance(item, Mapping) else None
             if not isinstance(item, Mapping) or not isinstance(name, str) or not 0 < len(name) <= 32:
                 raise BudgetError("each option needs a name (1..32 characters), accept, rows and draft_s")
-            numbers = [_number(item.get(k)) for k in ("accept", "rows", "draft_s")]
-            slowdown = _number(item.get("slowdown", 1.0))
+            numbers = [number_or_none(item.get(k)) for k in ("accept", "rows", "draft_s")]
+            slowdown = number_or_none(item.get("slowdown", 1.0))
             if None in numbers or slowdown is None:
                 raise BudgetError(f"option {name!r}: accept, rows, draft_s and slowdown must be numbers")
             accept, rows, draft_s = (float(x or 0) for x in numbers)

@@ -13,17 +13,13 @@ import pytest
 from services.chunk_planner.settings import load_settings
 from shared.planning.draft_budget import (
     MAX_ROWS,
-    SLOWDOWN_RANGE,
-    TRIAL_SHARE,
     BudgetError,
     BudgetOption,
     BudgetRequest,
-    BudgetTracker,
     DraftShape,
     LinkLoad,
     budget_from_state,
     choose_budget,
-    predicted_rates,
     round_seconds,
 )
 from shared.planning.monitor_plans import PlannerInputs
@@ -89,29 +85,6 @@ def test_the_current_shape_is_kept_through_near_ties() -> None:
     assert choose_budget(near, free_link, flat, current="tree9")[0] == "chain"  # not an option: ignored
 
 
-def test_each_drafting_shape_is_handed_out_once_for_its_trial() -> None:
-    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
-    near = {"none": 10.0, "chain": 11.0, "tree16": 12.0}
-    assert [tracker.next_trial(near) for _ in range(3)] == ["chain", "tree16", None]  # no drafts needs no trial
-
-
-def test_only_shapes_predicted_near_the_best_get_a_trial() -> None:
-    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree8", "tree16")])
-    assert tracker.next_trial(None) is None and tracker.next_trial({}) is None and not tracker.tried
-    busy = {"none": 40.0, "chain": 0.85 * 40.0, "tree8": TRIAL_SHARE * 40.0 - 0.01}  # tree16: no prediction
-    assert [tracker.next_trial(busy) for _ in range(2)] == ["chain", None]
-    idle = {"none": 10.0, "chain": 11.0, "tree8": 12.0, "tree16": 11.5}  # later, the load gone: tried then
-    assert [tracker.next_trial(idle) for _ in range(3)] == ["tree8", "tree16", None]
-
-
-def test_predicted_rates_keep_finite_rates_of_known_shapes_only() -> None:
-    shapes = {"none": 1, "chain": 1}
-    raw = {"none": 3, "chain": math.inf, "tree8": 4.0, 5: 1.0}
-    assert predicted_rates(raw, shapes) == {"none": 3.0}
-    assert predicted_rates({"none": -1.0, "chain": True}, shapes) == {}
-    assert predicted_rates([1.0], shapes) == predicted_rates(None, shapes) == {}
-
-
 @pytest.mark.parametrize(
     "bad",
     [
@@ -137,23 +110,6 @@ def test_shapes_parse_to_draft_settings() -> None:
     assert DraftShape.parse("none", 8) == DraftShape("none", 0)
     assert DraftShape.parse("chain", 6) == DraftShape("chain", 6)
     assert DraftShape.parse("tree16", 6) == DraftShape("tree16", 6, 16)
-
-
-def test_the_tracker_offers_priors_then_what_it_measured() -> None:
-    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
-    before = {o.name: o for o in tracker.options()}
-    assert before["none"] == BudgetOption("none", 1.0, 1.0, 0.0)
-    assert before["tree16"].accept > before["chain"].accept > 1.0
-    tracker.observe("chain", [1, 2, 1, 2], rows_per_round=3.0, draft_s_per_round=0.04)
-    tracker.observe("unknown", [5], 3.0, 0.1)  # not a shape of this device: ignored
-    tracker.observe("tree16", [], 17.0, 0.1)  # no rounds: says nothing
-    after = {o.name: o for o in tracker.options()}
-    assert after["chain"] == BudgetOption("chain", 1.5, 3.0, 0.04)
-    assert math.isclose(after["tree16"].draft_s, 0.02 * 8)  # the chain's seconds per step, times 8 levels
-    tracker.observe("tree16", [2], 17.0, 0.5)  # a measured tree does not change the chains' seconds per step
-    assert math.isclose({o.name: o for o in tracker.options()}["tree16"].draft_s, 0.5)
-    tracker.observe("chain", [3], 5.0, 0.08)
-    assert math.isclose(tracker.options()[1].accept, 0.8 * 1.5 + 0.2 * 3)
 
 
 def budget_body(**overrides) -> dict:
@@ -275,19 +231,6 @@ def test_a_shape_measured_slower_than_modelled_is_charged_for_it() -> None:
     assert shape == "none" and math.isclose(rates["chain"], 14.0 / 1.6)
 
 
-def test_the_tracker_learns_each_shapes_slowdown_and_lends_it_to_untried_drafting_shapes() -> None:
-    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain", "tree16")])
-    assert {o.name: o.slowdown for o in tracker.options()} == {"none": 1.0, "chain": 1.0, "tree16": 1.0}
-    tracker.observe_speed("chain", 20.0, 10.0)  # ran at half the modelled speed
-    tracker.observe_speed("none", 10.0, 10.0)
-    tracker.observe_speed("chain", 20.0, -1.0)  # says nothing
-    tracker.observe_speed("tree99", 20.0, 1.0)  # not a shape of this device
-    tracker.observe_speed("none", 1000.0, 1.0)  # clamped
-    slowdowns = {o.name: o.slowdown for o in tracker.options()}
-    assert slowdowns["chain"] == 2.0 and slowdowns["tree16"] == 2.0  # the drafting shapes' mean
-    assert 1.0 < slowdowns["none"] <= SLOWDOWN_RANGE[1]
-
-
 def test_slowdown_travels_in_the_request_and_defaults_to_one() -> None:
     ask = BudgetRequest("jetson-1", 1152, "chain", [BudgetOption("chain", 1.5, 3.0, 0.02, slowdown=1.25)])
     assert BudgetRequest.from_json(json.loads(json.dumps(ask.to_json()))) == ask
@@ -308,21 +251,3 @@ def test_the_planner_answers_the_round_models_rates_beside_its_choice() -> None:
     _, _, detail = budget_from_state(cloud, device, inputs, slowed, "chain")
     for name, modelled in detail["modelled_tokens_per_s"].items():
         assert math.isclose(detail["tokens_per_s"][name], modelled / 2.0, rel_tol=1e-3)
-
-
-def test_hat_async_pays_only_while_it_measures_no_slower_than_the_chain():
-    """hat-async's k is its requests' speed against the chain's round model; it pays while that k is no larger than
-    HAT's chain rounds' own; unknown until both are measured, and bad figures say nothing."""
-    tracker = BudgetTracker([DraftShape.parse(n, 8) for n in ("none", "chain")])
-    assert tracker.async_pays() is None
-    tracker.observe_async_speed(10.0, 8.0)  # k 1.25
-    assert tracker.async_pays() is None  # the chain's k is not measured yet
-    tracker.observe_speed("chain", 10.0, 10.0)  # k 1.0
-    assert tracker.async_pays() is False
-    tracker.observe_async_speed(10.0, float("nan"))
-    tracker.observe_async_speed(-1.0, 5.0)
-    assert tracker.async_slowdown.count == 1
-    for _ in range(20):
-        tracker.observe_async_speed(10.0, 12.0)  # k 0.83: faster than the chain's rounds now
-    assert tracker.async_pays() is True
-    assert BudgetTracker([DraftShape.parse("none", 8)]).async_pays() is None  # no chain to compare with
