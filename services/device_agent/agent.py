@@ -100,7 +100,7 @@ class DeviceAgent:
         self.http = planner_http(settings, self.broker, tls)
         # The planner's answers, cached per device and refreshed off the request path (plans.py).
         self.bytes_per_token = wire_bytes_per_token(self.checkpoint.hidden_size, wire.WireDtype(settings.wire_dtype))
-        self.budget = budget_tracker(settings, self.checkpoint)  # each draft shape's measurements (draft_budget.py)
+        self.budget = budget_tracker(settings, self.checkpoint)  # each draft shape's measurements (budget_tracker.py)
         self.async_fallbacks = 0  # hat-async requests HAT's chain rounds served, since hat-async measured slower
         self.plans = plan_cache(self.http, settings, self.bytes_per_token, self.model.context_length, self.budget)
         # An edge pipeline's first stage cuts prompts by the plan's sub-sequence table (Jupiter §IV-B2).

@@ -18,7 +18,7 @@ from services.device_agent.plans import DEFAULT_PARALLEL_STEPS, PlanCache
 from services.device_agent.settings import Settings
 from shared.auth import client as auth_client
 from shared.auth.verify import ISSUER, PLANNER, VERIFIER
-from shared.model.adapter import ADAPTER_FILENAME
+from shared.model.adapter import ADAPTER_FILENAME, ADAPTER_REPORT_FILENAME
 from shared.model.checkpoint import Checkpoint, split_fingerprint
 from shared.net.links import parse_link_spec, scaled_for_hidden
 from shared.planning.budget_tracker import BudgetTracker, priors_from_adapter_report
@@ -31,8 +31,6 @@ from shared.telemetry.metrics import DeviceMetrics
 from shared.wire import schema as wire
 
 log = logging.getLogger("services.device_agent")
-
-ADAPTER_REPORT = "adapter_report.json"  # `tophat train-adapter` / `evaluate-adapter` write it beside the adapter
 
 
 def budget_tracker(settings: Settings, checkpoint: Checkpoint) -> BudgetTracker | None:
@@ -52,7 +50,7 @@ def adapter_priors(
     if settings.adapter == RANDOM_ADAPTER or not settings.speculative:
         return {}
     adapter = Path(settings.adapter) if settings.adapter else checkpoint.path / ADAPTER_FILENAME
-    path = adapter.with_name(ADAPTER_REPORT)
+    path = adapter.with_name(ADAPTER_REPORT_FILENAME)
     if not path.is_file():
         return {}
     try:

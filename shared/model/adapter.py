@@ -35,6 +35,8 @@ from shared.model.split import kv_shape, validate_split
 from shared.model.tree_rows import TreeRows
 
 ADAPTER_FILENAME = "draft_adapter.safetensors"
+# its held-out evaluation, beside it: `tophat train-adapter` / `evaluate-adapter` write it, the draft budget reads it
+ADAPTER_REPORT_FILENAME = "adapter_report.json"
 DRAFT_VOCAB_KEY = "draft_vocab"  # the adapter file's [N] int64 tensor of draft token ids (optional)
 VARIANTS = ("hat", "fusion", "feature")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.chat import has_chat_template
-from shared.model.adapter import ADAPTER_FILENAME, AdapterSpec, DraftAdapter
+from shared.model.adapter import ADAPTER_FILENAME, ADAPTER_REPORT_FILENAME, AdapterSpec, DraftAdapter
 from shared.model.checkpoint import Checkpoint, ModelLoadError
 from tophatctl.adapter_training.dataset import (
     DistillData,
@@ -258,7 +258,7 @@ def train_chat_adapter(
     out = out or checkpoint.path / ADAPTER_FILENAME
     out.parent.mkdir(parents=True, exist_ok=True)
     adapter.save(out, extra_metadata=report)
-    out.with_name("adapter_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_name(ADAPTER_REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
     log.info("adapter saved to %s", out)
     return report
 
@@ -280,7 +280,7 @@ def evaluate_adapter_file(
     held_out = load_or_build_held_out(checkpoint, m)
     report.update(evaluate(checkpoint, adapter, cfg, eval_prompts, eval_new_tokens, held_out, tree_nodes))
     adapter.save(path, extra_metadata=report)
-    path.with_name("adapter_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    path.with_name(ADAPTER_REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

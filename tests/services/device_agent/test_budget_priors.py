@@ -10,7 +10,8 @@ import shutil
 from types import SimpleNamespace
 
 from services.device_agent import settings as device_settings
-from services.device_agent.wiring import ADAPTER_REPORT, adapter_priors, budget_tracker
+from services.device_agent.wiring import adapter_priors, budget_tracker
+from shared.model.adapter import ADAPTER_REPORT_FILENAME as ADAPTER_REPORT
 from tests.conftest import REPO_ROOT
 
 SMOLLM2 = REPO_ROOT / "models" / "smollm2"
