@@ -13,6 +13,10 @@ form the same way:
   stage s is done with it and stage s+1 is done with the previous micro-batch), so up to
   P micro-batches are in flight and the throughput rises with P.
 
+While another session is decoding (sent a verify or decode step in the last DECODING_WINDOW_S), a prefill item
+is taken in pieces whose g(mu) stays within `max_prefill_step_s`, one piece per micro-batch, as the real
+scheduler does (shared/planning/prefill_pieces.py); the item's `done()` runs after its last piece.
+
 HAT's eq. 3 assumes a session's chunk j+1 enters the pipeline right behind chunk j, and the
 real verifier does that with P > 1 (`prefill_pipelining`); `chunk_pipelining=True` (the
 calibration's default) models it: a session whose items in flight are all prefill chunks may
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 from loadgen.simulate.calibration import GTable
 from loadgen.simulate.events import EventLoop
+from shared.planning.prefill_pieces import DECODING_WINDOW_S, prefill_piece_tokens
 
 
 @dataclass
@@ -64,15 +69,20 @@ class Cloud:
         alpha: float = 0.8,
         chunk_pipelining: bool = False,
         step_overhead_s: float = 0.0,
+        max_prefill_step_s: float = 0.0,
     ) -> None:
         if stages < 1 or max_batch_tokens < 1 or not compute_scale > 0 or not step_overhead_s >= 0:
             raise ValueError("need stages >= 1, max_batch_tokens >= 1, compute_scale > 0, step_overhead_s >= 0")
+        if not max_prefill_step_s >= 0:
+            raise ValueError("need max_prefill_step_s >= 0 (0 = prompts run whole)")
         self.step_overhead_s = step_overhead_s
+        self.max_prefill_step_s = max_prefill_step_s
         self.loop, self.g, self.stages = loop, g, stages
         self.max_batch_tokens, self.compute_scale, self.alpha = max_batch_tokens, compute_scale, alpha
         self.chunk_pipelining = chunk_pipelining
         self.queues: OrderedDict[int, deque[Item]] = OrderedDict()
         self.busy: dict[int, list[bool]] = {}  # session -> prefill? of each of its items in flight
+        self.decoding_at: dict[int, float] = {}  # session -> when it last submitted a verify or decode step
         self.stage_free = [0.0] * stages  # when each stage finishes its last micro-batch
         self.in_flight = 0
         self.max_in_flight = 0
@@ -86,9 +96,14 @@ class Cloud:
         if tokens < 1:
             raise ValueError("a work item needs at least one token")
         self.queues.setdefault(session_id, deque()).append(Item(session_id, tokens, done, prefill))
+        if prefill:
+            self.decoding_at.pop(session_id, None)  # a (new) prompt: not decoding until its next step
+        else:
+            self.decoding_at[session_id] = self.loop.now
         self._kick()
 
     def close(self, session_id: int) -> None:
+        self.decoding_at.pop(session_id, None)
         queue = self.queues.get(session_id)
         if queue is not None and not queue and session_id not in self.busy:
             del self.queues[session_id]
@@ -114,6 +129,25 @@ class Cloud:
     def _ready(self) -> list[int]:
         return [sid for sid, q in self.queues.items() if self._schedulable(sid, q)]
 
+    def _decoding(self) -> set[int]:
+        since = self.loop.now - DECODING_WINDOW_S
+        return {sid for sid, at in self.decoding_at.items() if at >= since or self.queues.get(sid) or sid in self.busy}
+
+    def _head_tokens(self, sid: int, decoding: set[int]) -> int:
+        """Tokens the session's head item puts in this micro-batch: a piece of a prefill while others decode."""
+        head = self.queues[sid][0]
+        if head.prefill and self.max_prefill_step_s > 0 and decoding - {sid}:
+            return prefill_piece_tokens(head.tokens, self.g_of, self.max_prefill_step_s)
+        return head.tokens
+
+    def _take(self, sid: int, size: int) -> Item:
+        queue = self.queues[sid]
+        head = queue[0]
+        if size == head.tokens:
+            return queue.popleft()
+        head.tokens -= size  # the rest stays at the head; only the last piece answers
+        return Item(sid, size, lambda: None, prefill=True)
+
     def _schedule(self) -> None:
         self._kick_pending = False
         while self.in_flight < self.stages:
@@ -122,15 +156,16 @@ class Cloud:
                 return
             parts = self.stages - self.in_flight
             budget = self.max_batch_tokens
+            decoding = self._decoding()
+            sizes = {sid: self._head_tokens(sid, decoding) for sid in ready}
             if parts > 1:
-                budget = min(budget, -(-sum(self.queues[s][0].tokens for s in ready) // parts))
+                budget = min(budget, -(-sum(sizes.values()) // parts))
             batch: list[Item] = []
             for sid in ready:
-                head = self.queues[sid][0]
-                if batch and head.tokens > budget:
+                if batch and sizes[sid] > budget:
                     continue
-                batch.append(self.queues[sid].popleft())
-                budget -= head.tokens
+                batch.append(self._take(sid, sizes[sid]))
+                budget -= sizes[sid]
             for item in batch:
                 self.queues.move_to_end(item.session_id)
                 self.busy.setdefault(item.session_id, []).append(item.prefill)

@@ -155,6 +155,7 @@ def run_simulation(
             cal.alpha,
             cal.chunk_pipelining,
             cal.step_overhead_s,
+            cal.max_prefill_step_s,
         )
         for _ in range(config.replicas)
     ]

@@ -203,7 +203,7 @@ class RequestProcess:
         if self.ctx.mode.token_upload:
             S = self.req.prompt_tokens
             self.dev.uplink.send(
-                S * self.ctx.cal.token_bytes + self.o, self.cloud.submit, self.sid, S, self._cloud_token
+                S * self.ctx.cal.token_bytes + self.o, self.cloud.submit, self.sid, S, self._cloud_token, True
             )
             return
         self.chunks = self.chunk_plan()

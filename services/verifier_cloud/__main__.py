@@ -1,4 +1,5 @@
-"""`python -m services.verifier_cloud [--pipeline-stages P] [--full-model] [--server-chunk-tokens N]`: serve the verifier.
+"""`python -m services.verifier_cloud [--pipeline-stages P] [--full-model] [--server-chunk-tokens N]
+[--max-prefill-step-ms MS]`: serve the verifier.
 
 Settings come from `TOPHAT_VERIFIER_*` environment variables; the few flags
 here override them (a flag is easier to type when trying pipeline depths).
@@ -53,6 +54,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(env TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS; default 0 = off)",
     )
     parser.add_argument(
+        "--max-prefill-step-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="while another session decodes, compute prefills in pieces whose pass the measured g(mu) predicts "
+        "within MS (env TOPHAT_VERIFIER_MAX_PREFILL_STEP_MS; default 100; 0 = off)",
+    )
+    parser.add_argument(
         "--kv-layout",
         choices=KV_LAYOUTS,
         default=None,
@@ -76,6 +85,7 @@ def settings_from(argv: Sequence[str] | None = None) -> Settings:
         "pipeline_stages": args.pipeline_stages,
         "full_model": args.full_model,
         "server_chunk_tokens": args.server_chunk_tokens,
+        "max_prefill_step_ms": args.max_prefill_step_ms,
         "kv_layout": args.kv_layout,
         "cuda_graphs": args.cuda_graphs,
     }

@@ -24,6 +24,11 @@ pieces instead of waiting behind the whole prompt (Sarathi's point). The pieces
 share the item's seq_no; only the last one replies (ChunkAck / DeepHidden /
 TokenResult); an error in any piece is the item's error and drops the rest.
 
+Without fixed pieces, a prefill is still cut while another session is decoding (sent a verify in the last
+DECODING_WINDOW_S): into pieces whose pass the verifier's measured g(mu) (`step_cost`) predicts within
+`max_prefill_step_s` (shared/planning/prefill_pieces.py). On a flat curve (a GPU) the whole prompt fits and runs
+whole; on a CPU the decoding sessions' rounds wait for one piece instead of the whole prompt.
+
 Token-mode items (token_ids instead of hidden; services/verifier_cloud/token_mode.py)
 run the cloud's embeddings and layers [0, m) first, then join the hidden-state
 items in the same packed pass of the middle layers, then the head samples.
@@ -43,12 +48,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.verifier_cloud.session import Session
 from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 from services.verifier_cloud.work_item import WorkItem
+from shared.planning.prefill_pieces import DECODING_WINDOW_S, prefill_piece_tokens
 
 log = logging.getLogger("services.verifier_cloud.scheduler")
 
@@ -73,6 +81,8 @@ class Scheduler:
         max_sessions_per_owner: int | None = None,
         max_queue: int | None = None,
         prefill_sessions_per_step: int = 0,
+        max_prefill_step_s: float = 0.0,
+        step_cost: Callable[[int], float | None] | None = None,
     ):
         self.max_batch_tokens = max_batch_tokens
         self.max_sessions = max_sessions
@@ -82,6 +92,9 @@ class Scheduler:
         self.server_chunk_tokens = server_chunk_tokens  # > 0: U-Sarathi pieces of long prefills
         self.prefill_pipelining = prefill_pipelining
         self.prefill_sessions_per_step = prefill_sessions_per_step  # 0: no bound
+        # > 0 (and no fixed pieces): a prefill's piece while others decode stays within this many seconds of g
+        self.max_prefill_step_s = max_prefill_step_s
+        self.step_cost = step_cost  # g(mu): predicted seconds of a pass of mu rows (None: not measured yet)
         self.sessions: OrderedDict[int, Session] = OrderedDict()
         self.work_ready = asyncio.Event()  # set while some session may have schedulable work
 
@@ -134,6 +147,7 @@ class Scheduler:
         session.touch()
         if item.kind is not WorkKind.PREFILL:
             session.prefill_since = None  # its prompt is in: a later prefill is a new turn's
+            session.decoding_at = session.last_active
         elif session.prefill_since is None:
             session.prefill_since = session.last_active
         self.work_ready.set()
@@ -154,21 +168,43 @@ class Scheduler:
             and all(kind is WorkKind.PREFILL for kind in session.in_flight)
         )
 
-    def _head_tokens(self, session: Session) -> int:
-        """Tokens the session's head item would put in this step (a piece of it, with server chunking)."""
+    def _head_tokens(self, session: Session, decoding: bool) -> int:
+        """Tokens the session's head item would put in this step (a piece of it, with server chunking or while
+        other sessions are `decoding`)."""
         head = session.queue[0]
-        if self.server_chunk_tokens and head.kind is WorkKind.PREFILL:
+        if head.kind is not WorkKind.PREFILL:
+            return head.num_tokens
+        if self.server_chunk_tokens:
             return min(head.num_tokens, self.server_chunk_tokens)
+        if decoding and self.max_prefill_step_s > 0 and self.step_cost is not None:
+            return prefill_piece_tokens(head.num_tokens, self.step_cost, self.max_prefill_step_s)
         return head.num_tokens
 
-    def ready_tokens(self) -> int:
-        """Tokens in the head items that `schedule()` could take right now."""
-        return sum(self._head_tokens(s) for s in self.sessions.values() if self._schedulable(s))
+    def _decoding(self) -> set[int]:
+        """Sessions that sent a verify (or token step) in the last DECODING_WINDOW_S: their rounds would wait
+        behind a whole prompt."""
+        since = time.monotonic() - DECODING_WINDOW_S
+        return {
+            sid
+            for sid, s in self.sessions.items()
+            if s.decoding_at is not None and (s.decoding_at >= since or s.is_busy) and s.prefill_since is None
+        }
 
-    def _take(self, session: Session) -> WorkItem:
-        """Pop the head item, or detach its next server-side piece (the rest stays at the head)."""
+    def _others_decode(self, session: Session, decoding: set[int]) -> bool:
+        return bool(decoding) and decoding != {session.session_id}
+
+    def ready_tokens(self, decoding: set[int] | None = None) -> int:
+        """Tokens in the head items that `schedule()` could take right now."""
+        decoding = self._decoding() if decoding is None else decoding
+        return sum(
+            self._head_tokens(s, self._others_decode(s, decoding))
+            for s in self.sessions.values()
+            if self._schedulable(s)
+        )
+
+    def _take(self, session: Session, size: int) -> WorkItem:
+        """Pop the head item, or detach its next `size`-token piece (the rest stays at the head)."""
         head = session.queue[0]
-        size = self._head_tokens(session)
         # An item that cannot fit the context runs whole, so it is refused before any piece touches the KV.
         if size == head.num_tokens or head.position + head.num_tokens > self.context_length:
             session.dequeued(head)
@@ -208,18 +244,19 @@ class Scheduler:
         """
         items: list[WorkItem] = []
         budget = self.max_batch_tokens
+        decoding = self._decoding()
         if parts > 1:
-            budget = min(budget, -(-self.ready_tokens() // parts))
+            budget = min(budget, -(-self.ready_tokens(decoding) // parts))
         prefills = self._prefill_turn()
         for session in self.sessions.values():
             if not self._schedulable(session):
                 continue
             if prefills is not None and session.queue[0].kind is WorkKind.PREFILL and session not in prefills:
                 continue
-            size = self._head_tokens(session)
+            size = self._head_tokens(session, self._others_decode(session, decoding))
             if items and size > budget:
                 continue
-            items.append(self._take(session))
+            items.append(self._take(session, size))
             budget -= size
         # Rotate so sessions that just ran go to the back (fairness under a tight budget).
         for item in items:

@@ -61,6 +61,7 @@ from shared.capture import CaptureWriter
 from shared.model.checkpoint import split_fingerprint
 from shared.model.split import MiddleSubmodel
 from shared.model.static_kv import static_capacity
+from shared.planning.compute_delay import ComputeDelayPredictor
 from shared.privacy.hidden_rotation import rotated_fingerprint
 from shared.settings import SettingsError
 from shared.telemetry.client import TelemetryClient
@@ -96,12 +97,18 @@ class VerifierServer:
             split_fingerprint(settings.model_dir, settings.split_layers), settings.hidden_rotation
         )
         self.token_model = token_model
+        # g(mu) as this verifier measures it: its startup passes, then every step it serves (prefill pieces' sizes)
+        self.step_cost = ComputeDelayPredictor()
+        for rows, seconds in calibration:
+            self.step_cost.observe(rows, seconds)
         self.scheduler = Scheduler(
             settings.max_batch_tokens,
             settings.max_sessions,
             context_length,
             server_chunk_tokens=settings.server_chunk_tokens,
             prefill_sessions_per_step=settings.prefill_sessions_per_step,
+            max_prefill_step_s=settings.max_prefill_step_ms / 1e3,
+            step_cost=self.step_cost.predict,
             prefill_pipelining=stages is not None and settings.prefill_pipelining,
             max_sessions_per_owner=settings.max_sessions_per_connection,
             max_queue=settings.max_queue_per_session,
@@ -283,6 +290,8 @@ class VerifierServer:
 
     def _record_step(self, stats: StepStats, overhead_s: float | None) -> None:
         self.steps.record(stats, overhead_s)  # the engines are built before the recorder: they call through here
+        if stats.batched_tokens >= 1 and stats.compute_s >= 0:
+            self.step_cost.observe(stats.batched_tokens, stats.compute_s)
 
     async def serve_forever(self, stop: asyncio.Event, started: asyncio.Future | None = None) -> None:
         try:
@@ -336,7 +345,8 @@ class VerifierServer:
                 self.ready = True
                 port = server.sockets[0].getsockname()[1] if server.sockets else self.settings.port
                 log.info(
-                    "verifier-cloud ready on %s://%s:%d%s (%d pipeline stage(s), token mode %s, server chunks %s)",
+                    "verifier-cloud ready on %s://%s:%d%s (%d pipeline stage(s), token mode %s, server chunks %s, "
+                    "prefill pieces while others decode: %s)",
                     "wss" if tls is not None else "ws",
                     self.settings.host,
                     port,
@@ -344,6 +354,7 @@ class VerifierServer:
                     self.settings.pipeline_stages if self.pipeline is not None else 1,
                     "on" if self.token_model is not None else "off",
                     self.settings.server_chunk_tokens or "off",
+                    f"<= {self.settings.max_prefill_step_ms:g} ms" if self.settings.max_prefill_step_ms else "off",
                 )
                 self.steps.send_calibration()
                 if started is not None:

@@ -41,6 +41,7 @@ class Session:
     opened_at: float = field(default_factory=time.monotonic)
     # When its prompt's first prefill item came (None: not prefilling): the order prompts take their turns in.
     prefill_since: float | None = None
+    decoding_at: float | None = None  # when it last sent a verify (None: none since its prompt began)
     last_active: float = field(default_factory=time.monotonic)  # last request or reply (idle TTL)
 
     @property

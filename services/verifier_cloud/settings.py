@@ -94,6 +94,10 @@ class Settings(ServiceSettings):
     # U-Sarathi (HAT's baseline): compute prefill items longer than this in pieces of this many tokens, one piece
     # per scheduler step, interleaved with other sessions' work. 0 = off (an item runs whole).
     server_chunk_tokens: int = 0
+    # Without fixed pieces: while another session is decoding, a prefill is computed in pieces whose pass the
+    # verifier's measured g(mu) predicts within this many ms, so decoding rounds wait for a piece, not a prompt.
+    # A GPU's flat curve fits a whole prompt in one pass; a CPU's takes pieces. 0 = off (prompts run whole).
+    max_prefill_step_ms: float = 100.0
     # Prefills of how many sessions one step may hold, oldest session first (0: no bound). On a verifier whose
     # pass costs grow with its rows (a CPU), two prompts sharing every pass both finish late; taking them in
     # arrival order finishes the first at its own pace and the second no later. A GPU below saturation may batch more.
@@ -211,6 +215,7 @@ class Settings(ServiceSettings):
         check_kv_settings(self.kv_layout, self.cuda_graphs, self.cuda_graph_rows)
         reject_first(
             (self.server_chunk_tokens < 0, "server_chunk_tokens must be >= 0 (0 = off)"),
+            (not self.max_prefill_step_ms >= 0, "max_prefill_step_ms must be >= 0 (0 = off)"),
             (self.prefill_sessions_per_step < 0, "prefill_sessions_per_step must be >= 0 (0 = no bound)"),
         )
         self._validate_stages()
