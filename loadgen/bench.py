@@ -28,7 +28,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from shared.modes import MODE_TABLE
 
@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 SERVER_CHUNK = {"specbench": 128, "cnndm": 256}  # HAT's U-Sarathi chunk sizes
 # The table's modes a bench runs (device needs no cloud; edge-sd has its own bench, loadgen/bench_edge_sd.py)
 BENCH_MODES = ("cloud", "token-sd", "picospec", "hat", "hat-async")
+
+
+T = TypeVar("T")
+WHOLE_PROMPTS = "+whole"  # a mode's name with this: its verifier runs every prompt whole (max_prefill_step_ms 0)
 
 
 @dataclass(frozen=True)
@@ -62,13 +66,20 @@ def table_variant(mode: str) -> BenchVariant:
 def modes_for(workload: str) -> dict[str, BenchVariant]:
     chunk = str(SERVER_CHUNK.get(workload, 128))
     plain = {"speculative": False, "prompt_chunking": False}
-    return {
+    variants = {
         "ushape": BenchVariant("ushape", plain),
         "usarathi": BenchVariant("usarathi", plain, (("TOPHAT_VERIFIER_SERVER_CHUNK_TOKENS", chunk),)),
         **{mode: table_variant(mode) for mode in BENCH_MODES},
         # hat with every round a chain (HAT as published): the draft budget's shapes against it, in one run
         "hat-chain": BenchVariant("hat-chain", {"draft_shape": "chain"}),
     }
+    # each mode on a verifier that computes prompts whole, never in g-bounded pieces: what those pieces change
+    whole = (("TOPHAT_VERIFIER_MAX_PREFILL_STEP_MS", "0"),)
+    for name, variant in list(variants.items()):
+        variants[name + WHOLE_PROMPTS] = BenchVariant(
+            name + WHOLE_PROMPTS, variant.request_options, variant.verifier_env + whole
+        )
+    return variants
 
 
 def link_with_rtt(link: str, rtt_ms: float | None) -> str:
@@ -170,17 +181,17 @@ def run_modes(
     groups: dict[tuple, list[BenchVariant]] = {}
     for mode in modes.values():
         groups.setdefault(mode.mesh_key(), []).append(mode)
-    for env, group in groups.items():
+    for group, orders in mesh_turns(list(groups.values()), repeats):
         config = MeshConfig(
             model_dir=model_dir,
             num_devices=devices,
             port_base=find_port_base(devices),
             link=link,
             dtype=dtype,
-            extra_env=dict(env),
+            extra_env=dict(group[0].mesh_key()),
         )
         with Mesh(config) as mesh:
-            for repeat, order in enumerate(counterbalanced(group, repeats)):
+            for repeat, order in orders:
                 for mode in order:
                     for rate in rates:
                         run_dir = out / workload / mode.name / f"rate-{rate:g}"
@@ -204,9 +215,24 @@ def run_modes(
     return {key: pooled(repeated) for key, repeated in runs.items()}
 
 
-def counterbalanced(group: list[BenchVariant], repeats: int) -> list[list[BenchVariant]]:
+def counterbalanced(group: list[T], repeats: int) -> list[list[T]]:
     """The order of each repeat: as given, then reversed, alternately."""
     return [list(group) if repeat % 2 == 0 else list(reversed(group)) for repeat in range(repeats)]
+
+
+def mesh_turns(
+    groups: list[list[BenchVariant]], repeats: int
+) -> list[tuple[list[BenchVariant], list[tuple[int, list[BenchVariant]]]]]:
+    """The meshes of a bench in the order they come up: (the modes that share one, its (repeat, order) runs).
+    One group keeps its mesh through every repeat. Several take turns, repeat by repeat in alternating order,
+    a fresh mesh each turn, so a drift in the machine's load falls on every group alike, not only on its modes."""
+    if len(groups) == 1 or repeats == 1:
+        return [(group, list(enumerate(counterbalanced(group, repeats)))) for group in groups]
+    return [
+        (group, [(repeat, counterbalanced(group, repeats)[repeat])])
+        for repeat in range(repeats)
+        for group in counterbalanced(groups, repeats)[repeat]
+    ]
 
 
 def pooled(repeated: list[tuple[dict, list]]) -> dict:

@@ -11,6 +11,7 @@ from loadgen.bench import (
     counterbalanced,
     format_table,
     link_with_rtt,
+    mesh_turns,
     modes_for,
     plot_modes,
     pooled,
@@ -61,6 +62,33 @@ def test_repeats_alternate_their_order():
     a, b, c = (BenchVariant(name) for name in "abc")
     orders = [[mode.name for mode in order] for order in counterbalanced([a, b, c], 3)]
     assert orders == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
+def test_meshes_take_turns_repeat_by_repeat_and_one_mesh_keeps_its_repeats():
+    a, b, c = (BenchVariant(name, verifier_env=env) for name, env in zip("abc", [(), (), (("X", "1"),)]))
+    turns = [
+        (group[0].name, [(r, [m.name for m in order]) for r, order in runs])
+        for group, runs in mesh_turns([[a, b], [c]], 3)
+    ]
+    assert turns == [
+        ("a", [(0, ["a", "b"])]),
+        ("c", [(0, ["c"])]),
+        ("c", [(1, ["c"])]),
+        ("a", [(1, ["b", "a"])]),
+        ("a", [(2, ["a", "b"])]),
+        ("c", [(2, ["c"])]),
+    ]
+    alone = [(r, [m.name for m in order]) for _, runs in mesh_turns([[a, b]], 2) for r, order in runs]
+    assert alone == [(0, ["a", "b"]), (1, ["b", "a"])]
+
+
+def test_every_mode_has_a_variant_that_computes_prompts_whole():
+    modes = modes_for("specbench")
+    whole = ("TOPHAT_VERIFIER_MAX_PREFILL_STEP_MS", "0")
+    assert modes["ushape+whole"].verifier_env == (whole,)
+    assert modes["cloud+whole"].verifier_env == (*modes["cloud"].verifier_env, whole)
+    assert modes["hat+whole"].request_options == modes["hat"].request_options
+    assert whole not in modes["ushape"].verifier_env
 
 
 def test_a_pooled_row_measures_every_repeats_requests():
