@@ -41,6 +41,7 @@ from typing import Any
 from shared.net.links import PROFILES, scaled_for_hidden
 from shared.planning.device_speed import SPEED_CLASSES, SpeedSchedule
 from shared.planning.planners import hidden_bytes_per_token
+from shared.planning.prefill_pieces import DEFAULT_MAX_PREFILL_STEP_MS
 
 
 class GTable:
@@ -178,7 +179,7 @@ class Calibration:
     session_open_rtt: bool = True  # split modes open a cloud session (one round trip) first
     nosd_step_factor: float = 1.0  # a non-speculative decode step in units of gamma
     max_batch_tokens: int = 4096  # TOPHAT_VERIFIER_MAX_BATCH_TOKENS
-    max_prefill_step_s: float = 0.1  # TOPHAT_VERIFIER_MAX_PREFILL_STEP_MS / 1000: prompts' pieces while others decode
+    max_prefill_step_s: float = DEFAULT_MAX_PREFILL_STEP_MS / 1e3  # the verifier's bound on prompts' pieces
     chunk_pipelining: bool = True  # a session's prefill chunks overlap in the stages (eq. 3; the
     # verifier's prefill_pipelining with P > 1)
     min_chunk: int = 16

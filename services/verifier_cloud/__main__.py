@@ -22,6 +22,7 @@ from services.verifier_cloud.server import VerifierServer
 from services.verifier_cloud.settings import Settings, load_settings
 from shared.model.checkpoint import ModelLoadError
 from shared.model.split import SplitError
+from shared.planning.prefill_pieces import DEFAULT_MAX_PREFILL_STEP_MS
 from shared.processes.service_main import run_service
 from shared.settings import SettingsError
 
@@ -59,7 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="MS",
         help="while another session decodes, compute prefills in pieces whose pass the measured g(mu) predicts "
-        "within MS (env TOPHAT_VERIFIER_MAX_PREFILL_STEP_MS; default 100; 0 = off)",
+        f"within MS (env TOPHAT_VERIFIER_MAX_PREFILL_STEP_MS; default {DEFAULT_MAX_PREFILL_STEP_MS:g}; 0 = off)",
     )
     parser.add_argument(
         "--kv-layout",

@@ -14,6 +14,7 @@ from services.verifier_cloud.stage_plan import (
     parse_stage_slowdowns,
 )
 from shared.model.placement import parse_device_spec, parse_dtype_spec
+from shared.planning.prefill_pieces import DEFAULT_MAX_PREFILL_STEP_MS
 from shared.service_settings import ServiceSettings, reject_first
 from shared.settings import from_env
 from shared.wire.schema import MAX_FRAME_BYTES
@@ -97,7 +98,7 @@ class Settings(ServiceSettings):
     # Without fixed pieces: while another session is decoding, a prefill is computed in pieces whose pass the
     # verifier's measured g(mu) predicts within this many ms, so decoding rounds wait for a piece, not a prompt.
     # A GPU's flat curve fits a whole prompt in one pass; a CPU's takes pieces. 0 = off (prompts run whole).
-    max_prefill_step_ms: float = 100.0
+    max_prefill_step_ms: float = DEFAULT_MAX_PREFILL_STEP_MS
     # Prefills of how many sessions one step may hold, oldest session first (0: no bound). On a verifier whose
     # pass costs grow with its rows (a CPU), two prompts sharing every pass both finish late; taking them in
     # arrival order finishes the first at its own pace and the second no later. A GPU below saturation may batch more.

@@ -11,7 +11,7 @@ from services.verifier_cloud.scheduler import Scheduler, WorkItem
 from services.verifier_cloud.session import Session
 from services.verifier_cloud.settings import Settings, load_settings
 from shared.model.checkpoint import load_checkpoint
-from shared.planning.prefill_pieces import DECODING_WINDOW_S, MIN_PIECE_TOKENS
+from shared.planning.prefill_pieces import DECODING_WINDOW_S, DEFAULT_MAX_PREFILL_STEP_MS, MIN_PIECE_TOKENS
 from shared.settings import SettingsError
 from shared.specdec.decode_loop import fixed_chunks, run_session
 from shared.specdec.device_session import DeviceModel, DeviceSession, DraftConfig
@@ -105,7 +105,7 @@ def test_fixed_server_chunks_take_precedence():
 
 
 def test_the_setting():
-    assert Settings().max_prefill_step_ms == 100.0
+    assert Settings().max_prefill_step_ms == DEFAULT_MAX_PREFILL_STEP_MS == 200.0
     assert load_settings({"TOPHAT_VERIFIER_MAX_PREFILL_STEP_MS": "0"}).max_prefill_step_ms == 0.0
     with pytest.raises(SettingsError, match="max_prefill_step_ms"):
         load_settings({"TOPHAT_VERIFIER_MAX_PREFILL_STEP_MS": "-5"})
