@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 # The verifier's bound by default (TOPHAT_VERIFIER_MAX_PREFILL_STEP_MS): about two decode rounds on this CPU. At
-# 100 ms the pieces' fixed costs showed in the prompts' TTFT; at 200 they did not, and the decoding rounds' gaps
+# 100 ms four modes' TTFT rose 9-20 % at a 100 ms round trip; at 200 it did not, and the decoding rounds' gaps
 # still fell from over a second to about half of one (docs/benchmarks/2026-11-29-prefill-pieces.md).
 DEFAULT_MAX_PREFILL_STEP_MS = 200.0
 # A piece never goes below this many tokens (unless fewer remain): every pass has a fixed cost, and a g(mu)
