@@ -7,7 +7,9 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -32,7 +34,7 @@ class Browser:
     """One headless Chromium process with one page; `with Browser() as page: ...`."""
 
     def __init__(self, binary: str, width: int = 1440, height: int = 1100, start_timeout_s: float = 30.0):
-        self.profile = tempfile.TemporaryDirectory(prefix="tophat-chromium-")
+        self.profile = tempfile.mkdtemp(prefix="tophat-chromium-")
         self.process = subprocess.Popen(
             [
                 binary,
@@ -44,14 +46,15 @@ class Browser:
                 "--no-default-browser-check",
                 "--disable-extensions",
                 "--remote-debugging-port=0",
-                f"--user-data-dir={self.profile.name}",
+                f"--user-data-dir={self.profile}",
                 f"--window-size={width},{height}",
                 "about:blank",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its renderers and helpers share its process group: close() ends them all
         )
-        port_file = Path(self.profile.name) / "DevToolsActivePort"
+        port_file = Path(self.profile) / "DevToolsActivePort"
         deadline = time.monotonic() + start_timeout_s
         while not (port_file.exists() and port_file.read_text().strip()):
             if time.monotonic() > deadline or self.process.poll() is not None:
@@ -75,13 +78,26 @@ class Browser:
     def close(self) -> None:
         if getattr(self, "stack", None) is not None:
             self.stack.close()
-        self.process.terminate()
+        self._signal_group(signal.SIGTERM)
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=10)
-        self.profile.cleanup()
+        self._signal_group(signal.SIGKILL)  # a helper that outlived the browser would keep writing its profile
+        for _ in range(50):
+            try:
+                shutil.rmtree(self.profile)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:  # a file written while the tree was removed: try again
+                time.sleep(0.1)
+        shutil.rmtree(self.profile)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
 
     def send(self, method: str, timeout_s: float = 30.0, **params: Any) -> dict[str, Any]:
         """One CDP command's result (events that arrive meanwhile are dropped)."""
