@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from loadgen.simulate.calibration import GTable
 from loadgen.simulate.events import EventLoop
-from shared.planning.prefill_pieces import DECODING_WINDOW_S, prefill_piece_tokens
+from shared.planning.prefill_pieces import is_decoding, prefill_piece_tokens
 
 
 @dataclass
@@ -130,8 +130,12 @@ class Cloud:
         return [sid for sid, q in self.queues.items() if self._schedulable(sid, q)]
 
     def _decoding(self) -> set[int]:
-        since = self.loop.now - DECODING_WINDOW_S
-        return {sid for sid, at in self.decoding_at.items() if at >= since or self.queues.get(sid) or sid in self.busy}
+        now = self.loop.now
+        return {
+            sid
+            for sid, at in self.decoding_at.items()
+            if is_decoding(at, now, bool(self.queues.get(sid)) or sid in self.busy)
+        }
 
     def _head_tokens(self, sid: int, decoding: set[int]) -> int:
         """Tokens the session's head item puts in this micro-batch: a piece of a prefill while others decode."""

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from services.verifier_cloud.session import Session
 from services.verifier_cloud.work import EngineError, ErrorKind, WorkKind
 from services.verifier_cloud.work_item import WorkItem
-from shared.planning.prefill_pieces import DECODING_WINDOW_S, prefill_piece_tokens
+from shared.planning.prefill_pieces import is_decoding, prefill_piece_tokens
 
 log = logging.getLogger("services.verifier_cloud.scheduler")
 
@@ -148,8 +148,10 @@ class Scheduler:
         if item.kind is not WorkKind.PREFILL:
             session.prefill_since = None  # its prompt is in: a later prefill is a new turn's
             session.decoding_at = session.last_active
-        elif session.prefill_since is None:
-            session.prefill_since = session.last_active
+        else:
+            session.decoding_at = None  # a (new) prompt: not decoding until its next verify
+            if session.prefill_since is None:
+                session.prefill_since = session.last_active
         self.work_ready.set()
 
     def wake(self) -> None:
@@ -176,19 +178,17 @@ class Scheduler:
             return head.num_tokens
         if self.server_chunk_tokens:
             return min(head.num_tokens, self.server_chunk_tokens)
-        if decoding and self.max_prefill_step_s > 0 and self.step_cost is not None:
+        if decoding and self.step_cost is not None:  # `decoding` only where pieces are on (_decoding)
             return prefill_piece_tokens(head.num_tokens, self.step_cost, self.max_prefill_step_s)
         return head.num_tokens
 
     def _decoding(self) -> set[int]:
         """Sessions that sent a verify (or token step) in the last DECODING_WINDOW_S: their rounds would wait
         behind a whole prompt."""
-        since = time.monotonic() - DECODING_WINDOW_S
-        return {
-            sid
-            for sid, s in self.sessions.items()
-            if s.decoding_at is not None and (s.decoding_at >= since or s.is_busy) and s.prefill_since is None
-        }
+        if not self.max_prefill_step_s > 0 or self.server_chunk_tokens or self.step_cost is None:
+            return set()  # no piece depends on it
+        now = time.monotonic()
+        return {sid for sid, s in self.sessions.items() if is_decoding(s.decoding_at, now, s.is_busy)}
 
     def _others_decode(self, session: Session, decoding: set[int]) -> bool:
         return bool(decoding) and decoding != {session.session_id}

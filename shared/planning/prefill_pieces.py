@@ -23,6 +23,12 @@ MIN_PIECE_TOKENS = 16
 DECODING_WINDOW_S = 2.0
 
 
+def is_decoding(last_step_at: float | None, now: float, busy: bool) -> bool:
+    """Whether a session whose last verify or decode step came at `last_step_at` (None: none since its prompt
+    began) is decoding: it sent one in the last DECODING_WINDOW_S, or has work queued or in flight."""
+    return last_step_at is not None and (busy or now - last_step_at <= DECODING_WINDOW_S)
+
+
 def prefill_piece_tokens(
     remaining: int,
     step_cost: Callable[[int], float | None],
